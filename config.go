@@ -1,0 +1,176 @@
+package outbox
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+)
+
+// Config configures an Outbox. Zero values take the documented defaults.
+type Config struct {
+	// DB is the database that holds the business tables and the outbox tables. Required.
+	DB *sql.DB
+	// Driver is the database dialect, for example postgres.Driver{}. Required.
+	Driver Driver
+	// Publisher sends message side effects after commit. Required.
+	Publisher message.Publisher
+	// Logger receives the framework's logs. Default: watermill.NopLogger.
+	Logger watermill.LoggerAdapter
+
+	// Schema is the database schema of the outbox tables. Default: the driver's ("public" on PostgreSQL).
+	Schema string
+	// TablePrefix is prepended to the outbox table names. Default: "outbox_".
+	// Schema and TablePrefix must match ^[a-z_][a-z0-9_]*$ (at most 40 characters).
+	TablePrefix string
+
+	// Retention is how long a processed message ID is remembered, counted from the moment its side
+	// effects were dispatched. A redelivery later than that runs the handler again. Default: 7 days.
+	Retention time.Duration
+	// EffectRetention is how long dispatched side effects are kept for inspection. Default: 1 hour.
+	EffectRetention time.Duration
+	// CleanupInterval is how often Run deletes expired rows. Default: 1 minute.
+	CleanupInterval time.Duration
+	// CleanupBatchSize is the number of rows one cleanup transaction deletes. Default: 1000.
+	CleanupBatchSize int
+
+	// MaxAttempts is how many times a failing handler runs before the message is moved to
+	// PoisonTopic. Attempts are counted durably. Default: 5.
+	MaxAttempts int
+	// PoisonTopic receives messages whose handler failed MaxAttempts times, with the reason in their
+	// metadata; the message is then acked. Empty (the default): failing messages are nacked forever
+	// and each failure is logged with its count.
+	PoisonTopic string
+
+	// HandlerTimeout bounds one unit of work (handler, commit). Zero (the default): no bound beyond
+	// the message context.
+	HandlerTimeout time.Duration
+	// PublishTimeout bounds one call of Publisher.Publish. Default: 30 seconds.
+	PublishTimeout time.Duration
+	// MaxPayloadBytes is the largest side-effect payload accepted. Default: 16 MiB.
+	MaxPayloadBytes int
+
+	// RelayInterval is how often Run looks for side effects left undispatched. Default: 1 second.
+	RelayInterval time.Duration
+	// RelayGrace is how old an undispatched side effect must be before the relay sends it, so that
+	// the relay does not race the dispatch that follows every commit. Default: 10 seconds.
+	RelayGrace time.Duration
+	// RelayBatchSize is how many side effects one relay round claims. Default: 100.
+	RelayBatchSize int
+	// RelayMaxAttempts is how many times the relay tries one side effect before parking it. Default: 10.
+	RelayMaxAttempts int
+
+	// Failpoint, when set, is called at each named step of a unit of work (see the Failpoint*
+	// constants); a non-nil error aborts the unit of work there as a crash would. For tests.
+	Failpoint func(ctx context.Context, point string) error
+}
+
+// Names of the failpoints passed to Config.Failpoint, in the order they are reached.
+const (
+	FailpointAfterClaim   = "after-claim"
+	FailpointAfterHandler = "after-handler"
+	FailpointAfterCommit  = "after-commit"
+	FailpointAfterPublish = "after-publish" // after each publish call or applier call
+	FailpointAfterMark    = "after-mark"
+)
+
+const (
+	defaultTablePrefix      = "outbox_"
+	defaultRetention        = 7 * 24 * time.Hour
+	defaultEffectRetention  = time.Hour
+	defaultCleanupInterval  = time.Minute
+	defaultCleanupBatchSize = 1000
+	defaultMaxAttempts      = 5
+	defaultPublishTimeout   = 30 * time.Second
+	defaultMaxPayloadBytes  = 16 << 20
+	defaultRelayInterval    = time.Second
+	defaultRelayGrace       = 10 * time.Second
+	defaultRelayBatchSize   = 100
+	defaultRelayMaxAttempts = 10
+
+	// maxIDLength bounds message IDs and topics so that they index well.
+	maxIDLength = 255
+)
+
+func (c *Config) setDefaults() {
+	if c.Logger == nil {
+		c.Logger = watermill.NopLogger{}
+	}
+	if c.TablePrefix == "" {
+		c.TablePrefix = defaultTablePrefix
+	}
+	if c.Retention == 0 {
+		c.Retention = defaultRetention
+	}
+	if c.EffectRetention == 0 {
+		c.EffectRetention = defaultEffectRetention
+	}
+	if c.CleanupInterval == 0 {
+		c.CleanupInterval = defaultCleanupInterval
+	}
+	if c.CleanupBatchSize == 0 {
+		c.CleanupBatchSize = defaultCleanupBatchSize
+	}
+	if c.MaxAttempts == 0 {
+		c.MaxAttempts = defaultMaxAttempts
+	}
+	if c.PublishTimeout == 0 {
+		c.PublishTimeout = defaultPublishTimeout
+	}
+	if c.MaxPayloadBytes == 0 {
+		c.MaxPayloadBytes = defaultMaxPayloadBytes
+	}
+	if c.RelayInterval == 0 {
+		c.RelayInterval = defaultRelayInterval
+	}
+	if c.RelayGrace == 0 {
+		c.RelayGrace = defaultRelayGrace
+	}
+	if c.RelayBatchSize == 0 {
+		c.RelayBatchSize = defaultRelayBatchSize
+	}
+	if c.RelayMaxAttempts == 0 {
+		c.RelayMaxAttempts = defaultRelayMaxAttempts
+	}
+}
+
+// Validate reports the first invalid setting.
+func (c Config) Validate() error {
+	var errs []error
+	if c.DB == nil {
+		errs = append(errs, errors.New("DB is required"))
+	}
+	if c.Driver == nil {
+		errs = append(errs, errors.New("Driver is required (for example postgres.Driver{})"))
+	}
+	if c.Publisher == nil {
+		errs = append(errs, errors.New("Publisher is required"))
+	}
+	for name, d := range map[string]time.Duration{
+		"Retention": c.Retention, "EffectRetention": c.EffectRetention, "CleanupInterval": c.CleanupInterval,
+		"HandlerTimeout": c.HandlerTimeout, "PublishTimeout": c.PublishTimeout,
+		"RelayInterval": c.RelayInterval, "RelayGrace": c.RelayGrace,
+	} {
+		if d < 0 {
+			errs = append(errs, fmt.Errorf("%s must not be negative", name))
+		}
+	}
+	for name, n := range map[string]int{
+		"CleanupBatchSize": c.CleanupBatchSize, "MaxAttempts": c.MaxAttempts, "MaxPayloadBytes": c.MaxPayloadBytes,
+		"RelayBatchSize": c.RelayBatchSize, "RelayMaxAttempts": c.RelayMaxAttempts,
+	} {
+		if n < 0 {
+			errs = append(errs, fmt.Errorf("%s must not be negative", name))
+		}
+	}
+	if c.PoisonTopic != "" {
+		if err := validateName(c.PoisonTopic); err != nil {
+			errs = append(errs, fmt.Errorf("PoisonTopic: %w", err))
+		}
+	}
+	return errors.Join(errs...)
+}

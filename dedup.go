@@ -1,0 +1,120 @@
+package outbox
+
+import (
+	"context"
+	"fmt"
+	"maps"
+	"strconv"
+	"strings"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+)
+
+// Metadata keys of a message moved to the poison topic.
+const (
+	MetadataPoisonReason   = "outbox_poison_reason"
+	MetadataPoisonConsumer = "outbox_poison_consumer"
+	MetadataPoisonAttempts = "outbox_poison_attempts"
+)
+
+// maxReasonBytes bounds the failure reason stored and sent to the poison topic.
+const maxReasonBytes = 4096
+
+// handlerFailed counts a failed attempt durably (outside the rolled-back transaction) and, after
+// MaxAttempts, moves the message to the poison topic when one is configured.
+func (o *Outbox) handlerFailed(ctx context.Context, msg *message.Message, src Source, herr error, fields watermill.LogFields) error {
+	reason := sanitizeReason(herr.Error())
+	attempts, err := o.store.AttemptRecord(ctx, src, reason)
+	if err != nil {
+		o.logger.Error("Counting a failed attempt failed", err, fields)
+		return fmt.Errorf("%w (and counting the attempt failed: %w)", herr, err)
+	}
+	fields = fields.Add(watermill.LogFields{"attempts": attempts, "max_attempts": o.cfg.MaxAttempts})
+	if attempts < o.cfg.MaxAttempts {
+		return fmt.Errorf("attempt %d of %d: %w", attempts, o.cfg.MaxAttempts, herr)
+	}
+	if o.cfg.PoisonTopic == "" {
+		o.logger.Error("Message keeps failing; no PoisonTopic is set, so it is nacked again", herr, fields)
+		return fmt.Errorf("attempt %d (max %d, no poison topic): %w", attempts, o.cfg.MaxAttempts, herr)
+	}
+	if err := o.poison(ctx, msg, src, reason, attempts); err != nil {
+		return fmt.Errorf("%w (and moving it to the poison topic failed: %w)", herr, err)
+	}
+	o.logger.Error("Message moved to the poison topic after repeated failures", herr,
+		fields.Add(watermill.LogFields{"poison_topic": o.cfg.PoisonTopic}))
+	return nil
+}
+
+// reject handles a message that cannot be processed at all (for example one without a usable ID):
+// it goes to the poison topic at once, or is nacked with a clear error when none is set.
+func (o *Outbox) reject(ctx context.Context, msg *message.Message, src Source, cause error, fields watermill.LogFields) error {
+	if o.cfg.PoisonTopic == "" {
+		o.logger.Error("Message cannot be processed and no PoisonTopic is set; it is nacked", cause, fields)
+		return cause
+	}
+	m := poisonMessage(msg, src.Consumer, sanitizeReason(cause.Error()), 0)
+	if m.UUID == "" || validateName(m.UUID) != nil {
+		m.UUID = watermill.NewUUID()
+	}
+	if err := o.publish(context.WithoutCancel(ctx), o.cfg.PoisonTopic, []Effect{messageEffect(m)}); err != nil {
+		return fmt.Errorf("%w (and moving it to the poison topic failed: %w)", cause, err)
+	}
+	o.logger.Error("Message moved to the poison topic", cause, fields)
+	return nil
+}
+
+func (o *Outbox) poison(ctx context.Context, msg *message.Message, src Source, reason string, attempts int) error {
+	m := poisonMessage(msg, src.Consumer, reason, attempts)
+	if err := o.publish(ctx, o.cfg.PoisonTopic, []Effect{messageEffect(m)}); err != nil {
+		return err
+	}
+	// Remember it as processed so that copies still in the broker do not run the handler again.
+	if err := o.store.MessagePoison(ctx, src); err != nil {
+		o.logger.Error("Recording a poisoned message failed; a redelivered copy may be poisoned again", err, nil)
+	}
+	return nil
+}
+
+func poisonMessage(msg *message.Message, consumer, reason string, attempts int) *message.Message {
+	m := message.NewMessage(msg.UUID, msg.Payload)
+	m.Metadata = maps.Clone(msg.Metadata)
+	if m.Metadata == nil {
+		m.Metadata = message.Metadata{}
+	}
+	m.Metadata.Set(MetadataPoisonReason, reason)
+	m.Metadata.Set(MetadataPoisonConsumer, consumer)
+	m.Metadata.Set(MetadataPoisonAttempts, strconv.Itoa(attempts))
+	return m
+}
+
+func messageEffect(m *message.Message) Effect {
+	return Effect{Kind: KindPublish, UUID: m.UUID, Payload: m.Payload, Metadata: m.Metadata}
+}
+
+// sanitizeReason makes an error text storable as text: valid UTF-8, no NUL, bounded.
+func sanitizeReason(s string) string {
+	s = strings.ToValidUTF8(s, "\uFFFD")
+	s = strings.ReplaceAll(s, "\x00", `\x00`)
+	if len(s) > maxReasonBytes {
+		s = strings.ToValidUTF8(s[:maxReasonBytes], "") + "..."
+	}
+	return s
+}
+
+func (o *Outbox) cleanupOnce(ctx context.Context) error {
+	res, err := o.store.Cleanup(ctx, CleanupParams{
+		Retention:       o.cfg.Retention,
+		EffectRetention: o.cfg.EffectRetention,
+		BatchSize:       o.cfg.CleanupBatchSize,
+	})
+	if err != nil {
+		return fmt.Errorf("outbox: cleanup: %w", err)
+	}
+	if res.Claims+res.Effects+res.Attempts > 0 {
+		o.logger.Info("Cleanup deleted expired rows", watermill.LogFields{
+			"claims": res.Claims, "effects": res.Effects, "attempts": res.Attempts,
+		})
+	}
+	return nil
+}

@@ -1,0 +1,159 @@
+package postgres
+
+import (
+	"database/sql"
+	"embed"
+	"errors"
+	"fmt"
+	"io/fs"
+	"strings"
+
+	"github.com/watermill-outbox/outbox"
+	"github.com/watermill-outbox/outbox/store"
+)
+
+//go:embed migrations/*.sql
+var migrationFiles embed.FS
+
+// DefaultSchema is the schema used when Config.Schema is empty.
+const DefaultSchema = "public"
+
+// lockClass is the first key of every advisory lock the framework takes ("outb").
+const lockClass = 0x6f757462
+
+// Driver is the PostgreSQL dialect. The zero value is ready to use.
+type Driver struct {
+	// DisablePreparedStatements stops reusing prepared statements per connection. Set it behind a
+	// pooler in transaction mode that cannot keep them, or with a DB limited to one connection.
+	// Default: false (prepared statements save lib/pq a round trip per statement).
+	DisablePreparedStatements bool
+}
+
+var _ outbox.Driver = Driver{}
+
+// Open implements outbox.Driver.
+func (d Driver) Open(db *sql.DB, opts outbox.StoreOptions) (outbox.Store, error) {
+	schema := opts.Schema
+	if schema == "" {
+		schema = DefaultSchema
+	}
+	names, err := store.NewNames(schema, opts.TablePrefix)
+	if err != nil {
+		return nil, err
+	}
+	migrations, err := fs.Sub(migrationFiles, "migrations")
+	if err != nil {
+		return nil, fmt.Errorf("postgres migrations: %w", err)
+	}
+	return store.New(db, names, store.Dialect{
+		Queries:          queries(names),
+		Migrate:          migrateQueries(names),
+		Migrations:       migrations,
+		IsUndefinedTable: IsUndefinedTable,
+		Prepare:          !d.DisablePreparedStatements,
+	})
+}
+
+// IsUndefinedTable tells whether err is PostgreSQL's undefined_table or invalid_schema_name, from
+// lib/pq or pgx.
+func IsUndefinedTable(err error) bool {
+	var s interface{ SQLState() string }
+	if errors.As(err, &s) {
+		return s.SQLState() == "42P01" || s.SQLState() == "3F000"
+	}
+	return false
+}
+
+// lockKey returns the SQL of the second key of a named advisory lock of these tables. The names
+// are validated identifiers, so the literal is safe.
+func lockKey(n store.Names, name string) string {
+	return fmt.Sprintf("hashtext('%s.%s%s')", n.Schema, n.Prefix, name)
+}
+
+func migrateQueries(n store.Names) store.MigrateQueries {
+	return store.MigrateQueries{
+		Lock: fmt.Sprintf("SELECT pg_advisory_xact_lock(%d, %s)", lockClass, lockKey(n, "migrate")),
+		Bootstrap: []string{
+			"CREATE SCHEMA IF NOT EXISTS " + n.QuotedSchema,
+			"CREATE TABLE IF NOT EXISTS " + n.Migrations + ` (
+				version    integer     PRIMARY KEY,
+				applied_at timestamptz NOT NULL DEFAULT now()
+			)`,
+		},
+		Applied: "SELECT version FROM " + n.Migrations,
+		Insert:  "INSERT INTO " + n.Migrations + " (version) VALUES ($1)",
+	}
+}
+
+const effectColumns = `id, source_consumer, source_id, seq, kind, topic, uuid, payload, metadata, ordering_key, attempts`
+
+// asyncCommit makes the implicit transaction of a single statement commit without waiting for
+// the WAL flush: the marks it guards are safe to lose (a lost mark only causes a re-send).
+const asyncCommit = `set_config('synchronous_commit', 'off', true) IS NOT NULL`
+
+func queries(n store.Names) store.Queries {
+	ms := func(arg string) string { return "(" + arg + " * interval '1 millisecond')" }
+	return store.Queries{
+		MessageClaim: `INSERT INTO ` + n.Processed + ` (consumer, message_id, dispatched_at) VALUES ($1, $2, now())
+			ON CONFLICT (consumer, message_id) DO NOTHING RETURNING 1`,
+		MessageIsProcessed: `SELECT 1 FROM ` + n.Processed + ` WHERE consumer = $1 AND message_id = $2`,
+		MessagePoison: `INSERT INTO ` + n.Processed + ` (consumer, message_id, dispatched_at, poisoned) VALUES ($1, $2, now(), true)
+			ON CONFLICT (consumer, message_id) DO NOTHING`,
+		AttemptRecord: `INSERT INTO ` + n.Attempts + ` AS a (consumer, message_id, attempts, last_error) VALUES ($1, $2, 1, $3)
+			ON CONFLICT (consumer, message_id) DO UPDATE
+			SET attempts = a.attempts + 1, last_error = EXCLUDED.last_error, last_failed_at = now()
+			RETURNING attempts`,
+		EffectInsert: func(count int) string {
+			var b strings.Builder
+			b.WriteString(`WITH p AS (UPDATE ` + n.Processed + ` SET dispatched_at = NULL
+				WHERE consumer = $1 AND message_id = $2 AND dispatched_at IS NOT NULL)
+				INSERT INTO ` + n.Effects + ` (source_consumer, source_id, seq, kind, topic, uuid, payload, metadata, ordering_key) VALUES `)
+			for i := 0; i < count; i++ {
+				if i > 0 {
+					b.WriteString(", ")
+				}
+				a := 3 + 7*i
+				fmt.Fprintf(&b, "($1, $2, $%d, $%d, $%d, $%d, $%d, $%d, $%d)", a, a+1, a+2, a+3, a+4, a+5, a+6)
+			}
+			return b.String()
+		},
+		EffectListPending: `SELECT ` + effectColumns + ` FROM ` + n.Effects + `
+			WHERE source_consumer = $1 AND source_id = $2 AND dispatched_at IS NULL ORDER BY seq`,
+		EffectMarkDispatched: `WITH e AS (UPDATE ` + n.Effects + ` SET dispatched_at = now()
+				WHERE source_consumer = $1 AND source_id = $2 AND dispatched_at IS NULL AND ` + asyncCommit + `)
+			UPDATE ` + n.Processed + ` SET dispatched_at = now()
+			WHERE consumer = $1 AND message_id = $2 AND dispatched_at IS NULL AND ` + asyncCommit,
+
+		RelayLock: fmt.Sprintf("SELECT pg_try_advisory_xact_lock(%d, %s)", lockClass, lockKey(n, "relay")),
+		// An effect is due when nothing earlier with its ordering key is parked or waiting to be
+		// retried, so that later effects never overtake a failed one.
+		RelaySelect: `SELECT ` + effectColumns + ` FROM ` + n.Effects + ` e
+			WHERE e.dispatched_at IS NULL AND e.parked_at IS NULL
+			  AND e.created_at < now() - ` + ms("$1") + `
+			  AND (e.next_attempt_at IS NULL OR e.next_attempt_at <= now())
+			  AND NOT EXISTS (SELECT 1 FROM ` + n.Effects + ` b
+				WHERE b.ordering_key = e.ordering_key AND b.id < e.id AND b.dispatched_at IS NULL
+				  AND (b.parked_at IS NOT NULL OR b.next_attempt_at > now()))
+			ORDER BY e.id LIMIT $2
+			FOR UPDATE OF e SKIP LOCKED`,
+		RelayMarkDispatched: `UPDATE ` + n.Effects + ` SET dispatched_at = now() WHERE id = $1`,
+		RelayMarkFailed: `UPDATE ` + n.Effects + ` SET attempts = attempts + 1, last_error = $2,
+			next_attempt_at = now() + ` + ms("$3") + `, parked_at = CASE WHEN $4::boolean THEN now() END WHERE id = $1`,
+		RelayFinishSource: `UPDATE ` + n.Processed + ` SET dispatched_at = now()
+			WHERE consumer = $1 AND message_id = $2 AND dispatched_at IS NULL
+			  AND NOT EXISTS (SELECT 1 FROM ` + n.Effects + `
+				WHERE source_consumer = $1 AND source_id = $2 AND dispatched_at IS NULL)`,
+
+		CleanupLock: fmt.Sprintf("SELECT pg_try_advisory_xact_lock(%d, %s)", lockClass, lockKey(n, "cleanup")),
+		CleanupClaims: `DELETE FROM ` + n.Processed + ` WHERE (consumer, message_id) IN (
+			SELECT consumer, message_id FROM ` + n.Processed + `
+			WHERE processed_at < now() - ` + ms("$1") + ` AND dispatched_at < now() - ` + ms("$1") + `
+			LIMIT $2)`,
+		CleanupEffects: `DELETE FROM ` + n.Effects + ` WHERE id IN (
+			SELECT id FROM ` + n.Effects + ` WHERE dispatched_at < now() - ` + ms("$1") + ` ORDER BY id LIMIT $2)`,
+		CleanupAttempts: `DELETE FROM ` + n.Attempts + ` WHERE (consumer, message_id) IN (
+			SELECT consumer, message_id FROM ` + n.Attempts + ` WHERE last_failed_at < now() - ` + ms("$1") + ` LIMIT $2)`,
+
+		SchemaLatest: `SELECT max(version) FROM ` + n.Migrations,
+	}
+}

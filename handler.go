@@ -1,0 +1,161 @@
+package outbox
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"runtime/debug"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+)
+
+// HandleParams describe one incoming message for Outbox.Handle.
+type HandleParams struct {
+	// Consumer is the consumer identity under which the message is deduplicated.
+	Consumer string
+	// MessageID is the deduplication ID of the message.
+	MessageID string
+	// ReplyTopic receives the messages the handler returns; empty if it returns none.
+	ReplyTopic string
+}
+
+// Handle runs next for msg as one unit of work: it claims (Consumer, MessageID), runs next with the
+// transaction in msg.Context() (see Tx), stores the side effects it records and the messages it
+// returns, commits, dispatches the side effects and marks them dispatched. A message that was
+// already processed skips next and only dispatches what is still pending. Handle returns nil when
+// msg may be acked, and an error when it must be nacked. The middleware package calls it.
+func (o *Outbox) Handle(msg *message.Message, p HandleParams, next message.HandlerFunc) error {
+	parent := msg.Context()
+	fields := watermill.LogFields{"consumer": p.Consumer, "message_uuid": msg.UUID}
+	if err := validateName(p.Consumer); err != nil {
+		return fmt.Errorf("%w: %w", ErrNoConsumerName, err)
+	}
+	src := Source{Consumer: p.Consumer, ID: p.MessageID}
+	if err := validateName(p.MessageID); err != nil {
+		return o.reject(parent, msg, src, fmt.Errorf("%w: %w", ErrInvalidMessageID, err), fields)
+	}
+
+	// The transaction lives in a context that neither the ack nor the subscriber's ack deadline can
+	// cancel, so that they cannot roll back a commit half way.
+	txCtx, cancel := context.WithCancel(context.WithoutCancel(parent))
+	if o.cfg.HandlerTimeout > 0 {
+		txCtx, cancel = context.WithTimeout(context.WithoutCancel(parent), o.cfg.HandlerTimeout)
+	}
+	defer cancel()
+
+	tx, err := o.db.BeginTx(txCtx, nil)
+	if err != nil {
+		return fmt.Errorf("outbox: begin transaction: %w", err)
+	}
+	claimed, err := o.store.MessageClaim(parent, tx, src)
+	if err != nil {
+		_ = tx.Rollback()
+		return fmt.Errorf("outbox: claim message %q for %q: %w", src.ID, src.Consumer, err)
+	}
+	if err := o.failpoint(txCtx, FailpointAfterClaim); err != nil {
+		_ = tx.Rollback()
+		return err
+	}
+	if !claimed {
+		_ = tx.Rollback()
+		return o.redeliver(txCtx, src, fields)
+	}
+
+	u := &unit{o: o, tx: tx, src: src, incoming: msg}
+	msg.SetContext(withUnit(parent, u))
+	produced, err := callHandler(next, msg)
+	if err == nil && len(produced) > 0 {
+		err = o.storeProduced(msg.Context(), p.ReplyTopic, produced)
+	}
+	msg.SetContext(parent)
+	if err == nil {
+		err = o.failpoint(txCtx, FailpointAfterHandler)
+	}
+	if err != nil {
+		rbErr := tx.Rollback()
+		if errors.Is(rbErr, sql.ErrTxDone) {
+			return o.finishedByHandler(txCtx, msg, src, err, fields)
+		}
+		return o.handlerFailed(txCtx, msg, src, err, fields)
+	}
+
+	if err := tx.Commit(); err != nil {
+		if errors.Is(err, sql.ErrTxDone) {
+			return o.finishedByHandler(txCtx, msg, src, nil, fields)
+		}
+		// The outcome of a commit that failed in flight is unknown; redelivery finds out.
+		return fmt.Errorf("outbox: commit message %q for %q: %w", src.ID, src.Consumer, err)
+	}
+	if err := o.failpoint(txCtx, FailpointAfterCommit); err != nil {
+		return err
+	}
+	return o.dispatchAndMark(txCtx, src, u.effects, fields)
+}
+
+func callHandler(next message.HandlerFunc, msg *message.Message) (produced []*message.Message, err error) {
+	defer func() {
+		if r := recover(); r != nil {
+			err = fmt.Errorf("%w: %v\n%s", ErrHandlerPanicked, r, debug.Stack())
+		}
+	}()
+	return next(msg)
+}
+
+// storeProduced turns the messages an AddHandler handler returns into side effects, so that the
+// Router does not publish them a second time outside the transaction.
+func (o *Outbox) storeProduced(ctx context.Context, topic string, produced []*message.Message) error {
+	if topic == "" {
+		return fmt.Errorf("outbox: the handler returned %d message(s) but has no publish topic (use AddConsumerHandler with outbox.Publish, or AddHandler with a topic)", len(produced))
+	}
+	return Publish(ctx, topic, produced...)
+}
+
+// redeliver is the duplicate path: the message was processed before, so only side effects still
+// pending are dispatched, with their original UUIDs and order.
+func (o *Outbox) redeliver(ctx context.Context, src Source, fields watermill.LogFields) error {
+	pending, err := o.store.EffectListPending(ctx, src)
+	if err != nil {
+		return fmt.Errorf("outbox: list pending side effects of %q for %q: %w", src.ID, src.Consumer, err)
+	}
+	o.logger.Debug("Duplicate message skipped", fields.Add(watermill.LogFields{"pending_effects": len(pending)}))
+	if len(pending) == 0 {
+		return nil
+	}
+	return o.dispatchAndMark(ctx, src, pending, fields)
+}
+
+func (o *Outbox) dispatchAndMark(ctx context.Context, src Source, effects []Effect, fields watermill.LogFields) error {
+	if len(effects) == 0 {
+		return nil
+	}
+	if err := o.dispatch(ctx, effects); err != nil {
+		// Committed effects stay pending: redelivery or the relay sends them with the same UUIDs.
+		return fmt.Errorf("outbox: dispatch side effects of %q for %q (kept, will be retried): %w", src.ID, src.Consumer, err)
+	}
+	if err := o.store.EffectMarkDispatched(ctx, src); err != nil {
+		// A lost mark only causes a re-send with the same UUIDs, which consumers deduplicate.
+		o.logger.Error("Marking side effects dispatched failed; they may be sent again", err, fields)
+	}
+	return o.failpoint(ctx, FailpointAfterMark)
+}
+
+// finishedByHandler handles a transaction the handler committed or rolled back itself. If the claim
+// committed, whatever the handler stored is kept and dispatched on redelivery; otherwise nothing
+// happened and the message is retried like a failure.
+func (o *Outbox) finishedByHandler(ctx context.Context, msg *message.Message, src Source, herr error, fields watermill.LogFields) error {
+	committed, err := o.store.MessageIsProcessed(ctx, src)
+	if err != nil {
+		return fmt.Errorf("%w (and checking its outcome failed: %w)", ErrTxFinishedByHandler, err)
+	}
+	err = ErrTxFinishedByHandler
+	if herr != nil {
+		err = fmt.Errorf("%w; the handler also failed: %w", ErrTxFinishedByHandler, herr)
+	}
+	if committed {
+		o.logger.Error("Handler committed the transaction itself; its effects are dispatched on redelivery", err, fields)
+		return err
+	}
+	return o.handlerFailed(ctx, msg, src, err, fields)
+}

@@ -1,0 +1,65 @@
+package middleware
+
+import (
+	"fmt"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/watermill-outbox/outbox"
+)
+
+// Option changes how New identifies consumers and messages.
+type Option func(*options)
+
+type options struct {
+	consumer  string
+	messageID func(*message.Message) (string, error)
+}
+
+// WithConsumer sets the consumer identity under which messages are deduplicated. Default: the
+// Router handler name. Two handlers with the same consumer identity share their processed IDs.
+func WithConsumer(name string) Option {
+	return func(o *options) { o.consumer = name }
+}
+
+// WithMessageID sets how the deduplication ID is read from a message. Default: msg.UUID, which
+// every Watermill pub/sub keeps across redeliveries. Use it when producers put a business key in
+// the metadata.
+func WithMessageID(fn func(*message.Message) (string, error)) Option {
+	return func(o *options) { o.messageID = fn }
+}
+
+// New returns the middleware that runs each message of the wrapped handler as one outbox unit of
+// work (see outbox.Outbox.Handle). The handler writes through outbox.Tx(msg.Context()) and records
+// side effects with outbox.Publish; the messages it returns are stored and dispatched by the
+// middleware, which returns none to the Router.
+func New(ob *outbox.Outbox, opts ...Option) message.HandlerMiddleware {
+	var cfg options
+	for _, opt := range opts {
+		opt(&cfg)
+	}
+	return func(next message.HandlerFunc) message.HandlerFunc {
+		return func(msg *message.Message) ([]*message.Message, error) {
+			ctx := msg.Context()
+			p := outbox.HandleParams{
+				Consumer:   cfg.consumer,
+				MessageID:  msg.UUID,
+				ReplyTopic: message.PublishTopicFromCtx(ctx),
+			}
+			if p.Consumer == "" {
+				p.Consumer = message.HandlerNameFromCtx(ctx)
+			}
+			if p.Consumer == "" {
+				return nil, fmt.Errorf("%w: the message context has no Router handler name; use middleware.WithConsumer", outbox.ErrNoConsumerName)
+			}
+			if cfg.messageID != nil {
+				id, err := cfg.messageID(msg)
+				if err != nil {
+					return nil, fmt.Errorf("%w: reading the message ID: %w", outbox.ErrInvalidMessageID, err)
+				}
+				p.MessageID = id
+			}
+			return nil, ob.Handle(msg, p, next)
+		}
+	}
+}

@@ -1,0 +1,149 @@
+package outbox
+
+import (
+	"context"
+	"database/sql"
+	"fmt"
+	"sync"
+	"time"
+	"unicode/utf8"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+)
+
+// Applier applies one custom side effect after commit. It may be called more than once for the same
+// effect (at-least-once): use e.UUID as an idempotency key where the target supports one.
+type Applier func(ctx context.Context, e Effect) error
+
+// Outbox is the framework's entry point: it owns the configuration, the store and the appliers.
+// It is safe for concurrent use.
+type Outbox struct {
+	cfg    Config
+	db     *sql.DB
+	store  Store
+	pub    message.Publisher
+	logger watermill.LoggerAdapter
+
+	mu       sync.RWMutex
+	appliers map[string]Applier
+}
+
+// New returns an Outbox. It does no I/O: call Migrate (or check the schema) and Run yourself.
+func New(cfg Config) (*Outbox, error) {
+	cfg.setDefaults()
+	if err := cfg.Validate(); err != nil {
+		return nil, fmt.Errorf("outbox: invalid config: %w", err)
+	}
+	st, err := cfg.Driver.Open(cfg.DB, StoreOptions{Schema: cfg.Schema, TablePrefix: cfg.TablePrefix})
+	if err != nil {
+		return nil, fmt.Errorf("outbox: open store: %w", err)
+	}
+	return &Outbox{
+		cfg:      cfg,
+		db:       cfg.DB,
+		store:    st,
+		pub:      cfg.Publisher,
+		logger:   cfg.Logger,
+		appliers: map[string]Applier{},
+	}, nil
+}
+
+// Migrate creates or upgrades the outbox tables. It is idempotent and safe to call from several
+// instances at once.
+func (o *Outbox) Migrate(ctx context.Context) error {
+	if err := o.store.Migrate(ctx); err != nil {
+		return fmt.Errorf("outbox: migrate: %w", err)
+	}
+	return nil
+}
+
+// CheckSchema returns an error wrapping ErrSchemaMissing or ErrSchemaOutdated when Migrate is needed.
+func (o *Outbox) CheckSchema(ctx context.Context) error {
+	return o.store.SchemaCheck(ctx)
+}
+
+// Store returns the store, for operations tooling and tests.
+func (o *Outbox) Store() Store { return o.store }
+
+// RegisterApplier registers fn under name for side effects recorded with Record. Register every
+// applier before messages that record it can be dispatched, in every process: an effect whose
+// applier is unknown is retried and eventually parked, never dropped.
+func (o *Outbox) RegisterApplier(name string, fn Applier) error {
+	if err := validateName(name); err != nil {
+		return fmt.Errorf("outbox: applier name: %w", err)
+	}
+	if fn == nil {
+		return fmt.Errorf("outbox: applier %q is nil", name)
+	}
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if _, ok := o.appliers[name]; ok {
+		return fmt.Errorf("outbox: applier %q registered twice", name)
+	}
+	o.appliers[name] = fn
+	return nil
+}
+
+func (o *Outbox) applier(name string) (Applier, bool) {
+	o.mu.RLock()
+	defer o.mu.RUnlock()
+	fn, ok := o.appliers[name]
+	return fn, ok
+}
+
+// Run runs the background work until ctx is cancelled: the relay that dispatches side effects left
+// undispatched (after a crash, a broker outage, or a message that was never redelivered), and the
+// retention cleanup. Run it in every instance; cleanup runs on one instance at a time. It returns
+// nil when ctx is cancelled.
+func (o *Outbox) Run(ctx context.Context) error {
+	var wg sync.WaitGroup
+	wg.Add(2)
+	go func() { defer wg.Done(); o.runEvery(ctx, o.cfg.RelayInterval, "relay", o.relayOnce) }()
+	go func() { defer wg.Done(); o.runEvery(ctx, o.cfg.CleanupInterval, "cleanup", o.cleanupOnce) }()
+	wg.Wait()
+	return nil
+}
+
+func (o *Outbox) runEvery(ctx context.Context, every time.Duration, name string, fn func(context.Context) error) {
+	t := time.NewTicker(every)
+	defer t.Stop()
+	for {
+		if err := fn(ctx); err != nil && ctx.Err() == nil {
+			o.logger.Error("outbox "+name+" failed", err, nil)
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+	}
+}
+
+func (o *Outbox) failpoint(ctx context.Context, point string) error {
+	if o.cfg.Failpoint == nil {
+		return nil
+	}
+	if err := o.cfg.Failpoint(ctx, point); err != nil {
+		return fmt.Errorf("%w %s: %w", ErrFailpoint, point, err)
+	}
+	return nil
+}
+
+// validateName checks a message ID, topic or name that is stored as text.
+func validateName(s string) error {
+	switch {
+	case s == "":
+		return fmt.Errorf("empty")
+	case len(s) > maxIDLength:
+		return fmt.Errorf("%d bytes, more than %d", len(s), maxIDLength)
+	case !utf8.ValidString(s):
+		return fmt.Errorf("%q is not valid UTF-8", s)
+	}
+	for i := 0; i < len(s); i++ {
+		if s[i] == 0 {
+			return fmt.Errorf("%q contains a NUL byte", s)
+		}
+	}
+	return nil
+}

@@ -1,0 +1,59 @@
+package outbox
+
+import (
+	"context"
+	"math/rand/v2"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+)
+
+// relayOnce dispatches committed side effects that the path that wrote them left undispatched,
+// until none are due.
+func (o *Outbox) relayOnce(ctx context.Context) error {
+	for ctx.Err() == nil {
+		n, err := o.store.EffectRelay(ctx, EffectRelayParams{
+			Grace:       o.cfg.RelayGrace,
+			Limit:       o.cfg.RelayBatchSize,
+			MaxAttempts: o.cfg.RelayMaxAttempts,
+			Backoff:     relayBackoff,
+		}, func(effects []Effect) []error { return o.relayDispatch(ctx, effects) })
+		if err != nil {
+			return err
+		}
+		if n < o.cfg.RelayBatchSize {
+			return nil
+		}
+	}
+	return nil
+}
+
+// relayDispatch sends effects (in store order) one at a time; once an effect fails, the later
+// effects with its ordering key are not tried, so that they never overtake it.
+func (o *Outbox) relayDispatch(ctx context.Context, effects []Effect) []error {
+	errs := make([]error, len(effects))
+	failed := map[string]bool{}
+	for i, e := range effects {
+		if failed[e.OrderingKey] {
+			errs[i] = ErrEffectBlocked
+			continue
+		}
+		if err := o.dispatch(ctx, effects[i:i+1]); err != nil {
+			errs[i] = err
+			failed[e.OrderingKey] = true
+			o.logger.Error("Relay could not dispatch a side effect; it will be retried", err, watermill.LogFields{
+				"effect_uuid": e.UUID, "topic": e.Topic, "kind": e.Kind, "attempts": e.Attempts + 1,
+			})
+		}
+	}
+	return errs
+}
+
+// relayBackoff is exponential from one second, capped at five minutes, with +-20% jitter so that
+// instances do not retry in lockstep.
+func relayBackoff(attempts int) time.Duration {
+	d := time.Second << min(attempts-1, 9)
+	d = min(d, 5*time.Minute)
+	jitter := time.Duration(rand.Int64N(int64(d)/5*2+1)) - d/5
+	return d + jitter
+}

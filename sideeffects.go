@@ -1,0 +1,221 @@
+package outbox
+
+import (
+	"context"
+	"database/sql"
+	"fmt"
+	"maps"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
+)
+
+// Metadata keys the framework sets on the messages it publishes, unless they are already set.
+const (
+	// MetadataCausationID holds the ID of the incoming message (or boundary transaction) that caused the message.
+	MetadataCausationID = "causation_id"
+	// MetadataCorrelationID is copied from the incoming message; it is Watermill's correlation ID key.
+	MetadataCorrelationID = "correlation_id"
+)
+
+// unit is one unit of work: the transaction of one incoming message or one boundary call, and the
+// side effects recorded in it.
+type unit struct {
+	o        *Outbox
+	tx       *sql.Tx
+	src      Source
+	incoming *message.Message // nil at the boundary
+	effects  []Effect
+}
+
+type unitKey struct{}
+type orderingKeyKey struct{}
+
+func withUnit(ctx context.Context, u *unit) context.Context {
+	return context.WithValue(ctx, unitKey{}, u)
+}
+
+func unitFrom(ctx context.Context) *unit {
+	u, _ := ctx.Value(unitKey{}).(*unit)
+	return u
+}
+
+// Tx returns the transaction of the unit of work in ctx: the handler's business writes go through
+// it so that they commit together with the processed-message claim and the side effects. It returns
+// nil outside a unit of work. Do not commit or roll it back: the framework does.
+func Tx(ctx context.Context) *sql.Tx {
+	if u := unitFrom(ctx); u != nil {
+		return u.tx
+	}
+	return nil
+}
+
+// WithOrderingKey returns a context whose side effects recorded with Publish and Record share the
+// ordering key key: the relay dispatches effects with the same key in the order they were recorded.
+// The default key is the source (the incoming message, or the boundary transaction).
+func WithOrderingKey(ctx context.Context, key string) context.Context {
+	return context.WithValue(ctx, orderingKeyKey{}, key)
+}
+
+// Publish records msgs as side effects to topic in the unit of work of ctx. They are stored in the
+// transaction, so they exist if and only if the business writes commit, and they are published after
+// commit with their UUIDs unchanged on every retry. A message without UUID gets a new one, once.
+// The messages are copied: changing them after Publish has no effect.
+func Publish(ctx context.Context, topic string, msgs ...*message.Message) error {
+	u := unitFrom(ctx)
+	if u == nil {
+		return ErrNoUnitOfWork
+	}
+	if err := validateName(topic); err != nil {
+		return fmt.Errorf("%w: %w", ErrInvalidTopic, err)
+	}
+	effects := make([]Effect, 0, len(msgs))
+	for _, m := range msgs {
+		if m == nil {
+			return fmt.Errorf("outbox: Publish to %q: nil message", topic)
+		}
+		id := m.UUID
+		if id == "" {
+			id = uuid.NewString()
+		}
+		if err := validateName(id); err != nil {
+			return fmt.Errorf("%w: outgoing message to %q: %w", ErrInvalidMessageID, topic, err)
+		}
+		md := maps.Clone(map[string]string(m.Metadata))
+		if md == nil {
+			md = map[string]string{}
+		}
+		u.addCausation(md)
+		effects = append(effects, Effect{
+			Kind:     KindPublish,
+			Topic:    topic,
+			UUID:     id,
+			Payload:  append([]byte(nil), m.Payload...),
+			Metadata: md,
+		})
+	}
+	return u.record(ctx, effects)
+}
+
+// Record records a custom side effect for the applier registered under kind, with payload as its
+// input. It is applied after commit, at least once, with a stable UUID (Effect.UUID).
+func Record(ctx context.Context, kind string, payload []byte) error {
+	u := unitFrom(ctx)
+	if u == nil {
+		return ErrNoUnitOfWork
+	}
+	if _, ok := u.o.applier(kind); !ok {
+		return fmt.Errorf("%w: %q (register it with Outbox.RegisterApplier)", ErrUnknownApplier, kind)
+	}
+	return u.record(ctx, []Effect{{Kind: kind, UUID: uuid.NewString(), Payload: append([]byte(nil), payload...)}})
+}
+
+func (u *unit) addCausation(md map[string]string) {
+	if _, ok := md[MetadataCausationID]; !ok {
+		md[MetadataCausationID] = u.src.ID
+	}
+	if u.incoming != nil {
+		if c := u.incoming.Metadata.Get(MetadataCorrelationID); c != "" {
+			if _, ok := md[MetadataCorrelationID]; !ok {
+				md[MetadataCorrelationID] = c
+			}
+		}
+	}
+}
+
+// record stores effects in the transaction at once, so that they commit with the business writes
+// even if the handler finishes the transaction itself.
+func (u *unit) record(ctx context.Context, effects []Effect) error {
+	if len(effects) == 0 {
+		return nil
+	}
+	key, _ := ctx.Value(orderingKeyKey{}).(string)
+	if key == "" {
+		key = u.src.Consumer + "/" + u.src.ID
+	}
+	if err := validateName(key); err != nil {
+		return fmt.Errorf("outbox: ordering key: %w", err)
+	}
+	for i := range effects {
+		if len(effects[i].Payload) > u.o.cfg.MaxPayloadBytes {
+			return fmt.Errorf("%w: %d bytes, the limit is %d (Config.MaxPayloadBytes)",
+				ErrPayloadTooLarge, len(effects[i].Payload), u.o.cfg.MaxPayloadBytes)
+		}
+		effects[i].Seq = len(u.effects) + i
+		effects[i].OrderingKey = key
+		effects[i].Source = u.src
+	}
+	if err := u.o.store.EffectInsert(ctx, u.tx, u.src, effects); err != nil {
+		return fmt.Errorf("outbox: store side effects: %w", err)
+	}
+	u.effects = append(u.effects, effects...)
+	return nil
+}
+
+// dispatch sends effects in order and stops at the first failure, so that later effects never
+// overtake an earlier one. Consecutive messages to one topic go in one Publish call.
+func (o *Outbox) dispatch(ctx context.Context, effects []Effect) error {
+	for i := 0; i < len(effects); {
+		e := effects[i]
+		if e.Kind != KindPublish {
+			if err := o.apply(ctx, e); err != nil {
+				return err
+			}
+			i++
+		} else {
+			j := i + 1
+			for j < len(effects) && effects[j].Kind == KindPublish && effects[j].Topic == e.Topic {
+				j++
+			}
+			if err := o.publish(ctx, e.Topic, effects[i:j]); err != nil {
+				return err
+			}
+			i = j
+		}
+		if err := o.failpoint(ctx, FailpointAfterPublish); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func (o *Outbox) apply(ctx context.Context, e Effect) error {
+	fn, ok := o.applier(e.Kind)
+	if !ok {
+		return fmt.Errorf("%w: %q (effect %s)", ErrUnknownApplier, e.Kind, e.UUID)
+	}
+	if err := fn(ctx, e); err != nil {
+		return fmt.Errorf("outbox: applier %q (effect %s): %w", e.Kind, e.UUID, err)
+	}
+	return nil
+}
+
+func (o *Outbox) publish(ctx context.Context, topic string, effects []Effect) error {
+	msgs := make([]*message.Message, len(effects))
+	for i, e := range effects {
+		m := message.NewMessage(e.UUID, e.Payload)
+		m.Metadata = maps.Clone(e.Metadata)
+		if m.Metadata == nil {
+			m.Metadata = message.Metadata{}
+		}
+		m.SetContext(ctx)
+		msgs[i] = m
+	}
+	// Publisher.Publish takes no context; a hung broker must not hang the consumer forever.
+	done := make(chan error, 1)
+	go func() { done <- o.pub.Publish(topic, msgs...) }()
+	timer := time.NewTimer(o.cfg.PublishTimeout)
+	defer timer.Stop()
+	select {
+	case err := <-done:
+		if err != nil {
+			return fmt.Errorf("outbox: publish %d message(s) to %q: %w", len(msgs), topic, err)
+		}
+		return nil
+	case <-timer.C:
+		return fmt.Errorf("%w: %d message(s) to %q after %s", ErrPublishTimeout, len(msgs), topic, o.cfg.PublishTimeout)
+	case <-ctx.Done():
+		return fmt.Errorf("outbox: publish to %q: %w", topic, ctx.Err())
+	}
+}

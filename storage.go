@@ -1,0 +1,134 @@
+package outbox
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"time"
+)
+
+// Source identifies what caused a group of side effects: an incoming message handled by a consumer
+// (Consumer is the consumer name, ID the message ID), or a boundary transaction (Consumer is empty,
+// ID is the boundary ID).
+type Source struct {
+	Consumer string
+	ID       string
+}
+
+// Effect is one side effect as it is stored: a message to publish (Kind == KindPublish) or a call
+// of a registered applier (Kind is the applier's name).
+type Effect struct {
+	// StoreID is the row ID in the store; zero until the effect is stored.
+	StoreID int64
+	// Seq is the position of the effect among the effects of its source, from 0.
+	Seq int
+	// Kind is KindPublish for messages, otherwise the name of a registered applier.
+	Kind string
+	// Topic is the topic a message is published to; empty for appliers.
+	Topic string
+	// UUID is the stable ID of the effect: the message UUID, or the idempotency key given to an applier.
+	UUID string
+	// Payload is the message payload or the applier's input.
+	Payload []byte
+	// Metadata is the message metadata, stored byte for byte.
+	Metadata map[string]string
+	// OrderingKey groups effects that must be dispatched in order.
+	OrderingKey string
+	// Attempts counts failed dispatch attempts made by the relay.
+	Attempts int
+	// Source is what caused the effect.
+	Source Source
+}
+
+// KindPublish is the Kind of effects that publish a message.
+const KindPublish = ""
+
+// Driver opens a Store for one database dialect. See the drivers/ packages.
+type Driver interface {
+	// Open returns the Store of db. It must not do I/O.
+	Open(db *sql.DB, opts StoreOptions) (Store, error)
+}
+
+// StoreOptions are the settings of a Store that come from Config.
+type StoreOptions struct {
+	// Schema is the database schema of the tables; empty means the driver's default.
+	Schema string
+	// TablePrefix is prepended to every table name.
+	TablePrefix string
+}
+
+// Store is the storage contract the framework needs from a database. The drivers/ packages
+// implement it; users do not call it directly. Methods that take a *sql.Tx run inside the caller's
+// transaction; the others run on their own.
+type Store interface {
+	// Migrate creates or upgrades the tables. It is idempotent and safe to run from several
+	// processes at once.
+	Migrate(ctx context.Context) error
+	// SchemaCheck returns an error wrapping ErrSchemaMissing or ErrSchemaOutdated when Migrate is needed.
+	SchemaCheck(ctx context.Context) error
+
+	// MessageClaim records that src is being processed. It returns false when src was already
+	// processed; when another transaction holds an uncommitted claim, it waits for its outcome.
+	MessageClaim(ctx context.Context, tx *sql.Tx, src Source) (bool, error)
+	// MessageIsProcessed tells whether a committed claim of src exists.
+	MessageIsProcessed(ctx context.Context, src Source) (bool, error)
+	// MessagePoison records src as processed without effects because it was moved to the poison topic.
+	MessagePoison(ctx context.Context, src Source) error
+	// AttemptRecord durably counts a failed attempt of src and returns the count so far.
+	AttemptRecord(ctx context.Context, src Source, reason string) (int, error)
+
+	// EffectInsert stores effects of src in tx, and marks the claim of src as having pending effects.
+	EffectInsert(ctx context.Context, tx *sql.Tx, src Source, effects []Effect) error
+	// EffectListPending returns the undispatched effects of src in order.
+	EffectListPending(ctx context.Context, src Source) ([]Effect, error)
+	// EffectMarkDispatched marks every pending effect of src dispatched, and the claim of src too.
+	// The write may be asynchronous (not flushed at commit): losing it only causes a re-send.
+	EffectMarkDispatched(ctx context.Context, src Source) error
+	// EffectRelay claims up to limit pending effects older than grace that are due, in order,
+	// and calls dispatch with them; dispatch returns, for each effect, nil or its error. The store
+	// marks the successful ones dispatched and records the failures (parking an effect after
+	// maxAttempts) before it releases the claim.
+	EffectRelay(ctx context.Context, p EffectRelayParams, dispatch func([]Effect) []error) (int, error)
+
+	// Cleanup deletes, in batches, claims whose effects were dispatched more than retention ago,
+	// dispatched effects and old attempt counters. Only one process cleans at a time; the others
+	// return at once with zero.
+	Cleanup(ctx context.Context, p CleanupParams) (CleanupResult, error)
+}
+
+// EffectRelayParams are the parameters of Store.EffectRelay.
+type EffectRelayParams struct {
+	Grace       time.Duration
+	Limit       int
+	MaxAttempts int
+	Backoff     func(attempts int) time.Duration
+}
+
+// CleanupParams are the parameters of Store.Cleanup.
+type CleanupParams struct {
+	Retention           time.Duration
+	EffectRetention     time.Duration
+	BatchSize           int
+	PauseBetweenBatches time.Duration
+}
+
+// CleanupResult counts what Store.Cleanup deleted.
+type CleanupResult struct {
+	Claims   int64
+	Effects  int64
+	Attempts int64
+	// Skipped is true when another process held the cleanup lock.
+	Skipped bool
+}
+
+// Errors a Store reports; test them with errors.Is.
+var (
+	// ErrSchemaMissing means the outbox tables do not exist: run Outbox.Migrate.
+	ErrSchemaMissing = errors.New("outbox: tables missing, run Outbox.Migrate(ctx) first")
+	// ErrSchemaOutdated means the outbox tables are older than this version: run Outbox.Migrate.
+	ErrSchemaOutdated = errors.New("outbox: tables outdated, run Outbox.Migrate(ctx)")
+)
+
+// ErrEffectBlocked is what a relay dispatch function returns for an effect it did not try because
+// an earlier effect with the same ordering key failed; the store neither marks nor counts it.
+var ErrEffectBlocked = errors.New("outbox: blocked behind an earlier effect with the same ordering key")
