@@ -1,0 +1,275 @@
+package outbox_test
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
+
+	"github.com/watermill-outbox/outbox"
+)
+
+func TestInvalidIncomingMessageIDsAreRejectedNotAcked(t *testing.T) {
+	e := newEnv(t)
+	for name, id := range map[string]string{
+		"empty":     "",
+		"too long":  strings.Repeat("x", 256),
+		"NUL":       "abc\x00def",
+		"not UTF-8": "abc\xffdef",
+	} {
+		t.Run(name, func(t *testing.T) {
+			var calls atomic.Int32
+			msg := message.NewMessage(id, nil)
+			err := handle(e.ob, msg, applyAndPublish(&calls))
+			if !errors.Is(err, outbox.ErrInvalidMessageID) {
+				t.Fatalf("want ErrInvalidMessageID, got %v", err)
+			}
+			mustEqual(t, "handler calls", calls.Load(), int32(0))
+		})
+	}
+	// With a poison topic the message is moved there (with a usable ID) and acked, never dropped.
+	ob := e.newOutbox(func(c *outbox.Config) { c.PoisonTopic = "poison" })
+	if err := handle(ob, message.NewMessage("", []byte("orphan")), applyAndPublish(nil)); err != nil {
+		t.Fatal(err)
+	}
+	mustEqual(t, "poisoned", e.count(`SELECT count(*) FROM watermill_poison WHERE payload = 'orphan'::bytea AND metadata->>'outbox_poison_reason' LIKE '%invalid message ID%'`), 1)
+}
+
+func TestArbitraryBytesSurviveStorageByteForByte(t *testing.T) {
+	e := newEnv(t)
+	payload := []byte("a\x00b\xff\xfe{not json")
+	md := map[string]string{"nul\x00key": "v\x00al", "bad-utf8": "\xff\xfe", "empty": ""}
+	e.pub.failAll.Store(true) // keep the effect pending so that it is read back from storage
+	h := func(msg *message.Message) ([]*message.Message, error) {
+		out := message.NewMessage(uuid.NewString(), payload)
+		for k, v := range md {
+			out.Metadata.Set(k, v)
+		}
+		return nil, outbox.Publish(msg.Context(), "out_a", out)
+	}
+	msg := message.NewMessage(uuid.NewString(), nil)
+	if err := handle(e.ob, msg, h); err == nil {
+		t.Fatal("want a dispatch error")
+	}
+	pending, err := e.ob.Store().EffectListPending(context.Background(), outbox.Source{Consumer: "c1", ID: msg.UUID})
+	if err != nil {
+		t.Fatal(err)
+	}
+	mustEqual(t, "pending", len(pending), 1)
+	if !bytes.Equal(pending[0].Payload, payload) {
+		t.Fatalf("payload changed: %q", pending[0].Payload)
+	}
+	for k, v := range md {
+		if pending[0].Metadata[k] != v {
+			t.Fatalf("metadata %q: got %q want %q", k, pending[0].Metadata[k], v)
+		}
+	}
+	// The redelivery sends the stored bytes; the broker's BYTEA payload column keeps them exact.
+	e.pub.failAll.Store(false)
+	if err := handle(e.ob, copyOf(msg), h); err != nil {
+		t.Fatal(err)
+	}
+	var got []byte
+	if err := e.db.QueryRow(`SELECT payload FROM watermill_out_a`).Scan(&got); err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(got, payload) {
+		t.Fatalf("payload on the wire: %q", got)
+	}
+}
+
+func TestOversizedPayloadsAndBadTopicsFailTheHandlerAndCommitNothing(t *testing.T) {
+	e := newEnv(t, func(c *outbox.Config) { c.MaxPayloadBytes = 1 << 20 })
+	cases := map[string]struct {
+		topic   string
+		payload []byte
+		want    error
+	}{
+		"huge payload": {"out_a", make([]byte, 1<<20+1), outbox.ErrPayloadTooLarge},
+		"empty topic":  {"", nil, outbox.ErrInvalidTopic},
+		"NUL topic":    {"a\x00b", nil, outbox.ErrInvalidTopic},
+	}
+	for name, c := range cases {
+		t.Run(name, func(t *testing.T) {
+			msg := message.NewMessage(uuid.NewString(), nil)
+			h := func(m *message.Message) ([]*message.Message, error) {
+				ctx := m.Context()
+				if _, err := outbox.Tx(ctx).ExecContext(ctx, `INSERT INTO applied (message_id) VALUES ($1)`, m.UUID); err != nil {
+					return nil, err
+				}
+				return nil, outbox.Publish(ctx, c.topic, message.NewMessage(uuid.NewString(), c.payload))
+			}
+			if err := handle(e.ob, msg, h); !errors.Is(err, c.want) {
+				t.Fatalf("want %v, got %v", c.want, err)
+			}
+			mustEqual(t, "business rows", e.count(`SELECT count(*) FROM applied WHERE message_id = $1`, msg.UUID), 0)
+			mustEqual(t, "claims", e.count(`SELECT count(*) FROM outbox_processed WHERE message_id = $1`, msg.UUID), 0)
+		})
+	}
+	// A large payload under the limit goes through intact.
+	big := bytes.Repeat([]byte{0, 1, 2, 255}, 1<<18)
+	msg := message.NewMessage(uuid.NewString(), nil)
+	h := func(m *message.Message) ([]*message.Message, error) {
+		return nil, outbox.Publish(m.Context(), "out_a", message.NewMessage(uuid.NewString(), big))
+	}
+	if err := handle(e.ob, msg, h); err != nil {
+		t.Fatal(err)
+	}
+	mustEqual(t, "big payload on the wire", e.count(`SELECT count(*) FROM watermill_out_a WHERE length(payload) = $1`, len(big)), 1)
+}
+
+func TestPanickingHandlerRollsBackAndIsRetried(t *testing.T) {
+	e := newEnv(t)
+	var calls atomic.Int32
+	h := func(msg *message.Message) ([]*message.Message, error) {
+		if _, err := applyAndPublish(nil)(msg); err != nil {
+			return nil, err
+		}
+		if calls.Add(1) == 1 {
+			panic("nil map somewhere")
+		}
+		return nil, nil
+	}
+	msg := message.NewMessage(uuid.NewString(), nil)
+	err := handle(e.ob, copyOf(msg), h)
+	if !errors.Is(err, outbox.ErrHandlerPanicked) || !strings.Contains(err.Error(), "nil map somewhere") {
+		t.Fatalf("want ErrHandlerPanicked with the panic value, got %v", err)
+	}
+	mustEqual(t, "business rows after panic", e.count(`SELECT count(*) FROM applied`), 0)
+	mustEqual(t, "attempt counted", e.count(`SELECT attempts FROM outbox_attempts`), 1)
+	if err := handle(e.ob, copyOf(msg), h); err != nil {
+		t.Fatal(err)
+	}
+	mustEqual(t, "business rows", e.count(`SELECT count(*) FROM applied`), 1)
+	mustEqual(t, "effects sent", len(e.wire("out_a"))+len(e.wire("out_b")), 2)
+}
+
+func TestHandlerThatCommitsTheTransactionItselfLosesNothing(t *testing.T) {
+	e := newEnv(t)
+	var calls atomic.Int32
+	h := func(msg *message.Message) ([]*message.Message, error) {
+		if _, err := applyAndPublish(&calls)(msg); err != nil {
+			return nil, err
+		}
+		return nil, outbox.Tx(msg.Context()).Commit()
+	}
+	msg := message.NewMessage(uuid.NewString(), nil)
+	if err := handle(e.ob, copyOf(msg), h); !errors.Is(err, outbox.ErrTxFinishedByHandler) {
+		t.Fatalf("want ErrTxFinishedByHandler, got %v", err)
+	}
+	// The redelivery finds the message processed and sends what the handler's commit stored.
+	if err := handle(e.ob, copyOf(msg), h); err != nil {
+		t.Fatal(err)
+	}
+	mustEqual(t, "handler calls", calls.Load(), int32(1))
+	mustEqual(t, "business rows", e.count(`SELECT count(*) FROM applied`), 1)
+	mustEqual(t, "effects sent", len(e.wire("out_a"))+len(e.wire("out_b")), 2)
+}
+
+func TestHandlerThatRollsBackTheTransactionItselfIsRetried(t *testing.T) {
+	e := newEnv(t)
+	var calls atomic.Int32
+	h := func(msg *message.Message) ([]*message.Message, error) {
+		if _, err := applyAndPublish(&calls)(msg); err != nil {
+			return nil, err
+		}
+		if calls.Load() == 1 {
+			return nil, outbox.Tx(msg.Context()).Rollback()
+		}
+		return nil, nil
+	}
+	msg := message.NewMessage(uuid.NewString(), nil)
+	if err := handle(e.ob, copyOf(msg), h); !errors.Is(err, outbox.ErrTxFinishedByHandler) {
+		t.Fatalf("want ErrTxFinishedByHandler, got %v", err)
+	}
+	mustEqual(t, "business rows after rollback", e.count(`SELECT count(*) FROM applied`), 0)
+	if err := handle(e.ob, copyOf(msg), h); err != nil {
+		t.Fatal(err)
+	}
+	mustEqual(t, "business rows", e.count(`SELECT count(*) FROM applied`), 1)
+	mustEqual(t, "effects sent", len(e.wire("out_a"))+len(e.wire("out_b")), 2)
+}
+
+func TestFailingOrHangingPublisherKeepsEffectsForRedelivery(t *testing.T) {
+	e := newEnv(t, func(c *outbox.Config) { c.PublishTimeout = 200 * time.Millisecond })
+	msg := message.NewMessage(uuid.NewString(), nil)
+
+	e.pub.fail.Store(1)
+	if err := handle(e.ob, copyOf(msg), applyAndPublish(nil)); err == nil || !strings.Contains(err.Error(), "broker unavailable") {
+		t.Fatalf("want the broker's error, got %v", err)
+	}
+	hang := make(chan struct{})
+	e.pub.mu.Lock()
+	e.pub.hang = hang
+	e.pub.mu.Unlock()
+	err := handle(e.ob, copyOf(msg), applyAndPublish(nil))
+	e.pub.mu.Lock()
+	e.pub.hang = nil
+	e.pub.mu.Unlock()
+	close(hang) // release the stuck Publish call
+	if !errors.Is(err, outbox.ErrPublishTimeout) {
+		t.Fatalf("want ErrPublishTimeout, got %v", err)
+	}
+	mustEqual(t, "pending effects", e.pendingEffects(), 2)
+	if err := handle(e.ob, copyOf(msg), applyAndPublish(nil)); err != nil {
+		t.Fatal(err)
+	}
+	mustEqual(t, "business rows", e.count(`SELECT count(*) FROM applied`), 1)
+	mustEqual(t, "effects sent", len(e.wire("out_a"))+len(e.wire("out_b")), 2)
+	mustEqual(t, "pending effects", e.pendingEffects(), 0)
+}
+
+// TestDatabaseConnectionKilledMidMessage terminates the handler's backend, as a database restart
+// would, then redelivers.
+func TestDatabaseConnectionKilledMidMessage(t *testing.T) {
+	e := newEnv(t)
+	var calls atomic.Int32
+	h := func(msg *message.Message) ([]*message.Message, error) {
+		ctx := msg.Context()
+		tx := outbox.Tx(ctx)
+		if calls.Add(1) == 1 {
+			var pid int
+			if err := tx.QueryRowContext(ctx, `SELECT pg_backend_pid()`).Scan(&pid); err != nil {
+				return nil, err
+			}
+			if _, err := e.db.Exec(`SELECT pg_terminate_backend($1)`, pid); err != nil {
+				return nil, err
+			}
+		}
+		return applyAndPublish(nil)(msg)
+	}
+	msg := message.NewMessage(uuid.NewString(), nil)
+	if err := handle(e.ob, copyOf(msg), h); err == nil {
+		t.Fatal("want an error when the connection dies")
+	}
+	if err := handle(e.ob, copyOf(msg), h); err != nil {
+		t.Fatal(err)
+	}
+	mustEqual(t, "business rows", e.count(`SELECT count(*) FROM applied`), 1)
+	mustEqual(t, "effects sent", len(e.wire("out_a"))+len(e.wire("out_b")), 2)
+}
+
+// TestMessageContextCancelledBeforeCommit: the ack deadline or Router shutdown cancels msg.Context()
+// after the handler returned; the commit must still go through whole.
+func TestMessageContextCancelledBeforeCommit(t *testing.T) {
+	e := newEnv(t)
+	ctx, cancel := context.WithCancel(context.Background())
+	msg := message.NewMessage(uuid.NewString(), nil)
+	msg.SetContext(ctx)
+	h := func(m *message.Message) ([]*message.Message, error) {
+		out, err := applyAndPublish(nil)(m)
+		cancel()
+		return out, err
+	}
+	if err := handle(e.ob, msg, h); err != nil {
+		t.Fatal(err)
+	}
+	mustEqual(t, "business rows", e.count(`SELECT count(*) FROM applied`), 1)
+	mustEqual(t, "effects sent", len(e.wire("out_a"))+len(e.wire("out_b")), 2)
+}

@@ -1,0 +1,202 @@
+package outbox_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
+
+	"github.com/watermill-outbox/outbox"
+)
+
+func failing(calls *atomic.Int32) message.HandlerFunc {
+	return func(msg *message.Message) ([]*message.Message, error) {
+		calls.Add(1)
+		ctx := msg.Context()
+		if _, err := outbox.Tx(ctx).ExecContext(ctx, `INSERT INTO applied (message_id) VALUES ($1)`, msg.UUID); err != nil {
+			return nil, err
+		}
+		if err := outbox.Publish(ctx, "out_a", message.NewMessage(uuid.NewString(), nil)); err != nil {
+			return nil, err
+		}
+		return nil, errors.New("payment provider said no")
+	}
+}
+
+// TestFailingMessageGoesToPoisonTopicAfterMaxAttempts counts attempts across process restarts
+// (each attempt on a new Outbox) and checks the poisoned message carries its reason.
+func TestFailingMessageGoesToPoisonTopicAfterMaxAttempts(t *testing.T) {
+	e := newEnv(t)
+	cfg := func(c *outbox.Config) { c.MaxAttempts = 3; c.PoisonTopic = "poison" }
+	var calls atomic.Int32
+	msg := message.NewMessage(uuid.NewString(), []byte("bad order"))
+	msg.Metadata.Set("k", "v")
+	for attempt := 1; attempt <= 2; attempt++ {
+		err := handle(e.newOutbox(cfg), copyOf(msg), failing(&calls))
+		if err == nil || !strings.Contains(err.Error(), fmt.Sprintf("attempt %d of 3", attempt)) {
+			t.Fatalf("attempt %d: want a counted failure, got %v", attempt, err)
+		}
+	}
+	if err := handle(e.newOutbox(cfg), copyOf(msg), failing(&calls)); err != nil {
+		t.Fatalf("third attempt: want the message acked after moving it to the poison topic, got %v", err)
+	}
+	mustEqual(t, "business rows", e.count(`SELECT count(*) FROM applied`), 0)
+	mustEqual(t, "side effects on the wire", len(e.wire("out_a")), 0)
+	mustEqual(t, "poisoned copies", e.wire("poison")[msg.UUID], 1)
+	var reason, consumer, attempts, k string
+	if err := e.db.QueryRow(`SELECT metadata->>'outbox_poison_reason', metadata->>'outbox_poison_consumer',
+		metadata->>'outbox_poison_attempts', metadata->>'k' FROM watermill_poison`).Scan(&reason, &consumer, &attempts, &k); err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(reason, "payment provider said no") || consumer != "c1" || attempts != "3" || k != "v" {
+		t.Fatalf("poison metadata: reason=%q consumer=%q attempts=%q k=%q", reason, consumer, attempts, k)
+	}
+	// A copy still in the broker does not run the handler again.
+	if err := handle(e.newOutbox(cfg), copyOf(msg), failing(&calls)); err != nil {
+		t.Fatal(err)
+	}
+	mustEqual(t, "handler calls", calls.Load(), int32(3))
+	mustEqual(t, "poisoned copies", e.wire("poison")[msg.UUID], 1)
+}
+
+func TestFailingMessageWithoutPoisonTopicIsNackedForever(t *testing.T) {
+	e := newEnv(t)
+	cfg := func(c *outbox.Config) { c.MaxAttempts = 2 }
+	var calls atomic.Int32
+	msg := message.NewMessage(uuid.NewString(), nil)
+	for i := 0; i < 4; i++ {
+		if err := handle(e.newOutbox(cfg), copyOf(msg), failing(&calls)); err == nil {
+			t.Fatalf("attempt %d: a failing message without poison topic must be nacked", i+1)
+		}
+	}
+	mustEqual(t, "handler calls", calls.Load(), int32(4))
+	mustEqual(t, "attempts counted", e.count(`SELECT attempts FROM outbox_attempts WHERE message_id = $1`, msg.UUID), 4)
+	mustEqual(t, "business rows", e.count(`SELECT count(*) FROM applied`), 0)
+}
+
+func TestRetentionCountsFromDispatchAndCleanupIsBounded(t *testing.T) {
+	e := newEnv(t)
+	ctx := context.Background()
+	// 35 messages dispatched long ago, 5 processed long ago whose effects are still pending,
+	// 5 dispatched recently.
+	for i := 0; i < 45; i++ {
+		if err := handle(e.ob, message.NewMessage(fmt.Sprintf("m%02d", i), nil), applyAndPublish(nil)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	mustExec(t, e, `UPDATE outbox_processed SET processed_at = now() - interval '30 days', dispatched_at = now() - interval '8 days' WHERE message_id < 'm35'`)
+	mustExec(t, e, `UPDATE outbox_processed SET processed_at = now() - interval '30 days', dispatched_at = NULL WHERE message_id BETWEEN 'm35' AND 'm39'`)
+	mustExec(t, e, `UPDATE outbox_processed SET processed_at = now() - interval '30 days', dispatched_at = now() - interval '1 day' WHERE message_id >= 'm40'`)
+	mustExec(t, e, `UPDATE outbox_effects SET dispatched_at = now() - interval '2 hours'`)
+
+	res, err := e.ob.Store().Cleanup(ctx, outbox.CleanupParams{Retention: 7 * 24 * time.Hour, EffectRetention: time.Hour, BatchSize: 10})
+	if err != nil {
+		t.Fatal(err)
+	}
+	mustEqual(t, "claims deleted", res.Claims, int64(35))
+	mustEqual(t, "effects deleted", res.Effects, int64(90))
+	mustEqual(t, "claims left", e.count(`SELECT count(*) FROM outbox_processed`), 10)
+	mustEqual(t, "pending claims kept", e.count(`SELECT count(*) FROM outbox_processed WHERE dispatched_at IS NULL`), 5)
+
+	// Another instance holding the cleanup lock makes this one skip at once.
+	tx, err := e.db.Begin()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = tx.Rollback() }()
+	if _, err := tx.Exec(`SELECT pg_advisory_xact_lock(x'6f757462'::int, hashtext('public.outbox_cleanup'))`); err != nil {
+		t.Fatal(err)
+	}
+	res, err = e.ob.Store().Cleanup(ctx, outbox.CleanupParams{Retention: time.Nanosecond, EffectRetention: time.Nanosecond, BatchSize: 10})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !res.Skipped || res.Claims != 0 {
+		t.Fatalf("cleanup while another instance holds the lock: %+v", res)
+	}
+}
+
+func mustExec(t *testing.T, e *env, query string, args ...any) {
+	t.Helper()
+	if _, err := e.db.Exec(query, args...); err != nil {
+		t.Fatalf("%s: %v", query, err)
+	}
+}
+
+// TestRelaySendsWhatTheFastPathLeftBehind: the broker is down at dispatch and the message is never
+// redelivered (dead-lettered); the relay sends the committed effects, in order, once.
+func TestRelaySendsWhatTheFastPathLeftBehind(t *testing.T) {
+	e := newEnv(t, func(c *outbox.Config) { c.RelayGrace = time.Millisecond; c.RelayInterval = 20 * time.Millisecond })
+	e.pub.failAll.Store(true)
+	msg := message.NewMessage(uuid.NewString(), nil)
+	if err := handle(e.ob, msg, applyAndPublish(nil)); err == nil {
+		t.Fatal("want a dispatch error while the broker is down")
+	}
+	mustEqual(t, "pending effects", e.pendingEffects(), 2)
+	e.pub.failAll.Store(false)
+
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error)
+	go func() { done <- e.ob.Run(ctx) }()
+	waitFor(t, "the relay", func() bool { return e.pendingEffects() == 0 })
+	cancel()
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	ids := e.storedEffects("c1", msg.UUID)
+	mustEqual(t, "effect 1 copies", e.wire("out_a")[ids[0]], 1)
+	mustEqual(t, "effect 2 copies", e.wire("out_b")[ids[1]], 1)
+	mustEqual(t, "claim marked dispatched", e.count(`SELECT count(*) FROM outbox_processed WHERE dispatched_at IS NOT NULL`), 1)
+}
+
+// TestRelayParksWhatCannotBeSentAndKeepsOtherKeysFlowing.
+func TestRelayParksWhatCannotBeSentAndKeepsOtherKeysFlowing(t *testing.T) {
+	e := newEnv(t)
+	e.pub.failAll.Store(true)
+	poisonMsg := message.NewMessage(uuid.NewString(), nil)
+	goodMsg := message.NewMessage(uuid.NewString(), nil)
+	for _, m := range []*message.Message{poisonMsg, goodMsg} {
+		if err := handle(e.ob, m, applyAndPublish(nil)); err == nil {
+			t.Fatal("want a dispatch error")
+		}
+	}
+	ctx := context.Background()
+	st := e.ob.Store()
+	params := outbox.EffectRelayParams{Limit: 100, MaxAttempts: 3}
+	poisonFirst := e.storedEffects("c1", poisonMsg.UUID)[0]
+	dispatch := func(effects []outbox.Effect) []error {
+		errs := make([]error, len(effects))
+		failed := map[string]bool{}
+		for i, ef := range effects {
+			switch {
+			case failed[ef.OrderingKey]:
+				errs[i] = outbox.ErrEffectBlocked
+			case ef.UUID == poisonFirst:
+				errs[i] = errors.New("rejected")
+				failed[ef.OrderingKey] = true
+			default:
+				errs[i] = e.pub.next.Publish(ef.Topic, message.NewMessage(ef.UUID, ef.Payload))
+			}
+		}
+		return errs
+	}
+	for i := 0; i < 5; i++ {
+		if _, err := st.EffectRelay(ctx, params, dispatch); err != nil {
+			t.Fatal(err)
+		}
+	}
+	mustEqual(t, "parked", e.count(`SELECT count(*) FROM outbox_effects WHERE parked_at IS NOT NULL`), 1)
+	mustEqual(t, "attempts of the parked effect", e.count(`SELECT attempts FROM outbox_effects WHERE uuid = $1`, poisonFirst), 3)
+	mustEqual(t, "last error kept", e.count(`SELECT count(*) FROM outbox_effects WHERE uuid = $1 AND last_error = 'rejected'`, poisonFirst), 1)
+	// The other key flowed; the poison's own later effect waits behind it.
+	for _, id := range e.storedEffects("c1", goodMsg.UUID) {
+		mustEqual(t, "good effect sent", e.wire("out_a")[id]+e.wire("out_b")[id], 1)
+	}
+	mustEqual(t, "effect behind the parked one", e.wire("out_b")[e.storedEffects("c1", poisonMsg.UUID)[1]], 0)
+}
