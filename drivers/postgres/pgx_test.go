@@ -1,0 +1,65 @@
+package postgres_test
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"testing"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
+	_ "github.com/jackc/pgx/v5/stdlib"
+
+	"github.com/watermill-outbox/outbox"
+	"github.com/watermill-outbox/outbox/internal/pgtest"
+)
+
+// TestPgxStdlib runs the unit of work through pgx's database/sql driver instead of lib/pq.
+func TestPgxStdlib(t *testing.T) {
+	db, err := sql.Open("pgx", pgtest.DSN(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = db.Close() })
+	ctx := context.Background()
+	ob, err := newOutbox(t, db, "", "")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := ob.CheckSchema(ctx); !errors.Is(err, outbox.ErrSchemaMissing) {
+		t.Fatalf("pgx errors must be classified too: got %v", err)
+	}
+	if err := ob.Migrate(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := db.Exec(`CREATE TABLE applied (id text)`); err != nil {
+		t.Fatal(err)
+	}
+	calls := 0
+	h := func(msg *message.Message) ([]*message.Message, error) {
+		calls++
+		ctx := msg.Context()
+		if _, err := outbox.Tx(ctx).ExecContext(ctx, `INSERT INTO applied VALUES ($1)`, msg.UUID); err != nil {
+			return nil, err
+		}
+		out := message.NewMessage(uuid.NewString(), []byte("\x00\xff"))
+		out.Metadata.Set("k\x00", "\xff")
+		return nil, outbox.Publish(ctx, "t", out)
+	}
+	msg := message.NewMessage(uuid.NewString(), nil)
+	for i := 0; i < 3; i++ {
+		if err := ob.Handle(msg.Copy(), outbox.HandleParams{Consumer: "c", MessageID: msg.UUID}, h); err != nil {
+			t.Fatal(err)
+		}
+	}
+	var n, pending int
+	if err := db.QueryRow(`SELECT count(*) FROM applied`).Scan(&n); err != nil {
+		t.Fatal(err)
+	}
+	if err := db.QueryRow(`SELECT count(*) FROM outbox_effects WHERE dispatched_at IS NULL`).Scan(&pending); err != nil {
+		t.Fatal(err)
+	}
+	if calls != 1 || n != 1 || pending != 0 {
+		t.Fatalf("calls=%d rows=%d pending=%d", calls, n, pending)
+	}
+}
