@@ -30,7 +30,7 @@ func TestHandleCommitsBusinessAndEffectsThenDispatches(t *testing.T) {
 	mustEqual(t, "copies of effect 1 on the wire", e.wire("out_a")[ids[0]], 1)
 	mustEqual(t, "copies of effect 2 on the wire", e.wire("out_b")[ids[1]], 1)
 	mustEqual(t, "pending effects", e.pendingEffects(), 0)
-	mustEqual(t, "claims marked dispatched", e.count(`SELECT count(*) FROM outbox_processed WHERE dispatched_at IS NOT NULL`), 1)
+	mustEqual(t, "retention clock moved to the dispatch", e.count(`SELECT count(*) FROM outbox_processed WHERE dispatched_at > processed_at`), 1)
 
 	var causation, correlation string
 	if err := e.db.QueryRow(`SELECT metadata->>'causation_id', metadata->>'correlation_id' FROM watermill_out_a`).Scan(&causation, &correlation); err != nil {

@@ -30,7 +30,7 @@ func brokerSchema() wsql.DefaultPostgreSQLSchema {
 
 // env is one test's database, broker and outbox.
 type env struct {
-	t   *testing.T
+	t   testing.TB
 	db  *sql.DB
 	pub *faultyPublisher
 	ob  *outbox.Outbox
@@ -67,7 +67,7 @@ func (p *faultyPublisher) Publish(topic string, msgs ...*message.Message) error 
 
 func (p *faultyPublisher) Close() error { return nil }
 
-func newEnv(t *testing.T, mutate ...func(*outbox.Config)) *env {
+func newEnv(t testing.TB, mutate ...func(*outbox.Config)) *env {
 	t.Helper()
 	db := pgtest.DB(t)
 	real, err := wsql.NewPublisher(db, wsql.PublisherConfig{SchemaAdapter: brokerSchema(), AutoInitializeSchema: true}, watermill.NopLogger{})
@@ -195,7 +195,7 @@ func copyOf(msg *message.Message) *message.Message {
 	return c
 }
 
-func waitFor(t *testing.T, what string, cond func() bool) {
+func waitFor(t testing.TB, what string, cond func() bool) {
 	t.Helper()
 	deadline := time.Now().Add(30 * time.Second)
 	for !cond() {
@@ -206,7 +206,7 @@ func waitFor(t *testing.T, what string, cond func() bool) {
 	}
 }
 
-func mustEqual[T comparable](t *testing.T, what string, got, want T) {
+func mustEqual[T comparable](t testing.TB, what string, got, want T) {
 	t.Helper()
 	if got != want {
 		t.Fatalf("%s: got %v, want %v", what, got, want)

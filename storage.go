@@ -77,7 +77,7 @@ type Store interface {
 	// AttemptRecord durably counts a failed attempt of src and returns the count so far.
 	AttemptRecord(ctx context.Context, src Source, reason string) (int, error)
 
-	// EffectInsert stores effects of src in tx, and marks the claim of src as having pending effects.
+	// EffectInsert stores effects of src in tx.
 	EffectInsert(ctx context.Context, tx *sql.Tx, src Source, effects []Effect) error
 	// EffectListPending returns the undispatched effects of src in order.
 	EffectListPending(ctx context.Context, src Source) ([]Effect, error)
@@ -90,8 +90,9 @@ type Store interface {
 	// maxAttempts) before it releases the claim.
 	EffectRelay(ctx context.Context, p EffectRelayParams, dispatch func([]Effect) []error) (int, error)
 
-	// Cleanup deletes, in batches, claims whose effects were dispatched more than retention ago,
-	// dispatched effects and old attempt counters. Only one process cleans at a time; the others
+	// Cleanup deletes, in batches, claims whose effects were all dispatched more than retention ago
+	// (never a claim with an undispatched effect), dispatched effects older than their retention,
+	// and old attempt counters. Only one process cleans at a time; the others
 	// return at once with zero.
 	Cleanup(ctx context.Context, p CleanupParams) (CleanupResult, error)
 }

@@ -105,9 +105,7 @@ func queries(n store.Names) store.Queries {
 			RETURNING attempts`,
 		EffectInsert: func(count int) string {
 			var b strings.Builder
-			b.WriteString(`WITH p AS (UPDATE ` + n.Processed + ` SET dispatched_at = NULL
-				WHERE consumer = $1 AND message_id = $2 AND dispatched_at IS NOT NULL)
-				INSERT INTO ` + n.Effects + ` (source_consumer, source_id, seq, kind, topic, uuid, payload, metadata, ordering_key) VALUES `)
+			b.WriteString(`INSERT INTO ` + n.Effects + ` (source_consumer, source_id, seq, kind, topic, uuid, payload, metadata, ordering_key) VALUES `)
 			for i := 0; i < count; i++ {
 				if i > 0 {
 					b.WriteString(", ")
@@ -122,7 +120,7 @@ func queries(n store.Names) store.Queries {
 		EffectMarkDispatched: `WITH e AS (UPDATE ` + n.Effects + ` SET dispatched_at = now()
 				WHERE source_consumer = $1 AND source_id = $2 AND dispatched_at IS NULL AND ` + asyncCommit + `)
 			UPDATE ` + n.Processed + ` SET dispatched_at = now()
-			WHERE consumer = $1 AND message_id = $2 AND dispatched_at IS NULL AND ` + asyncCommit,
+			WHERE consumer = $1 AND message_id = $2 AND ` + asyncCommit,
 
 		RelayLock: fmt.Sprintf("SELECT pg_try_advisory_xact_lock(%d, %s)", lockClass, lockKey(n, "relay")),
 		// An effect is due when nothing earlier with its ordering key is parked or waiting to be
@@ -140,14 +138,16 @@ func queries(n store.Names) store.Queries {
 		RelayMarkFailed: `UPDATE ` + n.Effects + ` SET attempts = attempts + 1, last_error = $2,
 			next_attempt_at = now() + ` + ms("$3") + `, parked_at = CASE WHEN $4::boolean THEN now() END WHERE id = $1`,
 		RelayFinishSource: `UPDATE ` + n.Processed + ` SET dispatched_at = now()
-			WHERE consumer = $1 AND message_id = $2 AND dispatched_at IS NULL
+			WHERE consumer = $1 AND message_id = $2
 			  AND NOT EXISTS (SELECT 1 FROM ` + n.Effects + `
 				WHERE source_consumer = $1 AND source_id = $2 AND dispatched_at IS NULL)`,
 
 		CleanupLock: fmt.Sprintf("SELECT pg_try_advisory_xact_lock(%d, %s)", lockClass, lockKey(n, "cleanup")),
 		CleanupClaims: `DELETE FROM ` + n.Processed + ` WHERE (consumer, message_id) IN (
-			SELECT consumer, message_id FROM ` + n.Processed + `
+			SELECT consumer, message_id FROM ` + n.Processed + ` p
 			WHERE processed_at < now() - ` + ms("$1") + ` AND dispatched_at < now() - ` + ms("$1") + `
+			  AND NOT EXISTS (SELECT 1 FROM ` + n.Effects + ` e
+				WHERE e.source_consumer = p.consumer AND e.source_id = p.message_id AND e.dispatched_at IS NULL)
 			LIMIT $2)`,
 		CleanupEffects: `DELETE FROM ` + n.Effects + ` WHERE id IN (
 			SELECT id FROM ` + n.Effects + ` WHERE dispatched_at < now() - ` + ms("$1") + ` ORDER BY id LIMIT $2)`,

@@ -1,5 +1,6 @@
--- Processed-message claims: one row per (consumer, message ID). dispatched_at is NULL while the
--- message's side effects are pending; retention is counted from it.
+-- Processed-message claims: one row per (consumer, message ID). dispatched_at is when the last
+-- side effect was dispatched (processing time when there were none); retention counts from it,
+-- and a claim with an undispatched effect is never deleted.
 CREATE TABLE IF NOT EXISTS "{{schema}}"."{{prefix}}processed" (
     consumer      text        NOT NULL,
     message_id    text        NOT NULL,
