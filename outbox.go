@@ -27,6 +27,8 @@ type Outbox struct {
 
 	mu       sync.RWMutex
 	appliers map[string]Applier
+
+	kick chan struct{} // wakes the relay
 }
 
 // New returns an Outbox. It does no I/O: call Migrate (or check the schema) and Run yourself.
@@ -46,6 +48,7 @@ func New(cfg Config) (*Outbox, error) {
 		pub:      cfg.Publisher,
 		logger:   cfg.Logger,
 		appliers: map[string]Applier{},
+		kick:     make(chan struct{}, 1),
 	}, nil
 }
 
@@ -99,13 +102,13 @@ func (o *Outbox) applier(name string) (Applier, bool) {
 func (o *Outbox) Run(ctx context.Context) error {
 	var wg sync.WaitGroup
 	wg.Add(2)
-	go func() { defer wg.Done(); o.runEvery(ctx, o.cfg.RelayInterval, "relay", o.relayOnce) }()
-	go func() { defer wg.Done(); o.runEvery(ctx, o.cfg.CleanupInterval, "cleanup", o.cleanupOnce) }()
+	go func() { defer wg.Done(); o.runEvery(ctx, o.cfg.RelayInterval, o.kick, "relay", o.relayOnce) }()
+	go func() { defer wg.Done(); o.runEvery(ctx, o.cfg.CleanupInterval, nil, "cleanup", o.cleanupOnce) }()
 	wg.Wait()
 	return nil
 }
 
-func (o *Outbox) runEvery(ctx context.Context, every time.Duration, name string, fn func(context.Context) error) {
+func (o *Outbox) runEvery(ctx context.Context, every time.Duration, wake <-chan struct{}, name string, fn func(context.Context) error) {
 	t := time.NewTicker(every)
 	defer t.Stop()
 	for {
@@ -116,6 +119,7 @@ func (o *Outbox) runEvery(ctx context.Context, every time.Duration, name string,
 		case <-ctx.Done():
 			return
 		case <-t.C:
+		case <-wake:
 		}
 	}
 }
@@ -146,4 +150,36 @@ func validateName(s string) error {
 		}
 	}
 	return nil
+}
+
+// ParkedEffects lists up to limit side effects the relay gave up on, oldest first.
+func (o *Outbox) ParkedEffects(ctx context.Context, limit int) ([]ParkedEffect, error) {
+	return o.store.EffectListParked(ctx, limit)
+}
+
+// RetryParked makes parked effects due again, with a fresh attempt count, and wakes the relay.
+func (o *Outbox) RetryParked(ctx context.Context, storeIDs ...int64) (int, error) {
+	n, err := o.store.EffectUnpark(ctx, storeIDs)
+	if err == nil {
+		o.kickRelay()
+	}
+	return n, err
+}
+
+// DiscardParked gives parked effects up for good: they are marked dispatched without being sent,
+// which unblocks the later effects with their ordering keys.
+func (o *Outbox) DiscardParked(ctx context.Context, storeIDs ...int64) (int, error) {
+	n, err := o.store.EffectDiscard(ctx, storeIDs)
+	if err == nil {
+		o.kickRelay()
+	}
+	return n, err
+}
+
+// kickRelay wakes this process's relay without waiting for RelayInterval.
+func (o *Outbox) kickRelay() {
+	select {
+	case o.kick <- struct{}{}:
+	default:
+	}
 }

@@ -84,6 +84,15 @@ type Store interface {
 	// EffectMarkDispatched marks every pending effect of src dispatched, and the claim of src too.
 	// The write may be asynchronous (not flushed at commit): losing it only causes a re-send.
 	EffectMarkDispatched(ctx context.Context, src Source) error
+	// EffectRetryLater records a failed dispatch of the pending effects of src: they become due for
+	// the relay after delay, without waiting for the grace period.
+	EffectRetryLater(ctx context.Context, src Source, reason string, delay time.Duration) error
+	// EffectListParked returns up to limit parked effects, oldest first.
+	EffectListParked(ctx context.Context, limit int) ([]ParkedEffect, error)
+	// EffectUnpark makes parked effects due again with a fresh attempt count; it returns how many it changed.
+	EffectUnpark(ctx context.Context, storeIDs []int64) (int, error)
+	// EffectDiscard marks parked effects dispatched without sending them; it returns how many it changed.
+	EffectDiscard(ctx context.Context, storeIDs []int64) (int, error)
 	// EffectRelay claims up to limit pending effects older than grace that are due, in order,
 	// and calls dispatch with them; dispatch returns, for each effect, nil or its error. The store
 	// marks the successful ones dispatched and records the failures (parking an effect after
@@ -95,6 +104,14 @@ type Store interface {
 	// and old attempt counters. Only one process cleans at a time; the others
 	// return at once with zero.
 	Cleanup(ctx context.Context, p CleanupParams) (CleanupResult, error)
+}
+
+// ParkedEffect is an effect the relay gave up on after its maximum attempts.
+type ParkedEffect struct {
+	Effect
+	LastError string
+	ParkedAt  time.Time
+	CreatedAt time.Time
 }
 
 // EffectRelayParams are the parameters of Store.EffectRelay.

@@ -24,6 +24,11 @@ type Queries struct {
 	EffectListPending    string // (consumer, id) -> effect columns, in seq order
 	EffectMarkDispatched string // (consumer, id)
 
+	EffectRetryLater string // (consumer, id, reason, delay ms): record a failed fast-path dispatch
+	EffectListParked string // (limit) -> effect columns, last_error, parked_at, created_at
+	EffectUnpark     string // (store id)
+	EffectDiscard    string // (store id)
+
 	RelayLock           string // -> bool; empty when the dialect needs no lock
 	RelaySelect         string // (grace ms, limit) -> effect columns, in id order, claimed
 	RelayMarkDispatched string // (store id)
@@ -392,4 +397,67 @@ func (s *SQL) cleanupBatch(ctx context.Context, query string, retention time.Dur
 		return 0, true, fmt.Errorf("cleanup: %w", err)
 	}
 	return n, true, tx.Commit()
+}
+
+// EffectRetryLater implements outbox.Store.
+func (s *SQL) EffectRetryLater(ctx context.Context, src outbox.Source, reason string, delay time.Duration) error {
+	_, err := s.db.ExecContext(ctx, s.d.Queries.EffectRetryLater, src.Consumer, src.ID, reason, delay.Milliseconds())
+	return s.wrap(err)
+}
+
+// EffectListParked implements outbox.Store.
+func (s *SQL) EffectListParked(ctx context.Context, limit int) ([]outbox.ParkedEffect, error) {
+	rows, err := s.db.QueryContext(ctx, s.d.Queries.EffectListParked, limit)
+	if err != nil {
+		return nil, s.wrap(err)
+	}
+	defer rows.Close()
+	var out []outbox.ParkedEffect
+	for rows.Next() {
+		var p outbox.ParkedEffect
+		var md []byte
+		var lastErr sql.NullString
+		if err := rows.Scan(&p.StoreID, &p.Source.Consumer, &p.Source.ID, &p.Seq, &p.Kind, &p.Topic, &p.UUID,
+			&p.Payload, &md, &p.OrderingKey, &p.Attempts, &lastErr, &p.ParkedAt, &p.CreatedAt); err != nil {
+			return nil, err
+		}
+		p.LastError = lastErr.String
+		if p.Metadata, err = DecodeMetadata(md); err != nil {
+			return nil, fmt.Errorf("effect %d: %w", p.StoreID, err)
+		}
+		out = append(out, p)
+	}
+	return out, rows.Err()
+}
+
+// EffectUnpark implements outbox.Store.
+func (s *SQL) EffectUnpark(ctx context.Context, ids []int64) (int, error) {
+	return s.eachID(ctx, s.d.Queries.EffectUnpark, ids)
+}
+
+// EffectDiscard implements outbox.Store.
+func (s *SQL) EffectDiscard(ctx context.Context, ids []int64) (int, error) {
+	return s.eachID(ctx, s.d.Queries.EffectDiscard, ids)
+}
+
+// eachID runs query for every id in one transaction and returns the rows it changed.
+func (s *SQL) eachID(ctx context.Context, query string, ids []int64) (int, error) {
+	tx, err := s.db.BeginTx(ctx, nil)
+	if err != nil {
+		return 0, fmt.Errorf("begin: %w", err)
+	}
+	defer func() { _ = tx.Rollback() }()
+	total := 0
+	for _, id := range ids {
+		r, err := tx.ExecContext(ctx, query, id)
+		if err != nil {
+			return 0, s.wrap(err)
+		}
+		n, err := r.RowsAffected()
+		if err != nil {
+			return 0, err
+		}
+		total += int(n)
+	}
+	return total, tx.Commit()
 }

@@ -122,12 +122,22 @@ func queries(n store.Names) store.Queries {
 			UPDATE ` + n.Processed + ` SET dispatched_at = now()
 			WHERE consumer = $1 AND message_id = $2 AND ` + asyncCommit,
 
+		EffectRetryLater: `UPDATE ` + n.Effects + ` SET attempts = attempts + 1, last_error = $3,
+			next_attempt_at = now() + ` + ms("$4") + `
+			WHERE source_consumer = $1 AND source_id = $2 AND dispatched_at IS NULL`,
+		EffectListParked: `SELECT ` + effectColumns + `, last_error, parked_at, created_at FROM ` + n.Effects + `
+			WHERE parked_at IS NOT NULL AND dispatched_at IS NULL ORDER BY id LIMIT $1`,
+		EffectUnpark: `UPDATE ` + n.Effects + ` SET parked_at = NULL, next_attempt_at = now(), attempts = 0
+			WHERE id = $1 AND parked_at IS NOT NULL AND dispatched_at IS NULL`,
+		EffectDiscard: `UPDATE ` + n.Effects + ` SET dispatched_at = now(), last_error = coalesce(last_error, '') || ' (discarded)'
+			WHERE id = $1 AND parked_at IS NOT NULL AND dispatched_at IS NULL`,
+
 		RelayLock: fmt.Sprintf("SELECT pg_try_advisory_xact_lock(%d, %s)", lockClass, lockKey(n, "relay")),
 		// An effect is due when nothing earlier with its ordering key is parked or waiting to be
 		// retried, so that later effects never overtake a failed one.
 		RelaySelect: `SELECT ` + effectColumns + ` FROM ` + n.Effects + ` e
 			WHERE e.dispatched_at IS NULL AND e.parked_at IS NULL
-			  AND e.created_at < now() - ` + ms("$1") + `
+			  AND (e.created_at < now() - ` + ms("$1") + ` OR e.next_attempt_at IS NOT NULL)
 			  AND (e.next_attempt_at IS NULL OR e.next_attempt_at <= now())
 			  AND NOT EXISTS (SELECT 1 FROM ` + n.Effects + ` b
 				WHERE b.ordering_key = e.ordering_key AND b.id < e.id AND b.dispatched_at IS NULL

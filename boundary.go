@@ -1,0 +1,76 @@
+package outbox
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/google/uuid"
+)
+
+// InTx runs fn in a new transaction for code that has no incoming message (an HTTP handler, a job):
+// outbox.Publish and outbox.Record work in ctx as they do in a wrapped handler. If fn returns nil
+// the transaction commits and the side effects are dispatched at once, in the caller's goroutine;
+// if that dispatch fails, the relay retries them (the commit stands and InTx returns nil). If fn
+// returns an error or panics, the transaction rolls back and nothing is sent.
+func (o *Outbox) InTx(ctx context.Context, fn func(ctx context.Context, tx *sql.Tx) error) (err error) {
+	tx, err := o.db.BeginTx(context.WithoutCancel(ctx), nil)
+	if err != nil {
+		return fmt.Errorf("outbox: begin transaction: %w", err)
+	}
+	uctx, dispatch := o.JoinTx(ctx, tx)
+	defer func() {
+		if r := recover(); r != nil {
+			_ = tx.Rollback()
+			panic(r)
+		}
+	}()
+	if err := fn(uctx, tx); err != nil {
+		if rbErr := tx.Rollback(); rbErr != nil && !errors.Is(rbErr, sql.ErrTxDone) {
+			return fmt.Errorf("%w (rollback: %w)", err, rbErr)
+		}
+		return err
+	}
+	if err := tx.Commit(); err != nil {
+		if errors.Is(err, sql.ErrTxDone) {
+			return ErrTxFinishedByHandler
+		}
+		return fmt.Errorf("outbox: commit: %w", err)
+	}
+	if err := o.failpoint(ctx, FailpointAfterCommit); err != nil {
+		return err
+	}
+	dispatch(context.WithoutCancel(ctx))
+	return nil
+}
+
+// JoinTx attaches a unit of work to a transaction the caller owns: side effects recorded with the
+// returned context are stored in tx. After committing tx, call dispatch to send them at once; if
+// the caller never calls it (or crashes first), the relay sends them after Config.RelayGrace. If tx
+// rolls back, nothing was stored and dispatch sends nothing.
+func (o *Outbox) JoinTx(ctx context.Context, tx *sql.Tx) (context.Context, func(context.Context)) {
+	u := &unit{o: o, tx: tx, src: Source{ID: uuid.NewString()}}
+	return withUnit(ctx, u), func(ctx context.Context) { o.dispatchBoundary(ctx, u) }
+}
+
+// dispatchBoundary is the fast path at the boundary. On failure the effects are handed to the
+// relay as due for a retry, so that they do not wait for the grace period.
+func (o *Outbox) dispatchBoundary(ctx context.Context, u *unit) {
+	if len(u.effects) == 0 {
+		return
+	}
+	fields := watermill.LogFields{"boundary_id": u.src.ID, "effects": len(u.effects)}
+	if err := o.dispatch(ctx, u.effects); err != nil {
+		o.logger.Error("Dispatch after commit failed; the relay will retry", err, fields)
+		if ferr := o.store.EffectRetryLater(ctx, u.src, sanitizeReason(err.Error()), relayBackoff(1)); ferr != nil {
+			o.logger.Error("Recording the failed dispatch failed; the relay retries after the grace period", ferr, fields)
+		}
+		o.kickRelay()
+		return
+	}
+	if err := o.store.EffectMarkDispatched(ctx, u.src); err != nil {
+		o.logger.Error("Marking side effects dispatched failed; they may be sent again", err, fields)
+	}
+}
