@@ -46,6 +46,12 @@ type Config struct {
 	// and each failure is logged with its count.
 	PoisonTopic string
 
+	// DuplicateWait is how long a duplicate delivery that finds side effects committed less than
+	// this long ago waits for the process that committed them to send them, before sending what is
+	// still pending itself. It keeps concurrent copies from putting a second copy of every effect on
+	// the wire. Default: 1 second.
+	DuplicateWait time.Duration
+
 	// HandlerTimeout bounds one unit of work (handler, commit). Zero (the default): no bound beyond
 	// the message context.
 	HandlerTimeout time.Duration
@@ -86,6 +92,7 @@ const (
 	defaultCleanupBatchSize = 1000
 	defaultMaxAttempts      = 5
 	defaultPublishTimeout   = 30 * time.Second
+	defaultDuplicateWait    = time.Second
 	defaultMaxPayloadBytes  = 16 << 20
 	defaultRelayInterval    = time.Second
 	defaultRelayGrace       = 10 * time.Second
@@ -117,6 +124,9 @@ func (c *Config) setDefaults() {
 	}
 	if c.MaxAttempts == 0 {
 		c.MaxAttempts = defaultMaxAttempts
+	}
+	if c.DuplicateWait == 0 {
+		c.DuplicateWait = defaultDuplicateWait
 	}
 	if c.PublishTimeout == 0 {
 		c.PublishTimeout = defaultPublishTimeout
@@ -152,7 +162,7 @@ func (c Config) Validate() error {
 	}
 	for name, d := range map[string]time.Duration{
 		"Retention": c.Retention, "EffectRetention": c.EffectRetention, "CleanupInterval": c.CleanupInterval,
-		"HandlerTimeout": c.HandlerTimeout, "PublishTimeout": c.PublishTimeout,
+		"HandlerTimeout": c.HandlerTimeout, "PublishTimeout": c.PublishTimeout, "DuplicateWait": c.DuplicateWait,
 		"RelayInterval": c.RelayInterval, "RelayGrace": c.RelayGrace,
 	} {
 		if d < 0 {

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"runtime/debug"
+	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -122,6 +123,21 @@ func (o *Outbox) redeliver(ctx context.Context, src Source, fields watermill.Log
 	o.logger.Debug("Duplicate message skipped", fields.Add(watermill.LogFields{"pending_effects": len(pending)}))
 	if len(pending) == 0 {
 		return nil
+	}
+	if wait := o.cfg.DuplicateWait - pending[0].PendingFor; wait > 0 {
+		// Effects this young were most likely committed by a copy that is sending them right now
+		// (this copy waited on its claim): let it, rather than put a second copy on the wire.
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("outbox: waiting for an in-flight dispatch: %w", ctx.Err())
+		case <-time.After(wait):
+		}
+		if pending, err = o.store.EffectListPending(ctx, src); err != nil {
+			return fmt.Errorf("outbox: list pending side effects of %q for %q: %w", src.ID, src.Consumer, err)
+		}
+		if len(pending) == 0 {
+			return nil
+		}
 	}
 	return o.dispatchAndMark(ctx, src, pending, fields)
 }

@@ -156,6 +156,13 @@ func TestConcurrentCopiesRunTheHandlerOnce(t *testing.T) {
 	}
 	mustEqual(t, "handler calls", calls.Load(), int32(5))
 	mustEqual(t, "pending effects", e.pendingEffects(), 0)
+	// The losers waited for the winner's dispatch instead of sending a second copy.
+	for topic, copies := range map[string]map[string]int{"out_a": e.wire("out_a"), "out_b": e.wire("out_b")} {
+		mustEqual(t, "distinct effects on "+topic, len(copies), 5)
+		for id, n := range copies {
+			mustEqual(t, "copies of "+id, n, 1)
+		}
+	}
 }
 
 func TestReturnedMessagesAreStoredNotRepublished(t *testing.T) {

@@ -38,6 +38,8 @@ type Effect struct {
 	Attempts int
 	// Source is what caused the effect.
 	Source Source
+	// PendingFor is how long the effect had been stored when it was read, by the database's clock.
+	PendingFor time.Duration
 }
 
 // KindPublish is the Kind of effects that publish a message.

@@ -243,10 +243,12 @@ func scanEffects(rows *sql.Rows) ([]outbox.Effect, error) {
 	for rows.Next() {
 		var e outbox.Effect
 		var md []byte
+		var pendingMS int64
 		if err := rows.Scan(&e.StoreID, &e.Source.Consumer, &e.Source.ID, &e.Seq, &e.Kind, &e.Topic, &e.UUID,
-			&e.Payload, &md, &e.OrderingKey, &e.Attempts); err != nil {
+			&e.Payload, &md, &e.OrderingKey, &e.Attempts, &pendingMS); err != nil {
 			return nil, err
 		}
+		e.PendingFor = time.Duration(pendingMS) * time.Millisecond
 		var err error
 		if e.Metadata, err = DecodeMetadata(md); err != nil {
 			return nil, fmt.Errorf("effect %d: %w", e.StoreID, err)
@@ -417,10 +419,12 @@ func (s *SQL) EffectListParked(ctx context.Context, limit int) ([]outbox.ParkedE
 		var p outbox.ParkedEffect
 		var md []byte
 		var lastErr sql.NullString
+		var pendingMS int64
 		if err := rows.Scan(&p.StoreID, &p.Source.Consumer, &p.Source.ID, &p.Seq, &p.Kind, &p.Topic, &p.UUID,
-			&p.Payload, &md, &p.OrderingKey, &p.Attempts, &lastErr, &p.ParkedAt, &p.CreatedAt); err != nil {
+			&p.Payload, &md, &p.OrderingKey, &p.Attempts, &pendingMS, &lastErr, &p.ParkedAt, &p.CreatedAt); err != nil {
 			return nil, err
 		}
+		p.PendingFor = time.Duration(pendingMS) * time.Millisecond
 		p.LastError = lastErr.String
 		if p.Metadata, err = DecodeMetadata(md); err != nil {
 			return nil, fmt.Errorf("effect %d: %w", p.StoreID, err)

@@ -85,7 +85,8 @@ func migrateQueries(n store.Names) store.MigrateQueries {
 	}
 }
 
-const effectColumns = `id, source_consumer, source_id, seq, kind, topic, uuid, payload, metadata, ordering_key, attempts`
+const effectColumns = `id, source_consumer, source_id, seq, kind, topic, uuid, payload, metadata, ordering_key, attempts,
+	(extract(epoch FROM now() - created_at) * 1000)::bigint`
 
 // asyncCommit makes the implicit transaction of a single statement commit without waiting for
 // the WAL flush: the marks it guards are safe to lose (a lost mark only causes a re-send).
