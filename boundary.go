@@ -62,6 +62,15 @@ func (o *Outbox) dispatchBoundary(ctx context.Context, u *unit) {
 		return
 	}
 	fields := watermill.LogFields{"boundary_id": u.src.ID, "effects": len(u.effects)}
+	if blocked, err := o.keyBlocked(ctx, u.src, u.effects); err != nil || blocked {
+		if err != nil {
+			o.logger.Error("Checking ordering keys failed; the relay sends the effects", err, fields)
+		}
+		if err := o.handToRelay(ctx, u.src); err != nil {
+			o.logger.Error("Handing effects to the relay failed; it sends them after the grace period", err, fields)
+		}
+		return
+	}
 	if err := o.dispatch(ctx, u.effects); err != nil {
 		o.logger.Error("Dispatch after commit failed; the relay will retry", err, fields)
 		if ferr := o.store.EffectRetryLater(ctx, u.src, sanitizeReason(err.Error()), relayBackoff(1)); ferr != nil {

@@ -146,6 +146,12 @@ func (o *Outbox) dispatchAndMark(ctx context.Context, src Source, effects []Effe
 	if len(effects) == 0 {
 		return nil
 	}
+	if blocked, err := o.keyBlocked(ctx, src, effects); err != nil {
+		return fmt.Errorf("outbox: check ordering keys: %w", err)
+	} else if blocked {
+		// The effects are committed; the relay sends them after the earlier ones, in order.
+		return o.handToRelay(ctx, src)
+	}
 	if err := o.dispatch(ctx, effects); err != nil {
 		// Committed effects stay pending: redelivery or the relay sends them with the same UUIDs.
 		return fmt.Errorf("outbox: dispatch side effects of %q for %q (kept, will be retried): %w", src.ID, src.Consumer, err)

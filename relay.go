@@ -9,7 +9,7 @@ import (
 )
 
 // relayOnce dispatches committed side effects that the path that wrote them left undispatched,
-// until none are due.
+// round after round, until a round finds nothing due in the partitions it could lock.
 func (o *Outbox) relayOnce(ctx context.Context) error {
 	for ctx.Err() == nil {
 		n, err := o.store.EffectRelay(ctx, EffectRelayParams{
@@ -21,7 +21,7 @@ func (o *Outbox) relayOnce(ctx context.Context) error {
 		if err != nil {
 			return err
 		}
-		if n < o.cfg.RelayBatchSize {
+		if n == 0 {
 			return nil
 		}
 	}

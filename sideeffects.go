@@ -5,6 +5,7 @@ import (
 	"database/sql"
 	"fmt"
 	"maps"
+	"slices"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -27,6 +28,42 @@ type unit struct {
 	src      Source
 	incoming *message.Message // nil at the boundary
 	effects  []Effect
+}
+
+// customKeys returns the ordering keys set with WithOrderingKey among effects: effects with such a
+// key may have to wait behind effects of other transactions.
+func (o *Outbox) customKeys(src Source, effects []Effect) []string {
+	def := defaultOrderingKey(src)
+	var keys []string
+	for _, e := range effects {
+		if e.OrderingKey != def && !slices.Contains(keys, e.OrderingKey) {
+			keys = append(keys, e.OrderingKey)
+		}
+	}
+	return keys
+}
+
+func defaultOrderingKey(src Source) string { return src.Consumer + "/" + src.ID }
+
+// keyBlocked tells whether an earlier effect of another transaction with one of the custom ordering
+// keys of effects is still undispatched; then these effects must go through the relay, in order.
+func (o *Outbox) keyBlocked(ctx context.Context, src Source, effects []Effect) (bool, error) {
+	for _, key := range o.customKeys(src, effects) {
+		blocked, err := o.store.EffectKeyBlocked(ctx, src, key)
+		if err != nil || blocked {
+			return blocked, err
+		}
+	}
+	return false, nil
+}
+
+// handToRelay leaves effects that must wait behind earlier ones to the relay.
+func (o *Outbox) handToRelay(ctx context.Context, src Source) error {
+	if err := o.store.EffectHandToRelay(ctx, src); err != nil {
+		return fmt.Errorf("outbox: hand side effects to the relay: %w", err)
+	}
+	o.kickRelay()
+	return nil
 }
 
 type unitKey struct{}
@@ -132,7 +169,7 @@ func (u *unit) record(ctx context.Context, effects []Effect) error {
 	}
 	key, _ := ctx.Value(orderingKeyKey{}).(string)
 	if key == "" {
-		key = u.src.Consumer + "/" + u.src.ID
+		key = defaultOrderingKey(u.src)
 	}
 	if err := validateName(key); err != nil {
 		return fmt.Errorf("outbox: ordering key: %w", err)

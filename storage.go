@@ -89,6 +89,11 @@ type Store interface {
 	// EffectRetryLater records a failed dispatch of the pending effects of src: they become due for
 	// the relay after delay, without waiting for the grace period.
 	EffectRetryLater(ctx context.Context, src Source, reason string, delay time.Duration) error
+	// EffectKeyBlocked tells whether an effect of another source with ordering key key, stored before
+	// the effects of src, is still undispatched.
+	EffectKeyBlocked(ctx context.Context, src Source, key string) (bool, error)
+	// EffectHandToRelay makes the pending effects of src due for the relay now, without counting an attempt.
+	EffectHandToRelay(ctx context.Context, src Source) error
 	// EffectListParked returns up to limit parked effects, oldest first.
 	EffectListParked(ctx context.Context, limit int) ([]ParkedEffect, error)
 	// EffectUnpark makes parked effects due again with a fresh attempt count; it returns how many it changed.

@@ -24,10 +24,12 @@ type Queries struct {
 	EffectListPending    string // (consumer, id) -> effect columns, in seq order
 	EffectMarkDispatched string // (consumer, id)
 
-	EffectRetryLater string // (consumer, id, reason, delay ms): record a failed fast-path dispatch
-	EffectListParked string // (limit) -> effect columns, last_error, parked_at, created_at
-	EffectUnpark     string // (store id)
-	EffectDiscard    string // (store id)
+	EffectRetryLater  string // (consumer, id, reason, delay ms): record a failed fast-path dispatch
+	EffectKeyBlocked  string // (consumer, id, key) -> bool
+	EffectHandToRelay string // (consumer, id)
+	EffectListParked  string // (limit) -> effect columns, last_error, parked_at, created_at
+	EffectUnpark      string // (store id)
+	EffectDiscard     string // (store id)
 
 	RelayLock           string // -> bool; empty when the dialect needs no lock
 	RelaySelect         string // (grace ms, limit) -> effect columns, in id order, claimed
@@ -404,6 +406,19 @@ func (s *SQL) cleanupBatch(ctx context.Context, query string, retention time.Dur
 // EffectRetryLater implements outbox.Store.
 func (s *SQL) EffectRetryLater(ctx context.Context, src outbox.Source, reason string, delay time.Duration) error {
 	_, err := s.db.ExecContext(ctx, s.d.Queries.EffectRetryLater, src.Consumer, src.ID, reason, delay.Milliseconds())
+	return s.wrap(err)
+}
+
+// EffectKeyBlocked implements outbox.Store.
+func (s *SQL) EffectKeyBlocked(ctx context.Context, src outbox.Source, key string) (bool, error) {
+	var blocked bool
+	err := s.queryRow(ctx, nil, s.d.Queries.EffectKeyBlocked, []any{src.Consumer, src.ID, key}, &blocked)
+	return blocked, err
+}
+
+// EffectHandToRelay implements outbox.Store.
+func (s *SQL) EffectHandToRelay(ctx context.Context, src outbox.Source) error {
+	_, err := s.db.ExecContext(ctx, s.d.Queries.EffectHandToRelay, src.Consumer, src.ID)
 	return s.wrap(err)
 }
 

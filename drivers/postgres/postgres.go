@@ -21,6 +21,12 @@ const DefaultSchema = "public"
 // lockClass is the first key of every advisory lock the framework takes ("outb").
 const lockClass = 0x6f757462
 
+// The relay's partitions of ordering keys; relayPartitions must be a power of two.
+const (
+	relayPartitions         = 16
+	relayPartitionsPerRound = 4
+)
+
 // Driver is the PostgreSQL dialect. The zero value is ready to use.
 type Driver struct {
 	// DisablePreparedStatements stops reusing prepared statements per connection. Set it behind a
@@ -126,6 +132,11 @@ func queries(n store.Names) store.Queries {
 		EffectRetryLater: `UPDATE ` + n.Effects + ` SET attempts = attempts + 1, last_error = $3,
 			next_attempt_at = now() + ` + ms("$4") + `
 			WHERE source_consumer = $1 AND source_id = $2 AND dispatched_at IS NULL`,
+		EffectKeyBlocked: `SELECT EXISTS (SELECT 1 FROM ` + n.Effects + ` b
+			WHERE b.ordering_key = $3 AND b.dispatched_at IS NULL AND NOT (b.source_consumer = $1 AND b.source_id = $2)
+			  AND b.id < (SELECT min(id) FROM ` + n.Effects + ` WHERE source_consumer = $1 AND source_id = $2))`,
+		EffectHandToRelay: `UPDATE ` + n.Effects + ` SET next_attempt_at = coalesce(next_attempt_at, now())
+			WHERE source_consumer = $1 AND source_id = $2 AND dispatched_at IS NULL`,
 		EffectListParked: `SELECT ` + effectColumns + `, last_error, parked_at, created_at FROM ` + n.Effects + `
 			WHERE parked_at IS NOT NULL AND dispatched_at IS NULL ORDER BY id LIMIT $1`,
 		EffectUnpark: `UPDATE ` + n.Effects + ` SET parked_at = NULL, next_attempt_at = now(), attempts = 0
@@ -133,11 +144,18 @@ func queries(n store.Names) store.Queries {
 		EffectDiscard: `UPDATE ` + n.Effects + ` SET dispatched_at = now(), last_error = coalesce(last_error, '') || ' (discarded)'
 			WHERE id = $1 AND parked_at IS NOT NULL AND dispatched_at IS NULL`,
 
-		RelayLock: fmt.Sprintf("SELECT pg_try_advisory_xact_lock(%d, %s)", lockClass, lockKey(n, "relay")),
-		// An effect is due when nothing earlier with its ordering key is parked or waiting to be
-		// retried, so that later effects never overtake a failed one.
-		RelaySelect: `SELECT ` + effectColumns + ` FROM ` + n.Effects + ` e
+		// Ordering keys hash into relayPartitions partitions. A round locks up to relayPartitionsPerRound
+		// free partitions (in random order, so that instances spread over them) for its transaction,
+		// and claims only their effects: instances share the work, and one key is relayed by one
+		// instance at a time, in id order. An effect is due when nothing earlier with its key is
+		// parked or waiting for a retry, so that later effects never overtake a failed one.
+		RelaySelect: fmt.Sprintf(`WITH parts AS MATERIALIZED (
+				SELECT p FROM (SELECT p FROM generate_series(0, %d) p ORDER BY random()) r
+				WHERE pg_try_advisory_xact_lock(%d, hashtext('%s.%srelay.' || p))
+				LIMIT %d)
+			SELECT `, relayPartitions-1, lockClass, n.Schema, n.Prefix, relayPartitionsPerRound) + effectColumns + ` FROM ` + n.Effects + ` e
 			WHERE e.dispatched_at IS NULL AND e.parked_at IS NULL
+			  AND (hashtext(e.ordering_key) & ` + fmt.Sprint(relayPartitions-1) + `) IN (SELECT p FROM parts)
 			  AND (e.created_at < now() - ` + ms("$1") + ` OR e.next_attempt_at IS NOT NULL)
 			  AND (e.next_attempt_at IS NULL OR e.next_attempt_at <= now())
 			  AND NOT EXISTS (SELECT 1 FROM ` + n.Effects + ` b
