@@ -20,7 +20,8 @@ func (o *Outbox) InTx(ctx context.Context, fn func(ctx context.Context, tx *sql.
 	if err != nil {
 		return fmt.Errorf("outbox: begin transaction: %w", err)
 	}
-	uctx, dispatch := o.JoinTx(ctx, tx)
+	u := &unit{o: o, tx: tx, src: Source{ID: uuid.NewString()}}
+	uctx := withUnit(ctx, u)
 	defer func() {
 		if r := recover(); r != nil {
 			_ = tx.Rollback()
@@ -42,44 +43,57 @@ func (o *Outbox) InTx(ctx context.Context, fn func(ctx context.Context, tx *sql.
 	if err := o.failpoint(ctx, FailpointAfterCommit); err != nil {
 		return err
 	}
-	dispatch(context.WithoutCancel(ctx))
+	// This transaction is known to have committed: its effects are sent from memory.
+	o.dispatchBoundary(context.WithoutCancel(ctx), u.src, u.effects)
 	return nil
 }
 
 // JoinTx attaches a unit of work to a transaction the caller owns: side effects recorded with the
 // returned context are stored in tx. After committing tx, call dispatch to send them at once; if
 // the caller never calls it (or crashes first), the relay sends them after Config.RelayGrace. If tx
-// rolls back, nothing was stored and dispatch sends nothing.
+// rolled back, dispatch sends nothing. Because the outcome of a transaction the caller owns cannot
+// be seen from here, dispatch reads back what was committed: one query more than InTx.
 func (o *Outbox) JoinTx(ctx context.Context, tx *sql.Tx) (context.Context, func(context.Context)) {
 	u := &unit{o: o, tx: tx, src: Source{ID: uuid.NewString()}}
-	return withUnit(ctx, u), func(ctx context.Context) { o.dispatchBoundary(ctx, u) }
+	return withUnit(ctx, u), func(ctx context.Context) {
+		if len(u.effects) == 0 {
+			return
+		}
+		committed, err := o.store.EffectListPending(ctx, u.src)
+		if err != nil {
+			o.logger.Error("Reading back committed side effects failed; the relay sends them after the grace period", err,
+				watermill.LogFields{"boundary_id": u.src.ID})
+			return
+		}
+		o.dispatchBoundary(ctx, u.src, committed)
+	}
 }
 
 // dispatchBoundary is the fast path at the boundary. On failure the effects are handed to the
 // relay as due for a retry, so that they do not wait for the grace period.
-func (o *Outbox) dispatchBoundary(ctx context.Context, u *unit) {
-	if len(u.effects) == 0 {
+func (o *Outbox) dispatchBoundary(ctx context.Context, src Source, effects []Effect) {
+	if len(effects) == 0 {
 		return
 	}
-	fields := watermill.LogFields{"boundary_id": u.src.ID, "effects": len(u.effects)}
-	if blocked, err := o.keyBlocked(ctx, u.src, u.effects); err != nil || blocked {
+	fields := watermill.LogFields{"boundary_id": src.ID, "effects": len(effects)}
+	if blocked, err := o.keyBlocked(ctx, src, effects); err != nil || blocked {
 		if err != nil {
 			o.logger.Error("Checking ordering keys failed; the relay sends the effects", err, fields)
 		}
-		if err := o.handToRelay(ctx, u.src); err != nil {
+		if err := o.handToRelay(ctx, src); err != nil {
 			o.logger.Error("Handing effects to the relay failed; it sends them after the grace period", err, fields)
 		}
 		return
 	}
-	if err := o.dispatch(ctx, u.effects); err != nil {
+	if err := o.dispatch(ctx, effects); err != nil {
 		o.logger.Error("Dispatch after commit failed; the relay will retry", err, fields)
-		if ferr := o.store.EffectRetryLater(ctx, u.src, sanitizeReason(err.Error()), relayBackoff(1)); ferr != nil {
+		if ferr := o.store.EffectRetryLater(ctx, src, sanitizeReason(err.Error()), relayBackoff(1)); ferr != nil {
 			o.logger.Error("Recording the failed dispatch failed; the relay retries after the grace period", ferr, fields)
 		}
 		o.kickRelay()
 		return
 	}
-	if err := o.store.EffectMarkDispatched(ctx, u.src); err != nil {
+	if err := o.store.EffectMarkDispatched(ctx, src); err != nil {
 		o.logger.Error("Marking side effects dispatched failed; they may be sent again", err, fields)
 	}
 }
