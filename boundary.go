@@ -87,10 +87,12 @@ func (o *Outbox) dispatchBoundary(ctx context.Context, src Source, effects []Eff
 	}
 	if err := o.dispatch(ctx, effects); err != nil {
 		o.logger.Error("Dispatch after commit failed; the relay will retry", err, fields)
-		if ferr := o.store.EffectRetryLater(ctx, src, sanitizeReason(err.Error()), relayBackoff(1)); ferr != nil {
+		// The first retry is immediate (the failure may have been momentary); the relay backs off
+		// from there.
+		if ferr := o.store.EffectRetryLater(ctx, src, sanitizeReason(err.Error()), 0); ferr != nil {
 			o.logger.Error("Recording the failed dispatch failed; the relay retries after the grace period", ferr, fields)
 		}
-		o.kickRelay()
+		o.wakeRelays(ctx)
 		return
 	}
 	if err := o.store.EffectMarkDispatched(ctx, src); err != nil {

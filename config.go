@@ -65,7 +65,7 @@ type Config struct {
 	// RelayGrace is how old an undispatched side effect must be before the relay sends it, so that
 	// the relay does not race the dispatch that follows every commit. Default: 10 seconds.
 	RelayGrace time.Duration
-	// RelayBatchSize is how many side effects one relay round claims. Default: 100.
+	// RelayBatchSize is how many side effects one relay round claims. Default: 500.
 	RelayBatchSize int
 	// RelayMaxAttempts is how many times the relay tries one side effect before parking it. Default: 10.
 	RelayMaxAttempts int
@@ -96,7 +96,7 @@ const (
 	defaultMaxPayloadBytes  = 16 << 20
 	defaultRelayInterval    = time.Second
 	defaultRelayGrace       = 10 * time.Second
-	defaultRelayBatchSize   = 100
+	defaultRelayBatchSize   = 500
 	defaultRelayMaxAttempts = 10
 
 	// maxIDLength bounds message IDs and topics so that they index well.

@@ -32,6 +32,7 @@ func brokerSchema() wsql.DefaultPostgreSQLSchema {
 type env struct {
 	t   testing.TB
 	db  *sql.DB
+	dsn string
 	pub *faultyPublisher
 	ob  *outbox.Outbox
 }
@@ -69,12 +70,17 @@ func (p *faultyPublisher) Close() error { return nil }
 
 func newEnv(t testing.TB, mutate ...func(*outbox.Config)) *env {
 	t.Helper()
-	db := pgtest.DB(t)
+	dsn := pgtest.DSN(t)
+	db, err := sql.Open("postgres", dsn)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = db.Close() })
 	real, err := wsql.NewPublisher(db, wsql.PublisherConfig{SchemaAdapter: brokerSchema(), AutoInitializeSchema: true}, watermill.NopLogger{})
 	if err != nil {
 		t.Fatal(err)
 	}
-	e := &env{t: t, db: db, pub: &faultyPublisher{next: real}}
+	e := &env{t: t, db: db, dsn: dsn, pub: &faultyPublisher{next: real}}
 	e.ob = e.newOutbox(mutate...)
 	if err := e.ob.Migrate(context.Background()); err != nil {
 		t.Fatal(err)

@@ -3,6 +3,7 @@ package outbox
 import (
 	"context"
 	"database/sql"
+	"errors"
 	"fmt"
 	"sync"
 	"time"
@@ -101,7 +102,8 @@ func (o *Outbox) applier(name string) (Applier, bool) {
 // nil when ctx is cancelled.
 func (o *Outbox) Run(ctx context.Context) error {
 	var wg sync.WaitGroup
-	wg.Add(2)
+	wg.Add(3)
+	go func() { defer wg.Done(); o.listen(ctx) }()
 	go func() { defer wg.Done(); o.runEvery(ctx, o.cfg.RelayInterval, o.kick, "relay", o.relayOnce) }()
 	go func() { defer wg.Done(); o.runEvery(ctx, o.cfg.CleanupInterval, nil, "cleanup", o.cleanupOnce) }()
 	wg.Wait()
@@ -174,6 +176,31 @@ func (o *Outbox) DiscardParked(ctx context.Context, storeIDs ...int64) (int, err
 		o.kickRelay()
 	}
 	return n, err
+}
+
+// listen wakes the relay on notifications from other instances, reconnecting after failures.
+func (o *Outbox) listen(ctx context.Context) {
+	for ctx.Err() == nil {
+		err := o.store.EffectListen(ctx, o.kickRelay)
+		if errors.Is(err, ErrListenUnsupported) {
+			return
+		}
+		if err != nil && ctx.Err() == nil {
+			o.logger.Error("Listening for relay wake-ups failed; retrying", err, nil)
+			select {
+			case <-ctx.Done():
+			case <-time.After(time.Second):
+			}
+		}
+	}
+}
+
+// wakeRelays wakes this process's relay and, through the store, the relays of the other instances.
+func (o *Outbox) wakeRelays(ctx context.Context) {
+	o.kickRelay()
+	if err := o.store.EffectNotify(ctx); err != nil {
+		o.logger.Error("Notifying the relays failed; they pick the effects up at their next poll", err, nil)
+	}
 }
 
 // kickRelay wakes this process's relay without waiting for RelayInterval.

@@ -28,23 +28,35 @@ func (o *Outbox) relayOnce(ctx context.Context) error {
 	return nil
 }
 
-// relayDispatch sends effects (in store order) one at a time; once an effect fails, the later
-// effects with its ordering key are not tried, so that they never overtake it.
+// relayDispatch sends effects in store order, consecutive messages to one topic in one Publish
+// call; once an effect fails, the later effects with its ordering key are not tried, so that they
+// never overtake it.
 func (o *Outbox) relayDispatch(ctx context.Context, effects []Effect) []error {
 	errs := make([]error, len(effects))
 	failed := map[string]bool{}
-	for i, e := range effects {
-		if failed[e.OrderingKey] {
+	for i := 0; i < len(effects); {
+		if failed[effects[i].OrderingKey] {
 			errs[i] = ErrEffectBlocked
+			i++
 			continue
 		}
-		if err := o.dispatch(ctx, effects[i:i+1]); err != nil {
-			errs[i] = err
-			failed[e.OrderingKey] = true
-			o.logger.Error("Relay could not dispatch a side effect; it will be retried", err, watermill.LogFields{
-				"effect_uuid": e.UUID, "topic": e.Topic, "kind": e.Kind, "attempts": e.Attempts + 1,
+		j := i + 1
+		if effects[i].Kind == KindPublish {
+			for j < len(effects) && effects[j].Kind == KindPublish && effects[j].Topic == effects[i].Topic &&
+				!failed[effects[j].OrderingKey] {
+				j++
+			}
+		}
+		if err := o.dispatch(ctx, effects[i:j]); err != nil {
+			for k := i; k < j; k++ {
+				errs[k] = err
+				failed[effects[k].OrderingKey] = true
+			}
+			o.logger.Error("Relay could not dispatch side effects; they will be retried", err, watermill.LogFields{
+				"effects": j - i, "first_effect_uuid": effects[i].UUID, "topic": effects[i].Topic, "kind": effects[i].Kind,
 			})
 		}
+		i = j
 	}
 	return errs
 }

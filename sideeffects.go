@@ -62,7 +62,7 @@ func (o *Outbox) handToRelay(ctx context.Context, src Source) error {
 	if err := o.store.EffectHandToRelay(ctx, src); err != nil {
 		return fmt.Errorf("outbox: hand side effects to the relay: %w", err)
 	}
-	o.kickRelay()
+	o.wakeRelays(ctx)
 	return nil
 }
 

@@ -100,6 +100,12 @@ type Store interface {
 	EffectUnpark(ctx context.Context, storeIDs []int64) (int, error)
 	// EffectDiscard marks parked effects dispatched without sending them; it returns how many it changed.
 	EffectDiscard(ctx context.Context, storeIDs []int64) (int, error)
+	// EffectNotify wakes the relays of every instance that listens (PostgreSQL NOTIFY). A dialect
+	// without notifications does nothing.
+	EffectNotify(ctx context.Context) error
+	// EffectListen calls wake whenever EffectNotify is called anywhere, until ctx is done; it returns
+	// ErrListenUnsupported at once when the store cannot listen (the relay then polls).
+	EffectListen(ctx context.Context, wake func()) error
 	// EffectRelay claims up to limit pending effects older than grace that are due, in order,
 	// and calls dispatch with them; dispatch returns, for each effect, nil or its error. The store
 	// marks the successful ones dispatched and records the failures (parking an effect after
@@ -153,6 +159,9 @@ var (
 	// ErrSchemaOutdated means the outbox tables are older than this version: run Outbox.Migrate.
 	ErrSchemaOutdated = errors.New("outbox: tables outdated, run Outbox.Migrate(ctx)")
 )
+
+// ErrListenUnsupported is returned by Store.EffectListen when the store cannot listen for wake-ups.
+var ErrListenUnsupported = errors.New("outbox: the store cannot listen for notifications")
 
 // ErrEffectBlocked is what a relay dispatch function returns for an effect it did not try because
 // an earlier effect with the same ordering key failed; the store neither marks nor counts it.

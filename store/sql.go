@@ -31,8 +31,11 @@ type Queries struct {
 	EffectUnpark      string // (store id)
 	EffectDiscard     string // (store id)
 
-	RelayLock           string // -> bool; empty when the dialect needs no lock
-	RelaySelect         string // (grace ms, limit) -> effect columns, in id order, claimed
+	// RelayLock (grace ms) -> text: locks, for the round's transaction, the key partitions this
+	// round may relay and returns them comma-separated ("" for none: nothing to do). Empty when the
+	// dialect has no partitions: then RelaySelect takes only (grace ms, limit).
+	RelayLock           string
+	RelaySelect         string // (grace ms, limit[, partitions]) -> effect columns, in id order, claimed
 	RelayMarkDispatched string // (store id)
 	RelayMarkFailed     string // (store id, reason, retry delay ms, park bool)
 	RelayFinishSource   string // (consumer, id): mark the claim dispatched when no effect is pending
@@ -55,6 +58,11 @@ type Dialect struct {
 	IsUndefinedTable func(error) bool
 	// Prepare enables prepared statements reused per connection on the hot path.
 	Prepare bool
+	// Notify wakes listening relays (no arguments); empty when the dialect has no notifications.
+	Notify string
+	// Listen blocks until ctx is done, calling wake on every notification; nil when the dialect
+	// cannot listen.
+	Listen func(ctx context.Context, wake func()) error
 }
 
 // SQL is an outbox.Store over database/sql.
@@ -282,16 +290,18 @@ func (s *SQL) EffectRelay(ctx context.Context, p outbox.EffectRelayParams, dispa
 		return 0, fmt.Errorf("begin: %w", err)
 	}
 	defer func() { _ = tx.Rollback() }()
+	args := []any{p.Grace.Milliseconds(), p.Limit}
 	if s.d.Queries.RelayLock != "" {
-		var ok bool
-		if err := tx.QueryRowContext(ctx, s.d.Queries.RelayLock).Scan(&ok); err != nil {
+		var parts string
+		if err := tx.QueryRowContext(ctx, s.d.Queries.RelayLock, p.Grace.Milliseconds()).Scan(&parts); err != nil {
 			return 0, fmt.Errorf("relay lock: %w", s.wrap(err))
 		}
-		if !ok {
+		if parts == "" {
 			return 0, nil
 		}
+		args = append(args, parts)
 	}
-	rows, err := tx.QueryContext(ctx, s.d.Queries.RelaySelect, p.Grace.Milliseconds(), p.Limit)
+	rows, err := tx.QueryContext(ctx, s.d.Queries.RelaySelect, args...)
 	if err != nil {
 		return 0, fmt.Errorf("select pending effects: %w", s.wrap(err))
 	}
@@ -420,6 +430,23 @@ func (s *SQL) EffectKeyBlocked(ctx context.Context, src outbox.Source, key strin
 func (s *SQL) EffectHandToRelay(ctx context.Context, src outbox.Source) error {
 	_, err := s.db.ExecContext(ctx, s.d.Queries.EffectHandToRelay, src.Consumer, src.ID)
 	return s.wrap(err)
+}
+
+// EffectNotify implements outbox.Store.
+func (s *SQL) EffectNotify(ctx context.Context) error {
+	if s.d.Notify == "" {
+		return nil
+	}
+	_, err := s.db.ExecContext(ctx, s.d.Notify)
+	return s.wrap(err)
+}
+
+// EffectListen implements outbox.Store.
+func (s *SQL) EffectListen(ctx context.Context, wake func()) error {
+	if s.d.Listen == nil {
+		return outbox.ErrListenUnsupported
+	}
+	return s.d.Listen(ctx, wake)
 }
 
 // EffectListParked implements outbox.Store.

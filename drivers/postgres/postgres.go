@@ -33,6 +33,12 @@ type Driver struct {
 	// pooler in transaction mode that cannot keep them, or with a DB limited to one connection.
 	// Default: false (prepared statements save lib/pq a round trip per statement).
 	DisablePreparedStatements bool
+
+	// ListenDSN, when set, is the connection string (lib/pq format) of a dedicated connection on
+	// which the relay LISTENs for wake-ups: an effect whose dispatch failed in any instance is
+	// retried by the relays at once instead of at their next poll. Default: "" (the relay polls
+	// every RelayInterval; a failure in this process still wakes this process's relay).
+	ListenDSN string
 }
 
 var _ outbox.Driver = Driver{}
@@ -51,13 +57,19 @@ func (d Driver) Open(db *sql.DB, opts outbox.StoreOptions) (outbox.Store, error)
 	if err != nil {
 		return nil, fmt.Errorf("postgres migrations: %w", err)
 	}
-	return store.New(db, names, store.Dialect{
+	dialect := store.Dialect{
 		Queries:          queries(names),
 		Migrate:          migrateQueries(names),
 		Migrations:       migrations,
 		IsUndefinedTable: IsUndefinedTable,
 		Prepare:          !d.DisablePreparedStatements,
-	})
+		// The channel is built from validated identifiers, so the literal is safe.
+		Notify: fmt.Sprintf("SELECT pg_notify('%s', '')", notifyChannel(names.Schema, names.Prefix)),
+	}
+	if d.ListenDSN != "" {
+		dialect.Listen = listen(d.ListenDSN, notifyChannel(names.Schema, names.Prefix))
+	}
+	return store.New(db, names, dialect)
 }
 
 // IsUndefinedTable tells whether err is PostgreSQL's undefined_table or invalid_schema_name, from
@@ -97,6 +109,20 @@ const effectColumns = `id, source_consumer, source_id, seq, kind, topic, uuid, p
 // asyncCommit makes the implicit transaction of a single statement commit without waiting for
 // the WAL flush: the marks it guards are safe to lose (a lost mark only causes a re-send).
 const asyncCommit = `set_config('synchronous_commit', 'off', true) IS NOT NULL`
+
+// relayDue is the condition under which the relay may send effect e: undispatched, not parked,
+// past the grace period ($1 ms) or handed over by a failed dispatch, due for its retry, and not
+// behind an earlier undispatched effect with its ordering key that is not due itself (parked,
+// waiting for a retry, or young enough to be in its own dispatch after commit).
+func relayDue(n store.Names, ms func(string) string) string {
+	return `e.dispatched_at IS NULL AND e.parked_at IS NULL
+			  AND (e.created_at < now() - ` + ms("$1") + ` OR e.next_attempt_at IS NOT NULL)
+			  AND (e.next_attempt_at IS NULL OR e.next_attempt_at <= now())
+			  AND NOT EXISTS (SELECT 1 FROM ` + n.Effects + ` b
+				WHERE b.ordering_key = e.ordering_key AND b.id < e.id AND b.dispatched_at IS NULL
+				  AND (b.parked_at IS NOT NULL OR b.next_attempt_at > now()
+				       OR (b.next_attempt_at IS NULL AND b.created_at >= now() - ` + ms("$1") + `)))`
+}
 
 func queries(n store.Names) store.Queries {
 	ms := func(arg string) string { return "(" + arg + " * interval '1 millisecond')" }
@@ -144,23 +170,22 @@ func queries(n store.Names) store.Queries {
 		EffectDiscard: `UPDATE ` + n.Effects + ` SET dispatched_at = now(), last_error = coalesce(last_error, '') || ' (discarded)'
 			WHERE id = $1 AND parked_at IS NOT NULL AND dispatched_at IS NULL`,
 
-		// Ordering keys hash into relayPartitions partitions. A round locks up to relayPartitionsPerRound
-		// free partitions (in random order, so that instances spread over them) for its transaction,
-		// and claims only their effects: instances share the work, and one key is relayed by one
-		// instance at a time, in id order. An effect is due when nothing earlier with its key is
-		// parked or waiting for a retry, so that later effects never overtake a failed one.
-		RelaySelect: fmt.Sprintf(`WITH parts AS MATERIALIZED (
-				SELECT p FROM (SELECT p FROM generate_series(0, %d) p ORDER BY random()) r
-				WHERE pg_try_advisory_xact_lock(%d, hashtext('%s.%srelay.' || p))
-				LIMIT %d)
-			SELECT `, relayPartitions-1, lockClass, n.Schema, n.Prefix, relayPartitionsPerRound) + effectColumns + ` FROM ` + n.Effects + ` e
-			WHERE e.dispatched_at IS NULL AND e.parked_at IS NULL
-			  AND (hashtext(e.ordering_key) & ` + fmt.Sprint(relayPartitions-1) + `) IN (SELECT p FROM parts)
-			  AND (e.created_at < now() - ` + ms("$1") + ` OR e.next_attempt_at IS NOT NULL)
-			  AND (e.next_attempt_at IS NULL OR e.next_attempt_at <= now())
-			  AND NOT EXISTS (SELECT 1 FROM ` + n.Effects + ` b
-				WHERE b.ordering_key = e.ordering_key AND b.id < e.id AND b.dispatched_at IS NULL
-				  AND (b.parked_at IS NOT NULL OR b.next_attempt_at > now()))
+		// Ordering keys hash into relayPartitions partitions. RelayLock locks, for the round's
+		// transaction, up to relayPartitionsPerRound free partitions that have due effects (in random
+		// order, so that instances spread over them); RelaySelect then claims only their effects, in
+		// a statement of its own so that its snapshot includes whatever the previous holder of those
+		// partitions committed. Instances share the work, and one key is relayed by one instance at
+		// a time, in id order.
+		RelayLock: `SELECT coalesce(string_agg(p::text, ','), '') FROM (
+				SELECT p FROM (SELECT p FROM generate_series(0, ` + fmt.Sprint(relayPartitions-1) + `) p ORDER BY random()) r
+				WHERE CASE WHEN EXISTS (SELECT 1 FROM ` + n.Effects + ` e
+						WHERE (hashtext(e.ordering_key) & ` + fmt.Sprint(relayPartitions-1) + `) = r.p AND ` + relayDue(n, ms) + `)
+					THEN pg_try_advisory_xact_lock(` + fmt.Sprint(lockClass) + `, hashtext('` + n.Schema + `.` + n.Prefix + `relay.' || r.p))
+					ELSE false END
+				LIMIT ` + fmt.Sprint(relayPartitionsPerRound) + `) locked`,
+		RelaySelect: `SELECT ` + effectColumns + ` FROM ` + n.Effects + ` e
+			WHERE ` + relayDue(n, ms) + `
+			  AND (hashtext(e.ordering_key) & ` + fmt.Sprint(relayPartitions-1) + `) = ANY (string_to_array($3, ',')::int[])
 			ORDER BY e.id LIMIT $2
 			FOR UPDATE OF e SKIP LOCKED`,
 		RelayMarkDispatched: `UPDATE ` + n.Effects + ` SET dispatched_at = now() WHERE id = $1`,

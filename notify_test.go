@@ -1,0 +1,53 @@
+package outbox_test
+
+import (
+	"context"
+	"database/sql"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
+	_ "github.com/lib/pq"
+
+	"github.com/watermill-outbox/outbox"
+	"github.com/watermill-outbox/outbox/drivers/postgres"
+)
+
+// TestFailedDispatchWakesTheRelayOfAnotherInstance: instance A (no relay) fails to dispatch after
+// commit; instance B's relay, which would poll only hourly, is woken by NOTIFY and sends it.
+func TestFailedDispatchWakesTheRelayOfAnotherInstance(t *testing.T) {
+	e := newEnv(t)
+	b := e.newOutbox(func(c *outbox.Config) {
+		c.Driver = postgres.Driver{ListenDSN: e.dsn}
+		c.RelayInterval = time.Hour
+		c.RelayGrace = time.Hour
+	})
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error)
+	go func() { done <- b.Run(ctx) }()
+	defer func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Error(err)
+		}
+	}()
+	waitFor(t, "the relay to listen", func() bool {
+		return e.count(`SELECT count(*) FROM pg_stat_activity WHERE query LIKE 'LISTEN %'`) > 0
+	})
+
+	e.pub.fail.Store(1) // the fast path fails once, then the broker is back
+	var id string
+	err := e.ob.InTx(context.Background(), func(ctx context.Context, tx *sql.Tx) error {
+		m := message.NewMessage(uuid.NewString(), []byte("woken"))
+		id = m.UUID
+		return outbox.Publish(ctx, "out_a", m)
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	start := time.Now()
+	waitFor(t, "the woken relay", func() bool { return e.wire("out_a")[id] == 1 })
+	t.Logf("sent by the other instance's relay %v after the failed dispatch", time.Since(start))
+	mustEqual(t, "pending effects", e.pendingEffects(), 0)
+}
