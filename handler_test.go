@@ -20,6 +20,7 @@ func TestHandleCommitsBusinessAndEffectsThenDispatches(t *testing.T) {
 	var calls atomic.Int32
 	msg := message.NewMessage(uuid.NewString(), []byte("order"))
 	msg.Metadata.Set(outbox.MetadataCorrelationID, "corr-1")
+	msg.Metadata.Set(outbox.MetadataTraceparent, "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01")
 
 	if err := handle(e.ob, msg, applyAndPublish(&calls)); err != nil {
 		t.Fatal(err)
@@ -32,12 +33,13 @@ func TestHandleCommitsBusinessAndEffectsThenDispatches(t *testing.T) {
 	mustEqual(t, "pending effects", e.pendingEffects(), 0)
 	mustEqual(t, "retention clock moved to the dispatch", e.count(`SELECT count(*) FROM outbox_processed WHERE dispatched_at > processed_at`), 1)
 
-	var causation, correlation string
-	if err := e.db.QueryRow(`SELECT metadata->>'causation_id', metadata->>'correlation_id' FROM watermill_out_a`).Scan(&causation, &correlation); err != nil {
+	var causation, correlation, traceparent string
+	if err := e.db.QueryRow(`SELECT metadata->>'causation_id', metadata->>'correlation_id', metadata->>'traceparent' FROM watermill_out_a`).Scan(&causation, &correlation, &traceparent); err != nil {
 		t.Fatal(err)
 	}
 	mustEqual(t, "causation id", causation, msg.UUID)
 	mustEqual(t, "correlation id", correlation, "corr-1")
+	mustEqual(t, "traceparent", traceparent, "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01")
 }
 
 func TestRedeliveredMessageSkipsTheHandler(t *testing.T) {

@@ -67,3 +67,21 @@ func TestLaterEffectNeverOvertakesAStuckEarlierOneWithItsKey(t *testing.T) {
 		t.Fatalf("publish order: %v", order)
 	}
 }
+
+func TestBoundaryMetadataFromContext(t *testing.T) {
+	e := newEnv(t)
+	ctx := outbox.WithMetadata(context.Background(), outbox.MetadataCorrelationID, "req-7")
+	ctx = outbox.WithMetadata(ctx, outbox.MetadataTraceparent, "00-aaaabbbbccccddddeeeeffff00001111-2222333344445555-01")
+	err := e.ob.InTx(ctx, func(ctx context.Context, tx *sql.Tx) error {
+		own := message.NewMessage(uuid.NewString(), nil)
+		own.Metadata.Set(outbox.MetadataCorrelationID, "mine")
+		return outbox.Publish(ctx, "out_a", message.NewMessage(uuid.NewString(), nil), own)
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	mustEqual(t, "messages with the context's correlation id", e.count(`SELECT count(*) FROM watermill_out_a WHERE metadata->>'correlation_id' = 'req-7'`), 1)
+	mustEqual(t, "message keeping its own correlation id", e.count(`SELECT count(*) FROM watermill_out_a WHERE metadata->>'correlation_id' = 'mine'`), 1)
+	mustEqual(t, "messages with the trace context", e.count(`SELECT count(*) FROM watermill_out_a WHERE metadata->>'traceparent' LIKE '00-aaaa%'`), 2)
+	mustEqual(t, "messages with a causation id", e.count(`SELECT count(*) FROM watermill_out_a WHERE metadata->>'causation_id' <> ''`), 2)
+}

@@ -18,7 +18,13 @@ const (
 	MetadataCausationID = "causation_id"
 	// MetadataCorrelationID is copied from the incoming message; it is Watermill's correlation ID key.
 	MetadataCorrelationID = "correlation_id"
+	// MetadataTraceparent and MetadataTracestate (W3C trace context) are copied from the incoming message.
+	MetadataTraceparent = "traceparent"
+	MetadataTracestate  = "tracestate"
 )
+
+// propagated are the incoming metadata keys copied onto the messages a handler records.
+var propagated = []string{MetadataCorrelationID, MetadataTraceparent, MetadataTracestate}
 
 // unit is one unit of work: the transaction of one incoming message or one boundary call, and the
 // side effects recorded in it.
@@ -68,6 +74,21 @@ func (o *Outbox) handToRelay(ctx context.Context, src Source) error {
 
 type unitKey struct{}
 type orderingKeyKey struct{}
+type metadataKey struct{}
+
+// WithMetadata returns a context in which every message recorded with Publish gets metadata key set
+// to value, unless the message sets it itself. At the boundary, where there is no incoming message
+// to copy them from, use it for the correlation ID (MetadataCorrelationID) and the W3C trace
+// context (MetadataTraceparent) of the request.
+func WithMetadata(ctx context.Context, key, value string) context.Context {
+	prev, _ := ctx.Value(metadataKey{}).(map[string]string)
+	md := maps.Clone(prev)
+	if md == nil {
+		md = map[string]string{}
+	}
+	md[key] = value
+	return context.WithValue(ctx, metadataKey{}, md)
+}
 
 func withUnit(ctx context.Context, u *unit) context.Context {
 	return context.WithValue(ctx, unitKey{}, u)
@@ -123,7 +144,7 @@ func Publish(ctx context.Context, topic string, msgs ...*message.Message) error 
 		if md == nil {
 			md = map[string]string{}
 		}
-		u.addCausation(md)
+		u.addCausation(ctx, md)
 		effects = append(effects, Effect{
 			Kind:     KindPublish,
 			Topic:    topic,
@@ -148,15 +169,24 @@ func Record(ctx context.Context, kind string, payload []byte) error {
 	return u.record(ctx, []Effect{{Kind: kind, UUID: uuid.NewString(), Payload: append([]byte(nil), payload...)}})
 }
 
-func (u *unit) addCausation(md map[string]string) {
-	if _, ok := md[MetadataCausationID]; !ok {
-		md[MetadataCausationID] = u.src.ID
+// addCausation ties a recorded message to its cause: the causation ID, the metadata set with
+// WithMetadata, and the correlation ID and trace context of the incoming message. What the message
+// sets itself wins.
+func (u *unit) addCausation(ctx context.Context, md map[string]string) {
+	setDefault := func(k, v string) {
+		if _, ok := md[k]; !ok && v != "" {
+			md[k] = v
+		}
+	}
+	setDefault(MetadataCausationID, u.src.ID)
+	if extra, ok := ctx.Value(metadataKey{}).(map[string]string); ok {
+		for k, v := range extra {
+			setDefault(k, v)
+		}
 	}
 	if u.incoming != nil {
-		if c := u.incoming.Metadata.Get(MetadataCorrelationID); c != "" {
-			if _, ok := md[MetadataCorrelationID]; !ok {
-				md[MetadataCorrelationID] = c
-			}
+		for _, k := range propagated {
+			setDefault(k, u.incoming.Metadata.Get(k))
 		}
 	}
 }
