@@ -18,6 +18,9 @@ type HandleParams struct {
 	Consumer string
 	// MessageID is the deduplication ID of the message.
 	MessageID string
+	// MessageIDErr, when set, means the ID could not be read; the message is rejected like one with
+	// an invalid ID (poison topic, or nack), and the handler does not run.
+	MessageIDErr error
 	// ReplyTopic receives the messages the handler returns; empty if it returns none.
 	ReplyTopic string
 }
@@ -34,6 +37,9 @@ func (o *Outbox) Handle(msg *message.Message, p HandleParams, next message.Handl
 		return fmt.Errorf("%w: %w", ErrNoConsumerName, err)
 	}
 	src := Source{Consumer: p.Consumer, ID: p.MessageID}
+	if p.MessageIDErr != nil {
+		return o.reject(parent, msg, src, fmt.Errorf("%w: %w", ErrInvalidMessageID, p.MessageIDErr), fields)
+	}
 	if err := validateName(p.MessageID); err != nil {
 		return o.reject(parent, msg, src, fmt.Errorf("%w: %w", ErrInvalidMessageID, err), fields)
 	}

@@ -55,7 +55,7 @@ func New(ob *outbox.Outbox, opts ...Option) message.HandlerMiddleware {
 			if cfg.messageID != nil {
 				id, err := cfg.messageID(msg)
 				if err != nil {
-					return nil, fmt.Errorf("%w: reading the message ID: %w", outbox.ErrInvalidMessageID, err)
+					p.MessageIDErr = fmt.Errorf("reading the message ID: %w", err)
 				}
 				p.MessageID = id
 			}
