@@ -40,6 +40,9 @@ type Options struct {
 	DataDir string
 	// Logf, if set, receives progress notes (a new cluster, a port retry). Default: silent.
 	Logf func(format string, args ...any)
+	// Port, when non-zero, is the port to listen on (to restart a server at the same address).
+	// Default: a free port.
+	Port int
 }
 
 // Server is a running private PostgreSQL server. Its methods are safe for concurrent use.
@@ -165,7 +168,9 @@ func Start(opts Options) (_ *Server, err error) {
 	// Picking a free port and binding it in the server is racy: retry with another port if it was taken meanwhile.
 	const attempts = 3
 	for i := 1; ; i++ {
-		if s.port, err = freePort(); err != nil {
+		if opts.Port != 0 {
+			s.port = opts.Port
+		} else if s.port, err = freePort(); err != nil {
 			return nil, err
 		}
 		logBefore := s.logSize()
@@ -180,7 +185,7 @@ func Start(opts Options) (_ *Server, err error) {
 		err = fmt.Errorf("pg_ctl start: %w\n%s\n%s", startErr, bytes.TrimSpace(out), s.LogTail())
 		// pg_ctl -w may give up while the postmaster still runs: make sure nothing is left behind.
 		_, _ = s.command(filepath.Join(binDir, "pg_ctl"), "-D", s.dataDir, "-m", "immediate", "stop").CombinedOutput()
-		if i == attempts || !s.portInUse(logBefore) {
+		if i == attempts || opts.Port != 0 || !s.portInUse(logBefore) {
 			return nil, err
 		}
 		s.logf("port %d was taken, retrying with another one", s.port)
