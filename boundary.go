@@ -95,7 +95,5 @@ func (o *Outbox) dispatchBoundary(ctx context.Context, src Source, effects []Eff
 		o.wakeRelays(ctx)
 		return
 	}
-	if err := o.store.EffectMarkDispatched(ctx, src); err != nil {
-		o.logger.Error("Marking side effects dispatched failed; they may be sent again", err, fields)
-	}
+	o.marks.add(src)
 }

@@ -126,6 +126,7 @@ func TestRetentionCountsFromDispatchAndCleanupIsBounded(t *testing.T) {
 
 func mustExec(t *testing.T, e *env, query string, args ...any) {
 	t.Helper()
+	e.flush()
 	if _, err := e.db.Exec(query, args...); err != nil {
 		t.Fatalf("%s: %v", query, err)
 	}

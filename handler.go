@@ -162,10 +162,7 @@ func (o *Outbox) dispatchAndMark(ctx context.Context, src Source, effects []Effe
 		// Committed effects stay pending: redelivery or the relay sends them with the same UUIDs.
 		return fmt.Errorf("outbox: dispatch side effects of %q for %q (kept, will be retried): %w", src.ID, src.Consumer, err)
 	}
-	if err := o.store.EffectMarkDispatched(ctx, src); err != nil {
-		// A lost mark only causes a re-send with the same UUIDs, which consumers deduplicate.
-		o.logger.Error("Marking side effects dispatched failed; they may be sent again", err, fields)
-	}
+	o.marks.add(src)
 	return o.failpoint(ctx, FailpointAfterMark)
 }
 

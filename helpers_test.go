@@ -35,6 +35,15 @@ type env struct {
 	dsn string
 	pub *faultyPublisher
 	ob  *outbox.Outbox
+	obs []*outbox.Outbox // every Outbox of the test, to flush their background marks
+}
+
+// flush waits for the background dispatched marks of every Outbox of the test, so that what the
+// test reads from the tables is settled.
+func (e *env) flush() {
+	for _, ob := range e.obs {
+		ob.FlushMarks()
+	}
 }
 
 // faultyPublisher forwards to the real watermill-sql publisher, failing or hanging on demand.
@@ -115,11 +124,13 @@ func (e *env) newOutbox(mutate ...func(*outbox.Config)) *outbox.Outbox {
 	if err != nil {
 		e.t.Fatal(err)
 	}
+	e.obs = append(e.obs, ob)
 	return ob
 }
 
 func (e *env) count(query string, args ...any) int {
 	e.t.Helper()
+	e.flush()
 	var n int
 	if err := e.db.QueryRow(query, args...).Scan(&n); err != nil {
 		e.t.Fatalf("%s: %v", query, err)

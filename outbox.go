@@ -29,7 +29,8 @@ type Outbox struct {
 	mu       sync.RWMutex
 	appliers map[string]Applier
 
-	kick chan struct{} // wakes the relay
+	kick  chan struct{} // wakes the relay
+	marks *marker
 }
 
 // New returns an Outbox. It does no I/O: call Migrate (or check the schema) and Run yourself.
@@ -42,7 +43,7 @@ func New(cfg Config) (*Outbox, error) {
 	if err != nil {
 		return nil, fmt.Errorf("outbox: open store: %w", err)
 	}
-	return &Outbox{
+	o := &Outbox{
 		cfg:      cfg,
 		db:       cfg.DB,
 		store:    st,
@@ -50,7 +51,9 @@ func New(cfg Config) (*Outbox, error) {
 		logger:   cfg.Logger,
 		appliers: map[string]Applier{},
 		kick:     make(chan struct{}, 1),
-	}, nil
+	}
+	o.marks = newMarker(o)
+	return o, nil
 }
 
 // Migrate creates or upgrades the outbox tables. It is idempotent and safe to call from several
@@ -99,7 +102,7 @@ func (o *Outbox) applier(name string) (Applier, bool) {
 // Run runs the background work until ctx is cancelled: the relay that dispatches side effects left
 // undispatched (after a crash, a broker outage, or a message that was never redelivered), and the
 // retention cleanup. Run it in every instance; cleanup runs on one instance at a time. It returns
-// nil when ctx is cancelled.
+// nil when ctx is cancelled, after the dispatched marks queued so far were written.
 func (o *Outbox) Run(ctx context.Context) error {
 	var wg sync.WaitGroup
 	wg.Add(3)
@@ -107,6 +110,7 @@ func (o *Outbox) Run(ctx context.Context) error {
 	go func() { defer wg.Done(); o.runEvery(ctx, o.cfg.RelayInterval, o.kick, "relay", o.relayOnce) }()
 	go func() { defer wg.Done(); o.runEvery(ctx, o.cfg.CleanupInterval, nil, "cleanup", o.cleanupOnce) }()
 	wg.Wait()
+	o.marks.wait() // a clean shutdown leaves no mark unwritten, so nothing is re-sent after it
 	return nil
 }
 

@@ -1,0 +1,72 @@
+package outbox
+
+import (
+	"context"
+	"sync"
+
+	"github.com/ThreeDotsLabs/watermill"
+)
+
+// marker writes the dispatched marks in the background, so that a message is acked as soon as its
+// effects were handed to the Publisher. A mark that never lands (the process dies first) only
+// causes a re-send with the same UUIDs, which consumers deduplicate. The worker goroutine runs
+// only while marks are queued and exits when the queue is empty, so there is nothing to close.
+type marker struct {
+	o       *Outbox
+	mu      sync.Mutex
+	queue   []Source
+	running bool
+	idle    *sync.Cond // signalled when the worker exits
+}
+
+func newMarker(o *Outbox) *marker {
+	m := &marker{o: o}
+	m.idle = sync.NewCond(&m.mu)
+	return m
+}
+
+// add queues the mark of src.
+func (m *marker) add(src Source) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	m.queue = append(m.queue, src)
+	if !m.running {
+		m.running = true
+		go m.work()
+	}
+}
+
+func (m *marker) work() {
+	for {
+		m.mu.Lock()
+		batch := m.queue
+		m.queue = nil
+		if len(batch) == 0 {
+			m.running = false
+			m.idle.Broadcast()
+			m.mu.Unlock()
+			return
+		}
+		m.mu.Unlock()
+		for _, src := range batch {
+			if err := m.o.store.EffectMarkDispatched(context.Background(), src); err != nil {
+				m.o.logger.Error("Marking side effects dispatched failed; they may be sent again", err,
+					watermill.LogFields{"consumer": src.Consumer, "source_id": src.ID})
+			}
+		}
+	}
+}
+
+// wait blocks until every queued mark was written (or failed).
+func (m *marker) wait() {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	for m.running {
+		m.idle.Wait()
+	}
+}
+
+// FlushMarks waits until the dispatched marks queued so far were written. Marks are written in
+// the background after a message's effects were sent; call FlushMarks before shutting down to
+// avoid re-sends after a restart, and in tests that inspect the tables.
+func (o *Outbox) FlushMarks() { o.marks.wait() }
