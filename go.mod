@@ -12,6 +12,7 @@ require (
 	github.com/nats-io/nats-server/v2 v2.14.5
 	github.com/nats-io/nats.go v1.51.0
 	go.uber.org/goleak v1.3.0
+	modernc.org/sqlite v1.59.0
 )
 
 require (
@@ -40,5 +41,4 @@ require (
 	modernc.org/libc v1.75.7 // indirect
 	modernc.org/mathutil v1.7.1 // indirect
 	modernc.org/memory v1.12.1 // indirect
-	modernc.org/sqlite v1.59.0 // indirect
 )

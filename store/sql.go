@@ -329,7 +329,7 @@ func (s *SQL) EffectRelay(ctx context.Context, p outbox.EffectRelayParams, dispa
 				delay = p.Backoff(attempts)
 			}
 			park := p.MaxAttempts > 0 && attempts >= p.MaxAttempts
-			if _, err := tx.ExecContext(ctx, s.d.Queries.RelayMarkFailed, e.StoreID, errs[i].Error(), delay.Milliseconds(), park); err != nil {
+			if _, err := tx.ExecContext(ctx, s.d.Queries.RelayMarkFailed, e.StoreID, storableReason(errs[i].Error()), delay.Milliseconds(), park); err != nil {
 				return 0, fmt.Errorf("record failure of effect %d: %w", e.StoreID, err)
 			}
 		}

@@ -1,0 +1,201 @@
+package sqlite
+
+import (
+	"database/sql"
+	"embed"
+	"fmt"
+	"io/fs"
+	"strings"
+
+	"github.com/watermill-outbox/outbox"
+	"github.com/watermill-outbox/outbox/store"
+)
+
+//go:embed migrations/*.sql
+var migrationFiles embed.FS
+
+// Schema is the only schema SQLite offers: the tables are told apart by Config.TablePrefix.
+const Schema = "main"
+
+// DSNParams are the connection parameters the outbox needs, in the form that both
+// modernc.org/sqlite and github.com/mattn/go-sqlite3 understand:
+//
+//   - _txlock=immediate: every transaction takes the database's write lock when it begins. A
+//     deferred transaction that reads and then writes cannot wait for the lock: it fails at once
+//     with SQLITE_BUSY ("database is locked") when another connection wrote in between. The relay
+//     (select, dispatch, mark) and any handler that reads before it writes need this.
+//   - _busy_timeout=10000: a transaction waits up to 10 s for the write lock. It must exceed the
+//     longest write transaction: a handler with its business writes, and a relay round, which
+//     holds the lock while it publishes (see the package documentation).
+//   - _journal_mode=WAL: readers do not block the writer, nor the writer readers.
+//   - _synchronous=FULL: a commit is on disk before it returns. With NORMAL a power loss can
+//     undo a commit whose message was already acked.
+const DSNParams = "_txlock=immediate&_busy_timeout=10000&_journal_mode=WAL&_synchronous=FULL"
+
+// DSN returns the connection string of the database file at path with DSNParams, for
+// sql.Open("sqlite", ...) (modernc.org/sqlite) or sql.Open("sqlite3", ...) (mattn/go-sqlite3).
+// path must not contain '?'. Use a file: an in-memory database exists once per connection.
+func DSN(path string) string { return path + "?" + DSNParams }
+
+// Driver is the SQLite dialect. The zero value is ready to use.
+//
+// The database/sql driver must be registered by the program (for example with
+// import _ "modernc.org/sqlite") and the DB opened with DSN or DSNParams.
+type Driver struct{}
+
+var _ outbox.Driver = Driver{}
+
+// Open implements outbox.Driver. opts.Schema must be empty or "main".
+func (Driver) Open(db *sql.DB, opts outbox.StoreOptions) (outbox.Store, error) {
+	if opts.Schema != "" && opts.Schema != Schema {
+		return nil, fmt.Errorf("sqlite: Schema %q is not supported: SQLite has no schemas; leave Schema empty (or %q) and tell table sets apart with TablePrefix", opts.Schema, Schema)
+	}
+	names, err := store.NewNames(Schema, opts.TablePrefix)
+	if err != nil {
+		return nil, err
+	}
+	migrations, err := fs.Sub(migrationFiles, "migrations")
+	if err != nil {
+		return nil, fmt.Errorf("sqlite migrations: %w", err)
+	}
+	return store.New(db, names, store.Dialect{
+		Queries:          queries(names),
+		Migrate:          migrateQueries(names),
+		Migrations:       migrations,
+		IsUndefinedTable: IsUndefinedTable,
+		// Statements are parsed in-process, so preparing saves little; and store.SQL prepares on
+		// the DB while a transaction may hold its only connection (SetMaxOpenConns(1) is common
+		// with SQLite), which would wait forever.
+		Prepare: false,
+		// No NOTIFY: relays of other processes poll every RelayInterval. The relay of the process
+		// that handed an effect over is still woken at once by the outbox itself.
+		Notify: "",
+		Listen: nil,
+	})
+}
+
+// IsUndefinedTable tells whether err is SQLite's "no such table" error, from any database/sql
+// driver (they all carry SQLite's message).
+func IsUndefinedTable(err error) bool {
+	return err != nil && strings.Contains(err.Error(), "no such table")
+}
+
+func migrateQueries(n store.Names) store.MigrateQueries {
+	return store.MigrateQueries{
+		// No lock statement: with _txlock=immediate the migration transaction holds the write
+		// lock from BEGIN, so migrators take turns.
+		Bootstrap: []string{
+			`CREATE TABLE IF NOT EXISTS ` + n.Migrations + ` (
+				version    INTEGER   PRIMARY KEY,
+				applied_at TIMESTAMP NOT NULL DEFAULT (` + now + `)
+			)`,
+		},
+		Applied: `SELECT version FROM ` + n.Migrations,
+		Insert:  `INSERT INTO ` + n.Migrations + ` (version) VALUES (?1)`,
+	}
+}
+
+// now is the current time in the format of the timestamp columns. SQLite keeps 'now' fixed during
+// one statement, and computes date arithmetic in whole milliseconds.
+const now = `strftime('%Y-%m-%d %H:%M:%f', 'now')`
+
+// fromNow returns the time ms milliseconds (a SQL expression) from now, in the format of the
+// timestamp columns; ms may be negative.
+func fromNow(ms string) string {
+	return `strftime('%Y-%m-%d %H:%M:%f', 'now', printf('%+.3f seconds', (` + ms + `) / 1000.0))`
+}
+
+// ago returns the time ms milliseconds before now.
+func ago(ms string) string { return fromNow("-(" + ms + ")") }
+
+const effectColumns = `id, source_consumer, source_id, seq, kind, topic, uuid, payload, metadata, ordering_key, attempts,
+	CAST(round((julianday('now') - julianday(created_at)) * 86400000.0) AS INTEGER)`
+
+func queries(n store.Names) store.Queries {
+	return store.Queries{
+		MessageClaim: `INSERT INTO ` + n.Processed + ` (consumer, message_id, dispatched_at) VALUES (?1, ?2, ` + now + `)
+			ON CONFLICT (consumer, message_id) DO NOTHING RETURNING 1`,
+		MessageIsProcessed: `SELECT 1 FROM ` + n.Processed + ` WHERE consumer = ?1 AND message_id = ?2`,
+		MessagePoison: `INSERT INTO ` + n.Processed + ` (consumer, message_id, dispatched_at, poisoned) VALUES (?1, ?2, ` + now + `, 1)
+			ON CONFLICT (consumer, message_id) DO NOTHING`,
+		AttemptRecord: `INSERT INTO ` + n.Attempts + ` (consumer, message_id, attempts, last_error) VALUES (?1, ?2, 1, ?3)
+			ON CONFLICT (consumer, message_id) DO UPDATE
+			SET attempts = attempts + 1, last_error = excluded.last_error, last_failed_at = ` + now + `
+			RETURNING attempts`,
+		EffectInsert: func(count int) string {
+			var b strings.Builder
+			b.WriteString(`INSERT INTO ` + n.Effects + ` (source_consumer, source_id, seq, kind, topic, uuid, payload, metadata, ordering_key) VALUES `)
+			// A bare ? takes the number after the largest one used so far, so each row binds
+			// the next seven arguments: drivers look up numbered parameters by number, one by
+			// one, which costs quadratic time on a large insert. A driver may bind an empty
+			// []byte as NULL: coalesce keeps it an empty BLOB.
+			for i := 0; i < count; i++ {
+				if i > 0 {
+					b.WriteString(", ")
+				}
+				b.WriteString("(?1, ?2, ?, ?, ?, ?, coalesce(?, x''), coalesce(?, x''), ?)")
+			}
+			return b.String()
+		},
+		EffectListPending: `SELECT ` + effectColumns + ` FROM ` + n.Effects + `
+			WHERE source_consumer = ?1 AND source_id = ?2 AND dispatched_at IS NULL ORDER BY seq`,
+		// The trigger effects_dispatched moves the claim's dispatch time along (see the migration).
+		EffectMarkDispatched: `UPDATE ` + n.Effects + ` SET dispatched_at = ` + now + `
+			WHERE source_consumer = ?1 AND source_id = ?2 AND dispatched_at IS NULL`,
+
+		EffectRetryLater: `UPDATE ` + n.Effects + ` SET attempts = attempts + 1, last_error = ?3,
+			next_attempt_at = ` + fromNow("?4") + `
+			WHERE source_consumer = ?1 AND source_id = ?2 AND dispatched_at IS NULL`,
+		EffectKeyBlocked: `SELECT EXISTS (SELECT 1 FROM ` + n.Effects + ` b
+			WHERE b.ordering_key = ?3 AND b.dispatched_at IS NULL AND NOT (b.source_consumer = ?1 AND b.source_id = ?2)
+			  AND b.id < (SELECT min(id) FROM ` + n.Effects + ` WHERE source_consumer = ?1 AND source_id = ?2))`,
+		EffectHandToRelay: `UPDATE ` + n.Effects + ` SET next_attempt_at = coalesce(next_attempt_at, ` + now + `)
+			WHERE source_consumer = ?1 AND source_id = ?2 AND dispatched_at IS NULL`,
+		// parked_at and created_at are plain columns so that the driver sees their declared type
+		// TIMESTAMP and returns time.Time.
+		EffectListParked: `SELECT ` + effectColumns + `, last_error, parked_at, created_at FROM ` + n.Effects + `
+			WHERE parked_at IS NOT NULL AND dispatched_at IS NULL ORDER BY id LIMIT ?1`,
+		EffectUnpark: `UPDATE ` + n.Effects + ` SET parked_at = NULL, next_attempt_at = ` + now + `, attempts = 0
+			WHERE id = ?1 AND parked_at IS NOT NULL AND dispatched_at IS NULL`,
+		EffectDiscard: `UPDATE ` + n.Effects + ` SET dispatched_at = ` + now + `, last_error = coalesce(last_error, '') || ' (discarded)'
+			WHERE id = ?1 AND parked_at IS NOT NULL AND dispatched_at IS NULL`,
+
+		// SQLite has one writer, and the relay's transaction holds the write lock from BEGIN
+		// (_txlock=immediate) until it has recorded the outcome: relays of several processes take
+		// turns, which is also what keeps one ordering key with one relay at a time. An effect is
+		// due when it is past the grace period or was handed over, and its retry time has come;
+		// it waits while an earlier undispatched effect with its key is not due itself (parked,
+		// backing off, or still in its grace period on the fast path of another transaction), so
+		// that later effects never overtake an earlier one.
+		RelaySelect: `SELECT ` + effectColumns + ` FROM ` + n.Effects + ` e
+			WHERE e.dispatched_at IS NULL AND e.parked_at IS NULL
+			  AND (e.created_at < ` + ago("?1") + ` OR e.next_attempt_at IS NOT NULL)
+			  AND (e.next_attempt_at IS NULL OR e.next_attempt_at <= ` + now + `)
+			  AND NOT EXISTS (SELECT 1 FROM ` + n.Effects + ` b
+				WHERE b.ordering_key = e.ordering_key AND b.id < e.id AND b.dispatched_at IS NULL
+				  AND (b.parked_at IS NOT NULL OR b.next_attempt_at > ` + now + `
+				       OR (b.next_attempt_at IS NULL AND b.created_at >= ` + ago("?1") + `)))
+			ORDER BY e.id LIMIT ?2`,
+		RelayMarkDispatched: `UPDATE ` + n.Effects + ` SET dispatched_at = ` + now + ` WHERE id = ?1`,
+		RelayMarkFailed: `UPDATE ` + n.Effects + ` SET attempts = attempts + 1, last_error = ?2,
+			next_attempt_at = ` + fromNow("?3") + `, parked_at = CASE WHEN ?4 THEN ` + now + ` END WHERE id = ?1`,
+		RelayFinishSource: `UPDATE ` + n.Processed + ` SET dispatched_at = ` + now + `
+			WHERE consumer = ?1 AND message_id = ?2
+			  AND NOT EXISTS (SELECT 1 FROM ` + n.Effects + `
+				WHERE source_consumer = ?1 AND source_id = ?2 AND dispatched_at IS NULL)`,
+
+		// No lock: each batch's transaction holds the write lock, so cleaners take turns.
+		CleanupClaims: `DELETE FROM ` + n.Processed + ` WHERE (consumer, message_id) IN (
+			SELECT consumer, message_id FROM ` + n.Processed + ` p
+			WHERE processed_at < ` + ago("?1") + ` AND dispatched_at < ` + ago("?1") + `
+			  AND NOT EXISTS (SELECT 1 FROM ` + n.Effects + ` e
+				WHERE e.source_consumer = p.consumer AND e.source_id = p.message_id AND e.dispatched_at IS NULL)
+			LIMIT ?2)`,
+		CleanupEffects: `DELETE FROM ` + n.Effects + ` WHERE id IN (
+			SELECT id FROM ` + n.Effects + ` WHERE dispatched_at < ` + ago("?1") + ` ORDER BY id LIMIT ?2)`,
+		CleanupAttempts: `DELETE FROM ` + n.Attempts + ` WHERE (consumer, message_id) IN (
+			SELECT consumer, message_id FROM ` + n.Attempts + ` WHERE last_failed_at < ` + ago("?1") + ` LIMIT ?2)`,
+
+		SchemaLatest: `SELECT max(version) FROM ` + n.Migrations,
+	}
+}

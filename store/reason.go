@@ -1,0 +1,19 @@
+package store
+
+import "strings"
+
+// maxReasonBytes bounds a failure reason stored as text.
+const maxReasonBytes = 4096
+
+// storableReason makes an error text storable in a text column of any dialect: valid UTF-8, no
+// NUL (PostgreSQL rejects both in text), at most maxReasonBytes. The errors a relay's dispatch
+// returns come from brokers and appliers and may carry anything; one that cannot be stored must
+// not fail the whole round (and re-send its successes every round).
+func storableReason(s string) string {
+	s = strings.ToValidUTF8(s, "\uFFFD")
+	s = strings.ReplaceAll(s, "\x00", `\x00`)
+	if len(s) > maxReasonBytes {
+		s = strings.ToValidUTF8(s[:maxReasonBytes], "") + "..."
+	}
+	return s
+}

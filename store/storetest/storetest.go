@@ -1,0 +1,1600 @@
+package storetest
+
+import (
+	"bytes"
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"maps"
+	"slices"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/watermill-outbox/outbox"
+)
+
+// Harness is one fresh, empty database for one test, and what the suite needs to know about its
+// dialect.
+type Harness struct {
+	// DB is the database. The suite runs only dialect-neutral SQL on it, without parameters.
+	DB *sql.DB
+	// Open returns a new Store over DB, as another process would have one. It must not migrate.
+	Open func(t testing.TB) outbox.Store
+	// Table returns the qualified, quoted name of the outbox table "processed", "effects",
+	// "attempts" or "migrations" of the stores Open returns.
+	Table func(name string) string
+	// Age moves the timestamp column of the rows of src in table ("processed", "effects" or
+	// "attempts") back by d; a NULL stays NULL. A zero src means every row of the table. The
+	// columns that hold a row's source are given by KeyColumns.
+	Age func(t testing.TB, table, column string, src outbox.Source, d time.Duration)
+	// HoldCleanupLock takes, in another session, what the Cleanup of another process holds
+	// while it deletes, and keeps it until release is called.
+	HoldCleanupLock func(t testing.TB) (release func())
+	// Blocked reports whether a session of DB is waiting for a lock that another one holds. The
+	// suite polls it to know that a concurrent call under test has reached the point where it
+	// waits.
+	Blocked func(t testing.TB) bool
+	// Capabilities says what the dialect can do.
+	Capabilities Capabilities
+}
+
+// Capabilities are what a dialect may legitimately lack; the suite checks the documented
+// degraded behaviour of a dialect that lacks one.
+type Capabilities struct {
+	// Listen: EffectListen delivers the EffectNotify calls of other sessions. Without it,
+	// EffectListen returns outbox.ErrListenUnsupported at once and EffectNotify does nothing.
+	Listen bool
+	// RelayRoundsPartial: a relay round may look only at some ordering keys (PostgreSQL locks a
+	// few key partitions per round, so that instances share the work): the suite repeats rounds
+	// before it concludes that nothing is due.
+	RelayRoundsPartial bool
+	// RelaySharesWork: relay rounds of two instances run at the same time, on effects with
+	// different ordering keys. Without it, a round waits until the other instance's round has
+	// finished, then goes on with what is left: instances take turns.
+	RelaySharesWork bool
+	// CleanupSkips: Cleanup returns at once, Skipped, while another process cleans. Without it,
+	// Cleanup waits until the other one's batch is done and then cleans.
+	CleanupSkips bool
+}
+
+// KeyColumns returns the columns of an outbox table that hold the source of a row.
+func KeyColumns(table string) (consumer, id string) {
+	if table == "effects" {
+		return "source_consumer", "source_id"
+	}
+	return "consumer", "message_id"
+}
+
+// waitLimit bounds every wait of the suite; reaching it is a failure.
+const waitLimit = 30 * time.Second
+
+// Run runs the conformance suite: a subtest per behaviour of every outbox.Store method, in
+// parallel. newHarness is called once per subtest and must return a fresh, empty database of its
+// own; it registers its cleanup with t.
+func Run(t *testing.T, newHarness func(t *testing.T) Harness) {
+	for _, tc := range []struct {
+		name string
+		fn   func(*fixture)
+	}{
+		{"Migrate/Idempotent", testMigrateIdempotent},
+		{"Migrate/Concurrent", testMigrateConcurrent},
+		{"SchemaCheck/Missing", testSchemaMissing},
+		{"SchemaCheck/Outdated", testSchemaOutdated},
+		{"MessageClaim/ClaimAndDuplicate", testClaimAndDuplicate},
+		{"MessageClaim/RollbackFreesTheClaim", testClaimRollback},
+		{"MessageClaim/ConcurrentCopyWaitsForCommit", func(f *fixture) { testClaimConcurrent(f, true) }},
+		{"MessageClaim/ConcurrentCopyWaitsForRollback", func(f *fixture) { testClaimConcurrent(f, false) }},
+		{"MessageIsProcessed", testIsProcessed},
+		{"MessagePoison", testPoison},
+		{"AttemptRecord", testAttemptRecord},
+		{"EffectInsert/RoundTrip", testInsertRoundTrip},
+		{"EffectInsert/RolledBack", testInsertRolledBack},
+		{"EffectInsert/LargeBatch", testInsertLargeBatch},
+		{"EffectListPending/PendingFor", testPendingFor},
+		{"EffectMarkDispatched", testMarkDispatched},
+		{"EffectMarkDispatched/RetentionCountsFromDispatch", testMarkMovesClaim},
+		{"EffectRetryLater/DueAtOnce", testRetryLaterAtOnce},
+		{"EffectRetryLater/Delay", testRetryLaterDelay},
+		{"EffectHandToRelay", testHandToRelay},
+		{"EffectKeyBlocked", testKeyBlocked},
+		{"EffectRelay/Grace", testRelayGrace},
+		{"EffectRelay/Limit", testRelayLimit},
+		{"EffectRelay/Backoff", testRelayBackoff},
+		{"EffectRelay/BlockedIsNeitherMarkedNorCounted", testRelayBlocked},
+		{"EffectRelay/ParkAfterMaxAttempts", testRelayPark},
+		{"EffectRelay/KeyWaitsBehindFailure", testRelayKeyBehindFailure},
+		{"EffectRelay/KeyWaitsBehindFastPath", testRelayKeyBehindFastPath},
+		{"EffectRelay/MarksTheClaim", testRelayMarksClaim},
+		{"EffectRelay/Instances", testRelayInstances},
+		{"EffectListParked", testListParked},
+		{"EffectUnpark", testUnpark},
+		{"EffectDiscard", testDiscard},
+		{"EffectNotifyListen", testNotifyListen},
+		{"Cleanup/RetentionAndCounts", testCleanupRetention},
+		{"Cleanup/Batches", testCleanupBatches},
+		{"Cleanup/AnotherProcessCleaning", testCleanupLocked},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			h := newHarness(t)
+			f := &fixture{t: t, h: h, ctx: context.Background(), st: h.Open(t)}
+			if !strings.HasPrefix(tc.name, "Migrate/") && !strings.HasPrefix(tc.name, "SchemaCheck/") {
+				if err := f.st.Migrate(f.ctx); err != nil {
+					t.Fatalf("Migrate: %v", err)
+				}
+			}
+			tc.fn(f)
+		})
+	}
+}
+
+// fixture is one subtest's harness and store, with helpers that fail the test on errors.
+type fixture struct {
+	t   *testing.T
+	h   Harness
+	st  outbox.Store
+	ctx context.Context
+	n   int
+}
+
+// src returns a new message source of consumer "c".
+func (f *fixture) src(name string) outbox.Source {
+	return outbox.Source{Consumer: "c", ID: name}
+}
+
+// effects returns n publish effects of src with ordering key key, each with its own UUID and payload.
+func (f *fixture) effects(src outbox.Source, key string, n int) []outbox.Effect {
+	out := make([]outbox.Effect, n)
+	for i := range out {
+		f.n++
+		out[i] = outbox.Effect{
+			Seq:         i,
+			Kind:        outbox.KindPublish,
+			Topic:       "topic",
+			UUID:        fmt.Sprintf("%s-%s-%d-%d", src.Consumer, src.ID, i, f.n),
+			Payload:     []byte(fmt.Sprintf("payload %d of %s", i, src.ID)),
+			Metadata:    map[string]string{"n": fmt.Sprint(f.n)},
+			OrderingKey: key,
+			Source:      src,
+		}
+	}
+	return out
+}
+
+func (f *fixture) begin() *sql.Tx {
+	f.t.Helper()
+	tx, err := f.h.DB.BeginTx(f.ctx, nil)
+	if err != nil {
+		f.t.Fatalf("begin: %v", err)
+	}
+	return tx
+}
+
+// commit stores effects of src in one transaction, claiming src first when claim is set.
+func (f *fixture) commit(src outbox.Source, claim bool, effects []outbox.Effect) {
+	f.t.Helper()
+	tx := f.begin()
+	defer func() { _ = tx.Rollback() }()
+	if claim {
+		ok, err := f.st.MessageClaim(f.ctx, tx, src)
+		if err != nil || !ok {
+			f.t.Fatalf("MessageClaim(%v) = %v, %v; want true", src, ok, err)
+		}
+	}
+	if len(effects) > 0 {
+		if err := f.st.EffectInsert(f.ctx, tx, src, effects); err != nil {
+			f.t.Fatalf("EffectInsert(%v): %v", src, err)
+		}
+	}
+	if err := tx.Commit(); err != nil {
+		f.t.Fatalf("commit: %v", err)
+	}
+}
+
+func (f *fixture) pending(src outbox.Source) []outbox.Effect {
+	f.t.Helper()
+	es, err := f.st.EffectListPending(f.ctx, src)
+	if err != nil {
+		f.t.Fatalf("EffectListPending(%v): %v", src, err)
+	}
+	return es
+}
+
+func (f *fixture) mark(src outbox.Source) {
+	f.t.Helper()
+	if err := f.st.EffectMarkDispatched(f.ctx, src); err != nil {
+		f.t.Fatalf("EffectMarkDispatched(%v): %v", src, err)
+	}
+}
+
+func (f *fixture) processed(src outbox.Source) bool {
+	f.t.Helper()
+	ok, err := f.st.MessageIsProcessed(f.ctx, src)
+	if err != nil {
+		f.t.Fatalf("MessageIsProcessed(%v): %v", src, err)
+	}
+	return ok
+}
+
+func (f *fixture) age(table, column string, src outbox.Source, d time.Duration) {
+	f.t.Helper()
+	f.h.Age(f.t, table, column, src, d)
+}
+
+// due are relay parameters under which effects aged by two hours are due and failures back off
+// for an hour.
+var due = outbox.EffectRelayParams{Grace: time.Hour, Limit: 100, MaxAttempts: 10, Backoff: func(int) time.Duration { return time.Hour }}
+
+// round runs one relay round on st whose dispatch answers outcome for each effect (nil: sent),
+// and returns the effects dispatch was called with.
+func (f *fixture) round(st outbox.Store, p outbox.EffectRelayParams, outcome func(outbox.Effect) error) []outbox.Effect {
+	f.t.Helper()
+	var got []outbox.Effect
+	called := false
+	n, err := st.EffectRelay(f.ctx, p, func(es []outbox.Effect) []error {
+		if called {
+			f.t.Errorf("dispatch called twice in one round")
+		}
+		called = true
+		got = es
+		errs := make([]error, len(es))
+		for i, e := range es {
+			errs[i] = outcome(e)
+		}
+		return errs
+	})
+	if err != nil {
+		f.t.Fatalf("EffectRelay: %v", err)
+	}
+	if n != len(got) {
+		f.t.Fatalf("EffectRelay returned %d, dispatch was called with %d effects", n, len(got))
+	}
+	if called && len(got) == 0 {
+		f.t.Fatalf("EffectRelay called dispatch with no effects")
+	}
+	for i := 1; i < len(got); i++ {
+		if got[i].StoreID <= got[i-1].StoreID {
+			f.t.Fatalf("EffectRelay dispatched out of store order: %d after %d", got[i].StoreID, got[i-1].StoreID)
+		}
+	}
+	return got
+}
+
+// partialTries is how many rounds in a row must find nothing before a dialect whose rounds are
+// partial is taken to have nothing due: the chance that a round misses a given key partition
+// every time is (3/4)^64 with PostgreSQL's 4 of 16.
+const partialTries = 64
+
+// relayOn runs relay rounds on st until one dispatches something (one round when rounds are
+// complete) and returns what it dispatched.
+func (f *fixture) relayOn(st outbox.Store, p outbox.EffectRelayParams, outcome func(outbox.Effect) error) []outbox.Effect {
+	f.t.Helper()
+	tries := 1
+	if f.h.Capabilities.RelayRoundsPartial {
+		tries = partialTries
+	}
+	for i := 0; i < tries; i++ {
+		if got := f.round(st, p, outcome); len(got) > 0 {
+			return got
+		}
+	}
+	return nil
+}
+
+func (f *fixture) relay(p outbox.EffectRelayParams, outcome func(outbox.Effect) error) []outbox.Effect {
+	f.t.Helper()
+	return f.relayOn(f.st, p, outcome)
+}
+
+// drain runs relay rounds until nothing is due and returns every effect dispatched.
+func (f *fixture) drain(p outbox.EffectRelayParams, outcome func(outbox.Effect) error) []outbox.Effect {
+	f.t.Helper()
+	var all []outbox.Effect
+	for {
+		got := f.relay(p, outcome)
+		if len(got) == 0 {
+			return all
+		}
+		all = append(all, got...)
+	}
+}
+
+func sent(outbox.Effect) error { return nil }
+
+func (f *fixture) count(table string) int {
+	f.t.Helper()
+	var n int
+	if err := f.h.DB.QueryRowContext(f.ctx, `SELECT count(*) FROM `+f.h.Table(table)).Scan(&n); err != nil {
+		f.t.Fatalf("count %s: %v", table, err)
+	}
+	return n
+}
+
+func (f *fixture) cleanup(p outbox.CleanupParams) outbox.CleanupResult {
+	f.t.Helper()
+	res, err := f.st.Cleanup(f.ctx, p)
+	if err != nil {
+		f.t.Fatalf("Cleanup: %v", err)
+	}
+	return res
+}
+
+// waitUntil polls cond until it holds, failing the test after waitLimit.
+func (f *fixture) waitUntil(what string, cond func() bool) {
+	f.t.Helper()
+	deadline := time.Now().Add(waitLimit)
+	for !cond() {
+		if time.Now().After(deadline) {
+			f.t.Fatalf("timed out after %s waiting for %s", waitLimit, what)
+		}
+		time.Sleep(2 * time.Millisecond)
+	}
+}
+
+// receive waits for a value on ch, failing the test after waitLimit.
+func receive[T any](f *fixture, what string, ch <-chan T) T {
+	f.t.Helper()
+	select {
+	case v := <-ch:
+		return v
+	case <-time.After(waitLimit):
+		f.t.Fatalf("timed out after %s waiting for %s", waitLimit, what)
+		panic("unreachable")
+	}
+}
+
+// gate is a channel closed once, by the test or at its cleanup, so that no goroutine it holds
+// outlives the test.
+func (f *fixture) gate() (wait <-chan struct{}, open func()) {
+	ch := make(chan struct{})
+	var once sync.Once
+	open = func() { once.Do(func() { close(ch) }) }
+	f.t.Cleanup(open)
+	return ch, open
+}
+
+func uuids(es []outbox.Effect) []string {
+	out := make([]string, len(es))
+	for i, e := range es {
+		out[i] = e.UUID
+	}
+	return out
+}
+
+func wantSet(t *testing.T, what string, got []outbox.Effect, want ...outbox.Effect) {
+	t.Helper()
+	g, w := uuids(got), uuids(want)
+	slices.Sort(g)
+	slices.Sort(w)
+	if !slices.Equal(g, w) {
+		t.Fatalf("%s: got effects %v, want %v", what, g, w)
+	}
+}
+
+func wantUUIDs(t *testing.T, what string, got []outbox.Effect, want ...outbox.Effect) {
+	t.Helper()
+	g, w := uuids(got), uuids(want)
+	if strings.Join(g, ",") != strings.Join(w, ",") {
+		t.Fatalf("%s: got effects %v, want %v", what, g, w)
+	}
+}
+
+// sameEffect compares what the store returned with what was inserted.
+func sameEffect(t *testing.T, got, want outbox.Effect) {
+	t.Helper()
+	if got.StoreID <= 0 {
+		t.Errorf("effect %s: StoreID %d, want > 0", want.UUID, got.StoreID)
+	}
+	if got.Seq != want.Seq || got.Kind != want.Kind || got.Topic != want.Topic || got.UUID != want.UUID ||
+		got.OrderingKey != want.OrderingKey || got.Source != want.Source {
+		t.Errorf("effect: got seq=%d kind=%q topic=%q uuid=%q key=%q source=%v, want seq=%d kind=%q topic=%q uuid=%q key=%q source=%v",
+			got.Seq, got.Kind, got.Topic, got.UUID, got.OrderingKey, got.Source,
+			want.Seq, want.Kind, want.Topic, want.UUID, want.OrderingKey, want.Source)
+	}
+	if !bytes.Equal(got.Payload, want.Payload) {
+		t.Errorf("effect %s: payload %q, want %q", want.UUID, got.Payload, want.Payload)
+	}
+	if len(got.Metadata) != len(want.Metadata) || !maps.Equal(got.Metadata, want.Metadata) {
+		t.Errorf("effect %s: metadata %q, want %q", want.UUID, got.Metadata, want.Metadata)
+	}
+}
+
+func testMigrateIdempotent(f *fixture) {
+	for i := 0; i < 2; i++ {
+		if err := f.st.Migrate(f.ctx); err != nil {
+			f.t.Fatalf("Migrate #%d: %v", i+1, err)
+		}
+	}
+	if err := f.st.SchemaCheck(f.ctx); err != nil {
+		f.t.Fatalf("SchemaCheck after Migrate: %v", err)
+	}
+	f.checkMigrationsRecordedOnce()
+	// A store of another process finds the tables ready.
+	if err := f.h.Open(f.t).SchemaCheck(f.ctx); err != nil {
+		f.t.Fatalf("SchemaCheck of another store: %v", err)
+	}
+}
+
+// checkMigrationsRecordedOnce checks that every version is recorded once, without gaps.
+func (f *fixture) checkMigrationsRecordedOnce() {
+	f.t.Helper()
+	var n, maxV int
+	if err := f.h.DB.QueryRowContext(f.ctx, `SELECT count(*), max(version) FROM `+f.h.Table("migrations")).Scan(&n, &maxV); err != nil {
+		f.t.Fatal(err)
+	}
+	if n < 1 || n != maxV {
+		f.t.Fatalf("migrations recorded: %d rows up to version %d, want each version once", n, maxV)
+	}
+}
+
+func testMigrateConcurrent(f *fixture) {
+	errs := make([]error, 6)
+	stores := make([]outbox.Store, len(errs))
+	for i := range stores {
+		stores[i] = f.h.Open(f.t)
+	}
+	var wg sync.WaitGroup
+	for i := range errs {
+		wg.Add(1)
+		go func() { defer wg.Done(); errs[i] = stores[i].Migrate(f.ctx) }()
+	}
+	wg.Wait()
+	for i, err := range errs {
+		if err != nil {
+			f.t.Fatalf("concurrent Migrate #%d: %v", i, err)
+		}
+	}
+	if err := f.st.SchemaCheck(f.ctx); err != nil {
+		f.t.Fatal(err)
+	}
+	f.checkMigrationsRecordedOnce()
+}
+
+func testSchemaMissing(f *fixture) {
+	err := f.st.SchemaCheck(f.ctx)
+	if !errors.Is(err, outbox.ErrSchemaMissing) || !strings.Contains(err.Error(), "Migrate") {
+		f.t.Fatalf("SchemaCheck before Migrate: want ErrSchemaMissing naming Migrate, got %v", err)
+	}
+	src := f.src("m")
+	calls := map[string]func() error{
+		"MessageClaim": func() error {
+			tx := f.begin()
+			defer func() { _ = tx.Rollback() }()
+			_, err := f.st.MessageClaim(f.ctx, tx, src)
+			return err
+		},
+		"MessageIsProcessed": func() error { _, err := f.st.MessageIsProcessed(f.ctx, src); return err },
+		"AttemptRecord":      func() error { _, err := f.st.AttemptRecord(f.ctx, src, "x"); return err },
+		"EffectListPending":  func() error { _, err := f.st.EffectListPending(f.ctx, src); return err },
+		"EffectListParked":   func() error { _, err := f.st.EffectListParked(f.ctx, 10); return err },
+		"EffectRelay": func() error {
+			_, err := f.st.EffectRelay(f.ctx, due, func(es []outbox.Effect) []error { return make([]error, len(es)) })
+			return err
+		},
+		"Cleanup": func() error {
+			_, err := f.st.Cleanup(f.ctx, outbox.CleanupParams{Retention: time.Hour, EffectRetention: time.Hour, BatchSize: 10})
+			return err
+		},
+	}
+	for name, call := range calls {
+		if err := call(); !errors.Is(err, outbox.ErrSchemaMissing) {
+			f.t.Errorf("%s before Migrate: want ErrSchemaMissing, got %v", name, err)
+		}
+	}
+}
+
+func testSchemaOutdated(f *fixture) {
+	if err := f.st.Migrate(f.ctx); err != nil {
+		f.t.Fatal(err)
+	}
+	if _, err := f.h.DB.ExecContext(f.ctx, `DELETE FROM `+f.h.Table("migrations")); err != nil {
+		f.t.Fatal(err)
+	}
+	if err := f.st.SchemaCheck(f.ctx); !errors.Is(err, outbox.ErrSchemaOutdated) {
+		f.t.Fatalf("SchemaCheck with no migration recorded: want ErrSchemaOutdated, got %v", err)
+	}
+	// Migrate repairs it: the migrations are idempotent.
+	if err := f.st.Migrate(f.ctx); err != nil {
+		f.t.Fatal(err)
+	}
+	if err := f.st.SchemaCheck(f.ctx); err != nil {
+		f.t.Fatal(err)
+	}
+}
+
+func (f *fixture) claim(tx *sql.Tx, src outbox.Source) bool {
+	f.t.Helper()
+	ok, err := f.st.MessageClaim(f.ctx, tx, src)
+	if err != nil {
+		f.t.Fatalf("MessageClaim(%v): %v", src, err)
+	}
+	return ok
+}
+
+func testClaimAndDuplicate(f *fixture) {
+	src := f.src("m1")
+	tx := f.begin()
+	if !f.claim(tx, src) {
+		f.t.Fatal("first claim: want true")
+	}
+	if err := tx.Commit(); err != nil {
+		f.t.Fatal(err)
+	}
+	tx = f.begin()
+	if f.claim(tx, src) {
+		f.t.Fatal("claim of a processed message: want false")
+	}
+	_ = tx.Rollback()
+	// The claim is per consumer and message.
+	tx = f.begin()
+	defer func() { _ = tx.Rollback() }()
+	if !f.claim(tx, outbox.Source{Consumer: "other", ID: src.ID}) || !f.claim(tx, f.src("m2")) {
+		f.t.Fatal("claims of another consumer or message: want true")
+	}
+}
+
+func testClaimRollback(f *fixture) {
+	src := f.src("m1")
+	tx := f.begin()
+	if !f.claim(tx, src) {
+		f.t.Fatal("first claim: want true")
+	}
+	if err := tx.Rollback(); err != nil {
+		f.t.Fatal(err)
+	}
+	if f.processed(src) {
+		f.t.Fatal("a rolled-back claim counts as processed")
+	}
+	tx = f.begin()
+	defer func() { _ = tx.Rollback() }()
+	if !f.claim(tx, src) {
+		f.t.Fatal("claim after a rollback: want true")
+	}
+}
+
+// testClaimConcurrent: a second copy's claim waits for the first copy's transaction and sees its
+// outcome: false after a commit, true after a rollback.
+func testClaimConcurrent(f *fixture, commit bool) {
+	src := f.src("m1")
+	tx1 := f.begin()
+	defer func() { _ = tx1.Rollback() }()
+	if !f.claim(tx1, src) {
+		f.t.Fatal("first claim: want true")
+	}
+	type result struct {
+		ok  bool
+		err error
+	}
+	second := make(chan result, 2)
+	release, open := f.gate()
+	go func() {
+		tx2, err := f.h.DB.BeginTx(f.ctx, nil)
+		if err != nil {
+			second <- result{err: err}
+			return
+		}
+		defer func() { _ = tx2.Rollback() }()
+		ok, err := f.st.MessageClaim(f.ctx, tx2, src)
+		second <- result{ok, err}
+		<-release
+		if err == nil {
+			err = tx2.Commit()
+		}
+		second <- result{ok, err}
+	}()
+	f.waitUntil("the second claim to wait for the first transaction", func() bool { return f.h.Blocked(f.t) })
+	select {
+	case r := <-second:
+		f.t.Fatalf("the second claim returned (%v, %v) while the first transaction was open", r.ok, r.err)
+	default:
+	}
+	var err error
+	if commit {
+		err = tx1.Commit()
+	} else {
+		err = tx1.Rollback()
+	}
+	if err != nil {
+		f.t.Fatal(err)
+	}
+	r := receive(f, "the second claim", second)
+	open()
+	if r.err != nil {
+		f.t.Fatalf("second claim: %v", r.err)
+	}
+	if r.ok != !commit {
+		f.t.Fatalf("second claim after the first %s: got %v, want %v", map[bool]string{true: "committed", false: "rolled back"}[commit], r.ok, !commit)
+	}
+	if r := receive(f, "the second transaction", second); r.err != nil {
+		f.t.Fatalf("second transaction: %v", r.err)
+	}
+	if !f.processed(src) {
+		f.t.Fatal("message not processed after both transactions")
+	}
+}
+
+func testIsProcessed(f *fixture) {
+	src := f.src("m1")
+	if f.processed(src) {
+		f.t.Fatal("processed before any claim")
+	}
+	tx := f.begin()
+	defer func() { _ = tx.Rollback() }()
+	f.claim(tx, src)
+	if f.processed(src) {
+		f.t.Fatal("an uncommitted claim counts as processed")
+	}
+	if err := tx.Commit(); err != nil {
+		f.t.Fatal(err)
+	}
+	if !f.processed(src) {
+		f.t.Fatal("a committed claim does not count as processed")
+	}
+	if f.processed(outbox.Source{Consumer: "other", ID: src.ID}) {
+		f.t.Fatal("processed by another consumer")
+	}
+}
+
+func testPoison(f *fixture) {
+	src := f.src("poisoned")
+	for i := 0; i < 2; i++ {
+		if err := f.st.MessagePoison(f.ctx, src); err != nil {
+			f.t.Fatalf("MessagePoison #%d: %v", i+1, err)
+		}
+	}
+	if !f.processed(src) {
+		f.t.Fatal("poisoned message not processed")
+	}
+	tx := f.begin()
+	if f.claim(tx, src) {
+		f.t.Fatal("claim of a poisoned message: want false")
+	}
+	_ = tx.Rollback()
+	if es := f.pending(src); len(es) != 0 {
+		f.t.Fatalf("poisoned message has %d pending effects", len(es))
+	}
+	// Poisoning a message already processed keeps it processed, effects and all.
+	done := f.src("done")
+	f.commit(done, true, f.effects(done, "k", 1))
+	if err := f.st.MessagePoison(f.ctx, done); err != nil {
+		f.t.Fatal(err)
+	}
+	if !f.processed(done) || len(f.pending(done)) != 1 {
+		f.t.Fatal("MessagePoison changed a processed message")
+	}
+	// Poisoned claims expire like the others.
+	f.age("processed", "processed_at", src, 30*24*time.Hour)
+	f.age("processed", "dispatched_at", src, 30*24*time.Hour)
+	if res := f.cleanup(outbox.CleanupParams{Retention: 7 * 24 * time.Hour, EffectRetention: time.Hour, BatchSize: 10}); res.Claims != 1 {
+		f.t.Fatalf("cleanup of an expired poisoned claim: %+v", res)
+	}
+	if f.processed(src) {
+		f.t.Fatal("expired poisoned claim still there")
+	}
+}
+
+func (f *fixture) attempt(src outbox.Source, reason string) int {
+	f.t.Helper()
+	n, err := f.st.AttemptRecord(f.ctx, src, reason)
+	if err != nil {
+		f.t.Fatalf("AttemptRecord(%v): %v", src, err)
+	}
+	return n
+}
+
+func testAttemptRecord(f *fixture) {
+	src := f.src("m1")
+	for want := 1; want <= 3; want++ {
+		if got := f.attempt(src, fmt.Sprintf("failure %d", want)); got != want {
+			f.t.Fatalf("attempt %d counted as %d", want, got)
+		}
+	}
+	if got := f.attempt(f.src("m2"), "x"); got != 1 {
+		f.t.Fatalf("another message's first attempt counted as %d", got)
+	}
+	if got := f.attempt(outbox.Source{Consumer: "other", ID: src.ID}, "x"); got != 1 {
+		f.t.Fatalf("another consumer's first attempt counted as %d", got)
+	}
+	// Counting works inside no transaction: it survives the rollback of the message's.
+	tx := f.begin()
+	f.claim(tx, src)
+	_ = tx.Rollback()
+	if got := f.attempt(src, "after rollback"); got != 4 {
+		f.t.Fatalf("attempt after a rollback counted as %d, want 4", got)
+	}
+}
+
+// binaryEffects are effects whose payloads and metadata hold what text columns cannot.
+func binaryEffects(src outbox.Source) []outbox.Effect {
+	all := make([]byte, 256)
+	for i := range all {
+		all[i] = byte(i)
+	}
+	payloads := [][]byte{nil, {}, []byte("nul\x00inside\x00"), {0xff, 0xfe, 0x00, 0xc3, 0x28}, all}
+	metadata := []map[string]string{
+		nil,
+		{},
+		{"k\x00ey": "v\xffal", "": "", "ü": "\x00"},
+		{"trace": strings.Repeat("x", 10000)},
+		{"a": "1", "b": "2"},
+	}
+	out := make([]outbox.Effect, len(payloads))
+	for i := range out {
+		kind, topic := outbox.KindPublish, fmt.Sprintf("topic-%d", i)
+		if i == 3 {
+			kind, topic = "applier", ""
+		}
+		out[i] = outbox.Effect{
+			Seq: i, Kind: kind, Topic: topic, UUID: fmt.Sprintf("uuid-%s-%d", src.ID, i),
+			Payload: payloads[i], Metadata: metadata[i], OrderingKey: "key-" + src.ID, Source: src,
+		}
+	}
+	return out
+}
+
+func testInsertRoundTrip(f *fixture) {
+	src, other := f.src("m1"), f.src("m2")
+	want := binaryEffects(src)
+	tx := f.begin()
+	defer func() { _ = tx.Rollback() }()
+	f.claim(tx, src)
+	// Two inserts in one transaction, as two Publish calls of one handler do.
+	if err := f.st.EffectInsert(f.ctx, tx, src, want[:2]); err != nil {
+		f.t.Fatal(err)
+	}
+	if err := f.st.EffectInsert(f.ctx, tx, other, f.effects(other, "k", 2)); err != nil {
+		f.t.Fatal(err)
+	}
+	if err := f.st.EffectInsert(f.ctx, tx, src, want[2:]); err != nil {
+		f.t.Fatal(err)
+	}
+	if err := tx.Commit(); err != nil {
+		f.t.Fatal(err)
+	}
+	got := f.pending(src)
+	if len(got) != len(want) {
+		f.t.Fatalf("pending effects: %d, want %d", len(got), len(want))
+	}
+	for i := range want {
+		sameEffect(f.t, got[i], want[i])
+		if got[i].Attempts != 0 {
+			f.t.Errorf("effect %d: attempts %d, want 0", i, got[i].Attempts)
+		}
+		if got[i].PendingFor < 0 || got[i].PendingFor > time.Minute {
+			f.t.Errorf("effect %d: pending for %s just after its commit", i, got[i].PendingFor)
+		}
+		if i > 0 && got[i].StoreID == got[i-1].StoreID {
+			f.t.Errorf("effects %d and %d share StoreID %d", i-1, i, got[i].StoreID)
+		}
+	}
+	if n := len(f.pending(other)); n != 2 {
+		f.t.Fatalf("other source: %d pending, want 2", n)
+	}
+	// A boundary source (no consumer) round-trips too.
+	boundary := outbox.Source{ID: "boundary-1"}
+	bw := binaryEffects(boundary)
+	f.commit(boundary, false, bw)
+	for i, e := range f.pending(boundary) {
+		sameEffect(f.t, e, bw[i])
+	}
+}
+
+func testInsertRolledBack(f *fixture) {
+	src := f.src("m1")
+	tx := f.begin()
+	f.claim(tx, src)
+	if err := f.st.EffectInsert(f.ctx, tx, src, f.effects(src, "k", 3)); err != nil {
+		f.t.Fatal(err)
+	}
+	if err := tx.Rollback(); err != nil {
+		f.t.Fatal(err)
+	}
+	if n := len(f.pending(src)); n != 0 {
+		f.t.Fatalf("%d effects of a rolled-back transaction are pending", n)
+	}
+	if got := f.relay(outbox.EffectRelayParams{Limit: 100}, sent); len(got) != 0 {
+		f.t.Fatalf("the relay found %d effects of a rolled-back transaction", len(got))
+	}
+}
+
+func testInsertLargeBatch(f *fixture) {
+	src := f.src("big")
+	want := f.effects(src, "k", 600)
+	f.commit(src, true, want)
+	got := f.pending(src)
+	if len(got) != len(want) {
+		f.t.Fatalf("pending effects: %d, want %d", len(got), len(want))
+	}
+	for i := range want {
+		sameEffect(f.t, got[i], want[i])
+	}
+}
+
+func testPendingFor(f *fixture) {
+	src := f.src("m1")
+	f.commit(src, true, f.effects(src, "k", 1))
+	f.age("effects", "created_at", src, time.Hour)
+	got := f.pending(src)[0].PendingFor
+	if got < time.Hour || got > time.Hour+time.Minute {
+		f.t.Fatalf("PendingFor of an effect stored an hour ago: %s", got)
+	}
+}
+
+func testMarkDispatched(f *fixture) {
+	src, other := f.src("m1"), f.src("m2")
+	f.commit(src, true, f.effects(src, "k1", 3))
+	eo := f.effects(other, "k2", 1)
+	f.commit(other, true, eo)
+	f.mark(src)
+	if n := len(f.pending(src)); n != 0 {
+		f.t.Fatalf("%d effects pending after EffectMarkDispatched", n)
+	}
+	if n := len(f.pending(other)); n != 1 {
+		f.t.Fatalf("EffectMarkDispatched touched another source: %d pending, want 1", n)
+	}
+	f.mark(src) // nothing pending: no error, no change
+	boundary := outbox.Source{ID: "b1"}
+	f.commit(boundary, false, f.effects(boundary, "k3", 2))
+	f.mark(boundary)
+	if n := len(f.pending(boundary)); n != 0 {
+		f.t.Fatalf("%d boundary effects pending after EffectMarkDispatched", n)
+	}
+	// Dispatched effects are not relayed.
+	f.age("effects", "created_at", outbox.Source{}, 2*time.Hour)
+	got := f.relay(due, sent)
+	wantUUIDs(f.t, "relay after marking", got, eo...)
+}
+
+// testMarkMovesClaim: the claim's retention counts from the dispatch, not from the processing.
+func testMarkMovesClaim(f *fixture) {
+	src := f.src("m1")
+	f.commit(src, true, f.effects(src, "k", 2))
+	f.age("processed", "processed_at", src, 30*24*time.Hour)
+	f.age("processed", "dispatched_at", src, 30*24*time.Hour)
+	week := outbox.CleanupParams{Retention: 7 * 24 * time.Hour, EffectRetention: time.Hour, BatchSize: 10}
+	if res := f.cleanup(week); res.Claims != 0 || !f.processed(src) {
+		f.t.Fatalf("cleanup deleted a claim with pending effects: %+v", res)
+	}
+	f.mark(src)
+	if res := f.cleanup(week); res.Claims != 0 || !f.processed(src) {
+		f.t.Fatalf("cleanup deleted a claim dispatched just now (processed 30 days ago): %+v", res)
+	}
+	f.age("processed", "dispatched_at", src, 8*24*time.Hour)
+	if res := f.cleanup(week); res.Claims != 1 || f.processed(src) {
+		f.t.Fatalf("cleanup kept a claim dispatched 8 days ago: %+v", res)
+	}
+}
+
+func testRetryLaterAtOnce(f *fixture) {
+	src, fresh := f.src("m1"), f.src("m2")
+	es := f.effects(src, "k1", 2)
+	f.commit(src, true, es)
+	f.commit(fresh, true, f.effects(fresh, "k2", 1))
+	if err := f.st.EffectRetryLater(f.ctx, src, "broker down", 0); err != nil {
+		f.t.Fatal(err)
+	}
+	// Due at once, without waiting for the grace period; the fresh source is not.
+	got := f.relay(due, sent)
+	wantUUIDs(f.t, "relay after EffectRetryLater(0)", got, es...)
+	for _, e := range got {
+		if e.Attempts != 1 {
+			f.t.Fatalf("effect %s: attempts %d after one failed dispatch, want 1", e.UUID, e.Attempts)
+		}
+	}
+	// Dispatched effects are left alone.
+	if err := f.st.EffectRetryLater(f.ctx, src, "late", 0); err != nil {
+		f.t.Fatal(err)
+	}
+	if got := f.relay(due, sent); len(got) != 0 {
+		f.t.Fatalf("EffectRetryLater revived %d dispatched effects", len(got))
+	}
+}
+
+func testRetryLaterDelay(f *fixture) {
+	src := f.src("m1")
+	es := f.effects(src, "k", 1)
+	f.commit(src, true, es)
+	if err := f.st.EffectRetryLater(f.ctx, src, "broker down", time.Hour); err != nil {
+		f.t.Fatal(err)
+	}
+	if got := f.relay(outbox.EffectRelayParams{Limit: 100}, sent); len(got) != 0 {
+		f.t.Fatalf("an effect to retry in an hour was relayed at once: %v", uuids(got))
+	}
+	f.age("effects", "next_attempt_at", src, 2*time.Hour)
+	got := f.relay(due, sent)
+	wantUUIDs(f.t, "relay after the retry delay", got, es...)
+	if got[0].Attempts != 1 {
+		f.t.Fatalf("attempts %d, want 1", got[0].Attempts)
+	}
+}
+
+func testHandToRelay(f *fixture) {
+	src, fresh := f.src("m1"), f.src("m2")
+	es := f.effects(src, "k1", 2)
+	f.commit(src, true, es)
+	f.commit(fresh, true, f.effects(fresh, "k2", 1))
+	if got := f.relay(due, sent); len(got) != 0 {
+		f.t.Fatalf("effects in their grace period were relayed: %v", uuids(got))
+	}
+	if err := f.st.EffectHandToRelay(f.ctx, src); err != nil {
+		f.t.Fatal(err)
+	}
+	got := f.relay(due, sent)
+	wantUUIDs(f.t, "relay after EffectHandToRelay", got, es...)
+	for _, e := range got {
+		if e.Attempts != 0 {
+			f.t.Fatalf("EffectHandToRelay counted an attempt: %d", e.Attempts)
+		}
+	}
+}
+
+func (f *fixture) keyBlocked(src outbox.Source, key string) bool {
+	f.t.Helper()
+	b, err := f.st.EffectKeyBlocked(f.ctx, src, key)
+	if err != nil {
+		f.t.Fatalf("EffectKeyBlocked(%v, %q): %v", src, key, err)
+	}
+	return b
+}
+
+func testKeyBlocked(f *fixture) {
+	a, b, c := f.src("a"), f.src("b"), f.src("c")
+	f.commit(a, true, f.effects(a, "k", 2))
+	f.commit(b, true, f.effects(b, "k", 2))
+	if f.keyBlocked(a, "k") {
+		f.t.Fatal("the first effects with a key are blocked (by their own, or by later ones)")
+	}
+	if !f.keyBlocked(b, "k") {
+		f.t.Fatal("effects behind an undispatched earlier one with their key are not blocked")
+	}
+	if f.keyBlocked(b, "other") {
+		f.t.Fatal("blocked on a key no earlier effect has")
+	}
+	f.commit(c, true, f.effects(c, "k", 1))
+	f.mark(a)
+	if f.keyBlocked(b, "k") {
+		f.t.Fatal("still blocked after the earlier effects were dispatched")
+	}
+	if !f.keyBlocked(c, "k") {
+		f.t.Fatal("the third source is not blocked behind the second")
+	}
+}
+
+func testRelayGrace(f *fixture) {
+	src := f.src("m1")
+	es := f.effects(src, "k", 3)
+	f.commit(src, true, es)
+	if got := f.relay(due, sent); len(got) != 0 {
+		f.t.Fatalf("effects in their grace period were relayed: %v", uuids(got))
+	}
+	f.age("effects", "created_at", src, 2*time.Hour)
+	got := f.relay(due, sent)
+	wantUUIDs(f.t, "relay after the grace period", got, es...)
+	for i := range es {
+		sameEffect(f.t, got[i], es[i])
+		if got[i].PendingFor < 2*time.Hour {
+			f.t.Errorf("effect %d: pending for %s, want at least 2h", i, got[i].PendingFor)
+		}
+	}
+	if n := len(f.pending(src)); n != 0 {
+		f.t.Fatalf("%d effects pending after the relay sent them", n)
+	}
+	if got := f.relay(due, sent); len(got) != 0 {
+		f.t.Fatalf("the relay sent %d effects twice", len(got))
+	}
+}
+
+func testRelayLimit(f *fixture) {
+	src := f.src("m1")
+	es := f.effects(src, "k", 5)
+	f.commit(src, true, es)
+	f.age("effects", "created_at", src, 2*time.Hour)
+	p := due
+	p.Limit = 2
+	for _, want := range [][]outbox.Effect{es[0:2], es[2:4], es[4:5], nil} {
+		wantUUIDs(f.t, "relay round with limit 2", f.relay(p, sent), want...)
+	}
+}
+
+func testRelayBackoff(f *fixture) {
+	src := f.src("m1")
+	es := f.effects(src, "k", 1)
+	f.commit(src, true, es)
+	f.age("effects", "created_at", src, 2*time.Hour)
+	var backoffArg int
+	p := due
+	p.Backoff = func(attempts int) time.Duration { backoffArg = attempts; return time.Hour }
+	wantUUIDs(f.t, "first round", f.relay(p, func(outbox.Effect) error { return errors.New("broker down") }), es...)
+	if backoffArg != 1 {
+		f.t.Fatalf("Backoff called with %d, want 1", backoffArg)
+	}
+	if pe := f.pending(src); len(pe) != 1 || pe[0].Attempts != 1 {
+		f.t.Fatalf("after a failed relay: pending %v", pe)
+	}
+	if got := f.relay(p, sent); len(got) != 0 {
+		f.t.Fatalf("an effect backing off for an hour was relayed again at once")
+	}
+	f.age("effects", "next_attempt_at", src, 2*time.Hour)
+	got := f.relay(p, sent)
+	wantUUIDs(f.t, "relay after the backoff", got, es...)
+	if got[0].Attempts != 1 {
+		f.t.Fatalf("attempts %d, want 1", got[0].Attempts)
+	}
+	if len(f.pending(src)) != 0 {
+		f.t.Fatal("still pending after a successful retry")
+	}
+}
+
+func testRelayBlocked(f *fixture) {
+	src := f.src("m1")
+	es := f.effects(src, "k", 2)
+	f.commit(src, true, es)
+	f.age("effects", "created_at", src, 2*time.Hour)
+	blocked := func(outbox.Effect) error { return fmt.Errorf("wrapped: %w", outbox.ErrEffectBlocked) }
+	wantUUIDs(f.t, "first round", f.relay(due, blocked), es...)
+	for _, e := range f.pending(src) {
+		if e.Attempts != 0 {
+			f.t.Fatalf("a blocked effect was counted: attempts %d", e.Attempts)
+		}
+	}
+	wantUUIDs(f.t, "a blocked effect is due again at once", f.relay(due, sent), es...)
+}
+
+func testRelayPark(f *fixture) {
+	src := f.src("m1")
+	es := f.effects(src, "k", 1)
+	f.commit(src, true, es)
+	f.age("effects", "created_at", src, 2*time.Hour)
+	p := due
+	p.MaxAttempts = 2
+	p.Backoff = nil // due again at once
+	// Brokers and appliers may fail with any text: NUL and invalid UTF-8 must not fail the round.
+	fail := func(outbox.Effect) error { return errors.New("rejected: \x00 and \xff are not allowed") }
+	wantUUIDs(f.t, "first attempt", f.relay(p, fail), es...)
+	if parked := f.parked(10); len(parked) != 0 {
+		f.t.Fatalf("parked after 1 of 2 attempts")
+	}
+	wantUUIDs(f.t, "second attempt", f.relay(p, fail), es...)
+	parked := f.parked(10)
+	if len(parked) != 1 || parked[0].UUID != es[0].UUID || parked[0].Attempts != 2 {
+		f.t.Fatalf("after 2 of 2 attempts: parked %v", parked)
+	}
+	if le := parked[0].LastError; !strings.HasPrefix(le, "rejected: ") || !strings.Contains(le, "are not allowed") {
+		f.t.Fatalf("last error of the parked effect: %q", le)
+	}
+	if got := f.relay(p, sent); len(got) != 0 {
+		f.t.Fatal("a parked effect was relayed")
+	}
+	if pe := f.pending(src); len(pe) != 1 {
+		f.t.Fatal("a parked effect is no longer pending: it would never be sent")
+	}
+}
+
+// testRelayKeyBehindFailure: later effects with a key wait behind a failed one while it backs off
+// and while it is parked; effects with other keys flow; discarding the failed one unblocks them.
+func testRelayKeyBehindFailure(f *fixture) {
+	a, b, c := f.src("a"), f.src("b"), f.src("c")
+	ea, eb, ec := f.effects(a, "k", 1), f.effects(b, "k", 1), f.effects(c, "other", 1)
+	f.commit(a, true, ea)
+	f.commit(b, true, eb)
+	f.commit(c, true, ec)
+	f.age("effects", "created_at", outbox.Source{}, 2*time.Hour)
+	p := due
+	p.MaxAttempts = 2
+	// As the outbox's relay does: after a failure, later effects with its key are not tried.
+	outcome := func(e outbox.Effect) error {
+		switch e.Source {
+		case a:
+			return errors.New("rejected")
+		case b:
+			return outbox.ErrEffectBlocked
+		}
+		return nil
+	}
+	wantSet(f.t, "first rounds", f.drain(p, outcome), ea[0], eb[0], ec[0])
+	if got := f.relay(p, sent); len(got) != 0 {
+		f.t.Fatalf("effects behind one backing off were relayed: %v", uuids(got))
+	}
+	f.age("effects", "next_attempt_at", a, 2*time.Hour)
+	wantUUIDs(f.t, "round after the backoff", f.relay(p, outcome), ea[0], eb[0])
+	if parked := f.parked(10); len(parked) != 1 || parked[0].UUID != ea[0].UUID {
+		f.t.Fatalf("parked: %v, want the failing effect", parked)
+	}
+	if got := f.relay(p, sent); len(got) != 0 {
+		f.t.Fatalf("effects behind a parked one were relayed: %v", uuids(got))
+	}
+	if n := f.discard(f.parked(10)[0].StoreID); n != 1 {
+		f.t.Fatalf("EffectDiscard changed %d", n)
+	}
+	wantUUIDs(f.t, "round after the discard", f.relay(p, sent), eb[0])
+}
+
+// testRelayKeyBehindFastPath: an effect handed to the relay (its transaction found the key
+// blocked) waits behind an earlier undispatched effect with its key even while that one is not
+// due for the relay (in its grace period: the transaction that stored it may be sending it right
+// now), and goes once that one is dispatched.
+func testRelayKeyBehindFastPath(f *fixture) {
+	a, b := f.src("a"), f.src("b")
+	ea, eb := f.effects(a, "k", 1), f.effects(b, "k", 1)
+	f.commit(a, true, ea)
+	f.commit(b, true, eb)
+	if !f.keyBlocked(b, "k") {
+		f.t.Fatal("EffectKeyBlocked: want blocked")
+	}
+	if err := f.st.EffectHandToRelay(f.ctx, b); err != nil {
+		f.t.Fatal(err)
+	}
+	if got := f.relay(due, sent); len(got) != 0 {
+		f.t.Fatalf("the relay sent %v before the earlier effect %s with its key", uuids(got), ea[0].UUID)
+	}
+	f.mark(a)
+	wantUUIDs(f.t, "relay after the earlier effect was dispatched", f.relay(due, sent), eb...)
+}
+
+// testRelayMarksClaim: once the relay has sent every effect of a message, the claim's retention
+// counts from then.
+func testRelayMarksClaim(f *fixture) {
+	src := f.src("m1")
+	f.commit(src, true, f.effects(src, "k", 2))
+	f.age("processed", "processed_at", src, 30*24*time.Hour)
+	f.age("processed", "dispatched_at", src, 30*24*time.Hour)
+	f.age("effects", "created_at", src, 2*time.Hour)
+	week := outbox.CleanupParams{Retention: 7 * 24 * time.Hour, EffectRetention: time.Hour, BatchSize: 10}
+	// One effect sent, the other not yet: the claim stays.
+	f.relay(due, func(e outbox.Effect) error {
+		if e.Seq == 0 {
+			return nil
+		}
+		return errors.New("broker down")
+	})
+	if res := f.cleanup(week); res.Claims != 0 || !f.processed(src) {
+		f.t.Fatalf("cleanup deleted a claim with a pending effect: %+v", res)
+	}
+	f.age("effects", "next_attempt_at", src, 2*time.Hour)
+	if got := f.relay(due, sent); len(got) != 1 {
+		f.t.Fatalf("relay: %d effects, want the one left", len(got))
+	}
+	if res := f.cleanup(week); res.Claims != 0 || !f.processed(src) {
+		f.t.Fatalf("cleanup deleted a claim whose last effect the relay sent just now: %+v", res)
+	}
+	f.age("processed", "dispatched_at", src, 8*24*time.Hour)
+	if res := f.cleanup(week); res.Claims != 1 {
+		f.t.Fatalf("cleanup kept a claim dispatched 8 days ago: %+v", res)
+	}
+}
+
+// testRelayInstances: two instances relay at once. With RelaySharesWork the second one's rounds
+// go on while the first one dispatches, on other ordering keys; without it the second waits for
+// the first to finish and then takes what is left. Either way, every effect is sent once.
+func testRelayInstances(f *fixture) {
+	const keys = 64
+	var all []outbox.Effect
+	tx := f.begin()
+	for i := 0; i < keys; i++ {
+		src := outbox.Source{ID: fmt.Sprintf("boundary-%02d", i)}
+		es := f.effects(src, fmt.Sprintf("key-%02d", i), 1)
+		if err := f.st.EffectInsert(f.ctx, tx, src, es); err != nil {
+			f.t.Fatal(err)
+		}
+		all = append(all, es...)
+	}
+	if err := tx.Commit(); err != nil {
+		f.t.Fatal(err)
+	}
+	f.age("effects", "created_at", outbox.Source{}, 2*time.Hour)
+	other := f.h.Open(f.t)
+	p := due
+	p.Limit = 10
+
+	first := make(chan []outbox.Effect, 1)
+	firstDone := make(chan error, 1)
+	release, open := f.gate()
+	go func() {
+		_, err := f.st.EffectRelay(f.ctx, p, func(es []outbox.Effect) []error {
+			first <- es
+			<-release
+			return make([]error, len(es))
+		})
+		firstDone <- err
+	}()
+	held := receive(f, "the first instance's dispatch", first)
+	heldKeys := map[string]bool{}
+	for _, e := range held {
+		heldKeys[e.OrderingKey] = true
+	}
+	sentBy := map[string]int{}
+	for _, e := range held {
+		sentBy[e.UUID]++
+	}
+
+	if f.h.Capabilities.RelaySharesWork {
+		// Rounds lock a few key partitions each, chosen at random: go on until one finds work.
+		var second []outbox.Effect
+		for i := 0; len(second) == 0 && i < 200; i++ {
+			second = f.round(other, p, sent)
+		}
+		if len(second) == 0 {
+			f.t.Fatal("the second instance found nothing to relay while the first was dispatching")
+		}
+		for _, e := range second {
+			if heldKeys[e.OrderingKey] {
+				f.t.Fatalf("the second instance relayed %s with key %s, which the first instance holds", e.UUID, e.OrderingKey)
+			}
+			sentBy[e.UUID]++
+		}
+		open()
+	} else {
+		second := make(chan []outbox.Effect, 1)
+		secondDone := make(chan error, 1)
+		go func() {
+			_, err := other.EffectRelay(f.ctx, p, func(es []outbox.Effect) []error {
+				second <- es
+				return make([]error, len(es))
+			})
+			secondDone <- err
+		}()
+		f.waitUntil("the second instance's round to wait for the first's", func() bool { return f.h.Blocked(f.t) })
+		select {
+		case es := <-second:
+			f.t.Fatalf("the second instance dispatched %v while the first held its round", uuids(es))
+		default:
+		}
+		open()
+		es := receive(f, "the second instance's dispatch", second)
+		if err := receive(f, "the second instance's round", secondDone); err != nil {
+			f.t.Fatal(err)
+		}
+		// It took its turn after the first: the next effects, none of the first's.
+		if len(es) == 0 || es[0].StoreID <= held[len(held)-1].StoreID {
+			f.t.Fatalf("the second instance's round after the first's: %v", uuids(es))
+		}
+		for _, e := range es {
+			sentBy[e.UUID]++
+		}
+	}
+	if err := receive(f, "the first instance's round", firstDone); err != nil {
+		f.t.Fatal(err)
+	}
+	for _, e := range f.drain(due, sent) {
+		sentBy[e.UUID]++
+	}
+	for _, e := range all {
+		if sentBy[e.UUID] != 1 {
+			f.t.Errorf("effect %s relayed %d times, want once", e.UUID, sentBy[e.UUID])
+		}
+	}
+}
+
+func (f *fixture) parked(limit int) []outbox.ParkedEffect {
+	f.t.Helper()
+	ps, err := f.st.EffectListParked(f.ctx, limit)
+	if err != nil {
+		f.t.Fatalf("EffectListParked: %v", err)
+	}
+	return ps
+}
+
+func (f *fixture) discard(ids ...int64) int {
+	f.t.Helper()
+	n, err := f.st.EffectDiscard(f.ctx, ids)
+	if err != nil {
+		f.t.Fatalf("EffectDiscard: %v", err)
+	}
+	return n
+}
+
+func (f *fixture) unpark(ids ...int64) int {
+	f.t.Helper()
+	n, err := f.st.EffectUnpark(f.ctx, ids)
+	if err != nil {
+		f.t.Fatalf("EffectUnpark: %v", err)
+	}
+	return n
+}
+
+// parkThree parks one effect of each of three sources (keys k0, k1, k2) and leaves a second
+// effect of the first source pending behind its parked one.
+func (f *fixture) parkThree() (parked []outbox.Effect, behind outbox.Effect) {
+	f.t.Helper()
+	for i := 0; i < 3; i++ {
+		src := f.src(fmt.Sprintf("m%d", i))
+		es := binaryEffects(src)[:2]
+		for j := range es {
+			es[j].OrderingKey = fmt.Sprintf("k%d", i)
+		}
+		if i > 0 {
+			es = es[:1]
+		}
+		f.commit(src, true, es)
+		parked = append(parked, es[0])
+		if i == 0 {
+			behind = es[1]
+		}
+	}
+	f.age("effects", "created_at", outbox.Source{}, 2*time.Hour)
+	p := due
+	p.MaxAttempts = 1
+	f.drain(p, func(e outbox.Effect) error {
+		if e.Seq == 0 {
+			return fmt.Errorf("rejected %s", e.UUID)
+		}
+		return outbox.ErrEffectBlocked
+	})
+	return parked, behind
+}
+
+func testListParked(f *fixture) {
+	start := time.Now()
+	want, _ := f.parkThree()
+	got := f.parked(10)
+	if len(got) != len(want) {
+		f.t.Fatalf("parked: %d, want %d", len(got), len(want))
+	}
+	for i, p := range got {
+		sameEffect(f.t, p.Effect, want[i])
+		if i > 0 && p.StoreID <= got[i-1].StoreID {
+			f.t.Errorf("parked effects not oldest first: %d after %d", p.StoreID, got[i-1].StoreID)
+		}
+		if p.Attempts != 1 || p.LastError != "rejected "+want[i].UUID {
+			f.t.Errorf("parked %s: attempts %d, last error %q", p.UUID, p.Attempts, p.LastError)
+		}
+		if p.ParkedAt.Before(p.CreatedAt) || p.ParkedAt.Sub(start).Abs() > time.Minute ||
+			p.CreatedAt.Sub(start.Add(-2*time.Hour)).Abs() > time.Minute {
+			f.t.Errorf("parked %s: created at %s, parked at %s; test started at %s, effects aged by 2h",
+				p.UUID, p.CreatedAt, p.ParkedAt, start)
+		}
+		if p.PendingFor < 2*time.Hour {
+			f.t.Errorf("parked %s: pending for %s, want at least 2h", p.UUID, p.PendingFor)
+		}
+	}
+	if got := f.parked(2); len(got) != 2 || got[0].UUID != want[0].UUID || got[1].UUID != want[1].UUID {
+		f.t.Fatalf("parked with limit 2: %v", got)
+	}
+}
+
+func testUnpark(f *fixture) {
+	parked, behind := f.parkThree()
+	ps := f.parked(10)
+	if n := f.unpark(ps[0].StoreID, ps[0].StoreID+1_000_000); n != 1 {
+		f.t.Fatalf("EffectUnpark changed %d, want 1", n)
+	}
+	if n := f.unpark(ps[0].StoreID); n != 0 {
+		f.t.Fatalf("EffectUnpark of an effect no longer parked changed %d", n)
+	}
+	if n := f.unpark(); n != 0 {
+		f.t.Fatalf("EffectUnpark of nothing changed %d", n)
+	}
+	if left := f.parked(10); len(left) != 2 || left[0].UUID != parked[1].UUID {
+		f.t.Fatalf("parked after unparking the first: %v", left)
+	}
+	// Due at once with a fresh attempt count, and the effect behind it follows in the same round.
+	got := f.relay(due, sent)
+	wantUUIDs(f.t, "relay after EffectUnpark", got, parked[0], behind)
+	if got[0].Attempts != 0 {
+		f.t.Fatalf("attempts after EffectUnpark: %d, want 0", got[0].Attempts)
+	}
+}
+
+func testDiscard(f *fixture) {
+	parked, behind := f.parkThree()
+	ps := f.parked(10)
+	if n := f.discard(ps[0].StoreID, ps[1].StoreID); n != 2 {
+		f.t.Fatalf("EffectDiscard changed %d, want 2", n)
+	}
+	if n := f.discard(ps[0].StoreID); n != 0 {
+		f.t.Fatalf("EffectDiscard of a discarded effect changed %d", n)
+	}
+	// Only parked effects can be discarded: not the pending one behind them.
+	if n := f.discard(f.pending(behind.Source)[0].StoreID); n != 0 {
+		f.t.Fatalf("EffectDiscard of a pending, unparked effect changed %d", n)
+	}
+	if left := f.parked(10); len(left) != 1 || left[0].UUID != parked[2].UUID {
+		f.t.Fatalf("parked after discarding two: %v", left)
+	}
+	if pe := f.pending(parked[1].Source); len(pe) != 0 {
+		f.t.Fatalf("a discarded effect is still pending: %v", uuids(pe))
+	}
+	// The effect behind the discarded one goes; the discarded one is never sent.
+	wantUUIDs(f.t, "relay after EffectDiscard", f.relay(due, sent), behind)
+}
+
+func testNotifyListen(f *fixture) {
+	if err := f.st.EffectNotify(f.ctx); err != nil {
+		f.t.Fatalf("EffectNotify: %v", err)
+	}
+	ctx, cancel := context.WithCancel(f.ctx)
+	defer cancel()
+	woken := make(chan struct{}, 1)
+	done := make(chan error, 1)
+	go func() {
+		done <- f.st.EffectListen(ctx, func() {
+			select {
+			case woken <- struct{}{}:
+			default:
+			}
+		})
+	}()
+	if !f.h.Capabilities.Listen {
+		if err := receive(f, "EffectListen of a store that cannot listen to return", done); !errors.Is(err, outbox.ErrListenUnsupported) {
+			f.t.Fatalf("EffectListen: want ErrListenUnsupported at once, got %v", err)
+		}
+		return
+	}
+	// Another process notifies; the listener may not be listening yet, so notify until it wakes.
+	notifier := f.h.Open(f.t)
+	deadline := time.Now().Add(waitLimit)
+	for awake := false; !awake; {
+		if time.Now().After(deadline) {
+			f.t.Fatal("EffectListen never woke up")
+		}
+		if err := notifier.EffectNotify(f.ctx); err != nil {
+			f.t.Fatal(err)
+		}
+		select {
+		case <-woken:
+			awake = true
+		case err := <-done:
+			f.t.Fatalf("EffectListen returned before its context was cancelled: %v", err)
+		case <-time.After(50 * time.Millisecond):
+		}
+	}
+	// Now surely listening: one notification, one wake-up.
+	if err := notifier.EffectNotify(f.ctx); err != nil {
+		f.t.Fatal(err)
+	}
+	receive(f, "a wake-up after EffectNotify", woken)
+	cancel()
+	if err := receive(f, "EffectListen to return after its context was cancelled", done); err != nil && !errors.Is(err, context.Canceled) {
+		f.t.Fatalf("EffectListen after cancel: %v", err)
+	}
+}
+
+func testCleanupRetention(f *fixture) {
+	const day = 24 * time.Hour
+	a, b, c, d := f.src("a-expired"), f.src("b-recent-dispatch"), f.src("c-pending"), f.src("d-new")
+	f.commit(a, true, f.effects(a, "ka", 2))
+	f.mark(a)
+	f.commit(b, true, f.effects(b, "kb", 2))
+	f.mark(b)
+	f.commit(c, true, f.effects(c, "kc", 2))
+	f.age("effects", "created_at", c, 30*day)
+	// c: the relay sent its first effect; the second is still pending.
+	f.relay(due, func(e outbox.Effect) error {
+		if e.Seq == 0 {
+			return nil
+		}
+		return outbox.ErrEffectBlocked
+	})
+	f.commit(d, true, nil)
+	for _, s := range []outbox.Source{a, b, c} {
+		f.age("processed", "processed_at", s, 30*day)
+	}
+	f.age("processed", "dispatched_at", a, 8*day)
+	f.age("processed", "dispatched_at", b, 1*day)
+	f.age("processed", "dispatched_at", c, 8*day)
+	f.age("effects", "dispatched_at", a, 2*time.Hour)
+	f.age("effects", "dispatched_at", b, 30*time.Minute)
+	f.age("effects", "dispatched_at", c, 2*time.Hour)
+	x, y := f.src("x-old-failure"), f.src("y-new-failure")
+	f.attempt(x, "boom")
+	f.attempt(y, "boom")
+	f.age("attempts", "first_failed_at", x, 8*day)
+	f.age("attempts", "last_failed_at", x, 8*day)
+
+	p := outbox.CleanupParams{Retention: 7 * day, EffectRetention: time.Hour, BatchSize: 100}
+	res := f.cleanup(p)
+	if want := (outbox.CleanupResult{Claims: 1, Effects: 3, Attempts: 1}); res != want {
+		f.t.Fatalf("cleanup: %+v, want %+v", res, want)
+	}
+	if f.processed(a) || !f.processed(b) || !f.processed(c) || !f.processed(d) {
+		f.t.Fatalf("processed after cleanup: a=%v b=%v c=%v d=%v, want only a gone",
+			f.processed(a), f.processed(b), f.processed(c), f.processed(d))
+	}
+	if pe := f.pending(c); len(pe) != 1 || pe[0].Seq != 1 {
+		f.t.Fatalf("the pending effect was not kept: %v", pe)
+	}
+	if n := f.count("effects"); n != 3 {
+		f.t.Fatalf("effects left: %d, want b's two and c's pending one", n)
+	}
+	if got := f.attempt(x, "again"); got != 1 {
+		f.t.Fatalf("the old attempt counter was not deleted: next attempt counted %d", got)
+	}
+	if got := f.attempt(y, "again"); got != 2 {
+		f.t.Fatalf("the recent attempt counter was deleted: next attempt counted %d", got)
+	}
+	if res := f.cleanup(p); res != (outbox.CleanupResult{}) {
+		f.t.Fatalf("second cleanup: %+v, want nothing", res)
+	}
+}
+
+func testCleanupBatches(f *fixture) {
+	const n = 25
+	tx := f.begin()
+	for i := 0; i < n; i++ {
+		f.claim(tx, f.src(fmt.Sprintf("m%02d", i)))
+	}
+	if err := tx.Commit(); err != nil {
+		f.t.Fatal(err)
+	}
+	f.age("processed", "processed_at", outbox.Source{}, 30*24*time.Hour)
+	f.age("processed", "dispatched_at", outbox.Source{}, 30*24*time.Hour)
+	p := outbox.CleanupParams{Retention: 7 * 24 * time.Hour, EffectRetention: time.Hour, BatchSize: 10, PauseBetweenBatches: time.Hour}
+
+	// Each batch commits on its own: cancelled during the pause after the first batch, Cleanup
+	// reports the ten it deleted.
+	ctx, cancel := context.WithCancel(f.ctx)
+	defer cancel()
+	type result struct {
+		res outbox.CleanupResult
+		err error
+	}
+	done := make(chan result, 1)
+	go func() {
+		res, err := f.st.Cleanup(ctx, p)
+		done <- result{res, err}
+	}()
+	f.waitUntil("the first batch", func() bool { return f.count("processed") == n-10 })
+	cancel()
+	r := receive(f, "Cleanup to return after its context was cancelled", done)
+	if !errors.Is(r.err, context.Canceled) || r.res.Claims != 10 {
+		f.t.Fatalf("cancelled after one batch: %+v, %v; want 10 claims and context.Canceled", r.res, r.err)
+	}
+	p.PauseBetweenBatches = 0
+	if res := f.cleanup(p); res.Claims != n-10 {
+		f.t.Fatalf("cleanup of the rest: %+v, want %d claims", res, n-10)
+	}
+	if left := f.count("processed"); left != 0 {
+		f.t.Fatalf("%d claims left", left)
+	}
+}
+
+func testCleanupLocked(f *fixture) {
+	src := f.src("m1")
+	f.commit(src, true, nil)
+	f.age("processed", "processed_at", src, 30*24*time.Hour)
+	f.age("processed", "dispatched_at", src, 30*24*time.Hour)
+	p := outbox.CleanupParams{Retention: 7 * 24 * time.Hour, EffectRetention: time.Hour, BatchSize: 10}
+	release := f.h.HoldCleanupLock(f.t)
+	released := false
+	defer func() {
+		if !released {
+			release()
+		}
+	}()
+	if f.h.Capabilities.CleanupSkips {
+		res := f.cleanup(p)
+		if !res.Skipped || res.Claims+res.Effects+res.Attempts != 0 {
+			f.t.Fatalf("cleanup while another process cleans: %+v, want skipped", res)
+		}
+		release()
+		released = true
+		if res := f.cleanup(p); res.Skipped || res.Claims != 1 {
+			f.t.Fatalf("cleanup after the other process finished: %+v", res)
+		}
+		return
+	}
+	type result struct {
+		res outbox.CleanupResult
+		err error
+	}
+	done := make(chan result, 1)
+	go func() {
+		res, err := f.st.Cleanup(f.ctx, p)
+		done <- result{res, err}
+	}()
+	f.waitUntil("cleanup to wait for the other process", func() bool { return f.h.Blocked(f.t) })
+	select {
+	case r := <-done:
+		f.t.Fatalf("cleanup returned %+v, %v while another process held the database", r.res, r.err)
+	default:
+	}
+	release()
+	released = true
+	r := receive(f, "cleanup after the other process finished", done)
+	if r.err != nil || r.res.Skipped || r.res.Claims != 1 {
+		f.t.Fatalf("cleanup after waiting: %+v, %v; want 1 claim, not skipped", r.res, r.err)
+	}
+}
