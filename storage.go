@@ -83,7 +83,8 @@ type Store interface {
 	EffectInsert(ctx context.Context, tx *sql.Tx, src Source, effects []Effect) error
 	// EffectListPending returns the undispatched effects of src in order.
 	EffectListPending(ctx context.Context, src Source) ([]Effect, error)
-	// EffectMarkDispatched marks every pending effect of src dispatched, and the claim of src too.
+	// EffectMarkDispatched marks every pending effect of src dispatched and moves the claim's
+	// dispatch time (from which retention counts) to now.
 	// The write may be asynchronous (not flushed at commit): losing it only causes a re-send.
 	EffectMarkDispatched(ctx context.Context, src Source) error
 	// EffectRetryLater records a failed dispatch of the pending effects of src: they become due for
@@ -92,7 +93,8 @@ type Store interface {
 	// EffectKeyBlocked tells whether an effect of another source with ordering key key, stored before
 	// the effects of src, is still undispatched.
 	EffectKeyBlocked(ctx context.Context, src Source, key string) (bool, error)
-	// EffectHandToRelay makes the pending effects of src due for the relay now, without counting an attempt.
+	// EffectHandToRelay makes the pending effects of src due for the relay now (or at the retry
+	// time already set on them), without counting an attempt.
 	EffectHandToRelay(ctx context.Context, src Source) error
 	// EffectListParked returns up to limit parked effects, oldest first.
 	EffectListParked(ctx context.Context, limit int) ([]ParkedEffect, error)
@@ -106,10 +108,12 @@ type Store interface {
 	// EffectListen calls wake whenever EffectNotify is called anywhere, until ctx is done; it returns
 	// ErrListenUnsupported at once when the store cannot listen (the relay then polls).
 	EffectListen(ctx context.Context, wake func()) error
-	// EffectRelay claims up to limit pending effects older than grace that are due, in order,
-	// and calls dispatch with them; dispatch returns, for each effect, nil or its error. The store
-	// marks the successful ones dispatched and records the failures (parking an effect after
-	// maxAttempts) before it releases the claim.
+	// EffectRelay runs one relay round: it claims up to limit due effects (see the drivers for
+	// "due"), in id order, and calls dispatch with them; dispatch returns, for each effect, nil or its
+	// error. The store marks the successful ones dispatched and records the failures (parking an
+	// effect after maxAttempts) before it releases the claim. A round may cover only part of what is
+	// due (a dialect that shares work between instances claims some key partitions per round): the
+	// caller runs rounds until one returns zero.
 	EffectRelay(ctx context.Context, p EffectRelayParams, dispatch func([]Effect) []error) (int, error)
 
 	// Cleanup deletes, in batches, claims whose effects were all dispatched more than retention ago
