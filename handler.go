@@ -127,25 +127,46 @@ func (o *Outbox) redeliver(ctx context.Context, src Source, fields watermill.Log
 		return fmt.Errorf("outbox: list pending side effects of %q for %q: %w", src.ID, src.Consumer, err)
 	}
 	o.logger.Debug("Duplicate message skipped", fields.Add(watermill.LogFields{"pending_effects": len(pending)}))
-	if len(pending) == 0 {
+	if len(pending) == 0 || o.marks.dispatched(src) {
+		// Nothing pending, or this process sent them and their mark is still being written.
 		return nil
 	}
 	if wait := o.cfg.DuplicateWait - pending[0].PendingFor; wait > 0 {
 		// Effects this young were most likely committed by a copy that is sending them right now
-		// (this copy waited on its claim): let it, rather than put a second copy on the wire.
-		select {
-		case <-ctx.Done():
-			return fmt.Errorf("outbox: waiting for an in-flight dispatch: %w", ctx.Err())
-		case <-time.After(wait):
-		}
-		if pending, err = o.store.EffectListPending(ctx, src); err != nil {
-			return fmt.Errorf("outbox: list pending side effects of %q for %q: %w", src.ID, src.Consumer, err)
+		// (this copy waited on its claim): let it, rather than put a second copy on the wire, and
+		// send only what is still pending once it is done or the wait is over.
+		if pending, err = o.awaitDispatch(ctx, src, wait); err != nil {
+			return err
 		}
 		if len(pending) == 0 {
 			return nil
 		}
 	}
 	return o.dispatchAndMark(ctx, src, pending, fields)
+}
+
+// awaitDispatch polls the pending effects of src until none are left or wait has passed, and
+// returns what is still pending.
+func (o *Outbox) awaitDispatch(ctx context.Context, src Source, wait time.Duration) ([]Effect, error) {
+	deadline := time.Now().Add(wait)
+	for {
+		step := min(25*time.Millisecond, time.Until(deadline))
+		select {
+		case <-ctx.Done():
+			return nil, fmt.Errorf("outbox: waiting for an in-flight dispatch: %w", ctx.Err())
+		case <-time.After(step):
+		}
+		if o.marks.dispatched(src) {
+			return nil, nil
+		}
+		pending, err := o.store.EffectListPending(ctx, src)
+		if err != nil {
+			return nil, fmt.Errorf("outbox: list pending side effects of %q for %q: %w", src.ID, src.Consumer, err)
+		}
+		if len(pending) == 0 || !time.Now().Before(deadline) {
+			return pending, nil
+		}
+	}
 }
 
 func (o *Outbox) dispatchAndMark(ctx context.Context, src Source, effects []Effect, fields watermill.LogFields) error {

@@ -15,12 +15,13 @@ type marker struct {
 	o       *Outbox
 	mu      sync.Mutex
 	queue   []Source
+	queued  map[Source]int // sources whose mark is queued or being written
 	running bool
 	idle    *sync.Cond // signalled when the worker exits
 }
 
 func newMarker(o *Outbox) *marker {
-	m := &marker{o: o}
+	m := &marker{o: o, queued: map[Source]int{}}
 	m.idle = sync.NewCond(&m.mu)
 	return m
 }
@@ -30,6 +31,7 @@ func (m *marker) add(src Source) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	m.queue = append(m.queue, src)
+	m.queued[src]++
 	if !m.running {
 		m.running = true
 		go m.work()
@@ -53,8 +55,21 @@ func (m *marker) work() {
 				m.o.logger.Error("Marking side effects dispatched failed; they may be sent again", err,
 					watermill.LogFields{"consumer": src.Consumer, "source_id": src.ID})
 			}
+			m.mu.Lock()
+			if m.queued[src]--; m.queued[src] <= 0 {
+				delete(m.queued, src)
+			}
+			m.mu.Unlock()
 		}
 	}
+}
+
+// dispatched tells whether this process sent the effects of src and has not written their mark yet:
+// a duplicate that finds them pending then knows they were sent.
+func (m *marker) dispatched(src Source) bool {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.queued[src] > 0
 }
 
 // wait blocks until every queued mark was written (or failed).
