@@ -50,17 +50,18 @@ func (m *marker) work() {
 			return
 		}
 		m.mu.Unlock()
+		// Everything queued while the previous batch was written goes in one statement.
+		if err := m.o.store.EffectMarkDispatched(context.Background(), batch...); err != nil {
+			m.o.logger.Error("Marking side effects dispatched failed; they may be sent again", err,
+				watermill.LogFields{"sources": len(batch), "first_source_id": batch[0].ID})
+		}
+		m.mu.Lock()
 		for _, src := range batch {
-			if err := m.o.store.EffectMarkDispatched(context.Background(), src); err != nil {
-				m.o.logger.Error("Marking side effects dispatched failed; they may be sent again", err,
-					watermill.LogFields{"consumer": src.Consumer, "source_id": src.ID})
-			}
-			m.mu.Lock()
 			if m.queued[src]--; m.queued[src] <= 0 {
 				delete(m.queued, src)
 			}
-			m.mu.Unlock()
 		}
+		m.mu.Unlock()
 	}
 }
 

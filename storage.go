@@ -83,10 +83,10 @@ type Store interface {
 	EffectInsert(ctx context.Context, tx *sql.Tx, src Source, effects []Effect) error
 	// EffectListPending returns the undispatched effects of src in order.
 	EffectListPending(ctx context.Context, src Source) ([]Effect, error)
-	// EffectMarkDispatched marks every pending effect of src dispatched and moves the claim's
+	// EffectMarkDispatched marks every pending effect of each src dispatched and moves the claims'
 	// dispatch time (from which retention counts) to now.
 	// The write may be asynchronous (not flushed at commit): losing it only causes a re-send.
-	EffectMarkDispatched(ctx context.Context, src Source) error
+	EffectMarkDispatched(ctx context.Context, srcs ...Source) error
 	// EffectRetryLater records a failed dispatch of the pending effects of src: they become due for
 	// the relay after delay, without waiting for the grace period.
 	EffectRetryLater(ctx context.Context, src Source, reason string, delay time.Duration) error

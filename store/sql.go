@@ -23,6 +23,9 @@ type Queries struct {
 	EffectInsert         func(n int) string
 	EffectListPending    string // (consumer, id) -> effect columns, in seq order
 	EffectMarkDispatched string // (consumer, id)
+	// EffectMarkDispatchedBatch, when set, returns the mark of n sources in one statement:
+	// (consumer, id) per source. Without it, sources are marked one statement each.
+	EffectMarkDispatchedBatch func(n int) string
 
 	EffectRetryLater  string // (consumer, id, reason, delay ms): record a failed fast-path dispatch
 	EffectKeyBlocked  string // (consumer, id, key) -> bool
@@ -277,10 +280,38 @@ func (s *SQL) EffectListPending(ctx context.Context, src outbox.Source) ([]outbo
 	return scanEffects(rows)
 }
 
+// maxMarkBatch bounds the sources marked in one statement.
+const maxMarkBatch = 128
+
 // EffectMarkDispatched implements outbox.Store.
-func (s *SQL) EffectMarkDispatched(ctx context.Context, src outbox.Source) error {
-	_, err := s.exec(ctx, nil, s.d.Queries.EffectMarkDispatched, src.Consumer, src.ID)
-	return err
+func (s *SQL) EffectMarkDispatched(ctx context.Context, srcs ...outbox.Source) error {
+	for len(srcs) > 0 {
+		n := min(len(srcs), maxMarkBatch)
+		if n == 1 || s.d.Queries.EffectMarkDispatchedBatch == nil {
+			n = 1
+			if _, err := s.exec(ctx, nil, s.d.Queries.EffectMarkDispatched, srcs[0].Consumer, srcs[0].ID); err != nil {
+				return err
+			}
+		} else {
+			args := make([]any, 0, 2*n)
+			for _, src := range srcs[:n] {
+				args = append(args, src.Consumer, src.ID)
+			}
+			query := s.d.Queries.EffectMarkDispatchedBatch(n)
+			var err error
+			if n <= maxPreparedInsertRows {
+				_, err = s.exec(ctx, nil, query, args...)
+			} else {
+				_, err = s.db.ExecContext(ctx, query, args...)
+				err = s.wrap(err)
+			}
+			if err != nil {
+				return err
+			}
+		}
+		srcs = srcs[n:]
+	}
+	return nil
 }
 
 // EffectRelay implements outbox.Store.

@@ -154,6 +154,20 @@ func queries(n store.Names) store.Queries {
 				WHERE source_consumer = $1 AND source_id = $2 AND dispatched_at IS NULL AND ` + asyncCommit + `)
 			UPDATE ` + n.Processed + ` SET dispatched_at = now()
 			WHERE consumer = $1 AND message_id = $2 AND ` + asyncCommit,
+		EffectMarkDispatchedBatch: func(count int) string {
+			var v strings.Builder
+			for i := 0; i < count; i++ {
+				if i > 0 {
+					v.WriteString(", ")
+				}
+				fmt.Fprintf(&v, "($%d::text, $%d::text)", 2*i+1, 2*i+2)
+			}
+			return `WITH v (c, i) AS (VALUES ` + v.String() + `),
+				e AS (UPDATE ` + n.Effects + ` e SET dispatched_at = now() FROM v
+					WHERE e.source_consumer = v.c AND e.source_id = v.i AND e.dispatched_at IS NULL AND ` + asyncCommit + `)
+				UPDATE ` + n.Processed + ` p SET dispatched_at = now() FROM v
+				WHERE p.consumer = v.c AND p.message_id = v.i AND ` + asyncCommit
+		},
 
 		EffectRetryLater: `UPDATE ` + n.Effects + ` SET attempts = attempts + 1, last_error = $3,
 			next_attempt_at = now() + ` + ms("$4") + `

@@ -96,6 +96,7 @@ func Run(t *testing.T, newHarness func(t *testing.T) Harness) {
 		{"EffectListPending/PendingFor", testPendingFor},
 		{"EffectMarkDispatched", testMarkDispatched},
 		{"EffectMarkDispatched/RetentionCountsFromDispatch", testMarkMovesClaim},
+		{"EffectMarkDispatched/ManySources", testMarkMany},
 		{"EffectRetryLater/DueAtOnce", testRetryLaterAtOnce},
 		{"EffectRetryLater/Delay", testRetryLaterDelay},
 		{"EffectHandToRelay", testHandToRelay},
@@ -820,6 +821,30 @@ func testPendingFor(f *fixture) {
 	got := f.pending(src)[0].PendingFor
 	if got < time.Hour || got > time.Hour+time.Minute {
 		f.t.Fatalf("PendingFor of an effect stored an hour ago: %s", got)
+	}
+}
+
+// testMarkMany marks many sources in one call (the background marker's batches), more than one
+// statement's worth, and leaves the others alone.
+func testMarkMany(f *fixture) {
+	var srcs []outbox.Source
+	for i := 0; i < 300; i++ {
+		src := f.src(fmt.Sprintf("many-%03d", i))
+		f.commit(src, true, f.effects(src, "k", 1))
+		srcs = append(srcs, src)
+	}
+	keep := f.src("keep")
+	f.commit(keep, true, f.effects(keep, "k", 1))
+	if err := f.st.EffectMarkDispatched(f.ctx, append(srcs, srcs[0])...); err != nil {
+		f.t.Fatalf("EffectMarkDispatched(300 sources): %v", err)
+	}
+	for _, src := range srcs {
+		if n := len(f.pending(src)); n != 0 {
+			f.t.Fatalf("%s: %d effects pending after a batch mark", src.ID, n)
+		}
+	}
+	if n := len(f.pending(keep)); n != 1 {
+		f.t.Fatalf("a batch mark touched another source: %d pending, want 1", n)
 	}
 }
 
