@@ -141,7 +141,9 @@ func TestConcurrentCopiesRunTheHandlerOnce(t *testing.T) {
 		var wg sync.WaitGroup
 		errs := make([]error, copies)
 		for i := 0; i < copies; i++ {
-			ob := e.newOutbox()
+			// A generous wait: the winner must be given the time to finish even on a loaded machine,
+			// and waiting ends as soon as it has.
+			ob := e.newOutbox(func(c *outbox.Config) { c.DuplicateWait = 10 * time.Second })
 			wg.Add(1)
 			go func() {
 				defer wg.Done()

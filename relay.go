@@ -48,17 +48,38 @@ func (o *Outbox) relayDispatch(ctx context.Context, effects []Effect) []error {
 			}
 		}
 		if err := o.dispatch(ctx, effects[i:j]); err != nil {
-			for k := i; k < j; k++ {
-				errs[k] = err
-				failed[effects[k].OrderingKey] = true
+			if j-i > 1 {
+				// One Publish call failed for several effects: send them one by one, so that only
+				// the culprit is charged and effects of other keys still go out.
+				o.relayEach(ctx, effects[i:j], errs[i:j], failed)
+			} else {
+				o.relayFailed(effects[i], err, failed)
+				errs[i] = err
 			}
-			o.logger.Error("Relay could not dispatch side effects; they will be retried", err, watermill.LogFields{
-				"effects": j - i, "first_effect_uuid": effects[i].UUID, "topic": effects[i].Topic, "kind": effects[i].Kind,
-			})
 		}
 		i = j
 	}
 	return errs
+}
+
+func (o *Outbox) relayEach(ctx context.Context, effects []Effect, errs []error, failed map[string]bool) {
+	for k, e := range effects {
+		if failed[e.OrderingKey] {
+			errs[k] = ErrEffectBlocked
+			continue
+		}
+		if err := o.dispatch(ctx, effects[k:k+1]); err != nil {
+			o.relayFailed(e, err, failed)
+			errs[k] = err
+		}
+	}
+}
+
+func (o *Outbox) relayFailed(e Effect, err error, failed map[string]bool) {
+	failed[e.OrderingKey] = true
+	o.logger.Error("Relay could not dispatch a side effect; it will be retried", err, watermill.LogFields{
+		"effect_uuid": e.UUID, "topic": e.Topic, "kind": e.Kind, "attempts": e.Attempts + 1,
+	})
 }
 
 // relayBackoff is exponential from one second, capped at five minutes, with +-20% jitter so that

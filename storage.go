@@ -87,8 +87,9 @@ type Store interface {
 	// dispatch time (from which retention counts) to now.
 	// The write may be asynchronous (not flushed at commit): losing it only causes a re-send.
 	EffectMarkDispatched(ctx context.Context, srcs ...Source) error
-	// EffectRetryLater records a failed dispatch of the pending effects of src: they become due for
-	// the relay after delay, without waiting for the grace period.
+	// EffectRetryLater records a failed dispatch of the pending effects of src (the reason, not an
+	// attempt: only the relay counts attempts, per effect): they become due for the relay after
+	// delay, without waiting for the grace period.
 	EffectRetryLater(ctx context.Context, src Source, reason string, delay time.Duration) error
 	// EffectKeyBlocked tells whether an effect of another source with ordering key key, stored before
 	// the effects of src, is still undispatched.

@@ -169,7 +169,7 @@ func queries(n store.Names) store.Queries {
 				WHERE p.consumer = v.c AND p.message_id = v.i AND ` + asyncCommit
 		},
 
-		EffectRetryLater: `UPDATE ` + n.Effects + ` SET attempts = attempts + 1, last_error = $3,
+		EffectRetryLater: `UPDATE ` + n.Effects + ` SET last_error = $3,
 			next_attempt_at = now() + ` + ms("$4") + `
 			WHERE source_consumer = $1 AND source_id = $2 AND dispatched_at IS NULL`,
 		EffectKeyBlocked: `SELECT EXISTS (SELECT 1 FROM ` + n.Effects + ` b

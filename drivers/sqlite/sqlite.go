@@ -143,7 +143,7 @@ func queries(n store.Names) store.Queries {
 		EffectMarkDispatched: `UPDATE ` + n.Effects + ` SET dispatched_at = ` + now + `
 			WHERE source_consumer = ?1 AND source_id = ?2 AND dispatched_at IS NULL`,
 
-		EffectRetryLater: `UPDATE ` + n.Effects + ` SET attempts = attempts + 1, last_error = ?3,
+		EffectRetryLater: `UPDATE ` + n.Effects + ` SET last_error = ?3,
 			next_attempt_at = ` + fromNow("?4") + `
 			WHERE source_consumer = ?1 AND source_id = ?2 AND dispatched_at IS NULL`,
 		EffectKeyBlocked: `SELECT EXISTS (SELECT 1 FROM ` + n.Effects + ` b
