@@ -27,3 +27,15 @@ bench:
 
 example:
 	$(GO) run ./examples/minimal
+
+# Benchmarks: the cost of exactly-once side by side with the alternatives (docs/benchmarks.md).
+# bench/ is its own module, so that River and rbaliyan/event never enter the library's go.mod.
+# It starts its own PostgreSQL (or uses OUTBOX_BENCH_DSN) and an in-process NATS JetStream, and
+# rewrites docs/benchmarks.md (between its markers) and docs/benchmarks.svg.
+.PHONY: bench-quick bench-full
+
+bench-quick: # reduced sizes, under 2 minutes
+	cd bench && $(GO) run . -mode quick
+
+bench-full: # the issue's sizes (10M retained IDs, 1M expired rows)
+	cd bench && $(GO) run . -mode full

@@ -1,0 +1,388 @@
+// Command bench measures the cost of exactly-once effects: the same workload (consume a message,
+// one business INSERT, one outgoing message; 10% duplicate deliveries) through this framework and
+// the alternatives, against one throwaway PostgreSQL and one in-process NATS JetStream broker, and
+// writes docs/benchmarks.md (tables) and docs/benchmarks.svg (chart).
+//
+//	go run . -mode quick          # < 2 minutes, reduced sizes (see docs/benchmarks.md)
+//	go run . -mode full           # the issue's sizes
+//	go run . -render results.json # re-render the docs from a saved run, without running
+//
+// It starts its own PostgreSQL from the local binaries (apt-get install postgresql) unless -dsn or
+// OUTBOX_BENCH_DSN names one (a superuser DSN; the database "outbox_bench" is dropped and created).
+package main
+
+import (
+	"context"
+	"database/sql"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"net/url"
+	"os"
+	"os/signal"
+	"path/filepath"
+	"runtime"
+	"slices"
+	"strings"
+	"sync/atomic"
+	"syscall"
+	"time"
+
+	_ "github.com/lib/pq"
+)
+
+type config struct {
+	Mode       string
+	N          int // deliveries per contender and concurrency, over all repetitions
+	Reps       int
+	Concs      []int
+	DupRate    float64
+	DupWindow  int
+	SafetyN    int
+	Retained   int // prefilled dedup IDs in the retained-IDs scale run
+	ScaleN     int // deliveries per scale run
+	ScaleConcs []int
+	Expired    int // expired rows for the cleanup scale run
+	CleanupN   int // deliveries before and after the cleanup
+	CleanupC   int
+	MemN       int
+	Seed       uint64
+	Contenders []string
+}
+
+var allContenders = []string{"floor", "bare", "naive", "watermill-stack", "river", "rbaliyan-event", "outbox-middleware", "outbox-intx"}
+
+func presets(mode string) (config, error) {
+	c := config{Mode: mode, Concs: []int{1, 4, 16}, DupRate: 0.10, DupWindow: 64, Seed: 1, Contenders: allContenders}
+	switch mode {
+	case "quick":
+		c.N, c.Reps = 1500, 2
+		c.SafetyN = 800
+		c.Retained, c.ScaleN, c.ScaleConcs = 200_000, 1500, []int{4, 16}
+		c.Expired, c.CleanupN, c.CleanupC = 100_000, 1500, 4
+		c.MemN = 1000
+	case "full":
+		c.N, c.Reps = 20000, 4
+		c.SafetyN = 5000
+		c.Retained, c.ScaleN, c.ScaleConcs = 10_000_000, 10000, []int{4, 16}
+		c.Expired, c.CleanupN, c.CleanupC = 1_000_000, 10000, 4
+		c.MemN = 20000
+	default:
+		return c, fmt.Errorf("unknown -mode %q (quick or full)", mode)
+	}
+	return c, nil
+}
+
+func main() {
+	mode := flag.String("mode", "quick", "quick (reduced sizes, under 2 minutes) or full (the issue's sizes)")
+	dsn := flag.String("dsn", os.Getenv("OUTBOX_BENCH_DSN"), "PostgreSQL superuser DSN to use instead of starting a server (env OUTBOX_BENCH_DSN)")
+	n := flag.Int("n", 0, "deliveries per contender and concurrency (default: the mode's)")
+	reps := flag.Int("reps", 0, "interleaved repetitions (default: the mode's)")
+	concs := flag.String("conc", "", "concurrencies, comma-separated (default 1,4,16)")
+	dupRate := flag.Float64("dup-rate", 0.10, "share of deliveries that are duplicates")
+	dupWindow := flag.Int("dup-window", 64, "a duplicate comes 1..dup-window deliveries after its original")
+	only := flag.String("contenders", "", "comma-separated subset of: "+strings.Join(allContenders, ","))
+	skipScale := flag.Bool("skip-scale", false, "skip the scale runs (retained IDs, cleanup) and the memory check")
+	docs := flag.String("docs", "../docs", "directory of benchmarks.md and benchmarks.svg")
+	results := flag.String("results", "", "write the results as JSON here (default: results-<mode>.json)")
+	render := flag.String("render", "", "only re-render the docs from this results JSON")
+	flag.Parse()
+
+	if *render != "" {
+		b, err := os.ReadFile(*render)
+		if err == nil {
+			var r report
+			if err = json.Unmarshal(b, &r); err == nil {
+				err = writeDocs(*docs, &r)
+			}
+		}
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "error:", err)
+			os.Exit(1)
+		}
+		return
+	}
+
+	cfg, err := presets(*mode)
+	if err == nil {
+		if *n > 0 {
+			cfg.N = *n
+		}
+		if *reps > 0 {
+			cfg.Reps = *reps
+		}
+		if *concs != "" {
+			cfg.Concs = nil
+			for _, s := range strings.Split(*concs, ",") {
+				var v int
+				if _, err := fmt.Sscan(s, &v); err != nil || v < 1 {
+					fmt.Fprintln(os.Stderr, "bad -conc")
+					os.Exit(2)
+				}
+				cfg.Concs = append(cfg.Concs, v)
+			}
+		}
+		cfg.DupRate, cfg.DupWindow = *dupRate, *dupWindow
+		if *only != "" {
+			cfg.Contenders = strings.Split(*only, ",")
+		}
+		if *results == "" {
+			*results = "results-" + cfg.Mode + ".json"
+		}
+		err = run(cfg, *dsn, *skipScale, *docs, *results)
+	}
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "error:", err)
+		os.Exit(1)
+	}
+}
+
+func logf(format string, args ...any) {
+	fmt.Fprintf(os.Stderr, "[%s] "+format+"\n", append([]any{time.Now().Format("15:04:05")}, args...)...)
+}
+
+func run(cfg config, dsn string, skipScale bool, docsDir, resultsPath string) (err error) {
+	began := time.Now()
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+
+	rep := &report{Mode: cfg.Mode, Config: cfg, Started: began.UTC().Format(time.RFC3339), Command: commandLine(cfg)}
+	rep.Machine = machineInfo()
+
+	if dsn == "" {
+		logf("starting a throwaway PostgreSQL")
+		srv, err := startPG()
+		if err != nil {
+			return err
+		}
+		defer srv.stop()
+		dsn = srv.dsn("postgres")
+		rep.Machine.Postgres = srv.version
+		rep.Machine.ServerSettings = strings.Join(serverSettings, ", ")
+	} else {
+		rep.Machine.ServerSettings = "external server (-dsn): its own settings"
+	}
+	benchDSN, err := createDatabase(ctx, dsn, "outbox_bench")
+	if err != nil {
+		return err
+	}
+	admin, err := sql.Open("postgres", benchDSN)
+	if err != nil {
+		return err
+	}
+	defer admin.Close()
+	if rep.Machine.Postgres == "" {
+		_ = admin.QueryRow(`SELECT version()`).Scan(&rep.Machine.Postgres)
+	}
+	if _, err := admin.ExecContext(ctx, `
+		CREATE TABLE applied (message_id text NOT NULL);
+		CREATE TABLE naive_processed (message_id text PRIMARY KEY, processed_at timestamptz NOT NULL DEFAULT now());`); err != nil {
+		return err
+	}
+
+	logf("starting NATS JetStream")
+	b, err := startBroker()
+	if err != nil {
+		return err
+	}
+	defer b.close()
+	e := &env{dsn: benchDSN, admin: admin, broker: b, pub: b.publisher()}
+
+	var cs []contender
+	defer func() {
+		for _, c := range cs {
+			c.close()
+		}
+	}()
+	for _, name := range cfg.Contenders {
+		c, err := newContender(e, name)
+		if err != nil {
+			msg := fmt.Sprintf("%s left out: %v", name, err)
+			logf("%s", msg)
+			rep.Notes = append(rep.Notes, msg)
+			continue
+		}
+		cs = append(cs, c)
+	}
+
+	maxConc := slices.Max(cfg.Concs)
+	logf("warm-up: %d contenders", len(cs))
+	for i, c := range cs {
+		if _, err := e.run(ctx, c, makeDeliveries(200, cfg.DupRate, redeliveryGap(maxConc), cfg.DupWindow, 1000+uint64(i)), runOpts{conc: maxConc, redelivered: true, drainWait: 30 * time.Second}); err != nil {
+			return err
+		}
+	}
+
+	// The matrix: repetitions interleave every contender at every concurrency; the order of the
+	// contenders rotates from one (repetition, concurrency) to the next, so that drift and
+	// warm-up hit each one alike.
+	agg := map[string]*aggregate{}
+	perRep := cfg.N / cfg.Reps
+	k := 0
+	for r := 0; r < cfg.Reps; r++ {
+		for ci, conc := range cfg.Concs {
+			ds := makeDeliveries(perRep, cfg.DupRate, redeliveryGap(conc), cfg.DupWindow, cfg.Seed*1_000_003+uint64(r*100+ci))
+			for j := range cs {
+				c := cs[(j+k)%len(cs)]
+				if ctx.Err() != nil {
+					return ctx.Err()
+				}
+				res, err := e.run(ctx, c, ds, runOpts{conc: conc, redelivered: true, drainWait: 60 * time.Second})
+				if err != nil {
+					return err
+				}
+				key := fmt.Sprintf("%s/%d", c.name(), conc)
+				if agg[key] == nil {
+					agg[key] = &aggregate{contender: c.name(), path: c.path(), conc: conc}
+				}
+				agg[key].add(res)
+				logf("rep %d c=%-2d %-18s %7.0f msg/s  p50 %6.2f ms  p99 %7.2f ms  rt/msg %.2f/%.2f  stmts/msg %.2f  WAL %5.0f B/msg%s",
+					r+1, conc, c.name(), float64(res.Messages)/res.Elapsed.Seconds(), ms(pct(res.Latencies, 0.5)), ms(pct(res.Latencies, 0.99)),
+					float64(res.Wire.SyncRoundTrips)/float64(res.Messages), float64(res.Wire.RoundTrips)/float64(res.Messages), float64(res.Wire.Statements)/float64(res.Messages),
+					float64(res.WALBytes)/float64(res.Messages), errNote(res))
+			}
+			k++
+		}
+	}
+	for _, name := range cfg.Contenders {
+		for _, conc := range cfg.Concs {
+			if a := agg[fmt.Sprintf("%s/%d", name, conc)]; a != nil {
+				rep.Cells = append(rep.Cells, a.cell())
+			}
+		}
+	}
+
+	logf("safety: duplicates and one crash")
+	for i, c := range cs {
+		if c.path() == "floor" {
+			continue
+		}
+		row, err := e.safety(ctx, c, cfg, maxConc, uint64(5000+i))
+		if err != nil {
+			return err
+		}
+		rep.Safety = append(rep.Safety, row)
+		logf("safety %-18s dup-applied %d lost %d resent-same-id %d new-id-copies %d", c.name(), row.DupApplied, row.Lost, row.ResentSameID, row.CopiesNewID)
+	}
+
+	if !skipScale {
+		var mw *framework
+		for _, c := range cs {
+			if f, ok := c.(*framework); ok && !f.boundary {
+				mw = f
+			}
+		}
+		if mw == nil {
+			rep.Notes = append(rep.Notes, "scale runs skipped: outbox-middleware not selected")
+		} else {
+			if err := e.scaleRetained(ctx, cfg, mw, rep); err != nil {
+				return err
+			}
+			if err := e.scaleCleanup(ctx, cfg, rep); err != nil {
+				return err
+			}
+			if err := e.memoryCheck(ctx, cfg, mw, rep); err != nil {
+				return err
+			}
+		}
+	}
+
+	rep.DurationSec = time.Since(began).Seconds()
+	logf("done in %.0f s", rep.DurationSec)
+	js, err := json.MarshalIndent(rep, "", "  ")
+	if err != nil {
+		return err
+	}
+	if err := os.WriteFile(resultsPath, js, 0o644); err != nil {
+		return err
+	}
+	return writeDocs(docsDir, rep)
+}
+
+func errNote(r runResult) string {
+	var s string
+	if r.Errors > 0 {
+		s += fmt.Sprintf("  errors %d", r.Errors)
+	}
+	if r.Undelivered > 0 {
+		s += fmt.Sprintf("  UNDELIVERED %d", r.Undelivered)
+	}
+	return s
+}
+
+func newContender(e *env, name string) (contender, error) {
+	switch name {
+	case "floor":
+		return newFloor(e)
+	case "bare":
+		return newBare(e)
+	case "naive":
+		return newNaive(e)
+	case "watermill-stack":
+		return newWMStack(e)
+	case "river":
+		return newRiver(e)
+	case "rbaliyan-event":
+		return newEventIdem(e)
+	case "outbox-middleware":
+		return newFramework(e, false, "outbox_")
+	case "outbox-intx":
+		return newFramework(e, true, "intx_")
+	}
+	return nil, fmt.Errorf("unknown contender %q", name)
+}
+
+// createDatabase drops and creates dbname on the server of dsn and returns its DSN.
+func createDatabase(ctx context.Context, dsn, dbname string) (string, error) {
+	db, err := sql.Open("postgres", dsn)
+	if err != nil {
+		return "", err
+	}
+	defer db.Close()
+	if _, err := db.ExecContext(ctx, "DROP DATABASE IF EXISTS "+dbname+" WITH (FORCE)"); err != nil {
+		return "", err
+	}
+	if _, err := db.ExecContext(ctx, "CREATE DATABASE "+dbname); err != nil {
+		return "", err
+	}
+	u, err := url.Parse(dsn)
+	if err != nil || u.Scheme == "" {
+		// key=value form
+		return dsn + " dbname=" + dbname, nil
+	}
+	u.Path = "/" + dbname
+	return u.String(), nil
+}
+
+func commandLine(cfg config) string {
+	return "make bench-" + cfg.Mode
+}
+
+func machineInfo() machine {
+	m := machine{CPUs: runtime.NumCPU(), Go: runtime.Version(), OS: runtime.GOOS + "/" + runtime.GOARCH}
+	if b, err := os.ReadFile("/proc/cpuinfo"); err == nil {
+		for _, l := range strings.Split(string(b), "\n") {
+			if strings.HasPrefix(l, "model name") {
+				if i := strings.Index(l, ":"); i > 0 {
+					m.CPU = strings.TrimSpace(l[i+1:])
+				}
+				break
+			}
+		}
+	}
+	if b, err := os.ReadFile("/proc/meminfo"); err == nil {
+		var kb int64
+		if _, err := fmt.Sscanf(strings.SplitN(string(b), "\n", 2)[0], "MemTotal: %d kB", &kb); err == nil {
+			m.MemGB = float64(kb) / (1 << 20)
+		}
+	}
+	if b, err := os.ReadFile("/proc/loadavg"); err == nil {
+		m.LoadAtStart = strings.Join(strings.Fields(string(b))[:3], " ")
+	}
+	return m
+}
+
+var _ = errors.New
+var _ = filepath.Join
+var _ atomic.Bool
