@@ -31,12 +31,17 @@ type Config struct {
 	// Retention is how long a processed message ID is remembered, counted from the moment its side
 	// effects were dispatched. A redelivery later than that runs the handler again. Default: 7 days.
 	Retention time.Duration
-	// EffectRetention is how long dispatched side effects are kept for inspection. Default: 1 hour.
+	// EffectRetention is how long dispatched side effects are kept for inspection. Zero (the
+	// default): they are deleted when they are marked dispatched, which writes far less than
+	// keeping them (the SQLite driver keeps them until the next cleanup).
 	EffectRetention time.Duration
 	// CleanupInterval is how often Run deletes expired rows. Default: 1 minute.
 	CleanupInterval time.Duration
 	// CleanupBatchSize is the number of rows one cleanup transaction deletes. Default: 1000.
 	CleanupBatchSize int
+	// CleanupPause is the pause between two cleanup batches, so that a large cleanup does not
+	// compete head-on with the consumers for the database. Default: 20 milliseconds.
+	CleanupPause time.Duration
 
 	// MaxAttempts is how many times a failing handler runs before the message is moved to
 	// PoisonTopic. Attempts are counted durably. Default: 5.
@@ -87,9 +92,9 @@ const (
 const (
 	defaultTablePrefix      = "outbox_"
 	defaultRetention        = 7 * 24 * time.Hour
-	defaultEffectRetention  = time.Hour
 	defaultCleanupInterval  = time.Minute
 	defaultCleanupBatchSize = 1000
+	defaultCleanupPause     = 20 * time.Millisecond
 	defaultMaxAttempts      = 5
 	defaultPublishTimeout   = 30 * time.Second
 	defaultDuplicateWait    = time.Second
@@ -113,14 +118,14 @@ func (c *Config) setDefaults() {
 	if c.Retention == 0 {
 		c.Retention = defaultRetention
 	}
-	if c.EffectRetention == 0 {
-		c.EffectRetention = defaultEffectRetention
-	}
 	if c.CleanupInterval == 0 {
 		c.CleanupInterval = defaultCleanupInterval
 	}
 	if c.CleanupBatchSize == 0 {
 		c.CleanupBatchSize = defaultCleanupBatchSize
+	}
+	if c.CleanupPause == 0 {
+		c.CleanupPause = defaultCleanupPause
 	}
 	if c.MaxAttempts == 0 {
 		c.MaxAttempts = defaultMaxAttempts
@@ -162,6 +167,7 @@ func (c Config) Validate() error {
 	}
 	for name, d := range map[string]time.Duration{
 		"Retention": c.Retention, "EffectRetention": c.EffectRetention, "CleanupInterval": c.CleanupInterval,
+		"CleanupPause":   c.CleanupPause,
 		"HandlerTimeout": c.HandlerTimeout, "PublishTimeout": c.PublishTimeout, "DuplicateWait": c.DuplicateWait,
 		"RelayInterval": c.RelayInterval, "RelayGrace": c.RelayGrace,
 	} {

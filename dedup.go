@@ -104,9 +104,10 @@ func sanitizeReason(s string) string {
 
 func (o *Outbox) cleanupOnce(ctx context.Context) error {
 	res, err := o.store.Cleanup(ctx, CleanupParams{
-		Retention:       o.cfg.Retention,
-		EffectRetention: o.cfg.EffectRetention,
-		BatchSize:       o.cfg.CleanupBatchSize,
+		Retention:           o.cfg.Retention,
+		EffectRetention:     o.cfg.EffectRetention,
+		BatchSize:           o.cfg.CleanupBatchSize,
+		PauseBetweenBatches: o.cfg.CleanupPause,
 	})
 	if err != nil {
 		return fmt.Errorf("outbox: cleanup: %w", err)

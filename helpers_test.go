@@ -116,7 +116,9 @@ func (e *env) initTopics(topics ...string) {
 // newOutbox returns another Outbox on the same database, as a second process would have.
 func (e *env) newOutbox(mutate ...func(*outbox.Config)) *outbox.Outbox {
 	e.t.Helper()
-	cfg := outbox.Config{DB: e.db, Driver: postgres.Driver{}, Publisher: e.pub, Logger: watermill.NopLogger{}}
+	// Keep dispatched effects, so that tests can read what was committed; TestDispatchedEffectsAreDeleted
+	// covers the default, deleting them at dispatch.
+	cfg := outbox.Config{DB: e.db, Driver: postgres.Driver{}, Publisher: e.pub, Logger: watermill.NopLogger{}, EffectRetention: time.Hour}
 	for _, m := range mutate {
 		m(&cfg)
 	}

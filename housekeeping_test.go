@@ -3,6 +3,7 @@ package outbox_test
 import (
 	"context"
 	"database/sql"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -43,4 +44,46 @@ func TestEffectsTableStaysSmallUnderLoad(t *testing.T) {
 		t.Fatalf("the effects table grew to %d rows: cleanup is not keeping up", maxRows)
 	}
 	mustEqual(t, "messages on the wire", len(e.wire("out_a")), 1500)
+}
+
+// TestDispatchedEffectsAreDeleted covers the default EffectRetention (zero): effects are deleted
+// when they are marked dispatched, on the fast path, on redelivery and by the relay, and the claim
+// still remembers the message.
+func TestDispatchedEffectsAreDeleted(t *testing.T) {
+	e := newEnv(t, func(c *outbox.Config) {
+		c.EffectRetention = 0
+		c.RelayGrace = time.Millisecond
+		c.RelayInterval = 20 * time.Millisecond
+	})
+	var calls atomic.Int32
+	msg := message.NewMessage(uuid.NewString(), nil)
+	if err := handle(e.ob, msg, applyAndPublish(&calls)); err != nil {
+		t.Fatal(err)
+	}
+	mustEqual(t, "effect rows after the fast path", e.count(`SELECT count(*) FROM outbox_effects`), 0)
+	if err := handle(e.ob, copyOf(msg), applyAndPublish(&calls)); err != nil {
+		t.Fatal(err)
+	}
+	mustEqual(t, "handler calls", calls.Load(), int32(1))
+	mustEqual(t, "messages on the wire", len(e.wire("out_a"))+len(e.wire("out_b")), 2)
+	mustEqual(t, "retention clock moved to the dispatch", e.count(`SELECT count(*) FROM outbox_processed WHERE dispatched_at > processed_at`), 1)
+
+	// The relay deletes what it sends too.
+	e.pub.failAll.Store(true)
+	if err := e.ob.InTx(context.Background(), func(ctx context.Context, tx *sql.Tx) error {
+		return outbox.Publish(ctx, "out_a", message.NewMessage(uuid.NewString(), nil))
+	}); err != nil {
+		t.Fatal(err)
+	}
+	mustEqual(t, "pending after a failed dispatch", e.pendingEffects(), 1)
+	e.pub.failAll.Store(false)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error)
+	go func() { done <- e.ob.Run(ctx) }()
+	waitFor(t, "the relay", func() bool { return e.count(`SELECT count(*) FROM outbox_effects`) == 0 })
+	cancel()
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	mustEqual(t, "messages on the wire", len(e.wire("out_a")), 2)
 }

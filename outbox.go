@@ -39,7 +39,9 @@ func New(cfg Config) (*Outbox, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, fmt.Errorf("outbox: invalid config: %w", err)
 	}
-	st, err := cfg.Driver.Open(cfg.DB, StoreOptions{Schema: cfg.Schema, TablePrefix: cfg.TablePrefix})
+	st, err := cfg.Driver.Open(cfg.DB, StoreOptions{
+		Schema: cfg.Schema, TablePrefix: cfg.TablePrefix, DeleteDispatched: cfg.EffectRetention == 0,
+	})
 	if err != nil {
 		return nil, fmt.Errorf("outbox: open store: %w", err)
 	}

@@ -57,6 +57,9 @@ type StoreOptions struct {
 	Schema string
 	// TablePrefix is prepended to every table name.
 	TablePrefix string
+	// DeleteDispatched asks the store to delete side effects when they are marked dispatched
+	// instead of keeping them until cleanup (a store may keep them anyway, e.g. SQLite).
+	DeleteDispatched bool
 }
 
 // Store is the storage contract the framework needs from a database. The drivers/ packages

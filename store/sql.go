@@ -44,6 +44,7 @@ type Queries struct {
 	RelayFinishSource   string // (consumer, id): mark the claim dispatched when no effect is pending
 
 	CleanupLock     string // -> bool
+	CleanupBegin    string // run first in every cleanup transaction (e.g. to relax durability); may be empty
 	CleanupClaims   string // (retention ms, limit)
 	CleanupEffects  string // (retention ms, limit)
 	CleanupAttempts string // (retention ms, limit)
@@ -431,6 +432,11 @@ func (s *SQL) cleanupBatch(ctx context.Context, query string, retention time.Dur
 		}
 		if !ok {
 			return 0, false, nil
+		}
+	}
+	if s.d.Queries.CleanupBegin != "" {
+		if _, err := tx.ExecContext(ctx, s.d.Queries.CleanupBegin); err != nil {
+			return 0, true, fmt.Errorf("cleanup: %w", s.wrap(err))
 		}
 	}
 	r, err := tx.ExecContext(ctx, query, retention.Milliseconds(), limit)

@@ -58,7 +58,7 @@ func (d Driver) Open(db *sql.DB, opts outbox.StoreOptions) (outbox.Store, error)
 		return nil, fmt.Errorf("postgres migrations: %w", err)
 	}
 	dialect := store.Dialect{
-		Queries:          queries(names),
+		Queries:          queries(names, opts.DeleteDispatched),
 		Migrate:          migrateQueries(names),
 		Migrations:       migrations,
 		IsUndefinedTable: IsUndefinedTable,
@@ -110,6 +110,13 @@ const effectColumns = `id, source_consumer, source_id, seq, kind, topic, uuid, p
 // the WAL flush: the marks it guards are safe to lose (a lost mark only causes a re-send).
 const asyncCommit = `set_config('synchronous_commit', 'off', true) IS NOT NULL`
 
+func relayMark(n store.Names, deleteDispatched bool) string {
+	if deleteDispatched {
+		return `DELETE FROM ` + n.Effects + ` WHERE id = $1`
+	}
+	return `UPDATE ` + n.Effects + ` SET dispatched_at = now() WHERE id = $1`
+}
+
 // relayDue is the condition under which the relay may send effect e: undispatched, not parked,
 // past the grace period ($1 ms) or handed over by a failed dispatch, due for its retry, and not
 // behind an earlier undispatched effect with its ordering key that is not due itself (parked,
@@ -124,8 +131,17 @@ func relayDue(n store.Names, ms func(string) string) string {
 				       OR (b.next_attempt_at IS NULL AND b.created_at >= now() - ` + ms("$1") + `)))`
 }
 
-func queries(n store.Names) store.Queries {
+func queries(n store.Names, deleteDispatched bool) store.Queries {
 	ms := func(arg string) string { return "(" + arg + " * interval '1 millisecond')" }
+	// markEffects marks effects dispatched; deleting them writes a small record, where an update
+	// writes a new row version and index entries (dispatched_at is in the partial indexes'
+	// predicates, so the update cannot be HOT).
+	markEffects := `UPDATE ` + n.Effects + ` e SET dispatched_at = now()`
+	markEffectsFrom := " FROM v"
+	if deleteDispatched {
+		markEffects = `DELETE FROM ` + n.Effects + ` e`
+		markEffectsFrom = " USING v"
+	}
 	return store.Queries{
 		MessageClaim: `INSERT INTO ` + n.Processed + ` (consumer, message_id, dispatched_at) VALUES ($1, $2, now())
 			ON CONFLICT (consumer, message_id) DO NOTHING RETURNING 1`,
@@ -150,7 +166,7 @@ func queries(n store.Names) store.Queries {
 		},
 		EffectListPending: `SELECT ` + effectColumns + ` FROM ` + n.Effects + `
 			WHERE source_consumer = $1 AND source_id = $2 AND dispatched_at IS NULL ORDER BY seq`,
-		EffectMarkDispatched: `WITH e AS (UPDATE ` + n.Effects + ` SET dispatched_at = now()
+		EffectMarkDispatched: `WITH e AS (` + markEffects + `
 				WHERE source_consumer = $1 AND source_id = $2 AND dispatched_at IS NULL AND ` + asyncCommit + `)
 			UPDATE ` + n.Processed + ` SET dispatched_at = now()
 			WHERE consumer = $1 AND message_id = $2 AND ` + asyncCommit,
@@ -163,7 +179,7 @@ func queries(n store.Names) store.Queries {
 				fmt.Fprintf(&v, "($%d::text, $%d::text)", 2*i+1, 2*i+2)
 			}
 			return `WITH v (c, i) AS (VALUES ` + v.String() + `),
-				e AS (UPDATE ` + n.Effects + ` e SET dispatched_at = now() FROM v
+				e AS (` + markEffects + markEffectsFrom + `
 					WHERE e.source_consumer = v.c AND e.source_id = v.i AND e.dispatched_at IS NULL AND ` + asyncCommit + `)
 				UPDATE ` + n.Processed + ` p SET dispatched_at = now() FROM v
 				WHERE p.consumer = v.c AND p.message_id = v.i AND ` + asyncCommit
@@ -202,7 +218,7 @@ func queries(n store.Names) store.Queries {
 			  AND (hashtext(e.ordering_key) & ` + fmt.Sprint(relayPartitions-1) + `) = ANY (string_to_array($3, ',')::int[])
 			ORDER BY e.id LIMIT $2
 			FOR UPDATE OF e SKIP LOCKED`,
-		RelayMarkDispatched: `UPDATE ` + n.Effects + ` SET dispatched_at = now() WHERE id = $1`,
+		RelayMarkDispatched: relayMark(n, deleteDispatched),
 		RelayMarkFailed: `UPDATE ` + n.Effects + ` SET attempts = attempts + 1, last_error = $2,
 			next_attempt_at = now() + ` + ms("$3") + `, parked_at = CASE WHEN $4::boolean THEN now() END WHERE id = $1`,
 		RelayFinishSource: `UPDATE ` + n.Processed + ` SET dispatched_at = now()
@@ -211,6 +227,8 @@ func queries(n store.Names) store.Queries {
 				WHERE source_consumer = $1 AND source_id = $2 AND dispatched_at IS NULL)`,
 
 		CleanupLock: fmt.Sprintf("SELECT pg_try_advisory_xact_lock(%d, %s)", lockClass, lockKey(n, "cleanup")),
+		// Cleanup batches commit asynchronously: a batch lost in a crash is simply deleted again.
+		CleanupBegin: `SET LOCAL synchronous_commit = off`,
 		CleanupClaims: `DELETE FROM ` + n.Processed + ` WHERE (consumer, message_id) IN (
 			SELECT consumer, message_id FROM ` + n.Processed + ` p
 			WHERE processed_at < now() - ` + ms("$1") + ` AND dispatched_at < now() - ` + ms("$1") + `
