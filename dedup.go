@@ -102,7 +102,10 @@ func sanitizeReason(s string) string {
 	return s
 }
 
-func (o *Outbox) cleanupOnce(ctx context.Context) error {
+// Cleanup runs one retention cleanup pass with the configured retention, batch size and pause, as
+// Run does every CleanupInterval: for deployments that schedule cleanup themselves. It returns
+// at once, with Skipped set, while another instance is cleaning.
+func (o *Outbox) Cleanup(ctx context.Context) (CleanupResult, error) {
 	res, err := o.store.Cleanup(ctx, CleanupParams{
 		Retention:           o.cfg.Retention,
 		EffectRetention:     o.cfg.EffectRetention,
@@ -110,7 +113,15 @@ func (o *Outbox) cleanupOnce(ctx context.Context) error {
 		PauseBetweenBatches: o.cfg.CleanupPause,
 	})
 	if err != nil {
-		return fmt.Errorf("outbox: cleanup: %w", err)
+		return res, fmt.Errorf("outbox: cleanup: %w", err)
+	}
+	return res, nil
+}
+
+func (o *Outbox) cleanupOnce(ctx context.Context) error {
+	res, err := o.Cleanup(ctx)
+	if err != nil {
+		return err
 	}
 	if res.Claims+res.Effects+res.Attempts > 0 {
 		o.logger.Info("Cleanup deleted expired rows", watermill.LogFields{

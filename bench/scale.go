@@ -267,9 +267,8 @@ func (e *env) scaleCleanup(ctx context.Context, cfg config, rep *report) error {
 		// Let the consumers get going first.
 		time.Sleep(200 * time.Millisecond)
 		t0 := time.Now()
-		res, cleanupErr = f.ob.Store().Cleanup(ctx, outbox.CleanupParams{
-			Retention: 7 * 24 * time.Hour, EffectRetention: time.Hour, BatchSize: 1000,
-		})
+		// One pass as Outbox.Run makes it: default retention, batches of 1000, the default pause.
+		res, cleanupErr = f.ob.Cleanup(ctx)
 		took = time.Since(t0)
 		done.Store(true)
 	}()
