@@ -39,3 +39,14 @@ bench-quick: # reduced sizes, under 2 minutes
 
 bench-full: # the issue's sizes (10M retained IDs, 1M expired rows)
 	cd bench && $(GO) run . -mode full
+
+# The example order service (examples/order-processing): SQLite and an in-process NATS JetStream,
+# nothing to set up. `make chaos` places N orders (default 1000) under duplicated deliveries,
+# failing handlers and crashing consumers, and reconciles; add ARGS='-postgres DSN' and the like.
+.PHONY: demo chaos
+
+demo:
+	$(GO) run ./examples/order-processing $(ARGS)
+
+chaos:
+	$(GO) run ./examples/order-processing -chaos -orders $(or $(N),1000) $(ARGS)

@@ -1,0 +1,174 @@
+package main
+
+import (
+	"context"
+	"database/sql"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net/http"
+	"net/mail"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+
+	"github.com/watermill-outbox/outbox"
+)
+
+// api is the HTTP API: POST /orders places an order, GET /orders/{id} shows it.
+type api struct {
+	db *sql.DB
+	ob *outbox.Outbox
+}
+
+func (a *api) routes() http.Handler {
+	mux := http.NewServeMux()
+	mux.HandleFunc("POST /orders", a.placeOrder)
+	mux.HandleFunc("GET /orders/{id}", a.getOrder)
+	return mux
+}
+
+// Order is an order as the API shows it.
+type Order struct {
+	ID          string         `json:"id"`
+	Customer    string         `json:"customer"`
+	SKU         string         `json:"sku"`
+	Quantity    int            `json:"quantity"`
+	AmountCents int64          `json:"amount_cents"`
+	Status      string         `json:"status"` // pending, reserved, paid or rejected
+	Reason      string         `json:"reason,omitempty"`
+	CreatedAt   time.Time      `json:"created_at"`
+	UpdatedAt   time.Time      `json:"updated_at"`
+	History     []HistoryEntry `json:"history"`
+}
+
+type HistoryEntry struct {
+	Event string    `json:"event"`
+	At    time.Time `json:"at"`
+}
+
+type placeOrderRequest struct {
+	Customer string `json:"customer"` // e-mail address: the receipt goes there
+	SKU      string `json:"sku"`
+	Quantity int    `json:"quantity"`
+}
+
+func (r placeOrderRequest) validate() error {
+	if _, err := mail.ParseAddress(r.Customer); err != nil || len(r.Customer) > 200 {
+		return errors.New("customer must be an e-mail address")
+	}
+	if r.SKU == "" || len(r.SKU) > 100 {
+		return errors.New("sku is required")
+	}
+	if r.Quantity < 1 || r.Quantity > 100 {
+		return errors.New("quantity must be between 1 and 100")
+	}
+	return nil
+}
+
+var errUnknownSKU = errors.New("unknown sku")
+
+// placeOrder stores the order and its OrderPlaced event in one transaction (ob.InTx): either both
+// exist or neither does. The event is published right after the commit; if that fails, or the
+// process dies first, the outbox relay publishes it later. The client gets 201 only once both
+// are durable.
+func (a *api) placeOrder(w http.ResponseWriter, r *http.Request) {
+	var req placeOrderRequest
+	dec := json.NewDecoder(http.MaxBytesReader(w, r.Body, 64<<10))
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(&req); err != nil {
+		writeError(w, http.StatusBadRequest, fmt.Sprintf("invalid request body: %v", err))
+		return
+	}
+	if err := req.validate(); err != nil {
+		writeError(w, http.StatusUnprocessableEntity, err.Error())
+		return
+	}
+	now := time.Now().UTC()
+	order := Order{
+		ID: watermill.NewUUID(), Customer: req.Customer, SKU: req.SKU, Quantity: req.Quantity,
+		Status: "pending", CreatedAt: now, UpdatedAt: now, History: []HistoryEntry{},
+	}
+	err := a.ob.InTx(r.Context(), func(ctx context.Context, tx *sql.Tx) error {
+		var price int64
+		err := tx.QueryRowContext(ctx, `SELECT price_cents FROM products WHERE sku = $1`, req.SKU).Scan(&price)
+		if errors.Is(err, sql.ErrNoRows) {
+			return errUnknownSKU
+		} else if err != nil {
+			return err
+		}
+		order.AmountCents = price * int64(req.Quantity)
+		if _, err := tx.ExecContext(ctx, `INSERT INTO orders (id, customer, sku, quantity, amount_cents, status, created_at, updated_at)
+			VALUES ($1, $2, $3, $4, $5, $6, $7, $8)`,
+			order.ID, order.Customer, order.SKU, order.Quantity, order.AmountCents, order.Status, now, now); err != nil {
+			return err
+		}
+		// The order ID is the ordering key of every event about the order, and the correlation ID
+		// that the framework copies onto every message caused by this one, all the way down.
+		ctx = outbox.WithOrderingKey(ctx, order.ID)
+		ctx = outbox.WithMetadata(ctx, outbox.MetadataCorrelationID, order.ID)
+		return publishEvent(ctx, topicOrderPlaced, OrderPlaced{
+			OrderID: order.ID, Customer: order.Customer, SKU: order.SKU, Quantity: order.Quantity, AmountCents: order.AmountCents,
+		})
+	})
+	switch {
+	case errors.Is(err, errUnknownSKU):
+		writeError(w, http.StatusUnprocessableEntity, "unknown sku "+req.SKU)
+		return
+	case err != nil:
+		slog.Error("place order", "error", err)
+		writeError(w, http.StatusInternalServerError, "could not place the order, try again")
+		return
+	}
+	w.Header().Set("Location", "/orders/"+order.ID)
+	writeJSON(w, http.StatusCreated, order)
+}
+
+func (a *api) getOrder(w http.ResponseWriter, r *http.Request) {
+	ctx := r.Context()
+	o := Order{ID: r.PathValue("id"), History: []HistoryEntry{}}
+	err := a.db.QueryRowContext(ctx, `SELECT customer, sku, quantity, amount_cents, status, reason, created_at, updated_at
+		FROM orders WHERE id = $1`, o.ID).
+		Scan(&o.Customer, &o.SKU, &o.Quantity, &o.AmountCents, &o.Status, &o.Reason, &o.CreatedAt, &o.UpdatedAt)
+	if errors.Is(err, sql.ErrNoRows) {
+		writeError(w, http.StatusNotFound, "no order "+o.ID)
+		return
+	} else if err != nil {
+		slog.Error("get order", "error", err)
+		writeError(w, http.StatusInternalServerError, "could not read the order")
+		return
+	}
+	rows, err := a.db.QueryContext(ctx, `SELECT event, at FROM order_history WHERE order_id = $1 ORDER BY at`, o.ID)
+	if err == nil {
+		for rows.Next() {
+			var h HistoryEntry
+			if err = rows.Scan(&h.Event, &h.At); err != nil {
+				break
+			}
+			o.History = append(o.History, h)
+		}
+		_ = rows.Close()
+		if err == nil {
+			err = rows.Err()
+		}
+	}
+	if err != nil {
+		slog.Error("get order history", "error", err)
+		writeError(w, http.StatusInternalServerError, "could not read the order")
+		return
+	}
+	writeJSON(w, http.StatusOK, o)
+}
+
+func writeJSON(w http.ResponseWriter, status int, v any) {
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(status)
+	enc := json.NewEncoder(w)
+	enc.SetIndent("", "  ")
+	_ = enc.Encode(v)
+}
+
+func writeError(w http.ResponseWriter, status int, msg string) {
+	writeJSON(w, status, map[string]string{"error": msg})
+}

@@ -1,0 +1,112 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"io"
+	"net/http"
+	"strings"
+	"testing"
+	"time"
+)
+
+// TestAPI starts the service with its defaults (SQLite and an in-process NATS server) and places
+// orders through the HTTP API: one ends paid, one that asks for more than is in stock ends
+// rejected, and invalid requests are refused.
+func TestAPI(t *testing.T) {
+	cfg := testConfig(t)
+	ctx, cancel := context.WithCancel(context.Background())
+	addrc, done := make(chan string, 1), make(chan error, 1)
+	go func() { done <- serve(ctx, cfg, io.Discard, func(addr string) { addrc <- addr }) }()
+	t.Cleanup(func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("serve: %v", err)
+		}
+	})
+	var base string
+	select {
+	case addr := <-addrc:
+		base = "http://" + addr
+	case err := <-done:
+		t.Fatalf("serve: %v", err)
+	case <-time.After(30 * time.Second):
+		t.Fatal("the service did not start in 30s")
+	}
+	transport := &http.Transport{}
+	t.Cleanup(transport.CloseIdleConnections)
+	client := &http.Client{Transport: transport, Timeout: 10 * time.Second}
+
+	place := func(body string) (int, Order, string) {
+		t.Helper()
+		resp, err := client.Post(base+"/orders", "application/json", strings.NewReader(body))
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		var o Order
+		_ = json.NewDecoder(resp.Body).Decode(&o)
+		return resp.StatusCode, o, resp.Header.Get("Location")
+	}
+	waitFor := func(location, status string) Order {
+		t.Helper()
+		deadline := time.Now().Add(30 * time.Second)
+		for {
+			resp, err := client.Get(base + location)
+			if err != nil {
+				t.Fatal(err)
+			}
+			var o Order
+			err = json.NewDecoder(resp.Body).Decode(&o)
+			resp.Body.Close()
+			if err != nil || resp.StatusCode != http.StatusOK {
+				t.Fatalf("GET %s: %s, %v", location, resp.Status, err)
+			}
+			if o.Status == status {
+				return o
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("order %s is %q after 30s, want %q", o.ID, o.Status, status)
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+	}
+
+	code, o, location := place(`{"customer":"ada@example.com","sku":"espresso-beans","quantity":2}`)
+	if code != http.StatusCreated || o.Status != "pending" || o.AmountCents != 3780 || location != "/orders/"+o.ID {
+		t.Fatalf("POST /orders: %d %+v, Location %q", code, o, location)
+	}
+	paid := waitFor(location, "paid")
+	if len(paid.History) != 2 {
+		t.Errorf("history of a paid order: %+v, want stock_reserved and payment_captured", paid.History)
+	}
+
+	// The kettle has 3 units.
+	code, _, location = place(`{"customer":"bob@example.com","sku":"gooseneck-kettle","quantity":4}`)
+	if code != http.StatusCreated {
+		t.Fatalf("POST /orders: %d", code)
+	}
+	if rejected := waitFor(location, "rejected"); rejected.Reason != "out of stock" {
+		t.Errorf("rejected order: %+v", rejected)
+	}
+
+	for body, want := range map[string]int{
+		`{"customer":"ada@example.com","sku":"espresso-beans","quantity":0}`: http.StatusUnprocessableEntity,
+		`{"customer":"not an address","sku":"espresso-beans","quantity":1}`:  http.StatusUnprocessableEntity,
+		`{"customer":"ada@example.com","sku":"no-such-thing","quantity":1}`:  http.StatusUnprocessableEntity,
+		`{"customer":"ada@example.com","sku":"espresso-beans","qty":1}`:      http.StatusBadRequest,
+		`not json`: http.StatusBadRequest,
+	} {
+		if code, _, _ := place(body); code != want {
+			t.Errorf("POST /orders %s: %d, want %d", body, code, want)
+		}
+	}
+	resp, err := client.Get(base + "/orders/no-such-order")
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusNotFound {
+		t.Errorf("GET of an unknown order: %s", resp.Status)
+	}
+}

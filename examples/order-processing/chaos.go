@@ -1,0 +1,743 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"database/sql"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"maps"
+	"math/rand/v2"
+	"net"
+	"net/http"
+	"path/filepath"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
+
+	"github.com/watermill-outbox/outbox"
+)
+
+// The chaos mode places orders through the HTTP API while
+//   - the broker delivers some messages twice (the second copy a little later),
+//   - handlers fail at random after their business writes,
+//   - consumers crash at random steps of a message (outbox.Config.Failpoint), and the whole
+//     consumer side is killed and restarted now and then (a new Outbox, Router and subscribers),
+//
+// and then reconciles what the database, the e-mail spool and the counters say: every order must
+// reach a final state, and no business effect may happen twice.
+
+type chaosConfig struct {
+	orders, clients              int
+	dupRate, failRate, crashRate float64
+	restartEvery                 time.Duration
+	seed                         uint64
+	timeout                      time.Duration
+}
+
+var (
+	errInjected = errors.New("chaos: injected handler failure")
+	errCrashed  = errors.New("chaos: consumer crashed")
+)
+
+var failpoints = []string{outbox.FailpointAfterClaim, outbox.FailpointAfterHandler, outbox.FailpointAfterCommit,
+	outbox.FailpointAfterPublish, outbox.FailpointAfterMark}
+
+// chaos injects the faults and counts what happens.
+type chaos struct {
+	cfg chaosConfig
+
+	mu      sync.Mutex
+	rng     *rand.Rand
+	held    map[string][]*message.Message // duplicates waiting for the next publish to their topic
+	sentIDs map[string]bool               // every message ID handed to the broker
+
+	sent, injectedDups                    atomic.Int64
+	delivered, duplicates, runs, failures atomic.Int64
+	aborted                               atomic.Int64
+	restarts                              atomic.Int64
+	crashes                               map[string]*atomic.Int64 // per failpoint
+}
+
+func newChaos(cfg chaosConfig) *chaos {
+	c := &chaos{cfg: cfg, rng: rand.New(rand.NewPCG(cfg.seed, 0x0c4a05)), held: map[string][]*message.Message{},
+		sentIDs: map[string]bool{}, crashes: map[string]*atomic.Int64{}}
+	for _, p := range failpoints {
+		c.crashes[p] = new(atomic.Int64)
+	}
+	return c
+}
+
+func (c *chaos) roll(rate float64) bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.rng.Float64() < rate
+}
+
+// tune is applied to every Outbox of the run.
+func (c *chaos) tune(cfg *outbox.Config) {
+	cfg.Publisher = &chaosPublisher{c: c, next: cfg.Publisher}
+}
+
+// chaosPublisher is the broker misbehaving: some messages are delivered twice, with the same
+// UUID, the second copy riding along with the next publish to the topic. It also counts what
+// reaches the broker.
+type chaosPublisher struct {
+	c    *chaos
+	next message.Publisher
+}
+
+func (p *chaosPublisher) Publish(topic string, msgs ...*message.Message) error {
+	c := p.c
+	c.mu.Lock()
+	out := append([]*message.Message{}, msgs...)
+	out = append(out, c.held[topic]...)
+	c.held[topic] = nil
+	for _, m := range msgs {
+		if c.rng.Float64() < c.cfg.dupRate {
+			cp := message.NewMessage(m.UUID, m.Payload)
+			cp.Metadata = maps.Clone(m.Metadata)
+			c.held[topic] = append(c.held[topic], cp)
+		}
+	}
+	c.mu.Unlock()
+	if err := p.next.Publish(topic, out...); err != nil {
+		return err
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	for i, m := range out {
+		if i >= len(msgs) {
+			c.injectedDups.Add(1)
+		}
+		c.sentIDs[m.UUID] = true
+	}
+	c.sent.Add(int64(len(out)))
+	return nil
+}
+
+func (p *chaosPublisher) Close() error { return p.next.Close() }
+
+type ranKey struct{}
+
+// handler wraps a consumer's handler (inside the outbox middleware): it counts runs, and fails
+// some of them after the handler's writes, which the middleware then rolls back.
+func (c *chaos) handler(h message.NoPublishHandlerFunc) message.NoPublishHandlerFunc {
+	return func(msg *message.Message) error {
+		c.runs.Add(1)
+		if ran, ok := msg.Context().Value(ranKey{}).(*atomic.Bool); ok {
+			ran.Store(true)
+		}
+		if err := h(msg); err != nil {
+			return err
+		}
+		if c.roll(c.cfg.failRate) {
+			c.failures.Add(1)
+			return errInjected
+		}
+		return nil
+	}
+}
+
+// countDeliveries is the outermost middleware: it sees every copy the broker delivers. A copy
+// acked without running the handler is a duplicate the outbox suppressed.
+func (c *chaos) countDeliveries(next message.HandlerFunc) message.HandlerFunc {
+	return func(msg *message.Message) ([]*message.Message, error) {
+		c.delivered.Add(1)
+		ran := new(atomic.Bool)
+		msg.SetContext(context.WithValue(msg.Context(), ranKey{}, ran))
+		out, err := next(msg)
+		switch {
+		case ran.Load():
+		case err == nil:
+			c.duplicates.Add(1)
+		default:
+			c.aborted.Add(1) // failed before reaching the handler: a crash at a step, or a killed consumer
+		}
+		return out, err
+	}
+}
+
+// incarnation is one life of the consumer side: its own Outbox, Router and subscribers, as a
+// separate consumer process would have.
+type incarnation struct {
+	dead          atomic.Bool
+	pub           message.Publisher
+	stopConsumers func() error
+	cancel        context.CancelFunc
+	done          chan struct{}
+}
+
+func (c *chaos) start(ctx context.Context, s *service) (*incarnation, error) {
+	inc := &incarnation{done: make(chan struct{})}
+	ob, pub, err := s.newOutbox(func(cfg *outbox.Config) {
+		cfg.Failpoint = func(_ context.Context, point string) error {
+			if inc.dead.Load() {
+				return errCrashed // killed: whatever was in flight stops at its next step
+			}
+			if c.roll(c.cfg.crashRate) {
+				c.crashes[point].Add(1)
+				return errCrashed
+			}
+			return nil
+		}
+	})
+	if err != nil {
+		return nil, err
+	}
+	ictx, cancel := context.WithCancel(ctx)
+	inc.pub, inc.cancel = pub, cancel
+	go func() { defer close(inc.done); _ = ob.Run(ictx) }()
+	if inc.stopConsumers, err = startConsumers(ictx, s, ob, c); err != nil {
+		cancel()
+		<-inc.done
+		_ = pub.Close()
+		return nil, err
+	}
+	return inc, nil
+}
+
+// kill ends an incarnation the hard way: every unit of work in flight, and every message the
+// subscribers still hold, fails at its next step, as if the process died there. The broker
+// redelivers them: after a nack, or after its ack timeout for what was never answered.
+func (inc *incarnation) kill() error {
+	inc.dead.Store(true)
+	err := inc.stopConsumers()
+	inc.cancel()
+	<-inc.done
+	return errors.Join(err, inc.pub.Close())
+}
+
+// chaosReport is the reconciliation.
+type chaosReport struct {
+	Setup                                     string
+	Placed, Final, Paid, Rejected             int
+	EventsPublished, EventsExpected           int
+	CopiesSent, InjectedDuplicates            int64
+	Delivered, Duplicates, Runs, Failures     int64
+	Aborted                                   int64
+	Crashes                                   map[string]int64
+	Restarts                                  int64
+	Decisions, Payments, Receipts, StatusRows int
+	ReceiptRepeats                            int64
+	StockUnaccounted                          int64
+	Lost, AppliedTwice                        int
+	Took                                      time.Duration
+}
+
+func (r *chaosReport) ok() bool {
+	return r.Lost == 0 && r.AppliedTwice == 0 && r.StockUnaccounted == 0 && r.EventsPublished == r.EventsExpected
+}
+
+// runChaos runs the chaos mode in a fresh directory under cfg.dataDir and prints the
+// reconciliation to out.
+func runChaos(ctx context.Context, cfg config, out io.Writer) (*chaosReport, error) {
+	start := time.Now()
+	runID := uuid.NewString()[:8]
+	cfg.dataDir = filepath.Join(cfg.dataDir, "chaos-"+runID)
+	c := newChaos(cfg.chaosConfig)
+
+	// A crashed consumer's messages come back after the broker's ack timeout, and until then they
+	// count against its MaxAckPending: 2 s, so that the run does not idle (the service uses 30 s).
+	s, err := openService(ctx, cfg, 2*time.Second)
+	if err != nil {
+		return nil, err
+	}
+	defer s.close()
+	s.tune = c.tune
+	fmt.Fprintf(out, "chaos run %s: %d orders, %d clients, %.0f%% duplicated, %.0f%% handler failures, "+
+		"%.0f%% crash chance per step, restart every ~%s, seed %d\n%s\n\n",
+		runID, cfg.orders, cfg.clients, 100*cfg.dupRate, 100*cfg.failRate, 100*cfg.crashRate, cfg.restartEvery, cfg.seed, s.desc)
+
+	// This run's customer and products, so that a shared PostgreSQL database reconciles per run.
+	customer := "chaos-" + runID + "@example.com"
+	plenty, scarce := "chaos-"+runID+"-beans", "chaos-"+runID+"-grinder"
+	stock := map[string]int64{plenty: int64(3 * cfg.orders), scarce: int64(cfg.orders / 5)}
+	for sku, units := range stock {
+		if err := addProduct(ctx, s.db, sku, sku, 1000, units); err != nil {
+			return nil, err
+		}
+	}
+
+	// The API: its own Outbox, which never crashes, behind a real HTTP server.
+	apiOb, apiPub, err := s.newOutbox()
+	if err != nil {
+		return nil, err
+	}
+	defer func() { _ = apiPub.Close() }()
+	if err := apiOb.Migrate(ctx); err != nil {
+		return nil, err
+	}
+	runCtx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	apiDone := make(chan struct{})
+	go func() { defer close(apiDone); _ = apiOb.Run(runCtx) }()
+	defer func() { cancel(); <-apiDone }()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return nil, err
+	}
+	srv := &http.Server{Handler: (&api{db: s.db, ob: apiOb}).routes(), ReadHeaderTimeout: 10 * time.Second}
+	served := make(chan struct{})
+	go func() { defer close(served); _ = srv.Serve(ln) }()
+	defer func() {
+		shutdownCtx, done := context.WithTimeout(context.Background(), 10*time.Second)
+		defer done()
+		_ = srv.Shutdown(shutdownCtx)
+		<-served
+	}()
+
+	// The consumers, killed and restarted at random until every order is final.
+	side, err := c.startConsumerSide(runCtx, s)
+	if err != nil {
+		return nil, err
+	}
+	defer func() { _ = side.stop() }()
+
+	accepted, err := c.placeAndWait(ctx, out, s, "http://"+ln.Addr().String(), customer, plenty, scarce, start)
+	if err != nil {
+		return nil, err
+	}
+	if err := side.stopRestarts(); err != nil {
+		return nil, err
+	}
+	if err := waitSettled(ctx, out, s, customer); err != nil {
+		return nil, err
+	}
+	_ = side.stop()
+
+	rep, err := c.reconcile(ctx, s, customer, accepted, stock)
+	if err != nil {
+		return nil, err
+	}
+	rep.Setup = s.desc
+	rep.Took = time.Since(start)
+	rep.print(out)
+	return rep, nil
+}
+
+// consumerSide runs the consumers and, every restartEvery or so, kills them and starts new ones.
+type consumerSide struct {
+	c     *chaos
+	s     *service
+	ctx   context.Context
+	stopc chan struct{}
+	once  sync.Once
+	done  chan error
+
+	mu  sync.Mutex
+	inc *incarnation
+}
+
+func (c *chaos) startConsumerSide(ctx context.Context, s *service) (*consumerSide, error) {
+	inc, err := c.start(ctx, s)
+	if err != nil {
+		return nil, err
+	}
+	cs := &consumerSide{c: c, s: s, ctx: ctx, stopc: make(chan struct{}), done: make(chan error, 1), inc: inc}
+	go cs.restartLoop()
+	return cs, nil
+}
+
+func (cs *consumerSide) restartLoop() {
+	var err error
+	defer func() { cs.done <- err }()
+	if cs.c.cfg.restartEvery <= 0 {
+		<-cs.stopc
+		return
+	}
+	for {
+		cs.c.mu.Lock()
+		wait := time.Duration((0.5 + cs.c.rng.Float64()) * float64(cs.c.cfg.restartEvery))
+		cs.c.mu.Unlock()
+		select {
+		case <-cs.stopc:
+			return
+		case <-time.After(wait):
+		}
+		cs.mu.Lock()
+		_ = cs.inc.kill() // a killed incarnation's errors are expected
+		cs.c.restarts.Add(1)
+		cs.inc, err = cs.c.start(cs.ctx, cs.s)
+		cs.mu.Unlock()
+		if err != nil {
+			err = fmt.Errorf("restart consumers: %w", err)
+			return
+		}
+	}
+}
+
+// stopRestarts ends the restarts; the current consumers keep running.
+func (cs *consumerSide) stopRestarts() error {
+	var err error
+	cs.once.Do(func() {
+		close(cs.stopc)
+		err = <-cs.done
+	})
+	return err
+}
+
+// stop ends the restarts and the consumers.
+func (cs *consumerSide) stop() error {
+	err := cs.stopRestarts()
+	cs.mu.Lock()
+	defer cs.mu.Unlock()
+	if cs.inc != nil {
+		_ = cs.inc.kill()
+		cs.inc = nil
+	}
+	return err
+}
+
+// placeAndWait places the orders and waits until every order placed is final, printing progress.
+func (c *chaos) placeAndWait(ctx context.Context, out io.Writer, s *service, baseURL, customer, plenty, scarce string, start time.Time) ([]string, error) {
+	loadDone := make(chan struct{})
+	var accepted []string
+	var loadErr error
+	go func() {
+		defer close(loadDone)
+		accepted, loadErr = c.placeOrders(ctx, baseURL, customer, plenty, scarce)
+	}()
+	deadline := time.Now().Add(c.cfg.timeout)
+	lastPrint := time.Now()
+	for {
+		placed, final, _, _, err := countOrders(ctx, s.db, customer)
+		if err != nil {
+			<-loadDone
+			return nil, err
+		}
+		select {
+		case <-loadDone:
+			if loadErr != nil {
+				return nil, loadErr
+			}
+			if final == placed {
+				return accepted, nil
+			}
+		default:
+		}
+		if time.Now().After(deadline) {
+			<-loadDone
+			fmt.Fprintf(out, "timed out after %s: %d of %d orders final\n", c.cfg.timeout, final, placed)
+			return accepted, loadErr
+		}
+		if time.Since(lastPrint) >= 2*time.Second {
+			lastPrint = time.Now()
+			fmt.Fprintf(out, "%5.1fs  placed %4d  final %4d  deliveries %5d  restarts %d\n",
+				time.Since(start).Seconds(), placed, final, c.delivered.Load(), c.restarts.Load())
+		}
+		select {
+		case <-ctx.Done():
+			<-loadDone
+			return nil, ctx.Err()
+		case <-time.After(100 * time.Millisecond):
+		}
+	}
+}
+
+// waitSettled waits until nothing is left to do, so that the counters are complete: no side
+// effect waits to be sent, the broker has every copy acked, every paid order has its receipt.
+// The consumers keep failing and crashing at steps meanwhile.
+func waitSettled(ctx context.Context, out io.Writer, s *service, customer string) error {
+	deadline := time.Now().Add(time.Minute)
+	for {
+		done, state, err := settled(ctx, s, customer)
+		if err != nil || done {
+			return err
+		}
+		if time.Now().After(deadline) {
+			fmt.Fprintf(out, "not settled after a minute: %s\n", state)
+			return nil
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(200 * time.Millisecond):
+		}
+	}
+}
+
+// placeOrders places cfg.orders orders from cfg.clients concurrent clients and returns the IDs of
+// those the API accepted. One order in five is for the scarce product, which runs out.
+func (c *chaos) placeOrders(ctx context.Context, baseURL, customer, plenty, scarce string) ([]string, error) {
+	transport := &http.Transport{MaxIdleConnsPerHost: c.cfg.clients}
+	defer transport.CloseIdleConnections()
+	client := &http.Client{Transport: transport, Timeout: 30 * time.Second}
+	jobs := make(chan int)
+	var mu sync.Mutex
+	var ids []string
+	var errs []error
+	var wg sync.WaitGroup
+	for w := range c.cfg.clients {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			rng := rand.New(rand.NewPCG(c.cfg.seed, uint64(w)))
+			for range jobs {
+				req := placeOrderRequest{Customer: customer, SKU: plenty, Quantity: 1 + rng.IntN(3)}
+				if rng.IntN(5) == 0 {
+					req.SKU = scarce
+				}
+				id, err := postOrder(ctx, client, baseURL, req)
+				mu.Lock()
+				if err != nil {
+					errs = append(errs, err)
+				} else {
+					ids = append(ids, id)
+				}
+				mu.Unlock()
+			}
+		}()
+	}
+	for i := range c.cfg.orders {
+		select {
+		case jobs <- i:
+		case <-ctx.Done():
+		}
+	}
+	close(jobs)
+	wg.Wait()
+	if len(errs) > 0 {
+		return ids, fmt.Errorf("%d orders not placed, the first: %w", len(errs), errs[0])
+	}
+	return ids, nil
+}
+
+// postOrder places one order, retrying on errors that leave nothing committed (5xx, no answer).
+func postOrder(ctx context.Context, client *http.Client, baseURL string, req placeOrderRequest) (string, error) {
+	body, _ := json.Marshal(req)
+	var lastErr error
+	for attempt := range 5 {
+		if attempt > 0 {
+			time.Sleep(time.Duration(attempt) * 100 * time.Millisecond)
+		}
+		r, err := http.NewRequestWithContext(ctx, http.MethodPost, baseURL+"/orders", bytes.NewReader(body))
+		if err != nil {
+			return "", err
+		}
+		resp, err := client.Do(r)
+		if err != nil {
+			lastErr = err
+			continue
+		}
+		var o Order
+		err = json.NewDecoder(resp.Body).Decode(&o)
+		_ = resp.Body.Close()
+		switch {
+		case resp.StatusCode == http.StatusCreated && err == nil:
+			return o.ID, nil
+		case resp.StatusCode >= 500:
+			lastErr = fmt.Errorf("POST /orders: %s", resp.Status)
+		default:
+			return "", fmt.Errorf("POST /orders: %s", resp.Status)
+		}
+	}
+	return "", lastErr
+}
+
+func countOrders(ctx context.Context, db *sql.DB, customer string) (placed, final, paid, rejected int, err error) {
+	err = db.QueryRowContext(ctx, `SELECT count(*),
+			coalesce(sum(CASE WHEN status = 'paid' THEN 1 ELSE 0 END), 0),
+			coalesce(sum(CASE WHEN status = 'rejected' THEN 1 ELSE 0 END), 0)
+		FROM orders WHERE customer = $1`, customer).Scan(&placed, &paid, &rejected)
+	return placed, paid + rejected, paid, rejected, err
+}
+
+// settled tells whether nothing is left to do: no side effect waits to be sent, the broker has
+// every copy acked, and every paid order has its receipt.
+func settled(ctx context.Context, s *service, customer string) (bool, string, error) {
+	var pending int
+	if err := s.db.QueryRowContext(ctx, `SELECT count(*) FROM outbox_effects WHERE dispatched_at IS NULL`).Scan(&pending); err != nil {
+		return false, "", err
+	}
+	if pending > 0 {
+		return false, fmt.Sprintf("%d side effects pending", pending), nil
+	}
+	if ok, state, err := s.broker.CaughtUp(ctx); err != nil || !ok {
+		return false, state, err
+	}
+	_, _, paid, _, err := countOrders(ctx, s.db, customer)
+	if err != nil {
+		return false, "", err
+	}
+	receipts, err := s.mail.receipts()
+	if err != nil {
+		return false, "", err
+	}
+	if len(receipts) < paid {
+		return false, fmt.Sprintf("%d receipts for %d paid orders", len(receipts), paid), nil
+	}
+	return true, "", nil
+}
+
+// receipts returns the order ID of every receipt in the spool, one entry per file.
+func (m *mailer) receipts() ([]string, error) {
+	files, err := filepath.Glob(filepath.Join(m.dir, "*.eml"))
+	if err != nil {
+		return nil, err
+	}
+	ids := make([]string, len(files))
+	for i, f := range files {
+		ids[i], _, _ = strings.Cut(filepath.Base(f), ".")
+	}
+	return ids, nil
+}
+
+// reconcile counts, from the database and the e-mail spool, what happened to this run's orders.
+func (c *chaos) reconcile(ctx context.Context, s *service, customer string, accepted []string, stock map[string]int64) (*chaosReport, error) {
+	r := &chaosReport{
+		Placed: len(accepted), CopiesSent: c.sent.Load(), InjectedDuplicates: c.injectedDups.Load(),
+		Delivered: c.delivered.Load(), Duplicates: c.duplicates.Load(), Runs: c.runs.Load(), Failures: c.failures.Load(),
+		Aborted:  c.aborted.Load(),
+		Restarts: c.restarts.Load(), ReceiptRepeats: s.mail.repeats.Load(), Crashes: map[string]int64{},
+	}
+	for p, n := range c.crashes {
+		r.Crashes[p] = n.Load()
+	}
+	c.mu.Lock()
+	r.EventsPublished = len(c.sentIDs)
+	c.mu.Unlock()
+
+	inRun, err := queryStrings(ctx, s.db, `SELECT id FROM orders WHERE customer = $1`, customer)
+	if err != nil {
+		return nil, err
+	}
+	var dbPlaced int
+	if dbPlaced, r.Final, r.Paid, r.Rejected, err = countOrders(ctx, s.db, customer); err != nil {
+		return nil, err
+	}
+	known := map[string]bool{}
+	for _, id := range inRun {
+		known[id] = true
+	}
+	for _, id := range accepted {
+		if !known[id] {
+			r.Lost++ // accepted by the API but not in the database
+		}
+	}
+	r.Lost += dbPlaced - r.Final // never reached paid or rejected
+	r.EventsExpected = 2*dbPlaced + r.Paid
+
+	// Rows per order (per order and event for the history): any surplus was applied twice.
+	for _, q := range []struct {
+		rows *int
+		sql  string
+	}{
+		{&r.Decisions, `SELECT count(*), count(DISTINCT x.order_id) FROM reservations x JOIN orders o ON o.id = x.order_id WHERE o.customer = $1`},
+		{&r.Payments, `SELECT count(*), count(DISTINCT x.order_id) FROM payments x JOIN orders o ON o.id = x.order_id WHERE o.customer = $1`},
+		{&r.StatusRows, `SELECT count(*), count(DISTINCT x.order_id || '/' || x.event) FROM order_history x JOIN orders o ON o.id = x.order_id WHERE o.customer = $1`},
+	} {
+		var distinct int
+		if err := s.db.QueryRowContext(ctx, q.sql, customer).Scan(q.rows, &distinct); err != nil {
+			return nil, err
+		}
+		r.AppliedTwice += *q.rows - distinct
+	}
+	var paidWithoutPayment int
+	if err := s.db.QueryRowContext(ctx, `SELECT count(*) FROM orders o WHERE o.customer = $1 AND o.status = 'paid'
+		AND NOT EXISTS (SELECT 1 FROM payments p WHERE p.order_id = o.id)`, customer).Scan(&paidWithoutPayment); err != nil {
+		return nil, err
+	}
+	r.Lost += paidWithoutPayment
+
+	receipts, err := s.mail.receipts()
+	if err != nil {
+		return nil, err
+	}
+	perOrder := map[string]int{}
+	for _, id := range receipts {
+		if known[id] {
+			perOrder[id]++
+			r.Receipts++
+		}
+	}
+	r.AppliedTwice += r.Receipts - len(perOrder)
+	paidIDs, err := queryStrings(ctx, s.db, `SELECT id FROM orders WHERE customer = $1 AND status = 'paid'`, customer)
+	if err != nil {
+		return nil, err
+	}
+	for _, id := range paidIDs {
+		if perOrder[id] == 0 {
+			r.Lost++ // paid, but no receipt was sent
+		}
+	}
+
+	// Stock: what is gone must be exactly what was reserved.
+	for sku, initial := range stock {
+		var available, reserved int64
+		if err := s.db.QueryRowContext(ctx, `SELECT available,
+				(SELECT coalesce(sum(quantity), 0) FROM reservations WHERE sku = $1 AND outcome = 'reserved')
+			FROM stock WHERE sku = $1`, sku).Scan(&available, &reserved); err != nil {
+			return nil, err
+		}
+		d := initial - available - reserved
+		if d < 0 {
+			d = -d
+		}
+		r.StockUnaccounted += d
+	}
+	return r, nil
+}
+
+func queryStrings(ctx context.Context, db *sql.DB, query string, args ...any) ([]string, error) {
+	rows, err := db.QueryContext(ctx, query, args...)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var out []string
+	for rows.Next() {
+		var s string
+		if err := rows.Scan(&s); err != nil {
+			return nil, err
+		}
+		out = append(out, s)
+	}
+	return out, rows.Err()
+}
+
+func (r *chaosReport) print(out io.Writer) {
+	var crashes int64
+	var at []string
+	for _, p := range failpoints {
+		crashes += r.Crashes[p]
+		at = append(at, fmt.Sprintf("%s %d", p, r.Crashes[p]))
+	}
+	verdict := func(n int) string {
+		if n == 0 {
+			return "must be 0"
+		}
+		return "MUST BE 0"
+	}
+	row := func(label string, n any, note string) {
+		fmt.Fprintln(out, strings.TrimRight(fmt.Sprintf("  %-32s %7v   %s", label, n, note), " "))
+	}
+	fmt.Fprintf(out, "\nReconciliation after %s\n", r.Took.Round(100*time.Millisecond))
+	row("orders placed (HTTP 201)", r.Placed, "")
+	row("orders final", r.Final, fmt.Sprintf("paid %d, rejected %d (out of stock)", r.Paid, r.Rejected))
+	row("events published (distinct IDs)", r.EventsPublished, fmt.Sprintf("want %d: OrderPlaced, StockReserved/Rejected, PaymentCaptured", r.EventsExpected))
+	row("copies sent to the broker", r.CopiesSent, fmt.Sprintf("incl. %d extra copies from the broker, and re-sends with the same ID", r.InjectedDuplicates))
+	row("copies delivered to handlers", r.Delivered, fmt.Sprintf("= handler runs + duplicates suppressed + %d that failed before the handler", r.Aborted))
+	row("duplicates suppressed", r.Duplicates, "copies acked without running the handler")
+	row("handler runs", r.Runs, fmt.Sprintf("%d failed on purpose after their writes, rolled back", r.Failures))
+	row("consumer crashes", crashes+r.Restarts, fmt.Sprintf("%d kills and restarts; at a step: %s", r.Restarts, strings.Join(at, ", ")))
+	row("business effects applied", r.Decisions+r.Payments+r.Receipts+r.StatusRows, "")
+	row("stock reservations/rejections", r.Decisions, fmt.Sprintf("want %d", r.Final))
+	row("payments", r.Payments, fmt.Sprintf("want %d", r.Paid))
+	row("receipts e-mailed", r.Receipts, fmt.Sprintf("want %d (%d repeated sends skipped by the applier)", r.Paid, r.ReceiptRepeats))
+	row("order status changes", r.StatusRows, fmt.Sprintf("want %d", r.Final+r.Paid))
+	row("stock units unaccounted", r.StockUnaccounted, "must be 0")
+	row("lost", r.Lost, verdict(r.Lost))
+	row("applied twice", r.AppliedTwice, verdict(r.AppliedTwice))
+	if r.ok() {
+		fmt.Fprintln(out, "\nOK: every order final, every effect applied exactly once")
+	} else {
+		fmt.Fprintln(out, "\nFAILED: the numbers do not reconcile")
+	}
+}

@@ -1,0 +1,70 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/watermill-outbox/outbox"
+)
+
+// Topics. No dots: NATS JetStream names a stream after its topic, and stream names cannot contain '.'.
+const (
+	topicOrderPlaced     = "orders_placed"
+	topicStockReserved   = "stock_reserved"
+	topicStockRejected   = "stock_rejected"
+	topicPaymentCaptured = "payment_captured"
+)
+
+var topics = []string{topicOrderPlaced, topicStockReserved, topicStockRejected, topicPaymentCaptured}
+
+// The events. Each carries what its consumers need, so that no consumer reads another one's tables.
+
+type OrderPlaced struct {
+	OrderID     string `json:"order_id"`
+	Customer    string `json:"customer"`
+	SKU         string `json:"sku"`
+	Quantity    int    `json:"quantity"`
+	AmountCents int64  `json:"amount_cents"`
+}
+
+type StockReserved struct {
+	OrderID     string `json:"order_id"`
+	Customer    string `json:"customer"`
+	AmountCents int64  `json:"amount_cents"`
+}
+
+type StockRejected struct {
+	OrderID string `json:"order_id"`
+	Reason  string `json:"reason"`
+}
+
+type PaymentCaptured struct {
+	OrderID     string `json:"order_id"`
+	PaymentID   string `json:"payment_id"`
+	AmountCents int64  `json:"amount_cents"`
+}
+
+// publishEvent records event as a message to topic in the unit of work of ctx (an InTx call or a
+// wrapped handler). Nothing is sent yet: the message is stored in the transaction and sent after
+// the commit, with the same UUID on every re-send, so consumers can drop copies.
+func publishEvent(ctx context.Context, topic string, event any) error {
+	payload, err := json.Marshal(event)
+	if err != nil {
+		return err
+	}
+	return outbox.Publish(ctx, topic, message.NewMessage(watermill.NewUUID(), payload))
+}
+
+// decode reads an event. A payload that does not decode is an error: the message is nacked and
+// redelivered rather than acked and forgotten (set outbox.Config.PoisonTopic to park such messages
+// after Config.MaxAttempts).
+func decode(msg *message.Message, event any) error {
+	if err := json.Unmarshal(msg.Payload, event); err != nil {
+		return fmt.Errorf("decode %T from message %s: %w", event, msg.UUID, err)
+	}
+	return nil
+}

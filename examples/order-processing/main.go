@@ -1,0 +1,328 @@
+// Command order-processing is an example order service on watermill-outbox: an HTTP API that places
+// orders, and consumers that reserve stock, take the payment, e-mail a receipt and track each
+// order's status, every step exactly once through crashes, redeliveries and duplicates.
+//
+//	go run ./examples/order-processing                       # SQLite + in-process NATS JetStream
+//	go run ./examples/order-processing -chaos -orders 1000   # load, faults, and a reconciliation
+//
+// See README.md for a walk through the code and a run.
+package main
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"os"
+	"os/signal"
+	"path/filepath"
+	"sync"
+	"syscall"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/watermill-outbox/outbox"
+	"github.com/watermill-outbox/outbox/middleware"
+)
+
+// config is what the flags and environment variables set.
+type config struct {
+	addr     string // HTTP listen address
+	dataDir  string // SQLite file, embedded NATS storage, e-mail spool
+	postgres string // PostgreSQL DSN; empty: SQLite in dataDir
+	broker   string // "nats" or "postgres" (watermill-sql on the PostgreSQL database)
+	natsURL  string // an external NATS server; empty: an in-process one
+	verbose  bool
+
+	chaos bool
+	chaosConfig
+}
+
+func main() {
+	cfg, err := parseFlags(os.Args[1:])
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		os.Exit(2)
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	if cfg.chaos {
+		var rep *chaosReport
+		if rep, err = runChaos(ctx, cfg, os.Stdout); err == nil && !rep.ok() {
+			err = errors.New("the numbers do not reconcile")
+		}
+	} else {
+		err = serve(ctx, cfg, os.Stdout, nil)
+	}
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "error:", err)
+		stop()
+		os.Exit(1)
+	}
+}
+
+func parseFlags(args []string) (config, error) {
+	env := func(key, def string) string {
+		if v := os.Getenv(key); v != "" {
+			return v
+		}
+		return def
+	}
+	var cfg config
+	fs := flag.NewFlagSet("order-processing", flag.ContinueOnError)
+	fs.StringVar(&cfg.addr, "addr", env("ORDERS_ADDR", "localhost:8080"), "HTTP listen address (ORDERS_ADDR)")
+	fs.StringVar(&cfg.dataDir, "data", env("ORDERS_DATA", filepath.Join(os.TempDir(), "order-processing")),
+		"directory for the SQLite database, the embedded NATS server's storage and the e-mail spool (ORDERS_DATA)")
+	fs.StringVar(&cfg.postgres, "postgres", env("ORDERS_POSTGRES", ""), "PostgreSQL DSN; empty: SQLite (ORDERS_POSTGRES)")
+	fs.StringVar(&cfg.broker, "broker", env("ORDERS_BROKER", "nats"),
+		"nats (embedded, or -nats-url), or postgres (watermill-sql pub/sub on the -postgres database) (ORDERS_BROKER)")
+	fs.StringVar(&cfg.natsURL, "nats-url", env("ORDERS_NATS_URL", ""), "external NATS server with JetStream; empty: in-process (ORDERS_NATS_URL)")
+	fs.BoolVar(&cfg.verbose, "v", false, "log what Watermill and the outbox do")
+
+	fs.BoolVar(&cfg.chaos, "chaos", false, "run the load-and-chaos check instead of serving")
+	fs.IntVar(&cfg.orders, "orders", 1000, "chaos: orders to place")
+	fs.IntVar(&cfg.clients, "clients", 8, "chaos: concurrent HTTP clients")
+	fs.Float64Var(&cfg.dupRate, "dup-rate", 0.1, "chaos: share of messages the broker delivers twice")
+	fs.Float64Var(&cfg.failRate, "fail-rate", 0.1, "chaos: share of handler runs that fail after their writes")
+	fs.Float64Var(&cfg.crashRate, "crash-rate", 0.02, "chaos: chance that a consumer crashes at each step of a message")
+	fs.DurationVar(&cfg.restartEvery, "restart-every", 3*time.Second, "chaos: mean time between abrupt consumer restarts (0: none)")
+	fs.Uint64Var(&cfg.seed, "seed", 1, "chaos: random seed")
+	fs.DurationVar(&cfg.timeout, "timeout", 5*time.Minute, "chaos: how long orders may take to reach a final state")
+	if err := fs.Parse(args); err != nil {
+		return cfg, err
+	}
+	switch {
+	case cfg.broker != "nats" && cfg.broker != "postgres":
+		return cfg, fmt.Errorf("-broker must be nats or postgres, not %q", cfg.broker)
+	case cfg.broker == "postgres" && cfg.postgres == "":
+		return cfg, errors.New("-broker postgres needs -postgres DSN")
+	case cfg.broker == "postgres" && cfg.natsURL != "":
+		return cfg, errors.New("-nats-url is for -broker nats")
+	}
+	return cfg, nil
+}
+
+// consumer is one message handler of the service. Its name is the Router handler name, the
+// identity under which the outbox deduplicates its messages, and its durable consumer (NATS) or
+// consumer group (watermill-sql) on the broker. Renaming one starts it over.
+type consumer struct {
+	name, topic string
+	handle      message.NoPublishHandlerFunc
+}
+
+var consumers = []consumer{
+	{"inventory", topicOrderPlaced, reserveStock},
+	{"payment", topicStockReserved, capturePayment},
+	{"order-status-reserved", topicStockReserved, markReserved},
+	{"order-status-rejected", topicStockRejected, markRejected},
+	{"order-status-paid", topicPaymentCaptured, markPaid},
+}
+
+// service holds what the API and the consumers share.
+type service struct {
+	db     *sql.DB
+	driver outbox.Driver
+	broker broker
+	mail   *mailer
+	logger watermill.LoggerAdapter
+	desc   string // where the data lives, for the start-up banner
+
+	// tune, when set, adjusts every outbox configuration (the chaos mode injects faults with it).
+	tune func(*outbox.Config)
+}
+
+// openService opens the database (and creates the business tables), the broker and the e-mail spool.
+func openService(ctx context.Context, cfg config, ackWait time.Duration) (_ *service, err error) {
+	if err := os.MkdirAll(cfg.dataDir, 0o755); err != nil {
+		return nil, err
+	}
+	s := &service{mail: &mailer{dir: filepath.Join(cfg.dataDir, "mail")}, logger: watermill.NopLogger{}}
+	// Watermill and the outbox log errors (a failed handler, a failed send) to stderr; -v adds
+	// what they do. The chaos mode fails on purpose all the time: it logs only with -v.
+	level := slog.LevelError
+	if cfg.verbose {
+		level = slog.LevelDebug
+	}
+	if cfg.verbose || !cfg.chaos {
+		s.logger = watermill.NewSlogLogger(slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: level})))
+	}
+	if err := os.MkdirAll(s.mail.dir, 0o755); err != nil {
+		return nil, err
+	}
+	var dbDesc string
+	if s.db, s.driver, dbDesc, err = openDatabase(ctx, cfg.postgres, cfg.dataDir); err != nil {
+		return nil, err
+	}
+	defer func() {
+		if err != nil {
+			s.close()
+		}
+	}()
+	if err := createSchema(ctx, s.db, s.driver); err != nil {
+		return nil, err
+	}
+	brokerDesc := "embedded NATS JetStream in " + filepath.Join(cfg.dataDir, "nats")
+	switch {
+	case cfg.broker == "postgres":
+		s.broker, err = startSQLBroker(ctx, s.db, s.logger)
+		brokerDesc = "watermill-sql pub/sub on PostgreSQL"
+	case cfg.natsURL != "":
+		s.broker, err = startNATS(cfg.dataDir, cfg.natsURL, ackWait, s.logger)
+		brokerDesc = "NATS JetStream at " + cfg.natsURL
+	default:
+		s.broker, err = startNATS(cfg.dataDir, "", ackWait, s.logger)
+	}
+	if err != nil {
+		return nil, err
+	}
+	s.desc = fmt.Sprintf("database: %s\nbroker:   %s\ne-mails:  %s", dbDesc, brokerDesc, s.mail.dir)
+	return s, nil
+}
+
+func (s *service) close() {
+	if s.broker != nil {
+		_ = s.broker.Close()
+	}
+	_ = s.db.Close()
+}
+
+// newOutbox returns an Outbox with its own publisher (close it after the Outbox's last use) and
+// the receipt applier registered. Every Outbox needs every applier: its relay may be the one
+// that sends a receipt another instance recorded.
+func (s *service) newOutbox(tune ...func(*outbox.Config)) (*outbox.Outbox, message.Publisher, error) {
+	pub, err := s.broker.Publisher()
+	if err != nil {
+		return nil, nil, err
+	}
+	cfg := outbox.Config{
+		DB: s.db, Driver: s.driver, Publisher: pub, Logger: s.logger,
+		// With ordering keys, an event whose predecessor (same key) was published but not yet
+		// marked as sent is left to the relay, which sends it at its next round. A consumer is
+		// often that fast, so poll every 100 ms rather than every second (the default).
+		RelayInterval: 100 * time.Millisecond,
+	}
+	for _, t := range append([]func(*outbox.Config){s.tune}, tune...) {
+		if t != nil {
+			t(&cfg)
+		}
+	}
+	ob, err := outbox.New(cfg)
+	if err == nil {
+		err = ob.RegisterApplier(applierReceipt, s.mail.sendReceipt)
+	}
+	if err != nil {
+		_ = pub.Close()
+		return nil, nil, err
+	}
+	return ob, pub, nil
+}
+
+// startConsumers runs every consumer on a new Router until stop is called. Each handler
+// is wrapped in the outbox middleware: its writes, the claim "this consumer processed this
+// message" and the events it publishes commit in one transaction, and a redelivered copy skips the
+// handler. wrap, when set, decorates the handlers and adds outer middleware (the chaos mode).
+func startConsumers(ctx context.Context, s *service, ob *outbox.Outbox, wrap *chaos) (stop func() error, err error) {
+	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 30 * time.Second}, s.logger)
+	if err != nil {
+		return nil, err
+	}
+	var subs []message.Subscriber
+	for _, c := range consumers {
+		sub, err := s.broker.Subscriber(c.name)
+		if err != nil {
+			_ = router.Close() // closes the subscribers added so far
+			return nil, fmt.Errorf("subscriber %s: %w", c.name, err)
+		}
+		handle, mw := c.handle, []message.HandlerMiddleware{middleware.New(ob)}
+		if wrap != nil {
+			handle, mw = wrap.handler(handle), append([]message.HandlerMiddleware{wrap.countDeliveries}, mw...)
+		}
+		router.AddConsumerHandler(c.name, c.topic, sub, handle).AddMiddleware(mw...)
+		subs = append(subs, sub)
+	}
+	// The Router stops only through stop, not when ctx ends: the subscribers must drain first.
+	done := make(chan error, 1)
+	go func() { done <- router.Run(context.WithoutCancel(ctx)) }()
+	select {
+	case <-router.Running():
+	case err := <-done:
+		return nil, fmt.Errorf("router stopped at start: %w", err)
+	}
+	return func() error {
+		// watermill-nats closes a subscription's output channel without waiting for a message
+		// callback still running, which then panics ("send on closed channel") when a Router stops
+		// while messages flow. Draining the NATS connections first lets those callbacks finish.
+		for _, sub := range subs {
+			if d, ok := sub.(interface{ Drain() }); ok {
+				d.Drain()
+			}
+		}
+		err := router.Close()
+		return errors.Join(err, <-done)
+	}, nil
+}
+
+// serve runs the service until ctx ends. ready, when set, receives the HTTP address once it listens.
+func serve(ctx context.Context, cfg config, out io.Writer, ready func(addr string)) error {
+	s, err := openService(ctx, cfg, 30*time.Second)
+	if err != nil {
+		return err
+	}
+	defer s.close()
+
+	// One Outbox for the API and the consumers, as one process of a real deployment would have.
+	ob, pub, err := s.newOutbox()
+	if err != nil {
+		return err
+	}
+	defer func() { _ = pub.Close() }()
+	if err := ob.Migrate(ctx); err != nil { // idempotent; safe from several instances at once
+		return err
+	}
+
+	runCtx, cancel := context.WithCancel(ctx)
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() { defer wg.Done(); _ = ob.Run(runCtx) }() // the relay and the retention cleanup
+	defer func() { cancel(); wg.Wait() }()
+
+	stopConsumers, err := startConsumers(runCtx, s, ob, nil)
+	if err != nil {
+		return err
+	}
+	defer func() { _ = stopConsumers() }()
+
+	ln, err := net.Listen("tcp", cfg.addr)
+	if err != nil {
+		return err
+	}
+	srv := &http.Server{Handler: (&api{db: s.db, ob: ob}).routes(), ReadHeaderTimeout: 10 * time.Second}
+	served := make(chan error, 1)
+	go func() { served <- srv.Serve(ln) }()
+
+	addr := ln.Addr().String()
+	fmt.Fprintf(out, "order-processing listening on http://%s\n%s\n\n", addr, s.desc)
+	fmt.Fprintf(out, "Place an order:\n  curl -si http://%s/orders -d '{\"customer\":\"ada@example.com\",\"sku\":\"espresso-beans\",\"quantity\":2}'\n", addr)
+	fmt.Fprintf(out, "Then look at it (it ends as \"paid\"):\n  curl -s http://%s/orders/<id>\n\nCtrl-C stops.\n", addr)
+	if ready != nil {
+		ready(addr)
+	}
+
+	select {
+	case <-ctx.Done():
+	case err := <-served:
+		return err
+	}
+	shutdownCtx, done := context.WithTimeout(context.Background(), 10*time.Second)
+	defer done()
+	err = srv.Shutdown(shutdownCtx)
+	<-served
+	return err
+}
