@@ -62,6 +62,9 @@ func (m *marker) work() {
 			}
 		}
 		m.mu.Unlock()
+		// Effects handed to the relay because these were still pending (same ordering key) can go
+		// now: wake the relay rather than leave them to its next poll.
+		m.o.kickRelay()
 	}
 }
 
