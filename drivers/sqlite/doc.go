@@ -37,6 +37,9 @@
 //   - No notifications: the relays of other processes find handed-over effects at their next poll
 //     (Config.RelayInterval); the relay of the process that handed them over is woken at once.
 //   - No schemas: Config.Schema must be empty or "main"; tell table sets apart with TablePrefix.
+//   - One connection (db.SetMaxOpenConns(1)) is often faster than several waiting on busy_timeout
+//     (whose retries sleep up to 100 ms); then an applier must not use the same *sql.DB (the relay
+//     holds the only connection while it runs appliers).
 //   - Timestamps are UTC TEXT with millisecond precision, compared as strings; payloads and
 //     metadata are BLOBs, stored byte for byte.
 package sqlite
