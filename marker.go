@@ -3,9 +3,13 @@ package outbox
 import (
 	"context"
 	"sync"
+	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
 )
+
+// markTimeout bounds the write of one batch of marks.
+const markTimeout = 30 * time.Second
 
 // marker writes the dispatched marks in the background, so that a message is acked as soon as its
 // effects were handed to the Publisher. A mark that never lands (the process dies first) only
@@ -51,7 +55,12 @@ func (m *marker) work() {
 		}
 		m.mu.Unlock()
 		// Everything queued while the previous batch was written goes in one statement.
-		if err := m.o.store.EffectMarkDispatched(context.Background(), batch...); err != nil {
+		// Bounded, so that a database that stopped answering cannot hold up Run's shutdown forever;
+		// a mark that times out only causes a re-send.
+		ctx, cancel := context.WithTimeout(context.Background(), markTimeout)
+		err := m.o.store.EffectMarkDispatched(ctx, batch...)
+		cancel()
+		if err != nil {
 			m.o.logger.Error("Marking side effects dispatched failed; they may be sent again", err,
 				watermill.LogFields{"sources": len(batch), "first_source_id": batch[0].ID})
 		}
