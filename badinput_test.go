@@ -273,3 +273,31 @@ func TestMessageContextCancelledBeforeCommit(t *testing.T) {
 	mustEqual(t, "business rows", e.count(`SELECT count(*) FROM applied`), 1)
 	mustEqual(t, "effects sent", len(e.wire("out_a"))+len(e.wire("out_b")), 2)
 }
+
+// TestHandlerTimeoutCountsTheAttempt: a handler that outlives HandlerTimeout is rolled back by
+// database/sql; that must be reported as a timeout (not as a handler that finished the transaction
+// itself) and counted as a failed attempt, and the redelivery must apply the message once.
+func TestHandlerTimeoutCountsTheAttempt(t *testing.T) {
+	e := newEnv(t, func(c *outbox.Config) { c.HandlerTimeout = 200 * time.Millisecond })
+	var calls atomic.Int32
+	h := func(msg *message.Message) ([]*message.Message, error) {
+		out, err := applyAndPublish(nil)(msg)
+		if calls.Add(1) == 1 {
+			time.Sleep(400 * time.Millisecond)
+		}
+		return out, err
+	}
+	msg := message.NewMessage(uuid.NewString(), nil)
+	err := handle(e.ob, copyOf(msg), h)
+	if !errors.Is(err, context.DeadlineExceeded) || errors.Is(err, outbox.ErrTxFinishedByHandler) {
+		t.Fatalf("want a HandlerTimeout error, got %v", err)
+	}
+	mustEqual(t, "attempt counted", e.count(`SELECT attempts FROM outbox_attempts WHERE message_id = $1`, msg.UUID), 1)
+	mustEqual(t, "business rows after the timeout", e.count(`SELECT count(*) FROM applied`), 0)
+	mustEqual(t, "messages on the wire after the timeout", len(e.wire("out_a"))+len(e.wire("out_b")), 0)
+	if err := handle(e.ob, copyOf(msg), h); err != nil {
+		t.Fatal(err)
+	}
+	mustEqual(t, "business rows", e.count(`SELECT count(*) FROM applied`), 1)
+	mustEqual(t, "effects sent", len(e.wire("out_a"))+len(e.wire("out_b")), 2)
+}

@@ -45,10 +45,13 @@ func (o *Outbox) Handle(msg *message.Message, p HandleParams, next message.Handl
 	}
 
 	// The transaction lives in a context that neither the ack nor the subscriber's ack deadline can
-	// cancel, so that they cannot roll back a commit half way.
-	txCtx, cancel := context.WithCancel(context.WithoutCancel(parent))
+	// cancel, so that they cannot roll back a commit half way. HandlerTimeout bounds the handler
+	// and the commit only; what comes after (counting a failure, the duplicate path, dispatching
+	// committed effects) runs on after, which the timeout cannot cut short.
+	after := context.WithoutCancel(parent)
+	txCtx, cancel := context.WithCancel(after)
 	if o.cfg.HandlerTimeout > 0 {
-		txCtx, cancel = context.WithTimeout(context.WithoutCancel(parent), o.cfg.HandlerTimeout)
+		txCtx, cancel = context.WithTimeout(after, o.cfg.HandlerTimeout)
 	}
 	defer cancel()
 
@@ -67,7 +70,7 @@ func (o *Outbox) Handle(msg *message.Message, p HandleParams, next message.Handl
 	}
 	if !claimed {
 		_ = tx.Rollback()
-		return o.redeliver(txCtx, src, fields)
+		return o.redeliver(after, src, fields)
 	}
 
 	u := &unit{o: o, tx: tx, src: src, incoming: msg}
@@ -82,23 +85,35 @@ func (o *Outbox) Handle(msg *message.Message, p HandleParams, next message.Handl
 	}
 	if err != nil {
 		rbErr := tx.Rollback()
-		if errors.Is(rbErr, sql.ErrTxDone) {
-			return o.finishedByHandler(txCtx, msg, src, err, fields)
+		switch {
+		case txCtx.Err() != nil:
+			// database/sql rolled the transaction back when HandlerTimeout expired.
+			return o.handlerFailed(after, msg, src, timedOut(err, o.cfg.HandlerTimeout), fields)
+		case errors.Is(rbErr, sql.ErrTxDone):
+			return o.finishedByHandler(after, msg, src, err, fields)
 		}
-		return o.handlerFailed(txCtx, msg, src, err, fields)
+		return o.handlerFailed(after, msg, src, err, fields)
 	}
 
 	if err := tx.Commit(); err != nil {
-		if errors.Is(err, sql.ErrTxDone) {
-			return o.finishedByHandler(txCtx, msg, src, nil, fields)
+		switch {
+		case txCtx.Err() != nil:
+			return o.handlerFailed(after, msg, src, timedOut(err, o.cfg.HandlerTimeout), fields)
+		case errors.Is(err, sql.ErrTxDone):
+			return o.finishedByHandler(after, msg, src, nil, fields)
 		}
 		// The outcome of a commit that failed in flight is unknown; redelivery finds out.
 		return fmt.Errorf("outbox: commit message %q for %q: %w", src.ID, src.Consumer, err)
 	}
-	if err := o.failpoint(txCtx, FailpointAfterCommit); err != nil {
+	if err := o.failpoint(after, FailpointAfterCommit); err != nil {
 		return err
 	}
-	return o.dispatchAndMark(txCtx, src, u.effects, fields)
+	return o.dispatchAndMark(after, src, u.effects, fields)
+}
+
+// timedOut reports a unit of work that HandlerTimeout cut short (its transaction rolled back).
+func timedOut(err error, d time.Duration) error {
+	return fmt.Errorf("outbox: unit of work exceeded HandlerTimeout (%s), rolled back: %w (%w)", d, context.DeadlineExceeded, err)
 }
 
 func callHandler(next message.HandlerFunc, msg *message.Message) (produced []*message.Message, err error) {
