@@ -89,7 +89,7 @@ func (o *Outbox) dispatchBoundary(ctx context.Context, src Source, effects []Eff
 		o.logger.Error("Dispatch after commit failed; the relay will retry", err, fields)
 		// The first retry is immediate (the failure may have been momentary); the relay backs off
 		// from there.
-		if ferr := o.store.EffectRetryLater(ctx, src, sanitizeReason(err.Error()), 0); ferr != nil {
+		if ferr := o.store.EffectRetryLater(ctx, src, err.Error(), 0); ferr != nil {
 			o.logger.Error("Recording the failed dispatch failed; the relay retries after the grace period", ferr, fields)
 		}
 		o.wakeRelays(ctx)

@@ -92,7 +92,9 @@ func messageEffect(m *message.Message) Effect {
 	return Effect{Kind: KindPublish, UUID: m.UUID, Payload: m.Payload, Metadata: m.Metadata}
 }
 
-// sanitizeReason makes an error text storable as text: valid UTF-8, no NUL, bounded.
+// sanitizeReason makes a failure reason readable and bounded for the poison message's metadata
+// and the logs: valid UTF-8, NUL escaped, at most maxReasonBytes. (The store makes whatever it
+// stores storable itself.)
 func sanitizeReason(s string) string {
 	s = strings.ToValidUTF8(s, "\uFFFD")
 	s = strings.ReplaceAll(s, "\x00", `\x00`)

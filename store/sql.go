@@ -224,7 +224,7 @@ func (s *SQL) MessagePoison(ctx context.Context, src outbox.Source) error {
 // AttemptRecord implements outbox.Store.
 func (s *SQL) AttemptRecord(ctx context.Context, src outbox.Source, reason string) (int, error) {
 	var n int
-	err := s.queryRow(ctx, nil, s.d.Queries.AttemptRecord, []any{src.Consumer, src.ID, reason}, &n)
+	err := s.queryRow(ctx, nil, s.d.Queries.AttemptRecord, []any{src.Consumer, src.ID, storableReason(reason)}, &n)
 	return n, err
 }
 
@@ -452,7 +452,7 @@ func (s *SQL) cleanupBatch(ctx context.Context, query string, retention time.Dur
 
 // EffectRetryLater implements outbox.Store.
 func (s *SQL) EffectRetryLater(ctx context.Context, src outbox.Source, reason string, delay time.Duration) error {
-	_, err := s.db.ExecContext(ctx, s.d.Queries.EffectRetryLater, src.Consumer, src.ID, reason, delay.Milliseconds())
+	_, err := s.db.ExecContext(ctx, s.d.Queries.EffectRetryLater, src.Consumer, src.ID, storableReason(reason), delay.Milliseconds())
 	return s.wrap(err)
 }
 

@@ -90,6 +90,7 @@ func Run(t *testing.T, newHarness func(t *testing.T) Harness) {
 		{"MessageIsProcessed", testIsProcessed},
 		{"MessagePoison", testPoison},
 		{"AttemptRecord", testAttemptRecord},
+		{"Reasons/AnyBytesAreStored", testUnstorableReasons},
 		{"EffectInsert/RoundTrip", testInsertRoundTrip},
 		{"EffectInsert/RolledBack", testInsertRolledBack},
 		{"EffectInsert/LargeBatch", testInsertLargeBatch},
@@ -705,6 +706,21 @@ func testAttemptRecord(f *fixture) {
 	_ = tx.Rollback()
 	if got := f.attempt(src, "after rollback"); got != 4 {
 		f.t.Fatalf("attempt after a rollback counted as %d, want 4", got)
+	}
+}
+
+// testUnstorableReasons: failure reasons come from handlers, brokers and appliers and may hold
+// what a text column cannot (NUL, invalid UTF-8) or be huge; every path that stores one must
+// store something rather than fail.
+func testUnstorableReasons(f *fixture) {
+	bad := "nul\x00 and \xff\xfe " + strings.Repeat("long ", 5000)
+	src := f.src("m1")
+	if got := f.attempt(src, bad); got != 1 {
+		f.t.Fatalf("attempt with an unstorable reason counted as %d", got)
+	}
+	f.commit(src, true, f.effects(src, "k", 1))
+	if err := f.st.EffectRetryLater(f.ctx, src, bad, 0); err != nil {
+		f.t.Fatalf("EffectRetryLater with an unstorable reason: %v", err)
 	}
 }
 
