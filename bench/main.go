@@ -23,6 +23,7 @@ import (
 	"os/signal"
 	"path/filepath"
 	"runtime"
+	"runtime/pprof"
 	"slices"
 	"strings"
 	"sync/atomic"
@@ -87,7 +88,20 @@ func main() {
 	docs := flag.String("docs", "../docs", "directory of benchmarks.md and benchmarks.svg")
 	results := flag.String("results", "", "write the results as JSON here (default: results-<mode>.json)")
 	render := flag.String("render", "", "only re-render the docs from this results JSON")
+	cpuProfile := flag.String("cpuprofile", "", "write a CPU profile of the whole run (this process only) to this file")
 	flag.Parse()
+
+	if *cpuProfile != "" {
+		f, err := os.Create(*cpuProfile)
+		if err == nil {
+			err = pprof.StartCPUProfile(f)
+		}
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "error:", err)
+			os.Exit(1)
+		}
+		defer pprof.StopCPUProfile()
+	}
 
 	if *render != "" {
 		b, err := os.ReadFile(*render)
@@ -137,6 +151,9 @@ func main() {
 		os.Exit(1)
 	}
 }
+
+// classifyN is the number of deliveries of each untimed pass that classifies round trips.
+const classifyN = 300
 
 func logf(format string, args ...any) {
 	fmt.Fprintf(os.Stderr, "[%s] "+format+"\n", append([]any{time.Now().Format("15:04:05")}, args...)...)
@@ -214,6 +231,24 @@ func run(cfg config, dsn string, skipScale bool, docsDir, resultsPath string) (e
 		}
 	}
 
+	// Which round trips a message waits for is read in short untimed passes, one per contender and
+	// concurrency (see classifyRoundTrips); the timed runs below count every round trip cheaply.
+	logf("classifying round trips: %d contenders x %d concurrencies", len(cs), len(cfg.Concs))
+	syncRT := map[string]float64{}
+	classifyRoundTrips.Store(true)
+	for ci, conc := range cfg.Concs {
+		for i, c := range cs {
+			ds := makeDeliveries(classifyN, cfg.DupRate, redeliveryGap(conc), cfg.DupWindow, 2000+uint64(ci*100+i))
+			res, err := e.run(ctx, c, ds, runOpts{conc: conc, redelivered: true, drainWait: 30 * time.Second})
+			if err != nil {
+				classifyRoundTrips.Store(false)
+				return err
+			}
+			syncRT[fmt.Sprintf("%s/%d", c.name(), conc)] = float64(res.Wire.SyncRoundTrips) / float64(res.Messages)
+		}
+	}
+	classifyRoundTrips.Store(false)
+
 	// The matrix: repetitions interleave every contender at every concurrency; the order of the
 	// contenders rotates from one (repetition, concurrency) to the next, so that drift and
 	// warm-up hit each one alike.
@@ -239,7 +274,7 @@ func run(cfg config, dsn string, skipScale bool, docsDir, resultsPath string) (e
 				agg[key].add(res)
 				logf("rep %d c=%-2d %-18s %7.0f msg/s  p50 %6.2f ms  p99 %7.2f ms  rt/msg %.2f/%.2f  stmts/msg %.2f  WAL %5.0f B/msg%s",
 					r+1, conc, c.name(), float64(res.Messages)/res.Elapsed.Seconds(), ms(pct(res.Latencies, 0.5)), ms(pct(res.Latencies, 0.99)),
-					float64(res.Wire.SyncRoundTrips)/float64(res.Messages), float64(res.Wire.RoundTrips)/float64(res.Messages), float64(res.Wire.Statements)/float64(res.Messages),
+					syncRT[key], float64(res.Wire.RoundTrips)/float64(res.Messages), float64(res.Wire.Statements)/float64(res.Messages),
 					float64(res.WALBytes)/float64(res.Messages), errNote(res))
 			}
 			k++
@@ -247,8 +282,11 @@ func run(cfg config, dsn string, skipScale bool, docsDir, resultsPath string) (e
 	}
 	for _, name := range cfg.Contenders {
 		for _, conc := range cfg.Concs {
-			if a := agg[fmt.Sprintf("%s/%d", name, conc)]; a != nil {
-				rep.Cells = append(rep.Cells, a.cell())
+			key := fmt.Sprintf("%s/%d", name, conc)
+			if a := agg[key]; a != nil {
+				cl := a.cell()
+				cl.SyncRoundTrips = syncRT[key]
+				rep.Cells = append(rep.Cells, cl)
 			}
 		}
 	}

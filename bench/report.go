@@ -223,7 +223,8 @@ func markdown(r *report) string {
 	}
 	w("\nRound trips and statements are per delivery (duplicates included), read off the wire of the contender's own connections. " +
 		"\"Waited for\" counts the round trips written from the consumer goroutine itself (database/sql runs the driver in the caller's goroutine): " +
-		"the ones a message waits for before it is acked; \"all\" adds background work (relays, River's producer, completer and maintenance, " +
+		"the ones a message waits for before it is acked. Telling the goroutine costs a stack dump per round trip, so it is read in a short untimed pass " +
+		"(300 deliveries per contender and concurrency) before the timed runs, which only count; \"all\" adds background work (relays, River's producer, completer and maintenance, " +
 		"the forwarder's polling, the framework's relay and anything it writes after the ack). " +
 		"Latency is from taking a delivery to its outgoing message being acknowledged by the broker " +
 		"(for a duplicate that publishes nothing: until the handler returns). Re-sent: outgoing messages published again for a delivery " +

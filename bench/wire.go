@@ -57,7 +57,15 @@ func (a wireSnapshot) add(b wireSnapshot) wireSnapshot {
 // query's driver calls, and so lib/pq's writes, in the goroutine that called it: a round trip
 // written from a consumer goroutine is one the message waits for; any other (a relay, River's
 // workers, a mark written in the background) is background work.
-var consumerGoroutines sync.Map
+//
+// Finding the calling goroutine costs a runtime.Stack call per round trip, far more CPU than the
+// round trip itself on the client side, so it is done only while classifyRoundTrips is set: in
+// short untimed passes (see main), never in the timed runs, whose numbers it would distort in
+// proportion to each contender's round trips.
+var (
+	consumerGoroutines sync.Map
+	classifyRoundTrips atomic.Bool
+)
 
 func goroutineID() int64 {
 	var buf [64]byte
@@ -133,8 +141,10 @@ func (cc *countingConn) Write(p []byte) (int, error) {
 	if !cc.lastWrite {
 		cc.c.roundTrips.Add(1)
 		cc.lastWrite = true
-		if _, ok := consumerGoroutines.Load(goroutineID()); ok {
-			cc.c.syncRT.Add(1)
+		if classifyRoundTrips.Load() {
+			if _, ok := consumerGoroutines.Load(goroutineID()); ok {
+				cc.c.syncRT.Add(1)
+			}
 		}
 	}
 	cc.parse(p)
