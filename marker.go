@@ -72,8 +72,12 @@ func (m *marker) work() {
 		}
 		m.mu.Unlock()
 		// Effects handed to the relay because these were still pending (same ordering key) can go
-		// now: wake the relay rather than leave them to its next poll.
-		m.o.kickRelay()
+		// now: wake the relay rather than leave them to its next poll. Without recent hand-offs
+		// there is nothing to wake it for, and a relay round per batch of marks costs the
+		// database more than the marks.
+		if m.o.handoffsInFlight() {
+			m.o.kickRelay()
+		}
 	}
 }
 

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+	"sync/atomic"
 	"time"
 	"unicode/utf8"
 
@@ -31,6 +32,10 @@ type Outbox struct {
 
 	kick  chan struct{} // wakes the relay
 	marks *marker
+	// lastHandoff is when (UnixNano) effects were last left to the relays, here or, as far as a
+	// notification told, in another instance: until they are sent, each written mark wakes the
+	// relay, since effects handed over behind the marked ones may be free to go.
+	lastHandoff atomic.Int64
 }
 
 // New returns an Outbox. It does no I/O: call Migrate (or check the schema) and Run yourself.
@@ -187,7 +192,10 @@ func (o *Outbox) DiscardParked(ctx context.Context, storeIDs ...int64) (int, err
 // listen wakes the relay on notifications from other instances, reconnecting after failures.
 func (o *Outbox) listen(ctx context.Context) {
 	for ctx.Err() == nil {
-		err := o.store.EffectListen(ctx, o.kickRelay)
+		err := o.store.EffectListen(ctx, func() {
+			o.lastHandoff.Store(time.Now().UnixNano())
+			o.kickRelay()
+		})
 		if errors.Is(err, ErrListenUnsupported) {
 			return
 		}
@@ -203,10 +211,18 @@ func (o *Outbox) listen(ctx context.Context) {
 
 // wakeRelays wakes this process's relay and, through the store, the relays of the other instances.
 func (o *Outbox) wakeRelays(ctx context.Context) {
+	o.lastHandoff.Store(time.Now().UnixNano())
 	o.kickRelay()
 	if err := o.store.EffectNotify(ctx); err != nil {
 		o.logger.Error("Notifying the relays failed; they pick the effects up at their next poll", err, nil)
 	}
+}
+
+// handoffsInFlight tells whether effects were left to the relays recently enough that they may
+// still wait behind effects whose marks are being written: long enough for their predecessors'
+// dispatch (PublishTimeout) and mark (markTimeout) to finish.
+func (o *Outbox) handoffsInFlight() bool {
+	return time.Since(time.Unix(0, o.lastHandoff.Load())) < o.cfg.PublishTimeout+markTimeout
 }
 
 // kickRelay wakes this process's relay without waiting for RelayInterval.
