@@ -109,7 +109,7 @@ func BenchmarkMark(b *testing.B) {
 			b.ResetTimer()
 			for i := 0; i < b.N; i++ {
 				if async {
-					err = st.EffectMarkDispatched(ctx, srcs[i])
+					err = st.EffectMarkDispatched(ctx, outbox.DispatchMark{Source: srcs[i], MoveClaim: true})
 				} else {
 					_, err = stmt.ExecContext(ctx, srcs[i].Consumer, srcs[i].ID)
 				}

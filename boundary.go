@@ -95,5 +95,5 @@ func (o *Outbox) dispatchBoundary(ctx context.Context, src Source, effects []Eff
 		o.wakeRelays(ctx)
 		return
 	}
-	o.marks.add(src)
+	o.marks.add(src, false) // a boundary transaction has no claim
 }

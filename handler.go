@@ -55,6 +55,7 @@ func (o *Outbox) Handle(msg *message.Message, p HandleParams, next message.Handl
 	}
 	defer cancel()
 
+	begun := time.Now() // no later than the claim's time, which the database takes at BEGIN
 	tx, err := o.db.BeginTx(txCtx, nil)
 	if err != nil {
 		return fmt.Errorf("outbox: begin transaction: %w", err)
@@ -108,7 +109,7 @@ func (o *Outbox) Handle(msg *message.Message, p HandleParams, next message.Handl
 	if err := o.failpoint(after, FailpointAfterCommit); err != nil {
 		return err
 	}
-	return o.dispatchAndMark(after, src, u.effects, fields)
+	return o.dispatchAndMark(after, src, u.effects, begun, fields)
 }
 
 // timedOut reports a unit of work that HandlerTimeout cut short (its transaction rolled back).
@@ -157,7 +158,8 @@ func (o *Outbox) redeliver(ctx context.Context, src Source, fields watermill.Log
 			return nil
 		}
 	}
-	return o.dispatchAndMark(ctx, src, pending, fields)
+	// A re-send after the claim's own dispatch failed or was lost: retention counts from now.
+	return o.dispatchAndMark(ctx, src, pending, time.Time{}, fields)
 }
 
 // awaitDispatch polls the pending effects of src until none are left or wait has passed, and
@@ -184,7 +186,10 @@ func (o *Outbox) awaitDispatch(ctx context.Context, src Source, wait time.Durati
 	}
 }
 
-func (o *Outbox) dispatchAndMark(ctx context.Context, src Source, effects []Effect, fields watermill.LogFields) error {
+// dispatchAndMark sends effects and queues their mark. claimed is no later than the time the claim
+// of src was written with (zero if unknown): when the effects went out within ClaimClockSlack of
+// it, that time stands for their dispatch and the mark leaves the claim alone.
+func (o *Outbox) dispatchAndMark(ctx context.Context, src Source, effects []Effect, claimed time.Time, fields watermill.LogFields) error {
 	if len(effects) == 0 {
 		return nil
 	}
@@ -198,7 +203,7 @@ func (o *Outbox) dispatchAndMark(ctx context.Context, src Source, effects []Effe
 		// Committed effects stay pending: redelivery or the relay sends them with the same UUIDs.
 		return fmt.Errorf("outbox: dispatch side effects of %q for %q (kept, will be retried): %w", src.ID, src.Consumer, err)
 	}
-	o.marks.add(src)
+	o.marks.add(src, claimed.IsZero() || time.Since(claimed) > ClaimClockSlack)
 	return o.failpoint(ctx, FailpointAfterMark)
 }
 

@@ -66,7 +66,7 @@ func TestDispatchedEffectsAreDeleted(t *testing.T) {
 	}
 	mustEqual(t, "handler calls", calls.Load(), int32(1))
 	mustEqual(t, "messages on the wire", len(e.wire("out_a"))+len(e.wire("out_b")), 2)
-	mustEqual(t, "retention clock moved to the dispatch", e.count(`SELECT count(*) FROM outbox_processed WHERE dispatched_at > processed_at`), 1)
+	mustEqual(t, "claims keeping their time (sent right after it)", e.count(`SELECT count(*) FROM outbox_processed WHERE dispatched_at = processed_at`), 1)
 
 	// The relay deletes what it sends too.
 	e.pub.failAll.Store(true)
@@ -86,4 +86,34 @@ func TestDispatchedEffectsAreDeleted(t *testing.T) {
 		t.Fatal(err)
 	}
 	mustEqual(t, "messages on the wire", len(e.wire("out_a")), 2)
+}
+
+// TestRetentionClockFollowsLateDispatch: effects sent long after their claim (a slow unit of work,
+// a re-send on redelivery) move the claim's dispatch time, from which retention counts; effects
+// sent right after it leave the claim as written.
+func TestRetentionClockFollowsLateDispatch(t *testing.T) {
+	e := newEnv(t)
+	slow := message.NewMessage(uuid.NewString(), nil)
+	apply := applyAndPublish(nil)
+	if err := handle(e.ob, slow, func(msg *message.Message) ([]*message.Message, error) {
+		time.Sleep(outbox.ClaimClockSlack + 100*time.Millisecond)
+		return apply(msg)
+	}); err != nil {
+		t.Fatal(err)
+	}
+
+	resent := message.NewMessage(uuid.NewString(), nil)
+	e.pub.failAll.Store(true)
+	if err := handle(e.ob, resent, apply); err == nil {
+		t.Fatal("dispatch through a failing publisher reported success")
+	}
+	e.pub.failAll.Store(false)
+	if err := handle(e.ob, copyOf(resent), apply); err != nil {
+		t.Fatal(err)
+	}
+	e.ob.FlushMarks()
+	mustEqual(t, "pending effects", e.pendingEffects(), 0)
+	moved := `SELECT count(*) FROM outbox_processed WHERE message_id = $1 AND dispatched_at > processed_at`
+	mustEqual(t, "slow unit of work: clock moved", e.count(moved, slow.UUID), 1)
+	mustEqual(t, "re-sent on redelivery: clock moved", e.count(moved, resent.UUID), 1)
 }

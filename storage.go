@@ -86,10 +86,11 @@ type Store interface {
 	EffectInsert(ctx context.Context, tx *sql.Tx, src Source, effects []Effect) error
 	// EffectListPending returns the undispatched effects of src in order.
 	EffectListPending(ctx context.Context, src Source) ([]Effect, error)
-	// EffectMarkDispatched marks every pending effect of each src dispatched and moves the claims'
-	// dispatch time (from which retention counts) to now.
-	// The write may be asynchronous (not flushed at commit): losing it only causes a re-send.
-	EffectMarkDispatched(ctx context.Context, srcs ...Source) error
+	// EffectMarkDispatched marks every pending effect of each mark's source dispatched and, for the
+	// marks with MoveClaim, moves the claim's dispatch time (from which retention counts) to now
+	// (a store may move every claim). The write may be asynchronous (not flushed at commit):
+	// losing it only causes a re-send.
+	EffectMarkDispatched(ctx context.Context, marks ...DispatchMark) error
 	// EffectRetryLater records a failed dispatch of the pending effects of src (the reason, not an
 	// attempt: only the relay counts attempts, per effect): they become due for the relay after
 	// delay, without waiting for the grace period.
@@ -126,6 +127,20 @@ type Store interface {
 	// return at once with zero.
 	Cleanup(ctx context.Context, p CleanupParams) (CleanupResult, error)
 }
+
+// DispatchMark is one source whose pending effects Store.EffectMarkDispatched marks dispatched.
+type DispatchMark struct {
+	Source Source
+	// MoveClaim asks the store to move the claim's dispatch time, from which retention counts, to
+	// now. The framework leaves it unset when the effects were sent within ClaimClockSlack of the
+	// claim, whose time, written with it, then stands for the dispatch; moving it would be one
+	// more row written per message for a difference retention cannot tell.
+	MoveClaim bool
+}
+
+// ClaimClockSlack is how much earlier than the dispatch of its effects a claim's dispatch time may
+// be: retention counts from dispatch, give or take this much.
+const ClaimClockSlack = time.Second
 
 // ParkedEffect is an effect the relay gave up on after its maximum attempts.
 type ParkedEffect struct {

@@ -22,10 +22,11 @@ type Queries struct {
 	// (seq, kind, topic, uuid, payload, metadata, ordering_key).
 	EffectInsert         func(n int) string
 	EffectListPending    string // (consumer, id) -> effect columns, in seq order
-	EffectMarkDispatched string // (consumer, id)
+	EffectMarkDispatched string // (consumer, id): marks the effects and moves the claim
 	// EffectMarkDispatchedBatch, when set, returns the mark of n sources in one statement:
-	// (consumer, id) per source. Without it, sources are marked one statement each.
-	EffectMarkDispatchedBatch func(n int) string
+	// (consumer, id) per source; with moveClaims it moves their claims too. Without it, sources are
+	// marked one EffectMarkDispatched each.
+	EffectMarkDispatchedBatch func(n int, moveClaims bool) string
 
 	EffectRetryLater  string // (consumer, id, reason, delay ms): record a failed fast-path dispatch
 	EffectKeyBlocked  string // (consumer, id, key) -> bool
@@ -285,32 +286,42 @@ func (s *SQL) EffectListPending(ctx context.Context, src outbox.Source) ([]outbo
 const maxMarkBatch = 128
 
 // EffectMarkDispatched implements outbox.Store.
-func (s *SQL) EffectMarkDispatched(ctx context.Context, srcs ...outbox.Source) error {
-	for len(srcs) > 0 {
-		n := min(len(srcs), maxMarkBatch)
-		if n == 1 || s.d.Queries.EffectMarkDispatchedBatch == nil {
-			n = 1
-			if _, err := s.exec(ctx, nil, s.d.Queries.EffectMarkDispatched, srcs[0].Consumer, srcs[0].ID); err != nil {
-				return err
+//
+// The marks are not prepared statements: a prepared statement's cached generic plan, made while
+// the tables were small, would keep scanning them whole as they grow; planned on every use, the
+// statement looks its rows up by index once there are enough of them.
+func (s *SQL) EffectMarkDispatched(ctx context.Context, marks ...outbox.DispatchMark) error {
+	if s.d.Queries.EffectMarkDispatchedBatch == nil {
+		for _, m := range marks {
+			if _, err := s.db.ExecContext(ctx, s.d.Queries.EffectMarkDispatched, m.Source.Consumer, m.Source.ID); err != nil {
+				return s.wrap(err)
 			}
+		}
+		return nil
+	}
+	var move, keep []outbox.Source
+	for _, m := range marks {
+		if m.MoveClaim {
+			move = append(move, m.Source)
 		} else {
+			keep = append(keep, m.Source)
+		}
+	}
+	for _, group := range []struct {
+		srcs       []outbox.Source
+		moveClaims bool
+	}{{move, true}, {keep, false}} {
+		for srcs := group.srcs; len(srcs) > 0; {
+			n := min(len(srcs), maxMarkBatch)
 			args := make([]any, 0, 2*n)
 			for _, src := range srcs[:n] {
 				args = append(args, src.Consumer, src.ID)
 			}
-			query := s.d.Queries.EffectMarkDispatchedBatch(n)
-			var err error
-			if n <= maxPreparedInsertRows {
-				_, err = s.exec(ctx, nil, query, args...)
-			} else {
-				_, err = s.db.ExecContext(ctx, query, args...)
-				err = s.wrap(err)
+			if _, err := s.db.ExecContext(ctx, s.d.Queries.EffectMarkDispatchedBatch(n, group.moveClaims), args...); err != nil {
+				return s.wrap(err)
 			}
-			if err != nil {
-				return err
-			}
+			srcs = srcs[n:]
 		}
-		srcs = srcs[n:]
 	}
 	return nil
 }

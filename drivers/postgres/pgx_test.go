@@ -52,6 +52,7 @@ func TestPgxStdlib(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
+	ob.FlushMarks() // marks are written in the background
 	var n, pending int
 	if err := db.QueryRow(`SELECT count(*) FROM applied`).Scan(&n); err != nil {
 		t.Fatal(err)

@@ -170,13 +170,18 @@ func queries(n store.Names, deleteDispatched bool) store.Queries {
 				WHERE source_consumer = $1 AND source_id = $2 AND dispatched_at IS NULL AND ` + asyncCommit + `)
 			UPDATE ` + n.Processed + ` SET dispatched_at = now()
 			WHERE consumer = $1 AND message_id = $2 AND ` + asyncCommit,
-		EffectMarkDispatchedBatch: func(count int) string {
+		EffectMarkDispatchedBatch: func(count int, moveClaims bool) string {
 			var v strings.Builder
 			for i := 0; i < count; i++ {
 				if i > 0 {
 					v.WriteString(", ")
 				}
 				fmt.Fprintf(&v, "($%d::text, $%d::text)", 2*i+1, 2*i+2)
+			}
+			if !moveClaims {
+				return `WITH v (c, i) AS (VALUES ` + v.String() + `)
+					` + markEffects + markEffectsFrom + `
+					WHERE e.source_consumer = v.c AND e.source_id = v.i AND e.dispatched_at IS NULL AND ` + asyncCommit
 			}
 			return `WITH v (c, i) AS (VALUES ` + v.String() + `),
 				e AS (` + markEffects + markEffectsFrom + `

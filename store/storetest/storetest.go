@@ -98,6 +98,7 @@ func Run(t *testing.T, newHarness func(t *testing.T) Harness) {
 		{"EffectMarkDispatched", testMarkDispatched},
 		{"EffectMarkDispatched/RetentionCountsFromDispatch", testMarkMovesClaim},
 		{"EffectMarkDispatched/ManySources", testMarkMany},
+		{"EffectMarkDispatched/ClaimLeftAlone", testMarkKeepsClaim},
 		{"EffectRetryLater/DueAtOnce", testRetryLaterAtOnce},
 		{"EffectRetryLater/Delay", testRetryLaterDelay},
 		{"EffectHandToRelay", testHandToRelay},
@@ -207,7 +208,7 @@ func (f *fixture) pending(src outbox.Source) []outbox.Effect {
 
 func (f *fixture) mark(src outbox.Source) {
 	f.t.Helper()
-	if err := f.st.EffectMarkDispatched(f.ctx, src); err != nil {
+	if err := f.st.EffectMarkDispatched(f.ctx, outbox.DispatchMark{Source: src, MoveClaim: true}); err != nil {
 		f.t.Fatalf("EffectMarkDispatched(%v): %v", src, err)
 	}
 }
@@ -841,17 +842,19 @@ func testPendingFor(f *fixture) {
 }
 
 // testMarkMany marks many sources in one call (the background marker's batches), more than one
-// statement's worth, and leaves the others alone.
+// statement's worth, some moving their claims and some not, and leaves the others alone.
 func testMarkMany(f *fixture) {
 	var srcs []outbox.Source
+	var marks []outbox.DispatchMark
 	for i := 0; i < 300; i++ {
 		src := f.src(fmt.Sprintf("many-%03d", i))
 		f.commit(src, true, f.effects(src, "k", 1))
 		srcs = append(srcs, src)
+		marks = append(marks, outbox.DispatchMark{Source: src, MoveClaim: i%3 == 0})
 	}
 	keep := f.src("keep")
 	f.commit(keep, true, f.effects(keep, "k", 1))
-	if err := f.st.EffectMarkDispatched(f.ctx, append(srcs, srcs[0])...); err != nil {
+	if err := f.st.EffectMarkDispatched(f.ctx, append(marks, marks[1])...); err != nil {
 		f.t.Fatalf("EffectMarkDispatched(300 sources): %v", err)
 	}
 	for _, src := range srcs {
@@ -887,6 +890,31 @@ func testMarkDispatched(f *fixture) {
 	f.age("effects", "created_at", outbox.Source{}, 2*time.Hour)
 	got := f.relay(due, sent)
 	wantUUIDs(f.t, "relay after marking", got, eo...)
+}
+
+// testMarkKeepsClaim: a mark without MoveClaim (effects sent right after their claim) marks the
+// effects and keeps the claim, whose retention then counts from the time it was written with (a
+// store may move it anyway).
+func testMarkKeepsClaim(f *fixture) {
+	src, other := f.src("m1"), f.src("m2")
+	f.commit(src, true, f.effects(src, "k1", 2))
+	f.commit(other, true, f.effects(other, "k2", 1))
+	if err := f.st.EffectMarkDispatched(f.ctx, outbox.DispatchMark{Source: src}); err != nil {
+		f.t.Fatalf("EffectMarkDispatched: %v", err)
+	}
+	if n := len(f.pending(src)); n != 0 {
+		f.t.Fatalf("%d effects pending after a mark without MoveClaim", n)
+	}
+	if n := len(f.pending(other)); n != 1 {
+		f.t.Fatalf("the mark touched another source: %d pending, want 1", n)
+	}
+	if !f.processed(src) {
+		f.t.Fatal("the claim is gone after a mark")
+	}
+	week := outbox.CleanupParams{Retention: 7 * 24 * time.Hour, EffectRetention: time.Hour, BatchSize: 10}
+	if res := f.cleanup(week); res.Claims != 0 || !f.processed(src) {
+		f.t.Fatalf("cleanup deleted a claim written just now: %+v", res)
+	}
 }
 
 // testMarkMovesClaim: the claim's retention counts from the dispatch, not from the processing.
