@@ -216,7 +216,9 @@ func BenchmarkHotPath(b *testing.B) {
 			must(b, h.ob.Store().EffectInsert(ctx, tx, src, effect(src)))
 			must(b, tx.Commit())
 			return src
-		}, func(_ int, st any) { must(b, h.ob.Store().EffectMarkDispatched(ctx, outbox.DispatchMark{Source: st.(outbox.Source)})) }, nil)
+		}, func(_ int, st any) {
+			must(b, h.ob.Store().EffectMarkDispatched(ctx, outbox.DispatchMark{Source: st.(outbox.Source)}))
+		}, nil)
 	})
 	b.Run("handle", func(b *testing.B) {
 		h := newHot(b, nil)
