@@ -172,6 +172,61 @@ func (c *bare) handle(ctx context.Context, d delivery) (bool, error) {
 	return false, c.e.pub.Publish(outTopic, outgoing(d, uuid.NewString()))
 }
 
+// --- 2b. ceiling ---------------------------------------------------------------------------------
+
+// ceiling is bare plus two no-op round trips in its transaction (a prepared SELECT 1 before and
+// one after the business write), where a framework that claims the message before the handler and
+// writes the effect in the transaction has its two statements. It does no claim and stores no
+// effect, so it is the most such a design can reach through database/sql, which sends every
+// statement and BEGIN on their own and waits for each.
+type ceiling struct {
+	base
+	noop *sql.Stmt
+}
+
+func newCeiling(e *env) (contender, error) {
+	b, err := newBase(e)
+	if err != nil {
+		return nil, err
+	}
+	noop, err := b.db.Prepare(`SELECT 1`)
+	if err != nil {
+		return nil, err
+	}
+	return &ceiling{base: b, noop: noop}, nil
+}
+
+func (c *ceiling) name() string       { return "ceiling" }
+func (c *ceiling) path() string       { return "ceiling" }
+func (c *ceiling) safe() bool         { return false }
+func (c *ceiling) crashPoint() string { return "" }
+func (c *ceiling) tables() []string   { return nil }
+func (c *ceiling) close()             { _ = c.noop.Close(); c.base.close() }
+func (c *ceiling) handle(ctx context.Context, d delivery) (bool, error) {
+	tx, err := c.db.BeginTx(ctx, nil)
+	if err != nil {
+		return false, err
+	}
+	noop := tx.StmtContext(ctx, c.noop)
+	var one int
+	if err := noop.QueryRowContext(ctx).Scan(&one); err != nil {
+		_ = tx.Rollback()
+		return false, err
+	}
+	if _, err := tx.ExecContext(ctx, businessWrite, d.id); err != nil {
+		_ = tx.Rollback()
+		return false, err
+	}
+	if err := noop.QueryRowContext(ctx).Scan(&one); err != nil {
+		_ = tx.Rollback()
+		return false, err
+	}
+	if err := tx.Commit(); err != nil {
+		return false, err
+	}
+	return false, c.e.pub.Publish(outTopic, outgoing(d, uuid.NewString()))
+}
+
 // --- 3. naive ----------------------------------------------------------------------------------
 
 // naive checks a processed table, processes (transaction, then publish) and marks, each in its

@@ -52,7 +52,7 @@ type config struct {
 	Contenders []string
 }
 
-var allContenders = []string{"floor", "bare", "naive", "watermill-stack", "river", "rbaliyan-event", "outbox-middleware", "outbox-intx"}
+var allContenders = []string{"floor", "bare", "ceiling", "naive", "watermill-stack", "river", "rbaliyan-event", "outbox-middleware", "outbox-intx"}
 
 func presets(mode string) (config, error) {
 	c := config{Mode: mode, Concs: []int{1, 4, 16}, DupRate: 0.10, DupWindow: 64, Seed: 1, Contenders: allContenders}
@@ -293,7 +293,7 @@ func run(cfg config, dsn string, skipScale bool, docsDir, resultsPath string) (e
 
 	logf("safety: duplicates and one crash")
 	for i, c := range cs {
-		if c.path() == "floor" {
+		if c.path() == "floor" || c.path() == "ceiling" {
 			continue
 		}
 		row, err := e.safety(ctx, c, cfg, maxConc, uint64(5000+i))
@@ -355,6 +355,8 @@ func newContender(e *env, name string) (contender, error) {
 		return newFloor(e)
 	case "bare":
 		return newBare(e)
+	case "ceiling":
+		return newCeiling(e)
 	case "naive":
 		return newNaive(e)
 	case "watermill-stack":

@@ -331,6 +331,10 @@ River) are timed until the relay has published everything; the framework's relay
 
 - **floor**: pgbench-style single-row INSERT per transaction (prepared, autocommit), no broker: the database's commit limit.
 - **bare**: the handler in a plain transaction, publish after commit, no deduplication (fast, unsafe).
+- **ceiling**: bare plus two no-op round trips (a prepared ` + "`SELECT 1`" + ` before and one after the business write) where a design that
+  claims the message before the handler and stores its effect in the transaction has its two statements; no claim, no effect row.
+  It is not a contender but the most such a design can reach through database/sql, which sends BEGIN and every statement on
+  their own and waits for each (lib/pq and pgx's stdlib alike; neither can pipeline them).
 - **naive**: SELECT the processed table; if new: transaction with the business write; publish; INSERT the mark: separate statements.
 - **watermill-stack**: Watermill's own parts: the built-in ` + "`middleware.Deduplicator`" + ` (defaults: in memory, one-minute window) on the consumer;
   the business write and a watermill-sql publisher on the same transaction, wrapped by ` + "`components/forwarder`" + `'s publisher; the
@@ -369,9 +373,15 @@ func targets(r *report) []target {
 			t.measured = fmt.Sprintf("%.2fx (%s vs %s msg/s)", ratio, f0(f.Throughput), f0(b.Throughput))
 			t.met = ratio >= 0.8
 			t.why = fmt.Sprintf("the framework waits for %.2f round trips and writes %.2f statements and %.0f WAL bytes per message, bare %.2f, %.2f and %.0f: "+
-				"every extra round trip holds the connection and the consumer for one more wait on the server, and the extra WAL "+
-				"(the claim row, the effect row, their indexes, then the dispatched mark) lengthens the fsyncs the consumers share.",
+				"on this machine every round trip costs both processes a wake-up and two system calls, and the extra rows "+
+				"(the claim, the effect row and its indexes, then the dispatched mark) cost WAL and index work.",
 				f.SyncRoundTrips, f.Statements, f.WALBytes, b.SyncRoundTrips, b.Statements, b.WALBytes)
+			if cl, ok := r.cell("ceiling", conc); ok {
+				t.why += fmt.Sprintf(" The round trips alone set the limit: the ceiling (bare plus two no-op round trips, no rows) reaches %.2fx of bare (%s msg/s), "+
+					"so no design that claims before the handler (required, so that a concurrent copy never runs it) and writes the effect "+
+					"in the transaction can reach 0.8x through database/sql here; the framework reaches %.2fx of the ceiling, the rest being its rows.",
+					cl.Throughput/b.Throughput, f0(cl.Throughput), f.Throughput/cl.Throughput)
+			}
 			if f.P99 > 500 {
 				t.why += fmt.Sprintf(" The p99 of %.0f ms is DuplicateWait (1 s by default): redelivered copies found their original's effects "+
 					"not yet marked dispatched and waited, holding their consumer, before sending what was still pending (re-sent: %d).", f.P99, f.Resent)
