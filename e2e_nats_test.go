@@ -82,6 +82,10 @@ func TestE2ENATSJetStream(t *testing.T) {
 			JetStream: wnats.JetStreamConfig{
 				DurablePrefix: durable,
 				SubscribeOptions: []nats.SubOpt{
+					// As in the example (examples/order-processing/broker.go): without ManualAck the
+					// client acks every message its callback returns from, also one the subscriber
+					// gave up on, and a failed delivery would never come back.
+					nats.ManualAck(),
 					nats.AckExplicit(),
 					nats.DeliverAll(),
 					nats.AckWait(30 * time.Second),
