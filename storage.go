@@ -164,6 +164,9 @@ type CleanupParams struct {
 	EffectRetention     time.Duration
 	BatchSize           int
 	PauseBetweenBatches time.Duration
+	// PauseFactor, when positive, makes each pause at least this many times as long as the batch
+	// before it took, so that cleanup keeps to a share of the database's time whatever a batch costs.
+	PauseFactor float64
 }
 
 // CleanupResult counts what Store.Cleanup deleted.

@@ -405,7 +405,9 @@ func (s *SQL) Cleanup(ctx context.Context, p outbox.CleanupParams) (outbox.Clean
 	}
 	for _, st := range steps {
 		for {
+			began := time.Now()
 			n, locked, err := s.cleanupBatch(ctx, st.query, st.retention, p.BatchSize)
+			took := time.Since(began)
 			if err != nil {
 				return res, err
 			}
@@ -417,11 +419,11 @@ func (s *SQL) Cleanup(ctx context.Context, p outbox.CleanupParams) (outbox.Clean
 			if n < int64(p.BatchSize) {
 				break
 			}
-			if p.PauseBetweenBatches > 0 {
+			if pause := max(p.PauseBetweenBatches, time.Duration(p.PauseFactor*float64(took))); pause > 0 {
 				select {
 				case <-ctx.Done():
 					return res, ctx.Err()
-				case <-time.After(p.PauseBetweenBatches):
+				case <-time.After(pause):
 				}
 			}
 		}

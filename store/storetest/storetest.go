@@ -1596,26 +1596,33 @@ func testCleanupBatches(f *fixture) {
 
 	// Each batch commits on its own: cancelled during the pause after the first batch, Cleanup
 	// reports the ten it deleted.
-	ctx, cancel := context.WithCancel(f.ctx)
-	defer cancel()
 	type result struct {
 		res outbox.CleanupResult
 		err error
 	}
-	done := make(chan result, 1)
-	go func() {
-		res, err := f.st.Cleanup(ctx, p)
-		done <- result{res, err}
-	}()
-	f.waitUntil("the first batch", func() bool { return f.count("processed") == n-10 })
-	cancel()
-	r := receive(f, "Cleanup to return after its context was cancelled", done)
-	if !errors.Is(r.err, context.Canceled) || r.res.Claims != 10 {
-		f.t.Fatalf("cancelled after one batch: %+v, %v; want 10 claims and context.Canceled", r.res, r.err)
+	oneBatch := func(p outbox.CleanupParams, left int) {
+		ctx, cancel := context.WithCancel(f.ctx)
+		defer cancel()
+		done := make(chan result, 1)
+		go func() {
+			res, err := f.st.Cleanup(ctx, p)
+			done <- result{res, err}
+		}()
+		f.waitUntil("one batch", func() bool { return f.count("processed") == left })
+		cancel()
+		r := receive(f, "Cleanup to return after its context was cancelled", done)
+		if !errors.Is(r.err, context.Canceled) || r.res.Claims != 10 {
+			f.t.Fatalf("cancelled after one batch: %+v, %v; want 10 claims and context.Canceled", r.res, r.err)
+		}
 	}
-	p.PauseBetweenBatches = 0
-	if res := f.cleanup(p); res.Claims != n-10 {
-		f.t.Fatalf("cleanup of the rest: %+v, want %d claims", res, n-10)
+	oneBatch(p, n-10)
+	// A pause in proportion to the batch: a billion times a batch's duration is a pause of seconds
+	// at the least, so the second batch waits for it as for a fixed pause.
+	p.PauseBetweenBatches, p.PauseFactor = 0, 1e9
+	oneBatch(p, n-20)
+	p.PauseFactor = 0
+	if res := f.cleanup(p); res.Claims != n-20 {
+		f.t.Fatalf("cleanup of the rest: %+v, want %d claims", res, n-20)
 	}
 	if left := f.count("processed"); left != 0 {
 		f.t.Fatalf("%d claims left", left)
