@@ -48,6 +48,7 @@ type config struct {
 	CleanupN   int // deliveries before and after the cleanup
 	CleanupC   int
 	MemN       int
+	ScaleOnly  bool `json:"-"` // -scale-only: skip the matrix and the safety check
 	Seed       uint64
 	Contenders []string
 }
@@ -85,6 +86,7 @@ func main() {
 	dupWindow := flag.Int("dup-window", 64, "a duplicate comes 1..dup-window deliveries after its original")
 	only := flag.String("contenders", "", "comma-separated subset of: "+strings.Join(allContenders, ","))
 	skipScale := flag.Bool("skip-scale", false, "skip the scale runs (retained IDs, cleanup) and the memory check")
+	scaleOnly := flag.Bool("scale-only", false, "run only the scale runs and the memory check (to work on them; the report lacks the matrix)")
 	docs := flag.String("docs", "../docs", "directory of benchmarks.md and benchmarks.svg")
 	results := flag.String("results", "", "write the results as JSON here (default: results-<mode>.json)")
 	render := flag.String("render", "", "only re-render the docs from this results JSON")
@@ -138,6 +140,7 @@ func main() {
 			}
 		}
 		cfg.DupRate, cfg.DupWindow = *dupRate, *dupWindow
+		cfg.ScaleOnly = *scaleOnly
 		if *only != "" {
 			cfg.Contenders = strings.Split(*only, ",")
 		}
@@ -237,6 +240,9 @@ func run(cfg config, dsn string, skipScale bool, docsDir, resultsPath string) (e
 	syncRT := map[string]float64{}
 	classifyRoundTrips.Store(true)
 	for ci, conc := range cfg.Concs {
+		if cfg.ScaleOnly {
+			break
+		}
 		for i, c := range cs {
 			ds := makeDeliveries(classifyN, cfg.DupRate, redeliveryGap(conc), cfg.DupWindow, 2000+uint64(ci*100+i))
 			res, err := e.run(ctx, c, ds, runOpts{conc: conc, redelivered: true, drainWait: 30 * time.Second})
@@ -255,7 +261,7 @@ func run(cfg config, dsn string, skipScale bool, docsDir, resultsPath string) (e
 	agg := map[string]*aggregate{}
 	perRep := cfg.N / cfg.Reps
 	k := 0
-	for r := 0; r < cfg.Reps; r++ {
+	for r := 0; r < cfg.Reps && !cfg.ScaleOnly; r++ {
 		for ci, conc := range cfg.Concs {
 			ds := makeDeliveries(perRep, cfg.DupRate, redeliveryGap(conc), cfg.DupWindow, cfg.Seed*1_000_003+uint64(r*100+ci))
 			for j := range cs {
@@ -293,7 +299,7 @@ func run(cfg config, dsn string, skipScale bool, docsDir, resultsPath string) (e
 
 	logf("safety: duplicates and one crash")
 	for i, c := range cs {
-		if c.path() == "floor" || c.path() == "ceiling" {
+		if c.path() == "floor" || c.path() == "ceiling" || cfg.ScaleOnly {
 			continue
 		}
 		row, err := e.safety(ctx, c, cfg, maxConc, uint64(5000+i))
