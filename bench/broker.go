@@ -61,9 +61,8 @@ func startBroker() (*broker, error) {
 	if b.js, err = b.nc.JetStream(); err != nil {
 		return nil, err
 	}
-	// The stream keeps only the latest messages (the recorder counts them on the client side): the
-	// server runs in this process, and its cache of a growing stream would show in the memory check
-	// as if it were the framework's.
+	// The stream keeps only the latest messages (the recorder counts them on the client side), so
+	// that the broker's storage, in this process and on this disk, does not grow with the run.
 	if _, err := b.js.AddStream(&nats.StreamConfig{Name: outTopic, Subjects: []string{outTopic}, Storage: nats.FileStorage,
 		MaxMsgs: streamMaxMsgs, Discard: nats.DiscardOld}); err != nil {
 		return nil, err
