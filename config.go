@@ -5,6 +5,7 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"math"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -39,9 +40,13 @@ type Config struct {
 	CleanupInterval time.Duration
 	// CleanupBatchSize is the number of rows one cleanup transaction deletes. Default: 1000.
 	CleanupBatchSize int
-	// CleanupPause is the pause between two cleanup batches, so that a large cleanup does not
-	// compete head-on with the consumers for the database. Default: 20 milliseconds.
+	// CleanupPause is the least pause between two cleanup batches, so that a large cleanup does
+	// not compete head-on with the consumers for the database. Default: 20 milliseconds.
 	CleanupPause time.Duration
+	// CleanupPauseFactor makes each pause between cleanup batches last at least this many times
+	// as long as the batch before it: cleanup then keeps to 1/(1+factor) of one connection's time
+	// and slows down when the database is busy. Default: 2. Negative: only CleanupPause.
+	CleanupPauseFactor float64
 
 	// MaxAttempts is how many times a failing handler runs before the message is moved to
 	// PoisonTopic. Attempts are counted durably. Default: 5.
@@ -95,6 +100,7 @@ const (
 	defaultCleanupInterval  = time.Minute
 	defaultCleanupBatchSize = 1000
 	defaultCleanupPause     = 20 * time.Millisecond
+	defaultCleanupFactor    = 2
 	defaultMaxAttempts      = 5
 	defaultPublishTimeout   = 30 * time.Second
 	defaultDuplicateWait    = time.Second
@@ -126,6 +132,9 @@ func (c *Config) setDefaults() {
 	}
 	if c.CleanupPause == 0 {
 		c.CleanupPause = defaultCleanupPause
+	}
+	if c.CleanupPauseFactor == 0 {
+		c.CleanupPauseFactor = defaultCleanupFactor
 	}
 	if c.MaxAttempts == 0 {
 		c.MaxAttempts = defaultMaxAttempts
@@ -182,6 +191,9 @@ func (c Config) Validate() error {
 		if n < 0 {
 			errs = append(errs, fmt.Errorf("%s must not be negative", name))
 		}
+	}
+	if math.IsNaN(c.CleanupPauseFactor) || math.IsInf(c.CleanupPauseFactor, 0) {
+		errs = append(errs, fmt.Errorf("CleanupPauseFactor must be a finite number, not %v", c.CleanupPauseFactor))
 	}
 	if c.PoisonTopic != "" {
 		if err := validateName(c.PoisonTopic); err != nil {

@@ -3,6 +3,8 @@ package outbox_test
 import (
 	"context"
 	"database/sql"
+	"math"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -116,4 +118,18 @@ func TestRetentionClockFollowsLateDispatch(t *testing.T) {
 	moved := `SELECT count(*) FROM outbox_processed WHERE message_id = $1 AND dispatched_at > processed_at`
 	mustEqual(t, "slow unit of work: clock moved", e.count(moved, slow.UUID), 1)
 	mustEqual(t, "re-sent on redelivery: clock moved", e.count(moved, resent.UUID), 1)
+}
+
+// TestCleanupPauseFactorIsValidated: the factor must be a finite number; a negative one is valid
+// (it turns the proportional pause off).
+func TestCleanupPauseFactorIsValidated(t *testing.T) {
+	for _, f := range []float64{math.NaN(), math.Inf(1), math.Inf(-1)} {
+		err := outbox.Config{CleanupPauseFactor: f}.Validate()
+		if err == nil || !strings.Contains(err.Error(), "CleanupPauseFactor") {
+			t.Fatalf("CleanupPauseFactor %v: got %v, want an error naming it", f, err)
+		}
+	}
+	if err := (outbox.Config{CleanupPauseFactor: -1}).Validate(); err != nil && strings.Contains(err.Error(), "CleanupPauseFactor") {
+		t.Fatalf("CleanupPauseFactor -1 was refused: %v", err)
+	}
 }
