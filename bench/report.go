@@ -486,11 +486,11 @@ func targets(r *report) []target {
 			t.measured = fmt.Sprintf("%+.0f%% (p99 %.2f ms during vs %.2f ms before/after)", rise*100, during.P99, base)
 			t.met = rise <= 0.20
 			t.why = fmt.Sprintf("each cleanup batch is a DELETE of 1000 claims in its own transaction, committed asynchronously, and "+
-				"each pause lasts at least twice the batch before it (and CleanupPause): cleanup keeps to a third of one connection's "+
+				"each pause lasts at least twice the batch before it (CleanupPauseFactor, and CleanupPause): cleanup keeps to a third of one connection's "+
 				"time (%d rows in %.0f s here), yet while a batch runs it competes for the 2 CPUs, shared with the consumers and the "+
 				"server, and for the WAL writer, whose flushes the consumers' commits wait for. A fixed 20 ms pause measured +52%%; "+
-				"three times the batch +28%%, with cleanup barely faster than the consumers wrote. A longer CleanupPause or a smaller "+
-				"CleanupBatchSize trades cleanup speed for consumer latency.", r.Cleanup.Deleted, r.Cleanup.Seconds)
+				"three times the batch +28%% too, with cleanup barely faster than the consumers wrote. A larger CleanupPauseFactor or a "+
+				"smaller CleanupBatchSize trades cleanup speed for consumer latency.", r.Cleanup.Deleted, r.Cleanup.Seconds)
 		}
 		ts = append(ts, t)
 	}
