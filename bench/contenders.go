@@ -142,46 +142,20 @@ func (c *floor) handle(ctx context.Context, d delivery) (bool, error) {
 // --- 2. bare -----------------------------------------------------------------------------------
 
 // bare runs the handler in a plain transaction and publishes after commit: no deduplication.
-type bare struct{ base }
+//
+// With noop set it is the ceiling: bare plus two no-op round trips in its transaction (a prepared
+// SELECT 1 before and one after the business write), where a framework that claims the message
+// before the handler and writes the effect in the transaction has its two statements. It does no
+// claim and stores no effect, so it is the most such a design can reach through database/sql,
+// which sends every statement and BEGIN on their own and waits for each.
+type bare struct {
+	base
+	noop *sql.Stmt
+}
 
 func newBare(e *env) (contender, error) {
 	b, err := newBase(e)
-	return &bare{b}, err
-}
-
-func (c *bare) name() string       { return "bare" }
-func (c *bare) path() string       { return "consumer" }
-func (c *bare) safe() bool         { return false }
-func (c *bare) crashPoint() string { return "after commit, before publish" }
-func (c *bare) tables() []string   { return nil }
-func (c *bare) handle(ctx context.Context, d delivery) (bool, error) {
-	tx, err := c.db.BeginTx(ctx, nil)
-	if err != nil {
-		return false, err
-	}
-	if _, err := tx.ExecContext(ctx, businessWrite, d.id); err != nil {
-		_ = tx.Rollback()
-		return false, err
-	}
-	if err := tx.Commit(); err != nil {
-		return false, err
-	}
-	if c.crashes(d.id) {
-		return false, errCrash
-	}
-	return false, c.e.pub.Publish(outTopic, outgoing(d, uuid.NewString()))
-}
-
-// --- 2b. ceiling ---------------------------------------------------------------------------------
-
-// ceiling is bare plus two no-op round trips in its transaction (a prepared SELECT 1 before and
-// one after the business write), where a framework that claims the message before the handler and
-// writes the effect in the transaction has its two statements. It does no claim and stores no
-// effect, so it is the most such a design can reach through database/sql, which sends every
-// statement and BEGIN on their own and waits for each.
-type ceiling struct {
-	base
-	noop *sql.Stmt
+	return &bare{base: b}, err
 }
 
 func newCeiling(e *env) (contender, error) {
@@ -191,38 +165,71 @@ func newCeiling(e *env) (contender, error) {
 	}
 	noop, err := b.db.Prepare(`SELECT 1`)
 	if err != nil {
+		b.close()
 		return nil, err
 	}
-	return &ceiling{base: b, noop: noop}, nil
+	return &bare{base: b, noop: noop}, nil
 }
 
-func (c *ceiling) name() string       { return "ceiling" }
-func (c *ceiling) path() string       { return "ceiling" }
-func (c *ceiling) safe() bool         { return false }
-func (c *ceiling) crashPoint() string { return "" }
-func (c *ceiling) tables() []string   { return nil }
-func (c *ceiling) close()             { _ = c.noop.Close(); c.base.close() }
-func (c *ceiling) handle(ctx context.Context, d delivery) (bool, error) {
+func (c *bare) name() string {
+	if c.noop != nil {
+		return "ceiling"
+	}
+	return "bare"
+}
+
+func (c *bare) path() string {
+	if c.noop != nil {
+		return "ceiling"
+	}
+	return "consumer"
+}
+
+func (c *bare) safe() bool { return false }
+func (c *bare) crashPoint() string {
+	if c.noop != nil {
+		return ""
+	}
+	return "after commit, before publish"
+}
+func (c *bare) tables() []string { return nil }
+func (c *bare) close() {
+	if c.noop != nil {
+		_ = c.noop.Close()
+	}
+	c.base.close()
+}
+
+// noopRoundTrip is one of the ceiling's no-op round trips; bare makes none.
+func (c *bare) noopRoundTrip(ctx context.Context, tx *sql.Tx) error {
+	if c.noop == nil {
+		return nil
+	}
+	var one int
+	return tx.StmtContext(ctx, c.noop).QueryRowContext(ctx).Scan(&one)
+}
+
+func (c *bare) handle(ctx context.Context, d delivery) (bool, error) {
 	tx, err := c.db.BeginTx(ctx, nil)
 	if err != nil {
 		return false, err
 	}
-	noop := tx.StmtContext(ctx, c.noop)
-	var one int
-	if err := noop.QueryRowContext(ctx).Scan(&one); err != nil {
-		_ = tx.Rollback()
-		return false, err
+	err = c.noopRoundTrip(ctx, tx)
+	if err == nil {
+		_, err = tx.ExecContext(ctx, businessWrite, d.id)
 	}
-	if _, err := tx.ExecContext(ctx, businessWrite, d.id); err != nil {
-		_ = tx.Rollback()
-		return false, err
+	if err == nil {
+		err = c.noopRoundTrip(ctx, tx)
 	}
-	if err := noop.QueryRowContext(ctx).Scan(&one); err != nil {
+	if err != nil {
 		_ = tx.Rollback()
 		return false, err
 	}
 	if err := tx.Commit(); err != nil {
 		return false, err
+	}
+	if c.crashes(d.id) {
+		return false, errCrash
 	}
 	return false, c.e.pub.Publish(outTopic, outgoing(d, uuid.NewString()))
 }
