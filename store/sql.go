@@ -22,7 +22,7 @@ type Queries struct {
 	// (seq, kind, topic, uuid, payload, metadata, ordering_key).
 	EffectInsert         func(n int) string
 	EffectListPending    string // (consumer, id) -> effect columns, in seq order
-	EffectMarkDispatched string // (consumer, id): marks the effects and moves the claim
+	EffectMarkDispatched string // (consumer, id): marks the effects and moves the claim; used when there is no batch
 	// EffectMarkDispatchedBatch, when set, returns the mark of n sources in one statement:
 	// (consumer, id) per source; with moveClaims it moves their claims too. Without it, sources are
 	// marked one EffectMarkDispatched each.

@@ -166,10 +166,6 @@ func queries(n store.Names, deleteDispatched bool) store.Queries {
 		},
 		EffectListPending: `SELECT ` + effectColumns + ` FROM ` + n.Effects + `
 			WHERE source_consumer = $1 AND source_id = $2 AND dispatched_at IS NULL ORDER BY seq`,
-		EffectMarkDispatched: `WITH e AS (` + markEffects + `
-				WHERE source_consumer = $1 AND source_id = $2 AND dispatched_at IS NULL AND ` + asyncCommit + `)
-			UPDATE ` + n.Processed + ` SET dispatched_at = now()
-			WHERE consumer = $1 AND message_id = $2 AND ` + asyncCommit,
 		EffectMarkDispatchedBatch: func(count int, moveClaims bool) string {
 			var v strings.Builder
 			for i := 0; i < count; i++ {
