@@ -96,6 +96,18 @@ func (b *base) stop() error { return nil }
 func (b *base) close()      { _ = b.db.Close() }
 
 // crashes tells whether this attempt at id is the one armed to crash (only the first is).
+// commitThenPublish commits tx and publishes d's outgoing message with a fresh ID, crashing in
+// between when armed: the unsafe contenders' way of producing a message.
+func (b *base) commitThenPublish(tx *sql.Tx, d delivery) error {
+	if err := tx.Commit(); err != nil {
+		return err
+	}
+	if b.crashes(d.id) {
+		return errCrash
+	}
+	return b.e.pub.Publish(outTopic, outgoing(d, uuid.NewString()))
+}
+
 func (b *base) crashes(id string) bool {
 	p := b.crash.Load()
 	return p != nil && *p == id && b.crash.CompareAndSwap(p, nil)
@@ -225,13 +237,7 @@ func (c *bare) handle(ctx context.Context, d delivery) (bool, error) {
 		_ = tx.Rollback()
 		return false, err
 	}
-	if err := tx.Commit(); err != nil {
-		return false, err
-	}
-	if c.crashes(d.id) {
-		return false, errCrash
-	}
-	return false, c.e.pub.Publish(outTopic, outgoing(d, uuid.NewString()))
+	return false, c.commitThenPublish(tx, d)
 }
 
 // --- 3. naive ----------------------------------------------------------------------------------
@@ -556,13 +562,7 @@ func (c *eventIdem) handle(ctx context.Context, d delivery) (bool, error) {
 		_ = tx.Rollback()
 		return false, err
 	}
-	if err := tx.Commit(); err != nil {
-		return false, err
-	}
-	if c.crashes(d.id) {
-		return false, errCrash
-	}
-	return false, c.e.pub.Publish(outTopic, outgoing(d, uuid.NewString()))
+	return false, c.commitThenPublish(tx, d)
 }
 
 // --- 7. this framework -------------------------------------------------------------------------
