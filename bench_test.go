@@ -89,6 +89,7 @@ func BenchmarkMark(b *testing.B) {
 			ctx := context.Background()
 			st := e.ob.Store()
 			srcs := make([]outbox.Source, b.N)
+			ids := make([]int64, b.N)
 			for i := range srcs {
 				srcs[i] = outbox.Source{Consumer: "c1", ID: uuid.NewString()}
 				tx, err := e.db.BeginTx(ctx, nil)
@@ -98,9 +99,11 @@ func BenchmarkMark(b *testing.B) {
 				if _, err := st.MessageClaim(ctx, tx, srcs[i]); err != nil {
 					b.Fatal(err)
 				}
-				if err := st.EffectInsert(ctx, tx, srcs[i], []outbox.Effect{{Topic: "t", UUID: uuid.NewString(), OrderingKey: "k"}}); err != nil {
+				effects := []outbox.Effect{{Topic: "t", UUID: uuid.NewString(), OrderingKey: "k"}}
+				if _, err := st.EffectInsert(ctx, tx, srcs[i], effects); err != nil {
 					b.Fatal(err)
 				}
+				ids[i] = effects[0].StoreID
 				if err := tx.Commit(); err != nil {
 					b.Fatal(err)
 				}
@@ -116,8 +119,8 @@ func BenchmarkMark(b *testing.B) {
 					_, err = stmt.ExecContext(ctx, srcs[i].Consumer, srcs[i].ID)
 				} else {
 					marks := make([]outbox.DispatchMark, 0, v.batch)
-					for _, src := range srcs[i:min(i+v.batch, len(srcs))] {
-						marks = append(marks, outbox.DispatchMark{Source: src, MoveClaim: v.move})
+					for k := i; k < min(i+v.batch, len(srcs)); k++ {
+						marks = append(marks, outbox.DispatchMark{Source: srcs[k], StoreIDs: ids[k : k+1], MoveClaim: v.move})
 					}
 					err = st.EffectMarkDispatched(ctx, marks...)
 				}

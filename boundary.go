@@ -5,6 +5,7 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/google/uuid"
@@ -13,25 +14,27 @@ import (
 // InTx runs fn in a new transaction for code that has no incoming message (an HTTP handler, a job):
 // outbox.Publish and outbox.Record work in ctx as they do in a wrapped handler. If fn returns nil
 // the transaction commits and the side effects are dispatched at once, in the caller's goroutine;
-// if that dispatch fails, the relay retries them (the commit stands and InTx returns nil). If fn
-// returns an error or panics, the transaction rolls back and nothing is sent.
-func (o *Outbox) InTx(ctx context.Context, fn func(ctx context.Context, tx *sql.Tx) error) (err error) {
+// if that dispatch fails (or panics), the relay retries them (the commit stands and InTx returns
+// nil). If fn returns an error, the transaction rolls back, nothing is sent, and the error is
+// returned; if fn panics, the transaction rolls back, nothing is sent, and the panic goes on.
+// The transaction is not bound to ctx (a cancelled request cannot roll back a commit half way);
+// fn's statements run with ctx as the caller passes it.
+func (o *Outbox) InTx(ctx context.Context, fn func(ctx context.Context, tx *sql.Tx) error) error {
 	tx, err := o.db.BeginTx(context.WithoutCancel(ctx), nil)
 	if err != nil {
 		return fmt.Errorf("outbox: begin transaction: %w", err)
 	}
-	u := &unit{o: o, tx: tx, src: Source{ID: uuid.NewString()}}
-	uctx := withUnit(ctx, u)
-	defer func() {
-		if r := recover(); r != nil {
-			_ = tx.Rollback()
-			panic(r)
-		}
-	}()
-	if err := fn(uctx, tx); err != nil {
+	u := newUnit(o, tx, Source{ID: uuid.NewString()}, nil)
+	if err := callInTx(withUnit(ctx, u), tx, fn); err != nil {
+		u.finish()
 		if rbErr := tx.Rollback(); rbErr != nil && !errors.Is(rbErr, sql.ErrTxDone) {
 			return fmt.Errorf("%w (rollback: %w)", err, rbErr)
 		}
+		return err
+	}
+	effects, err := u.committedEffects(context.WithoutCancel(ctx))
+	if err != nil {
+		_ = tx.Rollback()
 		return err
 	}
 	if err := tx.Commit(); err != nil {
@@ -44,8 +47,24 @@ func (o *Outbox) InTx(ctx context.Context, fn func(ctx context.Context, tx *sql.
 		return err
 	}
 	// This transaction is known to have committed: its effects are sent from memory.
-	o.dispatchBoundary(context.WithoutCancel(ctx), u.src, u.effects)
+	for i := range effects {
+		effects[i].PendingFor = time.Since(u.begun)
+	}
+	o.dispatchBoundary(context.WithoutCancel(ctx), u.src, effects)
 	return nil
+}
+
+// callInTx calls fn; if fn panics, the transaction is rolled back before the panic goes on.
+func callInTx(ctx context.Context, tx *sql.Tx, fn func(ctx context.Context, tx *sql.Tx) error) (err error) {
+	panicked := true
+	defer func() {
+		if panicked {
+			_ = tx.Rollback()
+		}
+	}()
+	err = fn(ctx, tx)
+	panicked = false
+	return err
 }
 
 // JoinTx attaches a unit of work to a transaction the caller owns: side effects recorded with the
@@ -54,12 +73,12 @@ func (o *Outbox) InTx(ctx context.Context, fn func(ctx context.Context, tx *sql.
 // rolled back, dispatch sends nothing. Because the outcome of a transaction the caller owns cannot
 // be seen from here, dispatch reads back what was committed: one query more than InTx.
 func (o *Outbox) JoinTx(ctx context.Context, tx *sql.Tx) (context.Context, func(context.Context)) {
-	u := &unit{o: o, tx: tx, src: Source{ID: uuid.NewString()}}
+	u := newUnit(o, tx, Source{ID: uuid.NewString()}, nil)
 	return withUnit(ctx, u), func(ctx context.Context) {
-		if len(u.effects) == 0 {
+		if len(u.finish()) == 0 {
 			return
 		}
-		committed, err := o.store.EffectListPending(ctx, u.src)
+		committed, _, err := o.listPending(ctx, u.src)
 		if err != nil {
 			o.logger.Error("Reading back committed side effects failed; the relay sends them after the grace period", err,
 				watermill.LogFields{"boundary_id": u.src.ID})
@@ -85,15 +104,12 @@ func (o *Outbox) dispatchBoundary(ctx context.Context, src Source, effects []Eff
 		}
 		return
 	}
-	if err := o.dispatch(ctx, effects); err != nil {
+	sent, failed, err := o.dispatch(ctx, effects)
+	o.marks.add(src, effects[:sent], false) // a boundary transaction has no claim
+	if err != nil {
 		o.logger.Error("Dispatch after commit failed; the relay will retry", err, fields)
-		// The first retry is immediate (the failure may have been momentary); the relay backs off
-		// from there.
-		if ferr := o.store.EffectRetryLater(ctx, src, err.Error(), 0); ferr != nil {
-			o.logger.Error("Recording the failed dispatch failed; the relay retries after the grace period", ferr, fields)
+		if failed > 0 {
+			o.dispatchFailed(ctx, src, effects, sent, failed, err)
 		}
-		o.wakeRelays(ctx)
-		return
 	}
-	o.marks.add(src, false) // a boundary transaction has no claim
 }

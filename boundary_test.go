@@ -433,11 +433,13 @@ func TestBrokerDownThenUpKeepsPerKeyOrder(t *testing.T) {
 	mustEqual(t, "parked effects", e.count(`SELECT count(*) FROM outbox_effects WHERE parked_at IS NOT NULL`), 0)
 
 	stop := startRun(t, e.ob)
-	// The fast path counted one attempt; wait until the relay has failed too.
+	// The fast path recorded one failure; wait until the relay has failed too. Nothing reached
+	// the broker meanwhile: an outage, so no failure counts toward parking.
 	waitFor(t, "a failed relay attempt", func() bool {
-		return e.count(`SELECT count(*) FROM outbox_effects WHERE attempts >= 2`) > 0
+		return e.count(`SELECT count(*) FROM outbox_effects WHERE failures >= 2`) > 0
 	})
-	failedRounds := e.count(`SELECT coalesce(max(attempts), 0) FROM outbox_effects`)
+	failedRounds := e.count(`SELECT coalesce(max(failures), 0) FROM outbox_effects`)
+	mustEqual(t, "failures counted toward parking during the outage", e.count(`SELECT coalesce(max(attempts), 0) FROM outbox_effects`), 0)
 	mustEqual(t, "messages on the wire while the broker is down", len(e.wire("out_a")), 0)
 	e.pub.failAll.Store(false)
 
@@ -582,7 +584,13 @@ func TestPoisonEffectIsParkedAndOtherKeysFlow(t *testing.T) {
 		}
 		return out
 	}
+	// Other messages flow meanwhile (to out_b): the broker is healthy, so the refusals count.
 	waitFor(t, "the poison and the flaky effects to be parked", func() bool {
+		if err := e.ob.InTx(ctx, func(ctx context.Context, tx *sql.Tx) error {
+			return outbox.Publish(ctx, "out_b", message.NewMessage(uuid.NewString(), []byte("traffic")))
+		}); err != nil {
+			t.Fatal(err)
+		}
 		p := parkedByUUID()
 		_, ok1 := p[poisonID]
 		_, ok2 := p[flakyID]

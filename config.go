@@ -62,10 +62,13 @@ type Config struct {
 	// the wire. Default: 1 second.
 	DuplicateWait time.Duration
 
-	// HandlerTimeout bounds one unit of work (handler, commit). Zero (the default): no bound beyond
-	// the message context.
+	// HandlerTimeout bounds one unit of work up to its commit: the wait for a database connection
+	// and for the claim of a copy being processed elsewhere, the handler (its context carries the
+	// deadline, so the queries it runs with that context are cancelled) and the commit. A unit of
+	// work that exceeds it is rolled back and counted as a failed attempt. Default: 1 minute.
 	HandlerTimeout time.Duration
-	// PublishTimeout bounds one call of Publisher.Publish. Default: 30 seconds.
+	// PublishTimeout bounds one call of Publisher.Publish and one call of an applier (whose
+	// context carries the deadline). Default: 30 seconds.
 	PublishTimeout time.Duration
 	// MaxPayloadBytes is the largest side-effect payload accepted. Default: 16 MiB.
 	MaxPayloadBytes int
@@ -77,7 +80,13 @@ type Config struct {
 	RelayGrace time.Duration
 	// RelayBatchSize is how many side effects one relay round claims. Default: 500.
 	RelayBatchSize int
-	// RelayMaxAttempts is how many times the relay tries one side effect before parking it. Default: 10.
+	// RelayBatchBytes bounds the payload and metadata bytes one relay round loads (it always
+	// loads at least one effect). Default: 16 MiB.
+	RelayBatchBytes int
+	// RelayMaxAttempts is how many failed dispatches of one side effect, on any path, park it.
+	// Only failures while the target is otherwise healthy count (something else reached the
+	// Publisher, or the same applier succeeded, since the effect's previous failure): during an
+	// outage effects are retried with backoff (up to 5 minutes apart) and never parked. Default: 10.
 	RelayMaxAttempts int
 
 	// Failpoint, when set, is called at each named step of a unit of work (see the Failpoint*
@@ -108,6 +117,8 @@ const (
 	defaultRelayInterval    = time.Second
 	defaultRelayGrace       = 10 * time.Second
 	defaultRelayBatchSize   = 500
+	defaultRelayBatchBytes  = 16 << 20
+	defaultHandlerTimeout   = time.Minute
 	defaultRelayMaxAttempts = 10
 
 	// maxIDLength bounds message IDs and topics so that they index well.
@@ -142,6 +153,9 @@ func (c *Config) setDefaults() {
 	if c.DuplicateWait == 0 {
 		c.DuplicateWait = defaultDuplicateWait
 	}
+	if c.HandlerTimeout == 0 {
+		c.HandlerTimeout = defaultHandlerTimeout
+	}
 	if c.PublishTimeout == 0 {
 		c.PublishTimeout = defaultPublishTimeout
 	}
@@ -156,6 +170,9 @@ func (c *Config) setDefaults() {
 	}
 	if c.RelayBatchSize == 0 {
 		c.RelayBatchSize = defaultRelayBatchSize
+	}
+	if c.RelayBatchBytes == 0 {
+		c.RelayBatchBytes = defaultRelayBatchBytes
 	}
 	if c.RelayMaxAttempts == 0 {
 		c.RelayMaxAttempts = defaultRelayMaxAttempts
@@ -186,7 +203,7 @@ func (c Config) Validate() error {
 	}
 	for name, n := range map[string]int{
 		"CleanupBatchSize": c.CleanupBatchSize, "MaxAttempts": c.MaxAttempts, "MaxPayloadBytes": c.MaxPayloadBytes,
-		"RelayBatchSize": c.RelayBatchSize, "RelayMaxAttempts": c.RelayMaxAttempts,
+		"RelayBatchSize": c.RelayBatchSize, "RelayBatchBytes": c.RelayBatchBytes, "RelayMaxAttempts": c.RelayMaxAttempts,
 	} {
 		if n < 0 {
 			errs = append(errs, fmt.Errorf("%s must not be negative", name))

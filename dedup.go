@@ -2,6 +2,8 @@ package outbox
 
 import (
 	"context"
+	"crypto/sha256"
+	"encoding/binary"
 	"fmt"
 	"maps"
 	"strconv"
@@ -9,6 +11,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
 )
 
 // Metadata keys of a message moved to the poison topic.
@@ -25,7 +28,9 @@ const maxReasonBytes = 4096
 // MaxAttempts, moves the message to the poison topic when one is configured.
 func (o *Outbox) handlerFailed(ctx context.Context, msg *message.Message, src Source, herr error, fields watermill.LogFields) error {
 	reason := sanitizeReason(herr.Error())
-	attempts, err := o.store.AttemptRecord(ctx, src, reason)
+	bctx, cancel := context.WithTimeout(ctx, storeTimeout)
+	defer cancel()
+	attempts, err := o.store.AttemptRecord(bctx, src, reason)
 	if err != nil {
 		o.logger.Error("Counting a failed attempt failed", err, fields)
 		return fmt.Errorf("%w (and counting the attempt failed: %w)", herr, err)
@@ -38,7 +43,7 @@ func (o *Outbox) handlerFailed(ctx context.Context, msg *message.Message, src So
 		o.logger.Error("Message keeps failing; no PoisonTopic is set, so it is nacked again", herr, fields)
 		return fmt.Errorf("attempt %d (max %d, no poison topic): %w", attempts, o.cfg.MaxAttempts, herr)
 	}
-	if err := o.poison(ctx, msg, src, reason, attempts); err != nil {
+	if err := o.poison(bctx, msg, src, reason, attempts); err != nil {
 		return fmt.Errorf("%w (and moving it to the poison topic failed: %w)", herr, err)
 	}
 	o.logger.Error("Message moved to the poison topic after repeated failures", herr,
@@ -55,13 +60,30 @@ func (o *Outbox) reject(ctx context.Context, msg *message.Message, src Source, c
 	}
 	m := poisonMessage(msg, src.Consumer, sanitizeReason(cause.Error()), 0)
 	if m.UUID == "" || validateName(m.UUID) != nil {
-		m.UUID = watermill.NewUUID()
+		m.UUID = rejectedID(msg, src.Consumer)
 	}
 	if err := o.publish(context.WithoutCancel(ctx), o.cfg.PoisonTopic, []Effect{messageEffect(m)}); err != nil {
 		return fmt.Errorf("%w (and moving it to the poison topic failed: %w)", cause, err)
 	}
 	o.logger.Error("Message moved to the poison topic", cause, fields)
 	return nil
+}
+
+// rejectedNamespace is the namespace of the IDs given to rejected messages.
+var rejectedNamespace = uuid.MustParse("0b8f8f8e-5a3c-4d6e-9a43-6f75746278a1")
+
+// rejectedID derives the ID of the poison message of a message whose own ID is unusable from what
+// every redelivery of it carries (the consumer, its raw UUID and its payload), so that the copies
+// on the poison topic share one ID, and consumers of the poison topic can deduplicate them.
+func rejectedID(msg *message.Message, consumer string) string {
+	h := sha256.New()
+	for _, part := range [][]byte{[]byte(consumer), []byte(msg.UUID), msg.Payload} {
+		var n [8]byte
+		binary.BigEndian.PutUint64(n[:], uint64(len(part)))
+		h.Write(n[:])
+		h.Write(part)
+	}
+	return uuid.NewSHA1(rejectedNamespace, h.Sum(nil)).String()
 }
 
 func (o *Outbox) poison(ctx context.Context, msg *message.Message, src Source, reason string, attempts int) error {

@@ -171,34 +171,44 @@ func TestRelayParksWhatCannotBeSentAndKeepsOtherKeysFlowing(t *testing.T) {
 	}
 	ctx := context.Background()
 	st := e.ob.Store()
-	params := outbox.EffectRelayParams{Limit: 100, MaxAttempts: 3}
 	poisonFirst := e.storedEffects("c1", poisonMsg.UUID)[0]
-	dispatch := func(effects []outbox.Effect) []error {
-		errs := make([]error, len(effects))
-		failed := map[string]bool{}
-		for i, ef := range effects {
-			switch {
-			case failed[ef.OrderingKey]:
-				errs[i] = outbox.ErrEffectBlocked
-			case ef.UUID == poisonFirst:
-				errs[i] = errors.New("rejected")
-				failed[ef.OrderingKey] = true
-			default:
-				errs[i] = e.pub.next.Publish(ef.Topic, message.NewMessage(ef.UUID, ef.Payload))
-			}
-		}
-		return errs
-	}
-	// A round covers only the key partitions it could lock: run rounds until the poison is parked
-	// and nothing else is due.
-	for i := 0; e.count(`SELECT count(*) FROM outbox_effects WHERE parked_at IS NOT NULL`) == 0 ||
-		e.count(`SELECT count(*) FROM outbox_effects WHERE dispatched_at IS NULL AND source_id = $1`, goodMsg.UUID) > 0; i++ {
-		if i == 500 {
-			t.Fatal("the relay did not park the poison effect or send the others")
-		}
-		if _, err := st.EffectRelay(ctx, params, dispatch); err != nil {
+	mustExec(t, e, `UPDATE outbox_effects SET next_attempt_at = now()`) // skip the backoff of the failed fast path
+	// A relay round by hand, through the store: claim, dispatch, mark and record.
+	round := func() {
+		effects, err := st.EffectClaimDue(ctx, outbox.EffectClaimParams{Limit: 100, Lease: time.Minute})
+		if err != nil {
 			t.Fatal(err)
 		}
+		var marks []outbox.DispatchMark
+		var fails []outbox.EffectFailure
+		failed := map[string]bool{}
+		for _, ef := range effects {
+			switch {
+			case failed[ef.OrderingKey]:
+				fails = append(fails, outbox.EffectFailure{StoreID: ef.StoreID})
+			case ef.UUID == poisonFirst:
+				failed[ef.OrderingKey] = true
+				fails = append(fails, outbox.EffectFailure{StoreID: ef.StoreID, Reason: "rejected", Counted: true, Park: ef.Attempts+1 >= 3})
+			default:
+				if err := e.pub.next.Publish(ef.Topic, message.NewMessage(ef.UUID, ef.Payload)); err != nil {
+					t.Fatal(err)
+				}
+				marks = append(marks, outbox.DispatchMark{Source: ef.Source, StoreIDs: []int64{ef.StoreID}, MoveClaim: true})
+			}
+		}
+		if err := st.EffectMarkDispatched(ctx, marks...); err != nil {
+			t.Fatal(err)
+		}
+		if err := st.EffectRecordFailures(ctx, fails...); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for i := 0; e.count(`SELECT count(*) FROM outbox_effects WHERE parked_at IS NOT NULL`) == 0 ||
+		e.count(`SELECT count(*) FROM outbox_effects WHERE dispatched_at IS NULL AND source_id = $1`, goodMsg.UUID) > 0; i++ {
+		if i == 50 {
+			t.Fatal("the relay did not park the poison effect or send the others")
+		}
+		round()
 	}
 	mustEqual(t, "parked", e.count(`SELECT count(*) FROM outbox_effects WHERE parked_at IS NOT NULL`), 1)
 	mustEqual(t, "attempts of the parked effect", e.count(`SELECT attempts FROM outbox_effects WHERE uuid = $1`, poisonFirst), 3)

@@ -27,4 +27,26 @@ var (
 	ErrPublishTimeout = errors.New("outbox: publish timed out")
 	// ErrFailpoint is returned by failpoints set up to simulate a crash.
 	ErrFailpoint = errors.New("outbox: failpoint")
+	// ErrDispatchFailed means the unit of work committed but its side effects could not all be
+	// dispatched: they are kept, with the failure recorded, and sent again by a redelivery of the
+	// message or by the relay. The message is nacked, but it must not be moved to a dead-letter
+	// or poison queue for this: its business change is done (test for it in a
+	// PoisonQueueWithFilter that sits outside the outbox middleware).
+	ErrDispatchFailed = errors.New("outbox: side effects committed but not all dispatched (kept, will be retried)")
+	// ErrEffectPanicked wraps a panic of the Publisher or of an applier; it counts as a failed dispatch.
+	ErrEffectPanicked = errors.New("outbox: publisher or applier panicked")
+	// ErrNestedUnitOfWork means a unit of work was started inside another one for the same message:
+	// the outbox middleware is applied twice to one handler (for example on the Router and on the
+	// handler). The inner one would wait forever for the claim the outer one holds.
+	ErrNestedUnitOfWork = errors.New("outbox: the outbox middleware is applied twice to this handler (on the Router and on the handler?); apply it once")
+	// ErrUnitOfWorkFinished is returned by Publish and Record when the unit of work of ctx has
+	// already committed or rolled back (a goroutine that outlived the handler).
+	ErrUnitOfWorkFinished = errors.New("outbox: the unit of work of this context has finished")
+	// ErrRelayNotRunning is logged when side effects are left to the relay and Outbox.Run is not
+	// running in the process.
+	ErrRelayNotRunning = errors.New("outbox: no relay is running in this process")
+	// ErrCommitOutcomeUnknown means the COMMIT failed in flight (the connection was lost): the
+	// message may or may not have been processed. It is nacked without counting an attempt; the
+	// redelivery finds out.
+	ErrCommitOutcomeUnknown = errors.New("outbox: commit outcome unknown (connection lost during COMMIT); not counted as a failed attempt")
 )

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"runtime/debug"
+	"slices"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -36,6 +37,9 @@ func (o *Outbox) Handle(msg *message.Message, p HandleParams, next message.Handl
 	if err := validateName(p.Consumer); err != nil {
 		return fmt.Errorf("%w: %w", ErrNoConsumerName, err)
 	}
+	if outer := unitFrom(parent); outer != nil {
+		return fmt.Errorf("%w (consumer %q inside the unit of work of %q)", ErrNestedUnitOfWork, p.Consumer, outer.src.Consumer)
+	}
 	src := Source{Consumer: p.Consumer, ID: p.MessageID}
 	if p.MessageIDErr != nil {
 		return o.reject(parent, msg, src, fmt.Errorf("%w: %w", ErrInvalidMessageID, p.MessageIDErr), fields)
@@ -43,73 +47,166 @@ func (o *Outbox) Handle(msg *message.Message, p HandleParams, next message.Handl
 	if err := validateName(p.MessageID); err != nil {
 		return o.reject(parent, msg, src, fmt.Errorf("%w: %w", ErrInvalidMessageID, err), fields)
 	}
-
-	// The transaction lives in a context that neither the ack nor the subscriber's ack deadline can
-	// cancel, so that they cannot roll back a commit half way. HandlerTimeout bounds the handler
-	// and the commit only; what comes after (counting a failure, the duplicate path, dispatching
-	// committed effects) runs on after, which the timeout cannot cut short.
-	after := context.WithoutCancel(parent)
-	txCtx, cancel := context.WithCancel(after)
-	if o.cfg.HandlerTimeout > 0 {
-		txCtx, cancel = context.WithTimeout(after, o.cfg.HandlerTimeout)
+	for try := 1; ; try++ {
+		err := o.handleOnce(msg, src, p, next, try == maxImmediateRetries, fields)
+		if !errors.Is(err, errRetryAtOnce) {
+			return err
+		}
+		o.logger.Debug("Serialization failure or deadlock; running the unit of work again at once", fields.Add(watermill.LogFields{"try": try, "error": err.Error()}))
 	}
-	defer cancel()
+}
 
-	begun := time.Now() // no later than the claim's time, which the database takes at BEGIN
+// maxImmediateRetries bounds how often a unit of work that hit a serialization failure or a
+// deadlock runs in a row within one delivery; the last failure then counts as a failed attempt.
+const maxImmediateRetries = 3
+
+// errRetryAtOnce asks Handle to run the unit of work again at once.
+var errRetryAtOnce = errors.New("retry at once")
+
+func (o *Outbox) handleOnce(msg *message.Message, src Source, p HandleParams, next message.HandlerFunc, lastTry bool, fields watermill.LogFields) error {
+	parent := msg.Context()
+	// The transaction lives in a context that neither the ack nor the subscriber's ack deadline can
+	// cancel, so that they cannot roll back a commit half way. HandlerTimeout bounds everything up
+	// to the commit: the wait for a connection, for a concurrent copy's claim, the handler (whose
+	// context carries the deadline, and is also cancelled with the message's) and the commit. What
+	// comes after (counting a failure, the duplicate path, dispatching committed effects) runs on
+	// after, which neither can cut short; each of its waits is bounded on its own.
+	after := context.WithoutCancel(parent)
+	txCtx, cancel := context.WithTimeout(after, o.cfg.HandlerTimeout)
+	defer cancel()
+	deadline, _ := txCtx.Deadline()
+	handlerCtx, cancelHandler := context.WithDeadline(parent, deadline)
+	defer cancelHandler()
+
 	tx, err := o.db.BeginTx(txCtx, nil)
 	if err != nil {
-		return fmt.Errorf("outbox: begin transaction: %w", err)
+		return fmt.Errorf("outbox: begin transaction (waiting for a database connection, at most HandlerTimeout): %w", err)
 	}
-	claimed, err := o.store.MessageClaim(parent, tx, src)
+	claim, err := o.store.MessageClaim(txCtx, tx, src)
 	if err != nil {
 		_ = tx.Rollback()
+		if txCtx.Err() != nil {
+			return fmt.Errorf("outbox: claim message %q for %q: waited HandlerTimeout (%s) for a copy being processed elsewhere, or for the database: %w",
+				src.ID, src.Consumer, o.cfg.HandlerTimeout, err)
+		}
 		return fmt.Errorf("outbox: claim message %q for %q: %w", src.ID, src.Consumer, err)
 	}
 	if err := o.failpoint(txCtx, FailpointAfterClaim); err != nil {
 		_ = tx.Rollback()
 		return err
 	}
-	if !claimed {
+	if !claim.Claimed {
 		_ = tx.Rollback()
-		return o.redeliver(after, src, fields)
+		return o.redeliver(after, src, claim, fields)
 	}
 
-	u := &unit{o: o, tx: tx, src: src, incoming: msg}
-	msg.SetContext(withUnit(parent, u))
+	u := newUnit(o, tx, src, msg)
+	msg.SetContext(withUnit(handlerCtx, u))
 	produced, err := callHandler(next, msg)
 	if err == nil && len(produced) > 0 {
 		err = o.storeProduced(msg.Context(), p.ReplyTopic, produced)
 	}
 	msg.SetContext(parent)
+	var effects []Effect
 	if err == nil {
 		err = o.failpoint(txCtx, FailpointAfterHandler)
+	}
+	if err == nil {
+		effects, err = u.committedEffects(txCtx)
+	} else {
+		u.finish()
 	}
 	if err != nil {
 		rbErr := tx.Rollback()
 		switch {
+		case isRetryable(err) && !lastTry:
+			return fmt.Errorf("%w: %w", errRetryAtOnce, err)
+		case parent.Err() != nil && txCtx.Err() == nil:
+			// The Router is shutting down, or the broker's ack deadline passed: not the message's fault.
+			return fmt.Errorf("outbox: message context cancelled during the unit of work (rolled back, not counted as a failed attempt): %w", err)
 		case txCtx.Err() != nil:
 			// database/sql rolled the transaction back when HandlerTimeout expired.
-			return o.handlerFailed(after, msg, src, timedOut(err, o.cfg.HandlerTimeout), fields)
+			return o.finishedEarly(after, msg, src, timedOut(err, o.cfg.HandlerTimeout), fields)
 		case errors.Is(rbErr, sql.ErrTxDone):
-			return o.finishedByHandler(after, msg, src, err, fields)
+			return o.finishedEarly(after, msg, src, fmt.Errorf("%w; the handler also failed: %w", ErrTxFinishedByHandler, err), fields)
 		}
 		return o.handlerFailed(after, msg, src, err, fields)
 	}
 
 	if err := tx.Commit(); err != nil {
 		switch {
-		case txCtx.Err() != nil:
-			return o.handlerFailed(after, msg, src, timedOut(err, o.cfg.HandlerTimeout), fields)
-		case errors.Is(err, sql.ErrTxDone):
-			return o.finishedByHandler(after, msg, src, nil, fields)
+		case errors.Is(err, sql.ErrTxDone) || errors.Is(err, context.DeadlineExceeded) || errors.Is(err, context.Canceled):
+			// COMMIT was never sent: the transaction had been finished already, by the handler
+			// or by database/sql when HandlerTimeout expired.
+			cause := error(ErrTxFinishedByHandler)
+			if txCtx.Err() != nil {
+				cause = timedOut(err, o.cfg.HandlerTimeout)
+			}
+			return o.finishedEarly(after, msg, src, cause, fields)
+		case isRetryable(err) && !lastTry:
+			return fmt.Errorf("%w: %w", errRetryAtOnce, err)
+		case rolledBack(err):
+			// The server answered: the transaction rolled back (a deferred constraint, a
+			// serialization failure at commit). That is a failed attempt like any other.
+			return o.handlerFailed(after, msg, src, fmt.Errorf("outbox: commit failed, rolled back: %w", err), fields)
 		}
-		// The outcome of a commit that failed in flight is unknown; redelivery finds out.
-		return fmt.Errorf("outbox: commit message %q for %q: %w", src.ID, src.Consumer, err)
+		return o.commitUnknown(after, src, err, fields)
 	}
 	if err := o.failpoint(after, FailpointAfterCommit); err != nil {
 		return err
 	}
-	return o.dispatchAndMark(after, src, u.effects, begun, fields)
+	for i := range effects {
+		effects[i].PendingFor = time.Since(u.begun)
+	}
+	return o.dispatchAndMark(after, src, effects, u.begun, fields)
+}
+
+// sqlState returns the SQLSTATE code of a database error (lib/pq and pgx both provide it), or "".
+func sqlState(err error) string {
+	var s interface{ SQLState() string }
+	if errors.As(err, &s) {
+		return s.SQLState()
+	}
+	return ""
+}
+
+// isRetryable tells a serialization failure or a deadlock, which a new transaction usually gets past.
+func isRetryable(err error) bool {
+	code := sqlState(err)
+	return code == "40001" || code == "40P01"
+}
+
+// rolledBack tells whether a failed COMMIT is known to have rolled back: the server answered with
+// an error of the transaction itself. An error without SQLSTATE (the connection broke) or of a
+// connection, operator intervention, resource or internal class leaves the outcome unknown.
+func rolledBack(err error) bool {
+	code := sqlState(err)
+	if len(code) != 5 {
+		return false
+	}
+	switch code[:2] {
+	case "08", "53", "57", "58", "XX":
+		return false
+	}
+	return true
+}
+
+// commitUnknown handles a COMMIT that failed in flight. Whether it took effect is asked of the
+// database: if the claim is there, the message was processed (by this commit, or by a copy), and
+// what committed is dispatched from the database, as for a redelivery; if not, the message is
+// nacked without counting an attempt.
+func (o *Outbox) commitUnknown(ctx context.Context, src Source, cerr error, fields watermill.LogFields) error {
+	bctx, cancel := context.WithTimeout(ctx, storeTimeout)
+	defer cancel()
+	processed, err := o.store.MessageIsProcessed(bctx, src)
+	if err != nil {
+		return fmt.Errorf("%w: %w (and checking the outcome failed: %w)", ErrCommitOutcomeUnknown, cerr, err)
+	}
+	if !processed {
+		return fmt.Errorf("%w: %w", ErrCommitOutcomeUnknown, cerr)
+	}
+	o.logger.Info("COMMIT failed in flight but took effect; dispatching what committed", fields.Add(watermill.LogFields{"error": cerr.Error()}))
+	return o.redeliver(ctx, src, Claim{}, fields)
 }
 
 // timedOut reports a unit of work that HandlerTimeout cut short (its transaction rolled back).
@@ -136,21 +233,27 @@ func (o *Outbox) storeProduced(ctx context.Context, topic string, produced []*me
 }
 
 // redeliver is the duplicate path: the message was processed before, so only side effects still
-// pending are dispatched, with their original UUIDs and order.
-func (o *Outbox) redeliver(ctx context.Context, src Source, fields watermill.LogFields) error {
-	pending, err := o.store.EffectListPending(ctx, src)
+// pending are dispatched, with their original UUIDs and order. Parked effects are the operator's:
+// they are not sent, nor is anything behind them with their ordering key, and they do not keep
+// the message from being acked.
+func (o *Outbox) redeliver(ctx context.Context, src Source, claim Claim, fields watermill.LogFields) error {
+	pending, parked, err := o.listPending(ctx, src)
 	if err != nil {
-		return fmt.Errorf("outbox: list pending side effects of %q for %q: %w", src.ID, src.Consumer, err)
+		return err
 	}
-	o.logger.Debug("Duplicate message skipped", fields.Add(watermill.LogFields{"pending_effects": len(pending)}))
-	if len(pending) == 0 || o.marks.dispatched(src) {
+	o.logger.Debug("Duplicate message skipped", fields.Add(watermill.LogFields{"pending_effects": len(pending), "parked_effects": parked}))
+	if parked > 0 && len(pending) == 0 {
+		o.logger.Info("Duplicate message acked; its undispatched side effects are parked (see Outbox.ParkedEffects)", fields)
+	}
+	if len(pending) == 0 || o.marks.sent(pending) {
 		// Nothing pending, or this process sent them and their mark is still being written.
 		return nil
 	}
-	if wait := o.cfg.DuplicateWait - pending[0].PendingFor; wait > 0 {
-		// Effects this young were most likely committed by a copy that is sending them right now
-		// (this copy waited on its claim): let it, rather than put a second copy on the wire, and
-		// send only what is still pending once it is done or the wait is over.
+	if wait := o.duplicateWait(src, claim, pending); wait > 0 {
+		// The original is most likely sending these effects right now (this copy waited on its
+		// claim, or they are this young and no failure of theirs is known): let it, rather than
+		// put a second copy on the wire, and send only what is still pending once it is done, has
+		// failed, or the wait is over.
 		if pending, err = o.awaitDispatch(ctx, src, wait); err != nil {
 			return err
 		}
@@ -162,8 +265,52 @@ func (o *Outbox) redeliver(ctx context.Context, src Source, fields watermill.Log
 	return o.dispatchAndMark(ctx, src, pending, time.Time{}, fields)
 }
 
-// awaitDispatch polls the pending effects of src until none are left or wait has passed, and
-// returns what is still pending.
+// duplicateWait is how long a duplicate waits for the original to dispatch pending: never when
+// the original is known to have failed (here, or as recorded in the database); DuplicateWait when
+// the copy waited on the original's claim; otherwise what is left of DuplicateWait since the
+// effects were stored, never more (a database clock that stepped back makes them look younger
+// than they are).
+func (o *Outbox) duplicateWait(src Source, claim Claim, pending []Effect) time.Duration {
+	if o.failedHere.contains(src) {
+		return 0
+	}
+	for _, e := range pending {
+		if e.Failures > 0 {
+			return 0
+		}
+	}
+	if claim.Concurrent {
+		return o.cfg.DuplicateWait
+	}
+	return min(max(o.cfg.DuplicateWait-pending[0].PendingFor, 0), o.cfg.DuplicateWait)
+}
+
+// listPending returns the pending effects of src that may be sent now (parked effects, and those
+// behind them with their ordering key, left out), and how many are parked.
+func (o *Outbox) listPending(ctx context.Context, src Source) ([]Effect, int, error) {
+	bctx, cancel := context.WithTimeout(ctx, storeTimeout)
+	defer cancel()
+	all, err := o.store.EffectListPending(bctx, src)
+	if err != nil {
+		return nil, 0, fmt.Errorf("outbox: list pending side effects of %q for %q: %w", src.ID, src.Consumer, err)
+	}
+	blocked := map[string]bool{}
+	parked := 0
+	out := all[:0]
+	for _, e := range all {
+		if e.Parked {
+			parked++
+			blocked[e.OrderingKey] = true
+		}
+		if !blocked[e.OrderingKey] {
+			out = append(out, e)
+		}
+	}
+	return out, parked, nil
+}
+
+// awaitDispatch polls the pending effects of src until none are left, a failed dispatch of them
+// is recorded, or wait has passed, and returns what is still pending.
 func (o *Outbox) awaitDispatch(ctx context.Context, src Source, wait time.Duration) ([]Effect, error) {
 	deadline := time.Now().Add(wait)
 	for {
@@ -173,14 +320,14 @@ func (o *Outbox) awaitDispatch(ctx context.Context, src Source, wait time.Durati
 			return nil, fmt.Errorf("outbox: waiting for an in-flight dispatch: %w", ctx.Err())
 		case <-time.After(step):
 		}
-		if o.marks.dispatched(src) {
+		pending, _, err := o.listPending(ctx, src)
+		if err != nil {
+			return nil, err
+		}
+		if len(pending) == 0 || o.marks.sent(pending) {
 			return nil, nil
 		}
-		pending, err := o.store.EffectListPending(ctx, src)
-		if err != nil {
-			return nil, fmt.Errorf("outbox: list pending side effects of %q for %q: %w", src.ID, src.Consumer, err)
-		}
-		if len(pending) == 0 || !time.Now().Before(deadline) {
+		if !time.Now().Before(deadline) || o.failedHere.contains(src) || slices.ContainsFunc(pending, func(e Effect) bool { return e.Failures > 0 }) {
 			return pending, nil
 		}
 	}
@@ -188,7 +335,8 @@ func (o *Outbox) awaitDispatch(ctx context.Context, src Source, wait time.Durati
 
 // dispatchAndMark sends effects and queues their mark. claimed is no later than the time the claim
 // of src was written with (zero if unknown): when the effects went out within ClaimClockSlack of
-// it, that time stands for their dispatch and the mark leaves the claim alone.
+// it, that time stands for their dispatch and the mark leaves the claim alone. A failed dispatch
+// is recorded at once, and returned as ErrDispatchFailed.
 func (o *Outbox) dispatchAndMark(ctx context.Context, src Source, effects []Effect, claimed time.Time, fields watermill.LogFields) error {
 	if len(effects) == 0 {
 		return nil
@@ -199,29 +347,36 @@ func (o *Outbox) dispatchAndMark(ctx context.Context, src Source, effects []Effe
 		// The effects are committed; the relay sends them after the earlier ones, in order.
 		return o.handToRelay(ctx, src)
 	}
-	if err := o.dispatch(ctx, effects); err != nil {
+	sent, failed, err := o.dispatch(ctx, effects)
+	o.marks.add(src, effects[:sent], claimed.IsZero() || time.Since(claimed) > ClaimClockSlack)
+	if err != nil {
+		if failed > 0 {
+			o.dispatchFailed(ctx, src, effects, sent, failed, err)
+		}
 		// Committed effects stay pending: redelivery or the relay sends them with the same UUIDs.
-		return fmt.Errorf("outbox: dispatch side effects of %q for %q (kept, will be retried): %w", src.ID, src.Consumer, err)
+		return fmt.Errorf("%w: %d of %d side effects of %q for %q: %w", ErrDispatchFailed, len(effects)-sent, len(effects), src.ID, src.Consumer, err)
 	}
-	o.marks.add(src, claimed.IsZero() || time.Since(claimed) > ClaimClockSlack)
 	return o.failpoint(ctx, FailpointAfterMark)
 }
 
-// finishedByHandler handles a transaction the handler committed or rolled back itself. If the claim
-// committed, whatever the handler stored is kept and dispatched on redelivery; otherwise nothing
-// happened and the message is retried like a failure.
-func (o *Outbox) finishedByHandler(ctx context.Context, msg *message.Message, src Source, herr error, fields watermill.LogFields) error {
-	committed, err := o.store.MessageIsProcessed(ctx, src)
+// finishedEarly handles a transaction that ended before the framework committed it: the handler
+// committed or rolled it back itself, or HandlerTimeout expired and database/sql rolled it back.
+// If the claim committed (the handler committed), whatever it stored is kept and dispatched on
+// redelivery; otherwise nothing happened and cause is counted as a failed attempt.
+func (o *Outbox) finishedEarly(ctx context.Context, msg *message.Message, src Source, cause error, fields watermill.LogFields) error {
+	bctx, cancel := context.WithTimeout(ctx, storeTimeout)
+	defer cancel()
+	committed, err := o.store.MessageIsProcessed(bctx, src)
 	if err != nil {
-		return fmt.Errorf("%w (and checking its outcome failed: %w)", ErrTxFinishedByHandler, err)
-	}
-	err = ErrTxFinishedByHandler
-	if herr != nil {
-		err = fmt.Errorf("%w; the handler also failed: %w", ErrTxFinishedByHandler, herr)
+		return fmt.Errorf("%w (and checking its outcome failed: %w)", cause, err)
 	}
 	if committed {
+		err := cause
+		if !errors.Is(err, ErrTxFinishedByHandler) {
+			err = fmt.Errorf("%w (%w)", ErrTxFinishedByHandler, cause)
+		}
 		o.logger.Error("Handler committed the transaction itself; its effects are dispatched on redelivery", err, fields)
 		return err
 	}
-	return o.handlerFailed(ctx, msg, src, err, fields)
+	return o.handlerFailed(ctx, msg, src, cause, fields)
 }

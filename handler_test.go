@@ -236,7 +236,15 @@ func TestPublishOutsideAUnitOfWork(t *testing.T) {
 	if !errors.Is(err, outbox.ErrNoUnitOfWork) {
 		t.Fatalf("want ErrNoUnitOfWork, got %v", err)
 	}
-	if outbox.Tx(context.Background()) != nil {
-		t.Fatal("Tx outside a unit of work must be nil")
+	if tx, ok := outbox.TxOK(context.Background()); ok || tx != nil {
+		t.Fatal("TxOK outside a unit of work must report none")
 	}
+	defer func() {
+		err, _ := recover().(error)
+		if !errors.Is(err, outbox.ErrNoUnitOfWork) {
+			t.Fatalf("Tx outside a unit of work: want a panic with ErrNoUnitOfWork, got %v", err)
+		}
+	}()
+	outbox.Tx(context.Background())
+	t.Fatal("Tx outside a unit of work returned")
 }

@@ -2,13 +2,15 @@ package outbox
 
 import (
 	"context"
+	"errors"
+	"strings"
 	"sync"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
 )
 
-// markTimeout bounds the write of one batch of marks.
+// markTimeout bounds the write of one batch of marks, retries included.
 const markTimeout = 30 * time.Second
 
 // markLinger is how long the marker lets marks gather before it writes them: one statement for
@@ -24,23 +26,32 @@ type marker struct {
 	o       *Outbox
 	mu      sync.Mutex
 	queue   []DispatchMark
-	queued  map[Source]int // sources whose mark is queued or being written
+	queued  map[int64]int // store IDs whose mark is queued or being written
 	running bool
 	idle    *sync.Cond // signalled when the worker exits
 }
 
 func newMarker(o *Outbox) *marker {
-	m := &marker{o: o, queued: map[Source]int{}}
+	m := &marker{o: o, queued: map[int64]int{}}
 	m.idle = sync.NewCond(&m.mu)
 	return m
 }
 
-// add queues the mark of src; moveClaim as in DispatchMark.
-func (m *marker) add(src Source, moveClaim bool) {
+// add queues the mark of the effects (of src) that were sent; moveClaim as in DispatchMark.
+func (m *marker) add(src Source, effects []Effect, moveClaim bool) {
+	if len(effects) == 0 {
+		return
+	}
+	ids := make([]int64, len(effects))
+	for i, e := range effects {
+		ids[i] = e.StoreID
+	}
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	m.queue = append(m.queue, DispatchMark{Source: src, MoveClaim: moveClaim})
-	m.queued[src]++
+	m.queue = append(m.queue, DispatchMark{Source: src, StoreIDs: ids, MoveClaim: moveClaim})
+	for _, id := range ids {
+		m.queued[id]++
+	}
 	if !m.running {
 		m.running = true
 		go m.work()
@@ -61,19 +72,13 @@ func (m *marker) work() {
 		}
 		m.mu.Unlock()
 		// Everything queued while the previous batch was written goes in one statement.
-		// Bounded, so that a database that stopped answering cannot hold up Run's shutdown forever;
-		// a mark that times out only causes a re-send.
-		ctx, cancel := context.WithTimeout(context.Background(), markTimeout)
-		err := m.o.store.EffectMarkDispatched(ctx, batch...)
-		cancel()
-		if err != nil {
-			m.o.logger.Error("Marking side effects dispatched failed; they may be sent again", err,
-				watermill.LogFields{"sources": len(batch), "first_source_id": batch[0].Source.ID})
-		}
+		m.write(batch)
 		m.mu.Lock()
 		for _, mk := range batch {
-			if m.queued[mk.Source]--; m.queued[mk.Source] <= 0 {
-				delete(m.queued, mk.Source)
+			for _, id := range mk.StoreIDs {
+				if m.queued[id]--; m.queued[id] <= 0 {
+					delete(m.queued, id)
+				}
 			}
 		}
 		m.mu.Unlock()
@@ -87,12 +92,44 @@ func (m *marker) work() {
 	}
 }
 
-// dispatched tells whether this process sent the effects of src and has not written their mark yet:
+// write writes a batch of marks, retrying a failed write (a deadlock, a lost connection) with a
+// growing pause until markTimeout has passed: a dropped batch would send every effect of it again.
+func (m *marker) write(batch []DispatchMark) {
+	ctx, cancel := context.WithTimeout(context.Background(), markTimeout)
+	defer cancel()
+	pause := 20 * time.Millisecond
+	for try := 1; ; try++ {
+		err := m.o.store.EffectMarkDispatched(ctx, batch...)
+		if err == nil {
+			return
+		}
+		fields := watermill.LogFields{"sources": len(batch), "first_source_id": batch[0].Source.ID, "try": try}
+		if permanent(err) {
+			m.o.logger.Error("Marking side effects dispatched failed; they may be sent again", err, fields)
+			return
+		}
+		select {
+		case <-ctx.Done():
+			m.o.logger.Error("Marking side effects dispatched failed; they may be sent again", err, fields)
+			return
+		case <-time.After(pause):
+		}
+		m.o.logger.Info("Marking side effects dispatched failed; retrying", fields.Add(watermill.LogFields{"error": err.Error()}))
+		pause = min(2*pause, time.Second)
+	}
+}
+
+// sent tells whether this process sent every one of effects and has not written their mark yet:
 // a duplicate that finds them pending then knows they were sent.
-func (m *marker) dispatched(src Source) bool {
+func (m *marker) sent(effects []Effect) bool {
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	return m.queued[src] > 0
+	for _, e := range effects {
+		if m.queued[e.StoreID] == 0 {
+			return false
+		}
+	}
+	return len(effects) > 0
 }
 
 // wait blocks until every queued mark was written (or failed).
@@ -108,3 +145,8 @@ func (m *marker) wait() {
 // the background after a message's effects were sent; call FlushMarks before shutting down to
 // avoid re-sends after a restart, and in tests that inspect the tables.
 func (o *Outbox) FlushMarks() { o.marks.wait() }
+
+// permanent tells an error that a retry cannot get past: the DB was closed, the tables are gone.
+func permanent(err error) bool {
+	return errors.Is(err, ErrSchemaMissing) || strings.Contains(err.Error(), "sql: database is closed")
+}

@@ -32,6 +32,15 @@ type Outbox struct {
 
 	kick  chan struct{} // wakes the relay
 	marks *marker
+	// health tells a poison effect from an outage (see health.counts).
+	health health
+	// failedHere holds the sources whose dispatch failed in this process lately: a redelivered
+	// copy of one of them never waits for an original that is known to have failed.
+	failedHere recentSources
+	// relaysRunning counts the Run calls in progress; noRelayWarned is when (UnixNano) the
+	// missing relay was last reported.
+	relaysRunning atomic.Int32
+	noRelayWarned atomic.Int64
 	// lastHandoff is when (UnixNano) effects were last left to the relays, here or, as far as a
 	// notification told, in another instance: until they are sent, each written mark wakes the
 	// relay, since effects handed over behind the marked ones may be free to go.
@@ -59,6 +68,7 @@ func New(cfg Config) (*Outbox, error) {
 		appliers: map[string]Applier{},
 		kick:     make(chan struct{}, 1),
 	}
+	o.failedHere.ttl = cfg.DuplicateWait + cfg.PublishTimeout + time.Minute
 	o.marks = newMarker(o)
 	return o, nil
 }
@@ -111,6 +121,8 @@ func (o *Outbox) applier(name string) (Applier, bool) {
 // retention cleanup. Run it in every instance; cleanup runs on one instance at a time. It returns
 // nil when ctx is cancelled, after the dispatched marks queued so far were written.
 func (o *Outbox) Run(ctx context.Context) error {
+	o.relaysRunning.Add(1)
+	defer o.relaysRunning.Add(-1)
 	var wg sync.WaitGroup
 	wg.Add(3)
 	go func() { defer wg.Done(); o.listen(ctx) }()
@@ -180,13 +192,34 @@ func (o *Outbox) RetryParked(ctx context.Context, storeIDs ...int64) (int, error
 }
 
 // DiscardParked gives parked effects up for good: they are marked dispatched without being sent,
-// which unblocks the later effects with their ordering keys.
+// which unblocks the later effects with their ordering keys. The retention of the message that
+// caused them counts from the discard.
 func (o *Outbox) DiscardParked(ctx context.Context, storeIDs ...int64) (int, error) {
 	n, err := o.store.EffectDiscard(ctx, storeIDs)
 	if err == nil {
 		o.kickRelay()
 	}
 	return n, err
+}
+
+// ReplayPoisoned lets a message that was moved to the poison topic be processed again, once the
+// cause is fixed: it forgets its poisoned claim and its failed attempts, so that the next delivery
+// of the message to consumer runs the handler (a copy still in the broker, or the message put back
+// on its topic from the poison topic, with its ID unchanged). It reports whether the message was
+// poisoned; a message that was processed normally is left alone.
+func (o *Outbox) ReplayPoisoned(ctx context.Context, consumer, messageID string) (bool, error) {
+	src := Source{Consumer: consumer, ID: messageID}
+	if err := validateName(consumer); err != nil {
+		return false, fmt.Errorf("%w: %w", ErrNoConsumerName, err)
+	}
+	if err := validateName(messageID); err != nil {
+		return false, fmt.Errorf("%w: %w", ErrInvalidMessageID, err)
+	}
+	ok, err := o.store.MessageReplay(ctx, src)
+	if err != nil {
+		return false, fmt.Errorf("outbox: replay poisoned message %q of %q: %w", messageID, consumer, err)
+	}
+	return ok, nil
 }
 
 // listen wakes the relay on notifications from other instances, reconnecting after failures.

@@ -2,41 +2,106 @@ package outbox
 
 import (
 	"context"
-	"math/rand/v2"
+	"errors"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
 )
 
+// relayLease is how long the relay reserves the effects of one round: long enough to publish
+// them (a round stops starting new Publish calls after half of it), short enough that the
+// effects of an instance that died mid-round are soon taken over by another.
+func (o *Outbox) relayLease() time.Duration { return 2*o.cfg.PublishTimeout + 30*time.Second }
+
 // relayOnce dispatches committed side effects that the path that wrote them left undispatched,
-// round after round, until a round finds nothing due in the partitions it could lock.
+// round after round, until a round finds nothing due. A round leases its effects in one short
+// statement and holds nothing (no transaction, no lock) while it publishes them.
 func (o *Outbox) relayOnce(ctx context.Context) error {
 	for ctx.Err() == nil {
-		n, err := o.store.EffectRelay(ctx, EffectRelayParams{
-			Grace:       o.cfg.RelayGrace,
-			Limit:       o.cfg.RelayBatchSize,
-			MaxAttempts: o.cfg.RelayMaxAttempts,
-			Backoff:     relayBackoff,
-		}, func(effects []Effect) []error { return o.relayDispatch(ctx, effects) })
+		effects, err := o.store.EffectClaimDue(ctx, EffectClaimParams{
+			Grace:    o.cfg.RelayGrace,
+			Limit:    o.cfg.RelayBatchSize,
+			MaxBytes: o.cfg.RelayBatchBytes,
+			Lease:    o.relayLease(),
+		})
 		if err != nil {
 			return err
 		}
-		if n == 0 {
+		if len(effects) == 0 {
 			return nil
 		}
+		o.relayRound(ctx, effects)
 	}
 	return nil
 }
 
+// errNotTried is the outcome of an effect that a relay round did not try: it waited behind a
+// failed effect with its ordering key, or the round ran out of time.
+var errNotTried = errors.New("not tried")
+
+// relayRound dispatches leased effects and records the outcome of each.
+func (o *Outbox) relayRound(ctx context.Context, effects []Effect) {
+	errs := o.relayDispatch(ctx, effects, time.Now().Add(o.relayLease()/2))
+	// The outcome is written even when ctx was cancelled meanwhile (a shutdown): what was sent
+	// must be marked, or it is sent again.
+	wctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), markTimeout)
+	defer cancel()
+	var marks []DispatchMark
+	bySource := map[Source]int{}
+	var fails []EffectFailure
+	for i, e := range effects {
+		switch {
+		case errs[i] == nil:
+			k, ok := bySource[e.Source]
+			if !ok {
+				k = len(marks)
+				bySource[e.Source] = k
+				marks = append(marks, DispatchMark{Source: e.Source, MoveClaim: e.Source.Consumer != ""})
+			}
+			marks[k].StoreIDs = append(marks[k].StoreIDs, e.StoreID)
+		case errors.Is(errs[i], errNotTried):
+			fails = append(fails, EffectFailure{StoreID: e.StoreID})
+		default:
+			fails = append(fails, o.failures(effects[i:i+1], 0, 1, errs[i])...)
+		}
+	}
+	if len(marks) > 0 {
+		pause := 20 * time.Millisecond
+		for {
+			err := o.store.EffectMarkDispatched(wctx, marks...)
+			if err == nil {
+				break
+			}
+			if wctx.Err() != nil || permanent(err) {
+				o.logger.Error("Relay could not mark side effects dispatched; they are sent again when their lease ends", err, nil)
+				break
+			}
+			time.Sleep(pause)
+			pause = min(2*pause, time.Second)
+		}
+	}
+	if len(fails) > 0 {
+		if err := o.store.EffectRecordFailures(wctx, fails...); err != nil {
+			o.logger.Error("Relay could not record failed dispatches; the effects are retried when their lease ends", err, nil)
+		}
+		for _, f := range fails {
+			if f.Park {
+				o.logger.Error("Side effect parked after repeated failures; see Outbox.ParkedEffects", nil,
+					watermill.LogFields{"store_id": f.StoreID, "reason": f.Reason})
+			}
+		}
+	}
+}
+
 // relayDispatch sends effects in store order, consecutive messages to one topic in one Publish
 // call; once an effect fails, the later effects with its ordering key are not tried, so that they
-// never overtake it.
-func (o *Outbox) relayDispatch(ctx context.Context, effects []Effect) []error {
+// never overtake it. After deadline (or once ctx is done) it starts no new call.
+func (o *Outbox) relayDispatch(ctx context.Context, effects []Effect, deadline time.Time) []error {
 	errs := make([]error, len(effects))
 	failed := map[string]bool{}
 	for i := 0; i < len(effects); {
-		if failed[effects[i].OrderingKey] {
-			errs[i] = ErrEffectBlocked
+		if failed[effects[i].OrderingKey] || ctx.Err() != nil || time.Now().After(deadline) {
+			errs[i] = errNotTried
 			i++
 			continue
 		}
@@ -47,15 +112,20 @@ func (o *Outbox) relayDispatch(ctx context.Context, effects []Effect) []error {
 				j++
 			}
 		}
-		if err := o.dispatch(ctx, effects[i:j]); err != nil {
-			if j-i > 1 {
-				// One Publish call failed for several effects: send them one by one, so that only
-				// the culprit is charged and effects of other keys still go out.
-				o.relayEach(ctx, effects[i:j], errs[i:j], failed)
-			} else {
-				o.relayFailed(effects[i], err, failed)
-				errs[i] = err
+		sent, n, err := o.dispatch(ctx, effects[i:j])
+		switch {
+		case err == nil:
+		case ctx.Err() != nil || n == 0:
+			for k := i + sent; k < j; k++ {
+				errs[k] = errNotTried // a shutdown (or a failpoint after a call), not a failure of the effect
 			}
+		case j-i-sent > 1:
+			// One Publish call failed for several effects: send them one by one, so that only the
+			// culprit is charged and effects of other keys still go out.
+			o.relayEach(ctx, effects[i+sent:j], errs[i+sent:j], failed)
+		default:
+			o.relayFailed(effects[i+sent], err, failed)
+			errs[i+sent] = err
 		}
 		i = j
 	}
@@ -64,11 +134,11 @@ func (o *Outbox) relayDispatch(ctx context.Context, effects []Effect) []error {
 
 func (o *Outbox) relayEach(ctx context.Context, effects []Effect, errs []error, failed map[string]bool) {
 	for k, e := range effects {
-		if failed[e.OrderingKey] {
-			errs[k] = ErrEffectBlocked
+		if failed[e.OrderingKey] || ctx.Err() != nil {
+			errs[k] = errNotTried
 			continue
 		}
-		if err := o.dispatch(ctx, effects[k:k+1]); err != nil {
+		if _, _, err := o.dispatch(ctx, effects[k:k+1]); err != nil {
 			o.relayFailed(e, err, failed)
 			errs[k] = err
 		}
@@ -78,15 +148,6 @@ func (o *Outbox) relayEach(ctx context.Context, effects []Effect, errs []error, 
 func (o *Outbox) relayFailed(e Effect, err error, failed map[string]bool) {
 	failed[e.OrderingKey] = true
 	o.logger.Error("Relay could not dispatch a side effect; it will be retried", err, watermill.LogFields{
-		"effect_uuid": e.UUID, "topic": e.Topic, "kind": e.Kind, "attempts": e.Attempts + 1,
+		"effect_uuid": e.UUID, "topic": e.Topic, "kind": e.Kind, "failures": e.Failures + 1,
 	})
-}
-
-// relayBackoff is exponential from one second, capped at five minutes, with +-20% jitter so that
-// instances do not retry in lockstep.
-func relayBackoff(attempts int) time.Duration {
-	d := time.Second << min(attempts-1, 9)
-	d = min(d, 5*time.Minute)
-	jitter := time.Duration(rand.Int64N(int64(d)/5*2+1)) - d/5
-	return d + jitter
 }

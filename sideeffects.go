@@ -3,11 +3,15 @@ package outbox
 import (
 	"context"
 	"database/sql"
+	"errors"
 	"fmt"
 	"maps"
+	"runtime/debug"
 	"slices"
+	"sync"
 	"time"
 
+	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
 )
@@ -27,13 +31,60 @@ const (
 var propagated = []string{MetadataCorrelationID, MetadataTraceparent, MetadataTracestate}
 
 // unit is one unit of work: the transaction of one incoming message or one boundary call, and the
-// side effects recorded in it.
+// side effects recorded in it. Publish and Record may be called from several goroutines at once
+// (a *sql.Tx is safe for concurrent use, so handlers do this): mu orders the records.
 type unit struct {
 	o        *Outbox
 	tx       *sql.Tx
 	src      Source
 	incoming *message.Message // nil at the boundary
-	effects  []Effect
+	begun    time.Time
+
+	mu          sync.Mutex
+	effects     []Effect
+	inSavepoint bool // some effect may have been written inside a savepoint
+	finished    bool // no more records: the transaction is being committed or rolled back
+}
+
+func newUnit(o *Outbox, tx *sql.Tx, src Source, incoming *message.Message) *unit {
+	return &unit{o: o, tx: tx, src: src, incoming: incoming, begun: time.Now()}
+}
+
+// finish stops recording and returns the effects recorded so far.
+func (u *unit) finish() []Effect {
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	u.finished = true
+	return u.effects
+}
+
+// committedEffects returns the recorded effects that will commit with tx: those written inside a
+// savepoint that the handler rolled back are gone from the database and must never be sent. It
+// asks the database only when an effect may have been written inside a savepoint.
+func (u *unit) committedEffects(ctx context.Context) ([]Effect, error) {
+	effects := u.finish()
+	if !u.inSavepoint || len(effects) == 0 {
+		return effects, nil
+	}
+	ids := make([]int64, len(effects))
+	for i, e := range effects {
+		ids[i] = e.StoreID
+	}
+	existing, err := u.o.store.EffectExisting(ctx, u.tx, ids)
+	if err != nil {
+		return nil, fmt.Errorf("outbox: check which side effects survived savepoints: %w", err)
+	}
+	keep := make(map[int64]bool, len(existing))
+	for _, id := range existing {
+		keep[id] = true
+	}
+	out := effects[:0:0]
+	for _, e := range effects {
+		if keep[e.StoreID] {
+			out = append(out, e)
+		}
+	}
+	return out, nil
 }
 
 // customKeys returns the ordering keys set with WithOrderingKey among effects: effects with such a
@@ -54,6 +105,8 @@ func defaultOrderingKey(src Source) string { return src.Consumer + "/" + src.ID 
 // keyBlocked tells whether an earlier effect of another transaction with one of the custom ordering
 // keys of effects is still undispatched; then these effects must go through the relay, in order.
 func (o *Outbox) keyBlocked(ctx context.Context, src Source, effects []Effect) (bool, error) {
+	ctx, cancel := context.WithTimeout(ctx, storeTimeout)
+	defer cancel()
 	for _, key := range o.customKeys(src, effects) {
 		blocked, err := o.store.EffectKeyBlocked(ctx, src, key)
 		if err != nil || blocked {
@@ -65,9 +118,12 @@ func (o *Outbox) keyBlocked(ctx context.Context, src Source, effects []Effect) (
 
 // handToRelay leaves effects that must wait behind earlier ones to the relay.
 func (o *Outbox) handToRelay(ctx context.Context, src Source) error {
+	ctx, cancel := context.WithTimeout(ctx, storeTimeout)
+	defer cancel()
 	if err := o.store.EffectHandToRelay(ctx, src); err != nil {
 		return fmt.Errorf("outbox: hand side effects to the relay: %w", err)
 	}
+	o.relayNeeded(watermill.LogFields{"consumer": src.Consumer, "source_id": src.ID})
 	o.wakeRelays(ctx)
 	return nil
 }
@@ -100,13 +156,25 @@ func unitFrom(ctx context.Context) *unit {
 }
 
 // Tx returns the transaction of the unit of work in ctx: the handler's business writes go through
-// it so that they commit together with the processed-message claim and the side effects. It returns
-// nil outside a unit of work. Do not commit or roll it back: the framework does.
+// it so that they commit together with the processed-message claim and the side effects. Do not
+// commit or roll it back: the framework does. Outside a unit of work (a handler not wrapped by
+// the middleware, a context that is not the message's) it panics with an error wrapping
+// ErrNoUnitOfWork, rather than return a nil *sql.Tx that fails later without saying why; use
+// TxOK to ask.
 func Tx(ctx context.Context) *sql.Tx {
-	if u := unitFrom(ctx); u != nil {
-		return u.tx
+	tx, ok := TxOK(ctx)
+	if !ok {
+		panic(fmt.Errorf("outbox.Tx: %w", ErrNoUnitOfWork))
 	}
-	return nil
+	return tx
+}
+
+// TxOK returns the transaction of the unit of work in ctx, and false outside a unit of work.
+func TxOK(ctx context.Context) (*sql.Tx, bool) {
+	if u := unitFrom(ctx); u != nil {
+		return u.tx, true
+	}
+	return nil, false
 }
 
 // WithOrderingKey returns a context whose side effects recorded with Publish and Record share the
@@ -192,7 +260,8 @@ func (u *unit) addCausation(ctx context.Context, md map[string]string) {
 }
 
 // record stores effects in the transaction at once, so that they commit with the business writes
-// even if the handler finishes the transaction itself.
+// even if the handler finishes the transaction itself. Records of concurrent callers take turns:
+// each gets its own positions (Seq), in the order of the inserts.
 func (u *unit) record(ctx context.Context, effects []Effect) error {
 	if len(effects) == 0 {
 		return nil
@@ -209,50 +278,64 @@ func (u *unit) record(ctx context.Context, effects []Effect) error {
 			return fmt.Errorf("%w: %d bytes, the limit is %d (Config.MaxPayloadBytes)",
 				ErrPayloadTooLarge, len(effects[i].Payload), u.o.cfg.MaxPayloadBytes)
 		}
-		effects[i].Seq = len(u.effects) + i
 		effects[i].OrderingKey = key
 		effects[i].Source = u.src
 	}
-	if err := u.o.store.EffectInsert(ctx, u.tx, u.src, effects); err != nil {
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	if u.finished {
+		return ErrUnitOfWorkFinished
+	}
+	for i := range effects {
+		effects[i].Seq = len(u.effects) + i
+	}
+	inSavepoint, err := u.o.store.EffectInsert(ctx, u.tx, u.src, effects)
+	if err != nil {
 		return fmt.Errorf("outbox: store side effects: %w", err)
 	}
+	u.inSavepoint = u.inSavepoint || inSavepoint
 	u.effects = append(u.effects, effects...)
 	return nil
 }
 
 // dispatch sends effects in order and stops at the first failure, so that later effects never
-// overtake an earlier one. Consecutive messages to one topic go in one Publish call.
-func (o *Outbox) dispatch(ctx context.Context, effects []Effect) error {
+// overtake an earlier one. Consecutive messages to one topic go in one Publish call. It returns
+// how many effects were sent, and how many the call that failed covered (effects[sent:sent+failed]).
+func (o *Outbox) dispatch(ctx context.Context, effects []Effect) (sent, failed int, err error) {
 	for i := 0; i < len(effects); {
 		e := effects[i]
+		j := i + 1
 		if e.Kind != KindPublish {
-			if err := o.apply(ctx, e); err != nil {
-				return err
-			}
-			i++
+			err = o.apply(ctx, e)
 		} else {
-			j := i + 1
 			for j < len(effects) && effects[j].Kind == KindPublish && effects[j].Topic == e.Topic {
 				j++
 			}
-			if err := o.publish(ctx, e.Topic, effects[i:j]); err != nil {
-				return err
-			}
-			i = j
+			err = o.publish(ctx, e.Topic, effects[i:j])
 		}
+		if err != nil {
+			return i, j - i, err
+		}
+		o.health.succeeded(e)
 		if err := o.failpoint(ctx, FailpointAfterPublish); err != nil {
-			return err
+			return j, 0, err
 		}
+		i = j
 	}
-	return nil
+	return len(effects), 0, nil
 }
 
+// apply calls the applier of e, bounded by PublishTimeout (its context carries the deadline, and
+// an applier that ignores it is waited for no longer), with its panics turned into errors.
 func (o *Outbox) apply(ctx context.Context, e Effect) error {
 	fn, ok := o.applier(e.Kind)
 	if !ok {
 		return fmt.Errorf("%w: %q (effect %s)", ErrUnknownApplier, e.Kind, e.UUID)
 	}
-	if err := fn(ctx, e); err != nil {
+	ctx, cancel := context.WithTimeout(ctx, o.cfg.PublishTimeout)
+	defer cancel()
+	err := o.bounded(ctx, fmt.Sprintf("applier %q (effect %s)", e.Kind, e.UUID), func() error { return fn(ctx, e) })
+	if err != nil {
 		return fmt.Errorf("outbox: applier %q (effect %s): %w", e.Kind, e.UUID, err)
 	}
 	return nil
@@ -270,23 +353,46 @@ func (o *Outbox) publish(ctx context.Context, topic string, effects []Effect) er
 		msgs[i] = m
 	}
 	// Publisher.Publish takes no context; a hung broker must not hang the consumer forever.
+	ctx, cancel := context.WithTimeout(ctx, o.cfg.PublishTimeout)
+	defer cancel()
+	err := o.bounded(ctx, fmt.Sprintf("publish %d message(s) to %q", len(msgs), topic), func() error { return o.pub.Publish(topic, msgs...) })
+	if errors.Is(err, context.DeadlineExceeded) && !errors.Is(err, errCallerDeadline) {
+		return fmt.Errorf("%w: %d message(s) to %q after %s", ErrPublishTimeout, len(msgs), topic, o.cfg.PublishTimeout)
+	}
+	if err != nil {
+		return fmt.Errorf("outbox: publish %d message(s) to %q: %w", len(msgs), topic, err)
+	}
+	return nil
+}
+
+// errCallerDeadline marks a call that returned its own deadline error (rather than one that
+// bounded gave up waiting for).
+var errCallerDeadline = errors.New("returned by the call")
+
+// bounded runs call (a Publisher or an applier: code that may ignore ctx) in a goroutine of its
+// own, which first grows its stack, and waits for it until ctx is done. A panic in call is
+// returned as an error wrapping ErrEffectPanicked. A call that never returns keeps its goroutine,
+// but not the caller.
+func (o *Outbox) bounded(ctx context.Context, what string, call func() error) error {
 	done := make(chan error, 1)
 	go func() {
+		defer func() {
+			if r := recover(); r != nil {
+				done <- fmt.Errorf("%w: %s: %v\n%s", ErrEffectPanicked, what, r, debug.Stack())
+			}
+		}()
 		growStack()
-		done <- o.pub.Publish(topic, msgs...)
+		err := call()
+		if errors.Is(err, context.DeadlineExceeded) {
+			err = fmt.Errorf("%w (%w)", err, errCallerDeadline)
+		}
+		done <- err
 	}()
-	timer := time.NewTimer(o.cfg.PublishTimeout)
-	defer timer.Stop()
 	select {
 	case err := <-done:
-		if err != nil {
-			return fmt.Errorf("outbox: publish %d message(s) to %q: %w", len(msgs), topic, err)
-		}
-		return nil
-	case <-timer.C:
-		return fmt.Errorf("%w: %d message(s) to %q after %s", ErrPublishTimeout, len(msgs), topic, o.cfg.PublishTimeout)
+		return err
 	case <-ctx.Done():
-		return fmt.Errorf("outbox: publish to %q: %w", topic, ctx.Err())
+		return fmt.Errorf("waiting for %s: %w", what, ctx.Err())
 	}
 }
 

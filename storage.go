@@ -34,8 +34,15 @@ type Effect struct {
 	Metadata map[string]string
 	// OrderingKey groups effects that must be dispatched in order.
 	OrderingKey string
-	// Attempts counts failed dispatch attempts made by the relay.
+	// Attempts counts the failed dispatches that count toward parking (see EffectFailure.Counted).
 	Attempts int
+	// Failures counts every failed dispatch, counted or not; the retry backoff grows with it.
+	Failures int
+	// SinceFailure is how long ago the last failed dispatch was recorded, by the database's clock;
+	// meaningful when Failures > 0.
+	SinceFailure time.Duration
+	// Parked is true when the relay gave up on the effect; only an operator sends it now.
+	Parked bool
 	// Source is what caused the effect.
 	Source Source
 	// PendingFor is how long the effect had been stored when it was read, by the database's clock.
@@ -65,36 +72,47 @@ type StoreOptions struct {
 // Store is the storage contract the framework needs from a database. The drivers/ packages
 // implement it; users do not call it directly. Methods that take a *sql.Tx run inside the caller's
 // transaction; the others run on their own.
+//
+// Every method that writes both effect rows and claim rows locks the effect rows first, in
+// ascending StoreID order, and the claim rows after them, so that no two of them can deadlock.
 type Store interface {
 	// Migrate creates or upgrades the tables. It is idempotent and safe to run from several
-	// processes at once.
+	// processes at once. When every migration is applied already it changes nothing and needs no
+	// right beyond reading the migrations table.
 	Migrate(ctx context.Context) error
 	// SchemaCheck returns an error wrapping ErrSchemaMissing or ErrSchemaOutdated when Migrate is needed.
 	SchemaCheck(ctx context.Context) error
 
-	// MessageClaim records that src is being processed. It returns false when src was already
-	// processed; when another transaction holds an uncommitted claim, it waits for its outcome.
-	MessageClaim(ctx context.Context, tx *sql.Tx, src Source) (bool, error)
+	// MessageClaim records in tx that src is being processed. When another transaction holds an
+	// uncommitted claim of src, it waits for its outcome (as long as ctx allows).
+	MessageClaim(ctx context.Context, tx *sql.Tx, src Source) (Claim, error)
 	// MessageIsProcessed tells whether a committed claim of src exists.
 	MessageIsProcessed(ctx context.Context, src Source) (bool, error)
 	// MessagePoison records src as processed without effects because it was moved to the poison topic.
 	MessagePoison(ctx context.Context, src Source) error
+	// MessageReplay forgets that src was poisoned: it deletes its claim, if the claim is one that
+	// MessagePoison wrote, and its failed attempts, so that the next delivery runs the handler
+	// again. It tells whether a poisoned claim was found.
+	MessageReplay(ctx context.Context, src Source) (bool, error)
 	// AttemptRecord durably counts a failed attempt of src and returns the count so far.
 	AttemptRecord(ctx context.Context, src Source, reason string) (int, error)
 
-	// EffectInsert stores effects of src in tx.
-	EffectInsert(ctx context.Context, tx *sql.Tx, src Source, effects []Effect) error
-	// EffectListPending returns the undispatched effects of src in order.
+	// EffectInsert stores effects of src in tx and sets their StoreID. It returns true when some
+	// of them may have been written inside a savepoint (a subtransaction) that can still be rolled
+	// back on its own: the caller then asks EffectExisting before it commits. A store that cannot
+	// tell returns true.
+	EffectInsert(ctx context.Context, tx *sql.Tx, src Source, effects []Effect) (inSavepoint bool, err error)
+	// EffectExisting returns those of storeIDs whose rows exist in tx.
+	EffectExisting(ctx context.Context, tx *sql.Tx, storeIDs []int64) ([]int64, error)
+	// EffectListPending returns the undispatched effects of src in order, parked ones included.
 	EffectListPending(ctx context.Context, src Source) ([]Effect, error)
-	// EffectMarkDispatched marks every pending effect of each mark's source dispatched and, for the
-	// marks with MoveClaim, moves the claim's dispatch time (from which retention counts) to now
-	// (a store may move every claim). The write may be asynchronous (not flushed at commit):
-	// losing it only causes a re-send.
+	// EffectMarkDispatched marks the effects of each mark dispatched, by StoreID (never "whatever
+	// is pending for the source") and, for the marks with MoveClaim, moves the claim's dispatch
+	// time (from which retention counts) to now (a store may move every claim). The write may be
+	// asynchronous (not flushed at commit): losing it only causes a re-send.
 	EffectMarkDispatched(ctx context.Context, marks ...DispatchMark) error
-	// EffectRetryLater records a failed dispatch of the pending effects of src (the reason, not an
-	// attempt: only the relay counts attempts, per effect): they become due for the relay after
-	// delay, without waiting for the grace period.
-	EffectRetryLater(ctx context.Context, src Source, reason string, delay time.Duration) error
+	// EffectRecordFailures records failed (or untried) dispatches: see EffectFailure.
+	EffectRecordFailures(ctx context.Context, failures ...EffectFailure) error
 	// EffectKeyBlocked tells whether an effect of another source with ordering key key, stored before
 	// the effects of src, is still undispatched.
 	EffectKeyBlocked(ctx context.Context, src Source, key string) (bool, error)
@@ -105,7 +123,9 @@ type Store interface {
 	EffectListParked(ctx context.Context, limit int) ([]ParkedEffect, error)
 	// EffectUnpark makes parked effects due again with a fresh attempt count; it returns how many it changed.
 	EffectUnpark(ctx context.Context, storeIDs []int64) (int, error)
-	// EffectDiscard marks parked effects dispatched without sending them; it returns how many it changed.
+	// EffectDiscard marks parked effects dispatched without sending them, and moves the dispatch
+	// time of their claims to now (retention counts from the last dispatch or discard); it
+	// returns how many it changed.
 	EffectDiscard(ctx context.Context, storeIDs []int64) (int, error)
 	// EffectNotify wakes the relays of every instance that listens (PostgreSQL NOTIFY). A dialect
 	// without notifications does nothing.
@@ -113,13 +133,15 @@ type Store interface {
 	// EffectListen calls wake whenever EffectNotify is called anywhere, until ctx is done; it returns
 	// ErrListenUnsupported at once when the store cannot listen (the relay then polls).
 	EffectListen(ctx context.Context, wake func()) error
-	// EffectRelay runs one relay round: it claims up to limit due effects (see the drivers for
-	// "due"), in id order, and calls dispatch with them; dispatch returns, for each effect, nil or its
-	// error. The store marks the successful ones dispatched and records the failures (parking an
-	// effect after maxAttempts) before it releases the claim. A round may cover only part of what is
-	// due (a dialect that shares work between instances claims some key partitions per round): the
-	// caller runs rounds until one returns zero.
-	EffectRelay(ctx context.Context, p EffectRelayParams, dispatch func([]Effect) []error) (int, error)
+	// EffectClaimDue leases up to p.Limit due effects (and at most p.MaxBytes of payload and
+	// metadata, but always one) for p.Lease, in StoreID order, and returns them: until the lease
+	// runs out they are not due, and neither is any later effect with their ordering key. An
+	// effect is due when it is undispatched and not parked, past p.Grace or handed over, past its
+	// retry time, and every earlier undispatched effect with its ordering key is claimed in the
+	// same call. Instances that claim at the same time get different effects. The caller marks
+	// what it sent (EffectMarkDispatched) and records the rest (EffectRecordFailures). It runs as
+	// one short statement, or transaction, of its own: nothing is held while the caller dispatches.
+	EffectClaimDue(ctx context.Context, p EffectClaimParams) ([]Effect, error)
 
 	// Cleanup deletes, in batches, claims whose effects were all dispatched more than retention ago
 	// (never a claim with an undispatched effect), dispatched effects older than their retention,
@@ -128,14 +150,41 @@ type Store interface {
 	Cleanup(ctx context.Context, p CleanupParams) (CleanupResult, error)
 }
 
-// DispatchMark is one source whose pending effects Store.EffectMarkDispatched marks dispatched.
+// Claim is the outcome of Store.MessageClaim.
+type Claim struct {
+	// Claimed is true when this transaction claimed the message; false when it was processed.
+	Claimed bool
+	// Concurrent is true when the claim this one ran into was committed while this one waited for
+	// it: a copy processed the message at the same moment, and is most likely dispatching its
+	// effects right now. A store that cannot tell leaves it false.
+	Concurrent bool
+}
+
+// DispatchMark is one source's effects that Store.EffectMarkDispatched marks dispatched.
 type DispatchMark struct {
 	Source Source
+	// StoreIDs are the effects that were sent.
+	StoreIDs []int64
 	// MoveClaim asks the store to move the claim's dispatch time, from which retention counts, to
 	// now. The framework leaves it unset when the effects were sent within ClaimClockSlack of the
 	// claim, whose time, written with it, then stands for the dispatch; moving it would be one
 	// more row written per message for a difference retention cannot tell.
 	MoveClaim bool
+}
+
+// EffectFailure is one effect that was not dispatched, for Store.EffectRecordFailures.
+type EffectFailure struct {
+	StoreID int64
+	// Reason is why the dispatch failed. Empty means the effect was not tried (it waited behind a
+	// failed one, or the round ran out of time): only its retry time is set.
+	Reason string
+	// Counted: the failure counts toward parking (Attempts+1). A failure while nothing else reached
+	// the same target (a broker outage) is recorded (Failures+1) but not counted.
+	Counted bool
+	// Park: the relay gives up on the effect.
+	Park bool
+	// RetryAfter is how long until the effect is due again.
+	RetryAfter time.Duration
 }
 
 // ClaimClockSlack is how much earlier than the dispatch of its effects a claim's dispatch time may
@@ -150,12 +199,16 @@ type ParkedEffect struct {
 	CreatedAt time.Time
 }
 
-// EffectRelayParams are the parameters of Store.EffectRelay.
-type EffectRelayParams struct {
-	Grace       time.Duration
-	Limit       int
-	MaxAttempts int
-	Backoff     func(attempts int) time.Duration
+// EffectClaimParams are the parameters of Store.EffectClaimDue.
+type EffectClaimParams struct {
+	// Grace is how old an effect that was never handed over must be to be due.
+	Grace time.Duration
+	// Limit bounds the number of effects.
+	Limit int
+	// MaxBytes bounds the payload and metadata bytes of the effects, beyond the first.
+	MaxBytes int
+	// Lease is how long the claimed effects stay reserved for the caller.
+	Lease time.Duration
 }
 
 // CleanupParams are the parameters of Store.Cleanup.
@@ -189,6 +242,3 @@ var (
 // ErrListenUnsupported is returned by Store.EffectListen when the store cannot listen for wake-ups.
 var ErrListenUnsupported = errors.New("outbox: the store cannot listen for notifications")
 
-// ErrEffectBlocked is what a relay dispatch function returns for an effect it did not try because
-// an earlier effect with the same ordering key failed; the store neither marks nor counts it.
-var ErrEffectBlocked = errors.New("outbox: blocked behind an earlier effect with the same ordering key")

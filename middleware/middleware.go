@@ -53,7 +53,7 @@ func New(ob *outbox.Outbox, opts ...Option) message.HandlerMiddleware {
 				return nil, fmt.Errorf("%w: the message context has no Router handler name; use middleware.WithConsumer", outbox.ErrNoConsumerName)
 			}
 			if cfg.messageID != nil {
-				id, err := cfg.messageID(msg)
+				id, err := readID(cfg.messageID, msg)
 				if err != nil {
 					p.MessageIDErr = fmt.Errorf("reading the message ID: %w", err)
 				}
@@ -62,4 +62,15 @@ func New(ob *outbox.Outbox, opts ...Option) message.HandlerMiddleware {
 			return nil, ob.Handle(msg, p, next)
 		}
 	}
+}
+
+// readID calls the WithMessageID function, turning a panic into an error: the message is then
+// rejected like one without a usable ID.
+func readID(fn func(*message.Message) (string, error), msg *message.Message) (id string, err error) {
+	defer func() {
+		if r := recover(); r != nil {
+			id, err = "", fmt.Errorf("the WithMessageID function panicked: %v", r)
+		}
+	}()
+	return fn(msg)
 }

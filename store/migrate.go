@@ -63,6 +63,9 @@ type MigrateQueries struct {
 	Applied string
 	// Insert records a version (arg: version).
 	Insert string
+	// AlreadyApplied, when set, tells an error of a migration that means its change is there
+	// already (SQLite has no ADD COLUMN IF NOT EXISTS; such a migration holds one statement).
+	AlreadyApplied func(error) bool
 }
 
 // Migrate applies the missing migrations in one transaction, under the dialect's lock, so that
@@ -104,7 +107,7 @@ func Migrate(ctx context.Context, db *sql.DB, q MigrateQueries, migrations []Mig
 		if applied[m.Version] {
 			continue
 		}
-		if _, err := tx.ExecContext(ctx, m.SQL); err != nil {
+		if _, err := tx.ExecContext(ctx, m.SQL); err != nil && (q.AlreadyApplied == nil || !q.AlreadyApplied(err)) {
 			return fmt.Errorf("migration %03d_%s: %w", m.Version, m.Name, err)
 		}
 		if _, err := tx.ExecContext(ctx, q.Insert, m.Version); err != nil {

@@ -25,7 +25,7 @@ type Names struct {
 // most 40 bytes, so that it can never carry SQL.
 func ValidateIdent(kind, s string) error {
 	if len(s) > maxIdentLength || !identRe.MatchString(s) {
-		return fmt.Errorf("%s %q is not allowed: use lower-case letters, digits and '_' (not first), at most %d characters", kind, s, maxIdentLength)
+		return fmt.Errorf("%s %q is not allowed: use lower-case letters, digits and '_', not starting with a digit, at most %d characters", kind, s, maxIdentLength)
 	}
 	return nil
 }

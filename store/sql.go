@@ -1,48 +1,57 @@
 package store
 
 import (
+	"cmp"
 	"context"
 	"database/sql"
 	"errors"
 	"fmt"
 	"io/fs"
+	"math"
+	"slices"
+	"strconv"
+	"strings"
 	"sync"
 	"time"
 
 	"github.com/watermill-outbox/outbox"
 )
 
-// Queries are the statements of one dialect. Durations are passed in milliseconds.
+// Queries are the statements of one dialect. Durations are passed in milliseconds; a list of
+// store IDs is passed as one text argument, the IDs separated by commas ("1,2,3").
 type Queries struct {
-	MessageClaim       string // (consumer, id) -> a row when claimed, none when already processed
-	MessageIsProcessed string // (consumer, id) -> a row when processed
-	MessagePoison      string // (consumer, id)
-	AttemptRecord      string // (consumer, id, reason) -> attempts
+	// MessageClaim (consumer, id) claims a message. With MessageClaimReportsConcurrent it returns
+	// one row (claimed, seen): seen tells whether the claim it ran into was already committed when
+	// the statement began. Without it, it returns a row when it claimed and none otherwise.
+	MessageClaim                  string
+	MessageClaimReportsConcurrent bool
+	MessageIsProcessed            string // (consumer, id) -> a row when processed
+	MessagePoison                 string // (consumer, id)
+	MessageReplay                 string // (consumer, id): delete the claim if it is poisoned
+	AttemptRecord                 string // (consumer, id, reason) -> attempts
+	AttemptDelete                 string // (consumer, id)
 	// EffectInsert returns the insert of n effects: (consumer, id) then per effect
-	// (seq, kind, topic, uuid, payload, metadata, ordering_key).
-	EffectInsert         func(n int) string
-	EffectListPending    string // (consumer, id) -> effect columns, in seq order
-	EffectMarkDispatched string // (consumer, id): marks the effects and moves the claim; used when there is no batch
-	// EffectMarkDispatchedBatch, when set, returns the mark of n sources in one statement:
-	// (consumer, id) per source; with moveClaims it moves their claims too. Without it, sources are
-	// marked one EffectMarkDispatched each.
-	EffectMarkDispatchedBatch func(n int, moveClaims bool) string
-
-	EffectRetryLater  string // (consumer, id, reason, delay ms): record a failed fast-path dispatch
-	EffectKeyBlocked  string // (consumer, id, key) -> bool
-	EffectHandToRelay string // (consumer, id)
-	EffectListParked  string // (limit) -> effect columns, last_error, parked_at, created_at
-	EffectUnpark      string // (store id)
-	EffectDiscard     string // (store id)
-
-	// RelayLock (grace ms) -> text: locks, for the round's transaction, the key partitions this
-	// round may relay and returns them comma-separated ("" for none: nothing to do). Empty when the
-	// dialect has no partitions: then RelaySelect takes only (grace ms, limit).
-	RelayLock           string
-	RelaySelect         string // (grace ms, limit[, partitions]) -> effect columns, in id order, claimed
-	RelayMarkDispatched string // (store id)
-	RelayMarkFailed     string // (store id, reason, retry delay ms, park bool)
-	RelayFinishSource   string // (consumer, id): mark the claim dispatched when no effect is pending
+	// (seq, kind, topic, uuid, payload, metadata, ordering_key); it returns (id, seq, in
+	// savepoint) per effect.
+	EffectInsert      func(n int) string
+	EffectExisting    string // (ids) -> id of the rows that exist
+	EffectListPending string // (consumer, id) -> effect columns, in seq order
+	// EffectMarkDispatched marks effects dispatched: (ids); with moveClaims it moves their
+	// claims' dispatch time too. It locks the effect rows before the claim rows.
+	EffectMarkDispatched func(moveClaims bool) string
+	EffectRecordFailure  string // (id, reason, counted bool, park bool, retry delay ms)
+	EffectRelease        string // (ids, retry delay ms): due again after the delay, nothing counted
+	EffectKeyBlocked     string // (consumer, id, key) -> bool
+	EffectHandToRelay    string // (consumer, id)
+	EffectListParked     string // (limit) -> effect columns, last_error, parked_at, created_at
+	EffectUnpark         string // (store id)
+	EffectDiscard        string // (store id): marks a parked effect dispatched
+	// EffectDiscardMoveClaim (store id) moves the dispatch time of the claim of a discarded
+	// effect, in the same transaction; empty when EffectDiscard moves it itself.
+	EffectDiscardMoveClaim string
+	// EffectClaimDue (grace ms, limit, max bytes, lease ms) -> effect columns of the leased
+	// effects, in any order.
+	EffectClaimDue string
 
 	CleanupLock     string // -> bool
 	CleanupBegin    string // run first in every cleanup transaction (e.g. to relax durability); may be empty
@@ -77,8 +86,10 @@ type SQL struct {
 	names      Names
 	migrations []Migration
 
-	mu    sync.Mutex
-	stmts map[string]*sql.Stmt
+	mu        sync.Mutex
+	stmts     map[string]*sql.Stmt
+	preparing map[string]bool
+	closed    bool
 }
 
 var _ outbox.Store = (*SQL)(nil)
@@ -89,7 +100,7 @@ func New(db *sql.DB, names Names, d Dialect) (*SQL, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &SQL{db: db, d: d, names: names, migrations: ms, stmts: map[string]*sql.Stmt{}}, nil
+	return &SQL{db: db, d: d, names: names, migrations: ms, stmts: map[string]*sql.Stmt{}, preparing: map[string]bool{}}, nil
 }
 
 // Names returns the table names.
@@ -99,6 +110,7 @@ func (s *SQL) Names() Names { return s.names }
 func (s *SQL) Close() error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	s.closed = true
 	var errs []error
 	for q, st := range s.stmts {
 		errs = append(errs, st.Close())
@@ -109,6 +121,11 @@ func (s *SQL) Close() error {
 
 // Migrate implements outbox.Store.
 func (s *SQL) Migrate(ctx context.Context) error {
+	// Up to date: nothing to do, and nothing that needs more than the right to read the
+	// migrations table (an application role with DML rights only can start).
+	if err := s.SchemaCheck(ctx); err == nil {
+		return nil
+	}
 	return Migrate(ctx, s.db, s.d.Migrate, s.migrations)
 }
 
@@ -125,34 +142,70 @@ func (s *SQL) wrap(err error) error {
 	return err
 }
 
+// prepareTimeout bounds the background preparation of one statement.
+const prepareTimeout = 30 * time.Second
+
 // stmt returns query prepared for tx (or the DB when tx is nil), reusing the statement already
-// prepared on that connection; without Prepare it returns nil and the caller runs query directly.
+// prepared on that connection; it returns nil when the caller must run query directly: without
+// Prepare, and inside a transaction while the statement is not prepared yet.
+//
+// Preparing a statement for the DB takes a connection of its own from the pool. Waiting for one
+// while tx holds another deadlocks a pool that every transaction in flight has exhausted (a pool
+// of N connections with N messages in flight): inside a transaction, a statement that is not
+// prepared yet runs unprepared, and is prepared in the background, where waiting for a
+// connection holds none.
 func (s *SQL) stmt(ctx context.Context, tx *sql.Tx, query string) (*sql.Stmt, error) {
 	if !s.d.Prepare {
 		return nil, nil
 	}
 	s.mu.Lock()
 	st, ok := s.stmts[query]
+	if !ok && tx != nil {
+		if !s.preparing[query] && !s.closed {
+			s.preparing[query] = true
+			go s.prepareInBackground(query)
+		}
+		s.mu.Unlock()
+		return nil, nil
+	}
 	s.mu.Unlock()
 	if !ok {
 		var err error
-		st, err = s.db.PrepareContext(ctx, query)
-		if err != nil {
-			return nil, s.wrap(err)
+		if st, err = s.prepare(ctx, query); err != nil {
+			return nil, err
 		}
-		s.mu.Lock()
-		if prev, ok := s.stmts[query]; ok {
-			_ = st.Close()
-			st = prev
-		} else {
-			s.stmts[query] = st
-		}
-		s.mu.Unlock()
 	}
 	if tx != nil {
 		return tx.StmtContext(ctx, st), nil
 	}
 	return st, nil
+}
+
+func (s *SQL) prepare(ctx context.Context, query string) (*sql.Stmt, error) {
+	st, err := s.db.PrepareContext(ctx, query)
+	if err != nil {
+		return nil, s.wrap(err)
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if prev, ok := s.stmts[query]; ok || s.closed {
+		_ = st.Close()
+		if s.closed {
+			return nil, errors.New("store closed")
+		}
+		return prev, nil
+	}
+	s.stmts[query] = st
+	return st, nil
+}
+
+func (s *SQL) prepareInBackground(query string) {
+	ctx, cancel := context.WithTimeout(context.Background(), prepareTimeout)
+	defer cancel()
+	_, _ = s.prepare(ctx, query) // on failure the next use in a transaction tries again
+	s.mu.Lock()
+	delete(s.preparing, query)
+	s.mu.Unlock()
 }
 
 type execer interface {
@@ -182,6 +235,20 @@ func (s *SQL) exec(ctx context.Context, tx *sql.Tx, query string, args ...any) (
 	return res, s.wrap(err)
 }
 
+func (s *SQL) query(ctx context.Context, tx *sql.Tx, query string, args ...any) (*sql.Rows, error) {
+	st, err := s.stmt(ctx, tx, query)
+	if err != nil {
+		return nil, err
+	}
+	var rows *sql.Rows
+	if st != nil {
+		rows, err = st.QueryContext(ctx, args...)
+	} else {
+		rows, err = s.on(tx).QueryContext(ctx, query, args...)
+	}
+	return rows, s.wrap(err)
+}
+
 func (s *SQL) queryRow(ctx context.Context, tx *sql.Tx, query string, args []any, dest ...any) error {
 	st, err := s.stmt(ctx, tx, query)
 	if err != nil {
@@ -196,14 +263,33 @@ func (s *SQL) queryRow(ctx context.Context, tx *sql.Tx, query string, args []any
 	return s.wrap(row.Scan(dest...))
 }
 
+// idList encodes store IDs as the one text argument the dialects' queries take.
+func idList(ids []int64) string {
+	var b strings.Builder
+	for i, id := range ids {
+		if i > 0 {
+			b.WriteByte(',')
+		}
+		b.WriteString(strconv.FormatInt(id, 10))
+	}
+	return b.String()
+}
+
 // MessageClaim implements outbox.Store.
-func (s *SQL) MessageClaim(ctx context.Context, tx *sql.Tx, src outbox.Source) (bool, error) {
+func (s *SQL) MessageClaim(ctx context.Context, tx *sql.Tx, src outbox.Source) (outbox.Claim, error) {
+	if s.d.Queries.MessageClaimReportsConcurrent {
+		var claimed, seen bool
+		if err := s.queryRow(ctx, tx, s.d.Queries.MessageClaim, []any{src.Consumer, src.ID}, &claimed, &seen); err != nil {
+			return outbox.Claim{}, err
+		}
+		return outbox.Claim{Claimed: claimed, Concurrent: !claimed && !seen}, nil
+	}
 	var one int
 	err := s.queryRow(ctx, tx, s.d.Queries.MessageClaim, []any{src.Consumer, src.ID}, &one)
 	if errors.Is(err, sql.ErrNoRows) {
-		return false, nil
+		return outbox.Claim{}, nil
 	}
-	return err == nil, err
+	return outbox.Claim{Claimed: err == nil}, err
 }
 
 // MessageIsProcessed implements outbox.Store.
@@ -222,6 +308,30 @@ func (s *SQL) MessagePoison(ctx context.Context, src outbox.Source) error {
 	return err
 }
 
+// MessageReplay implements outbox.Store.
+func (s *SQL) MessageReplay(ctx context.Context, src outbox.Source) (bool, error) {
+	tx, err := s.db.BeginTx(ctx, nil)
+	if err != nil {
+		return false, fmt.Errorf("begin: %w", err)
+	}
+	defer func() { _ = tx.Rollback() }()
+	r, err := tx.ExecContext(ctx, s.d.Queries.MessageReplay, src.Consumer, src.ID)
+	if err != nil {
+		return false, s.wrap(err)
+	}
+	n, err := r.RowsAffected()
+	if err != nil {
+		return false, err
+	}
+	if n == 0 {
+		return false, nil
+	}
+	if _, err := tx.ExecContext(ctx, s.d.Queries.AttemptDelete, src.Consumer, src.ID); err != nil {
+		return false, s.wrap(err)
+	}
+	return true, tx.Commit()
+}
+
 // AttemptRecord implements outbox.Store.
 func (s *SQL) AttemptRecord(ctx context.Context, src outbox.Source, reason string) (int, error) {
 	var n int
@@ -233,23 +343,95 @@ func (s *SQL) AttemptRecord(ctx context.Context, src outbox.Source, reason strin
 const maxPreparedInsertRows = 8
 
 // EffectInsert implements outbox.Store.
-func (s *SQL) EffectInsert(ctx context.Context, tx *sql.Tx, src outbox.Source, effects []outbox.Effect) error {
+func (s *SQL) EffectInsert(ctx context.Context, tx *sql.Tx, src outbox.Source, effects []outbox.Effect) (bool, error) {
+	if len(effects) == 0 {
+		return false, nil
+	}
 	args := make([]any, 0, 2+7*len(effects))
 	args = append(args, src.Consumer, src.ID)
-	for _, e := range effects {
+	bySeq := make(map[int]int, len(effects))
+	for i, e := range effects {
 		payload := e.Payload
 		if payload == nil {
 			payload = []byte{}
 		}
 		args = append(args, e.Seq, e.Kind, e.Topic, e.UUID, payload, EncodeMetadata(e.Metadata), e.OrderingKey)
+		bySeq[e.Seq] = i
 	}
 	query := s.d.Queries.EffectInsert(len(effects))
+	var rows *sql.Rows
+	var err error
 	if len(effects) > maxPreparedInsertRows {
-		_, err := tx.ExecContext(ctx, query, args...)
-		return s.wrap(err)
+		rows, err = tx.QueryContext(ctx, query, args...)
+		err = s.wrap(err)
+	} else {
+		rows, err = s.query(ctx, tx, query, args...)
 	}
-	_, err := s.exec(ctx, tx, query, args...)
-	return err
+	if err != nil {
+		return false, err
+	}
+	defer rows.Close()
+	inSavepoint, n := false, 0
+	for rows.Next() {
+		var id int64
+		var seq int
+		var nested bool
+		if err := rows.Scan(&id, &seq, &nested); err != nil {
+			return false, err
+		}
+		i, ok := bySeq[seq]
+		if !ok {
+			return false, fmt.Errorf("insert returned seq %d, which was not inserted", seq)
+		}
+		effects[i].StoreID = id
+		inSavepoint = inSavepoint || nested
+		n++
+	}
+	if err := rows.Err(); err != nil {
+		return false, s.wrap(err)
+	}
+	if n != len(effects) {
+		return false, fmt.Errorf("insert of %d effects returned %d rows", len(effects), n)
+	}
+	return inSavepoint, nil
+}
+
+// EffectExisting implements outbox.Store.
+func (s *SQL) EffectExisting(ctx context.Context, tx *sql.Tx, storeIDs []int64) ([]int64, error) {
+	if len(storeIDs) == 0 {
+		return nil, nil
+	}
+	rows, err := tx.QueryContext(ctx, s.d.Queries.EffectExisting, idList(storeIDs))
+	if err != nil {
+		return nil, s.wrap(err)
+	}
+	defer rows.Close()
+	var out []int64
+	for rows.Next() {
+		var id int64
+		if err := rows.Scan(&id); err != nil {
+			return nil, err
+		}
+		out = append(out, id)
+	}
+	return out, rows.Err()
+}
+
+func scanEffect(sc interface{ Scan(...any) error }, e *outbox.Effect, extra ...any) error {
+	var md []byte
+	var pendingMS, failedMS int64
+	dest := append([]any{&e.StoreID, &e.Source.Consumer, &e.Source.ID, &e.Seq, &e.Kind, &e.Topic, &e.UUID,
+		&e.Payload, &md, &e.OrderingKey, &e.Attempts, &pendingMS, &e.Failures, &failedMS, &e.Parked}, extra...)
+	if err := sc.Scan(dest...); err != nil {
+		return err
+	}
+	e.PendingFor = time.Duration(pendingMS) * time.Millisecond
+	e.SinceFailure = time.Duration(failedMS) * time.Millisecond
+	var err error
+	if e.Metadata, err = DecodeMetadata(md); err != nil {
+		return fmt.Errorf("effect %d: %w", e.StoreID, err)
+	}
+	return nil
 }
 
 func scanEffects(rows *sql.Rows) ([]outbox.Effect, error) {
@@ -257,16 +439,8 @@ func scanEffects(rows *sql.Rows) ([]outbox.Effect, error) {
 	var out []outbox.Effect
 	for rows.Next() {
 		var e outbox.Effect
-		var md []byte
-		var pendingMS int64
-		if err := rows.Scan(&e.StoreID, &e.Source.Consumer, &e.Source.ID, &e.Seq, &e.Kind, &e.Topic, &e.UUID,
-			&e.Payload, &md, &e.OrderingKey, &e.Attempts, &pendingMS); err != nil {
+		if err := scanEffect(rows, &e); err != nil {
 			return nil, err
-		}
-		e.PendingFor = time.Duration(pendingMS) * time.Millisecond
-		var err error
-		if e.Metadata, err = DecodeMetadata(md); err != nil {
-			return nil, fmt.Errorf("effect %d: %w", e.StoreID, err)
 		}
 		out = append(out, e)
 	}
@@ -282,8 +456,8 @@ func (s *SQL) EffectListPending(ctx context.Context, src outbox.Source) ([]outbo
 	return scanEffects(rows)
 }
 
-// maxMarkBatch bounds the sources marked in one statement.
-const maxMarkBatch = 128
+// maxMarkBatch bounds the effects marked in one statement.
+const maxMarkBatch = 1024
 
 // EffectMarkDispatched implements outbox.Store.
 //
@@ -291,104 +465,73 @@ const maxMarkBatch = 128
 // the tables were small, would keep scanning them whole as they grow; planned on every use, the
 // statement looks its rows up by index once there are enough of them.
 func (s *SQL) EffectMarkDispatched(ctx context.Context, marks ...outbox.DispatchMark) error {
-	if s.d.Queries.EffectMarkDispatchedBatch == nil {
-		for _, m := range marks {
-			if _, err := s.db.ExecContext(ctx, s.d.Queries.EffectMarkDispatched, m.Source.Consumer, m.Source.ID); err != nil {
-				return s.wrap(err)
-			}
-		}
-		return nil
-	}
-	var move, keep []outbox.Source
+	var move, keep []int64
 	for _, m := range marks {
 		if m.MoveClaim {
-			move = append(move, m.Source)
+			move = append(move, m.StoreIDs...)
 		} else {
-			keep = append(keep, m.Source)
+			keep = append(keep, m.StoreIDs...)
 		}
 	}
 	for _, group := range []struct {
-		srcs       []outbox.Source
+		ids        []int64
 		moveClaims bool
 	}{{move, true}, {keep, false}} {
-		for srcs := group.srcs; len(srcs) > 0; {
-			n := min(len(srcs), maxMarkBatch)
-			args := make([]any, 0, 2*n)
-			for _, src := range srcs[:n] {
-				args = append(args, src.Consumer, src.ID)
-			}
-			if _, err := s.db.ExecContext(ctx, s.d.Queries.EffectMarkDispatchedBatch(n, group.moveClaims), args...); err != nil {
+		// Ascending IDs: every statement that locks several effect rows locks them in one order.
+		slices.Sort(group.ids)
+		for ids := slices.Compact(group.ids); len(ids) > 0; {
+			n := min(len(ids), maxMarkBatch)
+			if _, err := s.db.ExecContext(ctx, s.d.Queries.EffectMarkDispatched(group.moveClaims), idList(ids[:n])); err != nil {
 				return s.wrap(err)
 			}
-			srcs = srcs[n:]
+			ids = ids[n:]
 		}
 	}
 	return nil
 }
 
-// EffectRelay implements outbox.Store.
-func (s *SQL) EffectRelay(ctx context.Context, p outbox.EffectRelayParams, dispatch func([]outbox.Effect) []error) (int, error) {
-	tx, err := s.db.BeginTx(ctx, nil)
-	if err != nil {
-		return 0, fmt.Errorf("begin: %w", err)
-	}
-	defer func() { _ = tx.Rollback() }()
-	args := []any{p.Grace.Milliseconds(), p.Limit}
-	if s.d.Queries.RelayLock != "" {
-		var parts string
-		if err := tx.QueryRowContext(ctx, s.d.Queries.RelayLock, p.Grace.Milliseconds()).Scan(&parts); err != nil {
-			return 0, fmt.Errorf("relay lock: %w", s.wrap(err))
+// EffectRecordFailures implements outbox.Store.
+func (s *SQL) EffectRecordFailures(ctx context.Context, failures ...outbox.EffectFailure) error {
+	slices.SortFunc(failures, func(a, b outbox.EffectFailure) int { return cmp.Compare(a.StoreID, b.StoreID) })
+	released := map[time.Duration][]int64{}
+	var delays []time.Duration
+	for _, f := range failures {
+		if f.Reason == "" {
+			if _, ok := released[f.RetryAfter]; !ok {
+				delays = append(delays, f.RetryAfter)
+			}
+			released[f.RetryAfter] = append(released[f.RetryAfter], f.StoreID)
+			continue
 		}
-		if parts == "" {
-			return 0, nil
+		if _, err := s.db.ExecContext(ctx, s.d.Queries.EffectRecordFailure,
+			f.StoreID, storableReason(f.Reason), f.Counted, f.Park, f.RetryAfter.Milliseconds()); err != nil {
+			return fmt.Errorf("record failure of effect %d: %w", f.StoreID, s.wrap(err))
 		}
-		args = append(args, parts)
 	}
-	rows, err := tx.QueryContext(ctx, s.d.Queries.RelaySelect, args...)
+	for _, d := range delays {
+		if _, err := s.db.ExecContext(ctx, s.d.Queries.EffectRelease, idList(released[d]), d.Milliseconds()); err != nil {
+			return fmt.Errorf("release %d effects: %w", len(released[d]), s.wrap(err))
+		}
+	}
+	return nil
+}
+
+// EffectClaimDue implements outbox.Store.
+func (s *SQL) EffectClaimDue(ctx context.Context, p outbox.EffectClaimParams) ([]outbox.Effect, error) {
+	maxBytes := int64(p.MaxBytes)
+	if maxBytes <= 0 {
+		maxBytes = math.MaxInt64
+	}
+	rows, err := s.db.QueryContext(ctx, s.d.Queries.EffectClaimDue, p.Grace.Milliseconds(), p.Limit, maxBytes, p.Lease.Milliseconds())
 	if err != nil {
-		return 0, fmt.Errorf("select pending effects: %w", s.wrap(err))
+		return nil, fmt.Errorf("claim due effects: %w", s.wrap(err))
 	}
 	effects, err := scanEffects(rows)
 	if err != nil {
-		return 0, fmt.Errorf("select pending effects: %w", err)
+		return nil, fmt.Errorf("claim due effects: %w", s.wrap(err))
 	}
-	if len(effects) == 0 {
-		return 0, tx.Commit()
-	}
-	errs := dispatch(effects)
-	done := map[outbox.Source]bool{}
-	for i, e := range effects {
-		switch {
-		case errs[i] == nil:
-			if _, err := tx.ExecContext(ctx, s.d.Queries.RelayMarkDispatched, e.StoreID); err != nil {
-				return 0, fmt.Errorf("mark effect %d dispatched: %w", e.StoreID, err)
-			}
-			done[e.Source] = true
-		case errors.Is(errs[i], outbox.ErrEffectBlocked):
-		default:
-			attempts := e.Attempts + 1
-			delay := time.Duration(0)
-			if p.Backoff != nil {
-				delay = p.Backoff(attempts)
-			}
-			park := p.MaxAttempts > 0 && attempts >= p.MaxAttempts
-			if _, err := tx.ExecContext(ctx, s.d.Queries.RelayMarkFailed, e.StoreID, storableReason(errs[i].Error()), delay.Milliseconds(), park); err != nil {
-				return 0, fmt.Errorf("record failure of effect %d: %w", e.StoreID, err)
-			}
-		}
-	}
-	for src := range done {
-		if src.Consumer == "" {
-			continue
-		}
-		if _, err := tx.ExecContext(ctx, s.d.Queries.RelayFinishSource, src.Consumer, src.ID); err != nil {
-			return 0, fmt.Errorf("mark message %q of %q dispatched: %w", src.ID, src.Consumer, err)
-		}
-	}
-	if err := tx.Commit(); err != nil {
-		return 0, fmt.Errorf("commit relay round: %w", err)
-	}
-	return len(effects), nil
+	slices.SortFunc(effects, func(a, b outbox.Effect) int { return cmp.Compare(a.StoreID, b.StoreID) })
+	return effects, nil
 }
 
 // Cleanup implements outbox.Store.
@@ -463,12 +606,6 @@ func (s *SQL) cleanupBatch(ctx context.Context, query string, retention time.Dur
 	return n, true, tx.Commit()
 }
 
-// EffectRetryLater implements outbox.Store.
-func (s *SQL) EffectRetryLater(ctx context.Context, src outbox.Source, reason string, delay time.Duration) error {
-	_, err := s.db.ExecContext(ctx, s.d.Queries.EffectRetryLater, src.Consumer, src.ID, storableReason(reason), delay.Milliseconds())
-	return s.wrap(err)
-}
-
 // EffectKeyBlocked implements outbox.Store.
 func (s *SQL) EffectKeyBlocked(ctx context.Context, src outbox.Source, key string) (bool, error) {
 	var blocked bool
@@ -509,18 +646,11 @@ func (s *SQL) EffectListParked(ctx context.Context, limit int) ([]outbox.ParkedE
 	var out []outbox.ParkedEffect
 	for rows.Next() {
 		var p outbox.ParkedEffect
-		var md []byte
 		var lastErr sql.NullString
-		var pendingMS int64
-		if err := rows.Scan(&p.StoreID, &p.Source.Consumer, &p.Source.ID, &p.Seq, &p.Kind, &p.Topic, &p.UUID,
-			&p.Payload, &md, &p.OrderingKey, &p.Attempts, &pendingMS, &lastErr, &p.ParkedAt, &p.CreatedAt); err != nil {
+		if err := scanEffect(rows, &p.Effect, &lastErr, &p.ParkedAt, &p.CreatedAt); err != nil {
 			return nil, err
 		}
-		p.PendingFor = time.Duration(pendingMS) * time.Millisecond
 		p.LastError = lastErr.String
-		if p.Metadata, err = DecodeMetadata(md); err != nil {
-			return nil, fmt.Errorf("effect %d: %w", p.StoreID, err)
-		}
 		out = append(out, p)
 	}
 	return out, rows.Err()
@@ -533,18 +663,21 @@ func (s *SQL) EffectUnpark(ctx context.Context, ids []int64) (int, error) {
 
 // EffectDiscard implements outbox.Store.
 func (s *SQL) EffectDiscard(ctx context.Context, ids []int64) (int, error) {
-	return s.eachID(ctx, s.d.Queries.EffectDiscard, ids)
+	return s.eachID(ctx, s.d.Queries.EffectDiscard, ids, s.d.Queries.EffectDiscardMoveClaim)
 }
 
-// eachID runs query for every id in one transaction and returns the rows it changed.
-func (s *SQL) eachID(ctx context.Context, query string, ids []int64) (int, error) {
+// eachID runs query for every id, in ascending order, in one transaction, then (when it changed
+// the row) each of then, and returns the rows query changed.
+func (s *SQL) eachID(ctx context.Context, query string, ids []int64, then ...string) (int, error) {
+	ids = slices.Clone(ids)
+	slices.Sort(ids)
 	tx, err := s.db.BeginTx(ctx, nil)
 	if err != nil {
 		return 0, fmt.Errorf("begin: %w", err)
 	}
 	defer func() { _ = tx.Rollback() }()
 	total := 0
-	for _, id := range ids {
+	for _, id := range slices.Compact(ids) {
 		r, err := tx.ExecContext(ctx, query, id)
 		if err != nil {
 			return 0, s.wrap(err)
@@ -554,6 +687,14 @@ func (s *SQL) eachID(ctx context.Context, query string, ids []int64) (int, error
 			return 0, err
 		}
 		total += int(n)
+		for _, q := range then {
+			if q == "" || n == 0 {
+				continue
+			}
+			if _, err := tx.ExecContext(ctx, q, id); err != nil {
+				return 0, s.wrap(err)
+			}
+		}
 	}
 	return total, tx.Commit()
 }

@@ -64,7 +64,7 @@ func TestConformance(t *testing.T) {
 				}
 				return waiting
 			},
-			Capabilities: storetest.Capabilities{Listen: true, RelayRoundsPartial: true, RelaySharesWork: true, CleanupSkips: true},
+			Capabilities: storetest.Capabilities{Listen: true, RowLocks: true, CleanupSkips: true, ClaimReportsConcurrent: true},
 		}
 	})
 }

@@ -2,14 +2,28 @@ package postgres
 
 import (
 	"context"
+	"crypto/sha256"
+	"encoding/hex"
 	"fmt"
 	"time"
 
 	"github.com/lib/pq"
 )
 
-// notifyChannel is the channel of the relay wake-ups of one set of tables.
-func notifyChannel(schema, prefix string) string { return schema + "_" + prefix + "relay" }
+// maxChannelBytes is PostgreSQL's identifier limit (NAMEDATALEN - 1), which channel names obey:
+// LISTEN truncates a longer name silently and NOTIFY refuses it.
+const maxChannelBytes = 63
+
+// notifyChannel is the channel of the relay wake-ups of one set of tables: schema_prefixrelay, or,
+// when that would be longer than a channel name may be (a schema and prefix of 40 characters
+// each), a name derived from a hash of both.
+func notifyChannel(schema, prefix string) string {
+	if name := schema + "_" + prefix + "relay"; len(name) <= maxChannelBytes {
+		return name
+	}
+	sum := sha256.Sum256([]byte(schema + "." + prefix))
+	return "outbox_relay_" + hex.EncodeToString(sum[:12])
+}
 
 // listen holds a dedicated connection (lib/pq's Listener, which reconnects by itself) that LISTENs
 // on channel and calls wake for every notification, and after every reconnect, since

@@ -21,12 +21,6 @@ const DefaultSchema = "public"
 // lockClass is the first key of every advisory lock the framework takes ("outb").
 const lockClass = 0x6f757462
 
-// The relay's partitions of ordering keys; relayPartitions must be a power of two.
-const (
-	relayPartitions         = 16
-	relayPartitionsPerRound = 4
-)
-
 // Driver is the PostgreSQL dialect. The zero value is ready to use.
 type Driver struct {
 	// DisablePreparedStatements stops reusing prepared statements per connection. Set it behind a
@@ -103,24 +97,23 @@ func migrateQueries(n store.Names) store.MigrateQueries {
 	}
 }
 
-const effectColumns = `id, source_consumer, source_id, seq, kind, topic, uuid, payload, metadata, ordering_key, attempts,
-	(extract(epoch FROM now() - created_at) * 1000)::bigint`
+// effectColumns are the columns of an effect (table alias e) as the store scans them.
+const effectColumns = `e.id, e.source_consumer, e.source_id, e.seq, e.kind, e.topic, e.uuid,
+	e.payload, e.metadata, e.ordering_key, e.attempts, (extract(epoch FROM now() - e.created_at) * 1000)::bigint,
+	e.failures, coalesce((extract(epoch FROM now() - e.failed_at) * 1000)::bigint, 0), e.parked_at IS NOT NULL`
 
 // asyncCommit makes the implicit transaction of a single statement commit without waiting for
 // the WAL flush: the marks it guards are safe to lose (a lost mark only causes a re-send).
 const asyncCommit = `set_config('synchronous_commit', 'off', true) IS NOT NULL`
 
-func relayMark(n store.Names, deleteDispatched bool) string {
-	if deleteDispatched {
-		return `DELETE FROM ` + n.Effects + ` WHERE id = $1`
-	}
-	return `UPDATE ` + n.Effects + ` SET dispatched_at = now() WHERE id = $1`
-}
+// ids is the list of store IDs passed as the text argument arg.
+func ids(arg string) string { return `string_to_array(` + arg + `, ',')::bigint[]` }
 
 // relayDue is the condition under which the relay may send effect e: undispatched, not parked,
 // past the grace period ($1 ms) or handed over by a failed dispatch, due for its retry, and not
 // behind an earlier undispatched effect with its ordering key that is not due itself (parked,
-// waiting for a retry, or young enough to be in its own dispatch after commit).
+// waiting for a retry or leased by a relay, or young enough to be in its own dispatch after
+// commit).
 func relayDue(n store.Names, ms func(string) string) string {
 	return `e.dispatched_at IS NULL AND e.parked_at IS NULL
 			  AND (e.created_at < now() - ` + ms("$1") + ` OR e.next_attempt_at IS NOT NULL)
@@ -136,97 +129,102 @@ func queries(n store.Names, deleteDispatched bool) store.Queries {
 	// markEffects marks effects dispatched; deleting them writes a small record, where an update
 	// writes a new row version and index entries (dispatched_at is in the partial indexes'
 	// predicates, so the update cannot be HOT).
-	markEffects := `UPDATE ` + n.Effects + ` e SET dispatched_at = now()`
-	markEffectsFrom := " FROM v"
+	markEffects := `UPDATE ` + n.Effects + ` e SET dispatched_at = now() WHERE`
 	if deleteDispatched {
-		markEffects = `DELETE FROM ` + n.Effects + ` e`
-		markEffectsFrom = " USING v"
+		markEffects = `DELETE FROM ` + n.Effects + ` e WHERE`
 	}
 	return store.Queries{
-		MessageClaim: `INSERT INTO ` + n.Processed + ` (consumer, message_id, dispatched_at) VALUES ($1, $2, now())
-			ON CONFLICT (consumer, message_id) DO NOTHING RETURNING 1`,
-		MessageIsProcessed: `SELECT 1 FROM ` + n.Processed + ` WHERE consumer = $1 AND message_id = $2`,
+		// The claim's CTE and the SELECT see one snapshot, taken when the statement began: a
+		// conflicting claim the SELECT cannot see was committed while the INSERT waited for it, by
+		// a copy processed at the same moment.
+		MessageClaim: `WITH ins AS (INSERT INTO ` + n.Processed + ` (consumer, message_id, dispatched_at) VALUES ($1, $2, now())
+				ON CONFLICT (consumer, message_id) DO NOTHING RETURNING 1)
+			SELECT EXISTS (SELECT 1 FROM ins),
+			       EXISTS (SELECT 1 FROM ` + n.Processed + ` WHERE consumer = $1 AND message_id = $2)`,
+		MessageClaimReportsConcurrent: true,
+		MessageIsProcessed:            `SELECT 1 FROM ` + n.Processed + ` WHERE consumer = $1 AND message_id = $2`,
 		MessagePoison: `INSERT INTO ` + n.Processed + ` (consumer, message_id, dispatched_at, poisoned) VALUES ($1, $2, now(), true)
 			ON CONFLICT (consumer, message_id) DO NOTHING`,
+		MessageReplay: `DELETE FROM ` + n.Processed + ` WHERE consumer = $1 AND message_id = $2 AND poisoned`,
 		AttemptRecord: `INSERT INTO ` + n.Attempts + ` AS a (consumer, message_id, attempts, last_error) VALUES ($1, $2, 1, $3)
 			ON CONFLICT (consumer, message_id) DO UPDATE
 			SET attempts = a.attempts + 1, last_error = EXCLUDED.last_error, last_failed_at = now()
 			RETURNING attempts`,
+		AttemptDelete: `DELETE FROM ` + n.Attempts + ` WHERE consumer = $1 AND message_id = $2`,
+		// created_at is the time of the insert, not of the transaction's start: a duplicate judges
+		// by it whether the effects are young enough to be in their own dispatch right now. A row
+		// written inside a savepoint has the subtransaction's xid, not the transaction's own.
 		EffectInsert: func(count int) string {
 			var b strings.Builder
-			b.WriteString(`INSERT INTO ` + n.Effects + ` (source_consumer, source_id, seq, kind, topic, uuid, payload, metadata, ordering_key) VALUES `)
+			b.WriteString(`INSERT INTO ` + n.Effects + ` (source_consumer, source_id, seq, kind, topic, uuid, payload, metadata, ordering_key, created_at) VALUES `)
 			for i := 0; i < count; i++ {
 				if i > 0 {
 					b.WriteString(", ")
 				}
 				a := 3 + 7*i
-				fmt.Fprintf(&b, "($1, $2, $%d, $%d, $%d, $%d, $%d, $%d, $%d)", a, a+1, a+2, a+3, a+4, a+5, a+6)
+				fmt.Fprintf(&b, "($1, $2, $%d, $%d, $%d, $%d, $%d, $%d, $%d, clock_timestamp())", a, a+1, a+2, a+3, a+4, a+5, a+6)
 			}
+			b.WriteString(` RETURNING id, seq, xmin::text <> (txid_current() % 4294967296)::text`)
 			return b.String()
 		},
-		EffectListPending: `SELECT ` + effectColumns + ` FROM ` + n.Effects + `
+		EffectExisting: `SELECT id FROM ` + n.Effects + ` WHERE id = ANY (` + ids("$1") + `)`,
+		EffectListPending: `SELECT ` + effectColumns + ` FROM ` + n.Effects + ` e
 			WHERE source_consumer = $1 AND source_id = $2 AND dispatched_at IS NULL ORDER BY seq`,
-		EffectMarkDispatchedBatch: func(count int, moveClaims bool) string {
-			var v strings.Builder
-			for i := 0; i < count; i++ {
-				if i > 0 {
-					v.WriteString(", ")
-				}
-				fmt.Fprintf(&v, "($%d::text, $%d::text)", 2*i+1, 2*i+2)
-			}
+		// The CTE runs first (the main statement reads it): effect rows are locked before claim
+		// rows, as everywhere.
+		EffectMarkDispatched: func(moveClaims bool) string {
 			if !moveClaims {
-				return `WITH v (c, i) AS (VALUES ` + v.String() + `)
-					` + markEffects + markEffectsFrom + `
-					WHERE e.source_consumer = v.c AND e.source_id = v.i AND e.dispatched_at IS NULL AND ` + asyncCommit
+				return markEffects + ` e.id = ANY (` + ids("$1") + `) AND e.dispatched_at IS NULL AND ` + asyncCommit
 			}
-			return `WITH v (c, i) AS (VALUES ` + v.String() + `),
-				e AS (` + markEffects + markEffectsFrom + `
-					WHERE e.source_consumer = v.c AND e.source_id = v.i AND e.dispatched_at IS NULL AND ` + asyncCommit + `)
-				UPDATE ` + n.Processed + ` p SET dispatched_at = now() FROM v
-				WHERE p.consumer = v.c AND p.message_id = v.i AND ` + asyncCommit
+			return `WITH e AS (` + markEffects + ` e.id = ANY (` + ids("$1") + `) AND e.dispatched_at IS NULL AND ` + asyncCommit + `
+					RETURNING e.source_consumer, e.source_id)
+				UPDATE ` + n.Processed + ` p SET dispatched_at = now()
+				FROM (SELECT DISTINCT source_consumer, source_id FROM e) s
+				WHERE p.consumer = s.source_consumer AND p.message_id = s.source_id AND ` + asyncCommit
 		},
-
-		EffectRetryLater: `UPDATE ` + n.Effects + ` SET last_error = $3,
-			next_attempt_at = now() + ` + ms("$4") + `
-			WHERE source_consumer = $1 AND source_id = $2 AND dispatched_at IS NULL`,
+		EffectRecordFailure: `UPDATE ` + n.Effects + ` SET failures = failures + 1, failed_at = now(), last_error = $2,
+			attempts = attempts + CASE WHEN $3::boolean THEN 1 ELSE 0 END,
+			next_attempt_at = now() + ` + ms("$5") + `, parked_at = CASE WHEN $4::boolean THEN now() END
+			WHERE id = $1 AND dispatched_at IS NULL`,
+		EffectRelease: `UPDATE ` + n.Effects + ` SET next_attempt_at = now() + ` + ms("$2") + `
+			WHERE id = ANY (` + ids("$1") + `) AND dispatched_at IS NULL AND parked_at IS NULL`,
 		EffectKeyBlocked: `SELECT EXISTS (SELECT 1 FROM ` + n.Effects + ` b
 			WHERE b.ordering_key = $3 AND b.dispatched_at IS NULL AND NOT (b.source_consumer = $1 AND b.source_id = $2)
 			  AND b.id < (SELECT min(id) FROM ` + n.Effects + `
 				WHERE source_consumer = $1 AND source_id = $2 AND dispatched_at IS NULL))`,
 		EffectHandToRelay: `UPDATE ` + n.Effects + ` SET next_attempt_at = coalesce(next_attempt_at, now())
 			WHERE source_consumer = $1 AND source_id = $2 AND dispatched_at IS NULL`,
-		EffectListParked: `SELECT ` + effectColumns + `, last_error, parked_at, created_at FROM ` + n.Effects + `
+		EffectListParked: `SELECT ` + effectColumns + `, last_error, parked_at, created_at FROM ` + n.Effects + ` e
 			WHERE parked_at IS NOT NULL AND dispatched_at IS NULL ORDER BY id LIMIT $1`,
 		EffectUnpark: `UPDATE ` + n.Effects + ` SET parked_at = NULL, next_attempt_at = now(), attempts = 0
 			WHERE id = $1 AND parked_at IS NOT NULL AND dispatched_at IS NULL`,
 		EffectDiscard: `UPDATE ` + n.Effects + ` SET dispatched_at = now(), last_error = coalesce(last_error, '') || ' (discarded)'
 			WHERE id = $1 AND parked_at IS NOT NULL AND dispatched_at IS NULL`,
+		EffectDiscardMoveClaim: `UPDATE ` + n.Processed + ` p SET dispatched_at = now() FROM ` + n.Effects + ` e
+			WHERE e.id = $1 AND p.consumer = e.source_consumer AND p.message_id = e.source_id`,
 
-		// Ordering keys hash into relayPartitions partitions. RelayLock locks, for the round's
-		// transaction, up to relayPartitionsPerRound free partitions that have due effects (in random
-		// order, so that instances spread over them); RelaySelect then claims only their effects, in
-		// a statement of its own so that its snapshot includes whatever the previous holder of those
-		// partitions committed. Instances share the work, and one key is relayed by one instance at
-		// a time, in id order.
-		RelayLock: `SELECT coalesce(string_agg(p::text, ','), '') FROM (
-				SELECT p FROM (SELECT p FROM generate_series(0, ` + fmt.Sprint(relayPartitions-1) + `) p ORDER BY random()) r
-				WHERE CASE WHEN EXISTS (SELECT 1 FROM ` + n.Effects + ` e
-						WHERE (hashtext(e.ordering_key) & ` + fmt.Sprint(relayPartitions-1) + `) = r.p AND ` + relayDue(n, ms) + `)
-					THEN pg_try_advisory_xact_lock(` + fmt.Sprint(lockClass) + `, hashtext('` + n.Schema + `.` + n.Prefix + `relay.' || r.p))
-					ELSE false END
-				LIMIT ` + fmt.Sprint(relayPartitionsPerRound) + `) locked`,
-		RelaySelect: `SELECT ` + effectColumns + ` FROM ` + n.Effects + ` e
-			WHERE ` + relayDue(n, ms) + `
-			  AND (hashtext(e.ordering_key) & ` + fmt.Sprint(relayPartitions-1) + `) = ANY (string_to_array($3, ',')::int[])
-			ORDER BY e.id LIMIT $2
-			FOR UPDATE OF e SKIP LOCKED`,
-		RelayMarkDispatched: relayMark(n, deleteDispatched),
-		RelayMarkFailed: `UPDATE ` + n.Effects + ` SET attempts = attempts + 1, last_error = $2,
-			next_attempt_at = now() + ` + ms("$3") + `, parked_at = CASE WHEN $4::boolean THEN now() END WHERE id = $1`,
-		RelayFinishSource: `UPDATE ` + n.Processed + ` SET dispatched_at = now()
-			WHERE consumer = $1 AND message_id = $2
-			  AND NOT EXISTS (SELECT 1 FROM ` + n.Effects + `
-				WHERE source_consumer = $1 AND source_id = $2 AND dispatched_at IS NULL)`,
+		// Candidates are locked with SKIP LOCKED, so that instances claiming at the same time take
+		// different effects, and cut to the byte budget. An effect behind an earlier undispatched
+		// one with its key that this statement did not take (locked by another statement, or past
+		// the budget) stays: SKIP LOCKED must never let a later effect overtake an earlier one. The
+		// lease (next_attempt_at in the future) then keeps every later effect of the key waiting.
+		EffectClaimDue: `WITH c AS MATERIALIZED (
+				SELECT e.id, e.ordering_key, octet_length(e.payload) + octet_length(e.metadata) AS size
+				FROM ` + n.Effects + ` e
+				WHERE ` + relayDue(n, ms) + `
+				ORDER BY e.id LIMIT $2
+				FOR UPDATE OF e SKIP LOCKED),
+			w AS (SELECT id, ordering_key, sum(size) OVER (ORDER BY id) AS running, row_number() OVER (ORDER BY id) AS n FROM c),
+			kept AS MATERIALIZED (SELECT id, ordering_key FROM w WHERE running <= $3 OR n = 1),
+			stops AS (SELECT k.ordering_key, (SELECT b.id FROM ` + n.Effects + ` b
+					WHERE b.ordering_key = k.ordering_key AND b.dispatched_at IS NULL
+					  AND NOT EXISTS (SELECT 1 FROM kept k2 WHERE k2.id = b.id)
+					ORDER BY b.id LIMIT 1) AS stop
+				FROM (SELECT DISTINCT ordering_key FROM kept) k)
+			UPDATE ` + n.Effects + ` e SET next_attempt_at = now() + ` + ms("$4") + `
+			FROM kept JOIN stops USING (ordering_key)
+			WHERE e.id = kept.id AND (stops.stop IS NULL OR kept.id < stops.stop)
+			RETURNING ` + effectColumns,
 
 		CleanupLock: fmt.Sprintf("SELECT pg_try_advisory_xact_lock(%d, %s)", lockClass, lockKey(n, "cleanup")),
 		// Cleanup batches commit asynchronously: a batch lost in a crash is simply deleted again.

@@ -92,6 +92,9 @@ func migrateQueries(n store.Names) store.MigrateQueries {
 		},
 		Applied: `SELECT version FROM ` + n.Migrations,
 		Insert:  `INSERT INTO ` + n.Migrations + ` (version) VALUES (?1)`,
+		AlreadyApplied: func(err error) bool {
+			return strings.Contains(err.Error(), "duplicate column name")
+		},
 	}
 }
 
@@ -109,7 +112,11 @@ func fromNow(ms string) string {
 func ago(ms string) string { return fromNow("-(" + ms + ")") }
 
 const effectColumns = `id, source_consumer, source_id, seq, kind, topic, uuid, payload, metadata, ordering_key, attempts,
-	CAST(round((julianday('now') - julianday(created_at)) * 86400000.0) AS INTEGER)`
+	CAST(round((julianday('now') - julianday(created_at)) * 86400000.0) AS INTEGER), failures,
+	coalesce(CAST(round((julianday('now') - julianday(failed_at)) * 86400000.0) AS INTEGER), 0), parked_at IS NOT NULL`
+
+// ids is the list of store IDs passed as the text argument arg ("1,2,3").
+func ids(arg string) string { return `(SELECT value FROM json_each('[' || ` + arg + ` || ']'))` }
 
 func queries(n store.Names) store.Queries {
 	return store.Queries{
@@ -118,10 +125,14 @@ func queries(n store.Names) store.Queries {
 		MessageIsProcessed: `SELECT 1 FROM ` + n.Processed + ` WHERE consumer = ?1 AND message_id = ?2`,
 		MessagePoison: `INSERT INTO ` + n.Processed + ` (consumer, message_id, dispatched_at, poisoned) VALUES (?1, ?2, ` + now + `, 1)
 			ON CONFLICT (consumer, message_id) DO NOTHING`,
+		MessageReplay: `DELETE FROM ` + n.Processed + ` WHERE consumer = ?1 AND message_id = ?2 AND poisoned`,
 		AttemptRecord: `INSERT INTO ` + n.Attempts + ` (consumer, message_id, attempts, last_error) VALUES (?1, ?2, 1, ?3)
 			ON CONFLICT (consumer, message_id) DO UPDATE
 			SET attempts = attempts + 1, last_error = excluded.last_error, last_failed_at = ` + now + `
 			RETURNING attempts`,
+		AttemptDelete: `DELETE FROM ` + n.Attempts + ` WHERE consumer = ?1 AND message_id = ?2`,
+		// SQLite cannot tell whether a row was written inside a savepoint: every insert says it
+		// may have been, and the framework checks before it commits (in process, so cheap).
 		EffectInsert: func(count int) string {
 			var b strings.Builder
 			b.WriteString(`INSERT INTO ` + n.Effects + ` (source_consumer, source_id, seq, kind, topic, uuid, payload, metadata, ordering_key) VALUES `)
@@ -135,17 +146,24 @@ func queries(n store.Names) store.Queries {
 				}
 				b.WriteString("(?1, ?2, ?, ?, ?, ?, coalesce(?, x''), coalesce(?, x''), ?)")
 			}
+			b.WriteString(` RETURNING id, seq, 1`)
 			return b.String()
 		},
+		EffectExisting: `SELECT id FROM ` + n.Effects + ` WHERE id IN ` + ids("?1"),
 		EffectListPending: `SELECT ` + effectColumns + ` FROM ` + n.Effects + `
 			WHERE source_consumer = ?1 AND source_id = ?2 AND dispatched_at IS NULL ORDER BY seq`,
-		// The trigger effects_dispatched moves the claim's dispatch time along (see the migration).
-		EffectMarkDispatched: `UPDATE ` + n.Effects + ` SET dispatched_at = ` + now + `
-			WHERE source_consumer = ?1 AND source_id = ?2 AND dispatched_at IS NULL`,
-
-		EffectRetryLater: `UPDATE ` + n.Effects + ` SET last_error = ?3,
-			next_attempt_at = ` + fromNow("?4") + `
-			WHERE source_consumer = ?1 AND source_id = ?2 AND dispatched_at IS NULL`,
+		// The trigger effects_dispatched moves the claim's dispatch time along (see the migration),
+		// whatever moveClaims says.
+		EffectMarkDispatched: func(bool) string {
+			return `UPDATE ` + n.Effects + ` SET dispatched_at = ` + now + `
+				WHERE id IN ` + ids("?1") + ` AND dispatched_at IS NULL`
+		},
+		EffectRecordFailure: `UPDATE ` + n.Effects + ` SET failures = failures + 1, failed_at = ` + now + `, last_error = ?2,
+			attempts = attempts + CASE WHEN ?3 THEN 1 ELSE 0 END,
+			next_attempt_at = ` + fromNow("?5") + `, parked_at = CASE WHEN ?4 THEN ` + now + ` END
+			WHERE id = ?1 AND dispatched_at IS NULL`,
+		EffectRelease: `UPDATE ` + n.Effects + ` SET next_attempt_at = ` + fromNow("?2") + `
+			WHERE id IN ` + ids("?1") + ` AND dispatched_at IS NULL AND parked_at IS NULL`,
 		EffectKeyBlocked: `SELECT EXISTS (SELECT 1 FROM ` + n.Effects + ` b
 			WHERE b.ordering_key = ?3 AND b.dispatched_at IS NULL AND NOT (b.source_consumer = ?1 AND b.source_id = ?2)
 			  AND b.id < (SELECT min(id) FROM ` + n.Effects + `
@@ -161,29 +179,27 @@ func queries(n store.Names) store.Queries {
 		EffectDiscard: `UPDATE ` + n.Effects + ` SET dispatched_at = ` + now + `, last_error = coalesce(last_error, '') || ' (discarded)'
 			WHERE id = ?1 AND parked_at IS NOT NULL AND dispatched_at IS NULL`,
 
-		// SQLite has one writer, and the relay's transaction holds the write lock from BEGIN
-		// (_txlock=immediate) until it has recorded the outcome: relays of several processes take
-		// turns, which is also what keeps one ordering key with one relay at a time. An effect is
-		// due when it is past the grace period or was handed over, and its retry time has come;
-		// it waits while an earlier undispatched effect with its key is not due itself (parked,
-		// backing off, or still in its grace period on the fast path of another transaction), so
-		// that later effects never overtake an earlier one.
-		RelaySelect: `SELECT ` + effectColumns + ` FROM ` + n.Effects + ` e
-			WHERE e.dispatched_at IS NULL AND e.parked_at IS NULL
-			  AND (e.created_at < ` + ago("?1") + ` OR e.next_attempt_at IS NOT NULL)
-			  AND (e.next_attempt_at IS NULL OR e.next_attempt_at <= ` + now + `)
-			  AND NOT EXISTS (SELECT 1 FROM ` + n.Effects + ` b
-				WHERE b.ordering_key = e.ordering_key AND b.id < e.id AND b.dispatched_at IS NULL
-				  AND (b.parked_at IS NOT NULL OR b.next_attempt_at > ` + now + `
-				       OR (b.next_attempt_at IS NULL AND b.created_at >= ` + ago("?1") + `)))
-			ORDER BY e.id LIMIT ?2`,
-		RelayMarkDispatched: `UPDATE ` + n.Effects + ` SET dispatched_at = ` + now + ` WHERE id = ?1`,
-		RelayMarkFailed: `UPDATE ` + n.Effects + ` SET attempts = attempts + 1, last_error = ?2,
-			next_attempt_at = ` + fromNow("?3") + `, parked_at = CASE WHEN ?4 THEN ` + now + ` END WHERE id = ?1`,
-		RelayFinishSource: `UPDATE ` + n.Processed + ` SET dispatched_at = ` + now + `
-			WHERE consumer = ?1 AND message_id = ?2
-			  AND NOT EXISTS (SELECT 1 FROM ` + n.Effects + `
-				WHERE source_consumer = ?1 AND source_id = ?2 AND dispatched_at IS NULL)`,
+		// SQLite has one writer: the claim is one statement, so relays of several processes take
+		// turns, and no row can be locked by another statement while it looks. An effect is due
+		// when it is past the grace period or was handed over, and its retry time has come; it
+		// waits while an earlier undispatched effect with its key is not due itself (parked,
+		// backing off, leased, or still in its grace period on the fast path of another
+		// transaction), so that later effects never overtake an earlier one. The lease keeps the
+		// later effects of a key waiting until the claimed ones are marked.
+		EffectClaimDue: `UPDATE ` + n.Effects + ` SET next_attempt_at = ` + fromNow("?4") + `
+			WHERE id IN (SELECT id FROM (
+				SELECT e.id, sum(length(e.payload) + length(e.metadata)) OVER (ORDER BY e.id) AS running,
+				       row_number() OVER (ORDER BY e.id) AS n
+				FROM ` + n.Effects + ` e
+				WHERE e.dispatched_at IS NULL AND e.parked_at IS NULL
+				  AND (e.created_at < ` + ago("?1") + ` OR e.next_attempt_at IS NOT NULL)
+				  AND (e.next_attempt_at IS NULL OR e.next_attempt_at <= ` + now + `)
+				  AND NOT EXISTS (SELECT 1 FROM ` + n.Effects + ` b
+					WHERE b.ordering_key = e.ordering_key AND b.id < e.id AND b.dispatched_at IS NULL
+					  AND (b.parked_at IS NOT NULL OR b.next_attempt_at > ` + now + `
+					       OR (b.next_attempt_at IS NULL AND b.created_at >= ` + ago("?1") + `)))
+				ORDER BY e.id LIMIT ?2) WHERE running <= ?3 OR n = 1)
+			RETURNING ` + effectColumns,
 
 		// No lock: each batch's transaction holds the write lock, so cleaners take turns.
 		CleanupClaims: `DELETE FROM ` + n.Processed + ` WHERE (consumer, message_id) IN (

@@ -47,17 +47,15 @@ type Capabilities struct {
 	// Listen: EffectListen delivers the EffectNotify calls of other sessions. Without it,
 	// EffectListen returns outbox.ErrListenUnsupported at once and EffectNotify does nothing.
 	Listen bool
-	// RelayRoundsPartial: a relay round may look only at some ordering keys (PostgreSQL locks a
-	// few key partitions per round, so that instances share the work): the suite repeats rounds
-	// before it concludes that nothing is due.
-	RelayRoundsPartial bool
-	// RelaySharesWork: relay rounds of two instances run at the same time, on effects with
-	// different ordering keys. Without it, a round waits until the other instance's round has
-	// finished, then goes on with what is left: instances take turns.
-	RelaySharesWork bool
+	// RowLocks: another session can lock an effect row (SELECT ... FOR UPDATE) while a relay
+	// claims; the claim must then hold the row's ordering key.
+	RowLocks bool
 	// CleanupSkips: Cleanup returns at once, Skipped, while another process cleans. Without it,
 	// Cleanup waits until the other one's batch is done and then cleans.
 	CleanupSkips bool
+	// ClaimReportsConcurrent: MessageClaim tells a claim committed while it waited for it
+	// (Claim.Concurrent) from one committed before it began. Without it, Concurrent is always false.
+	ClaimReportsConcurrent bool
 }
 
 // KeyColumns returns the columns of an outbox table that hold the source of a row.
@@ -94,24 +92,33 @@ func Run(t *testing.T, newHarness func(t *testing.T) Harness) {
 		{"EffectInsert/RoundTrip", testInsertRoundTrip},
 		{"EffectInsert/RolledBack", testInsertRolledBack},
 		{"EffectInsert/LargeBatch", testInsertLargeBatch},
+		{"EffectInsert/InSavepoint", testInsertInSavepoint},
+		{"EffectMarkDispatched/OnlyTheListed", testMarkOnlyTheListed},
 		{"EffectListPending/PendingFor", testPendingFor},
 		{"EffectMarkDispatched", testMarkDispatched},
 		{"EffectMarkDispatched/RetentionCountsFromDispatch", testMarkMovesClaim},
 		{"EffectMarkDispatched/ManySources", testMarkMany},
 		{"EffectMarkDispatched/ClaimLeftAlone", testMarkKeepsClaim},
-		{"EffectRetryLater/DueAtOnce", testRetryLaterAtOnce},
-		{"EffectRetryLater/Delay", testRetryLaterDelay},
+		{"EffectRecordFailures/DueAtOnce", testRecordFailuresAtOnce},
+		{"EffectRecordFailures/Delay", testRecordFailuresDelay},
+		{"EffectRecordFailures/CountedAndParked", testRecordFailuresCountedAndParked},
+		{"EffectRecordFailures/Release", testRecordFailuresRelease},
 		{"EffectHandToRelay", testHandToRelay},
 		{"EffectKeyBlocked", testKeyBlocked},
-		{"EffectRelay/Grace", testRelayGrace},
-		{"EffectRelay/Limit", testRelayLimit},
-		{"EffectRelay/Backoff", testRelayBackoff},
-		{"EffectRelay/BlockedIsNeitherMarkedNorCounted", testRelayBlocked},
-		{"EffectRelay/ParkAfterMaxAttempts", testRelayPark},
-		{"EffectRelay/KeyWaitsBehindFailure", testRelayKeyBehindFailure},
-		{"EffectRelay/KeyWaitsBehindFastPath", testRelayKeyBehindFastPath},
-		{"EffectRelay/MarksTheClaim", testRelayMarksClaim},
-		{"EffectRelay/Instances", testRelayInstances},
+		{"EffectClaimDue/Grace", testRelayGrace},
+		{"EffectClaimDue/Limit", testRelayLimit},
+		{"EffectClaimDue/Backoff", testRelayBackoff},
+		{"EffectClaimDue/BlockedIsNeitherMarkedNorCounted", testRelayBlocked},
+		{"EffectClaimDue/ParkAfterMaxAttempts", testRelayPark},
+		{"EffectClaimDue/KeyWaitsBehindFailure", testRelayKeyBehindFailure},
+		{"EffectClaimDue/KeyWaitsBehindFastPath", testRelayKeyBehindFastPath},
+		{"EffectClaimDue/MarksTheClaim", testRelayMarksClaim},
+		{"EffectClaimDue/Instances", testRelayInstances},
+		{"EffectClaimDue/Lease", testClaimDueLease},
+		{"EffectClaimDue/MaxBytes", testClaimDueMaxBytes},
+		{"EffectClaimDue/LockedEarlierEffectHoldsItsKey", testClaimDueLockedEarlier},
+		{"EffectDiscard/RetentionCountsFromDiscard", testDiscardMovesClaim},
+		{"MessageReplay", testReplay},
 		{"EffectListParked", testListParked},
 		{"EffectUnpark", testUnpark},
 		{"EffectDiscard", testDiscard},
@@ -182,14 +189,19 @@ func (f *fixture) commit(src outbox.Source, claim bool, effects []outbox.Effect)
 	tx := f.begin()
 	defer func() { _ = tx.Rollback() }()
 	if claim {
-		ok, err := f.st.MessageClaim(f.ctx, tx, src)
-		if err != nil || !ok {
-			f.t.Fatalf("MessageClaim(%v) = %v, %v; want true", src, ok, err)
+		c, err := f.st.MessageClaim(f.ctx, tx, src)
+		if err != nil || !c.Claimed {
+			f.t.Fatalf("MessageClaim(%v) = %+v, %v; want claimed", src, c, err)
 		}
 	}
 	if len(effects) > 0 {
-		if err := f.st.EffectInsert(f.ctx, tx, src, effects); err != nil {
+		if _, err := f.st.EffectInsert(f.ctx, tx, src, effects); err != nil {
 			f.t.Fatalf("EffectInsert(%v): %v", src, err)
+		}
+		for _, e := range effects {
+			if e.StoreID == 0 {
+				f.t.Fatalf("EffectInsert(%v) left the StoreID of effect %d unset", src, e.Seq)
+			}
 		}
 	}
 	if err := tx.Commit(); err != nil {
@@ -206,11 +218,21 @@ func (f *fixture) pending(src outbox.Source) []outbox.Effect {
 	return es
 }
 
+// mark marks the pending effects of src dispatched, by their store IDs, and moves the claim.
 func (f *fixture) mark(src outbox.Source) {
 	f.t.Helper()
-	if err := f.st.EffectMarkDispatched(f.ctx, outbox.DispatchMark{Source: src, MoveClaim: true}); err != nil {
+	if err := f.st.EffectMarkDispatched(f.ctx, markOf(src, f.pending(src), true)); err != nil {
 		f.t.Fatalf("EffectMarkDispatched(%v): %v", src, err)
 	}
+}
+
+// markOf returns the mark of effects of src.
+func markOf(src outbox.Source, effects []outbox.Effect, moveClaim bool) outbox.DispatchMark {
+	m := outbox.DispatchMark{Source: src, MoveClaim: moveClaim}
+	for _, e := range effects {
+		m.StoreIDs = append(m.StoreIDs, e.StoreID)
+	}
+	return m
 }
 
 func (f *fixture) processed(src outbox.Source) bool {
@@ -227,73 +249,77 @@ func (f *fixture) age(table, column string, src outbox.Source, d time.Duration) 
 	f.h.Age(f.t, table, column, src, d)
 }
 
+// relayParams are the settings of a relay round of the suite's own (see round).
+type relayParams struct {
+	Grace       time.Duration
+	Limit       int
+	MaxBytes    int
+	MaxAttempts int
+	Backoff     func(attempts int) time.Duration
+}
+
 // due are relay parameters under which effects aged by two hours are due and failures back off
 // for an hour.
-var due = outbox.EffectRelayParams{Grace: time.Hour, Limit: 100, MaxAttempts: 10, Backoff: func(int) time.Duration { return time.Hour }}
+var due = relayParams{Grace: time.Hour, Limit: 100, MaxAttempts: 10, Backoff: func(int) time.Duration { return time.Hour }}
 
-// round runs one relay round on st whose dispatch answers outcome for each effect (nil: sent),
-// and returns the effects dispatch was called with.
-func (f *fixture) round(st outbox.Store, p outbox.EffectRelayParams, outcome func(outbox.Effect) error) []outbox.Effect {
+// errBlocked is the outcome an effect is given when the round does not try it: it is released.
+var errBlocked = errors.New("blocked behind an earlier effect with the same ordering key")
+
+// round runs one relay round on st, as the framework's relay does: it claims what is due, and
+// marks each effect sent, records it failed (counted, parked at p.MaxAttempts) or releases it,
+// as outcome answers for it (nil: sent; errBlocked: not tried). It returns the claimed effects.
+func (f *fixture) round(st outbox.Store, p relayParams, outcome func(outbox.Effect) error) []outbox.Effect {
 	f.t.Helper()
-	var got []outbox.Effect
-	called := false
-	n, err := st.EffectRelay(f.ctx, p, func(es []outbox.Effect) []error {
-		if called {
-			f.t.Errorf("dispatch called twice in one round")
-		}
-		called = true
-		got = es
-		errs := make([]error, len(es))
-		for i, e := range es {
-			errs[i] = outcome(e)
-		}
-		return errs
-	})
+	got, err := st.EffectClaimDue(f.ctx, outbox.EffectClaimParams{Grace: p.Grace, Limit: p.Limit, MaxBytes: p.MaxBytes, Lease: time.Hour})
 	if err != nil {
-		f.t.Fatalf("EffectRelay: %v", err)
-	}
-	if n != len(got) {
-		f.t.Fatalf("EffectRelay returned %d, dispatch was called with %d effects", n, len(got))
-	}
-	if called && len(got) == 0 {
-		f.t.Fatalf("EffectRelay called dispatch with no effects")
+		f.t.Fatalf("EffectClaimDue: %v", err)
 	}
 	for i := 1; i < len(got); i++ {
 		if got[i].StoreID <= got[i-1].StoreID {
-			f.t.Fatalf("EffectRelay dispatched out of store order: %d after %d", got[i].StoreID, got[i-1].StoreID)
+			f.t.Fatalf("EffectClaimDue returned effects out of store order: %d after %d", got[i].StoreID, got[i-1].StoreID)
 		}
+	}
+	var marks []outbox.DispatchMark
+	var fails []outbox.EffectFailure
+	for _, e := range got {
+		err := outcome(e)
+		switch {
+		case err == nil:
+			marks = append(marks, outbox.DispatchMark{Source: e.Source, StoreIDs: []int64{e.StoreID}, MoveClaim: true})
+		case errors.Is(err, errBlocked):
+			fails = append(fails, outbox.EffectFailure{StoreID: e.StoreID})
+		default:
+			var delay time.Duration
+			if p.Backoff != nil {
+				delay = p.Backoff(e.Attempts + 1)
+			}
+			fails = append(fails, outbox.EffectFailure{StoreID: e.StoreID, Reason: err.Error(), Counted: true,
+				Park: p.MaxAttempts > 0 && e.Attempts+1 >= p.MaxAttempts, RetryAfter: delay})
+		}
+	}
+	if err := st.EffectMarkDispatched(f.ctx, marks...); err != nil {
+		f.t.Fatalf("EffectMarkDispatched: %v", err)
+	}
+	if err := st.EffectRecordFailures(f.ctx, fails...); err != nil {
+		f.t.Fatalf("EffectRecordFailures: %v", err)
 	}
 	return got
 }
 
-// partialTries is how many rounds in a row must find nothing before a dialect whose rounds are
-// partial is taken to have nothing due: the chance that a round misses a given key partition
-// every time is (3/4)^64 with PostgreSQL's 4 of 16.
-const partialTries = 64
 
-// relayOn runs relay rounds on st until one dispatches something (one round when rounds are
-// complete) and returns what it dispatched.
-func (f *fixture) relayOn(st outbox.Store, p outbox.EffectRelayParams, outcome func(outbox.Effect) error) []outbox.Effect {
+// relayOn runs one relay round on st and returns what it claimed.
+func (f *fixture) relayOn(st outbox.Store, p relayParams, outcome func(outbox.Effect) error) []outbox.Effect {
 	f.t.Helper()
-	tries := 1
-	if f.h.Capabilities.RelayRoundsPartial {
-		tries = partialTries
-	}
-	for i := 0; i < tries; i++ {
-		if got := f.round(st, p, outcome); len(got) > 0 {
-			return got
-		}
-	}
-	return nil
+	return f.round(st, p, outcome)
 }
 
-func (f *fixture) relay(p outbox.EffectRelayParams, outcome func(outbox.Effect) error) []outbox.Effect {
+func (f *fixture) relay(p relayParams, outcome func(outbox.Effect) error) []outbox.Effect {
 	f.t.Helper()
 	return f.relayOn(f.st, p, outcome)
 }
 
 // drain runs relay rounds until nothing is due and returns every effect dispatched.
-func (f *fixture) drain(p outbox.EffectRelayParams, outcome func(outbox.Effect) error) []outbox.Effect {
+func (f *fixture) drain(p relayParams, outcome func(outbox.Effect) error) []outbox.Effect {
 	f.t.Helper()
 	var all []outbox.Effect
 	for {
@@ -473,8 +499,8 @@ func testSchemaMissing(f *fixture) {
 		"AttemptRecord":      func() error { _, err := f.st.AttemptRecord(f.ctx, src, "x"); return err },
 		"EffectListPending":  func() error { _, err := f.st.EffectListPending(f.ctx, src); return err },
 		"EffectListParked":   func() error { _, err := f.st.EffectListParked(f.ctx, 10); return err },
-		"EffectRelay": func() error {
-			_, err := f.st.EffectRelay(f.ctx, due, func(es []outbox.Effect) []error { return make([]error, len(es)) })
+		"EffectClaimDue": func() error {
+			_, err := f.st.EffectClaimDue(f.ctx, outbox.EffectClaimParams{Grace: time.Hour, Limit: 10, Lease: time.Minute})
 			return err
 		},
 		"Cleanup": func() error {
@@ -510,11 +536,14 @@ func testSchemaOutdated(f *fixture) {
 
 func (f *fixture) claim(tx *sql.Tx, src outbox.Source) bool {
 	f.t.Helper()
-	ok, err := f.st.MessageClaim(f.ctx, tx, src)
+	c, err := f.st.MessageClaim(f.ctx, tx, src)
 	if err != nil {
 		f.t.Fatalf("MessageClaim(%v): %v", src, err)
 	}
-	return ok
+	if c.Claimed && c.Concurrent {
+		f.t.Fatalf("MessageClaim(%v) = %+v: a claim that succeeded ran into no other", src, c)
+	}
+	return c.Claimed
 }
 
 func testClaimAndDuplicate(f *fixture) {
@@ -569,6 +598,7 @@ func testClaimConcurrent(f *fixture, commit bool) {
 	}
 	type result struct {
 		ok  bool
+		c   outbox.Claim
 		err error
 	}
 	second := make(chan result, 2)
@@ -580,13 +610,13 @@ func testClaimConcurrent(f *fixture, commit bool) {
 			return
 		}
 		defer func() { _ = tx2.Rollback() }()
-		ok, err := f.st.MessageClaim(f.ctx, tx2, src)
-		second <- result{ok, err}
+		c, err := f.st.MessageClaim(f.ctx, tx2, src)
+		second <- result{c.Claimed, c, err}
 		<-release
 		if err == nil {
 			err = tx2.Commit()
 		}
-		second <- result{ok, err}
+		second <- result{c.Claimed, c, err}
 	}()
 	f.waitUntil("the second claim to wait for the first transaction", func() bool { return f.h.Blocked(f.t) })
 	select {
@@ -610,6 +640,11 @@ func testClaimConcurrent(f *fixture, commit bool) {
 	}
 	if r.ok != !commit {
 		f.t.Fatalf("second claim after the first %s: got %v, want %v", map[bool]string{true: "committed", false: "rolled back"}[commit], r.ok, !commit)
+	}
+	// A copy that waited for a claim committed meanwhile is told so (the original is most likely
+	// dispatching right now); one that claimed is not.
+	if want := commit && f.h.Capabilities.ClaimReportsConcurrent; r.c.Concurrent != want {
+		f.t.Fatalf("second claim after the first %s: Concurrent = %v, want %v", map[bool]string{true: "committed", false: "rolled back"}[commit], r.c.Concurrent, want)
 	}
 	if r := receive(f, "the second transaction", second); r.err != nil {
 		f.t.Fatalf("second transaction: %v", r.err)
@@ -719,9 +754,10 @@ func testUnstorableReasons(f *fixture) {
 	if got := f.attempt(src, bad); got != 1 {
 		f.t.Fatalf("attempt with an unstorable reason counted as %d", got)
 	}
-	f.commit(src, true, f.effects(src, "k", 1))
-	if err := f.st.EffectRetryLater(f.ctx, src, bad, 0); err != nil {
-		f.t.Fatalf("EffectRetryLater with an unstorable reason: %v", err)
+	es := f.effects(src, "k", 1)
+	f.commit(src, true, es)
+	if err := f.st.EffectRecordFailures(f.ctx, outbox.EffectFailure{StoreID: es[0].StoreID, Reason: bad}); err != nil {
+		f.t.Fatalf("EffectRecordFailures with an unstorable reason: %v", err)
 	}
 }
 
@@ -760,13 +796,13 @@ func testInsertRoundTrip(f *fixture) {
 	defer func() { _ = tx.Rollback() }()
 	f.claim(tx, src)
 	// Two inserts in one transaction, as two Publish calls of one handler do.
-	if err := f.st.EffectInsert(f.ctx, tx, src, want[:2]); err != nil {
+	if _, err := f.st.EffectInsert(f.ctx, tx, src, want[:2]); err != nil {
 		f.t.Fatal(err)
 	}
-	if err := f.st.EffectInsert(f.ctx, tx, other, f.effects(other, "k", 2)); err != nil {
+	if _, err := f.st.EffectInsert(f.ctx, tx, other, f.effects(other, "k", 2)); err != nil {
 		f.t.Fatal(err)
 	}
-	if err := f.st.EffectInsert(f.ctx, tx, src, want[2:]); err != nil {
+	if _, err := f.st.EffectInsert(f.ctx, tx, src, want[2:]); err != nil {
 		f.t.Fatal(err)
 	}
 	if err := tx.Commit(); err != nil {
@@ -778,6 +814,12 @@ func testInsertRoundTrip(f *fixture) {
 	}
 	for i := range want {
 		sameEffect(f.t, got[i], want[i])
+		if got[i].StoreID != want[i].StoreID {
+			f.t.Errorf("effect %d: StoreID %d, but EffectInsert set %d", i, got[i].StoreID, want[i].StoreID)
+		}
+		if got[i].Attempts != 0 || got[i].Failures != 0 || got[i].Parked {
+			f.t.Errorf("effect %d: attempts %d, failures %d, parked %v; want none", i, got[i].Attempts, got[i].Failures, got[i].Parked)
+		}
 		if got[i].Attempts != 0 {
 			f.t.Errorf("effect %d: attempts %d, want 0", i, got[i].Attempts)
 		}
@@ -804,7 +846,7 @@ func testInsertRolledBack(f *fixture) {
 	src := f.src("m1")
 	tx := f.begin()
 	f.claim(tx, src)
-	if err := f.st.EffectInsert(f.ctx, tx, src, f.effects(src, "k", 3)); err != nil {
+	if _, err := f.st.EffectInsert(f.ctx, tx, src, f.effects(src, "k", 3)); err != nil {
 		f.t.Fatal(err)
 	}
 	if err := tx.Rollback(); err != nil {
@@ -813,7 +855,7 @@ func testInsertRolledBack(f *fixture) {
 	if n := len(f.pending(src)); n != 0 {
 		f.t.Fatalf("%d effects of a rolled-back transaction are pending", n)
 	}
-	if got := f.relay(outbox.EffectRelayParams{Limit: 100}, sent); len(got) != 0 {
+	if got := f.relay(relayParams{Limit: 100}, sent); len(got) != 0 {
 		f.t.Fatalf("the relay found %d effects of a rolled-back transaction", len(got))
 	}
 }
@@ -828,6 +870,70 @@ func testInsertLargeBatch(f *fixture) {
 	}
 	for i := range want {
 		sameEffect(f.t, got[i], want[i])
+	}
+}
+
+// testInsertInSavepoint: effects written inside a savepoint are reported as such, and
+// EffectExisting tells which of them survived its rollback.
+func testInsertInSavepoint(f *fixture) {
+	src := f.src("m1")
+	tx := f.begin()
+	defer func() { _ = tx.Rollback() }()
+	f.claim(tx, src)
+	before := f.effects(src, "k", 1)
+	if _, err := f.st.EffectInsert(f.ctx, tx, src, before); err != nil {
+		f.t.Fatal(err)
+	}
+	exec := func(q string) {
+		if _, err := tx.ExecContext(f.ctx, q); err != nil {
+			f.t.Fatalf("%s: %v", q, err)
+		}
+	}
+	insert := func(seq int) ([]outbox.Effect, bool) {
+		es := f.effects(src, "k", 1)
+		es[0].Seq = seq
+		nested, err := f.st.EffectInsert(f.ctx, tx, src, es)
+		if err != nil {
+			f.t.Fatal(err)
+		}
+		return es, nested
+	}
+	exec("SAVEPOINT undo")
+	undone, nested := insert(1)
+	if !nested {
+		f.t.Fatal("EffectInsert inside a savepoint: want inSavepoint")
+	}
+	exec("ROLLBACK TO SAVEPOINT undo")
+	exec("SAVEPOINT keep")
+	kept, nested := insert(2)
+	if !nested {
+		f.t.Fatal("EffectInsert inside a savepoint: want inSavepoint")
+	}
+	exec("RELEASE SAVEPOINT keep")
+	ids := []int64{before[0].StoreID, undone[0].StoreID, kept[0].StoreID}
+	got, err := f.st.EffectExisting(f.ctx, tx, ids)
+	if err != nil {
+		f.t.Fatal(err)
+	}
+	slices.Sort(got)
+	want := []int64{before[0].StoreID, kept[0].StoreID}
+	if !slices.Equal(got, want) {
+		f.t.Fatalf("EffectExisting(%v) = %v, want %v (the one written in the rolled-back savepoint is gone)", ids, got, want)
+	}
+}
+
+// testMarkOnlyTheListed: a mark covers exactly the effects it lists, never "whatever is pending
+// for the source" (an effect recorded concurrently and not sent must stay pending).
+func testMarkOnlyTheListed(f *fixture) {
+	src := f.src("m1")
+	es := f.effects(src, "k", 3)
+	f.commit(src, true, es)
+	if err := f.st.EffectMarkDispatched(f.ctx, markOf(src, []outbox.Effect{es[0], es[2]}, true)); err != nil {
+		f.t.Fatal(err)
+	}
+	got := f.pending(src)
+	if len(got) != 1 || got[0].StoreID != es[1].StoreID {
+		f.t.Fatalf("pending after marking effects 0 and 2: %v, want effect 1 only", uuids(got))
 	}
 }
 
@@ -848,9 +954,10 @@ func testMarkMany(f *fixture) {
 	var marks []outbox.DispatchMark
 	for i := 0; i < 300; i++ {
 		src := f.src(fmt.Sprintf("many-%03d", i))
-		f.commit(src, true, f.effects(src, "k", 1))
+		es := f.effects(src, "k", 1)
+		f.commit(src, true, es)
 		srcs = append(srcs, src)
-		marks = append(marks, outbox.DispatchMark{Source: src, MoveClaim: i%3 == 0})
+		marks = append(marks, markOf(src, es, i%3 == 0))
 	}
 	keep := f.src("keep")
 	f.commit(keep, true, f.effects(keep, "k", 1))
@@ -899,7 +1006,7 @@ func testMarkKeepsClaim(f *fixture) {
 	src, other := f.src("m1"), f.src("m2")
 	f.commit(src, true, f.effects(src, "k1", 2))
 	f.commit(other, true, f.effects(other, "k2", 1))
-	if err := f.st.EffectMarkDispatched(f.ctx, outbox.DispatchMark{Source: src}); err != nil {
+	if err := f.st.EffectMarkDispatched(f.ctx, markOf(src, f.pending(src), false)); err != nil {
 		f.t.Fatalf("EffectMarkDispatched: %v", err)
 	}
 	if n := len(f.pending(src)); n != 0 {
@@ -937,48 +1044,102 @@ func testMarkMovesClaim(f *fixture) {
 	}
 }
 
-func testRetryLaterAtOnce(f *fixture) {
+// failures returns uncounted failure records of effects, due again after delay.
+func failures(effects []outbox.Effect, reason string, delay time.Duration) []outbox.EffectFailure {
+	out := make([]outbox.EffectFailure, len(effects))
+	for i, e := range effects {
+		out[i] = outbox.EffectFailure{StoreID: e.StoreID, Reason: reason, RetryAfter: delay}
+	}
+	return out
+}
+
+func (f *fixture) recordFailures(fs ...outbox.EffectFailure) {
+	f.t.Helper()
+	if err := f.st.EffectRecordFailures(f.ctx, fs...); err != nil {
+		f.t.Fatalf("EffectRecordFailures: %v", err)
+	}
+}
+
+// testRecordFailuresAtOnce: a failed dispatch recorded with no delay makes the effects due for
+// the relay at once, without the grace period; an uncounted failure is recorded (Failures, its
+// time) without counting toward parking.
+func testRecordFailuresAtOnce(f *fixture) {
 	src, fresh := f.src("m1"), f.src("m2")
 	es := f.effects(src, "k1", 2)
 	f.commit(src, true, es)
 	f.commit(fresh, true, f.effects(fresh, "k2", 1))
-	if err := f.st.EffectRetryLater(f.ctx, src, "broker down", 0); err != nil {
-		f.t.Fatal(err)
+	f.recordFailures(failures(es, "broker down", 0)...)
+	for _, e := range f.pending(src) {
+		if e.Attempts != 0 || e.Failures != 1 || e.SinceFailure < 0 || e.SinceFailure > time.Minute || e.Parked {
+			f.t.Fatalf("effect %s after one uncounted failure: attempts %d, failures %d, since failure %s, parked %v",
+				e.UUID, e.Attempts, e.Failures, e.SinceFailure, e.Parked)
+		}
 	}
 	// Due at once, without waiting for the grace period; the fresh source is not.
 	got := f.relay(due, sent)
-	wantUUIDs(f.t, "relay after EffectRetryLater(0)", got, es...)
-	for _, e := range got {
-		// Attempts are the relay's own: a failed dispatch after commit is not charged to every
-		// effect of its source (only one of them may have been the cause).
-		if e.Attempts != 0 {
-			f.t.Fatalf("effect %s: attempts %d after a failed dispatch after commit, want 0", e.UUID, e.Attempts)
-		}
-	}
+	wantUUIDs(f.t, "relay after a failure recorded with no delay", got, es...)
 	// Dispatched effects are left alone.
-	if err := f.st.EffectRetryLater(f.ctx, src, "late", 0); err != nil {
-		f.t.Fatal(err)
-	}
+	f.recordFailures(failures(es, "late", 0)...)
 	if got := f.relay(due, sent); len(got) != 0 {
-		f.t.Fatalf("EffectRetryLater revived %d dispatched effects", len(got))
+		f.t.Fatalf("EffectRecordFailures revived %d dispatched effects", len(got))
 	}
 }
 
-func testRetryLaterDelay(f *fixture) {
+func testRecordFailuresDelay(f *fixture) {
 	src := f.src("m1")
 	es := f.effects(src, "k", 1)
 	f.commit(src, true, es)
-	if err := f.st.EffectRetryLater(f.ctx, src, "broker down", time.Hour); err != nil {
-		f.t.Fatal(err)
-	}
-	if got := f.relay(outbox.EffectRelayParams{Limit: 100}, sent); len(got) != 0 {
+	f.recordFailures(failures(es, "broker down", time.Hour)...)
+	if got := f.relay(relayParams{Limit: 100}, sent); len(got) != 0 {
 		f.t.Fatalf("an effect to retry in an hour was relayed at once: %v", uuids(got))
 	}
 	f.age("effects", "next_attempt_at", src, 2*time.Hour)
 	got := f.relay(due, sent)
 	wantUUIDs(f.t, "relay after the retry delay", got, es...)
-	if got[0].Attempts != 0 {
-		f.t.Fatalf("attempts %d, want 0 (only the relay counts attempts)", got[0].Attempts)
+	if got[0].Attempts != 0 || got[0].Failures != 1 {
+		f.t.Fatalf("attempts %d, failures %d; want 0 and 1", got[0].Attempts, got[0].Failures)
+	}
+}
+
+// testRecordFailuresCountedAndParked: a counted failure counts toward parking; Park parks.
+func testRecordFailuresCountedAndParked(f *fixture) {
+	src := f.src("m1")
+	es := f.effects(src, "k", 2)
+	f.commit(src, true, es)
+	f.recordFailures(outbox.EffectFailure{StoreID: es[0].StoreID, Reason: "refused", Counted: true})
+	f.recordFailures(outbox.EffectFailure{StoreID: es[0].StoreID, Reason: "refused again", Counted: true, Park: true})
+	got := f.pending(src)
+	if !got[0].Parked || got[0].Attempts != 2 || got[0].Failures != 2 {
+		f.t.Fatalf("after two counted failures, the second parking it: %+v", got[0])
+	}
+	if got[1].Parked || got[1].Attempts != 0 || got[1].Failures != 0 {
+		f.t.Fatalf("the other effect of the source was touched: %+v", got[1])
+	}
+	parked := f.parked(10)
+	if len(parked) != 1 || parked[0].LastError != "refused again" {
+		f.t.Fatalf("parked effects: %+v", parked)
+	}
+	// The effect behind the parked one (same key) is never relayed.
+	f.age("effects", "created_at", outbox.Source{}, 2*time.Hour)
+	if got := f.relay(due, sent); len(got) != 0 {
+		f.t.Fatalf("relayed behind a parked effect: %v", uuids(got))
+	}
+}
+
+// testRecordFailuresRelease: an effect recorded without a reason (not tried) gets only a retry
+// time: no failure, no count.
+func testRecordFailuresRelease(f *fixture) {
+	src := f.src("m1")
+	es := f.effects(src, "k", 1)
+	f.commit(src, true, es)
+	f.recordFailures(outbox.EffectFailure{StoreID: es[0].StoreID, RetryAfter: time.Hour})
+	got := f.pending(src)[0]
+	if got.Failures != 0 || got.Attempts != 0 {
+		f.t.Fatalf("a released effect was charged: %+v", got)
+	}
+	f.age("effects", "created_at", outbox.Source{}, 2*time.Hour)
+	if got := f.relay(due, sent); len(got) != 0 {
+		f.t.Fatalf("a released effect was relayed before its retry time: %v", uuids(got))
 	}
 }
 
@@ -1104,7 +1265,7 @@ func testRelayBlocked(f *fixture) {
 	es := f.effects(src, "k", 2)
 	f.commit(src, true, es)
 	f.age("effects", "created_at", src, 2*time.Hour)
-	blocked := func(outbox.Effect) error { return fmt.Errorf("wrapped: %w", outbox.ErrEffectBlocked) }
+	blocked := func(outbox.Effect) error { return fmt.Errorf("wrapped: %w", errBlocked) }
 	wantUUIDs(f.t, "first round", f.relay(due, blocked), es...)
 	for _, e := range f.pending(src) {
 		if e.Attempts != 0 {
@@ -1161,7 +1322,7 @@ func testRelayKeyBehindFailure(f *fixture) {
 		case a:
 			return errors.New("rejected")
 		case b:
-			return outbox.ErrEffectBlocked
+			return errBlocked
 		}
 		return nil
 	}
@@ -1237,97 +1398,59 @@ func testRelayMarksClaim(f *fixture) {
 	}
 }
 
-// testRelayInstances: two instances relay at once. With RelaySharesWork the second one's rounds
-// go on while the first one dispatches, on other ordering keys; without it the second waits for
-// the first to finish and then takes what is left. Either way, every effect is sent once.
+// testRelayInstances: two instances claim at once. The second gets other effects than the
+// first holds, and no later effect with a key the first holds; every effect is sent once.
 func testRelayInstances(f *fixture) {
 	const keys = 64
 	var all []outbox.Effect
 	tx := f.begin()
-	for i := 0; i < keys; i++ {
-		src := outbox.Source{ID: fmt.Sprintf("boundary-%02d", i)}
-		es := f.effects(src, fmt.Sprintf("key-%02d", i), 1)
-		if err := f.st.EffectInsert(f.ctx, tx, src, es); err != nil {
-			f.t.Fatal(err)
+	for round := 0; round < 2; round++ {
+		for i := 0; i < keys; i++ {
+			src := outbox.Source{ID: fmt.Sprintf("boundary-%02d-%d", i, round)}
+			es := f.effects(src, fmt.Sprintf("key-%02d", i), 1)
+			if _, err := f.st.EffectInsert(f.ctx, tx, src, es); err != nil {
+				f.t.Fatal(err)
+			}
+			all = append(all, es...)
 		}
-		all = append(all, es...)
 	}
 	if err := tx.Commit(); err != nil {
 		f.t.Fatal(err)
 	}
 	f.age("effects", "created_at", outbox.Source{}, 2*time.Hour)
 	other := f.h.Open(f.t)
-	p := due
-	p.Limit = 10
-
-	first := make(chan []outbox.Effect, 1)
-	firstDone := make(chan error, 1)
-	release, open := f.gate()
-	go func() {
-		_, err := f.st.EffectRelay(f.ctx, p, func(es []outbox.Effect) []error {
-			first <- es
-			<-release
-			return make([]error, len(es))
-		})
-		firstDone <- err
-	}()
-	held := receive(f, "the first instance's dispatch", first)
-	heldKeys := map[string]bool{}
-	for _, e := range held {
-		heldKeys[e.OrderingKey] = true
-	}
-	sentBy := map[string]int{}
-	for _, e := range held {
-		sentBy[e.UUID]++
-	}
-
-	if f.h.Capabilities.RelaySharesWork {
-		// Rounds lock a few key partitions each, chosen at random: go on until one finds work.
-		var second []outbox.Effect
-		for i := 0; len(second) == 0 && i < 200; i++ {
-			second = f.round(other, p, sent)
-		}
-		if len(second) == 0 {
-			f.t.Fatal("the second instance found nothing to relay while the first was dispatching")
-		}
-		for _, e := range second {
-			if heldKeys[e.OrderingKey] {
-				f.t.Fatalf("the second instance relayed %s with key %s, which the first instance holds", e.UUID, e.OrderingKey)
-			}
-			sentBy[e.UUID]++
-		}
-		open()
-	} else {
-		second := make(chan []outbox.Effect, 1)
-		secondDone := make(chan error, 1)
-		go func() {
-			_, err := other.EffectRelay(f.ctx, p, func(es []outbox.Effect) []error {
-				second <- es
-				return make([]error, len(es))
-			})
-			secondDone <- err
-		}()
-		f.waitUntil("the second instance's round to wait for the first's", func() bool { return f.h.Blocked(f.t) })
-		select {
-		case es := <-second:
-			f.t.Fatalf("the second instance dispatched %v while the first held its round", uuids(es))
-		default:
-		}
-		open()
-		es := receive(f, "the second instance's dispatch", second)
-		if err := receive(f, "the second instance's round", secondDone); err != nil {
+	claim := func(st outbox.Store) []outbox.Effect {
+		got, err := st.EffectClaimDue(f.ctx, outbox.EffectClaimParams{Grace: time.Hour, Limit: 10, Lease: time.Hour})
+		if err != nil {
 			f.t.Fatal(err)
 		}
-		// It took its turn after the first: the next effects, none of the first's.
-		if len(es) == 0 || es[0].StoreID <= held[len(held)-1].StoreID {
-			f.t.Fatalf("the second instance's round after the first's: %v", uuids(es))
-		}
-		for _, e := range es {
-			sentBy[e.UUID]++
-		}
+		return got
 	}
-	if err := receive(f, "the first instance's round", firstDone); err != nil {
-		f.t.Fatal(err)
+	held := claim(f.st)
+	second := claim(other)
+	if len(held) != 10 || len(second) != 10 {
+		f.t.Fatalf("two instances claimed %d and %d effects, want 10 each", len(held), len(second))
+	}
+	heldKeys := map[string]bool{}
+	sentBy := map[string]int{}
+	for _, e := range held {
+		heldKeys[e.OrderingKey] = true
+		sentBy[e.UUID]++
+	}
+	for _, e := range second {
+		if heldKeys[e.OrderingKey] {
+			f.t.Fatalf("the second instance claimed %s with key %s, which the first instance holds", e.UUID, e.OrderingKey)
+		}
+		sentBy[e.UUID]++
+	}
+	for _, batch := range [][]outbox.Effect{second, held} {
+		var marks []outbox.DispatchMark
+		for _, e := range batch {
+			marks = append(marks, markOf(e.Source, []outbox.Effect{e}, true))
+		}
+		if err := f.st.EffectMarkDispatched(f.ctx, marks...); err != nil {
+			f.t.Fatal(err)
+		}
 	}
 	for _, e := range f.drain(due, sent) {
 		sentBy[e.UUID]++
@@ -1336,6 +1459,110 @@ func testRelayInstances(f *fixture) {
 		if sentBy[e.UUID] != 1 {
 			f.t.Errorf("effect %s relayed %d times, want once", e.UUID, sentBy[e.UUID])
 		}
+	}
+}
+
+// testClaimDueLease: claimed effects are not claimed again, nor are later effects with their
+// key, until they are marked or recorded, or their lease runs out (their relay died).
+func testClaimDueLease(f *fixture) {
+	a, b := f.src("a"), f.src("b")
+	ea, eb := f.effects(a, "k", 1), f.effects(b, "k", 1)
+	f.commit(a, true, ea)
+	f.commit(b, true, eb)
+	f.age("effects", "created_at", outbox.Source{}, 2*time.Hour)
+	got, err := f.st.EffectClaimDue(f.ctx, outbox.EffectClaimParams{Grace: time.Hour, Limit: 1, Lease: time.Hour})
+	if err != nil {
+		f.t.Fatal(err)
+	}
+	wantUUIDs(f.t, "first claim", got, ea...)
+	if got := f.relay(due, sent); len(got) != 0 {
+		f.t.Fatalf("claimed while the first effect with their key is leased: %v", uuids(got))
+	}
+	f.age("effects", "next_attempt_at", a, 2*time.Hour) // the lease ran out
+	wantUUIDs(f.t, "claim after the lease ran out", f.relay(due, sent), ea[0], eb[0])
+}
+
+// testClaimDueMaxBytes: a claim loads at most MaxBytes of payload and metadata, and always one
+// effect.
+func testClaimDueMaxBytes(f *fixture) {
+	src := f.src("m1")
+	es := f.effects(src, "k", 4)
+	for i := range es {
+		es[i].Payload = bytes.Repeat([]byte{'x'}, 1000)
+	}
+	f.commit(src, true, es)
+	f.age("effects", "created_at", src, 2*time.Hour)
+	p := due
+	p.MaxBytes = 2500
+	wantUUIDs(f.t, "claim of 2500 bytes", f.relay(p, sent), es[0], es[1])
+	p.MaxBytes = 1
+	wantUUIDs(f.t, "claim of 1 byte", f.relay(p, sent), es[2])
+}
+
+// testClaimDueLockedEarlier: an earlier effect that another statement has locked at the moment
+// of the claim holds its key: SKIP LOCKED must not let a later effect overtake it.
+func testClaimDueLockedEarlier(f *fixture) {
+	if !f.h.Capabilities.RowLocks {
+		return
+	}
+	a, b, c := f.src("a"), f.src("b"), f.src("c")
+	ea, eb, ec := f.effects(a, "k", 1), f.effects(b, "k", 1), f.effects(c, "other", 1)
+	f.commit(a, true, ea)
+	f.commit(b, true, eb)
+	f.commit(c, true, ec)
+	f.age("effects", "created_at", outbox.Source{}, 2*time.Hour)
+	tx := f.begin()
+	defer func() { _ = tx.Rollback() }()
+	if _, err := tx.ExecContext(f.ctx, fmt.Sprintf(`SELECT 1 FROM %s WHERE id = %d FOR UPDATE`, f.h.Table("effects"), ea[0].StoreID)); err != nil {
+		f.t.Fatal(err)
+	}
+	wantUUIDs(f.t, "claim while the first effect of key k is locked", f.relay(due, sent), ec...)
+	if err := tx.Rollback(); err != nil {
+		f.t.Fatal(err)
+	}
+	wantUUIDs(f.t, "claim after the lock is gone", f.relay(due, sent), ea[0], eb[0])
+}
+
+// testDiscardMovesClaim: retention counts from the last dispatch or discard: a claim whose parked
+// effect is discarded long after its processing is kept for the whole retention from then.
+func testDiscardMovesClaim(f *fixture) {
+	parked, _ := f.parkThree()
+	src := parked[0].Source
+	f.age("processed", "processed_at", outbox.Source{}, 30*24*time.Hour)
+	f.age("processed", "dispatched_at", outbox.Source{}, 30*24*time.Hour)
+	for _, e := range f.parked(10) {
+		f.discard(e.StoreID)
+	}
+	week := outbox.CleanupParams{Retention: 7 * 24 * time.Hour, EffectRetention: time.Hour, BatchSize: 10}
+	f.cleanup(week)
+	if !f.processed(src) {
+		f.t.Fatal("cleanup deleted the claim of a message whose effects were discarded just now")
+	}
+}
+
+// testReplay: MessageReplay forgets a poisoned claim and its attempts, and leaves a processed
+// (not poisoned) claim alone.
+func testReplay(f *fixture) {
+	poisoned, done := f.src("poisoned"), f.src("done")
+	f.attempt(poisoned, "failed")
+	if err := f.st.MessagePoison(f.ctx, poisoned); err != nil {
+		f.t.Fatal(err)
+	}
+	f.commit(done, true, nil)
+	for _, c := range []struct {
+		src  outbox.Source
+		want bool
+	}{{poisoned, true}, {done, false}, {f.src("unknown"), false}} {
+		ok, err := f.st.MessageReplay(f.ctx, c.src)
+		if err != nil || ok != c.want {
+			f.t.Fatalf("MessageReplay(%v) = %v, %v; want %v", c.src, ok, err, c.want)
+		}
+	}
+	if f.processed(poisoned) || !f.processed(done) {
+		f.t.Fatal("after MessageReplay: the poisoned claim must be gone, the processed one kept")
+	}
+	if got := f.attempt(poisoned, "again"); got != 1 {
+		f.t.Fatalf("attempts after a replay start at %d, want 1", got)
 	}
 }
 
@@ -1392,7 +1619,7 @@ func (f *fixture) parkThree() (parked []outbox.Effect, behind outbox.Effect) {
 		if e.Seq == 0 {
 			return fmt.Errorf("rejected %s", e.UUID)
 		}
-		return outbox.ErrEffectBlocked
+		return errBlocked
 	})
 	return parked, behind
 }
@@ -1537,7 +1764,7 @@ func testCleanupRetention(f *fixture) {
 		if e.Seq == 0 {
 			return nil
 		}
-		return outbox.ErrEffectBlocked
+		return errBlocked
 	})
 	f.commit(d, true, nil)
 	for _, s := range []outbox.Source{a, b, c} {

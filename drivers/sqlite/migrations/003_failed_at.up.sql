@@ -1,0 +1,2 @@
+-- When the last failed dispatch of an effect was recorded.
+ALTER TABLE "{{schema}}"."{{prefix}}effects" ADD COLUMN failed_at TIMESTAMP;
