@@ -241,4 +241,3 @@ var (
 
 // ErrListenUnsupported is returned by Store.EffectListen when the store cannot listen for wake-ups.
 var ErrListenUnsupported = errors.New("outbox: the store cannot listen for notifications")
-

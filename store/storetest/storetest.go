@@ -306,7 +306,6 @@ func (f *fixture) round(st outbox.Store, p relayParams, outcome func(outbox.Effe
 	return got
 }
 
-
 // relayOn runs one relay round on st and returns what it claimed.
 func (f *fixture) relayOn(st outbox.Store, p relayParams, outcome func(outbox.Effect) error) []outbox.Effect {
 	f.t.Helper()
