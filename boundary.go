@@ -18,11 +18,14 @@ import (
 // nil). If fn returns an error, the transaction rolls back, nothing is sent, and the error is
 // returned; if fn panics, the transaction rolls back, nothing is sent, and the panic goes on.
 // The transaction is not bound to ctx (a cancelled request cannot roll back a commit half way);
-// fn's statements run with ctx as the caller passes it.
+// fn's statements run with ctx as the caller passes it. Config.HandlerTimeout bounds the
+// transaction (the wait for a connection included), as it bounds a handler's.
 func (o *Outbox) InTx(ctx context.Context, fn func(ctx context.Context, tx *sql.Tx) error) error {
-	tx, err := o.db.BeginTx(context.WithoutCancel(ctx), nil)
+	txCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), o.cfg.HandlerTimeout)
+	defer cancel()
+	tx, err := o.db.BeginTx(txCtx, nil)
 	if err != nil {
-		return fmt.Errorf("outbox: begin transaction: %w", err)
+		return fmt.Errorf("outbox: begin transaction (waiting for a database connection, at most HandlerTimeout): %w", err)
 	}
 	u := newUnit(o, tx, Source{ID: uuid.NewString()}, nil)
 	if err := callInTx(withUnit(ctx, u), tx, fn); err != nil {
@@ -32,13 +35,16 @@ func (o *Outbox) InTx(ctx context.Context, fn func(ctx context.Context, tx *sql.
 		}
 		return err
 	}
-	effects, err := u.committedEffects(context.WithoutCancel(ctx))
+	effects, err := u.committedEffects(txCtx)
 	if err != nil {
 		_ = tx.Rollback()
 		return err
 	}
 	if err := tx.Commit(); err != nil {
-		if errors.Is(err, sql.ErrTxDone) {
+		switch {
+		case txCtx.Err() != nil && (errors.Is(err, sql.ErrTxDone) || errors.Is(err, context.DeadlineExceeded)):
+			return timedOut(err, o.cfg.HandlerTimeout)
+		case errors.Is(err, sql.ErrTxDone):
 			return ErrTxFinishedByHandler
 		}
 		return fmt.Errorf("outbox: commit: %w", err)

@@ -121,7 +121,8 @@ type Store interface {
 	EffectHandToRelay(ctx context.Context, src Source) error
 	// EffectListParked returns up to limit parked effects, oldest first.
 	EffectListParked(ctx context.Context, limit int) ([]ParkedEffect, error)
-	// EffectUnpark makes parked effects due again with a fresh attempt count; it returns how many it changed.
+	// EffectUnpark makes parked effects due again with fresh counts (attempts and failures); it
+	// returns how many it changed.
 	EffectUnpark(ctx context.Context, storeIDs []int64) (int, error)
 	// EffectDiscard marks parked effects dispatched without sending them, and moves the dispatch
 	// time of their claims to now (retention counts from the last dispatch or discard); it

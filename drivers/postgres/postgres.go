@@ -196,7 +196,7 @@ func queries(n store.Names, deleteDispatched bool) store.Queries {
 			WHERE source_consumer = $1 AND source_id = $2 AND dispatched_at IS NULL`,
 		EffectListParked: `SELECT ` + effectColumns + `, last_error, parked_at, created_at FROM ` + n.Effects + ` e
 			WHERE parked_at IS NOT NULL AND dispatched_at IS NULL ORDER BY id LIMIT $1`,
-		EffectUnpark: `UPDATE ` + n.Effects + ` SET parked_at = NULL, next_attempt_at = now(), attempts = 0
+		EffectUnpark: `UPDATE ` + n.Effects + ` SET parked_at = NULL, next_attempt_at = now(), attempts = 0, failures = 0
 			WHERE id = $1 AND parked_at IS NOT NULL AND dispatched_at IS NULL`,
 		EffectDiscard: `UPDATE ` + n.Effects + ` SET dispatched_at = now(), last_error = coalesce(last_error, '') || ' (discarded)'
 			WHERE id = $1 AND parked_at IS NOT NULL AND dispatched_at IS NULL`,

@@ -1670,8 +1670,8 @@ func testUnpark(f *fixture) {
 	// Due at once with a fresh attempt count, and the effect behind it follows in the same round.
 	got := f.relay(due, sent)
 	wantUUIDs(f.t, "relay after EffectUnpark", got, parked[0], behind)
-	if got[0].Attempts != 0 {
-		f.t.Fatalf("attempts after EffectUnpark: %d, want 0", got[0].Attempts)
+	if got[0].Attempts != 0 || got[0].Failures != 0 {
+		f.t.Fatalf("attempts and failures after EffectUnpark: %d and %d, want 0 (an operator's retry starts afresh)", got[0].Attempts, got[0].Failures)
 	}
 }
 
