@@ -46,7 +46,7 @@ func startRun(t *testing.T, ob *outbox.Outbox) (stop func()) {
 }
 
 // waitWithin polls cond every 20ms until it holds, failing the test after d.
-func waitWithin(t *testing.T, d time.Duration, what string, cond func() bool) {
+func waitWithin(t testing.TB, d time.Duration, what string, cond func() bool) {
 	t.Helper()
 	deadline := time.Now().Add(d)
 	for !cond() {

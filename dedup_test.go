@@ -124,7 +124,7 @@ func TestRetentionCountsFromDispatchAndCleanupIsBounded(t *testing.T) {
 	}
 }
 
-func mustExec(t *testing.T, e *env, query string, args ...any) {
+func mustExec(t testing.TB, e *env, query string, args ...any) {
 	t.Helper()
 	e.flush()
 	if _, err := e.db.Exec(query, args...); err != nil {

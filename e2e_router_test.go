@@ -304,7 +304,7 @@ func withLogger(l watermill.LoggerAdapter) func(*outbox.Config) {
 // newSQLSubscriber returns a watermill-sql Postgres subscriber in consumer group group. It creates
 // the topic's tables first, one subscriber at a time: concurrent CREATE TABLE IF NOT EXISTS race
 // in Postgres.
-func newSQLSubscriber(t *testing.T, db *sql.DB, group, topic string) *wsql.Subscriber {
+func newSQLSubscriber(t testing.TB, db *sql.DB, group, topic string) *wsql.Subscriber {
 	t.Helper()
 	sub, err := wsql.NewSubscriber(db, wsql.SubscriberConfig{
 		ConsumerGroup:    group,
@@ -327,7 +327,7 @@ func newSQLSubscriber(t *testing.T, db *sql.DB, group, topic string) *wsql.Subsc
 }
 
 // sqlCaughtUp reports whether every group has acked the last message of topic.
-func sqlCaughtUp(t *testing.T, db *sql.DB, topic string, groups ...string) (bool, string) {
+func sqlCaughtUp(t testing.TB, db *sql.DB, topic string, groups ...string) (bool, string) {
 	t.Helper()
 	var last int64
 	err := db.QueryRow(`SELECT "offset" FROM "watermill_` + topic + `" ORDER BY transaction_id DESC, "offset" DESC LIMIT 1`).Scan(&last)
@@ -425,7 +425,7 @@ func newRouter(t *testing.T, logger watermill.LoggerAdapter) *message.Router {
 
 // runRouter runs r until the test ends and then closes it, waiting for Run to return, so that no
 // handler or subscriber goroutine outlives the test (and its database).
-func runRouter(t *testing.T, r *message.Router) {
+func runRouter(t testing.TB, r *message.Router) {
 	t.Helper()
 	done := make(chan error, 1)
 	go func() { done <- r.Run(context.Background()) }()
@@ -452,7 +452,7 @@ func runRouter(t *testing.T, r *message.Router) {
 }
 
 // runOutbox runs the Outbox's background work until the test ends.
-func runOutbox(t *testing.T, ob *outbox.Outbox) {
+func runOutbox(t testing.TB, ob *outbox.Outbox) {
 	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})

@@ -919,3 +919,116 @@ func dsnAs(t *testing.T, dsn, user, password string) string {
 	}
 	return dsn + " user=" + user + " password=" + password // later keys win
 }
+
+// captureLog records the errors logged.
+type captureLog struct {
+	watermill.LoggerAdapter
+	mu     sync.Mutex
+	errors []string
+}
+
+func (l *captureLog) Error(msg string, err error, fields watermill.LogFields) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.errors = append(l.errors, fmt.Sprintf("%s: %v", msg, err))
+}
+
+func (l *captureLog) With(watermill.LogFields) watermill.LoggerAdapter { return l }
+
+func (l *captureLog) contains(s string) bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	for _, e := range l.errors {
+		if strings.Contains(e, s) {
+			return true
+		}
+	}
+	return false
+}
+
+// Smaller: effects left to the relay in a process where Run was never started are reported
+// loudly, once, instead of "the relay will retry" with no relay to do it.
+func TestMissingRelayIsReported(t *testing.T) {
+	logs := &captureLog{LoggerAdapter: watermill.NopLogger{}}
+	e := newEnv(t, func(c *outbox.Config) { c.Logger = logs })
+	e.pub.failAll.Store(true)
+	if err := e.ob.InTx(context.Background(), func(ctx context.Context, _ *sql.Tx) error {
+		return outbox.Publish(ctx, "out_a", message.NewMessage(uuid.NewString(), nil))
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if !logs.contains("Outbox.Run is not running") {
+		t.Fatalf("no warning that no relay runs; logged: %v", logs.errors)
+	}
+	// With Run started, no such warning.
+	running := &captureLog{LoggerAdapter: watermill.NopLogger{}}
+	ob := e.newOutbox(func(c *outbox.Config) { c.Logger = running })
+	stop := startRun(t, ob)
+	if err := ob.InTx(context.Background(), func(ctx context.Context, _ *sql.Tx) error {
+		return outbox.Publish(ctx, "out_a", message.NewMessage(uuid.NewString(), nil))
+	}); err != nil {
+		t.Fatal(err)
+	}
+	stop()
+	if running.contains("Outbox.Run is not running") {
+		t.Fatal("warned of a missing relay while Run was running")
+	}
+}
+
+// A goroutine of the handler that records after the handler returned gets ErrUnitOfWorkFinished;
+// what it records is neither stored nor sent.
+func TestPublishAfterTheUnitOfWorkFinished(t *testing.T) {
+	e := newEnv(t)
+	late := make(chan error, 1)
+	var unitCtx context.Context
+	if err := handle(e.ob, message.NewMessage(uuid.NewString(), nil), func(m *message.Message) ([]*message.Message, error) {
+		unitCtx = m.Context()
+		return nil, nil
+	}); err != nil {
+		t.Fatal(err)
+	}
+	go func() { late <- outbox.Publish(unitCtx, "out_a", message.NewMessage(uuid.NewString(), nil)) }()
+	if err := <-late; !errors.Is(err, outbox.ErrUnitOfWorkFinished) {
+		t.Fatalf("Publish after the unit of work finished: want ErrUnitOfWorkFinished, got %v", err)
+	}
+	mustEqual(t, "stored effects", len(e.committedEffects()), 0)
+}
+
+// An applier that ignores its context and never returns holds neither a transaction nor a lock of
+// the relay: the relay gives up on it after PublishTimeout and sends the other effects.
+func TestHungApplierDoesNotHoldTheRelay(t *testing.T) {
+	release := make(chan struct{})
+	defer close(release)
+	e := newEnv(t, func(c *outbox.Config) {
+		c.PublishTimeout = 200 * time.Millisecond
+		c.RelayGrace = 10 * time.Millisecond
+		c.RelayInterval = 20 * time.Millisecond
+	})
+	if err := e.ob.RegisterApplier("hang", func(context.Context, outbox.Effect) error { <-release; return nil }); err != nil {
+		t.Fatal(err)
+	}
+	crashing := e.newOutbox(func(c *outbox.Config) { c.Failpoint = crashAfterCommit })
+	if err := crashing.RegisterApplier("hang", func(context.Context, outbox.Effect) error { return nil }); err != nil {
+		t.Fatal(err)
+	}
+	var ids []string
+	for i := 0; i < 3; i++ {
+		if err := crashing.InTx(context.Background(), func(ctx context.Context, _ *sql.Tx) error {
+			if i == 0 {
+				return outbox.Record(ctx, "hang", nil)
+			}
+			m := message.NewMessage(uuid.NewString(), nil)
+			ids = append(ids, m.UUID)
+			return outbox.Publish(ctx, "out_a", m)
+		}); !errors.Is(err, outbox.ErrFailpoint) {
+			t.Fatalf("want the crash after commit, got %v", err)
+		}
+	}
+	stop := startRun(t, e.ob)
+	waitFor(t, "the effects behind the hung applier's", func() bool {
+		w := e.wire("out_a")
+		return w[ids[0]] == 1 && w[ids[1]] == 1
+	})
+	stop()
+	mustEqual(t, "relay statements waiting on a lock", e.count(`SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'`), 0)
+}
