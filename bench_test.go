@@ -58,6 +58,34 @@ func BenchmarkHandle(b *testing.B) {
 	}
 }
 
+// BenchmarkHandleInSavepoint records the effect inside a savepoint the handler releases: the unit
+// of work then asks the database which effects survived before it commits (one statement more),
+// which BenchmarkHandle never does.
+func BenchmarkHandleInSavepoint(b *testing.B) {
+	e := newEnv(b)
+	h := func(msg *message.Message) ([]*message.Message, error) {
+		ctx := msg.Context()
+		tx := outbox.Tx(ctx)
+		if err := businessWrite(ctx, tx, msg.UUID); err != nil {
+			return nil, err
+		}
+		if _, err := tx.ExecContext(ctx, `SAVEPOINT s`); err != nil {
+			return nil, err
+		}
+		if err := outbox.Publish(ctx, "out_a", message.NewMessage(uuid.NewString(), []byte(`{}`))); err != nil {
+			return nil, err
+		}
+		_, err := tx.ExecContext(ctx, `RELEASE SAVEPOINT s`)
+		return nil, err
+	}
+	b.ResetTimer()
+	for i := 0; i < b.N; i++ {
+		if err := handle(e.ob, message.NewMessage(uuid.NewString(), nil), h); err != nil {
+			b.Fatal(err)
+		}
+	}
+}
+
 func BenchmarkHandleDuplicate(b *testing.B) {
 	e := newEnv(b)
 	msg := message.NewMessage(uuid.NewString(), nil)

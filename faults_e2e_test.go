@@ -137,4 +137,3 @@ func BenchmarkSerialConsumersUnderPublishFaults(b *testing.B) {
 	b.ReportMetric(float64(n*b.N)/faulty.Seconds(), "orders/s-faulty")
 	b.ReportMetric(faulty.Seconds()/clean.Seconds(), "faulty/fault-free")
 }
-

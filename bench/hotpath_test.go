@@ -167,7 +167,8 @@ func BenchmarkHotPath(b *testing.B) {
 		h := newHot(b, nil)
 		h.measure(b, func(int) any { return h.begin(b) }, func(_ int, st any) {
 			src := outbox.Source{Consumer: "c", ID: uuid.NewString()}
-			must(b, h.ob.Store().EffectInsert(ctx, st.(*sql.Tx), src, effect(src)))
+			_, err := h.ob.Store().EffectInsert(ctx, st.(*sql.Tx), src, effect(src))
+			must(b, err)
 		}, func(st any) { must(b, st.(*sql.Tx).Commit()) })
 	})
 	b.Run("commit", func(b *testing.B) {
@@ -178,7 +179,8 @@ func BenchmarkHotPath(b *testing.B) {
 			src := outbox.Source{Consumer: "c", ID: uuid.NewString()}
 			_, err := h.ob.Store().MessageClaim(ctx, tx, src)
 			must(b, err)
-			must(b, h.ob.Store().EffectInsert(ctx, tx, src, effect(src)))
+			_, err = h.ob.Store().EffectInsert(ctx, tx, src, effect(src))
+			must(b, err)
 			return tx
 		}, func(_ int, st any) { must(b, st.(*sql.Tx).Commit()) }, nil)
 	})
@@ -192,7 +194,8 @@ func BenchmarkHotPath(b *testing.B) {
 			src := outbox.Source{Consumer: "c", ID: uuid.NewString()}
 			_, err := h.ob.Store().MessageClaim(ctx, tx, src)
 			must(b, err)
-			must(b, h.ob.Store().EffectInsert(ctx, tx, src, effect(src)))
+			_, err = h.ob.Store().EffectInsert(ctx, tx, src, effect(src))
+			must(b, err)
 			must(b, tx.Commit())
 			return src
 		}, func(_ int, st any) {
@@ -213,11 +216,13 @@ func BenchmarkHotPath(b *testing.B) {
 			src := outbox.Source{Consumer: "c", ID: uuid.NewString()}
 			_, err := h.ob.Store().MessageClaim(ctx, tx, src)
 			must(b, err)
-			must(b, h.ob.Store().EffectInsert(ctx, tx, src, effect(src)))
+			es := effect(src)
+			_, err = h.ob.Store().EffectInsert(ctx, tx, src, es)
+			must(b, err)
 			must(b, tx.Commit())
-			return src
+			return outbox.DispatchMark{Source: src, StoreIDs: []int64{es[0].StoreID}}
 		}, func(_ int, st any) {
-			must(b, h.ob.Store().EffectMarkDispatched(ctx, outbox.DispatchMark{Source: st.(outbox.Source)}))
+			must(b, h.ob.Store().EffectMarkDispatched(ctx, st.(outbox.DispatchMark)))
 		}, nil)
 	})
 	b.Run("handle", func(b *testing.B) {
