@@ -1032,3 +1032,47 @@ func TestHungApplierDoesNotHoldTheRelay(t *testing.T) {
 	stop()
 	mustEqual(t, "relay statements waiting on a lock", e.count(`SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'`), 0)
 }
+
+// Item: a poisoned message can be replayed once the cause is fixed: ReplayPoisoned forgets its
+// claim and attempts, and the next copy runs the handler; copies before that are acked unrun.
+func TestReplayPoisonedMessage(t *testing.T) {
+	e := newEnv(t, func(c *outbox.Config) { c.MaxAttempts = 2; c.PoisonTopic = "poison" })
+	var fixed atomic.Bool
+	var calls atomic.Int32
+	h := func(m *message.Message) ([]*message.Message, error) {
+		calls.Add(1)
+		if !fixed.Load() {
+			return nil, errors.New("bug")
+		}
+		return applyAndPublish(nil)(m)
+	}
+	msg := message.NewMessage(uuid.NewString(), []byte("order"))
+	for i := 0; i < 2; i++ {
+		_ = handle(e.ob, copyOf(msg), h)
+	}
+	mustEqual(t, "poisoned copies", e.wire("poison")[msg.UUID], 1)
+	if err := handle(e.ob, copyOf(msg), h); err != nil {
+		t.Fatal(err)
+	}
+	mustEqual(t, "handler calls (a copy after poisoning is acked unrun)", calls.Load(), int32(2))
+
+	fixed.Store(true)
+	if ok, err := e.ob.ReplayPoisoned(context.Background(), "c1", msg.UUID); err != nil || !ok {
+		t.Fatalf("ReplayPoisoned = %v, %v; want true", ok, err)
+	}
+	if ok, err := e.ob.ReplayPoisoned(context.Background(), "c1", uuid.NewString()); err != nil || ok {
+		t.Fatalf("ReplayPoisoned of a message never poisoned = %v, %v; want false", ok, err)
+	}
+	if err := handle(e.ob, copyOf(msg), h); err != nil {
+		t.Fatal(err)
+	}
+	mustEqual(t, "business rows after the replay", e.count(`SELECT count(*) FROM applied`), 1)
+	mustEqual(t, "attempts left after the replay", e.count(`SELECT count(*) FROM outbox_attempts`), 0)
+	if ok, err := e.ob.ReplayPoisoned(context.Background(), "c1", msg.UUID); err != nil || ok {
+		t.Fatalf("ReplayPoisoned of a message processed after its replay = %v, %v; want false", ok, err)
+	}
+	if err := handle(e.ob, copyOf(msg), h); err != nil {
+		t.Fatal(err)
+	}
+	mustEqual(t, "business rows after another copy", e.count(`SELECT count(*) FROM applied`), 1)
+}
