@@ -175,10 +175,11 @@ func TestRelayParksWhatCannotBeSentAndKeepsOtherKeysFlowing(t *testing.T) {
 	mustExec(t, e, `UPDATE outbox_effects SET next_attempt_at = now()`) // skip the backoff of the failed fast path
 	// A relay round by hand, through the store: claim, dispatch, mark and record.
 	round := func() {
-		effects, err := st.EffectClaimDue(ctx, outbox.EffectClaimParams{Limit: 100, Lease: time.Minute})
+		claim, err := st.EffectClaimDue(ctx, outbox.EffectClaimParams{Limit: 100, Lease: time.Minute})
 		if err != nil {
 			t.Fatal(err)
 		}
+		effects := claim.Effects
 		var marks []outbox.DispatchMark
 		var fails []outbox.EffectFailure
 		failed := map[string]bool{}

@@ -17,20 +17,31 @@ func (o *Outbox) relayLease() time.Duration { return 2*o.cfg.PublishTimeout + 30
 // round after round, until a round finds nothing due. A round leases its effects in one short
 // statement and holds nothing (no transaction, no lock) while it publishes them.
 func (o *Outbox) relayOnce(ctx context.Context) error {
+	var after int64
 	for ctx.Err() == nil {
-		effects, err := o.store.EffectClaimDue(ctx, EffectClaimParams{
+		claim, err := o.store.EffectClaimDue(ctx, EffectClaimParams{
 			Grace:    o.cfg.RelayGrace,
 			Limit:    o.cfg.RelayBatchSize,
 			MaxBytes: o.cfg.RelayBatchBytes,
 			Lease:    o.relayLease(),
+			After:    after,
 		})
 		if err != nil {
 			return err
 		}
-		if len(effects) == 0 {
+		if n := len(claim.Effects); n > 0 {
+			o.relayRound(ctx, claim.Effects)
+		}
+		switch n := len(claim.Effects); {
+		case claim.Next > 0 && n == o.cfg.RelayBatchSize:
+			after = claim.Effects[n-1].StoreID // the window may hold more: go on from here
+		case claim.Next > 0:
+			after = claim.Next // nothing more due in this window: look further
+		case n > 0:
+			after = 0 // the end: from the front again, where effects behind the sent ones are due now
+		default:
 			return nil
 		}
-		o.relayRound(ctx, effects)
 	}
 	return nil
 }

@@ -392,6 +392,11 @@ func (o *Outbox) bounded(ctx context.Context, what string, call func() error) er
 	case err := <-done:
 		return err
 	case <-ctx.Done():
+		select {
+		case err := <-done: // it returned just as ctx ended: its outcome is known
+			return err
+		default:
+		}
 		return fmt.Errorf("waiting for %s: %w", what, ctx.Err())
 	}
 }

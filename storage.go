@@ -135,14 +135,17 @@ type Store interface {
 	// ErrListenUnsupported at once when the store cannot listen (the relay then polls).
 	EffectListen(ctx context.Context, wake func()) error
 	// EffectClaimDue leases up to p.Limit due effects (and at most p.MaxBytes of payload and
-	// metadata, but always one) for p.Lease, in StoreID order, and returns them: until the lease
-	// runs out they are not due, and neither is any later effect with their ordering key. An
-	// effect is due when it is undispatched and not parked, past p.Grace or handed over, past its
-	// retry time, and every earlier undispatched effect with its ordering key is claimed in the
-	// same call. Instances that claim at the same time get different effects. The caller marks
-	// what it sent (EffectMarkDispatched) and records the rest (EffectRecordFailures). It runs as
-	// one short statement, or transaction, of its own: nothing is held while the caller dispatches.
-	EffectClaimDue(ctx context.Context, p EffectClaimParams) ([]Effect, error)
+	// metadata, but always one) for p.Lease, in StoreID order, after p.After, and returns them:
+	// until the lease runs out they are not due, and neither is any later effect with their
+	// ordering key. An effect is due when it is undispatched and not parked, past p.Grace or
+	// handed over, past its retry time, and every earlier undispatched effect with its ordering
+	// key is claimed in the same call. Instances that claim at the same time get different
+	// effects. A store may look at a window of the pending effects only, so that the cost of a
+	// claim does not grow with the backlog: it then sets Next, and the caller claims again with
+	// After: Next to look further. The caller marks what it sent (EffectMarkDispatched) and
+	// records the rest (EffectRecordFailures). It runs as one short statement, or transaction, of
+	// its own: nothing is held while the caller dispatches.
+	EffectClaimDue(ctx context.Context, p EffectClaimParams) (EffectClaim, error)
 
 	// Cleanup deletes, in batches, claims whose effects were all dispatched more than retention ago
 	// (never a claim with an undispatched effect), dispatched effects older than their retention,
@@ -210,6 +213,16 @@ type EffectClaimParams struct {
 	MaxBytes int
 	// Lease is how long the claimed effects stay reserved for the caller.
 	Lease time.Duration
+	// After: only effects with a greater StoreID are claimed (0: from the first).
+	After int64
+}
+
+// EffectClaim is what Store.EffectClaimDue leased.
+type EffectClaim struct {
+	Effects []Effect
+	// Next, when not zero, is where the window the store looked at ended, with undispatched
+	// effects beyond it: claim again with After: Next to look at them.
+	Next int64
 }
 
 // CleanupParams are the parameters of Store.Cleanup.

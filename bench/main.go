@@ -91,6 +91,7 @@ func main() {
 	results := flag.String("results", "", "write the results as JSON here (default: results-<mode>.json)")
 	render := flag.String("render", "", "only re-render the docs from this results JSON")
 	cpuProfile := flag.String("cpuprofile", "", "write a CPU profile of the whole run (this process only) to this file")
+	drain := flag.Bool("drain", false, "run the relay-drain benchmark instead (its own section of benchmarks.md; results-drain-<mode>.json)")
 	flag.Parse()
 
 	if *cpuProfile != "" {
@@ -103,6 +104,21 @@ func main() {
 			os.Exit(1)
 		}
 		defer pprof.StopCPUProfile()
+	}
+
+	if *drain {
+		cfg, err := drainPresets(*mode)
+		if err == nil {
+			if *results == "" {
+				*results = "results-drain-" + cfg.Mode + ".json"
+			}
+			err = runDrain(cfg, *dsn, *docs, *results)
+		}
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "error:", err)
+			os.Exit(1)
+		}
+		return
 	}
 
 	if *render != "" {

@@ -48,6 +48,9 @@ var serverSettings = []string{
 	"maintenance_work_mem=512MB",
 }
 
+// extraSettings are added to serverSettings for one run (-pgss loads pg_stat_statements).
+var extraSettings []string
+
 func startPG() (_ *pgServer, err error) {
 	s := &pgServer{}
 	if s.binDir, err = findBinDir(); err != nil {
@@ -106,7 +109,7 @@ func startPG() (_ *pgServer, err error) {
 		s.port = l.Addr().(*net.TCPAddr).Port
 		_ = l.Close()
 		opts := fmt.Sprintf("-p %d -k %s", s.port, filepath.Join(s.base, "sock"))
-		for _, kv := range serverSettings {
+		for _, kv := range append(serverSettings, extraSettings...) {
 			opts += " -c " + kv
 		}
 		out, err := s.command(filepath.Join(s.binDir, "pg_ctl"), "-w", "-t", "60", "-D", s.dataDir,

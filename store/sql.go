@@ -49,9 +49,13 @@ type Queries struct {
 	// EffectDiscardMoveClaim (store id) moves the dispatch time of the claim of a discarded
 	// effect, in the same transaction; empty when EffectDiscard moves it itself.
 	EffectDiscardMoveClaim string
-	// EffectClaimDue (grace ms, limit, max bytes, lease ms) -> effect columns of the leased
-	// effects, in any order.
-	EffectClaimDue string
+	// EffectClaimDue (grace ms, limit, max bytes, lease ms, after, window) -> effect columns of the
+	// leased effects, in any order. With EffectClaimDueWindowed it looks only at the window
+	// (lo, lo+window] of ids, lo the greater of after and the first pending id less one, and every
+	// row starts with (next, more): more tells whether pending effects lie beyond next; a row whose
+	// effect id is 0 carries them when nothing was claimed.
+	EffectClaimDue         string
+	EffectClaimDueWindowed bool
 
 	CleanupLock     string // -> bool
 	CleanupBegin    string // run first in every cleanup transaction (e.g. to relax durability); may be empty
@@ -516,22 +520,48 @@ func (s *SQL) EffectRecordFailures(ctx context.Context, failures ...outbox.Effec
 	return nil
 }
 
+// claimWindow is how many store IDs a windowed claim looks at, per effect it may claim.
+const claimWindow = 4
+
 // EffectClaimDue implements outbox.Store.
-func (s *SQL) EffectClaimDue(ctx context.Context, p outbox.EffectClaimParams) ([]outbox.Effect, error) {
+func (s *SQL) EffectClaimDue(ctx context.Context, p outbox.EffectClaimParams) (outbox.EffectClaim, error) {
 	maxBytes := int64(p.MaxBytes)
 	if maxBytes <= 0 {
 		maxBytes = math.MaxInt64
 	}
-	rows, err := s.db.QueryContext(ctx, s.d.Queries.EffectClaimDue, p.Grace.Milliseconds(), p.Limit, maxBytes, p.Lease.Milliseconds())
+	window := int64(max(p.Limit, 1)) * claimWindow
+	rows, err := s.db.QueryContext(ctx, s.d.Queries.EffectClaimDue, p.Grace.Milliseconds(), p.Limit, maxBytes, p.Lease.Milliseconds(), p.After, window)
 	if err != nil {
-		return nil, fmt.Errorf("claim due effects: %w", s.wrap(err))
+		return outbox.EffectClaim{}, fmt.Errorf("claim due effects: %w", s.wrap(err))
 	}
-	effects, err := scanEffects(rows)
+	var claim outbox.EffectClaim
+	if !s.d.Queries.EffectClaimDueWindowed {
+		claim.Effects, err = scanEffects(rows)
+	} else {
+		defer rows.Close()
+		for rows.Next() {
+			var next int64
+			var more bool
+			var e outbox.Effect
+			if err = scanEffect(rows, &e, &next, &more); err != nil {
+				break
+			}
+			if more {
+				claim.Next = next
+			}
+			if e.StoreID != 0 {
+				claim.Effects = append(claim.Effects, e)
+			}
+		}
+		if err == nil {
+			err = rows.Err()
+		}
+	}
 	if err != nil {
-		return nil, fmt.Errorf("claim due effects: %w", s.wrap(err))
+		return outbox.EffectClaim{}, fmt.Errorf("claim due effects: %w", s.wrap(err))
 	}
-	slices.SortFunc(effects, func(a, b outbox.Effect) int { return cmp.Compare(a.StoreID, b.StoreID) })
-	return effects, nil
+	slices.SortFunc(claim.Effects, func(a, b outbox.Effect) int { return cmp.Compare(a.StoreID, b.StoreID) })
+	return claim, nil
 }
 
 // Cleanup implements outbox.Store.

@@ -109,19 +109,14 @@ const asyncCommit = `set_config('synchronous_commit', 'off', true) IS NOT NULL`
 // ids is the list of store IDs passed as the text argument arg.
 func ids(arg string) string { return `string_to_array(` + arg + `, ',')::bigint[]` }
 
-// relayDue is the condition under which the relay may send effect e: undispatched, not parked,
-// past the grace period ($1 ms) or handed over by a failed dispatch, due for its retry, and not
-// behind an earlier undispatched effect with its ordering key that is not due itself (parked,
-// waiting for a retry or leased by a relay, or young enough to be in its own dispatch after
-// commit).
-func relayDue(n store.Names, ms func(string) string) string {
+// selfDue is the condition under which effect e is due for the relay by itself: undispatched,
+// not parked, past the grace period ($1 ms) or handed over by a failed dispatch, and past its
+// retry time (or lease). It is due when, besides, every earlier undispatched effect with its
+// ordering key is due and claimed with it (see EffectClaimDue).
+func selfDue(ms func(string) string) string {
 	return `e.dispatched_at IS NULL AND e.parked_at IS NULL
 			  AND (e.created_at < now() - ` + ms("$1") + ` OR e.next_attempt_at IS NOT NULL)
-			  AND (e.next_attempt_at IS NULL OR e.next_attempt_at <= now())
-			  AND NOT EXISTS (SELECT 1 FROM ` + n.Effects + ` b
-				WHERE b.ordering_key = e.ordering_key AND b.id < e.id AND b.dispatched_at IS NULL
-				  AND (b.parked_at IS NOT NULL OR b.next_attempt_at > now()
-				       OR (b.next_attempt_at IS NULL AND b.created_at >= now() - ` + ms("$1") + `)))`
+			  AND (e.next_attempt_at IS NULL OR e.next_attempt_at <= now())`
 }
 
 func queries(n store.Names, deleteDispatched bool) store.Queries {
@@ -203,28 +198,47 @@ func queries(n store.Names, deleteDispatched bool) store.Queries {
 		EffectDiscardMoveClaim: `UPDATE ` + n.Processed + ` p SET dispatched_at = now() FROM ` + n.Effects + ` e
 			WHERE e.id = $1 AND p.consumer = e.source_consumer AND p.message_id = e.source_id`,
 
-		// Candidates are locked with SKIP LOCKED, so that instances claiming at the same time take
-		// different effects, and cut to the byte budget. An effect behind an earlier undispatched
-		// one with its key that this statement did not take (locked by another statement, or past
-		// the budget) stays: SKIP LOCKED must never let a later effect overtake an earlier one. The
-		// lease (next_attempt_at in the future) then keeps every later effect of the key waiting.
-		EffectClaimDue: `WITH c AS MATERIALIZED (
+		// A claim looks at a window of ids from the first pending effect (or after $5), so that its
+		// cost stays that of the window whatever the backlog, and whatever the planner believes of
+		// a table whose statistics predate the backlog. In it, the candidates are the effects due
+		// by themselves, in id order. Of each ordering key, the first candidate is locked (SKIP
+		// LOCKED: instances claiming at the same time leave each other's keys alone) and checked
+		// again on its newest version (another claim may have leased it meanwhile); a key's
+		// candidates go only up to its first undispatched effect that is not a candidate (not due,
+		// held by another statement, or past the limit): a later effect never overtakes an earlier
+		// one. The claimed effects are cut to the byte budget, and the first of each key is leased
+		// (next_attempt_at in the future): until the lease ends or the effects are marked, every
+		// later effect of the key waits behind it for every other claim. One row is locked and
+		// written per key, not per effect. A lost lease (the claim commits asynchronously) only
+		// lets an effect be sent again.
+		EffectClaimDue: `WITH bounds AS MATERIALIZED (
+				SELECT lo + $6 AS hi, EXISTS (SELECT 1 FROM ` + n.Effects + ` WHERE dispatched_at IS NULL AND id > lo + $6) AS more, lo
+				FROM (SELECT greatest($5, coalesce((SELECT min(id) FROM ` + n.Effects + ` WHERE dispatched_at IS NULL), 0) - 1) AS lo) l
+				WHERE ` + asyncCommit + `),
+			c AS MATERIALIZED (
 				SELECT e.id, e.ordering_key, octet_length(e.payload) + octet_length(e.metadata) AS size
-				FROM ` + n.Effects + ` e
-				WHERE ` + relayDue(n, ms) + `
-				ORDER BY e.id LIMIT $2
+				FROM ` + n.Effects + ` e, bounds
+				WHERE e.id > bounds.lo AND e.id <= bounds.hi AND ` + selfDue(ms) + `
+				ORDER BY e.id LIMIT $2),
+			keys AS MATERIALIZED (SELECT ordering_key, min(id) AS first, array_agg(id) AS ids FROM c GROUP BY ordering_key),
+			heads AS MATERIALIZED (
+				SELECT e.id FROM ` + n.Effects + ` e JOIN keys k ON e.id = k.first
+				WHERE e.dispatched_at IS NULL AND e.parked_at IS NULL AND (e.next_attempt_at IS NULL OR e.next_attempt_at <= now())
 				FOR UPDATE OF e SKIP LOCKED),
-			w AS (SELECT id, ordering_key, sum(size) OVER (ORDER BY id) AS running, row_number() OVER (ORDER BY id) AS n FROM c),
-			kept AS MATERIALIZED (SELECT id, ordering_key FROM w WHERE running <= $3 OR n = 1),
-			stops AS (SELECT k.ordering_key, (SELECT b.id FROM ` + n.Effects + ` b
-					WHERE b.ordering_key = k.ordering_key AND b.dispatched_at IS NULL
-					  AND NOT EXISTS (SELECT 1 FROM kept k2 WHERE k2.id = b.id)
-					ORDER BY b.id LIMIT 1) AS stop
-				FROM (SELECT DISTINCT ordering_key FROM kept) k)
-			UPDATE ` + n.Effects + ` e SET next_attempt_at = now() + ` + ms("$4") + `
-			FROM kept JOIN stops USING (ordering_key)
-			WHERE e.id = kept.id AND (stops.stop IS NULL OR kept.id < stops.stop)
-			RETURNING ` + effectColumns,
+			stops AS MATERIALIZED (SELECT k.ordering_key, (SELECT b.id FROM ` + n.Effects + ` b
+					WHERE b.ordering_key = k.ordering_key AND b.dispatched_at IS NULL AND b.id <> ALL (k.ids)
+					ORDER BY b.ordering_key, b.id LIMIT 1) AS stop
+				FROM keys k JOIN heads h ON h.id = k.first),
+			w AS (SELECT c.id, c.ordering_key, sum(c.size) OVER (ORDER BY c.id) AS running, row_number() OVER (ORDER BY c.id) AS n
+				FROM c JOIN stops USING (ordering_key) WHERE stops.stop IS NULL OR c.id < stops.stop),
+			claimed AS MATERIALIZED (SELECT id, ordering_key FROM w WHERE running <= $3 OR n = 1),
+			lease AS (UPDATE ` + n.Effects + ` e SET next_attempt_at = now() + ` + ms("$4") + `
+				FROM (SELECT min(id) AS id FROM claimed GROUP BY ordering_key) f WHERE e.id = f.id)
+			SELECT ` + effectColumns + `, bounds.hi, bounds.more FROM claimed JOIN ` + n.Effects + ` e USING (id), bounds
+			UNION ALL
+			SELECT 0, '', '', 0, '', '', '', ''::bytea, ''::bytea, '', 0, 0::bigint, 0, 0::bigint, false, bounds.hi, bounds.more
+			FROM bounds WHERE NOT EXISTS (SELECT 1 FROM claimed)`,
+		EffectClaimDueWindowed: true,
 
 		CleanupLock: fmt.Sprintf("SELECT pg_try_advisory_xact_lock(%d, %s)", lockClass, lockKey(n, "cleanup")),
 		// Cleanup batches commit asynchronously: a batch lost in a crash is simply deleted again.

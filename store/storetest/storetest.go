@@ -116,6 +116,7 @@ func Run(t *testing.T, newHarness func(t *testing.T) Harness) {
 		{"EffectClaimDue/Instances", testRelayInstances},
 		{"EffectClaimDue/Lease", testClaimDueLease},
 		{"EffectClaimDue/MaxBytes", testClaimDueMaxBytes},
+		{"EffectClaimDue/BeyondABlockedPrefix", testClaimDueBeyondABlockedPrefix},
 		{"EffectClaimDue/LockedEarlierEffectHoldsItsKey", testClaimDueLockedEarlier},
 		{"EffectDiscard/RetentionCountsFromDiscard", testDiscardMovesClaim},
 		{"MessageReplay", testReplay},
@@ -270,10 +271,7 @@ var errBlocked = errors.New("blocked behind an earlier effect with the same orde
 // as outcome answers for it (nil: sent; errBlocked: not tried). It returns the claimed effects.
 func (f *fixture) round(st outbox.Store, p relayParams, outcome func(outbox.Effect) error) []outbox.Effect {
 	f.t.Helper()
-	got, err := st.EffectClaimDue(f.ctx, outbox.EffectClaimParams{Grace: p.Grace, Limit: p.Limit, MaxBytes: p.MaxBytes, Lease: time.Hour})
-	if err != nil {
-		f.t.Fatalf("EffectClaimDue: %v", err)
-	}
+	got := f.claimDue(st, outbox.EffectClaimParams{Grace: p.Grace, Limit: p.Limit, MaxBytes: p.MaxBytes, Lease: time.Hour})
 	for i := 1; i < len(got); i++ {
 		if got[i].StoreID <= got[i-1].StoreID {
 			f.t.Fatalf("EffectClaimDue returned effects out of store order: %d after %d", got[i].StoreID, got[i-1].StoreID)
@@ -304,6 +302,25 @@ func (f *fixture) round(st outbox.Store, p relayParams, outcome func(outbox.Effe
 		f.t.Fatalf("EffectRecordFailures: %v", err)
 	}
 	return got
+}
+
+// claimDue claims as the relay does: it follows EffectClaim.Next until a claim returns effects or
+// the store has looked at every pending effect.
+func (f *fixture) claimDue(st outbox.Store, p outbox.EffectClaimParams) []outbox.Effect {
+	f.t.Helper()
+	for {
+		c, err := st.EffectClaimDue(f.ctx, p)
+		if err != nil {
+			f.t.Fatalf("EffectClaimDue: %v", err)
+		}
+		if len(c.Effects) > 0 || c.Next == 0 {
+			return c.Effects
+		}
+		if c.Next <= p.After {
+			f.t.Fatalf("EffectClaimDue(After: %d) returned Next %d: it must move forward", p.After, c.Next)
+		}
+		p.After = c.Next
+	}
 }
 
 // relayOn runs one relay round on st and returns what it claimed.
@@ -1419,11 +1436,7 @@ func testRelayInstances(f *fixture) {
 	f.age("effects", "created_at", outbox.Source{}, 2*time.Hour)
 	other := f.h.Open(f.t)
 	claim := func(st outbox.Store) []outbox.Effect {
-		got, err := st.EffectClaimDue(f.ctx, outbox.EffectClaimParams{Grace: time.Hour, Limit: 10, Lease: time.Hour})
-		if err != nil {
-			f.t.Fatal(err)
-		}
-		return got
+		return f.claimDue(st, outbox.EffectClaimParams{Grace: time.Hour, Limit: 10, Lease: time.Hour})
 	}
 	held := claim(f.st)
 	second := claim(other)
@@ -1469,16 +1482,30 @@ func testClaimDueLease(f *fixture) {
 	f.commit(a, true, ea)
 	f.commit(b, true, eb)
 	f.age("effects", "created_at", outbox.Source{}, 2*time.Hour)
-	got, err := f.st.EffectClaimDue(f.ctx, outbox.EffectClaimParams{Grace: time.Hour, Limit: 1, Lease: time.Hour})
-	if err != nil {
-		f.t.Fatal(err)
-	}
+	got := f.claimDue(f.st, outbox.EffectClaimParams{Grace: time.Hour, Limit: 1, Lease: time.Hour})
 	wantUUIDs(f.t, "first claim", got, ea...)
 	if got := f.relay(due, sent); len(got) != 0 {
 		f.t.Fatalf("claimed while the first effect with their key is leased: %v", uuids(got))
 	}
 	f.age("effects", "next_attempt_at", a, 2*time.Hour) // the lease ran out
 	wantUUIDs(f.t, "claim after the lease ran out", f.relay(due, sent), ea[0], eb[0])
+}
+
+// testClaimDueBeyondABlockedPrefix: a thousand effects held behind a parked one at the front of
+// the backlog do not hide a due effect after them (a store that claims in windows says where to
+// look next).
+func testClaimDueBeyondABlockedPrefix(f *fixture) {
+	parked, _ := f.parkThree()
+	key := parked[0].OrderingKey
+	src := f.src("behind")
+	f.commit(src, true, f.effects(src, key, 1000))
+	free := f.src("free")
+	ef := f.effects(free, "free", 1)
+	f.commit(free, true, ef)
+	f.age("effects", "created_at", outbox.Source{}, 2*time.Hour)
+	p := due
+	p.Limit = 10
+	wantUUIDs(f.t, "claim behind a blocked prefix", f.relay(p, sent), ef...)
 }
 
 // testClaimDueMaxBytes: a claim loads at most MaxBytes of payload and metadata, and always one
