@@ -117,7 +117,6 @@ func backlog(tb testing.TB, e *env, n, keys int) {
 	wg.Wait()
 }
 
-
 // BenchmarkRelayDrain drains a backlog of 30,000 effects on 300 ordering keys with one and with
 // three relay instances to a publisher that does nothing, and reports effects per second.
 func BenchmarkRelayDrain(b *testing.B) {

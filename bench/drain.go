@@ -82,10 +82,10 @@ type drainReport struct {
 		Rows        []drainRow
 	}
 	Consumer struct {
-		Conc             int
+		Conc              int
 		AloneP99, DuraP99 []float64 // ms per repetition
 		AloneP50, DuraP50 []float64
-		Rise             float64 // median p99 during / median p99 alone - 1
+		Rise              float64 // median p99 during / median p99 alone - 1
 	}
 	Idle struct {
 		Instances  int
