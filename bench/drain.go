@@ -589,6 +589,10 @@ func runDrain(cfg drainConfig, dsn, docsDir, resultsPath string) error {
 
 	rows := map[string]*drainRow{}
 	order := []string{"outbox x1", "outbox x3", "watermill-forwarder", "river"}
+	scaleOnly := os.Getenv("OUTBOX_BENCH_DRAIN_SCALE_ONLY") != "" // to work on the scale run
+	if scaleOnly {
+		cfg.Reps = 2
+	}
 	for _, name := range order {
 		rows[name] = &drainRow{Contender: name}
 	}
@@ -596,7 +600,7 @@ func runDrain(cfg drainConfig, dsn, docsDir, resultsPath string) error {
 	rows["watermill-forwarder"].Instances, rows["river"].Instances = 1, 1
 	rows["watermill-forwarder"].Reorders, rows["river"].Reorders = -1, -1
 	wires := map[string]wireSnapshot{}
-	for r := 0; r < cfg.Reps; r++ {
+	for r := 0; r < cfg.Reps && !scaleOnly; r++ {
 		for j := range order {
 			name := order[(j+r)%len(order)]
 			row := rows[name]
@@ -633,9 +637,11 @@ func runDrain(cfg drainConfig, dsn, docsDir, resultsPath string) error {
 	}
 
 	// The consumer path's latency, alone and while a drain runs on the same database.
-	logf("consumer p99 alone and during a drain (c=%d)", cfg.ConsumerC)
-	if err := d.consumerDuringDrain(ctx, rep); err != nil {
-		return err
+	if !scaleOnly {
+		logf("consumer p99 alone and during a drain (c=%d)", cfg.ConsumerC)
+		if err := d.consumerDuringDrain(ctx, rep); err != nil {
+			return err
+		}
 	}
 
 	// The scale run: the same drains with the tables holding Filler dispatched effects and

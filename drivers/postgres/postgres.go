@@ -106,8 +106,10 @@ const effectColumns = `e.id, e.source_consumer, e.source_id, e.seq, e.kind, e.to
 // the WAL flush: the marks it guards are safe to lose (a lost mark only causes a re-send).
 const asyncCommit = `set_config('synchronous_commit', 'off', true) IS NOT NULL`
 
-// ids is the list of store IDs passed as the text argument arg.
-func ids(arg string) string { return `string_to_array(` + arg + `, ',')::bigint[]` }
+// ids is the list of store IDs passed as the text argument arg, as a table v(id) to join: a join
+// with the primary key is the plan whatever the statistics (id = ANY (...) was once planned as a
+// scan of every pending row per statement).
+func ids(arg string) string { return `unnest(string_to_array(` + arg + `, ',')::bigint[]) AS v(id)` }
 
 // selfDue is the condition under which effect e is due for the relay by itself: undispatched,
 // not parked, past the grace period ($1 ms) or handed over by a failed dispatch, and past its
@@ -124,9 +126,9 @@ func queries(n store.Names, deleteDispatched bool) store.Queries {
 	// markEffects marks effects dispatched; deleting them writes a small record, where an update
 	// writes a new row version and index entries (dispatched_at is in the partial indexes'
 	// predicates, so the update cannot be HOT).
-	markEffects := `UPDATE ` + n.Effects + ` e SET dispatched_at = now() WHERE`
+	markEffects := `UPDATE ` + n.Effects + ` e SET dispatched_at = now() FROM ` + ids("$1") + ` WHERE`
 	if deleteDispatched {
-		markEffects = `DELETE FROM ` + n.Effects + ` e WHERE`
+		markEffects = `DELETE FROM ` + n.Effects + ` e USING ` + ids("$1") + ` WHERE`
 	}
 	return store.Queries{
 		// The claim's CTE and the SELECT see one snapshot, taken when the statement began: a
@@ -162,16 +164,16 @@ func queries(n store.Names, deleteDispatched bool) store.Queries {
 			b.WriteString(` RETURNING id, seq, xmin::text <> (txid_current() % 4294967296)::text`)
 			return b.String()
 		},
-		EffectExisting: `SELECT id FROM ` + n.Effects + ` WHERE id = ANY (` + ids("$1") + `)`,
+		EffectExisting: `SELECT e.id FROM ` + ids("$1") + ` JOIN ` + n.Effects + ` e ON e.id = v.id`,
 		EffectListPending: `SELECT ` + effectColumns + ` FROM ` + n.Effects + ` e
 			WHERE source_consumer = $1 AND source_id = $2 AND dispatched_at IS NULL ORDER BY seq`,
 		// The CTE runs first (the main statement reads it): effect rows are locked before claim
 		// rows, as everywhere.
 		EffectMarkDispatched: func(moveClaims bool) string {
 			if !moveClaims {
-				return markEffects + ` e.id = ANY (` + ids("$1") + `) AND e.dispatched_at IS NULL AND ` + asyncCommit
+				return markEffects + ` e.id = v.id AND e.dispatched_at IS NULL AND ` + asyncCommit
 			}
-			return `WITH e AS (` + markEffects + ` e.id = ANY (` + ids("$1") + `) AND e.dispatched_at IS NULL AND ` + asyncCommit + `
+			return `WITH e AS (` + markEffects + ` e.id = v.id AND e.dispatched_at IS NULL AND ` + asyncCommit + `
 					RETURNING e.source_consumer, e.source_id)
 				UPDATE ` + n.Processed + ` p SET dispatched_at = now()
 				FROM (SELECT DISTINCT source_consumer, source_id FROM e) s
@@ -181,8 +183,8 @@ func queries(n store.Names, deleteDispatched bool) store.Queries {
 			attempts = attempts + CASE WHEN $3::boolean THEN 1 ELSE 0 END,
 			next_attempt_at = now() + ` + ms("$5") + `, parked_at = CASE WHEN $4::boolean THEN now() END
 			WHERE id = $1 AND dispatched_at IS NULL`,
-		EffectRelease: `UPDATE ` + n.Effects + ` SET next_attempt_at = now() + ` + ms("$2") + `
-			WHERE id = ANY (` + ids("$1") + `) AND dispatched_at IS NULL AND parked_at IS NULL`,
+		EffectRelease: `UPDATE ` + n.Effects + ` e SET next_attempt_at = now() + ` + ms("$2") + ` FROM ` + ids("$1") + `
+			WHERE e.id = v.id AND e.dispatched_at IS NULL AND e.parked_at IS NULL`,
 		EffectKeyBlocked: `SELECT EXISTS (SELECT 1 FROM ` + n.Effects + ` b
 			WHERE b.ordering_key = $3 AND b.dispatched_at IS NULL AND NOT (b.source_consumer = $1 AND b.source_id = $2)
 			  AND b.id < (SELECT min(id) FROM ` + n.Effects + `
