@@ -40,6 +40,16 @@ bench-quick: # reduced sizes, under 2 minutes
 bench-full: # the issue's sizes (10M retained IDs, 1M expired rows)
 	cd bench && $(GO) run . -mode full
 
+# The relay drain: a 30,000-effect backlog drained by one and three relays, beside Watermill's
+# forwarder and River; the consumers' latency during a drain; the rate with 10M rows in the tables.
+.PHONY: bench-drain-quick bench-drain-full
+
+bench-drain-quick: # 200k rows in the scale run, about 2 minutes
+	cd bench && $(GO) run . -drain -mode quick
+
+bench-drain-full: # 10M rows in the scale run
+	cd bench && $(GO) run . -drain -mode full
+
 # The example order service (examples/order-processing): SQLite and an in-process NATS JetStream,
 # nothing to set up. `make chaos` places N orders (default 1000) under duplicated deliveries,
 # failing handlers and crashing consumers, and reconciles; add ARGS='-postgres DSN' and the like.

@@ -83,6 +83,11 @@ type Config struct {
 	// RelayBatchBytes bounds the payload and metadata bytes one relay round loads (it always
 	// loads at least one effect). Default: 16 MiB.
 	RelayBatchBytes int
+	// RelayPauseFactor makes the relay pause after each round that sent something for this many
+	// times as long as the round took, so that a relay draining a backlog keeps to 1/(1+factor) of
+	// its time and leaves the database and the CPUs to the consumers. Default: 0 (no pause: the
+	// fastest drain; see docs/benchmarks.md for what a drain costs the consumers).
+	RelayPauseFactor float64
 	// RelayMaxAttempts is how many failed dispatches of one side effect, on any path, park it.
 	// Only failures while the target is otherwise healthy count (something else reached the
 	// Publisher, or the same applier succeeded, since the effect's previous failure): during an
@@ -209,8 +214,10 @@ func (c Config) Validate() error {
 			errs = append(errs, fmt.Errorf("%s must not be negative", name))
 		}
 	}
-	if math.IsNaN(c.CleanupPauseFactor) || math.IsInf(c.CleanupPauseFactor, 0) {
-		errs = append(errs, fmt.Errorf("CleanupPauseFactor must be a finite number, not %v", c.CleanupPauseFactor))
+	for name, f := range map[string]float64{"CleanupPauseFactor": c.CleanupPauseFactor, "RelayPauseFactor": c.RelayPauseFactor} {
+		if math.IsNaN(f) || math.IsInf(f, 0) {
+			errs = append(errs, fmt.Errorf("%s must be a finite number, not %v", name, f))
+		}
 	}
 	if c.PoisonTopic != "" {
 		if err := validateName(c.PoisonTopic); err != nil {

@@ -30,7 +30,14 @@ func (o *Outbox) relayOnce(ctx context.Context) error {
 			return err
 		}
 		if n := len(claim.Effects); n > 0 {
+			began := time.Now()
 			o.relayRound(ctx, claim.Effects)
+			if f := o.cfg.RelayPauseFactor; f > 0 {
+				select {
+				case <-ctx.Done():
+				case <-time.After(time.Duration(f * float64(time.Since(began)))):
+				}
+			}
 		}
 		switch n := len(claim.Effects); {
 		case claim.Next > 0 && n == o.cfg.RelayBatchSize:

@@ -70,6 +70,15 @@ type drainRow struct {
 	RTs       float64 // round trips per effect
 }
 
+// consumerDuring is the consumer path's latency while some relays drain a backlog.
+type consumerDuring struct {
+	Relays int
+	Pause  float64
+	P99    []float64 // ms per repetition
+	P50    []float64
+	Rise   float64 // median p99 / median p99 alone - 1
+}
+
 type drainReport struct {
 	Mode, Started, Command string
 	DurationSec            float64
@@ -82,10 +91,10 @@ type drainReport struct {
 		Rows        []drainRow
 	}
 	Consumer struct {
-		Conc              int
-		AloneP99, DuraP99 []float64 // ms per repetition
-		AloneP50, DuraP50 []float64
-		Rise              float64 // median p99 during / median p99 alone - 1
+		Conc     int
+		AloneP99 []float64 // ms per repetition
+		AloneP50 []float64
+		During   []consumerDuring
 	}
 	Idle struct {
 		Instances  int
@@ -181,6 +190,16 @@ func (p *drainPublisher) waitCount(ctx context.Context, n int, start time.Time, 
 }
 
 const drainLimit = 10 * time.Minute
+
+// envInt reads a number from the environment (0 when unset), for experiments.
+func envInt(name string) int {
+	var n int
+	_, _ = fmt.Sscan(os.Getenv(name), &n)
+	return n
+}
+
+// pacedFactor is the RelayPauseFactor of the paced rows: each relay keeps to a fifth of its time.
+const pacedFactor = 4
 
 // drainEnv is the database of a drain run.
 type drainEnv struct {
@@ -298,7 +317,7 @@ func (d *drainEnv) restoreBacklog(ctx context.Context, prefix string) error {
 
 // outboxDrain drains the backlog of prefix with n relay instances, each with its own pool, as
 // separate processes would have.
-func (d *drainEnv) outboxDrain(ctx context.Context, prefix string, n int, effectRetention time.Duration) (rate float64, pub *drainPublisher, wire wireSnapshot, err error) {
+func (d *drainEnv) outboxDrain(ctx context.Context, prefix string, n int, pause float64, effectRetention time.Duration) (rate float64, pub *drainPublisher, wire wireSnapshot, err error) {
 	if err := d.restoreBacklog(ctx, prefix); err != nil {
 		return 0, nil, wire, err
 	}
@@ -316,7 +335,7 @@ func (d *drainEnv) outboxDrain(ctx context.Context, prefix string, n int, effect
 		defer db.Close()
 		ob, err := outbox.New(outbox.Config{DB: db, Driver: postgres.Driver{}, Publisher: pub, TablePrefix: prefix,
 			RelayGrace: time.Second, RelayInterval: 10 * time.Millisecond, EffectRetention: effectRetention,
-			CleanupInterval: time.Hour})
+			CleanupInterval: time.Hour, RelayPauseFactor: pause})
 		if err != nil {
 			return 0, nil, wire, err
 		}
@@ -352,6 +371,9 @@ func (d *drainEnv) outboxDrain(ctx context.Context, prefix string, n int, effect
 }
 
 const drainFwdTopic = "drain_fwd"
+
+// paced is the row of three relays with RelayPauseFactor pacedFactor.
+var paced = fmt.Sprintf("outbox x3, RelayPauseFactor %d", pacedFactor)
 
 // forwarderBacklog publishes the backlog through Watermill's forwarder publisher into its
 // watermill-sql topic, ten messages per transaction.
@@ -588,28 +610,33 @@ func runDrain(cfg drainConfig, dsn, docsDir, resultsPath string) error {
 	}
 
 	rows := map[string]*drainRow{}
-	order := []string{"outbox x1", "outbox x3", "watermill-forwarder", "river"}
-	scaleOnly := os.Getenv("OUTBOX_BENCH_DRAIN_SCALE_ONLY") != "" // to work on the scale run
+	order := []string{"outbox x1", "outbox x3", paced, "watermill-forwarder", "river"}
+	scaleOnly := os.Getenv("OUTBOX_BENCH_DRAIN_SCALE_ONLY") != ""       // to work on the scale run
+	consumerOnly := os.Getenv("OUTBOX_BENCH_DRAIN_CONSUMER_ONLY") != "" // to work on the consumer run
 	if scaleOnly {
 		cfg.Reps = 2
 	}
 	for _, name := range order {
 		rows[name] = &drainRow{Contender: name}
 	}
-	rows["outbox x1"].Instances, rows["outbox x3"].Instances = 1, 3
+	rows["outbox x1"].Instances, rows["outbox x3"].Instances, rows[paced].Instances = 1, 3, 3
 	rows["watermill-forwarder"].Instances, rows["river"].Instances = 1, 1
 	rows["watermill-forwarder"].Reorders, rows["river"].Reorders = -1, -1
 	wires := map[string]wireSnapshot{}
-	for r := 0; r < cfg.Reps && !scaleOnly; r++ {
+	for r := 0; r < cfg.Reps && !scaleOnly && !consumerOnly; r++ {
 		for j := range order {
 			name := order[(j+r)%len(order)]
 			row := rows[name]
 			var rate float64
 			var wire wireSnapshot
 			switch name {
-			case "outbox x1", "outbox x3":
+			case "outbox x1", "outbox x3", paced:
 				var pub *drainPublisher
-				rate, pub, wire, err = d.outboxDrain(ctx, "drain_", row.Instances, 0)
+				pause := 0.0
+				if name == paced {
+					pause = pacedFactor
+				}
+				rate, pub, wire, err = d.outboxDrain(ctx, "drain_", row.Instances, pause, 0)
 				if err == nil {
 					row.Copies += pub.copies
 					row.Reorders += pub.reorders
@@ -644,6 +671,12 @@ func runDrain(cfg drainConfig, dsn, docsDir, resultsPath string) error {
 		}
 	}
 
+	if consumerOnly {
+		for _, dv := range rep.Consumer.During {
+			logf("consumer p99 alone %.2f, during a drain by %d relays (factor %g) %.2f: %+.0f%%", median(rep.Consumer.AloneP99), dv.Relays, dv.Pause, median(dv.P99), 100*dv.Rise)
+		}
+		return nil
+	}
 	// The scale run: the same drains with the tables holding Filler dispatched effects and
 	// retained IDs (EffectRetention keeps dispatched rows, as in a deployment that keeps them).
 	logf("scale: %s dispatched effects and retained IDs", human(cfg.Filler))
@@ -662,7 +695,7 @@ func runDrain(cfg drainConfig, dsn, docsDir, resultsPath string) error {
 		for _, prefix := range []string{"drain_", "drainfull_"} {
 			row := drainRow{Contender: fmt.Sprintf("outbox x%d, %s", inst, map[string]string{"drain_": "empty tables", "drainfull_": human(cfg.Filler) + " rows"}[prefix]), Instances: inst}
 			for r := 0; r < cfg.Reps; r++ {
-				rate, pub, _, err := d.outboxDrain(ctx, prefix, inst, 7*24*time.Hour)
+				rate, pub, _, err := d.outboxDrain(ctx, prefix, inst, 0, 7*24*time.Hour)
 				if err != nil {
 					return err
 				}
@@ -713,12 +746,13 @@ func (d *drainEnv) consumerDuringDrain(ctx context.Context, rep *drainReport) er
 		return err
 	}
 	rep.Consumer.Conc = d.cfg.ConsumerC
+	rep.Consumer.During = []consumerDuring{{Relays: 1}, {Relays: 3}, {Relays: 3, Pause: pacedFactor}}
 	for r := 0; r < d.cfg.Reps; r++ {
 		ds := makeDeliveries(d.cfg.ConsumerN, 0.1, redeliveryGap(d.cfg.ConsumerC), 64, uint64(100+r))
-		for _, during := range []bool{false, true} {
+		for v := -1; v < len(rep.Consumer.During); v++ {
 			var drainErr error
 			var dwg sync.WaitGroup
-			if during {
+			if v >= 0 {
 				if err := d.restoreBacklog(ctx, "drain_"); err != nil {
 					return err
 				}
@@ -728,10 +762,11 @@ func (d *drainEnv) consumerDuringDrain(ctx context.Context, rep *drainReport) er
 					SELECT source_consumer, source_id || '-2', seq, kind, topic, uuid || '-2', payload, metadata, ordering_key, now() - interval '1 minute' FROM drain_backlog ORDER BY id`); err != nil {
 					return err
 				}
+				dv := rep.Consumer.During[v]
 				dwg.Add(1)
 				go func() {
 					defer dwg.Done()
-					_, _, _, drainErr = d.outboxDrainNoRestore(ctx, "drain_", 3)
+					_, _, _, drainErr = d.outboxDrainNoRestore(ctx, "drain_", dv.Relays, dv.Pause)
 				}()
 				time.Sleep(200 * time.Millisecond) // the relays are at work
 			}
@@ -744,22 +779,26 @@ func (d *drainEnv) consumerDuringDrain(ctx context.Context, rep *drainReport) er
 				return drainErr
 			}
 			p50, p99 := ms(pct(res.Latencies, 0.5)), ms(pct(res.Latencies, 0.99))
-			if during {
-				rep.Consumer.DuraP50 = append(rep.Consumer.DuraP50, p50)
-				rep.Consumer.DuraP99 = append(rep.Consumer.DuraP99, p99)
-			} else {
+			what := "alone"
+			if v < 0 {
 				rep.Consumer.AloneP50 = append(rep.Consumer.AloneP50, p50)
 				rep.Consumer.AloneP99 = append(rep.Consumer.AloneP99, p99)
+			} else {
+				dv := &rep.Consumer.During[v]
+				dv.P50, dv.P99 = append(dv.P50, p50), append(dv.P99, p99)
+				what = fmt.Sprintf("during a drain by %d relays (RelayPauseFactor %g)", dv.Relays, dv.Pause)
 			}
-			logf("rep %d consumer c=%d %s: p50 %.2f ms, p99 %.2f ms", r+1, d.cfg.ConsumerC, map[bool]string{false: "alone", true: "during a drain"}[during], p50, p99)
+			logf("rep %d consumer c=%d %s: p50 %.2f ms, p99 %.2f ms", r+1, d.cfg.ConsumerC, what, p50, p99)
 		}
 	}
-	rep.Consumer.Rise = median(rep.Consumer.DuraP99)/median(rep.Consumer.AloneP99) - 1
+	for i := range rep.Consumer.During {
+		rep.Consumer.During[i].Rise = median(rep.Consumer.During[i].P99)/median(rep.Consumer.AloneP99) - 1
+	}
 	return nil
 }
 
 // outboxDrainNoRestore drains what is in the tables of prefix with n instances.
-func (d *drainEnv) outboxDrainNoRestore(ctx context.Context, prefix string, n int) (float64, *drainPublisher, wireSnapshot, error) {
+func (d *drainEnv) outboxDrainNoRestore(ctx context.Context, prefix string, n int, pause float64) (float64, *drainPublisher, wireSnapshot, error) {
 	var pending int
 	if err := d.admin.QueryRowContext(ctx, `SELECT count(*) FROM `+prefix+`effects WHERE dispatched_at IS NULL`).Scan(&pending); err != nil {
 		return 0, nil, wireSnapshot{}, err
@@ -767,11 +806,11 @@ func (d *drainEnv) outboxDrainNoRestore(ctx context.Context, prefix string, n in
 	cfg := d.cfg
 	cfg.Effects = pending
 	dd := &drainEnv{dsn: d.dsn, admin: d.admin, cfg: cfg}
-	return dd.drainNow(ctx, prefix, n)
+	return dd.drainNow(ctx, prefix, n, pause)
 }
 
 // drainNow drains what is pending in the tables of prefix with n instances.
-func (d *drainEnv) drainNow(ctx context.Context, prefix string, n int) (float64, *drainPublisher, wireSnapshot, error) {
+func (d *drainEnv) drainNow(ctx context.Context, prefix string, n int, pause float64) (float64, *drainPublisher, wireSnapshot, error) {
 	pub := newDrainPublisher(true)
 	var obs []*outbox.Outbox
 	for i := 0; i < n; i++ {
@@ -781,7 +820,8 @@ func (d *drainEnv) drainNow(ctx context.Context, prefix string, n int) (float64,
 		}
 		defer db.Close()
 		ob, err := outbox.New(outbox.Config{DB: db, Driver: postgres.Driver{}, Publisher: pub, TablePrefix: prefix,
-			RelayGrace: time.Second, RelayInterval: 10 * time.Millisecond, CleanupInterval: time.Hour})
+			RelayGrace: time.Second, RelayInterval: 10 * time.Millisecond, CleanupInterval: time.Hour, RelayPauseFactor: pause,
+			RelayBatchSize: envInt("OUTBOX_BENCH_RELAY_BATCH")}) // 0: the default
 		if err != nil {
 			return 0, nil, wireSnapshot{}, err
 		}
@@ -920,10 +960,15 @@ func drainMarkdown(r *drainReport) string {
 		}
 		p("| %s | %s | %s |\n", row.Contender, f0(row.Median), strings.Join(rates, ", "))
 	}
-	p("\nThe consumer path (outbox-middleware at c=%d, as in the main table) while three relays drain a backlog of\n", r.Consumer.Conc)
-	p("%s on the same database, against the same workload alone, interleaved: p99 %s ms alone, %s ms during a drain\n",
-		human(2*c.Effects), f2(median(r.Consumer.AloneP99)), f2(median(r.Consumer.DuraP99)))
-	p("(medians of %d runs; p50 %s and %s ms): **%+.0f%%**.\n\n", len(r.Consumer.AloneP99), f2(median(r.Consumer.AloneP50)), f2(median(r.Consumer.DuraP50)), 100*r.Consumer.Rise)
+	p("\nThe consumer path (outbox-middleware at c=%d, as in the main table) alone and while relays drain a backlog\n", r.Consumer.Conc)
+	p("of %s on the same database, interleaved (medians of %d runs; everything, the database, the relays and the\n", human(2*c.Effects), len(r.Consumer.AloneP99))
+	p("consumers, shares the machine's %d CPUs):\n\n", r.Machine.CPUs)
+	p("| run | p50 ms | p99 ms | p99 against alone |\n| --- | --- | --- | --- |\n")
+	p("| alone | %s | %s | |\n", f2(median(r.Consumer.AloneP50)), f2(median(r.Consumer.AloneP99)))
+	for _, dv := range r.Consumer.During {
+		p("| during a drain by %d relay%s (RelayPauseFactor %g) | %s | %s | %+.0f%% |\n", dv.Relays, plural(dv.Relays), dv.Pause, f2(median(dv.P50)), f2(median(dv.P99)), 100*dv.Rise)
+	}
+	p("\n")
 	p("Idle: %d relays polling every %.0f ms with nothing due made %d statements in %.0f s, %.2f per round, with no\n",
 		r.Idle.Instances, r.Idle.Interval*1000, r.Idle.Statements, r.Idle.Seconds, r.Idle.PerRound)
 	p("transaction; one such claim took %.2f ms (median) with the scale run's %s rows in the table.\n\n", r.Idle.ClaimMS, human(r.Scale.Filler))
@@ -944,7 +989,9 @@ func drainMarkdown(r *drainReport) string {
 	p("| three instances >= 20,000 effects/s | %s |\n", t("outbox x3", 20000))
 	p("| flat with %s dispatched rows and retained IDs | %s |\n", human(r.Scale.Filler), flat)
 	p("| per-key order, nothing sent twice | %s |\n", yesNo(r.Rows[0].Copies+r.Rows[1].Copies+r.Rows[0].Reorders+r.Rows[1].Reorders == 0, true))
-	p("| consumer p99 during a drain <= +50%% | %+.0f%% (%s) |\n", 100*r.Consumer.Rise, yesNo(r.Consumer.Rise <= 0.5, true))
+	for _, dv := range r.Consumer.During {
+		p("| consumer p99 during a drain by %d relay%s (RelayPauseFactor %g) <= +50%% | %+.0f%% (%s) |\n", dv.Relays, plural(dv.Relays), dv.Pause, 100*dv.Rise, yesNo(dv.Rise <= 0.5, true))
+	}
 	p("| an idle round: one statement, no transaction | %.2f statements per round (%s) |\n\n", r.Idle.PerRound, yesNo(r.Idle.PerRound <= 1.05, true))
 	for _, n := range r.Notes {
 		p("- %s\n", n)
