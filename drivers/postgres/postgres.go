@@ -215,7 +215,8 @@ func queries(n store.Names, deleteDispatched bool) store.Queries {
 		// lets an effect be sent again.
 		EffectClaimDue: `WITH bounds AS MATERIALIZED (
 				SELECT lo + $6 AS hi, EXISTS (SELECT 1 FROM ` + n.Effects + ` WHERE dispatched_at IS NULL AND id > lo + $6) AS more, lo
-				FROM (SELECT greatest($5, coalesce((SELECT min(id) FROM ` + n.Effects + ` WHERE dispatched_at IS NULL), 0) - 1) AS lo) l
+				FROM (SELECT CASE WHEN $5 > 0 THEN $5
+					ELSE coalesce((SELECT min(id) FROM ` + n.Effects + ` WHERE dispatched_at IS NULL), 0) - 1 END AS lo) l
 				WHERE ` + asyncCommit + `),
 			c AS MATERIALIZED (
 				SELECT e.id, e.ordering_key, octet_length(e.payload) + octet_length(e.metadata) AS size
