@@ -131,7 +131,7 @@ func checkKeyOrder(t *testing.T, first map[string]wireCopy, want map[string][]st
 // effectUUIDsByKey returns the UUIDs of the stored effects per ordering key, in effect id order.
 func (e *env) effectUUIDsByKey() map[string][]string {
 	e.t.Helper()
-	rows, err := e.db.Query(`SELECT ordering_key, uuid FROM outbox_effects ORDER BY id`)
+	rows, err := e.db.Query(`SELECT ordering_key, uuid FROM all_effects ORDER BY id`)
 	if err != nil {
 		e.t.Fatal(err)
 	}
@@ -227,7 +227,7 @@ func TestBoundaryInTxCommitsAndDispatchesAtOnce(t *testing.T) {
 		t.Fatalf("causation_id on the wire: %q and %q, want the same non-empty boundary id", causation[m1.UUID], causation[m2.UUID])
 	}
 	mustEqual(t, "effects whose source is the boundary id",
-		e.count(`SELECT count(*) FROM outbox_effects WHERE source_consumer = '' AND source_id = $1`, causation[m1.UUID]), 2)
+		e.count(`SELECT count(*) FROM all_effects WHERE source_consumer = '' AND source_id = $1`, causation[m1.UUID]), 2)
 	var k sql.NullString
 	if err := e.db.QueryRow(`SELECT metadata->>'k' FROM watermill_out_a WHERE uuid = $1`, m1.UUID).Scan(&k); err != nil {
 		t.Fatal(err)
@@ -251,7 +251,7 @@ func TestBoundaryInTxCommitsAndDispatchesAtOnce(t *testing.T) {
 	}
 	mustEqual(t, "copies of the rolled-back message", e.wire("out_a")[m3.UUID], 0)
 	mustEqual(t, "business rows of the failed fn", e.count(`SELECT count(*) FROM applied WHERE message_id = 'http-2'`), 0)
-	mustEqual(t, "effect rows of the failed fn", e.count(`SELECT count(*) FROM outbox_effects WHERE uuid = $1`, m3.UUID), 0)
+	mustEqual(t, "effect rows of the failed fn", e.count(`SELECT count(*) FROM all_effects WHERE uuid = $1`, m3.UUID), 0)
 
 	// fn panics: the panic reaches the caller, nothing is committed or sent.
 	m4 := message.NewMessage(uuid.NewString(), []byte("never either"))
@@ -274,11 +274,11 @@ func TestBoundaryInTxCommitsAndDispatchesAtOnce(t *testing.T) {
 	}
 	mustEqual(t, "copies of the panicked message", e.wire("out_a")[m4.UUID], 0)
 	mustEqual(t, "business rows of the panicked fn", e.count(`SELECT count(*) FROM applied WHERE message_id = 'http-3'`), 0)
-	mustEqual(t, "effect rows of the panicked fn", e.count(`SELECT count(*) FROM outbox_effects WHERE uuid = $1`, m4.UUID), 0)
+	mustEqual(t, "effect rows of the panicked fn", e.count(`SELECT count(*) FROM all_effects WHERE uuid = $1`, m4.UUID), 0)
 
 	// Nothing else reached the broker, and the connection pool is not left with an open transaction.
 	mustEqual(t, "messages on the wire at the end", len(e.wire("out_a")), 2)
-	mustEqual(t, "total effect rows", e.count(`SELECT count(*) FROM outbox_effects`), 2)
+	mustEqual(t, "total effect rows", e.count(`SELECT count(*) FROM all_effects`), 2)
 	mustEqual(t, "transactions left open", e.count(`SELECT count(*) FROM pg_stat_activity
 		WHERE datname = current_database() AND state LIKE 'idle in transaction%'`), 0)
 }
@@ -334,7 +334,7 @@ func TestBoundaryJoinTx(t *testing.T) {
 			t.Errorf("dispatch after the caller rolled back sent %d copies of a message whose transaction rolled back, want 0 "+
 				"(JoinTx documents: \"If tx rolls back, nothing was stored and dispatch sends nothing\")", n)
 		}
-		mustEqual(t, "effect rows", e.count(`SELECT count(*) FROM outbox_effects`), 0)
+		mustEqual(t, "effect rows", e.count(`SELECT count(*) FROM all_effects`), 0)
 		mustEqual(t, "business rows", e.count(`SELECT count(*) FROM applied`), 0)
 	})
 
@@ -347,7 +347,7 @@ func TestBoundaryJoinTx(t *testing.T) {
 		}
 		mustEqual(t, "copies before the relay", e.wire("out_a")[msg.UUID], 0)
 		var storedUUID string
-		if err := e.db.QueryRow(`SELECT uuid FROM outbox_effects`).Scan(&storedUUID); err != nil {
+		if err := e.db.QueryRow(`SELECT uuid FROM all_effects`).Scan(&storedUUID); err != nil {
 			t.Fatal(err)
 		}
 		mustEqual(t, "stored UUID", storedUUID, msg.UUID)
@@ -359,7 +359,7 @@ func TestBoundaryJoinTx(t *testing.T) {
 		mustEqual(t, "messages on the wire", len(e.wire("out_a")), 1)
 		// The relay honoured RelayGrace: it claimed the effect at least 200ms after its transaction began.
 		mustEqual(t, "effects relayed after the grace period",
-			e.count(`SELECT count(*) FROM outbox_effects WHERE dispatched_at - created_at >= interval '200 milliseconds'`), 1)
+			e.count(`SELECT count(*) FROM all_effects WHERE dispatched_at - created_at >= interval '200 milliseconds'`), 1)
 	})
 }
 
@@ -491,7 +491,7 @@ func TestThreeRelayInstancesShare10000Effects(t *testing.T) {
 	}
 	t.Logf("recorded %d effects in %s", n, time.Since(start).Round(time.Millisecond))
 	mustEqual(t, "pending effects", e.pendingEffects(), total)
-	mustEqual(t, "effects with attempts recorded", e.count(`SELECT count(*) FROM outbox_effects WHERE attempts > 0`), 0)
+	mustEqual(t, "effects with attempts recorded", e.count(`SELECT count(*) FROM all_effects WHERE attempts > 0`), 0)
 	mustEqual(t, "messages on the wire before the relays start", len(e.wire("out_a")), 0)
 	want := e.effectUUIDsByKey()
 	mustEqual(t, "ordering keys", len(want), keys)
@@ -527,7 +527,7 @@ func TestThreeRelayInstancesShare10000Effects(t *testing.T) {
 	mustEqual(t, "distinct messages on the wire", len(first), total)
 	mustEqual(t, "duplicate copies on the wire", len(copies)-len(first), 0)
 	mustEqual(t, "messages the instances sent", sent[0]+sent[1]+sent[2], int64(len(copies)))
-	mustEqual(t, "parked or failed effects", e.count(`SELECT count(*) FROM outbox_effects WHERE attempts > 0 OR parked_at IS NOT NULL`), 0)
+	mustEqual(t, "parked or failed effects", e.count(`SELECT count(*) FROM all_effects WHERE attempts > 0 OR parked_at IS NOT NULL`), 0)
 	checkKeyOrder(t, first, want)
 }
 

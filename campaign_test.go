@@ -412,7 +412,9 @@ func runCampaign(t *testing.T, e *env, run int, seed uint64, stats *campaignStat
 	// Every committed effect on the wire, each with one stable UUID, nothing that did not
 	// commit, and the effects of each message in the order they were recorded.
 	committed := map[string]string{} // label -> UUID
-	rows, err := e.db.Query(`SELECT uuid, convert_from(payload, 'UTF8') FROM ` + prefix + `effects`)
+	// Committed effects: pending ones, and the dispatched ones kept for EffectRetention.
+	all := `(SELECT source_id, seq, uuid, payload FROM ` + prefix + `effects UNION ALL SELECT source_id, seq, uuid, payload FROM ` + prefix + `dispatched) e`
+	rows, err := e.db.Query(`SELECT uuid, convert_from(payload, 'UTF8') FROM ` + all)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -455,7 +457,7 @@ func runCampaign(t *testing.T, e *env, run int, seed uint64, stats *campaignStat
 			fail("effect %s: %d UUIDs on the wire, want 1", label, len(wireUUIDs[label]))
 		}
 	}
-	rows, err = e.db.Query(`SELECT source_id, convert_from(payload, 'UTF8') FROM ` + prefix + `effects ORDER BY source_id, seq`)
+	rows, err = e.db.Query(`SELECT source_id, convert_from(payload, 'UTF8') FROM ` + all + ` ORDER BY source_id, seq`)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -93,9 +93,11 @@ func TestRetentionCountsFromDispatchAndCleanupIsBounded(t *testing.T) {
 	mustExec(t, e, `UPDATE outbox_processed SET processed_at = now() - interval '30 days', dispatched_at = now() - interval '8 days' WHERE message_id < 'm35'`)
 	mustExec(t, e, `UPDATE outbox_processed SET processed_at = now() - interval '30 days', dispatched_at = now() - interval '8 days' WHERE message_id BETWEEN 'm35' AND 'm39'`)
 	mustExec(t, e, `UPDATE outbox_processed SET processed_at = now() - interval '30 days', dispatched_at = now() - interval '1 day' WHERE message_id >= 'm40'`)
-	mustExec(t, e, `UPDATE outbox_effects SET dispatched_at = now() - interval '2 hours'`)
+	mustExec(t, e, `UPDATE outbox_dispatched SET dispatched_at = now() - interval '2 hours'`)
 	// m35..m39 were processed long ago but one of their effects is still undispatched.
-	mustExec(t, e, `UPDATE outbox_effects SET dispatched_at = NULL WHERE seq = 1 AND source_id BETWEEN 'm35' AND 'm39'`)
+	mustExec(t, e, `WITH back AS (DELETE FROM outbox_dispatched WHERE seq = 1 AND source_id BETWEEN 'm35' AND 'm39' RETURNING *)
+		INSERT INTO outbox_effects (id, source_consumer, source_id, seq, kind, topic, uuid, payload, metadata, ordering_key, created_at, attempts, failures, last_error)
+		SELECT id, source_consumer, source_id, seq, kind, topic, uuid, payload, metadata, ordering_key, created_at, attempts, failures, last_error FROM back`)
 
 	res, err := e.ob.Store().Cleanup(ctx, outbox.CleanupParams{Retention: 7 * 24 * time.Hour, EffectRetention: time.Hour, BatchSize: 10})
 	if err != nil {

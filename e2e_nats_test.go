@@ -185,7 +185,7 @@ func TestE2ENATSJetStream(t *testing.T) {
 	mustEqual(t, "processed rows of "+consumer, e.count(`SELECT count(*) FROM outbox_processed WHERE consumer = $1`, consumer), n)
 	mustEqual(t, "processed rows of notify", e.count(`SELECT count(*) FROM outbox_processed WHERE consumer = 'notify'`), n)
 	mustEqual(t, "stored "+stockTopic+" effects",
-		e.count(`SELECT count(*) FROM outbox_effects WHERE source_consumer = $1 AND topic = $2`, consumer, stockTopic), n)
+		e.count(`SELECT count(*) FROM all_effects WHERE source_consumer = $1 AND topic = $2`, consumer, stockTopic), n)
 	mustEqual(t, "failed attempts counted by the framework",
 		e.count(`SELECT coalesce(sum(attempts), 0) FROM outbox_attempts WHERE consumer = $1`, consumer), int(injected.Load()))
 
@@ -209,7 +209,7 @@ func TestE2ENATSJetStream(t *testing.T) {
 	copiesMu.Unlock()
 	mustEqual(t, "distinct "+stockTopic+" UUIDs delivered downstream", len(delivered), n)
 	mustEqual(t, "delivered "+stockTopic+" UUIDs that are not committed effects",
-		countMissing(e.db, t, `SELECT uuid FROM outbox_effects WHERE source_consumer = 'reserve-stock'`, keys(delivered)), 0)
+		countMissing(e.db, t, `SELECT uuid FROM all_effects WHERE source_consumer = 'reserve-stock'`, keys(delivered)), 0)
 	stream, err := js.StreamInfo(stockTopic)
 	if err != nil {
 		t.Fatal(err)

@@ -140,11 +140,11 @@ func TestE2ERouterSQLPubSub(t *testing.T) {
 		copies += c
 	}
 	mustEqual(t, "distinct UUIDs on "+stockTopic, len(wire), n)
-	effects := e.count(`SELECT count(*) FROM outbox_effects WHERE source_consumer = $1 AND topic = $2`, consumer, stockTopic)
+	effects := e.count(`SELECT count(*) FROM all_effects WHERE source_consumer = $1 AND topic = $2`, consumer, stockTopic)
 	mustEqual(t, "stored "+stockTopic+" effects", effects, n)
 	// Every UUID on the wire is a committed effect: nothing from a failed, rolled-back attempt left.
 	mustEqual(t, "UUIDs on the wire that are not committed effects",
-		countMissing(e.db, t, `SELECT uuid FROM outbox_effects WHERE source_consumer = 'reserve-stock'`, keys(wire)), 0)
+		countMissing(e.db, t, `SELECT uuid FROM all_effects WHERE source_consumer = 'reserve-stock'`, keys(wire)), 0)
 	mustEqual(t, "notified messages that are not on the wire", countMissing(e.db, t, `SELECT message_id FROM notified`, keys(wire)), 0)
 
 	perInstance := map[string]int{}

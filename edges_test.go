@@ -51,7 +51,7 @@ func (e *env) allWire(topics ...string) map[string]int {
 func (e *env) committedEffects() []string {
 	e.t.Helper()
 	e.flush()
-	rows, err := e.db.Query(`SELECT uuid FROM outbox_effects ORDER BY id`)
+	rows, err := e.db.Query(`SELECT uuid FROM all_effects ORDER BY id`)
 	if err != nil {
 		e.t.Fatal(err)
 	}
@@ -114,7 +114,7 @@ func TestConcurrentPublishInOneUnitOfWork(t *testing.T) {
 	}
 	mustEqual(t, "pending effects", e.pendingEffects(), 0)
 	mustEqual(t, "distinct sequence numbers per source",
-		e.count(`SELECT count(*) FROM (SELECT DISTINCT source_consumer, source_id, seq FROM outbox_effects) s`), 20*goroutines)
+		e.count(`SELECT count(*) FROM (SELECT DISTINCT source_consumer, source_id, seq FROM all_effects) s`), 20*goroutines)
 }
 
 // Item: discarding a parked effect long after the message was processed starts the retention clock
@@ -505,9 +505,9 @@ func TestFailedMarkBatchIsRetried(t *testing.T) {
 			IF nextval('mark_failures') <= 2 THEN
 				RAISE EXCEPTION 'deadlock detected (simulated)' USING ERRCODE = '40P01';
 			END IF;
-			RETURN NEW;
+			RETURN OLD;
 		END $$`)
-	mustExec(t, e, `CREATE TRIGGER fail_marks BEFORE UPDATE OF dispatched_at ON outbox_effects FOR EACH ROW EXECUTE FUNCTION fail_marks()`)
+	mustExec(t, e, `CREATE TRIGGER fail_marks BEFORE DELETE ON outbox_effects FOR EACH ROW EXECUTE FUNCTION fail_marks()`)
 	for i := 0; i < 5; i++ {
 		if err := handle(e.ob, message.NewMessage(uuid.NewString(), nil), applyAndPublish(nil)); err != nil {
 			t.Fatal(err)

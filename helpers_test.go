@@ -97,6 +97,16 @@ func newEnv(t testing.TB, mutate ...func(*outbox.Config)) *env {
 	if _, err := db.Exec(`CREATE TABLE applied (message_id text NOT NULL, note text)`); err != nil {
 		t.Fatal(err)
 	}
+	// Every effect row, pending (outbox_effects) or dispatched and kept for EffectRetention
+	// (outbox_dispatched), for the tests that read what was committed.
+	if _, err := db.Exec(`CREATE VIEW all_effects AS
+		SELECT id, source_consumer, source_id, seq, kind, topic, uuid, payload, metadata, ordering_key, created_at,
+			dispatched_at, attempts, failures, last_error, next_attempt_at, parked_at FROM outbox_effects
+		UNION ALL
+		SELECT id, source_consumer, source_id, seq, kind, topic, uuid, payload, metadata, ordering_key, created_at,
+			dispatched_at, attempts, failures, last_error, NULL, NULL FROM outbox_dispatched`); err != nil {
+		t.Fatal(err)
+	}
 	// Concurrent publishers race on watermill-sql's own CREATE TABLE: create the topics up front.
 	e.initTopics("out_a", "out_b", "replies", "poison")
 	return e
@@ -166,7 +176,7 @@ func (e *env) wire(topic string) map[string]int {
 // storedEffects returns the UUIDs of the committed effects of a message, in order.
 func (e *env) storedEffects(consumer, id string) []string {
 	e.t.Helper()
-	rows, err := e.db.Query(`SELECT uuid FROM outbox_effects WHERE source_consumer = $1 AND source_id = $2 ORDER BY seq`, consumer, id)
+	rows, err := e.db.Query(`SELECT uuid FROM all_effects WHERE source_consumer = $1 AND source_id = $2 ORDER BY seq`, consumer, id)
 	if err != nil {
 		e.t.Fatal(err)
 	}

@@ -37,10 +37,10 @@ func TestEffectsTableStaysSmallUnderLoad(t *testing.T) {
 			t.Fatal(err)
 		}
 		if i%100 == 0 {
-			maxRows = max(maxRows, e.count(`SELECT count(*) FROM outbox_effects`))
+			maxRows = max(maxRows, e.count(`SELECT count(*) FROM all_effects`))
 		}
 	}
-	waitFor(t, "cleanup to catch up", func() bool { return e.count(`SELECT count(*) FROM outbox_effects`) == 0 })
+	waitFor(t, "cleanup to catch up", func() bool { return e.count(`SELECT count(*) FROM all_effects`) == 0 })
 	t.Logf("largest effects table seen during 1500 boundary calls: %d rows", maxRows)
 	if maxRows > 750 {
 		t.Fatalf("the effects table grew to %d rows: cleanup is not keeping up", maxRows)
@@ -62,7 +62,7 @@ func TestDispatchedEffectsAreDeleted(t *testing.T) {
 	if err := handle(e.ob, msg, applyAndPublish(&calls)); err != nil {
 		t.Fatal(err)
 	}
-	mustEqual(t, "effect rows after the fast path", e.count(`SELECT count(*) FROM outbox_effects`), 0)
+	mustEqual(t, "effect rows after the fast path", e.count(`SELECT count(*) FROM all_effects`), 0)
 	if err := handle(e.ob, copyOf(msg), applyAndPublish(&calls)); err != nil {
 		t.Fatal(err)
 	}
@@ -82,7 +82,7 @@ func TestDispatchedEffectsAreDeleted(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error)
 	go func() { done <- e.ob.Run(ctx) }()
-	waitFor(t, "the relay", func() bool { return e.count(`SELECT count(*) FROM outbox_effects`) == 0 })
+	waitFor(t, "the relay", func() bool { return e.count(`SELECT count(*) FROM all_effects`) == 0 })
 	cancel()
 	if err := <-done; err != nil {
 		t.Fatal(err)

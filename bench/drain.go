@@ -532,12 +532,12 @@ func (d *drainEnv) riverDrain(ctx context.Context) (float64, wireSnapshot, error
 // prefillDrain fills the tables of prefix with n dispatched effects and n retained IDs.
 func (d *drainEnv) prefillDrain(ctx context.Context, prefix string, n int) error {
 	for _, q := range []string{
-		fmt.Sprintf(`INSERT INTO %seffects (source_consumer, source_id, seq, kind, topic, uuid, payload, metadata, ordering_key, created_at, dispatched_at)
-			SELECT 'bench', g::text, 0, '', '%s', gen_random_uuid()::text, '{"n":1}'::bytea, ''::bytea, 'bench/' || g, now() - interval '1 day', now() - interval '1 day'
+		fmt.Sprintf(`INSERT INTO %sdispatched (id, source_consumer, source_id, seq, kind, topic, uuid, payload, metadata, ordering_key, created_at, dispatched_at, attempts, failures)
+			SELECT -g, 'bench', g::text, 0, '', '%s', gen_random_uuid()::text, '{"n":1}'::bytea, ''::bytea, 'bench/' || g, now() - interval '1 day', now() - interval '1 day', 0, 0
 			FROM generate_series(1, %d) g`, prefix, outTopic, n),
 		fmt.Sprintf(`INSERT INTO %sprocessed (consumer, message_id, processed_at, dispatched_at)
 			SELECT 'bench', g::text, now() - interval '1 day', now() - interval '1 day' FROM generate_series(1, %d) g`, prefix, n),
-		`VACUUM ANALYZE ` + prefix + `effects`,
+		`VACUUM ANALYZE ` + prefix + `dispatched`,
 		`VACUUM ANALYZE ` + prefix + `processed`,
 		`CHECKPOINT`,
 	} {

@@ -16,6 +16,7 @@ type Names struct {
 	Prefix       string // unquoted
 	Processed    string // quoted, schema-qualified
 	Effects      string
+	Dispatched   string
 	Attempts     string
 	Migrations   string
 	QuotedSchema string
@@ -47,6 +48,7 @@ func NewNames(schema, prefix string) (Names, error) {
 		QuotedSchema: `"` + schema + `"`,
 		Processed:    q("processed"),
 		Effects:      q("effects"),
+		Dispatched:   q("dispatched"),
 		Attempts:     q("attempts"),
 		Migrations:   q("migrations"),
 	}, nil

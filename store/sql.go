@@ -45,10 +45,9 @@ type Queries struct {
 	EffectHandToRelay    string // (consumer, id)
 	EffectListParked     string // (limit) -> effect columns, last_error, parked_at, created_at
 	EffectUnpark         string // (store id)
-	EffectDiscard        string // (store id): marks a parked effect dispatched
-	// EffectDiscardMoveClaim (store id) moves the dispatch time of the claim of a discarded
-	// effect, in the same transaction; empty when EffectDiscard moves it itself.
-	EffectDiscardMoveClaim string
+	// EffectDiscard (store id) marks a parked effect dispatched and moves its claim's dispatch
+	// time; it returns a row per effect it discarded.
+	EffectDiscard string
 	// EffectClaimDue (grace ms, limit, max bytes, lease ms, after, window) -> effect columns of the
 	// leased effects, in any order. With EffectClaimDueWindowed it looks only at the window
 	// (lo, lo+window] of ids, lo the greater of after and the first pending id less one, and every
@@ -693,12 +692,33 @@ func (s *SQL) EffectUnpark(ctx context.Context, ids []int64) (int, error) {
 
 // EffectDiscard implements outbox.Store.
 func (s *SQL) EffectDiscard(ctx context.Context, ids []int64) (int, error) {
-	return s.eachID(ctx, s.d.Queries.EffectDiscard, ids, s.d.Queries.EffectDiscardMoveClaim)
+	ids = slices.Clone(ids)
+	slices.Sort(ids)
+	tx, err := s.db.BeginTx(ctx, nil)
+	if err != nil {
+		return 0, fmt.Errorf("begin: %w", err)
+	}
+	defer func() { _ = tx.Rollback() }()
+	total := 0
+	for _, id := range slices.Compact(ids) {
+		rows, err := tx.QueryContext(ctx, s.d.Queries.EffectDiscard, id)
+		if err != nil {
+			return 0, s.wrap(err)
+		}
+		for rows.Next() {
+			total++
+		}
+		if err := rows.Err(); err != nil {
+			return 0, s.wrap(err)
+		}
+		_ = rows.Close()
+	}
+	return total, tx.Commit()
 }
 
-// eachID runs query for every id, in ascending order, in one transaction, then (when it changed
-// the row) each of then, and returns the rows query changed.
-func (s *SQL) eachID(ctx context.Context, query string, ids []int64, then ...string) (int, error) {
+// eachID runs query for every id, in ascending order, in one transaction, and returns the rows
+// it changed.
+func (s *SQL) eachID(ctx context.Context, query string, ids []int64) (int, error) {
 	ids = slices.Clone(ids)
 	slices.Sort(ids)
 	tx, err := s.db.BeginTx(ctx, nil)
@@ -717,14 +737,6 @@ func (s *SQL) eachID(ctx context.Context, query string, ids []int64, then ...str
 			return 0, err
 		}
 		total += int(n)
-		for _, q := range then {
-			if q == "" || n == 0 {
-				continue
-			}
-			if _, err := tx.ExecContext(ctx, q, id); err != nil {
-				return 0, s.wrap(err)
-			}
-		}
 	}
 	return total, tx.Commit()
 }

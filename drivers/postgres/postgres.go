@@ -123,13 +123,26 @@ func selfDue(ms func(string) string) string {
 
 func queries(n store.Names, deleteDispatched bool) store.Queries {
 	ms := func(arg string) string { return "(" + arg + " * interval '1 millisecond')" }
-	// markEffects marks effects dispatched; deleting them writes a small record, where an update
-	// writes a new row version and index entries (dispatched_at is in the partial indexes'
-	// predicates, so the update cannot be HOT).
-	markEffects := `UPDATE ` + n.Effects + ` e SET dispatched_at = now() FROM ` + ids("$1") + ` WHERE`
-	if deleteDispatched {
-		markEffects = `DELETE FROM ` + n.Effects + ` e USING ` + ids("$1") + ` WHERE`
+	// Marked effects leave the effects table, which holds only what is pending: deleted (the
+	// default), or moved to the dispatched table for EffectRetention. Every statement that takes
+	// effects out does it in a CTE named m (locking the effect rows first, as everywhere) and reads
+	// the source of what it took from it.
+	takeEffects := func(where string) string {
+		if deleteDispatched {
+			return `m AS (DELETE FROM ` + n.Effects + ` e ` + where + ` RETURNING e.source_consumer, e.source_id)`
+		}
+		return `t AS (DELETE FROM ` + n.Effects + ` e ` + where + ` RETURNING e.*),
+			m AS (INSERT INTO ` + n.Dispatched + ` (id, source_consumer, source_id, seq, kind, topic, uuid, payload, metadata, ordering_key,
+					created_at, dispatched_at, attempts, failures, last_error)
+				SELECT id, source_consumer, source_id, seq, kind, topic, uuid, payload, metadata, ordering_key,
+					created_at, now(), attempts, failures, last_error FROM t
+				ON CONFLICT (id) DO NOTHING
+				RETURNING source_consumer, source_id)`
 	}
+	moveClaims := `UPDATE ` + n.Processed + ` p SET dispatched_at = now()
+				FROM (SELECT DISTINCT source_consumer, source_id FROM m) s
+				WHERE p.consumer = s.source_consumer AND p.message_id = s.source_id`
+	markWhere := `USING ` + ids("$1") + ` WHERE e.id = v.id AND ` + asyncCommit
 	return store.Queries{
 		// The claim's CTE and the SELECT see one snapshot, taken when the statement began: a
 		// conflicting claim the SELECT cannot see was committed while the INSERT waited for it, by
@@ -169,15 +182,13 @@ func queries(n store.Names, deleteDispatched bool) store.Queries {
 			WHERE source_consumer = $1 AND source_id = $2 AND dispatched_at IS NULL ORDER BY seq`,
 		// The CTE runs first (the main statement reads it): effect rows are locked before claim
 		// rows, as everywhere.
-		EffectMarkDispatched: func(moveClaims bool) string {
-			if !moveClaims {
-				return markEffects + ` e.id = v.id AND e.dispatched_at IS NULL AND ` + asyncCommit
+		// The CTE runs first (the main statement reads it): effect rows are locked before claim
+		// rows, as everywhere.
+		EffectMarkDispatched: func(move bool) string {
+			if !move {
+				return `WITH ` + takeEffects(markWhere) + ` SELECT count(*) FROM m`
 			}
-			return `WITH e AS (` + markEffects + ` e.id = v.id AND e.dispatched_at IS NULL AND ` + asyncCommit + `
-					RETURNING e.source_consumer, e.source_id)
-				UPDATE ` + n.Processed + ` p SET dispatched_at = now()
-				FROM (SELECT DISTINCT source_consumer, source_id FROM e) s
-				WHERE p.consumer = s.source_consumer AND p.message_id = s.source_id AND ` + asyncCommit
+			return `WITH ` + takeEffects(markWhere) + ` ` + moveClaims + ` AND ` + asyncCommit
 		},
 		EffectRecordFailure: `UPDATE ` + n.Effects + ` SET failures = failures + 1, failed_at = now(), last_error = $2,
 			attempts = attempts + CASE WHEN $3::boolean THEN 1 ELSE 0 END,
@@ -195,10 +206,12 @@ func queries(n store.Names, deleteDispatched bool) store.Queries {
 			WHERE parked_at IS NOT NULL AND dispatched_at IS NULL ORDER BY id LIMIT $1`,
 		EffectUnpark: `UPDATE ` + n.Effects + ` SET parked_at = NULL, next_attempt_at = now(), attempts = 0, failures = 0
 			WHERE id = $1 AND parked_at IS NOT NULL AND dispatched_at IS NULL`,
-		EffectDiscard: `UPDATE ` + n.Effects + ` SET dispatched_at = now(), last_error = coalesce(last_error, '') || ' (discarded)'
-			WHERE id = $1 AND parked_at IS NOT NULL AND dispatched_at IS NULL`,
-		EffectDiscardMoveClaim: `UPDATE ` + n.Processed + ` p SET dispatched_at = now() FROM ` + n.Effects + ` e
-			WHERE e.id = $1 AND p.consumer = e.source_consumer AND p.message_id = e.source_id`,
+		// A discarded effect leaves as a dispatched one does (noted as discarded when kept), and
+		// moves its claim's dispatch time: retention counts from the discard.
+		EffectDiscard: `WITH ` + strings.Replace(takeEffects(`WHERE e.id = $1 AND e.parked_at IS NOT NULL`), `last_error FROM t`,
+			`coalesce(last_error, '') || ' (discarded)' FROM t`, 1) + `,
+			p AS (` + moveClaims + `)
+			SELECT 1 FROM m`,
 
 		// A claim looks at a window of ids from the first pending effect (or after $5), so that its
 		// cost stays that of the window whatever the backlog, and whatever the planner believes of
@@ -252,8 +265,8 @@ func queries(n store.Names, deleteDispatched bool) store.Queries {
 			  AND NOT EXISTS (SELECT 1 FROM ` + n.Effects + ` e
 				WHERE e.source_consumer = p.consumer AND e.source_id = p.message_id AND e.dispatched_at IS NULL)
 			LIMIT $2)`,
-		CleanupEffects: `DELETE FROM ` + n.Effects + ` WHERE id IN (
-			SELECT id FROM ` + n.Effects + ` WHERE dispatched_at < now() - ` + ms("$1") + ` ORDER BY id LIMIT $2)`,
+		CleanupEffects: `DELETE FROM ` + n.Dispatched + ` WHERE id IN (
+			SELECT id FROM ` + n.Dispatched + ` WHERE dispatched_at < now() - ` + ms("$1") + ` LIMIT $2)`,
 		CleanupAttempts: `DELETE FROM ` + n.Attempts + ` WHERE (consumer, message_id) IN (
 			SELECT consumer, message_id FROM ` + n.Attempts + ` WHERE last_failed_at < now() - ` + ms("$1") + ` LIMIT $2)`,
 

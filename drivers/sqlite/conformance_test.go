@@ -40,6 +40,13 @@ func TestConformance(t *testing.T) {
 					t.Fatalf("age %s.%s: %v", tbl, column, err)
 				}
 			},
+			CountEffects: func(t testing.TB) int {
+				var n int
+				if err := db.QueryRow(`SELECT count(*) FROM ` + table("effects")).Scan(&n); err != nil {
+					t.Fatal(err)
+				}
+				return n
+			},
 			// Another process's cleanup holds the database's write lock while it deletes.
 			HoldCleanupLock: func(t testing.TB) func() {
 				tx, err := db.BeginTx(context.Background(), nil)

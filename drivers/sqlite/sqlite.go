@@ -177,7 +177,7 @@ func queries(n store.Names) store.Queries {
 		EffectUnpark: `UPDATE ` + n.Effects + ` SET parked_at = NULL, next_attempt_at = ` + now + `, attempts = 0, failures = 0
 			WHERE id = ?1 AND parked_at IS NOT NULL AND dispatched_at IS NULL`,
 		EffectDiscard: `UPDATE ` + n.Effects + ` SET dispatched_at = ` + now + `, last_error = coalesce(last_error, '') || ' (discarded)'
-			WHERE id = ?1 AND parked_at IS NOT NULL AND dispatched_at IS NULL`,
+			WHERE id = ?1 AND parked_at IS NOT NULL AND dispatched_at IS NULL RETURNING 1`,
 
 		// SQLite has one writer: the claim is one statement, so relays of several processes take
 		// turns, and no row can be locked by another statement while it looks. An effect is due

@@ -28,8 +28,12 @@ type Harness struct {
 	Table func(name string) string
 	// Age moves the timestamp column of the rows of src in table ("processed", "effects" or
 	// "attempts") back by d; a NULL stays NULL. A zero src means every row of the table. The
-	// columns that hold a row's source are given by KeyColumns.
+	// columns that hold a row's source are given by KeyColumns. ("effects", "dispatched_at") means
+	// the dispatched effects, wherever the dialect keeps them.
 	Age func(t testing.TB, table, column string, src outbox.Source, d time.Duration)
+	// CountEffects counts every effect row: pending, and dispatched ones kept for EffectRetention
+	// (which a dialect may keep in a table of their own).
+	CountEffects func(t testing.TB) int
 	// HoldCleanupLock takes, in another session, what the Cleanup of another process holds
 	// while it deletes, and keeps it until release is called.
 	HoldCleanupLock func(t testing.TB) (release func())
@@ -60,7 +64,7 @@ type Capabilities struct {
 
 // KeyColumns returns the columns of an outbox table that hold the source of a row.
 func KeyColumns(table string) (consumer, id string) {
-	if table == "effects" {
+	if table == "effects" || table == "dispatched" {
 		return "source_consumer", "source_id"
 	}
 	return "consumer", "message_id"
@@ -1820,7 +1824,7 @@ func testCleanupRetention(f *fixture) {
 	if pe := f.pending(c); len(pe) != 1 || pe[0].Seq != 1 {
 		f.t.Fatalf("the pending effect was not kept: %v", pe)
 	}
-	if n := f.count("effects"); n != 3 {
+	if n := f.h.CountEffects(f.t); n != 3 {
 		f.t.Fatalf("effects left: %d, want b's two and c's pending one", n)
 	}
 	if got := f.attempt(x, "again"); got != 1 {
