@@ -56,6 +56,23 @@ type Config struct {
 	// and each failure is logged with its count.
 	PoisonTopic string
 
+	// RetryDelay is how long Handle waits before it returns a failure (a nack), and before each
+	// of its own retries (HandlerRetries): RetryDelay after the first failed attempt of the
+	// message, doubling with each further one, up to RetryDelayMax. Most brokers redeliver a
+	// nacked message at once: without the wait, a message that keeps failing (a broker that is
+	// down, a bug) comes straight back in a loop, and an ordered subscriber (a Kafka partition, a
+	// watermill-sql consumer group) retries without backing off. The wait ends when the
+	// message's context does (a Router shutting down). Default: 100 ms. Negative: no wait.
+	RetryDelay time.Duration
+	// RetryDelayMax bounds the growth of RetryDelay. Default: 10 seconds.
+	RetryDelayMax time.Duration
+	// HandlerRetries is how many times Handle runs a failed unit of work again itself, each time
+	// after RetryDelay and in a new transaction (a redelivery that finds the message processed
+	// dispatches what is pending), before it returns the failure; each attempt is counted toward
+	// MaxAttempts as a redelivery's would be. It takes the place of Watermill's Retry middleware,
+	// which must not run inside the outbox middleware. Default: 0.
+	HandlerRetries int
+
 	// DuplicateWait is how long a duplicate delivery that finds side effects committed less than
 	// this long ago waits for the process that committed them to send them, before sending what is
 	// still pending itself. It keeps concurrent copies from putting a second copy of every effect on
@@ -85,8 +102,9 @@ type Config struct {
 	RelayBatchBytes int
 	// RelayPauseFactor makes the relay pause after each round that sent something for this many
 	// times as long as the round took, so that a relay draining a backlog keeps to 1/(1+factor) of
-	// its time and leaves the database and the CPUs to the consumers. Default: 0 (no pause: the
-	// fastest drain; see docs/benchmarks.md for what a drain costs the consumers).
+	// its time and leaves the database and the CPUs to the consumers. Default: 1 (half its time;
+	// one relay still drains more than 10,000 effects/s on 2 CPUs, see docs/benchmarks.md).
+	// Negative: no pause, the fastest drain.
 	RelayPauseFactor float64
 	// RelayMaxAttempts is how many failed dispatches of one side effect, on any path, park it.
 	// Only failures while the target is otherwise healthy count (something else reached the
@@ -115,6 +133,9 @@ const (
 	defaultCleanupBatchSize = 1000
 	defaultCleanupPause     = 20 * time.Millisecond
 	defaultCleanupFactor    = 2
+	defaultRelayPauseFactor = 1
+	defaultRetryDelay       = 100 * time.Millisecond
+	defaultRetryDelayMax    = 10 * time.Second
 	defaultMaxAttempts      = 5
 	defaultPublishTimeout   = 30 * time.Second
 	defaultDuplicateWait    = time.Second
@@ -151,6 +172,15 @@ func (c *Config) setDefaults() {
 	}
 	if c.CleanupPauseFactor == 0 {
 		c.CleanupPauseFactor = defaultCleanupFactor
+	}
+	if c.RetryDelay == 0 {
+		c.RetryDelay = defaultRetryDelay
+	}
+	if c.RetryDelayMax == 0 {
+		c.RetryDelayMax = defaultRetryDelayMax
+	}
+	if c.RelayPauseFactor == 0 {
+		c.RelayPauseFactor = defaultRelayPauseFactor
 	}
 	if c.MaxAttempts == 0 {
 		c.MaxAttempts = defaultMaxAttempts
@@ -200,6 +230,7 @@ func (c Config) Validate() error {
 		"Retention": c.Retention, "EffectRetention": c.EffectRetention, "CleanupInterval": c.CleanupInterval,
 		"CleanupPause":   c.CleanupPause,
 		"HandlerTimeout": c.HandlerTimeout, "PublishTimeout": c.PublishTimeout, "DuplicateWait": c.DuplicateWait,
+		"RetryDelayMax": c.RetryDelayMax,
 		"RelayInterval": c.RelayInterval, "RelayGrace": c.RelayGrace,
 	} {
 		if d < 0 {
@@ -208,6 +239,7 @@ func (c Config) Validate() error {
 	}
 	for name, n := range map[string]int{
 		"CleanupBatchSize": c.CleanupBatchSize, "MaxAttempts": c.MaxAttempts, "MaxPayloadBytes": c.MaxPayloadBytes,
+		"HandlerRetries": c.HandlerRetries,
 		"RelayBatchSize": c.RelayBatchSize, "RelayBatchBytes": c.RelayBatchBytes, "RelayMaxAttempts": c.RelayMaxAttempts,
 	} {
 		if n < 0 {

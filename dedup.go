@@ -37,11 +37,11 @@ func (o *Outbox) handlerFailed(ctx context.Context, msg *message.Message, src So
 	}
 	fields = fields.Add(watermill.LogFields{"attempts": attempts, "max_attempts": o.cfg.MaxAttempts})
 	if attempts < o.cfg.MaxAttempts {
-		return fmt.Errorf("attempt %d of %d: %w", attempts, o.cfg.MaxAttempts, herr)
+		return counted(fmt.Errorf("attempt %d of %d: %w", attempts, o.cfg.MaxAttempts, herr), attempts)
 	}
 	if o.cfg.PoisonTopic == "" {
 		o.logger.Error("Message keeps failing; no PoisonTopic is set, so it is nacked again", herr, fields)
-		return fmt.Errorf("attempt %d (max %d, no poison topic): %w", attempts, o.cfg.MaxAttempts, herr)
+		return counted(fmt.Errorf("attempt %d (max %d, no poison topic): %w", attempts, o.cfg.MaxAttempts, herr), attempts)
 	}
 	if err := o.poison(bctx, msg, src, reason, attempts); err != nil {
 		return fmt.Errorf("%w (and moving it to the poison topic failed: %w)", herr, err)

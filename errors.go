@@ -42,6 +42,9 @@ var (
 	// ErrUnitOfWorkFinished is returned by Publish and Record when the unit of work of ctx has
 	// already committed or rolled back (a goroutine that outlived the handler).
 	ErrUnitOfWorkFinished = errors.New("outbox: the unit of work of this context has finished")
+	// ErrUnsafePublisher is logged when New recognises a Publisher that may return before the
+	// broker has the message (see docs/brokers.md).
+	ErrUnsafePublisher = errors.New("outbox: the Publisher may lose messages")
 	// ErrRelayNotRunning is logged when side effects are left to the relay and Outbox.Run is not
 	// running in the process.
 	ErrRelayNotRunning = errors.New("outbox: no relay is running in this process")

@@ -47,12 +47,64 @@ func (o *Outbox) Handle(msg *message.Message, p HandleParams, next message.Handl
 	if err := validateName(p.MessageID); err != nil {
 		return o.reject(parent, msg, src, fmt.Errorf("%w: %w", ErrInvalidMessageID, err), fields)
 	}
-	for try := 1; ; try++ {
+	for try, retries := 1, 0; ; {
 		err := o.handleOnce(msg, src, p, next, try == maxImmediateRetries, fields)
-		if !errors.Is(err, errRetryAtOnce) {
+		switch {
+		case err == nil:
+			return nil
+		case errors.Is(err, errRetryAtOnce):
+			o.logger.Debug("Serialization failure or deadlock; running the unit of work again at once", fields.Add(watermill.LogFields{"try": try, "error": err.Error()}))
+			try++
+			continue
+		case parent.Err() != nil || errors.Is(err, ErrNestedUnitOfWork):
+			return err // a shutdown, or a wiring error: waiting helps neither
+		}
+		if !o.backoff(parent, err) {
 			return err
 		}
-		o.logger.Debug("Serialization failure or deadlock; running the unit of work again at once", fields.Add(watermill.LogFields{"try": try, "error": err.Error()}))
+		if retries >= o.cfg.HandlerRetries {
+			return err
+		}
+		retries++
+		try = 1
+		o.logger.Debug("Running the unit of work again", fields.Add(watermill.LogFields{"retry": retries, "error": err.Error()}))
+	}
+}
+
+// failureCount marks an error with how many times in a row the message failed, from which
+// backoff computes the wait.
+type failureCount struct {
+	err error
+	n   int
+}
+
+func (f *failureCount) Error() string { return f.err.Error() }
+func (f *failureCount) Unwrap() error { return f.err }
+
+func counted(err error, n int) error { return &failureCount{err: err, n: n} }
+
+// backoff waits RetryDelay, doubled for each further failure of the message up to RetryDelayMax,
+// unless ctx ends first; it reports whether it waited the whole time.
+func (o *Outbox) backoff(ctx context.Context, err error) bool {
+	if o.cfg.RetryDelay < 0 {
+		return true
+	}
+	n := 1
+	var fc *failureCount
+	if errors.As(err, &fc) {
+		n = max(fc.n, 1)
+	}
+	d := min(o.cfg.RetryDelay<<min(n-1, 30), o.cfg.RetryDelayMax)
+	if d <= 0 {
+		d = o.cfg.RetryDelayMax
+	}
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return false
+	case <-t.C:
+		return true
 	}
 }
 
@@ -354,7 +406,11 @@ func (o *Outbox) dispatchAndMark(ctx context.Context, src Source, effects []Effe
 			o.dispatchFailed(ctx, src, effects, sent, failed, err)
 		}
 		// Committed effects stay pending: redelivery or the relay sends them with the same UUIDs.
-		return fmt.Errorf("%w: %d of %d side effects of %q for %q: %w", ErrDispatchFailed, len(effects)-sent, len(effects), src.ID, src.Consumer, err)
+		err = fmt.Errorf("%w: %d of %d side effects of %q for %q: %w", ErrDispatchFailed, len(effects)-sent, len(effects), src.ID, src.Consumer, err)
+		if failed > 0 {
+			return counted(err, effects[sent].Failures+1)
+		}
+		return err
 	}
 	return o.failpoint(ctx, FailpointAfterMark)
 }

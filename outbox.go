@@ -70,6 +70,7 @@ func New(cfg Config) (*Outbox, error) {
 	}
 	o.failedHere.ttl = cfg.DuplicateWait + cfg.PublishTimeout + time.Minute
 	o.marks = newMarker(o)
+	o.warnUnsafePublisher()
 	return o, nil
 }
 

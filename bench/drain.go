@@ -198,8 +198,13 @@ func envInt(name string) int {
 	return n
 }
 
-// pacedFactor is the RelayPauseFactor of the paced rows: each relay keeps to a fifth of its time.
-const pacedFactor = 4
+// The RelayPauseFactor values the drain is run with: the library's default (keep in step with
+// outbox.Config), none, and a fifth of each relay's time.
+const (
+	defaultFactor = 1
+	noPause       = -1
+	pacedFactor   = 4
+)
 
 // drainEnv is the database of a drain run.
 type drainEnv struct {
@@ -372,8 +377,12 @@ func (d *drainEnv) outboxDrain(ctx context.Context, prefix string, n int, pause 
 
 const drainFwdTopic = "drain_fwd"
 
-// paced is the row of three relays with RelayPauseFactor pacedFactor.
-var paced = fmt.Sprintf("outbox x3, RelayPauseFactor %d", pacedFactor)
+// unpaced and paced are the rows of one relay that never pauses and of three relays that keep to a
+// fifth of their time.
+var (
+	unpaced = fmt.Sprintf("outbox x1, RelayPauseFactor %d (no pause)", noPause)
+	paced   = fmt.Sprintf("outbox x3, RelayPauseFactor %d", pacedFactor)
+)
 
 // forwarderBacklog publishes the backlog through Watermill's forwarder publisher into its
 // watermill-sql topic, ten messages per transaction.
@@ -610,7 +619,7 @@ func runDrain(cfg drainConfig, dsn, docsDir, resultsPath string) error {
 	}
 
 	rows := map[string]*drainRow{}
-	order := []string{"outbox x1", "outbox x3", paced, "watermill-forwarder", "river"}
+	order := []string{"outbox x1", "outbox x3", unpaced, paced, "watermill-forwarder", "river"}
 	scaleOnly := os.Getenv("OUTBOX_BENCH_DRAIN_SCALE_ONLY") != ""       // to work on the scale run
 	consumerOnly := os.Getenv("OUTBOX_BENCH_DRAIN_CONSUMER_ONLY") != "" // to work on the consumer run
 	if scaleOnly {
@@ -619,7 +628,7 @@ func runDrain(cfg drainConfig, dsn, docsDir, resultsPath string) error {
 	for _, name := range order {
 		rows[name] = &drainRow{Contender: name}
 	}
-	rows["outbox x1"].Instances, rows["outbox x3"].Instances, rows[paced].Instances = 1, 3, 3
+	rows["outbox x1"].Instances, rows["outbox x3"].Instances, rows[unpaced].Instances, rows[paced].Instances = 1, 3, 1, 3
 	rows["watermill-forwarder"].Instances, rows["river"].Instances = 1, 1
 	rows["watermill-forwarder"].Reorders, rows["river"].Reorders = -1, -1
 	wires := map[string]wireSnapshot{}
@@ -630,12 +639,9 @@ func runDrain(cfg drainConfig, dsn, docsDir, resultsPath string) error {
 			var rate float64
 			var wire wireSnapshot
 			switch name {
-			case "outbox x1", "outbox x3", paced:
+			case "outbox x1", "outbox x3", unpaced, paced:
 				var pub *drainPublisher
-				pause := 0.0
-				if name == paced {
-					pause = pacedFactor
-				}
+				pause := map[string]float64{unpaced: noPause, paced: pacedFactor}[name] // 0: the default
 				rate, pub, wire, err = d.outboxDrain(ctx, "drain_", row.Instances, pause, 0)
 				if err == nil {
 					row.Copies += pub.copies
@@ -746,7 +752,8 @@ func (d *drainEnv) consumerDuringDrain(ctx context.Context, rep *drainReport) er
 		return err
 	}
 	rep.Consumer.Conc = d.cfg.ConsumerC
-	rep.Consumer.During = []consumerDuring{{Relays: 1}, {Relays: 3}, {Relays: 3, Pause: pacedFactor}}
+	rep.Consumer.During = []consumerDuring{{Relays: 1, Pause: defaultFactor}, {Relays: 3, Pause: defaultFactor},
+		{Relays: 1, Pause: noPause}, {Relays: 3, Pause: pacedFactor}}
 	for r := 0; r < d.cfg.Reps; r++ {
 		ds := makeDeliveries(d.cfg.ConsumerN, 0.1, redeliveryGap(d.cfg.ConsumerC), 64, uint64(100+r))
 		for v := -1; v < len(rep.Consumer.During); v++ {
