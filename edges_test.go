@@ -1076,3 +1076,60 @@ func TestReplayPoisonedMessage(t *testing.T) {
 	}
 	mustEqual(t, "business rows after another copy", e.count(`SELECT count(*) FROM applied`), 1)
 }
+
+// A failed attempt is not returned (nacked) at once: Handle waits RetryDelay, doubling with each
+// further failure of the message, so that a broker that redelivers a nack at once does not turn
+// it into a loop; the wait ends when the message's context does.
+func TestFailuresBackOffBeforeTheNack(t *testing.T) {
+	e := newEnv(t, func(c *outbox.Config) {
+		c.RetryDelay = 200 * time.Millisecond
+		c.RetryDelayMax = 300 * time.Millisecond
+		c.MaxAttempts = 100
+	})
+	var calls atomic.Int32
+	msg := message.NewMessage(uuid.NewString(), nil)
+	for i, want := range []time.Duration{200 * time.Millisecond, 300 * time.Millisecond, 300 * time.Millisecond} {
+		start := time.Now()
+		if err := handle(e.ob, copyOf(msg), failing(&calls)); err == nil {
+			t.Fatal("a failing handler was acked")
+		}
+		if took := time.Since(start); took < want {
+			t.Errorf("failure %d was returned after %s, want at least %s", i+1, took, want)
+		}
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	m := copyOf(msg)
+	m.SetContext(ctx)
+	time.AfterFunc(50*time.Millisecond, cancel)
+	returnsWithin(t, 20*time.Second, "a back-off whose message context ends", func() {
+		if err := handle(e.ob, m, failing(&calls)); err == nil {
+			t.Error("a failing handler was acked")
+		}
+	})
+}
+
+// HandlerRetries runs a failed unit of work again in the same delivery, each time in a new
+// transaction and counted, so that Watermill's Retry middleware (which must not run inside the
+// outbox middleware) is not needed.
+func TestHandlerRetriesInProcess(t *testing.T) {
+	e := newEnv(t, func(c *outbox.Config) {
+		c.HandlerRetries = 2
+		c.RetryDelay = time.Millisecond
+	})
+	var calls atomic.Int32
+	h := func(m *message.Message) ([]*message.Message, error) {
+		out, err := applyAndPublish(nil)(m)
+		if err == nil && calls.Add(1) <= 2 {
+			err = errors.New("flaky downstream")
+		}
+		return out, err
+	}
+	msg := message.NewMessage(uuid.NewString(), nil)
+	if err := handle(e.ob, msg, h); err != nil {
+		t.Fatalf("want the third run to succeed within one delivery, got %v", err)
+	}
+	mustEqual(t, "handler calls", calls.Load(), int32(3))
+	mustEqual(t, "business rows", e.count(`SELECT count(*) FROM applied`), 1)
+	mustEqual(t, "attempts counted", e.count(`SELECT attempts FROM outbox_attempts WHERE message_id = $1`, msg.UUID), 2)
+	mustEqual(t, "effects on the wire", len(e.wire("out_a"))+len(e.wire("out_b")), 2)
+}
