@@ -1,0 +1,501 @@
+package e2e
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"os"
+	"os/exec"
+	"os/signal"
+	"sort"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	amqp "github.com/ThreeDotsLabs/watermill-amqp/v3/pkg/amqp"
+	"github.com/ThreeDotsLabs/watermill-redisstream/pkg/redisstream"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
+	_ "github.com/lib/pq"
+	"github.com/redis/go-redis/v9"
+
+	"github.com/watermill-outbox/outbox"
+	"github.com/watermill-outbox/outbox/drivers/postgres"
+	"github.com/watermill-outbox/outbox/internal/brokertest"
+	"github.com/watermill-outbox/outbox/internal/pgtest"
+	"github.com/watermill-outbox/outbox/middleware"
+)
+
+// The test binary is also the consumer process: with OUTBOX_E2E_ROLE=consumer it runs one
+// instance of the consumer "reserve-stock" until it is stopped or killed.
+func TestMain(m *testing.M) {
+	if os.Getenv("OUTBOX_E2E_ROLE") == "consumer" {
+		os.Exit(runConsumer())
+	}
+	os.Exit(pgtest.Run(m))
+}
+
+const (
+	ordersTopic = "orders"
+	stockTopic  = "stock"
+	consumer    = "reserve-stock"
+)
+
+// broker makes the Publishers and Subscribers of one kind of broker, with the settings the
+// guarantee needs (see docs/brokers.md).
+type broker struct {
+	kind string
+	addr string
+}
+
+func (b broker) amqpConfig() amqp.Config {
+	c := amqp.NewDurableQueueConfig(b.addr)
+	// Publisher confirms: Publish returns once the broker has the message (on disk, for a durable
+	// queue and a persistent message). Without them a broker crash loses what the outbox marked sent.
+	c.Publish.ConfirmDelivery = true
+	c.Connection.Reconnect = &amqp.ReconnectConfig{BackoffInitialInterval: 100 * time.Millisecond,
+		BackoffRandomizationFactor: 0.5, BackoffMultiplier: 1.5, BackoffMaxInterval: time.Second}
+	c.Consume.Qos.PrefetchCount = 8
+	return c
+}
+
+func (b broker) redisClient() *redis.Client {
+	return redis.NewClient(&redis.Options{Addr: b.addr, MaxRetries: 3})
+}
+
+func (b broker) publisher() (message.Publisher, func(), error) {
+	switch b.kind {
+	case brokertest.RabbitMQ:
+		p, err := amqp.NewPublisher(b.amqpConfig(), watermill.NopLogger{})
+		if err != nil {
+			return nil, nil, err
+		}
+		return p, func() { _ = p.Close() }, nil
+	default:
+		c := b.redisClient()
+		p, err := redisstream.NewPublisher(redisstream.PublisherConfig{Client: c}, watermill.NopLogger{})
+		if err != nil {
+			return nil, nil, err
+		}
+		return p, func() { _ = p.Close(); _ = c.Close() }, nil
+	}
+}
+
+// subscriber returns a Subscriber of group (RabbitMQ: the topic's queue, which the group's
+// subscribers share; Redis: a consumer group); name tells its members apart.
+func (b broker) subscriber(group, name string) (message.Subscriber, func(), error) {
+	switch b.kind {
+	case brokertest.RabbitMQ:
+		s, err := amqp.NewSubscriber(b.amqpConfig(), watermill.NopLogger{})
+		if err != nil {
+			return nil, nil, err
+		}
+		return s, func() { _ = s.Close() }, nil
+	default:
+		c := b.redisClient()
+		s, err := redisstream.NewSubscriber(redisstream.SubscriberConfig{
+			Client: c, ConsumerGroup: group, Consumer: name,
+			// A nack comes back at once without it: the outbox's RetryDelay spaces them anyway.
+			NackResendSleep: 100 * time.Millisecond,
+			// A killed consumer's pending message goes to another one after MaxIdleTime.
+			ClaimInterval: 500 * time.Millisecond, MaxIdleTime: 3 * time.Second,
+			BlockTime: 200 * time.Millisecond,
+		}, watermill.NopLogger{})
+		if err != nil {
+			return nil, nil, err
+		}
+		return s, func() { _ = s.Close(); _ = c.Close() }, nil
+	}
+}
+
+// runConsumer is one consumer process: a Router whose handler "reserve-stock" applies an order
+// once (a row in reserved) and records one outgoing message to the stock topic.
+func runConsumer() int {
+	b := broker{kind: os.Getenv("OUTBOX_E2E_BROKER"), addr: os.Getenv("OUTBOX_E2E_ADDR")}
+	instance := os.Getenv("OUTBOX_E2E_INSTANCE")
+	fail := func(err error) int {
+		fmt.Fprintf(os.Stderr, "consumer %s: %v\n", instance, err)
+		return 1
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, os.Interrupt)
+	defer stop()
+	db, err := sql.Open("postgres", os.Getenv("OUTBOX_E2E_DSN"))
+	if err != nil {
+		return fail(err)
+	}
+	defer db.Close()
+	pub, closePub, err := b.publisher()
+	if err != nil {
+		return fail(err)
+	}
+	defer closePub()
+	logger := watermill.NewStdLogger(false, false)
+	ob, err := outbox.New(outbox.Config{DB: db, Driver: postgres.Driver{}, Publisher: pub, Logger: logger,
+		RelayInterval: 200 * time.Millisecond, RelayGrace: 2 * time.Second, PublishTimeout: 5 * time.Second,
+		RetryDelay: 50 * time.Millisecond, RetryDelayMax: time.Second})
+	if err != nil {
+		return fail(err)
+	}
+	runDone := make(chan struct{})
+	runCtx, stopRun := context.WithCancel(context.Background())
+	go func() { defer close(runDone); _ = ob.Run(runCtx) }()
+	defer func() { stopRun(); <-runDone }()
+	sub, closeSub, err := b.subscriber(consumer, instance)
+	if err != nil {
+		return fail(err)
+	}
+	defer closeSub()
+	r, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, watermill.NopLogger{})
+	if err != nil {
+		return fail(err)
+	}
+	r.AddConsumerHandler(consumer, ordersTopic, sub, func(msg *message.Message) error {
+		ctx := msg.Context()
+		if _, err := outbox.Tx(ctx).ExecContext(ctx, `INSERT INTO reserved (order_id, instance) VALUES ($1, $2)`, msg.UUID, instance); err != nil {
+			return err
+		}
+		return outbox.Publish(ctx, stockTopic, message.NewMessage(uuid.NewString(), []byte(msg.UUID)))
+	}).AddMiddleware(middleware.New(ob))
+	if err := middleware.CheckRouter(r); err != nil {
+		return fail(err)
+	}
+	if err := r.Run(ctx); err != nil {
+		return fail(err)
+	}
+	return 0
+}
+
+// consumerProcess is one consumer process started by the test.
+type consumerProcess struct {
+	cmd  *exec.Cmd
+	done chan error
+}
+
+func startConsumer(t *testing.T, b broker, dsn, instance string) *consumerProcess {
+	t.Helper()
+	exe, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	cmd := exec.Command(exe, "-test.run=^$")
+	cmd.Env = append(os.Environ(), "OUTBOX_E2E_ROLE=consumer", "OUTBOX_E2E_BROKER="+b.kind, "OUTBOX_E2E_ADDR="+b.addr,
+		"OUTBOX_E2E_DSN="+dsn, "OUTBOX_E2E_INSTANCE="+instance)
+	cmd.Stdout, cmd.Stderr = os.Stderr, os.Stderr
+	if testing.Verbose() {
+		cmd.Stdout, cmd.Stderr = os.Stdout, os.Stdout
+	} else {
+		cmd.Stdout, cmd.Stderr = nil, nil
+	}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	p := &consumerProcess{cmd: cmd, done: make(chan error, 1)}
+	go func() { p.done <- cmd.Wait() }()
+	return p
+}
+
+func (p *consumerProcess) kill() {
+	_ = p.cmd.Process.Kill()
+	<-p.done
+}
+
+func (p *consumerProcess) stop(t *testing.T) {
+	_ = p.cmd.Process.Signal(syscall.SIGTERM)
+	select {
+	case <-p.done:
+	case <-time.After(30 * time.Second):
+		t.Errorf("consumer %d did not stop within 30 s of SIGTERM", p.cmd.Process.Pid)
+		p.kill()
+	}
+}
+
+// TestRabbitMQ and TestRedisStreams run orders through three consumer processes over a real
+// broker, with duplicated deliveries, a consumer killed with SIGKILL, a broker restart and a
+// broker killed with SIGKILL, and check that each order was applied once and its effect
+// arrived, with one UUID.
+func TestRabbitMQ(t *testing.T)     { testBroker(t, brokertest.RabbitMQ) }
+func TestRedisStreams(t *testing.T) { testBroker(t, brokertest.Redis) }
+
+func testBroker(t *testing.T, kind string) {
+	const dupPercent = 30
+	orders := 600
+	if v := os.Getenv("OUTBOX_E2E_ORDERS"); v != "" { // a longer run: OUTBOX_E2E_ORDERS=3000 make e2e
+		n, err := strconv.Atoi(v)
+		if err != nil || n < 10 {
+			t.Fatalf("OUTBOX_E2E_ORDERS=%q: want a number of orders, at least 10", v)
+		}
+		orders = n
+	}
+	start := time.Now()
+	srv, err := brokertest.Start(kind)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(srv.Close)
+	b := broker{kind: kind, addr: srv.Addr()}
+	dsn := pgtest.DSN(t)
+	db, err := sql.Open("postgres", dsn)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = db.Close() })
+	if _, err := db.Exec(`CREATE TABLE reserved (order_id text NOT NULL, instance text NOT NULL)`); err != nil {
+		t.Fatal(err)
+	}
+	ob, err := outbox.New(outbox.Config{DB: db, Driver: postgres.Driver{}, Publisher: nopPublisher{}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := ob.Migrate(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+
+	// The verifier reads every message on the stock topic.
+	arrived := &arrivals{byOrder: map[string]map[string]int{}}
+	vsub, closeV, err := b.subscriber("verifier", "verifier")
+	if err != nil {
+		t.Fatal(err)
+	}
+	vctx, stopV := context.WithCancel(context.Background())
+	vdone := make(chan struct{})
+	msgs, err := vsub.Subscribe(vctx, stockTopic)
+	if err != nil {
+		t.Fatal(err)
+	}
+	go func() {
+		defer close(vdone)
+		for m := range msgs {
+			arrived.add(string(m.Payload), m.UUID)
+			m.Ack()
+		}
+	}()
+	t.Cleanup(func() { stopV(); closeV(); <-vdone })
+
+	// Both topics exist before anything is sent to them. On RabbitMQ a message published to a
+	// queue nobody has declared yet is dropped, and still confirmed (docs/brokers.md).
+	if si, ok := vsub.(message.SubscribeInitializer); ok {
+		for _, topic := range []string{ordersTopic, stockTopic} {
+			if err := si.SubscribeInitialize(topic); err != nil {
+				t.Fatalf("declare %s: %v", topic, err)
+			}
+		}
+	}
+	producer, closeP, err := b.publisher()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(closeP)
+	var consumers []*consumerProcess
+	for i := 0; i < 3; i++ {
+		consumers = append(consumers, startConsumer(t, b, dsn, fmt.Sprintf("c%d", i)))
+	}
+	t.Cleanup(func() {
+		for _, c := range consumers {
+			c.stop(t)
+		}
+	})
+
+	// The producer sends each order once and 30% of them a second time with the same UUID, and
+	// retries a send the broker refused (it is down for a while below).
+	ids := make([]string, orders)
+	for i := range ids {
+		ids[i] = uuid.NewString()
+	}
+	sends := append([]string(nil), ids...)
+	r := rand.New(rand.NewPCG(1, 2))
+	for _, i := range r.Perm(orders)[:orders*dupPercent/100] {
+		sends = append(sends, ids[i])
+	}
+	r.Shuffle(len(sends)-orders, func(i, j int) { sends[orders+i], sends[orders+j] = sends[orders+j], sends[orders+i] })
+	var sent atomic.Int32
+	chaos := map[int]func(){
+		len(sends) / 5: func() {
+			t.Logf("killing consumer c1 with SIGKILL and starting it again")
+			consumers[1].kill()
+			consumers[1] = startConsumer(t, b, dsn, "c1")
+		},
+		2 * len(sends) / 5: func() {
+			t.Logf("restarting %s", kind)
+			if err := srv.Restart(); err != nil {
+				t.Fatal(err)
+			}
+		},
+		3 * len(sends) / 5: func() {
+			t.Logf("killing %s with SIGKILL and starting it again", kind)
+			if err := srv.Kill(); err != nil {
+				t.Fatal(err)
+			}
+			time.Sleep(time.Second)
+			if err := srv.Start(); err != nil {
+				t.Fatal(err)
+			}
+		},
+	}
+	for i, id := range sends {
+		if f := chaos[i]; f != nil {
+			f()
+		}
+		for try := 0; ; try++ {
+			err := producer.Publish(ordersTopic, message.NewMessage(id, nil))
+			if err == nil {
+				break
+			}
+			if try == 600 {
+				t.Fatalf("the producer could not send order %d for a minute: %v", i, err)
+			}
+			time.Sleep(100 * time.Millisecond)
+		}
+		sent.Add(1)
+		if i%50 == 0 {
+			time.Sleep(50 * time.Millisecond) // spread the orders over the chaos
+		}
+	}
+
+	// Wait until everything is through, or until nothing has moved for a minute.
+	last, lastMove := [3]int{}, time.Now()
+	for {
+		applied, reached, pending := count(t, db, `SELECT count(DISTINCT order_id) FROM reserved`), arrived.orders(), count(t, db, `SELECT count(*) FROM outbox_effects`)
+		if applied == orders && reached == orders && pending == 0 {
+			break
+		}
+		if now := [3]int{applied, reached, pending}; now != last {
+			last, lastMove = now, time.Now()
+		}
+		if time.Since(lastMove) > time.Minute {
+			t.Fatalf("stuck for a minute: %d of %d orders applied, effects of %d arrived, %d effects pending; %s",
+				applied, orders, reached, pending, missing(t, db, sends, arrived))
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+	time.Sleep(time.Second) // late copies
+
+	mustEqual(t, "business rows (an order applied twice?)", count(t, db, `SELECT count(*) FROM reserved`), orders)
+	copies, multi := arrived.check(ids)
+	if len(multi) > 0 {
+		t.Errorf("orders whose effect arrived with more than one UUID: %d (first: %v)", len(multi), multi[:min(3, len(multi))])
+	}
+	perInstance := map[string]int{}
+	rows, err := db.Query(`SELECT instance, count(*) FROM reserved GROUP BY instance`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for rows.Next() {
+		var inst string
+		var n int
+		if err := rows.Scan(&inst, &n); err != nil {
+			t.Fatal(err)
+		}
+		perInstance[inst] = n
+	}
+	rows.Close()
+	t.Logf("%s: %d orders (+%d duplicates) through 3 consumer processes in %s; applied per instance %v; %d copies of effects on the wire (same UUIDs)",
+		kind, orders, len(sends)-orders, time.Since(start).Round(time.Millisecond), perInstance, copies)
+}
+
+// arrivals records, per order, the UUIDs of the stock messages that arrived.
+type arrivals struct {
+	mu      sync.Mutex
+	byOrder map[string]map[string]int
+}
+
+func (a *arrivals) add(order, id string) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.byOrder[order] == nil {
+		a.byOrder[order] = map[string]int{}
+	}
+	a.byOrder[order][id]++
+}
+
+func (a *arrivals) orders() int {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return len(a.byOrder)
+}
+
+// check returns how many copies beyond the first arrived, and the orders with several UUIDs.
+func (a *arrivals) check(ids []string) (copies int, multi []string) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	for _, id := range ids {
+		if len(a.byOrder[id]) > 1 {
+			multi = append(multi, id)
+		}
+		for _, n := range a.byOrder[id] {
+			copies += n - 1
+		}
+	}
+	sort.Strings(multi)
+	return copies, multi
+}
+
+// missing describes the orders not applied, or whose effect did not arrive: their positions in
+// the producer's sends (the chaos steps are at 1/5, 2/5 and 3/5 of them).
+func missing(t *testing.T, db *sql.DB, sends []string, arrived *arrivals) string {
+	t.Helper()
+	applied := map[string]bool{}
+	rows, err := db.Query(`SELECT order_id FROM reserved`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer rows.Close()
+	for rows.Next() {
+		var id string
+		if err := rows.Scan(&id); err != nil {
+			t.Fatal(err)
+		}
+		applied[id] = true
+	}
+	positions := map[string][]int{}
+	for i, id := range sends {
+		positions[id] = append(positions[id], i)
+	}
+	var out []string
+	seen := map[string]bool{}
+	for _, id := range sends {
+		if seen[id] {
+			continue
+		}
+		seen[id] = true
+		arrived.mu.Lock()
+		reached := len(arrived.byOrder[id]) > 0
+		arrived.mu.Unlock()
+		if !applied[id] || !reached {
+			out = append(out, fmt.Sprintf("%s (applied %t, effect arrived %t, sent at %v of %d)", id, applied[id], reached, positions[id], len(sends)))
+		}
+	}
+	if len(out) > 5 {
+		out = append(out[:5], fmt.Sprintf("and %d more", len(out)-5))
+	}
+	return "missing: " + strings.Join(out, "; ")
+}
+
+func count(t *testing.T, db *sql.DB, query string) int {
+	t.Helper()
+	var n int
+	if err := db.QueryRow(query).Scan(&n); err != nil {
+		t.Fatalf("%s: %v", query, err)
+	}
+	return n
+}
+
+func mustEqual[T comparable](t *testing.T, what string, got, want T) {
+	t.Helper()
+	if got != want {
+		t.Fatalf("%s: got %v, want %v", what, got, want)
+	}
+}
+
+type nopPublisher struct{}
+
+func (nopPublisher) Publish(string, ...*message.Message) error {
+	return errors.New("not for publishing")
+}
+func (nopPublisher) Close() error { return nil }

@@ -1,0 +1,82 @@
+package e2e
+
+import (
+	"database/sql"
+	"strings"
+	"sync"
+	"testing"
+
+	"github.com/ThreeDotsLabs/watermill"
+	amqp "github.com/ThreeDotsLabs/watermill-amqp/v3/pkg/amqp"
+
+	"github.com/watermill-outbox/outbox"
+	"github.com/watermill-outbox/outbox/drivers/postgres"
+	"github.com/watermill-outbox/outbox/internal/brokertest"
+	"github.com/watermill-outbox/outbox/internal/pgtest"
+)
+
+// TestRabbitMQPublisherSettingsAreChecked: outbox.New reports a watermill-amqp v3 Publisher that
+// publishes without confirms or transactions (a broker crash loses what it "sent"), and accepts
+// one with either.
+func TestRabbitMQPublisherSettingsAreChecked(t *testing.T) {
+	srv, err := brokertest.Start(brokertest.RabbitMQ)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(srv.Close)
+	db, err := sql.Open("postgres", pgtest.DSN(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = db.Close() })
+	for _, c := range []struct {
+		name   string
+		set    func(*amqp.Config)
+		unsafe bool
+	}{
+		{"the durable-queue defaults", func(*amqp.Config) {}, true},
+		{"publisher confirms", func(c *amqp.Config) { c.Publish.ConfirmDelivery = true }, false},
+		{"transactions", func(c *amqp.Config) { c.Publish.Transactional = true }, false},
+	} {
+		cfg := amqp.NewDurableQueueConfig(srv.Addr())
+		c.set(&cfg)
+		pub, err := amqp.NewPublisher(cfg, watermill.NopLogger{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		logs := &captureLog{LoggerAdapter: watermill.NopLogger{}}
+		if _, err := outbox.New(outbox.Config{DB: db, Driver: postgres.Driver{}, Publisher: pub, Logger: logs}); err != nil {
+			t.Fatal(err)
+		}
+		_ = pub.Close()
+		if got := logs.contains(outbox.ErrUnsafePublisher.Error()); got != c.unsafe {
+			t.Errorf("%s: reported as unsafe: %v, want %v (logged: %v)", c.name, got, c.unsafe, logs.errors)
+		}
+	}
+}
+
+// captureLog keeps what is logged at level ERROR.
+type captureLog struct {
+	watermill.LoggerAdapter
+	mu     sync.Mutex
+	errors []string
+}
+
+func (l *captureLog) Error(msg string, err error, _ watermill.LogFields) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.errors = append(l.errors, msg+": "+err.Error())
+}
+
+func (l *captureLog) With(watermill.LogFields) watermill.LoggerAdapter { return l }
+
+func (l *captureLog) contains(s string) bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	for _, e := range l.errors {
+		if strings.Contains(e, s) {
+			return true
+		}
+	}
+	return false
+}
