@@ -11,8 +11,10 @@ GO ?= go
 test:
 	@$(MAKE) --no-print-directory fmt-check
 	$(GO) vet ./...
+	cd examples/order-processing && $(GO) vet ./...
 	cd e2e && $(GO) vet ./...
 	$(GO) test -race -count=1 -timeout 20m ./...
+	cd examples/order-processing && $(GO) test -race -count=1 -timeout 10m ./...
 	@$(MAKE) --no-print-directory e2e E2E_FLAGS=
 
 # The end-to-end tests on real brokers. The TestRabbitMQ... tests run without the race detector:
@@ -64,13 +66,14 @@ bench-drain-quick: # 200k rows in the scale run, about 2 minutes
 bench-drain-full: # 10M rows in the scale run
 	cd bench && $(GO) run . -drain -mode full
 
-# The example order service (examples/order-processing): SQLite and an in-process NATS JetStream,
-# nothing to set up. `make chaos` places N orders (default 1000) under duplicated deliveries,
-# failing handlers and crashing consumers, and reconciles; add ARGS='-postgres DSN' and the like.
+# The example order service (examples/order-processing, its own module): SQLite and an in-process
+# NATS JetStream, nothing to set up. `make chaos` places N orders (default 1000) under duplicated
+# deliveries, failing handlers and crashing consumers, and reconciles; add ARGS='-postgres DSN',
+# ARGS='-postgres DSN -broker amqp -amqp-url URL' and the like.
 .PHONY: demo chaos
 
 demo:
-	$(GO) run ./examples/order-processing $(ARGS)
+	cd examples/order-processing && $(GO) run . $(ARGS)
 
 chaos:
-	$(GO) run ./examples/order-processing -chaos -orders $(or $(N),1000) $(ARGS)
+	cd examples/order-processing && $(GO) run . -chaos -orders $(or $(N),1000) $(ARGS)

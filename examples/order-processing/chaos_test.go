@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/watermill-outbox/outbox/internal/brokertest"
 	"github.com/watermill-outbox/outbox/internal/pgtest"
 )
 
@@ -25,8 +26,8 @@ func testConfig(t *testing.T) config {
 }
 
 // TestChaos runs the chaos mode with a small load on the embedded default and on PostgreSQL
-// (with the embedded NATS server, and with watermill-sql as the broker): every order must end
-// paid or rejected, and no business effect may happen twice.
+// (with the embedded NATS server, watermill-sql, RabbitMQ and Redis Streams as the broker): every
+// order must end paid or rejected, and no business effect may happen twice.
 func TestChaos(t *testing.T) {
 	cases := []struct {
 		name     string
@@ -36,6 +37,8 @@ func TestChaos(t *testing.T) {
 		{"sqlite+nats", false, "nats"},
 		{"postgres+nats", true, "nats"},
 		{"postgres+watermill-sql", true, "postgres"},
+		{"postgres+rabbitmq", true, "amqp"},
+		{"postgres+redis", true, "redis"},
 	}
 	for i, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
@@ -45,6 +48,16 @@ func TestChaos(t *testing.T) {
 				cfg.postgres = pgtest.DSN(t)
 			}
 			cfg.broker = tc.broker
+			switch tc.broker {
+			case "amqp", "redis":
+				kind := map[string]string{"amqp": brokertest.RabbitMQ, "redis": brokertest.Redis}[tc.broker]
+				srv, err := brokertest.Start(kind)
+				if err != nil {
+					t.Fatal(err)
+				}
+				t.Cleanup(srv.Close)
+				cfg.amqpURL, cfg.redis = srv.Addr(), srv.Addr()
+			}
 			cfg.orders = 100
 			cfg.restartEvery = time.Second
 			cfg.seed = uint64(i + 1)

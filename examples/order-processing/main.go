@@ -2,8 +2,8 @@
 // orders, and consumers that reserve stock, take the payment, e-mail a receipt and track each
 // order's status, every step exactly once through crashes, redeliveries and duplicates.
 //
-//	go run ./examples/order-processing                       # SQLite + in-process NATS JetStream
-//	go run ./examples/order-processing -chaos -orders 1000   # load, faults, and a reconciliation
+//	go run .                       # SQLite + in-process NATS JetStream
+//	go run . -chaos -orders 1000   # load, faults, and a reconciliation
 //
 // See README.md for a walk through the code and a run.
 package main
@@ -18,6 +18,7 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"net/url"
 	"os"
 	"os/signal"
 	"path/filepath"
@@ -37,8 +38,10 @@ type config struct {
 	addr     string // HTTP listen address
 	dataDir  string // SQLite file, embedded NATS storage, e-mail spool
 	postgres string // PostgreSQL DSN; empty: SQLite in dataDir
-	broker   string // "nats" or "postgres" (watermill-sql on the PostgreSQL database)
+	broker   string // "nats", "postgres" (watermill-sql on the PostgreSQL database), "amqp" or "redis"
 	natsURL  string // an external NATS server; empty: an in-process one
+	amqpURL  string // the RabbitMQ server of -broker amqp
+	redis    string // the Redis server (host:port) of -broker redis
 	verbose  bool
 
 	chaos bool
@@ -82,8 +85,10 @@ func parseFlags(args []string) (config, error) {
 		"directory for the SQLite database, the embedded NATS server's storage and the e-mail spool (ORDERS_DATA)")
 	fs.StringVar(&cfg.postgres, "postgres", env("ORDERS_POSTGRES", ""), "PostgreSQL DSN; empty: SQLite (ORDERS_POSTGRES)")
 	fs.StringVar(&cfg.broker, "broker", env("ORDERS_BROKER", "nats"),
-		"nats (embedded, or -nats-url), or postgres (watermill-sql pub/sub on the -postgres database) (ORDERS_BROKER)")
+		"nats (embedded, or -nats-url), postgres (watermill-sql pub/sub on the -postgres database), amqp (RabbitMQ at -amqp-url) or redis (Redis Streams at -redis) (ORDERS_BROKER)")
 	fs.StringVar(&cfg.natsURL, "nats-url", env("ORDERS_NATS_URL", ""), "external NATS server with JetStream; empty: in-process (ORDERS_NATS_URL)")
+	fs.StringVar(&cfg.amqpURL, "amqp-url", env("ORDERS_AMQP_URL", "amqp://guest:guest@localhost:5672/"), "RabbitMQ server of -broker amqp (ORDERS_AMQP_URL)")
+	fs.StringVar(&cfg.redis, "redis", env("ORDERS_REDIS", "localhost:6379"), "Redis server (host:port) of -broker redis (ORDERS_REDIS)")
 	fs.BoolVar(&cfg.verbose, "v", false, "log what Watermill and the outbox do")
 
 	fs.BoolVar(&cfg.chaos, "chaos", false, "run the load-and-chaos check instead of serving")
@@ -99,19 +104,19 @@ func parseFlags(args []string) (config, error) {
 		return cfg, err
 	}
 	switch {
-	case cfg.broker != "nats" && cfg.broker != "postgres":
-		return cfg, fmt.Errorf("-broker must be nats or postgres, not %q", cfg.broker)
+	case cfg.broker != "nats" && cfg.broker != "postgres" && cfg.broker != "amqp" && cfg.broker != "redis":
+		return cfg, fmt.Errorf("-broker must be nats, postgres, amqp or redis, not %q", cfg.broker)
 	case cfg.broker == "postgres" && cfg.postgres == "":
 		return cfg, errors.New("-broker postgres needs -postgres DSN")
-	case cfg.broker == "postgres" && cfg.natsURL != "":
+	case cfg.broker != "nats" && cfg.natsURL != "":
 		return cfg, errors.New("-nats-url is for -broker nats")
 	}
 	return cfg, nil
 }
 
 // consumer is one message handler of the service. Its name is the Router handler name, the
-// identity under which the outbox deduplicates its messages, and its durable consumer (NATS) or
-// consumer group (watermill-sql) on the broker. Renaming one starts it over.
+// identity under which the outbox deduplicates its messages, and its durable consumer (NATS),
+// consumer group (watermill-sql, Redis) or queue (RabbitMQ) on the broker. Renaming one starts it over.
 type consumer struct {
 	name, topic string
 	handle      message.NoPublishHandlerFunc
@@ -173,6 +178,12 @@ func openService(ctx context.Context, cfg config, ackWait time.Duration) (_ *ser
 	case cfg.broker == "postgres":
 		s.broker, err = startSQLBroker(ctx, s.db, s.logger)
 		brokerDesc = "watermill-sql pub/sub on PostgreSQL"
+	case cfg.broker == "amqp":
+		s.broker, err = startAMQP(cfg.amqpURL, s.logger)
+		brokerDesc = "RabbitMQ at " + redactURL(cfg.amqpURL)
+	case cfg.broker == "redis":
+		s.broker, err = startRedis(ctx, cfg.redis, ackWait, s.logger)
+		brokerDesc = "Redis Streams at " + cfg.redis
 	case cfg.natsURL != "":
 		s.broker, err = startNATS(cfg.dataDir, cfg.natsURL, ackWait, s.logger)
 		brokerDesc = "NATS JetStream at " + cfg.natsURL
@@ -253,7 +264,7 @@ func startConsumers(ctx context.Context, s *service, ob *outbox.Outbox, wrap *ch
 	select {
 	case <-router.Running():
 	case err := <-done:
-		return nil, fmt.Errorf("router stopped at start: %w", err)
+		return nil, fmt.Errorf("router stopped at start: %w", errors.Join(err, router.Close()))
 	}
 	return func() error {
 		// watermill-nats closes a subscription's output channel without waiting for a message
@@ -325,4 +336,13 @@ func serve(ctx context.Context, cfg config, out io.Writer, ready func(addr strin
 	err = srv.Shutdown(shutdownCtx)
 	<-served
 	return err
+}
+
+// redactURL hides the password of a URL for printing.
+func redactURL(s string) string {
+	u, err := url.Parse(s)
+	if err != nil {
+		return "(unparsable URL)"
+	}
+	return u.Redacted()
 }
