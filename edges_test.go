@@ -18,6 +18,7 @@ import (
 
 	"github.com/watermill-outbox/outbox"
 	"github.com/watermill-outbox/outbox/drivers/postgres"
+	"github.com/watermill-outbox/outbox/internal/logtest"
 )
 
 // Tests of the guarantee at its edges: each reproduces a way in which an effect could be lost,
@@ -920,36 +921,10 @@ func dsnAs(t *testing.T, dsn, user, password string) string {
 	return dsn + " user=" + user + " password=" + password // later keys win
 }
 
-// captureLog records the errors logged.
-type captureLog struct {
-	watermill.LoggerAdapter
-	mu     sync.Mutex
-	errors []string
-}
-
-func (l *captureLog) Error(msg string, err error, fields watermill.LogFields) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	l.errors = append(l.errors, fmt.Sprintf("%s: %v", msg, err))
-}
-
-func (l *captureLog) With(watermill.LogFields) watermill.LoggerAdapter { return l }
-
-func (l *captureLog) contains(s string) bool {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	for _, e := range l.errors {
-		if strings.Contains(e, s) {
-			return true
-		}
-	}
-	return false
-}
-
 // Smaller: effects left to the relay in a process where Run was never started are reported
 // loudly, once, instead of "the relay will retry" with no relay to do it.
 func TestMissingRelayIsReported(t *testing.T) {
-	logs := &captureLog{LoggerAdapter: watermill.NopLogger{}}
+	logs := &logtest.Errors{}
 	e := newEnv(t, func(c *outbox.Config) { c.Logger = logs })
 	e.pub.failAll.Store(true)
 	if err := e.ob.InTx(context.Background(), func(ctx context.Context, _ *sql.Tx) error {
@@ -957,11 +932,11 @@ func TestMissingRelayIsReported(t *testing.T) {
 	}); err != nil {
 		t.Fatal(err)
 	}
-	if !logs.contains("Outbox.Run is not running") {
-		t.Fatalf("no warning that no relay runs; logged: %v", logs.errors)
+	if !logs.Contains("Outbox.Run is not running") {
+		t.Fatalf("no warning that no relay runs; logged: %v", logs.Lines())
 	}
 	// With Run started, no such warning.
-	running := &captureLog{LoggerAdapter: watermill.NopLogger{}}
+	running := &logtest.Errors{}
 	ob := e.newOutbox(func(c *outbox.Config) { c.Logger = running })
 	stop := startRun(t, ob)
 	if err := ob.InTx(context.Background(), func(ctx context.Context, _ *sql.Tx) error {
@@ -970,7 +945,7 @@ func TestMissingRelayIsReported(t *testing.T) {
 		t.Fatal(err)
 	}
 	stop()
-	if running.contains("Outbox.Run is not running") {
+	if running.Contains("Outbox.Run is not running") {
 		t.Fatal("warned of a missing relay while Run was running")
 	}
 }

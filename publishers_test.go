@@ -10,6 +10,7 @@ import (
 
 	"github.com/watermill-outbox/outbox"
 	"github.com/watermill-outbox/outbox/drivers/postgres"
+	"github.com/watermill-outbox/outbox/internal/logtest"
 	"github.com/watermill-outbox/outbox/internal/pgtest"
 )
 
@@ -40,12 +41,12 @@ func TestUnsafePublishersAreReported(t *testing.T) {
 		{"NATS JetStream", js, false},
 		{"a wrapping Publisher", publisherFunc(core.Publish), false},
 	} {
-		logs := &captureLog{LoggerAdapter: watermill.NopLogger{}}
+		logs := &logtest.Errors{}
 		if _, err := outbox.New(outbox.Config{DB: db, Driver: postgres.Driver{}, Publisher: c.pub, Logger: logs}); err != nil {
 			t.Fatal(err)
 		}
-		if got := logs.contains(outbox.ErrUnsafePublisher.Error()); got != c.unsafe {
-			t.Errorf("%s: reported as unsafe: %v, want %v (logged: %v)", c.name, got, c.unsafe, logs.errors)
+		if got := logs.Contains(outbox.ErrUnsafePublisher.Error()); got != c.unsafe {
+			t.Errorf("%s: reported as unsafe: %v, want %v (logged: %v)", c.name, got, c.unsafe, logs.Lines())
 		}
 	}
 }

@@ -2,8 +2,6 @@ package e2e
 
 import (
 	"database/sql"
-	"strings"
-	"sync"
 	"testing"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -12,6 +10,7 @@ import (
 	"github.com/watermill-outbox/outbox"
 	"github.com/watermill-outbox/outbox/drivers/postgres"
 	"github.com/watermill-outbox/outbox/internal/brokertest"
+	"github.com/watermill-outbox/outbox/internal/logtest"
 	"github.com/watermill-outbox/outbox/internal/pgtest"
 )
 
@@ -44,39 +43,13 @@ func TestRabbitMQPublisherSettingsAreChecked(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		logs := &captureLog{LoggerAdapter: watermill.NopLogger{}}
+		logs := &logtest.Errors{}
 		if _, err := outbox.New(outbox.Config{DB: db, Driver: postgres.Driver{}, Publisher: pub, Logger: logs}); err != nil {
 			t.Fatal(err)
 		}
 		_ = pub.Close()
-		if got := logs.contains(outbox.ErrUnsafePublisher.Error()); got != c.unsafe {
-			t.Errorf("%s: reported as unsafe: %v, want %v (logged: %v)", c.name, got, c.unsafe, logs.errors)
+		if got := logs.Contains(outbox.ErrUnsafePublisher.Error()); got != c.unsafe {
+			t.Errorf("%s: reported as unsafe: %v, want %v (logged: %v)", c.name, got, c.unsafe, logs.Lines())
 		}
 	}
-}
-
-// captureLog keeps what is logged at level ERROR.
-type captureLog struct {
-	watermill.LoggerAdapter
-	mu     sync.Mutex
-	errors []string
-}
-
-func (l *captureLog) Error(msg string, err error, _ watermill.LogFields) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	l.errors = append(l.errors, msg+": "+err.Error())
-}
-
-func (l *captureLog) With(watermill.LogFields) watermill.LoggerAdapter { return l }
-
-func (l *captureLog) contains(s string) bool {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	for _, e := range l.errors {
-		if strings.Contains(e, s) {
-			return true
-		}
-	}
-	return false
 }
