@@ -304,7 +304,7 @@ func withLogger(l watermill.LoggerAdapter) func(*outbox.Config) {
 // newSQLSubscriber returns a watermill-sql Postgres subscriber in consumer group group. It creates
 // the topic's tables first, one subscriber at a time: concurrent CREATE TABLE IF NOT EXISTS race
 // in Postgres.
-func newSQLSubscriber(t testing.TB, db *sql.DB, group, topic string) *wsql.Subscriber {
+func newSQLSubscriber(t testing.TB, db *sql.DB, group, topic string) message.Subscriber {
 	t.Helper()
 	sub, err := wsql.NewSubscriber(db, wsql.SubscriberConfig{
 		ConsumerGroup:    group,
@@ -321,9 +321,24 @@ func newSQLSubscriber(t testing.TB, db *sql.DB, group, topic string) *wsql.Subsc
 	if err := sub.SubscribeInitialize(topic); err != nil {
 		t.Fatal(err)
 	}
-	// The Router closes its subscribers; closing again is a no-op.
-	t.Cleanup(func() { _ = sub.Close() })
-	return sub
+	// The Router closes its subscribers, in a goroutine that may still run when Router.Run has
+	// returned; watermill-sql's Close is not safe for concurrent calls, so the test's own Close
+	// (for a subscriber no Router closed) takes turns with the Router's.
+	once := &onceClosed{Subscriber: sub}
+	t.Cleanup(func() { _ = once.Close() })
+	return once
+}
+
+// onceClosed closes its Subscriber once, however many callers close it at the same time.
+type onceClosed struct {
+	message.Subscriber
+	once sync.Once
+	err  error
+}
+
+func (s *onceClosed) Close() error {
+	s.once.Do(func() { s.err = s.Subscriber.Close() })
+	return s.err
 }
 
 // sqlCaughtUp reports whether every group has acked the last message of topic.
