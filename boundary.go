@@ -9,6 +9,8 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/google/uuid"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/trace"
 )
 
 // InTx runs fn in a new transaction for code that has no incoming message (an HTTP handler, a job):
@@ -20,7 +22,9 @@ import (
 // The transaction is not bound to ctx (a cancelled request cannot roll back a commit half way);
 // fn's statements run with ctx as the caller passes it. Config.HandlerTimeout bounds the
 // transaction (the wait for a connection included), as it bounds a handler's.
-func (o *Outbox) InTx(ctx context.Context, fn func(ctx context.Context, tx *sql.Tx) error) error {
+func (o *Outbox) InTx(ctx context.Context, fn func(ctx context.Context, tx *sql.Tx) error) (err error) {
+	ctx, span := o.tel.tracer.Start(ctx, "outbox InTx")
+	defer func() { endSpan(span, err) }()
 	txCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), o.cfg.HandlerTimeout)
 	defer cancel()
 	tx, err := o.db.BeginTx(txCtx, nil)
@@ -53,8 +57,10 @@ func (o *Outbox) InTx(ctx context.Context, fn func(ctx context.Context, tx *sql.
 		return err
 	}
 	// This transaction is known to have committed: its effects are sent from memory.
+	committed := time.Now()
 	for i := range effects {
-		effects[i].PendingFor = time.Since(u.begun)
+		effects[i].PendingFor = committed.Sub(u.begun)
+		effects[i].storedAt = committed
 	}
 	o.dispatchBoundary(context.WithoutCancel(ctx), u.src, effects)
 	return nil
@@ -110,7 +116,10 @@ func (o *Outbox) dispatchBoundary(ctx context.Context, src Source, effects []Eff
 		}
 		return
 	}
-	sent, failed, err := o.dispatch(ctx, effects)
+	ctx, span := o.tel.tracer.Start(ctx, "outbox dispatch",
+		trace.WithAttributes(AttrPath.String(PathCommit), attribute.Int("outbox.effects", len(effects))))
+	sent, failed, err := o.dispatch(ctx, PathCommit, effects)
+	endSpan(span, err)
 	o.marks.add(src, effects[:sent], false) // a boundary transaction has no claim
 	if err != nil {
 		o.logger.Error("Dispatch after commit failed; the relay will retry", err, fields)

@@ -1,6 +1,7 @@
 package outbox
 
 import (
+	"cmp"
 	"context"
 	"database/sql"
 	"errors"
@@ -10,6 +11,8 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"go.opentelemetry.io/otel/metric"
+	"go.opentelemetry.io/otel/trace"
 )
 
 // Config configures an Outbox. Zero values take the documented defaults.
@@ -112,6 +115,28 @@ type Config struct {
 	// outage effects are retried with backoff (up to 5 minutes apart) and never parked. Default: 10.
 	RelayMaxAttempts int
 
+	// MeterProvider and TracerProvider receive the framework's metrics and spans (see
+	// docs/observability.md). Default: the global providers (otel.GetMeterProvider,
+	// otel.GetTracerProvider), which do nothing until the application installs an SDK.
+	MeterProvider  metric.MeterProvider
+	TracerProvider trace.TracerProvider
+	// StatsInterval is how often the gauges that come from the database (pending and parked side
+	// effects, failing messages, retained IDs, cleanup lag; see Outbox.Stats) are sampled. One
+	// instance at a time takes the sample, at a bounded cost; every instance reports the newest.
+	// Default: 15 seconds. Negative: no sampling (those gauges are not reported).
+	StatsInterval time.Duration
+	// RedeliveryHorizon is how long after a message was first delivered the broker may still
+	// deliver it again (a JetStream replay, a Kafka offset reset, a dead-letter replay; see
+	// docs/operations.md). Validate refuses a Retention shorter than it: a copy redelivered after
+	// its ID was forgotten runs the handler a second time. Zero: not checked. At run time a
+	// duplicate whose claim is older than half of Retention is reported whatever this says.
+	RedeliveryHorizon time.Duration
+	// HealthMaxPending, HealthMaxPendingAge and HealthMaxParked are the thresholds above which
+	// Outbox.Health reports the backlog as unhealthy. Zero: not checked.
+	HealthMaxPending    int64
+	HealthMaxPendingAge time.Duration
+	HealthMaxParked     int64
+
 	// Failpoint, when set, is called at each named step of a unit of work (see the Failpoint*
 	// constants); a non-nil error aborts the unit of work there as a crash would. For tests.
 	Failpoint func(ctx context.Context, point string) error
@@ -146,6 +171,7 @@ const (
 	defaultRelayBatchBytes  = 16 << 20
 	defaultHandlerTimeout   = time.Minute
 	defaultRelayMaxAttempts = 10
+	defaultStatsInterval    = 15 * time.Second
 
 	// maxIDLength bounds message IDs and topics so that they index well.
 	maxIDLength = 255
@@ -209,6 +235,9 @@ func (c *Config) setDefaults() {
 	if c.RelayBatchBytes == 0 {
 		c.RelayBatchBytes = defaultRelayBatchBytes
 	}
+	if c.StatsInterval == 0 {
+		c.StatsInterval = defaultStatsInterval
+	}
 	if c.RelayMaxAttempts == 0 {
 		c.RelayMaxAttempts = defaultRelayMaxAttempts
 	}
@@ -232,6 +261,7 @@ func (c Config) Validate() error {
 		"HandlerTimeout": c.HandlerTimeout, "PublishTimeout": c.PublishTimeout, "DuplicateWait": c.DuplicateWait,
 		"RetryDelayMax": c.RetryDelayMax,
 		"RelayInterval": c.RelayInterval, "RelayGrace": c.RelayGrace,
+		"RedeliveryHorizon": c.RedeliveryHorizon, "HealthMaxPendingAge": c.HealthMaxPendingAge,
 	} {
 		if d < 0 {
 			errs = append(errs, fmt.Errorf("%s must not be negative", name))
@@ -250,6 +280,14 @@ func (c Config) Validate() error {
 		if math.IsNaN(f) || math.IsInf(f, 0) {
 			errs = append(errs, fmt.Errorf("%s must be a finite number, not %v", name, f))
 		}
+	}
+	if c.HealthMaxPending < 0 || c.HealthMaxParked < 0 {
+		errs = append(errs, errors.New("HealthMaxPending and HealthMaxParked must not be negative"))
+	}
+	if retention := cmp.Or(c.Retention, defaultRetention); c.RedeliveryHorizon > 0 && retention < c.RedeliveryHorizon {
+		errs = append(errs, fmt.Errorf("%w: Retention (%s) is shorter than RedeliveryHorizon (%s): a copy the broker "+
+			"redelivers after the ID was forgotten would run the handler a second time; raise Retention to at least %s",
+			ErrRetentionTooShort, retention, c.RedeliveryHorizon, c.RedeliveryHorizon))
 	}
 	if c.PoisonTopic != "" {
 		if err := validateName(c.PoisonTopic); err != nil {

@@ -12,6 +12,8 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/metric"
 )
 
 // Metadata keys of a message moved to the poison topic.
@@ -46,6 +48,7 @@ func (o *Outbox) handlerFailed(ctx context.Context, msg *message.Message, src So
 	if err := o.poison(bctx, msg, src, reason, attempts); err != nil {
 		return fmt.Errorf("%w (and moving it to the poison topic failed: %w)", herr, err)
 	}
+	setOutcome(ctx, OutcomePoisoned)
 	o.logger.Error("Message moved to the poison topic after repeated failures", herr,
 		fields.Add(watermill.LogFields{"poison_topic": o.cfg.PoisonTopic}))
 	return nil
@@ -54,6 +57,7 @@ func (o *Outbox) handlerFailed(ctx context.Context, msg *message.Message, src So
 // reject handles a message that cannot be processed at all (for example one without a usable ID):
 // it goes to the poison topic at once, or is nacked with a clear error when none is set.
 func (o *Outbox) reject(ctx context.Context, msg *message.Message, src Source, cause error, fields watermill.LogFields) error {
+	setOutcome(ctx, OutcomeRejected)
 	if o.cfg.PoisonTopic == "" {
 		o.logger.Error("Message cannot be processed and no PoisonTopic is set; it is nacked", cause, fields)
 		return cause
@@ -153,6 +157,14 @@ func (o *Outbox) cleanupOnce(ctx context.Context) error {
 	res, err := o.Cleanup(ctx)
 	if err != nil {
 		return err
+	}
+	if res.Batches > 0 {
+		o.tel.cleanupBatches.Add(ctx, int64(res.Batches))
+		for table, n := range map[string]int64{"processed": res.Claims, "dispatched": res.Effects, "attempts": res.Attempts} {
+			if n > 0 {
+				o.tel.cleanupDeleted.Add(ctx, n, metric.WithAttributeSet(attribute.NewSet(AttrTable.String(table))))
+			}
+		}
 	}
 	if res.Claims+res.Effects+res.Attempts > 0 {
 		o.logger.Info("Cleanup deleted expired rows", watermill.LogFields{

@@ -48,6 +48,9 @@ var (
 	// ErrRelayNotRunning is logged when side effects are left to the relay and Outbox.Run is not
 	// running in the process.
 	ErrRelayNotRunning = errors.New("outbox: no relay is running in this process")
+	// ErrRetentionTooShort means Config.Retention is shorter than Config.RedeliveryHorizon; it is
+	// also logged when a duplicate arrives whose claim is older than half of Retention.
+	ErrRetentionTooShort = errors.New("outbox: dedup retention too short for the broker's redelivery horizon")
 	// ErrCommitOutcomeUnknown means the COMMIT failed in flight (the connection was lost): the
 	// message may or may not have been processed. It is nacked without counting an attempt; the
 	// redelivery finds out.

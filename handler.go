@@ -11,6 +11,9 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/metric"
+	"go.opentelemetry.io/otel/trace"
 )
 
 // HandleParams describe one incoming message for Outbox.Handle.
@@ -24,6 +27,22 @@ type HandleParams struct {
 	MessageIDErr error
 	// ReplyTopic receives the messages the handler returns; empty if it returns none.
 	ReplyTopic string
+	// Topic is the topic the message came from, for spans; empty if unknown.
+	Topic string
+}
+
+// delivery is what one call of Handle observed, for its metrics and span.
+type delivery struct {
+	outcome string // empty: processed or failed, by the error
+}
+
+type deliveryKey struct{}
+
+// setOutcome records the outcome of the delivery being handled in ctx.
+func setOutcome(ctx context.Context, outcome string) {
+	if d, ok := ctx.Value(deliveryKey{}).(*delivery); ok {
+		d.outcome = outcome
+	}
 }
 
 // Handle runs next for msg as one unit of work: it claims (Consumer, MessageID), runs next with the
@@ -32,6 +51,38 @@ type HandleParams struct {
 // already processed skips next and only dispatches what is still pending. Handle returns nil when
 // msg may be acked, and an error when it must be nacked. The middleware package calls it.
 func (o *Outbox) Handle(msg *message.Message, p HandleParams, next message.HandlerFunc) error {
+	began := time.Now()
+	parent := msg.Context()
+	d := &delivery{}
+	name := "process"
+	attrs := []attribute.KeyValue{AttrConsumer.String(p.Consumer), attribute.String("messaging.operation.name", "process"),
+		attribute.String("messaging.message.id", p.MessageID)}
+	if p.Topic != "" {
+		name += " " + p.Topic
+		attrs = append(attrs, AttrTopic.String(p.Topic))
+	}
+	ctx, span := o.tel.tracer.Start(context.WithValue(o.tel.remoteParent(parent, msg.Metadata), deliveryKey{}, d), name,
+		trace.WithSpanKind(trace.SpanKindConsumer), trace.WithAttributes(attrs...))
+	msg.SetContext(ctx)
+	err := o.handle(msg, p, next)
+	msg.SetContext(parent)
+	outcome := d.outcome
+	switch {
+	case outcome != "":
+	case err == nil:
+		outcome = OutcomeProcessed
+	default:
+		outcome = OutcomeFailed
+	}
+	set := metric.WithAttributeSet(attribute.NewSet(AttrConsumer.String(p.Consumer), AttrOutcome.String(outcome)))
+	o.tel.handled.Add(ctx, 1, set)
+	o.tel.processDuration.Record(ctx, time.Since(began).Seconds(), set)
+	span.SetAttributes(AttrOutcome.String(outcome))
+	endSpan(span, err)
+	return err
+}
+
+func (o *Outbox) handle(msg *message.Message, p HandleParams, next message.HandlerFunc) error {
 	parent := msg.Context()
 	fields := watermill.LogFields{"consumer": p.Consumer, "message_uuid": msg.UUID}
 	if err := validateName(p.Consumer); err != nil {
@@ -48,6 +99,7 @@ func (o *Outbox) Handle(msg *message.Message, p HandleParams, next message.Handl
 		return o.reject(parent, msg, src, fmt.Errorf("%w: %w", ErrInvalidMessageID, err), fields)
 	}
 	for try, retries := 1, 0; ; {
+		setOutcome(parent, "")
 		err := o.handleOnce(msg, src, p, next, try == maxImmediateRetries, fields)
 		switch {
 		case err == nil:
@@ -130,11 +182,16 @@ func (o *Outbox) handleOnce(msg *message.Message, src Source, p HandleParams, ne
 	handlerCtx, cancelHandler := context.WithDeadline(parent, deadline)
 	defer cancelHandler()
 
+	_, claimSpan := o.tel.tracer.Start(parent, "outbox claim")
 	tx, err := o.db.BeginTx(txCtx, nil)
 	if err != nil {
-		return fmt.Errorf("outbox: begin transaction (waiting for a database connection, at most HandlerTimeout): %w", err)
+		err = fmt.Errorf("outbox: begin transaction (waiting for a database connection, at most HandlerTimeout): %w", err)
+		endSpan(claimSpan, err)
+		return err
 	}
 	claim, err := o.store.MessageClaim(txCtx, tx, src)
+	claimSpan.SetAttributes(attribute.Bool("outbox.claimed", claim.Claimed))
+	endSpan(claimSpan, err)
 	if err != nil {
 		_ = tx.Rollback()
 		if txCtx.Err() != nil {
@@ -149,20 +206,25 @@ func (o *Outbox) handleOnce(msg *message.Message, src Source, p HandleParams, ne
 	}
 	if !claim.Claimed {
 		_ = tx.Rollback()
+		o.duplicateSeen(after, src, claim)
 		return o.redeliver(after, src, claim, fields)
 	}
 
 	u := newUnit(o, tx, src, msg)
-	msg.SetContext(withUnit(handlerCtx, u))
+	hctx, handlerSpan := o.tel.tracer.Start(handlerCtx, "outbox handler")
+	msg.SetContext(withUnit(hctx, u))
 	produced, err := callHandler(next, msg)
 	if err == nil && len(produced) > 0 {
 		err = o.storeProduced(msg.Context(), p.ReplyTopic, produced)
 	}
 	msg.SetContext(parent)
+	endSpan(handlerSpan, err)
 	var effects []Effect
 	if err == nil {
 		err = o.failpoint(txCtx, FailpointAfterHandler)
 	}
+	_, commitSpan := o.tel.tracer.Start(parent, "outbox commit")
+	defer commitSpan.End()
 	if err == nil {
 		effects, err = u.committedEffects(txCtx)
 	} else {
@@ -185,7 +247,9 @@ func (o *Outbox) handleOnce(msg *message.Message, src Source, p HandleParams, ne
 		return o.handlerFailed(after, msg, src, err, fields)
 	}
 
-	if err := tx.Commit(); err != nil {
+	err = tx.Commit()
+	endSpan(commitSpan, err)
+	if err != nil {
 		switch {
 		case errors.Is(err, sql.ErrTxDone) || errors.Is(err, context.DeadlineExceeded) || errors.Is(err, context.Canceled):
 			// COMMIT was never sent: the transaction had been finished already, by the handler
@@ -207,10 +271,38 @@ func (o *Outbox) handleOnce(msg *message.Message, src Source, p HandleParams, ne
 	if err := o.failpoint(after, FailpointAfterCommit); err != nil {
 		return err
 	}
+	committed := time.Now()
 	for i := range effects {
-		effects[i].PendingFor = time.Since(u.begun)
+		effects[i].PendingFor = committed.Sub(u.begun)
+		effects[i].storedAt = committed
 	}
-	return o.dispatchAndMark(after, src, effects, u.begun, fields)
+	err = o.dispatchAndMark(after, PathCommit, src, effects, u.begun, fields)
+	if errors.Is(err, ErrDispatchFailed) {
+		setOutcome(after, OutcomeDispatchFailed)
+	}
+	return err
+}
+
+// duplicateSeen counts a duplicate delivery by the age of the claim it found, and reports one
+// that comes late in the dedup window: one a little later would have run the handler again.
+func (o *Outbox) duplicateSeen(ctx context.Context, src Source, claim Claim) {
+	setOutcome(ctx, OutcomeDuplicate)
+	consumer := metric.WithAttributeSet(attribute.NewSet(AttrConsumer.String(src.Consumer)))
+	o.tel.duplicateAge.Record(ctx, claim.Age.Seconds(), consumer)
+	if claim.Age <= o.cfg.Retention/2 {
+		return
+	}
+	o.tel.duplicatesLate.Add(ctx, 1, consumer)
+	now := time.Now().UnixNano()
+	last := o.tel.lateWarned.Load()
+	if now-last < int64(time.Minute) || !o.tel.lateWarned.CompareAndSwap(last, now) {
+		return
+	}
+	o.logger.Error("A duplicate came late in the dedup window: its claim was older than half of Retention. "+
+		"A copy redelivered after Retention runs the handler again; raise Retention above the broker's redelivery horizon "+
+		"(see docs/operations.md)", ErrRetentionTooShort, watermill.LogFields{
+		"consumer": src.Consumer, "message_id": src.ID, "claim_age": claim.Age.String(), "retention": o.cfg.Retention.String(),
+	})
 }
 
 // sqlState returns the SQLSTATE code of a database error (lib/pq and pgx both provide it), or "".
@@ -314,7 +406,7 @@ func (o *Outbox) redeliver(ctx context.Context, src Source, claim Claim, fields 
 		}
 	}
 	// A re-send after the claim's own dispatch failed or was lost: retention counts from now.
-	return o.dispatchAndMark(ctx, src, pending, time.Time{}, fields)
+	return o.dispatchAndMark(ctx, PathRedelivery, src, pending, time.Time{}, fields)
 }
 
 // duplicateWait is how long a duplicate waits for the original to dispatch pending: never when
@@ -349,7 +441,9 @@ func (o *Outbox) listPending(ctx context.Context, src Source) ([]Effect, int, er
 	blocked := map[string]bool{}
 	parked := 0
 	out := all[:0]
+	read := time.Now()
 	for _, e := range all {
+		e.storedAt = read.Add(-e.PendingFor)
 		if e.Parked {
 			parked++
 			blocked[e.OrderingKey] = true
@@ -389,17 +483,24 @@ func (o *Outbox) awaitDispatch(ctx context.Context, src Source, wait time.Durati
 // of src was written with (zero if unknown): when the effects went out within ClaimClockSlack of
 // it, that time stands for their dispatch and the mark leaves the claim alone. A failed dispatch
 // is recorded at once, and returned as ErrDispatchFailed.
-func (o *Outbox) dispatchAndMark(ctx context.Context, src Source, effects []Effect, claimed time.Time, fields watermill.LogFields) error {
+func (o *Outbox) dispatchAndMark(ctx context.Context, path string, src Source, effects []Effect, claimed time.Time, fields watermill.LogFields) (err error) {
 	if len(effects) == 0 {
 		return nil
 	}
+	var links []trace.Link
+	if path != PathCommit {
+		links = o.tel.producerLinks(effects)
+	}
+	ctx, span := o.tel.tracer.Start(ctx, "outbox dispatch", trace.WithLinks(links...),
+		trace.WithAttributes(AttrPath.String(path), attribute.Int("outbox.effects", len(effects))))
+	defer func() { endSpan(span, err) }()
 	if blocked, err := o.keyBlocked(ctx, src, effects); err != nil {
 		return fmt.Errorf("outbox: check ordering keys: %w", err)
 	} else if blocked {
 		// The effects are committed; the relay sends them after the earlier ones, in order.
 		return o.handToRelay(ctx, src)
 	}
-	sent, failed, err := o.dispatch(ctx, effects)
+	sent, failed, err := o.dispatch(ctx, path, effects)
 	o.marks.add(src, effects[:sent], claimed.IsZero() || time.Since(claimed) > ClaimClockSlack)
 	if err != nil {
 		if failed > 0 {

@@ -105,11 +105,13 @@ func (m *marker) write(batch []DispatchMark) {
 		}
 		fields := watermill.LogFields{"sources": len(batch), "first_source_id": batch[0].Source.ID, "try": try}
 		if permanent(err) {
+			m.o.tel.markFailures.Add(ctx, 1)
 			m.o.logger.Error("Marking side effects dispatched failed; they may be sent again", err, fields)
 			return
 		}
 		select {
 		case <-ctx.Done():
+			m.o.tel.markFailures.Add(context.Background(), 1)
 			m.o.logger.Error("Marking side effects dispatched failed; they may be sent again", err, fields)
 			return
 		case <-time.After(pause):

@@ -32,6 +32,7 @@ type Outbox struct {
 
 	kick  chan struct{} // wakes the relay
 	marks *marker
+	tel   *telemetry
 	// health tells a poison effect from an outage (see health.counts).
 	health health
 	// failedHere holds the sources whose dispatch failed in this process lately: a redelivered
@@ -70,6 +71,9 @@ func New(cfg Config) (*Outbox, error) {
 	}
 	o.failedHere.ttl = cfg.DuplicateWait + cfg.PublishTimeout + time.Minute
 	o.marks = newMarker(o)
+	if o.tel, err = newTelemetry(o); err != nil {
+		return nil, fmt.Errorf("outbox: create instruments: %w", err)
+	}
 	o.warnUnsafePublisher()
 	return o, nil
 }
@@ -129,6 +133,10 @@ func (o *Outbox) Run(ctx context.Context) error {
 	go func() { defer wg.Done(); o.listen(ctx) }()
 	go func() { defer wg.Done(); o.runEvery(ctx, o.cfg.RelayInterval, o.kick, "relay", o.relayOnce) }()
 	go func() { defer wg.Done(); o.runEvery(ctx, o.cfg.CleanupInterval, nil, "cleanup", o.cleanupOnce) }()
+	if o.cfg.StatsInterval > 0 {
+		wg.Add(1)
+		go func() { defer wg.Done(); o.runEvery(ctx, o.cfg.StatsInterval, nil, "stats sampling", o.sampleStats) }()
+	}
 	wg.Wait()
 	o.marks.wait() // a clean shutdown leaves no mark unwritten, so nothing is re-sent after it
 	return nil
@@ -225,12 +233,16 @@ func (o *Outbox) ReplayPoisoned(ctx context.Context, consumer, messageID string)
 
 // listen wakes the relay on notifications from other instances, reconnecting after failures.
 func (o *Outbox) listen(ctx context.Context) {
+	defer o.tel.listening.Store(false)
 	for ctx.Err() == nil {
 		err := o.store.EffectListen(ctx, func() {
+			o.tel.listening.Store(true)
 			o.lastHandoff.Store(time.Now().UnixNano())
 			o.kickRelay()
 		})
+		o.tel.listening.Store(false)
 		if errors.Is(err, ErrListenUnsupported) {
+			o.tel.listenUnsupported.Store(true)
 			return
 		}
 		if err != nil && ctx.Err() == nil {

@@ -6,6 +6,8 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/trace"
 )
 
 // relayLease is how long the relay reserves the effects of one round: long enough to publish
@@ -27,10 +29,17 @@ func (o *Outbox) relayOnce(ctx context.Context) error {
 			After:    after,
 		})
 		if err != nil {
+			o.tel.relayErrors.Add(ctx, 1)
 			return err
 		}
+		o.tel.lastRelayRound.Store(time.Now().UnixNano())
 		if n := len(claim.Effects); n > 0 {
 			began := time.Now()
+			o.tel.relayRounds.Add(ctx, 1)
+			o.tel.relayEffects.Record(ctx, int64(n))
+			for i := range claim.Effects {
+				claim.Effects[i].storedAt = began.Add(-claim.Effects[i].PendingFor)
+			}
 			o.relayRound(ctx, claim.Effects)
 			if f := o.cfg.RelayPauseFactor; f > 0 {
 				select {
@@ -59,6 +68,9 @@ var errNotTried = errors.New("not tried")
 
 // relayRound dispatches leased effects and records the outcome of each.
 func (o *Outbox) relayRound(ctx context.Context, effects []Effect) {
+	ctx, span := o.tel.tracer.Start(ctx, "outbox relay", trace.WithLinks(o.tel.producerLinks(effects)...),
+		trace.WithAttributes(AttrPath.String(PathRelay), attribute.Int("outbox.effects", len(effects))))
+	defer span.End()
 	errs := o.relayDispatch(ctx, effects, time.Now().Add(o.relayLease()/2))
 	// The outcome is written even when ctx was cancelled meanwhile (a shutdown): what was sent
 	// must be marked, or it is sent again.
@@ -130,7 +142,7 @@ func (o *Outbox) relayDispatch(ctx context.Context, effects []Effect, deadline t
 				j++
 			}
 		}
-		sent, n, err := o.dispatch(ctx, effects[i:j])
+		sent, n, err := o.dispatch(ctx, PathRelay, effects[i:j])
 		switch {
 		case err == nil:
 		case ctx.Err() != nil || n == 0:
@@ -156,7 +168,7 @@ func (o *Outbox) relayEach(ctx context.Context, effects []Effect, errs []error, 
 			errs[k] = errNotTried
 			continue
 		}
-		if _, _, err := o.dispatch(ctx, effects[k:k+1]); err != nil {
+		if _, _, err := o.dispatch(ctx, PathRelay, effects[k:k+1]); err != nil {
 			o.relayFailed(e, err, failed)
 			errs[k] = err
 		}

@@ -14,6 +14,9 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/metric"
+	"go.opentelemetry.io/otel/trace"
 )
 
 // Metadata keys the framework sets on the messages it publishes, unless they are already set.
@@ -252,6 +255,15 @@ func (u *unit) addCausation(ctx context.Context, md map[string]string) {
 			setDefault(k, v)
 		}
 	}
+	if _, ok := md[MetadataTraceparent]; !ok && trace.SpanContextFromContext(ctx).IsValid() {
+		// The span that records the message (the handler's, or the application's own inside it)
+		// is the message's parent.
+		tc := map[string]string{}
+		u.o.tel.prop.Inject(ctx, metadataCarrier(tc))
+		for k, v := range tc {
+			setDefault(k, v)
+		}
+	}
 	if u.incoming != nil {
 		for _, k := range propagated {
 			setDefault(k, u.incoming.Metadata.Get(k))
@@ -301,7 +313,8 @@ func (u *unit) record(ctx context.Context, effects []Effect) error {
 // dispatch sends effects in order and stops at the first failure, so that later effects never
 // overtake an earlier one. Consecutive messages to one topic go in one Publish call. It returns
 // how many effects were sent, and how many the call that failed covered (effects[sent:sent+failed]).
-func (o *Outbox) dispatch(ctx context.Context, effects []Effect) (sent, failed int, err error) {
+// path names the dispatch path in the metrics.
+func (o *Outbox) dispatch(ctx context.Context, path string, effects []Effect) (sent, failed int, err error) {
 	for i := 0; i < len(effects); {
 		e := effects[i]
 		j := i + 1
@@ -313,8 +326,17 @@ func (o *Outbox) dispatch(ctx context.Context, effects []Effect) (sent, failed i
 			}
 			err = o.publish(ctx, e.Topic, effects[i:j])
 		}
+		set := metric.WithAttributeSet(attribute.NewSet(AttrPath.String(path), kindAttr(e.Kind)))
 		if err != nil {
+			o.tel.dispatchFailures.Add(ctx, int64(j-i), set)
 			return i, j - i, err
+		}
+		o.tel.dispatched.Add(ctx, int64(j-i), set)
+		lagSet := metric.WithAttributeSet(attribute.NewSet(AttrPath.String(path)))
+		for _, d := range effects[i:j] {
+			if !d.storedAt.IsZero() {
+				o.tel.dispatchLag.Record(ctx, time.Since(d.storedAt).Seconds(), lagSet)
+			}
 		}
 		o.health.succeeded(e)
 		if err := o.failpoint(ctx, FailpointAfterPublish); err != nil {

@@ -47,6 +47,10 @@ type Effect struct {
 	Source Source
 	// PendingFor is how long the effect had been stored when it was read, by the database's clock.
 	PendingFor time.Duration
+
+	// storedAt is when the effect was committed, by this process's clock (read time less
+	// PendingFor), for the dispatch lag; zero if unknown.
+	storedAt time.Time
 }
 
 // KindPublish is the Kind of effects that publish a message.
@@ -147,6 +151,12 @@ type Store interface {
 	// its own: nothing is held while the caller dispatches.
 	EffectClaimDue(ctx context.Context, p EffectClaimParams) (EffectClaim, error)
 
+	// Stats returns a sample of the tables: the newest one stored, or a new one, taken and
+	// stored, when the stored one is older than p.Interval and no other process is taking one at
+	// the moment (a zero Interval: always a new one, not stored). A sample's cost is bounded
+	// whatever the size of the tables: counts beyond StatsCountCap are estimated.
+	Stats(ctx context.Context, p StatsParams) (Stats, error)
+
 	// Cleanup deletes, in batches, claims whose effects were all dispatched more than retention ago
 	// (never a claim with an undispatched effect), dispatched effects older than their retention,
 	// and old attempt counters. Only one process cleans at a time; the others
@@ -162,6 +172,42 @@ type Claim struct {
 	// it: a copy processed the message at the same moment, and is most likely dispatching its
 	// effects right now. A store that cannot tell leaves it false.
 	Concurrent bool
+	// Age is how long ago the claim found was written, when Claimed and Concurrent are false.
+	Age time.Duration
+}
+
+// StatsCountCap bounds the rows a Store counts for one Stats sample: larger counts are estimated.
+const StatsCountCap = 100_000
+
+// StatsParams are the parameters of Store.Stats.
+type StatsParams struct {
+	// Interval is how old the stored sample may be before a new one is taken; zero: take a new
+	// one and do not store it.
+	Interval time.Duration
+	// Retention is Config.Retention, for the cleanup lag.
+	Retention time.Duration
+}
+
+// Stats is a sample of the outbox tables (Outbox.Stats).
+type Stats struct {
+	// Pending counts the undispatched side effects that are not parked; OldestPending is the age
+	// of the oldest of them.
+	Pending       int64
+	OldestPending time.Duration
+	// Parked counts the side effects the relay gave up on; OldestParked is the age of the oldest.
+	Parked       int64
+	OldestParked time.Duration
+	// Failing counts the messages with failed attempts that were neither processed nor poisoned.
+	Failing int64
+	// Retained counts the processed message IDs remembered for deduplication; Estimated is true
+	// when it (or Pending or Parked) exceeded StatsCountCap and was estimated.
+	Retained  int64
+	Estimated bool
+	// CleanupLag is how long the oldest claim past retention (found among the first
+	// thousand) has waited for cleanup; zero when cleanup keeps up.
+	CleanupLag time.Duration
+	// SampledAt is when the sample was taken, by this process's clock.
+	SampledAt time.Time
 }
 
 // DispatchMark is one source's effects that Store.EffectMarkDispatched marks dispatched.
@@ -238,6 +284,8 @@ type CleanupParams struct {
 
 // CleanupResult counts what Store.Cleanup deleted.
 type CleanupResult struct {
+	// Batches counts the delete statements run.
+	Batches  int
 	Claims   int64
 	Effects  int64
 	Attempts int64

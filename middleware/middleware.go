@@ -45,6 +45,7 @@ func New(ob *outbox.Outbox, opts ...Option) message.HandlerMiddleware {
 				Consumer:   cfg.consumer,
 				MessageID:  msg.UUID,
 				ReplyTopic: message.PublishTopicFromCtx(ctx),
+				Topic:      message.SubscribeTopicFromCtx(ctx),
 			}
 			if p.Consumer == "" {
 				p.Consumer = message.HandlerNameFromCtx(ctx)

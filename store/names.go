@@ -18,6 +18,7 @@ type Names struct {
 	Effects      string
 	Dispatched   string
 	Attempts     string
+	Stats        string
 	Migrations   string
 	QuotedSchema string
 }
@@ -50,6 +51,7 @@ func NewNames(schema, prefix string) (Names, error) {
 		Effects:      q("effects"),
 		Dispatched:   q("dispatched"),
 		Attempts:     q("attempts"),
+		Stats:        q("stats"),
 		Migrations:   q("migrations"),
 	}, nil
 }

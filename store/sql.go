@@ -4,6 +4,7 @@ import (
 	"cmp"
 	"context"
 	"database/sql"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io/fs"
@@ -21,10 +22,12 @@ import (
 // store IDs is passed as one text argument, the IDs separated by commas ("1,2,3").
 type Queries struct {
 	// MessageClaim (consumer, id) claims a message. With MessageClaimReportsConcurrent it returns
-	// one row (claimed, seen): seen tells whether the claim it ran into was already committed when
-	// the statement began. Without it, it returns a row when it claimed and none otherwise.
+	// one row (claimed, seen age): seen age is the age in ms of the claim it ran into if that
+	// claim was already committed when the statement began, and NULL otherwise. Without it, it
+	// returns a row when it claimed and none otherwise (MessageAge then tells the age).
 	MessageClaim                  string
 	MessageClaimReportsConcurrent bool
+	MessageAge                    string // (consumer, id) -> age of the claim in ms
 	MessageIsProcessed            string // (consumer, id) -> a row when processed
 	MessagePoison                 string // (consumer, id)
 	MessageReplay                 string // (consumer, id): delete the claim if it is poisoned
@@ -63,6 +66,13 @@ type Queries struct {
 	CleanupAttempts string // (retention ms, limit)
 
 	SchemaLatest string // -> latest applied version
+
+	// StatsSample (count cap, retention ms) -> pending, oldest pending ms, parked, oldest parked
+	// ms, failing, retained, estimated, cleanup lag ms. Each count reads at most cap rows.
+	StatsSample string
+	StatsLease  string // (interval ms): takes the right to sample; affects one row if it was free
+	StatsWrite  string // (sample): stores a sample taken now
+	StatsRead   string // -> sample, its age in ms (no row before the first)
 }
 
 // Dialect is what a driver supplies to build a Store.
@@ -281,16 +291,21 @@ func idList(ids []int64) string {
 // MessageClaim implements outbox.Store.
 func (s *SQL) MessageClaim(ctx context.Context, tx *sql.Tx, src outbox.Source) (outbox.Claim, error) {
 	if s.d.Queries.MessageClaimReportsConcurrent {
-		var claimed, seen bool
+		var claimed bool
+		var seen sql.NullInt64
 		if err := s.queryRow(ctx, tx, s.d.Queries.MessageClaim, []any{src.Consumer, src.ID}, &claimed, &seen); err != nil {
 			return outbox.Claim{}, err
 		}
-		return outbox.Claim{Claimed: claimed, Concurrent: !claimed && !seen}, nil
+		return outbox.Claim{Claimed: claimed, Concurrent: !claimed && !seen.Valid, Age: time.Duration(seen.Int64) * time.Millisecond}, nil
 	}
 	var one int
 	err := s.queryRow(ctx, tx, s.d.Queries.MessageClaim, []any{src.Consumer, src.ID}, &one)
 	if errors.Is(err, sql.ErrNoRows) {
-		return outbox.Claim{}, nil
+		var ms int64
+		if err := s.queryRow(ctx, tx, s.d.Queries.MessageAge, []any{src.Consumer, src.ID}, &ms); err != nil && !errors.Is(err, sql.ErrNoRows) {
+			return outbox.Claim{}, fmt.Errorf("age of the claim: %w", err)
+		}
+		return outbox.Claim{Age: time.Duration(ms) * time.Millisecond}, nil
 	}
 	return outbox.Claim{Claimed: err == nil}, err
 }
@@ -588,6 +603,7 @@ func (s *SQL) Cleanup(ctx context.Context, p outbox.CleanupParams) (outbox.Clean
 				return res, nil
 			}
 			*st.count += n
+			res.Batches++
 			if n < int64(p.BatchSize) {
 				break
 			}
@@ -739,4 +755,67 @@ func (s *SQL) eachID(ctx context.Context, query string, ids []int64) (int, error
 		total += int(n)
 	}
 	return total, tx.Commit()
+}
+
+// statsSample is a Stats as it is stored between processes.
+type statsSample struct {
+	Pending, Parked, Failing, Retained            int64
+	OldestPendingMS, OldestParkedMS, CleanupLagMS int64
+	Estimated                                     bool
+}
+
+// Stats implements outbox.Store.
+func (s *SQL) Stats(ctx context.Context, p outbox.StatsParams) (outbox.Stats, error) {
+	q := s.d.Queries
+	if p.Interval > 0 {
+		r, err := s.db.ExecContext(ctx, q.StatsLease, p.Interval.Milliseconds())
+		if err != nil {
+			return outbox.Stats{}, fmt.Errorf("stats lease: %w", s.wrap(err))
+		}
+		if n, err := r.RowsAffected(); err != nil {
+			return outbox.Stats{}, fmt.Errorf("stats lease: %w", err)
+		} else if n == 0 {
+			// Another process samples: read what it stored last.
+			var text string
+			var ageMS int64
+			if err := s.db.QueryRowContext(ctx, q.StatsRead).Scan(&text, &ageMS); err != nil && !errors.Is(err, sql.ErrNoRows) {
+				return outbox.Stats{}, fmt.Errorf("read stats: %w", s.wrap(err))
+			}
+			if text == "" {
+				return outbox.Stats{}, nil // none taken yet
+			}
+			var smp statsSample
+			if err := json.Unmarshal([]byte(text), &smp); err != nil {
+				return outbox.Stats{}, fmt.Errorf("read stats: %w", err)
+			}
+			return smp.stats(time.Now().Add(-time.Duration(ageMS) * time.Millisecond)), nil
+		}
+	}
+	var smp statsSample
+	err := s.db.QueryRowContext(ctx, q.StatsSample, outbox.StatsCountCap, p.Retention.Milliseconds()).Scan(
+		&smp.Pending, &smp.OldestPendingMS, &smp.Parked, &smp.OldestParkedMS, &smp.Failing,
+		&smp.Retained, &smp.Estimated, &smp.CleanupLagMS)
+	if err != nil {
+		return outbox.Stats{}, fmt.Errorf("sample stats: %w", s.wrap(err))
+	}
+	if p.Interval > 0 {
+		text, err := json.Marshal(smp)
+		if err != nil {
+			return outbox.Stats{}, err
+		}
+		if _, err := s.db.ExecContext(ctx, q.StatsWrite, string(text)); err != nil {
+			return outbox.Stats{}, fmt.Errorf("store stats: %w", s.wrap(err))
+		}
+	}
+	return smp.stats(time.Now()), nil
+}
+
+func (smp statsSample) stats(at time.Time) outbox.Stats {
+	ms := func(n int64) time.Duration { return time.Duration(max(n, 0)) * time.Millisecond }
+	return outbox.Stats{
+		Pending: smp.Pending, OldestPending: ms(smp.OldestPendingMS),
+		Parked: smp.Parked, OldestParked: ms(smp.OldestParkedMS),
+		Failing: smp.Failing, Retained: smp.Retained, Estimated: smp.Estimated,
+		CleanupLag: ms(smp.CleanupLagMS), SampledAt: at,
+	}
 }

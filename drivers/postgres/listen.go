@@ -30,15 +30,29 @@ func notifyChannel(schema, prefix string) string {
 // notifications sent while it was away are lost.
 func listen(dsn, channel string) func(ctx context.Context, wake func()) error {
 	return func(ctx context.Context, wake func()) error {
-		l := pq.NewListener(dsn, 100*time.Millisecond, 10*time.Second, nil)
+		lost := make(chan error, 1)
+		l := pq.NewListener(dsn, 100*time.Millisecond, 10*time.Second, func(ev pq.ListenerEventType, err error) {
+			if ev == pq.ListenerEventDisconnected {
+				select {
+				case lost <- err:
+				default:
+				}
+			}
+		})
 		defer func() { _ = l.Close() }()
 		if err := l.Listen(channel); err != nil {
 			return fmt.Errorf("listen on %q: %w", channel, err)
 		}
+		// Connected: notifications sent before now were missed, so the relay looks once (which
+		// also tells the caller that the listener is up).
+		wake()
 		for {
 			select {
 			case <-ctx.Done():
 				return nil
+			case err := <-lost:
+				// The caller reconnects (and reports the listener down meanwhile).
+				return fmt.Errorf("listener connection on %q lost: %w", channel, err)
 			case _, ok := <-l.NotificationChannel():
 				if !ok {
 					return nil

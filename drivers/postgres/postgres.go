@@ -150,7 +150,8 @@ func queries(n store.Names, deleteDispatched bool) store.Queries {
 		MessageClaim: `WITH ins AS (INSERT INTO ` + n.Processed + ` (consumer, message_id, dispatched_at) VALUES ($1, $2, now())
 				ON CONFLICT (consumer, message_id) DO NOTHING RETURNING 1)
 			SELECT EXISTS (SELECT 1 FROM ins),
-			       EXISTS (SELECT 1 FROM ` + n.Processed + ` WHERE consumer = $1 AND message_id = $2)`,
+			       (SELECT (extract(epoch FROM now() - processed_at) * 1000)::bigint FROM ` + n.Processed + `
+				WHERE consumer = $1 AND message_id = $2)`,
 		MessageClaimReportsConcurrent: true,
 		MessageIsProcessed:            `SELECT 1 FROM ` + n.Processed + ` WHERE consumer = $1 AND message_id = $2`,
 		MessagePoison: `INSERT INTO ` + n.Processed + ` (consumer, message_id, dispatched_at, poisoned) VALUES ($1, $2, now(), true)
@@ -271,5 +272,36 @@ func queries(n store.Names, deleteDispatched bool) store.Queries {
 			SELECT consumer, message_id FROM ` + n.Attempts + ` WHERE last_failed_at < now() - ` + ms("$1") + ` LIMIT $2)`,
 
 		SchemaLatest: `SELECT max(version) FROM ` + n.Migrations,
+
+		// Each count reads at most $1 rows, through an index; beyond that it is estimated from
+		// the planner's statistics. The cleanup lag looks at the first thousand expired claims
+		// that cleanup may delete (found through the BRIN index; none when it keeps up).
+		StatsSample: `WITH pending AS (SELECT e.id, e.created_at FROM ` + n.Effects + ` e
+				WHERE e.dispatched_at IS NULL AND e.parked_at IS NULL ORDER BY e.id LIMIT $1),
+			parked AS (SELECT e.id, e.created_at FROM ` + n.Effects + ` e
+				WHERE e.parked_at IS NOT NULL AND e.dispatched_at IS NULL ORDER BY e.id LIMIT $1),
+			failing AS (SELECT 1 FROM ` + n.Attempts + ` a WHERE NOT EXISTS (SELECT 1 FROM ` + n.Processed + ` p
+				WHERE p.consumer = a.consumer AND p.message_id = a.message_id) LIMIT $1),
+			retained AS (SELECT count(*) AS n FROM (SELECT 1 FROM ` + n.Processed + ` LIMIT $1) r),
+			expired AS (SELECT p.dispatched_at FROM ` + n.Processed + ` p
+				WHERE p.processed_at < now() - ` + ms("$2") + ` AND p.dispatched_at < now() - ` + ms("$2") + `
+				  AND NOT EXISTS (SELECT 1 FROM ` + n.Effects + ` e
+					WHERE e.source_consumer = p.consumer AND e.source_id = p.message_id AND e.dispatched_at IS NULL)
+				LIMIT 1000),
+			est AS (SELECT greatest((SELECT reltuples FROM pg_class WHERE oid = '` + n.Processed + `'::regclass), 0)::bigint AS processed,
+				greatest((SELECT reltuples FROM pg_class WHERE oid = '` + n.Effects + `'::regclass), 0)::bigint AS effects)
+			SELECT CASE WHEN (SELECT count(*) FROM pending) >= $1 THEN greatest($1, est.effects) ELSE (SELECT count(*) FROM pending) END,
+				coalesce((SELECT (extract(epoch FROM now() - min(created_at)) * 1000)::bigint FROM pending), 0),
+				CASE WHEN (SELECT count(*) FROM parked) >= $1 THEN greatest($1, est.effects) ELSE (SELECT count(*) FROM parked) END,
+				coalesce((SELECT (extract(epoch FROM now() - min(created_at)) * 1000)::bigint FROM parked), 0),
+				(SELECT count(*) FROM failing),
+				CASE WHEN retained.n >= $1 THEN greatest($1, est.processed) ELSE retained.n END,
+				(SELECT count(*) FROM pending) >= $1 OR (SELECT count(*) FROM parked) >= $1 OR retained.n >= $1,
+				coalesce((SELECT (extract(epoch FROM now() - ` + ms("$2") + ` - min(dispatched_at)) * 1000)::bigint FROM expired), 0)
+			FROM retained, est`,
+		StatsLease: `UPDATE ` + n.Stats + ` SET leased_at = now() WHERE id = 1 AND leased_at < now() - ` + ms("$1"),
+		StatsWrite: `UPDATE ` + n.Stats + ` SET sampled_at = now(), sample = $1 WHERE id = 1`,
+		StatsRead: `SELECT sample, (extract(epoch FROM now() - sampled_at) * 1000)::bigint FROM ` + n.Stats + `
+			WHERE id = 1 AND sample IS NOT NULL`,
 	}
 }

@@ -122,6 +122,7 @@ func queries(n store.Names) store.Queries {
 	return store.Queries{
 		MessageClaim: `INSERT INTO ` + n.Processed + ` (consumer, message_id, dispatched_at) VALUES (?1, ?2, ` + now + `)
 			ON CONFLICT (consumer, message_id) DO NOTHING RETURNING 1`,
+		MessageAge:         `SELECT ` + msSince("processed_at") + ` FROM ` + n.Processed + ` WHERE consumer = ?1 AND message_id = ?2`,
 		MessageIsProcessed: `SELECT 1 FROM ` + n.Processed + ` WHERE consumer = ?1 AND message_id = ?2`,
 		MessagePoison: `INSERT INTO ` + n.Processed + ` (consumer, message_id, dispatched_at, poisoned) VALUES (?1, ?2, ` + now + `, 1)
 			ON CONFLICT (consumer, message_id) DO NOTHING`,
@@ -214,5 +215,33 @@ func queries(n store.Names) store.Queries {
 			SELECT consumer, message_id FROM ` + n.Attempts + ` WHERE last_failed_at < ` + ago("?1") + ` LIMIT ?2)`,
 
 		SchemaLatest: `SELECT max(version) FROM ` + n.Migrations,
+
+		// Each count reads at most ?1 rows; SQLite keeps no row estimates, so a larger count
+		// reports ?1 and says it is estimated.
+		StatsSample: `WITH pending AS (SELECT id, created_at FROM ` + n.Effects + `
+				WHERE dispatched_at IS NULL AND parked_at IS NULL ORDER BY id LIMIT ?1),
+			parked AS (SELECT id, created_at FROM ` + n.Effects + `
+				WHERE parked_at IS NOT NULL AND dispatched_at IS NULL ORDER BY id LIMIT ?1),
+			failing AS (SELECT 1 FROM ` + n.Attempts + ` a WHERE NOT EXISTS (SELECT 1 FROM ` + n.Processed + ` p
+				WHERE p.consumer = a.consumer AND p.message_id = a.message_id) LIMIT ?1),
+			retained AS (SELECT 1 FROM ` + n.Processed + ` LIMIT ?1),
+			expired AS (SELECT p.dispatched_at FROM ` + n.Processed + ` p
+				WHERE p.processed_at < ` + ago("?2") + ` AND p.dispatched_at < ` + ago("?2") + `
+				  AND NOT EXISTS (SELECT 1 FROM ` + n.Effects + ` e
+					WHERE e.source_consumer = p.consumer AND e.source_id = p.message_id AND e.dispatched_at IS NULL)
+				LIMIT 1000)
+			SELECT (SELECT count(*) FROM pending), coalesce((SELECT ` + msSince("min(created_at)") + ` FROM pending), 0),
+				(SELECT count(*) FROM parked), coalesce((SELECT ` + msSince("min(created_at)") + ` FROM parked), 0),
+				(SELECT count(*) FROM failing), (SELECT count(*) FROM retained),
+				(SELECT count(*) FROM pending) >= ?1 OR (SELECT count(*) FROM parked) >= ?1 OR (SELECT count(*) FROM retained) >= ?1,
+				coalesce((SELECT ` + msSince("min(dispatched_at)") + ` - ?2 FROM expired), 0)`,
+		StatsLease: `UPDATE ` + n.Stats + ` SET leased_at = ` + now + ` WHERE id = 1 AND leased_at < ` + ago("?1"),
+		StatsWrite: `UPDATE ` + n.Stats + ` SET sampled_at = ` + now + `, sample = ?1 WHERE id = 1`,
+		StatsRead:  `SELECT sample, ` + msSince("sampled_at") + ` FROM ` + n.Stats + ` WHERE id = 1 AND sample IS NOT NULL`,
 	}
+}
+
+// msSince returns the milliseconds from the timestamp expression t to now, as an integer.
+func msSince(t string) string {
+	return `CAST(round((julianday('now') - julianday(` + t + `)) * 86400000.0) AS INTEGER)`
 }

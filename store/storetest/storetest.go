@@ -89,6 +89,7 @@ func Run(t *testing.T, newHarness func(t *testing.T) Harness) {
 		{"MessageClaim/RollbackFreesTheClaim", testClaimRollback},
 		{"MessageClaim/ConcurrentCopyWaitsForCommit", func(f *fixture) { testClaimConcurrent(f, true) }},
 		{"MessageClaim/ConcurrentCopyWaitsForRollback", func(f *fixture) { testClaimConcurrent(f, false) }},
+		{"MessageClaim/DuplicateReportsAge", testClaimAge},
 		{"MessageIsProcessed", testIsProcessed},
 		{"MessagePoison", testPoison},
 		{"AttemptRecord", testAttemptRecord},
@@ -128,6 +129,8 @@ func Run(t *testing.T, newHarness func(t *testing.T) Harness) {
 		{"EffectUnpark", testUnpark},
 		{"EffectDiscard", testDiscard},
 		{"EffectNotifyListen", testNotifyListen},
+		{"Stats/Sample", testStatsSample},
+		{"Stats/OneSamplerPerInterval", testStatsShared},
 		{"Cleanup/RetentionAndCounts", testCleanupRetention},
 		{"Cleanup/Batches", testCleanupBatches},
 		{"Cleanup/AnotherProcessCleaning", testCleanupLocked},
@@ -1814,7 +1817,7 @@ func testCleanupRetention(f *fixture) {
 
 	p := outbox.CleanupParams{Retention: 7 * day, EffectRetention: time.Hour, BatchSize: 100}
 	res := f.cleanup(p)
-	if want := (outbox.CleanupResult{Claims: 1, Effects: 3, Attempts: 1}); res != want {
+	if want := (outbox.CleanupResult{Batches: 3, Claims: 1, Effects: 3, Attempts: 1}); res != want {
 		f.t.Fatalf("cleanup: %+v, want %+v", res, want)
 	}
 	if f.processed(a) || !f.processed(b) || !f.processed(c) || !f.processed(d) {
@@ -1833,8 +1836,8 @@ func testCleanupRetention(f *fixture) {
 	if got := f.attempt(y, "again"); got != 2 {
 		f.t.Fatalf("the recent attempt counter was deleted: next attempt counted %d", got)
 	}
-	if res := f.cleanup(p); res != (outbox.CleanupResult{}) {
-		f.t.Fatalf("second cleanup: %+v, want nothing", res)
+	if res := f.cleanup(p); res != (outbox.CleanupResult{Batches: 3}) {
+		f.t.Fatalf("second cleanup: %+v, want nothing deleted in one batch per table", res)
 	}
 }
 
@@ -1931,5 +1934,77 @@ func testCleanupLocked(f *fixture) {
 	r := receive(f, "cleanup after the other process finished", done)
 	if r.err != nil || r.res.Skipped || r.res.Claims != 1 {
 		f.t.Fatalf("cleanup after waiting: %+v, %v; want 1 claim, not skipped", r.res, r.err)
+	}
+}
+
+func testClaimAge(f *fixture) {
+	src := f.src("m1")
+	f.commit(src, true, nil)
+	f.age("processed", "processed_at", src, time.Hour)
+	tx := f.begin()
+	defer func() { _ = tx.Rollback() }()
+	c, err := f.st.MessageClaim(f.ctx, tx, src)
+	if err != nil {
+		f.t.Fatal(err)
+	}
+	if c.Claimed || c.Concurrent || c.Age < time.Hour-time.Minute || c.Age > time.Hour+time.Minute {
+		f.t.Fatalf("claim of a message processed an hour ago: %+v, want a duplicate with Age about 1h", c)
+	}
+}
+
+func (f *fixture) stats(p outbox.StatsParams) outbox.Stats {
+	f.t.Helper()
+	s, err := f.st.Stats(f.ctx, p)
+	if err != nil {
+		f.t.Fatalf("Stats(%+v): %v", p, err)
+	}
+	return s
+}
+
+func testStatsSample(f *fixture) {
+	const day = 24 * time.Hour
+	if s := f.stats(outbox.StatsParams{Retention: 7 * day}); s != (outbox.Stats{SampledAt: s.SampledAt}) || time.Since(s.SampledAt) > time.Minute {
+		f.t.Fatalf("stats of empty tables: %+v, want zeros sampled now", s)
+	}
+	f.parkThree() // three parked effects, and one pending behind the first (aged two hours)
+	fresh := f.src("fresh")
+	f.commit(fresh, true, f.effects(fresh, "kf", 2))
+	failing, recovered := f.src("failing"), f.src("recovered")
+	f.attempt(failing, "boom")
+	f.attempt(recovered, "boom")
+	f.commit(recovered, true, nil)
+	old := f.src("old")
+	f.commit(old, true, nil)
+	f.age("processed", "processed_at", old, 8*day)
+	f.age("processed", "dispatched_at", old, 8*day)
+
+	s := f.stats(outbox.StatsParams{Retention: 7 * day})
+	if s.Pending != 3 || s.Parked != 3 || s.Failing != 1 || s.Retained != 6 || s.Estimated {
+		f.t.Fatalf("stats: %+v, want 3 pending, 3 parked, 1 failing, 6 retained, nothing estimated", s)
+	}
+	near := func(got, want time.Duration) bool { return got > want-time.Minute && got < want+time.Minute }
+	if !near(s.OldestPending, 2*time.Hour) || !near(s.OldestParked, 2*time.Hour) || !near(s.CleanupLag, day) {
+		f.t.Fatalf("stats: %+v, want the oldest pending and parked 2h old and a cleanup lag of 1 day", s)
+	}
+}
+
+func testStatsShared(f *fixture) {
+	p := outbox.StatsParams{Interval: time.Hour, Retention: time.Hour}
+	first := f.stats(p)
+	if first.SampledAt.IsZero() || first.Pending != 0 {
+		f.t.Fatalf("first sample: %+v, want one taken now", first)
+	}
+	src := f.src("m1")
+	f.commit(src, true, f.effects(src, "k", 2))
+	// Within the interval every caller gets the stored sample; none samples again.
+	if again := f.stats(p); again.Pending != 0 || again.SampledAt.After(first.SampledAt.Add(time.Minute)) {
+		f.t.Fatalf("sample within the interval: %+v, want the stored one (%+v)", again, first)
+	}
+	if now := f.stats(outbox.StatsParams{Retention: time.Hour}); now.Pending != 2 {
+		f.t.Fatalf("a sample taken now: %+v, want 2 pending", now)
+	}
+	time.Sleep(20 * time.Millisecond)
+	if next := f.stats(outbox.StatsParams{Interval: 10 * time.Millisecond, Retention: time.Hour}); next.Pending != 2 {
+		f.t.Fatalf("sample after the interval: %+v, want a new one with 2 pending", next)
 	}
 }

@@ -1,0 +1,215 @@
+package outbox
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"maps"
+	"net/http"
+	"slices"
+	"strings"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+)
+
+// Stats takes a sample of the outbox tables now: pending and parked side effects and the age of
+// the oldest of each, messages with failed attempts that are neither processed nor poisoned,
+// retained message IDs and the cleanup lag. Its cost is bounded whatever the size of the tables
+// (counts above StatsCountCap are estimated). Run samples the same every StatsInterval, on one
+// instance at a time, for the metrics.
+func (o *Outbox) Stats(ctx context.Context) (Stats, error) {
+	s, err := o.store.Stats(ctx, StatsParams{Retention: o.cfg.Retention})
+	if err != nil {
+		return Stats{}, fmt.Errorf("outbox: stats: %w", err)
+	}
+	return s, nil
+}
+
+// sampleStats refreshes the sample the gauges report: taken here if no other instance took one
+// within StatsInterval, read from the database otherwise.
+func (o *Outbox) sampleStats(ctx context.Context) error {
+	ctx, cancel := context.WithTimeout(ctx, storeTimeout)
+	defer cancel()
+	s, err := o.store.Stats(ctx, StatsParams{Interval: o.cfg.StatsInterval, Retention: o.cfg.Retention})
+	if err != nil {
+		return err
+	}
+	if !s.SampledAt.IsZero() {
+		o.tel.setStats(s)
+	}
+	return nil
+}
+
+// HealthCheck is one check of a HealthReport.
+type HealthCheck struct {
+	Name string `json:"name"`
+	OK   bool   `json:"ok"`
+	// Reason says what is wrong, or what was found.
+	Reason string `json:"reason,omitempty"`
+}
+
+// HealthReport is the outcome of Outbox.Health.
+type HealthReport struct {
+	Healthy bool          `json:"healthy"`
+	Checks  []HealthCheck `json:"checks"`
+}
+
+// Err returns nil when the report is healthy, and otherwise an error that names every failed check.
+func (r HealthReport) Err() error {
+	var errs []error
+	for _, c := range r.Checks {
+		if !c.OK {
+			errs = append(errs, fmt.Errorf("%s: %s", c.Name, c.Reason))
+		}
+	}
+	if len(errs) == 0 {
+		return nil
+	}
+	return fmt.Errorf("%w: %w", ErrUnhealthy, errors.Join(errs...))
+}
+
+// ErrUnhealthy is wrapped by HealthReport.Err.
+var ErrUnhealthy = errors.New("outbox: unhealthy")
+
+// Names of the checks of Outbox.Health.
+const (
+	CheckDatabase = "database"
+	CheckSchema   = "schema"
+	CheckRelay    = "relay"
+	CheckListener = "listener"
+	CheckBacklog  = "backlog"
+	CheckParked   = "parked"
+)
+
+// Health checks, with reasons: the database answers, the schema is current, the relay is running
+// in this process and finished a round recently, the notification listener is connected
+// (PostgreSQL), and the backlog and the parked effects are under the thresholds of Config
+// (HealthMaxPending, HealthMaxPendingAge, HealthMaxParked; checked only when set, against the
+// newest sample, or a new one when Run samples nothing). Each database check is bounded by ctx
+// and by five seconds. Wire it to a readiness probe (HealthHandler) with the Router's own state.
+func (o *Outbox) Health(ctx context.Context) HealthReport {
+	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	var r HealthReport
+	add := func(name string, err error, ok string) {
+		c := HealthCheck{Name: name, OK: err == nil, Reason: ok}
+		if err != nil {
+			c.Reason = err.Error()
+		}
+		r.Checks = append(r.Checks, c)
+	}
+	dbErr := o.db.PingContext(ctx)
+	if dbErr != nil {
+		dbErr = fmt.Errorf("ping (waited for a connection and an answer, at most 5s): %w", dbErr)
+	}
+	add(CheckDatabase, dbErr, "reachable")
+	if dbErr == nil {
+		add(CheckSchema, o.store.SchemaCheck(ctx), "current")
+	}
+	add(CheckRelay, o.relayHealth(), fmt.Sprintf("running, last round %s ago", o.sinceRelayRound().Round(time.Millisecond)))
+	switch {
+	case o.tel.listenUnsupported.Load():
+		add(CheckListener, nil, "not supported by the store: the relay polls every RelayInterval")
+	case o.relaysRunning.Load() == 0:
+		add(CheckListener, errors.New("not started (Outbox.Run is not running)"), "")
+	case !o.tel.listening.Load():
+		add(CheckListener, errors.New("not connected: the relay polls every RelayInterval until it reconnects"), "")
+	default:
+		add(CheckListener, nil, "connected")
+	}
+	if o.cfg.HealthMaxPending > 0 || o.cfg.HealthMaxPendingAge > 0 || o.cfg.HealthMaxParked > 0 {
+		s, err := o.healthStats(ctx, dbErr)
+		if err != nil {
+			add(CheckBacklog, err, "")
+		} else {
+			var backlog []string
+			if m := o.cfg.HealthMaxPending; m > 0 && s.Pending > m {
+				backlog = append(backlog, fmt.Sprintf("%d side effects pending, more than HealthMaxPending (%d)", s.Pending, m))
+			}
+			if m := o.cfg.HealthMaxPendingAge; m > 0 && s.OldestPending > m {
+				backlog = append(backlog, fmt.Sprintf("the oldest pending side effect is %s old, more than HealthMaxPendingAge (%s)", s.OldestPending.Round(time.Second), m))
+			}
+			var backlogErr error
+			if len(backlog) > 0 {
+				backlogErr = errors.New(strings.Join(backlog, "; "))
+			}
+			add(CheckBacklog, backlogErr, fmt.Sprintf("%d pending, oldest %s (sampled %s ago)", s.Pending, s.OldestPending.Round(time.Millisecond), time.Since(s.SampledAt).Round(time.Second)))
+			var parkedErr error
+			if m := o.cfg.HealthMaxParked; m > 0 && s.Parked > m {
+				parkedErr = fmt.Errorf("%d side effects parked, more than HealthMaxParked (%d): retry or discard them (see docs/operations.md)", s.Parked, m)
+			}
+			add(CheckParked, parkedErr, fmt.Sprintf("%d parked", s.Parked))
+		}
+	}
+	r.Healthy = true
+	for _, c := range r.Checks {
+		r.Healthy = r.Healthy && c.OK
+	}
+	return r
+}
+
+// healthStats returns the newest sample if it is recent (two StatsIntervals), or takes one.
+func (o *Outbox) healthStats(ctx context.Context, dbErr error) (Stats, error) {
+	if s := o.tel.lastStats(); s != nil && o.cfg.StatsInterval > 0 && time.Since(s.SampledAt) < 2*o.cfg.StatsInterval {
+		return *s, nil
+	}
+	if dbErr != nil {
+		return Stats{}, errors.New("no recent sample, and the database is unreachable")
+	}
+	return o.Stats(ctx)
+}
+
+// sinceRelayRound is how long ago this process's relay last finished a round.
+func (o *Outbox) sinceRelayRound() time.Duration {
+	last := o.tel.lastRelayRound.Load()
+	if last == 0 {
+		return 0
+	}
+	return time.Since(time.Unix(0, last))
+}
+
+// relayHealth reports a relay that is not running, or whose last round is older than a round
+// may take (RelayInterval, plus a lease's worth of publishing, plus a minute).
+func (o *Outbox) relayHealth() error {
+	if o.relaysRunning.Load() == 0 {
+		return errors.New("not running: start Outbox.Run in every instance")
+	}
+	if o.tel.lastRelayRound.Load() == 0 {
+		return nil // started, first round under way
+	}
+	if limit := o.cfg.RelayInterval + o.relayLease() + time.Minute; o.sinceRelayRound() > limit {
+		return fmt.Errorf("no round finished for %s (more than %s): stuck in a Publisher or the database", o.sinceRelayRound().Round(time.Second), limit)
+	}
+	return nil
+}
+
+// HealthHandler returns an http.Handler for a readiness probe: 200 with the report as JSON when
+// Health and every extra check (for example the Router's: func(context.Context) error { if
+// !router.IsRunning() { return errors.New("router not running") }; return nil }) pass, 503
+// otherwise. Each extra check gets the request's context, bounded with the rest to 10 seconds. The report names tables and thresholds but no data; mount it where probes reach it.
+func (o *Outbox) HealthHandler(extra map[string]func(context.Context) error) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, req *http.Request) {
+		ctx, cancel := context.WithTimeout(req.Context(), 10*time.Second)
+		defer cancel()
+		r := o.Health(ctx)
+		for _, name := range slices.Sorted(maps.Keys(extra)) {
+			err := o.bounded(ctx, "health check "+name, func() error { return extra[name](ctx) })
+			c := HealthCheck{Name: name, OK: err == nil, Reason: "ok"}
+			if err != nil {
+				c.Reason = err.Error()
+				r.Healthy = false
+			}
+			r.Checks = append(r.Checks, c)
+		}
+		w.Header().Set("Content-Type", "application/json")
+		w.Header().Set("Cache-Control", "no-store")
+		if !r.Healthy {
+			w.WriteHeader(http.StatusServiceUnavailable)
+		}
+		if err := json.NewEncoder(w).Encode(r); err != nil {
+			o.logger.Debug("Writing the health report failed", watermill.LogFields{"error": err.Error()})
+		}
+	})
+}

@@ -1,0 +1,269 @@
+package outbox
+
+import (
+	"context"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/codes"
+	"go.opentelemetry.io/otel/metric"
+	"go.opentelemetry.io/otel/propagation"
+	"go.opentelemetry.io/otel/trace"
+)
+
+// InstrumentationName is the name of the meter and the tracer the framework uses.
+const InstrumentationName = "github.com/watermill-outbox/outbox"
+
+// Names of the metrics the framework emits (OpenTelemetry instrument names; a Prometheus
+// exporter turns the dots into underscores and appends the unit and, for counters, "_total").
+// docs/observability.md says what each means and what to do when it moves.
+const (
+	MetricProcessDuration   = "messaging.process.duration"       // histogram, s: one unit of work, claim to ack
+	MetricMessagesHandled   = "outbox.messages.handled"          // counter: incoming messages by consumer and outcome
+	MetricEffectsDispatched = "outbox.effects.dispatched"        // counter: side effects sent, by path and kind
+	MetricDispatchFailures  = "outbox.effects.dispatch_failures" // counter: side effects whose dispatch failed
+	MetricDispatchLag       = "outbox.effects.dispatch_lag"      // histogram, s: commit to dispatch
+	MetricEffectsPending    = "outbox.effects.pending"           // gauge: undispatched, not parked
+	MetricPendingOldestAge  = "outbox.effects.pending.oldest_age"
+	MetricEffectsParked     = "outbox.effects.parked"
+	MetricParkedOldestAge   = "outbox.effects.parked.oldest_age"
+	MetricMessagesFailing   = "outbox.messages.failing" // gauge: failed attempts, not yet poisoned
+	MetricProcessedRetained = "outbox.processed.retained"
+	MetricCleanupLag        = "outbox.cleanup.lag"          // gauge, s: oldest claim past retention
+	MetricStatsAge          = "outbox.stats.age"            // gauge, s: age of the sample the gauges above show
+	MetricRelayRounds       = "outbox.relay.rounds"         // counter
+	MetricRelayRoundEffects = "outbox.relay.round.effects"  // histogram: effects per round that found some
+	MetricRelayErrors       = "outbox.relay.errors"         // counter
+	MetricCleanupBatches    = "outbox.cleanup.batches"      // counter
+	MetricCleanupDeleted    = "outbox.cleanup.deleted"      // counter: rows, by table
+	MetricDuplicateClaimAge = "outbox.duplicate.claim_age"  // histogram, s: age of the claim a duplicate finds
+	MetricDuplicatesLate    = "outbox.duplicates.late"      // counter: duplicates whose claim is older than Retention/2
+	MetricMarkFailures      = "outbox.marks.failures"       // counter: batches of dispatched marks that could not be written
+	MetricRelayLastRoundAge = "outbox.relay.last_round_age" // gauge, s: since this process's relay last finished a round
+)
+
+// Attribute keys. Consumer and topic names are bounded by the application; message IDs are never
+// attributes.
+const (
+	AttrConsumer = attribute.Key("messaging.consumer.group.name")
+	AttrTopic    = attribute.Key("messaging.destination.name")
+	AttrOutcome  = attribute.Key("outbox.outcome")
+	AttrPath     = attribute.Key("outbox.dispatch.path")
+	AttrKind     = attribute.Key("outbox.effect.kind")
+	AttrTable    = attribute.Key("outbox.table")
+	AttrErrType  = attribute.Key("error.type")
+)
+
+// Outcomes of a unit of work (AttrOutcome).
+const (
+	OutcomeProcessed      = "processed"       // the handler ran, committed, and its effects went out
+	OutcomeDuplicate      = "duplicate"       // processed before: the handler was skipped
+	OutcomeFailed         = "failed"          // nacked: the handler failed, or the unit of work could not finish
+	OutcomeDispatchFailed = "dispatch_failed" // committed, but its effects are left to a retry
+	OutcomePoisoned       = "poisoned"        // moved to the poison topic after MaxAttempts
+	OutcomeRejected       = "rejected"        // unusable message ID: poison topic at once, or nacked
+)
+
+// Dispatch paths (AttrPath).
+const (
+	PathCommit     = "commit"     // right after the commit, from memory (InTx and JoinTx too)
+	PathRedelivery = "redelivery" // by a redelivered copy of a processed message
+	PathRelay      = "relay"      // by the relay
+)
+
+// kindAttr names an effect's kind for the metrics: "publish", or the applier's name.
+func kindAttr(kind string) attribute.KeyValue {
+	if kind == KindPublish {
+		return AttrKind.String("publish")
+	}
+	return AttrKind.String(kind)
+}
+
+// telemetry holds the framework's instruments. With the default (global, no-op until the
+// application installs an SDK) providers every call is a no-op.
+type telemetry struct {
+	tracer trace.Tracer
+	prop   propagation.TextMapPropagator
+
+	processDuration  metric.Float64Histogram
+	handled          metric.Int64Counter
+	dispatched       metric.Int64Counter
+	dispatchFailures metric.Int64Counter
+	dispatchLag      metric.Float64Histogram
+	relayRounds      metric.Int64Counter
+	relayEffects     metric.Int64Histogram
+	relayErrors      metric.Int64Counter
+	cleanupBatches   metric.Int64Counter
+	cleanupDeleted   metric.Int64Counter
+	duplicateAge     metric.Float64Histogram
+	duplicatesLate   metric.Int64Counter
+	markFailures     metric.Int64Counter
+
+	// stats is the last sample of the database gauges (see Outbox.sampleStats).
+	statsMu sync.Mutex
+	stats   *Stats
+	// lastRelayRound is when (UnixNano) this process's relay last finished a round; 0: never.
+	lastRelayRound atomic.Int64
+	// listening tells whether the relay's notification listener is connected.
+	listening atomic.Bool
+	// listenUnsupported: the store cannot listen (SQLite); the relay polls.
+	listenUnsupported atomic.Bool
+	// lateWarned is when (UnixNano) a late duplicate was last logged.
+	lateWarned atomic.Int64
+}
+
+// Bucket boundaries, in seconds.
+var (
+	durationBuckets = []float64{0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60}
+	lagBuckets      = []float64{0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 300, 1800, 3600, 21600, 86400}
+	claimAgeBuckets = []float64{0.01, 0.1, 1, 10, 60, 600, 3600, 6 * 3600, 86400, 3 * 86400, 7 * 86400, 14 * 86400, 30 * 86400}
+	roundBuckets    = []float64{1, 2, 5, 10, 20, 50, 100, 200, 500, 1000}
+)
+
+func newTelemetry(o *Outbox) (*telemetry, error) {
+	mp, tp := o.cfg.MeterProvider, o.cfg.TracerProvider
+	if mp == nil {
+		mp = otel.GetMeterProvider()
+	}
+	if tp == nil {
+		tp = otel.GetTracerProvider()
+	}
+	t := &telemetry{
+		tracer: tp.Tracer(InstrumentationName),
+		prop:   propagation.TraceContext{},
+	}
+	m := mp.Meter(InstrumentationName)
+	var errs []error
+	f64h := func(name, unit, desc string, buckets []float64) metric.Float64Histogram {
+		h, err := m.Float64Histogram(name, metric.WithUnit(unit), metric.WithDescription(desc), metric.WithExplicitBucketBoundaries(buckets...))
+		errs = append(errs, err)
+		return h
+	}
+	i64c := func(name, unit, desc string) metric.Int64Counter {
+		c, err := m.Int64Counter(name, metric.WithUnit(unit), metric.WithDescription(desc))
+		errs = append(errs, err)
+		return c
+	}
+	t.processDuration = f64h(MetricProcessDuration, "s", "Duration of one unit of work of an incoming message, from the claim to the ack or nack.", durationBuckets)
+	t.handled = i64c(MetricMessagesHandled, "{message}", "Incoming messages handled, by consumer and outcome.")
+	t.dispatched = i64c(MetricEffectsDispatched, "{effect}", "Side effects dispatched, by path and kind.")
+	t.dispatchFailures = i64c(MetricDispatchFailures, "{effect}", "Side effects whose dispatch failed, by path and kind; they stay pending and are retried.")
+	t.dispatchLag = f64h(MetricDispatchLag, "s", "Time from the commit that stored a side effect to its dispatch, by path.", lagBuckets)
+	t.relayRounds = i64c(MetricRelayRounds, "{round}", "Relay rounds that claimed side effects.")
+	var err error
+	t.relayEffects, err = m.Int64Histogram(MetricRelayRoundEffects, metric.WithUnit("{effect}"),
+		metric.WithDescription("Side effects claimed per relay round."), metric.WithExplicitBucketBoundaries(roundBuckets...))
+	errs = append(errs, err)
+	t.relayErrors = i64c(MetricRelayErrors, "{error}", "Relay rounds that failed (the database could not be asked).")
+	t.cleanupBatches = i64c(MetricCleanupBatches, "{batch}", "Cleanup batches run.")
+	t.cleanupDeleted = i64c(MetricCleanupDeleted, "{row}", "Rows deleted by cleanup, by table (processed, dispatched, attempts).")
+	t.duplicateAge = f64h(MetricDuplicateClaimAge, "s", "Age of the claim a duplicate delivery finds: how late duplicates come, by consumer.", claimAgeBuckets)
+	t.duplicatesLate = i64c(MetricDuplicatesLate, "{message}", "Duplicates whose claim was older than half of Retention: the broker redelivers close to the end of the dedup window.")
+	t.markFailures = i64c(MetricMarkFailures, "{batch}", "Batches of dispatched marks that could not be written; their effects may be sent again.")
+
+	gauge := func(name, unit, desc string) metric.Float64ObservableGauge {
+		g, err := m.Float64ObservableGauge(name, metric.WithUnit(unit), metric.WithDescription(desc))
+		errs = append(errs, err)
+		return g
+	}
+	pending := gauge(MetricEffectsPending, "{effect}", "Side effects committed and not yet dispatched (parked ones not included).")
+	pendingAge := gauge(MetricPendingOldestAge, "s", "Age of the oldest pending side effect.")
+	parked := gauge(MetricEffectsParked, "{effect}", "Side effects the relay gave up on; an operator must retry or discard them.")
+	parkedAge := gauge(MetricParkedOldestAge, "s", "Age of the oldest parked side effect.")
+	failing := gauge(MetricMessagesFailing, "{message}", "Messages with failed attempts that are not yet poisoned.")
+	retained := gauge(MetricProcessedRetained, "{message}", "Processed message IDs retained for deduplication (estimated above 100,000).")
+	cleanupLag := gauge(MetricCleanupLag, "s", "How long the oldest claim past retention has waited for cleanup.")
+	statsAge := gauge(MetricStatsAge, "s", "Age of the database sample the outbox gauges show.")
+	relayAge := gauge(MetricRelayLastRoundAge, "s", "Time since this process's relay last finished a round.")
+	_, err = m.RegisterCallback(func(_ context.Context, obs metric.Observer) error {
+		if last := t.lastRelayRound.Load(); last != 0 && o.relaysRunning.Load() > 0 {
+			obs.ObserveFloat64(relayAge, time.Since(time.Unix(0, last)).Seconds())
+		}
+		s := t.lastStats()
+		if s == nil {
+			return nil
+		}
+		obs.ObserveFloat64(pending, float64(s.Pending))
+		obs.ObserveFloat64(pendingAge, s.OldestPending.Seconds())
+		obs.ObserveFloat64(parked, float64(s.Parked))
+		obs.ObserveFloat64(parkedAge, s.OldestParked.Seconds())
+		obs.ObserveFloat64(failing, float64(s.Failing))
+		obs.ObserveFloat64(retained, float64(s.Retained))
+		obs.ObserveFloat64(cleanupLag, s.CleanupLag.Seconds())
+		obs.ObserveFloat64(statsAge, time.Since(s.SampledAt).Seconds())
+		return nil
+	}, pending, pendingAge, parked, parkedAge, failing, retained, cleanupLag, statsAge, relayAge)
+	errs = append(errs, err)
+	for _, err := range errs {
+		if err != nil {
+			return nil, err
+		}
+	}
+	return t, nil
+}
+
+func (t *telemetry) lastStats() *Stats {
+	t.statsMu.Lock()
+	defer t.statsMu.Unlock()
+	return t.stats
+}
+
+func (t *telemetry) setStats(s Stats) {
+	t.statsMu.Lock()
+	defer t.statsMu.Unlock()
+	t.stats = &s
+}
+
+// metadataCarrier reads and writes the W3C trace context in message metadata.
+type metadataCarrier map[string]string
+
+func (c metadataCarrier) Get(key string) string { return c[key] }
+func (c metadataCarrier) Set(key, value string) { c[key] = value }
+func (c metadataCarrier) Keys() []string {
+	keys := make([]string, 0, len(c))
+	for k := range c {
+		keys = append(keys, k)
+	}
+	return keys
+}
+
+// remoteParent returns ctx with the trace context carried in md as its remote parent, unless ctx
+// holds a span already (an instrumented subscriber or middleware started one).
+func (t *telemetry) remoteParent(ctx context.Context, md map[string]string) context.Context {
+	if trace.SpanContextFromContext(ctx).IsValid() || md[MetadataTraceparent] == "" {
+		return ctx
+	}
+	return t.prop.Extract(ctx, metadataCarrier(md))
+}
+
+// producerLinks returns links to the trace contexts stored with effects (the spans that recorded
+// them), at most maxLinks, for a span that sends them again.
+func (t *telemetry) producerLinks(effects []Effect) []trace.Link {
+	const maxLinks = 32
+	var links []trace.Link
+	for _, e := range effects {
+		if len(links) == maxLinks {
+			break
+		}
+		if e.Metadata[MetadataTraceparent] == "" {
+			continue
+		}
+		sc := trace.SpanContextFromContext(t.prop.Extract(context.Background(), metadataCarrier(e.Metadata)))
+		if sc.IsValid() {
+			links = append(links, trace.Link{SpanContext: sc})
+		}
+	}
+	return links
+}
+
+// endSpan ends span with err's status.
+func endSpan(span trace.Span, err error) {
+	if err != nil {
+		span.RecordError(err)
+		span.SetStatus(codes.Error, err.Error())
+	}
+	span.End()
+}
