@@ -1,0 +1,105 @@
+package outbox_test
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
+
+	"github.com/watermill-outbox/outbox"
+	"github.com/watermill-outbox/outbox/drivers/postgres"
+)
+
+func TestValidateHoldsRetentionAgainstTheRedeliveryHorizon(t *testing.T) {
+	base := outbox.Config{DB: &sql.DB{}, Driver: postgres.Driver{}, Publisher: nopPublisher{}}
+	for _, c := range []struct {
+		retention, horizon time.Duration
+		ok                 bool
+	}{
+		{time.Hour, 2 * time.Hour, false},
+		{0, 8 * 24 * time.Hour, false}, // the default Retention, 7 days
+		{0, 3 * 24 * time.Hour, true},
+		{2 * time.Hour, 2 * time.Hour, true},
+		{time.Hour, 0, true}, // not stated: not checked
+	} {
+		cfg := base
+		cfg.Retention, cfg.RedeliveryHorizon = c.retention, c.horizon
+		err := cfg.Validate()
+		if c.ok != (err == nil) || (err != nil && !errors.Is(err, outbox.ErrRetentionTooShort)) {
+			t.Errorf("Retention %s, RedeliveryHorizon %s: %v, want ok=%v (or ErrRetentionTooShort)", c.retention, c.horizon, err, c.ok)
+		}
+	}
+}
+
+type nopPublisher struct{}
+
+func (nopPublisher) Publish(string, ...*message.Message) error { return nil }
+func (nopPublisher) Close() error                              { return nil }
+
+// TestHealth: each check fails for its reason and passes once the cause is gone.
+func TestHealth(t *testing.T) {
+	e := newEnv(t, func(c *outbox.Config) {
+		c.Driver = postgres.Driver{ListenDSN: ""}
+		c.RelayInterval = 20 * time.Millisecond
+		c.StatsInterval = 20 * time.Millisecond
+		c.RelayGrace = time.Hour
+		c.HealthMaxPending = 2
+	})
+	ctx := context.Background()
+	failed := func(r outbox.HealthReport) []string {
+		var out []string
+		for _, c := range r.Checks {
+			if !c.OK {
+				out = append(out, c.Name+": "+c.Reason)
+			}
+		}
+		return out
+	}
+	// Before Run: the relay and the listener are reported, the database and schema are fine.
+	r := e.ob.Health(ctx)
+	if r.Healthy || len(failed(r)) != 2 || !strings.Contains(r.Err().Error(), "relay: not running") || !errors.Is(r.Err(), outbox.ErrUnhealthy) {
+		t.Fatalf("before Run: %+v, want the relay and the listener reported", r)
+	}
+	runCtx, stop := context.WithCancel(ctx)
+	done := make(chan error, 1)
+	go func() { done <- e.ob.Run(runCtx) }()
+	defer func() { stop(); <-done }()
+
+	// Three pending effects (their dispatch fails, and the relay's retries fail while the broker
+	// is down) are more than HealthMaxPending.
+	e.pub.failAll.Store(true)
+	for i := 0; i < 3; i++ {
+		if err := e.ob.InTx(ctx, func(ctx context.Context, tx *sql.Tx) error {
+			return outbox.Publish(ctx, "out_a", message.NewMessage(uuid.NewString(), nil))
+		}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	waitUntil(t, "the backlog reported", func() (bool, string) {
+		r := e.ob.Health(ctx)
+		return len(failed(r)) == 1 && strings.Contains(r.Err().Error(), "backlog: 3 side effects pending, more than HealthMaxPending (2)"), fmt.Sprint(r.Err())
+	})
+	e.pub.failAll.Store(false)
+	waitUntil(t, "healthy once the relay sent the backlog", func() (bool, string) {
+		r := e.ob.Health(ctx)
+		return r.Healthy, fmt.Sprint(r.Err())
+	})
+
+	// A database that does not answer.
+	bad, err := sql.Open("postgres", "host=127.0.0.1 port=1 dbname=none sslmode=disable connect_timeout=2")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer bad.Close()
+	unreachable := e.newOutbox(func(c *outbox.Config) { c.DB = bad })
+	r = unreachable.Health(ctx)
+	if r.Healthy || r.Checks[0].Name != outbox.CheckDatabase || r.Checks[0].OK || !strings.Contains(r.Checks[0].Reason, "ping") {
+		t.Errorf("with an unreachable database: %+v, want the database reported first", r)
+	}
+}
