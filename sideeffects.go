@@ -14,8 +14,6 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
-	"go.opentelemetry.io/otel/attribute"
-	"go.opentelemetry.io/otel/metric"
 	"go.opentelemetry.io/otel/trace"
 )
 
@@ -326,13 +324,13 @@ func (o *Outbox) dispatch(ctx context.Context, path string, effects []Effect) (s
 			}
 			err = o.publish(ctx, e.Topic, effects[i:j])
 		}
-		set := metric.WithAttributeSet(attribute.NewSet(AttrPath.String(path), kindAttr(e.Kind)))
+		set := o.tel.attrs(AttrPath, path, AttrKind, kindName(e.Kind))
 		if err != nil {
 			o.tel.dispatchFailures.Add(ctx, int64(j-i), set)
 			return i, j - i, err
 		}
 		o.tel.dispatched.Add(ctx, int64(j-i), set)
-		lagSet := metric.WithAttributeSet(attribute.NewSet(AttrPath.String(path)))
+		lagSet := o.tel.attrs(AttrPath, path, "", "")
 		for _, d := range effects[i:j] {
 			if !d.storedAt.IsZero() {
 				o.tel.dispatchLag.Record(ctx, time.Since(d.storedAt).Seconds(), lagSet)

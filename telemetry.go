@@ -74,12 +74,32 @@ const (
 	PathRelay      = "relay"      // by the relay
 )
 
-// kindAttr names an effect's kind for the metrics: "publish", or the applier's name.
-func kindAttr(kind string) attribute.KeyValue {
+// kindName names an effect's kind for the metrics: "publish", or the applier's name.
+func kindName(kind string) string {
 	if kind == KindPublish {
-		return AttrKind.String("publish")
+		return "publish"
 	}
-	return AttrKind.String(kind)
+	return kind
+}
+
+// attrKey identifies a cached attribute set of one or two attributes.
+type attrKey struct {
+	k1, v1, k2, v2 string
+}
+
+// attrs returns the measurement option of the attributes k1=v1 and, unless k2 is empty, k2=v2,
+// built once: their values are consumer names, outcomes, paths and kinds, a bounded set.
+func (t *telemetry) attrs(k1 attribute.Key, v1 string, k2 attribute.Key, v2 string) metric.MeasurementOption {
+	key := attrKey{string(k1), v1, string(k2), v2}
+	if opt, ok := t.attrSets.Load(key); ok {
+		return opt.(metric.MeasurementOption)
+	}
+	kvs := []attribute.KeyValue{k1.String(v1)}
+	if k2 != "" {
+		kvs = append(kvs, k2.String(v2))
+	}
+	opt, _ := t.attrSets.LoadOrStore(key, metric.WithAttributeSet(attribute.NewSet(kvs...)))
+	return opt.(metric.MeasurementOption)
 }
 
 // telemetry holds the framework's instruments. With the default (global, no-op until the
@@ -101,6 +121,8 @@ type telemetry struct {
 	duplicateAge     metric.Float64Histogram
 	duplicatesLate   metric.Int64Counter
 	markFailures     metric.Int64Counter
+
+	attrSets sync.Map // attrKey -> metric.MeasurementOption
 
 	// stats is the last sample of the database gauges (see Outbox.sampleStats).
 	statsMu sync.Mutex
@@ -163,6 +185,14 @@ func newTelemetry(o *Outbox) (*telemetry, error) {
 	t.duplicateAge = f64h(MetricDuplicateClaimAge, "s", "Age of the claim a duplicate delivery finds: how late duplicates come, by consumer.", claimAgeBuckets)
 	t.duplicatesLate = i64c(MetricDuplicatesLate, "{message}", "Duplicates whose claim was older than half of Retention: the broker redelivers close to the end of the dedup window.")
 	t.markFailures = i64c(MetricMarkFailures, "{batch}", "Batches of dispatched marks that could not be written; their effects may be sent again.")
+
+	// Counters without attributes start at zero, so that rate() and increase() over them work
+	// (and alerts on them can fire) from the first failure, not the second.
+	for _, c := range []metric.Int64Counter{t.relayRounds, t.relayErrors, t.cleanupBatches, t.markFailures} {
+		if c != nil {
+			c.Add(context.Background(), 0)
+		}
+	}
 
 	gauge := func(name, unit, desc string) metric.Float64ObservableGauge {
 		g, err := m.Float64ObservableGauge(name, metric.WithUnit(unit), metric.WithDescription(desc))
