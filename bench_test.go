@@ -3,6 +3,8 @@ package outbox_test
 import (
 	"context"
 	"database/sql"
+	"os"
+	"strconv"
 	"testing"
 
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -175,6 +177,41 @@ func BenchmarkClaim(b *testing.B) {
 		}
 		if err := tx.Commit(); err != nil {
 			b.Fatal(err)
+		}
+	}
+}
+
+// BenchmarkStats takes the sample of the database gauges (Outbox.Stats) with
+// OUTBOX_BENCH_RETAINED processed IDs retained (default 10,000; docs/benchmarks.md reports 10M),
+// a thousand pending effects, and the cleanup keeping up: its cost must not grow with the table.
+func BenchmarkStats(b *testing.B) {
+	e := newEnv(b)
+	retained := 10_000
+	if n, err := strconv.Atoi(os.Getenv("OUTBOX_BENCH_RETAINED")); err == nil && n > 0 {
+		retained = n
+	}
+	if _, err := e.db.Exec(`INSERT INTO outbox_processed (consumer, message_id, processed_at, dispatched_at)
+		SELECT 'bench', 'm' || i, now() - interval '1 hour', now() - interval '1 hour' FROM generate_series(1, $1) i`, retained); err != nil {
+		b.Fatal(err)
+	}
+	for i := 0; i < 1000; i++ {
+		if _, err := e.db.Exec(`INSERT INTO outbox_effects (source_consumer, source_id, seq, kind, topic, uuid, payload, metadata, ordering_key)
+			VALUES ('bench', 'p' || $1::text, 0, '', 't', $1::text, '', '', 'k' || $1::text)`, i); err != nil {
+			b.Fatal(err)
+		}
+	}
+	if _, err := e.db.Exec(`VACUUM ANALYZE outbox_processed; VACUUM ANALYZE outbox_effects`); err != nil {
+		b.Fatal(err)
+	}
+	ctx := context.Background()
+	b.ResetTimer()
+	for b.Loop() {
+		s, err := e.ob.Stats(ctx)
+		if err != nil {
+			b.Fatal(err)
+		}
+		if s.Pending != 1000 {
+			b.Fatalf("stats: %+v, want 1000 pending", s)
 		}
 	}
 }
