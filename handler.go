@@ -67,6 +67,10 @@ func (o *Outbox) Handle(msg *message.Message, p HandleParams, next message.Handl
 	msg.SetContext(parent)
 	outcome := d.outcome
 	switch {
+	case outcome == OutcomeDuplicate && errors.Is(err, ErrDispatchFailed):
+		outcome = OutcomeDispatchFailed // a redelivery whose re-send failed: nacked
+	case outcome == OutcomeDuplicate && err != nil:
+		outcome = OutcomeFailed
 	case outcome != "":
 	case err == nil:
 		outcome = OutcomeProcessed
