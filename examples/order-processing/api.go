@@ -16,16 +16,21 @@ import (
 	"github.com/watermill-outbox/outbox"
 )
 
-// api is the HTTP API: POST /orders places an order, GET /orders/{id} shows it.
+// api is the HTTP API: POST /orders places an order, GET /orders/{id} shows it, GET /metrics
+// serves the metrics in the Prometheus text format.
 type api struct {
-	db *sql.DB
-	ob *outbox.Outbox
+	db      *sql.DB
+	ob      *outbox.Outbox
+	metrics http.Handler // nil: no /metrics
 }
 
 func (a *api) routes() http.Handler {
 	mux := http.NewServeMux()
 	mux.HandleFunc("POST /orders", a.placeOrder)
 	mux.HandleFunc("GET /orders/{id}", a.getOrder)
+	if a.metrics != nil {
+		mux.Handle("GET /metrics", a.metrics)
+	}
 	return mux
 }
 

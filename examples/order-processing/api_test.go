@@ -14,28 +14,7 @@ import (
 // orders through the HTTP API: one ends paid, one that asks for more than is in stock ends
 // rejected, and invalid requests are refused.
 func TestAPI(t *testing.T) {
-	cfg := testConfig(t)
-	ctx, cancel := context.WithCancel(context.Background())
-	addrc, done := make(chan string, 1), make(chan error, 1)
-	go func() { done <- serve(ctx, cfg, io.Discard, func(addr string) { addrc <- addr }) }()
-	t.Cleanup(func() {
-		cancel()
-		if err := <-done; err != nil {
-			t.Errorf("serve: %v", err)
-		}
-	})
-	var base string
-	select {
-	case addr := <-addrc:
-		base = "http://" + addr
-	case err := <-done:
-		t.Fatalf("serve: %v", err)
-	case <-time.After(30 * time.Second):
-		t.Fatal("the service did not start in 30s")
-	}
-	transport := &http.Transport{}
-	t.Cleanup(transport.CloseIdleConnections)
-	client := &http.Client{Transport: transport, Timeout: 10 * time.Second}
+	base, client := startService(t, testConfig(t), io.Discard)
 
 	place := func(body string) (int, Order, string) {
 		t.Helper()
@@ -109,4 +88,30 @@ func TestAPI(t *testing.T) {
 	if resp.StatusCode != http.StatusNotFound {
 		t.Errorf("GET of an unknown order: %s", resp.Status)
 	}
+}
+
+// startService runs serve, as main does, until the test ends, and returns the base URL of its
+// HTTP server and a client for it. out receives what serve prints.
+func startService(t *testing.T, cfg config, out io.Writer) (base string, client *http.Client) {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	addrc, done := make(chan string, 1), make(chan error, 1)
+	go func() { done <- serve(ctx, cfg, out, func(addr string) { addrc <- addr }) }()
+	t.Cleanup(func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("serve: %v", err)
+		}
+	})
+	select {
+	case addr := <-addrc:
+		base = "http://" + addr
+	case err := <-done:
+		t.Fatalf("serve: %v", err)
+	case <-time.After(30 * time.Second):
+		t.Fatal("the service did not start in 30s")
+	}
+	transport := &http.Transport{}
+	t.Cleanup(transport.CloseIdleConnections)
+	return base, &http.Client{Transport: transport, Timeout: 10 * time.Second}
 }

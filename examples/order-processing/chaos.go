@@ -283,7 +283,7 @@ func runChaos(ctx context.Context, cfg config, out io.Writer) (*chaosReport, err
 	if err != nil {
 		return nil, err
 	}
-	srv := &http.Server{Handler: (&api{db: s.db, ob: apiOb}).routes(), ReadHeaderTimeout: 10 * time.Second}
+	srv := &http.Server{Handler: (&api{db: s.db, ob: apiOb, metrics: s.metrics}).routes(), ReadHeaderTimeout: 10 * time.Second}
 	served := make(chan struct{})
 	go func() { defer close(served); _ = srv.Serve(ln) }()
 	defer func() {

@@ -28,6 +28,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
+	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
 
 	"github.com/watermill-outbox/outbox"
 	"github.com/watermill-outbox/outbox/middleware"
@@ -139,6 +140,10 @@ type service struct {
 	logger watermill.LoggerAdapter
 	desc   string // where the data lives, for the start-up banner
 
+	// meters receives the metrics of every Outbox of the service; metrics serves them (GET /metrics).
+	meters  *sdkmetric.MeterProvider
+	metrics http.Handler
+
 	// tune, when set, adjusts every outbox configuration (the chaos mode injects faults with it).
 	tune func(*outbox.Config)
 }
@@ -161,8 +166,12 @@ func openService(ctx context.Context, cfg config, ackWait time.Duration) (_ *ser
 	if err := os.MkdirAll(s.mail.dir, 0o755); err != nil {
 		return nil, err
 	}
+	if s.meters, s.metrics, err = newMetrics(); err != nil {
+		return nil, err
+	}
 	var dbDesc string
 	if s.db, s.driver, dbDesc, err = openDatabase(ctx, cfg.postgres, cfg.dataDir); err != nil {
+		_ = s.meters.Shutdown(context.Background())
 		return nil, err
 	}
 	defer func() {
@@ -202,6 +211,7 @@ func (s *service) close() {
 		_ = s.broker.Close()
 	}
 	_ = s.db.Close()
+	_ = s.meters.Shutdown(context.Background())
 }
 
 // newOutbox returns an Outbox with its own publisher (close it after the Outbox's last use) and
@@ -214,6 +224,7 @@ func (s *service) newOutbox(tune ...func(*outbox.Config)) (*outbox.Outbox, messa
 	}
 	cfg := outbox.Config{
 		DB: s.db, Driver: s.driver, Publisher: pub, Logger: s.logger,
+		MeterProvider: s.meters, // GET /metrics serves what it records
 		// With ordering keys, an event whose predecessor (same key) was published but not yet
 		// marked as sent is left to the relay, which sends it at its next round. A consumer is
 		// often that fast, so poll every 100 ms rather than every second (the default).
@@ -314,14 +325,18 @@ func serve(ctx context.Context, cfg config, out io.Writer, ready func(addr strin
 	if err != nil {
 		return err
 	}
-	srv := &http.Server{Handler: (&api{db: s.db, ob: ob}).routes(), ReadHeaderTimeout: 10 * time.Second}
+	srv := &http.Server{Handler: (&api{db: s.db, ob: ob, metrics: s.metrics}).routes(), ReadHeaderTimeout: 10 * time.Second}
 	served := make(chan error, 1)
 	go func() { served <- srv.Serve(ln) }()
 
 	addr := ln.Addr().String()
 	fmt.Fprintf(out, "order-processing listening on http://%s\n%s\n\n", addr, s.desc)
 	fmt.Fprintf(out, "Place an order:\n  curl -si http://%s/orders -d '{\"customer\":\"ada@example.com\",\"sku\":\"espresso-beans\",\"quantity\":2}'\n", addr)
-	fmt.Fprintf(out, "Then look at it (it ends as \"paid\"):\n  curl -s http://%s/orders/<id>\n\nCtrl-C stops.\n", addr)
+	fmt.Fprintf(out, "Then look at it (it ends as \"paid\"):\n  curl -s http://%s/orders/<id>\n", addr)
+	fmt.Fprintf(out, "Metrics (Prometheus):\n  curl -s http://%s/metrics | grep ^outbox_\n\nCtrl-C stops.\n\n", addr)
+	// From here on only the progress printer writes to out.
+	wg.Add(1)
+	go func() { defer wg.Done(); printProgress(runCtx, out, s.db, ob) }()
 	if ready != nil {
 		ready(addr)
 	}
