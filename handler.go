@@ -77,6 +77,7 @@ func (o *Outbox) Handle(msg *message.Message, p HandleParams, next message.Handl
 	default:
 		outcome = OutcomeFailed
 	}
+	o.tel.startConsumer(ctx, p.Consumer)
 	set := o.tel.attrs(AttrConsumer, p.Consumer, AttrOutcome, outcome)
 	o.tel.handled.Add(ctx, 1, set)
 	o.tel.processDuration.Record(ctx, time.Since(began).Seconds(), set)

@@ -128,6 +128,11 @@ func (o *Outbox) applier(name string) (Applier, bool) {
 func (o *Outbox) Run(ctx context.Context) error {
 	o.relaysRunning.Add(1)
 	defer o.relaysRunning.Add(-1)
+	if stop, err := o.tel.registerGauges(); err != nil {
+		o.logger.Error("Registering the outbox gauges failed; they are not reported", err, nil)
+	} else {
+		defer stop()
+	}
 	var wg sync.WaitGroup
 	wg.Add(3)
 	go func() { defer wg.Done(); o.listen(ctx) }()

@@ -55,6 +55,9 @@ const (
 	AttrKind     = attribute.Key("outbox.effect.kind")
 	AttrTable    = attribute.Key("outbox.table")
 	AttrErrType  = attribute.Key("error.type")
+	// AttrTables names the outbox tables ("schema.prefix") a gauge was sampled from, so that
+	// Outboxes of different tables can share one MeterProvider.
+	AttrTables = attribute.Key("outbox.tables")
 )
 
 // Outcomes of a unit of work (AttrOutcome).
@@ -123,6 +126,15 @@ type telemetry struct {
 	markFailures     metric.Int64Counter
 
 	attrSets sync.Map // attrKey -> metric.MeasurementOption
+
+	// The gauges are observed only while Run runs (it samples what they report): Run registers
+	// observe for them and unregisters it when it returns, so that an Outbox that stopped
+	// neither reports a stale sample nor stays referenced by the MeterProvider.
+	meter   metric.Meter
+	gauges  []metric.Observable
+	observe metric.Callback
+	// consumers holds the consumers whose per-outcome counters were started at zero.
+	consumers sync.Map
 
 	// stats is the last sample of the database gauges (see Outbox.sampleStats).
 	statsMu sync.Mutex
@@ -208,31 +220,62 @@ func newTelemetry(o *Outbox) (*telemetry, error) {
 	cleanupLag := gauge(MetricCleanupLag, "s", "How long the oldest claim past retention has waited for cleanup.")
 	statsAge := gauge(MetricStatsAge, "s", "Age of the database sample the outbox gauges show.")
 	relayAge := gauge(MetricRelayLastRoundAge, "s", "Time since this process's relay last finished a round.")
-	_, err = m.RegisterCallback(func(_ context.Context, obs metric.Observer) error {
-		if last := t.lastRelayRound.Load(); last != 0 && o.relaysRunning.Load() > 0 {
-			obs.ObserveFloat64(relayAge, time.Since(time.Unix(0, last)).Seconds())
+	t.gauges = []metric.Observable{pending, pendingAge, parked, parkedAge, failing, retained, cleanupLag, statsAge, relayAge}
+	tablesName := o.cfg.TablePrefix
+	if o.cfg.Schema != "" {
+		tablesName = o.cfg.Schema + "." + tablesName
+	}
+	tables := attribute.NewSet(AttrTables.String(tablesName))
+	t.observe = func(_ context.Context, obs metric.Observer) error {
+		opt := metric.WithAttributeSet(tables)
+		if last := t.lastRelayRound.Load(); last != 0 {
+			obs.ObserveFloat64(relayAge, time.Since(time.Unix(0, last)).Seconds(), opt)
 		}
 		s := t.lastStats()
 		if s == nil {
 			return nil
 		}
-		obs.ObserveFloat64(pending, float64(s.Pending))
-		obs.ObserveFloat64(pendingAge, s.OldestPending.Seconds())
-		obs.ObserveFloat64(parked, float64(s.Parked))
-		obs.ObserveFloat64(parkedAge, s.OldestParked.Seconds())
-		obs.ObserveFloat64(failing, float64(s.Failing))
-		obs.ObserveFloat64(retained, float64(s.Retained))
-		obs.ObserveFloat64(cleanupLag, s.CleanupLag.Seconds())
-		obs.ObserveFloat64(statsAge, time.Since(s.SampledAt).Seconds())
+		obs.ObserveFloat64(pending, float64(s.Pending), opt)
+		obs.ObserveFloat64(pendingAge, s.OldestPending.Seconds(), opt)
+		obs.ObserveFloat64(parked, float64(s.Parked), opt)
+		obs.ObserveFloat64(parkedAge, s.OldestParked.Seconds(), opt)
+		obs.ObserveFloat64(failing, float64(s.Failing), opt)
+		obs.ObserveFloat64(retained, float64(s.Retained), opt)
+		obs.ObserveFloat64(cleanupLag, s.CleanupLag.Seconds(), opt)
+		obs.ObserveFloat64(statsAge, time.Since(s.SampledAt).Seconds(), opt)
 		return nil
-	}, pending, pendingAge, parked, parkedAge, failing, retained, cleanupLag, statsAge, relayAge)
-	errs = append(errs, err)
+	}
+	t.meter = m
 	for _, err := range errs {
 		if err != nil {
 			return nil, err
 		}
 	}
 	return t, nil
+}
+
+// registerGauges starts observing the gauges; call the returned function to stop.
+func (t *telemetry) registerGauges() (func(), error) {
+	reg, err := t.meter.RegisterCallback(t.observe, t.gauges...)
+	if err != nil {
+		return nil, err
+	}
+	return func() { _ = reg.Unregister() }, nil
+}
+
+// startConsumer starts the per-outcome counters of consumer at zero the first time it is seen,
+// so that rate() and increase() over them (and the alerts on them) see the first increment.
+func (t *telemetry) startConsumer(ctx context.Context, consumer string) {
+	if _, seen := t.consumers.Load(consumer); seen {
+		return
+	}
+	if _, seen := t.consumers.LoadOrStore(consumer, true); seen {
+		return
+	}
+	for _, outcome := range []string{OutcomeProcessed, OutcomeDuplicate, OutcomeFailed, OutcomeDispatchFailed, OutcomePoisoned, OutcomeRejected} {
+		t.handled.Add(ctx, 0, t.attrs(AttrConsumer, consumer, AttrOutcome, outcome))
+	}
+	t.duplicatesLate.Add(ctx, 0, t.attrs(AttrConsumer, consumer, "", ""))
 }
 
 func (t *telemetry) lastStats() *Stats {

@@ -334,7 +334,7 @@ func TestTelemetryScenario(t *testing.T) {
 		t.Errorf("%s = %v s, want a recent round", outbox.MetricRelayLastRoundAge, got)
 	}
 	// Failing: a message whose handler failed once and was not delivered again.
-	err = e.ob.Handle(message.NewMessage("o-6", nil), outbox.HandleParams{Consumer: telConsumer, MessageID: "o-6"},
+	err = e.ob.Handle(message.NewMessage("o-6", nil), outbox.HandleParams{Consumer: "tel-fresh", MessageID: "o-6"},
 		func(*message.Message) ([]*message.Message, error) {
 			return nil, errors.New("fails once, never redelivered")
 		})
@@ -342,6 +342,11 @@ func TestTelemetryScenario(t *testing.T) {
 		t.Fatal("the failing handler's message was acked")
 	}
 	waitFor("the failing message in the sample", func() bool { return gauge(t, e.collect(t), outbox.MetricMessagesFailing) == 1 })
+	// The first message of a consumer starts its counters of every outcome at zero.
+	if !hasPoint(e.collect(t), outbox.MetricMessagesHandled, map[string]string{"messaging.consumer.group.name": "tel-fresh", "outbox.outcome": outbox.OutcomePoisoned}) ||
+		!hasPoint(e.collect(t), outbox.MetricDuplicatesLate, map[string]string{"messaging.consumer.group.name": "tel-fresh"}) {
+		t.Errorf("the counters of consumer tel-fresh did not start at zero for every outcome")
+	}
 	if got := gauge(t, e.collect(t), outbox.MetricProcessedRetained); got < 1 {
 		t.Errorf("%s = %v, want at least the late o-1's claim", outbox.MetricProcessedRetained, got)
 	}
@@ -367,6 +372,9 @@ func TestTelemetryScenario(t *testing.T) {
 	stopRun()
 	<-runDone
 	runDone <- nil // for the deferred stop
+	if d := find(e.collect(t), outbox.MetricEffectsPending); d != nil && len(d.(metricdata.Gauge[float64]).DataPoints) > 0 {
+		t.Errorf("after Run stopped, %s is still reported: %v", outbox.MetricEffectsPending, d)
+	}
 	r := e.ob.Health(ctx)
 	if r.Healthy || !strings.Contains(fmt.Sprint(r.Err()), "relay: not running") {
 		t.Errorf("health after Run stopped: %+v, want the relay reported not running", r)
@@ -402,6 +410,20 @@ func matches(set *attribute.Set, want map[string]string) bool {
 		}
 	}
 	return true
+}
+
+// hasPoint tells whether the int64 counter name has a point with the attributes want.
+func hasPoint(rm metricdata.ResourceMetrics, name string, want map[string]string) bool {
+	s, ok := find(rm, name).(metricdata.Sum[int64])
+	if !ok {
+		return false
+	}
+	for _, p := range s.DataPoints {
+		if matches(&p.Attributes, want) {
+			return true
+		}
+	}
+	return false
 }
 
 // sumInt sums the points of an int64 counter whose attributes include want.
@@ -597,7 +619,7 @@ func (e *telemetryEnv) checkShippedQueries(t *testing.T) {
 	name := regexp.MustCompile(`\b(?:outbox|messaging)_[a-z0-9_]+`)
 	matchers := regexp.MustCompile(`\{[^}]*\}`)
 	labels := map[string]bool{}
-	for _, k := range []attribute.Key{outbox.AttrConsumer, outbox.AttrTopic, outbox.AttrOutcome, outbox.AttrPath, outbox.AttrKind, outbox.AttrTable} {
+	for _, k := range []attribute.Key{outbox.AttrConsumer, outbox.AttrTopic, outbox.AttrOutcome, outbox.AttrPath, outbox.AttrKind, outbox.AttrTable, outbox.AttrTables} {
 		labels[strings.ReplaceAll(string(k), ".", "_")] = true
 	}
 	check := func(file, expr string) {
