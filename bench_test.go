@@ -212,8 +212,9 @@ func BenchmarkStats(b *testing.B) {
 		if err != nil {
 			b.Fatal(err)
 		}
-		if s.Pending != 1000 {
-			b.Fatalf("stats: %+v, want 1000 pending", s)
+		if s.Pending != 1000 || float64(s.Retained) < 0.8*float64(retained) || float64(s.Retained) > 1.2*float64(retained) ||
+			s.Estimated != (retained >= outbox.StatsCountCap) {
+			b.Fatalf("stats: %+v, want 1000 pending and about %d retained", s, retained)
 		}
 	}
 }

@@ -103,3 +103,33 @@ func TestHealth(t *testing.T) {
 		t.Errorf("with an unreachable database: %+v, want the database reported first", r)
 	}
 }
+
+// TestHealthListener: with ListenDSN, the listener check passes once the LISTEN connection is up.
+func TestHealthListener(t *testing.T) {
+	e := newEnv(t)
+	ob := e.newOutbox(func(c *outbox.Config) { c.Driver = postgres.Driver{ListenDSN: e.dsn} })
+	listener := func() outbox.HealthCheck {
+		for _, c := range ob.Health(context.Background()).Checks {
+			if c.Name == outbox.CheckListener {
+				return c
+			}
+		}
+		t.Fatal("no listener check")
+		return outbox.HealthCheck{}
+	}
+	if c := listener(); c.OK || !strings.Contains(c.Reason, "not started") {
+		t.Errorf("listener before Run: %+v, want not started", c)
+	}
+	ctx, stop := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- ob.Run(ctx) }()
+	waitUntil(t, "the listener connected", func() (bool, string) {
+		c := listener()
+		return c.OK && c.Reason == "connected", fmt.Sprintf("%+v", c)
+	})
+	stop()
+	<-done
+	if c := listener(); c.OK {
+		t.Errorf("listener after Run: %+v, want it reported", c)
+	}
+}

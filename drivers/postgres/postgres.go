@@ -273,32 +273,38 @@ func queries(n store.Names, deleteDispatched bool) store.Queries {
 
 		SchemaLatest: `SELECT max(version) FROM ` + n.Migrations,
 
-		// Each count reads at most $1 rows, through an index; beyond that it is estimated from
-		// the planner's statistics. The cleanup lag looks at the first thousand expired claims
-		// that cleanup may delete (found through the BRIN index; none when it keeps up).
-		StatsSample: `WITH pending AS (SELECT e.id, e.created_at FROM ` + n.Effects + ` e
+		// A count the planner's statistics put at $1 rows or more is taken from them; a smaller
+		// one is counted, reading at most $1 rows through an index (and estimated if it reaches
+		// $1 after all). So a sample costs the same at 10M retained IDs as at 100,000. The
+		// cleanup lag looks at the first thousand expired claims that cleanup may delete (found
+		// through the BRIN index; none when it keeps up).
+		StatsSample: `WITH est AS MATERIALIZED (
+				SELECT greatest((SELECT reltuples FROM pg_class WHERE oid = '` + n.Processed + `'::regclass), 0)::bigint AS processed,
+					greatest((SELECT reltuples FROM pg_class WHERE oid = '` + n.Effects + `'::regclass), 0)::bigint AS effects),
+			pending AS MATERIALIZED (SELECT e.id, e.created_at FROM ` + n.Effects + ` e
 				WHERE e.dispatched_at IS NULL AND e.parked_at IS NULL ORDER BY e.id LIMIT $1),
-			parked AS (SELECT e.id, e.created_at FROM ` + n.Effects + ` e
+			parked AS MATERIALIZED (SELECT e.id, e.created_at FROM ` + n.Effects + ` e
 				WHERE e.parked_at IS NOT NULL AND e.dispatched_at IS NULL ORDER BY e.id LIMIT $1),
 			failing AS (SELECT 1 FROM ` + n.Attempts + ` a WHERE NOT EXISTS (SELECT 1 FROM ` + n.Processed + ` p
 				WHERE p.consumer = a.consumer AND p.message_id = a.message_id) LIMIT $1),
-			retained AS (SELECT count(*) AS n FROM (SELECT 1 FROM ` + n.Processed + ` LIMIT $1) r),
+			retained AS MATERIALIZED (SELECT CASE WHEN est.processed >= $1 THEN est.processed
+				ELSE (SELECT count(*) FROM (SELECT 1 FROM ` + n.Processed + ` LIMIT $1) r) END AS n,
+				est.processed >= $1 AS estimated FROM est),
 			expired AS (SELECT p.dispatched_at FROM ` + n.Processed + ` p
 				WHERE p.processed_at < now() - ` + ms("$2") + ` AND p.dispatched_at < now() - ` + ms("$2") + `
 				  AND NOT EXISTS (SELECT 1 FROM ` + n.Effects + ` e
 					WHERE e.source_consumer = p.consumer AND e.source_id = p.message_id AND e.dispatched_at IS NULL)
 				LIMIT 1000),
-			est AS (SELECT greatest((SELECT reltuples FROM pg_class WHERE oid = '` + n.Processed + `'::regclass), 0)::bigint AS processed,
-				greatest((SELECT reltuples FROM pg_class WHERE oid = '` + n.Effects + `'::regclass), 0)::bigint AS effects)
-			SELECT CASE WHEN (SELECT count(*) FROM pending) >= $1 THEN greatest($1, est.effects) ELSE (SELECT count(*) FROM pending) END,
+			counts AS (SELECT (SELECT count(*) FROM pending) AS pending, (SELECT count(*) FROM parked) AS parked)
+			SELECT CASE WHEN counts.pending >= $1 THEN greatest($1, est.effects) ELSE counts.pending END,
 				coalesce((SELECT (extract(epoch FROM now() - min(created_at)) * 1000)::bigint FROM pending), 0),
-				CASE WHEN (SELECT count(*) FROM parked) >= $1 THEN greatest($1, est.effects) ELSE (SELECT count(*) FROM parked) END,
+				CASE WHEN counts.parked >= $1 THEN greatest($1, est.effects) ELSE counts.parked END,
 				coalesce((SELECT (extract(epoch FROM now() - min(created_at)) * 1000)::bigint FROM parked), 0),
 				(SELECT count(*) FROM failing),
-				CASE WHEN retained.n >= $1 THEN greatest($1, est.processed) ELSE retained.n END,
-				(SELECT count(*) FROM pending) >= $1 OR (SELECT count(*) FROM parked) >= $1 OR retained.n >= $1,
+				CASE WHEN NOT retained.estimated AND retained.n >= $1 THEN greatest($1, est.processed) ELSE retained.n END,
+				counts.pending >= $1 OR counts.parked >= $1 OR retained.estimated OR retained.n >= $1,
 				coalesce((SELECT (extract(epoch FROM now() - ` + ms("$2") + ` - min(dispatched_at)) * 1000)::bigint FROM expired), 0)
-			FROM retained, est`,
+			FROM est, counts, retained`,
 		StatsLease: `UPDATE ` + n.Stats + ` SET leased_at = now() WHERE id = 1 AND leased_at < now() - ` + ms("$1"),
 		StatsWrite: `UPDATE ` + n.Stats + ` SET sampled_at = now(), sample = $1 WHERE id = 1`,
 		StatsRead: `SELECT sample, (extract(epoch FROM now() - sampled_at) * 1000)::bigint FROM ` + n.Stats + `
