@@ -9,8 +9,6 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/google/uuid"
-	"go.opentelemetry.io/otel/attribute"
-	"go.opentelemetry.io/otel/trace"
 )
 
 // InTx runs fn in a new transaction for code that has no incoming message (an HTTP handler, a job):
@@ -62,7 +60,7 @@ func (o *Outbox) InTx(ctx context.Context, fn func(ctx context.Context, tx *sql.
 		effects[i].PendingFor = committed.Sub(u.begun)
 		effects[i].storedAt = committed
 	}
-	o.dispatchBoundary(context.WithoutCancel(ctx), u.src, effects)
+	o.dispatchBoundary(context.WithoutCancel(ctx), u.src, effects, true)
 	return nil
 }
 
@@ -96,13 +94,13 @@ func (o *Outbox) JoinTx(ctx context.Context, tx *sql.Tx) (context.Context, func(
 				watermill.LogFields{"boundary_id": u.src.ID})
 			return
 		}
-		o.dispatchBoundary(ctx, u.src, committed)
+		o.dispatchBoundary(ctx, u.src, committed, false)
 	}
 }
 
-// dispatchBoundary is the fast path at the boundary. On failure the effects are handed to the
+// dispatchBoundary is the fast path at the boundary (inTx: the span in ctx is InTx's). On failure the effects are handed to the
 // relay as due for a retry, so that they do not wait for the grace period.
-func (o *Outbox) dispatchBoundary(ctx context.Context, src Source, effects []Effect) {
+func (o *Outbox) dispatchBoundary(ctx context.Context, src Source, effects []Effect, inTx bool) {
 	if len(effects) == 0 {
 		return
 	}
@@ -116,10 +114,9 @@ func (o *Outbox) dispatchBoundary(ctx context.Context, src Source, effects []Eff
 		}
 		return
 	}
-	ctx, span := o.tel.tracer.Start(ctx, "outbox dispatch",
-		trace.WithAttributes(AttrPath.String(PathCommit), attribute.Int("outbox.effects", len(effects))))
+	ctx, traced := o.tel.startDispatch(ctx, PathCommit, effects, inTx)
 	sent, failed, err := o.dispatch(ctx, PathCommit, effects)
-	endSpan(span, err)
+	traced(err)
 	o.marks.add(src, effects[:sent], false) // a boundary transaction has no claim
 	if err != nil {
 		o.logger.Error("Dispatch after commit failed; the relay will retry", err, fields)

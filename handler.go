@@ -490,13 +490,8 @@ func (o *Outbox) dispatchAndMark(ctx context.Context, path string, src Source, e
 	if len(effects) == 0 {
 		return nil
 	}
-	var links []trace.Link
-	if path != PathCommit {
-		links = o.tel.producerLinks(effects)
-	}
-	ctx, span := o.tel.tracer.Start(ctx, "outbox dispatch", trace.WithLinks(links...),
-		trace.WithAttributes(AttrPath.String(path), attribute.Int("outbox.effects", len(effects))))
-	defer func() { endSpan(span, err) }()
+	ctx, traced := o.tel.startDispatch(ctx, path, effects, true)
+	defer func() { traced(err) }()
 	if blocked, err := o.keyBlocked(ctx, src, effects); err != nil {
 		return fmt.Errorf("outbox: check ordering keys: %w", err)
 	} else if blocked {

@@ -529,11 +529,16 @@ func (e *telemetryEnv) checkSpans(t *testing.T, incoming trace.TraceID) {
 	}
 	// 11 deliveries reached the claim (all but the rejected one), 6 ran the handler: o-1, o-2
 	// twice, o-3 twice, o-4, o-5, o-7 (9), and 6 of those committed... counted below as at least.
-	if steps["outbox.claim"] < 10 || steps["outbox.handler"] < 6 || steps["outbox.commit"] < 5 {
-		t.Errorf("unit-of-work span events: %v, want claim, handler and commit events", steps)
+	if steps["outbox.claim"] < 10 || steps["outbox.handler"] < 6 || steps["outbox.commit"] < 5 ||
+		steps["outbox.dispatch"] < 4 || steps["outbox.dispatched"] != steps["outbox.dispatch"] {
+		t.Errorf("unit-of-work span events: %v, want claim, handler, commit and dispatch events", steps)
+	}
+	// A re-send by a redelivery has a span of its own under the duplicate's unit of work.
+	if len(byName["outbox dispatch"]) == 0 {
+		t.Error("no span for the re-send by o-4's redelivery")
 	}
 	for _, s := range byName["outbox dispatch"] {
-		if !processIDs[s.Parent().SpanID()] && s.Parent().IsValid() && s.Parent().TraceID() == incoming {
+		if !processIDs[s.Parent().SpanID()] {
 			t.Errorf("dispatch span's parent %v is not a unit-of-work span", s.Parent())
 		}
 	}
