@@ -223,7 +223,6 @@ func (o *Outbox) handleOnce(msg *message.Message, src Source, p HandleParams, ne
 		err = o.storeProduced(msg.Context(), p.ReplyTopic, produced)
 	}
 	msg.SetContext(parent)
-	span.AddEvent("outbox.handler", trace.WithAttributes(attribute.Bool("outbox.handler.failed", err != nil)))
 	var effects []Effect
 	if err == nil {
 		err = o.failpoint(txCtx, FailpointAfterHandler)

@@ -333,16 +333,16 @@ func (t *telemetry) producerLinks(effects []Effect) []trace.Link {
 }
 
 // startDispatch traces the dispatch of effects on path. Right after a commit, in a unit of work or
-// InTx (inUnit), it is two events of that span, which costs far less than a span; a re-send
+// InTx (inUnit), it is an event of that span, which costs far less than a span; a re-send
 // (by a redelivery or the relay) and JoinTx's dispatch get a span of their own, linked to the
 // spans that recorded the effects. Call the returned function with the outcome.
 func (t *telemetry) startDispatch(ctx context.Context, path string, effects []Effect, inUnit bool) (context.Context, func(error)) {
 	n := attribute.Int("outbox.effects", len(effects))
 	if path == PathCommit && inUnit {
+		// It starts right after the commit event; one event, at its end, says how it went.
 		span := trace.SpanFromContext(ctx)
-		span.AddEvent("outbox.dispatch", trace.WithAttributes(n))
 		return ctx, func(err error) {
-			span.AddEvent("outbox.dispatched", trace.WithAttributes(attribute.Bool("outbox.dispatch.failed", err != nil)))
+			span.AddEvent("outbox.dispatched", trace.WithAttributes(n, attribute.Bool("outbox.dispatch.failed", err != nil)))
 		}
 	}
 	var links []trace.Link
