@@ -127,6 +127,34 @@ func DSN(t testing.TB) string {
 	return dsn
 }
 
+// Database creates a fresh database, for code that has no testing.TB (Example functions), and
+// returns its connection string and a function that drops it.
+func Database() (dsn string, drop func(), err error) {
+	mu.Lock()
+	e := env
+	mu.Unlock()
+	if e == nil {
+		return "", nil, errors.New("pgtest: no server: call os.Exit(pgtest.Run(m)) from TestMain in this package")
+	}
+	name, err := newDBName()
+	if err != nil {
+		return "", nil, err
+	}
+	if err := e.createDB(name); err != nil {
+		return "", nil, err
+	}
+	drop = func() {
+		ctx, cancel := context.WithTimeout(context.Background(), dropDBTimeout)
+		defer cancel()
+		_, _ = e.admin.ExecContext(ctx, "DROP DATABASE IF EXISTS "+name+" WITH (FORCE)")
+	}
+	if dsn, err = withDBName(e.adminDSN, name); err != nil {
+		drop()
+		return "", nil, err
+	}
+	return dsn, drop, nil
+}
+
 // DB opens DSN(t) with the database/sql driver "postgres" (lib/pq) and closes it in t.Cleanup
 // (before the database is dropped).
 func DB(t testing.TB) *sql.DB {
