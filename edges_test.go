@@ -1083,6 +1083,25 @@ func TestFailuresBackOffBeforeTheNack(t *testing.T) {
 	})
 }
 
+// A failpoint stands for a crash: the unit of work it stops returns at once, without the
+// RetryDelay a failure waits (a killed consumer lets go of its messages without waiting).
+func TestFailpointDoesNotBackOff(t *testing.T) {
+	e := newEnv(t, func(c *outbox.Config) {
+		c.RetryDelay, c.RetryDelayMax = time.Hour, time.Hour
+		c.Failpoint = func(_ context.Context, point string) error {
+			if point == outbox.FailpointAfterClaim {
+				return errors.New("crash")
+			}
+			return nil
+		}
+	})
+	returnsWithin(t, 10*time.Second, "a unit of work stopped by a failpoint", func() {
+		if err := handle(e.ob, message.NewMessage(uuid.NewString(), nil), applyAndPublish(nil)); !errors.Is(err, outbox.ErrFailpoint) {
+			t.Errorf("Handle = %v, want ErrFailpoint", err)
+		}
+	})
+}
+
 // HandlerRetries runs a failed unit of work again in the same delivery, each time in a new
 // transaction and counted, so that Watermill's Retry middleware (which must not run inside the
 // outbox middleware) is not needed.
