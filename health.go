@@ -213,3 +213,26 @@ func (o *Outbox) HealthHandler(extra map[string]func(context.Context) error) htt
 		}
 	})
 }
+
+// WaitIdle waits until every side effect committed so far was dispatched and marked (parked
+// effects aside), or ctx ends: for integration tests that assert on what reached a real broker.
+// It polls the tables every 20 ms; a relay (Run) or a redelivery must be sending what a failed
+// dispatch left pending.
+func (o *Outbox) WaitIdle(ctx context.Context) error {
+	for {
+		o.marks.wait()
+		s, err := o.store.Stats(ctx, StatsParams{Retention: o.cfg.Retention})
+		if err != nil {
+			return fmt.Errorf("outbox: wait until idle: %w", err)
+		}
+		if s.Pending == 0 {
+			return nil
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("outbox: wait until idle: %d side effects still pending (the oldest %s old): %w",
+				s.Pending, s.OldestPending.Round(time.Millisecond), ctx.Err())
+		case <-time.After(20 * time.Millisecond):
+		}
+	}
+}

@@ -1,0 +1,414 @@
+// Package outboxtest tests handlers with the outbox switched on: a PostgreSQL for the tests, a
+// Publisher that records what was sent, a way to run one message through a unit of work and see
+// what it recorded, and CrashMatrix, which runs your handler on your messages with a crash at
+// every step of the unit of work, with concurrent and later copies, and fails the test if a
+// business change happened twice, or a side effect was lost or sent under a second ID.
+//
+// Call Main from TestMain:
+//
+//	func TestMain(m *testing.M) { os.Exit(outboxtest.Main(m)) }
+//
+// It starts a throwaway PostgreSQL server (initdb and postgres from the PATH, or
+// /usr/lib/postgresql/*/bin; as root it runs as the OS user postgres) once per test binary, or
+// uses the server in OUTBOX_TEST_DSN (the role must be allowed to CREATE DATABASE); each test
+// gets a database of its own. It fails the run, never skips it, when it cannot, and reports
+// goroutines the tests leaked.
+package outboxtest
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"maps"
+	"slices"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	_ "github.com/lib/pq" // the database/sql driver of the test databases
+
+	"github.com/watermill-outbox/outbox"
+	"github.com/watermill-outbox/outbox/drivers/postgres"
+	"github.com/watermill-outbox/outbox/internal/pgtest"
+)
+
+// EnvDSN names a PostgreSQL server to use instead of starting one.
+const EnvDSN = pgtest.EnvDSN
+
+// Main provisions PostgreSQL, runs the tests, stops it and checks for leaked goroutines. Call it
+// from TestMain: os.Exit(outboxtest.Main(m)).
+func Main(m *testing.M) int { return pgtest.Run(m) }
+
+// DB returns a fresh database of its own for the test (lib/pq), dropped when the test ends.
+func DB(t testing.TB) *sql.DB { return pgtest.DB(t) }
+
+// DSN returns the connection string of a fresh database for the test, dropped when it ends.
+func DSN(t testing.TB) string { return pgtest.DSN(t) }
+
+// Sent is one message a Recorder was given.
+type Sent struct {
+	Topic   string
+	Message *message.Message
+}
+
+// Recorder is a message.Publisher that keeps what it is given, in order. Fail makes it refuse
+// messages, as a broker that is down would. It is safe for concurrent use.
+type Recorder struct {
+	mu   sync.Mutex
+	sent []Sent
+	fail error
+}
+
+// Publish records msgs, or returns the error set with Fail.
+func (r *Recorder) Publish(topic string, msgs ...*message.Message) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.fail != nil {
+		return r.fail
+	}
+	for _, m := range msgs {
+		c := m.Copy()
+		r.sent = append(r.sent, Sent{Topic: topic, Message: c})
+	}
+	return nil
+}
+
+// Close does nothing.
+func (r *Recorder) Close() error { return nil }
+
+// Fail makes Publish return err from now on; Fail(nil) ends the outage.
+func (r *Recorder) Fail(err error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.fail = err
+}
+
+// All returns every message sent so far, in order.
+func (r *Recorder) All() []Sent {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return slices.Clone(r.sent)
+}
+
+// Messages returns the messages sent to topic so far, in order.
+func (r *Recorder) Messages(topic string) []*message.Message {
+	var out []*message.Message
+	for _, s := range r.All() {
+		if s.Topic == topic {
+			out = append(out, s.Message)
+		}
+	}
+	return out
+}
+
+// Harness is an Outbox on a fresh test database with a Recorder as its Publisher.
+type Harness struct {
+	t   testing.TB
+	DB  *sql.DB
+	Pub *Recorder
+	Ob  *outbox.Outbox
+
+	cfg       outbox.Config
+	failpoint func(ctx context.Context, point string) error
+	fpMu      sync.Mutex
+}
+
+// New returns a Harness: a fresh database with the outbox tables, and an Outbox on it whose
+// Publisher is a Recorder. cfg sets what else the Outbox needs (PoisonTopic, Retention, ...);
+// its DB, Driver, Publisher and Failpoint are the harness's. EffectRetention defaults to an hour,
+// so that what was dispatched can be read back. setup, if not nil, creates the business tables.
+func New(t testing.TB, cfg outbox.Config, setup func(ctx context.Context, db *sql.DB) error) *Harness {
+	t.Helper()
+	h := &Harness{t: t, DB: DB(t), Pub: &Recorder{}}
+	if setup != nil {
+		if err := setup(context.Background(), h.DB); err != nil {
+			t.Fatalf("outboxtest: set up the business tables: %v", err)
+		}
+	}
+	cfg.DB, cfg.Driver, cfg.Publisher = h.DB, postgres.Driver{}, h.Pub
+	if cfg.EffectRetention == 0 {
+		cfg.EffectRetention = time.Hour
+	}
+	if cfg.DuplicateWait == 0 {
+		cfg.DuplicateWait = 20 * time.Millisecond // the copies of the tests need not wait long
+	}
+	if cfg.RetryDelay == 0 {
+		cfg.RetryDelay = -1
+	}
+	cfg.Failpoint = func(ctx context.Context, point string) error {
+		h.fpMu.Lock()
+		fp := h.failpoint
+		h.fpMu.Unlock()
+		if fp == nil {
+			return nil
+		}
+		return fp(ctx, point)
+	}
+	h.cfg = cfg
+	ob, err := outbox.New(cfg)
+	if err != nil {
+		t.Fatalf("outboxtest: %v", err)
+	}
+	if err := ob.Migrate(context.Background()); err != nil {
+		t.Fatalf("outboxtest: %v", err)
+	}
+	h.Ob = ob
+	return h
+}
+
+// setFailpoint makes the harness's Outbox call fp at each step (nil: none).
+func (h *Harness) setFailpoint(fp func(ctx context.Context, point string) error) {
+	h.fpMu.Lock()
+	defer h.fpMu.Unlock()
+	h.failpoint = fp
+}
+
+// Effect is a side effect as it was committed.
+type Effect struct {
+	Kind        string // outbox.KindPublish for messages, else the applier's name
+	Topic       string
+	UUID        string
+	Payload     []byte
+	Metadata    map[string]string
+	OrderingKey string
+}
+
+// Result is what one unit of work did.
+type Result struct {
+	// Err is what Handle returned (nil: the message would be acked).
+	Err error
+	// Committed tells whether the message is recorded as processed.
+	Committed bool
+	// Effects are the side effects committed for the message, in order (by every unit of work
+	// of this message so far: one commit at most).
+	Effects []Effect
+	// Sent are the messages the Recorder got while the unit of work ran.
+	Sent []Sent
+}
+
+// Run handles msg once as consumer, as the middleware would, and returns what the unit of work
+// committed and sent. The handler's writes go through outbox.Tx(msg.Context()).
+func (h *Harness) Run(consumer string, msg *message.Message, handler message.HandlerFunc) Result {
+	h.t.Helper()
+	before := len(h.Pub.All())
+	err := h.Ob.Handle(msg.Copy(), outbox.HandleParams{Consumer: consumer, MessageID: msg.UUID}, handler)
+	h.Ob.FlushMarks()
+	res := Result{Err: err, Sent: h.Pub.All()[before:]}
+	src := outbox.Source{Consumer: consumer, ID: msg.UUID}
+	ctx := context.Background()
+	committed, serr := h.Ob.Store().MessageIsProcessed(ctx, src)
+	if serr != nil {
+		h.t.Fatalf("outboxtest: %v", serr)
+	}
+	res.Committed = committed
+	res.Effects = h.committedEffects(consumer, msg.UUID)
+	return res
+}
+
+// committedEffects reads every effect committed for the message, pending or dispatched.
+func (h *Harness) committedEffects(consumer, id string) []Effect {
+	h.t.Helper()
+	schema := h.cfg.Schema
+	if schema == "" {
+		schema = "public"
+	}
+	prefix := h.cfg.TablePrefix
+	if prefix == "" {
+		prefix = "outbox_"
+	}
+	q := func(t string) string { return `"` + schema + `"."` + prefix + t + `"` }
+	rows, err := h.DB.Query(`SELECT kind, topic, uuid, payload, ordering_key, id FROM `+q("effects")+` WHERE source_consumer = $1 AND source_id = $2
+		UNION ALL SELECT kind, topic, uuid, payload, ordering_key, id FROM `+q("dispatched")+` WHERE source_consumer = $1 AND source_id = $2
+		ORDER BY id`, consumer, id)
+	if err != nil {
+		h.t.Fatalf("outboxtest: read the committed effects: %v", err)
+	}
+	defer rows.Close()
+	var out []Effect
+	for rows.Next() {
+		var e Effect
+		var storeID int64
+		if err := rows.Scan(&e.Kind, &e.Topic, &e.UUID, &e.Payload, &e.OrderingKey, &storeID); err != nil {
+			h.t.Fatalf("outboxtest: %v", err)
+		}
+		out = append(out, e)
+	}
+	if err := rows.Err(); err != nil {
+		h.t.Fatalf("outboxtest: %v", err)
+	}
+	// Metadata as sent: the wire copy carries it.
+	for i := range out {
+		for _, s := range h.Pub.All() {
+			if s.Message.UUID == out[i].UUID {
+				out[i].Metadata = maps.Clone(map[string]string(s.Message.Metadata))
+				break
+			}
+		}
+	}
+	return out
+}
+
+// CrashMatrix says what to run and how to count what it changed.
+type CrashMatrix struct {
+	// Consumer is the consumer name the messages are deduplicated under.
+	Consumer string
+	// Handler returns the handler under test, as the middleware would wrap it, for the database
+	// of one scenario (each runs in a fresh one): build it as your service does, with db where
+	// it needs the database outside the unit of work.
+	Handler func(db *sql.DB) message.HandlerFunc
+	// Messages are the incoming messages to try (their UUIDs are the deduplication IDs).
+	Messages []*message.Message
+	// Setup creates the business tables in each fresh database.
+	Setup func(ctx context.Context, db *sql.DB) error
+	// Applied returns how many times the business change of msg happened in db: the check is
+	// that it is exactly once.
+	Applied func(ctx context.Context, db *sql.DB, msg *message.Message) (int, error)
+	// Config sets the rest of the Outbox's configuration, as New's cfg.
+	Config outbox.Config
+	// Copies is how many copies of each message are delivered at the same moment after the
+	// crash. Default: 4.
+	Copies int
+}
+
+// crashPoints are the steps of a unit of work at which CrashMatrix crashes ("" : none).
+var crashPoints = []string{"", outbox.FailpointAfterClaim, outbox.FailpointAfterHandler, outbox.FailpointAfterCommit,
+	outbox.FailpointAfterPublish, outbox.FailpointAfterMark}
+
+// errCrash is the crash CrashMatrix injects.
+var errCrash = errors.New("outboxtest: crash")
+
+// Run runs each message through each scenario in a fresh database, as a subtest named after the
+// message and the crash point: the first delivery crashes at the point (none, after the claim,
+// the handler, the commit, a publish, the mark), then Copies copies are delivered at the same
+// moment, then one more later, and the relay runs until nothing is pending. The subtest fails
+// with a report if the business change did not happen exactly once, a committed side effect
+// never reached the Publisher, or something reached it under a UUID that was never committed (a
+// second ID for one effect, or an effect of a rolled-back attempt).
+func (c CrashMatrix) Run(t *testing.T) {
+	t.Helper()
+	if c.Handler == nil || c.Applied == nil || len(c.Messages) == 0 || c.Consumer == "" {
+		t.Fatal("outboxtest.CrashMatrix: Consumer, Handler, Messages and Applied are required")
+	}
+	copies := c.Copies
+	if copies <= 0 {
+		copies = 4
+	}
+	for _, msg := range c.Messages {
+		for _, point := range crashPoints {
+			name := msg.UUID + "/crash-" + point
+			if point == "" {
+				name = msg.UUID + "/no-crash"
+			}
+			t.Run(name, func(t *testing.T) {
+				if failures := c.scenario(t, msg, point, copies); len(failures) > 0 {
+					t.Error(joinLines(failures))
+				}
+			})
+		}
+	}
+}
+
+// scenario runs one message with one crash point and returns what went wrong, with the report.
+func (c CrashMatrix) scenario(t testing.TB, msg *message.Message, point string, copies int) []string {
+	ctx := context.Background()
+	h := New(t, c.Config, c.Setup)
+	handler := c.Handler(h.DB)
+	var crashed sync.Once
+	didCrash := false
+	h.setFailpoint(func(_ context.Context, p string) error {
+		if p != point {
+			return nil
+		}
+		crash := false
+		crashed.Do(func() { crash, didCrash = true, true })
+		if crash {
+			return errCrash
+		}
+		return nil
+	})
+	var report []string
+	first := h.Run(c.Consumer, msg, handler)
+	report = append(report, fmt.Sprintf("first delivery: err=%v committed=%v", first.Err, first.Committed))
+	h.setFailpoint(nil)
+	if point != "" && !didCrash {
+		report = append(report, "(the handler never reached "+point+")")
+	}
+
+	var wg sync.WaitGroup
+	errs := make([]error, copies)
+	for i := range copies {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			errs[i] = h.Ob.Handle(msg.Copy(), outbox.HandleParams{Consumer: c.Consumer, MessageID: msg.UUID}, handler)
+		}()
+	}
+	wg.Wait()
+	report = append(report, fmt.Sprintf("%d concurrent copies: errors %v", copies, errs))
+	later := h.Run(c.Consumer, msg, handler)
+	report = append(report, fmt.Sprintf("a later copy: err=%v", later.Err))
+
+	// The relay sends what a failed or crashed dispatch left behind.
+	runCtx, stop := context.WithCancel(ctx)
+	done := make(chan error, 1)
+	go func() { done <- h.Ob.Run(runCtx) }()
+	waitCtx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	idleErr := h.Ob.WaitIdle(waitCtx)
+	cancel()
+	stop()
+	<-done
+	if idleErr != nil {
+		report = append(report, idleErr.Error())
+	}
+
+	var failures []string
+	fail := func(format string, args ...any) { failures = append(failures, fmt.Sprintf(format, args...)) }
+	if !later.Committed {
+		fail("the message is not recorded as processed after every delivery (the last: %v)", later.Err)
+	}
+	n, err := c.Applied(ctx, h.DB, msg)
+	if err != nil {
+		t.Fatalf("Applied: %v", err)
+	}
+	if n != 1 {
+		fail("the business change of %s happened %d times, want exactly once", msg.UUID, n)
+	}
+	committed := map[string]bool{}
+	for _, e := range later.Effects {
+		committed[e.UUID] = true
+	}
+	onWire := map[string]int{}
+	for _, s := range h.Pub.All() {
+		onWire[s.Message.UUID]++
+	}
+	for _, e := range later.Effects {
+		if e.Kind == outbox.KindPublish && onWire[e.UUID] == 0 {
+			fail("side effect %s to %q was committed but never sent (lost)", e.UUID, e.Topic)
+		}
+	}
+	for _, id := range slices.Sorted(maps.Keys(onWire)) {
+		if !committed[id] {
+			fail("message %s was sent but never committed: a second ID for an effect, or an effect of a rolled-back attempt", id)
+		}
+	}
+	if idleErr != nil {
+		fail("side effects left pending")
+	}
+	if len(failures) > 0 {
+		failures = append(failures, "what happened:", joinLines(report))
+	}
+	return failures
+}
+
+func joinLines(lines []string) string {
+	out := ""
+	for i, l := range lines {
+		if i > 0 {
+			out += "\n  "
+		}
+		out += l
+	}
+	return out
+}

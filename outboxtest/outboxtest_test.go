@@ -1,0 +1,131 @@
+package outboxtest
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"os"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/watermill-outbox/outbox"
+)
+
+func TestMain(m *testing.M) { os.Exit(Main(m)) }
+
+func setupOrders(ctx context.Context, db *sql.DB) error {
+	_, err := db.ExecContext(ctx, `CREATE TABLE reservations (order_id text NOT NULL)`)
+	return err
+}
+
+func applied(ctx context.Context, db *sql.DB, msg *message.Message) (int, error) {
+	var n int
+	err := db.QueryRowContext(ctx, `SELECT count(*) FROM reservations WHERE order_id = $1`, string(msg.Payload)).Scan(&n)
+	return n, err
+}
+
+// reserve is a correct handler: its write and its two messages go through the unit of work.
+func reserve(*sql.DB) message.HandlerFunc {
+	return func(msg *message.Message) ([]*message.Message, error) {
+		ctx := msg.Context()
+		if _, err := outbox.Tx(ctx).ExecContext(ctx, `INSERT INTO reservations VALUES ($1)`, string(msg.Payload)); err != nil {
+			return nil, err
+		}
+		if err := outbox.Publish(outbox.WithOrderingKey(ctx, "stock"), "stock.reserved", message.NewMessage("", msg.Payload)); err != nil {
+			return nil, err
+		}
+		return nil, outbox.Publish(ctx, "audit", message.NewMessage("", msg.Payload))
+	}
+}
+
+// reserveOutsideTheTransaction writes through the pool instead of the unit of work's transaction.
+func reserveOutsideTheTransaction(db *sql.DB) message.HandlerFunc {
+	return func(msg *message.Message) ([]*message.Message, error) {
+		ctx := msg.Context()
+		if _, err := db.ExecContext(ctx, `INSERT INTO reservations VALUES ($1)`, string(msg.Payload)); err != nil {
+			return nil, err
+		}
+		return nil, outbox.Publish(ctx, "stock.reserved", message.NewMessage("", msg.Payload))
+	}
+}
+
+func orders() []*message.Message {
+	return []*message.Message{message.NewMessage("order-1", []byte("o-1"))}
+}
+
+func TestCrashMatrixPassesACorrectHandler(t *testing.T) {
+	CrashMatrix{Consumer: "reserve", Handler: reserve, Messages: orders(), Setup: setupOrders, Applied: applied}.Run(t)
+}
+
+// The matrix catches a handler that writes outside the transaction: a crash after the handler
+// rolls the claim back but not that write, and the redelivery applies it again.
+func TestCrashMatrixCatchesAWriteOutsideTheTransaction(t *testing.T) {
+	c := CrashMatrix{Consumer: "reserve", Handler: reserveOutsideTheTransaction, Messages: orders(), Setup: setupOrders, Applied: applied}
+	failures := c.scenario(t, orders()[0], outbox.FailpointAfterHandler, 2)
+	if len(failures) == 0 || !strings.Contains(failures[0], "happened 2 times") {
+		t.Fatalf("failures: %q, want the business change reported twice", failures)
+	}
+	if failures := c.scenario(t, orders()[0], "", 2); len(failures) != 0 {
+		t.Fatalf("without a crash: %q, want none (the flaw shows only with a crash)", failures)
+	}
+}
+
+func TestRunReturnsWhatTheUnitOfWorkCommitted(t *testing.T) {
+	h := New(t, outbox.Config{}, setupOrders)
+	msg := message.NewMessage("order-2", []byte("o-2"))
+	msg.Metadata.Set("correlation_id", "c-9")
+	res := h.Run("reserve", msg, reserve(h.DB))
+	if res.Err != nil || !res.Committed || len(res.Effects) != 2 || len(res.Sent) != 2 {
+		t.Fatalf("Run: %+v, want committed with two effects sent", res)
+	}
+	e := res.Effects[0]
+	if e.Topic != "stock.reserved" || e.OrderingKey != "stock" || string(e.Payload) != "o-2" ||
+		e.Metadata[outbox.MetadataCausationID] != "order-2" || e.Metadata["correlation_id"] != "c-9" {
+		t.Errorf("first effect: %+v", e)
+	}
+	if res.Effects[1].OrderingKey != "reserve/order-2" {
+		t.Errorf("second effect's ordering key %q, want the default reserve/order-2", res.Effects[1].OrderingKey)
+	}
+	again := h.Run("reserve", msg, reserve(h.DB))
+	if again.Err != nil || len(again.Sent) != 0 || len(again.Effects) != 2 {
+		t.Errorf("a duplicate: %+v, want acked with nothing new", again)
+	}
+	failed := h.Run("reserve", message.NewMessage("order-3", []byte("o-3")), func(*message.Message) ([]*message.Message, error) {
+		return nil, errors.New("boom")
+	})
+	if failed.Err == nil || failed.Committed || len(failed.Effects) != 0 {
+		t.Errorf("a failing handler: %+v, want nacked, nothing committed", failed)
+	}
+}
+
+func TestWaitIdle(t *testing.T) {
+	h := New(t, outbox.Config{RelayInterval: 10 * time.Millisecond}, nil)
+	ctx := context.Background()
+	h.Pub.Fail(errors.New("broker down"))
+	if err := h.Ob.InTx(ctx, func(ctx context.Context, tx *sql.Tx) error {
+		return outbox.Publish(ctx, "events", message.NewMessage("", nil))
+	}); err != nil {
+		t.Fatal(err)
+	}
+	short, cancel := context.WithTimeout(ctx, 200*time.Millisecond)
+	defer cancel()
+	if err := h.Ob.WaitIdle(short); err == nil || !strings.Contains(err.Error(), "1 side effects still pending") {
+		t.Fatalf("WaitIdle during the outage: %v, want the pending effect reported", err)
+	}
+	h.Pub.Fail(nil)
+	runCtx, stop := context.WithCancel(ctx)
+	done := make(chan error, 1)
+	go func() { done <- h.Ob.Run(runCtx) }()
+	defer func() { stop(); <-done }()
+	waitCtx, cancelWait := context.WithTimeout(ctx, 30*time.Second)
+	defer cancelWait()
+	if err := h.Ob.WaitIdle(waitCtx); err != nil {
+		t.Fatal(err)
+	}
+	if n := len(h.Pub.Messages("events")); n != 1 {
+		t.Errorf("%d messages on events, want 1", n)
+	}
+}
