@@ -267,6 +267,9 @@ type CrashMatrix struct {
 	Applied func(ctx context.Context, db *sql.DB, msg *message.Message) (int, error)
 	// Config sets the rest of the Outbox's configuration, as New's cfg.
 	Config outbox.Config
+	// Register, if not nil, is called with each scenario's Outbox before anything runs, to
+	// register the appliers the handler records effects for.
+	Register func(ob *outbox.Outbox, db *sql.DB) error
 	// Copies is how many copies of each message are delivered at the same moment after the
 	// crash. Default: 4.
 	Copies int
@@ -314,6 +317,11 @@ func (c CrashMatrix) Run(t *testing.T) {
 func (c CrashMatrix) scenario(t testing.TB, msg *message.Message, point string, copies int) []string {
 	ctx := context.Background()
 	h := New(t, c.Config, c.Setup)
+	if c.Register != nil {
+		if err := c.Register(h.Ob, h.DB); err != nil {
+			t.Fatalf("outboxtest: Register: %v", err)
+		}
+	}
 	handler := c.Handler(h.DB)
 	var crashed sync.Once
 	didCrash := false
