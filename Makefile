@@ -2,6 +2,11 @@
 # Tests need PostgreSQL: the server binaries (apt-get install postgresql) or OUTBOX_TEST_DSN; see internal/pgtest.
 # The end-to-end tests in e2e/ (its own module) also need rabbitmq-server and redis-server
 # (apt-get install rabbitmq-server redis-server); they start their own servers on loopback.
+# Modules: the library (this directory) requires only what its packages import, plus what its
+# own tests need that is light (watermill-sql, goleak); tests that need NATS, pgx, SQLite, an
+# OpenTelemetry SDK or a broker client live in e2e/, the example in examples/order-processing/,
+# the benchmark in bench/, each its own module tied to this one by a replace directive.
+# scripts/depcheck.sh (run by make test) keeps it that way.
 
 GO ?= go
 
@@ -13,9 +18,23 @@ test:
 	$(GO) vet ./...
 	cd examples/order-processing && $(GO) vet ./...
 	cd e2e && $(GO) vet ./...
+	GO=$(GO) ./scripts/depcheck.sh
 	$(GO) test -race -count=1 -timeout 20m ./...
 	cd examples/order-processing && $(GO) test -race -count=1 -timeout 10m ./...
 	@$(MAKE) --no-print-directory e2e E2E_FLAGS=
+	@$(MAKE) --no-print-directory test-oldest
+
+# The go directive says 1.25: build and vet every module, and run the library's tests, with the
+# oldest Go it allows (the toolchain comes from the Go module proxy, like any module), beside the
+# newest installed one above.
+OLDEST_GO ?= go1.25.0
+.PHONY: test-oldest
+test-oldest:
+	GOTOOLCHAIN=$(OLDEST_GO) $(GO) version
+	GOTOOLCHAIN=$(OLDEST_GO) $(GO) vet ./...
+	cd e2e && GOTOOLCHAIN=$(OLDEST_GO) $(GO) vet ./...
+	cd examples/order-processing && GOTOOLCHAIN=$(OLDEST_GO) $(GO) vet ./...
+	GOTOOLCHAIN=$(OLDEST_GO) $(GO) test -count=1 -timeout 20m ./...
 
 # The end-to-end tests on real brokers. The TestRabbitMQ... tests run without the race detector:
 # watermill-amqp v3.0.2 itself races on a reconnect (ConnectionWrapper.connected is replaced

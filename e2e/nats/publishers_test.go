@@ -1,4 +1,4 @@
-package outbox_test
+package nats_test
 
 import (
 	"testing"

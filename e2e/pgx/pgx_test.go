@@ -1,18 +1,32 @@
-package postgres_test
+// Package pgx runs the framework through pgx's database/sql driver (kept out of the library
+// module's requirements).
+package pgx_test
 
 import (
 	"context"
 	"database/sql"
 	"errors"
+	"os"
 	"testing"
 
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 	"github.com/google/uuid"
 	_ "github.com/jackc/pgx/v5/stdlib"
 
 	"github.com/watermill-outbox/outbox"
+	"github.com/watermill-outbox/outbox/drivers/postgres"
 	"github.com/watermill-outbox/outbox/internal/pgtest"
 )
+
+func TestMain(m *testing.M) { os.Exit(pgtest.Run(m)) }
+
+func newOutbox(t *testing.T, db *sql.DB) (*outbox.Outbox, error) {
+	t.Helper()
+	pub := gochannel.NewGoChannel(gochannel.Config{}, nil)
+	t.Cleanup(func() { _ = pub.Close() })
+	return outbox.New(outbox.Config{DB: db, Driver: postgres.Driver{}, Publisher: pub})
+}
 
 // TestPgxStdlib runs the unit of work through pgx's database/sql driver instead of lib/pq.
 func TestPgxStdlib(t *testing.T) {
@@ -22,7 +36,7 @@ func TestPgxStdlib(t *testing.T) {
 	}
 	t.Cleanup(func() { _ = db.Close() })
 	ctx := context.Background()
-	ob, err := newOutbox(t, db, "", "")
+	ob, err := newOutbox(t, db)
 	if err != nil {
 		t.Fatal(err)
 	}
