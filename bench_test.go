@@ -11,6 +11,7 @@ import (
 	"github.com/google/uuid"
 
 	"github.com/watermill-outbox/outbox"
+	"github.com/watermill-outbox/outbox/outboxdriver"
 )
 
 // The micro-benchmarks of the hot path run against the real database and broker of the tests.
@@ -148,9 +149,9 @@ func BenchmarkMark(b *testing.B) {
 				if v.name == "durable-prepared" {
 					_, err = stmt.ExecContext(ctx, srcs[i].Consumer, srcs[i].ID)
 				} else {
-					marks := make([]outbox.DispatchMark, 0, v.batch)
+					marks := make([]outboxdriver.DispatchMark, 0, v.batch)
 					for k := i; k < min(i+v.batch, len(srcs)); k++ {
-						marks = append(marks, outbox.DispatchMark{Source: srcs[k], StoreIDs: ids[k : k+1], MoveClaim: v.move})
+						marks = append(marks, outboxdriver.DispatchMark{Source: srcs[k], StoreIDs: ids[k : k+1], MoveClaim: v.move})
 					}
 					err = st.EffectMarkDispatched(ctx, marks...)
 				}

@@ -58,7 +58,7 @@ func (o *Outbox) InTx(ctx context.Context, fn func(ctx context.Context, tx *sql.
 	committed := time.Now()
 	for i := range effects {
 		effects[i].PendingFor = committed.Sub(u.begun)
-		effects[i].storedAt = committed
+		effects[i].StoredAt = committed
 	}
 	o.dispatchBoundary(context.WithoutCancel(ctx), u.src, effects, true)
 	return nil

@@ -6,6 +6,7 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"github.com/watermill-outbox/outbox/outboxdriver"
 	"math"
 	"time"
 
@@ -19,8 +20,8 @@ import (
 type Config struct {
 	// DB is the database that holds the business tables and the outbox tables. Required.
 	DB *sql.DB
-	// Driver is the database dialect, for example postgres.Driver{}. Required.
-	Driver Driver
+	// outboxdriver.Driver is the database dialect, for example postgres.Driver{}. Required.
+	Driver outboxdriver.Driver
 	// Publisher sends message side effects after commit. Required.
 	Publisher message.Publisher
 	// Logger receives the framework's logs. Default: watermill.NopLogger.

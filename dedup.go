@@ -5,6 +5,7 @@ import (
 	"crypto/sha256"
 	"encoding/binary"
 	"fmt"
+	"github.com/watermill-outbox/outbox/outboxdriver"
 	"maps"
 	"strconv"
 	"strings"
@@ -140,7 +141,7 @@ func (o *Outbox) Cleanup(ctx context.Context) (CleanupResult, error) {
 	// speed. With a fixed 20 ms pause the benchmark's 1M-row cleanup raised the consumers' p99 by
 	// half; twice and three times the batch both measured +28%, at ~3,400 and ~2,500 rows/s under
 	// full load on 2 CPUs (the consumers wrote ~1,500/s).
-	res, err := o.store.Cleanup(ctx, CleanupParams{
+	res, err := o.store.Cleanup(ctx, outboxdriver.CleanupParams{
 		Retention:           o.cfg.Retention,
 		EffectRetention:     o.cfg.EffectRetention,
 		BatchSize:           o.cfg.CleanupBatchSize,

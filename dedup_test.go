@@ -13,6 +13,7 @@ import (
 	"github.com/google/uuid"
 
 	"github.com/watermill-outbox/outbox"
+	"github.com/watermill-outbox/outbox/outboxdriver"
 )
 
 func failing(calls *atomic.Int32) message.HandlerFunc {
@@ -99,7 +100,7 @@ func TestRetentionCountsFromDispatchAndCleanupIsBounded(t *testing.T) {
 		INSERT INTO outbox_effects (id, source_consumer, source_id, seq, kind, topic, uuid, payload, metadata, ordering_key, created_at, attempts, failures, last_error)
 		SELECT id, source_consumer, source_id, seq, kind, topic, uuid, payload, metadata, ordering_key, created_at, attempts, failures, last_error FROM back`)
 
-	res, err := e.ob.Store().Cleanup(ctx, outbox.CleanupParams{Retention: 7 * 24 * time.Hour, EffectRetention: time.Hour, BatchSize: 10})
+	res, err := e.ob.Store().Cleanup(ctx, outboxdriver.CleanupParams{Retention: 7 * 24 * time.Hour, EffectRetention: time.Hour, BatchSize: 10})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -117,7 +118,7 @@ func TestRetentionCountsFromDispatchAndCleanupIsBounded(t *testing.T) {
 	if _, err := tx.Exec(`SELECT pg_advisory_xact_lock(x'6f757462'::int, hashtext('public.outbox_cleanup'))`); err != nil {
 		t.Fatal(err)
 	}
-	res, err = e.ob.Store().Cleanup(ctx, outbox.CleanupParams{Retention: time.Nanosecond, EffectRetention: time.Nanosecond, BatchSize: 10})
+	res, err = e.ob.Store().Cleanup(ctx, outboxdriver.CleanupParams{Retention: time.Nanosecond, EffectRetention: time.Nanosecond, BatchSize: 10})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -177,26 +178,26 @@ func TestRelayParksWhatCannotBeSentAndKeepsOtherKeysFlowing(t *testing.T) {
 	mustExec(t, e, `UPDATE outbox_effects SET next_attempt_at = now()`) // skip the backoff of the failed fast path
 	// A relay round by hand, through the store: claim, dispatch, mark and record.
 	round := func() {
-		claim, err := st.EffectClaimDue(ctx, outbox.EffectClaimParams{Limit: 100, Lease: time.Minute})
+		claim, err := st.EffectClaimDue(ctx, outboxdriver.EffectClaimParams{Limit: 100, Lease: time.Minute})
 		if err != nil {
 			t.Fatal(err)
 		}
 		effects := claim.Effects
-		var marks []outbox.DispatchMark
-		var fails []outbox.EffectFailure
+		var marks []outboxdriver.DispatchMark
+		var fails []outboxdriver.EffectFailure
 		failed := map[string]bool{}
 		for _, ef := range effects {
 			switch {
 			case failed[ef.OrderingKey]:
-				fails = append(fails, outbox.EffectFailure{StoreID: ef.StoreID})
+				fails = append(fails, outboxdriver.EffectFailure{StoreID: ef.StoreID})
 			case ef.UUID == poisonFirst:
 				failed[ef.OrderingKey] = true
-				fails = append(fails, outbox.EffectFailure{StoreID: ef.StoreID, Reason: "rejected", Counted: true, Park: ef.Attempts+1 >= 3})
+				fails = append(fails, outboxdriver.EffectFailure{StoreID: ef.StoreID, Reason: "rejected", Counted: true, Park: ef.Attempts+1 >= 3})
 			default:
 				if err := e.pub.next.Publish(ef.Topic, message.NewMessage(ef.UUID, ef.Payload)); err != nil {
 					t.Fatal(err)
 				}
-				marks = append(marks, outbox.DispatchMark{Source: ef.Source, StoreIDs: []int64{ef.StoreID}, MoveClaim: true})
+				marks = append(marks, outboxdriver.DispatchMark{Source: ef.Source, StoreIDs: []int64{ef.StoreID}, MoveClaim: true})
 			}
 		}
 		if err := st.EffectMarkDispatched(ctx, marks...); err != nil {

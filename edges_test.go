@@ -19,6 +19,7 @@ import (
 	"github.com/watermill-outbox/outbox"
 	"github.com/watermill-outbox/outbox/drivers/postgres"
 	"github.com/watermill-outbox/outbox/internal/logtest"
+	"github.com/watermill-outbox/outbox/outboxdriver"
 )
 
 // Tests of the guarantee at its edges: each reproduces a way in which an effect could be lost,
@@ -478,7 +479,7 @@ func TestMarkTakesLocksInTheRelaysOrder(t *testing.T) {
 	markErr := make(chan error, 1)
 	go func() {
 		markErr <- e.ob.Store().EffectMarkDispatched(context.Background(),
-			outbox.DispatchMark{Source: outbox.Source{Consumer: "c1", ID: msg.UUID}, MoveClaim: true, StoreIDs: storeIDs})
+			outboxdriver.DispatchMark{Source: outbox.Source{Consumer: "c1", ID: msg.UUID}, MoveClaim: true, StoreIDs: storeIDs})
 	}()
 	waitFor(t, "the mark to wait for the effect's lock", func() bool {
 		return e.count(`SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'`) > 0

@@ -2,6 +2,7 @@ package outbox
 
 import (
 	"context"
+	"github.com/watermill-outbox/outbox/outboxdriver"
 	"math/rand/v2"
 	"sync"
 	"time"
@@ -77,11 +78,11 @@ func relayBackoff(failures int) time.Duration {
 // their target is otherwise healthy, parked at RelayMaxAttempts), and the ones after them,
 // which were not tried, become due for the relay at once (behind the failed ones, when they share
 // an ordering key).
-func (o *Outbox) failures(effects []Effect, sent, failed int, err error) []EffectFailure {
-	out := make([]EffectFailure, 0, len(effects)-sent)
+func (o *Outbox) failures(effects []Effect, sent, failed int, err error) []outboxdriver.EffectFailure {
+	out := make([]outboxdriver.EffectFailure, 0, len(effects)-sent)
 	for i, e := range effects[sent:] {
 		if i >= failed {
-			out = append(out, EffectFailure{StoreID: e.StoreID})
+			out = append(out, outboxdriver.EffectFailure{StoreID: e.StoreID})
 			continue
 		}
 		counted := o.health.counts(e)
@@ -89,7 +90,7 @@ func (o *Outbox) failures(effects []Effect, sent, failed int, err error) []Effec
 		if counted {
 			attempts++
 		}
-		out = append(out, EffectFailure{
+		out = append(out, outboxdriver.EffectFailure{
 			StoreID:    e.StoreID,
 			Reason:     err.Error(),
 			Counted:    counted,

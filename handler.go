@@ -5,6 +5,7 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"github.com/watermill-outbox/outbox/outboxdriver"
 	"runtime/debug"
 	"slices"
 	"time"
@@ -279,7 +280,7 @@ func (o *Outbox) handleOnce(msg *message.Message, src Source, p HandleParams, ne
 	committed := time.Now()
 	for i := range effects {
 		effects[i].PendingFor = committed.Sub(u.begun)
-		effects[i].storedAt = committed
+		effects[i].StoredAt = committed
 	}
 	err = o.dispatchAndMark(after, PathCommit, src, effects, u.begun, fields)
 	if errors.Is(err, ErrDispatchFailed) {
@@ -290,7 +291,7 @@ func (o *Outbox) handleOnce(msg *message.Message, src Source, p HandleParams, ne
 
 // duplicateSeen counts a duplicate delivery by the age of the claim it found, and reports one
 // that comes late in the dedup window: one a little later would have run the handler again.
-func (o *Outbox) duplicateSeen(ctx context.Context, src Source, claim Claim) {
+func (o *Outbox) duplicateSeen(ctx context.Context, src Source, claim outboxdriver.Claim) {
 	setOutcome(ctx, OutcomeDuplicate)
 	consumer := o.tel.attrs(AttrConsumer, src.Consumer, "", "")
 	o.tel.duplicateAge.Record(ctx, claim.Age.Seconds(), consumer)
@@ -355,7 +356,7 @@ func (o *Outbox) commitUnknown(ctx context.Context, src Source, cerr error, fiel
 		return fmt.Errorf("%w: %w", ErrCommitOutcomeUnknown, cerr)
 	}
 	o.logger.Info("COMMIT failed in flight but took effect; dispatching what committed", fields.Add(watermill.LogFields{"error": cerr.Error()}))
-	return o.redeliver(ctx, src, Claim{}, fields)
+	return o.redeliver(ctx, src, outboxdriver.Claim{}, fields)
 }
 
 // timedOut reports a unit of work that HandlerTimeout cut short (its transaction rolled back).
@@ -385,7 +386,7 @@ func (o *Outbox) storeProduced(ctx context.Context, topic string, produced []*me
 // pending are dispatched, with their original UUIDs and order. Parked effects are the operator's:
 // they are not sent, nor is anything behind them with their ordering key, and they do not keep
 // the message from being acked.
-func (o *Outbox) redeliver(ctx context.Context, src Source, claim Claim, fields watermill.LogFields) error {
+func (o *Outbox) redeliver(ctx context.Context, src Source, claim outboxdriver.Claim, fields watermill.LogFields) error {
 	pending, parked, err := o.listPending(ctx, src)
 	if err != nil {
 		return err
@@ -419,7 +420,7 @@ func (o *Outbox) redeliver(ctx context.Context, src Source, claim Claim, fields 
 // the copy waited on the original's claim; otherwise what is left of DuplicateWait since the
 // effects were stored, never more (a database clock that stepped back makes them look younger
 // than they are).
-func (o *Outbox) duplicateWait(src Source, claim Claim, pending []Effect) time.Duration {
+func (o *Outbox) duplicateWait(src Source, claim outboxdriver.Claim, pending []Effect) time.Duration {
 	if o.failedHere.contains(src) {
 		return 0
 	}
@@ -448,7 +449,9 @@ func (o *Outbox) listPending(ctx context.Context, src Source) ([]Effect, int, er
 	out := all[:0]
 	read := time.Now()
 	for _, e := range all {
-		e.storedAt = read.Add(-e.PendingFor)
+		if e.StoredAt.IsZero() {
+			e.StoredAt = read.Add(-e.PendingFor)
+		}
 		if e.Parked {
 			parked++
 			blocked[e.OrderingKey] = true

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"github.com/watermill-outbox/outbox/outboxdriver"
 	"maps"
 	"net/http"
 	"slices"
@@ -20,7 +21,7 @@ import (
 // (counts above StatsCountCap are estimated). Run samples the same every StatsInterval, on one
 // instance at a time, for the metrics.
 func (o *Outbox) Stats(ctx context.Context) (Stats, error) {
-	s, err := o.store.Stats(ctx, StatsParams{Retention: o.cfg.Retention})
+	s, err := o.store.Stats(ctx, outboxdriver.StatsParams{Retention: o.cfg.Retention})
 	if err != nil {
 		return Stats{}, fmt.Errorf("outbox: stats: %w", err)
 	}
@@ -32,7 +33,7 @@ func (o *Outbox) Stats(ctx context.Context) (Stats, error) {
 func (o *Outbox) sampleStats(ctx context.Context) error {
 	ctx, cancel := context.WithTimeout(ctx, storeTimeout)
 	defer cancel()
-	s, err := o.store.Stats(ctx, StatsParams{Interval: o.cfg.StatsInterval, Retention: o.cfg.Retention})
+	s, err := o.store.Stats(ctx, outboxdriver.StatsParams{Interval: o.cfg.StatsInterval, Retention: o.cfg.Retention})
 	if err != nil {
 		return err
 	}
@@ -219,15 +220,20 @@ func (o *Outbox) HealthHandler(extra map[string]func(context.Context) error) htt
 // It polls the tables every 20 ms; a relay (Run) or a redelivery must be sending what a failed
 // dispatch left pending.
 func (o *Outbox) WaitIdle(ctx context.Context) error {
+	var last *Stats
 	for {
 		o.marks.wait()
-		s, err := o.store.Stats(ctx, StatsParams{Retention: o.cfg.Retention})
-		if err != nil {
+		s, err := o.store.Stats(ctx, outboxdriver.StatsParams{Retention: o.cfg.Retention})
+		switch {
+		case err != nil && ctx.Err() != nil && last != nil:
+			return fmt.Errorf("outbox: wait until idle: %d side effects still pending (the oldest %s old): %w",
+				last.Pending, last.OldestPending.Round(time.Millisecond), ctx.Err())
+		case err != nil:
 			return fmt.Errorf("outbox: wait until idle: %w", err)
-		}
-		if s.Pending == 0 {
+		case s.Pending == 0:
 			return nil
 		}
+		last = &s
 		select {
 		case <-ctx.Done():
 			return fmt.Errorf("outbox: wait until idle: %d side effects still pending (the oldest %s old): %w",

@@ -3,6 +3,7 @@ package outbox
 import (
 	"context"
 	"errors"
+	"github.com/watermill-outbox/outbox/outboxdriver"
 	"strings"
 	"sync"
 	"time"
@@ -25,7 +26,7 @@ const markLinger = 5 * time.Millisecond
 type marker struct {
 	o       *Outbox
 	mu      sync.Mutex
-	queue   []DispatchMark
+	queue   []outboxdriver.DispatchMark
 	queued  map[int64]int // store IDs whose mark is queued or being written
 	running bool
 	idle    *sync.Cond // signalled when the worker exits
@@ -48,7 +49,7 @@ func (m *marker) add(src Source, effects []Effect, moveClaim bool) {
 	}
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	m.queue = append(m.queue, DispatchMark{Source: src, StoreIDs: ids, MoveClaim: moveClaim})
+	m.queue = append(m.queue, outboxdriver.DispatchMark{Source: src, StoreIDs: ids, MoveClaim: moveClaim})
 	for _, id := range ids {
 		m.queued[id]++
 	}
@@ -94,7 +95,7 @@ func (m *marker) work() {
 
 // write writes a batch of marks, retrying a failed write (a deadlock, a lost connection) with a
 // growing pause until markTimeout has passed: a dropped batch would send every effect of it again.
-func (m *marker) write(batch []DispatchMark) {
+func (m *marker) write(batch []outboxdriver.DispatchMark) {
 	ctx, cancel := context.WithTimeout(context.Background(), markTimeout)
 	defer cancel()
 	pause := 20 * time.Millisecond

@@ -5,6 +5,7 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"github.com/watermill-outbox/outbox/outboxdriver"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -23,7 +24,7 @@ type Applier func(ctx context.Context, e Effect) error
 type Outbox struct {
 	cfg    Config
 	db     *sql.DB
-	store  Store
+	store  outboxdriver.Store
 	pub    message.Publisher
 	logger watermill.LoggerAdapter
 
@@ -54,7 +55,7 @@ func New(cfg Config) (*Outbox, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, fmt.Errorf("outbox: invalid config: %w", err)
 	}
-	st, err := cfg.Driver.Open(cfg.DB, StoreOptions{
+	st, err := cfg.Driver.Open(cfg.DB, outboxdriver.StoreOptions{
 		Schema: cfg.Schema, TablePrefix: cfg.TablePrefix, DeleteDispatched: cfg.EffectRetention == 0,
 	})
 	if err != nil {
@@ -92,8 +93,8 @@ func (o *Outbox) CheckSchema(ctx context.Context) error {
 	return o.store.SchemaCheck(ctx)
 }
 
-// Store returns the store, for operations tooling and tests.
-func (o *Outbox) Store() Store { return o.store }
+// outboxdriver.Store returns the store, for operations tooling and tests.
+func (o *Outbox) Store() outboxdriver.Store { return o.store }
 
 // RegisterApplier registers fn under name for side effects recorded with Record. Register every
 // applier before messages that record it can be dispatched, in every process: an effect whose
@@ -246,7 +247,7 @@ func (o *Outbox) listen(ctx context.Context) {
 			o.kickRelay()
 		})
 		o.tel.listening.Store(false)
-		if errors.Is(err, ErrListenUnsupported) {
+		if errors.Is(err, outboxdriver.ErrListenUnsupported) {
 			o.tel.listenUnsupported.Store(true)
 			return
 		}

@@ -3,6 +3,7 @@ package outbox
 import (
 	"context"
 	"errors"
+	"github.com/watermill-outbox/outbox/outboxdriver"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -21,7 +22,7 @@ func (o *Outbox) relayLease() time.Duration { return 2*o.cfg.PublishTimeout + 30
 func (o *Outbox) relayOnce(ctx context.Context) error {
 	var after int64
 	for ctx.Err() == nil {
-		claim, err := o.store.EffectClaimDue(ctx, EffectClaimParams{
+		claim, err := o.store.EffectClaimDue(ctx, outboxdriver.EffectClaimParams{
 			Grace:    o.cfg.RelayGrace,
 			Limit:    o.cfg.RelayBatchSize,
 			MaxBytes: o.cfg.RelayBatchBytes,
@@ -38,7 +39,9 @@ func (o *Outbox) relayOnce(ctx context.Context) error {
 			o.tel.relayRounds.Add(ctx, 1)
 			o.tel.relayEffects.Record(ctx, int64(n))
 			for i := range claim.Effects {
-				claim.Effects[i].storedAt = began.Add(-claim.Effects[i].PendingFor)
+				if claim.Effects[i].StoredAt.IsZero() {
+					claim.Effects[i].StoredAt = began.Add(-claim.Effects[i].PendingFor)
+				}
 			}
 			o.relayRound(ctx, claim.Effects)
 			if f := o.cfg.RelayPauseFactor; f > 0 {
@@ -76,9 +79,9 @@ func (o *Outbox) relayRound(ctx context.Context, effects []Effect) {
 	// must be marked, or it is sent again.
 	wctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), markTimeout)
 	defer cancel()
-	var marks []DispatchMark
+	var marks []outboxdriver.DispatchMark
 	bySource := map[Source]int{}
-	var fails []EffectFailure
+	var fails []outboxdriver.EffectFailure
 	for i, e := range effects {
 		switch {
 		case errs[i] == nil:
@@ -86,11 +89,11 @@ func (o *Outbox) relayRound(ctx context.Context, effects []Effect) {
 			if !ok {
 				k = len(marks)
 				bySource[e.Source] = k
-				marks = append(marks, DispatchMark{Source: e.Source, MoveClaim: e.Source.Consumer != ""})
+				marks = append(marks, outboxdriver.DispatchMark{Source: e.Source, MoveClaim: e.Source.Consumer != ""})
 			}
 			marks[k].StoreIDs = append(marks[k].StoreIDs, e.StoreID)
 		case errors.Is(errs[i], errNotTried):
-			fails = append(fails, EffectFailure{StoreID: e.StoreID})
+			fails = append(fails, outboxdriver.EffectFailure{StoreID: e.StoreID})
 		default:
 			fails = append(fails, o.failures(effects[i:i+1], 0, 1, errs[i])...)
 		}

@@ -332,8 +332,8 @@ func (o *Outbox) dispatch(ctx context.Context, path string, effects []Effect) (s
 		o.tel.dispatched.Add(ctx, int64(j-i), set)
 		lagSet := o.tel.attrs(AttrPath, path, "", "")
 		for _, d := range effects[i:j] {
-			if !d.storedAt.IsZero() {
-				o.tel.dispatchLag.Record(ctx, time.Since(d.storedAt).Seconds(), lagSet)
+			if !d.StoredAt.IsZero() {
+				o.tel.dispatchLag.Record(ctx, time.Since(d.StoredAt).Seconds(), lagSet)
 			}
 		}
 		o.health.succeeded(e)

@@ -1,305 +1,41 @@
 package outbox
 
 import (
-	"context"
-	"database/sql"
-	"errors"
-	"time"
+	"github.com/watermill-outbox/outbox/outboxdriver"
 )
 
-// Source identifies what caused a group of side effects: an incoming message handled by a consumer
-// (Consumer is the consumer name, ID the message ID), or a boundary transaction (Consumer is empty,
-// ID is the boundary ID).
-type Source struct {
-	Consumer string
-	ID       string
-}
-
-// Effect is one side effect as it is stored: a message to publish (Kind == KindPublish) or a call
-// of a registered applier (Kind is the applier's name).
-type Effect struct {
-	// StoreID is the row ID in the store; zero until the effect is stored.
-	StoreID int64
-	// Seq is the position of the effect among the effects of its source, from 0.
-	Seq int
-	// Kind is KindPublish for messages, otherwise the name of a registered applier.
-	Kind string
-	// Topic is the topic a message is published to; empty for appliers.
-	Topic string
-	// UUID is the stable ID of the effect: the message UUID, or the idempotency key given to an applier.
-	UUID string
-	// Payload is the message payload or the applier's input.
-	Payload []byte
-	// Metadata is the message metadata, stored byte for byte.
-	Metadata map[string]string
-	// OrderingKey groups effects that must be dispatched in order.
-	OrderingKey string
-	// Attempts counts the failed dispatches that count toward parking (see EffectFailure.Counted).
-	Attempts int
-	// Failures counts every failed dispatch, counted or not; the retry backoff grows with it.
-	Failures int
-	// SinceFailure is how long ago the last failed dispatch was recorded, by the database's clock;
-	// meaningful when Failures > 0.
-	SinceFailure time.Duration
-	// Parked is true when the relay gave up on the effect; only an operator sends it now.
-	Parked bool
-	// Source is what caused the effect.
-	Source Source
-	// PendingFor is how long the effect had been stored when it was read, by the database's clock.
-	PendingFor time.Duration
-
-	// storedAt is when the effect was committed, by this process's clock (read time less
-	// PendingFor), for the dispatch lag; zero if unknown.
-	storedAt time.Time
-}
+// The types a user of the framework meets, defined with the storage contract in outboxdriver
+// (which driver authors implement; users need not read it).
+type (
+	// Source identifies what caused a group of side effects: an incoming message handled by a
+	// consumer (Consumer is the consumer name, ID the message ID), or a boundary transaction
+	// (Consumer is empty, ID is the boundary ID).
+	Source = outboxdriver.Source
+	// Effect is one side effect as it is stored: a message to publish (Kind == KindPublish) or a
+	// call of a registered applier (Kind is the applier's name). An Applier receives it.
+	Effect = outboxdriver.Effect
+	// ParkedEffect is an effect the relay gave up on after its maximum attempts (ParkedEffects).
+	ParkedEffect = outboxdriver.ParkedEffect
+	// Stats is a sample of the outbox tables (Outbox.Stats).
+	Stats = outboxdriver.Stats
+	// CleanupResult counts what a cleanup pass deleted (Outbox.Cleanup).
+	CleanupResult = outboxdriver.CleanupResult
+)
 
 // KindPublish is the Kind of effects that publish a message.
-const KindPublish = ""
+const KindPublish = outboxdriver.KindPublish
 
-// Driver opens a Store for one database dialect. See the drivers/ packages.
-type Driver interface {
-	// Open returns the Store of db. It must not do I/O.
-	Open(db *sql.DB, opts StoreOptions) (Store, error)
-}
-
-// StoreOptions are the settings of a Store that come from Config.
-type StoreOptions struct {
-	// Schema is the database schema of the tables; empty means the driver's default.
-	Schema string
-	// TablePrefix is prepended to every table name.
-	TablePrefix string
-	// DeleteDispatched asks the store to delete side effects when they are marked dispatched
-	// instead of keeping them until cleanup (a store may keep them anyway, e.g. SQLite).
-	DeleteDispatched bool
-}
-
-// Store is the storage contract the framework needs from a database. The drivers/ packages
-// implement it; users do not call it directly. Methods that take a *sql.Tx run inside the caller's
-// transaction; the others run on their own.
-//
-// Every method that writes both effect rows and claim rows locks the effect rows first, in
-// ascending StoreID order, and the claim rows after them, so that no two of them can deadlock.
-type Store interface {
-	// Migrate creates or upgrades the tables. It is idempotent and safe to run from several
-	// processes at once. When every migration is applied already it changes nothing and needs no
-	// right beyond reading the migrations table.
-	Migrate(ctx context.Context) error
-	// SchemaCheck returns an error wrapping ErrSchemaMissing or ErrSchemaOutdated when Migrate is needed.
-	SchemaCheck(ctx context.Context) error
-
-	// MessageClaim records in tx that src is being processed. When another transaction holds an
-	// uncommitted claim of src, it waits for its outcome (as long as ctx allows).
-	MessageClaim(ctx context.Context, tx *sql.Tx, src Source) (Claim, error)
-	// MessageIsProcessed tells whether a committed claim of src exists.
-	MessageIsProcessed(ctx context.Context, src Source) (bool, error)
-	// MessagePoison records src as processed without effects because it was moved to the poison topic.
-	MessagePoison(ctx context.Context, src Source) error
-	// MessageReplay forgets that src was poisoned: it deletes its claim, if the claim is one that
-	// MessagePoison wrote, and its failed attempts, so that the next delivery runs the handler
-	// again. It tells whether a poisoned claim was found.
-	MessageReplay(ctx context.Context, src Source) (bool, error)
-	// AttemptRecord durably counts a failed attempt of src and returns the count so far.
-	AttemptRecord(ctx context.Context, src Source, reason string) (int, error)
-
-	// EffectInsert stores effects of src in tx and sets their StoreID. It returns true when some
-	// of them may have been written inside a savepoint (a subtransaction) that can still be rolled
-	// back on its own: the caller then asks EffectExisting before it commits. A store that cannot
-	// tell returns true.
-	EffectInsert(ctx context.Context, tx *sql.Tx, src Source, effects []Effect) (inSavepoint bool, err error)
-	// EffectExisting returns those of storeIDs whose rows exist in tx.
-	EffectExisting(ctx context.Context, tx *sql.Tx, storeIDs []int64) ([]int64, error)
-	// EffectListPending returns the undispatched effects of src in order, parked ones included.
-	EffectListPending(ctx context.Context, src Source) ([]Effect, error)
-	// EffectMarkDispatched marks the effects of each mark dispatched, by StoreID (never "whatever
-	// is pending for the source") and, for the marks with MoveClaim, moves the claim's dispatch
-	// time (from which retention counts) to now (a store may move every claim). The write may be
-	// asynchronous (not flushed at commit): losing it only causes a re-send.
-	EffectMarkDispatched(ctx context.Context, marks ...DispatchMark) error
-	// EffectRecordFailures records failed (or untried) dispatches: see EffectFailure.
-	EffectRecordFailures(ctx context.Context, failures ...EffectFailure) error
-	// EffectKeyBlocked tells whether an effect of another source with ordering key key, stored before
-	// the effects of src, is still undispatched.
-	EffectKeyBlocked(ctx context.Context, src Source, key string) (bool, error)
-	// EffectHandToRelay makes the pending effects of src due for the relay now (or at the retry
-	// time already set on them), without counting an attempt.
-	EffectHandToRelay(ctx context.Context, src Source) error
-	// EffectListParked returns up to limit parked effects, oldest first.
-	EffectListParked(ctx context.Context, limit int) ([]ParkedEffect, error)
-	// EffectUnpark makes parked effects due again with fresh counts (attempts and failures); it
-	// returns how many it changed.
-	EffectUnpark(ctx context.Context, storeIDs []int64) (int, error)
-	// EffectDiscard marks parked effects dispatched without sending them, and moves the dispatch
-	// time of their claims to now (retention counts from the last dispatch or discard); it
-	// returns how many it changed.
-	EffectDiscard(ctx context.Context, storeIDs []int64) (int, error)
-	// EffectNotify wakes the relays of every instance that listens (PostgreSQL NOTIFY). A dialect
-	// without notifications does nothing.
-	EffectNotify(ctx context.Context) error
-	// EffectListen calls wake whenever EffectNotify is called anywhere, until ctx is done; it returns
-	// ErrListenUnsupported at once when the store cannot listen (the relay then polls).
-	EffectListen(ctx context.Context, wake func()) error
-	// EffectClaimDue leases up to p.Limit due effects (and at most p.MaxBytes of payload and
-	// metadata, but always one) for p.Lease, in StoreID order, after p.After, and returns them:
-	// until the lease runs out they are not due, and neither is any later effect with their
-	// ordering key. An effect is due when it is undispatched and not parked, past p.Grace or
-	// handed over, past its retry time, and every earlier undispatched effect with its ordering
-	// key is claimed in the same call. Instances that claim at the same time get different
-	// effects. A store may look at a window of the pending effects only, so that the cost of a
-	// claim does not grow with the backlog: it then sets Next, and the caller claims again with
-	// After: Next to look further. The caller marks what it sent (EffectMarkDispatched) and
-	// records the rest (EffectRecordFailures). It runs as one short statement, or transaction, of
-	// its own: nothing is held while the caller dispatches.
-	EffectClaimDue(ctx context.Context, p EffectClaimParams) (EffectClaim, error)
-
-	// Stats returns a sample of the tables: the newest one stored, or a new one, taken and
-	// stored, when the stored one is older than p.Interval and no other process is taking one at
-	// the moment (a zero Interval: always a new one, not stored). A sample's cost is bounded
-	// whatever the size of the tables: counts beyond StatsCountCap are estimated.
-	Stats(ctx context.Context, p StatsParams) (Stats, error)
-
-	// Cleanup deletes, in batches, claims whose effects were all dispatched more than retention ago
-	// (never a claim with an undispatched effect), dispatched effects older than their retention,
-	// and old attempt counters. Only one process cleans at a time; the others
-	// return at once with zero.
-	Cleanup(ctx context.Context, p CleanupParams) (CleanupResult, error)
-}
-
-// Claim is the outcome of Store.MessageClaim.
-type Claim struct {
-	// Claimed is true when this transaction claimed the message; false when it was processed.
-	Claimed bool
-	// Concurrent is true when the claim this one ran into was committed while this one waited for
-	// it: a copy processed the message at the same moment, and is most likely dispatching its
-	// effects right now. A store that cannot tell leaves it false.
-	Concurrent bool
-	// Age is how long ago the claim found was written, when Claimed and Concurrent are false.
-	Age time.Duration
-}
-
-// StatsCountCap bounds the rows a Store counts for one Stats sample: larger counts are estimated.
-const StatsCountCap = 100_000
-
-// StatsParams are the parameters of Store.Stats.
-type StatsParams struct {
-	// Interval is how old the stored sample may be before a new one is taken; zero: take a new
-	// one and do not store it.
-	Interval time.Duration
-	// Retention is Config.Retention, for the cleanup lag.
-	Retention time.Duration
-}
-
-// Stats is a sample of the outbox tables (Outbox.Stats).
-type Stats struct {
-	// Pending counts the undispatched side effects that are not parked; OldestPending is the age
-	// of the oldest of them.
-	Pending       int64
-	OldestPending time.Duration
-	// Parked counts the side effects the relay gave up on; OldestParked is the age of the oldest.
-	Parked       int64
-	OldestParked time.Duration
-	// Failing counts the messages with failed attempts that were neither processed nor poisoned.
-	Failing int64
-	// Retained counts the processed message IDs remembered for deduplication; Estimated is true
-	// when it (or Pending or Parked) exceeded StatsCountCap and was estimated.
-	Retained  int64
-	Estimated bool
-	// CleanupLag is how long the oldest claim past retention (found among the first
-	// thousand) has waited for cleanup; zero when cleanup keeps up.
-	CleanupLag time.Duration
-	// SampledAt is when the sample was taken, by this process's clock.
-	SampledAt time.Time
-}
-
-// DispatchMark is one source's effects that Store.EffectMarkDispatched marks dispatched.
-type DispatchMark struct {
-	Source Source
-	// StoreIDs are the effects that were sent.
-	StoreIDs []int64
-	// MoveClaim asks the store to move the claim's dispatch time, from which retention counts, to
-	// now. The framework leaves it unset when the effects were sent within ClaimClockSlack of the
-	// claim, whose time, written with it, then stands for the dispatch; moving it would be one
-	// more row written per message for a difference retention cannot tell.
-	MoveClaim bool
-}
-
-// EffectFailure is one effect that was not dispatched, for Store.EffectRecordFailures.
-type EffectFailure struct {
-	StoreID int64
-	// Reason is why the dispatch failed. Empty means the effect was not tried (it waited behind a
-	// failed one, or the round ran out of time): only its retry time is set.
-	Reason string
-	// Counted: the failure counts toward parking (Attempts+1). A failure while nothing else reached
-	// the same target (a broker outage) is recorded (Failures+1) but not counted.
-	Counted bool
-	// Park: the relay gives up on the effect.
-	Park bool
-	// RetryAfter is how long until the effect is due again.
-	RetryAfter time.Duration
-}
+// StatsCountCap bounds the rows one Stats sample counts: larger counts are estimated.
+const StatsCountCap = outboxdriver.StatsCountCap
 
 // ClaimClockSlack is how much earlier than the dispatch of its effects a claim's dispatch time may
 // be: retention counts from dispatch, give or take this much.
-const ClaimClockSlack = time.Second
+const ClaimClockSlack = outboxdriver.ClaimClockSlack
 
-// ParkedEffect is an effect the relay gave up on after its maximum attempts.
-type ParkedEffect struct {
-	Effect
-	LastError string
-	ParkedAt  time.Time
-	CreatedAt time.Time
-}
-
-// EffectClaimParams are the parameters of Store.EffectClaimDue.
-type EffectClaimParams struct {
-	// Grace is how old an effect that was never handed over must be to be due.
-	Grace time.Duration
-	// Limit bounds the number of effects.
-	Limit int
-	// MaxBytes bounds the payload and metadata bytes of the effects, beyond the first.
-	MaxBytes int
-	// Lease is how long the claimed effects stay reserved for the caller.
-	Lease time.Duration
-	// After: only effects with a greater StoreID are claimed (0: from the first).
-	After int64
-}
-
-// EffectClaim is what Store.EffectClaimDue leased.
-type EffectClaim struct {
-	Effects []Effect
-	// Next, when not zero, is where the window the store looked at ended, with undispatched
-	// effects beyond it: claim again with After: Next to look at them.
-	Next int64
-}
-
-// CleanupParams are the parameters of Store.Cleanup.
-type CleanupParams struct {
-	Retention           time.Duration
-	EffectRetention     time.Duration
-	BatchSize           int
-	PauseBetweenBatches time.Duration
-	// PauseFactor, when positive, makes each pause at least this many times as long as the batch
-	// before it took, so that cleanup keeps to a share of the database's time whatever a batch costs.
-	PauseFactor float64
-}
-
-// CleanupResult counts what Store.Cleanup deleted.
-type CleanupResult struct {
-	// Batches counts the delete statements run.
-	Batches  int
-	Claims   int64
-	Effects  int64
-	Attempts int64
-	// Skipped is true when another process held the cleanup lock.
-	Skipped bool
-}
-
-// Errors a Store reports; test them with errors.Is.
+// Errors of the schema; test them with errors.Is.
 var (
 	// ErrSchemaMissing means the outbox tables do not exist: run Outbox.Migrate.
-	ErrSchemaMissing = errors.New("outbox: tables missing, run Outbox.Migrate(ctx) first")
+	ErrSchemaMissing = outboxdriver.ErrSchemaMissing
 	// ErrSchemaOutdated means the outbox tables are older than this version: run Outbox.Migrate.
-	ErrSchemaOutdated = errors.New("outbox: tables outdated, run Outbox.Migrate(ctx)")
+	ErrSchemaOutdated = outboxdriver.ErrSchemaOutdated
 )
-
-// ErrListenUnsupported is returned by Store.EffectListen when the store cannot listen for wake-ups.
-var ErrListenUnsupported = errors.New("outbox: the store cannot listen for notifications")

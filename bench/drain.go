@@ -29,6 +29,7 @@ import (
 
 	"github.com/watermill-outbox/outbox"
 	"github.com/watermill-outbox/outbox/drivers/postgres"
+	"github.com/watermill-outbox/outbox/outboxdriver"
 )
 
 // The relay drain: a backlog of side effects committed while the broker was down (or by
@@ -889,7 +890,7 @@ func (d *drainEnv) idle(ctx context.Context, rep *drainReport) error {
 	var took []float64
 	for i := 0; i < 200; i++ {
 		t := time.Now()
-		c, err := st.EffectClaimDue(ctx, outbox.EffectClaimParams{Grace: time.Second, Limit: 500, Lease: time.Minute})
+		c, err := st.EffectClaimDue(ctx, outboxdriver.EffectClaimParams{Grace: time.Second, Limit: 500, Lease: time.Minute})
 		if err != nil {
 			return err
 		}

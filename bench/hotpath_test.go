@@ -13,6 +13,7 @@ import (
 
 	"github.com/watermill-outbox/outbox"
 	"github.com/watermill-outbox/outbox/drivers/postgres"
+	"github.com/watermill-outbox/outbox/outboxdriver"
 )
 
 // The micro-benchmarks time one step of the framework's hot path at a time, on one connection,
@@ -220,9 +221,9 @@ func BenchmarkHotPath(b *testing.B) {
 			_, err = h.ob.Store().EffectInsert(ctx, tx, src, es)
 			must(b, err)
 			must(b, tx.Commit())
-			return outbox.DispatchMark{Source: src, StoreIDs: []int64{es[0].StoreID}}
+			return outboxdriver.DispatchMark{Source: src, StoreIDs: []int64{es[0].StoreID}}
 		}, func(_ int, st any) {
-			must(b, h.ob.Store().EffectMarkDispatched(ctx, st.(outbox.DispatchMark)))
+			must(b, h.ob.Store().EffectMarkDispatched(ctx, st.(outboxdriver.DispatchMark)))
 		}, nil)
 	})
 	b.Run("handle", func(b *testing.B) {

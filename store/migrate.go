@@ -10,7 +10,7 @@ import (
 	"strconv"
 	"strings"
 
-	"github.com/watermill-outbox/outbox"
+	"github.com/watermill-outbox/outbox/outboxdriver"
 )
 
 // Migration is one numbered schema change.
@@ -126,12 +126,12 @@ func SchemaCheck(ctx context.Context, db *sql.DB, latestQuery string, want int, 
 	err := db.QueryRowContext(ctx, latestQuery).Scan(&v)
 	if err != nil {
 		if isUndefinedTable(err) {
-			return fmt.Errorf("%w (schema %q, prefix %q): %w", outbox.ErrSchemaMissing, names.Schema, names.Prefix, err)
+			return fmt.Errorf("%w (schema %q, prefix %q): %w", outboxdriver.ErrSchemaMissing, names.Schema, names.Prefix, err)
 		}
 		return fmt.Errorf("check schema: %w", err)
 	}
 	if int(v.Int64) < want {
-		return fmt.Errorf("%w: version %d, this build needs %d", outbox.ErrSchemaOutdated, v.Int64, want)
+		return fmt.Errorf("%w: version %d, this build needs %d", outboxdriver.ErrSchemaOutdated, v.Int64, want)
 	}
 	return nil
 }

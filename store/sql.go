@@ -15,7 +15,7 @@ import (
 	"sync"
 	"time"
 
-	"github.com/watermill-outbox/outbox"
+	"github.com/watermill-outbox/outbox/outboxdriver"
 )
 
 // Queries are the statements of one dialect. Durations are passed in milliseconds; a list of
@@ -92,7 +92,7 @@ type Dialect struct {
 	Listen func(ctx context.Context, wake func()) error
 }
 
-// SQL is an outbox.Store over database/sql.
+// SQL is an outboxdriver.Store over database/sql.
 type SQL struct {
 	db         *sql.DB
 	d          Dialect
@@ -105,7 +105,7 @@ type SQL struct {
 	closed    bool
 }
 
-var _ outbox.Store = (*SQL)(nil)
+var _ outboxdriver.Store = (*SQL)(nil)
 
 // New returns a Store. It reads the embedded migrations and does no database I/O.
 func New(db *sql.DB, names Names, d Dialect) (*SQL, error) {
@@ -132,7 +132,7 @@ func (s *SQL) Close() error {
 	return errors.Join(errs...)
 }
 
-// Migrate implements outbox.Store.
+// Migrate implements outboxdriver.Store.
 func (s *SQL) Migrate(ctx context.Context) error {
 	// Up to date: nothing to do, and nothing that needs more than the right to read the
 	// migrations table (an application role with DML rights only can start).
@@ -142,7 +142,7 @@ func (s *SQL) Migrate(ctx context.Context) error {
 	return Migrate(ctx, s.db, s.d.Migrate, s.migrations)
 }
 
-// SchemaCheck implements outbox.Store.
+// SchemaCheck implements outboxdriver.Store.
 func (s *SQL) SchemaCheck(ctx context.Context) error {
 	return SchemaCheck(ctx, s.db, s.d.Queries.SchemaLatest, len(s.migrations), s.d.IsUndefinedTable, s.names)
 }
@@ -150,7 +150,7 @@ func (s *SQL) SchemaCheck(ctx context.Context) error {
 // wrap adds the fix to errors caused by missing tables.
 func (s *SQL) wrap(err error) error {
 	if err != nil && s.d.IsUndefinedTable(err) {
-		return fmt.Errorf("%w (schema %q, prefix %q): %w", outbox.ErrSchemaMissing, s.names.Schema, s.names.Prefix, err)
+		return fmt.Errorf("%w (schema %q, prefix %q): %w", outboxdriver.ErrSchemaMissing, s.names.Schema, s.names.Prefix, err)
 	}
 	return err
 }
@@ -288,30 +288,30 @@ func idList(ids []int64) string {
 	return b.String()
 }
 
-// MessageClaim implements outbox.Store.
-func (s *SQL) MessageClaim(ctx context.Context, tx *sql.Tx, src outbox.Source) (outbox.Claim, error) {
+// MessageClaim implements outboxdriver.Store.
+func (s *SQL) MessageClaim(ctx context.Context, tx *sql.Tx, src outboxdriver.Source) (outboxdriver.Claim, error) {
 	if s.d.Queries.MessageClaimReportsConcurrent {
 		var claimed bool
 		var seen sql.NullInt64
 		if err := s.queryRow(ctx, tx, s.d.Queries.MessageClaim, []any{src.Consumer, src.ID}, &claimed, &seen); err != nil {
-			return outbox.Claim{}, err
+			return outboxdriver.Claim{}, err
 		}
-		return outbox.Claim{Claimed: claimed, Concurrent: !claimed && !seen.Valid, Age: time.Duration(seen.Int64) * time.Millisecond}, nil
+		return outboxdriver.Claim{Claimed: claimed, Concurrent: !claimed && !seen.Valid, Age: time.Duration(seen.Int64) * time.Millisecond}, nil
 	}
 	var one int
 	err := s.queryRow(ctx, tx, s.d.Queries.MessageClaim, []any{src.Consumer, src.ID}, &one)
 	if errors.Is(err, sql.ErrNoRows) {
 		var ms int64
 		if err := s.queryRow(ctx, tx, s.d.Queries.MessageAge, []any{src.Consumer, src.ID}, &ms); err != nil && !errors.Is(err, sql.ErrNoRows) {
-			return outbox.Claim{}, fmt.Errorf("age of the claim: %w", err)
+			return outboxdriver.Claim{}, fmt.Errorf("age of the claim: %w", err)
 		}
-		return outbox.Claim{Age: time.Duration(ms) * time.Millisecond}, nil
+		return outboxdriver.Claim{Age: time.Duration(ms) * time.Millisecond}, nil
 	}
-	return outbox.Claim{Claimed: err == nil}, err
+	return outboxdriver.Claim{Claimed: err == nil}, err
 }
 
-// MessageIsProcessed implements outbox.Store.
-func (s *SQL) MessageIsProcessed(ctx context.Context, src outbox.Source) (bool, error) {
+// MessageIsProcessed implements outboxdriver.Store.
+func (s *SQL) MessageIsProcessed(ctx context.Context, src outboxdriver.Source) (bool, error) {
 	var one int
 	err := s.queryRow(ctx, nil, s.d.Queries.MessageIsProcessed, []any{src.Consumer, src.ID}, &one)
 	if errors.Is(err, sql.ErrNoRows) {
@@ -320,14 +320,14 @@ func (s *SQL) MessageIsProcessed(ctx context.Context, src outbox.Source) (bool, 
 	return err == nil, err
 }
 
-// MessagePoison implements outbox.Store.
-func (s *SQL) MessagePoison(ctx context.Context, src outbox.Source) error {
+// MessagePoison implements outboxdriver.Store.
+func (s *SQL) MessagePoison(ctx context.Context, src outboxdriver.Source) error {
 	_, err := s.exec(ctx, nil, s.d.Queries.MessagePoison, src.Consumer, src.ID)
 	return err
 }
 
-// MessageReplay implements outbox.Store.
-func (s *SQL) MessageReplay(ctx context.Context, src outbox.Source) (bool, error) {
+// MessageReplay implements outboxdriver.Store.
+func (s *SQL) MessageReplay(ctx context.Context, src outboxdriver.Source) (bool, error) {
 	tx, err := s.db.BeginTx(ctx, nil)
 	if err != nil {
 		return false, fmt.Errorf("begin: %w", err)
@@ -350,8 +350,8 @@ func (s *SQL) MessageReplay(ctx context.Context, src outbox.Source) (bool, error
 	return true, tx.Commit()
 }
 
-// AttemptRecord implements outbox.Store.
-func (s *SQL) AttemptRecord(ctx context.Context, src outbox.Source, reason string) (int, error) {
+// AttemptRecord implements outboxdriver.Store.
+func (s *SQL) AttemptRecord(ctx context.Context, src outboxdriver.Source, reason string) (int, error) {
 	var n int
 	err := s.queryRow(ctx, nil, s.d.Queries.AttemptRecord, []any{src.Consumer, src.ID, storableReason(reason)}, &n)
 	return n, err
@@ -360,8 +360,8 @@ func (s *SQL) AttemptRecord(ctx context.Context, src outbox.Source, reason strin
 // maxPreparedInsertRows bounds the number of prepared multi-row inserts kept per store.
 const maxPreparedInsertRows = 8
 
-// EffectInsert implements outbox.Store.
-func (s *SQL) EffectInsert(ctx context.Context, tx *sql.Tx, src outbox.Source, effects []outbox.Effect) (bool, error) {
+// EffectInsert implements outboxdriver.Store.
+func (s *SQL) EffectInsert(ctx context.Context, tx *sql.Tx, src outboxdriver.Source, effects []outboxdriver.Effect) (bool, error) {
 	if len(effects) == 0 {
 		return false, nil
 	}
@@ -414,7 +414,7 @@ func (s *SQL) EffectInsert(ctx context.Context, tx *sql.Tx, src outbox.Source, e
 	return inSavepoint, nil
 }
 
-// EffectExisting implements outbox.Store.
+// EffectExisting implements outboxdriver.Store.
 func (s *SQL) EffectExisting(ctx context.Context, tx *sql.Tx, storeIDs []int64) ([]int64, error) {
 	if len(storeIDs) == 0 {
 		return nil, nil
@@ -435,7 +435,7 @@ func (s *SQL) EffectExisting(ctx context.Context, tx *sql.Tx, storeIDs []int64) 
 	return out, rows.Err()
 }
 
-func scanEffect(sc interface{ Scan(...any) error }, e *outbox.Effect, extra ...any) error {
+func scanEffect(sc interface{ Scan(...any) error }, e *outboxdriver.Effect, extra ...any) error {
 	var md []byte
 	var pendingMS, failedMS int64
 	dest := append([]any{&e.StoreID, &e.Source.Consumer, &e.Source.ID, &e.Seq, &e.Kind, &e.Topic, &e.UUID,
@@ -444,6 +444,7 @@ func scanEffect(sc interface{ Scan(...any) error }, e *outbox.Effect, extra ...a
 		return err
 	}
 	e.PendingFor = time.Duration(pendingMS) * time.Millisecond
+	e.StoredAt = time.Now().Add(-e.PendingFor)
 	e.SinceFailure = time.Duration(failedMS) * time.Millisecond
 	var err error
 	if e.Metadata, err = DecodeMetadata(md); err != nil {
@@ -452,11 +453,11 @@ func scanEffect(sc interface{ Scan(...any) error }, e *outbox.Effect, extra ...a
 	return nil
 }
 
-func scanEffects(rows *sql.Rows) ([]outbox.Effect, error) {
+func scanEffects(rows *sql.Rows) ([]outboxdriver.Effect, error) {
 	defer rows.Close()
-	var out []outbox.Effect
+	var out []outboxdriver.Effect
 	for rows.Next() {
-		var e outbox.Effect
+		var e outboxdriver.Effect
 		if err := scanEffect(rows, &e); err != nil {
 			return nil, err
 		}
@@ -465,8 +466,8 @@ func scanEffects(rows *sql.Rows) ([]outbox.Effect, error) {
 	return out, rows.Err()
 }
 
-// EffectListPending implements outbox.Store.
-func (s *SQL) EffectListPending(ctx context.Context, src outbox.Source) ([]outbox.Effect, error) {
+// EffectListPending implements outboxdriver.Store.
+func (s *SQL) EffectListPending(ctx context.Context, src outboxdriver.Source) ([]outboxdriver.Effect, error) {
 	rows, err := s.db.QueryContext(ctx, s.d.Queries.EffectListPending, src.Consumer, src.ID)
 	if err != nil {
 		return nil, s.wrap(err)
@@ -477,12 +478,12 @@ func (s *SQL) EffectListPending(ctx context.Context, src outbox.Source) ([]outbo
 // maxMarkBatch bounds the effects marked in one statement.
 const maxMarkBatch = 1024
 
-// EffectMarkDispatched implements outbox.Store.
+// EffectMarkDispatched implements outboxdriver.Store.
 //
 // The marks are not prepared statements: a prepared statement's cached generic plan, made while
 // the tables were small, would keep scanning them whole as they grow; planned on every use, the
 // statement looks its rows up by index once there are enough of them.
-func (s *SQL) EffectMarkDispatched(ctx context.Context, marks ...outbox.DispatchMark) error {
+func (s *SQL) EffectMarkDispatched(ctx context.Context, marks ...outboxdriver.DispatchMark) error {
 	var move, keep []int64
 	for _, m := range marks {
 		if m.MoveClaim {
@@ -508,9 +509,9 @@ func (s *SQL) EffectMarkDispatched(ctx context.Context, marks ...outbox.Dispatch
 	return nil
 }
 
-// EffectRecordFailures implements outbox.Store.
-func (s *SQL) EffectRecordFailures(ctx context.Context, failures ...outbox.EffectFailure) error {
-	slices.SortFunc(failures, func(a, b outbox.EffectFailure) int { return cmp.Compare(a.StoreID, b.StoreID) })
+// EffectRecordFailures implements outboxdriver.Store.
+func (s *SQL) EffectRecordFailures(ctx context.Context, failures ...outboxdriver.EffectFailure) error {
+	slices.SortFunc(failures, func(a, b outboxdriver.EffectFailure) int { return cmp.Compare(a.StoreID, b.StoreID) })
 	released := map[time.Duration][]int64{}
 	var delays []time.Duration
 	for _, f := range failures {
@@ -537,8 +538,8 @@ func (s *SQL) EffectRecordFailures(ctx context.Context, failures ...outbox.Effec
 // claimWindow is how many store IDs a windowed claim looks at, per effect it may claim.
 const claimWindow = 4
 
-// EffectClaimDue implements outbox.Store.
-func (s *SQL) EffectClaimDue(ctx context.Context, p outbox.EffectClaimParams) (outbox.EffectClaim, error) {
+// EffectClaimDue implements outboxdriver.Store.
+func (s *SQL) EffectClaimDue(ctx context.Context, p outboxdriver.EffectClaimParams) (outboxdriver.EffectClaim, error) {
 	maxBytes := int64(p.MaxBytes)
 	if maxBytes <= 0 {
 		maxBytes = math.MaxInt64
@@ -546,9 +547,9 @@ func (s *SQL) EffectClaimDue(ctx context.Context, p outbox.EffectClaimParams) (o
 	window := int64(max(p.Limit, 1)) * claimWindow
 	rows, err := s.db.QueryContext(ctx, s.d.Queries.EffectClaimDue, p.Grace.Milliseconds(), p.Limit, maxBytes, p.Lease.Milliseconds(), p.After, window)
 	if err != nil {
-		return outbox.EffectClaim{}, fmt.Errorf("claim due effects: %w", s.wrap(err))
+		return outboxdriver.EffectClaim{}, fmt.Errorf("claim due effects: %w", s.wrap(err))
 	}
-	var claim outbox.EffectClaim
+	var claim outboxdriver.EffectClaim
 	if !s.d.Queries.EffectClaimDueWindowed {
 		claim.Effects, err = scanEffects(rows)
 	} else {
@@ -556,7 +557,7 @@ func (s *SQL) EffectClaimDue(ctx context.Context, p outbox.EffectClaimParams) (o
 		for rows.Next() {
 			var next int64
 			var more bool
-			var e outbox.Effect
+			var e outboxdriver.Effect
 			if err = scanEffect(rows, &e, &next, &more); err != nil {
 				break
 			}
@@ -572,15 +573,15 @@ func (s *SQL) EffectClaimDue(ctx context.Context, p outbox.EffectClaimParams) (o
 		}
 	}
 	if err != nil {
-		return outbox.EffectClaim{}, fmt.Errorf("claim due effects: %w", s.wrap(err))
+		return outboxdriver.EffectClaim{}, fmt.Errorf("claim due effects: %w", s.wrap(err))
 	}
-	slices.SortFunc(claim.Effects, func(a, b outbox.Effect) int { return cmp.Compare(a.StoreID, b.StoreID) })
+	slices.SortFunc(claim.Effects, func(a, b outboxdriver.Effect) int { return cmp.Compare(a.StoreID, b.StoreID) })
 	return claim, nil
 }
 
-// Cleanup implements outbox.Store.
-func (s *SQL) Cleanup(ctx context.Context, p outbox.CleanupParams) (outbox.CleanupResult, error) {
-	var res outbox.CleanupResult
+// Cleanup implements outboxdriver.Store.
+func (s *SQL) Cleanup(ctx context.Context, p outboxdriver.CleanupParams) (outboxdriver.CleanupResult, error) {
+	var res outboxdriver.CleanupResult
 	steps := []struct {
 		query     string
 		retention time.Duration
@@ -651,20 +652,20 @@ func (s *SQL) cleanupBatch(ctx context.Context, query string, retention time.Dur
 	return n, true, tx.Commit()
 }
 
-// EffectKeyBlocked implements outbox.Store.
-func (s *SQL) EffectKeyBlocked(ctx context.Context, src outbox.Source, key string) (bool, error) {
+// EffectKeyBlocked implements outboxdriver.Store.
+func (s *SQL) EffectKeyBlocked(ctx context.Context, src outboxdriver.Source, key string) (bool, error) {
 	var blocked bool
 	err := s.queryRow(ctx, nil, s.d.Queries.EffectKeyBlocked, []any{src.Consumer, src.ID, key}, &blocked)
 	return blocked, err
 }
 
-// EffectHandToRelay implements outbox.Store.
-func (s *SQL) EffectHandToRelay(ctx context.Context, src outbox.Source) error {
+// EffectHandToRelay implements outboxdriver.Store.
+func (s *SQL) EffectHandToRelay(ctx context.Context, src outboxdriver.Source) error {
 	_, err := s.db.ExecContext(ctx, s.d.Queries.EffectHandToRelay, src.Consumer, src.ID)
 	return s.wrap(err)
 }
 
-// EffectNotify implements outbox.Store.
+// EffectNotify implements outboxdriver.Store.
 func (s *SQL) EffectNotify(ctx context.Context) error {
 	if s.d.Notify == "" {
 		return nil
@@ -673,24 +674,24 @@ func (s *SQL) EffectNotify(ctx context.Context) error {
 	return s.wrap(err)
 }
 
-// EffectListen implements outbox.Store.
+// EffectListen implements outboxdriver.Store.
 func (s *SQL) EffectListen(ctx context.Context, wake func()) error {
 	if s.d.Listen == nil {
-		return outbox.ErrListenUnsupported
+		return outboxdriver.ErrListenUnsupported
 	}
 	return s.d.Listen(ctx, wake)
 }
 
-// EffectListParked implements outbox.Store.
-func (s *SQL) EffectListParked(ctx context.Context, limit int) ([]outbox.ParkedEffect, error) {
+// EffectListParked implements outboxdriver.Store.
+func (s *SQL) EffectListParked(ctx context.Context, limit int) ([]outboxdriver.ParkedEffect, error) {
 	rows, err := s.db.QueryContext(ctx, s.d.Queries.EffectListParked, limit)
 	if err != nil {
 		return nil, s.wrap(err)
 	}
 	defer rows.Close()
-	var out []outbox.ParkedEffect
+	var out []outboxdriver.ParkedEffect
 	for rows.Next() {
-		var p outbox.ParkedEffect
+		var p outboxdriver.ParkedEffect
 		var lastErr sql.NullString
 		if err := scanEffect(rows, &p.Effect, &lastErr, &p.ParkedAt, &p.CreatedAt); err != nil {
 			return nil, err
@@ -701,12 +702,12 @@ func (s *SQL) EffectListParked(ctx context.Context, limit int) ([]outbox.ParkedE
 	return out, rows.Err()
 }
 
-// EffectUnpark implements outbox.Store.
+// EffectUnpark implements outboxdriver.Store.
 func (s *SQL) EffectUnpark(ctx context.Context, ids []int64) (int, error) {
 	return s.eachID(ctx, s.d.Queries.EffectUnpark, ids)
 }
 
-// EffectDiscard implements outbox.Store.
+// EffectDiscard implements outboxdriver.Store.
 func (s *SQL) EffectDiscard(ctx context.Context, ids []int64) (int, error) {
 	ids = slices.Clone(ids)
 	slices.Sort(ids)
@@ -764,55 +765,55 @@ type statsSample struct {
 	Estimated                                     bool
 }
 
-// Stats implements outbox.Store.
-func (s *SQL) Stats(ctx context.Context, p outbox.StatsParams) (outbox.Stats, error) {
+// Stats implements outboxdriver.Store.
+func (s *SQL) Stats(ctx context.Context, p outboxdriver.StatsParams) (outboxdriver.Stats, error) {
 	q := s.d.Queries
 	if p.Interval > 0 {
 		r, err := s.db.ExecContext(ctx, q.StatsLease, p.Interval.Milliseconds())
 		if err != nil {
-			return outbox.Stats{}, fmt.Errorf("stats lease: %w", s.wrap(err))
+			return outboxdriver.Stats{}, fmt.Errorf("stats lease: %w", s.wrap(err))
 		}
 		if n, err := r.RowsAffected(); err != nil {
-			return outbox.Stats{}, fmt.Errorf("stats lease: %w", err)
+			return outboxdriver.Stats{}, fmt.Errorf("stats lease: %w", err)
 		} else if n == 0 {
 			// Another process samples: read what it stored last.
 			var text string
 			var ageMS int64
 			if err := s.db.QueryRowContext(ctx, q.StatsRead).Scan(&text, &ageMS); err != nil && !errors.Is(err, sql.ErrNoRows) {
-				return outbox.Stats{}, fmt.Errorf("read stats: %w", s.wrap(err))
+				return outboxdriver.Stats{}, fmt.Errorf("read stats: %w", s.wrap(err))
 			}
 			if text == "" {
-				return outbox.Stats{}, nil // none taken yet
+				return outboxdriver.Stats{}, nil // none taken yet
 			}
 			var smp statsSample
 			if err := json.Unmarshal([]byte(text), &smp); err != nil {
-				return outbox.Stats{}, fmt.Errorf("read stats: %w", err)
+				return outboxdriver.Stats{}, fmt.Errorf("read stats: %w", err)
 			}
 			return smp.stats(time.Now().Add(-time.Duration(ageMS) * time.Millisecond)), nil
 		}
 	}
 	var smp statsSample
-	err := s.db.QueryRowContext(ctx, q.StatsSample, outbox.StatsCountCap, p.Retention.Milliseconds()).Scan(
+	err := s.db.QueryRowContext(ctx, q.StatsSample, outboxdriver.StatsCountCap, p.Retention.Milliseconds()).Scan(
 		&smp.Pending, &smp.OldestPendingMS, &smp.Parked, &smp.OldestParkedMS, &smp.Failing,
 		&smp.Retained, &smp.Estimated, &smp.CleanupLagMS)
 	if err != nil {
-		return outbox.Stats{}, fmt.Errorf("sample stats: %w", s.wrap(err))
+		return outboxdriver.Stats{}, fmt.Errorf("sample stats: %w", s.wrap(err))
 	}
 	if p.Interval > 0 {
 		text, err := json.Marshal(smp)
 		if err != nil {
-			return outbox.Stats{}, err
+			return outboxdriver.Stats{}, err
 		}
 		if _, err := s.db.ExecContext(ctx, q.StatsWrite, string(text)); err != nil {
-			return outbox.Stats{}, fmt.Errorf("store stats: %w", s.wrap(err))
+			return outboxdriver.Stats{}, fmt.Errorf("store stats: %w", s.wrap(err))
 		}
 	}
 	return smp.stats(time.Now()), nil
 }
 
-func (smp statsSample) stats(at time.Time) outbox.Stats {
+func (smp statsSample) stats(at time.Time) outboxdriver.Stats {
 	ms := func(n int64) time.Duration { return time.Duration(max(n, 0)) * time.Millisecond }
-	return outbox.Stats{
+	return outboxdriver.Stats{
 		Pending: smp.Pending, OldestPending: ms(smp.OldestPendingMS),
 		Parked: smp.Parked, OldestParked: ms(smp.OldestParkedMS),
 		Failing: smp.Failing, Retained: smp.Retained, Estimated: smp.Estimated,

@@ -6,9 +6,9 @@ import (
 	"testing"
 	"time"
 
-	"github.com/watermill-outbox/outbox"
 	"github.com/watermill-outbox/outbox/drivers/postgres"
 	"github.com/watermill-outbox/outbox/internal/pgtest"
+	"github.com/watermill-outbox/outbox/outboxdriver"
 	"github.com/watermill-outbox/outbox/store/storetest"
 )
 
@@ -26,8 +26,8 @@ func TestConformance(t *testing.T) {
 		table := func(name string) string { return `"` + schema + `"."` + prefix + name + `"` }
 		return storetest.Harness{
 			DB: db,
-			Open: func(t testing.TB) outbox.Store {
-				st, err := postgres.Driver{ListenDSN: dsn}.Open(db, outbox.StoreOptions{Schema: schema, TablePrefix: prefix})
+			Open: func(t testing.TB) outboxdriver.Store {
+				st, err := postgres.Driver{ListenDSN: dsn}.Open(db, outboxdriver.StoreOptions{Schema: schema, TablePrefix: prefix})
 				if err != nil {
 					t.Fatal(err)
 				}
@@ -41,13 +41,13 @@ func TestConformance(t *testing.T) {
 				}
 				return n
 			},
-			Age: func(t testing.TB, tbl, column string, src outbox.Source, d time.Duration) {
+			Age: func(t testing.TB, tbl, column string, src outboxdriver.Source, d time.Duration) {
 				if tbl == "effects" && column == "dispatched_at" {
 					tbl = "dispatched" // dispatched effects kept for EffectRetention live there
 				}
 				q := `UPDATE ` + table(tbl) + ` SET ` + column + ` = ` + column + ` - $1 * interval '1 millisecond'`
 				args := []any{d.Milliseconds()}
-				if src != (outbox.Source{}) {
+				if src != (outboxdriver.Source{}) {
 					c, id := storetest.KeyColumns(tbl)
 					q += ` WHERE ` + c + ` = $2 AND ` + id + ` = $3`
 					args = append(args, src.Consumer, src.ID)

@@ -8,7 +8,7 @@ import (
 	"io/fs"
 	"strings"
 
-	"github.com/watermill-outbox/outbox"
+	"github.com/watermill-outbox/outbox/outboxdriver"
 	"github.com/watermill-outbox/outbox/store"
 )
 
@@ -35,10 +35,10 @@ type Driver struct {
 	ListenDSN string
 }
 
-var _ outbox.Driver = Driver{}
+var _ outboxdriver.Driver = Driver{}
 
-// Open implements outbox.Driver.
-func (d Driver) Open(db *sql.DB, opts outbox.StoreOptions) (outbox.Store, error) {
+// Open implements outboxdriver.Driver.
+func (d Driver) Open(db *sql.DB, opts outboxdriver.StoreOptions) (outboxdriver.Store, error) {
 	schema := opts.Schema
 	if schema == "" {
 		schema = DefaultSchema

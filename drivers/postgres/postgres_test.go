@@ -16,6 +16,7 @@ import (
 	"github.com/watermill-outbox/outbox"
 	"github.com/watermill-outbox/outbox/drivers/postgres"
 	"github.com/watermill-outbox/outbox/internal/pgtest"
+	"github.com/watermill-outbox/outbox/outboxdriver"
 )
 
 func TestMain(m *testing.M) { os.Exit(pgtest.Run(m)) }
@@ -82,13 +83,13 @@ func TestMissingTablesNameTheFix(t *testing.T) {
 		t.Fatal(err)
 	}
 	err = ob.CheckSchema(context.Background())
-	if !errors.Is(err, outbox.ErrSchemaMissing) || !strings.Contains(err.Error(), "Migrate") {
+	if !errors.Is(err, outboxdriver.ErrSchemaMissing) || !strings.Contains(err.Error(), "Migrate") {
 		t.Fatalf("want ErrSchemaMissing naming Migrate, got %v", err)
 	}
 	// The same hint reaches a consumer that runs before Migrate.
 	msg := message.NewMessage(uuid.NewString(), nil)
 	err = ob.Handle(msg, outbox.HandleParams{Consumer: "c", MessageID: msg.UUID}, func(*message.Message) ([]*message.Message, error) { return nil, nil })
-	if !errors.Is(err, outbox.ErrSchemaMissing) {
+	if !errors.Is(err, outboxdriver.ErrSchemaMissing) {
 		t.Fatalf("Handle before Migrate: want ErrSchemaMissing, got %v", err)
 	}
 	// Tables from an older build are reported as outdated.
@@ -98,7 +99,7 @@ func TestMissingTablesNameTheFix(t *testing.T) {
 	if _, err := db.Exec(`DELETE FROM outbox_migrations`); err != nil {
 		t.Fatal(err)
 	}
-	if err := ob.CheckSchema(context.Background()); !errors.Is(err, outbox.ErrSchemaOutdated) {
+	if err := ob.CheckSchema(context.Background()); !errors.Is(err, outboxdriver.ErrSchemaOutdated) {
 		t.Fatalf("want ErrSchemaOutdated, got %v", err)
 	}
 }

@@ -7,7 +7,7 @@ import (
 	"io/fs"
 	"strings"
 
-	"github.com/watermill-outbox/outbox"
+	"github.com/watermill-outbox/outbox/outboxdriver"
 	"github.com/watermill-outbox/outbox/store"
 )
 
@@ -43,10 +43,10 @@ func DSN(path string) string { return path + "?" + DSNParams }
 // import _ "modernc.org/sqlite") and the DB opened with DSN or DSNParams.
 type Driver struct{}
 
-var _ outbox.Driver = Driver{}
+var _ outboxdriver.Driver = Driver{}
 
-// Open implements outbox.Driver. opts.Schema must be empty or "main".
-func (Driver) Open(db *sql.DB, opts outbox.StoreOptions) (outbox.Store, error) {
+// Open implements outboxdriver.Driver. opts.Schema must be empty or "main".
+func (Driver) Open(db *sql.DB, opts outboxdriver.StoreOptions) (outboxdriver.Store, error) {
 	if opts.Schema != "" && opts.Schema != Schema {
 		return nil, fmt.Errorf("sqlite: Schema %q is not supported: SQLite has no schemas; leave Schema empty (or %q) and tell table sets apart with TablePrefix", opts.Schema, Schema)
 	}

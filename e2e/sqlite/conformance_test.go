@@ -5,8 +5,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/watermill-outbox/outbox"
 	"github.com/watermill-outbox/outbox/drivers/sqlite"
+	"github.com/watermill-outbox/outbox/outboxdriver"
 	"github.com/watermill-outbox/outbox/store/storetest"
 )
 
@@ -19,19 +19,19 @@ func TestConformance(t *testing.T) {
 		table := func(name string) string { return `"main"."` + prefix + name + `"` }
 		return storetest.Harness{
 			DB: db,
-			Open: func(t testing.TB) outbox.Store {
-				st, err := sqlite.Driver{}.Open(db, outbox.StoreOptions{TablePrefix: prefix})
+			Open: func(t testing.TB) outboxdriver.Store {
+				st, err := sqlite.Driver{}.Open(db, outboxdriver.StoreOptions{TablePrefix: prefix})
 				if err != nil {
 					t.Fatal(err)
 				}
 				return st
 			},
 			Table: table,
-			Age: func(t testing.TB, tbl, column string, src outbox.Source, d time.Duration) {
+			Age: func(t testing.TB, tbl, column string, src outboxdriver.Source, d time.Duration) {
 				q := `UPDATE ` + table(tbl) + ` SET ` + column + ` = strftime('%Y-%m-%d %H:%M:%f', ` + column +
 					`, printf('%+.3f seconds', -?1 / 1000.0))`
 				args := []any{d.Milliseconds()}
-				if src != (outbox.Source{}) {
+				if src != (outboxdriver.Source{}) {
 					c, id := storetest.KeyColumns(tbl)
 					q += ` WHERE ` + c + ` = ?2 AND ` + id + ` = ?3`
 					args = append(args, src.Consumer, src.ID)

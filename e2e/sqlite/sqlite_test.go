@@ -22,6 +22,7 @@ import (
 
 	"github.com/watermill-outbox/outbox"
 	"github.com/watermill-outbox/outbox/drivers/sqlite"
+	"github.com/watermill-outbox/outbox/outboxdriver"
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
@@ -495,7 +496,7 @@ func TestImmediateTransactionsAreNeeded(t *testing.T) {
 func TestSchemaOtherThanMainIsRejected(t *testing.T) {
 	db := openDB(t)
 	for _, schema := range []string{"", "main"} {
-		if _, err := (sqlite.Driver{}).Open(db, outbox.StoreOptions{Schema: schema, TablePrefix: "x_"}); err != nil {
+		if _, err := (sqlite.Driver{}).Open(db, outboxdriver.StoreOptions{Schema: schema, TablePrefix: "x_"}); err != nil {
 			t.Fatalf("schema %q: %v", schema, err)
 		}
 	}
@@ -505,7 +506,7 @@ func TestSchemaOtherThanMainIsRejected(t *testing.T) {
 			t.Fatalf("schema %q: want an error pointing to TablePrefix, got %v", schema, err)
 		}
 	}
-	if _, err := (sqlite.Driver{}).Open(db, outbox.StoreOptions{TablePrefix: `x"; DROP TABLE y; --`}); err == nil {
+	if _, err := (sqlite.Driver{}).Open(db, outboxdriver.StoreOptions{TablePrefix: `x"; DROP TABLE y; --`}); err == nil {
 		t.Fatal("an unsafe table prefix was accepted")
 	}
 }

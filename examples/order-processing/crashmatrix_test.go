@@ -80,4 +80,3 @@ func TestConsumersUnderTheCrashMatrix(t *testing.T) {
 		}.Run(t)
 	})
 }
-

@@ -32,6 +32,7 @@ import (
 
 	"github.com/watermill-outbox/outbox"
 	"github.com/watermill-outbox/outbox/middleware"
+	"github.com/watermill-outbox/outbox/outboxdriver"
 )
 
 // config is what the flags and environment variables set.
@@ -134,7 +135,7 @@ var consumers = []consumer{
 // service holds what the API and the consumers share.
 type service struct {
 	db     *sql.DB
-	driver outbox.Driver
+	driver outboxdriver.Driver
 	broker broker
 	mail   *mailer
 	logger watermill.LoggerAdapter

@@ -11,15 +11,15 @@ import (
 	_ "github.com/lib/pq"  // database/sql driver "postgres"
 	_ "modernc.org/sqlite" // database/sql driver "sqlite" (pure Go, no cgo)
 
-	"github.com/watermill-outbox/outbox"
 	"github.com/watermill-outbox/outbox/drivers/postgres"
 	"github.com/watermill-outbox/outbox/drivers/sqlite"
+	"github.com/watermill-outbox/outbox/outboxdriver"
 )
 
 // openDatabase opens the service's database: PostgreSQL when dsn is set, otherwise the SQLite file
 // orders.db in dir. The business tables and the outbox tables live in it side by side, which is
 // what lets one transaction cover a business change and the events it causes.
-func openDatabase(ctx context.Context, dsn, dir string) (db *sql.DB, driver outbox.Driver, desc string, err error) {
+func openDatabase(ctx context.Context, dsn, dir string) (db *sql.DB, driver outboxdriver.Driver, desc string, err error) {
 	if dsn != "" {
 		db, err = sql.Open("postgres", dsn)
 		// ListenDSN: a failed send in any instance wakes every instance's relay at once.
@@ -121,7 +121,7 @@ var catalogue = []struct {
 
 // createSchema creates the business tables and stocks the catalogue (once: a restart keeps the
 // stock levels).
-func createSchema(ctx context.Context, db *sql.DB, driver outbox.Driver) error {
+func createSchema(ctx context.Context, db *sql.DB, driver outboxdriver.Driver) error {
 	for _, stmt := range schema {
 		if _, isSQLite := driver.(sqlite.Driver); isSQLite {
 			// SQLite has no TIMESTAMPTZ; with TIMESTAMP the driver returns time.Time.

@@ -13,7 +13,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/watermill-outbox/outbox"
+	"github.com/watermill-outbox/outbox/outboxdriver"
 )
 
 // Harness is one fresh, empty database for one test, and what the suite needs to know about its
@@ -22,7 +22,7 @@ type Harness struct {
 	// DB is the database. The suite runs only dialect-neutral SQL on it, without parameters.
 	DB *sql.DB
 	// Open returns a new Store over DB, as another process would have one. It must not migrate.
-	Open func(t testing.TB) outbox.Store
+	Open func(t testing.TB) outboxdriver.Store
 	// Table returns the qualified, quoted name of the outbox table "processed", "effects",
 	// "attempts" or "migrations" of the stores Open returns.
 	Table func(name string) string
@@ -30,7 +30,7 @@ type Harness struct {
 	// "attempts") back by d; a NULL stays NULL. A zero src means every row of the table. The
 	// columns that hold a row's source are given by KeyColumns. ("effects", "dispatched_at") means
 	// the dispatched effects, wherever the dialect keeps them.
-	Age func(t testing.TB, table, column string, src outbox.Source, d time.Duration)
+	Age func(t testing.TB, table, column string, src outboxdriver.Source, d time.Duration)
 	// CountEffects counts every effect row: pending, and dispatched ones kept for EffectRetention
 	// (which a dialect may keep in a table of their own).
 	CountEffects func(t testing.TB) int
@@ -49,7 +49,7 @@ type Harness struct {
 // degraded behaviour of a dialect that lacks one.
 type Capabilities struct {
 	// Listen: EffectListen delivers the EffectNotify calls of other sessions. Without it,
-	// EffectListen returns outbox.ErrListenUnsupported at once and EffectNotify does nothing.
+	// EffectListen returns outboxdriver.ErrListenUnsupported at once and EffectNotify does nothing.
 	Listen bool
 	// RowLocks: another session can lock an effect row (SELECT ... FOR UPDATE) while a relay
 	// claims; the claim must then hold the row's ordering key.
@@ -73,7 +73,7 @@ func KeyColumns(table string) (consumer, id string) {
 // waitLimit bounds every wait of the suite; reaching it is a failure.
 const waitLimit = 30 * time.Second
 
-// Run runs the conformance suite: a subtest per behaviour of every outbox.Store method, in
+// Run runs the conformance suite: a subtest per behaviour of every outboxdriver.Store method, in
 // parallel. newHarness is called once per subtest and must return a fresh, empty database of its
 // own; it registers its cleanup with t.
 func Run(t *testing.T, newHarness func(t *testing.T) Harness) {
@@ -153,24 +153,24 @@ func Run(t *testing.T, newHarness func(t *testing.T) Harness) {
 type fixture struct {
 	t   *testing.T
 	h   Harness
-	st  outbox.Store
+	st  outboxdriver.Store
 	ctx context.Context
 	n   int
 }
 
 // src returns a new message source of consumer "c".
-func (f *fixture) src(name string) outbox.Source {
-	return outbox.Source{Consumer: "c", ID: name}
+func (f *fixture) src(name string) outboxdriver.Source {
+	return outboxdriver.Source{Consumer: "c", ID: name}
 }
 
 // effects returns n publish effects of src with ordering key key, each with its own UUID and payload.
-func (f *fixture) effects(src outbox.Source, key string, n int) []outbox.Effect {
-	out := make([]outbox.Effect, n)
+func (f *fixture) effects(src outboxdriver.Source, key string, n int) []outboxdriver.Effect {
+	out := make([]outboxdriver.Effect, n)
 	for i := range out {
 		f.n++
-		out[i] = outbox.Effect{
+		out[i] = outboxdriver.Effect{
 			Seq:         i,
-			Kind:        outbox.KindPublish,
+			Kind:        outboxdriver.KindPublish,
 			Topic:       "topic",
 			UUID:        fmt.Sprintf("%s-%s-%d-%d", src.Consumer, src.ID, i, f.n),
 			Payload:     []byte(fmt.Sprintf("payload %d of %s", i, src.ID)),
@@ -192,7 +192,7 @@ func (f *fixture) begin() *sql.Tx {
 }
 
 // commit stores effects of src in one transaction, claiming src first when claim is set.
-func (f *fixture) commit(src outbox.Source, claim bool, effects []outbox.Effect) {
+func (f *fixture) commit(src outboxdriver.Source, claim bool, effects []outboxdriver.Effect) {
 	f.t.Helper()
 	tx := f.begin()
 	defer func() { _ = tx.Rollback() }()
@@ -217,7 +217,7 @@ func (f *fixture) commit(src outbox.Source, claim bool, effects []outbox.Effect)
 	}
 }
 
-func (f *fixture) pending(src outbox.Source) []outbox.Effect {
+func (f *fixture) pending(src outboxdriver.Source) []outboxdriver.Effect {
 	f.t.Helper()
 	es, err := f.st.EffectListPending(f.ctx, src)
 	if err != nil {
@@ -227,7 +227,7 @@ func (f *fixture) pending(src outbox.Source) []outbox.Effect {
 }
 
 // mark marks the pending effects of src dispatched, by their store IDs, and moves the claim.
-func (f *fixture) mark(src outbox.Source) {
+func (f *fixture) mark(src outboxdriver.Source) {
 	f.t.Helper()
 	if err := f.st.EffectMarkDispatched(f.ctx, markOf(src, f.pending(src), true)); err != nil {
 		f.t.Fatalf("EffectMarkDispatched(%v): %v", src, err)
@@ -235,15 +235,15 @@ func (f *fixture) mark(src outbox.Source) {
 }
 
 // markOf returns the mark of effects of src.
-func markOf(src outbox.Source, effects []outbox.Effect, moveClaim bool) outbox.DispatchMark {
-	m := outbox.DispatchMark{Source: src, MoveClaim: moveClaim}
+func markOf(src outboxdriver.Source, effects []outboxdriver.Effect, moveClaim bool) outboxdriver.DispatchMark {
+	m := outboxdriver.DispatchMark{Source: src, MoveClaim: moveClaim}
 	for _, e := range effects {
 		m.StoreIDs = append(m.StoreIDs, e.StoreID)
 	}
 	return m
 }
 
-func (f *fixture) processed(src outbox.Source) bool {
+func (f *fixture) processed(src outboxdriver.Source) bool {
 	f.t.Helper()
 	ok, err := f.st.MessageIsProcessed(f.ctx, src)
 	if err != nil {
@@ -252,7 +252,7 @@ func (f *fixture) processed(src outbox.Source) bool {
 	return ok
 }
 
-func (f *fixture) age(table, column string, src outbox.Source, d time.Duration) {
+func (f *fixture) age(table, column string, src outboxdriver.Source, d time.Duration) {
 	f.t.Helper()
 	f.h.Age(f.t, table, column, src, d)
 }
@@ -276,29 +276,29 @@ var errBlocked = errors.New("blocked behind an earlier effect with the same orde
 // round runs one relay round on st, as the framework's relay does: it claims what is due, and
 // marks each effect sent, records it failed (counted, parked at p.MaxAttempts) or releases it,
 // as outcome answers for it (nil: sent; errBlocked: not tried). It returns the claimed effects.
-func (f *fixture) round(st outbox.Store, p relayParams, outcome func(outbox.Effect) error) []outbox.Effect {
+func (f *fixture) round(st outboxdriver.Store, p relayParams, outcome func(outboxdriver.Effect) error) []outboxdriver.Effect {
 	f.t.Helper()
-	got := f.claimDue(st, outbox.EffectClaimParams{Grace: p.Grace, Limit: p.Limit, MaxBytes: p.MaxBytes, Lease: time.Hour})
+	got := f.claimDue(st, outboxdriver.EffectClaimParams{Grace: p.Grace, Limit: p.Limit, MaxBytes: p.MaxBytes, Lease: time.Hour})
 	for i := 1; i < len(got); i++ {
 		if got[i].StoreID <= got[i-1].StoreID {
 			f.t.Fatalf("EffectClaimDue returned effects out of store order: %d after %d", got[i].StoreID, got[i-1].StoreID)
 		}
 	}
-	var marks []outbox.DispatchMark
-	var fails []outbox.EffectFailure
+	var marks []outboxdriver.DispatchMark
+	var fails []outboxdriver.EffectFailure
 	for _, e := range got {
 		err := outcome(e)
 		switch {
 		case err == nil:
-			marks = append(marks, outbox.DispatchMark{Source: e.Source, StoreIDs: []int64{e.StoreID}, MoveClaim: true})
+			marks = append(marks, outboxdriver.DispatchMark{Source: e.Source, StoreIDs: []int64{e.StoreID}, MoveClaim: true})
 		case errors.Is(err, errBlocked):
-			fails = append(fails, outbox.EffectFailure{StoreID: e.StoreID})
+			fails = append(fails, outboxdriver.EffectFailure{StoreID: e.StoreID})
 		default:
 			var delay time.Duration
 			if p.Backoff != nil {
 				delay = p.Backoff(e.Attempts + 1)
 			}
-			fails = append(fails, outbox.EffectFailure{StoreID: e.StoreID, Reason: err.Error(), Counted: true,
+			fails = append(fails, outboxdriver.EffectFailure{StoreID: e.StoreID, Reason: err.Error(), Counted: true,
 				Park: p.MaxAttempts > 0 && e.Attempts+1 >= p.MaxAttempts, RetryAfter: delay})
 		}
 	}
@@ -313,7 +313,7 @@ func (f *fixture) round(st outbox.Store, p relayParams, outcome func(outbox.Effe
 
 // claimDue claims as the relay does: it follows EffectClaim.Next until a claim returns effects or
 // the store has looked at every pending effect.
-func (f *fixture) claimDue(st outbox.Store, p outbox.EffectClaimParams) []outbox.Effect {
+func (f *fixture) claimDue(st outboxdriver.Store, p outboxdriver.EffectClaimParams) []outboxdriver.Effect {
 	f.t.Helper()
 	for {
 		c, err := st.EffectClaimDue(f.ctx, p)
@@ -331,20 +331,20 @@ func (f *fixture) claimDue(st outbox.Store, p outbox.EffectClaimParams) []outbox
 }
 
 // relayOn runs one relay round on st and returns what it claimed.
-func (f *fixture) relayOn(st outbox.Store, p relayParams, outcome func(outbox.Effect) error) []outbox.Effect {
+func (f *fixture) relayOn(st outboxdriver.Store, p relayParams, outcome func(outboxdriver.Effect) error) []outboxdriver.Effect {
 	f.t.Helper()
 	return f.round(st, p, outcome)
 }
 
-func (f *fixture) relay(p relayParams, outcome func(outbox.Effect) error) []outbox.Effect {
+func (f *fixture) relay(p relayParams, outcome func(outboxdriver.Effect) error) []outboxdriver.Effect {
 	f.t.Helper()
 	return f.relayOn(f.st, p, outcome)
 }
 
 // drain runs relay rounds until nothing is due and returns every effect dispatched.
-func (f *fixture) drain(p relayParams, outcome func(outbox.Effect) error) []outbox.Effect {
+func (f *fixture) drain(p relayParams, outcome func(outboxdriver.Effect) error) []outboxdriver.Effect {
 	f.t.Helper()
-	var all []outbox.Effect
+	var all []outboxdriver.Effect
 	for {
 		got := f.relay(p, outcome)
 		if len(got) == 0 {
@@ -354,7 +354,7 @@ func (f *fixture) drain(p relayParams, outcome func(outbox.Effect) error) []outb
 	}
 }
 
-func sent(outbox.Effect) error { return nil }
+func sent(outboxdriver.Effect) error { return nil }
 
 func (f *fixture) count(table string) int {
 	f.t.Helper()
@@ -365,7 +365,7 @@ func (f *fixture) count(table string) int {
 	return n
 }
 
-func (f *fixture) cleanup(p outbox.CleanupParams) outbox.CleanupResult {
+func (f *fixture) cleanup(p outboxdriver.CleanupParams) outboxdriver.CleanupResult {
 	f.t.Helper()
 	res, err := f.st.Cleanup(f.ctx, p)
 	if err != nil {
@@ -408,7 +408,7 @@ func (f *fixture) gate() (wait <-chan struct{}, open func()) {
 	return ch, open
 }
 
-func uuids(es []outbox.Effect) []string {
+func uuids(es []outboxdriver.Effect) []string {
 	out := make([]string, len(es))
 	for i, e := range es {
 		out[i] = e.UUID
@@ -416,7 +416,7 @@ func uuids(es []outbox.Effect) []string {
 	return out
 }
 
-func wantSet(t *testing.T, what string, got []outbox.Effect, want ...outbox.Effect) {
+func wantSet(t *testing.T, what string, got []outboxdriver.Effect, want ...outboxdriver.Effect) {
 	t.Helper()
 	g, w := uuids(got), uuids(want)
 	slices.Sort(g)
@@ -426,7 +426,7 @@ func wantSet(t *testing.T, what string, got []outbox.Effect, want ...outbox.Effe
 	}
 }
 
-func wantUUIDs(t *testing.T, what string, got []outbox.Effect, want ...outbox.Effect) {
+func wantUUIDs(t *testing.T, what string, got []outboxdriver.Effect, want ...outboxdriver.Effect) {
 	t.Helper()
 	g, w := uuids(got), uuids(want)
 	if strings.Join(g, ",") != strings.Join(w, ",") {
@@ -435,7 +435,7 @@ func wantUUIDs(t *testing.T, what string, got []outbox.Effect, want ...outbox.Ef
 }
 
 // sameEffect compares what the store returned with what was inserted.
-func sameEffect(t *testing.T, got, want outbox.Effect) {
+func sameEffect(t *testing.T, got, want outboxdriver.Effect) {
 	t.Helper()
 	if got.StoreID <= 0 {
 		t.Errorf("effect %s: StoreID %d, want > 0", want.UUID, got.StoreID)
@@ -484,7 +484,7 @@ func (f *fixture) checkMigrationsRecordedOnce() {
 
 func testMigrateConcurrent(f *fixture) {
 	errs := make([]error, 6)
-	stores := make([]outbox.Store, len(errs))
+	stores := make([]outboxdriver.Store, len(errs))
 	for i := range stores {
 		stores[i] = f.h.Open(f.t)
 	}
@@ -507,7 +507,7 @@ func testMigrateConcurrent(f *fixture) {
 
 func testSchemaMissing(f *fixture) {
 	err := f.st.SchemaCheck(f.ctx)
-	if !errors.Is(err, outbox.ErrSchemaMissing) || !strings.Contains(err.Error(), "Migrate") {
+	if !errors.Is(err, outboxdriver.ErrSchemaMissing) || !strings.Contains(err.Error(), "Migrate") {
 		f.t.Fatalf("SchemaCheck before Migrate: want ErrSchemaMissing naming Migrate, got %v", err)
 	}
 	src := f.src("m")
@@ -523,16 +523,16 @@ func testSchemaMissing(f *fixture) {
 		"EffectListPending":  func() error { _, err := f.st.EffectListPending(f.ctx, src); return err },
 		"EffectListParked":   func() error { _, err := f.st.EffectListParked(f.ctx, 10); return err },
 		"EffectClaimDue": func() error {
-			_, err := f.st.EffectClaimDue(f.ctx, outbox.EffectClaimParams{Grace: time.Hour, Limit: 10, Lease: time.Minute})
+			_, err := f.st.EffectClaimDue(f.ctx, outboxdriver.EffectClaimParams{Grace: time.Hour, Limit: 10, Lease: time.Minute})
 			return err
 		},
 		"Cleanup": func() error {
-			_, err := f.st.Cleanup(f.ctx, outbox.CleanupParams{Retention: time.Hour, EffectRetention: time.Hour, BatchSize: 10})
+			_, err := f.st.Cleanup(f.ctx, outboxdriver.CleanupParams{Retention: time.Hour, EffectRetention: time.Hour, BatchSize: 10})
 			return err
 		},
 	}
 	for name, call := range calls {
-		if err := call(); !errors.Is(err, outbox.ErrSchemaMissing) {
+		if err := call(); !errors.Is(err, outboxdriver.ErrSchemaMissing) {
 			f.t.Errorf("%s before Migrate: want ErrSchemaMissing, got %v", name, err)
 		}
 	}
@@ -545,7 +545,7 @@ func testSchemaOutdated(f *fixture) {
 	if _, err := f.h.DB.ExecContext(f.ctx, `DELETE FROM `+f.h.Table("migrations")); err != nil {
 		f.t.Fatal(err)
 	}
-	if err := f.st.SchemaCheck(f.ctx); !errors.Is(err, outbox.ErrSchemaOutdated) {
+	if err := f.st.SchemaCheck(f.ctx); !errors.Is(err, outboxdriver.ErrSchemaOutdated) {
 		f.t.Fatalf("SchemaCheck with no migration recorded: want ErrSchemaOutdated, got %v", err)
 	}
 	// Migrate repairs it: the migrations are idempotent.
@@ -557,7 +557,7 @@ func testSchemaOutdated(f *fixture) {
 	}
 }
 
-func (f *fixture) claim(tx *sql.Tx, src outbox.Source) bool {
+func (f *fixture) claim(tx *sql.Tx, src outboxdriver.Source) bool {
 	f.t.Helper()
 	c, err := f.st.MessageClaim(f.ctx, tx, src)
 	if err != nil {
@@ -586,7 +586,7 @@ func testClaimAndDuplicate(f *fixture) {
 	// The claim is per consumer and message.
 	tx = f.begin()
 	defer func() { _ = tx.Rollback() }()
-	if !f.claim(tx, outbox.Source{Consumer: "other", ID: src.ID}) || !f.claim(tx, f.src("m2")) {
+	if !f.claim(tx, outboxdriver.Source{Consumer: "other", ID: src.ID}) || !f.claim(tx, f.src("m2")) {
 		f.t.Fatal("claims of another consumer or message: want true")
 	}
 }
@@ -621,7 +621,7 @@ func testClaimConcurrent(f *fixture, commit bool) {
 	}
 	type result struct {
 		ok  bool
-		c   outbox.Claim
+		c   outboxdriver.Claim
 		err error
 	}
 	second := make(chan result, 2)
@@ -694,7 +694,7 @@ func testIsProcessed(f *fixture) {
 	if !f.processed(src) {
 		f.t.Fatal("a committed claim does not count as processed")
 	}
-	if f.processed(outbox.Source{Consumer: "other", ID: src.ID}) {
+	if f.processed(outboxdriver.Source{Consumer: "other", ID: src.ID}) {
 		f.t.Fatal("processed by another consumer")
 	}
 }
@@ -729,7 +729,7 @@ func testPoison(f *fixture) {
 	// Poisoned claims expire like the others.
 	f.age("processed", "processed_at", src, 30*24*time.Hour)
 	f.age("processed", "dispatched_at", src, 30*24*time.Hour)
-	if res := f.cleanup(outbox.CleanupParams{Retention: 7 * 24 * time.Hour, EffectRetention: time.Hour, BatchSize: 10}); res.Claims != 1 {
+	if res := f.cleanup(outboxdriver.CleanupParams{Retention: 7 * 24 * time.Hour, EffectRetention: time.Hour, BatchSize: 10}); res.Claims != 1 {
 		f.t.Fatalf("cleanup of an expired poisoned claim: %+v", res)
 	}
 	if f.processed(src) {
@@ -737,7 +737,7 @@ func testPoison(f *fixture) {
 	}
 }
 
-func (f *fixture) attempt(src outbox.Source, reason string) int {
+func (f *fixture) attempt(src outboxdriver.Source, reason string) int {
 	f.t.Helper()
 	n, err := f.st.AttemptRecord(f.ctx, src, reason)
 	if err != nil {
@@ -756,7 +756,7 @@ func testAttemptRecord(f *fixture) {
 	if got := f.attempt(f.src("m2"), "x"); got != 1 {
 		f.t.Fatalf("another message's first attempt counted as %d", got)
 	}
-	if got := f.attempt(outbox.Source{Consumer: "other", ID: src.ID}, "x"); got != 1 {
+	if got := f.attempt(outboxdriver.Source{Consumer: "other", ID: src.ID}, "x"); got != 1 {
 		f.t.Fatalf("another consumer's first attempt counted as %d", got)
 	}
 	// Counting works inside no transaction: it survives the rollback of the message's.
@@ -779,13 +779,13 @@ func testUnstorableReasons(f *fixture) {
 	}
 	es := f.effects(src, "k", 1)
 	f.commit(src, true, es)
-	if err := f.st.EffectRecordFailures(f.ctx, outbox.EffectFailure{StoreID: es[0].StoreID, Reason: bad}); err != nil {
+	if err := f.st.EffectRecordFailures(f.ctx, outboxdriver.EffectFailure{StoreID: es[0].StoreID, Reason: bad}); err != nil {
 		f.t.Fatalf("EffectRecordFailures with an unstorable reason: %v", err)
 	}
 }
 
 // binaryEffects are effects whose payloads and metadata hold what text columns cannot.
-func binaryEffects(src outbox.Source) []outbox.Effect {
+func binaryEffects(src outboxdriver.Source) []outboxdriver.Effect {
 	all := make([]byte, 256)
 	for i := range all {
 		all[i] = byte(i)
@@ -798,13 +798,13 @@ func binaryEffects(src outbox.Source) []outbox.Effect {
 		{"trace": strings.Repeat("x", 10000)},
 		{"a": "1", "b": "2"},
 	}
-	out := make([]outbox.Effect, len(payloads))
+	out := make([]outboxdriver.Effect, len(payloads))
 	for i := range out {
-		kind, topic := outbox.KindPublish, fmt.Sprintf("topic-%d", i)
+		kind, topic := outboxdriver.KindPublish, fmt.Sprintf("topic-%d", i)
 		if i == 3 {
 			kind, topic = "applier", ""
 		}
-		out[i] = outbox.Effect{
+		out[i] = outboxdriver.Effect{
 			Seq: i, Kind: kind, Topic: topic, UUID: fmt.Sprintf("uuid-%s-%d", src.ID, i),
 			Payload: payloads[i], Metadata: metadata[i], OrderingKey: "key-" + src.ID, Source: src,
 		}
@@ -857,7 +857,7 @@ func testInsertRoundTrip(f *fixture) {
 		f.t.Fatalf("other source: %d pending, want 2", n)
 	}
 	// A boundary source (no consumer) round-trips too.
-	boundary := outbox.Source{ID: "boundary-1"}
+	boundary := outboxdriver.Source{ID: "boundary-1"}
 	bw := binaryEffects(boundary)
 	f.commit(boundary, false, bw)
 	for i, e := range f.pending(boundary) {
@@ -912,7 +912,7 @@ func testInsertInSavepoint(f *fixture) {
 			f.t.Fatalf("%s: %v", q, err)
 		}
 	}
-	insert := func(seq int) ([]outbox.Effect, bool) {
+	insert := func(seq int) ([]outboxdriver.Effect, bool) {
 		es := f.effects(src, "k", 1)
 		es[0].Seq = seq
 		nested, err := f.st.EffectInsert(f.ctx, tx, src, es)
@@ -951,7 +951,7 @@ func testMarkOnlyTheListed(f *fixture) {
 	src := f.src("m1")
 	es := f.effects(src, "k", 3)
 	f.commit(src, true, es)
-	if err := f.st.EffectMarkDispatched(f.ctx, markOf(src, []outbox.Effect{es[0], es[2]}, true)); err != nil {
+	if err := f.st.EffectMarkDispatched(f.ctx, markOf(src, []outboxdriver.Effect{es[0], es[2]}, true)); err != nil {
 		f.t.Fatal(err)
 	}
 	got := f.pending(src)
@@ -973,8 +973,8 @@ func testPendingFor(f *fixture) {
 // testMarkMany marks many sources in one call (the background marker's batches), more than one
 // statement's worth, some moving their claims and some not, and leaves the others alone.
 func testMarkMany(f *fixture) {
-	var srcs []outbox.Source
-	var marks []outbox.DispatchMark
+	var srcs []outboxdriver.Source
+	var marks []outboxdriver.DispatchMark
 	for i := 0; i < 300; i++ {
 		src := f.src(fmt.Sprintf("many-%03d", i))
 		es := f.effects(src, "k", 1)
@@ -1010,14 +1010,14 @@ func testMarkDispatched(f *fixture) {
 		f.t.Fatalf("EffectMarkDispatched touched another source: %d pending, want 1", n)
 	}
 	f.mark(src) // nothing pending: no error, no change
-	boundary := outbox.Source{ID: "b1"}
+	boundary := outboxdriver.Source{ID: "b1"}
 	f.commit(boundary, false, f.effects(boundary, "k3", 2))
 	f.mark(boundary)
 	if n := len(f.pending(boundary)); n != 0 {
 		f.t.Fatalf("%d boundary effects pending after EffectMarkDispatched", n)
 	}
 	// Dispatched effects are not relayed.
-	f.age("effects", "created_at", outbox.Source{}, 2*time.Hour)
+	f.age("effects", "created_at", outboxdriver.Source{}, 2*time.Hour)
 	got := f.relay(due, sent)
 	wantUUIDs(f.t, "relay after marking", got, eo...)
 }
@@ -1041,7 +1041,7 @@ func testMarkKeepsClaim(f *fixture) {
 	if !f.processed(src) {
 		f.t.Fatal("the claim is gone after a mark")
 	}
-	week := outbox.CleanupParams{Retention: 7 * 24 * time.Hour, EffectRetention: time.Hour, BatchSize: 10}
+	week := outboxdriver.CleanupParams{Retention: 7 * 24 * time.Hour, EffectRetention: time.Hour, BatchSize: 10}
 	if res := f.cleanup(week); res.Claims != 0 || !f.processed(src) {
 		f.t.Fatalf("cleanup deleted a claim written just now: %+v", res)
 	}
@@ -1053,7 +1053,7 @@ func testMarkMovesClaim(f *fixture) {
 	f.commit(src, true, f.effects(src, "k", 2))
 	f.age("processed", "processed_at", src, 30*24*time.Hour)
 	f.age("processed", "dispatched_at", src, 30*24*time.Hour)
-	week := outbox.CleanupParams{Retention: 7 * 24 * time.Hour, EffectRetention: time.Hour, BatchSize: 10}
+	week := outboxdriver.CleanupParams{Retention: 7 * 24 * time.Hour, EffectRetention: time.Hour, BatchSize: 10}
 	if res := f.cleanup(week); res.Claims != 0 || !f.processed(src) {
 		f.t.Fatalf("cleanup deleted a claim with pending effects: %+v", res)
 	}
@@ -1068,15 +1068,15 @@ func testMarkMovesClaim(f *fixture) {
 }
 
 // failures returns uncounted failure records of effects, due again after delay.
-func failures(effects []outbox.Effect, reason string, delay time.Duration) []outbox.EffectFailure {
-	out := make([]outbox.EffectFailure, len(effects))
+func failures(effects []outboxdriver.Effect, reason string, delay time.Duration) []outboxdriver.EffectFailure {
+	out := make([]outboxdriver.EffectFailure, len(effects))
 	for i, e := range effects {
-		out[i] = outbox.EffectFailure{StoreID: e.StoreID, Reason: reason, RetryAfter: delay}
+		out[i] = outboxdriver.EffectFailure{StoreID: e.StoreID, Reason: reason, RetryAfter: delay}
 	}
 	return out
 }
 
-func (f *fixture) recordFailures(fs ...outbox.EffectFailure) {
+func (f *fixture) recordFailures(fs ...outboxdriver.EffectFailure) {
 	f.t.Helper()
 	if err := f.st.EffectRecordFailures(f.ctx, fs...); err != nil {
 		f.t.Fatalf("EffectRecordFailures: %v", err)
@@ -1129,8 +1129,8 @@ func testRecordFailuresCountedAndParked(f *fixture) {
 	src := f.src("m1")
 	es := f.effects(src, "k", 2)
 	f.commit(src, true, es)
-	f.recordFailures(outbox.EffectFailure{StoreID: es[0].StoreID, Reason: "refused", Counted: true})
-	f.recordFailures(outbox.EffectFailure{StoreID: es[0].StoreID, Reason: "refused again", Counted: true, Park: true})
+	f.recordFailures(outboxdriver.EffectFailure{StoreID: es[0].StoreID, Reason: "refused", Counted: true})
+	f.recordFailures(outboxdriver.EffectFailure{StoreID: es[0].StoreID, Reason: "refused again", Counted: true, Park: true})
 	got := f.pending(src)
 	if !got[0].Parked || got[0].Attempts != 2 || got[0].Failures != 2 {
 		f.t.Fatalf("after two counted failures, the second parking it: %+v", got[0])
@@ -1143,7 +1143,7 @@ func testRecordFailuresCountedAndParked(f *fixture) {
 		f.t.Fatalf("parked effects: %+v", parked)
 	}
 	// The effect behind the parked one (same key) is never relayed.
-	f.age("effects", "created_at", outbox.Source{}, 2*time.Hour)
+	f.age("effects", "created_at", outboxdriver.Source{}, 2*time.Hour)
 	if got := f.relay(due, sent); len(got) != 0 {
 		f.t.Fatalf("relayed behind a parked effect: %v", uuids(got))
 	}
@@ -1155,12 +1155,12 @@ func testRecordFailuresRelease(f *fixture) {
 	src := f.src("m1")
 	es := f.effects(src, "k", 1)
 	f.commit(src, true, es)
-	f.recordFailures(outbox.EffectFailure{StoreID: es[0].StoreID, RetryAfter: time.Hour})
+	f.recordFailures(outboxdriver.EffectFailure{StoreID: es[0].StoreID, RetryAfter: time.Hour})
 	got := f.pending(src)[0]
 	if got.Failures != 0 || got.Attempts != 0 {
 		f.t.Fatalf("a released effect was charged: %+v", got)
 	}
-	f.age("effects", "created_at", outbox.Source{}, 2*time.Hour)
+	f.age("effects", "created_at", outboxdriver.Source{}, 2*time.Hour)
 	if got := f.relay(due, sent); len(got) != 0 {
 		f.t.Fatalf("a released effect was relayed before its retry time: %v", uuids(got))
 	}
@@ -1186,7 +1186,7 @@ func testHandToRelay(f *fixture) {
 	}
 }
 
-func (f *fixture) keyBlocked(src outbox.Source, key string) bool {
+func (f *fixture) keyBlocked(src outboxdriver.Source, key string) bool {
 	f.t.Helper()
 	b, err := f.st.EffectKeyBlocked(f.ctx, src, key)
 	if err != nil {
@@ -1249,7 +1249,7 @@ func testRelayLimit(f *fixture) {
 	f.age("effects", "created_at", src, 2*time.Hour)
 	p := due
 	p.Limit = 2
-	for _, want := range [][]outbox.Effect{es[0:2], es[2:4], es[4:5], nil} {
+	for _, want := range [][]outboxdriver.Effect{es[0:2], es[2:4], es[4:5], nil} {
 		wantUUIDs(f.t, "relay round with limit 2", f.relay(p, sent), want...)
 	}
 }
@@ -1262,7 +1262,7 @@ func testRelayBackoff(f *fixture) {
 	var backoffArg int
 	p := due
 	p.Backoff = func(attempts int) time.Duration { backoffArg = attempts; return time.Hour }
-	wantUUIDs(f.t, "first round", f.relay(p, func(outbox.Effect) error { return errors.New("broker down") }), es...)
+	wantUUIDs(f.t, "first round", f.relay(p, func(outboxdriver.Effect) error { return errors.New("broker down") }), es...)
 	if backoffArg != 1 {
 		f.t.Fatalf("Backoff called with %d, want 1", backoffArg)
 	}
@@ -1288,7 +1288,7 @@ func testRelayBlocked(f *fixture) {
 	es := f.effects(src, "k", 2)
 	f.commit(src, true, es)
 	f.age("effects", "created_at", src, 2*time.Hour)
-	blocked := func(outbox.Effect) error { return fmt.Errorf("wrapped: %w", errBlocked) }
+	blocked := func(outboxdriver.Effect) error { return fmt.Errorf("wrapped: %w", errBlocked) }
 	wantUUIDs(f.t, "first round", f.relay(due, blocked), es...)
 	for _, e := range f.pending(src) {
 		if e.Attempts != 0 {
@@ -1307,7 +1307,7 @@ func testRelayPark(f *fixture) {
 	p.MaxAttempts = 2
 	p.Backoff = nil // due again at once
 	// Brokers and appliers may fail with any text: NUL and invalid UTF-8 must not fail the round.
-	fail := func(outbox.Effect) error { return errors.New("rejected: \x00 and \xff are not allowed") }
+	fail := func(outboxdriver.Effect) error { return errors.New("rejected: \x00 and \xff are not allowed") }
 	wantUUIDs(f.t, "first attempt", f.relay(p, fail), es...)
 	if parked := f.parked(10); len(parked) != 0 {
 		f.t.Fatalf("parked after 1 of 2 attempts")
@@ -1336,11 +1336,11 @@ func testRelayKeyBehindFailure(f *fixture) {
 	f.commit(a, true, ea)
 	f.commit(b, true, eb)
 	f.commit(c, true, ec)
-	f.age("effects", "created_at", outbox.Source{}, 2*time.Hour)
+	f.age("effects", "created_at", outboxdriver.Source{}, 2*time.Hour)
 	p := due
 	p.MaxAttempts = 2
 	// As the outbox's relay does: after a failure, later effects with its key are not tried.
-	outcome := func(e outbox.Effect) error {
+	outcome := func(e outboxdriver.Effect) error {
 		switch e.Source {
 		case a:
 			return errors.New("rejected")
@@ -1397,9 +1397,9 @@ func testRelayMarksClaim(f *fixture) {
 	f.age("processed", "processed_at", src, 30*24*time.Hour)
 	f.age("processed", "dispatched_at", src, 30*24*time.Hour)
 	f.age("effects", "created_at", src, 2*time.Hour)
-	week := outbox.CleanupParams{Retention: 7 * 24 * time.Hour, EffectRetention: time.Hour, BatchSize: 10}
+	week := outboxdriver.CleanupParams{Retention: 7 * 24 * time.Hour, EffectRetention: time.Hour, BatchSize: 10}
 	// One effect sent, the other not yet: the claim stays.
-	f.relay(due, func(e outbox.Effect) error {
+	f.relay(due, func(e outboxdriver.Effect) error {
 		if e.Seq == 0 {
 			return nil
 		}
@@ -1425,11 +1425,11 @@ func testRelayMarksClaim(f *fixture) {
 // first holds, and no later effect with a key the first holds; every effect is sent once.
 func testRelayInstances(f *fixture) {
 	const keys = 64
-	var all []outbox.Effect
+	var all []outboxdriver.Effect
 	tx := f.begin()
 	for round := 0; round < 2; round++ {
 		for i := 0; i < keys; i++ {
-			src := outbox.Source{ID: fmt.Sprintf("boundary-%02d-%d", i, round)}
+			src := outboxdriver.Source{ID: fmt.Sprintf("boundary-%02d-%d", i, round)}
 			es := f.effects(src, fmt.Sprintf("key-%02d", i), 1)
 			if _, err := f.st.EffectInsert(f.ctx, tx, src, es); err != nil {
 				f.t.Fatal(err)
@@ -1440,10 +1440,10 @@ func testRelayInstances(f *fixture) {
 	if err := tx.Commit(); err != nil {
 		f.t.Fatal(err)
 	}
-	f.age("effects", "created_at", outbox.Source{}, 2*time.Hour)
+	f.age("effects", "created_at", outboxdriver.Source{}, 2*time.Hour)
 	other := f.h.Open(f.t)
-	claim := func(st outbox.Store) []outbox.Effect {
-		return f.claimDue(st, outbox.EffectClaimParams{Grace: time.Hour, Limit: 10, Lease: time.Hour})
+	claim := func(st outboxdriver.Store) []outboxdriver.Effect {
+		return f.claimDue(st, outboxdriver.EffectClaimParams{Grace: time.Hour, Limit: 10, Lease: time.Hour})
 	}
 	held := claim(f.st)
 	second := claim(other)
@@ -1462,10 +1462,10 @@ func testRelayInstances(f *fixture) {
 		}
 		sentBy[e.UUID]++
 	}
-	for _, batch := range [][]outbox.Effect{second, held} {
-		var marks []outbox.DispatchMark
+	for _, batch := range [][]outboxdriver.Effect{second, held} {
+		var marks []outboxdriver.DispatchMark
 		for _, e := range batch {
-			marks = append(marks, markOf(e.Source, []outbox.Effect{e}, true))
+			marks = append(marks, markOf(e.Source, []outboxdriver.Effect{e}, true))
 		}
 		if err := f.st.EffectMarkDispatched(f.ctx, marks...); err != nil {
 			f.t.Fatal(err)
@@ -1488,8 +1488,8 @@ func testClaimDueLease(f *fixture) {
 	ea, eb := f.effects(a, "k", 1), f.effects(b, "k", 1)
 	f.commit(a, true, ea)
 	f.commit(b, true, eb)
-	f.age("effects", "created_at", outbox.Source{}, 2*time.Hour)
-	got := f.claimDue(f.st, outbox.EffectClaimParams{Grace: time.Hour, Limit: 1, Lease: time.Hour})
+	f.age("effects", "created_at", outboxdriver.Source{}, 2*time.Hour)
+	got := f.claimDue(f.st, outboxdriver.EffectClaimParams{Grace: time.Hour, Limit: 1, Lease: time.Hour})
 	wantUUIDs(f.t, "first claim", got, ea...)
 	if got := f.relay(due, sent); len(got) != 0 {
 		f.t.Fatalf("claimed while the first effect with their key is leased: %v", uuids(got))
@@ -1509,7 +1509,7 @@ func testClaimDueBeyondABlockedPrefix(f *fixture) {
 	free := f.src("free")
 	ef := f.effects(free, "free", 1)
 	f.commit(free, true, ef)
-	f.age("effects", "created_at", outbox.Source{}, 2*time.Hour)
+	f.age("effects", "created_at", outboxdriver.Source{}, 2*time.Hour)
 	p := due
 	p.Limit = 10
 	wantUUIDs(f.t, "claim behind a blocked prefix", f.relay(p, sent), ef...)
@@ -1543,7 +1543,7 @@ func testClaimDueLockedEarlier(f *fixture) {
 	f.commit(a, true, ea)
 	f.commit(b, true, eb)
 	f.commit(c, true, ec)
-	f.age("effects", "created_at", outbox.Source{}, 2*time.Hour)
+	f.age("effects", "created_at", outboxdriver.Source{}, 2*time.Hour)
 	tx := f.begin()
 	defer func() { _ = tx.Rollback() }()
 	if _, err := tx.ExecContext(f.ctx, fmt.Sprintf(`SELECT 1 FROM %s WHERE id = %d FOR UPDATE`, f.h.Table("effects"), ea[0].StoreID)); err != nil {
@@ -1561,12 +1561,12 @@ func testClaimDueLockedEarlier(f *fixture) {
 func testDiscardMovesClaim(f *fixture) {
 	parked, _ := f.parkThree()
 	src := parked[0].Source
-	f.age("processed", "processed_at", outbox.Source{}, 30*24*time.Hour)
-	f.age("processed", "dispatched_at", outbox.Source{}, 30*24*time.Hour)
+	f.age("processed", "processed_at", outboxdriver.Source{}, 30*24*time.Hour)
+	f.age("processed", "dispatched_at", outboxdriver.Source{}, 30*24*time.Hour)
 	for _, e := range f.parked(10) {
 		f.discard(e.StoreID)
 	}
-	week := outbox.CleanupParams{Retention: 7 * 24 * time.Hour, EffectRetention: time.Hour, BatchSize: 10}
+	week := outboxdriver.CleanupParams{Retention: 7 * 24 * time.Hour, EffectRetention: time.Hour, BatchSize: 10}
 	f.cleanup(week)
 	if !f.processed(src) {
 		f.t.Fatal("cleanup deleted the claim of a message whose effects were discarded just now")
@@ -1583,7 +1583,7 @@ func testReplay(f *fixture) {
 	}
 	f.commit(done, true, nil)
 	for _, c := range []struct {
-		src  outbox.Source
+		src  outboxdriver.Source
 		want bool
 	}{{poisoned, true}, {done, false}, {f.src("unknown"), false}} {
 		ok, err := f.st.MessageReplay(f.ctx, c.src)
@@ -1599,7 +1599,7 @@ func testReplay(f *fixture) {
 	}
 }
 
-func (f *fixture) parked(limit int) []outbox.ParkedEffect {
+func (f *fixture) parked(limit int) []outboxdriver.ParkedEffect {
 	f.t.Helper()
 	ps, err := f.st.EffectListParked(f.ctx, limit)
 	if err != nil {
@@ -1628,7 +1628,7 @@ func (f *fixture) unpark(ids ...int64) int {
 
 // parkThree parks one effect of each of three sources (keys k0, k1, k2) and leaves a second
 // effect of the first source pending behind its parked one.
-func (f *fixture) parkThree() (parked []outbox.Effect, behind outbox.Effect) {
+func (f *fixture) parkThree() (parked []outboxdriver.Effect, behind outboxdriver.Effect) {
 	f.t.Helper()
 	for i := 0; i < 3; i++ {
 		src := f.src(fmt.Sprintf("m%d", i))
@@ -1645,10 +1645,10 @@ func (f *fixture) parkThree() (parked []outbox.Effect, behind outbox.Effect) {
 			behind = es[1]
 		}
 	}
-	f.age("effects", "created_at", outbox.Source{}, 2*time.Hour)
+	f.age("effects", "created_at", outboxdriver.Source{}, 2*time.Hour)
 	p := due
 	p.MaxAttempts = 1
-	f.drain(p, func(e outbox.Effect) error {
+	f.drain(p, func(e outboxdriver.Effect) error {
 		if e.Seq == 0 {
 			return fmt.Errorf("rejected %s", e.UUID)
 		}
@@ -1749,7 +1749,7 @@ func testNotifyListen(f *fixture) {
 		})
 	}()
 	if !f.h.Capabilities.Listen {
-		if err := receive(f, "EffectListen of a store that cannot listen to return", done); !errors.Is(err, outbox.ErrListenUnsupported) {
+		if err := receive(f, "EffectListen of a store that cannot listen to return", done); !errors.Is(err, outboxdriver.ErrListenUnsupported) {
 			f.t.Fatalf("EffectListen: want ErrListenUnsupported at once, got %v", err)
 		}
 		return
@@ -1793,14 +1793,14 @@ func testCleanupRetention(f *fixture) {
 	f.commit(c, true, f.effects(c, "kc", 2))
 	f.age("effects", "created_at", c, 30*day)
 	// c: the relay sent its first effect; the second is still pending.
-	f.relay(due, func(e outbox.Effect) error {
+	f.relay(due, func(e outboxdriver.Effect) error {
 		if e.Seq == 0 {
 			return nil
 		}
 		return errBlocked
 	})
 	f.commit(d, true, nil)
-	for _, s := range []outbox.Source{a, b, c} {
+	for _, s := range []outboxdriver.Source{a, b, c} {
 		f.age("processed", "processed_at", s, 30*day)
 	}
 	f.age("processed", "dispatched_at", a, 8*day)
@@ -1815,9 +1815,9 @@ func testCleanupRetention(f *fixture) {
 	f.age("attempts", "first_failed_at", x, 8*day)
 	f.age("attempts", "last_failed_at", x, 8*day)
 
-	p := outbox.CleanupParams{Retention: 7 * day, EffectRetention: time.Hour, BatchSize: 100}
+	p := outboxdriver.CleanupParams{Retention: 7 * day, EffectRetention: time.Hour, BatchSize: 100}
 	res := f.cleanup(p)
-	if want := (outbox.CleanupResult{Batches: 3, Claims: 1, Effects: 3, Attempts: 1}); res != want {
+	if want := (outboxdriver.CleanupResult{Batches: 3, Claims: 1, Effects: 3, Attempts: 1}); res != want {
 		f.t.Fatalf("cleanup: %+v, want %+v", res, want)
 	}
 	if f.processed(a) || !f.processed(b) || !f.processed(c) || !f.processed(d) {
@@ -1836,7 +1836,7 @@ func testCleanupRetention(f *fixture) {
 	if got := f.attempt(y, "again"); got != 2 {
 		f.t.Fatalf("the recent attempt counter was deleted: next attempt counted %d", got)
 	}
-	if res := f.cleanup(p); res != (outbox.CleanupResult{Batches: 3}) {
+	if res := f.cleanup(p); res != (outboxdriver.CleanupResult{Batches: 3}) {
 		f.t.Fatalf("second cleanup: %+v, want nothing deleted in one batch per table", res)
 	}
 }
@@ -1850,17 +1850,17 @@ func testCleanupBatches(f *fixture) {
 	if err := tx.Commit(); err != nil {
 		f.t.Fatal(err)
 	}
-	f.age("processed", "processed_at", outbox.Source{}, 30*24*time.Hour)
-	f.age("processed", "dispatched_at", outbox.Source{}, 30*24*time.Hour)
-	p := outbox.CleanupParams{Retention: 7 * 24 * time.Hour, EffectRetention: time.Hour, BatchSize: 10, PauseBetweenBatches: time.Hour}
+	f.age("processed", "processed_at", outboxdriver.Source{}, 30*24*time.Hour)
+	f.age("processed", "dispatched_at", outboxdriver.Source{}, 30*24*time.Hour)
+	p := outboxdriver.CleanupParams{Retention: 7 * 24 * time.Hour, EffectRetention: time.Hour, BatchSize: 10, PauseBetweenBatches: time.Hour}
 
 	// Each batch commits on its own: cancelled during the pause after the first batch, Cleanup
 	// reports the ten it deleted.
 	type result struct {
-		res outbox.CleanupResult
+		res outboxdriver.CleanupResult
 		err error
 	}
-	oneBatch := func(p outbox.CleanupParams, left int) {
+	oneBatch := func(p outboxdriver.CleanupParams, left int) {
 		ctx, cancel := context.WithCancel(f.ctx)
 		defer cancel()
 		done := make(chan result, 1)
@@ -1894,7 +1894,7 @@ func testCleanupLocked(f *fixture) {
 	f.commit(src, true, nil)
 	f.age("processed", "processed_at", src, 30*24*time.Hour)
 	f.age("processed", "dispatched_at", src, 30*24*time.Hour)
-	p := outbox.CleanupParams{Retention: 7 * 24 * time.Hour, EffectRetention: time.Hour, BatchSize: 10}
+	p := outboxdriver.CleanupParams{Retention: 7 * 24 * time.Hour, EffectRetention: time.Hour, BatchSize: 10}
 	release := f.h.HoldCleanupLock(f.t)
 	released := false
 	defer func() {
@@ -1915,7 +1915,7 @@ func testCleanupLocked(f *fixture) {
 		return
 	}
 	type result struct {
-		res outbox.CleanupResult
+		res outboxdriver.CleanupResult
 		err error
 	}
 	done := make(chan result, 1)
@@ -1952,7 +1952,7 @@ func testClaimAge(f *fixture) {
 	}
 }
 
-func (f *fixture) stats(p outbox.StatsParams) outbox.Stats {
+func (f *fixture) stats(p outboxdriver.StatsParams) outboxdriver.Stats {
 	f.t.Helper()
 	s, err := f.st.Stats(f.ctx, p)
 	if err != nil {
@@ -1963,7 +1963,7 @@ func (f *fixture) stats(p outbox.StatsParams) outbox.Stats {
 
 func testStatsSample(f *fixture) {
 	const day = 24 * time.Hour
-	if s := f.stats(outbox.StatsParams{Retention: 7 * day}); s != (outbox.Stats{SampledAt: s.SampledAt}) || time.Since(s.SampledAt) > time.Minute {
+	if s := f.stats(outboxdriver.StatsParams{Retention: 7 * day}); s != (outboxdriver.Stats{SampledAt: s.SampledAt}) || time.Since(s.SampledAt) > time.Minute {
 		f.t.Fatalf("stats of empty tables: %+v, want zeros sampled now", s)
 	}
 	f.parkThree() // three parked effects, and one pending behind the first (aged two hours)
@@ -1978,7 +1978,7 @@ func testStatsSample(f *fixture) {
 	f.age("processed", "processed_at", old, 8*day)
 	f.age("processed", "dispatched_at", old, 8*day)
 
-	s := f.stats(outbox.StatsParams{Retention: 7 * day})
+	s := f.stats(outboxdriver.StatsParams{Retention: 7 * day})
 	if s.Pending != 3 || s.Parked != 3 || s.Failing != 1 || s.Retained != 6 || s.Estimated {
 		f.t.Fatalf("stats: %+v, want 3 pending, 3 parked, 1 failing, 6 retained, nothing estimated", s)
 	}
@@ -1989,7 +1989,7 @@ func testStatsSample(f *fixture) {
 }
 
 func testStatsShared(f *fixture) {
-	p := outbox.StatsParams{Interval: time.Hour, Retention: time.Hour}
+	p := outboxdriver.StatsParams{Interval: time.Hour, Retention: time.Hour}
 	first := f.stats(p)
 	if first.SampledAt.IsZero() || first.Pending != 0 {
 		f.t.Fatalf("first sample: %+v, want one taken now", first)
@@ -2000,11 +2000,11 @@ func testStatsShared(f *fixture) {
 	if again := f.stats(p); again.Pending != 0 || again.SampledAt.After(first.SampledAt.Add(time.Minute)) {
 		f.t.Fatalf("sample within the interval: %+v, want the stored one (%+v)", again, first)
 	}
-	if now := f.stats(outbox.StatsParams{Retention: time.Hour}); now.Pending != 2 {
+	if now := f.stats(outboxdriver.StatsParams{Retention: time.Hour}); now.Pending != 2 {
 		f.t.Fatalf("a sample taken now: %+v, want 2 pending", now)
 	}
 	time.Sleep(20 * time.Millisecond)
-	if next := f.stats(outbox.StatsParams{Interval: 10 * time.Millisecond, Retention: time.Hour}); next.Pending != 2 {
+	if next := f.stats(outboxdriver.StatsParams{Interval: 10 * time.Millisecond, Retention: time.Hour}); next.Pending != 2 {
 		f.t.Fatalf("sample after the interval: %+v, want a new one with 2 pending", next)
 	}
 }
