@@ -1128,3 +1128,56 @@ func TestHandlerRetriesInProcess(t *testing.T) {
 	mustEqual(t, "attempts counted", e.count(`SELECT attempts FROM outbox_attempts WHERE message_id = $1`, msg.UUID), 2)
 	mustEqual(t, "effects on the wire", len(e.wire("out_a"))+len(e.wire("out_b")), 2)
 }
+
+// slowMarks is a Driver whose Store holds every mark until release is closed, as a loaded
+// database would delay it.
+type slowMarks struct {
+	outboxdriver.Driver
+	release chan struct{}
+}
+
+func (d slowMarks) Open(db *sql.DB, opts outboxdriver.StoreOptions) (outboxdriver.Store, error) {
+	st, err := d.Driver.Open(db, opts)
+	return slowMarkStore{Store: st, release: d.release}, err
+}
+
+type slowMarkStore struct {
+	outboxdriver.Store
+	release chan struct{}
+}
+
+func (s slowMarkStore) EffectMarkDispatched(ctx context.Context, marks ...outboxdriver.DispatchMark) error {
+	select {
+	case <-s.release:
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+	return s.Store.EffectMarkDispatched(ctx, marks...)
+}
+
+// A relay round that starts while the mark of an effect this process just sent is still being
+// written does not send it again.
+func TestRelaySkipsEffectsWhoseMarkIsInFlight(t *testing.T) {
+	release := make(chan struct{})
+	e := newEnv(t, func(c *outbox.Config) {
+		c.Driver = slowMarks{Driver: postgres.Driver{}, release: release}
+		c.RelayGrace = 10 * time.Millisecond
+		c.RelayInterval = 10 * time.Millisecond
+	})
+	ctx := context.Background()
+	var id string
+	if err := e.ob.InTx(ctx, func(ctx context.Context, tx *sql.Tx) error {
+		m := message.NewMessage(uuid.NewString(), nil)
+		id = m.UUID
+		return outbox.Publish(ctx, "out_a", m)
+	}); err != nil {
+		t.Fatal(err)
+	}
+	stop := startRun(t, e.ob)
+	time.Sleep(300 * time.Millisecond) // thirty relay rounds, the effect long past RelayGrace
+	close(release)
+	stop()
+	e.ob.FlushMarks()
+	mustEqual(t, "copies on the wire", e.wire("out_a")[id], 1)
+	mustEqual(t, "pending effects", e.pendingEffects(), 0)
+}

@@ -70,7 +70,19 @@ func (o *Outbox) relayOnce(ctx context.Context) error {
 var errNotTried = errors.New("not tried")
 
 // relayRound dispatches leased effects and records the outcome of each.
-func (o *Outbox) relayRound(ctx context.Context, effects []Effect) {
+func (o *Outbox) relayRound(ctx context.Context, claimed []Effect) {
+	// Effects this process sent and whose mark is still being written are not sent again: the
+	// mark takes them out. A round that starts right after a dispatch (its mark lingers a few
+	// milliseconds, longer on a loaded database) would otherwise put a second copy on the wire.
+	effects := make([]Effect, 0, len(claimed))
+	for _, e := range claimed {
+		if !o.marks.sent([]Effect{e}) {
+			effects = append(effects, e)
+		}
+	}
+	if len(effects) == 0 {
+		return
+	}
 	ctx, span := o.tel.tracer.Start(ctx, "outbox relay", trace.WithLinks(o.tel.producerLinks(effects)...),
 		trace.WithAttributes(AttrPath.String(PathRelay), attribute.Int("outbox.effects", len(effects))))
 	defer span.End()
