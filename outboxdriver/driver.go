@@ -285,6 +285,8 @@ type CleanupParams struct {
 	// PauseFactor, when positive, makes each pause at least this many times as long as the batch
 	// before it took, so that cleanup keeps to a share of the database's time whatever a batch costs.
 	PauseFactor float64
+	// Progress, if set, is called after each batch with the totals so far.
+	Progress func(CleanupResult)
 }
 
 // CleanupResult counts what Store.Cleanup deleted.

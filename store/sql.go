@@ -605,6 +605,9 @@ func (s *SQL) Cleanup(ctx context.Context, p outboxdriver.CleanupParams) (outbox
 			}
 			*st.count += n
 			res.Batches++
+			if p.Progress != nil {
+				p.Progress(res)
+			}
 			if n < int64(p.BatchSize) {
 				break
 			}

@@ -66,6 +66,23 @@ func (d Driver) Open(db *sql.DB, opts outboxdriver.StoreOptions) (outboxdriver.S
 	return store.New(db, names, dialect)
 }
 
+// Migrations returns the migrations of the outbox tables for schema (empty: DefaultSchema) and
+// prefix, as SQL, in order: for teams that apply the DDL with their own migration tool.
+func Migrations(schema, prefix string) ([]store.Migration, error) {
+	if schema == "" {
+		schema = DefaultSchema
+	}
+	names, err := store.NewNames(schema, prefix)
+	if err != nil {
+		return nil, err
+	}
+	migrations, err := fs.Sub(migrationFiles, "migrations")
+	if err != nil {
+		return nil, err
+	}
+	return store.LoadMigrations(migrations, names)
+}
+
 // IsUndefinedTable tells whether err is PostgreSQL's undefined_table or invalid_schema_name, from
 // lib/pq or pgx.
 func IsUndefinedTable(err error) bool {

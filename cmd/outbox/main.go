@@ -1,0 +1,509 @@
+// Command outbox inspects and repairs the outbox tables of a PostgreSQL database, next to a
+// running service:
+//
+//	outbox [global flags] status
+//	outbox [global flags] parked list|groups|retry|discard [-id N]... [-topic T] [-consumer C] [-older-than D] [-error TEXT] [-dry-run] [-batch N]
+//	outbox [global flags] failing list [-consumer C]
+//	outbox [global flags] replay [-dry-run] CONSUMER MESSAGE_ID
+//	outbox [global flags] lookup CONSUMER MESSAGE_ID
+//	outbox [global flags] migrate up|status|sql
+//	outbox [global flags] cleanup [-retention D] [-effect-retention D]
+//
+// Global flags: -dsn (default $OUTBOX_DSN, then $DATABASE_URL; lib/pq format), -schema, -prefix,
+// -o text|json, -actor (default $USER), -timeout. Every change (retry, discard, replay) is written
+// to the audit table with the actor; status shows the latest.
+//
+// Install it with: go install github.com/watermill-outbox/outbox/cmd/outbox@latest
+package main
+
+import (
+	"context"
+	"database/sql"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"os/user"
+	"strconv"
+	"strings"
+	"text/tabwriter"
+	"time"
+
+	_ "github.com/lib/pq"
+
+	"github.com/watermill-outbox/outbox/drivers/postgres"
+	"github.com/watermill-outbox/outbox/ops"
+	"github.com/watermill-outbox/outbox/outboxdriver"
+)
+
+func main() {
+	os.Exit(run(context.Background(), os.Args[1:], os.Stdout, os.Stderr, os.Getenv))
+}
+
+// usageError is a mistake in the command line: it is reported with the usage, exit status 2.
+type usageError struct{ msg string }
+
+func (e usageError) Error() string { return e.msg }
+
+const usage = `usage: outbox [-dsn DSN] [-schema S] [-prefix P] [-o text|json] [-actor NAME] [-timeout D] COMMAND
+commands:
+  status                                  pending, parked, failing, retained, cleanup lag, recent changes
+  parked list|groups|retry|discard        parked effects (filters: -id N (repeatable) -topic T -consumer C
+                                          -older-than D -error TEXT; -dry-run; -batch N)
+  failing list [-consumer C]              messages whose handler failed and that were not processed
+  replay [-dry-run] CONSUMER MESSAGE_ID   let a poisoned message run again on its next delivery
+  lookup CONSUMER MESSAGE_ID              was it processed, when, what did it send, what is pending
+  migrate up|status|sql                   apply the migrations, show them, or print their SQL
+  cleanup [-retention D]                  one retention cleanup pass now, with progress
+`
+
+func run(ctx context.Context, args []string, stdout, stderr io.Writer, getenv func(string) string) int {
+	err := runErr(ctx, args, stdout, getenv)
+	var ue usageError
+	switch {
+	case err == nil:
+		return 0
+	case errors.As(err, &ue):
+		fmt.Fprintf(stderr, "outbox: %s\n%s", ue.msg, usage)
+		return 2
+	default:
+		fmt.Fprintf(stderr, "outbox: %v\n", err)
+		return 1
+	}
+}
+
+type globals struct {
+	dsn, schema, prefix, output, actor string
+	timeout                            time.Duration
+}
+
+func runErr(ctx context.Context, args []string, stdout io.Writer, getenv func(string) string) error {
+	fs := flag.NewFlagSet("outbox", flag.ContinueOnError)
+	fs.SetOutput(io.Discard)
+	var g globals
+	defaultDSN := getenv("OUTBOX_DSN")
+	if defaultDSN == "" {
+		defaultDSN = getenv("DATABASE_URL")
+	}
+	defaultActor := getenv("USER")
+	if u, err := user.Current(); err == nil && defaultActor == "" {
+		defaultActor = u.Username
+	}
+	fs.StringVar(&g.dsn, "dsn", defaultDSN, "PostgreSQL connection string")
+	fs.StringVar(&g.schema, "schema", "", "schema of the outbox tables (default public)")
+	fs.StringVar(&g.prefix, "prefix", "outbox_", "table prefix")
+	fs.StringVar(&g.output, "o", "text", "output: text or json")
+	fs.StringVar(&g.actor, "actor", defaultActor, "who makes the change, for the audit table")
+	fs.DurationVar(&g.timeout, "timeout", time.Minute, "bound of the whole command")
+	if err := fs.Parse(args); err != nil {
+		return usageError{err.Error()}
+	}
+	if g.output != "text" && g.output != "json" {
+		return usageError{fmt.Sprintf("-o %q: want text or json", g.output)}
+	}
+	rest := fs.Args()
+	if len(rest) == 0 {
+		return usageError{"no command"}
+	}
+	cmd, rest := rest[0], rest[1:]
+	if cmd == "migrate" && len(rest) == 1 && rest[0] == "sql" {
+		return migrateSQL(g, stdout) // needs no database
+	}
+	if g.dsn == "" {
+		return usageError{"no database: set -dsn, OUTBOX_DSN or DATABASE_URL"}
+	}
+	ctx, cancel := context.WithTimeout(ctx, g.timeout)
+	defer cancel()
+	db, err := sql.Open("postgres", g.dsn)
+	if err != nil {
+		return err
+	}
+	defer db.Close()
+	o, err := ops.Open(db, g.schema, g.prefix)
+	if err != nil {
+		return usageError{err.Error()}
+	}
+	out := printer{w: stdout, json: g.output == "json"}
+	switch cmd {
+	case "status":
+		return status(ctx, o, rest, out)
+	case "parked":
+		return parked(ctx, o, g, rest, out)
+	case "failing":
+		return failing(ctx, o, rest, out)
+	case "replay":
+		return replay(ctx, o, g, rest, out)
+	case "lookup":
+		return lookup(ctx, o, rest, out)
+	case "migrate":
+		return migrate(ctx, o, db, g, rest, out)
+	case "cleanup":
+		return cleanup(ctx, o, rest, out)
+	}
+	return usageError{fmt.Sprintf("unknown command %q", cmd)}
+}
+
+type printer struct {
+	w    io.Writer
+	json bool
+}
+
+// emit prints v as JSON, or calls text to print it for a person.
+func (p printer) emit(v any, text func(w *tabwriter.Writer)) error {
+	if p.json {
+		enc := json.NewEncoder(p.w)
+		enc.SetIndent("", "  ")
+		return enc.Encode(v)
+	}
+	tw := tabwriter.NewWriter(p.w, 0, 4, 2, ' ', 0)
+	text(tw)
+	return tw.Flush()
+}
+
+func status(ctx context.Context, o *ops.Ops, args []string, out printer) error {
+	fs := flag.NewFlagSet("status", flag.ContinueOnError)
+	fs.SetOutput(io.Discard)
+	retention := fs.Duration("retention", 7*24*time.Hour, "the service's Config.Retention, for the cleanup lag")
+	if err := fs.Parse(args); err != nil {
+		return usageError{err.Error()}
+	}
+	s, err := o.Status(ctx, *retention)
+	if err != nil {
+		return err
+	}
+	return out.emit(s, func(w *tabwriter.Writer) {
+		t := s.Totals
+		fmt.Fprintf(w, "pending\t%d\toldest %s\n", t.Pending, t.OldestPending.Round(time.Millisecond))
+		fmt.Fprintf(w, "parked\t%d\toldest %s\n", t.Parked, t.OldestParked.Round(time.Millisecond))
+		fmt.Fprintf(w, "failing messages\t%d\t\n", t.Failing)
+		fmt.Fprintf(w, "retained IDs\t%d\t%s\n", t.Retained, map[bool]string{true: "(estimated)"}[t.Estimated])
+		fmt.Fprintf(w, "cleanup lag\t%s\t\n", t.CleanupLag.Round(time.Second))
+		if s.LastDispatch.IsZero() {
+			fmt.Fprintf(w, "last dispatch\tnever\t\n")
+		} else {
+			fmt.Fprintf(w, "last dispatch\t%s ago\t\n", time.Since(s.LastDispatch).Round(time.Second))
+		}
+		if len(s.Groups) > 0 {
+			fmt.Fprintf(w, "\nCONSUMER\tTOPIC\tPENDING\tOLDEST\tPARKED\n")
+			for _, g := range s.Groups {
+				fmt.Fprintf(w, "%s\t%s\t%d\t%s\t%d\n", orBoundary(g.Consumer), g.Topic, g.Pending, g.OldestPending.Round(time.Millisecond), g.Parked)
+			}
+		}
+		if len(s.Failing) > 0 {
+			fmt.Fprintf(w, "\nCONSUMER\tFAILING MESSAGES\tATTEMPTS\t\t\n")
+			for _, f := range s.Failing {
+				fmt.Fprintf(w, "%s\t%d\t%d\t\t\n", f.Consumer, f.Messages, f.Attempts)
+			}
+		}
+		if len(s.Retained) > 0 {
+			fmt.Fprintf(w, "\nCONSUMER\tRETAINED IDS\t\t\t\n")
+			for c, n := range s.Retained {
+				fmt.Fprintf(w, "%s\t%d\t\t\t\n", c, n)
+			}
+		}
+		if len(s.Audit) > 0 {
+			fmt.Fprintf(w, "\nRECENT CHANGES\t\t\t\t\n")
+			for _, a := range s.Audit {
+				fmt.Fprintf(w, "%s\t%s\t%s\t%s\t%s\n", a.At.Format(time.RFC3339), a.Actor, a.Action, a.Target, a.Detail)
+			}
+		}
+	})
+}
+
+func orBoundary(consumer string) string {
+	if consumer == "" {
+		return "(boundary)"
+	}
+	return consumer
+}
+
+// idFlags collects repeated -id flags.
+type idFlags []int64
+
+func (f *idFlags) String() string { return fmt.Sprint(*f) }
+func (f *idFlags) Set(s string) error {
+	for _, part := range strings.Split(s, ",") {
+		id, err := strconv.ParseInt(strings.TrimSpace(part), 10, 64)
+		if err != nil || id <= 0 {
+			return fmt.Errorf("-id %q: want a store ID (a positive integer)", part)
+		}
+		*f = append(*f, id)
+	}
+	return nil
+}
+
+func parked(ctx context.Context, o *ops.Ops, g globals, args []string, out printer) error {
+	if len(args) == 0 {
+		return usageError{"parked: want list, groups, retry or discard"}
+	}
+	sub := args[0]
+	fs := flag.NewFlagSet("parked "+sub, flag.ContinueOnError)
+	fs.SetOutput(io.Discard)
+	var f ops.ParkedFilter
+	var ids idFlags
+	fs.Var(&ids, "id", "store ID (repeatable, or comma-separated)")
+	fs.StringVar(&f.Topic, "topic", "", "only effects to this topic")
+	fs.StringVar(&f.Consumer, "consumer", "", "only effects of this consumer")
+	fs.DurationVar(&f.OlderThan, "older-than", 0, "only effects parked longer ago than this")
+	fs.StringVar(&f.ErrorContains, "error", "", "only effects whose last error contains this text")
+	fs.IntVar(&f.Limit, "limit", 1000, "at most this many effects")
+	dryRun := fs.Bool("dry-run", false, "say what would change, change nothing")
+	batch := fs.Int("batch", 500, "effects changed per batch")
+	if err := fs.Parse(args[1:]); err != nil {
+		return usageError{err.Error()}
+	}
+	f.IDs = ids
+	switch sub {
+	case "list":
+		list, err := o.ParkedEffects(ctx, f)
+		if err != nil {
+			return err
+		}
+		return out.emit(list, func(w *tabwriter.Writer) {
+			fmt.Fprintf(w, "ID\tCONSUMER\tTOPIC\tUUID\tATTEMPTS\tPARKED\tERROR\n")
+			for _, p := range list {
+				fmt.Fprintf(w, "%d\t%s\t%s\t%s\t%d\t%s ago\t%s\n", p.StoreID, orBoundary(p.Source.Consumer), p.Topic, p.UUID,
+					p.Attempts, time.Since(p.ParkedAt).Round(time.Second), oneLine(p.LastError, 100))
+			}
+		})
+	case "groups":
+		list, err := o.ParkedEffects(ctx, f)
+		if err != nil {
+			return err
+		}
+		groups := ops.GroupByFingerprint(list)
+		return out.emit(groups, func(w *tabwriter.Writer) {
+			fmt.Fprintf(w, "COUNT\tTOPICS\tFAILURE\n")
+			for _, gr := range groups {
+				fmt.Fprintf(w, "%d\t%s\t%s\n", gr.Count, strings.Join(gr.Topics, ","), oneLine(gr.Fingerprint, 120))
+			}
+		})
+	case "retry", "discard":
+		if len(f.IDs) == 0 && f.Topic == "" && f.Consumer == "" && f.OlderThan == 0 && f.ErrorContains == "" {
+			return usageError{"parked " + sub + ": select the effects (-id, -topic, -consumer, -older-than or -error)"}
+		}
+		opt := ops.RepairOptions{Actor: g.actor, DryRun: *dryRun, BatchSize: *batch}
+		if !out.json {
+			opt.Progress = func(done, total int) { fmt.Fprintf(out.w, "%d/%d\n", done, total) }
+		}
+		repair := o.RetryParked
+		if sub == "discard" {
+			repair = o.DiscardParked
+		}
+		ch, err := repair(ctx, f, opt)
+		if err != nil {
+			return err
+		}
+		return out.emit(ch, func(w *tabwriter.Writer) {
+			if ch.DryRun {
+				fmt.Fprintf(w, "dry run: %s would change %d parked effect(s): %v\n", sub, ch.Matched, ch.IDs)
+				return
+			}
+			fmt.Fprintf(w, "%s: %d of %d parked effect(s) changed (audited as %s)\n", sub, ch.Changed, ch.Matched, g.actor)
+		})
+	}
+	return usageError{fmt.Sprintf("parked %s: want list, groups, retry or discard", sub)}
+}
+
+func oneLine(s string, n int) string {
+	s = strings.Join(strings.Fields(s), " ")
+	if len(s) > n {
+		s = strings.ToValidUTF8(s[:n], "") + "..."
+	}
+	return s
+}
+
+func failing(ctx context.Context, o *ops.Ops, args []string, out printer) error {
+	if len(args) == 0 || args[0] != "list" {
+		return usageError{"failing: want list"}
+	}
+	fs := flag.NewFlagSet("failing list", flag.ContinueOnError)
+	fs.SetOutput(io.Discard)
+	consumer := fs.String("consumer", "", "only this consumer")
+	limit := fs.Int("limit", 1000, "at most this many")
+	if err := fs.Parse(args[1:]); err != nil {
+		return usageError{err.Error()}
+	}
+	list, err := o.FailingMessages(ctx, *consumer, *limit)
+	if err != nil {
+		return err
+	}
+	return out.emit(list, func(w *tabwriter.Writer) {
+		fmt.Fprintf(w, "CONSUMER\tMESSAGE\tATTEMPTS\tLAST FAILED\tERROR\n")
+		for _, f := range list {
+			fmt.Fprintf(w, "%s\t%s\t%d\t%s ago\t%s\n", f.Consumer, f.MessageID, f.Attempts,
+				time.Since(f.LastFailedAt).Round(time.Second), oneLine(f.LastError, 100))
+		}
+	})
+}
+
+func replay(ctx context.Context, o *ops.Ops, g globals, args []string, out printer) error {
+	fs := flag.NewFlagSet("replay", flag.ContinueOnError)
+	fs.SetOutput(io.Discard)
+	dryRun := fs.Bool("dry-run", false, "say whether the message is poisoned, change nothing")
+	if err := fs.Parse(args); err != nil {
+		return usageError{err.Error()}
+	}
+	if fs.NArg() != 2 {
+		return usageError{"replay: want CONSUMER MESSAGE_ID"}
+	}
+	consumer, id := fs.Arg(0), fs.Arg(1)
+	ok, err := o.ReplayPoisoned(ctx, consumer, id, ops.RepairOptions{Actor: g.actor, DryRun: *dryRun})
+	if err != nil {
+		return err
+	}
+	res := map[string]any{"consumer": consumer, "message_id": id, "poisoned": ok, "dry_run": *dryRun}
+	return out.emit(res, func(w *tabwriter.Writer) {
+		switch {
+		case !ok:
+			fmt.Fprintf(w, "%s/%s is not a poisoned message: nothing to replay\n", consumer, id)
+		case *dryRun:
+			fmt.Fprintf(w, "dry run: %s/%s is poisoned; replay would let its next delivery run the handler\n", consumer, id)
+		default:
+			fmt.Fprintf(w, "%s/%s: its next delivery runs the handler (put it back on its topic, ID unchanged)\n", consumer, id)
+		}
+	})
+}
+
+func lookup(ctx context.Context, o *ops.Ops, args []string, out printer) error {
+	if len(args) != 2 {
+		return usageError{"lookup: want CONSUMER MESSAGE_ID"}
+	}
+	l, err := o.Lookup(ctx, args[0], args[1])
+	if err != nil {
+		return err
+	}
+	return out.emit(l, func(w *tabwriter.Writer) {
+		switch {
+		case l.Poisoned:
+			fmt.Fprintf(w, "%s/%s: poisoned at %s\n", l.Consumer, l.MessageID, l.ProcessedAt.Format(time.RFC3339))
+		case l.Processed:
+			fmt.Fprintf(w, "%s/%s: processed at %s, last dispatch %s\n", l.Consumer, l.MessageID,
+				l.ProcessedAt.Format(time.RFC3339Nano), l.DispatchedAt.Format(time.RFC3339Nano))
+		default:
+			fmt.Fprintf(w, "%s/%s: not processed (or forgotten after Retention)\n", l.Consumer, l.MessageID)
+		}
+		if l.Attempts > 0 {
+			fmt.Fprintf(w, "failed attempts: %d, last error: %s\n", l.Attempts, oneLine(l.LastError, 200))
+		}
+		if len(l.Effects) > 0 {
+			fmt.Fprintf(w, "ID\tSTATE\tKIND\tTOPIC\tUUID\n")
+			for _, e := range l.Effects {
+				kind := e.Kind
+				if kind == outboxdriver.KindPublish {
+					kind = "publish"
+				}
+				fmt.Fprintf(w, "%d\t%s\t%s\t%s\t%s\n", e.StoreID, e.State, kind, e.Topic, e.UUID)
+			}
+		}
+	})
+}
+
+func migrate(ctx context.Context, o *ops.Ops, db *sql.DB, g globals, args []string, out printer) error {
+	if len(args) != 1 {
+		return usageError{"migrate: want up, status or sql"}
+	}
+	switch args[0] {
+	case "up":
+		if err := o.Store().Migrate(ctx); err != nil {
+			return err
+		}
+		return out.emit(map[string]string{"migrate": "done"}, func(w *tabwriter.Writer) { fmt.Fprintln(w, "the outbox tables are current") })
+	case "status":
+		all, err := postgres.Migrations(g.schema, g.prefix)
+		if err != nil {
+			return err
+		}
+		applied := map[int]bool{}
+		rows, err := db.QueryContext(ctx, `SELECT version FROM `+migrationsTable(g))
+		if err == nil {
+			for rows.Next() {
+				var v int
+				if err := rows.Scan(&v); err != nil {
+					_ = rows.Close()
+					return err
+				}
+				applied[v] = true
+			}
+			if err := errors.Join(rows.Err(), rows.Close()); err != nil {
+				return err
+			}
+		} else if !postgres.IsUndefinedTable(err) {
+			return err
+		}
+		type row struct {
+			Version int    `json:"version"`
+			Name    string `json:"name"`
+			Applied bool   `json:"applied"`
+		}
+		var list []row
+		for _, m := range all {
+			list = append(list, row{m.Version, m.Name, applied[m.Version]})
+		}
+		return out.emit(list, func(w *tabwriter.Writer) {
+			fmt.Fprintf(w, "VERSION\tNAME\tAPPLIED\n")
+			for _, r := range list {
+				fmt.Fprintf(w, "%03d\t%s\t%v\n", r.Version, r.Name, r.Applied)
+			}
+		})
+	}
+	return usageError{fmt.Sprintf("migrate %s: want up, status or sql", args[0])}
+}
+
+func migrationsTable(g globals) string {
+	schema := g.schema
+	if schema == "" {
+		schema = postgres.DefaultSchema
+	}
+	return `"` + schema + `"."` + g.prefix + `migrations"`
+}
+
+// migrateSQL prints every migration for the schema and prefix, for a migration tool of the team's.
+func migrateSQL(g globals, stdout io.Writer) error {
+	all, err := postgres.Migrations(g.schema, g.prefix)
+	if err != nil {
+		return usageError{err.Error()}
+	}
+	for _, m := range all {
+		fmt.Fprintf(stdout, "-- %03d_%s\n%s\n", m.Version, m.Name, strings.TrimSpace(m.SQL))
+		fmt.Fprintf(stdout, "INSERT INTO %s (version) VALUES (%d) ON CONFLICT DO NOTHING;\n\n", migrationsTable(g), m.Version)
+	}
+	return nil
+}
+
+func cleanup(ctx context.Context, o *ops.Ops, args []string, out printer) error {
+	fs := flag.NewFlagSet("cleanup", flag.ContinueOnError)
+	fs.SetOutput(io.Discard)
+	retention := fs.Duration("retention", 7*24*time.Hour, "the service's Config.Retention")
+	effectRetention := fs.Duration("effect-retention", 0, "the service's Config.EffectRetention")
+	batch := fs.Int("batch", 1000, "rows per batch")
+	if err := fs.Parse(args); err != nil {
+		return usageError{err.Error()}
+	}
+	if !out.json {
+		fmt.Fprintf(out.w, "cleaning (retention %s)...\n", *retention)
+	}
+	res, err := o.Store().Cleanup(ctx, outboxdriver.CleanupParams{Retention: *retention, EffectRetention: *effectRetention,
+		BatchSize: *batch, PauseBetweenBatches: 20 * time.Millisecond, PauseFactor: 2,
+		Progress: func(r outboxdriver.CleanupResult) {
+			if !out.json && r.Claims+r.Effects+r.Attempts > 0 {
+				fmt.Fprintf(out.w, "\r%d claims, %d effects, %d attempt counters deleted", r.Claims, r.Effects, r.Attempts)
+			}
+		}})
+	if !out.json {
+		fmt.Fprintln(out.w)
+	}
+	if err != nil {
+		return err
+	}
+	return out.emit(res, func(w *tabwriter.Writer) {
+		if res.Skipped {
+			fmt.Fprintln(w, "another process is cleaning; nothing done")
+			return
+		}
+		fmt.Fprintf(w, "deleted %d claims, %d dispatched effects, %d attempt counters in %d batches\n",
+			res.Claims, res.Effects, res.Attempts, res.Batches)
+	})
+}

@@ -1,0 +1,272 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"database/sql"
+	"encoding/json"
+	"errors"
+	"os"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/watermill-outbox/outbox"
+	"github.com/watermill-outbox/outbox/drivers/postgres"
+	"github.com/watermill-outbox/outbox/internal/pgtest"
+	"github.com/watermill-outbox/outbox/ops"
+)
+
+func TestMain(m *testing.M) { os.Exit(pgtest.Run(m)) }
+
+// refusing is a Publisher that refuses the messages whose payload is "poison", and takes the rest.
+type refusing struct{ sent atomic.Int32 }
+
+func (p *refusing) Publish(_ string, msgs ...*message.Message) error {
+	for _, m := range msgs {
+		if string(m.Payload) == "poison" {
+			return errors.New("broker refused message: schema v2 required for id 4711")
+		}
+	}
+	p.sent.Add(int32(len(msgs)))
+	return nil
+}
+func (p *refusing) Close() error { return nil }
+
+// fixture is a database with two parked effects (two topics, one failure), a failing message, a
+// poisoned one and a processed one.
+type fixture struct {
+	dsn string
+	db  *sql.DB
+	ob  *outbox.Outbox
+	pub *refusing
+}
+
+func newFixture(t *testing.T) *fixture {
+	t.Helper()
+	f := &fixture{dsn: pgtest.DSN(t), pub: &refusing{}}
+	var err error
+	if f.db, err = sql.Open("postgres", f.dsn); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = f.db.Close() })
+	f.ob, err = outbox.New(outbox.Config{DB: f.db, Driver: postgres.Driver{}, Publisher: f.pub, RelayMaxAttempts: 1,
+		MaxAttempts: 1, PoisonTopic: "poison", RetryDelay: -1, EffectRetention: time.Hour})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	if err := f.ob.Migrate(ctx); err != nil {
+		t.Fatal(err)
+	}
+	handle := func(id string, h message.HandlerFunc) error {
+		return f.ob.Handle(message.NewMessage(id, nil), outbox.HandleParams{Consumer: "billing", MessageID: id}, h)
+	}
+	publish := func(topics ...string) message.HandlerFunc {
+		return func(msg *message.Message) ([]*message.Message, error) {
+			ctx := msg.Context()
+			if err := outbox.Publish(ctx, "ok", message.NewMessage("", []byte("fine"))); err != nil {
+				return nil, err
+			}
+			for _, topic := range topics {
+				if err := outbox.Publish(ctx, topic, message.NewMessage("", []byte("poison"))); err != nil {
+					return nil, err
+				}
+			}
+			return nil, nil
+		}
+	}
+	// Parked: the first effect goes out, the second is refused while the broker is healthy.
+	if err := handle("m-parked-1", publish("invoices")); !errors.Is(err, outbox.ErrDispatchFailed) {
+		t.Fatalf("parking: %v", err)
+	}
+	if err := handle("m-parked-2", publish("receipts")); !errors.Is(err, outbox.ErrDispatchFailed) {
+		t.Fatalf("parking: %v", err)
+	}
+	if err := handle("m-ok", publish()); err != nil {
+		t.Fatal(err)
+	}
+	// Poisoned (MaxAttempts 1), and failing (the attempt counted, no poison topic for it).
+	if err := handle("m-poisoned", func(*message.Message) ([]*message.Message, error) { return nil, errors.New("bad input") }); err != nil {
+		t.Fatalf("poisoning: %v", err)
+	}
+	if _, err := f.db.Exec(`INSERT INTO outbox_attempts (consumer, message_id, attempts, last_error) VALUES ('billing', 'm-failing', 3, 'timeout')`); err != nil {
+		t.Fatal(err)
+	}
+	f.ob.FlushMarks()
+	return f
+}
+
+// cli runs the command with args and returns its exit status and output.
+func (f *fixture) cli(t *testing.T, args ...string) (int, string) {
+	t.Helper()
+	var out, errOut bytes.Buffer
+	env := map[string]string{"OUTBOX_DSN": f.dsn, "USER": "alice"}
+	code := run(context.Background(), args, &out, &errOut, func(k string) string { return env[k] })
+	return code, out.String() + errOut.String()
+}
+
+func (f *fixture) jsonOf(t *testing.T, v any, args ...string) {
+	t.Helper()
+	code, out := f.cli(t, append([]string{"-o", "json"}, args...)...)
+	if code != 0 {
+		t.Fatalf("outbox %v: exit %d: %s", args, code, out)
+	}
+	if err := json.Unmarshal([]byte(out), v); err != nil {
+		t.Fatalf("outbox %v: %v: %s", args, err, out)
+	}
+}
+
+func TestStatusAndLists(t *testing.T) {
+	f := newFixture(t)
+	var s ops.Status
+	f.jsonOf(t, &s, "status")
+	if s.Totals.Parked != 2 || s.Totals.Failing != 1 || s.Totals.Pending != 0 || s.Retained["billing"] != 4 {
+		t.Errorf("status: %+v, want 2 parked, 1 failing, 0 pending, 4 retained IDs of billing", s)
+	}
+	code, text := f.cli(t, "status")
+	if code != 0 || !strings.Contains(text, "parked") || !strings.Contains(text, "invoices") {
+		t.Errorf("status text: %d %s", code, text)
+	}
+
+	var parked []ops.Parked
+	f.jsonOf(t, &parked, "parked", "list", "-topic", "invoices")
+	if len(parked) != 1 || parked[0].Topic != "invoices" || parked[0].Source.ID != "m-parked-1" {
+		t.Errorf("parked list -topic invoices: %+v", parked)
+	}
+	var groups []ops.FailureGroup
+	f.jsonOf(t, &groups, "parked", "groups")
+	if len(groups) != 1 || groups[0].Count != 2 || len(groups[0].Topics) != 2 ||
+		!strings.Contains(groups[0].Fingerprint, "schema v2 required for id <n>") {
+		t.Errorf("parked groups: %+v, want one group of two across two topics", groups)
+	}
+	var failing []ops.Failing
+	f.jsonOf(t, &failing, "failing", "list")
+	if len(failing) != 1 || failing[0].MessageID != "m-failing" || failing[0].Attempts != 3 {
+		t.Errorf("failing list: %+v", failing)
+	}
+	var l ops.Lookup
+	f.jsonOf(t, &l, "lookup", "billing", "m-parked-1")
+	if !l.Processed || len(l.Effects) != 2 || l.Effects[0].State != "dispatched" || l.Effects[1].State != "parked" {
+		t.Errorf("lookup: %+v, want processed with one dispatched and one parked effect", l)
+	}
+	f.jsonOf(t, &l, "lookup", "billing", "never-seen")
+	if l.Processed || len(l.Effects) != 0 {
+		t.Errorf("lookup of an unknown message: %+v", l)
+	}
+}
+
+func TestRepairsAreAuditedAndDryRunChangesNothing(t *testing.T) {
+	f := newFixture(t)
+	var ch ops.Change
+	f.jsonOf(t, &ch, "parked", "retry", "-topic", "invoices", "-dry-run")
+	if !ch.DryRun || ch.Matched != 1 || ch.Changed != 0 {
+		t.Fatalf("dry run: %+v", ch)
+	}
+	var parked []ops.Parked
+	f.jsonOf(t, &parked, "parked", "list")
+	if len(parked) != 2 {
+		t.Fatalf("after a dry run: %d parked, want 2 still", len(parked))
+	}
+	f.jsonOf(t, &ch, "-actor", "bob", "parked", "discard", "-topic", "receipts")
+	if ch.Changed != 1 {
+		t.Fatalf("discard: %+v", ch)
+	}
+	f.jsonOf(t, &ch, "parked", "retry", "-error", "schema v2", "-batch", "1")
+	if ch.Changed != 1 {
+		t.Fatalf("retry: %+v", ch)
+	}
+	f.jsonOf(t, &parked, "parked", "list")
+	if len(parked) != 0 {
+		t.Fatalf("after retry and discard: %+v parked", parked)
+	}
+	var replay map[string]any
+	f.jsonOf(t, &replay, "replay", "billing", "m-poisoned")
+	if replay["poisoned"] != true {
+		t.Fatalf("replay: %v", replay)
+	}
+	f.jsonOf(t, &replay, "replay", "billing", "m-ok")
+	if replay["poisoned"] != false {
+		t.Fatalf("replay of a processed message: %v, want it left alone", replay)
+	}
+	var s ops.Status
+	f.jsonOf(t, &s, "status")
+	var actions []string
+	for _, a := range s.Audit {
+		actions = append(actions, a.Actor+":"+a.Action)
+	}
+	if got := strings.Join(actions, " "); got != "alice:replay-poisoned alice:retry-parked bob:discard-parked" {
+		t.Errorf("audit log: %q", got)
+	}
+	// A repair without a selection is refused, not applied to everything.
+	if code, out := f.cli(t, "parked", "discard"); code != 2 || !strings.Contains(out, "select the effects") {
+		t.Errorf("discard without a filter: %d %s", code, out)
+	}
+}
+
+func TestMigrateAndCleanup(t *testing.T) {
+	f := &fixture{dsn: pgtest.DSN(t)}
+	code, out := f.cli(t, "-schema", "billing", "-prefix", "ob_", "migrate", "status")
+	if code != 0 || strings.Contains(out, "true") || !strings.Contains(out, "001") {
+		t.Fatalf("migrate status before: %d %s", code, out)
+	}
+	if code, out := f.cli(t, "-schema", "billing", "-prefix", "ob_", "migrate", "up"); code != 0 {
+		t.Fatalf("migrate up: %d %s", code, out)
+	}
+	code, out = f.cli(t, "-schema", "billing", "-prefix", "ob_", "migrate", "status")
+	if code != 0 || strings.Contains(out, "false") {
+		t.Fatalf("migrate status after: %d %s", code, out)
+	}
+	// The SQL for another schema and prefix, applied by hand, gives the same tables.
+	code, ddl := f.cli(t, "-schema", "other", "-prefix", "x_", "migrate", "sql")
+	if code != 0 || !strings.Contains(ddl, `"other"."x_effects"`) {
+		t.Fatalf("migrate sql: %d %s", code, ddl)
+	}
+	db, err := sql.Open("postgres", f.dsn)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer db.Close()
+	if _, err := db.Exec(`CREATE SCHEMA other; CREATE TABLE "other"."x_migrations" (version integer PRIMARY KEY)`); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := db.Exec(ddl); err != nil {
+		t.Fatalf("applying the printed SQL: %v", err)
+	}
+	if code, out := f.cli(t, "-schema", "other", "-prefix", "x_", "migrate", "status"); code != 0 || strings.Contains(out, "false") {
+		t.Fatalf("status after applying the SQL by hand: %d %s", code, out)
+	}
+	if _, err := db.Exec(`INSERT INTO billing.ob_processed (consumer, message_id, processed_at, dispatched_at)
+		SELECT 'c', 'm' || i, now() - interval '8 days', now() - interval '8 days' FROM generate_series(1, 25) i`); err != nil {
+		t.Fatal(err)
+	}
+	var res struct{ Claims int64 }
+	f.jsonOf(t, &res, "-schema", "billing", "-prefix", "ob_", "cleanup", "-batch", "10")
+	if res.Claims != 25 {
+		t.Errorf("cleanup: %+v, want 25 claims deleted", res)
+	}
+}
+
+func TestBadInput(t *testing.T) {
+	f := &fixture{dsn: pgtest.DSN(t)}
+	for _, args := range [][]string{
+		{},
+		{"frobnicate"},
+		{"-o", "yaml", "status"},
+		{"-prefix", "x; DROP TABLE y", "status"},
+		{"parked", "list", "-id", "abc"},
+		{"lookup", "only-one"},
+	} {
+		if code, out := f.cli(t, args...); code != 2 || !strings.Contains(out, "usage:") {
+			t.Errorf("outbox %q: exit %d, want 2 with the usage: %s", args, code, out)
+		}
+	}
+	var out, errOut bytes.Buffer
+	if code := run(context.Background(), []string{"status"}, &out, &errOut, func(string) string { return "" }); code != 2 ||
+		!strings.Contains(errOut.String(), "no database") {
+		t.Errorf("without a DSN: %d %s", code, errOut.String())
+	}
+}

@@ -1,0 +1,544 @@
+// Package ops is the operator's view of the outbox tables on PostgreSQL: status per consumer and
+// topic, parked effects with filters and failure groups, failing messages, a look-up of one
+// message, and the repairs (retry, discard, replay), each written to an audit table with who did
+// it. The CLI (cmd/outbox) is built on it; an application can call it too.
+package ops
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"regexp"
+	"sort"
+	"strings"
+	"time"
+
+	"github.com/watermill-outbox/outbox/drivers/postgres"
+	"github.com/watermill-outbox/outbox/outboxdriver"
+	"github.com/watermill-outbox/outbox/store"
+)
+
+// Ops reads and repairs the outbox tables of one schema and prefix.
+type Ops struct {
+	db *sql.DB
+	n  store.Names
+	st outboxdriver.Store
+}
+
+// Open returns the Ops of the tables in schema (empty: "public") with prefix (empty: "outbox_").
+// It does no I/O.
+func Open(db *sql.DB, schema, prefix string) (*Ops, error) {
+	if schema == "" {
+		schema = postgres.DefaultSchema
+	}
+	if prefix == "" {
+		prefix = "outbox_"
+	}
+	n, err := store.NewNames(schema, prefix)
+	if err != nil {
+		return nil, fmt.Errorf("ops: %w", err)
+	}
+	st, err := postgres.Driver{}.Open(db, outboxdriver.StoreOptions{Schema: schema, TablePrefix: prefix, DeleteDispatched: true})
+	if err != nil {
+		return nil, fmt.Errorf("ops: %w", err)
+	}
+	return &Ops{db: db, n: n, st: st}, nil
+}
+
+// Store returns the store of the tables (for Migrate, Cleanup and SchemaCheck).
+func (o *Ops) Store() outboxdriver.Store { return o.st }
+
+func (o *Ops) table(name string) string {
+	return `"` + o.n.Schema + `"."` + o.n.Prefix + name + `"`
+}
+
+// Group is one line of a status: the effects of one consumer ("" for the boundary) and topic.
+type Group struct {
+	Consumer      string        `json:"consumer"`
+	Topic         string        `json:"topic"`
+	Pending       int64         `json:"pending"`
+	OldestPending time.Duration `json:"oldest_pending_ns"`
+	Parked        int64         `json:"parked"`
+}
+
+// FailingCount is the number of failing messages of one consumer.
+type FailingCount struct {
+	Consumer string `json:"consumer"`
+	Messages int64  `json:"messages"`
+	Attempts int64  `json:"attempts"`
+}
+
+// Status is what `outbox status` shows.
+type Status struct {
+	Totals   outboxdriver.Stats `json:"totals"`
+	Groups   []Group            `json:"groups"`
+	Failing  []FailingCount     `json:"failing"`
+	Retained map[string]int64   `json:"retained_by_consumer"`
+	// LastDispatch is when a claim last recorded a dispatch (the relay's or a consumer's), by the
+	// database's clock; zero if none.
+	LastDispatch time.Time `json:"last_dispatch"`
+	Audit        []Audit   `json:"recent_audit"`
+}
+
+// Audit is one change an operator made.
+type Audit struct {
+	At     time.Time `json:"at"`
+	Actor  string    `json:"actor"`
+	Action string    `json:"action"`
+	Target string    `json:"target"`
+	Detail string    `json:"detail,omitempty"`
+}
+
+// Status samples the tables: totals (as Outbox.Stats), pending and parked effects per consumer
+// and topic, failing messages per consumer, retained IDs per consumer (counted up to
+// StatsCountCap each), the last dispatch and the ten latest audit entries.
+func (o *Ops) Status(ctx context.Context, retention time.Duration) (Status, error) {
+	var s Status
+	var err error
+	if s.Totals, err = o.st.Stats(ctx, outboxdriver.StatsParams{Retention: retention}); err != nil {
+		return s, fmt.Errorf("ops: status: %w", err)
+	}
+	rows, err := o.db.QueryContext(ctx, `SELECT source_consumer, topic,
+			count(*) FILTER (WHERE parked_at IS NULL),
+			coalesce((extract(epoch FROM now() - min(created_at) FILTER (WHERE parked_at IS NULL)) * 1000)::bigint, 0),
+			count(*) FILTER (WHERE parked_at IS NOT NULL)
+		FROM `+o.table("effects")+` WHERE dispatched_at IS NULL GROUP BY 1, 2 ORDER BY 1, 2`)
+	if err != nil {
+		return s, fmt.Errorf("ops: status: %w", err)
+	}
+	for rows.Next() {
+		var g Group
+		var ms int64
+		if err := rows.Scan(&g.Consumer, &g.Topic, &g.Pending, &ms, &g.Parked); err != nil {
+			_ = rows.Close()
+			return s, err
+		}
+		g.OldestPending = time.Duration(ms) * time.Millisecond
+		s.Groups = append(s.Groups, g)
+	}
+	if err := closeRows(rows); err != nil {
+		return s, fmt.Errorf("ops: status: %w", err)
+	}
+	rows, err = o.db.QueryContext(ctx, `SELECT a.consumer, count(*), sum(a.attempts) FROM `+o.table("attempts")+` a
+		WHERE NOT EXISTS (SELECT 1 FROM `+o.table("processed")+` p WHERE p.consumer = a.consumer AND p.message_id = a.message_id)
+		GROUP BY 1 ORDER BY 1`)
+	if err != nil {
+		return s, fmt.Errorf("ops: status: %w", err)
+	}
+	for rows.Next() {
+		var f FailingCount
+		if err := rows.Scan(&f.Consumer, &f.Messages, &f.Attempts); err != nil {
+			_ = rows.Close()
+			return s, err
+		}
+		s.Failing = append(s.Failing, f)
+	}
+	if err := closeRows(rows); err != nil {
+		return s, fmt.Errorf("ops: status: %w", err)
+	}
+	s.Retained = map[string]int64{}
+	rows, err = o.db.QueryContext(ctx, `SELECT c.consumer, (SELECT count(*) FROM (SELECT 1 FROM `+o.table("processed")+` p
+			WHERE p.consumer = c.consumer LIMIT $1) x)
+		FROM (SELECT DISTINCT consumer FROM `+o.table("processed")+`) c`, outboxdriver.StatsCountCap)
+	if err != nil {
+		return s, fmt.Errorf("ops: status: %w", err)
+	}
+	for rows.Next() {
+		var c string
+		var n int64
+		if err := rows.Scan(&c, &n); err != nil {
+			_ = rows.Close()
+			return s, err
+		}
+		s.Retained[c] = n
+	}
+	if err := closeRows(rows); err != nil {
+		return s, fmt.Errorf("ops: status: %w", err)
+	}
+	var last sql.NullTime
+	if err := o.db.QueryRowContext(ctx, `SELECT max(dispatched_at) FROM `+o.table("processed")).Scan(&last); err != nil {
+		return s, fmt.Errorf("ops: status: %w", err)
+	}
+	s.LastDispatch = last.Time
+	if s.Audit, err = o.AuditLog(ctx, 10); err != nil {
+		return s, err
+	}
+	return s, nil
+}
+
+func closeRows(rows *sql.Rows) error {
+	err := rows.Err()
+	return errors.Join(err, rows.Close())
+}
+
+// ParkedFilter selects parked effects. Zero fields select everything.
+type ParkedFilter struct {
+	IDs           []int64
+	Topic         string
+	Consumer      string
+	OlderThan     time.Duration // parked for longer than this
+	ErrorContains string
+	Limit         int // default 1000
+}
+
+// Parked is a parked effect, with the fingerprint of its error.
+type Parked struct {
+	outboxdriver.ParkedEffect
+	Fingerprint string `json:"fingerprint"`
+}
+
+// ParkedEffects lists the parked effects f selects, oldest first.
+func (o *Ops) ParkedEffects(ctx context.Context, f ParkedFilter) ([]Parked, error) {
+	limit := f.Limit
+	if limit <= 0 {
+		limit = 1000
+	}
+	var ids any
+	if len(f.IDs) > 0 {
+		ids = idList(f.IDs)
+	}
+	rows, err := o.db.QueryContext(ctx, `SELECT id, source_consumer, source_id, kind, topic, uuid, ordering_key, attempts, failures,
+			coalesce(last_error, ''), parked_at, created_at
+		FROM `+o.table("effects")+` e
+		WHERE parked_at IS NOT NULL AND dispatched_at IS NULL
+		  AND ($1::text IS NULL OR id = ANY (string_to_array($1::text, ',')::bigint[]))
+		  AND ($2 = '' OR topic = $2) AND ($3 = '' OR source_consumer = $3)
+		  AND parked_at < now() - ($4 * interval '1 millisecond')
+		  AND ($5 = '' OR strpos(coalesce(last_error, ''), $5) > 0)
+		ORDER BY id LIMIT $6`, ids, f.Topic, f.Consumer, f.OlderThan.Milliseconds(), f.ErrorContains, limit)
+	if err != nil {
+		return nil, fmt.Errorf("ops: list parked effects: %w", err)
+	}
+	var out []Parked
+	for rows.Next() {
+		var p Parked
+		if err := rows.Scan(&p.StoreID, &p.Source.Consumer, &p.Source.ID, &p.Kind, &p.Topic, &p.UUID, &p.OrderingKey,
+			&p.Attempts, &p.Failures, &p.LastError, &p.ParkedAt, &p.CreatedAt); err != nil {
+			_ = rows.Close()
+			return nil, err
+		}
+		p.Parked = true
+		p.Fingerprint = Fingerprint(p.LastError)
+		out = append(out, p)
+	}
+	if err := closeRows(rows); err != nil {
+		return nil, fmt.Errorf("ops: list parked effects: %w", err)
+	}
+	return out, nil
+}
+
+// FailureGroup is the parked effects that failed for the same normalized reason.
+type FailureGroup struct {
+	Fingerprint string   `json:"fingerprint"`
+	Count       int      `json:"count"`
+	Topics      []string `json:"topics"`
+	Example     string   `json:"example"`
+	StoreIDs    []int64  `json:"store_ids"`
+}
+
+// GroupByFingerprint groups parked effects by the fingerprint of their error, largest group first.
+func GroupByFingerprint(parked []Parked) []FailureGroup {
+	byFP := map[string]*FailureGroup{}
+	var order []string
+	for _, p := range parked {
+		g, ok := byFP[p.Fingerprint]
+		if !ok {
+			g = &FailureGroup{Fingerprint: p.Fingerprint, Example: p.LastError}
+			byFP[p.Fingerprint] = g
+			order = append(order, p.Fingerprint)
+		}
+		g.Count++
+		g.StoreIDs = append(g.StoreIDs, p.StoreID)
+		if !contains(g.Topics, p.Topic) {
+			g.Topics = append(g.Topics, p.Topic)
+		}
+	}
+	out := make([]FailureGroup, 0, len(order))
+	for _, fp := range order {
+		out = append(out, *byFP[fp])
+	}
+	sort.SliceStable(out, func(i, j int) bool { return out[i].Count > out[j].Count })
+	return out
+}
+
+func contains(list []string, s string) bool {
+	for _, x := range list {
+		if x == s {
+			return true
+		}
+	}
+	return false
+}
+
+var (
+	uuidRe   = regexp.MustCompile(`[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}`)
+	quotedRe = regexp.MustCompile(`"[^"]*"|'[^']*'`)
+	hexRe    = regexp.MustCompile(`\b0x[0-9a-fA-F]+\b`)
+	numberRe = regexp.MustCompile(`\b\d+(\.\d+)?(ms|s|m|h|µs|ns)?\b`)
+	spaceRe  = regexp.MustCompile(`\s+`)
+)
+
+// Fingerprint normalizes an error text so that failures of one cause group together: UUIDs,
+// quoted strings, hexadecimal and decimal numbers (with a duration unit) become placeholders,
+// and the result is cut to 200 bytes.
+func Fingerprint(reason string) string {
+	s := uuidRe.ReplaceAllString(reason, "<uuid>")
+	s = quotedRe.ReplaceAllString(s, "<str>")
+	s = hexRe.ReplaceAllString(s, "<hex>")
+	s = numberRe.ReplaceAllString(s, "<n>")
+	s = strings.TrimSpace(spaceRe.ReplaceAllString(s, " "))
+	if len(s) > 200 {
+		s = strings.ToValidUTF8(s[:200], "")
+	}
+	return s
+}
+
+// Change is what a repair did (or, with DryRun, would do).
+type Change struct {
+	Action  string  `json:"action"`
+	DryRun  bool    `json:"dry_run"`
+	Matched int     `json:"matched"`
+	Changed int     `json:"changed"`
+	IDs     []int64 `json:"store_ids"`
+}
+
+// RepairOptions say who repairs and how.
+type RepairOptions struct {
+	// Actor is written to the audit table. Required.
+	Actor string
+	// DryRun reports what would change and changes nothing.
+	DryRun bool
+	// BatchSize bounds the effects changed per statement batch (default 500), so that a bulk
+	// repair never holds many rows at once.
+	BatchSize int
+	// Progress, if set, is called after each batch with the effects changed so far.
+	Progress func(done, total int)
+}
+
+// RetryParked makes the parked effects f selects due again with fresh counts, in batches, and
+// writes each batch to the audit table. The relays send them at their next round.
+func (o *Ops) RetryParked(ctx context.Context, f ParkedFilter, opt RepairOptions) (Change, error) {
+	return o.repair(ctx, "retry", f, opt, o.st.EffectUnpark)
+}
+
+// DiscardParked gives up the parked effects f selects for good (marked dispatched without being
+// sent; the later effects of their ordering keys go on), in batches, audited.
+func (o *Ops) DiscardParked(ctx context.Context, f ParkedFilter, opt RepairOptions) (Change, error) {
+	return o.repair(ctx, "discard", f, opt, o.st.EffectDiscard)
+}
+
+func (o *Ops) repair(ctx context.Context, action string, f ParkedFilter, opt RepairOptions,
+	apply func(context.Context, []int64) (int, error)) (Change, error) {
+	if strings.TrimSpace(opt.Actor) == "" {
+		return Change{}, errors.New("ops: an actor is required for the audit table")
+	}
+	parked, err := o.ParkedEffects(ctx, f)
+	if err != nil {
+		return Change{}, err
+	}
+	ch := Change{Action: action, DryRun: opt.DryRun, Matched: len(parked)}
+	for _, p := range parked {
+		ch.IDs = append(ch.IDs, p.StoreID)
+	}
+	if opt.DryRun || len(parked) == 0 {
+		return ch, nil
+	}
+	size := opt.BatchSize
+	if size <= 0 {
+		size = 500
+	}
+	for start := 0; start < len(ch.IDs); start += size {
+		batch := ch.IDs[start:min(start+size, len(ch.IDs))]
+		n, err := apply(ctx, batch)
+		if err != nil {
+			return ch, fmt.Errorf("ops: %s parked effects: %w", action, err)
+		}
+		ch.Changed += n
+		if err := o.audit(ctx, opt.Actor, action+"-parked", "effects "+idList(batch), fmt.Sprintf("%d of %d changed", n, len(batch))); err != nil {
+			return ch, err
+		}
+		if opt.Progress != nil {
+			opt.Progress(start+len(batch), len(ch.IDs))
+		}
+	}
+	return ch, nil
+}
+
+// Failing is a message with failed attempts that was neither processed nor poisoned.
+type Failing struct {
+	Consumer      string    `json:"consumer"`
+	MessageID     string    `json:"message_id"`
+	Attempts      int       `json:"attempts"`
+	LastError     string    `json:"last_error"`
+	FirstFailedAt time.Time `json:"first_failed_at"`
+	LastFailedAt  time.Time `json:"last_failed_at"`
+}
+
+// FailingMessages lists up to limit failing messages (of consumer, if not empty), most attempts first.
+func (o *Ops) FailingMessages(ctx context.Context, consumer string, limit int) ([]Failing, error) {
+	if limit <= 0 {
+		limit = 1000
+	}
+	rows, err := o.db.QueryContext(ctx, `SELECT a.consumer, a.message_id, a.attempts, a.last_error, a.first_failed_at, a.last_failed_at
+		FROM `+o.table("attempts")+` a
+		WHERE ($1 = '' OR a.consumer = $1)
+		  AND NOT EXISTS (SELECT 1 FROM `+o.table("processed")+` p WHERE p.consumer = a.consumer AND p.message_id = a.message_id)
+		ORDER BY a.attempts DESC, a.last_failed_at DESC LIMIT $2`, consumer, limit)
+	if err != nil {
+		return nil, fmt.Errorf("ops: list failing messages: %w", err)
+	}
+	var out []Failing
+	for rows.Next() {
+		var f Failing
+		if err := rows.Scan(&f.Consumer, &f.MessageID, &f.Attempts, &f.LastError, &f.FirstFailedAt, &f.LastFailedAt); err != nil {
+			_ = rows.Close()
+			return nil, err
+		}
+		out = append(out, f)
+	}
+	return out, closeRows(rows)
+}
+
+// ReplayPoisoned forgets the poisoned claim and the failed attempts of a message, so that its next
+// delivery runs the handler (see Outbox.ReplayPoisoned), and audits it. It reports whether the
+// message was poisoned; with DryRun it only looks.
+func (o *Ops) ReplayPoisoned(ctx context.Context, consumer, messageID string, opt RepairOptions) (bool, error) {
+	if strings.TrimSpace(opt.Actor) == "" {
+		return false, errors.New("ops: an actor is required for the audit table")
+	}
+	if opt.DryRun {
+		var poisoned bool
+		err := o.db.QueryRowContext(ctx, `SELECT poisoned FROM `+o.table("processed")+` WHERE consumer = $1 AND message_id = $2`,
+			consumer, messageID).Scan(&poisoned)
+		if errors.Is(err, sql.ErrNoRows) {
+			return false, nil
+		}
+		return poisoned, err
+	}
+	ok, err := o.st.MessageReplay(ctx, outboxdriver.Source{Consumer: consumer, ID: messageID})
+	if err != nil {
+		return false, fmt.Errorf("ops: replay: %w", err)
+	}
+	if ok {
+		if err := o.audit(ctx, opt.Actor, "replay-poisoned", consumer+"/"+messageID, ""); err != nil {
+			return ok, err
+		}
+	}
+	return ok, nil
+}
+
+// Lookup is everything the tables know of one message of one consumer.
+type Lookup struct {
+	Consumer     string         `json:"consumer"`
+	MessageID    string         `json:"message_id"`
+	Processed    bool           `json:"processed"`
+	Poisoned     bool           `json:"poisoned"`
+	ProcessedAt  time.Time      `json:"processed_at"`
+	DispatchedAt time.Time      `json:"dispatched_at"`
+	Effects      []LookupEffect `json:"effects"`
+	Attempts     int            `json:"attempts"`
+	LastError    string         `json:"last_error,omitempty"`
+}
+
+// LookupEffect is one side effect of a looked-up message.
+type LookupEffect struct {
+	StoreID      int64     `json:"store_id"`
+	Kind         string    `json:"kind"`
+	Topic        string    `json:"topic"`
+	UUID         string    `json:"uuid"`
+	State        string    `json:"state"` // pending, parked, dispatched
+	CreatedAt    time.Time `json:"created_at"`
+	DispatchedAt time.Time `json:"dispatched_at"`
+	LastError    string    `json:"last_error,omitempty"`
+}
+
+// Lookup tells whether consumer processed messageID, when, what it sent and what is pending.
+// Dispatched effects show only while they are kept (Config.EffectRetention).
+func (o *Ops) Lookup(ctx context.Context, consumer, messageID string) (Lookup, error) {
+	l := Lookup{Consumer: consumer, MessageID: messageID}
+	var dispatched sql.NullTime
+	err := o.db.QueryRowContext(ctx, `SELECT processed_at, dispatched_at, poisoned FROM `+o.table("processed")+`
+		WHERE consumer = $1 AND message_id = $2`, consumer, messageID).Scan(&l.ProcessedAt, &dispatched, &l.Poisoned)
+	switch {
+	case errors.Is(err, sql.ErrNoRows):
+	case err != nil:
+		return l, fmt.Errorf("ops: lookup: %w", err)
+	default:
+		l.Processed = true
+		l.DispatchedAt = dispatched.Time
+	}
+	rows, err := o.db.QueryContext(ctx, `SELECT id, kind, topic, uuid,
+			CASE WHEN parked_at IS NOT NULL THEN 'parked' ELSE 'pending' END, created_at, NULL::timestamptz, coalesce(last_error, '')
+		FROM `+o.table("effects")+` WHERE source_consumer = $1 AND source_id = $2 AND dispatched_at IS NULL
+		UNION ALL
+		SELECT id, kind, topic, uuid, 'dispatched', created_at, dispatched_at, coalesce(last_error, '')
+		FROM `+o.table("dispatched")+` WHERE source_consumer = $1 AND source_id = $2
+		ORDER BY 1`, consumer, messageID)
+	if err != nil {
+		return l, fmt.Errorf("ops: lookup: %w", err)
+	}
+	for rows.Next() {
+		var e LookupEffect
+		var at sql.NullTime
+		if err := rows.Scan(&e.StoreID, &e.Kind, &e.Topic, &e.UUID, &e.State, &e.CreatedAt, &at, &e.LastError); err != nil {
+			_ = rows.Close()
+			return l, err
+		}
+		e.DispatchedAt = at.Time
+		l.Effects = append(l.Effects, e)
+	}
+	if err := closeRows(rows); err != nil {
+		return l, fmt.Errorf("ops: lookup: %w", err)
+	}
+	err = o.db.QueryRowContext(ctx, `SELECT attempts, last_error FROM `+o.table("attempts")+` WHERE consumer = $1 AND message_id = $2`,
+		consumer, messageID).Scan(&l.Attempts, &l.LastError)
+	if err != nil && !errors.Is(err, sql.ErrNoRows) {
+		return l, fmt.Errorf("ops: lookup: %w", err)
+	}
+	return l, nil
+}
+
+// AuditLog returns the latest limit audit entries, newest first.
+func (o *Ops) AuditLog(ctx context.Context, limit int) ([]Audit, error) {
+	rows, err := o.db.QueryContext(ctx, `SELECT at, actor, action, target, detail FROM `+o.table("audit")+` ORDER BY id DESC LIMIT $1`, limit)
+	if err != nil {
+		return nil, fmt.Errorf("ops: audit log: %w", err)
+	}
+	var out []Audit
+	for rows.Next() {
+		var a Audit
+		if err := rows.Scan(&a.At, &a.Actor, &a.Action, &a.Target, &a.Detail); err != nil {
+			_ = rows.Close()
+			return nil, err
+		}
+		out = append(out, a)
+	}
+	return out, closeRows(rows)
+}
+
+func (o *Ops) audit(ctx context.Context, actor, action, target, detail string) error {
+	_, err := o.db.ExecContext(ctx, `INSERT INTO `+o.table("audit")+` (actor, action, target, detail) VALUES ($1, $2, $3, $4)`,
+		sanitize(actor), action, sanitize(target), sanitize(detail))
+	if err != nil {
+		return fmt.Errorf("ops: write the audit entry (the change was made): %w", err)
+	}
+	return nil
+}
+
+// sanitize makes text storable in a text column: valid UTF-8, no NUL, at most 4 KiB.
+func sanitize(s string) string {
+	s = strings.ToValidUTF8(strings.ReplaceAll(s, "\x00", `\x00`), "\uFFFD")
+	if len(s) > 4096 {
+		s = strings.ToValidUTF8(s[:4096], "")
+	}
+	return s
+}
+
+func idList(ids []int64) string {
+	parts := make([]string, len(ids))
+	for i, id := range ids {
+		parts[i] = fmt.Sprint(id)
+	}
+	return strings.Join(parts, ",")
+}
