@@ -20,7 +20,7 @@ import (
 type Config struct {
 	// DB is the database that holds the business tables and the outbox tables. Required.
 	DB *sql.DB
-	// outboxdriver.Driver is the database dialect, for example postgres.Driver{}. Required.
+	// Driver is the database dialect, for example postgres.Driver{}. Required.
 	Driver outboxdriver.Driver
 	// Publisher sends message side effects after commit. Required.
 	Publisher message.Publisher

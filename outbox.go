@@ -93,7 +93,10 @@ func (o *Outbox) CheckSchema(ctx context.Context) error {
 	return o.store.SchemaCheck(ctx)
 }
 
-// outboxdriver.Store returns the store, for operations tooling and tests.
+// Config returns the configuration the Outbox runs with, defaults applied.
+func (o *Outbox) Config() Config { return o.cfg }
+
+// Store returns the store, for operations tooling and tests.
 func (o *Outbox) Store() outboxdriver.Store { return o.store }
 
 // RegisterApplier registers fn under name for side effects recorded with Record. Register every

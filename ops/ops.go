@@ -14,6 +14,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/watermill-outbox/outbox"
 	"github.com/watermill-outbox/outbox/drivers/postgres"
 	"github.com/watermill-outbox/outbox/outboxdriver"
 	"github.com/watermill-outbox/outbox/store"
@@ -428,6 +429,35 @@ func (o *Ops) ReplayPoisoned(ctx context.Context, consumer, messageID string, op
 	return ok, nil
 }
 
+// Poisoned is a message moved to the poison topic.
+type Poisoned struct {
+	Consumer  string    `json:"consumer"`
+	MessageID string    `json:"message_id"`
+	At        time.Time `json:"at"`
+}
+
+// PoisonedMessages lists up to limit poisoned messages, newest first.
+func (o *Ops) PoisonedMessages(ctx context.Context, limit int) ([]Poisoned, error) {
+	if limit <= 0 {
+		limit = 1000
+	}
+	rows, err := o.db.QueryContext(ctx, `SELECT consumer, message_id, processed_at FROM `+o.table("processed")+`
+		WHERE poisoned ORDER BY processed_at DESC LIMIT $1`, limit)
+	if err != nil {
+		return nil, fmt.Errorf("ops: list poisoned messages: %w", err)
+	}
+	var out []Poisoned
+	for rows.Next() {
+		var p Poisoned
+		if err := rows.Scan(&p.Consumer, &p.MessageID, &p.At); err != nil {
+			_ = rows.Close()
+			return nil, err
+		}
+		out = append(out, p)
+	}
+	return out, closeRows(rows)
+}
+
 // Lookup is everything the tables know of one message of one consumer.
 type Lookup struct {
 	Consumer     string         `json:"consumer"`
@@ -541,4 +571,10 @@ func idList(ids []int64) string {
 		parts[i] = fmt.Sprint(id)
 	}
 	return strings.Join(parts, ",")
+}
+
+// ForOutbox returns the Ops of the tables an Outbox works on (PostgreSQL).
+func ForOutbox(ob *outbox.Outbox) (*Ops, error) {
+	cfg := ob.Config()
+	return Open(cfg.DB, cfg.Schema, cfg.TablePrefix)
 }

@@ -28,6 +28,8 @@ import (
 	_ "github.com/watermill-outbox/outbox/drivers/postgres"
 	_ "github.com/watermill-outbox/outbox/drivers/sqlite"
 	_ "github.com/watermill-outbox/outbox/middleware"
+	_ "github.com/watermill-outbox/outbox/console"
+	_ "github.com/watermill-outbox/outbox/ops"
 	_ "github.com/watermill-outbox/outbox/outboxtest"
 )
 

@@ -2,7 +2,10 @@ package main
 
 import (
 	"context"
+	"crypto/rand"
+	"crypto/subtle"
 	"database/sql"
+	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -14,6 +17,8 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 
 	"github.com/watermill-outbox/outbox"
+	"github.com/watermill-outbox/outbox/console"
+	"github.com/watermill-outbox/outbox/ops"
 )
 
 // api is the HTTP API: POST /orders places an order, GET /orders/{id} shows it, GET /metrics
@@ -22,6 +27,7 @@ type api struct {
 	db      *sql.DB
 	ob      *outbox.Outbox
 	metrics http.Handler // nil: no /metrics
+	console http.Handler // nil: no /outbox/
 }
 
 func (a *api) routes() http.Handler {
@@ -30,6 +36,9 @@ func (a *api) routes() http.Handler {
 	mux.HandleFunc("GET /orders/{id}", a.getOrder)
 	if a.metrics != nil {
 		mux.Handle("GET /metrics", a.metrics)
+	}
+	if a.console != nil {
+		mux.Handle("/outbox/", http.StripPrefix("/outbox", a.console))
 	}
 	return mux
 }
@@ -176,4 +185,52 @@ func writeJSON(w http.ResponseWriter, status int, v any) {
 
 func writeError(w http.ResponseWriter, status int, msg string) {
 	writeJSON(w, status, map[string]string{"error": msg})
+}
+
+// mountConsole sets up the outbox's web console (package console) at /outbox/ when the service
+// runs on PostgreSQL (the console reads the tables with PostgreSQL's SQL). It asks for HTTP Basic
+// authentication as user "operator" with cfg.consolePassword, or with a random password when none
+// is set, and lets the operator retry, discard and replay. It returns what to tell the user, with
+// ADDR standing for the listen address.
+func (a *api) mountConsole(cfg config) (string, error) {
+	if cfg.postgres == "" {
+		return "(needs PostgreSQL: start with -postgres DSN, or use the outbox CLI: go run ../../cmd/outbox)", nil
+	}
+	password := cfg.consolePassword
+	if password == "" {
+		b := make([]byte, 12)
+		if _, err := rand.Read(b); err != nil {
+			return "", err
+		}
+		password = hex.EncodeToString(b)
+	}
+	o, err := ops.ForOutbox(a.ob)
+	if err != nil {
+		return "", err
+	}
+	a.console, err = console.New(o, console.Options{
+		Authenticate: func(r *http.Request) (string, bool) {
+			user, pass, ok := r.BasicAuth()
+			if ok && user == "operator" && subtle.ConstantTimeCompare([]byte(pass), []byte(password)) == 1 {
+				return user, true
+			}
+			return "", false
+		},
+		Authorize: func(_ *http.Request, user, _ string) bool { return user == "operator" },
+	})
+	if err != nil {
+		return "", err
+	}
+	a.console = basicAuthChallenge(a.console)
+	return "http://operator:" + password + "@ADDR/outbox/", nil
+}
+
+// basicAuthChallenge asks the browser for the Basic credentials the console refused.
+func basicAuthChallenge(next http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if _, _, ok := r.BasicAuth(); !ok {
+			w.Header().Set("WWW-Authenticate", `Basic realm="outbox console"`)
+		}
+		next.ServeHTTP(w, r)
+	})
 }

@@ -22,6 +22,7 @@ import (
 	"os"
 	"os/signal"
 	"path/filepath"
+	"strings"
 	"sync"
 	"syscall"
 	"time"
@@ -40,11 +41,13 @@ type config struct {
 	addr     string // HTTP listen address
 	dataDir  string // SQLite file, embedded NATS storage, e-mail spool
 	postgres string // PostgreSQL DSN; empty: SQLite in dataDir
-	broker   string // "nats", "postgres" (watermill-sql on the PostgreSQL database), "amqp" or "redis"
-	natsURL  string // an external NATS server; empty: an in-process one
-	amqpURL  string // the RabbitMQ server of -broker amqp
-	redis    string // the Redis server (host:port) of -broker redis
-	verbose  bool
+	// consolePassword is the web console's password for user "operator"; empty: a random one.
+	consolePassword string
+	broker          string // "nats", "postgres" (watermill-sql on the PostgreSQL database), "amqp" or "redis"
+	natsURL         string // an external NATS server; empty: an in-process one
+	amqpURL         string // the RabbitMQ server of -broker amqp
+	redis           string // the Redis server (host:port) of -broker redis
+	verbose         bool
 
 	chaos bool
 	chaosConfig
@@ -92,6 +95,8 @@ func parseFlags(args []string) (config, error) {
 	fs.StringVar(&cfg.amqpURL, "amqp-url", env("ORDERS_AMQP_URL", "amqp://guest:guest@localhost:5672/"), "RabbitMQ server of -broker amqp (ORDERS_AMQP_URL)")
 	fs.StringVar(&cfg.redis, "redis", env("ORDERS_REDIS", "localhost:6379"), "Redis server (host:port) of -broker redis (ORDERS_REDIS)")
 	fs.BoolVar(&cfg.verbose, "v", false, "log what Watermill and the outbox do")
+	fs.StringVar(&cfg.consolePassword, "console-password", env("ORDERS_CONSOLE_PASSWORD", ""),
+		"password of user operator for the web console at /outbox/ (PostgreSQL only); empty: a random one, printed at start (ORDERS_CONSOLE_PASSWORD)")
 
 	fs.BoolVar(&cfg.chaos, "chaos", false, "run the load-and-chaos check instead of serving")
 	fs.IntVar(&cfg.orders, "orders", 1000, "chaos: orders to place")
@@ -326,7 +331,12 @@ func serve(ctx context.Context, cfg config, out io.Writer, ready func(addr strin
 	if err != nil {
 		return err
 	}
-	srv := &http.Server{Handler: (&api{db: s.db, ob: ob, metrics: s.metrics}).routes(), ReadHeaderTimeout: 10 * time.Second}
+	a := &api{db: s.db, ob: ob, metrics: s.metrics}
+	consoleNote, err := a.mountConsole(cfg)
+	if err != nil {
+		return err
+	}
+	srv := &http.Server{Handler: a.routes(), ReadHeaderTimeout: 10 * time.Second}
 	served := make(chan error, 1)
 	go func() { served <- srv.Serve(ln) }()
 
@@ -334,7 +344,8 @@ func serve(ctx context.Context, cfg config, out io.Writer, ready func(addr strin
 	fmt.Fprintf(out, "order-processing listening on http://%s\n%s\n\n", addr, s.desc)
 	fmt.Fprintf(out, "Place an order:\n  curl -si http://%s/orders -d '{\"customer\":\"ada@example.com\",\"sku\":\"espresso-beans\",\"quantity\":2}'\n", addr)
 	fmt.Fprintf(out, "Then look at it (it ends as \"paid\"):\n  curl -s http://%s/orders/<id>\n", addr)
-	fmt.Fprintf(out, "Metrics (Prometheus):\n  curl -s http://%s/metrics | grep ^outbox_\n\nCtrl-C stops.\n\n", addr)
+	fmt.Fprintf(out, "Metrics (Prometheus):\n  curl -s http://%s/metrics | grep ^outbox_\n", addr)
+	fmt.Fprintf(out, "Web console:\n  %s\n\nCtrl-C stops.\n\n", strings.ReplaceAll(consoleNote, "ADDR", addr))
 	// From here on only the progress printer writes to out.
 	wg.Add(1)
 	go func() { defer wg.Done(); printProgress(runCtx, out, s.db, ob) }()

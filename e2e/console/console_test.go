@@ -1,0 +1,194 @@
+// Package console drives the outbox web console in a real headless Chromium (Debian's chromium
+// package; .ci/run installs it): it lists a parked effect, an operator clicks retry, and the effect
+// leaves the list and reaches the broker.
+package console_test
+
+import (
+	"context"
+	"errors"
+	"os"
+	"os/exec"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"net/http"
+	"net/http/httptest"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/chromedp/chromedp"
+
+	"github.com/watermill-outbox/outbox"
+	"github.com/watermill-outbox/outbox/console"
+	"github.com/watermill-outbox/outbox/drivers/postgres"
+	"github.com/watermill-outbox/outbox/internal/pgtest"
+	"github.com/watermill-outbox/outbox/ops"
+)
+
+func TestMain(m *testing.M) { os.Exit(pgtest.Run(m)) }
+
+// broker refuses the messages whose payload starts with "v1:" while refusing is set (a consumer
+// that requires a newer schema), and keeps the rest.
+type broker struct {
+	refusing atomic.Bool
+	mu       sync.Mutex
+	sent     map[string]int
+}
+
+func (b *broker) Publish(_ string, msgs ...*message.Message) error {
+	for _, m := range msgs {
+		if b.refusing.Load() && strings.HasPrefix(string(m.Payload), "v1:") {
+			return errors.New("refused by the broker: schema v1 is no longer accepted for order " + strings.TrimPrefix(string(m.Payload), "v1:"))
+		}
+	}
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	for _, m := range msgs {
+		b.sent[m.UUID]++
+	}
+	return nil
+}
+func (b *broker) Close() error { return nil }
+
+func (b *broker) count(uuid string) int {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.sent[uuid]
+}
+
+func chromium(t *testing.T) string {
+	t.Helper()
+	for _, name := range []string{"chromium", "chromium-browser", "google-chrome"} {
+		if p, err := exec.LookPath(name); err == nil {
+			return p
+		}
+	}
+	t.Fatal("no Chromium on PATH: apt-get install chromium (.ci/run installs it)")
+	return ""
+}
+
+func TestConsoleInABrowser(t *testing.T) {
+	db := pgtest.DB(t)
+	ctx := context.Background()
+	b := &broker{sent: map[string]int{}}
+	b.refusing.Store(true)
+	ob, err := outbox.New(outbox.Config{DB: db, Driver: postgres.Driver{}, Publisher: b, RelayMaxAttempts: 1,
+		RetryDelay: -1, MaxAttempts: 1, PoisonTopic: "poison", RelayInterval: 50 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := ob.Migrate(ctx); err != nil {
+		t.Fatal(err)
+	}
+	// Three orders whose invoice (v1) the broker refuses while the receipt goes out: parked.
+	var parked []string
+	for _, order := range []string{"o-1001", "o-1002", "o-1003"} {
+		err := ob.Handle(message.NewMessage("placed-"+order, nil), outbox.HandleParams{Consumer: "billing", MessageID: "placed-" + order},
+			func(msg *message.Message) ([]*message.Message, error) {
+				ctx := msg.Context()
+				if err := outbox.Publish(ctx, "receipts", message.NewMessage("", []byte("v2:"+order))); err != nil {
+					return nil, err
+				}
+				m := message.NewMessage(watermill.NewUUID(), []byte("v1:"+order))
+				parked = append(parked, m.UUID)
+				return nil, outbox.Publish(ctx, "invoices", m)
+			})
+		if !errors.Is(err, outbox.ErrDispatchFailed) {
+			t.Fatalf("parking the invoice of %s: %v", order, err)
+		}
+	}
+	// A poisoned message and a failing one, for the rest of the page.
+	_ = ob.Handle(message.NewMessage("placed-o-1004", nil), outbox.HandleParams{Consumer: "shipping", MessageID: "placed-o-1004"},
+		func(*message.Message) ([]*message.Message, error) { return nil, errors.New("address missing") })
+	if _, err := db.Exec(`INSERT INTO outbox_attempts (consumer, message_id, attempts, last_error) VALUES ('shipping', 'placed-o-1005', 2, 'carrier API timeout')`); err != nil {
+		t.Fatal(err)
+	}
+	ob.FlushMarks()
+	runCtx, stopRun := context.WithCancel(ctx)
+	done := make(chan error, 1)
+	go func() { done <- ob.Run(runCtx) }()
+	defer func() { stopRun(); <-done }()
+
+	o, err := ops.ForOutbox(ob)
+	if err != nil {
+		t.Fatal(err)
+	}
+	h, err := console.New(o, console.Options{
+		Authenticate: func(*http.Request) (string, bool) { return "operator", true },
+		Authorize:    func(*http.Request, string, string) bool { return true },
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	mux := http.NewServeMux()
+	mux.Handle("/outbox/", http.StripPrefix("/outbox", h))
+	srv := httptest.NewServer(mux)
+	defer srv.Close()
+
+	alloc, cancelAlloc := chromedp.NewExecAllocator(ctx, append(chromedp.DefaultExecAllocatorOptions[:],
+		chromedp.ExecPath(chromium(t)), chromedp.NoSandbox, chromedp.Headless, chromedp.DisableGPU,
+		chromedp.WindowSize(1400, 1000))...)
+	defer cancelAlloc()
+	bctx, cancelBrowser := chromedp.NewContext(alloc)
+	defer cancelBrowser()
+	bctx, cancelTimeout := context.WithTimeout(bctx, 90*time.Second)
+	defer cancelTimeout()
+
+	if resp, err := http.Get(srv.URL + "/outbox/"); err != nil || resp.StatusCode != http.StatusOK {
+		t.Fatalf("GET the console: %v %v", resp, err)
+	} else {
+		_ = resp.Body.Close()
+	}
+	row := chromedp.CSS(`tr[data-uuid="` + parked[0] + `"]`)
+	if err := chromedp.Do(bctx, chromedp.Navigate(srv.URL+"/outbox/")); err != nil {
+		t.Fatalf("loading the console: %v", err)
+	}
+	if err := chromedp.Do(bctx, chromedp.WaitVisible(row)); err != nil {
+		t.Fatalf("the parked effect in the console: %v", err)
+	}
+	screenshot, err := chromedp.Run(bctx, chromedp.FullScreenshot(100))
+	if err != nil {
+		t.Fatalf("screenshot: %v", err)
+	}
+	path := t.TempDir() + "/console.png"
+	if os.Getenv("OUTBOX_UPDATE_SCREENSHOTS") != "" {
+		path = "../../docs/console.png"
+	}
+	if err := os.WriteFile(path, screenshot, 0o644); err != nil {
+		t.Fatal(err)
+	}
+
+	// The consumer of invoices is fixed: retry the first parked invoice.
+	b.refusing.Store(false)
+	if err := chromedp.Do(bctx, chromedp.Click(row+` button.retry`), chromedp.WaitVisible(chromedp.CSS(`#flash`))); err != nil {
+		t.Fatalf("retrying in the console: %v", err)
+	}
+	flash, err := chromedp.Run(bctx, chromedp.Text(chromedp.CSS(`#flash`)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	rows, err := chromedp.Run(bctx, chromedp.Evaluate[int](`document.querySelectorAll('tr[data-uuid="`+parked[0]+`"]').length`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(flash, "1 parked effect(s) retried") || rows != 0 {
+		t.Fatalf("after retry: flash %q, %d rows of the effect, want it retried and gone from the list", flash, rows)
+	}
+	deadline := time.Now().Add(30 * time.Second)
+	for b.count(parked[0]) != 1 {
+		if time.Now().After(deadline) {
+			t.Fatal("the retried invoice did not reach the broker within 30s")
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	if b.count(parked[1]) != 0 {
+		t.Error("an invoice that was not retried was sent")
+	}
+	var audit string
+	if err := db.QueryRow(`SELECT actor || ' ' || action FROM outbox_audit`).Scan(&audit); err != nil || audit != "operator (console) retry-parked" {
+		t.Errorf("audit: %q %v", audit, err)
+	}
+}
