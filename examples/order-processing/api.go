@@ -194,7 +194,7 @@ func writeError(w http.ResponseWriter, status int, msg string) {
 // ADDR standing for the listen address.
 func (a *api) mountConsole(cfg config) (string, error) {
 	if cfg.postgres == "" {
-		return "(needs PostgreSQL: start with -postgres DSN, or use the outbox CLI: go run ../../cmd/outbox)", nil
+		return "(needs PostgreSQL: start with -postgres DSN)", nil
 	}
 	password := cfg.consolePassword
 	if password == "" {
