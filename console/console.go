@@ -2,6 +2,7 @@
 // grouped by failure, the failing and the poisoned messages, and buttons to retry, discard and
 // replay that go through package ops (the CLI's code), audited with the user's name.
 //
+//	o, err := ops.ForOutbox(ob) // the tables the Outbox works on
 //	h, err := console.New(o, console.Options{
 //		Authenticate: func(r *http.Request) (string, bool) { return userFrom(r) },
 //		Authorize:    func(r *http.Request, user, action string) bool { return isOperator(user) },

@@ -35,7 +35,7 @@ import (
 )
 
 // EnvDSN names a PostgreSQL server to use instead of starting one.
-const EnvDSN = pgtest.EnvDSN
+const EnvDSN = "OUTBOX_TEST_DSN"
 
 // Main provisions PostgreSQL, runs the tests, stops it and checks for leaked goroutines. Call it
 // from TestMain: os.Exit(outboxtest.Main(m)).

@@ -12,9 +12,12 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/watermill-outbox/outbox"
+	"github.com/watermill-outbox/outbox/internal/pgtest"
 )
 
 func TestMain(m *testing.M) { os.Exit(Main(m)) }
+
+const pgtestEnvDSN = pgtest.EnvDSN
 
 func setupOrders(ctx context.Context, db *sql.DB) error {
 	_, err := db.ExecContext(ctx, `CREATE TABLE reservations (order_id text NOT NULL)`)
@@ -127,5 +130,11 @@ func TestWaitIdle(t *testing.T) {
 	}
 	if n := len(h.Pub.Messages("events")); n != 1 {
 		t.Errorf("%d messages on events, want 1", n)
+	}
+}
+
+func TestEnvDSNIsPgtests(t *testing.T) {
+	if EnvDSN != pgtestEnvDSN {
+		t.Fatalf("EnvDSN %q, but the server is taken from %q", EnvDSN, pgtestEnvDSN)
 	}
 }
