@@ -187,3 +187,18 @@ func TestActionsNeedTheTokenAndAreAudited(t *testing.T) {
 		t.Errorf("audit: %q %v", actor, err)
 	}
 }
+
+// Whatever a broker or a handler put in an error (stored as the effect's last error) is shown as
+// text, never as markup.
+func TestErrorTextIsEscaped(t *testing.T) {
+	o, db, _ := parkedEnv(t)
+	if _, err := db.Exec(`UPDATE outbox_effects SET last_error = '<script>alert(1)</script><img src=x onerror=alert(2)>' WHERE parked_at IS NOT NULL`); err != nil {
+		t.Fatal(err)
+	}
+	srv := serve(t, o, console.Options{AllowUnauthenticated: true})
+	code, body := get(t, srv.Client(), srv.URL+"/outbox/")
+	if code != http.StatusOK || strings.Contains(body, "<script>") || strings.Contains(body, "<img") ||
+		!strings.Contains(body, "&lt;script&gt;alert(1)&lt;/script&gt;") {
+		t.Fatalf("the error text was not escaped:\n%s", body)
+	}
+}
