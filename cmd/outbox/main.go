@@ -181,7 +181,7 @@ func status(ctx context.Context, o *ops.Ops, args []string, out printer) error {
 		fmt.Fprintf(w, "retained IDs\t%d\t%s\n", t.Retained, map[bool]string{true: "(estimated)"}[t.Estimated])
 		fmt.Fprintf(w, "cleanup lag\t%s\t\n", t.CleanupLag.Round(time.Second))
 		if s.LastDispatch.IsZero() {
-			fmt.Fprintf(w, "last dispatch\tnever\t\n")
+			fmt.Fprintf(w, "last dispatch\tnone in the last hour\t\n")
 		} else {
 			fmt.Fprintf(w, "last dispatch\t%s ago\t\n", time.Since(s.LastDispatch).Round(time.Second))
 		}
