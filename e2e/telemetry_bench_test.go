@@ -15,6 +15,7 @@ import (
 
 	"github.com/watermill-outbox/outbox"
 	"github.com/watermill-outbox/outbox/drivers/postgres"
+	"github.com/watermill-outbox/outbox/internal/brokertest"
 	"github.com/watermill-outbox/outbox/internal/pgtest"
 )
 
@@ -36,8 +37,24 @@ func BenchmarkInstrumentation(b *testing.B) {
 	if _, err := db.Exec(`CREATE TABLE IF NOT EXISTS bench_applied (id text)`); err != nil {
 		b.Fatal(err)
 	}
+	// OUTBOX_BENCH_BROKER=redis publishes to a real Redis Streams server instead of dropping the
+	// messages: the consumer path as a service has it.
+	var pub message.Publisher = nullPublisher{}
+	if os.Getenv("OUTBOX_BENCH_BROKER") == "redis" {
+		srv, err := brokertest.Start(brokertest.Redis)
+		if err != nil {
+			b.Fatal(err)
+		}
+		b.Cleanup(srv.Close)
+		p, closePub, err := broker{kind: brokertest.Redis, addr: srv.Addr()}.publisher()
+		if err != nil {
+			b.Fatal(err)
+		}
+		b.Cleanup(closePub)
+		pub = p
+	}
 	newOutbox := func(b *testing.B, sdk bool) *outbox.Outbox {
-		cfg := outbox.Config{DB: db, Driver: postgres.Driver{}, Publisher: nullPublisher{}, StatsInterval: -1}
+		cfg := outbox.Config{DB: db, Driver: postgres.Driver{}, Publisher: pub, StatsInterval: -1}
 		if sdk {
 			mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(sdkmetric.NewManualReader()))
 			tp := sdktrace.NewTracerProvider(sdktrace.WithSampler(sdktrace.AlwaysSample()),
