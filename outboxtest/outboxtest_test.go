@@ -113,7 +113,7 @@ func TestWaitIdle(t *testing.T) {
 	}); err != nil {
 		t.Fatal(err)
 	}
-	short, cancel := context.WithTimeout(ctx, time.Second)
+	short, cancel := context.WithTimeout(ctx, 3*time.Second)
 	defer cancel()
 	if err := h.Ob.WaitIdle(short); err == nil || !strings.Contains(err.Error(), "1 side effects still pending") {
 		t.Fatalf("WaitIdle during the outage: %v, want the pending effect reported", err)
