@@ -6,7 +6,6 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
-	"github.com/watermill-outbox/outbox/outboxdriver"
 	"math"
 	"time"
 
@@ -14,6 +13,8 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"go.opentelemetry.io/otel/metric"
 	"go.opentelemetry.io/otel/trace"
+
+	"github.com/watermill-outbox/outbox/outboxdriver"
 )
 
 // Config configures an Outbox. Zero values take the documented defaults.

@@ -5,7 +5,6 @@ import (
 	"crypto/sha256"
 	"encoding/binary"
 	"fmt"
-	"github.com/watermill-outbox/outbox/outboxdriver"
 	"maps"
 	"strconv"
 	"strings"
@@ -15,6 +14,8 @@ import (
 	"github.com/google/uuid"
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/metric"
+
+	"github.com/watermill-outbox/outbox/outboxdriver"
 )
 
 // Metadata keys of a message moved to the poison topic.

@@ -2,12 +2,13 @@ package outbox
 
 import (
 	"context"
-	"github.com/watermill-outbox/outbox/outboxdriver"
 	"math/rand/v2"
 	"sync"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
+
+	"github.com/watermill-outbox/outbox/outboxdriver"
 )
 
 // health remembers when this process last dispatched something successfully to each target: the

@@ -5,7 +5,6 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
-	"github.com/watermill-outbox/outbox/outboxdriver"
 	"runtime/debug"
 	"slices"
 	"time"
@@ -14,6 +13,8 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/trace"
+
+	"github.com/watermill-outbox/outbox/outboxdriver"
 )
 
 // HandleParams describe one incoming message for Outbox.Handle.

@@ -5,7 +5,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"github.com/watermill-outbox/outbox/outboxdriver"
 	"maps"
 	"net/http"
 	"slices"
@@ -13,6 +12,8 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
+
+	"github.com/watermill-outbox/outbox/outboxdriver"
 )
 
 // Stats takes a sample of the outbox tables now: pending and parked side effects and the age of

@@ -3,12 +3,13 @@ package outbox
 import (
 	"context"
 	"errors"
-	"github.com/watermill-outbox/outbox/outboxdriver"
 	"strings"
 	"sync"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
+
+	"github.com/watermill-outbox/outbox/outboxdriver"
 )
 
 // markTimeout bounds the write of one batch of marks, retries included.

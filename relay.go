@@ -3,12 +3,13 @@ package outbox
 import (
 	"context"
 	"errors"
-	"github.com/watermill-outbox/outbox/outboxdriver"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/trace"
+
+	"github.com/watermill-outbox/outbox/outboxdriver"
 )
 
 // relayLease is how long the relay reserves the effects of one round: long enough to publish
