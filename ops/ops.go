@@ -50,10 +50,6 @@ func Open(db *sql.DB, schema, prefix string) (*Ops, error) {
 // Store returns the store of the tables (for Migrate, Cleanup and SchemaCheck).
 func (o *Ops) Store() outboxdriver.Store { return o.st }
 
-func (o *Ops) table(name string) string {
-	return `"` + o.n.Schema + `"."` + o.n.Prefix + name + `"`
-}
-
 // Group is one line of a status: the effects of one consumer ("" for the boundary) and topic.
 type Group struct {
 	Consumer      string        `json:"consumer"`
@@ -104,7 +100,7 @@ func (o *Ops) Status(ctx context.Context, retention time.Duration) (Status, erro
 			count(*) FILTER (WHERE parked_at IS NULL),
 			coalesce((extract(epoch FROM now() - min(created_at) FILTER (WHERE parked_at IS NULL)) * 1000)::bigint, 0),
 			count(*) FILTER (WHERE parked_at IS NOT NULL)
-		FROM `+o.table("effects")+` WHERE dispatched_at IS NULL GROUP BY 1, 2 ORDER BY 1, 2`)
+		FROM `+o.n.Effects+` WHERE dispatched_at IS NULL GROUP BY 1, 2 ORDER BY 1, 2`)
 	if err != nil {
 		return s, fmt.Errorf("ops: status: %w", err)
 	}
@@ -121,8 +117,8 @@ func (o *Ops) Status(ctx context.Context, retention time.Duration) (Status, erro
 	if err := closeRows(rows); err != nil {
 		return s, fmt.Errorf("ops: status: %w", err)
 	}
-	rows, err = o.db.QueryContext(ctx, `SELECT a.consumer, count(*), sum(a.attempts) FROM `+o.table("attempts")+` a
-		WHERE NOT EXISTS (SELECT 1 FROM `+o.table("processed")+` p WHERE p.consumer = a.consumer AND p.message_id = a.message_id)
+	rows, err = o.db.QueryContext(ctx, `SELECT a.consumer, count(*), sum(a.attempts) FROM `+o.n.Attempts+` a
+		WHERE NOT EXISTS (SELECT 1 FROM `+o.n.Processed+` p WHERE p.consumer = a.consumer AND p.message_id = a.message_id)
 		GROUP BY 1 ORDER BY 1`)
 	if err != nil {
 		return s, fmt.Errorf("ops: status: %w", err)
@@ -142,11 +138,11 @@ func (o *Ops) Status(ctx context.Context, retention time.Duration) (Status, erro
 	// The consumers are found by skipping through the primary key (a loose index scan), and each
 	// one's IDs counted up to the cap: the cost does not grow with millions of retained IDs.
 	rows, err = o.db.QueryContext(ctx, `WITH RECURSIVE c AS (
-			(SELECT consumer FROM `+o.table("processed")+` ORDER BY consumer LIMIT 1)
+			(SELECT consumer FROM `+o.n.Processed+` ORDER BY consumer LIMIT 1)
 			UNION ALL
-			SELECT (SELECT p.consumer FROM `+o.table("processed")+` p WHERE p.consumer > c.consumer ORDER BY p.consumer LIMIT 1)
+			SELECT (SELECT p.consumer FROM `+o.n.Processed+` p WHERE p.consumer > c.consumer ORDER BY p.consumer LIMIT 1)
 			FROM c WHERE c.consumer IS NOT NULL)
-		SELECT c.consumer, (SELECT count(*) FROM (SELECT 1 FROM `+o.table("processed")+` p
+		SELECT c.consumer, (SELECT count(*) FROM (SELECT 1 FROM `+o.n.Processed+` p
 			WHERE p.consumer = c.consumer LIMIT $1) x)
 		FROM c WHERE c.consumer IS NOT NULL`, outboxdriver.StatsCountCap)
 	if err != nil {
@@ -166,7 +162,7 @@ func (o *Ops) Status(ctx context.Context, retention time.Duration) (Status, erro
 	}
 	// Claims of the last hour only, found through the BRIN index on processed_at.
 	var last sql.NullTime
-	if err := o.db.QueryRowContext(ctx, `SELECT max(dispatched_at) FROM `+o.table("processed")+`
+	if err := o.db.QueryRowContext(ctx, `SELECT max(dispatched_at) FROM `+o.n.Processed+`
 		WHERE processed_at > now() - interval '1 hour'`).Scan(&last); err != nil {
 		return s, fmt.Errorf("ops: status: %w", err)
 	}
@@ -210,7 +206,7 @@ func (o *Ops) ParkedEffects(ctx context.Context, f ParkedFilter) ([]Parked, erro
 	}
 	rows, err := o.db.QueryContext(ctx, `SELECT id, source_consumer, source_id, kind, topic, uuid, ordering_key, attempts, failures,
 			coalesce(last_error, ''), parked_at, created_at
-		FROM `+o.table("effects")+` e
+		FROM `+o.n.Effects+` e
 		WHERE parked_at IS NOT NULL AND dispatched_at IS NULL
 		  AND ($1::text IS NULL OR id = ANY (string_to_array($1::text, ',')::bigint[]))
 		  AND ($2 = '' OR topic = $2) AND ($3 = '' OR source_consumer = $3)
@@ -391,9 +387,9 @@ func (o *Ops) FailingMessages(ctx context.Context, consumer string, limit int) (
 		limit = 1000
 	}
 	rows, err := o.db.QueryContext(ctx, `SELECT a.consumer, a.message_id, a.attempts, a.last_error, a.first_failed_at, a.last_failed_at
-		FROM `+o.table("attempts")+` a
+		FROM `+o.n.Attempts+` a
 		WHERE ($1 = '' OR a.consumer = $1)
-		  AND NOT EXISTS (SELECT 1 FROM `+o.table("processed")+` p WHERE p.consumer = a.consumer AND p.message_id = a.message_id)
+		  AND NOT EXISTS (SELECT 1 FROM `+o.n.Processed+` p WHERE p.consumer = a.consumer AND p.message_id = a.message_id)
 		ORDER BY a.attempts DESC, a.last_failed_at DESC LIMIT $2`, consumer, limit)
 	if err != nil {
 		return nil, fmt.Errorf("ops: list failing messages: %w", err)
@@ -419,7 +415,7 @@ func (o *Ops) ReplayPoisoned(ctx context.Context, consumer, messageID string, op
 	}
 	if opt.DryRun {
 		var poisoned bool
-		err := o.db.QueryRowContext(ctx, `SELECT poisoned FROM `+o.table("processed")+` WHERE consumer = $1 AND message_id = $2`,
+		err := o.db.QueryRowContext(ctx, `SELECT poisoned FROM `+o.n.Processed+` WHERE consumer = $1 AND message_id = $2`,
 			consumer, messageID).Scan(&poisoned)
 		if errors.Is(err, sql.ErrNoRows) {
 			return false, nil
@@ -450,7 +446,7 @@ func (o *Ops) PoisonedMessages(ctx context.Context, limit int) ([]Poisoned, erro
 	if limit <= 0 {
 		limit = 1000
 	}
-	rows, err := o.db.QueryContext(ctx, `SELECT consumer, message_id, processed_at FROM `+o.table("processed")+`
+	rows, err := o.db.QueryContext(ctx, `SELECT consumer, message_id, processed_at FROM `+o.n.Processed+`
 		WHERE poisoned ORDER BY processed_at DESC LIMIT $1`, limit)
 	if err != nil {
 		return nil, fmt.Errorf("ops: list poisoned messages: %w", err)
@@ -497,7 +493,7 @@ type LookupEffect struct {
 func (o *Ops) Lookup(ctx context.Context, consumer, messageID string) (Lookup, error) {
 	l := Lookup{Consumer: consumer, MessageID: messageID}
 	var dispatched sql.NullTime
-	err := o.db.QueryRowContext(ctx, `SELECT processed_at, dispatched_at, poisoned FROM `+o.table("processed")+`
+	err := o.db.QueryRowContext(ctx, `SELECT processed_at, dispatched_at, poisoned FROM `+o.n.Processed+`
 		WHERE consumer = $1 AND message_id = $2`, consumer, messageID).Scan(&l.ProcessedAt, &dispatched, &l.Poisoned)
 	switch {
 	case errors.Is(err, sql.ErrNoRows):
@@ -509,10 +505,10 @@ func (o *Ops) Lookup(ctx context.Context, consumer, messageID string) (Lookup, e
 	}
 	rows, err := o.db.QueryContext(ctx, `SELECT id, kind, topic, uuid,
 			CASE WHEN parked_at IS NOT NULL THEN 'parked' ELSE 'pending' END, created_at, NULL::timestamptz, coalesce(last_error, '')
-		FROM `+o.table("effects")+` WHERE source_consumer = $1 AND source_id = $2 AND dispatched_at IS NULL
+		FROM `+o.n.Effects+` WHERE source_consumer = $1 AND source_id = $2 AND dispatched_at IS NULL
 		UNION ALL
 		SELECT id, kind, topic, uuid, 'dispatched', created_at, dispatched_at, coalesce(last_error, '')
-		FROM `+o.table("dispatched")+` WHERE source_consumer = $1 AND source_id = $2
+		FROM `+o.n.Dispatched+` WHERE source_consumer = $1 AND source_id = $2
 		ORDER BY 1`, consumer, messageID)
 	if err != nil {
 		return l, fmt.Errorf("ops: lookup: %w", err)
@@ -530,7 +526,7 @@ func (o *Ops) Lookup(ctx context.Context, consumer, messageID string) (Lookup, e
 	if err := closeRows(rows); err != nil {
 		return l, fmt.Errorf("ops: lookup: %w", err)
 	}
-	err = o.db.QueryRowContext(ctx, `SELECT attempts, last_error FROM `+o.table("attempts")+` WHERE consumer = $1 AND message_id = $2`,
+	err = o.db.QueryRowContext(ctx, `SELECT attempts, last_error FROM `+o.n.Attempts+` WHERE consumer = $1 AND message_id = $2`,
 		consumer, messageID).Scan(&l.Attempts, &l.LastError)
 	if err != nil && !errors.Is(err, sql.ErrNoRows) {
 		return l, fmt.Errorf("ops: lookup: %w", err)
@@ -540,7 +536,7 @@ func (o *Ops) Lookup(ctx context.Context, consumer, messageID string) (Lookup, e
 
 // AuditLog returns the latest limit audit entries, newest first.
 func (o *Ops) AuditLog(ctx context.Context, limit int) ([]Audit, error) {
-	rows, err := o.db.QueryContext(ctx, `SELECT at, actor, action, target, detail FROM `+o.table("audit")+` ORDER BY id DESC LIMIT $1`, limit)
+	rows, err := o.db.QueryContext(ctx, `SELECT at, actor, action, target, detail FROM `+o.n.Audit+` ORDER BY id DESC LIMIT $1`, limit)
 	if err != nil {
 		return nil, fmt.Errorf("ops: audit log: %w", err)
 	}
@@ -557,7 +553,7 @@ func (o *Ops) AuditLog(ctx context.Context, limit int) ([]Audit, error) {
 }
 
 func (o *Ops) audit(ctx context.Context, actor, action, target, detail string) error {
-	_, err := o.db.ExecContext(ctx, `INSERT INTO `+o.table("audit")+` (actor, action, target, detail) VALUES ($1, $2, $3, $4)`,
+	_, err := o.db.ExecContext(ctx, `INSERT INTO `+o.n.Audit+` (actor, action, target, detail) VALUES ($1, $2, $3, $4)`,
 		sanitize(actor), action, sanitize(target), sanitize(detail))
 	if err != nil {
 		return fmt.Errorf("ops: write the audit entry (the change was made): %w", err)

@@ -32,6 +32,7 @@ import (
 	"github.com/watermill-outbox/outbox"
 	"github.com/watermill-outbox/outbox/drivers/postgres"
 	"github.com/watermill-outbox/outbox/internal/pgtest"
+	"github.com/watermill-outbox/outbox/store"
 )
 
 // EnvDSN names a PostgreSQL server to use instead of starting one.
@@ -110,7 +111,6 @@ type Harness struct {
 	Pub *Recorder
 	Ob  *outbox.Outbox
 
-	cfg       outbox.Config
 	failpoint func(ctx context.Context, point string) error
 	fpMu      sync.Mutex
 }
@@ -146,7 +146,6 @@ func New(t testing.TB, cfg outbox.Config, setup func(ctx context.Context, db *sq
 		}
 		return fp(ctx, point)
 	}
-	h.cfg = cfg
 	ob, err := outbox.New(cfg)
 	if err != nil {
 		t.Fatalf("outboxtest: %v", err)
@@ -210,17 +209,17 @@ func (h *Harness) Run(consumer string, msg *message.Message, handler message.Han
 // committedEffects reads every effect committed for the message, pending or dispatched.
 func (h *Harness) committedEffects(consumer, id string) []Effect {
 	h.t.Helper()
-	schema := h.cfg.Schema
+	cfg := h.Ob.Config()
+	schema := cfg.Schema
 	if schema == "" {
-		schema = "public"
+		schema = postgres.DefaultSchema
 	}
-	prefix := h.cfg.TablePrefix
-	if prefix == "" {
-		prefix = "outbox_"
+	n, err := store.NewNames(schema, cfg.TablePrefix)
+	if err != nil {
+		h.t.Fatalf("outboxtest: %v", err)
 	}
-	q := func(t string) string { return `"` + schema + `"."` + prefix + t + `"` }
-	rows, err := h.DB.Query(`SELECT kind, topic, uuid, payload, ordering_key, id FROM `+q("effects")+` WHERE source_consumer = $1 AND source_id = $2
-		UNION ALL SELECT kind, topic, uuid, payload, ordering_key, id FROM `+q("dispatched")+` WHERE source_consumer = $1 AND source_id = $2
+	rows, err := h.DB.Query(`SELECT kind, topic, uuid, payload, ordering_key, id FROM `+n.Effects+` WHERE source_consumer = $1 AND source_id = $2
+		UNION ALL SELECT kind, topic, uuid, payload, ordering_key, id FROM `+n.Dispatched+` WHERE source_consumer = $1 AND source_id = $2
 		ORDER BY id`, consumer, id)
 	if err != nil {
 		h.t.Fatalf("outboxtest: read the committed effects: %v", err)

@@ -19,6 +19,7 @@ type Names struct {
 	Dispatched   string
 	Attempts     string
 	Stats        string
+	Audit        string
 	Migrations   string
 	QuotedSchema string
 }
@@ -52,6 +53,7 @@ func NewNames(schema, prefix string) (Names, error) {
 		Dispatched:   q("dispatched"),
 		Attempts:     q("attempts"),
 		Stats:        q("stats"),
+		Audit:        q("audit"),
 		Migrations:   q("migrations"),
 	}, nil
 }

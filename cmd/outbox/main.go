@@ -36,6 +36,7 @@ import (
 	"github.com/watermill-outbox/outbox/drivers/postgres"
 	"github.com/watermill-outbox/outbox/ops"
 	"github.com/watermill-outbox/outbox/outboxdriver"
+	"github.com/watermill-outbox/outbox/store"
 )
 
 func main() {
@@ -416,8 +417,12 @@ func migrate(ctx context.Context, o *ops.Ops, db *sql.DB, g globals, args []stri
 		if err != nil {
 			return err
 		}
+		table, err := migrationsTable(g)
+		if err != nil {
+			return err
+		}
 		applied := map[int]bool{}
-		rows, err := db.QueryContext(ctx, `SELECT version FROM `+migrationsTable(g))
+		rows, err := db.QueryContext(ctx, `SELECT version FROM `+table)
 		if err == nil {
 			for rows.Next() {
 				var v int
@@ -452,12 +457,17 @@ func migrate(ctx context.Context, o *ops.Ops, db *sql.DB, g globals, args []stri
 	return usageError{fmt.Sprintf("migrate %s: want up, status or sql", args[0])}
 }
 
-func migrationsTable(g globals) string {
+// migrationsTable is the quoted name of the table that records the applied migrations.
+func migrationsTable(g globals) (string, error) {
 	schema := g.schema
 	if schema == "" {
 		schema = postgres.DefaultSchema
 	}
-	return `"` + schema + `"."` + g.prefix + `migrations"`
+	n, err := store.NewNames(schema, g.prefix)
+	if err != nil {
+		return "", usageError{err.Error()}
+	}
+	return n.Migrations, nil
 }
 
 // migrateSQL prints every migration for the schema and prefix, for a migration tool of the team's.
@@ -466,9 +476,13 @@ func migrateSQL(g globals, stdout io.Writer) error {
 	if err != nil {
 		return usageError{err.Error()}
 	}
+	table, err := migrationsTable(g)
+	if err != nil {
+		return err
+	}
 	for _, m := range all {
 		fmt.Fprintf(stdout, "-- %03d_%s\n%s\n", m.Version, m.Name, strings.TrimSpace(m.SQL))
-		fmt.Fprintf(stdout, "INSERT INTO %s (version) VALUES (%d) ON CONFLICT DO NOTHING;\n\n", migrationsTable(g), m.Version)
+		fmt.Fprintf(stdout, "INSERT INTO %s (version) VALUES (%d) ON CONFLICT DO NOTHING;\n\n", table, m.Version)
 	}
 	return nil
 }
