@@ -448,11 +448,7 @@ func (o *Outbox) listPending(ctx context.Context, src Source) ([]Effect, int, er
 	blocked := map[string]bool{}
 	parked := 0
 	out := all[:0]
-	read := time.Now()
 	for _, e := range all {
-		if e.StoredAt.IsZero() {
-			e.StoredAt = read.Add(-e.PendingFor)
-		}
 		if e.Parked {
 			parked++
 			blocked[e.OrderingKey] = true

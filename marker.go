@@ -136,6 +136,20 @@ func (m *marker) sent(effects []Effect) bool {
 	return len(effects) > 0
 }
 
+// unsent returns those of effects whose mark is not queued here: what this process has not sent
+// (or whose mark is written already).
+func (m *marker) unsent(effects []Effect) []Effect {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	out := make([]Effect, 0, len(effects))
+	for _, e := range effects {
+		if m.queued[e.StoreID] == 0 {
+			out = append(out, e)
+		}
+	}
+	return out
+}
+
 // wait blocks until every queued mark was written (or failed).
 func (m *marker) wait() {
 	m.mu.Lock()

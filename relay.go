@@ -39,11 +39,6 @@ func (o *Outbox) relayOnce(ctx context.Context) error {
 			began := time.Now()
 			o.tel.relayRounds.Add(ctx, 1)
 			o.tel.relayEffects.Record(ctx, int64(n))
-			for i := range claim.Effects {
-				if claim.Effects[i].StoredAt.IsZero() {
-					claim.Effects[i].StoredAt = began.Add(-claim.Effects[i].PendingFor)
-				}
-			}
 			o.relayRound(ctx, claim.Effects)
 			if f := o.cfg.RelayPauseFactor; f > 0 {
 				select {
@@ -75,12 +70,7 @@ func (o *Outbox) relayRound(ctx context.Context, claimed []Effect) {
 	// Effects this process sent and whose mark is still being written are not sent again: the
 	// mark takes them out. A round that starts right after a dispatch (its mark lingers a few
 	// milliseconds, longer on a loaded database) would otherwise put a second copy on the wire.
-	effects := make([]Effect, 0, len(claimed))
-	for _, e := range claimed {
-		if !o.marks.sent([]Effect{e}) {
-			effects = append(effects, e)
-		}
-	}
+	effects := o.marks.unsent(claimed)
 	if len(effects) == 0 {
 		return
 	}
