@@ -171,9 +171,7 @@ func (o *Outbox) relayNeeded(fields watermill.LogFields) {
 	if o.relaysRunning.Load() > 0 {
 		return
 	}
-	now := time.Now().UnixNano()
-	last := o.noRelayWarned.Load()
-	if now-last < int64(time.Minute) || !o.noRelayWarned.CompareAndSwap(last, now) {
+	if !o.noRelayWarned.allow(time.Minute) {
 		return
 	}
 	o.logger.Error("Side effects were left to the relay, but Outbox.Run is not running in this process: "+

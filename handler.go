@@ -300,9 +300,7 @@ func (o *Outbox) duplicateSeen(ctx context.Context, src Source, claim outboxdriv
 		return
 	}
 	o.tel.duplicatesLate.Add(ctx, 1, consumer)
-	now := time.Now().UnixNano()
-	last := o.tel.lateWarned.Load()
-	if now-last < int64(time.Minute) || !o.tel.lateWarned.CompareAndSwap(last, now) {
+	if !o.tel.lateWarned.allow(time.Minute) {
 		return
 	}
 	o.logger.Error("A duplicate came late in the dedup window: its claim was older than half of Retention. "+

@@ -40,10 +40,10 @@ type Outbox struct {
 	// failedHere holds the sources whose dispatch failed in this process lately: a redelivered
 	// copy of one of them never waits for an original that is known to have failed.
 	failedHere recentSources
-	// relaysRunning counts the Run calls in progress; noRelayWarned is when (UnixNano) the
-	// missing relay was last reported.
+	// relaysRunning counts the Run calls in progress; noRelayWarned lets the missing relay be
+	// reported once a minute.
 	relaysRunning atomic.Int32
-	noRelayWarned atomic.Int64
+	noRelayWarned oncePer
 	// lastHandoff is when (UnixNano) effects were last left to the relays, here or, as far as a
 	// notification told, in another instance: until they are sent, each written mark wakes the
 	// relay, since effects handed over behind the marked ones may be free to go.
@@ -287,4 +287,14 @@ func (o *Outbox) kickRelay() {
 	case o.kick <- struct{}{}:
 	default:
 	}
+}
+
+// oncePer lets one caller through per interval: for log lines that would otherwise repeat with
+// every message.
+type oncePer struct{ last atomic.Int64 } // UnixNano of the last caller let through
+
+func (r *oncePer) allow(every time.Duration) bool {
+	now := time.Now().UnixNano()
+	last := r.last.Load()
+	return now-last >= int64(every) && r.last.CompareAndSwap(last, now)
 }

@@ -145,8 +145,8 @@ type telemetry struct {
 	listening atomic.Bool
 	// listenUnsupported: the store cannot listen (SQLite); the relay polls.
 	listenUnsupported atomic.Bool
-	// lateWarned is when (UnixNano) a late duplicate was last logged.
-	lateWarned atomic.Int64
+	// lateWarned lets a late duplicate be logged once a minute.
+	lateWarned oncePer
 }
 
 // Bucket boundaries, in seconds.
