@@ -1,12 +1,10 @@
 package outbox_test
 
 import (
-	"context"
 	"database/sql"
 	"errors"
 	"fmt"
 	"math/rand/v2"
-	"sort"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -19,14 +17,10 @@ import (
 	"github.com/google/uuid"
 
 	"github.com/watermill-outbox/outbox"
+	"github.com/watermill-outbox/outbox/internal/logtest"
+	"github.com/watermill-outbox/outbox/internal/routertest"
 	"github.com/watermill-outbox/outbox/middleware"
 )
-
-// e2eTimeout bounds every wait of the end-to-end tests.
-const e2eTimeout = 60 * time.Second
-
-// errInjected is the failure the flaky handlers return after their business write.
-var errInjected = errors.New("injected failure after the business write")
 
 // TestE2ERouterSQLPubSub runs the framework through real Watermill Routers over the watermill-sql
 // Postgres pub/sub: three instances of the consumer "reserve-stock" (each its own Outbox, as
@@ -52,20 +46,20 @@ func TestE2ERouterSQLPubSub(t *testing.T) {
 	if _, err := e.db.Exec(`CREATE TABLE notified (message_id text NOT NULL, causation_id text NOT NULL)`); err != nil {
 		t.Fatal(err)
 	}
-	logs := &errorLog{}
+	logs := &logtest.Errors{}
 
 	// The downstream consumer starts first, as it would in production.
 	notifyGroup := "notify"
-	notifyOb := e.newOutbox(withRealPublisher(t, e.db), withLogger(logs))
-	runOutbox(t, notifyOb)
-	notifyRouter := newRouter(t, logs)
+	notifyOb := e.newOutbox(withRealPublisher(t, e.db), routertest.WithLogger(logs))
+	routertest.RunOutbox(t, notifyOb)
+	notifyRouter := routertest.NewRouter(t, logs)
 	notifyRouter.AddConsumerHandler("notify", stockTopic, newSQLSubscriber(t, e.db, notifyGroup, stockTopic), func(msg *message.Message) error {
 		ctx := msg.Context()
 		_, err := outbox.Tx(ctx).ExecContext(ctx, `INSERT INTO notified (message_id, causation_id) VALUES ($1, $2)`,
 			msg.UUID, msg.Metadata.Get(outbox.MetadataCausationID))
 		return err
 	}).AddMiddleware(middleware.New(notifyOb))
-	runRouter(t, notifyRouter)
+	routertest.RunRouter(t, notifyRouter)
 
 	var handlerCalls, injected atomic.Int32
 	reserveStock := func(instance string, flaky bool) message.NoPublishHandlerFunc {
@@ -81,21 +75,21 @@ func TestE2ERouterSQLPubSub(t *testing.T) {
 			}
 			if flaky && rand.IntN(100) < failPercent {
 				injected.Add(1)
-				return errInjected
+				return routertest.ErrInjected
 			}
 			return nil
 		}
 	}
 	groups := []string{"instance-a", "instance-b", "instance-c"}
 	for i, group := range groups {
-		ob := e.newOutbox(withRealPublisher(t, e.db), withLogger(logs))
-		runOutbox(t, ob)
-		r := newRouter(t, logs)
+		ob := e.newOutbox(withRealPublisher(t, e.db), routertest.WithLogger(logs))
+		routertest.RunOutbox(t, ob)
+		r := routertest.NewRouter(t, logs)
 		// A different consumer group per Router: every instance receives every copy; the same
 		// handler name: one consumer identity, so the instances deduplicate against each other.
 		r.AddConsumerHandler(consumer, ordersTopic, newSQLSubscriber(t, e.db, group, ordersTopic), reserveStock(group, i == len(groups)-1)).
 			AddMiddleware(middleware.New(ob))
-		runRouter(t, r)
+		routertest.RunRouter(t, r)
 	}
 
 	// The producer: n orders, and dupPercent of them sent a second time with the same UUID a few
@@ -104,9 +98,9 @@ func TestE2ERouterSQLPubSub(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	orders := produce(t, n, dupPercent, func(m *message.Message) error { return producer.Publish(ordersTopic, m) })
+	orders := routertest.Produce(t, n, dupPercent, func(m *message.Message) error { return producer.Publish(ordersTopic, m) })
 
-	waitUntil(t, "every order reserved once and notified", func() (bool, string) {
+	routertest.WaitUntil(t, "every order reserved once and notified", func() (bool, string) {
 		reserved := e.count(`SELECT count(DISTINCT message_id) FROM reserved`)
 		notified := e.count(`SELECT count(*) FROM notified`)
 		return reserved == n && notified >= n, fmt.Sprintf("%d distinct orders reserved, %d notifications", reserved, notified)
@@ -114,7 +108,7 @@ func TestE2ERouterSQLPubSub(t *testing.T) {
 	// Settle: every consumer group has consumed every copy, and no side effect is pending. The
 	// order of the checks matters: once the reserve-stock groups are caught up nothing publishes to
 	// stock.reserved any more, so the notify group's position is then final.
-	waitUntil(t, "every consumer group caught up and no side effect pending", func() (bool, string) {
+	routertest.WaitUntil(t, "every consumer group caught up and no side effect pending", func() (bool, string) {
 		if ok, state := sqlCaughtUp(t, e.db, ordersTopic, groups...); !ok {
 			return false, state
 		}
@@ -126,7 +120,7 @@ func TestE2ERouterSQLPubSub(t *testing.T) {
 
 	mustEqual(t, "business rows (an order applied twice?)", e.count(`SELECT count(*) FROM reserved`), n)
 	mustEqual(t, "distinct orders in the business table", e.count(`SELECT count(DISTINCT message_id) FROM reserved`), n)
-	mustEqual(t, "reserved orders that were never produced", countMissing(e.db, t, `SELECT message_id FROM reserved`, orders), 0)
+	mustEqual(t, "reserved orders that were never produced", routertest.CountMissing(t, e.db, `SELECT message_id FROM reserved`, orders), 0)
 	mustEqual(t, "downstream rows (a notification applied twice?)", e.count(`SELECT count(*) FROM notified`), n)
 	mustEqual(t, "orders notified (causation ids)", e.count(`SELECT count(DISTINCT causation_id) FROM notified`), n)
 	mustEqual(t, "processed rows of "+consumer, e.count(`SELECT count(*) FROM outbox_processed WHERE consumer = $1`, consumer), n)
@@ -144,8 +138,8 @@ func TestE2ERouterSQLPubSub(t *testing.T) {
 	mustEqual(t, "stored "+stockTopic+" effects", effects, n)
 	// Every UUID on the wire is a committed effect: nothing from a failed, rolled-back attempt left.
 	mustEqual(t, "UUIDs on the wire that are not committed effects",
-		countMissing(e.db, t, `SELECT uuid FROM all_effects WHERE source_consumer = 'reserve-stock'`, keys(wire)), 0)
-	mustEqual(t, "notified messages that are not on the wire", countMissing(e.db, t, `SELECT message_id FROM notified`, keys(wire)), 0)
+		routertest.CountMissing(t, e.db, `SELECT uuid FROM all_effects WHERE source_consumer = 'reserve-stock'`, routertest.Keys(wire)), 0)
+	mustEqual(t, "notified messages that are not on the wire", routertest.CountMissing(t, e.db, `SELECT message_id FROM notified`, routertest.Keys(wire)), 0)
 
 	perInstance := map[string]int{}
 	rows, err := e.db.Query(`SELECT instance, count(*) FROM reserved GROUP BY instance`)
@@ -165,12 +159,12 @@ func TestE2ERouterSQLPubSub(t *testing.T) {
 	mustEqual(t, "failed attempts counted by the framework", attempts, int(injected.Load()))
 	t.Logf("%d orders (+%d duplicates) x %d instances: %d handler calls, %d injected failures, orders applied per instance %v",
 		n, n*dupPercent/100, len(groups), handlerCalls.Load(), injected.Load(), perInstance)
-	t.Logf("%s: %d distinct UUIDs, %d copies on the wire (re-sends absorbed downstream); %s", stockTopic, len(wire), copies, logs.summary())
+	t.Logf("%s: %d distinct UUIDs, %d copies on the wire (re-sends absorbed downstream); %s", stockTopic, len(wire), copies, fmt.Sprintf("%d errors logged by the Routers", len(logs.Lines())))
 	if injected.Load() == 0 {
 		// Not fatal on purpose: the flaky instance may have lost every claim race.
 		t.Logf("note: the flaky instance never failed in this run (it ran its handler %d times)", perInstance[groups[len(groups)-1]])
 	}
-	if unexpected := logs.unexpected(); len(unexpected) > 0 {
+	if unexpected := routertest.Unexpected(logs); len(unexpected) > 0 {
 		t.Errorf("unexpected errors logged: %s", strings.Join(unexpected, "\n"))
 	}
 	t.Logf("took %s", time.Since(start).Round(time.Millisecond))
@@ -192,9 +186,9 @@ func TestE2ERouterAddHandlerReturnsMessages(t *testing.T) {
 	if _, err := e.db.Exec(`CREATE TABLE enriched (message_id text NOT NULL)`); err != nil {
 		t.Fatal(err)
 	}
-	logs := &errorLog{}
-	ob := e.newOutbox(withRealPublisher(t, e.db), withLogger(logs))
-	runOutbox(t, ob)
+	logs := &logtest.Errors{}
+	ob := e.newOutbox(withRealPublisher(t, e.db), routertest.WithLogger(logs))
+	routertest.RunOutbox(t, ob)
 
 	realRouterPub, err := wsql.NewPublisher(e.db, wsql.PublisherConfig{SchemaAdapter: brokerSchema()}, watermill.NopLogger{})
 	if err != nil {
@@ -204,7 +198,7 @@ func TestE2ERouterAddHandlerReturnsMessages(t *testing.T) {
 
 	var mu sync.Mutex
 	returned := map[string]bool{} // UUIDs of the messages the handler returned, per call
-	r := newRouter(t, logs)
+	r := routertest.NewRouter(t, logs)
 	r.AddHandler("enrich", inTopic, newSQLSubscriber(t, e.db, group, inTopic), outTopic, routerPub,
 		func(msg *message.Message) ([]*message.Message, error) {
 			ctx := msg.Context()
@@ -217,20 +211,20 @@ func TestE2ERouterAddHandlerReturnsMessages(t *testing.T) {
 			mu.Unlock()
 			return []*message.Message{out}, nil
 		}).AddMiddleware(middleware.New(ob))
-	runRouter(t, r)
+	routertest.RunRouter(t, r)
 
 	producer, err := wsql.NewPublisher(e.db, wsql.PublisherConfig{SchemaAdapter: brokerSchema()}, watermill.NopLogger{})
 	if err != nil {
 		t.Fatal(err)
 	}
-	orders := produce(t, n, 20, func(m *message.Message) error { return producer.Publish(inTopic, m) })
+	orders := routertest.Produce(t, n, 20, func(m *message.Message) error { return producer.Publish(inTopic, m) })
 
-	waitUntil(t, "every input enriched and its output on the wire", func() (bool, string) {
+	routertest.WaitUntil(t, "every input enriched and its output on the wire", func() (bool, string) {
 		enriched := e.count(`SELECT count(DISTINCT message_id) FROM enriched`)
 		out := len(e.wire(outTopic))
 		return enriched == n && out >= n, fmt.Sprintf("%d inputs enriched, %d distinct outputs on the wire", enriched, out)
 	})
-	waitUntil(t, "the consumer group caught up and no side effect pending", func() (bool, string) {
+	routertest.WaitUntil(t, "the consumer group caught up and no side effect pending", func() (bool, string) {
 		if ok, state := sqlCaughtUp(t, e.db, inTopic, group); !ok {
 			return false, state
 		}
@@ -239,7 +233,7 @@ func TestE2ERouterAddHandlerReturnsMessages(t *testing.T) {
 	})
 
 	mustEqual(t, "business rows", e.count(`SELECT count(*) FROM enriched`), n)
-	mustEqual(t, "enriched inputs that were never produced", countMissing(e.db, t, `SELECT message_id FROM enriched`, orders), 0)
+	mustEqual(t, "enriched inputs that were never produced", routertest.CountMissing(t, e.db, `SELECT message_id FROM enriched`, orders), 0)
 	mustEqual(t, "calls of the Router's publisher (returned messages published a second time)", routerPub.calls.Load(), int32(0))
 	wire := e.wire(outTopic)
 	mustEqual(t, "distinct UUIDs on "+outTopic, len(wire), n)
@@ -254,37 +248,10 @@ func TestE2ERouterAddHandlerReturnsMessages(t *testing.T) {
 		}
 	}
 	mu.Unlock()
-	if unexpected := logs.unexpected(); len(unexpected) > 0 {
+	if unexpected := routertest.Unexpected(logs); len(unexpected) > 0 {
 		t.Errorf("unexpected errors logged: %s", strings.Join(unexpected, "\n"))
 	}
 	t.Logf("%d inputs (+%d duplicates), %d outputs on the wire; took %s", n, n/5, len(wire), time.Since(start).Round(time.Millisecond))
-}
-
-// produce publishes n messages, and dupPercent of them a second time with the same UUID and
-// payload a few positions later. It returns the UUIDs of the n distinct messages.
-func produce(t *testing.T, n, dupPercent int, publish func(*message.Message) error) []string {
-	t.Helper()
-	type send struct {
-		at float64
-		i  int
-	}
-	ids := make([]string, n)
-	sends := make([]send, 0, n+n*dupPercent/100)
-	for i := range ids {
-		ids[i] = uuid.NewString()
-		sends = append(sends, send{at: float64(i), i: i})
-	}
-	for _, i := range rand.Perm(n)[:n*dupPercent/100] {
-		sends = append(sends, send{at: float64(i) + 0.5 + 10*rand.Float64(), i: i})
-	}
-	sort.Slice(sends, func(a, b int) bool { return sends[a].at < sends[b].at })
-	for _, s := range sends {
-		m := message.NewMessage(ids[s.i], []byte(fmt.Sprintf(`{"n":%d}`, s.i)))
-		if err := publish(m); err != nil {
-			t.Fatalf("produce message %d: %v", s.i, err)
-		}
-	}
-	return ids
 }
 
 // withRealPublisher gives an Outbox its own watermill-sql publisher, as a separate process has.
@@ -295,10 +262,6 @@ func withRealPublisher(t *testing.T, db *sql.DB) func(*outbox.Config) {
 		t.Fatal(err)
 	}
 	return func(c *outbox.Config) { c.Publisher = pub }
-}
-
-func withLogger(l watermill.LoggerAdapter) func(*outbox.Config) {
-	return func(c *outbox.Config) { c.Logger = l }
 }
 
 // newSQLSubscriber returns a watermill-sql Postgres subscriber in consumer group group. It creates
@@ -377,112 +340,6 @@ func sqlCaughtUp(t testing.TB, db *sql.DB, topic string, groups ...string) (bool
 	return true, ""
 }
 
-// countMissing returns how many of ids the query (one text column) does not return.
-func countMissing(db *sql.DB, t *testing.T, query string, ids []string) int {
-	t.Helper()
-	rows, err := db.Query(query)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer rows.Close()
-	have := map[string]bool{}
-	for rows.Next() {
-		var s string
-		if err := rows.Scan(&s); err != nil {
-			t.Fatal(err)
-		}
-		have[s] = true
-	}
-	if err := rows.Err(); err != nil {
-		t.Fatal(err)
-	}
-	missing := 0
-	for _, id := range ids {
-		if !have[id] {
-			missing++
-		}
-	}
-	return missing
-}
-
-func keys[V any](m map[string]V) []string {
-	out := make([]string, 0, len(m))
-	for k := range m {
-		out = append(out, k)
-	}
-	return out
-}
-
-// waitUntil polls cond until it holds, failing after e2eTimeout with the last state it described.
-func waitUntil(t *testing.T, what string, cond func() (bool, string)) {
-	t.Helper()
-	deadline := time.Now().Add(e2eTimeout)
-	for {
-		ok, state := cond()
-		if ok {
-			return
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out after %s waiting for %s; last state: %s", e2eTimeout, what, state)
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
-}
-
-func newRouter(t *testing.T, logger watermill.LoggerAdapter) *message.Router {
-	t.Helper()
-	r, err := message.NewRouter(message.RouterConfig{CloseTimeout: 30 * time.Second}, logger)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return r
-}
-
-// runRouter runs r until the test ends and then closes it, waiting for Run to return, so that no
-// handler or subscriber goroutine outlives the test (and its database).
-func runRouter(t testing.TB, r *message.Router) {
-	t.Helper()
-	done := make(chan error, 1)
-	go func() { done <- r.Run(context.Background()) }()
-	t.Cleanup(func() {
-		if err := r.Close(); err != nil {
-			t.Errorf("close router: %v", err)
-		}
-		select {
-		case err := <-done:
-			if err != nil {
-				t.Errorf("router: %v", err)
-			}
-		case <-time.After(e2eTimeout):
-			t.Errorf("router did not stop within %s", e2eTimeout)
-		}
-	})
-	select {
-	case <-r.Running():
-	case err := <-done:
-		t.Fatalf("router stopped before running: %v", err)
-	case <-time.After(e2eTimeout):
-		t.Fatalf("router not running after %s", e2eTimeout)
-	}
-}
-
-// runOutbox runs the Outbox's background work until the test ends.
-func runOutbox(t testing.TB, ob *outbox.Outbox) {
-	t.Helper()
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		if err := ob.Run(ctx); err != nil {
-			t.Errorf("outbox run: %v", err)
-		}
-	}()
-	t.Cleanup(func() {
-		cancel()
-		<-done
-	})
-}
-
 // countingPublisher counts the calls of the publisher a Router is given.
 type countingPublisher struct {
 	next  message.Publisher
@@ -495,38 +352,3 @@ func (p *countingPublisher) Publish(topic string, msgs ...*message.Message) erro
 }
 
 func (p *countingPublisher) Close() error { return p.next.Close() }
-
-// errorLog is a watermill logger that keeps the errors logged, to report the unexpected ones.
-type errorLog struct {
-	mu     sync.Mutex
-	errors []string
-}
-
-func (l *errorLog) Error(msg string, err error, fields watermill.LogFields) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	l.errors = append(l.errors, fmt.Sprintf("%s: %v %v", msg, err, fields))
-}
-func (l *errorLog) Info(string, watermill.LogFields)                 {}
-func (l *errorLog) Debug(string, watermill.LogFields)                {}
-func (l *errorLog) Trace(string, watermill.LogFields)                {}
-func (l *errorLog) With(watermill.LogFields) watermill.LoggerAdapter { return l }
-
-// unexpected returns the logged errors that are not the injected handler failures.
-func (l *errorLog) unexpected() []string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	var out []string
-	for _, e := range l.errors {
-		if !strings.Contains(e, errInjected.Error()) {
-			out = append(out, e)
-		}
-	}
-	return out
-}
-
-func (l *errorLog) summary() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return fmt.Sprintf("%d errors logged by the Routers", len(l.errors))
-}

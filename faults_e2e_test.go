@@ -13,6 +13,7 @@ import (
 	"github.com/google/uuid"
 
 	"github.com/watermill-outbox/outbox"
+	"github.com/watermill-outbox/outbox/internal/routertest"
 	"github.com/watermill-outbox/outbox/middleware"
 )
 
@@ -67,7 +68,7 @@ func runSerialGroups(t testing.TB, n, before, after int, duplicateWait time.Dura
 			c.Publisher = &flakyBroker{next: real, before: before, after: after, r: rand.New(rand.NewPCG(uint64(i), 7))}
 			c.DuplicateWait = duplicateWait
 		})
-		runOutbox(t, ob)
+		routertest.RunOutbox(t, ob)
 		r, err := message.NewRouter(message.RouterConfig{CloseTimeout: 30 * time.Second}, watermill.NopLogger{})
 		if err != nil {
 			t.Fatal(err)
@@ -79,7 +80,7 @@ func runSerialGroups(t testing.TB, n, before, after int, duplicateWait time.Dura
 			}
 			return outbox.Publish(ctx, stockTopic, message.NewMessage(uuid.NewString(), []byte(msg.UUID)))
 		}).AddMiddleware(middleware.New(ob))
-		runRouter(t, r)
+		routertest.RunRouter(t, r)
 	}
 	producer, err := wsql.NewPublisher(e.db, wsql.PublisherConfig{SchemaAdapter: brokerSchema()}, watermill.NopLogger{})
 	if err != nil {
@@ -91,19 +92,19 @@ func runSerialGroups(t testing.TB, n, before, after int, duplicateWait time.Dura
 			t.Fatal(err)
 		}
 	}
-	deadline := time.Now().Add(e2eTimeout)
+	deadline := time.Now().Add(routertest.Timeout)
 	for {
 		caught, state := sqlCaughtUp(t, e.db, ordersTopic, groups...)
 		if caught && e.count(`SELECT count(*) FROM reserved`) == n {
 			break
 		}
 		if time.Now().After(deadline) {
-			t.Fatalf("after %s: %d of %d orders applied; %s", e2eTimeout, e.count(`SELECT count(*) FROM reserved`), n, state)
+			t.Fatalf("after %s: %d of %d orders applied; %s", routertest.Timeout, e.count(`SELECT count(*) FROM reserved`), n, state)
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
 	took := time.Since(start)
-	waitWithin(t, e2eTimeout, "every side effect dispatched", func() bool { return e.pendingEffects() == 0 })
+	waitWithin(t, routertest.Timeout, "every side effect dispatched", func() bool { return e.pendingEffects() == 0 })
 	if got := e.count(`SELECT count(DISTINCT message_id) FROM reserved`); got != n {
 		t.Fatalf("distinct orders applied: %d, want %d", got, n)
 	}

@@ -14,6 +14,7 @@ import (
 
 	"github.com/watermill-outbox/outbox"
 	"github.com/watermill-outbox/outbox/drivers/postgres"
+	"github.com/watermill-outbox/outbox/internal/routertest"
 )
 
 func TestValidateHoldsRetentionAgainstTheRedeliveryHorizon(t *testing.T) {
@@ -81,12 +82,12 @@ func TestHealth(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	waitUntil(t, "the backlog reported", func() (bool, string) {
+	routertest.WaitUntil(t, "the backlog reported", func() (bool, string) {
 		r := e.ob.Health(ctx)
 		return len(failed(r)) == 1 && strings.Contains(r.Err().Error(), "backlog: 3 side effects pending, more than HealthMaxPending (2)"), fmt.Sprint(r.Err())
 	})
 	e.pub.failAll.Store(false)
-	waitUntil(t, "healthy once the relay sent the backlog", func() (bool, string) {
+	routertest.WaitUntil(t, "healthy once the relay sent the backlog", func() (bool, string) {
 		r := e.ob.Health(ctx)
 		return r.Healthy, fmt.Sprint(r.Err())
 	})
@@ -123,7 +124,7 @@ func TestHealthListener(t *testing.T) {
 	ctx, stop := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() { done <- ob.Run(ctx) }()
-	waitUntil(t, "the listener connected", func() (bool, string) {
+	routertest.WaitUntil(t, "the listener connected", func() (bool, string) {
 		c := listener()
 		return c.OK && c.Reason == "connected", fmt.Sprintf("%+v", c)
 	})

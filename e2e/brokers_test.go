@@ -30,6 +30,7 @@ import (
 	"github.com/watermill-outbox/outbox/drivers/postgres"
 	"github.com/watermill-outbox/outbox/internal/brokertest"
 	"github.com/watermill-outbox/outbox/internal/pgtest"
+	"github.com/watermill-outbox/outbox/internal/routertest"
 	"github.com/watermill-outbox/outbox/middleware"
 )
 
@@ -376,7 +377,7 @@ func testBroker(t *testing.T, kind string) {
 	}
 	time.Sleep(time.Second) // late copies
 
-	mustEqual(t, "business rows (an order applied twice?)", count(t, db, `SELECT count(*) FROM reserved`), orders)
+	routertest.MustEqual(t, "business rows (an order applied twice?)", count(t, db, `SELECT count(*) FROM reserved`), orders)
 	copies, multi := arrived.check(ids)
 	if len(multi) > 0 {
 		t.Errorf("orders whose effect arrived with more than one UUID: %d (first: %v)", len(multi), multi[:min(3, len(multi))])
@@ -484,13 +485,6 @@ func count(t *testing.T, db *sql.DB, query string) int {
 		t.Fatalf("%s: %v", query, err)
 	}
 	return n
-}
-
-func mustEqual[T comparable](t *testing.T, what string, got, want T) {
-	t.Helper()
-	if got != want {
-		t.Fatalf("%s: got %v, want %v", what, got, want)
-	}
 }
 
 type nopPublisher struct{}

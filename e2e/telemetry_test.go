@@ -6,12 +6,12 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"maps"
 	"net/http"
 	"net/http/httptest"
 	"os"
 	"regexp"
 	"slices"
-	"sort"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -496,7 +496,7 @@ func (e *telemetryEnv) checkSpans(t *testing.T, incoming trace.TraceID) {
 	}
 	process := byName["process "+telOrders]
 	if len(process) < 10 {
-		t.Fatalf("%d unit-of-work spans, want one per delivery (at least 10); spans: %v", len(process), keys(byName))
+		t.Fatalf("%d unit-of-work spans, want one per delivery (at least 10); spans: %v", len(process), slices.Sorted(maps.Keys(byName)))
 	}
 	outcomes := map[string]int{}
 	for _, s := range process {
@@ -597,15 +597,6 @@ func (e *telemetryEnv) readEvents(t *testing.T) []*message.Message {
 	return out
 }
 
-func keys[V any](m map[string]V) []string {
-	out := make([]string, 0, len(m))
-	for k := range m {
-		out = append(out, k)
-	}
-	sort.Strings(out)
-	return out
-}
-
 // checkShippedQueries checks that the Grafana dashboard and the Prometheus alert rules in deploy/
 // parse, and that every metric they query is one the Prometheus exporter serves for this scenario.
 func (e *telemetryEnv) checkShippedQueries(t *testing.T) {
@@ -636,7 +627,7 @@ func (e *telemetryEnv) checkShippedQueries(t *testing.T) {
 				}
 			}
 			if !served[base] {
-				t.Errorf("%s queries %s, which the library does not emit (served: %v)", file, n, slices.Sorted(mapKeys(served)))
+				t.Errorf("%s queries %s, which the library does not emit (served: %v)", file, n, slices.Sorted(maps.Keys(served)))
 			}
 		}
 	}
@@ -690,16 +681,6 @@ func (e *telemetryEnv) checkShippedQueries(t *testing.T) {
 	}
 	if alerts < 8 {
 		t.Errorf("%d alert rules, want at least 8", alerts)
-	}
-}
-
-func mapKeys(m map[string]bool) func(func(string) bool) {
-	return func(yield func(string) bool) {
-		for k := range m {
-			if !yield(k) {
-				return
-			}
-		}
 	}
 }
 

@@ -16,6 +16,8 @@ import (
 	"github.com/nats-io/nats.go"
 
 	"github.com/watermill-outbox/outbox"
+	"github.com/watermill-outbox/outbox/internal/logtest"
+	"github.com/watermill-outbox/outbox/internal/routertest"
 	"github.com/watermill-outbox/outbox/middleware"
 )
 
@@ -43,7 +45,7 @@ func TestE2ENATSJetStream(t *testing.T) {
 	if _, err := e.db.Exec(`CREATE TABLE notified (message_id text NOT NULL, causation_id text NOT NULL)`); err != nil {
 		t.Fatal(err)
 	}
-	logs := &errorLog{}
+	logs := &logtest.Errors{}
 	ns := startNATS(t)
 
 	js, err := natsConn(t, ns, "admin").JetStream()
@@ -117,24 +119,24 @@ func TestE2ENATSJetStream(t *testing.T) {
 	}
 
 	notifyDurable := "notify"
-	notifyOb := e.newOutbox(withPublisher(newPublisher("notify-outbox")), withLogger(logs))
-	runOutbox(t, notifyOb)
-	notifyRouter := newRouter(t, logs)
+	notifyOb := e.newOutbox(withPublisher(newPublisher("notify-outbox")), routertest.WithLogger(logs))
+	routertest.RunOutbox(t, notifyOb)
+	notifyRouter := routertest.NewRouter(t, logs)
 	notifyRouter.AddConsumerHandler("notify", stockTopic, newSubscriber(notifyDurable), func(msg *message.Message) error {
 		ctx := msg.Context()
 		_, err := outbox.Tx(ctx).ExecContext(ctx, `INSERT INTO notified (message_id, causation_id) VALUES ($1, $2)`,
 			msg.UUID, msg.Metadata.Get(outbox.MetadataCausationID))
 		return err
 	}).AddMiddleware(countCopies(notifyDurable), middleware.New(notifyOb))
-	runRouter(t, notifyRouter)
+	routertest.RunRouter(t, notifyRouter)
 
 	var handlerCalls, injected atomic.Int32
 	durables := []string{"reserve-stock-a", "reserve-stock-b"}
 	for i, durable := range durables {
 		flaky := i == len(durables)-1
-		ob := e.newOutbox(withPublisher(newPublisher(durable+"-outbox")), withLogger(logs))
-		runOutbox(t, ob)
-		r := newRouter(t, logs)
+		ob := e.newOutbox(withPublisher(newPublisher(durable+"-outbox")), routertest.WithLogger(logs))
+		routertest.RunOutbox(t, ob)
+		r := routertest.NewRouter(t, logs)
 		r.AddConsumerHandler(consumer, ordersTopic, newSubscriber(durable), func(msg *message.Message) error {
 			handlerCalls.Add(1)
 			ctx := msg.Context()
@@ -147,17 +149,17 @@ func TestE2ENATSJetStream(t *testing.T) {
 			}
 			if flaky && rand.IntN(100) < failPercent {
 				injected.Add(1)
-				return errInjected
+				return routertest.ErrInjected
 			}
 			return nil
 		}).AddMiddleware(countCopies(durable), middleware.New(ob))
-		runRouter(t, r)
+		routertest.RunRouter(t, r)
 	}
 
 	producer := newPublisher("producer")
-	orders := produce(t, n, dupPercent, func(m *message.Message) error { return producer.Publish(ordersTopic, m) })
+	orders := routertest.Produce(t, n, dupPercent, func(m *message.Message) error { return producer.Publish(ordersTopic, m) })
 
-	waitUntil(t, "every order reserved once and notified", func() (bool, string) {
+	routertest.WaitUntil(t, "every order reserved once and notified", func() (bool, string) {
 		reserved := e.count(`SELECT count(DISTINCT message_id) FROM reserved`)
 		notified := e.count(`SELECT count(*) FROM notified`)
 		return reserved == n && notified >= n, fmt.Sprintf("%d distinct orders reserved, %d notifications", reserved, notified)
@@ -165,7 +167,7 @@ func TestE2ENATSJetStream(t *testing.T) {
 	// Settle: every durable has had every message delivered and acked, and no side effect is
 	// pending. Once the reserve-stock durables are done nothing publishes to stockTopic any more,
 	// so the notify durable's state is then final.
-	waitUntil(t, "every durable consumer caught up and no side effect pending", func() (bool, string) {
+	routertest.WaitUntil(t, "every durable consumer caught up and no side effect pending", func() (bool, string) {
 		for _, d := range durables {
 			if ok, state := jsCaughtUp(t, js, ordersTopic, d); !ok {
 				return false, state
@@ -177,16 +179,16 @@ func TestE2ENATSJetStream(t *testing.T) {
 		return jsCaughtUp(t, js, stockTopic, notifyDurable)
 	})
 
-	mustEqual(t, "business rows (an order applied twice?)", e.count(`SELECT count(*) FROM reserved`), n)
-	mustEqual(t, "distinct orders in the business table", e.count(`SELECT count(DISTINCT message_id) FROM reserved`), n)
-	mustEqual(t, "reserved orders that were never produced", countMissing(e.db, t, `SELECT message_id FROM reserved`, orders), 0)
-	mustEqual(t, "downstream rows (a notification applied twice?)", e.count(`SELECT count(*) FROM notified`), n)
-	mustEqual(t, "orders notified (causation ids)", e.count(`SELECT count(DISTINCT causation_id) FROM notified`), n)
-	mustEqual(t, "processed rows of "+consumer, e.count(`SELECT count(*) FROM outbox_processed WHERE consumer = $1`, consumer), n)
-	mustEqual(t, "processed rows of notify", e.count(`SELECT count(*) FROM outbox_processed WHERE consumer = 'notify'`), n)
-	mustEqual(t, "stored "+stockTopic+" effects",
+	routertest.MustEqual(t, "business rows (an order applied twice?)", e.count(`SELECT count(*) FROM reserved`), n)
+	routertest.MustEqual(t, "distinct orders in the business table", e.count(`SELECT count(DISTINCT message_id) FROM reserved`), n)
+	routertest.MustEqual(t, "reserved orders that were never produced", routertest.CountMissing(t, e.db, `SELECT message_id FROM reserved`, orders), 0)
+	routertest.MustEqual(t, "downstream rows (a notification applied twice?)", e.count(`SELECT count(*) FROM notified`), n)
+	routertest.MustEqual(t, "orders notified (causation ids)", e.count(`SELECT count(DISTINCT causation_id) FROM notified`), n)
+	routertest.MustEqual(t, "processed rows of "+consumer, e.count(`SELECT count(*) FROM outbox_processed WHERE consumer = $1`, consumer), n)
+	routertest.MustEqual(t, "processed rows of notify", e.count(`SELECT count(*) FROM outbox_processed WHERE consumer = 'notify'`), n)
+	routertest.MustEqual(t, "stored "+stockTopic+" effects",
 		e.count(`SELECT count(*) FROM all_effects WHERE source_consumer = $1 AND topic = $2`, consumer, stockTopic), n)
-	mustEqual(t, "failed attempts counted by the framework",
+	routertest.MustEqual(t, "failed attempts counted by the framework",
 		e.count(`SELECT coalesce(sum(attempts), 0) FROM outbox_attempts WHERE consumer = $1`, consumer), int(injected.Load()))
 
 	copiesMu.Lock()
@@ -207,9 +209,9 @@ func TestE2ENATSJetStream(t *testing.T) {
 		}
 	}
 	copiesMu.Unlock()
-	mustEqual(t, "distinct "+stockTopic+" UUIDs delivered downstream", len(delivered), n)
-	mustEqual(t, "delivered "+stockTopic+" UUIDs that are not committed effects",
-		countMissing(e.db, t, `SELECT uuid FROM all_effects WHERE source_consumer = 'reserve-stock'`, keys(delivered)), 0)
+	routertest.MustEqual(t, "distinct "+stockTopic+" UUIDs delivered downstream", len(delivered), n)
+	routertest.MustEqual(t, "delivered "+stockTopic+" UUIDs that are not committed effects",
+		routertest.CountMissing(t, e.db, `SELECT uuid FROM all_effects WHERE source_consumer = 'reserve-stock'`, routertest.Keys(delivered)), 0)
 	stream, err := js.StreamInfo(stockTopic)
 	if err != nil {
 		t.Fatal(err)
@@ -217,8 +219,8 @@ func TestE2ENATSJetStream(t *testing.T) {
 	t.Logf("%d orders (+%d duplicates) x %d instances: %d handler calls, %d injected failures, deliveries per durable %v",
 		n, n*dupPercent/100, len(durables), handlerCalls.Load(), injected.Load(), perDurable)
 	t.Logf("%s: %d messages in the stream, %d deliveries of %d distinct UUIDs downstream; %s",
-		stockTopic, stream.State.Msgs, deliveredCopies, len(delivered), logs.summary())
-	if unexpected := logs.unexpected(); len(unexpected) > 0 {
+		stockTopic, stream.State.Msgs, deliveredCopies, len(delivered), fmt.Sprintf("%d errors logged by the Routers", len(logs.Lines())))
+	if unexpected := routertest.Unexpected(logs); len(unexpected) > 0 {
 		t.Errorf("unexpected errors logged: %s", strings.Join(unexpected, "\n"))
 	}
 	t.Logf("took %s", time.Since(start).Round(time.Millisecond))
@@ -264,15 +266,15 @@ func natsConn(t *testing.T, ns *server.Server, name string) *nats.Conn {
 		if nc.IsDraining() {
 			select {
 			case <-closed:
-			case <-time.After(e2eTimeout):
-				t.Errorf("NATS connection %s still draining after %s", name, e2eTimeout)
+			case <-time.After(routertest.Timeout):
+				t.Errorf("NATS connection %s still draining after %s", name, routertest.Timeout)
 			}
 		}
 		nc.Close()
 		select {
 		case <-closed:
-		case <-time.After(e2eTimeout):
-			t.Errorf("NATS connection %s not closed after %s", name, e2eTimeout)
+		case <-time.After(routertest.Timeout):
+			t.Errorf("NATS connection %s not closed after %s", name, routertest.Timeout)
 		}
 	})
 	return nc
