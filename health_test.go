@@ -3,8 +3,11 @@ package outbox_test
 import (
 	"context"
 	"database/sql"
+	"encoding/json"
 	"errors"
 	"fmt"
+	"net/http"
+	"net/http/httptest"
 	"strings"
 	"testing"
 	"time"
@@ -132,5 +135,33 @@ func TestHealthListener(t *testing.T) {
 	<-done
 	if c := listener(); c.OK {
 		t.Errorf("listener after Run: %+v, want it reported", c)
+	}
+}
+
+// An extra check of HealthHandler that panics or fails makes the report unhealthy, with its
+// reason, and takes nothing else down.
+func TestHealthHandlerExtraChecks(t *testing.T) {
+	e := newEnv(t)
+	stop := startRun(t, e.ob)
+	defer stop()
+	h := e.ob.HealthHandler(map[string]func(context.Context) error{
+		"router":  func(context.Context) error { return errors.New("router not running") },
+		"panicky": func(context.Context) error { panic("boom") },
+	})
+	rec := httptest.NewRecorder()
+	h.ServeHTTP(rec, httptest.NewRequest(http.MethodGet, "/ready", nil))
+	var r outbox.HealthReport
+	if err := json.Unmarshal(rec.Body.Bytes(), &r); err != nil {
+		t.Fatalf("%v: %s", err, rec.Body)
+	}
+	reasons := map[string]string{}
+	for _, c := range r.Checks {
+		if !c.OK {
+			reasons[c.Name] = c.Reason
+		}
+	}
+	if rec.Code != http.StatusServiceUnavailable || r.Healthy || len(reasons) != 2 ||
+		!strings.Contains(reasons["panicky"], "boom") || reasons["router"] != "router not running" {
+		t.Errorf("health with a failing and a panicking check: %d %+v", rec.Code, r)
 	}
 }

@@ -118,6 +118,11 @@ func TestWaitIdle(t *testing.T) {
 	if err := h.Ob.WaitIdle(short); err == nil || !strings.Contains(err.Error(), "1 side effects still pending") {
 		t.Fatalf("WaitIdle during the outage: %v, want the pending effect reported", err)
 	}
+	cancelled, cancelNow := context.WithCancel(ctx)
+	cancelNow()
+	if err := h.Ob.WaitIdle(cancelled); !errors.Is(err, context.Canceled) {
+		t.Fatalf("WaitIdle with a cancelled context: %v, want context.Canceled", err)
+	}
 	h.Pub.Fail(nil)
 	runCtx, stop := context.WithCancel(ctx)
 	done := make(chan error, 1)

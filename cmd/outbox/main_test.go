@@ -6,8 +6,10 @@ import (
 	"database/sql"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"os"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -268,5 +270,37 @@ func TestBadInput(t *testing.T) {
 	if code := run(context.Background(), []string{"status"}, &out, &errOut, func(string) string { return "" }); code != 2 ||
 		!strings.Contains(errOut.String(), "no database") {
 		t.Errorf("without a DSN: %d %s", code, errOut.String())
+	}
+}
+
+// Two operators retrying the same parked effects at the same moment change each one once.
+func TestConcurrentRepairs(t *testing.T) {
+	f := newFixture(t)
+	const n = 4
+	changes := make([]ops.Change, n)
+	var wg sync.WaitGroup
+	for i := range n {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			var out, errOut bytes.Buffer
+			env := map[string]string{"OUTBOX_DSN": f.dsn, "USER": fmt.Sprintf("op%d", i)}
+			if code := run(context.Background(), []string{"-o", "json", "parked", "retry", "-error", "schema v2"}, &out, &errOut,
+				func(k string) string { return env[k] }); code != 0 {
+				t.Errorf("operator %d: exit %d: %s", i, code, errOut.String())
+				return
+			}
+			if err := json.Unmarshal(out.Bytes(), &changes[i]); err != nil {
+				t.Errorf("operator %d: %v: %s", i, err, out.String())
+			}
+		}()
+	}
+	wg.Wait()
+	total := 0
+	for _, c := range changes {
+		total += c.Changed
+	}
+	if total != 2 {
+		t.Errorf("concurrent retries changed %d effects in all (%+v), want each of the 2 parked ones once", total, changes)
 	}
 }

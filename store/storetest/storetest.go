@@ -131,6 +131,7 @@ func Run(t *testing.T, newHarness func(t *testing.T) Harness) {
 		{"EffectNotifyListen", testNotifyListen},
 		{"Stats/Sample", testStatsSample},
 		{"Stats/OneSamplerPerInterval", testStatsShared},
+		{"Stats/Concurrent", testStatsConcurrent},
 		{"Cleanup/RetentionAndCounts", testCleanupRetention},
 		{"Cleanup/Batches", testCleanupBatches},
 		{"Cleanup/AnotherProcessCleaning", testCleanupLocked},
@@ -2006,5 +2007,39 @@ func testStatsShared(f *fixture) {
 	time.Sleep(20 * time.Millisecond)
 	if next := f.stats(outboxdriver.StatsParams{Interval: 10 * time.Millisecond, Retention: time.Hour}); next.Pending != 2 {
 		f.t.Fatalf("sample after the interval: %+v, want a new one with 2 pending", next)
+	}
+}
+
+// Instances sampling at the same moment all succeed, and whatever sample they report is the same.
+func testStatsConcurrent(f *fixture) {
+	src := f.src("m1")
+	f.commit(src, true, f.effects(src, "k", 3))
+	const n = 8
+	got := make([]outboxdriver.Stats, n)
+	errs := make([]error, n)
+	var wg sync.WaitGroup
+	for i := range n {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			got[i], errs[i] = f.st.Stats(f.ctx, outboxdriver.StatsParams{Interval: time.Hour, Retention: time.Hour})
+		}()
+	}
+	wg.Wait()
+	taken := 0
+	for i := range n {
+		if errs[i] != nil {
+			f.t.Fatalf("concurrent Stats %d: %v", i, errs[i])
+		}
+		if got[i].SampledAt.IsZero() {
+			continue // lost the lease before the winner stored its sample
+		}
+		taken++
+		if got[i].Pending != 3 {
+			f.t.Errorf("concurrent Stats %d: %+v, want 3 pending", i, got[i])
+		}
+	}
+	if taken == 0 {
+		f.t.Fatal("no concurrent caller got a sample")
 	}
 }
