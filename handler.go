@@ -200,9 +200,6 @@ func (o *Outbox) handleOnce(msg *message.Message, src Source, p HandleParams, ne
 		return fmt.Errorf("outbox: begin transaction (waiting for a database connection, at most HandlerTimeout): %w", err)
 	}
 	claim, err := o.store.MessageClaim(txCtx, tx, src)
-	if err == nil {
-		span.AddEvent("outbox.claim", trace.WithAttributes(attribute.Bool("outbox.claimed", claim.Claimed)))
-	}
 	if err != nil {
 		_ = tx.Rollback()
 		if txCtx.Err() != nil {
@@ -211,6 +208,7 @@ func (o *Outbox) handleOnce(msg *message.Message, src Source, p HandleParams, ne
 		}
 		return fmt.Errorf("outbox: claim message %q for %q: %w", src.ID, src.Consumer, err)
 	}
+	span.AddEvent("outbox.claim", trace.WithAttributes(attribute.Bool("outbox.claimed", claim.Claimed)))
 	if err := o.failpoint(txCtx, FailpointAfterClaim); err != nil {
 		_ = tx.Rollback()
 		return err
