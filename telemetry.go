@@ -2,6 +2,7 @@ package outbox
 
 import (
 	"context"
+	"errors"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -198,14 +199,6 @@ func newTelemetry(o *Outbox) (*telemetry, error) {
 	t.duplicatesLate = i64c(MetricDuplicatesLate, "{message}", "Duplicates whose claim was older than half of Retention: the broker redelivers close to the end of the dedup window.")
 	t.markFailures = i64c(MetricMarkFailures, "{batch}", "Batches of dispatched marks that could not be written; their effects may be sent again.")
 
-	// Counters without attributes start at zero, so that rate() and increase() over them work
-	// (and alerts on them can fire) from the first failure, not the second.
-	for _, c := range []metric.Int64Counter{t.relayRounds, t.relayErrors, t.cleanupBatches, t.markFailures} {
-		if c != nil {
-			c.Add(context.Background(), 0)
-		}
-	}
-
 	gauge := func(name, unit, desc string) metric.Float64ObservableGauge {
 		g, err := m.Float64ObservableGauge(name, metric.WithUnit(unit), metric.WithDescription(desc))
 		errs = append(errs, err)
@@ -246,10 +239,13 @@ func newTelemetry(o *Outbox) (*telemetry, error) {
 		return nil
 	}
 	t.meter = m
-	for _, err := range errs {
-		if err != nil {
-			return nil, err
-		}
+	if err := errors.Join(errs...); err != nil {
+		return nil, err
+	}
+	// Counters without attributes start at zero, so that rate() and increase() over them work
+	// (and alerts on them can fire) from the first failure, not the second.
+	for _, c := range []metric.Int64Counter{t.relayRounds, t.relayErrors, t.cleanupBatches, t.markFailures} {
+		c.Add(context.Background(), 0)
 	}
 	return t, nil
 }
