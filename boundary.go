@@ -9,6 +9,8 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/google/uuid"
+
+	"github.com/watermill-outbox/outbox/outboxdriver"
 )
 
 // InTx runs fn in a new transaction for code that has no incoming message (an HTTP handler, a job):
@@ -20,29 +22,43 @@ import (
 // The transaction is not bound to ctx (a cancelled request cannot roll back a commit half way);
 // fn's statements run with ctx as the caller passes it. Config.HandlerTimeout bounds the
 // transaction (the wait for a connection included), as it bounds a handler's.
-func (o *Outbox) InTx(ctx context.Context, fn func(ctx context.Context, tx *sql.Tx) error) (err error) {
+func (o *Outbox) InTx(ctx context.Context, fn func(ctx context.Context, tx *sql.Tx) error) error {
+	return o.InUnit(ctx, func(ctx context.Context) error {
+		tx, ok := TxOK(ctx)
+		if !ok {
+			t, _ := TxOf(ctx)
+			return fmt.Errorf("outbox.InTx: %w: the driver runs units of work on a %T (use its InTx)", ErrNoUnitOfWork, t)
+		}
+		return fn(ctx, tx)
+	})
+}
+
+// InUnit is InTx for any driver: fn finds the transaction in its context, with Tx for
+// database/sql or with the driver package's accessor (the pgx driver's InTx builds on it).
+func (o *Outbox) InUnit(ctx context.Context, fn func(ctx context.Context) error) (err error) {
 	ctx, span := o.tel.tracer.Start(ctx, "outbox InTx")
 	defer func() { endSpan(span, err) }()
-	txCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), o.cfg.HandlerTimeout)
+	after := context.WithoutCancel(ctx)
+	txCtx, cancel := context.WithTimeout(after, o.cfg.HandlerTimeout)
 	defer cancel()
-	tx, err := o.db.BeginTx(txCtx, nil)
+	tx, _, err := o.units.BeginUnit(txCtx, nil)
 	if err != nil {
-		return fmt.Errorf("outbox: begin transaction (waiting for a database connection, at most HandlerTimeout): %w", err)
+		return fmt.Errorf("outbox: %w", err)
 	}
 	u := newUnit(o, tx, Source{ID: uuid.NewString()}, nil)
 	if err := callInTx(withUnit(ctx, u), tx, fn); err != nil {
 		u.finish()
-		if rbErr := tx.Rollback(); rbErr != nil && !errors.Is(rbErr, sql.ErrTxDone) {
+		if rbErr := tx.Rollback(after); rbErr != nil && !errors.Is(rbErr, sql.ErrTxDone) {
 			return fmt.Errorf("%w (rollback: %w)", err, rbErr)
 		}
 		return err
 	}
 	effects, err := u.committedEffects(txCtx)
 	if err != nil {
-		_ = tx.Rollback()
+		_ = tx.Rollback(after)
 		return err
 	}
-	if err := tx.Commit(); err != nil {
+	if err := tx.Commit(txCtx, effects); err != nil {
 		switch {
 		case txCtx.Err() != nil && (errors.Is(err, sql.ErrTxDone) || errors.Is(err, context.DeadlineExceeded)):
 			return timedOut(err, o.cfg.HandlerTimeout)
@@ -60,19 +76,19 @@ func (o *Outbox) InTx(ctx context.Context, fn func(ctx context.Context, tx *sql.
 		effects[i].PendingFor = committed.Sub(u.begun)
 		effects[i].StoredAt = committed
 	}
-	o.dispatchBoundary(context.WithoutCancel(ctx), u.src, effects, true)
+	o.dispatchBoundary(after, u.src, effects, true)
 	return nil
 }
 
 // callInTx calls fn; if fn panics, the transaction is rolled back before the panic goes on.
-func callInTx(ctx context.Context, tx *sql.Tx, fn func(ctx context.Context, tx *sql.Tx) error) (err error) {
+func callInTx(ctx context.Context, tx outboxdriver.UnitTx, fn func(ctx context.Context) error) (err error) {
 	panicked := true
 	defer func() {
 		if panicked {
-			_ = tx.Rollback()
+			_ = tx.Rollback(context.WithoutCancel(ctx))
 		}
 	}()
-	err = fn(ctx, tx)
+	err = fn(ctx)
 	panicked = false
 	return err
 }
@@ -83,7 +99,23 @@ func callInTx(ctx context.Context, tx *sql.Tx, fn func(ctx context.Context, tx *
 // rolled back, dispatch sends nothing. Because the outcome of a transaction the caller owns cannot
 // be seen from here, dispatch reads back what was committed: one query more than InTx.
 func (o *Outbox) JoinTx(ctx context.Context, tx *sql.Tx) (context.Context, func(context.Context)) {
-	u := newUnit(o, tx, Source{ID: uuid.NewString()}, nil)
+	ctx, dispatch, err := o.JoinUnit(ctx, tx)
+	if err != nil {
+		// Only a driver whose units of work are not *sql.Tx refuses one; its package's JoinTx
+		// is the one to call. Failing loudly beats storing effects nowhere.
+		panic(err)
+	}
+	return ctx, dispatch
+}
+
+// JoinUnit is JoinTx for any driver: tx is the driver's transaction type (a *sql.Tx, or a pgx.Tx
+// with the pgx driver, whose JoinTx builds on it). It returns an error for a tx of another type.
+func (o *Outbox) JoinUnit(ctx context.Context, tx any) (context.Context, func(context.Context), error) {
+	ut, err := o.units.JoinUnit(tx)
+	if err != nil {
+		return ctx, nil, fmt.Errorf("outbox: JoinTx: %w", err)
+	}
+	u := newUnit(o, ut, Source{ID: uuid.NewString()}, nil)
 	return withUnit(ctx, u), func(ctx context.Context) {
 		if len(u.finish()) == 0 {
 			return
@@ -95,7 +127,7 @@ func (o *Outbox) JoinTx(ctx context.Context, tx *sql.Tx) (context.Context, func(
 			return
 		}
 		o.dispatchBoundary(ctx, u.src, committed, false)
-	}
+	}, nil
 }
 
 // dispatchBoundary is the fast path at the boundary (inTx: the span in ctx is InTx's). On failure the effects are handed to the

@@ -195,26 +195,21 @@ func (o *Outbox) handleOnce(msg *message.Message, src Source, p HandleParams, ne
 	// consumer path's throughput with an SDK installed); only the dispatch, which calls the broker,
 	// has a span of its own.
 	span := trace.SpanFromContext(parent)
-	tx, err := o.db.BeginTx(txCtx, nil)
+	tx, claim, err := o.units.BeginUnit(txCtx, &src)
 	if err != nil {
-		return fmt.Errorf("outbox: begin transaction (waiting for a database connection, at most HandlerTimeout): %w", err)
-	}
-	claim, err := o.store.MessageClaim(txCtx, tx, src)
-	if err != nil {
-		_ = tx.Rollback()
 		if txCtx.Err() != nil {
-			return fmt.Errorf("outbox: claim message %q for %q: waited HandlerTimeout (%s) for a copy being processed elsewhere, or for the database: %w",
+			return fmt.Errorf("outbox: claim message %q for %q: waited HandlerTimeout (%s) for a database connection, a copy being processed elsewhere, or the database: %w",
 				src.ID, src.Consumer, o.cfg.HandlerTimeout, err)
 		}
 		return fmt.Errorf("outbox: claim message %q for %q: %w", src.ID, src.Consumer, err)
 	}
 	span.AddEvent("outbox.claim", trace.WithAttributes(attribute.Bool("outbox.claimed", claim.Claimed)))
 	if err := o.failpoint(txCtx, FailpointAfterClaim); err != nil {
-		_ = tx.Rollback()
+		_ = tx.Rollback(after)
 		return err
 	}
 	if !claim.Claimed {
-		_ = tx.Rollback()
+		_ = tx.Rollback(after)
 		o.duplicateSeen(after, src, claim)
 		return o.redeliver(after, src, claim, fields)
 	}
@@ -236,7 +231,7 @@ func (o *Outbox) handleOnce(msg *message.Message, src Source, p HandleParams, ne
 		u.finish()
 	}
 	if err != nil {
-		rbErr := tx.Rollback()
+		rbErr := tx.Rollback(after)
 		switch {
 		case isRetryable(err) && !lastTry:
 			return fmt.Errorf("%w: %w", errRetryAtOnce, err)
@@ -252,7 +247,7 @@ func (o *Outbox) handleOnce(msg *message.Message, src Source, p HandleParams, ne
 		return o.handlerFailed(after, msg, src, err, fields)
 	}
 
-	err = tx.Commit()
+	err = tx.Commit(txCtx, effects)
 	span.AddEvent("outbox.commit", trace.WithAttributes(attribute.Bool("outbox.commit.failed", err != nil)))
 	if err != nil {
 		switch {

@@ -26,6 +26,7 @@ type Outbox struct {
 	cfg    Config
 	db     *sql.DB
 	store  outboxdriver.Store
+	units  outboxdriver.UnitStore // begins the transactions of units of work
 	pub    message.Publisher
 	logger watermill.LoggerAdapter
 
@@ -70,6 +71,10 @@ func New(cfg Config) (*Outbox, error) {
 		logger:   cfg.Logger,
 		appliers: map[string]Applier{},
 		kick:     make(chan struct{}, 1),
+	}
+	o.units = sqlUnits{db: cfg.DB, store: st}
+	if us, ok := st.(outboxdriver.UnitStore); ok {
+		o.units = us
 	}
 	o.failedHere.ttl = cfg.DuplicateWait + cfg.PublishTimeout + time.Minute
 	o.marks = newMarker(o)

@@ -15,6 +15,8 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
 	"go.opentelemetry.io/otel/trace"
+
+	"github.com/watermill-outbox/outbox/outboxdriver"
 )
 
 // Metadata keys the framework sets on the messages it publishes, unless they are already set.
@@ -36,18 +38,17 @@ var propagated = []string{MetadataCorrelationID, MetadataTraceparent, MetadataTr
 // (a *sql.Tx is safe for concurrent use, so handlers do this): mu orders the records.
 type unit struct {
 	o        *Outbox
-	tx       *sql.Tx
+	tx       outboxdriver.UnitTx
 	src      Source
 	incoming *message.Message // nil at the boundary
 	begun    time.Time
 
-	mu          sync.Mutex
-	effects     []Effect
-	inSavepoint bool // some effect may have been written inside a savepoint
-	finished    bool // no more records: the transaction is being committed or rolled back
+	mu       sync.Mutex
+	effects  []Effect
+	finished bool // no more records: the transaction is being committed or rolled back
 }
 
-func newUnit(o *Outbox, tx *sql.Tx, src Source, incoming *message.Message) *unit {
+func newUnit(o *Outbox, tx outboxdriver.UnitTx, src Source, incoming *message.Message) *unit {
 	return &unit{o: o, tx: tx, src: src, incoming: incoming, begun: time.Now()}
 }
 
@@ -59,33 +60,10 @@ func (u *unit) finish() []Effect {
 	return u.effects
 }
 
-// committedEffects returns the recorded effects that will commit with tx: those written inside a
-// savepoint that the handler rolled back are gone from the database and must never be sent. It
-// asks the database only when an effect may have been written inside a savepoint.
+// committedEffects stops recording and returns the recorded effects that will commit with the
+// transaction: those recorded inside a savepoint that the handler rolled back must never be sent.
 func (u *unit) committedEffects(ctx context.Context) ([]Effect, error) {
-	effects := u.finish()
-	if !u.inSavepoint || len(effects) == 0 {
-		return effects, nil
-	}
-	ids := make([]int64, len(effects))
-	for i, e := range effects {
-		ids[i] = e.StoreID
-	}
-	existing, err := u.o.store.EffectExisting(ctx, u.tx, ids)
-	if err != nil {
-		return nil, fmt.Errorf("outbox: check which side effects survived savepoints: %w", err)
-	}
-	keep := make(map[int64]bool, len(existing))
-	for _, id := range existing {
-		keep[id] = true
-	}
-	out := effects[:0:0]
-	for _, e := range effects {
-		if keep[e.StoreID] {
-			out = append(out, e)
-		}
-	}
-	return out, nil
+	return u.tx.Survivors(ctx, u.finish())
 }
 
 // customKeys returns the ordering keys set with WithOrderingKey among effects: effects with such a
@@ -161,19 +139,32 @@ func unitFrom(ctx context.Context) *unit {
 // commit or roll it back: the framework does. Outside a unit of work (a handler not wrapped by
 // the middleware, a context that is not the message's) it panics with an error wrapping
 // ErrNoUnitOfWork, rather than return a nil *sql.Tx that fails later without saying why; use
-// TxOK to ask.
+// TxOK to ask. With the pgx driver the transaction is a pgx.Tx: use its package's Tx.
 func Tx(ctx context.Context) *sql.Tx {
 	tx, ok := TxOK(ctx)
 	if !ok {
+		if t, found := TxOf(ctx); found {
+			panic(fmt.Errorf("outbox.Tx: %w: the unit of work runs on a %T (take it with the driver's Tx)", ErrNoUnitOfWork, t))
+		}
 		panic(fmt.Errorf("outbox.Tx: %w", ErrNoUnitOfWork))
 	}
 	return tx
 }
 
-// TxOK returns the transaction of the unit of work in ctx, and false outside a unit of work.
+// TxOK returns the *sql.Tx of the unit of work in ctx, and false outside a unit of work (or in one
+// that runs on another transaction type).
 func TxOK(ctx context.Context) (*sql.Tx, bool) {
+	t, _ := TxOf(ctx)
+	tx, ok := t.(*sql.Tx)
+	return tx, ok
+}
+
+// TxOf returns the transaction of the unit of work in ctx whatever its type (a *sql.Tx, or a
+// pgx.Tx with the pgx driver), and false outside a unit of work. Driver packages build their
+// typed accessors on it.
+func TxOf(ctx context.Context) (any, bool) {
 	if u := unitFrom(ctx); u != nil {
-		return u.tx, true
+		return u.tx.Tx(), true
 	}
 	return nil, false
 }
@@ -299,11 +290,9 @@ func (u *unit) record(ctx context.Context, effects []Effect) error {
 	for i := range effects {
 		effects[i].Seq = len(u.effects) + i
 	}
-	inSavepoint, err := u.o.store.EffectInsert(ctx, u.tx, u.src, effects)
-	if err != nil {
+	if err := u.tx.Record(ctx, effects); err != nil {
 		return fmt.Errorf("outbox: store side effects: %w", err)
 	}
-	u.inSavepoint = u.inSavepoint || inSavepoint
 	u.effects = append(u.effects, effects...)
 	return nil
 }

@@ -310,3 +310,43 @@ var (
 
 // ErrListenUnsupported is returned by Store.EffectListen when the store cannot listen for wake-ups.
 var ErrListenUnsupported = errors.New("outbox: the store cannot listen for notifications")
+
+// ErrTxDone is returned by UnitTx.Commit and UnitTx.Rollback for a transaction that was finished
+// already (by user code, or when its context ended). It is database/sql's sql.ErrTxDone, so that
+// both forms test alike with errors.Is.
+var ErrTxDone = sql.ErrTxDone
+
+// UnitTx is the transaction of one unit of work (a handled message, InTx, JoinTx) as a driver runs
+// it. The framework calls its methods from one goroutine at a time.
+type UnitTx interface {
+	// Tx is the transaction user code writes through: a *sql.Tx, or the driver's own type (a
+	// pgx.Tx for the pgx driver).
+	Tx() any
+	// Record is told of effects as they are recorded, in order, with their Seq, Source and
+	// OrderingKey set. A driver that stores effects at once (because user code could commit the
+	// transaction behind the framework's back) stores them here and sets their StoreID; one
+	// that stores them at commit only takes note.
+	Record(ctx context.Context, effects []Effect) error
+	// Survivors returns those of the recorded effects that commit with the transaction: those
+	// recorded inside a savepoint that was rolled back are left out. It runs before Commit; an
+	// error rolls the unit of work back like a failed handler.
+	Survivors(ctx context.Context, effects []Effect) ([]Effect, error)
+	// Commit stores what Record left in memory and commits, in as few round trips as the driver
+	// can (the pgx driver: one). It sets the StoreIDs of the effects it stored. An error that
+	// wraps ErrTxDone means COMMIT was never sent.
+	Commit(ctx context.Context, effects []Effect) error
+	// Rollback rolls the transaction back; ErrTxDone if it was finished already.
+	Rollback(ctx context.Context) error
+}
+
+// UnitStore is implemented by a Store that runs units of work on a transaction type of its own
+// (the pgx driver). Without it, the framework runs them on database/sql with the Store's
+// MessageClaim, EffectInsert and EffectExisting.
+type UnitStore interface {
+	// BeginUnit begins a transaction bounded by ctx and, when claim is not nil, claims the message
+	// as MessageClaim does, in one round trip where the driver can. On error nothing is left open.
+	BeginUnit(ctx context.Context, claim *Source) (UnitTx, Claim, error)
+	// JoinUnit wraps tx, a transaction the caller owns and commits (JoinTx): effects are stored
+	// as they are recorded, and Commit only checks. It returns an error for a tx of another type.
+	JoinUnit(tx any) (UnitTx, error)
+}

@@ -1,0 +1,90 @@
+package outbox
+
+import (
+	"context"
+	"database/sql"
+	"fmt"
+
+	"github.com/watermill-outbox/outbox/outboxdriver"
+)
+
+// sqlUnits runs units of work on database/sql for a Store that does not run them itself: BEGIN,
+// the claim and each record are round trips of their own, since database/sql cannot pipeline.
+// Effects are stored as they are recorded: the handler holds the *sql.Tx and could commit it.
+type sqlUnits struct {
+	db    *sql.DB
+	store outboxdriver.Store
+}
+
+var _ outboxdriver.UnitStore = sqlUnits{}
+
+func (s sqlUnits) BeginUnit(ctx context.Context, claim *Source) (outboxdriver.UnitTx, outboxdriver.Claim, error) {
+	tx, err := s.db.BeginTx(ctx, nil)
+	if err != nil {
+		return nil, outboxdriver.Claim{}, fmt.Errorf("begin transaction (waiting for a database connection, at most HandlerTimeout): %w", err)
+	}
+	u := &sqlUnit{store: s.store, tx: tx}
+	if claim == nil {
+		return u, outboxdriver.Claim{Claimed: true}, nil
+	}
+	u.src = *claim
+	c, err := s.store.MessageClaim(ctx, tx, *claim)
+	if err != nil {
+		_ = tx.Rollback()
+		return nil, outboxdriver.Claim{}, err
+	}
+	return u, c, nil
+}
+
+func (s sqlUnits) JoinUnit(tx any) (outboxdriver.UnitTx, error) {
+	t, ok := tx.(*sql.Tx)
+	if !ok || t == nil {
+		return nil, fmt.Errorf("%w: JoinTx needs a *sql.Tx with this driver, got %T", ErrNoUnitOfWork, tx)
+	}
+	return &sqlUnit{store: s.store, tx: t}, nil
+}
+
+type sqlUnit struct {
+	store       outboxdriver.Store
+	tx          *sql.Tx
+	src         Source
+	inSavepoint bool // some effect may have been written inside a savepoint
+}
+
+func (u *sqlUnit) Tx() any { return u.tx }
+
+func (u *sqlUnit) Record(ctx context.Context, effects []Effect) error {
+	inSavepoint, err := u.store.EffectInsert(ctx, u.tx, effects[0].Source, effects)
+	u.inSavepoint = u.inSavepoint || inSavepoint
+	return err
+}
+
+// Survivors asks the database only when an effect may have been written inside a savepoint.
+func (u *sqlUnit) Survivors(ctx context.Context, effects []Effect) ([]Effect, error) {
+	if !u.inSavepoint || len(effects) == 0 {
+		return effects, nil
+	}
+	ids := make([]int64, len(effects))
+	for i, e := range effects {
+		ids[i] = e.StoreID
+	}
+	existing, err := u.store.EffectExisting(ctx, u.tx, ids)
+	if err != nil {
+		return nil, fmt.Errorf("outbox: check which side effects survived savepoints: %w", err)
+	}
+	keep := make(map[int64]bool, len(existing))
+	for _, id := range existing {
+		keep[id] = true
+	}
+	out := effects[:0:0]
+	for _, e := range effects {
+		if keep[e.StoreID] {
+			out = append(out, e)
+		}
+	}
+	return out, nil
+}
+
+func (u *sqlUnit) Commit(context.Context, []Effect) error { return u.tx.Commit() }
+
+func (u *sqlUnit) Rollback(context.Context) error { return u.tx.Rollback() }
