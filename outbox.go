@@ -5,6 +5,7 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"io"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -97,6 +98,20 @@ func (o *Outbox) Migrate(ctx context.Context) error {
 // CheckSchema returns an error wrapping ErrSchemaMissing or ErrSchemaOutdated when Migrate is needed.
 func (o *Outbox) CheckSchema(ctx context.Context) error {
 	return o.store.SchemaCheck(ctx)
+}
+
+// Close releases what the Outbox holds: the store's prepared statements, and the database/sql
+// handle a driver opened itself (the pgx driver's, on its pool: the pool stays open). It does not
+// close Config.DB or the Publisher, which are the caller's. Call it after Run returned and the
+// handlers stopped.
+func (o *Outbox) Close() error {
+	o.marks.wait()
+	if c, ok := o.store.(io.Closer); ok {
+		if err := c.Close(); err != nil {
+			return fmt.Errorf("outbox: close: %w", err)
+		}
+	}
+	return nil
 }
 
 // Config returns the configuration the Outbox runs with, defaults applied.

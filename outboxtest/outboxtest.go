@@ -121,13 +121,35 @@ type Harness struct {
 // so that what was dispatched can be read back. setup, if not nil, creates the business tables.
 func New(t testing.TB, cfg outbox.Config, setup func(ctx context.Context, db *sql.DB) error) *Harness {
 	t.Helper()
-	h := &Harness{t: t, DB: DB(t), Pub: &Recorder{}}
+	return NewWith(t, nil, cfg, setup)
+}
+
+// Opener builds the Outbox of a harness on the test database dsn from cfg, whose Publisher and
+// Failpoint are the harness's and whose DB and Driver are unset. The default (nil) is
+// outbox.New on database/sql (lib/pq) with the postgres driver; the pgx form opens a pool on dsn
+// and calls outboxpgx.New (its close goes in t.Cleanup).
+type Opener func(t testing.TB, dsn string, cfg outbox.Config) (*outbox.Outbox, error)
+
+// NewWith is New with the Outbox built by open (nil: the database/sql form).
+func NewWith(t testing.TB, open Opener, cfg outbox.Config, setup func(ctx context.Context, db *sql.DB) error) *Harness {
+	t.Helper()
+	dsn := DSN(t)
+	db, err := sql.Open("postgres", dsn)
+	if err != nil {
+		t.Fatalf("outboxtest: open: %v", err)
+	}
+	t.Cleanup(func() { _ = db.Close() })
+	h := &Harness{t: t, DB: db, Pub: &Recorder{}}
 	if setup != nil {
 		if err := setup(context.Background(), h.DB); err != nil {
 			t.Fatalf("outboxtest: set up the business tables: %v", err)
 		}
 	}
-	cfg.DB, cfg.Driver, cfg.Publisher = h.DB, postgres.Driver{}, h.Pub
+	cfg.Publisher = h.Pub
+	if open == nil {
+		cfg.DB, cfg.Driver = h.DB, postgres.Driver{}
+		open = func(_ testing.TB, _ string, cfg outbox.Config) (*outbox.Outbox, error) { return outbox.New(cfg) }
+	}
 	if cfg.EffectRetention == 0 {
 		cfg.EffectRetention = time.Hour
 	}
@@ -146,7 +168,7 @@ func New(t testing.TB, cfg outbox.Config, setup func(ctx context.Context, db *sq
 		}
 		return fp(ctx, point)
 	}
-	ob, err := outbox.New(cfg)
+	ob, err := open(t, dsn, cfg)
 	if err != nil {
 		t.Fatalf("outboxtest: %v", err)
 	}
@@ -272,6 +294,8 @@ type CrashMatrix struct {
 	// Copies is how many copies of each message are delivered at the same moment after the
 	// crash. Default: 4.
 	Copies int
+	// Open builds each scenario's Outbox (nil: the database/sql form); see Opener.
+	Open Opener
 }
 
 // crashPoints are the steps of a unit of work at which CrashMatrix crashes ("" : none).
@@ -315,7 +339,7 @@ func (c CrashMatrix) Run(t *testing.T) {
 // scenario runs one message with one crash point and returns what went wrong, with the report.
 func (c CrashMatrix) scenario(t testing.TB, msg *message.Message, point string, copies int) []string {
 	ctx := context.Background()
-	h := New(t, c.Config, c.Setup)
+	h := NewWith(t, c.Open, c.Config, c.Setup)
 	if c.Register != nil {
 		if err := c.Register(h.Ob, h.DB); err != nil {
 			t.Fatalf("outboxtest: Register: %v", err)

@@ -365,15 +365,9 @@ func (s *SQL) EffectInsert(ctx context.Context, tx *sql.Tx, src outboxdriver.Sou
 	if len(effects) == 0 {
 		return false, nil
 	}
-	args := make([]any, 0, 2+7*len(effects))
-	args = append(args, src.Consumer, src.ID)
+	args := EffectInsertArgs(src, effects)
 	bySeq := make(map[int]int, len(effects))
 	for i, e := range effects {
-		payload := e.Payload
-		if payload == nil {
-			payload = []byte{}
-		}
-		args = append(args, e.Seq, e.Kind, e.Topic, e.UUID, payload, EncodeMetadata(e.Metadata), e.OrderingKey)
 		bySeq[e.Seq] = i
 	}
 	query := s.d.Queries.EffectInsert(len(effects))
@@ -412,6 +406,20 @@ func (s *SQL) EffectInsert(ctx context.Context, tx *sql.Tx, src outboxdriver.Sou
 		return false, fmt.Errorf("insert of %d effects returned %d rows", len(effects), n)
 	}
 	return inSavepoint, nil
+}
+
+// EffectInsertArgs returns the arguments of Queries.EffectInsert(len(effects)) for effects of src.
+func EffectInsertArgs(src outboxdriver.Source, effects []outboxdriver.Effect) []any {
+	args := make([]any, 0, 2+7*len(effects))
+	args = append(args, src.Consumer, src.ID)
+	for _, e := range effects {
+		payload := e.Payload
+		if payload == nil {
+			payload = []byte{}
+		}
+		args = append(args, e.Seq, e.Kind, e.Topic, e.UUID, payload, EncodeMetadata(e.Metadata), e.OrderingKey)
+	}
+	return args
 }
 
 // EffectExisting implements outboxdriver.Store.

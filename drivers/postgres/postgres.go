@@ -1,6 +1,7 @@
 package postgres
 
 import (
+	"context"
 	"database/sql"
 	"embed"
 	"errors"
@@ -33,6 +34,12 @@ type Driver struct {
 	// retried by the relays at once instead of at their next poll. Default: "" (the relay polls
 	// every RelayInterval; a failure in this process still wakes this process's relay).
 	ListenDSN string
+
+	// Listener, when set and ListenDSN is not, is how the relay LISTENs for wake-ups: it LISTENs
+	// on channel, calls wake once connected (notifications sent before were missed) and on every
+	// notification, and returns when ctx is done (nil) or the connection is lost (an error; the
+	// caller listens again). The pgx driver sets it to listen on a connection of its pool.
+	Listener func(ctx context.Context, channel string, wake func()) error
 }
 
 var _ outboxdriver.Driver = Driver{}
@@ -60,8 +67,11 @@ func (d Driver) Open(db *sql.DB, opts outboxdriver.StoreOptions) (outboxdriver.S
 		// The channel is built from validated identifiers, so the literal is safe.
 		Notify: fmt.Sprintf("SELECT pg_notify('%s', '')", notifyChannel(names.Schema, names.Prefix)),
 	}
-	if d.ListenDSN != "" {
-		dialect.Listen = listen(d.ListenDSN, notifyChannel(names.Schema, names.Prefix))
+	switch channel := notifyChannel(names.Schema, names.Prefix); {
+	case d.ListenDSN != "":
+		dialect.Listen = listen(d.ListenDSN, channel)
+	case d.Listener != nil:
+		dialect.Listen = func(ctx context.Context, wake func()) error { return d.Listener(ctx, channel, wake) }
 	}
 	return store.New(db, names, dialect)
 }
@@ -81,6 +91,13 @@ func Migrations(schema, prefix string) ([]store.Migration, error) {
 		return nil, err
 	}
 	return store.LoadMigrations(migrations, names)
+}
+
+// Queries returns the statements of the tables named by names (see store.NewNames), for a driver
+// that runs some of them on a connection type of its own (the pgx driver runs the claim and the
+// effect insert in its pipelines). deleteDispatched is StoreOptions.DeleteDispatched.
+func Queries(names store.Names, deleteDispatched bool) store.Queries {
+	return queries(names, deleteDispatched)
 }
 
 // IsUndefinedTable tells whether err is PostgreSQL's undefined_table or invalid_schema_name, from

@@ -1,0 +1,164 @@
+// Package outboxpgx runs the outbox framework on pgx v5: handlers write through a pgx.Tx (so
+// sqlc's New(tx) works), and the relay, cleanup, the metrics' sampling and LISTEN run on the same
+// pgxpool.Pool. It is a module of its own, so that users of the database/sql form never download
+// pgx.
+//
+// A unit of work on pgx waits for as many round trips as a bare pgx transaction: BEGIN goes with
+// the claim of the message in one round trip, the handler's statements run as they would anyway,
+// and the side effects go with COMMIT in one round trip. The effects wait in memory until then:
+// the handler's pgx.Tx is the framework's, which refuses Commit, so the handler cannot commit
+// without them.
+//
+//	ob, err := outboxpgx.New(pool, outbox.Config{Publisher: pub})
+//	...
+//	router.AddConsumerHandler("reserve", "orders", sub, middleware.New(ob, "inventory")(
+//		func(msg *message.Message) error {
+//			tx := outboxpgx.Tx(msg.Context())          // a pgx.Tx: queries.New(tx) with sqlc
+//			if _, err := tx.Exec(msg.Context(), "INSERT ...", ...); err != nil {
+//				return err
+//			}
+//			return outbox.Publish(msg.Context(), "reserved", message.NewMessage(...))
+//		}))
+//
+// Savepoints: take them with tx.Begin (pgx's nested transactions): effects recorded inside one
+// that is rolled back are dropped with it. Do not send SAVEPOINT, COMMIT or ROLLBACK as SQL.
+package outboxpgx
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"io"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/jackc/pgx/v5/stdlib"
+
+	"github.com/watermill-outbox/outbox"
+	"github.com/watermill-outbox/outbox/drivers/postgres"
+	"github.com/watermill-outbox/outbox/outboxdriver"
+	"github.com/watermill-outbox/outbox/store"
+)
+
+// New returns an Outbox on pool: cfg.DB and cfg.Driver are set from it (cfg.DB becomes a
+// database/sql handle on the same pool, for the operator tools; leave both unset). Close the
+// Outbox when done with it (the pool stays open).
+func New(pool *pgxpool.Pool, cfg outbox.Config) (*outbox.Outbox, error) {
+	if pool == nil {
+		return nil, fmt.Errorf("outboxpgx: the pool is nil")
+	}
+	if cfg.DB != nil || cfg.Driver != nil {
+		return nil, fmt.Errorf("outboxpgx: leave Config.DB and Config.Driver unset: they are set from the pool")
+	}
+	cfg.DB = stdlib.OpenDBFromPool(pool)
+	cfg.Driver = Driver{Pool: pool, closeDB: true}
+	ob, err := outbox.New(cfg)
+	if err != nil {
+		_ = cfg.DB.Close()
+	}
+	return ob, err
+}
+
+// Driver is the pgx dialect: Config.Driver for an Outbox whose Config.DB is a database/sql handle
+// on Pool (stdlib.OpenDBFromPool; New sets both).
+type Driver struct {
+	Pool *pgxpool.Pool
+
+	closeDB bool // the Store's Close closes the DB (New opened it)
+}
+
+var _ outboxdriver.Driver = Driver{}
+
+// Open implements outboxdriver.Driver.
+func (d Driver) Open(db *sql.DB, opts outboxdriver.StoreOptions) (outboxdriver.Store, error) {
+	if d.Pool == nil {
+		return nil, fmt.Errorf("outboxpgx: Driver.Pool is nil")
+	}
+	schema := opts.Schema
+	if schema == "" {
+		schema = postgres.DefaultSchema
+	}
+	names, err := store.NewNames(schema, opts.TablePrefix)
+	if err != nil {
+		return nil, err
+	}
+	// Everything off the hot path (the relay, marks, cleanup, stats, the operator tools) runs the
+	// postgres driver's statements through database/sql on the same pool; pgx caches their
+	// prepared statements per connection, so database/sql need not prepare them.
+	base, err := postgres.Driver{DisablePreparedStatements: true, Listener: d.listen}.Open(db, opts)
+	if err != nil {
+		return nil, err
+	}
+	q := postgres.Queries(names, opts.DeleteDispatched)
+	st := &pgxStore{Store: base, pool: d.Pool, claim: q.MessageClaim, insert: q.EffectInsert, processed: q.MessageIsProcessed}
+	if d.closeDB {
+		st.db = db
+	}
+	return st, nil
+}
+
+// pgxStore is the postgres driver's Store whose units of work run on pgx.
+type pgxStore struct {
+	outboxdriver.Store
+	db        *sql.DB // closed with the Store, when New opened it
+	pool      *pgxpool.Pool
+	claim     string
+	insert    func(n int) string
+	processed string
+}
+
+var _ outboxdriver.UnitStore = (*pgxStore)(nil)
+
+// Close closes the prepared statements and the database/sql handle New opened.
+func (s *pgxStore) Close() error {
+	var errs []error
+	if c, ok := s.Store.(io.Closer); ok {
+		errs = append(errs, c.Close())
+	}
+	if s.db != nil {
+		errs = append(errs, s.db.Close())
+	}
+	return errors.Join(errs...)
+}
+
+// Tx returns the pgx.Tx of the unit of work in ctx (a handler wrapped by the middleware, InTx).
+// Do not commit or roll it back: the framework does (Commit returns an error). Outside a unit of
+// work it panics with an error wrapping outbox.ErrNoUnitOfWork; use TxOK to ask.
+func Tx(ctx context.Context) pgx.Tx {
+	tx, ok := TxOK(ctx)
+	if !ok {
+		panic(fmt.Errorf("outboxpgx.Tx: %w", outbox.ErrNoUnitOfWork))
+	}
+	return tx
+}
+
+// TxOK returns the pgx.Tx of the unit of work in ctx, and false outside one (or in one that runs
+// on database/sql).
+func TxOK(ctx context.Context) (pgx.Tx, bool) {
+	t, _ := outbox.TxOf(ctx)
+	tx, ok := t.(pgx.Tx)
+	return tx, ok
+}
+
+// InTx is outbox.Outbox.InTx on pgx: fn runs in a new transaction of the pool, outbox.Publish and
+// outbox.Record work in its ctx, and if fn returns nil the transaction commits (with the effects,
+// in one round trip) and the effects are dispatched at once.
+func InTx(ctx context.Context, ob *outbox.Outbox, fn func(ctx context.Context, tx pgx.Tx) error) error {
+	return ob.InUnit(ctx, func(ctx context.Context) error {
+		tx, ok := TxOK(ctx)
+		if !ok {
+			t, _ := outbox.TxOf(ctx)
+			return fmt.Errorf("outboxpgx.InTx: %w: the Outbox runs units of work on a %T (make it with outboxpgx.New)", outbox.ErrNoUnitOfWork, t)
+		}
+		return fn(ctx, tx)
+	})
+}
+
+// JoinTx is outbox.Outbox.JoinTx on pgx: side effects recorded with the returned context are
+// stored in tx, a transaction the caller owns, as they are recorded. After committing tx, call
+// dispatch to send them at once; if the caller never does, the relay sends them after
+// Config.RelayGrace.
+func JoinTx(ctx context.Context, ob *outbox.Outbox, tx pgx.Tx) (context.Context, func(context.Context), error) {
+	return ob.JoinUnit(ctx, tx)
+}

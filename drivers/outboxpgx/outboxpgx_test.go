@@ -1,0 +1,589 @@
+package outboxpgx_test
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/jackc/pgx/v5/stdlib"
+
+	"github.com/watermill-outbox/outbox"
+	"github.com/watermill-outbox/outbox/drivers/outboxpgx"
+	"github.com/watermill-outbox/outbox/internal/pgtest"
+	"github.com/watermill-outbox/outbox/outboxdriver"
+	"github.com/watermill-outbox/outbox/outboxtest"
+	"github.com/watermill-outbox/outbox/store/storetest"
+)
+
+func TestMain(m *testing.M) { os.Exit(outboxtest.Main(m)) }
+
+// wire counts the round trips of a pool: client writes that follow a read.
+type wire struct{ roundTrips atomic.Int64 }
+
+type countingConn struct {
+	net.Conn
+	w         *wire
+	mu        sync.Mutex
+	lastWrite bool
+}
+
+func (c *countingConn) Read(p []byte) (int, error) {
+	n, err := c.Conn.Read(p)
+	if n > 0 {
+		c.mu.Lock()
+		c.lastWrite = false
+		c.mu.Unlock()
+	}
+	return n, err
+}
+
+func (c *countingConn) Write(p []byte) (int, error) {
+	c.mu.Lock()
+	if !c.lastWrite {
+		c.w.roundTrips.Add(1)
+		c.lastWrite = true
+	}
+	c.mu.Unlock()
+	return c.Conn.Write(p)
+}
+
+// openPool opens a pool on dsn of at most maxConns connections, counted in w when w is set,
+// closed in t.Cleanup.
+func openPool(t testing.TB, dsn string, maxConns int32, w *wire) *pgxpool.Pool {
+	t.Helper()
+	cfg, err := pgxpool.ParseConfig(dsn)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.MaxConns = maxConns
+	if w != nil {
+		cfg.ConnConfig.DialFunc = func(ctx context.Context, network, addr string) (net.Conn, error) {
+			var d net.Dialer
+			c, err := d.DialContext(ctx, network, addr)
+			if err != nil {
+				return nil, err
+			}
+			return &countingConn{Conn: c, w: w}, nil
+		}
+		cfg.ShouldPing = func(context.Context, pgxpool.ShouldPingParams) bool { return false }
+	}
+	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	return pool
+}
+
+// pgxForm is the outboxtest.Opener of the pgx form.
+func pgxForm(t testing.TB, dsn string, cfg outbox.Config) (*outbox.Outbox, error) {
+	return newOutbox(t, openPool(t, dsn, 8, nil), cfg)
+}
+
+// newOutbox is outboxpgx.New, the Outbox closed in t.Cleanup.
+func newOutbox(t testing.TB, pool *pgxpool.Pool, cfg outbox.Config) (*outbox.Outbox, error) {
+	ob, err := outboxpgx.New(pool, cfg)
+	if err == nil {
+		t.Cleanup(func() {
+			if err := ob.Close(); err != nil {
+				t.Errorf("close: %v", err)
+			}
+		})
+	}
+	return ob, err
+}
+
+func setup(ctx context.Context, db *sql.DB) error {
+	_, err := db.ExecContext(ctx, `CREATE TABLE applied (message_id text NOT NULL, note text NOT NULL DEFAULT '')`)
+	return err
+}
+
+func count(t testing.TB, db *sql.DB, id string) int {
+	t.Helper()
+	var n int
+	if err := db.QueryRow(`SELECT count(*) FROM applied WHERE message_id = $1`, id).Scan(&n); err != nil {
+		t.Fatal(err)
+	}
+	return n
+}
+
+// handler is a consumer as users of pgx write one: the business write through the unit of work's
+// pgx.Tx, one message published.
+func handler(msg *message.Message) error {
+	ctx := msg.Context()
+	if _, err := outboxpgx.Tx(ctx).Exec(ctx, `INSERT INTO applied (message_id) VALUES ($1)`, msg.UUID); err != nil {
+		return err
+	}
+	return outbox.Publish(ctx, "out", message.NewMessage("out-"+msg.UUID, msg.Payload))
+}
+
+func TestCrashMatrix(t *testing.T) {
+	outboxtest.CrashMatrix{
+		Consumer: "inventory",
+		Open:     pgxForm,
+		Handler: func(*sql.DB) message.HandlerFunc {
+			return func(m *message.Message) ([]*message.Message, error) { return nil, handler(m) }
+		},
+		Messages: []*message.Message{message.NewMessage("order-1", []byte(`{}`))},
+		Setup:    setup,
+		Applied: func(ctx context.Context, db *sql.DB, msg *message.Message) (int, error) {
+			var n int
+			err := db.QueryRowContext(ctx, `SELECT count(*) FROM applied WHERE message_id = $1`, msg.UUID).Scan(&n)
+			return n, err
+		},
+		Config: outbox.Config{RelayGrace: 50 * time.Millisecond, RelayInterval: 20 * time.Millisecond},
+	}.Run(t)
+}
+
+func consume(h func(*message.Message) error) message.HandlerFunc {
+	return func(m *message.Message) ([]*message.Message, error) { return nil, h(m) }
+}
+
+// TestRoundTrips: a first delivery waits for as many round trips as a bare pgx transaction
+// (BEGIN, the write, COMMIT): BEGIN goes with the claim and the effects with COMMIT.
+func TestRoundTrips(t *testing.T) {
+	var w wire
+	dsn := outboxtest.DSN(t)
+	pool := openPool(t, dsn, 1, &w)
+	ctx := context.Background()
+	if _, err := pool.Exec(ctx, `CREATE TABLE applied (message_id text NOT NULL, note text NOT NULL DEFAULT '')`); err != nil {
+		t.Fatal(err)
+	}
+	var atCommit atomic.Int64
+	ob, err := newOutbox(t, pool, outbox.Config{Publisher: &outboxtest.Recorder{}, Failpoint: func(_ context.Context, point string) error {
+		if point == outbox.FailpointAfterCommit {
+			atCommit.Store(w.roundTrips.Load())
+		}
+		return nil
+	}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := ob.Migrate(ctx); err != nil {
+		t.Fatal(err)
+	}
+	deliver := func(id string) int64 {
+		ob.FlushMarks()
+		before := w.roundTrips.Load()
+		if err := ob.Handle(message.NewMessage(id, nil), outbox.HandleParams{Consumer: "c", MessageID: id}, consume(handler)); err != nil {
+			t.Fatal(err)
+		}
+		return atCommit.Load() - before
+	}
+	bare := func(id string) int64 {
+		before := w.roundTrips.Load()
+		tx, err := pool.Begin(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := tx.Exec(ctx, `INSERT INTO applied (message_id) VALUES ($1)`, id); err != nil {
+			t.Fatal(err)
+		}
+		if err := tx.Commit(ctx); err != nil {
+			t.Fatal(err)
+		}
+		return w.roundTrips.Load() - before
+	}
+	for i := range 3 { // statements are prepared once per connection
+		deliver(fmt.Sprint("warm-", i))
+		bare(fmt.Sprint("bare-warm-", i))
+	}
+	got, want := deliver("m1"), bare("b1")
+	if want != 3 {
+		t.Fatalf("a bare pgx transaction took %d round trips, want 3 (BEGIN, INSERT, COMMIT)", want)
+	}
+	if got != want {
+		t.Errorf("a first delivery waited for %d round trips up to its commit, a bare pgx transaction %d", got, want)
+	}
+}
+
+func TestDuplicateAndConcurrentCopies(t *testing.T) {
+	h := outboxtest.NewWith(t, pgxForm, outbox.Config{}, setup)
+	res := h.Run("c", message.NewMessage("m1", []byte("p")), consume(handler))
+	if res.Err != nil || !res.Committed || len(res.Effects) != 1 || len(res.Sent) != 1 {
+		t.Fatalf("first delivery: %+v", res)
+	}
+	if res.Sent[0].Message.UUID != "out-m1" {
+		t.Errorf("sent %q", res.Sent[0].Message.UUID)
+	}
+	dup := h.Run("c", message.NewMessage("m1", []byte("p")), consume(handler))
+	if dup.Err != nil || len(dup.Sent) != 0 {
+		t.Fatalf("duplicate: %+v", dup)
+	}
+	var wg sync.WaitGroup
+	errs := make([]error, 8)
+	for i := range errs {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			errs[i] = h.Ob.Handle(message.NewMessage("m2", nil), outbox.HandleParams{Consumer: "c", MessageID: "m2"}, consume(handler))
+		}()
+	}
+	wg.Wait()
+	if err := errors.Join(errs...); err != nil {
+		t.Fatal(err)
+	}
+	if n := count(t, h.DB, "m2"); n != 1 {
+		t.Errorf("8 concurrent copies applied the change %d times", n)
+	}
+	ids := map[string]bool{}
+	for _, s := range h.Pub.All() {
+		ids[s.Message.UUID] = true
+	}
+	if len(ids) != 2 || !ids["out-m2"] {
+		t.Errorf("sent UUIDs %v, want out-m1 and out-m2", ids)
+	}
+}
+
+// TestSavepoints: effects recorded inside a savepoint (pgx's nested transaction) that rolls back
+// are dropped with it; those of a released one stay.
+func TestSavepoints(t *testing.T) {
+	h := outboxtest.NewWith(t, pgxForm, outbox.Config{}, setup)
+	pub := func(ctx context.Context, id string) error {
+		return outbox.Publish(ctx, "out", message.NewMessage(id, nil))
+	}
+	res := h.Run("c", message.NewMessage("m1", nil), consume(func(msg *message.Message) error {
+		ctx := msg.Context()
+		tx := outboxpgx.Tx(ctx)
+		if err := pub(ctx, "a"); err != nil {
+			return err
+		}
+		sp, err := tx.Begin(ctx)
+		if err != nil {
+			return err
+		}
+		if _, err := sp.Exec(ctx, `INSERT INTO applied (message_id) VALUES ('rolled-back')`); err != nil {
+			return err
+		}
+		if err := pub(ctx, "b-rolled-back"); err != nil {
+			return err
+		}
+		inner, err := sp.Begin(ctx)
+		if err != nil {
+			return err
+		}
+		if err := pub(ctx, "c-rolled-back"); err != nil {
+			return err
+		}
+		if err := inner.Commit(ctx); err != nil {
+			return err
+		}
+		if err := sp.Rollback(ctx); err != nil {
+			return err
+		}
+		if err := sp.Rollback(ctx); !errors.Is(err, pgx.ErrTxClosed) {
+			return fmt.Errorf("second rollback of a savepoint: %v, want ErrTxClosed", err)
+		}
+		sp2, err := tx.Begin(ctx)
+		if err != nil {
+			return err
+		}
+		if err := pub(ctx, "d"); err != nil {
+			return err
+		}
+		if err := sp2.Commit(ctx); err != nil {
+			return err
+		}
+		if _, err := tx.Exec(ctx, `INSERT INTO applied (message_id) VALUES ($1)`, msg.UUID); err != nil {
+			return err
+		}
+		return pub(ctx, "e")
+	}))
+	if res.Err != nil {
+		t.Fatal(res.Err)
+	}
+	var got []string
+	for _, e := range res.Effects {
+		got = append(got, e.UUID)
+	}
+	var sent []string
+	for _, s := range res.Sent {
+		sent = append(sent, s.Message.UUID)
+	}
+	if strings.Join(got, ",") != "a,d,e" || strings.Join(sent, ",") != "a,d,e" {
+		t.Errorf("committed %v, sent %v; want a,d,e for both", got, sent)
+	}
+	if count(t, h.DB, "rolled-back") != 0 || count(t, h.DB, "m1") != 1 {
+		t.Error("the savepoint's write survived, or the unit's did not")
+	}
+}
+
+// TestHandlerCannotFinishTheTransaction: Commit is refused, Rollback and SQL that ends the
+// transaction fail the message; effects of a transaction the handler committed with SQL are kept
+// and sent on redelivery.
+func TestHandlerCannotFinishTheTransaction(t *testing.T) {
+	h := outboxtest.NewWith(t, pgxForm, outbox.Config{MaxAttempts: 100}, setup)
+	write := func(msg *message.Message) error {
+		ctx := msg.Context()
+		if _, err := outboxpgx.Tx(ctx).Exec(ctx, `INSERT INTO applied (message_id) VALUES ($1)`, msg.UUID); err != nil {
+			return err
+		}
+		return outbox.Publish(ctx, "out", message.NewMessage("out-"+msg.UUID, nil))
+	}
+	res := h.Run("c", message.NewMessage("commit", nil), consume(func(msg *message.Message) error {
+		if err := write(msg); err != nil {
+			return err
+		}
+		return outboxpgx.Tx(msg.Context()).Commit(msg.Context())
+	}))
+	if !errors.Is(res.Err, outbox.ErrTxFinishedByHandler) || res.Committed || count(t, h.DB, "commit") != 0 || len(res.Sent) != 0 {
+		t.Errorf("handler Commit: err %v, committed %v, applied %d, sent %d", res.Err, res.Committed, count(t, h.DB, "commit"), len(res.Sent))
+	}
+	res = h.Run("c", message.NewMessage("rollback", nil), consume(func(msg *message.Message) error {
+		if err := write(msg); err != nil {
+			return err
+		}
+		return outboxpgx.Tx(msg.Context()).Rollback(msg.Context())
+	}))
+	if res.Err == nil || res.Committed || count(t, h.DB, "rollback") != 0 || len(res.Sent) != 0 {
+		t.Errorf("handler Rollback: err %v, committed %v, sent %d", res.Err, res.Committed, len(res.Sent))
+	}
+	res = h.Run("c", message.NewMessage("sql-commit", nil), consume(func(msg *message.Message) error {
+		if err := write(msg); err != nil {
+			return err
+		}
+		_, err := outboxpgx.Tx(msg.Context()).Exec(msg.Context(), "COMMIT")
+		return err
+	}))
+	if !errors.Is(res.Err, outbox.ErrTxFinishedByHandler) || !res.Committed || len(res.Effects) != 1 {
+		t.Fatalf("COMMIT as SQL: err %v, committed %v, effects %d", res.Err, res.Committed, len(res.Effects))
+	}
+	res = h.Run("c", message.NewMessage("sql-commit", nil), consume(write))
+	if res.Err != nil || len(res.Sent) != 1 || count(t, h.DB, "sql-commit") != 1 {
+		t.Errorf("redelivery after COMMIT as SQL: err %v, sent %d, applied %d", res.Err, len(res.Sent), count(t, h.DB, "sql-commit"))
+	}
+	res = h.Run("c", message.NewMessage("failed-statement", nil), consume(func(msg *message.Message) error {
+		ctx := msg.Context()
+		_, _ = outboxpgx.Tx(ctx).Exec(ctx, `INSERT INTO no_such_table VALUES (1)`) // error ignored
+		return write(msg)
+	}))
+	if res.Err == nil || res.Committed || len(res.Sent) != 0 {
+		t.Errorf("statement failed, error ignored: err %v, committed %v, sent %d", res.Err, res.Committed, len(res.Sent))
+	}
+	res = h.Run("c", message.NewMessage("panic", nil), consume(func(msg *message.Message) error {
+		if err := write(msg); err != nil {
+			return err
+		}
+		panic("boom")
+	}))
+	if !errors.Is(res.Err, outbox.ErrHandlerPanicked) || res.Committed || len(res.Sent) != 0 {
+		t.Errorf("panic: err %v, committed %v", res.Err, res.Committed)
+	}
+	res = h.Run("c", message.NewMessage("wrong-accessor", nil), consume(func(msg *message.Message) error {
+		_ = outbox.Tx(msg.Context()) // a *sql.Tx is asked of a pgx unit of work
+		return nil
+	}))
+	if !errors.Is(res.Err, outbox.ErrHandlerPanicked) || !strings.Contains(res.Err.Error(), "driver's Tx") {
+		t.Errorf("outbox.Tx in a pgx unit of work: %v", res.Err)
+	}
+}
+
+// TestNoConnectionLeak: whatever the unit of work's end, its connection goes back to a pool of
+// one, and a HandlerTimeout that expires in the handler rolls it back.
+func TestNoConnectionLeak(t *testing.T) {
+	dsn := outboxtest.DSN(t)
+	pool := openPool(t, dsn, 1, nil)
+	ctx := context.Background()
+	if _, err := pool.Exec(ctx, `CREATE TABLE applied (message_id text NOT NULL, note text NOT NULL DEFAULT '')`); err != nil {
+		t.Fatal(err)
+	}
+	ob, err := newOutbox(t, pool, outbox.Config{Publisher: &outboxtest.Recorder{}, HandlerTimeout: 300 * time.Millisecond, RetryDelay: -1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := ob.Migrate(ctx); err != nil {
+		t.Fatal(err)
+	}
+	handlers := map[string]func(*message.Message) error{
+		"ok":     handler,
+		"fails":  func(*message.Message) error { return errors.New("no") },
+		"panics": func(*message.Message) error { panic("no") },
+		"slow": func(msg *message.Message) error {
+			if err := handler(msg); err != nil {
+				return err
+			}
+			_, err := outboxpgx.Tx(msg.Context()).Exec(msg.Context(), `SELECT pg_sleep(5)`)
+			return err
+		},
+	}
+	for name, h := range handlers {
+		err := ob.Handle(message.NewMessage(name, nil), outbox.HandleParams{Consumer: "c", MessageID: name}, consume(h))
+		if (err == nil) != (name == "ok") {
+			t.Errorf("%s: %v", name, err)
+		}
+		if name == "slow" && !errors.Is(err, context.DeadlineExceeded) {
+			t.Errorf("slow: %v, want a HandlerTimeout", err)
+		}
+		ob.FlushMarks()
+		if n := pool.Stat().AcquiredConns(); n != 0 {
+			t.Errorf("%s: %d connection(s) still acquired", name, n)
+		}
+	}
+	var n int
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM applied`).Scan(&n); err != nil || n != 1 {
+		t.Errorf("applied %d rows (%v), want the one of ok", n, err)
+	}
+}
+
+func TestInTxAndJoinTx(t *testing.T) {
+	dsn := outboxtest.DSN(t)
+	pool := openPool(t, dsn, 4, nil)
+	ctx := context.Background()
+	if _, err := pool.Exec(ctx, `CREATE TABLE applied (message_id text NOT NULL, note text NOT NULL DEFAULT '')`); err != nil {
+		t.Fatal(err)
+	}
+	rec := &outboxtest.Recorder{}
+	ob, err := newOutbox(t, pool, outbox.Config{Publisher: rec})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := ob.Migrate(ctx); err != nil {
+		t.Fatal(err)
+	}
+	write := func(ctx context.Context, tx pgx.Tx, id string) error {
+		if _, err := tx.Exec(ctx, `INSERT INTO applied (message_id) VALUES ($1)`, id); err != nil {
+			return err
+		}
+		return outbox.Publish(ctx, "out", message.NewMessage(id, nil))
+	}
+	if err := outboxpgx.InTx(ctx, ob, func(ctx context.Context, tx pgx.Tx) error { return write(ctx, tx, "intx") }); err != nil {
+		t.Fatal(err)
+	}
+	boom := errors.New("boom")
+	if err := outboxpgx.InTx(ctx, ob, func(ctx context.Context, tx pgx.Tx) error {
+		if err := write(ctx, tx, "intx-fails"); err != nil {
+			return err
+		}
+		return boom
+	}); !errors.Is(err, boom) {
+		t.Errorf("InTx whose fn fails: %v", err)
+	}
+	func() {
+		defer func() {
+			if r := recover(); r != "boom" {
+				t.Errorf("InTx whose fn panics: recovered %v", r)
+			}
+		}()
+		_ = outboxpgx.InTx(ctx, ob, func(ctx context.Context, tx pgx.Tx) error {
+			_ = write(ctx, tx, "intx-panics")
+			panic("boom")
+		})
+	}()
+	if err := ob.InTx(ctx, func(context.Context, *sql.Tx) error { return nil }); !errors.Is(err, outbox.ErrNoUnitOfWork) {
+		t.Errorf("database/sql InTx on a pgx Outbox: %v", err)
+	}
+
+	for _, commit := range []bool{true, false} {
+		id := fmt.Sprint("join-", commit)
+		tx, err := pool.Begin(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		jctx, dispatch, err := outboxpgx.JoinTx(ctx, ob, tx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := write(jctx, tx, id); err != nil {
+			t.Fatal(err)
+		}
+		if commit {
+			err = tx.Commit(ctx)
+		} else {
+			err = tx.Rollback(ctx)
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		dispatch(ctx)
+	}
+	if _, _, err := outboxpgx.JoinTx(ctx, ob, nil); !errors.Is(err, outbox.ErrNoUnitOfWork) {
+		t.Errorf("JoinTx with a nil tx: %v", err)
+	}
+	var sent []string
+	for _, s := range rec.All() {
+		sent = append(sent, s.Message.UUID)
+	}
+	if strings.Join(sent, ",") != "intx,join-true" {
+		t.Errorf("sent %v, want intx and join-true", sent)
+	}
+	var applied int
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM applied`).Scan(&applied); err != nil || applied != 2 {
+		t.Errorf("applied %d (%v), want 2", applied, err)
+	}
+	if n := pool.Stat().AcquiredConns(); n != 0 {
+		t.Errorf("%d connection(s) still acquired", n)
+	}
+}
+
+// TestRelayListens: the relay of a pgx Outbox listens on a connection of the pool, and a
+// notification from another instance wakes it.
+func TestRelayListens(t *testing.T) {
+	dsn := outboxtest.DSN(t)
+	pool := openPool(t, dsn, 4, nil)
+	ob, err := newOutbox(t, pool, outbox.Config{Publisher: &outboxtest.Recorder{}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	if err := ob.Migrate(ctx); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- ob.Run(ctx) }()
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		rep := ob.Health(ctx)
+		listening := false
+		for _, c := range rep.Checks {
+			listening = listening || (c.Name == outbox.CheckListener && c.OK)
+		}
+		if listening {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the listener never connected: %+v", rep)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	cancel()
+	select {
+	case <-done:
+	case <-time.After(10 * time.Second):
+		t.Fatal("Run did not return")
+	}
+}
+
+// TestConformance runs the shared Store suite on the pgx driver's Store (database/sql through
+// pgx's stdlib on the pool, LISTEN on a connection of the pool).
+func TestConformance(t *testing.T) {
+	const schema, prefix = "conformance", "ob_"
+	storetest.Run(t, func(t *testing.T) storetest.Harness {
+		dsn := outboxtest.DSN(t)
+		pool := openPool(t, dsn, 8, nil)
+		db, err := sql.Open("postgres", dsn)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = db.Close() })
+		return pgtest.ConformanceHarness(db, schema, prefix, func(t testing.TB) outboxdriver.Store {
+			pdb := stdlib.OpenDBFromPool(pool)
+			t.Cleanup(func() { _ = pdb.Close() })
+			st, err := outboxpgx.Driver{Pool: pool}.Open(pdb, outboxdriver.StoreOptions{Schema: schema, TablePrefix: prefix})
+			if err != nil {
+				t.Fatal(err)
+			}
+			return st
+		})
+	})
+}

@@ -1,0 +1,436 @@
+package outboxpgx
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strconv"
+	"sync"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/watermill-outbox/outbox"
+	"github.com/watermill-outbox/outbox/drivers/postgres"
+	"github.com/watermill-outbox/outbox/outboxdriver"
+	"github.com/watermill-outbox/outbox/store"
+)
+
+// cleanupTimeout bounds the ROLLBACK sent after a failed step, whose own context may be over.
+const cleanupTimeout = 5 * time.Second
+
+// BeginUnit acquires a connection and sends BEGIN and the claim in one round trip.
+func (s *pgxStore) BeginUnit(ctx context.Context, claim *outboxdriver.Source) (outboxdriver.UnitTx, outboxdriver.Claim, error) {
+	conn, err := s.pool.Acquire(ctx)
+	if err != nil {
+		return nil, outboxdriver.Claim{}, fmt.Errorf("acquire a connection from the pool (at most HandlerTimeout): %w", err)
+	}
+	b := &pgx.Batch{}
+	b.BeginTx(pgx.TxOptions{})
+	if claim != nil {
+		b.Queue(s.claim, claim.Consumer, claim.ID)
+	}
+	br := conn.SendBatch(ctx, b)
+	_, err = br.Exec()
+	var claimed bool
+	var seen *int64
+	if err == nil && claim != nil {
+		err = br.QueryRow().Scan(&claimed, &seen)
+	}
+	if cerr := br.Close(); err == nil {
+		err = cerr
+	}
+	if err != nil {
+		abort(conn)
+		return nil, outboxdriver.Claim{}, fmt.Errorf("begin and claim: %w", wrap(err))
+	}
+	u := &unit{s: s, conn: conn, inner: br.Tx()}
+	u.tx = &tx{u: u}
+	c := outboxdriver.Claim{Claimed: true}
+	if claim != nil {
+		u.src, u.claimed = *claim, true
+		c = outboxdriver.Claim{Claimed: claimed, Concurrent: !claimed && seen == nil}
+		if seen != nil {
+			c.Age = time.Duration(*seen) * time.Millisecond
+		}
+	}
+	return u, c, nil
+}
+
+// JoinUnit wraps a pgx.Tx the caller owns.
+func (s *pgxStore) JoinUnit(t any) (outboxdriver.UnitTx, error) {
+	joined, ok := t.(pgx.Tx)
+	if !ok || joined == nil {
+		return nil, fmt.Errorf("%w: JoinTx needs a pgx.Tx with the pgx driver, got %T", outbox.ErrNoUnitOfWork, t)
+	}
+	return &unit{s: s, joined: joined}, nil
+}
+
+// abort rolls back whatever is open on conn and gives it back to the pool (which closes a
+// connection that is still in a transaction, or broken).
+func abort(conn *pgxpool.Conn) {
+	if c := conn.Conn(); !c.IsClosed() && c.PgConn().TxStatus() != 'I' && !c.PgConn().IsBusy() {
+		ctx, cancel := context.WithTimeout(context.Background(), cleanupTimeout)
+		_, _ = c.Exec(ctx, "ROLLBACK")
+		cancel()
+	}
+	conn.Release()
+}
+
+// wrap adds the fix to errors caused by missing tables.
+func wrap(err error) error {
+	if err != nil && postgres.IsUndefinedTable(err) {
+		return fmt.Errorf("%w: %w", outboxdriver.ErrSchemaMissing, err)
+	}
+	return err
+}
+
+// unit is the transaction of one unit of work on a connection of the pool, or (joined) a pgx.Tx
+// the caller owns.
+type unit struct {
+	s       *pgxStore
+	conn    *pgxpool.Conn // nil when joined
+	joined  pgx.Tx
+	inner   pgx.Tx // pgx's own transaction object of conn, for LargeObjects only
+	tx      *tx    // what user code gets, when not joined
+	src     outboxdriver.Source
+	claimed bool // the transaction holds a claim of src
+
+	mu    sync.Mutex
+	alive []bool // per recorded effect: false once a savepoint it was recorded in rolled back
+	open  []int  // the open savepoints: how many effects were recorded when each began
+	done  bool   // committed, rolled back, or refused
+}
+
+func (u *unit) Tx() any {
+	if u.joined != nil {
+		return u.joined
+	}
+	return u.tx
+}
+
+// Record keeps effects in memory until Commit; a joined unit stores them at once, since the
+// caller commits.
+func (u *unit) Record(ctx context.Context, effects []outboxdriver.Effect) error {
+	if u.joined != nil {
+		return insert(ctx, u.joined, u.s.insert, effects)
+	}
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	if u.done {
+		return fmt.Errorf("record side effects: %w", pgx.ErrTxClosed)
+	}
+	for range effects {
+		u.alive = append(u.alive, true)
+	}
+	return nil
+}
+
+func (u *unit) Survivors(_ context.Context, effects []outboxdriver.Effect) ([]outboxdriver.Effect, error) {
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	out := effects[:0:0]
+	for i, e := range effects {
+		if i < len(u.alive) && u.alive[i] {
+			out = append(out, e)
+		}
+	}
+	return out, nil
+}
+
+// Commit sends the insert of the effects and COMMIT in one round trip.
+func (u *unit) Commit(ctx context.Context, effects []outboxdriver.Effect) error {
+	if u.joined != nil {
+		return fmt.Errorf("outboxpgx: a joined transaction is committed by its owner")
+	}
+	u.mu.Lock()
+	if u.done {
+		u.mu.Unlock()
+		return outboxdriver.ErrTxDone
+	}
+	u.done = true
+	u.mu.Unlock()
+	c := u.conn.Conn()
+	if c.PgConn().TxStatus() == 'I' && !c.IsClosed() {
+		// The handler sent COMMIT or ROLLBACK as SQL: what it wrote is committed, or not, without
+		// the effects.
+		return u.finishedBySQL(ctx, effects)
+	}
+	b := &pgx.Batch{}
+	if len(effects) > 0 {
+		b.Queue(u.s.insert(len(effects)), store.EffectInsertArgs(effects[0].Source, effects)...)
+	}
+	b.Queue("COMMIT")
+	br := c.SendBatch(ctx, b)
+	var err error
+	if len(effects) > 0 {
+		err = scanIDs(br, effects)
+	}
+	if err == nil {
+		var tag pgconn.CommandTag
+		if tag, err = br.Exec(); err == nil && tag.String() != "COMMIT" {
+			err = errCommitRolledBack
+		}
+	}
+	if cerr := br.Close(); err == nil {
+		err = cerr
+	}
+	if err != nil {
+		abort(u.conn)
+		return wrap(err)
+	}
+	u.conn.Release()
+	return nil
+}
+
+// finishedBySQL handles a transaction that user code finished with SQL of its own. If the claim
+// committed, the effects are stored now (in a statement of their own: a crash right before it
+// loses them), so that a redelivery sends them; either way the unit of work reports ErrTxDone.
+func (u *unit) finishedBySQL(ctx context.Context, effects []outboxdriver.Effect) error {
+	defer u.conn.Release()
+	err := fmt.Errorf("the transaction was ended by SQL sent through it (COMMIT or ROLLBACK): %w", outboxdriver.ErrTxDone)
+	if !u.claimed || len(effects) == 0 {
+		return err
+	}
+	var one int
+	switch qerr := u.conn.QueryRow(ctx, u.s.processed, u.src.Consumer, u.src.ID).Scan(&one); {
+	case errors.Is(qerr, pgx.ErrNoRows):
+		return err
+	case qerr != nil:
+		return fmt.Errorf("%w (and checking whether the claim committed failed: %w)", err, qerr)
+	}
+	if ierr := insert(ctx, u.conn, u.s.insert, effects); ierr != nil {
+		return fmt.Errorf("%w; storing its side effects after it failed: %w", err, ierr)
+	}
+	return err
+}
+
+func (u *unit) Rollback(context.Context) error {
+	if u.joined != nil {
+		return fmt.Errorf("outboxpgx: a joined transaction is rolled back by its owner")
+	}
+	u.mu.Lock()
+	if u.done {
+		u.mu.Unlock()
+		return outboxdriver.ErrTxDone
+	}
+	u.done = true
+	u.mu.Unlock()
+	abort(u.conn)
+	return nil
+}
+
+// errCommitRolledBack is a COMMIT that PostgreSQL answered with ROLLBACK: the transaction had
+// failed (a statement of the handler failed and the handler went on).
+var errCommitRolledBack = &rolledBackError{}
+
+type rolledBackError struct{}
+
+func (*rolledBackError) Error() string {
+	return "commit rolled back: a statement in the transaction had failed (" + pgx.ErrTxCommitRollback.Error() + ")"
+}
+func (*rolledBackError) SQLState() string { return "40000" } // transaction_rollback
+func (*rolledBackError) Unwrap() error    { return pgx.ErrTxCommitRollback }
+
+// insert stores effects with the postgres driver's insert and sets their StoreIDs.
+func insert(ctx context.Context, q interface {
+	SendBatch(context.Context, *pgx.Batch) pgx.BatchResults
+}, insertSQL func(int) string, effects []outboxdriver.Effect) error {
+	b := &pgx.Batch{}
+	b.Queue(insertSQL(len(effects)), store.EffectInsertArgs(effects[0].Source, effects)...)
+	br := q.SendBatch(ctx, b)
+	err := scanIDs(br, effects)
+	if cerr := br.Close(); err == nil {
+		err = cerr
+	}
+	return wrap(err)
+}
+
+// scanIDs reads the StoreIDs the insert returned (id, seq, in savepoint) into effects.
+func scanIDs(br pgx.BatchResults, effects []outboxdriver.Effect) error {
+	rows, err := br.Query()
+	if err != nil {
+		return err
+	}
+	defer rows.Close()
+	bySeq := make(map[int]int, len(effects))
+	for i, e := range effects {
+		bySeq[e.Seq] = i
+	}
+	n := 0
+	for rows.Next() {
+		var id int64
+		var seq int
+		var nested bool
+		if err := rows.Scan(&id, &seq, &nested); err != nil {
+			return err
+		}
+		i, ok := bySeq[seq]
+		if !ok {
+			return fmt.Errorf("insert returned seq %d, which was not inserted", seq)
+		}
+		effects[i].StoreID = id
+		n++
+	}
+	if err := rows.Err(); err != nil {
+		return err
+	}
+	if n != len(effects) {
+		return fmt.Errorf("insert of %d effects returned %d rows", len(effects), n)
+	}
+	return nil
+}
+
+// tx is the pgx.Tx user code gets: depth 0 is the unit of work's transaction, which the framework
+// commits; depth n is the n-th savepoint (pgx's nested transactions), whose rollback drops the
+// effects recorded inside it.
+type tx struct {
+	u     *unit
+	depth int
+}
+
+var _ pgx.Tx = (*tx)(nil)
+
+// conn returns the connection, or ErrTxClosed once the transaction (or this savepoint) is over.
+func (t *tx) conn() (*pgx.Conn, error) {
+	t.u.mu.Lock()
+	defer t.u.mu.Unlock()
+	if t.u.done || t.depth > len(t.u.open) {
+		return nil, pgx.ErrTxClosed
+	}
+	return t.u.conn.Conn(), nil
+}
+
+func savepoint(n int) string { return "outbox_sp_" + strconv.Itoa(n) }
+
+// Begin starts a savepoint.
+func (t *tx) Begin(ctx context.Context) (pgx.Tx, error) {
+	c, err := t.conn()
+	if err != nil {
+		return nil, err
+	}
+	t.u.mu.Lock()
+	n := len(t.u.open) + 1
+	t.u.mu.Unlock()
+	if _, err := c.Exec(ctx, "SAVEPOINT "+savepoint(n)); err != nil {
+		return nil, err
+	}
+	t.u.mu.Lock()
+	defer t.u.mu.Unlock()
+	t.u.open = append(t.u.open, len(t.u.alive))
+	return &tx{u: t.u, depth: n}, nil
+}
+
+// Commit releases a savepoint. The unit of work's transaction itself is the framework's to commit:
+// Commit rolls it back and returns an error wrapping outbox.ErrTxFinishedByHandler, so that the
+// message fails rather than commit without its side effects.
+func (t *tx) Commit(ctx context.Context) error {
+	c, err := t.conn()
+	if err != nil {
+		return err
+	}
+	if t.depth == 0 {
+		_ = t.u.Rollback(ctx)
+		return fmt.Errorf("outboxpgx: Commit of the unit of work's transaction refused (rolled back): %w", outbox.ErrTxFinishedByHandler)
+	}
+	if _, err := c.Exec(ctx, "RELEASE SAVEPOINT "+savepoint(t.depth)); err != nil {
+		return err
+	}
+	t.u.mu.Lock()
+	defer t.u.mu.Unlock()
+	t.u.open = t.u.open[:t.depth-1]
+	return nil
+}
+
+// Rollback rolls a savepoint back (with the effects recorded since it began), or the unit of
+// work's transaction (the message then fails).
+func (t *tx) Rollback(ctx context.Context) error {
+	c, err := t.conn()
+	if err != nil {
+		return err
+	}
+	if t.depth == 0 {
+		return t.u.Rollback(ctx)
+	}
+	if _, err := c.Exec(ctx, "ROLLBACK TO SAVEPOINT "+savepoint(t.depth)); err != nil {
+		return err
+	}
+	t.u.mu.Lock()
+	defer t.u.mu.Unlock()
+	for i := t.u.open[t.depth-1]; i < len(t.u.alive); i++ {
+		t.u.alive[i] = false
+	}
+	t.u.open = t.u.open[:t.depth-1]
+	return nil
+}
+
+func (t *tx) CopyFrom(ctx context.Context, table pgx.Identifier, columns []string, src pgx.CopyFromSource) (int64, error) {
+	c, err := t.conn()
+	if err != nil {
+		return 0, err
+	}
+	return c.CopyFrom(ctx, table, columns, src)
+}
+
+func (t *tx) SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults {
+	c, err := t.conn()
+	if err != nil {
+		return errBatch{err}
+	}
+	return c.SendBatch(ctx, b)
+}
+
+// LargeObjects works through pgx's own transaction object of the connection.
+func (t *tx) LargeObjects() pgx.LargeObjects { return t.u.inner.LargeObjects() }
+
+func (t *tx) Prepare(ctx context.Context, name, sql string) (*pgconn.StatementDescription, error) {
+	c, err := t.conn()
+	if err != nil {
+		return nil, err
+	}
+	return c.Prepare(ctx, name, sql)
+}
+
+func (t *tx) Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
+	c, err := t.conn()
+	if err != nil {
+		return pgconn.CommandTag{}, err
+	}
+	return c.Exec(ctx, sql, args...)
+}
+
+func (t *tx) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error) {
+	c, err := t.conn()
+	if err != nil {
+		return nil, err
+	}
+	return c.Query(ctx, sql, args...)
+}
+
+func (t *tx) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
+	c, err := t.conn()
+	if err != nil {
+		return errRow{err}
+	}
+	return c.QueryRow(ctx, sql, args...)
+}
+
+// Conn returns the connection of the transaction (nil once it is over).
+func (t *tx) Conn() *pgx.Conn {
+	c, _ := t.conn()
+	return c
+}
+
+type errRow struct{ err error }
+
+func (r errRow) Scan(...any) error { return r.err }
+
+type errBatch struct{ err error }
+
+func (b errBatch) Exec() (pgconn.CommandTag, error) { return pgconn.CommandTag{}, b.err }
+func (b errBatch) Query() (pgx.Rows, error)         { return nil, b.err }
+func (b errBatch) QueryRow() pgx.Row                { return errRow(b) }
+func (b errBatch) Close() error                     { return b.err }
+func (b errBatch) Tx() pgx.Tx                       { return nil }
