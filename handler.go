@@ -244,6 +244,11 @@ func (o *Outbox) handleOnce(msg *message.Message, src Source, p HandleParams, ne
 		case errors.Is(rbErr, sql.ErrTxDone):
 			return o.finishedEarly(after, msg, src, fmt.Errorf("%w; the handler also failed: %w", ErrTxFinishedByHandler, err), fields)
 		}
+		if claim.Tentative && o.copyWon(after, src) {
+			// Optimistic mode: a copy committed while this one ran (its failure is likely the
+			// copy's doing: a unique key, a lock): the message is processed, not failed.
+			return o.lostToCopy(after, src, fields)
+		}
 		return o.handlerFailed(after, msg, src, err, fields)
 	}
 
@@ -251,6 +256,8 @@ func (o *Outbox) handleOnce(msg *message.Message, src Source, p HandleParams, ne
 	span.AddEvent("outbox.commit", trace.WithAttributes(attribute.Bool("outbox.commit.failed", err != nil)))
 	if err != nil {
 		switch {
+		case errors.Is(err, outboxdriver.ErrClaimTaken):
+			return o.lostToCopy(after, src, fields)
 		case errors.Is(err, sql.ErrTxDone) || errors.Is(err, context.DeadlineExceeded) || errors.Is(err, context.Canceled):
 			// COMMIT was never sent: the transaction had been finished already, by the handler
 			// or by database/sql when HandlerTimeout expired.
@@ -281,6 +288,22 @@ func (o *Outbox) handleOnce(msg *message.Message, src Source, p HandleParams, ne
 		setOutcome(after, OutcomeDispatchFailed)
 	}
 	return err
+}
+
+// copyWon tells whether a claim of src committed (by a copy of the message).
+func (o *Outbox) copyWon(ctx context.Context, src Source) bool {
+	bctx, cancel := context.WithTimeout(ctx, storeTimeout)
+	defer cancel()
+	done, err := o.store.MessageIsProcessed(bctx, src)
+	return err == nil && done
+}
+
+// lostToCopy handles a unit of work of the optimistic mode that a copy of the message beat to
+// its commit: it rolled back, and the message is a duplicate of the copy's.
+func (o *Outbox) lostToCopy(ctx context.Context, src Source, fields watermill.LogFields) error {
+	claim := outboxdriver.Claim{Concurrent: true}
+	o.duplicateSeen(ctx, src, claim)
+	return o.redeliver(ctx, src, claim, fields)
 }
 
 // duplicateSeen counts a duplicate delivery by the age of the claim it found, and reports one
@@ -403,6 +426,16 @@ func (o *Outbox) redeliver(ctx context.Context, src Source, claim outboxdriver.C
 			return nil
 		}
 	}
+	if hasInline(pending) {
+		// The original did not send them (it failed, or crashed): from now on they are rows,
+		// which the relay also sees, so that each is marked, retried or parked on its own.
+		if pending, err = o.materialize(ctx, src, pending); err != nil {
+			return err
+		}
+		if pending, _ = sendable(pending); len(pending) == 0 {
+			return nil
+		}
+	}
 	// A re-send after the claim's own dispatch failed or was lost: retention counts from now.
 	return o.dispatchAndMark(ctx, PathRedelivery, src, pending, time.Time{}, fields)
 }
@@ -436,6 +469,13 @@ func (o *Outbox) listPending(ctx context.Context, src Source) ([]Effect, int, er
 	if err != nil {
 		return nil, 0, fmt.Errorf("outbox: list pending side effects of %q for %q: %w", src.ID, src.Consumer, err)
 	}
+	out, parked := sendable(all)
+	return out, parked, nil
+}
+
+// sendable returns those of the pending effects all that may be sent now (parked effects, and
+// those behind them with their ordering key, left out), and how many are parked.
+func sendable(all []Effect) ([]Effect, int) {
 	blocked := map[string]bool{}
 	parked := 0
 	out := all[:0]
@@ -448,7 +488,40 @@ func (o *Outbox) listPending(ctx context.Context, src Source) ([]Effect, int, er
 			out = append(out, e)
 		}
 	}
-	return out, parked, nil
+	return out, parked
+}
+
+// hasInline tells whether some of effects are kept inline in their claim (StoreID 0).
+func hasInline(effects []Effect) bool {
+	return slices.ContainsFunc(effects, func(e Effect) bool { return e.StoreID == 0 })
+}
+
+// materialize moves the inline effects of src into effect rows (so that they can be marked one
+// by one, fail, be retried and parked like any other) and returns effects with each replaced by
+// its row.
+func (o *Outbox) materialize(ctx context.Context, src Source, effects []Effect) ([]Effect, error) {
+	is, ok := o.store.(outboxdriver.InlineStore)
+	if !ok {
+		return nil, fmt.Errorf("outbox: effects of %q for %q are inline, but the store cannot move them", src.ID, src.Consumer)
+	}
+	bctx, cancel := context.WithTimeout(ctx, storeTimeout)
+	defer cancel()
+	rows, err := is.EffectMaterialize(bctx, src)
+	if err != nil {
+		return nil, fmt.Errorf("outbox: move the inline side effects of %q for %q to the relay: %w", src.ID, src.Consumer, err)
+	}
+	byUUID := make(map[string]Effect, len(rows))
+	for _, r := range rows {
+		byUUID[r.UUID] = r
+	}
+	out := make([]Effect, 0, len(effects))
+	for _, e := range effects {
+		if r, ok := byUUID[e.UUID]; ok {
+			r.StoredAt = e.StoredAt
+			out = append(out, r)
+		}
+	}
+	return out, nil
 }
 
 // awaitDispatch polls the pending effects of src until none are left, a failed dispatch of them
@@ -492,6 +565,18 @@ func (o *Outbox) dispatchAndMark(ctx context.Context, path string, src Source, e
 		return o.handToRelay(ctx, src)
 	}
 	sent, failed, err := o.dispatch(ctx, path, effects)
+	if err != nil && hasInline(effects) {
+		// Inline effects are marked all at once; after a partial failure each is marked,
+		// counted and retried on its own, as a row.
+		rows, merr := o.materialize(ctx, src, effects)
+		if merr != nil || len(rows) != len(effects) {
+			o.failedHere.add(src)
+			o.relayNeeded(fields)
+			return fmt.Errorf("%w: %d of %d side effects of %q for %q: %w (they stay with the claim until the relay takes them over: %v)",
+				ErrDispatchFailed, len(effects)-sent, len(effects), src.ID, src.Consumer, err, merr)
+		}
+		effects = rows
+	}
 	o.marks.add(src, effects[:sent], claimed.IsZero() || time.Since(claimed) > ClaimClockSlack)
 	if err != nil {
 		if failed > 0 {

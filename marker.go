@@ -29,35 +29,53 @@ type marker struct {
 	mu      sync.Mutex
 	queue   []outboxdriver.DispatchMark
 	queued  map[int64]int // store IDs whose mark is queued or being written
+	inline  map[Source]int // sources whose inline effects' mark is queued or being written
 	running bool
 	idle    *sync.Cond // signalled when the worker exits
 }
 
 func newMarker(o *Outbox) *marker {
-	m := &marker{o: o, queued: map[int64]int{}}
+	m := &marker{o: o, queued: map[int64]int{}, inline: map[Source]int{}}
 	m.idle = sync.NewCond(&m.mu)
 	return m
 }
 
 // add queues the mark of the effects (of src) that were sent; moveClaim as in DispatchMark.
+// Inline effects (StoreID 0, see outboxdriver.InlineStore) are marked all at once, by source.
 func (m *marker) add(src Source, effects []Effect, moveClaim bool) {
 	if len(effects) == 0 {
 		return
 	}
-	ids := make([]int64, len(effects))
-	for i, e := range effects {
-		ids[i] = e.StoreID
+	ids := make([]int64, 0, len(effects))
+	inline := false
+	for _, e := range effects {
+		if e.StoreID == 0 {
+			inline = true
+		} else {
+			ids = append(ids, e.StoreID)
+		}
 	}
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	m.queue = append(m.queue, outboxdriver.DispatchMark{Source: src, StoreIDs: ids, MoveClaim: moveClaim})
+	m.queue = append(m.queue, outboxdriver.DispatchMark{Source: src, StoreIDs: ids, MoveClaim: moveClaim, Inline: inline})
 	for _, id := range ids {
 		m.queued[id]++
+	}
+	if inline {
+		m.inline[src]++
 	}
 	if !m.running {
 		m.running = true
 		go m.work()
 	}
+}
+
+// isQueued tells whether the mark of e is queued or being written; m.mu must be held.
+func (m *marker) isQueued(e Effect) bool {
+	if e.StoreID == 0 {
+		return m.inline[e.Source] > 0
+	}
+	return m.queued[e.StoreID] > 0
 }
 
 func (m *marker) work() {
@@ -80,6 +98,11 @@ func (m *marker) work() {
 			for _, id := range mk.StoreIDs {
 				if m.queued[id]--; m.queued[id] <= 0 {
 					delete(m.queued, id)
+				}
+			}
+			if mk.Inline {
+				if m.inline[mk.Source]--; m.inline[mk.Source] <= 0 {
+					delete(m.inline, mk.Source)
 				}
 			}
 		}
@@ -129,7 +152,7 @@ func (m *marker) sent(effects []Effect) bool {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	for _, e := range effects {
-		if m.queued[e.StoreID] == 0 {
+		if !m.isQueued(e) {
 			return false
 		}
 	}
@@ -143,7 +166,7 @@ func (m *marker) unsent(effects []Effect) []Effect {
 	defer m.mu.Unlock()
 	out := make([]Effect, 0, len(effects))
 	for _, e := range effects {
-		if m.queued[e.StoreID] == 0 {
+		if !m.isQueued(e) {
 			out = append(out, e)
 		}
 	}

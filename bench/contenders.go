@@ -18,6 +18,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	wmw "github.com/ThreeDotsLabs/watermill/message/router/middleware"
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/rbaliyan/event/v3/idempotency"
 	"github.com/riverqueue/river"
 	"github.com/riverqueue/river/riverdriver/riverdatabasesql"
@@ -580,6 +581,7 @@ type framework struct {
 	h        message.HandlerFunc
 	cancel   context.CancelFunc
 	done     chan struct{}
+	pool     *pgxpool.Pool // the pgx form's pool (outbox-pgx), else nil
 }
 
 type crashIDKey struct{}
@@ -596,15 +598,7 @@ func newFramework(e *env, boundary bool, prefix string) (*framework, error) {
 		Publisher:   e.pub,
 		TablePrefix: prefix,
 		RelayGrace:  2 * time.Second,
-		Failpoint: func(ctx context.Context, point string) error {
-			if point != outbox.FailpointAfterCommit {
-				return nil
-			}
-			if id, _ := ctx.Value(crashIDKey{}).(string); id != "" && c.crashes(id) {
-				return errCrash
-			}
-			return nil
-		},
+		Failpoint:   c.failpoint,
 	})
 	if err != nil {
 		return nil, err
@@ -623,7 +617,29 @@ func newFramework(e *env, boundary bool, prefix string) (*framework, error) {
 	return c, nil
 }
 
+// failpoint crashes the unit of work of the delivery armed to crash, right after its commit.
+func (c *framework) failpoint(ctx context.Context, point string) error {
+	if point != outbox.FailpointAfterCommit {
+		return nil
+	}
+	if id, _ := ctx.Value(crashIDKey{}).(string); id != "" && c.crashes(id) {
+		return errCrash
+	}
+	return nil
+}
+
+func (c *framework) close() {
+	_ = c.ob.Close()
+	c.base.close()
+	if c.pool != nil {
+		c.pool.Close()
+	}
+}
+
 func (c *framework) name() string {
+	if c.pool != nil {
+		return "outbox-pgx"
+	}
 	if c.boundary {
 		return "outbox-intx"
 	}

@@ -53,7 +53,8 @@ type config struct {
 	Contenders []string
 }
 
-var allContenders = []string{"floor", "bare", "ceiling", "naive", "watermill-stack", "river", "rbaliyan-event", "outbox-middleware", "outbox-intx"}
+var allContenders = []string{"floor", "bare", "ceiling", "naive", "watermill-stack", "river", "rbaliyan-event", "outbox-middleware", "outbox-intx",
+	"bare-pgx", "outbox-pgx"}
 
 func presets(mode string) (config, error) {
 	c := config{Mode: mode, Concs: []int{1, 4, 16}, DupRate: 0.10, DupWindow: 64, Seed: 1, Contenders: allContenders}
@@ -387,6 +388,10 @@ func newContender(e *env, name string) (contender, error) {
 		return newRiver(e)
 	case "rbaliyan-event":
 		return newEventIdem(e)
+	case "bare-pgx":
+		return newBarePgx(e)
+	case "outbox-pgx":
+		return newFrameworkPgx(e, "pgx_")
 	case "outbox-middleware":
 		return newFramework(e, false, "outbox_")
 	case "outbox-intx":

@@ -179,7 +179,16 @@ type Claim struct {
 	Concurrent bool
 	// Age is how long ago the claim found was written, when Claimed and Concurrent are false.
 	Age time.Duration
+	// Tentative is true when the claim is not written yet (the optimistic mode): it is INSERTed
+	// at commit, without ON CONFLICT, so that a copy that commits first wins and this unit of
+	// work's Commit returns an error wrapping ErrClaimTaken.
+	Tentative bool
 }
+
+// ErrClaimTaken is wrapped by UnitTx.Commit (and reported by a handler's failure) when a
+// tentative claim lost to a copy that committed first: the unit of work rolled back, and the
+// message is a duplicate.
+var ErrClaimTaken = errors.New("outbox: a copy of the message committed first")
 
 // StatsCountCap bounds the rows a Store counts for one Stats sample: larger counts are estimated.
 const StatsCountCap = 100_000
@@ -220,6 +229,8 @@ type DispatchMark struct {
 	Source Source
 	// StoreIDs are the effects that were sent.
 	StoreIDs []int64
+	// Inline: the source's inline effects (kept in its claim, see InlineStore) were all sent.
+	Inline bool
 	// MoveClaim asks the store to move the claim's dispatch time, from which retention counts, to
 	// now. The framework leaves it unset when the effects were sent within ClaimClockSlack of the
 	// claim, whose time, written with it, then stands for the dispatch; moving it would be one
@@ -337,6 +348,17 @@ type UnitTx interface {
 	Commit(ctx context.Context, effects []Effect) error
 	// Rollback rolls the transaction back; ErrTxDone if it was finished already.
 	Rollback(ctx context.Context) error
+}
+
+// InlineStore is implemented by a Store that keeps the effects of a unit of work inline in its
+// claim row until they are sent (the pgx driver): one row written per message instead of a claim
+// and an effect row. Such effects have StoreID 0. Its EffectListPending returns them (after the
+// effect rows of the source), a DispatchMark with Inline clears them, and its relay moves the ones
+// left behind into effect rows after the grace period.
+type InlineStore interface {
+	// EffectMaterialize moves the inline effects of src, if any, into effect rows that are due at
+	// once, and returns the pending effects of src as EffectListPending does (none inline).
+	EffectMaterialize(ctx context.Context, src Source) ([]Effect, error)
 }
 
 // UnitStore is implemented by a Store that runs units of work on a transaction type of its own

@@ -30,6 +30,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"sync/atomic"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -41,18 +42,46 @@ import (
 	"github.com/watermill-outbox/outbox/store"
 )
 
+// Concurrency is how a unit of work guards against a copy of its message processed at the same
+// moment (see docs/pgx.md).
+type Concurrency int
+
+const (
+	// Optimistic (the default) looks the claim up in the round trip of BEGIN, runs the handler,
+	// and INSERTs the claim, with the side effects inline in it, in the round trip of COMMIT. A
+	// copy processed at the same moment runs its handler too, then fails on the claim's unique
+	// key and rolls back whole: the business change commits once. A later copy finds the claim
+	// and never runs the handler. One row is written per message.
+	Optimistic Concurrency = iota
+	// Pessimistic INSERTs the claim in the round trip of BEGIN: a concurrent copy waits for it
+	// and never runs its handler. The side effects are rows of their own, inserted in the round
+	// trip of COMMIT. Pick it for handlers that are expensive to run twice, or when copies often
+	// arrive together.
+	Pessimistic
+)
+
+// Option changes the pgx driver's defaults (New).
+type Option func(*Driver)
+
+// WithConcurrency sets the concurrency mode (default Optimistic).
+func WithConcurrency(c Concurrency) Option { return func(d *Driver) { d.Concurrency = c } }
+
 // New returns an Outbox on pool: cfg.DB and cfg.Driver are set from it (cfg.DB becomes a
 // database/sql handle on the same pool, for the operator tools; leave both unset). Close the
 // Outbox when done with it (the pool stays open).
-func New(pool *pgxpool.Pool, cfg outbox.Config) (*outbox.Outbox, error) {
+func New(pool *pgxpool.Pool, cfg outbox.Config, opts ...Option) (*outbox.Outbox, error) {
 	if pool == nil {
 		return nil, fmt.Errorf("outboxpgx: the pool is nil")
 	}
 	if cfg.DB != nil || cfg.Driver != nil {
 		return nil, fmt.Errorf("outboxpgx: leave Config.DB and Config.Driver unset: they are set from the pool")
 	}
+	d := Driver{Pool: pool, closeDB: true}
+	for _, opt := range opts {
+		opt(&d)
+	}
 	cfg.DB = stdlib.OpenDBFromPool(pool)
-	cfg.Driver = Driver{Pool: pool, closeDB: true}
+	cfg.Driver = d
 	ob, err := outbox.New(cfg)
 	if err != nil {
 		_ = cfg.DB.Close()
@@ -63,7 +92,8 @@ func New(pool *pgxpool.Pool, cfg outbox.Config) (*outbox.Outbox, error) {
 // Driver is the pgx dialect: Config.Driver for an Outbox whose Config.DB is a database/sql handle
 // on Pool (stdlib.OpenDBFromPool; New sets both).
 type Driver struct {
-	Pool *pgxpool.Pool
+	Pool        *pgxpool.Pool
+	Concurrency Concurrency
 
 	closeDB bool // the Store's Close closes the DB (New opened it)
 }
@@ -74,6 +104,9 @@ var _ outboxdriver.Driver = Driver{}
 func (d Driver) Open(db *sql.DB, opts outboxdriver.StoreOptions) (outboxdriver.Store, error) {
 	if d.Pool == nil {
 		return nil, fmt.Errorf("outboxpgx: Driver.Pool is nil")
+	}
+	if d.Concurrency != Optimistic && d.Concurrency != Pessimistic {
+		return nil, fmt.Errorf("outboxpgx: unknown Concurrency %d", d.Concurrency)
 	}
 	schema := opts.Schema
 	if schema == "" {
@@ -90,25 +123,34 @@ func (d Driver) Open(db *sql.DB, opts outboxdriver.StoreOptions) (outboxdriver.S
 	if err != nil {
 		return nil, err
 	}
-	q := postgres.Queries(names, opts.DeleteDispatched)
-	st := &pgxStore{Store: base, pool: d.Pool, claim: q.MessageClaim, insert: q.EffectInsert, processed: q.MessageIsProcessed}
+	st := &pgxStore{Store: base, pool: d.Pool, names: names, optimistic: d.Concurrency == Optimistic,
+		deleteDispatched: opts.DeleteDispatched, q: newQueries(names, opts.DeleteDispatched)}
 	if d.closeDB {
 		st.db = db
 	}
 	return st, nil
 }
 
-// pgxStore is the postgres driver's Store whose units of work run on pgx.
+// pgxStore is the postgres driver's Store whose units of work run on pgx, with their effects
+// inline in the claim in the optimistic mode.
 type pgxStore struct {
 	outboxdriver.Store
-	db        *sql.DB // closed with the Store, when New opened it
-	pool      *pgxpool.Pool
-	claim     string
-	insert    func(n int) string
-	processed string
+	db         *sql.DB // closed with the Store, when New opened it
+	pool       *pgxpool.Pool
+	names      store.Names
+	optimistic bool
+	// deleteDispatched: sent effects are not kept (EffectRetention 0), so inline ones are cleared
+	// from their claim; otherwise they move to the dispatched table.
+	deleteDispatched bool
+	q                queries
+
+	lastSweep atomic.Int64 // UnixNano of the last sweep of inline effects left behind
 }
 
-var _ outboxdriver.UnitStore = (*pgxStore)(nil)
+var (
+	_ outboxdriver.UnitStore   = (*pgxStore)(nil)
+	_ outboxdriver.InlineStore = (*pgxStore)(nil)
+)
 
 // Close closes the prepared statements and the database/sql handle New opened.
 func (s *pgxStore) Close() error {

@@ -86,14 +86,23 @@ func openPool(t testing.TB, dsn string, maxConns int32, w *wire) *pgxpool.Pool {
 	return pool
 }
 
-// pgxForm is the outboxtest.Opener of the pgx form.
+// pgxForm is the outboxtest.Opener of the pgx form (optimistic, the default).
 func pgxForm(t testing.TB, dsn string, cfg outbox.Config) (*outbox.Outbox, error) {
 	return newOutbox(t, openPool(t, dsn, 8, nil), cfg)
 }
 
+// form returns the outboxtest.Opener of the pgx form in mode.
+func form(mode outboxpgx.Concurrency) outboxtest.Opener {
+	return func(t testing.TB, dsn string, cfg outbox.Config) (*outbox.Outbox, error) {
+		return newOutbox(t, openPool(t, dsn, 8, nil), cfg, outboxpgx.WithConcurrency(mode))
+	}
+}
+
+var modes = map[string]outboxpgx.Concurrency{"optimistic": outboxpgx.Optimistic, "pessimistic": outboxpgx.Pessimistic}
+
 // newOutbox is outboxpgx.New, the Outbox closed in t.Cleanup.
-func newOutbox(t testing.TB, pool *pgxpool.Pool, cfg outbox.Config) (*outbox.Outbox, error) {
-	ob, err := outboxpgx.New(pool, cfg)
+func newOutbox(t testing.TB, pool *pgxpool.Pool, cfg outbox.Config, opts ...outboxpgx.Option) (*outbox.Outbox, error) {
+	ob, err := outboxpgx.New(pool, cfg, opts...)
 	if err == nil {
 		t.Cleanup(func() {
 			if err := ob.Close(); err != nil {
@@ -129,9 +138,15 @@ func handler(msg *message.Message) error {
 }
 
 func TestCrashMatrix(t *testing.T) {
+	for name, mode := range modes {
+		t.Run(name, func(t *testing.T) { crashMatrix(t, form(mode)) })
+	}
+}
+
+func crashMatrix(t *testing.T, open outboxtest.Opener) {
 	outboxtest.CrashMatrix{
 		Consumer: "inventory",
-		Open:     pgxForm,
+		Open:     open,
 		Handler: func(*sql.DB) message.HandlerFunc {
 			return func(m *message.Message) ([]*message.Message, error) { return nil, handler(m) }
 		},
@@ -153,6 +168,12 @@ func consume(h func(*message.Message) error) message.HandlerFunc {
 // TestRoundTrips: a first delivery waits for as many round trips as a bare pgx transaction
 // (BEGIN, the write, COMMIT): BEGIN goes with the claim and the effects with COMMIT.
 func TestRoundTrips(t *testing.T) {
+	for name, mode := range modes {
+		t.Run(name, func(t *testing.T) { roundTrips(t, mode) })
+	}
+}
+
+func roundTrips(t *testing.T, mode outboxpgx.Concurrency) {
 	var w wire
 	dsn := outboxtest.DSN(t)
 	pool := openPool(t, dsn, 1, &w)
@@ -166,7 +187,7 @@ func TestRoundTrips(t *testing.T) {
 			atCommit.Store(w.roundTrips.Load())
 		}
 		return nil
-	}})
+	}}, outboxpgx.WithConcurrency(mode))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -209,7 +230,13 @@ func TestRoundTrips(t *testing.T) {
 }
 
 func TestDuplicateAndConcurrentCopies(t *testing.T) {
-	h := outboxtest.NewWith(t, pgxForm, outbox.Config{}, setup)
+	for name, mode := range modes {
+		t.Run(name, func(t *testing.T) { duplicates(t, form(mode)) })
+	}
+}
+
+func duplicates(t *testing.T, open outboxtest.Opener) {
+	h := outboxtest.NewWith(t, open, outbox.Config{}, setup)
 	res := h.Run("c", message.NewMessage("m1", []byte("p")), consume(handler))
 	if res.Err != nil || !res.Committed || len(res.Effects) != 1 || len(res.Sent) != 1 {
 		t.Fatalf("first delivery: %+v", res)
@@ -249,7 +276,13 @@ func TestDuplicateAndConcurrentCopies(t *testing.T) {
 // TestSavepoints: effects recorded inside a savepoint (pgx's nested transaction) that rolls back
 // are dropped with it; those of a released one stay.
 func TestSavepoints(t *testing.T) {
-	h := outboxtest.NewWith(t, pgxForm, outbox.Config{}, setup)
+	for name, mode := range modes {
+		t.Run(name, func(t *testing.T) { savepoints(t, form(mode)) })
+	}
+}
+
+func savepoints(t *testing.T, open outboxtest.Opener) {
+	h := outboxtest.NewWith(t, open, outbox.Config{}, setup)
 	pub := func(ctx context.Context, id string) error {
 		return outbox.Publish(ctx, "out", message.NewMessage(id, nil))
 	}
@@ -323,7 +356,13 @@ func TestSavepoints(t *testing.T) {
 // transaction fail the message; effects of a transaction the handler committed with SQL are kept
 // and sent on redelivery.
 func TestHandlerCannotFinishTheTransaction(t *testing.T) {
-	h := outboxtest.NewWith(t, pgxForm, outbox.Config{MaxAttempts: 100}, setup)
+	for name, mode := range modes {
+		t.Run(name, func(t *testing.T) { cannotFinish(t, mode) })
+	}
+}
+
+func cannotFinish(t *testing.T, mode outboxpgx.Concurrency) {
+	h := outboxtest.NewWith(t, form(mode), outbox.Config{MaxAttempts: 100}, setup)
 	write := func(msg *message.Message) error {
 		ctx := msg.Context()
 		if _, err := outboxpgx.Tx(ctx).Exec(ctx, `INSERT INTO applied (message_id) VALUES ($1)`, msg.UUID); err != nil {
@@ -356,12 +395,18 @@ func TestHandlerCannotFinishTheTransaction(t *testing.T) {
 		_, err := outboxpgx.Tx(msg.Context()).Exec(msg.Context(), "COMMIT")
 		return err
 	}))
-	if !errors.Is(res.Err, outbox.ErrTxFinishedByHandler) || !res.Committed || len(res.Effects) != 1 {
-		t.Fatalf("COMMIT as SQL: err %v, committed %v, effects %d", res.Err, res.Committed, len(res.Effects))
-	}
-	res = h.Run("c", message.NewMessage("sql-commit", nil), consume(write))
-	if res.Err != nil || len(res.Sent) != 1 || count(t, h.DB, "sql-commit") != 1 {
-		t.Errorf("redelivery after COMMIT as SQL: err %v, sent %d, applied %d", res.Err, len(res.Sent), count(t, h.DB, "sql-commit"))
+	if mode == outboxpgx.Pessimistic {
+		// The claim committed with the handler's writes: the effects are kept, and sent on redelivery.
+		if !errors.Is(res.Err, outbox.ErrTxFinishedByHandler) || !res.Committed || len(res.Effects) != 1 {
+			t.Fatalf("COMMIT as SQL: err %v, committed %v, effects %d", res.Err, res.Committed, len(res.Effects))
+		}
+		res = h.Run("c", message.NewMessage("sql-commit", nil), consume(write))
+		if res.Err != nil || len(res.Sent) != 1 || count(t, h.DB, "sql-commit") != 1 {
+			t.Errorf("redelivery after COMMIT as SQL: err %v, sent %d, applied %d", res.Err, len(res.Sent), count(t, h.DB, "sql-commit"))
+		}
+	} else if !errors.Is(res.Err, outbox.ErrTxFinishedByHandler) || res.Committed || len(res.Sent) != 0 {
+		// The claim is written at commit: the message fails (and the docs warn that it runs again).
+		t.Errorf("COMMIT as SQL: err %v, committed %v, sent %d", res.Err, res.Committed, len(res.Sent))
 	}
 	res = h.Run("c", message.NewMessage("failed-statement", nil), consume(func(msg *message.Message) error {
 		ctx := msg.Context()
@@ -586,4 +631,168 @@ func TestConformance(t *testing.T) {
 			return st
 		})
 	})
+}
+
+// TestInlineEffectsLeftBehind: with the effects inline in the claim (optimistic, EffectRetention
+// 0), a crash after the commit leaves them there; cleanup keeps the claim, and the relay moves
+// them to rows after RelayGrace and sends them. A failed dispatch moves them at once, records the
+// failure on the rows, and the relay sends them when the broker is back.
+func TestInlineEffectsLeftBehind(t *testing.T) {
+	dsn := outboxtest.DSN(t)
+	pool := openPool(t, dsn, 8, nil)
+	ctx := context.Background()
+	if _, err := pool.Exec(ctx, `CREATE TABLE applied (message_id text NOT NULL, note text NOT NULL DEFAULT '')`); err != nil {
+		t.Fatal(err)
+	}
+	rec := &outboxtest.Recorder{}
+	crash := errors.New("crash")
+	var armed atomic.Bool
+	ob, err := newOutbox(t, pool, outbox.Config{Publisher: rec, RelayGrace: 300 * time.Millisecond, RelayInterval: 50 * time.Millisecond,
+		RetryDelay: -1, Retention: time.Hour,
+		Failpoint: func(_ context.Context, point string) error {
+			if point == outbox.FailpointAfterCommit && armed.CompareAndSwap(true, false) {
+				return crash
+			}
+			return nil
+		}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := ob.Migrate(ctx); err != nil {
+		t.Fatal(err)
+	}
+	handle := func(id string) error {
+		return ob.Handle(message.NewMessage(id, nil), outbox.HandleParams{Consumer: "c", MessageID: id}, consume(handler))
+	}
+	pending := func() (inline, rows int) {
+		if err := pool.QueryRow(ctx, `SELECT (SELECT count(*) FROM outbox_processed WHERE effects IS NOT NULL),
+			(SELECT count(*) FROM outbox_effects)`).Scan(&inline, &rows); err != nil {
+			t.Fatal(err)
+		}
+		return inline, rows
+	}
+
+	if err := handle("sent"); err != nil {
+		t.Fatal(err)
+	}
+	ob.FlushMarks()
+	if i, r := pending(); i != 0 || r != 0 {
+		t.Fatalf("after a delivery: %d claims with inline effects, %d effect rows; want none (one row per message, cleared)", i, r)
+	}
+
+	armed.Store(true)
+	if err := handle("crashed"); !errors.Is(err, crash) {
+		t.Fatalf("crash after commit: %v", err)
+	}
+	if i, r := pending(); i != 1 || r != 0 {
+		t.Fatalf("after the crash: %d claims with inline effects, %d effect rows; want 1, 0", i, r)
+	}
+	// Cleanup, with the claim past retention, must not delete it while its effects are inline.
+	if _, err := pool.Exec(ctx, `UPDATE outbox_processed SET processed_at = processed_at - interval '2 hours',
+		dispatched_at = dispatched_at - interval '2 hours' WHERE message_id = 'crashed'`); err != nil {
+		t.Fatal(err)
+	}
+	if res, err := ob.Cleanup(ctx); err != nil || res.Claims != 0 {
+		t.Fatalf("cleanup deleted %d claims (%v); the one with inline effects must stay", res.Claims, err)
+	}
+	// The sweep looks back from where it got to: pretend it got to now long ago.
+	if _, err := pool.Exec(ctx, `UPDATE outbox_stats SET swept_to = now() - interval '3 hours'`); err != nil {
+		t.Fatal(err)
+	}
+
+	rec.Fail(errors.New("broker down"))
+	if err := handle("failed"); !errors.Is(err, outbox.ErrDispatchFailed) {
+		t.Fatalf("dispatch with the broker down: %v", err)
+	}
+	if i, r := pending(); i != 1 || r != 1 {
+		t.Fatalf("after the failed dispatch: %d claims with inline effects, %d effect rows; want 1 (crashed), 1 (failed, moved)", i, r)
+	}
+	var failures int
+	if err := pool.QueryRow(ctx, `SELECT failures FROM outbox_effects WHERE source_id = 'failed'`).Scan(&failures); err != nil || failures != 1 {
+		t.Fatalf("the failure recorded on the moved row: %d (%v)", failures, err)
+	}
+	rec.Fail(nil)
+
+	runCtx, cancel := context.WithCancel(ctx)
+	done := make(chan error, 1)
+	go func() { done <- ob.Run(runCtx) }()
+	waitCtx, wcancel := context.WithTimeout(ctx, 20*time.Second)
+	defer wcancel()
+	for {
+		sent := map[string]bool{}
+		for _, m := range rec.All() {
+			sent[m.Message.UUID] = true
+		}
+		i, r := pending()
+		if sent["out-crashed"] && sent["out-failed"] && i == 0 && r == 0 {
+			break
+		}
+		if waitCtx.Err() != nil {
+			t.Fatalf("the relay did not send what was left behind: sent %v, %d inline, %d rows", sent, i, r)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	cancel()
+	<-done
+	counts := map[string]int{}
+	for _, m := range rec.All() {
+		counts[m.Message.UUID]++
+	}
+	for id, n := range counts {
+		if n != 1 {
+			t.Errorf("%s sent %d times", id, n)
+		}
+	}
+}
+
+// TestOptimisticLoserIsADuplicate: copies of one message run their handlers at the same moment;
+// those that lose to the first commit (on the claim, or on a unique key of the business table
+// while the winner held it) are duplicates, not failures: no attempt is counted.
+func TestOptimisticLoserIsADuplicate(t *testing.T) {
+	h := outboxtest.NewWith(t, pgxForm, outbox.Config{RetryDelay: -1}, func(ctx context.Context, db *sql.DB) error {
+		_, err := db.ExecContext(ctx, `CREATE TABLE orders (id text PRIMARY KEY)`)
+		return err
+	})
+	start := make(chan struct{})
+	var ran atomic.Int32
+	unique := consume(func(msg *message.Message) error {
+		ctx := msg.Context()
+		ran.Add(1)
+		<-start
+		if _, err := outboxpgx.Tx(ctx).Exec(ctx, `INSERT INTO orders (id) VALUES ($1)`, msg.UUID); err != nil {
+			return err
+		}
+		return outbox.Publish(ctx, "out", message.NewMessage("out-"+msg.UUID, nil))
+	})
+	var wg sync.WaitGroup
+	errs := make([]error, 6)
+	for i := range errs {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			errs[i] = h.Ob.Handle(message.NewMessage("o1", nil), outbox.HandleParams{Consumer: "c", MessageID: "o1"}, unique)
+		}()
+	}
+	deadline := time.Now().Add(10 * time.Second)
+	for ran.Load() < int32(len(errs)) && time.Now().Before(deadline) {
+		time.Sleep(5 * time.Millisecond)
+	}
+	close(start)
+	wg.Wait()
+	if err := errors.Join(errs...); err != nil {
+		t.Fatal(err)
+	}
+	if ran.Load() < 2 {
+		t.Fatalf("only %d handler(s) ran: the copies did not overlap", ran.Load())
+	}
+	var orders, attempts int
+	if err := h.DB.QueryRow(`SELECT (SELECT count(*) FROM orders), (SELECT count(*) FROM outbox_attempts)`).Scan(&orders, &attempts); err != nil {
+		t.Fatal(err)
+	}
+	if orders != 1 || attempts != 0 {
+		t.Errorf("%d orders, %d failed attempts recorded; want 1 and 0", orders, attempts)
+	}
+	if n := len(h.Pub.Messages("out")); n < 1 {
+		t.Errorf("sent %d messages", n)
+	}
 }

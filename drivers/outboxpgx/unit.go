@@ -21,7 +21,8 @@ import (
 // cleanupTimeout bounds the ROLLBACK sent after a failed step, whose own context may be over.
 const cleanupTimeout = 5 * time.Second
 
-// BeginUnit acquires a connection and sends BEGIN and the claim in one round trip.
+// BeginUnit acquires a connection and sends BEGIN and the claim (pessimistic) or its look-up
+// (optimistic) in one round trip.
 func (s *pgxStore) BeginUnit(ctx context.Context, claim *outboxdriver.Source) (outboxdriver.UnitTx, outboxdriver.Claim, error) {
 	conn, err := s.pool.Acquire(ctx)
 	if err != nil {
@@ -30,14 +31,17 @@ func (s *pgxStore) BeginUnit(ctx context.Context, claim *outboxdriver.Source) (o
 	b := &pgx.Batch{}
 	b.BeginTx(pgx.TxOptions{})
 	if claim != nil {
-		b.Queue(s.claim, claim.Consumer, claim.ID)
+		q := s.q.claim
+		if s.optimistic {
+			q = s.q.lookup
+		}
+		b.Queue(q, claim.Consumer, claim.ID)
 	}
 	br := conn.SendBatch(ctx, b)
 	_, err = br.Exec()
-	var claimed bool
-	var seen *int64
+	c := outboxdriver.Claim{Claimed: true}
 	if err == nil && claim != nil {
-		err = br.QueryRow().Scan(&claimed, &seen)
+		c, err = s.readClaim(br.QueryRow())
 	}
 	if cerr := br.Close(); err == nil {
 		err = cerr
@@ -48,15 +52,35 @@ func (s *pgxStore) BeginUnit(ctx context.Context, claim *outboxdriver.Source) (o
 	}
 	u := &unit{s: s, conn: conn, inner: br.Tx()}
 	u.tx = &tx{u: u}
-	c := outboxdriver.Claim{Claimed: true}
 	if claim != nil {
-		u.src, u.claimed = *claim, true
-		c = outboxdriver.Claim{Claimed: claimed, Concurrent: !claimed && seen == nil}
-		if seen != nil {
-			c.Age = time.Duration(*seen) * time.Millisecond
-		}
+		u.src = *claim
+		u.claimed = c.Claimed && !c.Tentative
+		u.tentative = c.Tentative
 	}
 	return u, c, nil
+}
+
+// readClaim reads the outcome of the claim (pessimistic) or of its look-up (optimistic).
+func (s *pgxStore) readClaim(row pgx.Row) (outboxdriver.Claim, error) {
+	var ms *int64
+	if s.optimistic {
+		switch err := row.Scan(&ms); {
+		case errors.Is(err, pgx.ErrNoRows):
+			return outboxdriver.Claim{Claimed: true, Tentative: true}, nil
+		case err != nil:
+			return outboxdriver.Claim{}, err
+		}
+		return outboxdriver.Claim{Age: time.Duration(*ms) * time.Millisecond}, nil
+	}
+	var claimed bool
+	if err := row.Scan(&claimed, &ms); err != nil {
+		return outboxdriver.Claim{}, err
+	}
+	c := outboxdriver.Claim{Claimed: claimed, Concurrent: !claimed && ms == nil}
+	if ms != nil {
+		c.Age = time.Duration(*ms) * time.Millisecond
+	}
+	return c, nil
 }
 
 // JoinUnit wraps a pgx.Tx the caller owns.
@@ -90,13 +114,14 @@ func wrap(err error) error {
 // unit is the transaction of one unit of work on a connection of the pool, or (joined) a pgx.Tx
 // the caller owns.
 type unit struct {
-	s       *pgxStore
-	conn    *pgxpool.Conn // nil when joined
-	joined  pgx.Tx
-	inner   pgx.Tx // pgx's own transaction object of conn, for LargeObjects only
-	tx      *tx    // what user code gets, when not joined
-	src     outboxdriver.Source
-	claimed bool // the transaction holds a claim of src
+	s         *pgxStore
+	conn      *pgxpool.Conn // nil when joined
+	joined    pgx.Tx
+	inner     pgx.Tx // pgx's own transaction object of conn, for LargeObjects only
+	tx        *tx    // what user code gets, when not joined
+	src       outboxdriver.Source
+	claimed   bool // the transaction holds a claim of src
+	tentative bool // the claim of src is INSERTed at commit (optimistic)
 
 	mu    sync.Mutex
 	alive []bool // per recorded effect: false once a savepoint it was recorded in rolled back
@@ -115,7 +140,7 @@ func (u *unit) Tx() any {
 // caller commits.
 func (u *unit) Record(ctx context.Context, effects []outboxdriver.Effect) error {
 	if u.joined != nil {
-		return insert(ctx, u.joined, u.s.insert, effects)
+		return insert(ctx, u.joined, u.s.q.insert, effects)
 	}
 	u.mu.Lock()
 	defer u.mu.Unlock()
@@ -159,14 +184,29 @@ func (u *unit) Commit(ctx context.Context, effects []outboxdriver.Effect) error 
 		return u.finishedBySQL(ctx, effects)
 	}
 	b := &pgx.Batch{}
-	if len(effects) > 0 {
-		b.Queue(u.s.insert(len(effects)), store.EffectInsertArgs(effects[0].Source, effects)...)
+	rows := effects
+	if u.tentative {
+		// The claim, with the effects inline when none has an ordering key of its own (those
+		// wait in rows behind the earlier effects of their key).
+		var inline []byte
+		if len(effects) > 0 && ownKeys(effects) {
+			inline, rows = store.EncodeEffects(effects), nil
+		}
+		b.Queue(u.s.q.claimInline, u.src.Consumer, u.src.ID, inline)
+	}
+	if len(rows) > 0 {
+		b.Queue(u.s.q.insert(len(rows)), store.EffectInsertArgs(rows[0].Source, rows)...)
 	}
 	b.Queue("COMMIT")
 	br := c.SendBatch(ctx, b)
 	var err error
-	if len(effects) > 0 {
-		err = scanIDs(br, effects)
+	if u.tentative {
+		if _, err = br.Exec(); err != nil && u.s.isClaimConflict(err) {
+			err = fmt.Errorf("%w: %w", outboxdriver.ErrClaimTaken, err)
+		}
+	}
+	if err == nil && len(rows) > 0 {
+		err = scanIDs(br, rows)
 	}
 	if err == nil {
 		var tag pgconn.CommandTag
@@ -186,8 +226,10 @@ func (u *unit) Commit(ctx context.Context, effects []outboxdriver.Effect) error 
 }
 
 // finishedBySQL handles a transaction that user code finished with SQL of its own. If the claim
-// committed, the effects are stored now (in a statement of their own: a crash right before it
-// loses them), so that a redelivery sends them; either way the unit of work reports ErrTxDone.
+// committed (pessimistic mode), the effects are stored now (in a statement of their own: a crash
+// right before it loses them), so that a redelivery sends them; either way the unit of work
+// reports ErrTxDone. In the optimistic mode the claim was not written yet: the message fails and
+// runs again, which applies what the handler committed twice. Never end the transaction with SQL.
 func (u *unit) finishedBySQL(ctx context.Context, effects []outboxdriver.Effect) error {
 	defer u.conn.Release()
 	err := fmt.Errorf("the transaction was ended by SQL sent through it (COMMIT or ROLLBACK): %w", outboxdriver.ErrTxDone)
@@ -195,13 +237,13 @@ func (u *unit) finishedBySQL(ctx context.Context, effects []outboxdriver.Effect)
 		return err
 	}
 	var one int
-	switch qerr := u.conn.QueryRow(ctx, u.s.processed, u.src.Consumer, u.src.ID).Scan(&one); {
+	switch qerr := u.conn.QueryRow(ctx, u.s.q.processed, u.src.Consumer, u.src.ID).Scan(&one); {
 	case errors.Is(qerr, pgx.ErrNoRows):
 		return err
 	case qerr != nil:
 		return fmt.Errorf("%w (and checking whether the claim committed failed: %w)", err, qerr)
 	}
-	if ierr := insert(ctx, u.conn, u.s.insert, effects); ierr != nil {
+	if ierr := insert(ctx, u.conn, u.s.q.insert, effects); ierr != nil {
 		return fmt.Errorf("%w; storing its side effects after it failed: %w", err, ierr)
 	}
 	return err
@@ -220,6 +262,22 @@ func (u *unit) Rollback(context.Context) error {
 	u.mu.Unlock()
 	abort(u.conn)
 	return nil
+}
+
+// ownKeys tells whether every effect has the default ordering key of its source.
+func ownKeys(effects []outboxdriver.Effect) bool {
+	for _, e := range effects {
+		if e.OrderingKey != e.Source.Consumer+"/"+e.Source.ID {
+			return false
+		}
+	}
+	return true
+}
+
+// isClaimConflict tells a unique violation of the claims' primary key: a copy committed first.
+func (s *pgxStore) isClaimConflict(err error) bool {
+	var pe *pgconn.PgError
+	return errors.As(err, &pe) && pe.Code == "23505" && pe.SchemaName == s.names.Schema && pe.TableName == s.names.Prefix+"processed"
 }
 
 // errCommitRolledBack is a COMMIT that PostgreSQL answered with ROLLBACK: the transaction had

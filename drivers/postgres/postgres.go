@@ -296,7 +296,7 @@ func queries(n store.Names, deleteDispatched bool) store.Queries {
 		CleanupBegin: `SET LOCAL synchronous_commit = off`,
 		CleanupClaims: `DELETE FROM ` + n.Processed + ` WHERE (consumer, message_id) IN (
 			SELECT consumer, message_id FROM ` + n.Processed + ` p
-			WHERE processed_at < now() - ` + ms("$1") + ` AND dispatched_at < now() - ` + ms("$1") + `
+			WHERE processed_at < now() - ` + ms("$1") + ` AND dispatched_at < now() - ` + ms("$1") + ` AND p.effects IS NULL
 			  AND NOT EXISTS (SELECT 1 FROM ` + n.Effects + ` e
 				WHERE e.source_consumer = p.consumer AND e.source_id = p.message_id AND e.dispatched_at IS NULL)
 			LIMIT $2)`,
@@ -325,7 +325,7 @@ func queries(n store.Names, deleteDispatched bool) store.Queries {
 				ELSE (SELECT count(*) FROM (SELECT 1 FROM ` + n.Processed + ` LIMIT $1) r) END AS n,
 				est.processed >= $1 AS estimated FROM est),
 			expired AS (SELECT p.dispatched_at FROM ` + n.Processed + ` p
-				WHERE p.processed_at < now() - ` + ms("$2") + ` AND p.dispatched_at < now() - ` + ms("$2") + `
+				WHERE p.processed_at < now() - ` + ms("$2") + ` AND p.dispatched_at < now() - ` + ms("$2") + ` AND p.effects IS NULL
 				  AND NOT EXISTS (SELECT 1 FROM ` + n.Effects + ` e
 					WHERE e.source_consumer = p.consumer AND e.source_id = p.message_id AND e.dispatched_at IS NULL)
 				LIMIT 1000),
