@@ -28,7 +28,7 @@ type marker struct {
 	o       *Outbox
 	mu      sync.Mutex
 	queue   []outboxdriver.DispatchMark
-	queued  map[int64]int // store IDs whose mark is queued or being written
+	queued  map[int64]int  // store IDs whose mark is queued or being written
 	inline  map[Source]int // sources whose inline effects' mark is queued or being written
 	running bool
 	idle    *sync.Cond // signalled when the worker exits
