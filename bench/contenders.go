@@ -582,6 +582,8 @@ type framework struct {
 	cancel   context.CancelFunc
 	done     chan struct{}
 	pool     *pgxpool.Pool // the pgx form's pool (outbox-pgx), else nil
+	// pessimistic: the pgx form in its claim-first mode
+	pessimistic bool
 }
 
 type crashIDKey struct{}
@@ -637,6 +639,9 @@ func (c *framework) close() {
 }
 
 func (c *framework) name() string {
+	if c.pool != nil && c.pessimistic {
+		return "outbox-pgx-pessimistic"
+	}
 	if c.pool != nil {
 		return "outbox-pgx"
 	}

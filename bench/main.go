@@ -30,6 +30,8 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/watermill-outbox/outbox/drivers/outboxpgx"
+
 	_ "github.com/lib/pq"
 )
 
@@ -54,7 +56,7 @@ type config struct {
 }
 
 var allContenders = []string{"floor", "bare", "ceiling", "naive", "watermill-stack", "river", "rbaliyan-event", "outbox-middleware", "outbox-intx",
-	"bare-pgx", "outbox-pgx"}
+	"bare-pgx", "outbox-pgx", "outbox-pgx-pessimistic"}
 
 func presets(mode string) (config, error) {
 	c := config{Mode: mode, Concs: []int{1, 4, 16}, DupRate: 0.10, DupWindow: 64, Seed: 1, Contenders: allContenders}
@@ -391,7 +393,9 @@ func newContender(e *env, name string) (contender, error) {
 	case "bare-pgx":
 		return newBarePgx(e)
 	case "outbox-pgx":
-		return newFrameworkPgx(e, "pgx_")
+		return newFrameworkPgx(e, "pgx_", outboxpgx.Optimistic)
+	case "outbox-pgx-pessimistic":
+		return newFrameworkPgx(e, "pgxp_", outboxpgx.Pessimistic)
 	case "outbox-middleware":
 		return newFramework(e, false, "outbox_")
 	case "outbox-intx":

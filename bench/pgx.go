@@ -78,19 +78,19 @@ func (c *barePgx) handle(ctx context.Context, d delivery) (bool, error) {
 
 // newFrameworkPgx is the framework's consumer path on pgx (outboxpgx.New, middleware.New, the
 // handler writing through outboxpgx.Tx).
-func newFrameworkPgx(e *env, prefix string) (*framework, error) {
+func newFrameworkPgx(e *env, prefix string, mode outboxpgx.Concurrency) (*framework, error) {
 	b, pool, err := newPgxBase(e)
 	if err != nil {
 		return nil, err
 	}
 	_ = b.db.Close() // outboxpgx.New opens its own view of the pool
-	c := &framework{base: b, prefix: prefix, pool: pool}
+	c := &framework{base: b, prefix: prefix, pool: pool, pessimistic: mode == outboxpgx.Pessimistic}
 	c.ob, err = outboxpgx.New(pool, outbox.Config{
 		Publisher:   e.pub,
 		TablePrefix: prefix,
 		RelayGrace:  2 * time.Second,
 		Failpoint:   c.failpoint,
-	})
+	}, outboxpgx.WithConcurrency(mode))
 	if err != nil {
 		pool.Close()
 		return nil, err

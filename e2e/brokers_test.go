@@ -23,10 +23,12 @@ import (
 	"github.com/ThreeDotsLabs/watermill-redisstream/pkg/redisstream"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5/pgxpool"
 	_ "github.com/lib/pq"
 	"github.com/redis/go-redis/v9"
 
 	"github.com/watermill-outbox/outbox"
+	"github.com/watermill-outbox/outbox/drivers/outboxpgx"
 	"github.com/watermill-outbox/outbox/drivers/postgres"
 	"github.com/watermill-outbox/outbox/internal/brokertest"
 	"github.com/watermill-outbox/outbox/internal/pgtest"
@@ -138,12 +140,42 @@ func runConsumer() int {
 	}
 	defer closePub()
 	logger := watermill.NewStdLogger(false, false)
-	ob, err := outbox.New(outbox.Config{DB: db, Driver: postgres.Driver{}, Publisher: pub, Logger: logger,
+	cfg := outbox.Config{Publisher: pub, Logger: logger,
 		RelayInterval: 200 * time.Millisecond, RelayGrace: 2 * time.Second, PublishTimeout: 5 * time.Second,
-		RetryDelay: 50 * time.Millisecond, RetryDelayMax: time.Second})
+		RetryDelay: 50 * time.Millisecond, RetryDelayMax: time.Second}
+	// One Router per form, on the same tables and the same consumer group: copies of one order
+	// meet across forms and modes.
+	var ob *outbox.Outbox
+	form := forms[instance]
+	var write func(ctx context.Context, query string, args ...any) error
+	switch form {
+	case formSQL:
+		cfg.DB, cfg.Driver = db, postgres.Driver{}
+		ob, err = outbox.New(cfg)
+		write = func(ctx context.Context, query string, args ...any) error {
+			_, err := outbox.Tx(ctx).ExecContext(ctx, query, args...)
+			return err
+		}
+	default:
+		pool, perr := pgxpool.New(ctx, os.Getenv("OUTBOX_E2E_DSN"))
+		if perr != nil {
+			return fail(perr)
+		}
+		defer pool.Close()
+		mode := outboxpgx.Optimistic
+		if form == formPgxPessimistic {
+			mode = outboxpgx.Pessimistic
+		}
+		ob, err = outboxpgx.New(pool, cfg, outboxpgx.WithConcurrency(mode))
+		write = func(ctx context.Context, query string, args ...any) error {
+			_, err := outboxpgx.Tx(ctx).Exec(ctx, query, args...)
+			return err
+		}
+	}
 	if err != nil {
 		return fail(err)
 	}
+	defer ob.Close()
 	runDone := make(chan struct{})
 	runCtx, stopRun := context.WithCancel(context.Background())
 	go func() { defer close(runDone); _ = ob.Run(runCtx) }()
@@ -159,7 +191,7 @@ func runConsumer() int {
 	}
 	r.AddConsumerHandler(consumer, ordersTopic, sub, func(msg *message.Message) error {
 		ctx := msg.Context()
-		if _, err := outbox.Tx(ctx).ExecContext(ctx, `INSERT INTO reserved (order_id, instance) VALUES ($1, $2)`, msg.UUID, instance); err != nil {
+		if err := write(ctx, `INSERT INTO reserved (order_id, instance) VALUES ($1, $2)`, msg.UUID, instance); err != nil {
 			return err
 		}
 		return outbox.Publish(ctx, stockTopic, message.NewMessage(uuid.NewString(), []byte(msg.UUID)))
@@ -172,6 +204,16 @@ func runConsumer() int {
 	}
 	return 0
 }
+
+// The forms of the framework the three consumer processes run: c1, the one the test kills with
+// SIGKILL, runs the pgx form whose effects are inline in the claim.
+const (
+	formSQL            = "database/sql"
+	formPgx            = "pgx (optimistic)"
+	formPgxPessimistic = "pgx (pessimistic)"
+)
+
+var forms = map[string]string{"c0": formSQL, "c1": formPgx, "c2": formPgxPessimistic}
 
 // consumerProcess is one consumer process started by the test.
 type consumerProcess struct {
@@ -396,8 +438,13 @@ func testBroker(t *testing.T, kind string) {
 		perInstance[inst] = n
 	}
 	rows.Close()
-	t.Logf("%s: %d orders (+%d duplicates) through 3 consumer processes in %s; applied per instance %v; %d copies of effects on the wire (same UUIDs)",
-		kind, orders, len(sends)-orders, time.Since(start).Round(time.Millisecond), perInstance, copies)
+	for inst, form := range forms {
+		if perInstance[inst] == 0 {
+			t.Errorf("consumer %s (%s) applied no order: its form was not exercised", inst, form)
+		}
+	}
+	t.Logf("%s: %d orders (+%d duplicates) through 3 consumer processes (%v) in %s; applied per instance %v; %d copies of effects on the wire (same UUIDs)",
+		kind, orders, len(sends)-orders, forms, time.Since(start).Round(time.Millisecond), perInstance, copies)
 }
 
 // arrivals records, per order, the UUIDs of the stock messages that arrived.
