@@ -322,6 +322,10 @@ func savepoints(t *testing.T, open outboxtest.Opener) {
 		if err != nil {
 			return err
 		}
+		// The handle of the savepoint that ended must not act on the new one at its depth.
+		if err := sp.Commit(ctx); !errors.Is(err, pgx.ErrTxClosed) {
+			return fmt.Errorf("commit through the handle of a savepoint rolled back: %v, want ErrTxClosed", err)
+		}
 		if err := pub(ctx, "d"); err != nil {
 			return err
 		}

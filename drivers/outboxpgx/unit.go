@@ -123,10 +123,11 @@ type unit struct {
 	claimed   bool // the transaction holds a claim of src
 	tentative bool // the claim of src is INSERTed at commit (optimistic)
 
-	mu    sync.Mutex
-	alive []bool // per recorded effect: false once a savepoint it was recorded in rolled back
-	open  []int  // the open savepoints: how many effects were recorded when each began
-	done  bool   // committed, rolled back, or refused
+	mu     sync.Mutex
+	alive  []bool      // per recorded effect: false once a savepoint it was recorded in rolled back
+	open   []savepoint // the open savepoints, outermost first
+	lastSP int         // the ID of the last savepoint begun
+	done   bool        // committed, rolled back, or refused
 }
 
 func (u *unit) Tx() any {
@@ -341,12 +342,18 @@ func scanIDs(br pgx.BatchResults, effects []outboxdriver.Effect) error {
 	return nil
 }
 
+// savepoint is an open savepoint: its ID (unique in the unit of work, so that the handle of a
+// savepoint that ended cannot act on a later one at the same depth) and how many effects were
+// recorded when it began.
+type savepoint struct{ id, recorded int }
+
 // tx is the pgx.Tx user code gets: depth 0 is the unit of work's transaction, which the framework
-// commits; depth n is the n-th savepoint (pgx's nested transactions), whose rollback drops the
-// effects recorded inside it.
+// commits; depth n is the n-th open savepoint (pgx's nested transactions), whose rollback drops
+// the effects recorded inside it.
 type tx struct {
 	u     *unit
 	depth int
+	id    int // the savepoint's ID; 0 at depth 0
 }
 
 var _ pgx.Tx = (*tx)(nil)
@@ -355,13 +362,13 @@ var _ pgx.Tx = (*tx)(nil)
 func (t *tx) conn() (*pgx.Conn, error) {
 	t.u.mu.Lock()
 	defer t.u.mu.Unlock()
-	if t.u.done || t.depth > len(t.u.open) {
+	if t.u.done || t.depth > len(t.u.open) || (t.depth > 0 && t.u.open[t.depth-1].id != t.id) {
 		return nil, pgx.ErrTxClosed
 	}
 	return t.u.conn.Conn(), nil
 }
 
-func savepoint(n int) string { return "outbox_sp_" + strconv.Itoa(n) }
+func savepointName(n int) string { return "outbox_sp_" + strconv.Itoa(n) }
 
 // Begin starts a savepoint.
 func (t *tx) Begin(ctx context.Context) (pgx.Tx, error) {
@@ -372,13 +379,14 @@ func (t *tx) Begin(ctx context.Context) (pgx.Tx, error) {
 	t.u.mu.Lock()
 	n := len(t.u.open) + 1
 	t.u.mu.Unlock()
-	if _, err := c.Exec(ctx, "SAVEPOINT "+savepoint(n)); err != nil {
+	if _, err := c.Exec(ctx, "SAVEPOINT "+savepointName(n)); err != nil {
 		return nil, err
 	}
 	t.u.mu.Lock()
 	defer t.u.mu.Unlock()
-	t.u.open = append(t.u.open, len(t.u.alive))
-	return &tx{u: t.u, depth: n}, nil
+	t.u.lastSP++
+	t.u.open = append(t.u.open, savepoint{id: t.u.lastSP, recorded: len(t.u.alive)})
+	return &tx{u: t.u, depth: n, id: t.u.lastSP}, nil
 }
 
 // Commit releases a savepoint. The unit of work's transaction itself is the framework's to commit:
@@ -393,7 +401,7 @@ func (t *tx) Commit(ctx context.Context) error {
 		_ = t.u.Rollback(ctx)
 		return fmt.Errorf("outboxpgx: Commit of the unit of work's transaction refused (rolled back): %w", outbox.ErrTxFinishedByHandler)
 	}
-	if _, err := c.Exec(ctx, "RELEASE SAVEPOINT "+savepoint(t.depth)); err != nil {
+	if _, err := c.Exec(ctx, "RELEASE SAVEPOINT "+savepointName(t.depth)); err != nil {
 		return err
 	}
 	t.u.mu.Lock()
@@ -412,12 +420,12 @@ func (t *tx) Rollback(ctx context.Context) error {
 	if t.depth == 0 {
 		return t.u.Rollback(ctx)
 	}
-	if _, err := c.Exec(ctx, "ROLLBACK TO SAVEPOINT "+savepoint(t.depth)); err != nil {
+	if _, err := c.Exec(ctx, "ROLLBACK TO SAVEPOINT "+savepointName(t.depth)); err != nil {
 		return err
 	}
 	t.u.mu.Lock()
 	defer t.u.mu.Unlock()
-	for i := t.u.open[t.depth-1]; i < len(t.u.alive); i++ {
+	for i := t.u.open[t.depth-1].recorded; i < len(t.u.alive); i++ {
 		t.u.alive[i] = false
 	}
 	t.u.open = t.u.open[:t.depth-1]
@@ -440,7 +448,8 @@ func (t *tx) SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults {
 	return c.SendBatch(ctx, b)
 }
 
-// LargeObjects works through pgx's own transaction object of the connection.
+// LargeObjects works through pgx's own transaction object of the connection; use it only while
+// the unit of work runs.
 func (t *tx) LargeObjects() pgx.LargeObjects { return t.u.inner.LargeObjects() }
 
 func (t *tx) Prepare(ctx context.Context, name, sql string) (*pgconn.StatementDescription, error) {
