@@ -165,14 +165,22 @@ func (s *pgxStore) EffectClaimDue(ctx context.Context, p outboxdriver.EffectClai
 	return s.Store.EffectClaimDue(ctx, p)
 }
 
+// sweepTimeout bounds one sweep: it locks nothing it has to wait for (claims locked by others are
+// left for the next one), but the pool and the database may be slow.
+var sweepTimeout = 30 * time.Second
+
 // sweep moves the inline effects of claims written between the last sweep (less the horizon
-// within which a claim may become visible late) and now - grace into rows.
+// within which a claim may become visible late) and now - grace into rows. Claims locked by
+// another transaction (a mark clearing them, an operator) are skipped, and then the watermark
+// stays where it was, so that the next sweep looks at them again.
 func (s *pgxStore) sweep(ctx context.Context, grace time.Duration) error {
 	every := max(grace/4, 100*time.Millisecond)
 	last := s.lastSweep.Load()
 	if time.Since(time.Unix(0, last)) < every || !s.lastSweep.CompareAndSwap(last, time.Now().UnixNano()) {
 		return nil
 	}
+	ctx, cancel := context.WithTimeout(ctx, sweepTimeout)
+	defer cancel()
 	ms := grace.Milliseconds()
 	for {
 		moved := 0
@@ -180,14 +188,21 @@ func (s *pgxStore) sweep(ctx context.Context, grace time.Duration) error {
 			return tx.Query(ctx, s.q.sweep, ms, sweepBatch)
 		}, func(tx pgx.Tx, n int) error {
 			moved = n
-			if n == sweepBatch {
-				return nil // more to move: the watermark stays
+			var left bool
+			if err := tx.QueryRow(ctx, s.q.sweepLeft, ms).Scan(&left); err != nil || left {
+				return err // more to move, or some skipped: the watermark stays
 			}
 			_, err := tx.Exec(ctx, s.q.sweptTo, ms)
 			return err
 		})
-		if err != nil || moved < sweepBatch || ctx.Err() != nil {
+		if err != nil {
+			if ctx.Err() != nil {
+				return fmt.Errorf("sweep of the claims with inline effects left behind (at most %s): %w", sweepTimeout, err)
+			}
 			return err
+		}
+		if moved < sweepBatch {
+			return nil
 		}
 	}
 }

@@ -466,8 +466,21 @@ func TestNoConnectionLeak(t *testing.T) {
 			return err
 		},
 	}
+	msgCtx, cancelMsg := context.WithCancel(ctx)
+	handlers["cancelled"] = func(msg *message.Message) error {
+		if err := handler(msg); err != nil {
+			return err
+		}
+		cancelMsg() // the Router shuts down, or the ack deadline passed, mid-handler
+		_, err := outboxpgx.Tx(msg.Context()).Exec(msg.Context(), `SELECT 1`)
+		return err
+	}
 	for name, h := range handlers {
-		err := ob.Handle(message.NewMessage(name, nil), outbox.HandleParams{Consumer: "c", MessageID: name}, consume(h))
+		msg := message.NewMessage(name, nil)
+		if name == "cancelled" {
+			msg.SetContext(msgCtx)
+		}
+		err := ob.Handle(msg, outbox.HandleParams{Consumer: "c", MessageID: name}, consume(h))
 		if (err == nil) != (name == "ok") {
 			t.Errorf("%s: %v", name, err)
 		}
@@ -799,4 +812,80 @@ func TestOptimisticLoserIsADuplicate(t *testing.T) {
 	if n := len(h.Pub.Messages("out")); n < 1 {
 		t.Errorf("sent %d messages", n)
 	}
+}
+
+// TestSweepSkipsLockedClaims: a claim with inline effects left behind that another transaction
+// holds locked neither blocks the relay nor is skipped for good: the others are moved and sent,
+// and it is moved once the lock is gone (the sweep's watermark waits for it).
+func TestSweepSkipsLockedClaims(t *testing.T) {
+	dsn := outboxtest.DSN(t)
+	pool := openPool(t, dsn, 8, nil)
+	ctx := context.Background()
+	if _, err := pool.Exec(ctx, `CREATE TABLE applied (message_id text NOT NULL, note text NOT NULL DEFAULT '')`); err != nil {
+		t.Fatal(err)
+	}
+	rec := &outboxtest.Recorder{}
+	ob, err := newOutbox(t, pool, outbox.Config{Publisher: rec, RelayGrace: 200 * time.Millisecond, RelayInterval: 50 * time.Millisecond,
+		Failpoint: func(_ context.Context, point string) error {
+			if point == outbox.FailpointAfterCommit {
+				return errors.New("crash")
+			}
+			return nil
+		}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := ob.Migrate(ctx); err != nil {
+		t.Fatal(err)
+	}
+	for _, id := range []string{"locked", "free"} {
+		if err := ob.Handle(message.NewMessage(id, nil), outbox.HandleParams{Consumer: "c", MessageID: id}, consume(handler)); err == nil {
+			t.Fatal("no crash")
+		}
+	}
+	if _, err := pool.Exec(ctx, `UPDATE outbox_processed SET processed_at = processed_at - interval '2 hours';
+		UPDATE outbox_stats SET swept_to = now() - interval '3 hours'`); err != nil {
+		t.Fatal(err)
+	}
+	lock, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = lock.Rollback(ctx) }()
+	if _, err := lock.Exec(ctx, `SELECT 1 FROM outbox_processed WHERE message_id = 'locked' FOR UPDATE`); err != nil {
+		t.Fatal(err)
+	}
+	runCtx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	done := make(chan error, 1)
+	go func() { done <- ob.Run(runCtx) }()
+	sent := func(id string) bool {
+		for _, m := range rec.All() {
+			if m.Message.UUID == id {
+				return true
+			}
+		}
+		return false
+	}
+	waitFor := func(what string, cond func() bool) {
+		t.Helper()
+		deadline := time.Now().Add(15 * time.Second)
+		for !cond() {
+			if time.Now().After(deadline) {
+				t.Fatalf("waited 15 s for %s", what)
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+	}
+	waitFor("the free claim's effect", func() bool { return sent("out-free") })
+	time.Sleep(500 * time.Millisecond) // a few more sweeps while the lock is held
+	if sent("out-locked") {
+		t.Fatal("the locked claim's effect was sent while the claim was locked")
+	}
+	if err := lock.Rollback(ctx); err != nil {
+		t.Fatal(err)
+	}
+	waitFor("the locked claim's effect after the lock went", func() bool { return sent("out-locked") })
+	cancel()
+	<-done
 }

@@ -18,6 +18,7 @@ type queries struct {
 	markInline  string // (consumers, ids): clear the inline effects, sent
 	lockInline  string // (consumer, id) -> consumer, id, effects, age in ms: locked
 	sweep       string // (grace ms, limit) -> consumer, id, effects, age in ms: locked, skipping locked ones
+	sweepLeft   string // (grace ms) -> whether claims in the sweep's range still hold inline effects
 	sweptTo     string // (grace ms): the sweep got to now - grace
 	materialize string // arrays of the effect columns, and the age in ms of each
 	clearInline string // (consumers, ids)
@@ -31,6 +32,9 @@ type queries struct {
 const sweepHorizon = "interval '1 minute'"
 
 func newQueries(n store.Names, deleteDispatched bool) queries {
+	// The sweep's range: from where it got to, less the horizon, to now - grace ($1 ms).
+	sweepBounds := `WITH b AS (SELECT least(coalesce(s.swept_to, '-infinity'), now() - $1 * interval '1 millisecond') - ` + sweepHorizon + ` AS lo,
+			now() - $1 * interval '1 millisecond' AS hi FROM ` + n.Stats + ` s WHERE s.id = 1)`
 	pq := postgres.Queries(n, deleteDispatched)
 	age := `(extract(epoch FROM now() - p.processed_at) * 1000)::bigint`
 	return queries{
@@ -50,11 +54,13 @@ func newQueries(n store.Names, deleteDispatched bool) queries {
 			  AND set_config('synchronous_commit', 'off', true) IS NOT NULL`,
 		lockInline: `SELECT p.consumer, p.message_id, p.effects, ` + age + ` FROM ` + n.Processed + ` p
 			WHERE p.consumer = $1 AND p.message_id = $2 AND p.effects IS NOT NULL FOR UPDATE`,
-		sweep: `WITH b AS (SELECT least(coalesce(s.swept_to, '-infinity'), now() - $1 * interval '1 millisecond') - ` + sweepHorizon + ` AS lo,
-				now() - $1 * interval '1 millisecond' AS hi FROM ` + n.Stats + ` s WHERE s.id = 1)
+		sweep: sweepBounds + `
 			SELECT p.consumer, p.message_id, p.effects, ` + age + ` FROM ` + n.Processed + ` p, b
 			WHERE p.processed_at >= b.lo AND p.processed_at < b.hi AND p.effects IS NOT NULL
-			ORDER BY p.processed_at LIMIT $2 FOR UPDATE OF p`,
+			ORDER BY p.processed_at LIMIT $2 FOR UPDATE OF p SKIP LOCKED`,
+		sweepLeft: sweepBounds + `
+			SELECT EXISTS (SELECT 1 FROM ` + n.Processed + ` p, b
+				WHERE p.processed_at >= b.lo AND p.processed_at < b.hi AND p.effects IS NOT NULL)`,
 		sweptTo: `UPDATE ` + n.Stats + ` SET swept_to = greatest(coalesce(swept_to, '-infinity'), now() - $1 * interval '1 millisecond') WHERE id = 1`,
 		// Moved effects are due as they would have been as rows: created when their claim was.
 		materialize: `INSERT INTO ` + n.Effects + ` (source_consumer, source_id, seq, kind, topic, uuid, payload, metadata, ordering_key, created_at)
