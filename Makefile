@@ -76,7 +76,7 @@ example:
 bench-quick: # reduced sizes, under 2 minutes
 	cd bench && $(GO) run . -mode quick
 
-bench-full: # the issue's sizes (10M retained IDs, 1M expired rows)
+bench-full: # the full sizes (10M retained IDs, 1M expired rows)
 	cd bench && $(GO) run . -mode full
 
 # The relay drain: a 30,000-effect backlog drained by one and three relays, beside Watermill's

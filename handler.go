@@ -429,7 +429,8 @@ func (o *Outbox) redeliver(ctx context.Context, src Source, claim outboxdriver.C
 	if hasInline(pending) {
 		// The original did not send them (it failed, or crashed): from now on they are rows,
 		// which the relay also sees, so that each is marked, retried or parked on its own.
-		if pending, err = o.materialize(ctx, src, pending); err != nil {
+		// Leased as a relay round would lease them: the relays leave them to this dispatch.
+		if pending, err = o.materialize(ctx, src, pending, o.relayLease()); err != nil {
 			return err
 		}
 		if pending, _ = sendable(pending); len(pending) == 0 {
@@ -499,14 +500,14 @@ func hasInline(effects []Effect) bool {
 // materialize moves the inline effects of src into effect rows (so that they can be marked one
 // by one, fail, be retried and parked like any other) and returns effects with each replaced by
 // its row.
-func (o *Outbox) materialize(ctx context.Context, src Source, effects []Effect) ([]Effect, error) {
+func (o *Outbox) materialize(ctx context.Context, src Source, effects []Effect, lease time.Duration) ([]Effect, error) {
 	is, ok := o.store.(outboxdriver.InlineStore)
 	if !ok {
 		return nil, fmt.Errorf("outbox: effects of %q for %q are inline, but the store cannot move them", src.ID, src.Consumer)
 	}
 	bctx, cancel := context.WithTimeout(ctx, storeTimeout)
 	defer cancel()
-	rows, err := is.EffectMaterialize(bctx, src)
+	rows, err := is.EffectMaterialize(bctx, src, lease)
 	if err != nil {
 		return nil, fmt.Errorf("outbox: move the inline side effects of %q for %q to the relay: %w", src.ID, src.Consumer, err)
 	}
@@ -568,7 +569,7 @@ func (o *Outbox) dispatchAndMark(ctx context.Context, path string, src Source, e
 	if err != nil && hasInline(effects) {
 		// Inline effects are marked all at once; after a partial failure each is marked,
 		// counted and retried on its own, as a row.
-		rows, merr := o.materialize(ctx, src, effects)
+		rows, merr := o.materialize(ctx, src, effects, 0) // the failure recorded next sets their retry time
 		if merr != nil || len(rows) != len(effects) {
 			o.failedHere.add(src)
 			o.relayNeeded(fields)

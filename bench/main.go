@@ -4,7 +4,7 @@
 // writes docs/benchmarks.md (tables) and docs/benchmarks.svg (chart).
 //
 //	go run . -mode quick          # < 2 minutes, reduced sizes (see docs/benchmarks.md)
-//	go run . -mode full           # the sizes
+//	go run . -mode full           # the full sizes
 //	go run . -render results.json # re-render the docs from a saved run, without running
 //
 // It starts its own PostgreSQL from the local binaries (apt-get install postgresql) unless -dsn or
@@ -80,7 +80,7 @@ func presets(mode string) (config, error) {
 }
 
 func main() {
-	mode := flag.String("mode", "quick", "quick (reduced sizes, under 2 minutes) or full (the issue's sizes)")
+	mode := flag.String("mode", "quick", "quick (reduced sizes, under 2 minutes) or full (the full sizes)")
 	dsn := flag.String("dsn", os.Getenv("OUTBOX_BENCH_DSN"), "PostgreSQL superuser DSN to use instead of starting a server (env OUTBOX_BENCH_DSN)")
 	n := flag.Int("n", 0, "deliveries per contender and concurrency (default: the mode's)")
 	reps := flag.Int("reps", 0, "interleaved repetitions (default: the mode's)")

@@ -356,9 +356,11 @@ type UnitTx interface {
 // effect rows of the source), a DispatchMark with Inline clears them, and its relay moves the ones
 // left behind into effect rows after the grace period.
 type InlineStore interface {
-	// EffectMaterialize moves the inline effects of src, if any, into effect rows that are due at
-	// once, and returns the pending effects of src as EffectListPending does (none inline).
-	EffectMaterialize(ctx context.Context, src Source) ([]Effect, error)
+	// EffectMaterialize moves the inline effects of src, if any, into effect rows, and returns the
+	// pending effects of src as EffectListPending does (none inline). The rows are leased for
+	// lease (not due for the relay before, as after EffectClaimDue) when it is positive: the
+	// caller is about to send them itself.
+	EffectMaterialize(ctx context.Context, src Source, lease time.Duration) ([]Effect, error)
 }
 
 // UnitStore is implemented by a Store that runs units of work on a transaction type of its own

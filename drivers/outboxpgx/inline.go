@@ -84,10 +84,16 @@ func (s *pgxStore) EffectMarkDispatched(ctx context.Context, marks ...outboxdriv
 }
 
 // EffectMaterialize implements outboxdriver.InlineStore.
-func (s *pgxStore) EffectMaterialize(ctx context.Context, src outboxdriver.Source) ([]outboxdriver.Effect, error) {
+func (s *pgxStore) EffectMaterialize(ctx context.Context, src outboxdriver.Source, lease time.Duration) ([]outboxdriver.Effect, error) {
 	if err := s.move(ctx, s.q.materialize, func(tx pgx.Tx) (pgx.Rows, error) {
 		return tx.Query(ctx, s.q.lockInline, src.Consumer, src.ID)
-	}, nil); err != nil {
+	}, func(tx pgx.Tx, n int) error {
+		if n == 0 || lease <= 0 {
+			return nil
+		}
+		_, err := tx.Exec(ctx, s.q.leaseSource, src.Consumer, src.ID, lease.Milliseconds())
+		return err
+	}); err != nil {
 		return nil, err
 	}
 	return s.Store.EffectListPending(ctx, src)

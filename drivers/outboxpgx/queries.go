@@ -22,6 +22,7 @@ type queries struct {
 	sweptTo     string // (grace ms): the sweep got to now - grace
 	materialize string // arrays of the effect columns, and the age in ms of each
 	clearInline string // (consumers, ids)
+	leaseSource string // (consumer, id, lease ms): the pending rows of the source are not due before
 	takeInline  string // (consumers, ids) -> consumer, id, effects, age in ms of the claims it cleared
 	archive     string // arrays of the dispatched columns: the inline effects sent, kept for EffectRetention
 }
@@ -77,6 +78,8 @@ func newQueries(n store.Names, deleteDispatched bool) queries {
 			SELECT nextval(pg_get_serial_sequence('` + n.Effects + `', 'id')), c, i, s, k, t, u, pl, md, ok, now() - a * interval '1 millisecond', now(), 0, 0
 			FROM unnest($1::text[], $2::text[], $3::int[], $4::text[], $5::text[], $6::text[], $7::bytea[], $8::bytea[], $9::text[], $10::bigint[])
 				AS v(c, i, s, k, t, u, pl, md, ok, a)`,
+		leaseSource: `UPDATE ` + n.Effects + ` SET next_attempt_at = now() + $3 * interval '1 millisecond'
+			WHERE source_consumer = $1 AND source_id = $2 AND dispatched_at IS NULL AND parked_at IS NULL`,
 		clearInline: `UPDATE ` + n.Processed + ` p SET effects = NULL FROM unnest($1::text[], $2::text[]) AS v(consumer, id)
 			WHERE p.consumer = v.consumer AND p.message_id = v.id`,
 	}
