@@ -100,6 +100,24 @@ func form(mode outboxpgx.Concurrency) outboxtest.Opener {
 
 var modes = map[string]outboxpgx.Concurrency{"optimistic": outboxpgx.Optimistic, "pessimistic": outboxpgx.Pessimistic}
 
+// ready returns a migrated Outbox on pool (closed in t.Cleanup), whose database has the
+// business table applied.
+func ready(t testing.TB, pool *pgxpool.Pool, cfg outbox.Config, opts ...outboxpgx.Option) *outbox.Outbox {
+	t.Helper()
+	ctx := context.Background()
+	if _, err := pool.Exec(ctx, `CREATE TABLE IF NOT EXISTS applied (message_id text NOT NULL, note text NOT NULL DEFAULT '')`); err != nil {
+		t.Fatal(err)
+	}
+	ob, err := newOutbox(t, pool, cfg, opts...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := ob.Migrate(ctx); err != nil {
+		t.Fatal(err)
+	}
+	return ob
+}
+
 // newOutbox is outboxpgx.New, the Outbox closed in t.Cleanup.
 func newOutbox(t testing.TB, pool *pgxpool.Pool, cfg outbox.Config, opts ...outboxpgx.Option) (*outbox.Outbox, error) {
 	ob, err := outboxpgx.New(pool, cfg, opts...)
@@ -178,22 +196,13 @@ func roundTrips(t *testing.T, mode outboxpgx.Concurrency) {
 	dsn := outboxtest.DSN(t)
 	pool := openPool(t, dsn, 1, &w)
 	ctx := context.Background()
-	if _, err := pool.Exec(ctx, `CREATE TABLE applied (message_id text NOT NULL, note text NOT NULL DEFAULT '')`); err != nil {
-		t.Fatal(err)
-	}
 	var atCommit atomic.Int64
-	ob, err := newOutbox(t, pool, outbox.Config{Publisher: &outboxtest.Recorder{}, Failpoint: func(_ context.Context, point string) error {
+	ob := ready(t, pool, outbox.Config{Publisher: &outboxtest.Recorder{}, Failpoint: func(_ context.Context, point string) error {
 		if point == outbox.FailpointAfterCommit {
 			atCommit.Store(w.roundTrips.Load())
 		}
 		return nil
 	}}, outboxpgx.WithConcurrency(mode))
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := ob.Migrate(ctx); err != nil {
-		t.Fatal(err)
-	}
 	deliver := func(id string) int64 {
 		ob.FlushMarks()
 		before := w.roundTrips.Load()
@@ -444,16 +453,7 @@ func TestNoConnectionLeak(t *testing.T) {
 	dsn := outboxtest.DSN(t)
 	pool := openPool(t, dsn, 1, nil)
 	ctx := context.Background()
-	if _, err := pool.Exec(ctx, `CREATE TABLE applied (message_id text NOT NULL, note text NOT NULL DEFAULT '')`); err != nil {
-		t.Fatal(err)
-	}
-	ob, err := newOutbox(t, pool, outbox.Config{Publisher: &outboxtest.Recorder{}, HandlerTimeout: 300 * time.Millisecond, RetryDelay: -1})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := ob.Migrate(ctx); err != nil {
-		t.Fatal(err)
-	}
+	ob := ready(t, pool, outbox.Config{Publisher: &outboxtest.Recorder{}, HandlerTimeout: 300 * time.Millisecond, RetryDelay: -1})
 	handlers := map[string]func(*message.Message) error{
 		"ok":     handler,
 		"fails":  func(*message.Message) error { return errors.New("no") },
@@ -502,17 +502,8 @@ func TestInTxAndJoinTx(t *testing.T) {
 	dsn := outboxtest.DSN(t)
 	pool := openPool(t, dsn, 4, nil)
 	ctx := context.Background()
-	if _, err := pool.Exec(ctx, `CREATE TABLE applied (message_id text NOT NULL, note text NOT NULL DEFAULT '')`); err != nil {
-		t.Fatal(err)
-	}
 	rec := &outboxtest.Recorder{}
-	ob, err := newOutbox(t, pool, outbox.Config{Publisher: rec})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := ob.Migrate(ctx); err != nil {
-		t.Fatal(err)
-	}
+	ob := ready(t, pool, outbox.Config{Publisher: rec})
 	write := func(ctx context.Context, tx pgx.Tx, id string) error {
 		if _, err := tx.Exec(ctx, `INSERT INTO applied (message_id) VALUES ($1)`, id); err != nil {
 			return err
@@ -658,13 +649,10 @@ func TestInlineEffectsLeftBehind(t *testing.T) {
 	dsn := outboxtest.DSN(t)
 	pool := openPool(t, dsn, 8, nil)
 	ctx := context.Background()
-	if _, err := pool.Exec(ctx, `CREATE TABLE applied (message_id text NOT NULL, note text NOT NULL DEFAULT '')`); err != nil {
-		t.Fatal(err)
-	}
 	rec := &outboxtest.Recorder{}
 	crash := errors.New("crash")
 	var armed atomic.Bool
-	ob, err := newOutbox(t, pool, outbox.Config{Publisher: rec, RelayGrace: 300 * time.Millisecond, RelayInterval: 50 * time.Millisecond,
+	ob := ready(t, pool, outbox.Config{Publisher: rec, RelayGrace: 300 * time.Millisecond, RelayInterval: 50 * time.Millisecond,
 		RetryDelay: -1, Retention: time.Hour,
 		Failpoint: func(_ context.Context, point string) error {
 			if point == outbox.FailpointAfterCommit && armed.CompareAndSwap(true, false) {
@@ -672,12 +660,6 @@ func TestInlineEffectsLeftBehind(t *testing.T) {
 			}
 			return nil
 		}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := ob.Migrate(ctx); err != nil {
-		t.Fatal(err)
-	}
 	handle := func(id string) error {
 		return ob.Handle(message.NewMessage(id, nil), outbox.HandleParams{Consumer: "c", MessageID: id}, consume(handler))
 	}
@@ -821,23 +803,14 @@ func TestSweepSkipsLockedClaims(t *testing.T) {
 	dsn := outboxtest.DSN(t)
 	pool := openPool(t, dsn, 8, nil)
 	ctx := context.Background()
-	if _, err := pool.Exec(ctx, `CREATE TABLE applied (message_id text NOT NULL, note text NOT NULL DEFAULT '')`); err != nil {
-		t.Fatal(err)
-	}
 	rec := &outboxtest.Recorder{}
-	ob, err := newOutbox(t, pool, outbox.Config{Publisher: rec, RelayGrace: 200 * time.Millisecond, RelayInterval: 50 * time.Millisecond,
+	ob := ready(t, pool, outbox.Config{Publisher: rec, RelayGrace: 200 * time.Millisecond, RelayInterval: 50 * time.Millisecond,
 		Failpoint: func(_ context.Context, point string) error {
 			if point == outbox.FailpointAfterCommit {
 				return errors.New("crash")
 			}
 			return nil
 		}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := ob.Migrate(ctx); err != nil {
-		t.Fatal(err)
-	}
 	for _, id := range []string{"locked", "free"} {
 		if err := ob.Handle(message.NewMessage(id, nil), outbox.HandleParams{Consumer: "c", MessageID: id}, consume(handler)); err == nil {
 			t.Fatal("no crash")

@@ -168,16 +168,9 @@ func (u *unit) Survivors(_ context.Context, effects []outboxdriver.Effect) ([]ou
 
 // Commit sends the insert of the effects and COMMIT in one round trip.
 func (u *unit) Commit(ctx context.Context, effects []outboxdriver.Effect) error {
-	if u.joined != nil {
-		return fmt.Errorf("outboxpgx: a joined transaction is committed by its owner")
+	if err := u.end("committed"); err != nil {
+		return err
 	}
-	u.mu.Lock()
-	if u.done {
-		u.mu.Unlock()
-		return outboxdriver.ErrTxDone
-	}
-	u.done = true
-	u.mu.Unlock()
 	c := u.conn.Conn()
 	if c.PgConn().TxStatus() == 'I' && !c.IsClosed() {
 		// The handler sent COMMIT or ROLLBACK as SQL: what it wrote is committed, or not, without
@@ -251,17 +244,25 @@ func (u *unit) finishedBySQL(ctx context.Context, effects []outboxdriver.Effect)
 }
 
 func (u *unit) Rollback(context.Context) error {
+	if err := u.end("rolled back"); err != nil {
+		return err
+	}
+	abort(u.conn)
+	return nil
+}
+
+// end marks the transaction over; ErrTxDone if it was already, an error for a joined one (whose
+// owner ends it).
+func (u *unit) end(how string) error {
 	if u.joined != nil {
-		return fmt.Errorf("outboxpgx: a joined transaction is rolled back by its owner")
+		return fmt.Errorf("outboxpgx: a joined transaction is %s by its owner", how)
 	}
 	u.mu.Lock()
+	defer u.mu.Unlock()
 	if u.done {
-		u.mu.Unlock()
 		return outboxdriver.ErrTxDone
 	}
 	u.done = true
-	u.mu.Unlock()
-	abort(u.conn)
 	return nil
 }
 
