@@ -50,3 +50,42 @@ if [[ -n "${found}" ]]; then
 	exit 1
 fi
 echo "depcheck: a module importing the library's packages needs $(echo "${graph}" | wc -l) modules, none of them heavy"
+
+# The pgx form (its own module) adds pgx and what pgx needs, nothing else heavy.
+mkdir "${tmp}/pgx"
+cat >"${tmp}/pgx/go.mod" <<EOF2
+module example.com/pgxconsumer
+
+go 1.25.0
+
+require (
+	github.com/watermill-outbox/outbox v0.0.0
+	github.com/watermill-outbox/outbox/drivers/outboxpgx v0.0.0
+)
+
+replace github.com/watermill-outbox/outbox => ${root}
+
+replace github.com/watermill-outbox/outbox/drivers/outboxpgx => ${root}/drivers/outboxpgx
+EOF2
+cat >"${tmp}/pgx/main.go" <<'EOF2'
+package main
+
+import (
+	_ "github.com/watermill-outbox/outbox/drivers/outboxpgx"
+	_ "github.com/watermill-outbox/outbox/middleware"
+)
+
+func main() {}
+EOF2
+cd "${tmp}/pgx"
+"${go}" mod tidy >/dev/null
+"${go}" build ./...
+pgxHeavy="$(echo "${heavy}" | sed 's/|jackc\/pgx//')"
+graph="$("${go}" list -m all)"
+found="$( { echo "${graph}"; cat go.sum; } | grep -E "${pgxHeavy}" | sort -u || true)"
+if [[ -n "${found}" ]]; then
+	echo "depcheck: a module importing the pgx form gets heavy dependencies beyond pgx:" >&2
+	echo "${found}" >&2
+	exit 1
+fi
+echo "depcheck: a module importing the pgx form needs $(echo "${graph}" | wc -l) modules: pgx and nothing else heavy"
