@@ -58,8 +58,14 @@ func New(cfg Config) (*Outbox, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, fmt.Errorf("outbox: invalid config: %w", err)
 	}
+	logger, storeErrs := cfg.Logger, &oncePer{}
 	st, err := cfg.Driver.Open(cfg.DB, outboxdriver.StoreOptions{
 		Schema: cfg.Schema, TablePrefix: cfg.TablePrefix, DeleteDispatched: cfg.EffectRetention == 0,
+		OnError: func(what string, err error) {
+			if storeErrs.allow(time.Minute) { // it retries every relay round
+				logger.Error("outbox: "+what+" failed", err, nil)
+			}
+		},
 	})
 	if err != nil {
 		return nil, fmt.Errorf("outbox: open store: %w", err)

@@ -76,6 +76,10 @@ type StoreOptions struct {
 	// DeleteDispatched asks the store to delete side effects when they are marked dispatched
 	// instead of keeping them until cleanup (a store may keep them anyway, e.g. SQLite).
 	DeleteDispatched bool
+	// OnError, when set, is told of the failures of work a store does on its own beside what it
+	// was asked (the pgx driver's move of inline effects left behind, before a relay claim), which
+	// must not fail the call it rides on.
+	OnError func(what string, err error)
 }
 
 // Store is the storage contract the framework needs from a database. The drivers/ packages

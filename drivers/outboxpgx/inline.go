@@ -104,7 +104,8 @@ func (s *pgxStore) EffectMaterialize(ctx context.Context, src outboxdriver.Sourc
 // as dispatched rows: archive), clears them from the claims, and calls after (if not nil) with
 // how many claims it moved.
 func (s *pgxStore) move(ctx context.Context, insert string, lock func(pgx.Tx) (pgx.Rows, error), after func(tx pgx.Tx, n int) error) error {
-	return pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
+	var undecodable []error
+	err := pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
 		rows, err := lock(tx)
 		if err != nil {
 			return wrap(err)
@@ -126,8 +127,9 @@ func (s *pgxStore) move(ctx context.Context, insert string, lock func(pgx.Tx) (p
 			}
 			effects, err := store.DecodeEffects(blob, src)
 			if err != nil {
-				rows.Close()
-				return fmt.Errorf("inline effects of %q for %q: %w", src.ID, src.Consumer, err)
+				// Left where it is (and reported), so that the others move.
+				undecodable = append(undecodable, fmt.Errorf("inline effects of %q for %q: %w", src.ID, src.Consumer, err))
+				continue
 			}
 			consumers, ids = append(consumers, src.Consumer), append(ids, src.ID)
 			for _, e := range effects {
@@ -152,10 +154,11 @@ func (s *pgxStore) move(ctx context.Context, insert string, lock func(pgx.Tx) (p
 			}
 		}
 		if after != nil {
-			return after(tx, len(consumers))
+			return after(tx, len(consumers)+len(undecodable))
 		}
 		return nil
 	})
+	return errors.Join(append(undecodable, err)...)
 }
 
 // EffectClaimDue first moves the inline effects left behind (their claim older than p.Grace and
@@ -164,8 +167,10 @@ func (s *pgxStore) move(ctx context.Context, insert string, lock func(pgx.Tx) (p
 // postgres driver does.
 func (s *pgxStore) EffectClaimDue(ctx context.Context, p outboxdriver.EffectClaimParams) (outboxdriver.EffectClaim, error) {
 	if s.optimistic && p.After == 0 {
-		if err := s.sweep(ctx, p.Grace); err != nil {
-			return outboxdriver.EffectClaim{}, fmt.Errorf("move inline effects left behind to the relay: %w", err)
+		// A failed sweep must not stop the relay from sending the effect rows: it is reported,
+		// and the next one tries again (its watermark stays where it was).
+		if err := s.sweep(ctx, p.Grace); err != nil && ctx.Err() == nil && s.onError != nil {
+			s.onError("moving inline effects left behind to the relay", err)
 		}
 	}
 	return s.Store.EffectClaimDue(ctx, p)

@@ -124,7 +124,7 @@ func (d Driver) Open(db *sql.DB, opts outboxdriver.StoreOptions) (outboxdriver.S
 		return nil, err
 	}
 	st := &pgxStore{Store: base, pool: d.Pool, names: names, optimistic: d.Concurrency == Optimistic,
-		deleteDispatched: opts.DeleteDispatched, q: newQueries(names, opts.DeleteDispatched)}
+		deleteDispatched: opts.DeleteDispatched, onError: opts.OnError, q: newQueries(names, opts.DeleteDispatched)}
 	if d.closeDB {
 		st.db = db
 	}
@@ -142,6 +142,7 @@ type pgxStore struct {
 	// deleteDispatched: sent effects are not kept (EffectRetention 0), so inline ones are cleared
 	// from their claim; otherwise they move to the dispatched table.
 	deleteDispatched bool
+	onError          func(what string, err error) // StoreOptions.OnError
 	q                queries
 
 	lastSweep atomic.Int64 // UnixNano of the last sweep of inline effects left behind

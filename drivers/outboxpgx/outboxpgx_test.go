@@ -20,6 +20,7 @@ import (
 
 	"github.com/watermill-outbox/outbox"
 	"github.com/watermill-outbox/outbox/drivers/outboxpgx"
+	"github.com/watermill-outbox/outbox/internal/logtest"
 	"github.com/watermill-outbox/outbox/internal/pgtest"
 	"github.com/watermill-outbox/outbox/outboxdriver"
 	"github.com/watermill-outbox/outbox/outboxtest"
@@ -861,4 +862,47 @@ func TestSweepSkipsLockedClaims(t *testing.T) {
 	waitFor("the locked claim's effect after the lock went", func() bool { return sent("out-locked") })
 	cancel()
 	<-done
+}
+
+// TestCorruptInlineEffectsDoNotStopTheRelay: inline effects that cannot be decoded are left in
+// their claim and reported; the other claims' effects are moved and sent.
+func TestCorruptInlineEffectsDoNotStopTheRelay(t *testing.T) {
+	pool := openPool(t, outboxtest.DSN(t), 8, nil)
+	ctx := context.Background()
+	rec := &outboxtest.Recorder{}
+	logs := &logtest.Errors{}
+	ob := ready(t, pool, outbox.Config{Publisher: rec, Logger: logs, RelayGrace: 200 * time.Millisecond, RelayInterval: 50 * time.Millisecond,
+		Failpoint: func(_ context.Context, point string) error {
+			if point == outbox.FailpointAfterCommit {
+				return errors.New("crash")
+			}
+			return nil
+		}})
+	for _, id := range []string{"corrupt", "fine"} {
+		if err := ob.Handle(message.NewMessage(id, nil), outbox.HandleParams{Consumer: "c", MessageID: id}, consume(handler)); err == nil {
+			t.Fatal("no crash")
+		}
+	}
+	if _, err := pool.Exec(ctx, `UPDATE outbox_processed SET effects = '\x02'::bytea WHERE message_id = 'corrupt'`); err != nil {
+		t.Fatal(err)
+	}
+	runCtx, cancel := context.WithCancel(ctx)
+	done := make(chan error, 1)
+	go func() { done <- ob.Run(runCtx) }()
+	deadline := time.Now().Add(15 * time.Second)
+	for len(rec.Messages("out")) == 0 || !logs.Contains("corrupt") {
+		if time.Now().After(deadline) {
+			t.Fatalf("sent %d, logged %v", len(rec.Messages("out")), logs.Lines())
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	cancel()
+	<-done
+	if got := rec.Messages("out"); len(got) != 1 || got[0].UUID != "out-fine" {
+		t.Errorf("sent %v, want out-fine only", got)
+	}
+	var left int
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM outbox_processed WHERE effects IS NOT NULL`).Scan(&left); err != nil || left != 1 {
+		t.Errorf("%d claims still hold inline effects (%v), want the corrupt one", left, err)
+	}
 }
