@@ -906,3 +906,63 @@ func TestCorruptInlineEffectsDoNotStopTheRelay(t *testing.T) {
 		t.Errorf("%d claims still hold inline effects (%v), want the corrupt one", left, err)
 	}
 }
+
+// TestEdges: the longest schema and prefix, a pool of one connection, copies of one message at
+// once in both modes, and a handler that publishes from many goroutines at once.
+func TestEdges(t *testing.T) {
+	for name, mode := range modes {
+		for _, conns := range []int32{1, 8} {
+			t.Run(fmt.Sprintf("%s/pool-of-%d", name, conns), func(t *testing.T) { edges(t, mode, conns) })
+		}
+	}
+}
+
+func edges(t *testing.T, mode outboxpgx.Concurrency, conns int32) {
+	long := strings.Repeat("s", 40)
+	pool := openPool(t, outboxtest.DSN(t), conns, nil)
+	rec := &outboxtest.Recorder{}
+	ob := ready(t, pool, outbox.Config{Publisher: rec, Schema: long, TablePrefix: strings.Repeat("p", 40), RetryDelay: -1,
+		DuplicateWait: 50 * time.Millisecond}, outboxpgx.WithConcurrency(mode))
+	fanOut := consume(func(msg *message.Message) error {
+		ctx := msg.Context()
+		if _, err := outboxpgx.Tx(ctx).Exec(ctx, `INSERT INTO applied (message_id) VALUES ($1)`, msg.UUID); err != nil {
+			return err
+		}
+		var wg sync.WaitGroup
+		errs := make([]error, 8)
+		for i := range errs {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				errs[i] = outbox.Publish(ctx, "out", message.NewMessage(fmt.Sprintf("%s-%d", msg.UUID, i), nil))
+			}()
+		}
+		wg.Wait()
+		return errors.Join(errs...)
+	})
+	var wg sync.WaitGroup
+	errs := make([]error, 4)
+	for i := range errs {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			errs[i] = ob.Handle(message.NewMessage("m", nil), outbox.HandleParams{Consumer: "c", MessageID: "m"}, fanOut)
+		}()
+	}
+	wg.Wait()
+	if err := errors.Join(errs...); err != nil {
+		t.Fatal(err)
+	}
+	ob.FlushMarks()
+	var applied int
+	if err := pool.QueryRow(context.Background(), `SELECT count(*) FROM applied`).Scan(&applied); err != nil || applied != 1 {
+		t.Errorf("applied %d times (%v)", applied, err)
+	}
+	ids := map[string]bool{}
+	for _, m := range rec.Messages("out") {
+		ids[m.UUID] = true
+	}
+	if len(ids) != 8 {
+		t.Errorf("%d distinct messages sent, want 8", len(ids))
+	}
+}
