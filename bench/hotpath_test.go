@@ -12,6 +12,7 @@ import (
 	"github.com/google/uuid"
 
 	"github.com/watermill-outbox/outbox"
+	"github.com/watermill-outbox/outbox/drivers/outboxpgx"
 	"github.com/watermill-outbox/outbox/drivers/postgres"
 	"github.com/watermill-outbox/outbox/outboxdriver"
 )
@@ -250,4 +251,32 @@ func BenchmarkHotPath(b *testing.B) {
 			must(b, benchEnv.pub.Publish(outTopic, message.NewMessage(uuid.NewString(), []byte(`{"order":"x"}`))))
 		}, nil)
 	})
+}
+
+// BenchmarkPgx times one delivery at a time through the benchmark's own pgx contenders (the same
+// code, pools and counted connections as the timed runs), alternating.
+func BenchmarkPgx(b *testing.B) {
+	ctx := context.Background()
+	bare, err := newBarePgx(benchEnv)
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer bare.close()
+	fw, err := newFrameworkPgx(benchEnv, "hotpgx_", outboxpgx.Optimistic)
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer fw.close()
+	must(b, fw.start(ctx))
+	defer func() { must(b, fw.stop()) }()
+	for _, c := range []contender{bare, fw} {
+		b.Run(c.name(), func(b *testing.B) {
+			for i := range b.N {
+				d := delivery{idx: i, id: uuid.NewString(), payload: []byte(`{"order":"x"}`), orig: -1}
+				if _, err := c.handle(ctx, d); err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
+	}
 }
