@@ -43,6 +43,9 @@
 //   - middleware: the Watermill HandlerMiddleware, and CheckRouter for unsafe middleware orders.
 //   - drivers/postgres and drivers/sqlite: the databases (lib/pq or pgx's database/sql driver for
 //     PostgreSQL; an embedded SQLite for runs with nothing to set up).
+//   - drivers/outboxpgx (a module of its own): the pgx v5 form, for handlers that write through a
+//     pgx.Tx (outboxpgx.Tx), with BEGIN and the claim, and the side effects and COMMIT, each in one
+//     round trip (docs/pgx.md).
 //   - outboxtest: test your handlers with the outbox on: a PostgreSQL per test, a recording
 //     Publisher, and a crash matrix that checks your handler is applied once under every failure.
 //   - outboxdriver: the contract a database driver implements (driver authors only), with store
