@@ -27,7 +27,6 @@ func (s sqlUnits) BeginUnit(ctx context.Context, claim *Source) (outboxdriver.Un
 	if claim == nil {
 		return u, outboxdriver.Claim{Claimed: true}, nil
 	}
-	u.src = *claim
 	c, err := s.store.MessageClaim(ctx, tx, *claim)
 	if err != nil {
 		_ = tx.Rollback()
@@ -47,7 +46,6 @@ func (s sqlUnits) JoinUnit(tx any) (outboxdriver.UnitTx, error) {
 type sqlUnit struct {
 	store       outboxdriver.Store
 	tx          *sql.Tx
-	src         Source
 	inSavepoint bool // some effect may have been written inside a savepoint
 }
 

@@ -443,7 +443,9 @@ func (s *SQL) EffectExisting(ctx context.Context, tx *sql.Tx, storeIDs []int64) 
 	return out, rows.Err()
 }
 
-func scanEffect(sc interface{ Scan(...any) error }, e *outboxdriver.Effect, extra ...any) error {
+// ScanEffect scans one row of a dialect's effect columns (and extra after them) into e, for a
+// driver that runs the dialect's effect queries on a connection type of its own.
+func ScanEffect(sc interface{ Scan(...any) error }, e *outboxdriver.Effect, extra ...any) error {
 	var md []byte
 	var pendingMS, failedMS int64
 	dest := append([]any{&e.StoreID, &e.Source.Consumer, &e.Source.ID, &e.Seq, &e.Kind, &e.Topic, &e.UUID,
@@ -466,7 +468,7 @@ func scanEffects(rows *sql.Rows) ([]outboxdriver.Effect, error) {
 	var out []outboxdriver.Effect
 	for rows.Next() {
 		var e outboxdriver.Effect
-		if err := scanEffect(rows, &e); err != nil {
+		if err := ScanEffect(rows, &e); err != nil {
 			return nil, err
 		}
 		out = append(out, e)
@@ -566,7 +568,7 @@ func (s *SQL) EffectClaimDue(ctx context.Context, p outboxdriver.EffectClaimPara
 			var next int64
 			var more bool
 			var e outboxdriver.Effect
-			if err = scanEffect(rows, &e, &next, &more); err != nil {
+			if err = ScanEffect(rows, &e, &next, &more); err != nil {
 				break
 			}
 			if more {
@@ -704,7 +706,7 @@ func (s *SQL) EffectListParked(ctx context.Context, limit int) ([]outboxdriver.P
 	for rows.Next() {
 		var p outboxdriver.ParkedEffect
 		var lastErr sql.NullString
-		if err := scanEffect(rows, &p.Effect, &lastErr, &p.ParkedAt, &p.CreatedAt); err != nil {
+		if err := ScanEffect(rows, &p.Effect, &lastErr, &p.ParkedAt, &p.CreatedAt); err != nil {
 			return nil, err
 		}
 		p.LastError = lastErr.String

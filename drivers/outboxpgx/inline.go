@@ -15,25 +15,52 @@ import (
 // sweepBatch bounds the claims one sweep moves to effect rows.
 const sweepBatch = 500
 
-// EffectListPending returns the effect rows of src and then its inline effects (StoreID 0).
+// EffectListPending returns the effect rows of src and then its inline effects (StoreID 0), read
+// in one round trip.
 func (s *pgxStore) EffectListPending(ctx context.Context, src outboxdriver.Source) ([]outboxdriver.Effect, error) {
-	rows, err := s.Store.EffectListPending(ctx, src)
-	if err != nil || !s.optimistic {
-		return rows, err
+	if !s.optimistic {
+		return s.Store.EffectListPending(ctx, src)
 	}
+	b := &pgx.Batch{}
+	b.Queue(s.q.pending, src.Consumer, src.ID)
+	b.Queue(s.q.listInline, src.Consumer, src.ID)
+	br := s.pool.SendBatch(ctx, b)
+	effects, err := scanPending(br)
 	var blob []byte
 	var ms int64
-	switch err := s.pool.QueryRow(ctx, s.q.listInline, src.Consumer, src.ID).Scan(&blob, &ms); {
-	case errors.Is(err, pgx.ErrNoRows):
-		return rows, nil
-	case err != nil:
-		return nil, wrap(err)
+	if err == nil {
+		switch err = br.QueryRow().Scan(&blob, &ms); {
+		case errors.Is(err, pgx.ErrNoRows):
+			err = nil
+		case err == nil:
+			var inline []outboxdriver.Effect
+			if inline, err = decode(blob, src, ms); err == nil {
+				effects = append(effects, inline...)
+			}
+		}
 	}
-	inline, err := decode(blob, src, ms)
+	if cerr := br.Close(); err == nil {
+		err = cerr
+	}
+	return effects, wrap(err)
+}
+
+// scanPending reads the effect rows of the batch's next query.
+func scanPending(br pgx.BatchResults) ([]outboxdriver.Effect, error) {
+	rows, err := br.Query()
 	if err != nil {
 		return nil, err
 	}
-	return append(rows, inline...), nil
+	defer rows.Close()
+	var out []outboxdriver.Effect
+	for rows.Next() {
+		var e outboxdriver.Effect
+		if err := store.ScanEffect(rows, &e); err != nil {
+			return nil, err
+		}
+		out = append(out, e)
+	}
+	return out, rows.Err()
 }
 
 func decode(blob []byte, src outboxdriver.Source, ageMS int64) ([]outboxdriver.Effect, error) {

@@ -237,6 +237,20 @@ func roundTrips(t *testing.T, mode outboxpgx.Concurrency) {
 	if got != want {
 		t.Errorf("a first delivery waited for %d round trips up to its commit, a bare pgx transaction %d", got, want)
 	}
+	// A duplicate whose effects were sent: BEGIN with the claim or its look-up, ROLLBACK, and the
+	// read of what is still pending (effect rows and inline effects in one round trip).
+	ob.FlushMarks()
+	dupOf := func(id string) int64 {
+		before := w.roundTrips.Load()
+		if err := ob.Handle(message.NewMessage(id, nil), outbox.HandleParams{Consumer: "c", MessageID: id}, consume(handler)); err != nil {
+			t.Fatal(err)
+		}
+		return w.roundTrips.Load() - before
+	}
+	dupOf("warm-0") // its statements are prepared once per connection too
+	if dup := dupOf("m1"); dup != 3 {
+		t.Errorf("a duplicate waited for %d round trips, want 3", dup)
+	}
 }
 
 func TestDuplicateAndConcurrentCopies(t *testing.T) {

@@ -11,6 +11,7 @@ type queries struct {
 	claim     string           // pessimistic: (consumer, id) -> claimed, age of a committed claim found
 	insert    func(int) string // the effect rows: see store.EffectInsertArgs
 	processed string           // (consumer, id) -> a row when processed
+	pending   string           // (consumer, id) -> the effect rows of the source, pending, in seq order
 
 	lookup      string // optimistic: (consumer, id) -> age of the claim, no row when there is none
 	claimInline string // optimistic: (consumer, id, inline effects or NULL): no ON CONFLICT
@@ -42,6 +43,7 @@ func newQueries(n store.Names, deleteDispatched bool) queries {
 		claim:     pq.MessageClaim,
 		insert:    pq.EffectInsert,
 		processed: pq.MessageIsProcessed,
+		pending:   pq.EffectListPending,
 
 		lookup: `SELECT ` + age + ` FROM ` + n.Processed + ` p WHERE p.consumer = $1 AND p.message_id = $2`,
 		// clock_timestamp(): the time of the commit's round trip, not of BEGIN, so that the sweep

@@ -183,7 +183,7 @@ func (u *unit) Commit(ctx context.Context, effects []outboxdriver.Effect) error 
 		// The claim, with the effects inline when none has an ordering key of its own (those
 		// wait in rows behind the earlier effects of their key).
 		var inline []byte
-		if len(effects) > 0 && ownKeys(effects) {
+		if len(effects) > 0 && ownKeys(effects, u.src) {
 			inline, rows = store.EncodeEffects(effects), nil
 		}
 		b.Queue(u.s.q.claimInline, u.src.Consumer, u.src.ID, inline)
@@ -266,10 +266,11 @@ func (u *unit) end(how string) error {
 	return nil
 }
 
-// ownKeys tells whether every effect has the default ordering key of its source.
-func ownKeys(effects []outboxdriver.Effect) bool {
+// ownKeys tells whether every effect has the default ordering key of src, its source.
+func ownKeys(effects []outboxdriver.Effect, src outboxdriver.Source) bool {
+	key := src.Consumer + "/" + src.ID
 	for _, e := range effects {
-		if e.OrderingKey != e.Source.Consumer+"/"+e.Source.ID {
+		if e.OrderingKey != key {
 			return false
 		}
 	}
