@@ -980,3 +980,109 @@ func edges(t *testing.T, mode outboxpgx.Concurrency, conns int32) {
 		t.Errorf("%d distinct messages sent, want 8", len(ids))
 	}
 }
+
+// TestDispatchFailsAndTheMoveFailsToo: the broker refuses the effects and moving them to rows
+// fails as well (their claim is locked by someone else): the message fails, the effects stay
+// inline, and the redelivery sends them once.
+func TestDispatchFailsAndTheMoveFailsToo(t *testing.T) {
+	dsn := outboxtest.DSN(t)
+	cfg, err := pgxpool.ParseConfig(dsn)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.ConnConfig.RuntimeParams["lock_timeout"] = "200ms" // the move gives up on the lock soon
+	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	locker := openPool(t, dsn, 1, nil)
+	ctx := context.Background()
+	rec := &outboxtest.Recorder{}
+	var lock pgx.Tx
+	ob := ready(t, pool, outbox.Config{Publisher: rec, RetryDelay: -1,
+		Failpoint: func(ctx context.Context, point string) error {
+			if point != outbox.FailpointAfterCommit || lock != nil {
+				return nil
+			}
+			var err error
+			if lock, err = locker.Begin(ctx); err == nil {
+				_, err = lock.Exec(ctx, `SELECT 1 FROM outbox_processed WHERE message_id = 'm' FOR UPDATE`)
+			}
+			return err
+		}})
+	state := func() (inline, rows int) {
+		if err := pool.QueryRow(ctx, `SELECT (SELECT count(*) FROM outbox_processed WHERE effects IS NOT NULL),
+			(SELECT count(*) FROM outbox_effects)`).Scan(&inline, &rows); err != nil {
+			t.Fatal(err)
+		}
+		return inline, rows
+	}
+	handle := func() error {
+		return ob.Handle(message.NewMessage("m", nil), outbox.HandleParams{Consumer: "c", MessageID: "m"}, consume(handler))
+	}
+
+	rec.Fail(errors.New("broker down"))
+	err = handle()
+	if !errors.Is(err, outbox.ErrDispatchFailed) || !strings.Contains(err.Error(), "stay with the claim") {
+		t.Fatalf("dispatch and move failed: %v", err)
+	}
+	if i, r := state(); i != 1 || r != 0 {
+		t.Fatalf("%d claims with inline effects, %d effect rows; want 1, 0", i, r)
+	}
+	if err := lock.Rollback(ctx); err != nil {
+		t.Fatal(err)
+	}
+	rec.Fail(nil)
+	if err := handle(); err != nil {
+		t.Fatalf("redelivery: %v", err)
+	}
+	ob.FlushMarks()
+	if got := rec.Messages("out"); len(got) != 1 || got[0].UUID != "out-m" {
+		t.Errorf("sent %v, want out-m once", got)
+	}
+	if i, r := state(); i != 0 || r != 0 {
+		t.Errorf("after the redelivery: %d claims with inline effects, %d effect rows; want none", i, r)
+	}
+	var applied int
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM applied`).Scan(&applied); err != nil || applied != 1 {
+		t.Errorf("applied %d times (%v)", applied, err)
+	}
+}
+
+// TestJoinTxConcurrentPublish: Publish from several goroutines into a transaction the caller owns
+// (the records take turns on the caller's pgx.Tx); all of them commit and are sent.
+func TestJoinTxConcurrentPublish(t *testing.T) {
+	pool := openPool(t, outboxtest.DSN(t), 2, nil)
+	ctx := context.Background()
+	rec := &outboxtest.Recorder{}
+	ob := ready(t, pool, outbox.Config{Publisher: rec})
+	tx, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	jctx, dispatch, err := outboxpgx.JoinTx(ctx, ob, tx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var wg sync.WaitGroup
+	errs := make([]error, 8)
+	for i := range errs {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			errs[i] = outbox.Publish(jctx, "out", message.NewMessage(fmt.Sprint("j-", i), nil))
+		}()
+	}
+	wg.Wait()
+	if err := errors.Join(errs...); err != nil {
+		t.Fatal(err)
+	}
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	dispatch(ctx)
+	if n := len(rec.Messages("out")); n != 8 {
+		t.Errorf("sent %d, want 8", n)
+	}
+}
