@@ -725,3 +725,29 @@ func TestBoundarySlowFastPathKeepsPerKeyOrder(t *testing.T) {
 			second.Payload, got[second.UUID].offset, first.Payload, got[first.UUID].offset)
 	}
 }
+
+// TestJoinTxMisuseAndClose: JoinTx with a nil *sql.Tx panics with ErrNoUnitOfWork (its signature
+// has no error to return, and recording into nothing must not pass silently); Close may be
+// called twice, and the Outbox still works on its DB afterwards (unprepared).
+func TestJoinTxMisuseAndClose(t *testing.T) {
+	e := newEnv(t)
+	func() {
+		defer func() {
+			err, _ := recover().(error)
+			if !errors.Is(err, outbox.ErrNoUnitOfWork) {
+				t.Errorf("JoinTx(nil) recovered %v, want an error wrapping ErrNoUnitOfWork", err)
+			}
+		}()
+		e.ob.JoinTx(context.Background(), nil)
+	}()
+	for range 2 {
+		if err := e.ob.Close(); err != nil {
+			t.Fatalf("Close: %v", err)
+		}
+	}
+	if err := e.ob.InTx(context.Background(), func(ctx context.Context, tx *sql.Tx) error {
+		return outbox.Publish(ctx, "out", message.NewMessage("after-close", nil))
+	}); err != nil {
+		t.Fatalf("InTx after Close: %v", err)
+	}
+}

@@ -53,9 +53,7 @@ func (s *pgxStore) BeginUnit(ctx context.Context, claim *outboxdriver.Source) (o
 	u := &unit{s: s, conn: conn, inner: br.Tx()}
 	u.tx = &tx{u: u}
 	if claim != nil {
-		u.src = *claim
-		u.claimed = c.Claimed && !c.Tentative
-		u.tentative = c.Tentative
+		u.src, u.tentative = *claim, c.Tentative
 	}
 	return u, c, nil
 }
@@ -117,11 +115,10 @@ type unit struct {
 	s         *pgxStore
 	conn      *pgxpool.Conn // nil when joined
 	joined    pgx.Tx
-	inner     pgx.Tx // pgx's own transaction object of conn, for LargeObjects only
-	tx        *tx    // what user code gets, when not joined
-	src       outboxdriver.Source
-	claimed   bool // the transaction holds a claim of src
-	tentative bool // the claim of src is INSERTed at commit (optimistic)
+	inner     pgx.Tx              // pgx's own transaction object of conn, for LargeObjects only
+	tx        *tx                 // what user code gets, when not joined
+	src       outboxdriver.Source // zero at the boundary (no claim)
+	tentative bool                // the claim of src is INSERTed at commit (optimistic)
 
 	mu     sync.Mutex
 	alive  []bool      // per recorded effect: false once a savepoint it was recorded in rolled back
@@ -227,8 +224,8 @@ func (u *unit) Commit(ctx context.Context, effects []outboxdriver.Effect) error 
 func (u *unit) finishedBySQL(ctx context.Context, effects []outboxdriver.Effect) error {
 	defer u.conn.Release()
 	err := fmt.Errorf("the transaction was ended by SQL sent through it (COMMIT or ROLLBACK): %w", outboxdriver.ErrTxDone)
-	if !u.claimed || len(effects) == 0 {
-		return err
+	if u.src.Consumer == "" || u.tentative || len(effects) == 0 {
+		return err // no claim in the transaction: nothing tells what it committed
 	}
 	var one int
 	switch qerr := u.conn.QueryRow(ctx, u.s.q.processed, u.src.Consumer, u.src.ID).Scan(&one); {
