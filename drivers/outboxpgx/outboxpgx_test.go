@@ -979,6 +979,26 @@ func edges(t *testing.T, mode outboxpgx.Concurrency, conns int32) {
 	if len(ids) != 8 {
 		t.Errorf("%d distinct messages sent, want 8", len(ids))
 	}
+	// InTx from several goroutines at once on the same pool: each commits and sends its own.
+	for i := range errs {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			errs[i] = outboxpgx.InTx(context.Background(), ob, func(ctx context.Context, tx pgx.Tx) error {
+				if _, err := tx.Exec(ctx, `INSERT INTO applied (message_id) VALUES ($1)`, fmt.Sprint("intx-", i)); err != nil {
+					return err
+				}
+				return outbox.Publish(ctx, "intx", message.NewMessage(fmt.Sprint("intx-", i), nil))
+			})
+		}()
+	}
+	wg.Wait()
+	if err := errors.Join(errs...); err != nil {
+		t.Fatal(err)
+	}
+	if n := len(rec.Messages("intx")); n != len(errs) {
+		t.Errorf("InTx sent %d, want %d", n, len(errs))
+	}
 }
 
 // TestDispatchFailsAndTheMoveFailsToo: the broker refuses the effects and moving them to rows
