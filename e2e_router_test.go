@@ -4,7 +4,6 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
-	"math/rand/v2"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -63,22 +62,7 @@ func TestE2ERouterSQLPubSub(t *testing.T) {
 
 	var handlerCalls, injected atomic.Int32
 	reserveStock := func(instance string, flaky bool) message.NoPublishHandlerFunc {
-		return func(msg *message.Message) error {
-			handlerCalls.Add(1)
-			ctx := msg.Context()
-			if _, err := outbox.Tx(ctx).ExecContext(ctx, `INSERT INTO reserved (message_id, instance) VALUES ($1, $2)`, msg.UUID, instance); err != nil {
-				return err
-			}
-			payload := []byte(fmt.Sprintf(`{"order":%q}`, msg.UUID))
-			if err := outbox.Publish(ctx, stockTopic, message.NewMessage(uuid.NewString(), payload)); err != nil {
-				return err
-			}
-			if flaky && rand.IntN(100) < failPercent {
-				injected.Add(1)
-				return routertest.ErrInjected
-			}
-			return nil
-		}
+		return routertest.ReserveStock(instance, stockTopic, flaky, failPercent, &handlerCalls, &injected)
 	}
 	groups := []string{"instance-a", "instance-b", "instance-c"}
 	for i, group := range groups {

@@ -2,7 +2,6 @@ package nats_test
 
 import (
 	"fmt"
-	"math/rand/v2"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -11,7 +10,6 @@ import (
 
 	wnats "github.com/ThreeDotsLabs/watermill-nats/v2/pkg/nats"
 	"github.com/ThreeDotsLabs/watermill/message"
-	"github.com/google/uuid"
 	"github.com/nats-io/nats-server/v2/server"
 	"github.com/nats-io/nats.go"
 
@@ -137,22 +135,9 @@ func TestE2ENATSJetStream(t *testing.T) {
 		ob := e.newOutbox(withPublisher(newPublisher(durable+"-outbox")), routertest.WithLogger(logs))
 		routertest.RunOutbox(t, ob)
 		r := routertest.NewRouter(t, logs)
-		r.AddConsumerHandler(consumer, ordersTopic, newSubscriber(durable), func(msg *message.Message) error {
-			handlerCalls.Add(1)
-			ctx := msg.Context()
-			if _, err := outbox.Tx(ctx).ExecContext(ctx, `INSERT INTO reserved (message_id, instance) VALUES ($1, $2)`, msg.UUID, durable); err != nil {
-				return err
-			}
-			payload := []byte(fmt.Sprintf(`{"order":%q}`, msg.UUID))
-			if err := outbox.Publish(ctx, stockTopic, message.NewMessage(uuid.NewString(), payload)); err != nil {
-				return err
-			}
-			if flaky && rand.IntN(100) < failPercent {
-				injected.Add(1)
-				return routertest.ErrInjected
-			}
-			return nil
-		}).AddMiddleware(countCopies(durable), middleware.New(ob))
+		r.AddConsumerHandler(consumer, ordersTopic, newSubscriber(durable),
+			routertest.ReserveStock(durable, stockTopic, flaky, failPercent, &handlerCalls, &injected)).
+			AddMiddleware(countCopies(durable), middleware.New(ob))
 		routertest.RunRouter(t, r)
 	}
 

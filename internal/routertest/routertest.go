@@ -11,6 +11,7 @@ import (
 	"math/rand/v2"
 	"sort"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -27,6 +28,29 @@ const Timeout = 60 * time.Second
 
 // ErrInjected is the failure the flaky handlers return after their business write.
 var ErrInjected = errors.New("injected failure after the business write")
+
+// ReserveStock is the end-to-end tests' consumer: it writes a row of the message into reserved
+// (message_id, instance) through the unit of work's transaction and records one message to topic;
+// when flaky, it then fails failPercent of the time with ErrInjected. calls and injected count
+// its runs and its injected failures.
+func ReserveStock(instance, topic string, flaky bool, failPercent int, calls, injected *atomic.Int32) message.NoPublishHandlerFunc {
+	return func(msg *message.Message) error {
+		calls.Add(1)
+		ctx := msg.Context()
+		if _, err := outbox.Tx(ctx).ExecContext(ctx, `INSERT INTO reserved (message_id, instance) VALUES ($1, $2)`, msg.UUID, instance); err != nil {
+			return err
+		}
+		payload := []byte(fmt.Sprintf(`{"order":%q}`, msg.UUID))
+		if err := outbox.Publish(ctx, topic, message.NewMessage(uuid.NewString(), payload)); err != nil {
+			return err
+		}
+		if flaky && rand.IntN(100) < failPercent {
+			injected.Add(1)
+			return ErrInjected
+		}
+		return nil
+	}
+}
 
 // MustEqual fails the test at once when got is not want.
 func MustEqual[T comparable](t testing.TB, what string, got, want T) {
