@@ -272,17 +272,9 @@ func duplicates(t *testing.T, open outboxtest.Opener) {
 	if dup.Err != nil || len(dup.Sent) != 0 {
 		t.Fatalf("duplicate: %+v", dup)
 	}
-	var wg sync.WaitGroup
-	errs := make([]error, 8)
-	for i := range errs {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			errs[i] = h.Ob.Handle(message.NewMessage("m2", nil), outbox.HandleParams{Consumer: "c", MessageID: "m2"}, consume(handler))
-		}()
-	}
-	wg.Wait()
-	if err := errors.Join(errs...); err != nil {
+	if err := concurrently(8, func(int) error {
+		return h.Ob.Handle(message.NewMessage("m2", nil), outbox.HandleParams{Consumer: "c", MessageID: "m2"}, consume(handler))
+	}); err != nil {
 		t.Fatal(err)
 	}
 	if n := count(t, h.DB, "m2"); n != 1 {
@@ -942,29 +934,13 @@ func edges(t *testing.T, mode outboxpgx.Concurrency, conns int32) {
 		if _, err := outboxpgx.Tx(ctx).Exec(ctx, `INSERT INTO applied (message_id) VALUES ($1)`, msg.UUID); err != nil {
 			return err
 		}
-		var wg sync.WaitGroup
-		errs := make([]error, 8)
-		for i := range errs {
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				errs[i] = outbox.Publish(ctx, "out", message.NewMessage(fmt.Sprintf("%s-%d", msg.UUID, i), nil))
-			}()
-		}
-		wg.Wait()
-		return errors.Join(errs...)
+		return concurrently(8, func(i int) error {
+			return outbox.Publish(ctx, "out", message.NewMessage(fmt.Sprintf("%s-%d", msg.UUID, i), nil))
+		})
 	})
-	var wg sync.WaitGroup
-	errs := make([]error, 4)
-	for i := range errs {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			errs[i] = ob.Handle(message.NewMessage("m", nil), outbox.HandleParams{Consumer: "c", MessageID: "m"}, fanOut)
-		}()
-	}
-	wg.Wait()
-	if err := errors.Join(errs...); err != nil {
+	if err := concurrently(4, func(int) error {
+		return ob.Handle(message.NewMessage("m", nil), outbox.HandleParams{Consumer: "c", MessageID: "m"}, fanOut)
+	}); err != nil {
 		t.Fatal(err)
 	}
 	ob.FlushMarks()
@@ -980,24 +956,18 @@ func edges(t *testing.T, mode outboxpgx.Concurrency, conns int32) {
 		t.Errorf("%d distinct messages sent, want 8", len(ids))
 	}
 	// InTx from several goroutines at once on the same pool: each commits and sends its own.
-	for i := range errs {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			errs[i] = outboxpgx.InTx(context.Background(), ob, func(ctx context.Context, tx pgx.Tx) error {
-				if _, err := tx.Exec(ctx, `INSERT INTO applied (message_id) VALUES ($1)`, fmt.Sprint("intx-", i)); err != nil {
-					return err
-				}
-				return outbox.Publish(ctx, "intx", message.NewMessage(fmt.Sprint("intx-", i), nil))
-			})
-		}()
-	}
-	wg.Wait()
-	if err := errors.Join(errs...); err != nil {
+	if err := concurrently(4, func(i int) error {
+		return outboxpgx.InTx(context.Background(), ob, func(ctx context.Context, tx pgx.Tx) error {
+			if _, err := tx.Exec(ctx, `INSERT INTO applied (message_id) VALUES ($1)`, fmt.Sprint("intx-", i)); err != nil {
+				return err
+			}
+			return outbox.Publish(ctx, "intx", message.NewMessage(fmt.Sprint("intx-", i), nil))
+		})
+	}); err != nil {
 		t.Fatal(err)
 	}
-	if n := len(rec.Messages("intx")); n != len(errs) {
-		t.Errorf("InTx sent %d, want %d", n, len(errs))
+	if n := len(rec.Messages("intx")); n != 4 {
+		t.Errorf("InTx sent %d, want 4", n)
 	}
 }
 
@@ -1085,17 +1055,9 @@ func TestJoinTxConcurrentPublish(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	var wg sync.WaitGroup
-	errs := make([]error, 8)
-	for i := range errs {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			errs[i] = outbox.Publish(jctx, "out", message.NewMessage(fmt.Sprint("j-", i), nil))
-		}()
-	}
-	wg.Wait()
-	if err := errors.Join(errs...); err != nil {
+	if err := concurrently(8, func(i int) error {
+		return outbox.Publish(jctx, "out", message.NewMessage(fmt.Sprint("j-", i), nil))
+	}); err != nil {
 		t.Fatal(err)
 	}
 	if err := tx.Commit(ctx); err != nil {
@@ -1105,4 +1067,19 @@ func TestJoinTxConcurrentPublish(t *testing.T) {
 	if n := len(rec.Messages("out")); n != 8 {
 		t.Errorf("sent %d, want 8", n)
 	}
+}
+
+// concurrently runs fn(0), ..., fn(n-1) in n goroutines at once and returns their errors joined.
+func concurrently(n int, fn func(i int) error) error {
+	var wg sync.WaitGroup
+	errs := make([]error, n)
+	for i := range errs {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			errs[i] = fn(i)
+		}()
+	}
+	wg.Wait()
+	return errors.Join(errs...)
 }
