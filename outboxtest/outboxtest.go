@@ -16,12 +16,14 @@
 package outboxtest
 
 import (
+	"cmp"
 	"context"
 	"database/sql"
 	"errors"
 	"fmt"
 	"maps"
 	"slices"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -228,7 +230,9 @@ func (h *Harness) Run(consumer string, msg *message.Message, handler message.Han
 	return res
 }
 
-// committedEffects reads every effect committed for the message, pending or dispatched.
+// committedEffects reads every effect committed for the message, pending or dispatched: effect
+// rows, dispatched rows kept for EffectRetention, and effects kept inline in the claim (the pgx
+// form's optimistic mode), in the order they were recorded.
 func (h *Harness) committedEffects(consumer, id string) []Effect {
 	h.t.Helper()
 	cfg := h.Ob.Config()
@@ -240,29 +244,54 @@ func (h *Harness) committedEffects(consumer, id string) []Effect {
 	if err != nil {
 		h.t.Fatalf("outboxtest: %v", err)
 	}
-	rows, err := h.DB.Query(`SELECT kind, topic, uuid, payload, ordering_key, id FROM `+n.Effects+` WHERE source_consumer = $1 AND source_id = $2
-		UNION ALL SELECT kind, topic, uuid, payload, ordering_key, id FROM `+n.Dispatched+` WHERE source_consumer = $1 AND source_id = $2
-		ORDER BY id`, consumer, id)
+	rows, err := h.DB.Query(`SELECT seq, kind, topic, uuid, payload, ordering_key FROM `+n.Effects+` WHERE source_consumer = $1 AND source_id = $2
+		UNION ALL SELECT seq, kind, topic, uuid, payload, ordering_key FROM `+n.Dispatched+` WHERE source_consumer = $1 AND source_id = $2`, consumer, id)
 	if err != nil {
 		h.t.Fatalf("outboxtest: read the committed effects: %v", err)
 	}
 	defer rows.Close()
-	var out []Effect
+	type seqEffect struct {
+		seq int
+		e   Effect
+	}
+	var all []seqEffect
 	for rows.Next() {
-		var e Effect
-		var storeID int64
-		if err := rows.Scan(&e.Kind, &e.Topic, &e.UUID, &e.Payload, &e.OrderingKey, &storeID); err != nil {
+		var se seqEffect
+		e := &se.e
+		if err := rows.Scan(&se.seq, &e.Kind, &e.Topic, &e.UUID, &e.Payload, &e.OrderingKey); err != nil {
 			h.t.Fatalf("outboxtest: %v", err)
 		}
-		out = append(out, e)
+		all = append(all, se)
 	}
 	if err := rows.Err(); err != nil {
 		h.t.Fatalf("outboxtest: %v", err)
 	}
-	// Metadata as sent: the wire copy carries it.
+	var blob []byte
+	switch err := h.DB.QueryRow(`SELECT effects FROM `+n.Processed+` WHERE consumer = $1 AND message_id = $2 AND effects IS NOT NULL`,
+		consumer, id).Scan(&blob); {
+	case errors.Is(err, sql.ErrNoRows):
+	case err != nil:
+		h.t.Fatalf("outboxtest: read the inline effects: %v", err)
+	default:
+		inline, err := store.DecodeEffects(blob, outbox.Source{Consumer: consumer, ID: id})
+		if err != nil {
+			h.t.Fatalf("outboxtest: decode the inline effects of %q for %q: %v", id, consumer, err)
+		}
+		for _, e := range inline {
+			all = append(all, seqEffect{seq: e.Seq, e: Effect{Kind: e.Kind, Topic: e.Topic, UUID: e.UUID, Payload: e.Payload,
+				Metadata: e.Metadata, OrderingKey: e.OrderingKey}})
+		}
+	}
+	slices.SortStableFunc(all, func(a, b seqEffect) int { return a.seq - b.seq })
+	out := make([]Effect, len(all))
+	for i, se := range all {
+		out[i] = se.e
+	}
+	// Metadata as sent: the wire copy carries it. One message may go to several topics, so the
+	// copy is the one on the effect's topic.
 	for i := range out {
 		for _, s := range h.Pub.All() {
-			if s.Message.UUID == out[i].UUID {
+			if s.Topic == out[i].Topic && s.Message.UUID == out[i].UUID {
 				out[i].Metadata = maps.Clone(map[string]string(s.Message.Metadata))
 				break
 			}
@@ -310,8 +339,9 @@ var errCrash = errors.New("outboxtest: crash")
 // the handler, the commit, a publish, the mark), then Copies copies are delivered at the same
 // moment, then one more later, and the relay runs until nothing is pending. The subtest fails
 // with a report if the business change did not happen exactly once, a committed side effect
-// never reached the Publisher, or something reached it under a UUID that was never committed (a
-// second ID for one effect, or an effect of a rolled-back attempt).
+// never reached the Publisher on its topic, or something reached a topic under a UUID that was
+// never committed to it (a second ID for one effect, or an effect of a rolled-back attempt). An
+// effect is a (topic, UUID): one message published to two topics is two effects, each checked.
 func (c CrashMatrix) Run(t *testing.T) {
 	t.Helper()
 	if c.Handler == nil || c.Applied == nil || len(c.Messages) == 0 || c.Consumer == "" {
@@ -406,22 +436,30 @@ func (c CrashMatrix) scenario(t testing.TB, msg *message.Message, point string, 
 	if n != 1 {
 		fail("the business change of %s happened %d times, want exactly once", msg.UUID, n)
 	}
-	committed := map[string]bool{}
+	// An effect is a message on a topic: one message (one UUID) may go to several topics, and
+	// each copy must reach its own.
+	type onTopic struct{ topic, uuid string }
+	committed := map[onTopic]bool{}
 	for _, e := range later.Effects {
-		committed[e.UUID] = true
+		if e.Kind == outbox.KindPublish {
+			committed[onTopic{e.Topic, e.UUID}] = true
+		}
 	}
-	onWire := map[string]int{}
+	onWire := map[onTopic]int{}
 	for _, s := range h.Pub.All() {
-		onWire[s.Message.UUID]++
+		onWire[onTopic{s.Topic, s.Message.UUID}]++
 	}
 	for _, e := range later.Effects {
-		if e.Kind == outbox.KindPublish && onWire[e.UUID] == 0 {
+		if e.Kind == outbox.KindPublish && onWire[onTopic{e.Topic, e.UUID}] == 0 {
 			fail("side effect %s to %q was committed but never sent (lost)", e.UUID, e.Topic)
 		}
 	}
-	for _, id := range slices.Sorted(maps.Keys(onWire)) {
-		if !committed[id] {
-			fail("message %s was sent but never committed: a second ID for an effect, or an effect of a rolled-back attempt", id)
+	sent := slices.SortedFunc(maps.Keys(onWire), func(a, b onTopic) int {
+		return cmp.Or(strings.Compare(a.topic, b.topic), strings.Compare(a.uuid, b.uuid))
+	})
+	for _, k := range sent {
+		if !committed[k] {
+			fail("message %s was sent to %q but never committed to it: a second ID for an effect, or an effect of a rolled-back attempt", k.uuid, k.topic)
 		}
 	}
 	if idleErr != nil {
