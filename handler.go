@@ -410,8 +410,9 @@ func (o *Outbox) redeliver(ctx context.Context, src Source, claim outboxdriver.C
 	if parked > 0 && len(pending) == 0 {
 		o.logger.Info("Duplicate message acked; its undispatched side effects are parked (see Outbox.ParkedEffects)", fields)
 	}
-	if len(pending) == 0 || o.marks.sent(pending) {
-		// Nothing pending, or this process sent them and their mark is still being written.
+	// What this process sent and whose mark is still being written is not pending: a
+	// redelivery right after a partial failure must send only what did not go out.
+	if pending = o.marks.unsent(pending); len(pending) == 0 {
 		return nil
 	}
 	if wait := o.duplicateWait(src, claim, pending); wait > 0 {
@@ -511,19 +512,30 @@ func (o *Outbox) materialize(ctx context.Context, src Source, effects []Effect, 
 	if err != nil {
 		return nil, fmt.Errorf("outbox: move the inline side effects of %q for %q to the relay: %w", src.ID, src.Consumer, err)
 	}
-	byUUID := make(map[string]Effect, len(rows))
+	// An effect is its source's seq-th record: one message (one UUID) may go to several topics.
+	byPos := make(map[effectPos]Effect, len(rows))
 	for _, r := range rows {
-		byUUID[r.UUID] = r
+		byPos[posOf(r)] = r
 	}
 	out := make([]Effect, 0, len(effects))
 	for _, e := range effects {
-		if r, ok := byUUID[e.UUID]; ok {
+		if r, ok := byPos[posOf(e)]; ok {
 			r.StoredAt = e.StoredAt
 			out = append(out, r)
 		}
 	}
 	return out, nil
 }
+
+// effectPos identifies an effect wherever it is kept (inline in its claim, or as a row): its
+// source and its position among the source's records. The UUID does not: one message may be
+// published to several topics.
+type effectPos struct {
+	src Source
+	seq int
+}
+
+func posOf(e Effect) effectPos { return effectPos{e.Source, e.Seq} }
 
 // awaitDispatch polls the pending effects of src until none are left, a failed dispatch of them
 // is recorded, or wait has passed, and returns what is still pending.
@@ -540,7 +552,7 @@ func (o *Outbox) awaitDispatch(ctx context.Context, src Source, wait time.Durati
 		if err != nil {
 			return nil, err
 		}
-		if len(pending) == 0 || o.marks.sent(pending) {
+		if pending = o.marks.unsent(pending); len(pending) == 0 {
 			return nil, nil
 		}
 		if !time.Now().Before(deadline) || o.failedHere.contains(src) || slices.ContainsFunc(pending, func(e Effect) bool { return e.Failures > 0 }) {

@@ -146,19 +146,6 @@ func (m *marker) write(batch []outboxdriver.DispatchMark) {
 	}
 }
 
-// sent tells whether this process sent every one of effects and has not written their mark yet:
-// a duplicate that finds them pending then knows they were sent.
-func (m *marker) sent(effects []Effect) bool {
-	m.mu.Lock()
-	defer m.mu.Unlock()
-	for _, e := range effects {
-		if !m.isQueued(e) {
-			return false
-		}
-	}
-	return len(effects) > 0
-}
-
 // unsent returns those of effects whose mark is not queued here: what this process has not sent
 // (or whose mark is written already).
 func (m *marker) unsent(effects []Effect) []Effect {

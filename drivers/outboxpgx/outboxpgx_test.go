@@ -20,6 +20,7 @@ import (
 
 	"github.com/watermill-outbox/outbox"
 	"github.com/watermill-outbox/outbox/drivers/outboxpgx"
+	"github.com/watermill-outbox/outbox/drivers/postgres"
 	"github.com/watermill-outbox/outbox/internal/logtest"
 	"github.com/watermill-outbox/outbox/internal/pgtest"
 	"github.com/watermill-outbox/outbox/outboxdriver"
@@ -162,12 +163,40 @@ func TestCrashMatrix(t *testing.T) {
 	}
 }
 
-func crashMatrix(t *testing.T, open outboxtest.Opener) {
+func crashMatrix(t *testing.T, open outboxtest.Opener) { crashMatrixOf(t, open, handler) }
+
+// TestCrashMatrixOneMessageTwoTopics: a handler that publishes one message (one UUID) to two
+// topics. A crash after the first topic's publish must not leave the second topic's copy
+// marked sent and never sent.
+func TestCrashMatrixOneMessageTwoTopics(t *testing.T) {
+	for name, mode := range modes {
+		t.Run(name, func(t *testing.T) { crashMatrixOf(t, form(mode), twoTopics) })
+	}
+}
+
+// twoTopics is handler with the same message published to "out" and to "audit", in either
+// form (a *sql.Tx or a pgx.Tx).
+func twoTopics(msg *message.Message) error {
+	ctx := msg.Context()
+	if tx, ok := outbox.TxOK(ctx); ok {
+		if _, err := tx.ExecContext(ctx, `INSERT INTO applied (message_id) VALUES ($1)`, msg.UUID); err != nil {
+			return err
+		}
+		if err := outbox.Publish(ctx, "out", message.NewMessage("out-"+msg.UUID, msg.Payload)); err != nil {
+			return err
+		}
+	} else if err := handler(msg); err != nil {
+		return err
+	}
+	return outbox.Publish(ctx, "audit", message.NewMessage("out-"+msg.UUID, msg.Payload))
+}
+
+func crashMatrixOf(t *testing.T, open outboxtest.Opener, h func(*message.Message) error) {
 	outboxtest.CrashMatrix{
 		Consumer: "inventory",
 		Open:     open,
 		Handler: func(*sql.DB) message.HandlerFunc {
-			return func(m *message.Message) ([]*message.Message, error) { return nil, handler(m) }
+			return func(m *message.Message) ([]*message.Message, error) { return nil, h(m) }
 		},
 		Messages: []*message.Message{message.NewMessage("order-1", []byte(`{}`))},
 		Setup:    setup,
@@ -1082,4 +1111,132 @@ func concurrently(n int, fn func(i int) error) error {
 	}
 	wg.Wait()
 	return errors.Join(errs...)
+}
+
+// refusingTopic is a Publisher that refuses every message to one topic while refuse is set, and
+// hands the rest to rec.
+type refusingTopic struct {
+	rec    *outboxtest.Recorder
+	topic  string
+	refuse atomic.Bool
+}
+
+func (p *refusingTopic) Publish(topic string, msgs ...*message.Message) error {
+	if topic == p.topic && p.refuse.Load() {
+		return fmt.Errorf("topic %q refuses messages", topic)
+	}
+	return p.rec.Publish(topic, msgs...)
+}
+
+func (p *refusingTopic) Close() error { return nil }
+
+// sqlForm is the outboxtest.Opener of the database/sql form (lib/pq), its DB closed in t.Cleanup.
+func sqlForm(t testing.TB, dsn string, cfg outbox.Config) (*outbox.Outbox, error) {
+	db, err := sql.Open("postgres", dsn)
+	if err != nil {
+		return nil, err
+	}
+	t.Cleanup(func() { _ = db.Close() })
+	cfg.DB, cfg.Driver = db, postgres.Driver{}
+	return outbox.New(cfg)
+}
+
+// TestOneMessageToTwoTopics: a handler publishes one message (one UUID) to two topics, and one
+// topic refuses it: at the commit's dispatch, or at the redelivery's after a crash between
+// commit and dispatch. Once the topic takes messages again, the redelivery and the relay get
+// each topic its copy exactly once, under the same UUID, in every form.
+func TestOneMessageToTwoTopics(t *testing.T) {
+	forms := map[string]outboxtest.Opener{"database-sql": sqlForm, "optimistic": form(outboxpgx.Optimistic),
+		"pessimistic": form(outboxpgx.Pessimistic)}
+	for name, open := range forms {
+		for _, crash := range []bool{false, true} {
+			for _, refused := range []string{"out", "audit"} {
+				sub := name + "/refused-at-commit/" + refused
+				if crash {
+					sub = name + "/crash-then-refused-at-redelivery/" + refused
+				}
+				t.Run(sub, func(t *testing.T) { oneMessageTwoTopics(t, open, crash, refused) })
+			}
+		}
+	}
+}
+
+func oneMessageTwoTopics(t *testing.T, open outboxtest.Opener, crashAfterCommit bool, refused string) {
+	ctx := context.Background()
+	dsn := outboxtest.DSN(t)
+	db, err := sql.Open("postgres", dsn)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = db.Close() })
+	if err := setup(ctx, db); err != nil {
+		t.Fatal(err)
+	}
+	rec := &outboxtest.Recorder{}
+	pub := &refusingTopic{rec: rec, topic: refused}
+	crash := errors.New("crash")
+	var armed atomic.Bool
+	armed.Store(crashAfterCommit)
+	ob, err := open(t, dsn, outbox.Config{Publisher: pub, RetryDelay: -1, DuplicateWait: 20 * time.Millisecond,
+		RelayGrace: 50 * time.Millisecond, RelayInterval: 20 * time.Millisecond, RelayMaxAttempts: 100,
+		Failpoint: func(_ context.Context, point string) error {
+			if point == outbox.FailpointAfterCommit && armed.CompareAndSwap(true, false) {
+				return crash
+			}
+			return nil
+		}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := ob.Migrate(ctx); err != nil {
+		t.Fatal(err)
+	}
+	handle := func() error {
+		return ob.Handle(message.NewMessage("m", nil), outbox.HandleParams{Consumer: "c", MessageID: "m"}, consume(twoTopics))
+	}
+
+	pub.refuse.Store(true)
+	if crashAfterCommit {
+		if err := handle(); !errors.Is(err, crash) {
+			t.Fatalf("crash after commit: %v", err)
+		}
+	}
+	if err := handle(); !errors.Is(err, outbox.ErrDispatchFailed) {
+		t.Fatalf("dispatch with %q refusing: %v", pub.topic, err)
+	}
+	// Redelivered at once: the mark of what went out may still be on its way.
+	pub.refuse.Store(false)
+	if err := handle(); err != nil {
+		t.Fatalf("redelivery: %v", err)
+	}
+	runCtx, stop := context.WithCancel(ctx)
+	done := make(chan error, 1)
+	go func() { done <- ob.Run(runCtx) }()
+	waitCtx, cancel := context.WithTimeout(ctx, 20*time.Second)
+	idleErr := ob.WaitIdle(waitCtx)
+	cancel()
+	stop()
+	if err := <-done; err != nil && !errors.Is(err, context.Canceled) {
+		t.Errorf("run: %v", err)
+	}
+	if idleErr != nil {
+		t.Error(idleErr)
+	}
+	var inline int
+	if err := db.QueryRow(`SELECT count(*) FROM outbox_processed WHERE effects IS NOT NULL`).Scan(&inline); err != nil || inline != 0 {
+		t.Errorf("%d claims still hold inline effects (%v)", inline, err)
+	}
+	for _, topic := range []string{"out", "audit"} {
+		got := rec.Messages(topic)
+		if len(got) != 1 || got[0].UUID != "out-m" {
+			var ids []string
+			for _, m := range got {
+				ids = append(ids, m.UUID)
+			}
+			t.Errorf("%q received %v, want out-m exactly once", topic, ids)
+		}
+	}
+	if n := count(t, db, "m"); n != 1 {
+		t.Errorf("applied %d times, want once", n)
+	}
 }
