@@ -225,9 +225,11 @@ func queries(n store.Names, deleteDispatched bool) store.Queries {
 			}
 			return `WITH ` + takeEffects(markWhere) + ` ` + moveClaims + ` AND ` + asyncCommit
 		},
+		// A failure recorded without parking (by a path that tried the effect as the relay parked
+		// it) leaves a parked effect parked, since it was first parked.
 		EffectRecordFailure: `UPDATE ` + n.Effects + ` SET failures = failures + 1, failed_at = now(), last_error = $2,
 			attempts = attempts + CASE WHEN $3::boolean THEN 1 ELSE 0 END,
-			next_attempt_at = now() + ` + ms("$5") + `, parked_at = CASE WHEN $4::boolean THEN now() END
+			next_attempt_at = now() + ` + ms("$5") + `, parked_at = CASE WHEN $4::boolean THEN coalesce(parked_at, now()) ELSE parked_at END
 			WHERE id = $1 AND dispatched_at IS NULL`,
 		EffectRelease: `UPDATE ` + n.Effects + ` e SET next_attempt_at = now() + ` + ms("$2") + ` FROM ` + ids("$1") + `
 			WHERE e.id = v.id AND e.dispatched_at IS NULL AND e.parked_at IS NULL`,

@@ -161,7 +161,7 @@ func queries(n store.Names) store.Queries {
 		},
 		EffectRecordFailure: `UPDATE ` + n.Effects + ` SET failures = failures + 1, failed_at = ` + now + `, last_error = ?2,
 			attempts = attempts + CASE WHEN ?3 THEN 1 ELSE 0 END,
-			next_attempt_at = ` + fromNow("?5") + `, parked_at = CASE WHEN ?4 THEN ` + now + ` END
+			next_attempt_at = ` + fromNow("?5") + `, parked_at = CASE WHEN ?4 THEN coalesce(parked_at, ` + now + `) ELSE parked_at END
 			WHERE id = ?1 AND dispatched_at IS NULL`,
 		EffectRelease: `UPDATE ` + n.Effects + ` SET next_attempt_at = ` + fromNow("?2") + `
 			WHERE id IN ` + ids("?1") + ` AND dispatched_at IS NULL AND parked_at IS NULL`,

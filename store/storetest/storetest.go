@@ -108,6 +108,7 @@ func Run(t *testing.T, newHarness func(t *testing.T) Harness) {
 		{"EffectRecordFailures/Delay", testRecordFailuresDelay},
 		{"EffectRecordFailures/CountedAndParked", testRecordFailuresCountedAndParked},
 		{"EffectRecordFailures/Release", testRecordFailuresRelease},
+		{"EffectRecordFailures/ParkedStaysParked", testRecordFailuresKeepParked},
 		{"EffectHandToRelay", testHandToRelay},
 		{"EffectKeyBlocked", testKeyBlocked},
 		{"EffectClaimDue/Grace", testRelayGrace},
@@ -1147,6 +1148,34 @@ func testRecordFailuresCountedAndParked(f *fixture) {
 	f.age("effects", "created_at", outboxdriver.Source{}, 2*time.Hour)
 	if got := f.relay(due, sent); len(got) != 0 {
 		f.t.Fatalf("relayed behind a parked effect: %v", uuids(got))
+	}
+}
+
+// testRecordFailuresKeepParked: a failure recorded without parking, by a path that tried the
+// effect while the relay parked it (a redelivery, another relay whose lease ran out), leaves it
+// parked, since the time it was first parked.
+func testRecordFailuresKeepParked(f *fixture) {
+	src := f.src("m1")
+	es := f.effects(src, "k", 1)
+	f.commit(src, true, es)
+	f.recordFailures(outboxdriver.EffectFailure{StoreID: es[0].StoreID, Reason: "refused", Counted: true, Park: true})
+	first := f.parked(10)
+	if len(first) != 1 {
+		f.t.Fatalf("parked effects after parking one: %+v", first)
+	}
+	time.Sleep(20 * time.Millisecond) // a second park must not move parked_at
+	f.recordFailures(outboxdriver.EffectFailure{StoreID: es[0].StoreID, Reason: "refused elsewhere", Counted: true})
+	if got := f.pending(src); len(got) != 1 || !got[0].Parked {
+		f.t.Fatalf("a failure recorded without parking un-parked the effect: %+v", got)
+	}
+	f.recordFailures(outboxdriver.EffectFailure{StoreID: es[0].StoreID, Reason: "refused once more", Counted: true, Park: true})
+	parked := f.parked(10)
+	if len(parked) != 1 || !parked[0].ParkedAt.Equal(first[0].ParkedAt) {
+		f.t.Fatalf("parked effects after two more failures: %+v, want the one parked at %s", parked, first[0].ParkedAt)
+	}
+	f.age("effects", "created_at", outboxdriver.Source{}, 2*time.Hour)
+	if got := f.relay(due, sent); len(got) != 0 {
+		f.t.Fatalf("a parked effect was relayed: %v", uuids(got))
 	}
 }
 
