@@ -27,9 +27,30 @@ type Ops struct {
 	st outboxdriver.Store
 }
 
-// Open returns the Ops of the tables in schema (empty: "public") with prefix (empty: "outbox_").
-// It does no I/O.
+// Options say which tables an Ops works on, and how the service that uses them keeps what it
+// dispatched.
+type Options struct {
+	// Schema of the tables (empty: "public").
+	Schema string
+	// Prefix of the tables (empty: "outbox_").
+	Prefix string
+	// DeleteDispatched says that the service keeps no dispatched effects (its
+	// Config.EffectRetention is zero): a discarded effect is then deleted, as the service's
+	// Outbox.DiscardParked deletes it. When false (the default, and the safe one when the
+	// service's configuration is unknown) a discarded effect is kept in the dispatched table,
+	// noted as discarded, until a cleanup with the service's EffectRetention deletes it.
+	DeleteDispatched bool
+}
+
+// Open returns the Ops of the tables in schema (empty: "public") with prefix (empty: "outbox_"),
+// keeping discarded effects (see Options.DeleteDispatched). It does no I/O.
 func Open(db *sql.DB, schema, prefix string) (*Ops, error) {
+	return OpenWith(db, Options{Schema: schema, Prefix: prefix})
+}
+
+// OpenWith returns the Ops of the tables opt names. It does no I/O.
+func OpenWith(db *sql.DB, opt Options) (*Ops, error) {
+	schema, prefix := opt.Schema, opt.Prefix
 	if schema == "" {
 		schema = postgres.DefaultSchema
 	}
@@ -40,7 +61,7 @@ func Open(db *sql.DB, schema, prefix string) (*Ops, error) {
 	if err != nil {
 		return nil, fmt.Errorf("ops: %w", err)
 	}
-	st, err := postgres.Driver{}.Open(db, outboxdriver.StoreOptions{Schema: schema, TablePrefix: prefix, DeleteDispatched: true})
+	st, err := postgres.Driver{}.Open(db, outboxdriver.StoreOptions{Schema: schema, TablePrefix: prefix, DeleteDispatched: opt.DeleteDispatched})
 	if err != nil {
 		return nil, fmt.Errorf("ops: %w", err)
 	}
@@ -329,7 +350,8 @@ func (o *Ops) RetryParked(ctx context.Context, f ParkedFilter, opt RepairOptions
 }
 
 // DiscardParked gives up the parked effects f selects for good (marked dispatched without being
-// sent; the later effects of their ordering keys go on), in batches, audited.
+// sent; the later effects of their ordering keys go on), in batches, audited. They are kept in
+// the dispatched table, noted as discarded, unless Options.DeleteDispatched.
 func (o *Ops) DiscardParked(ctx context.Context, f ParkedFilter, opt RepairOptions) (Change, error) {
 	return o.repair(ctx, "discard", f, opt, o.st.EffectDiscard)
 }
@@ -578,8 +600,9 @@ func idList(ids []int64) string {
 	return strings.Join(parts, ",")
 }
 
-// ForOutbox returns the Ops of the tables an Outbox works on (PostgreSQL).
+// ForOutbox returns the Ops of the tables an Outbox works on (PostgreSQL), which discards
+// effects as the Outbox does: kept with its EffectRetention, deleted without.
 func ForOutbox(ob *outbox.Outbox) (*Ops, error) {
 	cfg := ob.Config()
-	return Open(cfg.DB, cfg.Schema, cfg.TablePrefix)
+	return OpenWith(cfg.DB, Options{Schema: cfg.Schema, Prefix: cfg.TablePrefix, DeleteDispatched: cfg.EffectRetention == 0})
 }

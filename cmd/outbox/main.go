@@ -2,7 +2,7 @@
 // running service:
 //
 //	outbox [global flags] status
-//	outbox [global flags] parked list|groups|retry|discard [-id N]... [-topic T] [-consumer C] [-older-than D] [-error TEXT] [-dry-run] [-batch N]
+//	outbox [global flags] parked list|groups|retry|discard [-id N]... [-topic T] [-consumer C] [-older-than D] [-error TEXT] [-dry-run] [-batch N] [-effect-retention D]
 //	outbox [global flags] failing list [-consumer C]
 //	outbox [global flags] replay [-dry-run] CONSUMER MESSAGE_ID
 //	outbox [global flags] lookup CONSUMER MESSAGE_ID
@@ -52,12 +52,15 @@ const usage = `usage: outbox [-dsn DSN] [-schema S] [-prefix P] [-o text|json] [
 commands:
   status                                  pending, parked, failing, retained, cleanup lag, recent changes
   parked list|groups|retry|discard        parked effects (filters: -id N (repeatable) -topic T -consumer C
-                                          -older-than D -error TEXT; -dry-run; -batch N)
+                                          -older-than D -error TEXT; -dry-run; -batch N); discard keeps
+                                          them, noted as discarded, unless -effect-retention 0
   failing list [-consumer C]              messages whose handler failed and that were not processed
   replay [-dry-run] CONSUMER MESSAGE_ID   let a poisoned message run again on its next delivery
   lookup CONSUMER MESSAGE_ID              was it processed, when, what did it send, what is pending
   migrate up|status|sql                   apply the migrations, show them, or print their SQL
-  cleanup [-retention D]                  one retention cleanup pass now, with progress
+  cleanup [-retention D] [-effect-retention D]
+                                          one retention cleanup pass now, with progress; dispatched
+                                          effects are kept for -effect-retention (default: -retention)
 `
 
 func run(ctx context.Context, args []string, stdout, stderr io.Writer, getenv func(string) string) int {
@@ -131,7 +134,7 @@ func runErr(ctx context.Context, args []string, stdout io.Writer, getenv func(st
 	case "status":
 		return status(ctx, o, rest, out)
 	case "parked":
-		return parked(ctx, o, g, rest, out)
+		return parked(ctx, o, db, g, rest, out)
 	case "failing":
 		return failing(ctx, o, rest, out)
 	case "replay":
@@ -235,7 +238,14 @@ func (f *idFlags) Set(s string) error {
 	return nil
 }
 
-func parked(ctx context.Context, o *ops.Ops, g globals, args []string, out printer) error {
+// set tells whether the flag name was given on the command line.
+func set(fs *flag.FlagSet, name string) bool {
+	found := false
+	fs.Visit(func(f *flag.Flag) { found = found || f.Name == name })
+	return found
+}
+
+func parked(ctx context.Context, o *ops.Ops, db *sql.DB, g globals, args []string, out printer) error {
 	if len(args) == 0 {
 		return usageError{"parked: want list, groups, retry or discard"}
 	}
@@ -252,10 +262,18 @@ func parked(ctx context.Context, o *ops.Ops, g globals, args []string, out print
 	fs.IntVar(&f.Limit, "limit", 1000, "at most this many effects")
 	dryRun := fs.Bool("dry-run", false, "say what would change, change nothing")
 	batch := fs.Int("batch", 500, "effects changed per batch")
+	effectRetention := fs.Duration("effect-retention", 0,
+		"the service's Config.EffectRetention: 0 deletes discarded effects, as that service does; unset: they are kept, noted as discarded, until cleanup")
 	if err := fs.Parse(args[1:]); err != nil {
 		return usageError{err.Error()}
 	}
 	f.IDs = ids
+	if sub == "discard" && set(fs, "effect-retention") && *effectRetention == 0 {
+		var err error
+		if o, err = ops.OpenWith(db, ops.Options{Schema: g.schema, Prefix: g.prefix, DeleteDispatched: true}); err != nil {
+			return usageError{err.Error()}
+		}
+	}
 	switch sub {
 	case "list":
 		list, err := o.ParkedEffects(ctx, f)
@@ -491,13 +509,18 @@ func cleanup(ctx context.Context, o *ops.Ops, args []string, out printer) error 
 	fs := flag.NewFlagSet("cleanup", flag.ContinueOnError)
 	fs.SetOutput(io.Discard)
 	retention := fs.Duration("retention", 7*24*time.Hour, "the service's Config.Retention")
-	effectRetention := fs.Duration("effect-retention", 0, "the service's Config.EffectRetention")
+	effectRetention := fs.Duration("effect-retention", 0, "the service's Config.EffectRetention (default: -retention)")
 	batch := fs.Int("batch", 1000, "rows per batch")
 	if err := fs.Parse(args); err != nil {
 		return usageError{err.Error()}
 	}
+	if !set(fs, "effect-retention") {
+		// Not told how long the service keeps what it dispatched: keep it as long as the claims,
+		// never shorter than the service would. Deleting young effects takes an explicit value.
+		*effectRetention = *retention
+	}
 	if !out.json {
-		fmt.Fprintf(out.w, "cleaning (retention %s)...\n", *retention)
+		fmt.Fprintf(out.w, "cleaning (retention %s, dispatched effects %s)...\n", *retention, *effectRetention)
 	}
 	res, err := o.Store().Cleanup(ctx, outboxdriver.CleanupParams{Retention: *retention, EffectRetention: *effectRetention,
 		BatchSize: *batch, PauseBetweenBatches: 20 * time.Millisecond, PauseFactor: 2,

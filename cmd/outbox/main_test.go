@@ -304,3 +304,90 @@ func TestConcurrentRepairs(t *testing.T) {
 		t.Errorf("concurrent retries changed %d effects in all (%+v), want each of the 2 parked ones once", total, changes)
 	}
 }
+
+// kept returns how many effects of topic are kept in the dispatched table, noted as discarded.
+func (f *fixture) kept(t *testing.T, topic string) int {
+	t.Helper()
+	var n int
+	if err := f.db.QueryRow(`SELECT count(*) FROM outbox_dispatched WHERE topic = $1 AND last_error LIKE '%(discarded)'`, topic).Scan(&n); err != nil {
+		t.Fatal(err)
+	}
+	return n
+}
+
+// A discarded effect is kept as the service keeps dispatched effects: in the dispatched table,
+// noted as discarded, unless told that the service keeps none (-effect-retention 0). Not knowing
+// the service's EffectRetention, the command keeps it: the service's cleanup deletes it in time.
+func TestDiscardKeepsTheEffectAsTheServiceDoes(t *testing.T) {
+	f := newFixture(t)
+	var ch ops.Change
+	f.jsonOf(t, &ch, "parked", "discard", "-topic", "receipts")
+	if ch.Changed != 1 {
+		t.Fatalf("discard: %+v", ch)
+	}
+	if n := f.kept(t, "receipts"); n != 1 {
+		t.Errorf("the discarded effect: %d kept, want 1 (marked discarded, as Outbox.DiscardParked keeps it)", n)
+	}
+	f.jsonOf(t, &ch, "parked", "discard", "-topic", "invoices", "-effect-retention", "0")
+	if ch.Changed != 1 {
+		t.Fatalf("discard with -effect-retention 0: %+v", ch)
+	}
+	if n := f.kept(t, "invoices"); n != 0 {
+		t.Errorf("discarded with -effect-retention 0: %d kept, want it deleted as that service deletes what it sends", n)
+	}
+}
+
+// ops.ForOutbox discards as the Outbox it is given would: kept with EffectRetention, deleted
+// without.
+func TestOpsForOutboxDiscardsAsTheService(t *testing.T) {
+	for _, keep := range []bool{true, false} {
+		t.Run(fmt.Sprint("keep=", keep), func(t *testing.T) {
+			f := newFixture(t)
+			cfg := f.ob.Config()
+			cfg.EffectRetention = 0
+			if keep {
+				cfg.EffectRetention = time.Hour
+			}
+			ob, err := outbox.New(cfg)
+			if err != nil {
+				t.Fatal(err)
+			}
+			o, err := ops.ForOutbox(ob)
+			if err != nil {
+				t.Fatal(err)
+			}
+			ch, err := o.DiscardParked(context.Background(), ops.ParkedFilter{Topic: "receipts"}, ops.RepairOptions{Actor: "alice"})
+			if err != nil || ch.Changed != 1 {
+				t.Fatalf("discard: %+v %v", ch, err)
+			}
+			want := map[bool]int{true: 1, false: 0}[keep]
+			if n := f.kept(t, "receipts"); n != want {
+				t.Errorf("EffectRetention %s: %d discarded effects kept, want %d", cfg.EffectRetention, n, want)
+			}
+		})
+	}
+}
+
+// cleanup -retention alone deletes no dispatched effect younger than the retention: one kept
+// for a service's EffectRetention is not deleted because the command was not told it.
+func TestCleanupKeepsYoungDispatchedEffects(t *testing.T) {
+	f := newFixture(t)
+	var before int
+	if err := f.db.QueryRow(`SELECT count(*) FROM outbox_dispatched`).Scan(&before); err != nil || before == 0 {
+		t.Fatalf("dispatched effects kept by the fixture: %d (%v)", before, err)
+	}
+	if _, err := f.db.Exec(`INSERT INTO outbox_dispatched (id, source_consumer, source_id, seq, kind, topic, uuid, payload, metadata,
+			ordering_key, created_at, dispatched_at, attempts, failures)
+		VALUES (1000000, 'billing', 'old', 0, '', 'ok', 'old-1', '', '', 'k', now() - interval '9 days', now() - interval '8 days', 0, 0)`); err != nil {
+		t.Fatal(err)
+	}
+	var res struct{ Effects int64 }
+	f.jsonOf(t, &res, "cleanup", "-retention", "168h")
+	if res.Effects != 1 {
+		t.Errorf("cleanup -retention 168h deleted %d dispatched effects, want only the one dispatched 8 days ago", res.Effects)
+	}
+	f.jsonOf(t, &res, "cleanup", "-retention", "168h", "-effect-retention", "0")
+	if res.Effects != int64(before) {
+		t.Errorf("cleanup -effect-retention 0 deleted %d dispatched effects, want all %d (asked for explicitly)", res.Effects, before)
+	}
+}
