@@ -184,6 +184,6 @@ func (o *Outbox) relayEach(ctx context.Context, effects []Effect, errs []error, 
 func (o *Outbox) relayFailed(e Effect, err error, failed map[string]bool) {
 	failed[e.OrderingKey] = true
 	o.logger.Error("Relay could not dispatch a side effect; it will be retried", err, watermill.LogFields{
-		"effect_uuid": e.UUID, "topic": e.Topic, "kind": e.Kind, "failures": e.Failures + 1,
+		"store_id": e.StoreID, "effect_uuid": e.UUID, "topic": e.Topic, "kind": e.Kind, "failures": e.Failures + 1,
 	})
 }
