@@ -248,3 +248,65 @@ func TestPublishOutsideAUnitOfWork(t *testing.T) {
 	outbox.Tx(context.Background())
 	t.Fatal("Tx outside a unit of work returned")
 }
+
+// refusingTopic refuses every message to one topic while refuse is set, and hands the rest on.
+type refusingTopic struct {
+	next   message.Publisher
+	topic  string
+	refuse atomic.Bool
+}
+
+func (p *refusingTopic) Publish(topic string, msgs ...*message.Message) error {
+	if topic == p.topic && p.refuse.Load() {
+		return fmt.Errorf("topic %q refuses messages", topic)
+	}
+	return p.next.Publish(topic, msgs...)
+}
+
+func (p *refusingTopic) Close() error { return nil }
+
+// TestOneMessageToTwoTopicsRedeliveredAtOnce: one message (one UUID) published to two topics,
+// the second refusing it; the redelivery comes at once, before the mark of what went out is
+// written. Each topic gets the message exactly once.
+func TestOneMessageToTwoTopicsRedeliveredAtOnce(t *testing.T) {
+	e := newEnv(t)
+	pub := &refusingTopic{next: e.pub, topic: "out_b"}
+	ob := e.newOutbox(func(c *outbox.Config) {
+		c.Publisher, c.RetryDelay = pub, -1
+		c.RelayGrace, c.RelayInterval, c.RelayMaxAttempts = 50*time.Millisecond, 20*time.Millisecond, 100
+	})
+	out := uuid.NewString()
+	h := func(msg *message.Message) ([]*message.Message, error) {
+		ctx := msg.Context()
+		if _, err := outbox.Tx(ctx).ExecContext(ctx, `INSERT INTO applied (message_id) VALUES ($1)`, msg.UUID); err != nil {
+			return nil, err
+		}
+		if err := outbox.Publish(ctx, "out_a", message.NewMessage(out, nil)); err != nil {
+			return nil, err
+		}
+		return nil, outbox.Publish(ctx, "out_b", message.NewMessage(out, nil))
+	}
+	msg := message.NewMessage(uuid.NewString(), nil)
+	pub.refuse.Store(true)
+	if err := handle(ob, msg, h); !errors.Is(err, outbox.ErrDispatchFailed) {
+		t.Fatalf("dispatch with out_b refusing: %v", err)
+	}
+	pub.refuse.Store(false)
+	if err := handle(ob, copyOf(msg), h); err != nil {
+		t.Fatalf("redelivery: %v", err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	runCtx, stop := context.WithCancel(ctx)
+	done := make(chan error, 1)
+	go func() { done <- ob.Run(runCtx) }()
+	idleErr := ob.WaitIdle(ctx)
+	stop()
+	<-done
+	if idleErr != nil {
+		t.Fatal(idleErr)
+	}
+	mustEqual(t, "copies on out_a", e.wire("out_a")[out], 1)
+	mustEqual(t, "copies on out_b", e.wire("out_b")[out], 1)
+	mustEqual(t, "business rows", e.count(`SELECT count(*) FROM applied WHERE message_id = $1`, msg.UUID), 1)
+}
