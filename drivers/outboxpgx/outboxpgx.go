@@ -30,7 +30,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"sync/atomic"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -123,29 +122,33 @@ func (d Driver) Open(db *sql.DB, opts outboxdriver.StoreOptions) (outboxdriver.S
 	if err != nil {
 		return nil, err
 	}
-	st := &pgxStore{Store: base, pool: d.Pool, names: names, optimistic: d.Concurrency == Optimistic,
-		deleteDispatched: opts.DeleteDispatched, onError: opts.OnError, q: newQueries(names, opts.DeleteDispatched)}
+	pg, ok := base.(postgresStore)
+	if !ok {
+		return nil, fmt.Errorf("outboxpgx: the postgres driver's Store (%T) does not handle inline effects", base)
+	}
+	st := &pgxStore{postgresStore: pg, pool: d.Pool, names: names, optimistic: d.Concurrency == Optimistic,
+		q: newQueries(names, opts.DeleteDispatched)}
 	if d.closeDB {
 		st.db = db
 	}
 	return st, nil
 }
 
+// postgresStore is the postgres driver's Store, which handles inline effects.
+type postgresStore interface {
+	outboxdriver.Store
+	outboxdriver.InlineStore
+}
+
 // pgxStore is the postgres driver's Store whose units of work run on pgx, with their effects
 // inline in the claim in the optimistic mode.
 type pgxStore struct {
-	outboxdriver.Store
+	postgresStore
 	db         *sql.DB // closed with the Store, when New opened it
 	pool       *pgxpool.Pool
 	names      store.Names
 	optimistic bool
-	// deleteDispatched: sent effects are not kept (EffectRetention 0), so inline ones are cleared
-	// from their claim; otherwise they move to the dispatched table.
-	deleteDispatched bool
-	onError          func(what string, err error) // StoreOptions.OnError
-	q                queries
-
-	lastSweep atomic.Int64 // UnixNano of the last sweep of inline effects left behind
+	q          queries
 }
 
 var (
@@ -156,7 +159,7 @@ var (
 // Close closes the prepared statements and the database/sql handle New opened.
 func (s *pgxStore) Close() error {
 	var errs []error
-	if c, ok := s.Store.(io.Closer); ok {
+	if c, ok := s.postgresStore.(io.Closer); ok {
 		errs = append(errs, c.Close())
 	}
 	if s.db != nil {

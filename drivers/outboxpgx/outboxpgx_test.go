@@ -730,10 +730,6 @@ func TestInlineEffectsLeftBehind(t *testing.T) {
 	if res, err := ob.Cleanup(ctx); err != nil || res.Claims != 0 {
 		t.Fatalf("cleanup deleted %d claims (%v); the one with inline effects must stay", res.Claims, err)
 	}
-	// The sweep looks back from where it got to: pretend it got to now long ago.
-	if _, err := pool.Exec(ctx, `UPDATE outbox_stats SET swept_to = now() - interval '3 hours'`); err != nil {
-		t.Fatal(err)
-	}
 
 	rec.Fail(errors.New("broker down"))
 	if err := handle("failed"); !errors.Is(err, outbox.ErrDispatchFailed) {
@@ -852,8 +848,7 @@ func TestSweepSkipsLockedClaims(t *testing.T) {
 			t.Fatal("no crash")
 		}
 	}
-	if _, err := pool.Exec(ctx, `UPDATE outbox_processed SET processed_at = processed_at - interval '2 hours';
-		UPDATE outbox_stats SET swept_to = now() - interval '3 hours'`); err != nil {
+	if _, err := pool.Exec(ctx, `UPDATE outbox_processed SET processed_at = processed_at - interval '2 hours'`); err != nil {
 		t.Fatal(err)
 	}
 	lock, err := pool.Begin(ctx)

@@ -73,7 +73,11 @@ func (d Driver) Open(db *sql.DB, opts outboxdriver.StoreOptions) (outboxdriver.S
 	case d.Listener != nil:
 		dialect.Listen = func(ctx context.Context, wake func()) error { return d.Listener(ctx, channel, wake) }
 	}
-	return store.New(db, names, dialect)
+	st, err := store.New(db, names, dialect)
+	if err != nil {
+		return nil, err
+	}
+	return &inline{SQL: st, db: db, q: newInlineQueries(names), deleteDispatched: opts.DeleteDispatched, onError: opts.OnError}, nil
 }
 
 // Migrations returns the migrations of the outbox tables for schema (empty: DefaultSchema) and

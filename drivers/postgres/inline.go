@@ -1,0 +1,486 @@
+package postgres
+
+import (
+	"context"
+	"database/sql"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"sync/atomic"
+	"time"
+
+	"github.com/watermill-outbox/outbox/outboxdriver"
+	"github.com/watermill-outbox/outbox/store"
+)
+
+// Inline effects are side effects kept in their claim row (the effects column) until they are
+// sent: the pgx driver's optimistic mode writes them, one row per message. Every PostgreSQL
+// form, whatever it writes itself, reads them on the duplicate path, moves them to effect rows
+// when they have to be retried, marks them, and sweeps those left behind into rows for the
+// relay, so that any instance on the tables finishes what any other left.
+
+// sweepBatch bounds the claims one sweep transaction moves to effect rows.
+const sweepBatch = 500
+
+// sweepTimeout bounds one sweep: it waits for no lock (claims locked by others are left for the
+// next one), but the pool and the database may be slow.
+const sweepTimeout = 30 * time.Second
+
+// futureSlack is how far in the future, by the sweeping server's clock, a claim's time may be
+// and still count as young: further, it was written by another server's clock (before a
+// failover) or before the clock stepped back, and the sweep takes it as old rather than wait.
+const futureSlack = time.Second
+
+// inline is a PostgreSQL Store with the handling of inline effects (outboxdriver.InlineStore).
+type inline struct {
+	*store.SQL
+	db               *sql.DB
+	q                inlineQueries
+	deleteDispatched bool
+	onError          func(what string, err error)
+
+	lastSweep atomic.Int64 // UnixNano of the last sweep of inline effects left behind
+}
+
+var _ outboxdriver.InlineStore = (*inline)(nil)
+
+// inlineQueries are the statements on inline effects. A list of claims or of effects is one
+// JSON argument (json_to_recordset): one statement text whatever the count, and the same
+// arguments through lib/pq and pgx.
+type inlineQueries struct {
+	pending     string // (consumer, id) -> effect columns and the inline effects (see PendingQuery)
+	lock        string // (consumer, id) -> consumer, id, effects, age in ms: locked
+	materialize string // (effects as JSON): effect rows
+	archive     string // (effects as JSON): dispatched rows, for EffectRetention
+	clear       string // (claims as JSON): their inline effects moved
+	mark        string // (claims as JSON): their inline effects sent; committed asynchronously
+	take        string // (claims as JSON) -> consumer, id, effects, age in ms of the claims it cleared
+	leaseSource string // (consumer, id, lease ms): the pending rows of the source are not due before
+	sweepBegin  string // -> whether this sweep may run, snapshot xmin, snapshot xmax, watermark
+	sweep       string // (watermark, grace ms, slack ms, limit) -> consumer, id, effects, age in ms: locked
+	setAside    string // (claims as JSON): undecodable, no longer swept
+	sweepLeft   string // (watermark) -> the smallest inline_xid of the claims still holding effects
+	sweptTo     string // (watermark)
+}
+
+// age is the age in ms of claim p.
+const age = `(extract(epoch FROM now() - p.processed_at) * 1000)::bigint`
+
+// effectsRecordset reads the effects of $1 (inlineRow in JSON) in the order they were given.
+const effectsRecordset = `ROWS FROM (json_to_recordset($1::json) AS (c text, i text, s int, k text, t text, u text, pl text, md text, ok text, a bigint))
+	WITH ORDINALITY AS v(c, i, s, k, t, u, pl, md, ok, a, n)`
+
+// claimsRecordset reads the claims of $1 (claimKey in JSON).
+const claimsRecordset = `json_to_recordset($1::json) AS v(c text, i text)`
+
+func newInlineQueries(n store.Names) inlineQueries {
+	return inlineQueries{
+		pending: PendingQuery(n),
+		lock: `SELECT p.consumer, p.message_id, p.effects, ` + age + ` FROM ` + n.Processed + ` p
+			WHERE p.consumer = $1 AND p.message_id = $2 AND p.effects IS NOT NULL FOR UPDATE`,
+		// Moved effects are due as they would have been as rows: created when their claim was.
+		materialize: `INSERT INTO ` + n.Effects + ` (source_consumer, source_id, seq, kind, topic, uuid, payload, metadata, ordering_key, created_at)
+			SELECT c, i, s, k, t, u, decode(pl, 'base64'), decode(md, 'base64'), ok, now() - a * interval '1 millisecond'
+			FROM ` + effectsRecordset + ` ORDER BY n`,
+		archive: `INSERT INTO ` + n.Dispatched + ` (id, source_consumer, source_id, seq, kind, topic, uuid, payload, metadata, ordering_key,
+				created_at, dispatched_at, attempts, failures)
+			SELECT nextval(pg_get_serial_sequence('` + n.Effects + `', 'id')), c, i, s, k, t, u, decode(pl, 'base64'), decode(md, 'base64'), ok,
+				now() - a * interval '1 millisecond', now(), 0, 0
+			FROM ` + effectsRecordset + ` ORDER BY n`,
+		clear: `UPDATE ` + n.Processed + ` p SET effects = NULL FROM ` + claimsRecordset + `
+			WHERE p.consumer = v.c AND p.message_id = v.i`,
+		// effects is in no index, and inline_xid stays: a HOT update.
+		mark: `UPDATE ` + n.Processed + ` p SET effects = NULL FROM ` + claimsRecordset + `
+			WHERE p.consumer = v.c AND p.message_id = v.i AND p.effects IS NOT NULL AND ` + asyncCommit,
+		take: `WITH old AS (SELECT p.consumer, p.message_id, p.effects, ` + age + ` AS age FROM ` + n.Processed + ` p
+				JOIN ` + claimsRecordset + ` ON p.consumer = v.c AND p.message_id = v.i
+				WHERE p.effects IS NOT NULL FOR UPDATE OF p),
+			clr AS (UPDATE ` + n.Processed + ` p SET effects = NULL FROM old WHERE p.consumer = old.consumer AND p.message_id = old.message_id)
+			SELECT consumer, message_id, effects, age FROM old`,
+		leaseSource: `UPDATE ` + n.Effects + ` SET next_attempt_at = now() + $3 * interval '1 millisecond'
+			WHERE source_consumer = $1 AND source_id = $2 AND dispatched_at IS NULL AND parked_at IS NULL`,
+		// The first statement of the sweep's transaction: its snapshot is taken before the one
+		// that reads the claims, so that every transaction below its xmin has ended by then (a
+		// snapshot's xmin never decreases). One instance sweeps at a time; the others skip.
+		sweepBegin: `SELECT pg_try_advisory_xact_lock(` + fmt.Sprint(lockClass) + `, ` + lockKey(n, "sweep") + `),
+				pg_snapshot_xmin(s)::text::bigint, pg_snapshot_xmax(s)::text::bigint, st.swept_xid
+			FROM pg_current_snapshot() s, ` + n.Stats + ` st WHERE st.id = 1`,
+		// Grace decides when a claim's effects are taken from it, never whether: a claim whose
+		// time is in the future (another server's clock) counts as old. Moved effects count as at
+		// least grace old, so that the relay takes them at once.
+		sweep: `SELECT p.consumer, p.message_id, p.effects, greatest(` + age + `, $2::bigint) FROM ` + n.Processed + ` p
+			WHERE p.inline_xid >= $1::bigint AND p.effects IS NOT NULL
+			  AND (p.processed_at < now() - $2::bigint * interval '1 millisecond'
+			       OR p.processed_at > clock_timestamp() + $3::bigint * interval '1 millisecond')
+			ORDER BY p.inline_xid LIMIT $4 FOR UPDATE OF p SKIP LOCKED`,
+		setAside: `UPDATE ` + n.Processed + ` p SET inline_xid = NULL FROM ` + claimsRecordset + `
+			WHERE p.consumer = v.c AND p.message_id = v.i`,
+		sweepLeft: `SELECT min(inline_xid) FROM ` + n.Processed + ` WHERE inline_xid >= $1 AND effects IS NOT NULL`,
+		sweptTo:   `UPDATE ` + n.Stats + ` SET swept_xid = $1 WHERE id = 1`,
+	}
+}
+
+// PendingQuery returns the statement (consumer, id) that reads the pending effects of a source
+// in one round trip: its effect rows, in seq order, and then, in a row of its own, the inline
+// effects of its claim. Read its rows with ScanPending.
+func PendingQuery(n store.Names) string {
+	return `SELECT * FROM (
+			SELECT ` + effectColumns + `, NULL::bytea AS inline FROM ` + n.Effects + ` e
+			WHERE e.source_consumer = $1 AND e.source_id = $2 AND e.dispatched_at IS NULL
+			UNION ALL
+			SELECT 0::bigint, p.consumer, p.message_id, 0, '', '', '', ''::bytea, ''::bytea, '', 0, ` + age + `, 0, 0::bigint, false, p.effects
+			FROM ` + n.Processed + ` p
+			WHERE p.consumer = $1 AND p.message_id = $2 AND p.effects IS NOT NULL) u
+		ORDER BY u.id = 0, u.seq`
+}
+
+// Rows is what ScanPending reads: *sql.Rows, pgx.Rows.
+type Rows interface {
+	Next() bool
+	Scan(dest ...any) error
+	Err() error
+}
+
+// ScanPending reads the rows of PendingQuery for src: the effect rows, then the inline effects
+// (StoreID 0), which count as old as their claim. The caller closes rows.
+func ScanPending(rows Rows, src outboxdriver.Source) ([]outboxdriver.Effect, error) {
+	var out []outboxdriver.Effect
+	for rows.Next() {
+		var e outboxdriver.Effect
+		var blob []byte
+		if err := store.ScanEffect(rows, &e, &blob); err != nil {
+			return nil, err
+		}
+		if e.StoreID != 0 {
+			out = append(out, e)
+			continue
+		}
+		effects, err := store.DecodeEffects(blob, src)
+		if err != nil {
+			return nil, fmt.Errorf("inline effects of %q for %q: %w", src.ID, src.Consumer, err)
+		}
+		for i := range effects {
+			effects[i].PendingFor, effects[i].StoredAt = e.PendingFor, e.StoredAt
+		}
+		out = append(out, effects...)
+	}
+	return out, rows.Err()
+}
+
+// EffectListPending returns the effect rows of src and then its inline effects, in one statement.
+func (s *inline) EffectListPending(ctx context.Context, src outboxdriver.Source) ([]outboxdriver.Effect, error) {
+	rows, err := s.db.QueryContext(ctx, s.q.pending, src.Consumer, src.ID)
+	if err != nil {
+		return nil, wrapErr(s.SQL, err)
+	}
+	defer rows.Close()
+	effects, err := ScanPending(rows, src)
+	return effects, wrapErr(s.SQL, err)
+}
+
+// EffectMaterialize implements outboxdriver.InlineStore.
+func (s *inline) EffectMaterialize(ctx context.Context, src outboxdriver.Source, lease time.Duration) ([]outboxdriver.Effect, error) {
+	err := s.inTx(ctx, func(tx *sql.Tx) error {
+		moved, undecodable, err := s.move(ctx, tx, s.q.materialize, func() (*sql.Rows, error) {
+			return tx.QueryContext(ctx, s.q.lock, src.Consumer, src.ID)
+		})
+		if err != nil {
+			return err
+		}
+		if len(undecodable) > 0 {
+			return undecodable[0].err
+		}
+		if moved > 0 && lease > 0 {
+			_, err = tx.ExecContext(ctx, s.q.leaseSource, src.Consumer, src.ID, lease.Milliseconds())
+		}
+		return err
+	})
+	if err != nil {
+		return nil, err
+	}
+	return s.SQL.EffectListPending(ctx, src)
+}
+
+// EffectMarkDispatched clears the inline effects of the marks with Inline (one HOT update per
+// claim, all in one statement) and marks the effect rows of the others.
+func (s *inline) EffectMarkDispatched(ctx context.Context, marks ...outboxdriver.DispatchMark) error {
+	var rows []outboxdriver.DispatchMark
+	var claims []claimKey
+	for _, m := range marks {
+		if m.Inline {
+			claims = append(claims, claimKey{m.Source.Consumer, m.Source.ID})
+		}
+		if len(m.StoreIDs) > 0 {
+			rows = append(rows, m)
+		}
+	}
+	var errs []error
+	if len(rows) > 0 {
+		errs = append(errs, s.SQL.EffectMarkDispatched(ctx, rows...))
+	}
+	if len(claims) == 0 {
+		return errors.Join(errs...)
+	}
+	arg, err := jsonArg(claims)
+	if err != nil {
+		return errors.Join(append(errs, err)...)
+	}
+	if s.deleteDispatched {
+		if _, err := s.db.ExecContext(ctx, s.q.mark, arg); err != nil {
+			errs = append(errs, fmt.Errorf("clear inline effects: %w", wrapErr(s.SQL, err)))
+		}
+		return errors.Join(errs...)
+	}
+	// Kept for EffectRetention: they move to the dispatched table as rows would. They were sent,
+	// so undecodable ones are cleared all the same (nothing could be kept of them anyway).
+	if err := s.inTx(ctx, func(tx *sql.Tx) error {
+		_, _, err := s.move(ctx, tx, s.q.archive, func() (*sql.Rows, error) { return tx.QueryContext(ctx, s.q.take, arg) })
+		return err
+	}); err != nil {
+		errs = append(errs, fmt.Errorf("archive inline effects: %w", err))
+	}
+	return errors.Join(errs...)
+}
+
+// EffectClaimDue first moves the inline effects left behind (a crash between commit and mark, a
+// dispatch that failed before they could be moved) into effect rows, at most every quarter of
+// the grace period, and then claims.
+func (s *inline) EffectClaimDue(ctx context.Context, p outboxdriver.EffectClaimParams) (outboxdriver.EffectClaim, error) {
+	if p.After == 0 {
+		// A failed sweep must not stop the relay from sending the effect rows: it is reported,
+		// and the next one tries again from where the last one got to.
+		if err := s.sweep(ctx, p.Grace); err != nil && ctx.Err() == nil && s.onError != nil {
+			s.onError("moving inline effects left behind to the relay", err)
+		}
+	}
+	return s.SQL.EffectClaimDue(ctx, p)
+}
+
+// sweep moves the inline effects of claims older than grace into effect rows, in batches, each
+// in a transaction of its own.
+//
+// Where it got to is a transaction ID, the watermark: every claim with inline effects records
+// the ID of the transaction that wrote it (inline_xid), and every claim below the watermark that
+// held effects was moved, sent or set aside. A sweep reads the claims at or above the watermark
+// that still hold effects, moves those older than grace, and sets the watermark to the oldest
+// transaction still running when it began (pg_snapshot_xmin: every claim below it that will ever
+// commit has committed, and was visible to the sweep), or lower, to the smallest inline_xid of
+// the claims that still hold effects (too young, locked by another transaction, beyond the
+// batch). No clock decides whether a claim is seen: a claim whose commit waited on a lock for
+// minutes, or whose time was written by another server's clock, is found all the same.
+func (s *inline) sweep(ctx context.Context, grace time.Duration) error {
+	every := max(grace/4, 100*time.Millisecond)
+	last := s.lastSweep.Load()
+	if time.Since(time.Unix(0, last)) < every || !s.lastSweep.CompareAndSwap(last, time.Now().UnixNano()) {
+		return nil
+	}
+	ctx, cancel := context.WithTimeout(ctx, sweepTimeout)
+	defer cancel()
+	for {
+		n, err := s.sweepBatch(ctx, grace)
+		if err != nil {
+			if ctx.Err() != nil {
+				return fmt.Errorf("sweep of the claims with inline effects left behind (at most %s): %w", sweepTimeout, err)
+			}
+			return err
+		}
+		if n < sweepBatch {
+			return nil
+		}
+	}
+}
+
+// sweepBatch runs one transaction of the sweep and returns how many claims it took.
+func (s *inline) sweepBatch(ctx context.Context, grace time.Duration) (int, error) {
+	var taken int
+	var undecodable []undecodableClaim
+	err := s.inTx(ctx, func(tx *sql.Tx) error {
+		var may bool
+		var xmin, xmax int64
+		var watermark sql.NullInt64
+		if err := tx.QueryRowContext(ctx, s.q.sweepBegin).Scan(&may, &xmin, &xmax, &watermark); err != nil {
+			return wrapErr(s.SQL, err)
+		}
+		if !may {
+			return nil // another instance sweeps
+		}
+		from := watermark.Int64
+		if from > xmax {
+			// Written by another cluster (the database was restored from a dump): its IDs
+			// mean nothing here; start over.
+			from = 0
+		}
+		var err error
+		taken, undecodable, err = s.move(ctx, tx, s.q.materialize, func() (*sql.Rows, error) {
+			return tx.QueryContext(ctx, s.q.sweep, from, grace.Milliseconds(), futureSlack.Milliseconds(), sweepBatch)
+		})
+		if err != nil {
+			return err
+		}
+		taken += len(undecodable)
+		if len(undecodable) > 0 {
+			// Set aside, so that they neither hold the watermark back nor fill every batch.
+			keys := make([]claimKey, len(undecodable))
+			for i, u := range undecodable {
+				keys[i] = u.key
+			}
+			arg, err := jsonArg(keys)
+			if err != nil {
+				return err
+			}
+			if _, err := tx.ExecContext(ctx, s.q.setAside, arg); err != nil {
+				return fmt.Errorf("set aside undecodable inline effects: %w", wrapErr(s.SQL, err))
+			}
+		}
+		var left sql.NullInt64
+		if err := tx.QueryRowContext(ctx, s.q.sweepLeft, from).Scan(&left); err != nil {
+			return wrapErr(s.SQL, err)
+		}
+		to := xmin
+		if left.Valid && left.Int64 < to {
+			to = left.Int64
+		}
+		_, err = tx.ExecContext(ctx, s.q.sweptTo, to)
+		return wrapErr(s.SQL, err)
+	})
+	if err == nil && len(undecodable) > 0 && s.onError != nil {
+		s.onError("moving inline effects left behind to the relay", setAsideError(undecodable))
+	}
+	return taken, err
+}
+
+// setAsideError reports claims whose inline effects could not be decoded and were set aside.
+func setAsideError(claims []undecodableClaim) error {
+	errs := make([]error, len(claims))
+	for i, c := range claims {
+		errs[i] = c.err
+	}
+	return fmt.Errorf("%d claim(s) with inline effects that cannot be decoded set aside: kept as they are, no longer swept "+
+		"(find them with: SELECT consumer, message_id FROM <processed table> WHERE effects IS NOT NULL AND inline_xid IS NULL): %w",
+		len(claims), errors.Join(errs...))
+}
+
+// claimKey is a claim in a JSON argument.
+type claimKey struct {
+	Consumer string `json:"c"`
+	ID       string `json:"i"`
+}
+
+// inlineRow is an effect in a JSON argument; the bytes go as base64 (how encoding/json writes
+// them, and how decode(..., 'base64') reads them).
+type inlineRow struct {
+	Consumer    string `json:"c"`
+	ID          string `json:"i"`
+	Seq         int    `json:"s"`
+	Kind        string `json:"k"`
+	Topic       string `json:"t"`
+	UUID        string `json:"u"`
+	Payload     []byte `json:"pl"`
+	Metadata    []byte `json:"md"`
+	OrderingKey string `json:"ok"`
+	AgeMS       int64  `json:"a"`
+}
+
+// undecodableClaim is a claim whose inline effects could not be decoded.
+type undecodableClaim struct {
+	key claimKey
+	err error
+}
+
+func jsonArg(v any) (string, error) {
+	b, err := json.Marshal(v)
+	if err != nil {
+		return "", fmt.Errorf("encode the argument: %w", err)
+	}
+	return string(b), nil
+}
+
+// move reads the claims that lock returns (consumer, id, inline effects, age in ms; locked, or
+// cleared by the statement itself), inserts their effects with insert (effect rows:
+// materialize; dispatched rows: archive), and clears them from the claims. It returns how many
+// claims it moved, and those whose effects could not be decoded, which it leaves as they are.
+func (s *inline) move(ctx context.Context, tx *sql.Tx, insert string, lock func() (*sql.Rows, error)) (int, []undecodableClaim, error) {
+	rows, err := lock()
+	if err != nil {
+		return 0, nil, wrapErr(s.SQL, err)
+	}
+	var effects []inlineRow
+	var moved []claimKey
+	var undecodable []undecodableClaim
+	for rows.Next() {
+		var src outboxdriver.Source
+		var blob []byte
+		var ms int64
+		if err := rows.Scan(&src.Consumer, &src.ID, &blob, &ms); err != nil {
+			rows.Close()
+			return 0, nil, err
+		}
+		key := claimKey{src.Consumer, src.ID}
+		decoded, err := store.DecodeEffects(blob, src)
+		if err != nil {
+			undecodable = append(undecodable, undecodableClaim{key, fmt.Errorf("inline effects of %q for %q: %w", src.ID, src.Consumer, err)})
+			continue
+		}
+		moved = append(moved, key)
+		for _, e := range decoded {
+			r := inlineRow{Consumer: src.Consumer, ID: src.ID, Seq: e.Seq, Kind: e.Kind, Topic: e.Topic, UUID: e.UUID,
+				Payload: e.Payload, Metadata: store.EncodeMetadata(e.Metadata), OrderingKey: e.OrderingKey, AgeMS: ms}
+			if r.Payload == nil {
+				r.Payload = []byte{} // "" in JSON, not null: the column is NOT NULL
+			}
+			if r.Metadata == nil {
+				r.Metadata = []byte{}
+			}
+			effects = append(effects, r)
+		}
+	}
+	rows.Close()
+	if err := rows.Err(); err != nil {
+		return 0, nil, wrapErr(s.SQL, err)
+	}
+	if len(moved) == 0 {
+		return 0, undecodable, nil
+	}
+	if len(effects) > 0 {
+		arg, err := jsonArg(effects)
+		if err != nil {
+			return 0, nil, err
+		}
+		if _, err := tx.ExecContext(ctx, insert, arg); err != nil {
+			return 0, nil, fmt.Errorf("move inline effects to rows: %w", wrapErr(s.SQL, err))
+		}
+	}
+	arg, err := jsonArg(moved)
+	if err != nil {
+		return 0, nil, err
+	}
+	if _, err := tx.ExecContext(ctx, s.q.clear, arg); err != nil {
+		return 0, nil, fmt.Errorf("clear moved inline effects: %w", wrapErr(s.SQL, err))
+	}
+	return len(moved), undecodable, nil
+}
+
+// inTx runs fn in a transaction, committed if fn returns nil.
+func (s *inline) inTx(ctx context.Context, fn func(tx *sql.Tx) error) error {
+	tx, err := s.db.BeginTx(ctx, nil)
+	if err != nil {
+		return fmt.Errorf("begin: %w", err)
+	}
+	if err := fn(tx); err != nil {
+		_ = tx.Rollback()
+		return err
+	}
+	if err := tx.Commit(); err != nil {
+		return fmt.Errorf("commit: %w", err)
+	}
+	return nil
+}
+
+// wrapErr adds the fix to errors caused by missing tables.
+func wrapErr(st *store.SQL, err error) error {
+	if err != nil && IsUndefinedTable(err) {
+		n := st.Names()
+		return fmt.Errorf("%w (schema %q, prefix %q): %w", outboxdriver.ErrSchemaMissing, n.Schema, n.Prefix, err)
+	}
+	return err
+}

@@ -1,0 +1,166 @@
+package postgres_test
+
+import (
+	"bytes"
+	"context"
+	"database/sql"
+	"fmt"
+	"maps"
+	"testing"
+	"time"
+
+	"github.com/watermill-outbox/outbox/drivers/postgres"
+	"github.com/watermill-outbox/outbox/internal/pgtest"
+	"github.com/watermill-outbox/outbox/outboxdriver"
+	"github.com/watermill-outbox/outbox/store"
+)
+
+// inlineEffects are two effects of src as the pgx driver's optimistic mode keeps them in the
+// claim: bytes that are no valid UTF-8, NUL, empty payload and metadata.
+func inlineEffects(src outboxdriver.Source) []outboxdriver.Effect {
+	key := src.Consumer + "/" + src.ID
+	return []outboxdriver.Effect{
+		{Seq: 1, Topic: "out", UUID: src.ID + "-1", Payload: []byte{0, 0xff, 'x', 0}, Metadata: map[string]string{"k": "v\x00w"}, OrderingKey: key, Source: src},
+		{Seq: 2, Topic: "out", UUID: src.ID + "-2", Payload: []byte{}, Metadata: map[string]string{}, OrderingKey: key, Source: src},
+	}
+}
+
+// claimInline writes the claim of src with its effects inline, age old, as the pgx driver's
+// optimistic mode does (with the ID of its transaction unless legacy, as before version 9).
+func claimInline(t *testing.T, db *sql.DB, src outboxdriver.Source, age time.Duration, legacy bool) {
+	t.Helper()
+	q := `INSERT INTO outbox_processed (consumer, message_id, processed_at, dispatched_at, effects, inline_xid)
+		VALUES ($1, $2, now() - $3 * interval '1 millisecond', now(), $4, pg_current_xact_id()::text::bigint)`
+	if legacy {
+		q = `INSERT INTO outbox_processed (consumer, message_id, processed_at, dispatched_at, effects)
+			VALUES ($1, $2, now() - $3 * interval '1 millisecond', now(), $4)`
+	}
+	if _, err := db.Exec(q, src.Consumer, src.ID, age.Milliseconds(), store.EncodeEffects(inlineEffects(src))); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// sameEffects fails unless got holds the effects of inlineEffects(src), in order.
+func sameEffects(t *testing.T, what string, got []outboxdriver.Effect, src outboxdriver.Source, rows bool) {
+	t.Helper()
+	want := inlineEffects(src)
+	if len(got) != len(want) {
+		t.Fatalf("%s: %d effects, want %d", what, len(got), len(want))
+	}
+	for i, g := range got {
+		w := want[i]
+		if g.Seq != w.Seq || g.UUID != w.UUID || g.Topic != w.Topic || g.OrderingKey != w.OrderingKey || g.Source != src ||
+			!bytes.Equal(g.Payload, w.Payload) || !maps.Equal(g.Metadata, w.Metadata) || (g.StoreID != 0) != rows {
+			t.Errorf("%s: effect %d is %+v, want %+v (a row: %v)", what, i, g, w, rows)
+		}
+	}
+}
+
+func openInline(t *testing.T, db *sql.DB, deleteDispatched bool) (outboxdriver.Store, outboxdriver.InlineStore) {
+	t.Helper()
+	st, err := postgres.Driver{}.Open(db, outboxdriver.StoreOptions{TablePrefix: "outbox_", DeleteDispatched: deleteDispatched})
+	if err != nil {
+		t.Fatal(err)
+	}
+	is, ok := st.(outboxdriver.InlineStore)
+	if !ok {
+		t.Fatalf("the postgres driver's Store (%T) does not handle inline effects", st)
+	}
+	return st, is
+}
+
+// TestInlineEffectsThroughDatabaseSQL: the database/sql form (lib/pq) reads inline effects with
+// the effect rows, moves them to rows, marks them (cleared, or kept in the dispatched table for
+// EffectRetention), and its relay moves those left behind; every byte survives.
+func TestInlineEffectsThroughDatabaseSQL(t *testing.T) {
+	for _, deleteDispatched := range []bool{true, false} {
+		t.Run(fmt.Sprint("delete dispatched ", deleteDispatched), func(t *testing.T) {
+			db := pgtest.DB(t)
+			ctx := context.Background()
+			st, is := openInline(t, db, deleteDispatched)
+			if err := st.Migrate(ctx); err != nil {
+				t.Fatal(err)
+			}
+			a, b, c := outboxdriver.Source{Consumer: "c", ID: "a"}, outboxdriver.Source{Consumer: "c", ID: "b"}, outboxdriver.Source{Consumer: "c", ID: "c"}
+			for _, src := range []outboxdriver.Source{a, b} {
+				claimInline(t, db, src, 0, false)
+			}
+			claimInline(t, db, c, time.Hour, false)
+
+			pending, err := st.EffectListPending(ctx, a)
+			if err != nil {
+				t.Fatal(err)
+			}
+			sameEffects(t, "listed", pending, a, false)
+			rows, err := is.EffectMaterialize(ctx, a, time.Minute)
+			if err != nil {
+				t.Fatal(err)
+			}
+			sameEffects(t, "moved", rows, a, true)
+			if pending, err = st.EffectListPending(ctx, a); err != nil {
+				t.Fatal(err)
+			}
+			sameEffects(t, "listed after the move", pending, a, true)
+
+			if err := st.EffectMarkDispatched(ctx, outboxdriver.DispatchMark{Source: b, Inline: true}); err != nil {
+				t.Fatal(err)
+			}
+			if pending, err = st.EffectListPending(ctx, b); err != nil || len(pending) != 0 {
+				t.Fatalf("after the mark: %d pending (%v), want none", len(pending), err)
+			}
+			var archived int
+			if err := db.QueryRow(`SELECT count(*) FROM outbox_dispatched WHERE source_id = 'b'`).Scan(&archived); err != nil {
+				t.Fatal(err)
+			}
+			if want := map[bool]int{true: 0, false: 2}[deleteDispatched]; archived != want {
+				t.Errorf("%d sent inline effects kept in the dispatched table, want %d", archived, want)
+			}
+
+			claim, err := st.EffectClaimDue(ctx, outboxdriver.EffectClaimParams{Grace: time.Second, Limit: 10, Lease: time.Minute})
+			if err != nil {
+				t.Fatal(err)
+			}
+			sameEffects(t, "claimed by the relay", claim.Effects, c, true)
+		})
+	}
+}
+
+// TestInlineEffectsFromBeforeTheTransactionIDs: a claim written with inline effects before
+// version 9 (no transaction ID), left behind, is swept once the tables are migrated, even when
+// the time the sweep got to was written by a clock ahead of the database's.
+func TestInlineEffectsFromBeforeTheTransactionIDs(t *testing.T) {
+	db := pgtest.DB(t)
+	ctx := context.Background()
+	ms, err := postgres.Migrations("", "outbox_")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := db.Exec(`CREATE TABLE outbox_migrations (version integer PRIMARY KEY, applied_at timestamptz NOT NULL DEFAULT now())`); err != nil {
+		t.Fatal(err)
+	}
+	for _, m := range ms {
+		if m.Version > 8 {
+			break
+		}
+		if _, err := db.Exec(m.SQL); err != nil {
+			t.Fatalf("migration %d: %v", m.Version, err)
+		}
+		if _, err := db.Exec(`INSERT INTO outbox_migrations (version) VALUES ($1)`, m.Version); err != nil {
+			t.Fatal(err)
+		}
+	}
+	old := outboxdriver.Source{Consumer: "c", ID: "old"}
+	claimInline(t, db, old, 10*time.Second, true)
+	if _, err := db.Exec(`UPDATE outbox_stats SET swept_to = now() + interval '1 hour'`); err != nil {
+		t.Fatal(err)
+	}
+	st, _ := openInline(t, db, true)
+	if err := st.Migrate(ctx); err != nil {
+		t.Fatal(err)
+	}
+	claim, err := st.EffectClaimDue(ctx, outboxdriver.EffectClaimParams{Grace: time.Second, Limit: 10, Lease: time.Minute})
+	if err != nil {
+		t.Fatal(err)
+	}
+	sameEffects(t, "claimed by the relay", claim.Effects, old, true)
+}
