@@ -77,8 +77,8 @@ type StoreOptions struct {
 	// instead of keeping them until cleanup (a store may keep them anyway, e.g. SQLite).
 	DeleteDispatched bool
 	// OnError, when set, is told of the failures of work a store does on its own beside what it
-	// was asked (the pgx driver's move of inline effects left behind, before a relay claim), which
-	// must not fail the call it rides on.
+	// was asked (the postgres driver's move of inline effects left behind, before a relay claim),
+	// which must not fail the call it rides on.
 	OnError func(what string, err error)
 }
 
@@ -354,9 +354,10 @@ type UnitTx interface {
 	Rollback(ctx context.Context) error
 }
 
-// InlineStore is implemented by a Store that keeps the effects of a unit of work inline in its
-// claim row until they are sent (the pgx driver): one row written per message instead of a claim
-// and an effect row. Such effects have StoreID 0. Its EffectListPending returns them (after the
+// InlineStore is implemented by a Store whose tables may hold the effects of a unit of work
+// inline in its claim row until they are sent (written by the pgx driver's optimistic mode; read,
+// moved and marked by every PostgreSQL form): one row written per message instead of a claim and
+// an effect row. Such effects have StoreID 0. Its EffectListPending returns them (after the
 // effect rows of the source), a DispatchMark with Inline clears them, and its relay moves the ones
 // left behind into effect rows after the grace period.
 type InlineStore interface {
