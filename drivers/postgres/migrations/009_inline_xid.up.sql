@@ -6,11 +6,14 @@
 -- every transaction with a smaller ID than the oldest one running at a sweep has ended, so that
 -- a sweep cannot miss a claim that commits after it, whenever it commits.
 --
--- The BRIN index costs next to nothing per insert and, unlike a B-tree, leaves the update that
--- clears the effects once they are sent a HOT update (it does not change inline_xid).
+-- The BRIN index costs next to nothing per insert and leaves the update that clears the effects
+-- once they are sent a HOT update (it does not change inline_xid); a partial index on claims
+-- holding effects would make every such update write index entries. Ranges are summarized as
+-- soon as they are full (autosummarize), not at the next vacuum, so that a sweep reads the claims
+-- from where it got to rather than every page written since the last vacuum.
 ALTER TABLE "{{schema}}"."{{prefix}}processed" ADD COLUMN IF NOT EXISTS inline_xid bigint;
 CREATE INDEX IF NOT EXISTS "{{prefix}}processed_inline_xid"
-    ON "{{schema}}"."{{prefix}}processed" USING brin (inline_xid);
+    ON "{{schema}}"."{{prefix}}processed" USING brin (inline_xid) WITH (autosummarize = on);
 -- Below it, every claim with inline effects was moved, sent or set aside.
 ALTER TABLE "{{schema}}"."{{prefix}}stats" ADD COLUMN IF NOT EXISTS swept_xid bigint;
 -- Claims written before this version that still hold effects are stamped with this transaction's
