@@ -202,7 +202,7 @@ func TestSweepFindsAClaimThatWaitedOnACopy(t *testing.T) {
 	waitUntil(t, 10*time.Second, "the optimistic claim to wait on the copy's", func() bool {
 		var n int
 		if err := pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity
-			WHERE wait_event_type = 'Lock' AND query LIKE 'INSERT INTO%outbox_processed%'`).Scan(&n); err != nil {
+			WHERE datname = current_database() AND wait_event_type = 'Lock' AND query LIKE 'INSERT INTO%outbox_processed%'`).Scan(&n); err != nil {
 			t.Fatal(err)
 		}
 		return n == 1
