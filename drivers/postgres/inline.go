@@ -103,11 +103,13 @@ func newInlineQueries(n store.Names) inlineQueries {
 		// that reads the claims, so that every transaction below its xmin has ended by then (a
 		// snapshot's xmin never decreases). One instance sweeps at a time; the others skip. The
 		// statements after it are planned for their watermark every time: a generic plan (pgx
-		// caches statements) would read the whole table for "inline_xid >= $1".
+		// caches statements) would read the whole table for "inline_xid >= $1". The transaction
+		// commits asynchronously: lost in a crash, it is done again (the watermark stays lower,
+		// the claims keep their effects).
 		sweepBegin: `SELECT pg_try_advisory_xact_lock(` + fmt.Sprint(lockClass) + `, ` + lockKey(n, "sweep") + `),
 				pg_snapshot_xmin(s)::text::bigint, pg_snapshot_xmax(s)::text::bigint, st.swept_xid
 			FROM pg_current_snapshot() s, ` + n.Stats + ` st
-			WHERE st.id = 1 AND set_config('plan_cache_mode', 'force_custom_plan', true) IS NOT NULL`,
+			WHERE st.id = 1 AND set_config('plan_cache_mode', 'force_custom_plan', true) IS NOT NULL AND ` + asyncCommit,
 		// Grace decides when a claim's effects are taken from it, never whether: a claim whose
 		// time is in the future (another server's clock) counts as old. Moved effects count as at
 		// least grace old, so that the relay takes them at once.
