@@ -292,3 +292,38 @@ func TestUndecodableInlineEffectsAreSetAside(t *testing.T) {
 		t.Errorf("sent %d messages, want 1", n)
 	}
 }
+
+// TestRelaysOfEveryFormTogether: inline effects left behind by many crashed units of work, and the
+// relays of an optimistic, a pessimistic and a database/sql instance running at once: each effect
+// is sent once, and none is left.
+func TestRelaysOfEveryFormTogether(t *testing.T) {
+	const n = 60
+	dsn := outboxtest.DSN(t)
+	pool := openPool(t, dsn, 8, nil)
+	opt := ready(t, pool, outbox.Config{Publisher: &outboxtest.Recorder{}, Failpoint: crashAfterCommit})
+	if err := concurrently(n, func(i int) error {
+		id := fmt.Sprint("m", i)
+		if err := opt.Handle(message.NewMessage(id, nil), outbox.HandleParams{Consumer: "c", MessageID: id}, consume(handler)); !errors.Is(err, errCrash) {
+			return fmt.Errorf("crash after commit of %s: %v", id, err)
+		}
+		return nil
+	}); err != nil {
+		t.Fatal(err)
+	}
+	cfg := func(rec *outboxtest.Recorder) outbox.Config {
+		return outbox.Config{Publisher: rec, RelayGrace: 100 * time.Millisecond, RelayInterval: 20 * time.Millisecond}
+	}
+	recs := []*outboxtest.Recorder{{}, {}, {}}
+	runRelay(t, ready(t, openPool(t, dsn, 8, nil), cfg(recs[0])))
+	runRelay(t, otherForms["pgx-pessimistic"](t, dsn, cfg(recs[1])))
+	runRelay(t, otherForms["database-sql"](t, dsn, cfg(recs[2])))
+	waitUntil(t, 20*time.Second, "the relays to send every effect left behind", func() bool {
+		c, r := inlineLeft(t, pool)
+		return c == 0 && r == 0
+	})
+	for i := range n {
+		if got := sentTimes(fmt.Sprint("out-m", i), recs...); got != 1 {
+			t.Errorf("out-m%d sent %d times", i, got)
+		}
+	}
+}
