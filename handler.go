@@ -268,9 +268,15 @@ func (o *Outbox) handleOnce(msg *message.Message, src Source, p HandleParams, ne
 			return o.finishedEarly(after, msg, src, cause, fields)
 		case isRetryable(err) && !lastTry:
 			return fmt.Errorf("%w: %w", errRetryAtOnce, err)
-		case rolledBack(err):
-			// The server answered: the transaction rolled back (a deferred constraint, a
-			// serialization failure at commit). That is a failed attempt like any other.
+		case rolledBack(err) || errors.Is(err, outboxdriver.ErrNotSent):
+			// The server answered (a deferred constraint, a serialization failure at commit), or
+			// the client refused to send COMMIT at all: the transaction rolled back.
+			if claim.Tentative && o.copyWon(after, src) {
+				// Optimistic mode: a copy committed while this one ran, and a statement the
+				// handler went on after failed on what the copy wrote (its unique key).
+				return o.lostToCopy(after, src, fields)
+			}
+			// A failed attempt like any other.
 			return o.handlerFailed(after, msg, src, fmt.Errorf("outbox: commit failed, rolled back: %w", err), fields)
 		}
 		return o.commitUnknown(after, src, err, fields)

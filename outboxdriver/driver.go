@@ -194,6 +194,12 @@ type Claim struct {
 // message is a duplicate.
 var ErrClaimTaken = errors.New("outbox: a copy of the message committed first")
 
+// ErrNotSent is wrapped by UnitTx.Commit when the client refused the COMMIT before writing
+// anything to the server (pgx's "conn busy" while a Rows is left open, a statement it cannot
+// encode): nothing was committed, and the transaction is rolled back. Unlike a connection lost
+// while COMMIT was in flight, the outcome is known: the unit of work failed.
+var ErrNotSent = errors.New("outbox: COMMIT not sent (refused by the client before anything was written), rolled back")
+
 // StatsCountCap bounds the rows a Store counts for one Stats sample: larger counts are estimated.
 const StatsCountCap = 100_000
 
@@ -348,7 +354,8 @@ type UnitTx interface {
 	Survivors(ctx context.Context, effects []Effect) ([]Effect, error)
 	// Commit stores what Record left in memory and commits, in as few round trips as the driver
 	// can (the pgx driver: one). It sets the StoreIDs of the effects it stored. An error that
-	// wraps ErrTxDone means COMMIT was never sent.
+	// wraps ErrTxDone means the transaction had ended before (COMMIT was never sent); one that
+	// wraps ErrNotSent means the client refused to send it (the transaction rolled back).
 	Commit(ctx context.Context, effects []Effect) error
 	// Rollback rolls the transaction back; ErrTxDone if it was finished already.
 	Rollback(ctx context.Context) error

@@ -360,8 +360,27 @@ func (s *SQL) AttemptRecord(ctx context.Context, src outboxdriver.Source, reason
 // maxPreparedInsertRows bounds the number of prepared multi-row inserts kept per store.
 const maxPreparedInsertRows = 8
 
+// EffectInsertMaxRows bounds the effects one insert statement stores (Queries.EffectInsert(n)
+// with n at most this): 7 parameters each, well under PostgreSQL's 65,535 parameters per
+// statement (and SQLite's 32,766). More effects are stored by several statements in the same
+// transaction.
+const EffectInsertMaxRows = 1000
+
 // EffectInsert implements outboxdriver.Store.
 func (s *SQL) EffectInsert(ctx context.Context, tx *sql.Tx, src outboxdriver.Source, effects []outboxdriver.Effect) (bool, error) {
+	inSavepoint := false
+	for chunk := range slices.Chunk(effects, EffectInsertMaxRows) {
+		nested, err := s.effectInsert(ctx, tx, src, chunk)
+		if err != nil {
+			return false, err
+		}
+		inSavepoint = inSavepoint || nested
+	}
+	return inSavepoint, nil
+}
+
+// effectInsert stores at most EffectInsertMaxRows effects in one statement.
+func (s *SQL) effectInsert(ctx context.Context, tx *sql.Tx, src outboxdriver.Source, effects []outboxdriver.Effect) (bool, error) {
 	if len(effects) == 0 {
 		return false, nil
 	}

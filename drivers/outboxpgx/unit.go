@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"strconv"
 	"sync"
 	"time"
@@ -185,9 +186,7 @@ func (u *unit) Commit(ctx context.Context, effects []outboxdriver.Effect) error 
 		}
 		b.Queue(u.s.q.claimInline, u.src.Consumer, u.src.ID, inline)
 	}
-	if len(rows) > 0 {
-		b.Queue(u.s.q.insert(len(rows)), store.EffectInsertArgs(rows[0].Source, rows)...)
-	}
+	queueInsert(b, u.s.q.insert, rows)
 	b.Queue("COMMIT")
 	br := c.SendBatch(ctx, b)
 	var err error
@@ -196,8 +195,8 @@ func (u *unit) Commit(ctx context.Context, effects []outboxdriver.Effect) error 
 			err = fmt.Errorf("%w: %w", outboxdriver.ErrClaimTaken, err)
 		}
 	}
-	if err == nil && len(rows) > 0 {
-		err = scanIDs(br, rows)
+	if err == nil {
+		err = scanInserted(br, rows)
 	}
 	if err == nil {
 		var tag pgconn.CommandTag
@@ -210,6 +209,11 @@ func (u *unit) Commit(ctx context.Context, effects []outboxdriver.Effect) error 
 	}
 	if err != nil {
 		abort(u.conn)
+		if pgconn.SafeToRetry(err) {
+			// pgx wrote nothing (a Rows the handler left open keeps the connection busy): the
+			// transaction rolled back for sure, which is a failed attempt, not an unknown outcome.
+			err = fmt.Errorf("%w: %w", outboxdriver.ErrNotSent, err)
+		}
 		return wrap(err)
 	}
 	u.conn.Release()
@@ -297,13 +301,31 @@ func insert(ctx context.Context, q interface {
 	SendBatch(context.Context, *pgx.Batch) pgx.BatchResults
 }, insertSQL func(int) string, effects []outboxdriver.Effect) error {
 	b := &pgx.Batch{}
-	b.Queue(insertSQL(len(effects)), store.EffectInsertArgs(effects[0].Source, effects)...)
+	queueInsert(b, insertSQL, effects)
 	br := q.SendBatch(ctx, b)
-	err := scanIDs(br, effects)
+	err := scanInserted(br, effects)
 	if cerr := br.Close(); err == nil {
 		err = cerr
 	}
 	return wrap(err)
+}
+
+// queueInsert queues the inserts of effects, store.EffectInsertMaxRows to a statement (one
+// statement's bind parameters hold about 9,000), for scanInserted to read.
+func queueInsert(b *pgx.Batch, insertSQL func(int) string, effects []outboxdriver.Effect) {
+	for chunk := range slices.Chunk(effects, store.EffectInsertMaxRows) {
+		b.Queue(insertSQL(len(chunk)), store.EffectInsertArgs(chunk[0].Source, chunk)...)
+	}
+}
+
+// scanInserted reads the results of the inserts queueInsert queued into effects.
+func scanInserted(br pgx.BatchResults, effects []outboxdriver.Effect) error {
+	for chunk := range slices.Chunk(effects, store.EffectInsertMaxRows) {
+		if err := scanIDs(br, chunk); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 // scanIDs reads the StoreIDs the insert returned (id, seq, in savepoint) into effects.
