@@ -612,15 +612,22 @@ func (o *Outbox) dispatchAndMark(ctx context.Context, path string, src Source, e
 }
 
 // finishedEarly handles a transaction that ended before the framework committed it: the handler
-// committed or rolled it back itself, or HandlerTimeout expired and database/sql rolled it back.
-// If the claim committed (the handler committed), whatever it stored is kept and dispatched on
-// redelivery; otherwise nothing happened and cause is counted as a failed attempt.
+// committed or rolled it back itself, or HandlerTimeout expired and the transaction was rolled
+// back (by database/sql, or by the pgx driver closing its connection). If the claim committed
+// (the handler committed), whatever it stored is kept and dispatched on redelivery; if it did
+// after a timeout, a copy committed it and this is a duplicate; otherwise nothing happened and
+// cause is counted as a failed attempt.
 func (o *Outbox) finishedEarly(ctx context.Context, msg *message.Message, src Source, cause error, fields watermill.LogFields) error {
 	bctx, cancel := context.WithTimeout(ctx, storeTimeout)
 	defer cancel()
 	committed, err := o.store.MessageIsProcessed(bctx, src)
 	if err != nil {
 		return fmt.Errorf("%w (and checking its outcome failed: %w)", cause, err)
+	}
+	if committed && !errors.Is(cause, ErrTxFinishedByHandler) {
+		// HandlerTimeout rolled this unit of work back: the claim is a copy's, which committed
+		// meanwhile (an optimistic copy, waiting on this one's claim until the rollback).
+		return o.lostToCopy(ctx, src, fields)
 	}
 	if committed {
 		err := cause

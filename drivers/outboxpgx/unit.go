@@ -56,6 +56,9 @@ func (s *pgxStore) BeginUnit(ctx context.Context, claim *outboxdriver.Source) (o
 	if claim != nil {
 		u.src, u.tentative = *claim, c.Tentative
 	}
+	u.mu.Lock()
+	u.stopWatch = context.AfterFunc(ctx, u.expire)
+	u.mu.Unlock()
 	return u, c, nil
 }
 
@@ -121,11 +124,31 @@ type unit struct {
 	src       outboxdriver.Source // zero at the boundary (no claim)
 	tentative bool                // the claim of src is INSERTed at commit (optimistic)
 
-	mu     sync.Mutex
-	alive  []bool      // per recorded effect: false once a savepoint it was recorded in rolled back
-	open   []savepoint // the open savepoints, outermost first
-	lastSP int         // the ID of the last savepoint begun
-	done   bool        // committed, rolled back, or refused
+	mu        sync.Mutex
+	alive     []bool      // per recorded effect: false once a savepoint it was recorded in rolled back
+	open      []savepoint // the open savepoints, outermost first
+	lastSP    int         // the ID of the last savepoint begun
+	done      bool        // committed, rolled back, refused, or expired
+	stopWatch func() bool // stops the watch of BeginUnit's context (expire); nil when joined
+	expired   bool        // BeginUnit's context ended first: the connection's socket was closed
+	released  bool        // the connection went back to the pool (after expired)
+}
+
+// expire ends the transaction when the unit of work's context (bounded by HandlerTimeout) ends
+// before the framework committed or rolled it back, even while the handler is stuck in code that
+// ignores its context, as database/sql rolls back a *sql.Tx whose context ends: closing the
+// connection's socket (net.Conn's Close is safe while another goroutine uses it) makes the
+// server roll back and release the locks at once. The handler's statements fail from then on
+// (ErrTxClosed); Commit and Rollback report ErrTxDone and give the connection back, and the
+// pool discards it.
+func (u *unit) expire() {
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	if u.done {
+		return
+	}
+	u.done, u.expired = true, true
+	_ = u.conn.Conn().PgConn().Conn().Close()
 }
 
 func (u *unit) Tx() any {
@@ -260,10 +283,24 @@ func (u *unit) end(how string) error {
 	}
 	u.mu.Lock()
 	defer u.mu.Unlock()
+	if u.expired {
+		if !u.released {
+			// Out of the pool for good: the pool could take a connection whose socket is gone
+			// for a sound one (when the handler ended the transaction with SQL).
+			u.released = true
+			ctx, cancel := context.WithTimeout(context.Background(), cleanupTimeout)
+			_ = u.conn.Hijack().Close(ctx)
+			cancel()
+		}
+		return fmt.Errorf("the unit of work's context ended first (HandlerTimeout), its connection was closed and the transaction rolled back: %w", outboxdriver.ErrTxDone)
+	}
 	if u.done {
 		return outboxdriver.ErrTxDone
 	}
 	u.done = true
+	if u.stopWatch != nil {
+		u.stopWatch() // if expire runs already, it finds the unit done
+	}
 	return nil
 }
 
