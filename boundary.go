@@ -35,7 +35,15 @@ func (o *Outbox) InTx(ctx context.Context, fn func(ctx context.Context, tx *sql.
 
 // InUnit is InTx for any driver: fn finds the transaction in its context, with Tx for
 // database/sql or with the driver package's accessor (the pgx driver's InTx builds on it).
+// Inside a handler's unit of work it returns an error wrapping ErrNestedUnitOfWork: the
+// handler's own transaction is the one to write through.
 func (o *Outbox) InUnit(ctx context.Context, fn func(ctx context.Context) error) (err error) {
+	if outer := unitFrom(ctx); outer != nil && outer.incoming != nil {
+		// A transaction of its own would commit even when the message's rolls back, and again,
+		// with new effect UUIDs, on every retry of the message.
+		return fmt.Errorf("%w: InTx called inside the unit of work of consumer %q (message %q) would open an independent transaction; "+
+			"write through outbox.Tx (outboxpgx.Tx with pgx) and record with outbox.Publish instead", ErrNestedUnitOfWork, outer.src.Consumer, outer.src.ID)
+	}
 	ctx, span := o.tel.tracer.Start(ctx, "outbox InTx")
 	defer func() { endSpan(span, err) }()
 	after := context.WithoutCancel(ctx)

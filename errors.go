@@ -35,10 +35,11 @@ var (
 	ErrDispatchFailed = errors.New("outbox: side effects committed but not all dispatched (kept, will be retried)")
 	// ErrEffectPanicked wraps a panic of the Publisher or of an applier; it counts as a failed dispatch.
 	ErrEffectPanicked = errors.New("outbox: publisher or applier panicked")
-	// ErrNestedUnitOfWork means a unit of work was started inside another one for the same message:
-	// the outbox middleware is applied twice to one handler (for example on the Router and on the
-	// handler). The inner one would wait forever for the claim the outer one holds.
-	ErrNestedUnitOfWork = errors.New("outbox: the outbox middleware is applied twice to this handler (on the Router and on the handler?); apply it once")
+	// ErrNestedUnitOfWork means a unit of work was started inside a message's unit of work: the
+	// outbox middleware is applied twice to one handler (for example on the Router and on the
+	// handler; the inner one would wait forever for the claim the outer one holds), or the
+	// handler called InTx (whose transaction would commit even when the message's rolls back).
+	ErrNestedUnitOfWork = errors.New("outbox: unit of work started inside a message's unit of work")
 	// ErrUnitOfWorkFinished is returned by Publish and Record when the unit of work of ctx has
 	// already committed or rolled back (a goroutine that outlived the handler).
 	ErrUnitOfWorkFinished = errors.New("outbox: the unit of work of this context has finished")

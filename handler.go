@@ -95,7 +95,8 @@ func (o *Outbox) handle(msg *message.Message, p HandleParams, next message.Handl
 		return fmt.Errorf("%w: %w", ErrNoConsumerName, err)
 	}
 	if outer := unitFrom(parent); outer != nil {
-		return fmt.Errorf("%w (consumer %q inside the unit of work of %q)", ErrNestedUnitOfWork, p.Consumer, outer.src.Consumer)
+		return fmt.Errorf("%w: the outbox middleware is applied twice to this handler (on the Router and on the handler?); apply it once (consumer %q inside the unit of work of %q)",
+			ErrNestedUnitOfWork, p.Consumer, outer.src.Consumer)
 	}
 	src := Source{Consumer: p.Consumer, ID: p.MessageID}
 	if p.MessageIDErr != nil {
