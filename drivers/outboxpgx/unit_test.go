@@ -1,0 +1,387 @@
+package outboxpgx_test
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"net"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5"
+
+	"github.com/watermill-outbox/outbox"
+	"github.com/watermill-outbox/outbox/drivers/outboxpgx"
+	"github.com/watermill-outbox/outbox/drivers/postgres"
+	"github.com/watermill-outbox/outbox/outboxtest"
+)
+
+// manyEffects is more effects than one INSERT's 65,535 bind parameters hold (7 per effect).
+const manyEffects = 10_000
+
+// TestTenThousandEffectsInOneUnit: a unit of work that records more effects than one statement's
+// parameters hold stores and sends every one of them, once, in order: inline (optimistic, the
+// default key), as rows (optimistic with a key of their own, pessimistic).
+func TestTenThousandEffectsInOneUnit(t *testing.T) {
+	cases := []struct {
+		name string
+		mode outboxpgx.Concurrency
+		key  string
+	}{
+		{"optimistic", outboxpgx.Optimistic, ""},
+		{"optimistic-own-key", outboxpgx.Optimistic, "aggregate-1"},
+		{"pessimistic", outboxpgx.Pessimistic, ""},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			h := outboxtest.NewWith(t, form(c.mode), outbox.Config{}, setup)
+			res := h.Run("c", message.NewMessage("m1", nil), consume(func(msg *message.Message) error {
+				ctx := msg.Context()
+				if c.key != "" {
+					ctx = outbox.WithOrderingKey(ctx, c.key)
+				}
+				out := make([]*message.Message, manyEffects)
+				for i := range out {
+					out[i] = message.NewMessage(fmt.Sprint("e-", i), nil)
+				}
+				return outbox.Publish(ctx, "out", out...)
+			}))
+			if res.Err != nil {
+				t.Fatal(res.Err)
+			}
+			if len(res.Sent) != manyEffects {
+				t.Fatalf("sent %d effects, want %d", len(res.Sent), manyEffects)
+			}
+			for i, s := range res.Sent {
+				if want := fmt.Sprint("e-", i); s.Message.UUID != want {
+					t.Fatalf("sent #%d is %s, want %s", i, s.Message.UUID, want)
+				}
+			}
+			// Nothing is left pending (a second copy of anything would be sent later).
+			dup := h.Run("c", message.NewMessage("m1", nil), consume(func(*message.Message) error { return nil }))
+			if dup.Err != nil || len(dup.Sent) != 0 {
+				t.Errorf("redelivery: err %v, sent %d more", dup.Err, len(dup.Sent))
+			}
+			var pending int
+			if err := h.DB.QueryRow(`SELECT (SELECT count(*) FROM outbox_effects WHERE dispatched_at IS NULL)
+				+ (SELECT count(*) FROM outbox_processed WHERE effects IS NOT NULL)`).Scan(&pending); err != nil || pending != 0 {
+				t.Errorf("%d effects pending (%v)", pending, err)
+			}
+		})
+	}
+}
+
+// TestClientSideRefusalIsAFailedAttempt: an error raised by pgx before anything was sent (here
+// "conn busy": the handler left a Rows open, so COMMIT could not be sent) is a failed attempt,
+// counted and poisoned at MaxAttempts, not a commit of unknown outcome.
+func TestClientSideRefusalIsAFailedAttempt(t *testing.T) {
+	for name, mode := range modes {
+		t.Run(name, func(t *testing.T) {
+			h := outboxtest.NewWith(t, form(mode), outbox.Config{MaxAttempts: 3, PoisonTopic: "poison"}, setup)
+			leaveRowsOpen := consume(func(msg *message.Message) error {
+				ctx := msg.Context()
+				if err := handler(msg); err != nil {
+					return err
+				}
+				_, err := outboxpgx.Tx(ctx).Query(ctx, `SELECT generate_series(1, 10)`) // never closed
+				return err
+			})
+			for i := 1; i <= 3; i++ {
+				res := h.Run("c", message.NewMessage("m1", nil), leaveRowsOpen)
+				if errors.Is(res.Err, outbox.ErrCommitOutcomeUnknown) {
+					t.Fatalf("attempt %d: %v; want a failed attempt", i, res.Err)
+				}
+				if (res.Err == nil) != (i == 3) {
+					t.Fatalf("attempt %d: %v; want poisoned (acked) at the third", i, res.Err)
+				}
+				if res.Committed != (i == 3) || len(res.Sent) != map[bool]int{true: 1}[i == 3] {
+					t.Fatalf("attempt %d: committed %v, sent %d", i, res.Committed, len(res.Sent))
+				}
+			}
+			if n := len(h.Pub.Messages("poison")); n != 1 {
+				t.Errorf("%d messages on the poison topic, want 1", n)
+			}
+			if n := count(t, h.DB, "m1"); n != 0 {
+				t.Errorf("applied %d times, want 0", n)
+			}
+		})
+	}
+}
+
+// TestHandlerTimeoutEndsTheTransaction: a handler that ignores its context keeps neither its
+// transaction nor its locks past HandlerTimeout: another transaction gets the row lock it took
+// within about HandlerTimeout, nothing commits, and the message counts as timed out.
+func TestHandlerTimeoutEndsTheTransaction(t *testing.T) {
+	for name, mode := range modes {
+		t.Run(name, func(t *testing.T) {
+			const timeout = 300 * time.Millisecond
+			h := outboxtest.NewWith(t, form(mode), outbox.Config{HandlerTimeout: timeout}, func(ctx context.Context, db *sql.DB) error {
+				if err := setup(ctx, db); err != nil {
+					return err
+				}
+				_, err := db.ExecContext(ctx, `CREATE TABLE locked (id int PRIMARY KEY); INSERT INTO locked VALUES (1)`)
+				return err
+			})
+			locked := make(chan time.Time, 1)
+			release := make(chan struct{})
+			stuck := consume(func(msg *message.Message) error {
+				ctx := msg.Context()
+				if err := handler(msg); err != nil {
+					return err
+				}
+				if _, err := outboxpgx.Tx(ctx).Exec(ctx, `SELECT id FROM locked WHERE id = 1 FOR UPDATE`); err != nil {
+					return err
+				}
+				locked <- time.Now()
+				select { // ignores ctx
+				case <-release:
+				case <-time.After(10 * time.Second):
+				}
+				return nil
+			})
+			done := make(chan outboxtest.Result, 1)
+			go func() { done <- h.Run("c", message.NewMessage("m1", nil), stuck) }()
+			var at time.Time
+			select {
+			case at = <-locked:
+			case <-time.After(10 * time.Second):
+				t.Fatal("the handler never took the lock")
+			}
+			ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+			defer cancel()
+			tx, err := h.DB.BeginTx(ctx, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			_, err = tx.ExecContext(ctx, `SELECT id FROM locked WHERE id = 1 FOR UPDATE`)
+			waited := time.Since(at)
+			_ = tx.Rollback()
+			close(release)
+			res := <-done
+			if err != nil {
+				t.Fatalf("the row lock was still held %s after the handler took it (HandlerTimeout %s): %v", waited, timeout, err)
+			}
+			if waited > timeout+time.Second {
+				t.Errorf("the row lock was released %s after the handler took it, HandlerTimeout is %s", waited, timeout)
+			}
+			if !errors.Is(res.Err, context.DeadlineExceeded) || errors.Is(res.Err, outbox.ErrTxFinishedByHandler) {
+				t.Errorf("Handle: %v; want a HandlerTimeout", res.Err)
+			}
+			if res.Committed || len(res.Sent) != 0 || count(t, h.DB, "m1") != 0 {
+				t.Errorf("committed %v, sent %d, applied %d; want nothing", res.Committed, len(res.Sent), count(t, h.DB, "m1"))
+			}
+			var attempts int
+			if err := h.DB.QueryRow(`SELECT coalesce(sum(attempts), 0) FROM outbox_attempts`).Scan(&attempts); err != nil || attempts != 1 {
+				t.Errorf("%d attempts counted (%v), want 1", attempts, err)
+			}
+		})
+	}
+}
+
+// TestInTxInsideAHandlerIsRefused: outboxpgx.InTx within a message's unit of work would open an
+// independent transaction, committed even when the message's rolls back: it is refused.
+func TestInTxInsideAHandlerIsRefused(t *testing.T) {
+	h := outboxtest.NewWith(t, pgxForm, outbox.Config{}, setup)
+	var inner error
+	res := h.Run("c", message.NewMessage("m1", nil), consume(func(msg *message.Message) error {
+		inner = outboxpgx.InTx(msg.Context(), h.Ob, func(ctx context.Context, tx pgx.Tx) error {
+			_, err := tx.Exec(ctx, `INSERT INTO applied (message_id) VALUES ('escaped')`)
+			return err
+		})
+		return errors.New("the message's unit rolls back")
+	}))
+	if res.Err == nil {
+		t.Fatal("the handler's failure was acked")
+	}
+	if !errors.Is(inner, outbox.ErrNestedUnitOfWork) || !strings.Contains(inner.Error(), `"c"`) || !strings.Contains(inner.Error(), "outboxpgx.Tx") {
+		t.Errorf("InTx inside a handler: %v; want ErrNestedUnitOfWork naming consumer \"c\" and outboxpgx.Tx", inner)
+	}
+	if n := count(t, h.DB, "escaped"); n != 0 {
+		t.Errorf("the inner InTx committed %d row(s)", n)
+	}
+}
+
+// TestOptimisticCopySwallowingTheWinnersUniqueViolation: a copy whose handler ignores the unique
+// violation the winning copy caused fails at COMMIT (the transaction was aborted): it is a
+// duplicate of the winner, not a failed attempt.
+func TestOptimisticCopySwallowingTheWinnersUniqueViolation(t *testing.T) {
+	h := outboxtest.NewWith(t, pgxForm, outbox.Config{}, func(ctx context.Context, db *sql.DB) error {
+		_, err := db.ExecContext(ctx, `CREATE TABLE orders (id text PRIMARY KEY)`)
+		return err
+	})
+	inHandler := make(chan struct{}, 2)
+	winnerDone := make(chan struct{})
+	var calls atomic.Int32
+	swallow := consume(func(msg *message.Message) error {
+		ctx := msg.Context()
+		inHandler <- struct{}{}
+		if calls.Add(1) == 2 {
+			if err := wait(winnerDone, "the winning copy's commit"); err != nil {
+				return err
+			}
+		}
+		_, _ = outboxpgx.Tx(ctx).Exec(ctx, `INSERT INTO orders (id) VALUES ($1)`, msg.UUID) // error ignored
+		return outbox.Publish(ctx, "out", message.NewMessage("out-"+msg.UUID, nil))
+	})
+	// The loser looks up the claim (none yet) and waits in its handler while the winner commits.
+	loser := make(chan error, 1)
+	calls.Store(1)
+	go func() {
+		loser <- h.Ob.Handle(message.NewMessage("o1", nil), outbox.HandleParams{Consumer: "c", MessageID: "o1"}, swallow)
+	}()
+	if err := wait(inHandler, "the losing copy's handler"); err != nil {
+		t.Fatal(err)
+	}
+	calls.Store(0)
+	if err := h.Ob.Handle(message.NewMessage("o1", nil), outbox.HandleParams{Consumer: "c", MessageID: "o1"}, swallow); err != nil {
+		t.Fatal(err)
+	}
+	close(winnerDone)
+	select {
+	case err := <-loser:
+		if err != nil {
+			t.Errorf("the losing copy: %v; want a duplicate (acked)", err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("the losing copy did not finish")
+	}
+	var attempts int
+	if err := h.DB.QueryRow(`SELECT count(*) FROM outbox_attempts`).Scan(&attempts); err != nil || attempts != 0 {
+		t.Errorf("%d failed attempts recorded (%v), want 0", attempts, err)
+	}
+	if n := len(h.Pub.Messages("out")); n != 1 {
+		t.Errorf("sent %d messages, want 1", n)
+	}
+}
+
+// TestTimedOutCopyThatLostIsADuplicate: a pessimistic copy (pgx, or the database/sql form)
+// cut off by HandlerTimeout while an optimistic copy committed is a duplicate of that copy, not
+// a handler that committed the transaction itself.
+func TestTimedOutCopyThatLostIsADuplicate(t *testing.T) {
+	for _, loserForm := range []string{"pgx-pessimistic", "database/sql"} {
+		t.Run(loserForm, func(t *testing.T) {
+			var dsn string
+			h := outboxtest.NewWith(t, func(t testing.TB, d string, cfg outbox.Config) (*outbox.Outbox, error) {
+				dsn = d
+				return pgxForm(t, d, cfg)
+			}, outbox.Config{}, setup)
+			var loser *outbox.Outbox
+			cfg := outbox.Config{Publisher: h.Pub, HandlerTimeout: 300 * time.Millisecond, RetryDelay: -1, DuplicateWait: 20 * time.Millisecond}
+			var err error
+			if loserForm == "database/sql" {
+				cfg.DB, cfg.Driver = h.DB, postgres.Driver{}
+				loser, err = outbox.New(cfg)
+			} else {
+				loser, err = newOutbox(t, openPool(t, dsn, 4, nil), cfg, outboxpgx.WithConcurrency(outboxpgx.Pessimistic))
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			optimisticIn := make(chan struct{})
+			pessimisticClaimed := make(chan struct{})
+			optimistic := consume(func(msg *message.Message) error {
+				close(optimisticIn)
+				if err := wait(pessimisticClaimed, "the pessimistic copy's claim"); err != nil {
+					return err
+				}
+				return handler(msg)
+			})
+			pessimistic := consume(func(msg *message.Message) error {
+				close(pessimisticClaimed)
+				time.Sleep(time.Second) // ignores its context, past HandlerTimeout
+				return nil
+			})
+			won := make(chan error, 1)
+			go func() {
+				won <- h.Ob.Handle(message.NewMessage("m1", nil), outbox.HandleParams{Consumer: "c", MessageID: "m1"}, optimistic)
+			}()
+			if err := wait(optimisticIn, "the optimistic copy's handler"); err != nil {
+				t.Fatal(err)
+			}
+			lost := loser.Handle(message.NewMessage("m1", nil), outbox.HandleParams{Consumer: "c", MessageID: "m1"}, pessimistic)
+			select {
+			case err := <-won:
+				if err != nil {
+					t.Fatalf("the optimistic copy: %v", err)
+				}
+			case <-time.After(10 * time.Second):
+				t.Fatal("the optimistic copy did not finish")
+			}
+			if lost != nil {
+				t.Errorf("the timed-out copy that lost: %v; want a duplicate (acked)", lost)
+			}
+			var attempts int
+			if err := h.DB.QueryRow(`SELECT count(*) FROM outbox_attempts`).Scan(&attempts); err != nil || attempts != 0 {
+				t.Errorf("%d failed attempts recorded (%v), want 0", attempts, err)
+			}
+			if n := count(t, h.DB, "m1"); n != 1 {
+				t.Errorf("applied %d times", n)
+			}
+		})
+	}
+}
+
+// wait waits for ch to be closed or to deliver, at most 10 seconds.
+func wait[T any](ch <-chan T, what string) error {
+	select {
+	case <-ch:
+		return nil
+	case <-time.After(10 * time.Second):
+		return fmt.Errorf("waited 10s for %s", what)
+	}
+}
+
+// TestRunReturnsWhileTheDatabaseHangs: the listener of the pgx form (a connection of the pool)
+// lets Run return promptly after its context is cancelled while the database accepts connections
+// and never answers, and leaves no goroutine behind once the pool is closed.
+func TestRunReturnsWhileTheDatabaseHangs(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var mu sync.Mutex
+	var accepted []net.Conn
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			mu.Lock()
+			accepted = append(accepted, c)
+			mu.Unlock()
+		}
+	}()
+	defer func() {
+		_ = ln.Close()
+		mu.Lock()
+		for _, c := range accepted {
+			_ = c.Close()
+		}
+		mu.Unlock()
+	}()
+	func() {
+		pool := openPool(t, "postgres://u@"+ln.Addr().String()+"/db?sslmode=disable", 2, nil)
+		defer pool.Close()
+		ob, err := outboxpgx.New(pool, outbox.Config{Publisher: &outboxtest.Recorder{}, RelayInterval: 50 * time.Millisecond})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer func() { _ = ob.Close() }()
+		ctx, cancel := context.WithCancel(context.Background())
+		done := make(chan error, 1)
+		go func() { done <- ob.Run(ctx) }()
+		time.Sleep(300 * time.Millisecond)
+		cancel()
+		select {
+		case <-done:
+		case <-time.After(3 * time.Second):
+			t.Fatal("Run did not return within 3s of its context's end while the database hangs")
+		}
+	}()
+}

@@ -1,0 +1,79 @@
+package outbox_test
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"strings"
+	"testing"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
+
+	"github.com/watermill-outbox/outbox"
+	"github.com/watermill-outbox/outbox/outboxtest"
+)
+
+// manyEffects is more effects than one INSERT's 65,535 bind parameters hold (7 per effect).
+const manyEffects = 10_000
+
+// Item: a unit of work that records more effects than one statement's parameters hold stores
+// and sends every one of them, once.
+func TestTenThousandEffectsInOneUnit(t *testing.T) {
+	h := outboxtest.New(t, outbox.Config{}, nil)
+	msg := message.NewMessage(uuid.NewString(), nil)
+	res := h.Run("c1", msg, func(m *message.Message) ([]*message.Message, error) {
+		out := make([]*message.Message, manyEffects)
+		for i := range out {
+			out[i] = message.NewMessage(fmt.Sprint("e-", i), nil)
+		}
+		return nil, outbox.Publish(m.Context(), "out", out...)
+	})
+	if res.Err != nil {
+		t.Fatal(res.Err)
+	}
+	mustEqual(t, "effects stored", len(res.Effects), manyEffects)
+	sent := map[string]int{}
+	for i, s := range res.Sent {
+		sent[s.Message.UUID]++
+		if want := fmt.Sprint("e-", i); s.Message.UUID != want {
+			t.Fatalf("sent #%d is %s, want %s (out of order)", i, s.Message.UUID, want)
+		}
+	}
+	mustEqual(t, "distinct effects sent", len(sent), manyEffects)
+	mustEqual(t, "effects sent", len(res.Sent), manyEffects)
+}
+
+// Item: InTx inside a message's unit of work would open an independent transaction that commits
+// even when the message's rolls back (and again on every retry): it is refused, naming the
+// consumer, and nothing it would have written commits.
+func TestInTxInsideAHandlerIsRefused(t *testing.T) {
+	e := newEnv(t)
+	var inner error
+	err := handle(e.ob, message.NewMessage(uuid.NewString(), nil), func(m *message.Message) ([]*message.Message, error) {
+		inner = e.ob.InTx(m.Context(), func(ctx context.Context, tx *sql.Tx) error {
+			_, err := tx.ExecContext(ctx, `INSERT INTO applied (message_id) VALUES ('escaped')`)
+			return err
+		})
+		return nil, errors.New("the message's unit rolls back")
+	})
+	if err == nil {
+		t.Fatal("the handler's failure was acked")
+	}
+	if !errors.Is(inner, outbox.ErrNestedUnitOfWork) || !strings.Contains(inner.Error(), `"c1"`) || !strings.Contains(inner.Error(), "outbox.Tx") {
+		t.Errorf("InTx inside a handler: %v; want ErrNestedUnitOfWork naming consumer \"c1\" and outbox.Tx", inner)
+	}
+	mustEqual(t, "rows written by the inner InTx", e.count(`SELECT count(*) FROM applied WHERE message_id = 'escaped'`), 0)
+
+	// InUnit too, and InTx at the boundary still works.
+	err = handle(e.ob, message.NewMessage(uuid.NewString(), nil), func(m *message.Message) ([]*message.Message, error) {
+		return nil, e.ob.InUnit(m.Context(), func(context.Context) error { return nil })
+	})
+	if !errors.Is(err, outbox.ErrNestedUnitOfWork) {
+		t.Errorf("InUnit inside a handler: %v", err)
+	}
+	if err := e.ob.InTx(context.Background(), func(ctx context.Context, tx *sql.Tx) error { return nil }); err != nil {
+		t.Errorf("InTx at the boundary: %v", err)
+	}
+}
