@@ -5,6 +5,8 @@ import (
 	"crypto/sha256"
 	"encoding/hex"
 	"fmt"
+	"net"
+	"sync"
 	"time"
 
 	"github.com/lib/pq"
@@ -25,44 +27,151 @@ func notifyChannel(schema, prefix string) string {
 	return "outbox_relay_" + hex.EncodeToString(sum[:12])
 }
 
-// listen holds a dedicated connection (lib/pq's Listener, which reconnects by itself) that LISTENs
-// on channel and calls wake for every notification, and after every reconnect, since
-// notifications sent while it was away are lost.
+// listenRetry is how long lib/pq's Listener waits after a failed connection attempt; listen
+// gives up on the first (the caller tries again), and waits this long at most for the
+// Listener's goroutine to end.
+const listenRetry = 100 * time.Millisecond
+
+// pingTimeout bounds the check of an idle listener connection: one that does not answer in time
+// is closed (and replaced by the caller).
+const pingTimeout = 30 * time.Second
+
+// listen holds a dedicated connection (lib/pq's Listener) that LISTENs on channel and calls wake
+// for every notification, and once connected, since notifications sent before were missed. It
+// returns nil when ctx is done, and an error when the connection cannot be made or is lost (the
+// caller listens again, and reports the listener down meanwhile). The Listener ignores contexts
+// and waits for a connection without end, holding its lock while it dials: the connections it
+// dials are closed when ctx ends (which unblocks it), and whatever it started has ended when
+// listen returns.
 func listen(dsn, channel string) func(ctx context.Context, wake func()) error {
 	return func(ctx context.Context, wake func()) error {
-		lost := make(chan error, 1)
-		l := pq.NewListener(dsn, 100*time.Millisecond, 10*time.Second, func(ev pq.ListenerEventType, err error) {
-			if ev == pq.ListenerEventDisconnected {
+		d := newClosingDialer()
+		failed := make(chan error, 1)
+		l := pq.NewDialListener(d, dsn, listenRetry, listenRetry, func(ev pq.ListenerEventType, err error) {
+			if ev == pq.ListenerEventDisconnected || ev == pq.ListenerEventConnectionAttemptFailed {
 				select {
-				case lost <- err:
+				case failed <- err:
 				default:
 				}
 			}
 		})
-		defer func() { _ = l.Close() }()
-		if err := l.Listen(channel); err != nil {
-			return fmt.Errorf("listen on %q: %w", channel, err)
+		stopWatch := context.AfterFunc(ctx, d.close)
+		listened := make(chan error, 1)
+		go func() { listened <- l.Listen(channel) }()
+		defer func() {
+			stopWatch()
+			d.close() // a dial or a statement in flight fails, so that Close gets the Listener's lock
+			_ = l.Close()
+			<-listened // Close ends a Listen still waiting for a connection
+			drain(l.NotificationChannel())
+		}()
+		select {
+		case <-ctx.Done():
+			return nil
+		case err := <-failed:
+			return fmt.Errorf("connect to listen on %q: %w", channel, err)
+		case err := <-listened:
+			listened <- err // for the deferred wait
+			if err != nil {
+				if ctx.Err() != nil {
+					return nil
+				}
+				return fmt.Errorf("listen on %q: %w", channel, err)
+			}
 		}
-		// Connected: notifications sent before now were missed, so the relay looks once (which
-		// also tells the caller that the listener is up).
 		wake()
 		for {
 			select {
 			case <-ctx.Done():
 				return nil
-			case err := <-lost:
+			case err := <-failed:
 				// The caller reconnects (and reports the listener down meanwhile).
 				return fmt.Errorf("listener connection on %q lost: %w", channel, err)
 			case _, ok := <-l.NotificationChannel():
 				if !ok {
 					return nil
 				}
-				// A nil notification means the connection was re-established.
 				wake()
 			case <-time.After(90 * time.Second):
 				// Check the connection now and then, so that a dead one is noticed and replaced.
-				_ = l.Ping()
+				t := time.AfterFunc(pingTimeout, d.close)
+				err := l.Ping()
+				t.Stop()
+				if err != nil {
+					return fmt.Errorf("listener connection on %q: ping: %w", channel, err)
+				}
 			}
 		}
 	}
+}
+
+// drain reads notifications until the Listener closes the channel (its goroutine has ended),
+// waiting for that at most a few times its retry interval.
+func drain(ch <-chan *pq.Notification) {
+	timeout := time.After(10 * listenRetry)
+	for {
+		select {
+		case _, ok := <-ch:
+			if !ok {
+				return
+			}
+		case <-timeout:
+			return
+		}
+	}
+}
+
+// closingDialer dials the Listener's connections and closes all of them, and any dial in
+// progress, when close is called: lib/pq's Listener takes no context.
+type closingDialer struct {
+	ctx    context.Context
+	cancel context.CancelFunc
+	mu     sync.Mutex
+	conns  []net.Conn
+}
+
+func newClosingDialer() *closingDialer {
+	ctx, cancel := context.WithCancel(context.Background())
+	return &closingDialer{ctx: ctx, cancel: cancel}
+}
+
+func (d *closingDialer) Dial(network, address string) (net.Conn, error) {
+	return d.DialContext(context.Background(), network, address)
+}
+
+func (d *closingDialer) DialTimeout(network, address string, timeout time.Duration) (net.Conn, error) {
+	ctx, cancel := context.WithTimeout(context.Background(), timeout)
+	defer cancel()
+	return d.DialContext(ctx, network, address)
+}
+
+func (d *closingDialer) DialContext(ctx context.Context, network, address string) (net.Conn, error) {
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	stop := context.AfterFunc(d.ctx, cancel)
+	defer stop()
+	var nd net.Dialer
+	c, err := nd.DialContext(ctx, network, address)
+	if err != nil {
+		return nil, err
+	}
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.ctx.Err() != nil {
+		_ = c.Close()
+		return nil, fmt.Errorf("dial %s: the listener is closing", address)
+	}
+	d.conns = append(d.conns, c)
+	return c, nil
+}
+
+// close closes every connection dialed and fails the dials in progress and to come.
+func (d *closingDialer) close() {
+	d.cancel()
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	for _, c := range d.conns {
+		_ = c.Close()
+	}
+	d.conns = nil
 }
