@@ -110,7 +110,8 @@ type Store interface {
 	// AttemptRecord durably counts a failed attempt of src and returns the count so far.
 	AttemptRecord(ctx context.Context, src Source, reason string) (int, error)
 
-	// EffectInsert stores effects of src in tx and sets their StoreID. It returns true when some
+	// EffectInsert stores effects of src in tx and sets their StoreID, any number of them (split
+	// over statements as the database's limit of parameters requires). It returns true when some
 	// of them may have been written inside a savepoint (a subtransaction) that can still be rolled
 	// back on its own: the caller then asks EffectExisting before it commits. A store that cannot
 	// tell returns true.

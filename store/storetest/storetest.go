@@ -885,9 +885,11 @@ func testInsertRolledBack(f *fixture) {
 	}
 }
 
+// testInsertLargeBatch: one call stores more effects than one statement's parameters hold
+// (PostgreSQL: 65,535, 7 per effect).
 func testInsertLargeBatch(f *fixture) {
 	src := f.src("big")
-	want := f.effects(src, "k", 600)
+	want := f.effects(src, "k", 10_000)
 	f.commit(src, true, want)
 	got := f.pending(src)
 	if len(got) != len(want) {
