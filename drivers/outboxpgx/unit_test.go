@@ -221,7 +221,7 @@ func TestOptimisticCopySwallowingTheWinnersUniqueViolation(t *testing.T) {
 		ctx := msg.Context()
 		inHandler <- struct{}{}
 		if calls.Add(1) == 2 {
-			if err := wait(winnerDone, "the winning copy's commit"); err != nil {
+			if err := awaitSignal(winnerDone, "the winning copy's commit"); err != nil {
 				return err
 			}
 		}
@@ -234,7 +234,7 @@ func TestOptimisticCopySwallowingTheWinnersUniqueViolation(t *testing.T) {
 	go func() {
 		loser <- h.Ob.Handle(message.NewMessage("o1", nil), outbox.HandleParams{Consumer: "c", MessageID: "o1"}, swallow)
 	}()
-	if err := wait(inHandler, "the losing copy's handler"); err != nil {
+	if err := awaitSignal(inHandler, "the losing copy's handler"); err != nil {
 		t.Fatal(err)
 	}
 	calls.Store(0)
@@ -286,7 +286,7 @@ func TestTimedOutCopyThatLostIsADuplicate(t *testing.T) {
 			pessimisticClaimed := make(chan struct{})
 			optimistic := consume(func(msg *message.Message) error {
 				close(optimisticIn)
-				if err := wait(pessimisticClaimed, "the pessimistic copy's claim"); err != nil {
+				if err := awaitSignal(pessimisticClaimed, "the pessimistic copy's claim"); err != nil {
 					return err
 				}
 				return handler(msg)
@@ -300,7 +300,7 @@ func TestTimedOutCopyThatLostIsADuplicate(t *testing.T) {
 			go func() {
 				won <- h.Ob.Handle(message.NewMessage("m1", nil), outbox.HandleParams{Consumer: "c", MessageID: "m1"}, optimistic)
 			}()
-			if err := wait(optimisticIn, "the optimistic copy's handler"); err != nil {
+			if err := awaitSignal(optimisticIn, "the optimistic copy's handler"); err != nil {
 				t.Fatal(err)
 			}
 			lost := loser.Handle(message.NewMessage("m1", nil), outbox.HandleParams{Consumer: "c", MessageID: "m1"}, pessimistic)
@@ -326,8 +326,8 @@ func TestTimedOutCopyThatLostIsADuplicate(t *testing.T) {
 	}
 }
 
-// wait waits for ch to be closed or to deliver, at most 10 seconds.
-func wait[T any](ch <-chan T, what string) error {
+// awaitSignal waits for ch to be closed or to deliver, at most 10 seconds.
+func awaitSignal[T any](ch <-chan T, what string) error {
 	select {
 	case <-ch:
 		return nil
