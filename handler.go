@@ -240,7 +240,11 @@ func (o *Outbox) handleOnce(msg *message.Message, src Source, p HandleParams, ne
 			// The Router is shutting down, or the broker's ack deadline passed: not the message's fault.
 			return fmt.Errorf("outbox: message context cancelled during the unit of work (rolled back, not counted as a failed attempt): %w", err)
 		case txCtx.Err() != nil:
-			// database/sql rolled the transaction back when HandlerTimeout expired.
+			// The transaction was rolled back when HandlerTimeout expired, unless the handler had
+			// ended it itself (the rollback says so).
+			if errors.Is(rbErr, ErrTxFinishedByHandler) {
+				err = fmt.Errorf("%w (%w)", err, rbErr)
+			}
 			return o.finishedEarly(after, msg, src, timedOut(err, o.cfg.HandlerTimeout), fields)
 		case errors.Is(rbErr, sql.ErrTxDone):
 			return o.finishedEarly(after, msg, src, fmt.Errorf("%w; the handler also failed: %w", ErrTxFinishedByHandler, err), fields)

@@ -131,7 +131,9 @@ type unit struct {
 	done      bool        // committed, rolled back, refused, or expired
 	stopWatch func() bool // stops the watch of BeginUnit's context (expire); nil when joined
 	expired   bool        // BeginUnit's context ended first: the connection's socket was closed
-	released  bool        // the connection went back to the pool (after expired)
+	released  bool        // the connection left the pool (after expired)
+	// endedBySQL: expired, but user code had ended the transaction with SQL before.
+	endedBySQL bool
 }
 
 // expire ends the transaction when the unit of work's context (bounded by HandlerTimeout) ends
@@ -190,13 +192,21 @@ func (u *unit) Survivors(_ context.Context, effects []outboxdriver.Effect) ([]ou
 // Commit sends the insert of the effects and COMMIT in one round trip.
 func (u *unit) Commit(ctx context.Context, effects []outboxdriver.Effect) error {
 	if err := u.end("committed"); err != nil {
+		if u.endedBySQL {
+			// HandlerTimeout cut off a handler that had ended the transaction with SQL: its
+			// connection is gone, so the pool is asked what it committed.
+			cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), cleanupTimeout)
+			defer cancel()
+			return u.finishedBySQL(cctx, u.s.pool, effects)
+		}
 		return err
 	}
 	c := u.conn.Conn()
 	if c.PgConn().TxStatus() == 'I' && !c.IsClosed() {
 		// The handler sent COMMIT or ROLLBACK as SQL: what it wrote is committed, or not, without
 		// the effects.
-		return u.finishedBySQL(ctx, effects)
+		defer u.conn.Release()
+		return u.finishedBySQL(ctx, u.conn, effects)
 	}
 	b := &pgx.Batch{}
 	rows := effects
@@ -246,25 +256,36 @@ func (u *unit) Commit(ctx context.Context, effects []outboxdriver.Effect) error 
 // finishedBySQL handles a transaction that user code finished with SQL of its own. If the claim
 // committed (pessimistic mode), the effects are stored now (in a statement of their own: a crash
 // right before it loses them), so that a redelivery sends them; either way the unit of work
-// reports ErrTxDone. In the optimistic mode the claim was not written yet: the message fails and
-// runs again, which applies what the handler committed twice. Never end the transaction with SQL.
-func (u *unit) finishedBySQL(ctx context.Context, effects []outboxdriver.Effect) error {
-	defer u.conn.Release()
-	err := fmt.Errorf("the transaction was ended by SQL sent through it (COMMIT or ROLLBACK): %w", outboxdriver.ErrTxDone)
+// reports ErrTxFinishedByHandler and ErrTxDone. In the optimistic mode the claim was not written
+// yet: the message fails and runs again, which applies what the handler committed twice. Never
+// end the transaction with SQL. q is the unit's connection, or the pool once that is gone.
+func (u *unit) finishedBySQL(ctx context.Context, q querier, effects []outboxdriver.Effect) error {
+	err := u.endedBySQLError()
 	if u.src.Consumer == "" || u.tentative || len(effects) == 0 {
 		return err // no claim in the transaction: nothing tells what it committed
 	}
 	var one int
-	switch qerr := u.conn.QueryRow(ctx, u.s.q.processed, u.src.Consumer, u.src.ID).Scan(&one); {
+	switch qerr := q.QueryRow(ctx, u.s.q.processed, u.src.Consumer, u.src.ID).Scan(&one); {
 	case errors.Is(qerr, pgx.ErrNoRows):
 		return err
 	case qerr != nil:
 		return fmt.Errorf("%w (and checking whether the claim committed failed: %w)", err, qerr)
 	}
-	if ierr := insert(ctx, u.conn, u.s.q.insert, effects); ierr != nil {
+	if ierr := insert(ctx, q, u.s.q.insert, effects); ierr != nil {
 		return fmt.Errorf("%w; storing its side effects after it failed: %w", err, ierr)
 	}
 	return err
+}
+
+// querier is what finishedBySQL needs of a connection or of the pool.
+type querier interface {
+	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
+	SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults
+}
+
+// endedBySQLError is the error of a unit of work whose transaction user code ended with SQL.
+func (u *unit) endedBySQLError() error {
+	return fmt.Errorf("%w: the transaction was ended by SQL sent through it (COMMIT or ROLLBACK) (%w)", outbox.ErrTxFinishedByHandler, outboxdriver.ErrTxDone)
 }
 
 func (u *unit) Rollback(context.Context) error {
@@ -286,11 +307,16 @@ func (u *unit) end(how string) error {
 	if u.expired {
 		if !u.released {
 			// Out of the pool for good: the pool could take a connection whose socket is gone
-			// for a sound one (when the handler ended the transaction with SQL).
+			// for a sound one (when the handler ended the transaction with SQL). The handler has
+			// returned: its statements no longer touch the connection's state.
 			u.released = true
+			u.endedBySQL = u.conn.Conn().PgConn().TxStatus() == 'I'
 			ctx, cancel := context.WithTimeout(context.Background(), cleanupTimeout)
 			_ = u.conn.Hijack().Close(ctx)
 			cancel()
+		}
+		if u.endedBySQL {
+			return u.endedBySQLError()
 		}
 		return fmt.Errorf("the unit of work's context ended first (HandlerTimeout), its connection was closed and the transaction rolled back: %w", outboxdriver.ErrTxDone)
 	}

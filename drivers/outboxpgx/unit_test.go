@@ -54,8 +54,8 @@ func TestTenThousandEffectsInOneUnit(t *testing.T) {
 			if res.Err != nil {
 				t.Fatal(res.Err)
 			}
-			if len(res.Sent) != manyEffects {
-				t.Fatalf("sent %d effects, want %d", len(res.Sent), manyEffects)
+			if len(res.Effects) != manyEffects || len(res.Sent) != manyEffects {
+				t.Fatalf("stored %d effects, sent %d, want %d", len(res.Effects), len(res.Sent), manyEffects)
 			}
 			for i, s := range res.Sent {
 				if want := fmt.Sprint("e-", i); s.Message.UUID != want {
@@ -180,6 +180,31 @@ func TestHandlerTimeoutEndsTheTransaction(t *testing.T) {
 				t.Errorf("%d attempts counted (%v), want 1", attempts, err)
 			}
 		})
+	}
+}
+
+// TestSQLCommitThenHandlerTimeout: a pessimistic handler that ended the transaction with COMMIT
+// as SQL (its claim and writes committed) and then ran past HandlerTimeout still has its effects
+// stored, and sent on redelivery, as when it returns in time.
+func TestSQLCommitThenHandlerTimeout(t *testing.T) {
+	h := outboxtest.NewWith(t, form(outboxpgx.Pessimistic), outbox.Config{HandlerTimeout: 300 * time.Millisecond}, setup)
+	res := h.Run("c", message.NewMessage("m1", nil), consume(func(msg *message.Message) error {
+		if err := handler(msg); err != nil {
+			return err
+		}
+		if _, err := outboxpgx.Tx(msg.Context()).Exec(msg.Context(), "COMMIT"); err != nil {
+			return err
+		}
+		time.Sleep(time.Second) // ignores its context, past HandlerTimeout
+		return nil
+	}))
+	if !errors.Is(res.Err, outbox.ErrTxFinishedByHandler) || !res.Committed || len(res.Effects) != 1 {
+		t.Fatalf("COMMIT as SQL, then HandlerTimeout: err %v, committed %v, effects stored %d; want ErrTxFinishedByHandler, the claim and 1 effect",
+			res.Err, res.Committed, len(res.Effects))
+	}
+	res = h.Run("c", message.NewMessage("m1", nil), consume(handler))
+	if res.Err != nil || len(res.Sent) != 1 || count(t, h.DB, "m1") != 1 {
+		t.Errorf("redelivery: err %v, sent %d, applied %d", res.Err, len(res.Sent), count(t, h.DB, "m1"))
 	}
 }
 
