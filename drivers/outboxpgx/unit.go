@@ -141,8 +141,8 @@ type unit struct {
 // ignores its context, as database/sql rolls back a *sql.Tx whose context ends: closing the
 // connection's socket (net.Conn's Close is safe while another goroutine uses it) makes the
 // server roll back and release the locks at once. The handler's statements fail from then on
-// (ErrTxClosed); Commit and Rollback report ErrTxDone and give the connection back, and the
-// pool discards it.
+// (ErrTxClosed); Commit and Rollback, once the handler returned, report ErrTxDone and take the
+// connection out of the pool for good.
 func (u *unit) expire() {
 	u.mu.Lock()
 	defer u.mu.Unlock()
