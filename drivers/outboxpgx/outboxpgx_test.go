@@ -610,6 +610,7 @@ func TestInTxAndJoinTx(t *testing.T) {
 	if err := pool.QueryRow(ctx, `SELECT count(*) FROM applied`).Scan(&applied); err != nil || applied != 2 {
 		t.Errorf("applied %d (%v), want 2", applied, err)
 	}
+	ob.FlushMarks()
 	if n := pool.Stat().AcquiredConns(); n != 0 {
 		t.Errorf("%d connection(s) still acquired", n)
 	}
