@@ -156,6 +156,14 @@ func (o *Outbox) Cleanup(ctx context.Context) (CleanupResult, error) {
 }
 
 func (o *Outbox) cleanupOnce(ctx context.Context) error {
+	// The operators' cleanup (cmd/outbox) refuses to forget IDs sooner than this service would;
+	// it reads what is recorded here. Not recorded, it asks for -retention: nothing is lost.
+	if r, ok := o.store.(outboxdriver.ConfigRecorder); ok {
+		if err := r.RecordServiceConfig(ctx, outboxdriver.ServiceConfig{Retention: o.cfg.Retention,
+			EffectRetention: o.cfg.EffectRetention, RedeliveryHorizon: o.cfg.RedeliveryHorizon}); err != nil && ctx.Err() == nil {
+			o.logger.Error("Recording the retention for the operators' tools failed", err, nil)
+		}
+	}
 	res, err := o.Cleanup(ctx)
 	if err != nil {
 		return err

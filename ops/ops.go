@@ -7,6 +7,7 @@ package ops
 import (
 	"context"
 	"database/sql"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"regexp"
@@ -24,7 +25,7 @@ import (
 type Ops struct {
 	db *sql.DB
 	n  store.Names
-	st outboxdriver.Store
+	st *store.SQL
 }
 
 // Options say which tables an Ops works on, and how the service that uses them keeps what it
@@ -65,7 +66,11 @@ func OpenWith(db *sql.DB, opt Options) (*Ops, error) {
 	if err != nil {
 		return nil, fmt.Errorf("ops: %w", err)
 	}
-	return &Ops{db: db, n: n, st: st}, nil
+	sq, ok := st.(*store.SQL)
+	if !ok {
+		return nil, fmt.Errorf("ops: the postgres driver's store is a %T", st)
+	}
+	return &Ops{db: db, n: n, st: sq}, nil
 }
 
 // Store returns the store of the tables (for Migrate, Cleanup and SchemaCheck).
@@ -95,8 +100,54 @@ type Status struct {
 	Retained map[string]int64   `json:"retained_by_consumer"`
 	// LastDispatch is when a claim last recorded a dispatch (the relay's or a consumer's), by the
 	// database's clock, among the claims of the last hour; zero if none.
-	LastDispatch time.Time `json:"last_dispatch"`
+	LastDispatch time.Time `json:"last_dispatch,omitzero"`
 	Audit        []Audit   `json:"recent_audit"`
+	// AuditUnreadable is true when the role may not read the audit table (an application role
+	// may only append to it): Audit is then empty.
+	AuditUnreadable bool `json:"audit_unreadable,omitempty"`
+}
+
+// totalsJSON is outboxdriver.Stats as the JSON output shows it.
+type totalsJSON struct {
+	Pending         int64     `json:"pending"`
+	OldestPendingNS int64     `json:"oldest_pending_ns"`
+	Parked          int64     `json:"parked"`
+	OldestParkedNS  int64     `json:"oldest_parked_ns"`
+	Failing         int64     `json:"failing"`
+	Retained        int64     `json:"retained"`
+	Estimated       bool      `json:"estimated,omitempty"`
+	CleanupLagNS    int64     `json:"cleanup_lag_ns"`
+	SampledAt       time.Time `json:"sampled_at"`
+}
+
+// statusJSON is a Status as JSON shows it.
+type statusJSON struct {
+	plainStatus
+	Totals totalsJSON `json:"totals"`
+}
+
+type plainStatus Status
+
+// MarshalJSON writes the status with snake_case field names throughout.
+func (s Status) MarshalJSON() ([]byte, error) {
+	t := s.Totals
+	return json.Marshal(statusJSON{plainStatus(s), totalsJSON{Pending: t.Pending, OldestPendingNS: int64(t.OldestPending), Parked: t.Parked,
+		OldestParkedNS: int64(t.OldestParked), Failing: t.Failing, Retained: t.Retained, Estimated: t.Estimated,
+		CleanupLagNS: int64(t.CleanupLag), SampledAt: t.SampledAt}})
+}
+
+// UnmarshalJSON reads what MarshalJSON writes.
+func (s *Status) UnmarshalJSON(b []byte) error {
+	var j statusJSON
+	if err := json.Unmarshal(b, &j); err != nil {
+		return err
+	}
+	*s = Status(j.plainStatus)
+	t := j.Totals
+	s.Totals = outboxdriver.Stats{Pending: t.Pending, OldestPending: time.Duration(t.OldestPendingNS), Parked: t.Parked,
+		OldestParked: time.Duration(t.OldestParkedNS), Failing: t.Failing, Retained: t.Retained, Estimated: t.Estimated,
+		CleanupLag: time.Duration(t.CleanupLagNS), SampledAt: t.SampledAt}
+	return nil
 }
 
 // Audit is one change an operator made.
@@ -188,7 +239,9 @@ func (o *Ops) Status(ctx context.Context, retention time.Duration) (Status, erro
 		return s, fmt.Errorf("ops: status: %w", err)
 	}
 	s.LastDispatch = last.Time
-	if s.Audit, err = o.AuditLog(ctx, 10); err != nil {
+	if s.Audit, err = o.AuditLog(ctx, 10); errors.Is(err, ErrAuditUnreadable) {
+		s.AuditUnreadable = true
+	} else if err != nil {
 		return s, err
 	}
 	return s, nil
@@ -199,15 +252,31 @@ func closeRows(rows *sql.Rows) error {
 	return errors.Join(err, rows.Close())
 }
 
-// ParkedFilter selects parked effects. Zero fields select everything.
+// ParkedFilter selects parked effects. A list with zero fields lists every parked effect; a
+// repair needs a selection (a field other than Limit), or All.
 type ParkedFilter struct {
 	IDs           []int64
 	Topic         string
 	Consumer      string
 	OlderThan     time.Duration // parked for longer than this
 	ErrorContains string
-	Limit         int // default 1000
+	// All selects every parked effect for a repair, which refuses a filter without a selection
+	// otherwise (ErrNoSelection), so that none applies to everything by accident.
+	All   bool
+	Limit int // default 1000
 }
+
+// selects tells whether f selects effects by something other than its limit.
+func (f ParkedFilter) selects() bool {
+	return f.All || len(f.IDs) > 0 || f.Topic != "" || f.Consumer != "" || f.OlderThan > 0 || f.ErrorContains != ""
+}
+
+// ErrNoSelection is returned by a repair whose filter selects nothing in particular: set a
+// field of ParkedFilter, or All.
+var ErrNoSelection = errors.New("ops: a repair needs a selection (IDs, Topic, Consumer, OlderThan, ErrorContains) or All")
+
+// DefaultLimit bounds a list or a repair whose filter has no Limit.
+const DefaultLimit = 1000
 
 // Parked is a parked effect, with the fingerprint of its error.
 type Parked struct {
@@ -215,11 +284,46 @@ type Parked struct {
 	Fingerprint string `json:"fingerprint"`
 }
 
+// parkedJSON is a Parked as JSON shows it: what an operator needs, with snake_case names.
+type parkedJSON struct {
+	StoreID     int64     `json:"store_id"`
+	Consumer    string    `json:"consumer"`
+	MessageID   string    `json:"message_id"`
+	Kind        string    `json:"kind,omitempty"`
+	Topic       string    `json:"topic,omitempty"`
+	UUID        string    `json:"uuid"`
+	OrderingKey string    `json:"ordering_key"`
+	Attempts    int       `json:"attempts"`
+	Failures    int       `json:"failures"`
+	LastError   string    `json:"last_error"`
+	Fingerprint string    `json:"fingerprint"`
+	ParkedAt    time.Time `json:"parked_at"`
+	CreatedAt   time.Time `json:"created_at"`
+}
+
+// MarshalJSON writes what an operator needs of a parked effect, with snake_case field names.
+func (p Parked) MarshalJSON() ([]byte, error) {
+	return json.Marshal(parkedJSON{p.StoreID, p.Source.Consumer, p.Source.ID, p.Kind, p.Topic, p.UUID, p.OrderingKey,
+		p.Attempts, p.Failures, p.LastError, p.Fingerprint, p.ParkedAt, p.CreatedAt})
+}
+
+// UnmarshalJSON reads what MarshalJSON writes.
+func (p *Parked) UnmarshalJSON(b []byte) error {
+	var j parkedJSON
+	if err := json.Unmarshal(b, &j); err != nil {
+		return err
+	}
+	*p = Parked{Fingerprint: j.Fingerprint}
+	p.StoreID, p.Source, p.Kind, p.Topic, p.UUID, p.OrderingKey = j.StoreID, outboxdriver.Source{Consumer: j.Consumer, ID: j.MessageID}, j.Kind, j.Topic, j.UUID, j.OrderingKey
+	p.Attempts, p.Failures, p.LastError, p.ParkedAt, p.CreatedAt, p.Parked = j.Attempts, j.Failures, j.LastError, j.ParkedAt, j.CreatedAt, true
+	return nil
+}
+
 // ParkedEffects lists the parked effects f selects, oldest first.
 func (o *Ops) ParkedEffects(ctx context.Context, f ParkedFilter) ([]Parked, error) {
 	limit := f.Limit
 	if limit <= 0 {
-		limit = 1000
+		limit = DefaultLimit
 	}
 	var ids any
 	if len(f.IDs) > 0 {
@@ -328,6 +432,8 @@ type Change struct {
 	Matched int     `json:"matched"`
 	Changed int     `json:"changed"`
 	IDs     []int64 `json:"store_ids"`
+	// More is true when the filter's Limit cut the repair short: more parked effects match.
+	More bool `json:"more_matched"`
 }
 
 // RepairOptions say who repairs and how.
@@ -343,29 +449,44 @@ type RepairOptions struct {
 	Progress func(done, total int)
 }
 
-// RetryParked makes the parked effects f selects due again with fresh counts, in batches, and
-// writes each batch to the audit table. The relays send them at their next round.
+// RetryParked makes the parked effects f selects due again with fresh counts, in batches, each
+// written to the audit table in its own transaction (a batch whose entry cannot be written is not
+// applied). f must select (ErrNoSelection otherwise); Change.More tells that f.Limit cut it short.
+// The relays send them at their next round.
 func (o *Ops) RetryParked(ctx context.Context, f ParkedFilter, opt RepairOptions) (Change, error) {
-	return o.repair(ctx, "retry", f, opt, o.st.EffectUnpark)
+	return o.repair(ctx, "retry", f, opt, o.st.EffectUnparkAudited)
 }
 
 // DiscardParked gives up the parked effects f selects for good (marked dispatched without being
-// sent; the later effects of their ordering keys go on), in batches, audited. They are kept in
+// sent; the later effects of their ordering keys go on), in batches, audited as RetryParked's. They are kept in
 // the dispatched table, noted as discarded, unless Options.DeleteDispatched.
 func (o *Ops) DiscardParked(ctx context.Context, f ParkedFilter, opt RepairOptions) (Change, error) {
-	return o.repair(ctx, "discard", f, opt, o.st.EffectDiscard)
+	return o.repair(ctx, "discard", f, opt, o.st.EffectDiscardAudited)
 }
 
 func (o *Ops) repair(ctx context.Context, action string, f ParkedFilter, opt RepairOptions,
-	apply func(context.Context, []int64) (int, error)) (Change, error) {
+	apply func(context.Context, []int64, func(int) store.Audit) (int, error)) (Change, error) {
 	if strings.TrimSpace(opt.Actor) == "" {
 		return Change{}, errors.New("ops: an actor is required for the audit table")
 	}
+	if !f.selects() {
+		return Change{}, ErrNoSelection
+	}
+	// One more than the limit tells whether the limit cut the repair short.
+	if f.Limit <= 0 {
+		f.Limit = DefaultLimit
+	}
+	limit := f.Limit
+	f.Limit++
 	parked, err := o.ParkedEffects(ctx, f)
 	if err != nil {
 		return Change{}, err
 	}
-	ch := Change{Action: action, DryRun: opt.DryRun, Matched: len(parked)}
+	ch := Change{Action: action, DryRun: opt.DryRun}
+	if len(parked) > limit {
+		parked, ch.More = parked[:limit], true
+	}
+	ch.Matched = len(parked)
 	for _, p := range parked {
 		ch.IDs = append(ch.IDs, p.StoreID)
 	}
@@ -378,14 +499,15 @@ func (o *Ops) repair(ctx context.Context, action string, f ParkedFilter, opt Rep
 	}
 	for start := 0; start < len(ch.IDs); start += size {
 		batch := ch.IDs[start:min(start+size, len(ch.IDs))]
-		n, err := apply(ctx, batch)
+		// The entry is written in the batch's transaction: a batch whose entry cannot be written
+		// is not applied.
+		n, err := apply(ctx, batch, func(n int) store.Audit {
+			return auditEntry(opt.Actor, action+"-parked", "effects "+idList(batch), fmt.Sprintf("%d of %d changed", n, len(batch)))
+		})
 		if err != nil {
 			return ch, fmt.Errorf("ops: %s parked effects: %w", action, err)
 		}
 		ch.Changed += n
-		if err := o.audit(ctx, opt.Actor, action+"-parked", "effects "+idList(batch), fmt.Sprintf("%d of %d changed", n, len(batch))); err != nil {
-			return ch, err
-		}
 		if opt.Progress != nil {
 			opt.Progress(start+len(batch), len(ch.IDs))
 		}
@@ -429,7 +551,7 @@ func (o *Ops) FailingMessages(ctx context.Context, consumer string, limit int) (
 }
 
 // ReplayPoisoned forgets the poisoned claim and the failed attempts of a message, so that its next
-// delivery runs the handler (see Outbox.ReplayPoisoned), and audits it. It reports whether the
+// delivery runs the handler (see Outbox.ReplayPoisoned), and audits it in the same transaction. It reports whether the
 // message was poisoned; with DryRun it only looks.
 func (o *Ops) ReplayPoisoned(ctx context.Context, consumer, messageID string, opt RepairOptions) (bool, error) {
 	if strings.TrimSpace(opt.Actor) == "" {
@@ -444,14 +566,10 @@ func (o *Ops) ReplayPoisoned(ctx context.Context, consumer, messageID string, op
 		}
 		return poisoned, err
 	}
-	ok, err := o.st.MessageReplay(ctx, outboxdriver.Source{Consumer: consumer, ID: messageID})
+	a := auditEntry(opt.Actor, "replay-poisoned", consumer+"/"+messageID, "")
+	ok, err := o.st.MessageReplayAudited(ctx, outboxdriver.Source{Consumer: consumer, ID: messageID}, &a)
 	if err != nil {
 		return false, fmt.Errorf("ops: replay: %w", err)
-	}
-	if ok {
-		if err := o.audit(ctx, opt.Actor, "replay-poisoned", consumer+"/"+messageID, ""); err != nil {
-			return ok, err
-		}
 	}
 	return ok, nil
 }
@@ -491,8 +609,8 @@ type Lookup struct {
 	MessageID    string         `json:"message_id"`
 	Processed    bool           `json:"processed"`
 	Poisoned     bool           `json:"poisoned"`
-	ProcessedAt  time.Time      `json:"processed_at"`
-	DispatchedAt time.Time      `json:"dispatched_at"`
+	ProcessedAt  time.Time      `json:"processed_at,omitzero"`
+	DispatchedAt time.Time      `json:"dispatched_at,omitzero"`
 	Effects      []LookupEffect `json:"effects"`
 	Attempts     int            `json:"attempts"`
 	LastError    string         `json:"last_error,omitempty"`
@@ -506,7 +624,7 @@ type LookupEffect struct {
 	UUID         string    `json:"uuid"`
 	State        string    `json:"state"` // pending, parked, dispatched
 	CreatedAt    time.Time `json:"created_at"`
-	DispatchedAt time.Time `json:"dispatched_at"`
+	DispatchedAt time.Time `json:"dispatched_at,omitzero"`
 	LastError    string    `json:"last_error,omitempty"`
 }
 
@@ -560,6 +678,9 @@ func (o *Ops) Lookup(ctx context.Context, consumer, messageID string) (Lookup, e
 func (o *Ops) AuditLog(ctx context.Context, limit int) ([]Audit, error) {
 	rows, err := o.db.QueryContext(ctx, `SELECT at, actor, action, target, detail FROM `+o.n.Audit+` ORDER BY id DESC LIMIT $1`, limit)
 	if err != nil {
+		if isInsufficientPrivilege(err) {
+			return nil, fmt.Errorf("%w: %w", ErrAuditUnreadable, err)
+		}
 		return nil, fmt.Errorf("ops: audit log: %w", err)
 	}
 	var out []Audit
@@ -574,13 +695,27 @@ func (o *Ops) AuditLog(ctx context.Context, limit int) ([]Audit, error) {
 	return out, closeRows(rows)
 }
 
+// ErrAuditUnreadable means the role may not read the audit table. The application role may only
+// append to it (see postgres.Grants); an operator's role reads it.
+var ErrAuditUnreadable = errors.New("ops: this role may not read the audit table")
+
+// isInsufficientPrivilege tells whether err is PostgreSQL's insufficient_privilege.
+func isInsufficientPrivilege(err error) bool {
+	var s interface{ SQLState() string }
+	return errors.As(err, &s) && s.SQLState() == "42501"
+}
+
 func (o *Ops) audit(ctx context.Context, actor, action, target, detail string) error {
 	_, err := o.db.ExecContext(ctx, `INSERT INTO `+o.n.Audit+` (actor, action, target, detail) VALUES ($1, $2, $3, $4)`,
 		sanitize(actor), action, sanitize(target), sanitize(detail))
 	if err != nil {
-		return fmt.Errorf("ops: write the audit entry (the change was made): %w", err)
+		return fmt.Errorf("ops: write the audit entry: %w", err)
 	}
 	return nil
+}
+
+func auditEntry(actor, action, target, detail string) store.Audit {
+	return store.Audit{Actor: sanitize(actor), Action: action, Target: sanitize(target), Detail: sanitize(detail)}
 }
 
 // sanitize makes text storable in a text column: valid UTF-8, no NUL, at most 4 KiB.

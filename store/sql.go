@@ -328,6 +328,12 @@ func (s *SQL) MessagePoison(ctx context.Context, src outboxdriver.Source) error 
 
 // MessageReplay implements outboxdriver.Store.
 func (s *SQL) MessageReplay(ctx context.Context, src outboxdriver.Source) (bool, error) {
+	return s.MessageReplayAudited(ctx, src, nil)
+}
+
+// MessageReplayAudited is MessageReplay that writes audit (when not nil) in the transaction of
+// the change: the change is made only if its audit entry is written.
+func (s *SQL) MessageReplayAudited(ctx context.Context, src outboxdriver.Source, audit *Audit) (bool, error) {
 	tx, err := s.db.BeginTx(ctx, nil)
 	if err != nil {
 		return false, fmt.Errorf("begin: %w", err)
@@ -346,6 +352,9 @@ func (s *SQL) MessageReplay(ctx context.Context, src outboxdriver.Source) (bool,
 	}
 	if _, err := tx.ExecContext(ctx, s.d.Queries.AttemptDelete, src.Consumer, src.ID); err != nil {
 		return false, s.wrap(err)
+	}
+	if err := s.writeAudit(ctx, tx, audit); err != nil {
+		return false, err
 	}
 	return true, tx.Commit()
 }
@@ -736,58 +745,96 @@ func (s *SQL) EffectListParked(ctx context.Context, limit int) ([]outboxdriver.P
 
 // EffectUnpark implements outboxdriver.Store.
 func (s *SQL) EffectUnpark(ctx context.Context, ids []int64) (int, error) {
-	return s.eachID(ctx, s.d.Queries.EffectUnpark, ids)
+	return s.EffectUnparkAudited(ctx, ids, nil)
 }
 
 // EffectDiscard implements outboxdriver.Store.
 func (s *SQL) EffectDiscard(ctx context.Context, ids []int64) (int, error) {
-	ids = slices.Clone(ids)
-	slices.Sort(ids)
-	tx, err := s.db.BeginTx(ctx, nil)
-	if err != nil {
-		return 0, fmt.Errorf("begin: %w", err)
-	}
-	defer func() { _ = tx.Rollback() }()
-	total := 0
-	for _, id := range slices.Compact(ids) {
-		rows, err := tx.QueryContext(ctx, s.d.Queries.EffectDiscard, id)
-		if err != nil {
-			return 0, s.wrap(err)
-		}
-		for rows.Next() {
-			total++
-		}
-		if err := rows.Err(); err != nil {
-			return 0, s.wrap(err)
-		}
-		_ = rows.Close()
-	}
-	return total, tx.Commit()
+	return s.EffectDiscardAudited(ctx, ids, nil)
 }
 
-// eachID runs query for every id, in ascending order, in one transaction, and returns the rows
-// it changed.
-func (s *SQL) eachID(ctx context.Context, query string, ids []int64) (int, error) {
-	ids = slices.Clone(ids)
-	slices.Sort(ids)
-	tx, err := s.db.BeginTx(ctx, nil)
-	if err != nil {
-		return 0, fmt.Errorf("begin: %w", err)
-	}
-	defer func() { _ = tx.Rollback() }()
-	total := 0
-	for _, id := range slices.Compact(ids) {
-		r, err := tx.ExecContext(ctx, query, id)
+// Audit is an entry of the audit table: who changed what.
+type Audit struct {
+	Actor, Action, Target, Detail string
+}
+
+// EffectUnparkAudited is EffectUnpark that writes the entry audit returns (when audit is not
+// nil; it is told how many effects changed) in the transaction of the change, so that no change
+// is made without its entry.
+func (s *SQL) EffectUnparkAudited(ctx context.Context, ids []int64, audit func(changed int) Audit) (int, error) {
+	return s.eachID(ctx, ids, audit, func(tx *sql.Tx, id int64) (int, error) {
+		r, err := tx.ExecContext(ctx, s.d.Queries.EffectUnpark, id)
 		if err != nil {
 			return 0, s.wrap(err)
 		}
 		n, err := r.RowsAffected()
+		return int(n), err
+	})
+}
+
+// EffectDiscardAudited is EffectDiscard with its audit entry written as EffectUnparkAudited's.
+func (s *SQL) EffectDiscardAudited(ctx context.Context, ids []int64, audit func(changed int) Audit) (int, error) {
+	return s.eachID(ctx, ids, audit, func(tx *sql.Tx, id int64) (int, error) {
+		rows, err := tx.QueryContext(ctx, s.d.Queries.EffectDiscard, id)
+		if err != nil {
+			return 0, s.wrap(err)
+		}
+		n := 0
+		for rows.Next() {
+			n++
+		}
+		return n, errors.Join(s.wrap(rows.Err()), rows.Close())
+	})
+}
+
+// eachID runs one for every id, in ascending order, in one transaction, then writes the audit
+// entry, and returns the rows it changed.
+func (s *SQL) eachID(ctx context.Context, ids []int64, audit func(changed int) Audit, one func(*sql.Tx, int64) (int, error)) (int, error) {
+	ids = slices.Clone(ids)
+	slices.Sort(ids)
+	tx, err := s.db.BeginTx(ctx, nil)
+	if err != nil {
+		return 0, fmt.Errorf("begin: %w", err)
+	}
+	defer func() { _ = tx.Rollback() }()
+	total := 0
+	for _, id := range slices.Compact(ids) {
+		n, err := one(tx, id)
 		if err != nil {
 			return 0, err
 		}
-		total += int(n)
+		total += n
+	}
+	if audit != nil {
+		a := audit(total)
+		if err := s.writeAudit(ctx, tx, &a); err != nil {
+			return 0, err
+		}
 	}
 	return total, tx.Commit()
+}
+
+// writeAudit inserts a (when not nil) in tx.
+func (s *SQL) writeAudit(ctx context.Context, tx *sql.Tx, a *Audit) error {
+	if a == nil {
+		return nil
+	}
+	if _, err := tx.ExecContext(ctx, `INSERT INTO `+s.names.Audit+` (actor, action, target, detail) VALUES ($1, $2, $3, $4)`,
+		a.Actor, a.Action, a.Target, a.Detail); err != nil {
+		return fmt.Errorf("write the audit entry (nothing was changed): %w", s.wrap(err))
+	}
+	return nil
+}
+
+// RecordServiceConfig implements outboxdriver.ConfigRecorder: it stores c in the stats row.
+func (s *SQL) RecordServiceConfig(ctx context.Context, c outboxdriver.ServiceConfig) error {
+	_, err := s.db.ExecContext(ctx, `UPDATE `+s.names.Stats+` SET retention_ms = $1, effect_retention_ms = $2,
+		redelivery_horizon_ms = $3, config_at = now() WHERE id = 1`,
+		c.Retention.Milliseconds(), c.EffectRetention.Milliseconds(), c.RedeliveryHorizon.Milliseconds())
+	if err != nil {
+		return fmt.Errorf("record the service's retention: %w", s.wrap(err))
+	}
+	return nil
 }
 
 // statsSample is a Stats as it is stored between processes.

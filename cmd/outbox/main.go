@@ -2,16 +2,18 @@
 // running service:
 //
 //	outbox [global flags] status
-//	outbox [global flags] parked list|groups|retry|discard [-id N]... [-topic T] [-consumer C] [-older-than D] [-error TEXT] [-dry-run] [-batch N] [-effect-retention D]
+//	outbox [global flags] parked list|groups|retry|discard [-id N]... [-topic T] [-consumer C] [-older-than D] [-error TEXT] [-all] [-limit N] [-dry-run] [-batch N] [-effect-retention D]
 //	outbox [global flags] failing list [-consumer C]
 //	outbox [global flags] replay [-dry-run] CONSUMER MESSAGE_ID
 //	outbox [global flags] lookup CONSUMER MESSAGE_ID
-//	outbox [global flags] migrate up|status|sql
-//	outbox [global flags] cleanup [-retention D] [-effect-retention D]
+//	outbox [global flags] migrate up|status|sql [-grant ROLE] [-operator ROLE]
+//	outbox [global flags] migrate grants [-operator] ROLE
+//	outbox [global flags] cleanup [-retention D] [-effect-retention D] [-force] [-dry-run] [-batch N]
 //
 // Global flags: -dsn (default $OUTBOX_DSN, then $DATABASE_URL; lib/pq format), -schema, -prefix,
-// -o text|json, -actor (default $USER), -timeout. Every change (retry, discard, replay) is written
-// to the audit table with the actor; status shows the latest.
+// -o text|json, -actor (default $USER), -timeout. Every change (retry, discard, replay, cleanup) is
+// written to the audit table with the actor; status shows the latest. Text output escapes the
+// control characters of what it prints from the tables; the password of the DSN is never printed.
 //
 // Install it with: go install github.com/watermill-outbox/outbox/cmd/outbox@latest
 package main
@@ -24,12 +26,15 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"net/url"
 	"os"
 	"os/user"
 	"strconv"
 	"strings"
 	"text/tabwriter"
 	"time"
+	"unicode"
+	"unicode/utf8"
 
 	_ "github.com/lib/pq"
 
@@ -50,30 +55,41 @@ func (e usageError) Error() string { return e.msg }
 
 const usage = `usage: outbox [-dsn DSN] [-schema S] [-prefix P] [-o text|json] [-actor NAME] [-timeout D] COMMAND
 commands:
-  status                                  pending, parked, failing, retained, cleanup lag, recent changes
-  parked list|groups|retry|discard        parked effects (filters: -id N (repeatable) -topic T -consumer C
-                                          -older-than D -error TEXT; -dry-run; -batch N); discard keeps
-                                          them, noted as discarded, unless -effect-retention 0
-  failing list [-consumer C]              messages whose handler failed and that were not processed
+  status [-retention D]                   pending, parked, failing, retained, cleanup lag, recent changes
+  parked list|groups|retry|discard        parked effects. Filters: -id N (repeatable) -topic T -consumer C
+                                          -older-than D -error TEXT; -limit N (default 1000). retry and
+                                          discard need a filter or -all, and take -dry-run and -batch N;
+                                          discard keeps the effects, noted as discarded, unless
+                                          -effect-retention 0
+  failing list [-consumer C] [-limit N]   messages whose handler failed and that were not processed
   replay [-dry-run] CONSUMER MESSAGE_ID   let a poisoned message run again on its next delivery
   lookup CONSUMER MESSAGE_ID              was it processed, when, what did it send, what is pending
-  migrate up|status|sql                   apply the migrations, show them, or print their SQL
-  cleanup [-retention D] [-effect-retention D]
-                                          one retention cleanup pass now, with progress; dispatched
+  migrate up|status                       apply the migrations (needs a role that may create tables),
+                                          or show them
+  migrate sql [-grant ROLE] [-operator ROLE]
+                                          print the migrations as one SQL script (and the grants)
+  migrate grants [-operator] ROLE         print the grants of the application's (or an operator's) role
+  cleanup [-retention D] [-effect-retention D] [-force] [-dry-run] [-batch N]
+                                          one retention cleanup pass now, with progress. -retention
+                                          defaults to the service's recorded Retention; a shorter one,
+                                          or one below its redelivery horizon, needs -force. Dispatched
                                           effects are kept for -effect-retention (default: -retention)
 `
 
 func run(ctx context.Context, args []string, stdout, stderr io.Writer, getenv func(string) string) int {
-	err := runErr(ctx, args, stdout, getenv)
+	var dsn string
+	err := runErr(ctx, args, stdout, getenv, &dsn)
+	// Errors may carry the DSN (lib/pq puts the whole URL in a parse error): its password is
+	// taken out of everything printed.
 	var ue usageError
 	switch {
 	case err == nil:
 		return 0
 	case errors.As(err, &ue):
-		fmt.Fprintf(stderr, "outbox: %s\n%s", ue.msg, usage)
+		fmt.Fprintf(stderr, "outbox: %s\n%s", clean(postgres.RedactDSN(ue.msg, dsn)), usage)
 		return 2
 	default:
-		fmt.Fprintf(stderr, "outbox: %v\n", err)
+		fmt.Fprintf(stderr, "outbox: %s\n", clean(postgres.RedactDSN(err.Error(), dsn)))
 		return 1
 	}
 }
@@ -83,7 +99,7 @@ type globals struct {
 	timeout                            time.Duration
 }
 
-func runErr(ctx context.Context, args []string, stdout io.Writer, getenv func(string) string) error {
+func runErr(ctx context.Context, args []string, stdout io.Writer, getenv func(string) string, dsn *string) error {
 	fs := flag.NewFlagSet("outbox", flag.ContinueOnError)
 	fs.SetOutput(io.Discard)
 	var g globals
@@ -101,7 +117,9 @@ func runErr(ctx context.Context, args []string, stdout io.Writer, getenv func(st
 	fs.StringVar(&g.output, "o", "text", "output: text or json")
 	fs.StringVar(&g.actor, "actor", defaultActor, "who makes the change, for the audit table")
 	fs.DurationVar(&g.timeout, "timeout", time.Minute, "bound of the whole command")
-	if err := fs.Parse(args); err != nil {
+	err := fs.Parse(args)
+	*dsn = g.dsn
+	if err != nil {
 		return usageError{err.Error()}
 	}
 	if g.output != "text" && g.output != "json" {
@@ -112,11 +130,21 @@ func runErr(ctx context.Context, args []string, stdout io.Writer, getenv func(st
 		return usageError{"no command"}
 	}
 	cmd, rest := rest[0], rest[1:]
-	if cmd == "migrate" && len(rest) == 1 && rest[0] == "sql" {
-		return migrateSQL(g, stdout) // needs no database
+	if cmd == "migrate" && len(rest) > 0 && rest[0] == "sql" {
+		return migrateSQL(g, rest[1:], stdout) // needs no database
+	}
+	if cmd == "migrate" && len(rest) > 0 && rest[0] == "grants" {
+		return migrateGrants(g, rest[1:], stdout)
 	}
 	if g.dsn == "" {
 		return usageError{"no database: set -dsn, OUTBOX_DSN or DATABASE_URL"}
+	}
+	if strings.Contains(g.dsn, "://") {
+		// url.Parse's error quotes the URL, and a part of a malformed escape is part of the
+		// password: none of it is repeated.
+		if _, err := url.Parse(g.dsn); err != nil {
+			return errors.New("the DSN is not a valid URL: percent-encode the special characters of the user and password (% as %25, @ as %40, / as %2F), and check the host and port")
+		}
 	}
 	ctx, cancel := context.WithTimeout(ctx, g.timeout)
 	defer cancel()
@@ -144,7 +172,7 @@ func runErr(ctx context.Context, args []string, stdout io.Writer, getenv func(st
 	case "migrate":
 		return migrate(ctx, o, db, g, rest, out)
 	case "cleanup":
-		return cleanup(ctx, o, rest, out)
+		return cleanup(ctx, o, g, rest, out)
 	}
 	return usageError{fmt.Sprintf("unknown command %q", cmd)}
 }
@@ -192,25 +220,28 @@ func status(ctx context.Context, o *ops.Ops, args []string, out printer) error {
 		if len(s.Groups) > 0 {
 			fmt.Fprintf(w, "\nCONSUMER\tTOPIC\tPENDING\tOLDEST\tPARKED\n")
 			for _, g := range s.Groups {
-				fmt.Fprintf(w, "%s\t%s\t%d\t%s\t%d\n", orBoundary(g.Consumer), g.Topic, g.Pending, g.OldestPending.Round(time.Millisecond), g.Parked)
+				fmt.Fprintf(w, "%s\t%s\t%d\t%s\t%d\n", orBoundary(g.Consumer), clean(g.Topic), g.Pending, g.OldestPending.Round(time.Millisecond), g.Parked)
 			}
 		}
 		if len(s.Failing) > 0 {
 			fmt.Fprintf(w, "\nCONSUMER\tFAILING MESSAGES\tATTEMPTS\t\t\n")
 			for _, f := range s.Failing {
-				fmt.Fprintf(w, "%s\t%d\t%d\t\t\n", f.Consumer, f.Messages, f.Attempts)
+				fmt.Fprintf(w, "%s\t%d\t%d\t\t\n", clean(f.Consumer), f.Messages, f.Attempts)
 			}
 		}
 		if len(s.Retained) > 0 {
 			fmt.Fprintf(w, "\nCONSUMER\tRETAINED IDS\t\t\t\n")
 			for c, n := range s.Retained {
-				fmt.Fprintf(w, "%s\t%d\t\t\t\n", c, n)
+				fmt.Fprintf(w, "%s\t%d\t\t\t\n", clean(c), n)
 			}
 		}
-		if len(s.Audit) > 0 {
+		switch {
+		case s.AuditUnreadable:
+			fmt.Fprintf(w, "\nrecent changes\tnot readable by this role (it may only append to the audit table)\t\t\t\n")
+		case len(s.Audit) > 0:
 			fmt.Fprintf(w, "\nRECENT CHANGES\t\t\t\t\n")
 			for _, a := range s.Audit {
-				fmt.Fprintf(w, "%s\t%s\t%s\t%s\t%s\n", a.At.Format(time.RFC3339), a.Actor, a.Action, a.Target, a.Detail)
+				fmt.Fprintf(w, "%s\t%s\t%s\t%s\t%s\n", a.At.Format(time.RFC3339), clean(a.Actor), clean(a.Action), clean(a.Target), clean(a.Detail))
 			}
 		}
 	})
@@ -220,7 +251,38 @@ func orBoundary(consumer string) string {
 	if consumer == "" {
 		return "(boundary)"
 	}
-	return consumer
+	return clean(consumer)
+}
+
+// clean makes text from the tables (message IDs, topics, error texts, actors: anything a message
+// or a user could set) safe to print on a terminal: control characters (C0, DEL, C1, which
+// include the escape sequences that move the cursor or rewrite the screen), bidirectional
+// overrides and invalid UTF-8 are escaped, so that what is printed is what is stored. A tab or
+// line break is escaped too: it would break the table.
+func clean(s string) string {
+	if !strings.ContainsFunc(s, unsafeRune) && utf8.ValidString(s) {
+		return s
+	}
+	var b strings.Builder
+	for i := 0; i < len(s); {
+		r, size := utf8.DecodeRuneInString(s[i:])
+		switch {
+		case r == utf8.RuneError && size == 1:
+			fmt.Fprintf(&b, `\x%02x`, s[i])
+		case unsafeRune(r) && r < 0x100:
+			fmt.Fprintf(&b, `\x%02x`, r)
+		case unsafeRune(r):
+			fmt.Fprintf(&b, `\u%04x`, r)
+		default:
+			b.WriteRune(r)
+		}
+		i += size
+	}
+	return b.String()
+}
+
+func unsafeRune(r rune) bool {
+	return unicode.IsControl(r) || unicode.Is(unicode.Bidi_Control, r) || r == '\u2028' || r == '\u2029'
 }
 
 // idFlags collects repeated -id flags.
@@ -259,7 +321,8 @@ func parked(ctx context.Context, o *ops.Ops, db *sql.DB, g globals, args []strin
 	fs.StringVar(&f.Consumer, "consumer", "", "only effects of this consumer")
 	fs.DurationVar(&f.OlderThan, "older-than", 0, "only effects parked longer ago than this")
 	fs.StringVar(&f.ErrorContains, "error", "", "only effects whose last error contains this text")
-	fs.IntVar(&f.Limit, "limit", 1000, "at most this many effects")
+	fs.BoolVar(&f.All, "all", false, "retry or discard: every parked effect (up to -limit)")
+	fs.IntVar(&f.Limit, "limit", ops.DefaultLimit, "at most this many effects")
 	dryRun := fs.Bool("dry-run", false, "say what would change, change nothing")
 	batch := fs.Int("batch", 500, "effects changed per batch")
 	effectRetention := fs.Duration("effect-retention", 0,
@@ -283,7 +346,7 @@ func parked(ctx context.Context, o *ops.Ops, db *sql.DB, g globals, args []strin
 		return out.emit(list, func(w *tabwriter.Writer) {
 			fmt.Fprintf(w, "ID\tCONSUMER\tTOPIC\tUUID\tATTEMPTS\tPARKED\tERROR\n")
 			for _, p := range list {
-				fmt.Fprintf(w, "%d\t%s\t%s\t%s\t%d\t%s ago\t%s\n", p.StoreID, orBoundary(p.Source.Consumer), p.Topic, p.UUID,
+				fmt.Fprintf(w, "%d\t%s\t%s\t%s\t%d\t%s ago\t%s\n", p.StoreID, orBoundary(p.Source.Consumer), clean(p.Topic), clean(p.UUID),
 					p.Attempts, time.Since(p.ParkedAt).Round(time.Second), oneLine(p.LastError, 100))
 			}
 		})
@@ -296,12 +359,12 @@ func parked(ctx context.Context, o *ops.Ops, db *sql.DB, g globals, args []strin
 		return out.emit(groups, func(w *tabwriter.Writer) {
 			fmt.Fprintf(w, "COUNT\tTOPICS\tFAILURE\n")
 			for _, gr := range groups {
-				fmt.Fprintf(w, "%d\t%s\t%s\n", gr.Count, strings.Join(gr.Topics, ","), oneLine(gr.Fingerprint, 120))
+				fmt.Fprintf(w, "%d\t%s\t%s\n", gr.Count, clean(strings.Join(gr.Topics, ",")), oneLine(gr.Fingerprint, 120))
 			}
 		})
 	case "retry", "discard":
-		if len(f.IDs) == 0 && f.Topic == "" && f.Consumer == "" && f.OlderThan == 0 && f.ErrorContains == "" {
-			return usageError{"parked " + sub + ": select the effects (-id, -topic, -consumer, -older-than or -error)"}
+		if len(f.IDs) == 0 && f.Topic == "" && f.Consumer == "" && f.OlderThan == 0 && f.ErrorContains == "" && !f.All {
+			return usageError{"parked " + sub + ": select the effects (-id, -topic, -consumer, -older-than or -error), or give -all"}
 		}
 		opt := ops.RepairOptions{Actor: g.actor, DryRun: *dryRun, BatchSize: *batch}
 		if !out.json {
@@ -318,20 +381,24 @@ func parked(ctx context.Context, o *ops.Ops, db *sql.DB, g globals, args []strin
 		return out.emit(ch, func(w *tabwriter.Writer) {
 			if ch.DryRun {
 				fmt.Fprintf(w, "dry run: %s would change %d parked effect(s): %v\n", sub, ch.Matched, ch.IDs)
-				return
+			} else {
+				fmt.Fprintf(w, "%s: %d of %d parked effect(s) changed (audited as %s)\n", sub, ch.Changed, ch.Matched, clean(g.actor))
 			}
-			fmt.Fprintf(w, "%s: %d of %d parked effect(s) changed (audited as %s)\n", sub, ch.Changed, ch.Matched, g.actor)
+			if ch.More {
+				fmt.Fprintf(w, "more parked effects match: -limit %d stopped at %d; run it again (or raise -limit) for the rest\n", f.Limit, ch.Matched)
+			}
 		})
 	}
 	return usageError{fmt.Sprintf("parked %s: want list, groups, retry or discard", sub)}
 }
 
+// oneLine prints s on one line of at most about n bytes, escaped (see clean).
 func oneLine(s string, n int) string {
 	s = strings.Join(strings.Fields(s), " ")
 	if len(s) > n {
 		s = strings.ToValidUTF8(s[:n], "") + "..."
 	}
-	return s
+	return clean(s)
 }
 
 func failing(ctx context.Context, o *ops.Ops, args []string, out printer) error {
@@ -352,7 +419,7 @@ func failing(ctx context.Context, o *ops.Ops, args []string, out printer) error 
 	return out.emit(list, func(w *tabwriter.Writer) {
 		fmt.Fprintf(w, "CONSUMER\tMESSAGE\tATTEMPTS\tLAST FAILED\tERROR\n")
 		for _, f := range list {
-			fmt.Fprintf(w, "%s\t%s\t%d\t%s ago\t%s\n", f.Consumer, f.MessageID, f.Attempts,
+			fmt.Fprintf(w, "%s\t%s\t%d\t%s ago\t%s\n", clean(f.Consumer), clean(f.MessageID), f.Attempts,
 				time.Since(f.LastFailedAt).Round(time.Second), oneLine(f.LastError, 100))
 		}
 	})
@@ -374,14 +441,15 @@ func replay(ctx context.Context, o *ops.Ops, g globals, args []string, out print
 		return err
 	}
 	res := map[string]any{"consumer": consumer, "message_id": id, "poisoned": ok, "dry_run": *dryRun}
+	name := clean(consumer) + "/" + clean(id)
 	return out.emit(res, func(w *tabwriter.Writer) {
 		switch {
 		case !ok:
-			fmt.Fprintf(w, "%s/%s is not a poisoned message: nothing to replay\n", consumer, id)
+			fmt.Fprintf(w, "%s is not a poisoned message: nothing to replay\n", name)
 		case *dryRun:
-			fmt.Fprintf(w, "dry run: %s/%s is poisoned; replay would let its next delivery run the handler\n", consumer, id)
+			fmt.Fprintf(w, "dry run: %s is poisoned; replay would let its next delivery run the handler\n", name)
 		default:
-			fmt.Fprintf(w, "%s/%s: its next delivery runs the handler (put it back on its topic, ID unchanged)\n", consumer, id)
+			fmt.Fprintf(w, "%s: its next delivery runs the handler (put it back on its topic, ID unchanged)\n", name)
 		}
 	})
 }
@@ -394,15 +462,16 @@ func lookup(ctx context.Context, o *ops.Ops, args []string, out printer) error {
 	if err != nil {
 		return err
 	}
+	name := clean(l.Consumer) + "/" + clean(l.MessageID)
 	return out.emit(l, func(w *tabwriter.Writer) {
 		switch {
 		case l.Poisoned:
-			fmt.Fprintf(w, "%s/%s: poisoned at %s\n", l.Consumer, l.MessageID, l.ProcessedAt.Format(time.RFC3339))
+			fmt.Fprintf(w, "%s: poisoned at %s\n", name, l.ProcessedAt.Format(time.RFC3339))
 		case l.Processed:
-			fmt.Fprintf(w, "%s/%s: processed at %s, last dispatch %s\n", l.Consumer, l.MessageID,
+			fmt.Fprintf(w, "%s: processed at %s, last dispatch %s\n", name,
 				l.ProcessedAt.Format(time.RFC3339Nano), l.DispatchedAt.Format(time.RFC3339Nano))
 		default:
-			fmt.Fprintf(w, "%s/%s: not processed (or forgotten after Retention)\n", l.Consumer, l.MessageID)
+			fmt.Fprintf(w, "%s: not processed (or forgotten after Retention)\n", name)
 		}
 		if l.Attempts > 0 {
 			fmt.Fprintf(w, "failed attempts: %d, last error: %s\n", l.Attempts, oneLine(l.LastError, 200))
@@ -414,7 +483,7 @@ func lookup(ctx context.Context, o *ops.Ops, args []string, out printer) error {
 				if kind == outboxdriver.KindPublish {
 					kind = "publish"
 				}
-				fmt.Fprintf(w, "%d\t%s\t%s\t%s\t%s\n", e.StoreID, e.State, kind, e.Topic, e.UUID)
+				fmt.Fprintf(w, "%d\t%s\t%s\t%s\t%s\n", e.StoreID, e.State, clean(kind), clean(e.Topic), clean(e.UUID))
 			}
 		}
 	})
@@ -422,7 +491,7 @@ func lookup(ctx context.Context, o *ops.Ops, args []string, out printer) error {
 
 func migrate(ctx context.Context, o *ops.Ops, db *sql.DB, g globals, args []string, out printer) error {
 	if len(args) != 1 {
-		return usageError{"migrate: want up, status or sql"}
+		return usageError{"migrate: want up, status, sql or grants"}
 	}
 	switch args[0] {
 	case "up":
@@ -472,7 +541,7 @@ func migrate(ctx context.Context, o *ops.Ops, db *sql.DB, g globals, args []stri
 			}
 		})
 	}
-	return usageError{fmt.Sprintf("migrate %s: want up, status or sql", args[0])}
+	return usageError{fmt.Sprintf("migrate %s: want up, status, sql or grants", args[0])}
 }
 
 // migrationsTable is the quoted name of the table that records the applied migrations.
@@ -488,59 +557,125 @@ func migrationsTable(g globals) (string, error) {
 	return n.Migrations, nil
 }
 
-// migrateSQL prints every migration for the schema and prefix, for a migration tool of the team's.
-func migrateSQL(g globals, stdout io.Writer) error {
-	all, err := postgres.Migrations(g.schema, g.prefix)
+// migrateSQL prints every migration as one script for the schema and prefix, for psql or a
+// migration tool of the team's, followed by the grants of the roles -grant and -operator name.
+func migrateSQL(g globals, args []string, stdout io.Writer) error {
+	fs := flag.NewFlagSet("migrate sql", flag.ContinueOnError)
+	fs.SetOutput(io.Discard)
+	app := fs.String("grant", "", "also grant this role what the application needs")
+	operator := fs.String("operator", "", "also grant this role what an operator needs")
+	if err := fs.Parse(args); err != nil {
+		return usageError{err.Error()}
+	}
+	if fs.NArg() != 0 {
+		return usageError{"migrate sql: unexpected " + strings.Join(fs.Args(), " ")}
+	}
+	script, err := postgres.MigrationScript(g.schema, g.prefix)
 	if err != nil {
 		return usageError{err.Error()}
 	}
-	table, err := migrationsTable(g)
-	if err != nil {
-		return err
+	var grants []string
+	for _, r := range []struct {
+		role     string
+		operator bool
+	}{{*app, false}, {*operator, true}} {
+		if r.role == "" {
+			continue
+		}
+		gs, err := postgres.Grants(g.schema, g.prefix, r.role, r.operator)
+		if err != nil {
+			return usageError{err.Error()}
+		}
+		grants = append(grants, gs...)
 	}
-	for _, m := range all {
-		fmt.Fprintf(stdout, "-- %03d_%s\n%s\n", m.Version, m.Name, strings.TrimSpace(m.SQL))
-		fmt.Fprintf(stdout, "INSERT INTO %s (version) VALUES (%d) ON CONFLICT DO NOTHING;\n\n", table, m.Version)
+	fmt.Fprint(stdout, script)
+	if len(grants) > 0 {
+		fmt.Fprintf(stdout, "-- grants\n%s;\n", strings.Join(grants, ";\n"))
 	}
 	return nil
 }
 
-func cleanup(ctx context.Context, o *ops.Ops, args []string, out printer) error {
+// migrateGrants prints the grants of a role: what a service needs, or with -operator what the
+// operators' CLI needs too (reading the audit table).
+func migrateGrants(g globals, args []string, stdout io.Writer) error {
+	fs := flag.NewFlagSet("migrate grants", flag.ContinueOnError)
+	fs.SetOutput(io.Discard)
+	operator := fs.Bool("operator", false, "the role of an operator: may also read the audit table")
+	if err := fs.Parse(args); err != nil {
+		return usageError{err.Error()}
+	}
+	if fs.NArg() != 1 {
+		return usageError{"migrate grants: want ROLE"}
+	}
+	grants, err := postgres.Grants(g.schema, g.prefix, fs.Arg(0), *operator)
+	if err != nil {
+		return usageError{err.Error()}
+	}
+	if g.output == "json" {
+		return printer{w: stdout, json: true}.emit(map[string]any{"role": fs.Arg(0), "operator": *operator, "statements": grants}, nil)
+	}
+	fmt.Fprintf(stdout, "%s;\n", strings.Join(grants, ";\n"))
+	return nil
+}
+
+func cleanup(ctx context.Context, o *ops.Ops, g globals, args []string, out printer) error {
 	fs := flag.NewFlagSet("cleanup", flag.ContinueOnError)
 	fs.SetOutput(io.Discard)
-	retention := fs.Duration("retention", 7*24*time.Hour, "the service's Config.Retention")
+	retention := fs.Duration("retention", 0, "the service's Config.Retention (default: as the service recorded it)")
 	effectRetention := fs.Duration("effect-retention", 0, "the service's Config.EffectRetention (default: -retention)")
+	force := fs.Bool("force", false, "allow a retention below the service's Retention or redelivery horizon")
+	dryRun := fs.Bool("dry-run", false, "count what would be deleted, delete nothing")
 	batch := fs.Int("batch", 1000, "rows per batch")
 	if err := fs.Parse(args); err != nil {
 		return usageError{err.Error()}
 	}
+	if fs.NArg() != 0 {
+		return usageError{"cleanup: unexpected " + strings.Join(fs.Args(), " ")}
+	}
+	if set(fs, "retention") && *retention <= 0 {
+		return usageError{fmt.Sprintf("cleanup: -retention %s would forget every processed message ID, and every redelivery would run its handler again: give a positive retention (below the service's, with -force)", *retention)}
+	}
+	r, err := o.CheckRetention(ctx, ops.CleanupOptions{Retention: *retention, Force: *force})
+	switch {
+	case errors.Is(err, ops.ErrRetentionUnknown):
+		return usageError{"cleanup: no service has recorded its Retention here yet: give -retention"}
+	case err != nil:
+		return err
+	}
 	if !set(fs, "effect-retention") {
 		// Not told how long the service keeps what it dispatched: keep it as long as the claims,
 		// never shorter than the service would. Deleting young effects takes an explicit value.
-		*effectRetention = *retention
+		*effectRetention = r
 	}
 	if !out.json {
-		fmt.Fprintf(out.w, "cleaning (retention %s, dispatched effects %s)...\n", *retention, *effectRetention)
+		verb := "cleaning"
+		if *dryRun {
+			verb = "dry run"
+		}
+		fmt.Fprintf(out.w, "%s (retention %s, dispatched effects %s)...\n", verb, r, *effectRetention)
 	}
-	res, err := o.Store().Cleanup(ctx, outboxdriver.CleanupParams{Retention: *retention, EffectRetention: *effectRetention,
-		BatchSize: *batch, PauseBetweenBatches: 20 * time.Millisecond, PauseFactor: 2,
+	rep, err := o.Cleanup(ctx, ops.CleanupOptions{Actor: g.actor, Retention: r, EffectRetention: *effectRetention,
+		Force: *force, DryRun: *dryRun, BatchSize: *batch,
 		Progress: func(r outboxdriver.CleanupResult) {
 			if !out.json && r.Claims+r.Effects+r.Attempts > 0 {
 				fmt.Fprintf(out.w, "\r%d claims, %d effects, %d attempt counters deleted", r.Claims, r.Effects, r.Attempts)
 			}
 		}})
-	if !out.json {
+	if !out.json && !*dryRun {
 		fmt.Fprintln(out.w)
 	}
 	if err != nil {
 		return err
 	}
-	return out.emit(res, func(w *tabwriter.Writer) {
-		if res.Skipped {
+	return out.emit(rep, func(w *tabwriter.Writer) {
+		switch {
+		case rep.DryRun:
+			fmt.Fprintf(w, "would delete %d claims, %d dispatched effects, %d attempt counters\n", rep.Claims, rep.Effects, rep.Attempts)
+		case rep.Skipped:
 			fmt.Fprintln(w, "another process is cleaning; nothing done")
-			return
+		default:
+			fmt.Fprintf(w, "deleted %d claims, %d dispatched effects, %d attempt counters in %d batches (audited as %s)\n",
+				rep.Claims, rep.Effects, rep.Attempts, rep.Batches, clean(g.actor))
 		}
-		fmt.Fprintf(w, "deleted %d claims, %d dispatched effects, %d attempt counters in %d batches\n",
-			res.Claims, res.Effects, res.Attempts, res.Batches)
 	})
 }

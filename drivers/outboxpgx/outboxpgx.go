@@ -152,9 +152,18 @@ type pgxStore struct {
 }
 
 var (
-	_ outboxdriver.UnitStore   = (*pgxStore)(nil)
-	_ outboxdriver.InlineStore = (*pgxStore)(nil)
+	_ outboxdriver.UnitStore      = (*pgxStore)(nil)
+	_ outboxdriver.InlineStore    = (*pgxStore)(nil)
+	_ outboxdriver.ConfigRecorder = (*pgxStore)(nil)
 )
+
+// RecordServiceConfig implements outboxdriver.ConfigRecorder through the postgres driver's store.
+func (s *pgxStore) RecordServiceConfig(ctx context.Context, c outboxdriver.ServiceConfig) error {
+	if r, ok := s.Store.(outboxdriver.ConfigRecorder); ok {
+		return r.RecordServiceConfig(ctx, c)
+	}
+	return nil
+}
 
 // Close closes the prepared statements and the database/sql handle New opened.
 func (s *pgxStore) Close() error {

@@ -69,14 +69,14 @@ func listen(dsn, channel string) func(ctx context.Context, wake func()) error {
 		case <-ctx.Done():
 			return nil
 		case err := <-failed:
-			return fmt.Errorf("connect to listen on %q: %w", channel, err)
+			return fmt.Errorf("connect to listen on %q: %w", channel, redactErr(err, dsn))
 		case err := <-listened:
 			listened <- err // for the deferred wait
 			if err != nil {
 				if ctx.Err() != nil {
 					return nil
 				}
-				return fmt.Errorf("listen on %q: %w", channel, err)
+				return fmt.Errorf("listen on %q: %w", channel, redactErr(err, dsn))
 			}
 		}
 		wake()
@@ -86,7 +86,7 @@ func listen(dsn, channel string) func(ctx context.Context, wake func()) error {
 				return nil
 			case err := <-failed:
 				// The caller reconnects (and reports the listener down meanwhile).
-				return fmt.Errorf("listener connection on %q lost: %w", channel, err)
+				return fmt.Errorf("listener connection on %q lost: %w", channel, redactErr(err, dsn))
 			case _, ok := <-l.NotificationChannel():
 				if !ok {
 					return nil
@@ -98,7 +98,7 @@ func listen(dsn, channel string) func(ctx context.Context, wake func()) error {
 				err := l.Ping()
 				t.Stop()
 				if err != nil {
-					return fmt.Errorf("listener connection on %q: ping: %w", channel, err)
+					return fmt.Errorf("listener connection on %q: ping: %w", channel, redactErr(err, dsn))
 				}
 			}
 		}

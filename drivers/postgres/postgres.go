@@ -351,3 +351,49 @@ func queries(n store.Names, deleteDispatched bool) store.Queries {
 			WHERE id = 1 AND sample IS NOT NULL`,
 	}
 }
+
+// namesOf returns the validated names of schema (empty: DefaultSchema) and prefix.
+func namesOf(schema, prefix string) (store.Names, error) {
+	if schema == "" {
+		schema = DefaultSchema
+	}
+	return store.NewNames(schema, prefix)
+}
+
+// MigrationScript returns every migration for schema (empty: DefaultSchema) and prefix as one SQL
+// script: it creates the schema and the migrations table if missing, and records each migration
+// after its DDL, so that applying it (psql -f, or a migration tool) to an empty database or to
+// tables of an older version leaves them as Migrate would, and Migrate then finds nothing to do.
+func MigrationScript(schema, prefix string) (string, error) {
+	n, err := namesOf(schema, prefix)
+	if err != nil {
+		return "", err
+	}
+	all, err := Migrations(schema, prefix)
+	if err != nil {
+		return "", err
+	}
+	var b strings.Builder
+	b.WriteString("-- The outbox tables, schema " + n.Schema + ", prefix " + n.Prefix + ".\n")
+	for _, s := range migrateQueries(n).Bootstrap {
+		b.WriteString(s + ";\n")
+	}
+	b.WriteString("\n")
+	for _, m := range all {
+		fmt.Fprintf(&b, "-- %03d_%s\n%s\n", m.Version, m.Name, strings.TrimSpace(m.SQL))
+		fmt.Fprintf(&b, "INSERT INTO %s (version) VALUES (%d) ON CONFLICT DO NOTHING;\n\n", n.Migrations, m.Version)
+	}
+	return b.String(), nil
+}
+
+// Grants returns the statements that give role what a service needs on the tables of schema
+// (empty: DefaultSchema) and prefix: data, not DDL (run Migrate, or MigrationScript, with a role
+// that may create tables), and INSERT alone on the audit table. With operator, role may also read
+// the audit table, as the operators' CLI does for its status.
+func Grants(schema, prefix, role string, operator bool) ([]string, error) {
+	n, err := namesOf(schema, prefix)
+	if err != nil {
+		return nil, err
+	}
+	return store.Grants(n, role, operator)
+}
