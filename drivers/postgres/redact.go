@@ -60,8 +60,11 @@ func RedactDSN(text, dsn string) string {
 	for _, s := range dsnSecrets(dsn) {
 		text = strings.ReplaceAll(text, s, "xxxxx")
 	}
-	return text
+	// net/url quotes the malformed escape, which may be a piece of the password.
+	return urlEscapeRe.ReplaceAllString(text, "invalid URL escape")
 }
+
+var urlEscapeRe = regexp.MustCompile(`invalid URL escape "[^"]*"`)
 
 // redactedError is err with the password of a DSN taken out of its message.
 type redactedError struct {

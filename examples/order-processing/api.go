@@ -197,12 +197,16 @@ func (a *api) mountConsole(cfg config) (string, error) {
 		return "(needs PostgreSQL: start with -postgres DSN)", nil
 	}
 	password := cfg.consolePassword
+	// The operator's own password is never printed (the banner may end up in a log); a
+	// generated one must be, or nobody could sign in.
+	note := "http://operator@ADDR/outbox/ (the password given by -console-password)"
 	if password == "" {
 		b := make([]byte, 12)
 		if _, err := rand.Read(b); err != nil {
 			return "", err
 		}
 		password = hex.EncodeToString(b)
+		note = "http://operator:" + password + "@ADDR/outbox/"
 	}
 	o, err := ops.ForOutbox(a.ob)
 	if err != nil {
@@ -222,7 +226,7 @@ func (a *api) mountConsole(cfg config) (string, error) {
 		return "", err
 	}
 	a.console = basicAuthChallenge(a.console)
-	return "http://operator:" + password + "@ADDR/outbox/", nil
+	return note, nil
 }
 
 // basicAuthChallenge asks the browser for the Basic credentials the console refused.

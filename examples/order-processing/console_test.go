@@ -1,10 +1,12 @@
 package main
 
 import (
+	"context"
 	"io"
 	"net/http"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/watermill-outbox/outbox/internal/pgtest"
 )
@@ -15,7 +17,12 @@ func TestConsoleIsMountedBehindAuthentication(t *testing.T) {
 	cfg := testConfig(t)
 	cfg.postgres = pgtest.DSN(t)
 	cfg.consolePassword = "s3cret"
-	base, client := startService(t, cfg, &syncBuffer{})
+	out := &syncBuffer{}
+	base, client := startService(t, cfg, out)
+	// The operator chose the password: it is not printed (only a generated one is).
+	if strings.Contains(out.String(), "s3cret") || !strings.Contains(out.String(), "/outbox/") {
+		t.Errorf("the console's banner shows the operator's password, or no console:\n%s", out.String())
+	}
 	get := func(user, pass string) (int, string) {
 		t.Helper()
 		req, _ := http.NewRequest(http.MethodGet, base+"/outbox/", nil)
@@ -38,5 +45,21 @@ func TestConsoleIsMountedBehindAuthentication(t *testing.T) {
 	}
 	if code, body := get("operator", "s3cret"); code != http.StatusOK || !strings.Contains(body, "signed in as operator") {
 		t.Errorf("with the password: %d %s", code, body)
+	}
+}
+
+// An error that carries the DSN (lib/pq puts the whole URL in a parse error) is printed without
+// its password.
+func TestErrorsDoNotPrintTheDatabasePassword(t *testing.T) {
+	cfg := testConfig(t)
+	cfg.postgres = "postgres://orders:Zq%zzS3cretA@127.0.0.1:1/orders?sslmode=disable&connect_timeout=1"
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	err := serve(ctx, cfg, io.Discard, nil)
+	if err == nil {
+		t.Fatal("the service started on an unparsable DSN")
+	}
+	if text := errorText(err, cfg); strings.Contains(text, "S3cretA") || strings.Contains(text, "%zz") {
+		t.Errorf("the error printed shows the password: %s", text)
 	}
 }

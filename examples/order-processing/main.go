@@ -32,6 +32,7 @@ import (
 	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
 
 	"github.com/watermill-outbox/outbox"
+	"github.com/watermill-outbox/outbox/drivers/postgres"
 	"github.com/watermill-outbox/outbox/middleware"
 	"github.com/watermill-outbox/outbox/outboxdriver"
 )
@@ -70,10 +71,22 @@ func main() {
 		err = serve(ctx, cfg, os.Stdout, nil)
 	}
 	if err != nil {
-		fmt.Fprintln(os.Stderr, "error:", err)
+		fmt.Fprintln(os.Stderr, "error:", errorText(err, cfg))
 		stop()
 		os.Exit(1)
 	}
+}
+
+// errorText is err for printing, without the passwords of the connection strings it may carry
+// (lib/pq puts the whole URL in a parse error).
+func errorText(err error, cfg config) string {
+	text := err.Error()
+	for _, dsn := range []string{cfg.postgres, cfg.amqpURL, cfg.redis, cfg.natsURL} {
+		if dsn != "" {
+			text = postgres.RedactDSN(text, dsn)
+		}
+	}
+	return text
 }
 
 func parseFlags(args []string) (config, error) {
