@@ -197,9 +197,19 @@ func (p printer) emit(v any, text func(w *tabwriter.Writer)) error {
 func status(ctx context.Context, o *ops.Ops, args []string, out printer) error {
 	fs := flag.NewFlagSet("status", flag.ContinueOnError)
 	fs.SetOutput(io.Discard)
-	retention := fs.Duration("retention", 7*24*time.Hour, "the service's Config.Retention, for the cleanup lag")
+	retention := fs.Duration("retention", 0, "the service's Config.Retention, for the cleanup lag (default: as the service recorded it, or 7 days)")
 	if err := fs.Parse(args); err != nil {
 		return usageError{err.Error()}
+	}
+	if *retention <= 0 {
+		c, err := o.ServiceConfig(ctx)
+		if err != nil {
+			return err
+		}
+		*retention = ops.DefaultRetention
+		if c.Retention > 0 {
+			*retention = c.Retention
+		}
 	}
 	s, err := o.Status(ctx, *retention)
 	if err != nil {

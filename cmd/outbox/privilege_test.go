@@ -406,3 +406,18 @@ func TestRepairWithoutItsAuditEntryIsNotApplied(t *testing.T) {
 		t.Errorf("replay without the right to audit: exit %d (want 1), still poisoned %v (%v): %s%s", code, poisoned, err, out, errOut)
 	}
 }
+
+// docs/operations.md shows the grants the command prints.
+func TestDocumentedGrantsAreTheCommands(t *testing.T) {
+	doc, err := os.ReadFile("../../docs/operations.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	code, grants, errOut := cliAs("", "migrate", "grants", "app")
+	if code != 0 {
+		t.Fatalf("migrate grants: %d %s", code, errOut)
+	}
+	if !strings.Contains(string(doc), "```sql\n"+grants+"```") {
+		t.Errorf("docs/operations.md does not show the grants of `outbox migrate grants app`:\n%s", grants)
+	}
+}
