@@ -73,6 +73,13 @@ type Queries struct {
 	StatsLease  string // (interval ms): takes the right to sample; affects one row if it was free
 	StatsWrite  string // (sample): stores a sample taken now
 	StatsRead   string // -> sample, its age in ms (no row before the first)
+
+	// AuditInsert (actor, action, target, detail) writes an entry of the audit table; empty when
+	// the dialect has none (then no audited change can be made).
+	AuditInsert string
+	// RecordServiceConfig (retention ms, effect retention ms, redelivery horizon ms) records the
+	// service's configuration for the operators' tools; empty when the dialect does not.
+	RecordServiceConfig string
 }
 
 // Dialect is what a driver supplies to build a Store.
@@ -819,8 +826,10 @@ func (s *SQL) writeAudit(ctx context.Context, tx *sql.Tx, a *Audit) error {
 	if a == nil {
 		return nil
 	}
-	if _, err := tx.ExecContext(ctx, `INSERT INTO `+s.names.Audit+` (actor, action, target, detail) VALUES ($1, $2, $3, $4)`,
-		a.Actor, a.Action, a.Target, a.Detail); err != nil {
+	if s.d.Queries.AuditInsert == "" {
+		return errors.New("this store has no audit table (nothing was changed)")
+	}
+	if _, err := tx.ExecContext(ctx, s.d.Queries.AuditInsert, a.Actor, a.Action, a.Target, a.Detail); err != nil {
 		return fmt.Errorf("write the audit entry (nothing was changed): %w", s.wrap(err))
 	}
 	return nil
@@ -828,8 +837,10 @@ func (s *SQL) writeAudit(ctx context.Context, tx *sql.Tx, a *Audit) error {
 
 // RecordServiceConfig implements outboxdriver.ConfigRecorder: it stores c in the stats row.
 func (s *SQL) RecordServiceConfig(ctx context.Context, c outboxdriver.ServiceConfig) error {
-	_, err := s.db.ExecContext(ctx, `UPDATE `+s.names.Stats+` SET retention_ms = $1, effect_retention_ms = $2,
-		redelivery_horizon_ms = $3, config_at = now() WHERE id = 1`,
+	if s.d.Queries.RecordServiceConfig == "" {
+		return nil
+	}
+	_, err := s.db.ExecContext(ctx, s.d.Queries.RecordServiceConfig,
 		c.Retention.Milliseconds(), c.EffectRetention.Milliseconds(), c.RedeliveryHorizon.Milliseconds())
 	if err != nil {
 		return fmt.Errorf("record the service's retention: %w", s.wrap(err))

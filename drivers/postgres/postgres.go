@@ -349,6 +349,10 @@ func queries(n store.Names, deleteDispatched bool) store.Queries {
 		StatsWrite: `UPDATE ` + n.Stats + ` SET sampled_at = now(), sample = $1 WHERE id = 1`,
 		StatsRead: `SELECT sample, (extract(epoch FROM now() - sampled_at) * 1000)::bigint FROM ` + n.Stats + `
 			WHERE id = 1 AND sample IS NOT NULL`,
+
+		AuditInsert: `INSERT INTO ` + n.Audit + ` (actor, action, target, detail) VALUES ($1, $2, $3, $4)`,
+		RecordServiceConfig: `UPDATE ` + n.Stats + ` SET retention_ms = $1, effect_retention_ms = $2,
+			redelivery_horizon_ms = $3, config_at = now() WHERE id = 1`,
 	}
 }
 
