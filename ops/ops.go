@@ -289,7 +289,7 @@ type parkedJSON struct {
 	StoreID     int64     `json:"store_id"`
 	Consumer    string    `json:"consumer"`
 	MessageID   string    `json:"message_id"`
-	Kind        string    `json:"kind,omitempty"`
+	Kind        string    `json:"kind"`
 	Topic       string    `json:"topic,omitempty"`
 	UUID        string    `json:"uuid"`
 	OrderingKey string    `json:"ordering_key"`
