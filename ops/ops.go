@@ -25,7 +25,16 @@ import (
 type Ops struct {
 	db *sql.DB
 	n  store.Names
-	st *store.SQL
+	st auditedStore
+}
+
+// auditedStore is the postgres driver's store, whose repairs write their audit entry in their
+// own transaction (see store.SQL).
+type auditedStore interface {
+	outboxdriver.Store
+	EffectUnparkAudited(ctx context.Context, ids []int64, audit func(changed int) store.Audit) (int, error)
+	EffectDiscardAudited(ctx context.Context, ids []int64, audit func(changed int) store.Audit) (int, error)
+	MessageReplayAudited(ctx context.Context, src outboxdriver.Source, audit *store.Audit) (bool, error)
 }
 
 // Options say which tables an Ops works on, and how the service that uses them keeps what it
@@ -66,9 +75,9 @@ func OpenWith(db *sql.DB, opt Options) (*Ops, error) {
 	if err != nil {
 		return nil, fmt.Errorf("ops: %w", err)
 	}
-	sq, ok := st.(*store.SQL)
+	sq, ok := st.(auditedStore)
 	if !ok {
-		return nil, fmt.Errorf("ops: the postgres driver's store is a %T", st)
+		return nil, fmt.Errorf("ops: the postgres driver's store (%T) cannot audit in the transaction of a change", st)
 	}
 	return &Ops{db: db, n: n, st: sq}, nil
 }

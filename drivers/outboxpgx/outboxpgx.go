@@ -159,7 +159,7 @@ var (
 
 // RecordServiceConfig implements outboxdriver.ConfigRecorder through the postgres driver's store.
 func (s *pgxStore) RecordServiceConfig(ctx context.Context, c outboxdriver.ServiceConfig) error {
-	if r, ok := s.Store.(outboxdriver.ConfigRecorder); ok {
+	if r, ok := s.postgresStore.(outboxdriver.ConfigRecorder); ok {
 		return r.RecordServiceConfig(ctx, c)
 	}
 	return nil
