@@ -105,11 +105,19 @@ type Config struct {
 	// RelayBatchBytes bounds the payload and metadata bytes one relay round loads (it always
 	// loads at least one effect). Default: 16 MiB.
 	RelayBatchBytes int
-	// RelayPauseFactor makes the relay pause after each round that sent something for this many
-	// times as long as the round took, so that a relay draining a backlog keeps to 1/(1+factor) of
-	// its time and leaves the database and the CPUs to the consumers. Default: 1 (half its time;
-	// one relay still drains more than 10,000 effects/s on 2 CPUs, see docs/benchmarks.md).
-	// Negative: no pause, the fastest drain.
+	// RelayConcurrency is how many ordering keys one relay round sends to at the same time. The
+	// effects of one key are sent one call after another, in order, and after a failure the key's
+	// later effects wait; different keys go concurrently, so that a slow destination or a long
+	// backlog of one key does not hold up the others. Raise it for a slow destination (a relay
+	// sends at most about RelayConcurrency / call latency calls per second); 1 sends one call at a
+	// time. Default: 8.
+	RelayConcurrency int
+	// RelayPauseFactor makes the relay pause after each round that claimed something for this
+	// many times as long as the round worked (its statements and the calls that returned; not
+	// the time it waited for a call that did not return within PublishTimeout), so that a relay
+	// draining a backlog keeps to 1/(1+factor) of its time and leaves the database and the CPUs
+	// to the consumers. Default: 1 (half its time; one relay still drains more than 10,000
+	// effects/s on 2 CPUs, see docs/benchmarks.md). Negative: no pause, the fastest drain.
 	RelayPauseFactor float64
 	// RelayMaxAttempts is how many failed dispatches of one side effect, on any path, park it.
 	// Only failures while the target is otherwise healthy count (something else reached the
@@ -171,6 +179,7 @@ const (
 	defaultRelayGrace       = 10 * time.Second
 	defaultRelayBatchSize   = 500
 	defaultRelayBatchBytes  = 16 << 20
+	defaultRelayConcurrency = 8
 	defaultHandlerTimeout   = time.Minute
 	defaultRelayMaxAttempts = 10
 	defaultStatsInterval    = 15 * time.Second
@@ -237,6 +246,9 @@ func (c *Config) setDefaults() {
 	if c.RelayBatchBytes == 0 {
 		c.RelayBatchBytes = defaultRelayBatchBytes
 	}
+	if c.RelayConcurrency == 0 {
+		c.RelayConcurrency = defaultRelayConcurrency
+	}
 	if c.StatsInterval == 0 {
 		c.StatsInterval = defaultStatsInterval
 	}
@@ -273,6 +285,7 @@ func (c Config) Validate() error {
 		"CleanupBatchSize": c.CleanupBatchSize, "MaxAttempts": c.MaxAttempts, "MaxPayloadBytes": c.MaxPayloadBytes,
 		"HandlerRetries": c.HandlerRetries,
 		"RelayBatchSize": c.RelayBatchSize, "RelayBatchBytes": c.RelayBatchBytes, "RelayMaxAttempts": c.RelayMaxAttempts,
+		"RelayConcurrency": c.RelayConcurrency,
 	} {
 		if n < 0 {
 			errs = append(errs, fmt.Errorf("%s must not be negative", name))

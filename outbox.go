@@ -39,6 +39,8 @@ type Outbox struct {
 	tel   *telemetry
 	// health tells a poison effect from an outage (see health.counts).
 	health health
+	// breakers holds the destinations the relay leaves alone for a while because their calls hung.
+	breakers breakers
 	// failedHere holds the sources whose dispatch failed in this process lately: a redelivered
 	// copy of one of them never waits for an original that is known to have failed.
 	failedHere recentSources

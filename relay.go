@@ -3,6 +3,9 @@ package outbox
 import (
 	"context"
 	"errors"
+	"fmt"
+	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -13,9 +16,15 @@ import (
 )
 
 // relayLease is how long the relay reserves the effects of one round: long enough to publish
-// them (a round stops starting new Publish calls after half of it), short enough that the
-// effects of an instance that died mid-round are soon taken over by another.
+// them (a round ends its calls after half of it, see relayBudget), short enough that the effects
+// of an instance that died mid-round are soon taken over by another.
 func (o *Outbox) relayLease() time.Duration { return 2*o.cfg.PublishTimeout + 30*time.Second }
+
+// relayBudget is how long a round may spend on its Publish and applier calls, counted from
+// before its claim: half the lease, so that the outcome is written (markTimeout at most, usually
+// milliseconds) while the lease still holds, and no other instance claims the effects while this
+// one may still send them.
+func (o *Outbox) relayBudget() time.Duration { return o.relayLease() / 2 }
 
 // relayOnce dispatches committed side effects that the path that wrote them left undispatched,
 // round after round, until a round finds nothing due. A round leases its effects in one short
@@ -23,6 +32,7 @@ func (o *Outbox) relayLease() time.Duration { return 2*o.cfg.PublishTimeout + 30
 func (o *Outbox) relayOnce(ctx context.Context) error {
 	var after int64
 	for ctx.Err() == nil {
+		began := time.Now()
 		claim, err := o.store.EffectClaimDue(ctx, outboxdriver.EffectClaimParams{
 			Grace:    o.cfg.RelayGrace,
 			Limit:    o.cfg.RelayBatchSize,
@@ -36,14 +46,15 @@ func (o *Outbox) relayOnce(ctx context.Context) error {
 		}
 		o.tel.lastRelayRound.Store(time.Now().UnixNano())
 		if n := len(claim.Effects); n > 0 {
-			began := time.Now()
 			o.tel.relayRounds.Add(ctx, 1)
 			o.tel.relayEffects.Record(ctx, int64(n))
-			o.relayRound(ctx, claim.Effects)
+			stalled := o.relayRound(ctx, claim.Effects, began.Add(o.relayBudget()))
+			// The pause leaves the database and the CPUs to the consumers for as long as the round
+			// used them; a call that hung until its timeout used neither.
 			if f := o.cfg.RelayPauseFactor; f > 0 {
 				select {
 				case <-ctx.Done():
-				case <-time.After(time.Duration(f * float64(time.Since(began)))):
+				case <-time.After(time.Duration(f * float64(time.Since(began)-stalled))):
 				}
 			}
 		}
@@ -65,19 +76,28 @@ func (o *Outbox) relayOnce(ctx context.Context) error {
 // failed effect with its ordering key, or the round ran out of time.
 var errNotTried = errors.New("not tried")
 
-// relayRound dispatches leased effects and records the outcome of each.
-func (o *Outbox) relayRound(ctx context.Context, claimed []Effect) {
+// destinationDown is the outcome of an effect that a relay round did not try because its
+// destination hung on an earlier call (see breakers): it is due again at until.
+type destinationDown struct{ until time.Time }
+
+func (d destinationDown) Error() string {
+	return "destination down until " + d.until.Format(time.RFC3339Nano)
+}
+
+// relayRound dispatches leased effects and records the outcome of each. Its calls end by
+// deadline. It returns how long it waited on calls that hung (see relayDispatch).
+func (o *Outbox) relayRound(ctx context.Context, claimed []Effect, deadline time.Time) (stalled time.Duration) {
 	// Effects this process sent and whose mark is still being written are not sent again: the
 	// mark takes them out. A round that starts right after a dispatch (its mark lingers a few
 	// milliseconds, longer on a loaded database) would otherwise put a second copy on the wire.
 	effects := o.marks.unsent(claimed)
 	if len(effects) == 0 {
-		return
+		return 0
 	}
 	ctx, span := o.tel.tracer.Start(ctx, "outbox relay", trace.WithLinks(o.tel.producerLinks(effects)...),
 		trace.WithAttributes(AttrPath.String(PathRelay), attribute.Int("outbox.effects", len(effects))))
 	defer span.End()
-	errs := o.relayDispatch(ctx, effects, time.Now().Add(o.relayLease()/2))
+	errs, stalled := o.relayDispatch(ctx, effects, deadline)
 	// The outcome is written even when ctx was cancelled meanwhile (a shutdown): what was sent
 	// must be marked, or it is sent again.
 	wctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), markTimeout)
@@ -86,6 +106,7 @@ func (o *Outbox) relayRound(ctx context.Context, claimed []Effect) {
 	bySource := map[Source]int{}
 	var fails []outboxdriver.EffectFailure
 	for i, e := range effects {
+		var down destinationDown
 		switch {
 		case errs[i] == nil:
 			k, ok := bySource[e.Source]
@@ -97,6 +118,8 @@ func (o *Outbox) relayRound(ctx context.Context, claimed []Effect) {
 			marks[k].StoreIDs = append(marks[k].StoreIDs, e.StoreID)
 		case errors.Is(errs[i], errNotTried):
 			fails = append(fails, outboxdriver.EffectFailure{StoreID: e.StoreID})
+		case errors.As(errs[i], &down):
+			fails = append(fails, outboxdriver.EffectFailure{StoreID: e.StoreID, RetryAfter: max(time.Until(down.until), 0)})
 		default:
 			fails = append(fails, o.failures(effects[i:i+1], 0, 1, errs[i])...)
 		}
@@ -127,63 +150,281 @@ func (o *Outbox) relayRound(ctx context.Context, claimed []Effect) {
 			}
 		}
 	}
+	return stalled
 }
 
-// relayDispatch sends effects in store order, consecutive messages to one topic in one Publish
-// call; once an effect fails, the later effects with its ordering key are not tried, so that they
-// never overtake it. After deadline (or once ctx is done) it starts no new call.
-func (o *Outbox) relayDispatch(ctx context.Context, effects []Effect, deadline time.Time) []error {
-	errs := make([]error, len(effects))
-	failed := map[string]bool{}
-	for i := 0; i < len(effects); {
-		if failed[effects[i].OrderingKey] || ctx.Err() != nil || time.Now().After(deadline) {
-			errs[i] = errNotTried
-			i++
-			continue
+// relayRun is the state one relay round shares between its lanes.
+type relayRun struct {
+	ctx      context.Context // the round's: done at its deadline
+	parent   context.Context // the caller's: done at a shutdown
+	deadline time.Time
+	effects  []Effect
+	errs     []error
+
+	mu         sync.Mutex
+	lastReturn time.Time // when the last call that did not hang returned
+}
+
+func (r *relayRun) returned() {
+	r.mu.Lock()
+	r.lastReturn = time.Now()
+	r.mu.Unlock()
+}
+
+// relayDispatch sends effects, each ordering key's in store order on a lane of its own, up to
+// RelayConcurrency lanes at a time, consecutive messages of a key to one topic in one Publish
+// call. Once an effect fails, the later effects with its key are not tried, so that they never
+// overtake it. Every call ends by deadline (a call that has not returned by then counts as
+// failed: it may have reached the broker), and none starts after it or after ctx is done. A
+// destination whose call hangs until its timeout is not tried again in this round (nor for a
+// while after it, see breakers), so that it holds up one lane for one timeout, not every key of
+// the round. It returns the outcome of each effect and how long the round waited, after its last
+// call that did not hang returned, for calls that hung.
+func (o *Outbox) relayDispatch(ctx context.Context, effects []Effect, deadline time.Time) ([]error, time.Duration) {
+	began := time.Now()
+	rctx, cancel := context.WithDeadline(ctx, deadline)
+	defer cancel()
+	r := &relayRun{ctx: rctx, parent: ctx, deadline: deadline, effects: effects, errs: make([]error, len(effects)), lastReturn: began}
+	var lanes [][]int
+	lane := map[string]int{}
+	for i, e := range effects {
+		k, ok := lane[e.OrderingKey]
+		if !ok {
+			k = len(lanes)
+			lane[e.OrderingKey] = k
+			lanes = append(lanes, nil)
 		}
-		j := i + 1
-		if effects[i].Kind == KindPublish {
-			for j < len(effects) && effects[j].Kind == KindPublish && effects[j].Topic == effects[i].Topic &&
-				!failed[effects[j].OrderingKey] {
-				j++
+		lanes[k] = append(lanes[k], i)
+	}
+	workers := min(max(o.cfg.RelayConcurrency, 1), len(lanes))
+	if workers == 1 {
+		for _, l := range lanes {
+			o.relayLane(r, l)
+		}
+	} else {
+		var next atomic.Int64
+		var wg sync.WaitGroup
+		for w := 0; w < workers; w++ {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				for k := int(next.Add(1)) - 1; k < len(lanes); k = int(next.Add(1)) - 1 {
+					o.relayLane(r, lanes[k])
+				}
+			}()
+		}
+		wg.Wait()
+	}
+	return r.errs, max(time.Since(r.lastReturn), 0)
+}
+
+// relayLane sends the effects at (one ordering key's, in store order) and records their outcome
+// in r.errs.
+func (o *Outbox) relayLane(r *relayRun, at []int) {
+	es := make([]Effect, len(at))
+	for i, k := range at {
+		es[i] = r.effects[k]
+	}
+	set := func(from, to int, err error) {
+		for p := from; p < to; p++ {
+			r.errs[at[p]] = err
+		}
+	}
+	for p := 0; p < len(es); {
+		if r.parent.Err() != nil || !time.Now().Before(r.deadline) {
+			set(p, len(es), errNotTried)
+			return
+		}
+		dest := destinationOf(es[p])
+		until, ok, probe := o.breakers.allow(dest)
+		if !ok {
+			r.errs[at[p]] = destinationDown{until: until}
+			set(p+1, len(es), errNotTried) // behind it
+			return
+		}
+		q := p + 1
+		if es[p].Kind == KindPublish {
+			for q < len(es) && es[q].Kind == KindPublish && es[q].Topic == es[p].Topic {
+				q++
 			}
 		}
-		sent, n, err := o.dispatch(ctx, PathRelay, effects[i:j])
+		sent, n, err := o.dispatch(r.ctx, PathRelay, es[p:q])
+		if probe {
+			o.breakers.probed(dest)
+		}
 		switch {
 		case err == nil:
-		case ctx.Err() != nil || n == 0:
-			for k := i + sent; k < j; k++ {
-				errs[k] = errNotTried // a shutdown (or a failpoint after a call), not a failure of the effect
+			r.returned()
+			o.breakers.succeeded(dest)
+			p = q
+			continue
+		case r.parent.Err() != nil || n == 0:
+			// A shutdown (or a failpoint after a call), not a failure of the effect.
+			set(p+sent, len(es), errNotTried)
+			return
+		case hung(err):
+			// The call did not return: the messages may have reached the broker, so they count
+			// as failed; the destination is left alone for a while, unless it was the round's
+			// deadline that cut the call short.
+			if time.Now().Before(r.deadline) {
+				o.breakers.hung(dest, o.logger, err)
 			}
-		case j-i-sent > 1:
+			o.relayFailed(es[p+sent], err)
+			set(p+sent, q, err)
+		case q-p-sent > 1:
 			// One Publish call failed for several effects: send them one by one, so that only the
-			// culprit is charged and effects of other keys still go out.
-			o.relayEach(ctx, effects[i+sent:j], errs[i+sent:j], failed)
+			// culprit is charged.
+			r.returned()
+			if o.relayEach(r, es[p+sent:q], at[p+sent:q]) {
+				p = q
+				continue
+			}
 		default:
-			o.relayFailed(effects[i+sent], err, failed)
-			errs[i+sent] = err
+			r.returned()
+			o.relayFailed(es[p+sent], err)
+			r.errs[at[p+sent]] = err
 		}
-		i = j
+		set(q, len(es), errNotTried)
+		return
 	}
-	return errs
 }
 
-func (o *Outbox) relayEach(ctx context.Context, effects []Effect, errs []error, failed map[string]bool) {
-	for k, e := range effects {
-		if failed[e.OrderingKey] || ctx.Err() != nil {
-			errs[k] = errNotTried
+// relayEach sends effects (of one key, to one destination) one call each, and reports whether
+// all were sent; after the first failure the rest are not tried.
+func (o *Outbox) relayEach(r *relayRun, es []Effect, at []int) bool {
+	for k := range es {
+		if r.parent.Err() != nil || !time.Now().Before(r.deadline) {
+			for ; k < len(es); k++ {
+				r.errs[at[k]] = errNotTried
+			}
+			return false
+		}
+		_, n, err := o.dispatch(r.ctx, PathRelay, es[k:k+1])
+		if err == nil {
+			r.returned()
 			continue
 		}
-		if _, _, err := o.dispatch(ctx, PathRelay, effects[k:k+1]); err != nil {
-			o.relayFailed(e, err, failed)
-			errs[k] = err
+		if r.parent.Err() != nil || n == 0 {
+			for ; k < len(es); k++ {
+				r.errs[at[k]] = errNotTried
+			}
+			return false
 		}
+		if !hung(err) {
+			r.returned()
+		} else if time.Now().Before(r.deadline) {
+			o.breakers.hung(destinationOf(es[k]), o.logger, err)
+		}
+		o.relayFailed(es[k], err)
+		r.errs[at[k]] = err
+		for k++; k < len(es); k++ {
+			r.errs[at[k]] = errNotTried
+		}
+		return false
 	}
+	return true
 }
 
-func (o *Outbox) relayFailed(e Effect, err error, failed map[string]bool) {
-	failed[e.OrderingKey] = true
+func (o *Outbox) relayFailed(e Effect, err error) {
 	o.logger.Error("Relay could not dispatch a side effect; it will be retried", err, watermill.LogFields{
 		"store_id": e.StoreID, "effect_uuid": e.UUID, "topic": e.Topic, "kind": e.Kind, "failures": e.Failures + 1,
 	})
+}
+
+// hung tells a call that did not return in time (a Publisher or applier that hung, or the round's
+// deadline) from one that failed by itself.
+func hung(err error) bool {
+	return errors.Is(err, ErrPublishTimeout) ||
+		(errors.Is(err, context.DeadlineExceeded) && !errors.Is(err, errCallerDeadline))
+}
+
+// destinationOf names where e goes: its topic, or its applier.
+func destinationOf(e Effect) string {
+	if e.Kind == KindPublish {
+		return "topic " + e.Topic
+	}
+	return "applier " + e.Kind
+}
+
+// breakers remembers the destinations whose calls hung lately, per process. A hung call costs a
+// relay lane the whole PublishTimeout, and a destination that is down hangs on every call: the
+// relay stops sending to it for a while (1 s after the first hung call, doubling with each
+// further one, up to breakerMaxOpen), then lets one call through as a probe; the first call
+// that returns closes it again. Effects of other destinations flow meanwhile.
+type breakers struct {
+	mu sync.Mutex
+	m  map[string]*breaker
+}
+
+type breaker struct {
+	trips     int       // hung calls since the last call that returned
+	openUntil time.Time // no call before this
+	probing   bool      // a probe is in flight
+}
+
+const (
+	breakerFirstOpen = time.Second
+	breakerMaxOpen   = time.Minute
+)
+
+// allow tells whether a call to dest may start now, and whether it is the probe of a breaker
+// that was open (the caller then calls probed once the call is over); when not, until is when it
+// is worth trying again.
+func (b *breakers) allow(dest string) (until time.Time, ok, probe bool) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	br := b.m[dest]
+	if br == nil {
+		return time.Time{}, true, false
+	}
+	now := time.Now()
+	switch {
+	case now.Before(br.openUntil):
+		return br.openUntil, false, false
+	case br.probing:
+		// The probe's outcome is known by the end of this round: try again then.
+		return now, false, false
+	}
+	br.probing = true
+	return time.Time{}, true, true
+}
+
+// probed ends the probe of dest, whatever became of it (a probe cut short by the round's
+// deadline neither opens nor closes the breaker).
+func (b *breakers) probed(dest string) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if br := b.m[dest]; br != nil {
+		br.probing = false
+	}
+}
+
+// succeeded closes dest's breaker.
+func (b *breakers) succeeded(dest string) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	delete(b.m, dest) // a no-op, without allocation, for a destination that never hung
+}
+
+// hung opens dest's breaker after a call that did not return in time.
+func (b *breakers) hung(dest string, logger watermill.LoggerAdapter, err error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.m == nil {
+		b.m = map[string]*breaker{}
+	}
+	br := b.m[dest]
+	if br == nil {
+		br = &breaker{}
+		b.m[dest] = br
+	}
+	if time.Now().Before(br.openUntil) {
+		return // several lanes hung on it at once: one trip
+	}
+	br.trips++
+	br.probing = false
+	open := min(breakerFirstOpen<<min(br.trips-1, 16), breakerMaxOpen)
+	br.openUntil = time.Now().Add(open)
+	logger.Error(fmt.Sprintf("Relay stops sending to %s for %s: a call did not return in time", dest, open), err,
+		watermill.LogFields{"hung_calls": br.trips})
 }

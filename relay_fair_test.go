@@ -1,0 +1,198 @@
+package outbox_test
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
+
+	"github.com/watermill-outbox/outbox"
+)
+
+// commitPending commits n effects to topic on keys ordering keys (named prefix-0, prefix-1, ...),
+// one transaction per effect, as a process that crashed after each commit leaves them: pending,
+// for the relay. Key k's effects carry the payloads "prefix-k 1", "prefix-k 2", ...
+func commitPending(t *testing.T, e *env, topic, prefix string, n, keys int) {
+	t.Helper()
+	crashing := e.newOutbox(func(c *outbox.Config) { c.Failpoint = crashAfterCommit })
+	seq := make([]int, keys)
+	for i := 0; i < n; i++ {
+		k := i % keys
+		seq[k]++
+		key := fmt.Sprintf("%s-%d", prefix, k)
+		err := crashing.InTx(context.Background(), func(ctx context.Context, _ *sql.Tx) error {
+			ctx = outbox.WithOrderingKey(ctx, key)
+			return outbox.Publish(ctx, topic, message.NewMessage(uuid.NewString(), []byte(fmt.Sprintf("%s %d", key, seq[k]))))
+		})
+		if err != nil && !errors.Is(err, outbox.ErrFailpoint) {
+			t.Fatal(err)
+		}
+	}
+}
+
+// hungTopicPublisher forwards to the real broker, except that every call to the hung topic blocks
+// until release is closed (and then fails, as a broker that timed out does).
+type hungTopicPublisher struct {
+	next    message.Publisher
+	hung    string
+	release chan struct{}
+	mu      sync.Mutex
+	hungFor int // calls to the hung topic
+}
+
+func (p *hungTopicPublisher) Publish(topic string, msgs ...*message.Message) error {
+	if topic == p.hung {
+		p.mu.Lock()
+		p.hungFor++
+		p.mu.Unlock()
+		<-p.release
+		return errors.New("broker hung")
+	}
+	return p.next.Publish(topic, msgs...)
+}
+
+func (p *hungTopicPublisher) Close() error { return nil }
+
+// TestRelayHungTopicDoesNotStallOthers: the Publisher hangs on every call to topic A, which has 200
+// effects pending on 80 ordering keys; topic B has a backlog of 600 effects on 12 keys behind them.
+// B's effects all go out, each once and in order per key, while A is still hung, and A's stay
+// pending. (Before the relay bounded its rounds and tripped a hung destination, a round cost
+// (1 + A's keys) x PublishTimeout and ran out of time before it reached B: no B effect went out.)
+func TestRelayHungTopicDoesNotStallOthers(t *testing.T) {
+	e := newEnv(t)
+	commitPending(t, e, "out_a", "a", 200, 80)
+	commitPending(t, e, "out_b", "b", 600, 12)
+	pub := &hungTopicPublisher{next: e.pub.next, hung: "out_a", release: make(chan struct{})}
+	t.Cleanup(func() { close(pub.release) })
+	relay := e.newOutbox(func(c *outbox.Config) {
+		c.Publisher = pub
+		c.PublishTimeout = 250 * time.Millisecond
+		c.RelayGrace = time.Millisecond
+		c.RelayInterval = 10 * time.Millisecond
+	})
+	ctx, stop := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- relay.Run(ctx) }()
+	defer func() { stop(); <-done }()
+
+	// A loaded 2-core machine gets a few rounds done in this time; the old relay sent nothing of B
+	// in a minute.
+	const bound = 20 * time.Second
+	deadline := time.Now().Add(bound)
+	for len(e.wire("out_b")) < 600 {
+		if time.Now().After(deadline) {
+			t.Fatalf("%d of B's 600 effects sent in %s while A hung (%d calls to A)", len(e.wire("out_b")), bound, pub.hungCalls())
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	if pub.hungCalls() == 0 {
+		t.Fatal("the relay never tried A: the test tests nothing")
+	}
+	for id, n := range e.wire("out_b") {
+		if n != 1 {
+			t.Errorf("B effect %s sent %d times", id, n)
+		}
+	}
+	want := e.effectUUIDsByKey()
+	for key := range want {
+		if key[0] == 'a' {
+			delete(want, key)
+		}
+	}
+	checkKeyOrder(t, firstCopies(e.wireInOrder("out_b")), want)
+	mustEqual(t, "A effects on the wire", len(e.wire("out_a")), 0)
+	mustEqual(t, "A effects pending", e.count(`SELECT count(*) FROM outbox_effects WHERE topic = 'out_a' AND dispatched_at IS NULL`), 200)
+}
+
+func (p *hungTopicPublisher) hungCalls() int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.hungFor
+}
+
+// leaseCheckingPublisher fails every call of several messages at once and hangs on every call of
+// one message until release is closed, as a broker that refuses batches and then stops answering.
+// It checks, at each call of one message, that the outcome of the previous call of that message
+// was recorded (its failures column counts every earlier round that tried it): a call that
+// finds it unrecorded was made while another round still held the effect, after its lease ended.
+type leaseCheckingPublisher struct {
+	db      *sql.DB
+	release chan struct{}
+	mu      sync.Mutex
+	calls   map[string]int // single-message calls per UUID
+	overlap []string
+}
+
+func (p *leaseCheckingPublisher) Publish(_ string, msgs ...*message.Message) error {
+	if len(msgs) > 1 {
+		return errors.New("batch refused")
+	}
+	id := msgs[0].UUID
+	var failures int
+	err := p.db.QueryRow(`SELECT failures FROM outbox_effects WHERE uuid = $1`, id).Scan(&failures)
+	p.mu.Lock()
+	switch {
+	case err != nil:
+		p.overlap = append(p.overlap, fmt.Sprintf("%s: %v", id, err))
+	case failures < p.calls[id]:
+		p.overlap = append(p.overlap, fmt.Sprintf("%s: call %d while %d failure(s) recorded: a round sent it again while another still held it",
+			id, p.calls[id]+1, failures))
+	}
+	p.calls[id]++
+	p.mu.Unlock()
+	<-p.release
+	return errors.New("broker hung")
+}
+
+func (p *leaseCheckingPublisher) Close() error { return nil }
+
+// TestRelayRoundEndsWithinItsLease: two instances relay 400 effects on 400 keys to a broker that
+// refuses batches and then hangs on each message. No effect is sent by one instance while a
+// round of the other still holds it: every round ends, and records what it tried, before its
+// lease does. (Before, a round re-sent the refused batch one message at a time, each up to
+// PublishTimeout, past the lease: the other instance claimed and sent the same effects again.)
+func TestRelayRoundEndsWithinItsLease(t *testing.T) {
+	if testing.Short() {
+		t.Skip("runs past one relay lease (30 s)")
+	}
+	e := newEnv(t)
+	commitPending(t, e, "out_a", "k", 400, 400)
+	pub := &leaseCheckingPublisher{db: e.db, release: make(chan struct{}), calls: map[string]int{}}
+	t.Cleanup(func() { close(pub.release) })
+	ctx, stop := context.WithCancel(context.Background())
+	var wg sync.WaitGroup
+	defer func() { stop(); wg.Wait() }()
+	for i := 0; i < 2; i++ {
+		if i == 1 {
+			time.Sleep(2 * time.Second) // the first instance claims everything in its first round
+		}
+		relay := e.newOutbox(func(c *outbox.Config) {
+			c.Publisher = pub
+			c.PublishTimeout = 100 * time.Millisecond // lease: 2 x 100 ms + 30 s
+			c.RelayGrace = time.Millisecond
+			c.RelayInterval = 10 * time.Millisecond
+		})
+		wg.Add(1)
+		go func() { defer wg.Done(); _ = relay.Run(ctx) }()
+	}
+	// Past one lease, and a little more: the old relay sent a duplicate at about 30.2 s.
+	time.Sleep(31 * time.Second)
+	pub.mu.Lock()
+	defer pub.mu.Unlock()
+	if len(pub.calls) == 0 {
+		t.Fatal("no call was made: the test tests nothing")
+	}
+	for i, o := range pub.overlap {
+		if i == 5 {
+			t.Errorf("... %d in all", len(pub.overlap))
+			break
+		}
+		t.Error(o)
+	}
+}
