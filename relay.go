@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -48,19 +47,21 @@ func (o *Outbox) relayOnce(ctx context.Context) error {
 		if n := len(claim.Effects); n > 0 {
 			o.tel.relayRounds.Add(ctx, 1)
 			o.tel.relayEffects.Record(ctx, int64(n))
+			sending := time.Now()
 			stalled := o.relayRound(ctx, claim.Effects, began.Add(o.relayBudget()))
 			// The pause leaves the database and the CPUs to the consumers for as long as the round
 			// used them; a call that hung until its timeout used neither.
 			if f := o.cfg.RelayPauseFactor; f > 0 {
 				select {
 				case <-ctx.Done():
-				case <-time.After(time.Duration(f * float64(time.Since(began)-stalled))):
+				case <-time.After(time.Duration(f * float64(time.Since(sending)-stalled))):
 				}
 			}
 		}
 		switch n := len(claim.Effects); {
 		case claim.Next > 0 && n == o.cfg.RelayBatchSize:
-			after = claim.Effects[n-1].StoreID // the window may hold more: go on from here
+			// The window may hold more: look at it again. (Not from the last claimed effect on: the
+			// claim takes topics and keys in turns, and may have left earlier effects behind.)
 		case claim.Next > 0:
 			after = claim.Next // nothing more due in this window: look further
 		case n > 0:
@@ -171,80 +172,98 @@ func (r *relayRun) returned() {
 	r.mu.Unlock()
 }
 
-// relayDispatch sends effects, each ordering key's in store order on a lane of its own, up to
-// RelayConcurrency lanes at a time, consecutive messages of a key to one topic in one Publish
-// call. Once an effect fails, the later effects with its key are not tried, so that they never
-// overtake it. Every call ends by deadline (a call that has not returned by then counts as
-// failed: it may have reached the broker), and none starts after it or after ctx is done. A
-// destination whose call hangs until its timeout is not tried again in this round (nor for a
-// while after it, see breakers), so that it holds up one lane for one timeout, not every key of
-// the round. It returns the outcome of each effect and how long the round waited, after its last
-// call that did not hang returned, for calls that hung.
+// relayDispatch sends effects on up to RelayConcurrency lanes at a time. Each ordering key is on
+// one lane, and the keys are spread over the lanes by their number of effects; a lane sends its
+// effects in store order, consecutive messages to one topic in one Publish call (whatever their
+// keys: a destination that costs per call, not per message, takes a round in a few calls). Once
+// an effect fails, the later effects with its key are not tried, so that they never overtake it.
+// Every call ends by deadline (a call that has not returned by then counts as failed: it may
+// have reached the broker), and none starts after it or after ctx is done. A destination whose
+// call hangs until its timeout is not tried again in this round (nor for a while after it, see
+// breakers), so that it holds up each lane for one timeout at most, not for each of its keys.
+// It returns the outcome of each effect and how long the round waited, after its last call that
+// did not hang returned, for calls that hung.
 func (o *Outbox) relayDispatch(ctx context.Context, effects []Effect, deadline time.Time) ([]error, time.Duration) {
 	began := time.Now()
 	rctx, cancel := context.WithDeadline(ctx, deadline)
 	defer cancel()
 	r := &relayRun{ctx: rctx, parent: ctx, deadline: deadline, effects: effects, errs: make([]error, len(effects)), lastReturn: began}
-	var lanes [][]int
-	lane := map[string]int{}
-	for i, e := range effects {
-		k, ok := lane[e.OrderingKey]
-		if !ok {
-			k = len(lanes)
-			lane[e.OrderingKey] = k
-			lanes = append(lanes, nil)
-		}
-		lanes[k] = append(lanes[k], i)
-	}
-	workers := min(max(o.cfg.RelayConcurrency, 1), len(lanes))
-	if workers == 1 {
-		for _, l := range lanes {
-			o.relayLane(r, l)
-		}
+	lanes := relayLanes(effects, max(o.cfg.RelayConcurrency, 1))
+	if len(lanes) == 1 {
+		o.relayLane(r, lanes[0])
 	} else {
-		var next atomic.Int64
 		var wg sync.WaitGroup
-		for w := 0; w < workers; w++ {
+		for _, l := range lanes {
 			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				for k := int(next.Add(1)) - 1; k < len(lanes); k = int(next.Add(1)) - 1 {
-					o.relayLane(r, lanes[k])
-				}
-			}()
+			go func() { defer wg.Done(); o.relayLane(r, l) }()
 		}
 		wg.Wait()
 	}
 	return r.errs, max(time.Since(r.lastReturn), 0)
 }
 
-// relayLane sends the effects at (one ordering key's, in store order) and records their outcome
-// in r.errs.
+// relayLanes spreads the ordering keys of effects over at most n lanes, each key (in the order
+// of its first effect) to the lane with the fewest effects so far, and returns each lane's
+// effects (their indices) in store order.
+func relayLanes(effects []Effect, n int) [][]int {
+	count := map[string]int{}
+	var keys []string
+	for _, e := range effects {
+		if count[e.OrderingKey] == 0 {
+			keys = append(keys, e.OrderingKey)
+		}
+		count[e.OrderingKey]++
+	}
+	n = min(n, len(keys))
+	load := make([]int, n)
+	laneOf := make(map[string]int, len(keys))
+	for _, k := range keys {
+		l := 0
+		for i := 1; i < n; i++ {
+			if load[i] < load[l] {
+				l = i
+			}
+		}
+		laneOf[k] = l
+		load[l] += count[k]
+	}
+	lanes := make([][]int, n)
+	for i, e := range effects {
+		l := laneOf[e.OrderingKey]
+		lanes[l] = append(lanes[l], i)
+	}
+	return lanes
+}
+
+// relayLane sends the effects at (in store order) and records their outcome in r.errs.
 func (o *Outbox) relayLane(r *relayRun, at []int) {
 	es := make([]Effect, len(at))
 	for i, k := range at {
 		es[i] = r.effects[k]
 	}
-	set := func(from, to int, err error) {
+	failed := map[string]bool{}
+	fail := func(from, to int, err error) {
 		for p := from; p < to; p++ {
 			r.errs[at[p]] = err
+			failed[es[p].OrderingKey] = true
 		}
 	}
 	for p := 0; p < len(es); {
-		if r.parent.Err() != nil || !time.Now().Before(r.deadline) {
-			set(p, len(es), errNotTried)
-			return
+		if failed[es[p].OrderingKey] || r.parent.Err() != nil || !time.Now().Before(r.deadline) {
+			r.errs[at[p]] = errNotTried
+			p++
+			continue
 		}
 		dest := destinationOf(es[p])
 		until, ok, probe := o.breakers.allow(dest)
 		if !ok {
-			r.errs[at[p]] = destinationDown{until: until}
-			set(p+1, len(es), errNotTried) // behind it
-			return
+			fail(p, p+1, destinationDown{until: until}) // and the key's later effects wait behind it
+			p++
+			continue
 		}
 		q := p + 1
 		if es[p].Kind == KindPublish {
-			for q < len(es) && es[q].Kind == KindPublish && es[q].Topic == es[p].Topic {
+			for q < len(es) && es[q].Kind == KindPublish && es[q].Topic == es[p].Topic && !failed[es[q].OrderingKey] {
 				q++
 			}
 		}
@@ -256,73 +275,59 @@ func (o *Outbox) relayLane(r *relayRun, at []int) {
 		case err == nil:
 			r.returned()
 			o.breakers.succeeded(dest)
-			p = q
-			continue
 		case r.parent.Err() != nil || n == 0:
-			// A shutdown (or a failpoint after a call), not a failure of the effect.
-			set(p+sent, len(es), errNotTried)
-			return
+			// A shutdown (or a failpoint after a call), not a failure of the effects.
+			for k := p + sent; k < q; k++ {
+				r.errs[at[k]] = errNotTried
+			}
 		case hung(err):
-			// The call did not return: the messages may have reached the broker, so they count
-			// as failed; the destination is left alone for a while, unless it was the round's
+			// The call did not return: its messages may have reached the broker, so they count
+			// as failed. The destination is left alone for a while, unless it was the round's
 			// deadline that cut the call short.
 			if time.Now().Before(r.deadline) {
 				o.breakers.hung(dest, o.logger, err)
 			}
 			o.relayFailed(es[p+sent], err)
-			set(p+sent, q, err)
+			fail(p+sent, q, err)
 		case q-p-sent > 1:
 			// One Publish call failed for several effects: send them one by one, so that only the
-			// culprit is charged.
+			// culprit is charged and effects of other keys still go out.
 			r.returned()
-			if o.relayEach(r, es[p+sent:q], at[p+sent:q]) {
-				p = q
-				continue
-			}
+			o.relayEach(r, es[p+sent:q], at[p+sent:q], failed)
 		default:
 			r.returned()
 			o.relayFailed(es[p+sent], err)
-			r.errs[at[p+sent]] = err
+			fail(p+sent, q, err)
 		}
-		set(q, len(es), errNotTried)
-		return
+		p = q
 	}
 }
 
-// relayEach sends effects (of one key, to one destination) one call each, and reports whether
-// all were sent; after the first failure the rest are not tried.
-func (o *Outbox) relayEach(r *relayRun, es []Effect, at []int) bool {
-	for k := range es {
-		if r.parent.Err() != nil || !time.Now().Before(r.deadline) {
-			for ; k < len(es); k++ {
-				r.errs[at[k]] = errNotTried
-			}
-			return false
-		}
-		_, n, err := o.dispatch(r.ctx, PathRelay, es[k:k+1])
-		if err == nil {
-			r.returned()
+// relayEach sends effects (to one destination) one call each; once an effect fails, the later
+// effects with its key are not tried.
+func (o *Outbox) relayEach(r *relayRun, es []Effect, at []int, failed map[string]bool) {
+	for k, e := range es {
+		if failed[e.OrderingKey] || r.parent.Err() != nil || !time.Now().Before(r.deadline) {
+			r.errs[at[k]] = errNotTried
 			continue
 		}
-		if r.parent.Err() != nil || n == 0 {
-			for ; k < len(es); k++ {
-				r.errs[at[k]] = errNotTried
-			}
-			return false
-		}
-		if !hung(err) {
+		_, n, err := o.dispatch(r.ctx, PathRelay, es[k:k+1])
+		switch {
+		case err == nil:
 			r.returned()
-		} else if time.Now().Before(r.deadline) {
-			o.breakers.hung(destinationOf(es[k]), o.logger, err)
-		}
-		o.relayFailed(es[k], err)
-		r.errs[at[k]] = err
-		for k++; k < len(es); k++ {
+			continue
+		case r.parent.Err() != nil || n == 0:
 			r.errs[at[k]] = errNotTried
+			continue
+		case !hung(err):
+			r.returned()
+		case time.Now().Before(r.deadline):
+			o.breakers.hung(destinationOf(e), o.logger, err)
 		}
-		return false
+		o.relayFailed(e, err)
+		r.errs[at[k]] = err
+		failed[e.OrderingKey] = true
 	}
-	return true
 }
 
 func (o *Outbox) relayFailed(e Effect, err error) {

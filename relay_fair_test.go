@@ -13,6 +13,7 @@ import (
 	"github.com/google/uuid"
 
 	"github.com/watermill-outbox/outbox"
+	"github.com/watermill-outbox/outbox/outboxdriver"
 )
 
 // commitPending commits n effects to topic on keys ordering keys (named prefix-0, prefix-1, ...),
@@ -194,5 +195,44 @@ func TestRelayRoundEndsWithinItsLease(t *testing.T) {
 			break
 		}
 		t.Error(o)
+	}
+}
+
+// TestRelayClaimTakesFreshKeysBehindABacklog: topic A has 600 effects pending on 10 keys, more
+// than a claim looks at from the front; B's 5 effects on a key of their own were committed after
+// them. The first claim takes B's effects with A's: B waits one round, not until the claims have
+// crawled through A's backlog. A's keys keep their order: each key's claimed effects are its
+// first pending ones.
+func TestRelayClaimTakesFreshKeysBehindABacklog(t *testing.T) {
+	e := newEnv(t)
+	commitPending(t, e, "out_a", "a", 600, 10)
+	commitPending(t, e, "out_b", "b", 5, 1)
+	time.Sleep(10 * time.Millisecond)
+	claim, err := e.ob.Store().EffectClaimDue(context.Background(), outboxdriver.EffectClaimParams{
+		Grace: time.Millisecond, Limit: 50, Lease: time.Minute,
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	byTopic := map[string]int{}
+	last := map[string]int64{}
+	for _, ef := range claim.Effects {
+		byTopic[ef.Topic]++
+		last[ef.OrderingKey] = max(last[ef.OrderingKey], ef.StoreID)
+	}
+	mustEqual(t, "B's effects in the first claim", byTopic["out_b"], 5)
+	if byTopic["out_a"] == 0 {
+		t.Fatal("the claim took nothing of A's backlog")
+	}
+	for key, id := range last {
+		// Nothing of the key pending before its last claimed effect was left out of the claim.
+		claimed := 0
+		for _, ef := range claim.Effects {
+			if ef.OrderingKey == key {
+				claimed++
+			}
+		}
+		mustEqual(t, "key "+key+": pending effects up to its last claimed one",
+			e.count(`SELECT count(*) FROM outbox_effects WHERE ordering_key = $1 AND dispatched_at IS NULL AND id <= $2`, key, id), claimed)
 	}
 }

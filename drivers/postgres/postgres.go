@@ -256,27 +256,51 @@ func queries(n store.Names, deleteDispatched bool) store.Queries {
 
 		// A claim looks at a window of ids from the first pending effect (or after $5), so that its
 		// cost stays that of the window whatever the backlog, and whatever the planner believes of
-		// a table whose statistics predate the backlog. In it, the candidates are the effects due
-		// by themselves, in id order. Of each ordering key, the first candidate is locked (SKIP
-		// LOCKED: instances claiming at the same time leave each other's keys alone) and checked
-		// again on its newest version (another claim may have leased it meanwhile); a key's
-		// candidates go only up to its first undispatched effect that is not a candidate (not due,
-		// held by another statement, or past the limit): a later effect never overtakes an earlier
-		// one. The claimed effects are cut to the byte budget, and the first of each key is leased
-		// (next_attempt_at in the future): until the lease ends or the effects are marked, every
-		// later effect of the key waits behind it for every other claim. One row is locked and
-		// written per key, not per effect. A lost lease (the claim commits asynchronously) only
-		// lets an effect be sent again.
+		// a table whose statistics predate the backlog; and at a second window of the same width
+		// that ends at the last pending effect, for the keys that have nothing pending before it,
+		// so that what was committed behind a backlog (of another topic, another key) waits one
+		// round for it, not until the claims have crawled through the backlog. In them, the
+		// candidates are the first $2 effects of the first window that are due by themselves, in
+		// id order, and the last $2 of the second (of those keys only); of those, $2 are taken round-robin across
+		// topics and, within a topic, across ordering keys (a topic's or a key's backlog takes
+		// its share of a round, not the round). Of each ordering key, the first candidate taken
+		// is locked (SKIP LOCKED: instances claiming at the same time leave each other's keys
+		// alone) and checked again on its newest version (another claim may have leased it
+		// meanwhile); a key's candidates go only up to its first undispatched effect that is not
+		// taken (not due, held by another statement, outside the windows, or not taken in this
+		// round): a later effect never overtakes an earlier one. The claimed effects are cut to
+		// the byte budget in id order (which keeps each key's a prefix), and the first of each key
+		// is leased (next_attempt_at in the future): until the lease ends or the effects are
+		// marked, every later effect of the key waits behind it for every other claim. One row is
+		// locked and written per key, not per effect. A lost lease (the claim commits
+		// asynchronously) only lets an effect be sent again.
 		EffectClaimDue: `WITH bounds AS MATERIALIZED (
-				SELECT lo + $6 AS hi, EXISTS (SELECT 1 FROM ` + n.Effects + ` WHERE dispatched_at IS NULL AND id > lo + $6) AS more, lo
+				SELECT lo + $6 AS hi, EXISTS (SELECT 1 FROM ` + n.Effects + ` WHERE dispatched_at IS NULL AND id > lo + $6) AS more, lo,
+					greatest(lo + $6, last - $6) AS tail_lo, last
 				FROM (SELECT CASE WHEN $5 > 0 THEN $5
-					ELSE coalesce((SELECT min(id) FROM ` + n.Effects + ` WHERE dispatched_at IS NULL), 0) - 1 END AS lo) l
+					ELSE coalesce((SELECT min(id) FROM ` + n.Effects + ` WHERE dispatched_at IS NULL), 0) - 1 END AS lo,
+					coalesce((SELECT max(id) FROM ` + n.Effects + ` WHERE dispatched_at IS NULL), 0) AS last) l
 				WHERE ` + asyncCommit + `),
-			c AS MATERIALIZED (
-				SELECT e.id, e.ordering_key, octet_length(e.payload) + octet_length(e.metadata) AS size
+			tail AS MATERIALIZED (
+				SELECT e.id, e.ordering_key, e.topic, octet_length(e.payload) + octet_length(e.metadata) AS size
+				FROM ` + n.Effects + ` e, bounds
+				WHERE e.id > bounds.tail_lo AND e.id <= bounds.last AND ` + selfDue(ms) + `
+				ORDER BY e.id DESC LIMIT $2),
+			fresh AS MATERIALIZED (SELECT t.ordering_key FROM (SELECT DISTINCT ordering_key FROM tail) t, bounds
+				WHERE (SELECT b.id FROM ` + n.Effects + ` b WHERE b.ordering_key = t.ordering_key AND b.dispatched_at IS NULL
+					ORDER BY b.ordering_key, b.id LIMIT 1) > bounds.tail_lo),
+			cand AS MATERIALIZED (
+				(SELECT e.id, e.ordering_key, e.topic, octet_length(e.payload) + octet_length(e.metadata) AS size
 				FROM ` + n.Effects + ` e, bounds
 				WHERE e.id > bounds.lo AND e.id <= bounds.hi AND ` + selfDue(ms) + `
-				ORDER BY e.id LIMIT $2),
+				ORDER BY e.id LIMIT $2)
+				UNION ALL
+				SELECT tail.* FROM tail JOIN fresh USING (ordering_key)),
+			c AS MATERIALIZED (
+				SELECT id, ordering_key, size FROM (
+					SELECT id, ordering_key, size, kr, row_number() OVER (PARTITION BY topic ORDER BY kr, id) AS tr
+					FROM (SELECT cand.*, row_number() OVER (PARTITION BY ordering_key ORDER BY id) AS kr FROM cand) k) r
+				ORDER BY tr, kr, id LIMIT $2),
 			keys AS MATERIALIZED (SELECT ordering_key, min(id) AS first, array_agg(id) AS ids FROM c GROUP BY ordering_key),
 			heads AS MATERIALIZED (
 				SELECT e.id FROM ` + n.Effects + ` e JOIN keys k ON e.id = k.first
