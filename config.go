@@ -113,11 +113,12 @@ type Config struct {
 	// time. Default: 8.
 	RelayConcurrency int
 	// RelayPauseFactor makes the relay pause after each round that claimed something for this
-	// many times as long as the round worked (its statements and the calls that returned; not
-	// the time it waited for a call that did not return within PublishTimeout), so that a relay
-	// draining a backlog keeps to 1/(1+factor) of its time and leaves the database and the CPUs
-	// to the consumers. Default: 1 (half its time; one relay still drains more than 10,000
-	// effects/s on 2 CPUs, see docs/benchmarks.md). Negative: no pause, the fastest drain.
+	// many times as long as the round took from its claim on (less the time it waited for calls
+	// that did not return within PublishTimeout, which used neither the database nor the CPUs),
+	// so that a relay draining a backlog keeps to about 1/(1+factor) of its time and leaves the
+	// database and the CPUs to the consumers. Default: 1 (half its time; one relay still drains
+	// more than 10,000 effects/s on 2 CPUs, see docs/benchmarks.md). Negative: no pause, the
+	// fastest drain.
 	RelayPauseFactor float64
 	// RelayMaxAttempts is how many failed dispatches of one side effect, on any path, park it.
 	// Only failures while the target is otherwise healthy count (something else reached the
