@@ -60,8 +60,12 @@ func (o *Outbox) relayOnce(ctx context.Context) error {
 		}
 		switch n := len(claim.Effects); {
 		case claim.Next > 0 && n == o.cfg.RelayBatchSize:
-			// The window may hold more: look at it again. (Not from the last claimed effect on: the
-			// claim takes topics and keys in turns, and may have left earlier effects behind.)
+			// The window may hold more: go on from the last claimed effect, unless the claim took
+			// effects from the end of the pending ones too. Then it took topics and keys in turns
+			// and may have left earlier effects of the window behind: look at it again.
+			if last := claim.Effects[n-1].StoreID; last <= claim.Next {
+				after = last
+			}
 		case claim.Next > 0:
 			after = claim.Next // nothing more due in this window: look further
 		case n > 0:

@@ -285,7 +285,7 @@ func queries(n store.Names, deleteDispatched bool) store.Queries {
 				SELECT e.id, e.ordering_key, e.topic, octet_length(e.payload) + octet_length(e.metadata) AS size
 				FROM ` + n.Effects + ` e, bounds
 				WHERE e.id > bounds.tail_lo AND e.id <= bounds.last AND ` + selfDue(ms) + `
-				ORDER BY e.id DESC LIMIT $2),
+				ORDER BY e.id DESC LIMIT ($2 + 3) / 4),
 			fresh AS MATERIALIZED (SELECT t.ordering_key FROM (SELECT DISTINCT ordering_key FROM tail) t, bounds
 				WHERE (SELECT b.id FROM ` + n.Effects + ` b WHERE b.ordering_key = t.ordering_key AND b.dispatched_at IS NULL
 					ORDER BY b.ordering_key, b.id LIMIT 1) > bounds.tail_lo),
@@ -303,9 +303,10 @@ func queries(n store.Names, deleteDispatched bool) store.Queries {
 				ORDER BY tr, kr, id LIMIT $2),
 			keys AS MATERIALIZED (SELECT ordering_key, min(id) AS first, array_agg(id) AS ids FROM c GROUP BY ordering_key),
 			heads AS MATERIALIZED (
-				SELECT e.id FROM ` + n.Effects + ` e JOIN keys k ON e.id = k.first
-				WHERE e.dispatched_at IS NULL AND e.parked_at IS NULL AND (e.next_attempt_at IS NULL OR e.next_attempt_at <= now())
-				FOR UPDATE OF e SKIP LOCKED),
+				SELECT h.id FROM keys k, LATERAL (SELECT e.id FROM ` + n.Effects + ` e
+					WHERE e.id = k.first AND e.dispatched_at IS NULL AND e.parked_at IS NULL
+					  AND (e.next_attempt_at IS NULL OR e.next_attempt_at <= now())
+					FOR UPDATE OF e SKIP LOCKED) h),
 			stops AS MATERIALIZED (SELECT k.ordering_key, (SELECT b.id FROM ` + n.Effects + ` b
 					WHERE b.ordering_key = k.ordering_key AND b.dispatched_at IS NULL AND b.id <> ALL (k.ids)
 					ORDER BY b.ordering_key, b.id LIMIT 1) AS stop
