@@ -259,21 +259,21 @@ func queries(n store.Names, deleteDispatched bool) store.Queries {
 		// a table whose statistics predate the backlog; and at a second window of the same width
 		// that ends at the last pending effect, for the keys that have nothing pending before it,
 		// so that what was committed behind a backlog (of another topic, another key) waits one
-		// round for it, not until the claims have crawled through the backlog. In them, the
-		// candidates are the first $2 effects of the first window that are due by themselves, in
-		// id order, and the last $2 of the second (of those keys only); of those, $2 are taken round-robin across
-		// topics and, within a topic, across ordering keys (a topic's or a key's backlog takes
-		// its share of a round, not the round). Of each ordering key, the first candidate taken
-		// is locked (SKIP LOCKED: instances claiming at the same time leave each other's keys
-		// alone) and checked again on its newest version (another claim may have leased it
-		// meanwhile); a key's candidates go only up to its first undispatched effect that is not
-		// taken (not due, held by another statement, outside the windows, or not taken in this
-		// round): a later effect never overtakes an earlier one. The claimed effects are cut to
-		// the byte budget in id order (which keeps each key's a prefix), and the first of each key
-		// is leased (next_attempt_at in the future): until the lease ends or the effects are
-		// marked, every later effect of the key waits behind it for every other claim. One row is
-		// locked and written per key, not per effect. A lost lease (the claim commits
-		// asynchronously) only lets an effect be sent again.
+		// round for it, not until the claims have crawled through the backlog. The candidates are
+		// the first $2 effects of the first window that are due by themselves, in id order, and
+		// the last $2/4 of the second (of those keys only); of those, $2 are taken round-robin
+		// across topics and, within a topic, across ordering keys (a topic's or a key's backlog
+		// takes its share of a round, not the round). Of each ordering key, the first candidate
+		// taken is locked, by its primary key (SKIP LOCKED: instances claiming at the same time
+		// leave each other's keys alone), and checked again on its newest version (another claim
+		// may have leased it meanwhile); a key's candidates go only up to its first undispatched
+		// effect that is not taken (not due, held by another statement, outside the windows, or
+		// not taken in this round): a later effect never overtakes an earlier one. The claimed
+		// effects are cut to the byte budget in id order (which keeps each key's a prefix), and
+		// the first of each key is leased (next_attempt_at in the future): until the lease ends or
+		// the effects are marked, every later effect of the key waits behind it for every other
+		// claim. One row is locked and written per key, not per effect. A lost lease (the claim
+		// commits asynchronously) only lets an effect be sent again.
 		EffectClaimDue: `WITH bounds AS MATERIALIZED (
 				SELECT lo + $6 AS hi, EXISTS (SELECT 1 FROM ` + n.Effects + ` WHERE dispatched_at IS NULL AND id > lo + $6) AS more, lo,
 					greatest(lo + $6, last - $6) AS tail_lo, last
