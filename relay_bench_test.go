@@ -148,6 +148,9 @@ func BenchmarkRelayDrain(b *testing.B) {
 						c.RelayGrace = time.Millisecond
 						c.RelayInterval = 10 * time.Millisecond
 						c.EffectRetention = 0
+						if v := os.Getenv("OUTBOX_BENCH_RELAY_CONCURRENCY"); v != "" {
+							c.RelayConcurrency, _ = strconv.Atoi(v)
+						}
 					}))
 				}
 				b.StartTimer()
