@@ -10,11 +10,12 @@
 
 GO ?= go
 
-.PHONY: test fmt-check vet bench example
+.PHONY: test fmt-check vet bench example alerts-test
 
 # The steps run strictly in this order (also under make -j).
 test:
 	@$(MAKE) --no-print-directory fmt-check
+	@$(MAKE) --no-print-directory alerts-test
 	$(GO) vet ./...
 	cd examples/order-processing && $(GO) vet ./...
 	cd e2e && $(GO) vet ./...
@@ -60,6 +61,15 @@ fmt-check:
 
 vet:
 	$(GO) vet ./...
+
+# The shipped alert rules and their unit tests (deploy/prometheus/outbox-alerts_test.yaml). promtool
+# comes with Prometheus (Debian: apt-get install prometheus; .ci/run does). Missing, it is an error:
+# rules that were not tested are not known to fire.
+PROMTOOL ?= promtool
+alerts-test:
+	@command -v $(PROMTOOL) >/dev/null || { echo "alerts-test: $(PROMTOOL) not found: install Prometheus (apt-get install prometheus) or set PROMTOOL=/path/to/promtool" >&2; exit 1; }
+	cd deploy/prometheus && $(PROMTOOL) check rules outbox-alerts.yaml
+	cd deploy/prometheus && $(PROMTOOL) test rules outbox-alerts_test.yaml
 
 bench:
 	$(GO) test -run '^$$' -bench . -benchtime 2s ./...
