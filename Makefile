@@ -103,10 +103,18 @@ bench-drain-full: # 10M rows in the scale run
 # NATS JetStream, nothing to set up. `make chaos` places N orders (default 1000) under duplicated
 # deliveries, failing handlers and crashing consumers, and reconciles; add ARGS='-postgres DSN',
 # ARGS='-postgres DSN -broker amqp -amqp-url URL' and the like.
-.PHONY: demo chaos
+.PHONY: demo chaos alerts-live
 
 demo:
 	cd examples/order-processing && $(GO) run . $(ARGS)
 
 chaos:
 	cd examples/order-processing && $(GO) run . -chaos -orders $(or $(N),1000) $(ARGS)
+
+# The shipped alert rules under a real Prometheus: the chaos run of the example, then the service
+# killed (SIGKILL), Prometheus evaluating for 3 minutes more; prints which alerts fired and when
+# (docs/observability.md has the last result). Needs the prometheus binary (apt-get install
+# prometheus). ARGS='-orders 1000 -watch 5m -chaos-args "-fail-rate 0.3"' and the like.
+alerts-live:
+	cd examples/order-processing && $(GO) run ./alertslive $(ARGS)
+
