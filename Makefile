@@ -10,11 +10,12 @@
 
 GO ?= go
 
-.PHONY: test fmt-check vet bench example
+.PHONY: test fmt-check vet bench example alerts-test
 
 # The steps run strictly in this order (also under make -j).
 test:
 	@$(MAKE) --no-print-directory fmt-check
+	@$(MAKE) --no-print-directory alerts-test
 	$(GO) vet ./...
 	cd examples/order-processing && $(GO) vet ./...
 	cd e2e && $(GO) vet ./...
@@ -61,6 +62,15 @@ fmt-check:
 vet:
 	$(GO) vet ./...
 
+# The shipped alert rules and their unit tests (deploy/prometheus/outbox-alerts_test.yaml). promtool
+# comes with Prometheus (Debian: apt-get install prometheus; .ci/run does). Missing, it is an error:
+# rules that were not tested are not known to fire.
+PROMTOOL ?= promtool
+alerts-test:
+	@command -v $(PROMTOOL) >/dev/null || { echo "alerts-test: $(PROMTOOL) not found: install Prometheus (apt-get install prometheus) or set PROMTOOL=/path/to/promtool" >&2; exit 1; }
+	cd deploy/prometheus && $(PROMTOOL) check rules outbox-alerts.yaml
+	cd deploy/prometheus && $(PROMTOOL) test rules outbox-alerts_test.yaml
+
 bench:
 	$(GO) test -run '^$$' -bench . -benchtime 2s ./...
 
@@ -93,10 +103,18 @@ bench-drain-full: # 10M rows in the scale run
 # NATS JetStream, nothing to set up. `make chaos` places N orders (default 1000) under duplicated
 # deliveries, failing handlers and crashing consumers, and reconciles; add ARGS='-postgres DSN',
 # ARGS='-postgres DSN -broker amqp -amqp-url URL' and the like.
-.PHONY: demo chaos
+.PHONY: demo chaos alerts-live
 
 demo:
 	cd examples/order-processing && $(GO) run . $(ARGS)
 
 chaos:
 	cd examples/order-processing && $(GO) run . -chaos -orders $(or $(N),1000) $(ARGS)
+
+# The shipped alert rules under a real Prometheus: the chaos run of the example, then the service
+# killed (SIGKILL), Prometheus evaluating for 3 minutes more; prints which alerts fired and when
+# (docs/observability.md has the last result). Needs the prometheus binary (apt-get install
+# prometheus). ARGS='-orders 1000 -watch 5m -chaos-args "-fail-rate 0.3"' and the like.
+alerts-live:
+	cd examples/order-processing && $(GO) run ./alertslive $(ARGS)
+

@@ -46,11 +46,15 @@ func (o *Outbox) InUnit(ctx context.Context, fn func(ctx context.Context) error)
 	}
 	ctx, span := o.tel.tracer.Start(ctx, "outbox InTx")
 	defer func() { endSpan(span, err) }()
+	// Every unit counts by its outcome; a panic in fn (re-panicking) counts as rolled back.
+	outcome := OutcomeRolledBack
+	defer func() { o.tel.boundaryUnits.Add(ctx, 1, o.tel.attrs(AttrOutcome, outcome, "", "")) }()
 	after := context.WithoutCancel(ctx)
 	txCtx, cancel := context.WithTimeout(after, o.cfg.HandlerTimeout)
 	defer cancel()
 	tx, _, err := o.units.BeginUnit(txCtx, nil)
 	if err != nil {
+		outcome = OutcomeFailed
 		return fmt.Errorf("outbox: %w", err)
 	}
 	u := newUnit(o, tx, Source{ID: uuid.NewString()}, nil)
@@ -61,6 +65,7 @@ func (o *Outbox) InUnit(ctx context.Context, fn func(ctx context.Context) error)
 		}
 		return err
 	}
+	outcome = OutcomeFailed
 	effects, err := u.committedEffects(txCtx)
 	if err != nil {
 		_ = tx.Rollback(after)
@@ -84,7 +89,10 @@ func (o *Outbox) InUnit(ctx context.Context, fn func(ctx context.Context) error)
 		effects[i].PendingFor = committed.Sub(u.begun)
 		effects[i].StoredAt = committed
 	}
-	o.dispatchBoundary(after, u.src, effects, true)
+	outcome = OutcomeCommitted
+	if !o.dispatchBoundary(after, u.src, effects, true) {
+		outcome = OutcomeDispatchFailed
+	}
 	return nil
 }
 
@@ -134,25 +142,29 @@ func (o *Outbox) JoinUnit(ctx context.Context, tx any) (context.Context, func(co
 				watermill.LogFields{"boundary_id": u.src.ID})
 			return
 		}
-		o.dispatchBoundary(ctx, u.src, committed, false)
+		_ = o.dispatchBoundary(ctx, u.src, committed, false)
 	}, nil
 }
 
 // dispatchBoundary is the fast path at the boundary (inTx: the span in ctx is InTx's). On failure the effects are handed to the
-// relay as due for a retry, so that they do not wait for the grace period.
-func (o *Outbox) dispatchBoundary(ctx context.Context, src Source, effects []Effect, inTx bool) {
+// relay as due for a retry, so that they do not wait for the grace period. It tells whether every
+// effect went out here (false: some are left to the relay).
+func (o *Outbox) dispatchBoundary(ctx context.Context, src Source, effects []Effect, inTx bool) bool {
 	if len(effects) == 0 {
-		return
+		return true
 	}
 	fields := watermill.LogFields{"boundary_id": src.ID, "effects": len(effects)}
 	if blocked, err := o.keyBlocked(ctx, src, effects); err != nil || blocked {
 		if err != nil {
 			o.logger.Error("Checking ordering keys failed; the relay sends the effects", err, fields)
 		}
-		if err := o.handToRelay(ctx, src); err != nil {
-			o.logger.Error("Handing effects to the relay failed; it sends them after the grace period", err, fields)
+		// Effects that wait behind an earlier one with their key go with it: that is ordering,
+		// not a failure.
+		herr := o.handToRelay(ctx, src)
+		if herr != nil {
+			o.logger.Error("Handing effects to the relay failed; it sends them after the grace period", herr, fields)
 		}
-		return
+		return err == nil && herr == nil
 	}
 	ctx, traced := o.tel.startDispatch(ctx, PathCommit, effects, inTx)
 	sent, failed, err := o.dispatch(ctx, PathCommit, effects)
@@ -163,5 +175,7 @@ func (o *Outbox) dispatchBoundary(ctx context.Context, src Source, effects []Eff
 		if failed > 0 {
 			o.dispatchFailed(ctx, src, effects, sent, failed, err)
 		}
+		return false
 	}
+	return true
 }

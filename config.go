@@ -71,6 +71,17 @@ type Config struct {
 	RetryDelay time.Duration
 	// RetryDelayMax bounds the growth of RetryDelay. Default: 10 seconds.
 	RetryDelayMax time.Duration
+	// AfterDispatchFailure says what Handle returns for a message whose unit of work committed but
+	// whose side effects could not all be dispatched (the broker refused a topic, an applier
+	// failed). Either way the effects are committed, with the failure recorded, and nothing is
+	// lost. DispatchFailureNack (the default, ""): the message is nacked after RetryDelay, and its
+	// redelivery sends what is pending; while one topic or applier keeps failing, every message
+	// that records an effect for it is retried with backoff, so that the consumer handles only a
+	// few messages a minute (with an ordered subscriber, none behind it). DispatchFailureAck: the
+	// message is acked and the relay sends the effects, after their retry backoff (up to 5
+	// minutes apart), parking them after RelayMaxAttempts; the consumer goes on at full speed.
+	// docs/guarantees.md ("After a failed dispatch") explains the trade.
+	AfterDispatchFailure DispatchFailurePolicy
 	// HandlerRetries is how many times Handle runs a failed unit of work again itself, each time
 	// after RetryDelay and in a new transaction (a redelivery that finds the message processed
 	// dispatches what is pending), before it returns the failure; each attempt is counted toward
@@ -305,6 +316,11 @@ func (c Config) Validate() error {
 			"redelivers after the ID was forgotten would run the handler a second time; raise Retention to at least %s",
 			ErrRetentionTooShort, retention, c.RedeliveryHorizon, c.RedeliveryHorizon))
 	}
+	switch c.AfterDispatchFailure {
+	case "", DispatchFailureNack, DispatchFailureAck:
+	default:
+		errs = append(errs, fmt.Errorf("AfterDispatchFailure must be %q or %q, not %q", DispatchFailureNack, DispatchFailureAck, c.AfterDispatchFailure))
+	}
 	if c.PoisonTopic != "" {
 		if err := validateName(c.PoisonTopic); err != nil {
 			errs = append(errs, fmt.Errorf("PoisonTopic: %w", err))
@@ -312,3 +328,15 @@ func (c Config) Validate() error {
 	}
 	return errors.Join(errs...)
 }
+
+// DispatchFailurePolicy is what Handle does with a message whose side effects failed to dispatch
+// after its commit (Config.AfterDispatchFailure).
+type DispatchFailurePolicy string
+
+// The values of Config.AfterDispatchFailure.
+const (
+	// DispatchFailureNack nacks the message: its redelivery drives the dispatch (the default).
+	DispatchFailureNack DispatchFailurePolicy = "nack"
+	// DispatchFailureAck acks the message and leaves the dispatch to the relay.
+	DispatchFailureAck DispatchFailurePolicy = "ack"
+)

@@ -166,6 +166,9 @@ func (o *Outbox) cleanupOnce(ctx context.Context) error {
 	}
 	res, err := o.Cleanup(ctx)
 	if err != nil {
+		if ctx.Err() == nil {
+			o.tel.cleanupErrors.Add(ctx, 1)
+		}
 		return err
 	}
 	if res.Batches > 0 {

@@ -111,6 +111,10 @@ func (o *Outbox) handle(msg *message.Message, p HandleParams, next message.Handl
 		switch {
 		case err == nil:
 			return nil
+		case errors.Is(err, ErrDispatchFailed) && o.cfg.AfterDispatchFailure == DispatchFailureAck:
+			// Committed, the failure recorded: the relay sends the effects, and the consumer goes on.
+			setOutcome(parent, OutcomeDispatchFailed)
+			return nil
 		case errors.Is(err, errRetryAtOnce):
 			o.logger.Debug("Serialization failure or deadlock; running the unit of work again at once", fields.Add(watermill.LogFields{"try": try, "error": err.Error()}))
 			try++

@@ -144,6 +144,7 @@ func (o *Outbox) RegisterApplier(name string, fn Applier) error {
 		return fmt.Errorf("outbox: applier %q registered twice", name)
 	}
 	o.appliers[name] = fn
+	o.tel.startKind(context.Background(), kindName(name))
 	return nil
 }
 

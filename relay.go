@@ -137,6 +137,7 @@ func (o *Outbox) relayRound(ctx context.Context, claimed []Effect, deadline time
 				break
 			}
 			if wctx.Err() != nil || permanent(err) {
+				o.tel.markFailures.Add(wctx, 1)
 				o.logger.Error("Relay could not mark side effects dispatched; they are sent again when their lease ends", err, nil)
 				break
 			}

@@ -44,6 +44,9 @@ const (
 	MetricDuplicatesLate    = "outbox.duplicates.late"      // counter: duplicates whose claim is older than Retention/2
 	MetricMarkFailures      = "outbox.marks.failures"       // counter: batches of dispatched marks that could not be written
 	MetricRelayLastRoundAge = "outbox.relay.last_round_age" // gauge, s: since this process's relay last finished a round
+	MetricBoundaryUnits     = "outbox.boundary.units"       // counter: InTx and InUnit units of work, by outcome
+	MetricCleanupErrors     = "outbox.cleanup.errors"       // counter: cleanup passes that failed
+	MetricUptime            = "outbox.uptime"               // gauge, s: since this Outbox was created
 )
 
 // Attribute keys. Consumer and topic names are bounded by the application; message IDs are never
@@ -69,6 +72,14 @@ const (
 	OutcomeDispatchFailed = "dispatch_failed" // committed, but its effects are left to a retry
 	OutcomePoisoned       = "poisoned"        // moved to the poison topic after MaxAttempts
 	OutcomeRejected       = "rejected"        // unusable message ID: poison topic at once, or nacked
+)
+
+// Outcomes of a unit of work at the boundary (InTx, InUnit), beside OutcomeDispatchFailed.
+const (
+	OutcomeCommitted  = "committed"   // committed, and its effects went out
+	OutcomeRolledBack = "rolled_back" // fn returned an error or panicked: rolled back, nothing sent
+	// OutcomeFailed (above) at the boundary: the transaction could not begin or commit, or the
+	// effects could not be stored; InTx returned the error.
 )
 
 // Dispatch paths (AttrPath).
@@ -125,6 +136,8 @@ type telemetry struct {
 	duplicateAge     metric.Float64Histogram
 	duplicatesLate   metric.Int64Counter
 	markFailures     metric.Int64Counter
+	boundaryUnits    metric.Int64Counter
+	cleanupErrors    metric.Int64Counter
 
 	attrSets sync.Map // attrKey -> metric.MeasurementOption
 
@@ -148,6 +161,11 @@ type telemetry struct {
 	listenUnsupported atomic.Bool
 	// lateWarned lets a late duplicate be logged once a minute.
 	lateWarned oncePer
+	// created is when the Outbox was created (outbox.uptime).
+	created time.Time
+	// staleAfter is the age past which the database sample is stale: the age gauges then add
+	// the time since the sample (see observe).
+	staleAfter time.Duration
 }
 
 // Bucket boundaries, in seconds.
@@ -167,8 +185,10 @@ func newTelemetry(o *Outbox) (*telemetry, error) {
 		tp = otel.GetTracerProvider()
 	}
 	t := &telemetry{
-		tracer: tp.Tracer(InstrumentationName),
-		prop:   propagation.TraceContext{},
+		tracer:     tp.Tracer(InstrumentationName),
+		prop:       propagation.TraceContext{},
+		created:    time.Now(),
+		staleAfter: staleAfter(o.cfg.StatsInterval),
 	}
 	m := mp.Meter(InstrumentationName)
 	var errs []error
@@ -198,6 +218,8 @@ func newTelemetry(o *Outbox) (*telemetry, error) {
 	t.duplicateAge = f64h(MetricDuplicateClaimAge, "s", "Age of the claim a duplicate delivery finds: how late duplicates come, by consumer.", claimAgeBuckets)
 	t.duplicatesLate = i64c(MetricDuplicatesLate, "{message}", "Duplicates whose claim was older than half of Retention: the broker redelivers close to the end of the dedup window.")
 	t.markFailures = i64c(MetricMarkFailures, "{batch}", "Batches of dispatched marks that could not be written; their effects may be sent again.")
+	t.boundaryUnits = i64c(MetricBoundaryUnits, "{unit}", "Units of work at the boundary (InTx, InUnit), by outcome: committed, dispatch_failed, rolled_back, failed.")
+	t.cleanupErrors = i64c(MetricCleanupErrors, "{error}", "Cleanup passes that failed (the database refused or timed out).")
 
 	gauge := func(name, unit, desc string) metric.Float64ObservableGauge {
 		g, err := m.Float64ObservableGauge(name, metric.WithUnit(unit), metric.WithDescription(desc))
@@ -213,7 +235,8 @@ func newTelemetry(o *Outbox) (*telemetry, error) {
 	cleanupLag := gauge(MetricCleanupLag, "s", "How long the oldest claim past retention has waited for cleanup.")
 	statsAge := gauge(MetricStatsAge, "s", "Age of the database sample the outbox gauges show.")
 	relayAge := gauge(MetricRelayLastRoundAge, "s", "Time since this process's relay last finished a round.")
-	t.gauges = []metric.Observable{pending, pendingAge, parked, parkedAge, failing, retained, cleanupLag, statsAge, relayAge}
+	uptime := gauge(MetricUptime, "s", "Time since this Outbox was created: its counters count from then.")
+	t.gauges = []metric.Observable{pending, pendingAge, parked, parkedAge, failing, retained, cleanupLag, statsAge, relayAge, uptime}
 	tablesName := o.cfg.TablePrefix
 	if o.cfg.Schema != "" {
 		tablesName = o.cfg.Schema + "." + tablesName
@@ -221,6 +244,7 @@ func newTelemetry(o *Outbox) (*telemetry, error) {
 	tables := attribute.NewSet(AttrTables.String(tablesName))
 	t.observe = func(_ context.Context, obs metric.Observer) error {
 		opt := metric.WithAttributeSet(tables)
+		obs.ObserveFloat64(uptime, time.Since(t.created).Seconds(), opt)
 		if last := t.lastRelayRound.Load(); last != 0 {
 			obs.ObserveFloat64(relayAge, time.Since(time.Unix(0, last)).Seconds(), opt)
 		}
@@ -228,14 +252,16 @@ func newTelemetry(o *Outbox) (*telemetry, error) {
 		if s == nil {
 			return nil
 		}
+		age := time.Since(s.SampledAt)
+		oldestPending, oldestParked, cleanupBehind := t.aged(*s, age)
 		obs.ObserveFloat64(pending, float64(s.Pending), opt)
-		obs.ObserveFloat64(pendingAge, s.OldestPending.Seconds(), opt)
+		obs.ObserveFloat64(pendingAge, oldestPending.Seconds(), opt)
 		obs.ObserveFloat64(parked, float64(s.Parked), opt)
-		obs.ObserveFloat64(parkedAge, s.OldestParked.Seconds(), opt)
+		obs.ObserveFloat64(parkedAge, oldestParked.Seconds(), opt)
 		obs.ObserveFloat64(failing, float64(s.Failing), opt)
 		obs.ObserveFloat64(retained, float64(s.Retained), opt)
-		obs.ObserveFloat64(cleanupLag, s.CleanupLag.Seconds(), opt)
-		obs.ObserveFloat64(statsAge, time.Since(s.SampledAt).Seconds(), opt)
+		obs.ObserveFloat64(cleanupLag, cleanupBehind.Seconds(), opt)
+		obs.ObserveFloat64(statsAge, age.Seconds(), opt)
 		return nil
 	}
 	t.meter = m
@@ -244,10 +270,59 @@ func newTelemetry(o *Outbox) (*telemetry, error) {
 	}
 	// Counters without attributes start at zero, so that rate() and increase() over them work
 	// (and alerts on them can fire) from the first failure, not the second.
-	for _, c := range []metric.Int64Counter{t.relayRounds, t.relayErrors, t.cleanupBatches, t.markFailures} {
-		c.Add(context.Background(), 0)
+	// The same holds for the series with attributes that the dashboard and the alerts read before
+	// anything went wrong: the boundary's outcomes, cleanup's tables, and the dispatches of
+	// publishes on every path (appliers' kinds start when they are registered).
+	ctx := context.Background()
+	for _, c := range []metric.Int64Counter{t.relayRounds, t.relayErrors, t.cleanupBatches, t.markFailures, t.cleanupErrors} {
+		c.Add(ctx, 0)
 	}
+	for _, outcome := range []string{OutcomeCommitted, OutcomeDispatchFailed, OutcomeRolledBack, OutcomeFailed} {
+		t.boundaryUnits.Add(ctx, 0, t.attrs(AttrOutcome, outcome, "", ""))
+	}
+	for _, table := range []string{"processed", "dispatched", "attempts"} {
+		t.cleanupDeleted.Add(ctx, 0, t.attrs(AttrTable, table, "", ""))
+	}
+	t.startKind(ctx, kindName(KindPublish))
 	return t, nil
+}
+
+// staleAfter is the age past which a database sample taken every interval is stale: three
+// samples missed (a stalled database, a sampling query that keeps failing), and at least a
+// minute, so that one slow sample does not count.
+func staleAfter(interval time.Duration) time.Duration {
+	return max(3*interval, time.Minute)
+}
+
+// aged returns the ages the gauges report from sample s, taken age ago. While the sample is
+// fresh they are the sample's. Once it is stale, nothing tells that what was pending then was
+// sent since, nor that nothing older piled up: the oldest pending effect is reported as old as
+// the sample at least (the sample's oldest plus the time since), so that a stall of the database
+// or of sampling does not hold the age gauges, and the alerts on them, at a healthy value. The
+// parked age and the cleanup lag, when not zero, age with time too.
+func (t *telemetry) aged(s Stats, age time.Duration) (oldestPending, oldestParked, cleanupLag time.Duration) {
+	oldestPending, oldestParked, cleanupLag = s.OldestPending, s.OldestParked, s.CleanupLag
+	if age <= t.staleAfter {
+		return
+	}
+	oldestPending = max(oldestPending+age, age)
+	if s.Parked > 0 {
+		oldestParked += age
+	}
+	if cleanupLag > 0 {
+		cleanupLag += age
+	}
+	return
+}
+
+// startKind starts the dispatch counters of effect kind at zero on every path, so that a
+// dispatch failure of a kind shows (and can be alerted on) from its first.
+func (t *telemetry) startKind(ctx context.Context, kind string) {
+	for _, path := range []string{PathCommit, PathRedelivery, PathRelay} {
+		set := t.attrs(AttrPath, path, AttrKind, kind)
+		t.dispatched.Add(ctx, 0, set)
+		t.dispatchFailures.Add(ctx, 0, set)
+	}
 }
 
 // registerGauges starts observing the gauges; call the returned function to stop.

@@ -606,8 +606,18 @@ func (e *telemetryEnv) checkShippedQueries(t *testing.T) {
 		t.Fatal(err)
 	}
 	served := map[string]bool{}
+	servedLabels := map[string]map[string]bool{} // metric name -> its label names
 	for _, f := range families {
 		served[f.GetName()] = true
+		ls := map[string]bool{}
+		for _, m := range f.GetMetric() {
+			for _, l := range m.GetLabel() {
+				if l.GetValue() != "" { // Prometheus drops empty labels at ingestion
+					ls[l.GetName()] = true
+				}
+			}
+		}
+		servedLabels[f.GetName()] = ls
 	}
 	name := regexp.MustCompile(`\b(?:outbox|messaging)_[a-z0-9_]+`)
 	matchers := regexp.MustCompile(`\{[^}]*\}`)
@@ -681,6 +691,55 @@ func (e *telemetryEnv) checkShippedQueries(t *testing.T) {
 	}
 	if alerts < 8 {
 		t.Errorf("%d alert rules, want at least 8", alerts)
+	}
+
+	// The rules' unit tests feed series shaped as the exporter serves them: the same names, and
+	// the same labels (beside job and instance, which the scrape adds).
+	raw, err = os.ReadFile("../deploy/prometheus/outbox-alerts_test.yaml")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var tests struct {
+		Tests []struct {
+			Name        string
+			InputSeries []struct{ Series string } `yaml:"input_series"`
+		}
+	}
+	if err := yaml.Unmarshal(raw, &tests); err != nil {
+		t.Fatalf("alert rule tests YAML: %v", err)
+	}
+	series := regexp.MustCompile(`^([a-z_:][a-z0-9_:]*)\{(.*)\}$`)
+	label := regexp.MustCompile(`([a-z_][a-z0-9_]*)="[^"]*"`)
+	for _, tc := range tests.Tests {
+		for _, in := range tc.InputSeries {
+			m := series.FindStringSubmatch(in.Series)
+			if m == nil {
+				t.Errorf("rule test %q: series %q is not name{labels}", tc.Name, in.Series)
+				continue
+			}
+			if m[1] == "up" {
+				continue // Prometheus's own
+			}
+			have := map[string]bool{}
+			for _, l := range label.FindAllStringSubmatch(m[2], -1) {
+				have[l[1]] = true
+			}
+			want := servedLabels[m[1]]
+			if !served[m[1]] {
+				t.Errorf("rule test %q feeds %s, which the library does not serve", tc.Name, m[1])
+				continue
+			}
+			for l := range want {
+				if !have[l] {
+					t.Errorf("rule test %q: %s lacks the label %s that the exporter serves (has %v)", tc.Name, m[1], l, slices.Sorted(maps.Keys(have)))
+				}
+			}
+			for l := range have {
+				if l != "job" && l != "instance" && !want[l] {
+					t.Errorf("rule test %q: %s has the label %s, which the exporter does not serve (serves %v)", tc.Name, m[1], l, slices.Sorted(maps.Keys(want)))
+				}
+			}
+		}
 	}
 }
 

@@ -39,6 +39,12 @@ type chaosConfig struct {
 	restartEvery                 time.Duration
 	seed                         uint64
 	timeout                      time.Duration
+	// addr is where the API and GET /metrics listen during the run (port 0: any free one; the
+	// address is printed at start).
+	addr string
+	// linger keeps the API and /metrics up this long after the report, so that Prometheus can
+	// scrape the final state; negative: until the process is interrupted.
+	linger time.Duration
 }
 
 var (
@@ -279,10 +285,15 @@ func runChaos(ctx context.Context, cfg config, out io.Writer) (*chaosReport, err
 	apiDone := make(chan struct{})
 	go func() { defer close(apiDone); _ = apiOb.Run(runCtx) }()
 	defer func() { cancel(); <-apiDone }()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		return nil, err
+	addr := cfg.chaosConfig.addr
+	if addr == "" {
+		addr = "127.0.0.1:0"
 	}
+	ln, err := net.Listen("tcp", addr)
+	if err != nil {
+		return nil, fmt.Errorf("chaos: listen on %s: %w", addr, err)
+	}
+	fmt.Fprintf(out, "API and metrics: http://%s (Prometheus: GET /metrics)\n\n", ln.Addr())
 	srv := &http.Server{Handler: (&api{db: s.db, ob: apiOb, metrics: s.metrics}).routes(), ReadHeaderTimeout: 10 * time.Second}
 	served := make(chan struct{})
 	go func() { defer close(served); _ = srv.Serve(ln) }()
@@ -319,6 +330,21 @@ func runChaos(ctx context.Context, cfg config, out io.Writer) (*chaosReport, err
 	rep.Setup = s.desc
 	rep.Took = time.Since(start)
 	rep.print(out)
+	if l := cfg.linger; l != 0 {
+		fmt.Fprintf(out, "\nstill serving http://%s/metrics", ln.Addr())
+		wait := make(<-chan time.Time) // never: until interrupted
+		if l > 0 {
+			fmt.Fprintf(out, " for %s", l)
+			t := time.NewTimer(l)
+			defer t.Stop()
+			wait = t.C
+		}
+		fmt.Fprintln(out, " (interrupt to stop)")
+		select {
+		case <-ctx.Done():
+		case <-wait:
+		}
+	}
 	return rep, nil
 }
 

@@ -3,7 +3,11 @@ package main
 import (
 	"bytes"
 	"context"
+	"io"
+	"net/http"
 	"os"
+	"regexp"
+	"strings"
 	"testing"
 	"time"
 
@@ -82,5 +86,53 @@ func TestChaos(t *testing.T) {
 				t.Errorf("no chaos: %d duplicates suppressed, %d injected failures", rep.Duplicates, rep.Failures)
 			}
 		})
+	}
+}
+
+// The chaos run prints where its /metrics listens, and with -linger keeps serving it after the
+// report, so that a Prometheus scraping the run sees its end; it stops when interrupted.
+func TestChaosServesMetricsAfterTheRun(t *testing.T) {
+	cfg := testConfig(t)
+	cfg.orders, cfg.restartEvery, cfg.timeout = 20, time.Second, 40*time.Second
+	cfg.linger = -1
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	out := &syncBuffer{}
+	done := make(chan error, 1)
+	go func() { _, err := runChaos(ctx, cfg, out); done <- err }()
+
+	addr := regexp.MustCompile(`API and metrics: http://(\S+) `)
+	deadline := time.Now().Add(90 * time.Second)
+	for !strings.Contains(out.String(), "still serving") {
+		select {
+		case err := <-done:
+			t.Fatalf("the run ended (%v) without lingering:\n%s", err, out.String())
+		case <-time.After(100 * time.Millisecond):
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("no report with \"still serving\" within 90 s:\n%s", out.String())
+		}
+	}
+	m := addr.FindStringSubmatch(out.String())
+	if m == nil {
+		t.Fatalf("the run did not print its metrics address:\n%s", out.String())
+	}
+	resp, err := http.Get("http://" + m[1] + "/metrics")
+	if err != nil {
+		t.Fatalf("GET /metrics after the report: %v", err)
+	}
+	body, err := io.ReadAll(resp.Body)
+	_ = resp.Body.Close()
+	if err != nil || resp.StatusCode != http.StatusOK || !strings.Contains(string(body), "outbox_messages_handled_total") {
+		t.Fatalf("GET /metrics after the report: %d, %v, want 200 with the outbox metrics:\n%.500s", resp.StatusCode, err, body)
+	}
+	cancel()
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Fatal(err)
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("the run did not stop within 30 s of its interruption")
 	}
 }

@@ -120,6 +120,8 @@ func parseFlags(args []string) (config, error) {
 	fs.DurationVar(&cfg.restartEvery, "restart-every", 3*time.Second, "chaos: mean time between abrupt consumer restarts (0: none)")
 	fs.Uint64Var(&cfg.seed, "seed", 1, "chaos: random seed")
 	fs.DurationVar(&cfg.timeout, "timeout", 5*time.Minute, "chaos: how long orders may take to reach a final state")
+	fs.StringVar(&cfg.chaosConfig.addr, "chaos-addr", "127.0.0.1:0", "chaos: listen address of the API and GET /metrics (port 0: a free one, printed at start)")
+	fs.DurationVar(&cfg.linger, "linger", 0, "chaos: keep serving /metrics this long after the report, for a last scrape (negative: until interrupted)")
 	if err := fs.Parse(args); err != nil {
 		return cfg, err
 	}

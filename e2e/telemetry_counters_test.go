@@ -1,0 +1,262 @@
+package e2e
+
+import (
+	"context"
+	"database/sql"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"regexp"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
+	"github.com/google/uuid"
+	"github.com/prometheus/client_golang/prometheus"
+	otelprom "go.opentelemetry.io/otel/exporters/prometheus"
+	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
+
+	"github.com/watermill-outbox/outbox"
+	"github.com/watermill-outbox/outbox/drivers/postgres"
+	"github.com/watermill-outbox/outbox/internal/pgtest"
+)
+
+// counterEnv is an Outbox on a real PostgreSQL with an SDK meter provider (an in-memory reader
+// and the Prometheus exporter) and an in-process broker that an outage can be switched on for.
+type counterEnv struct {
+	ob  *outbox.Outbox
+	db  *sql.DB
+	tel *telemetryEnv // reader and reg only: for collect and the served names
+	pub *gatedPublisher
+}
+
+func newCounterEnv(t *testing.T, cfg outbox.Config) *counterEnv {
+	t.Helper()
+	db := pgtest.DB(t)
+	t.Cleanup(func() { _ = db.Close() })
+	ch := gochannel.NewGoChannel(gochannel.Config{}, watermill.NopLogger{})
+	t.Cleanup(func() { _ = ch.Close() })
+	pub := &gatedPublisher{Publisher: ch, refused: telRefused}
+	reader := sdkmetric.NewManualReader()
+	reg := prometheus.NewRegistry()
+	exporter, err := otelprom.New(otelprom.WithRegisterer(reg))
+	if err != nil {
+		t.Fatal(err)
+	}
+	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader), sdkmetric.WithReader(exporter))
+	t.Cleanup(func() { _ = mp.Shutdown(context.Background()) })
+	cfg.DB, cfg.Driver, cfg.Publisher, cfg.MeterProvider = db, postgres.Driver{}, pub, mp
+	if cfg.Logger == nil {
+		cfg.Logger = watermill.NopLogger{}
+	}
+	ob, err := outbox.New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := ob.Migrate(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	return &counterEnv{ob: ob, db: db, tel: &telemetryEnv{reader: reader, reg: reg}, pub: pub}
+}
+
+// run runs ob.Run until the test ends.
+func (e *counterEnv) run(t *testing.T) {
+	ctx, stop := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- e.ob.Run(ctx) }()
+	t.Cleanup(func() {
+		stop()
+		select {
+		case <-done:
+		case <-time.After(time.Minute):
+			t.Error("Run did not return within a minute of its cancellation")
+		}
+	})
+}
+
+// waitCount waits up to timeout for the counter name (points with attributes want) to reach n.
+func (e *counterEnv) waitCount(t *testing.T, name string, want map[string]string, n int64, timeout time.Duration) {
+	t.Helper()
+	deadline := time.Now().Add(timeout)
+	for {
+		got := sumInt(t, e.tel.collect(t), name, want)
+		if got >= n {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%s%v = %d after %v, want %d", name, want, got, timeout, n)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+// Every InTx counts by its outcome: committed, dispatch_failed (committed, the broker refused),
+// rolled_back (fn returned an error) and failed (the commit failed); each series exists at zero
+// before the first unit, so that rate() sees the first of each.
+func TestTelemetryBoundaryOutcomes(t *testing.T) {
+	e := newCounterEnv(t, outbox.Config{})
+	ctx := context.Background()
+	if _, err := e.db.Exec(`CREATE TABLE tel_boundary (id int UNIQUE DEFERRABLE INITIALLY DEFERRED)`); err != nil {
+		t.Fatal(err)
+	}
+	outcome := func(o string) map[string]string { return map[string]string{string(outbox.AttrOutcome): o} }
+	all := []string{outbox.OutcomeCommitted, outbox.OutcomeDispatchFailed, outbox.OutcomeRolledBack, outbox.OutcomeFailed}
+	rm := e.tel.collect(t)
+	for _, o := range all {
+		if !hasPoint(rm, outbox.MetricBoundaryUnits, outcome(o)) {
+			t.Errorf("%s{outcome=%s} not reported at zero before the first unit of work", outbox.MetricBoundaryUnits, o)
+		}
+	}
+
+	publish := func(ctx context.Context, tx *sql.Tx) error {
+		return outbox.Publish(ctx, telEvents, message.NewMessage(uuid.NewString(), []byte("x")))
+	}
+	if err := e.ob.InTx(ctx, publish); err != nil {
+		t.Fatal(err)
+	}
+	refused := errors.New("refused by the application")
+	if err := e.ob.InTx(ctx, func(context.Context, *sql.Tx) error { return refused }); !errors.Is(err, refused) {
+		t.Fatalf("InTx: %v, want fn's error", err)
+	}
+	e.pub.down.Store(true)
+	if err := e.ob.InTx(ctx, publish); err != nil {
+		t.Fatal(err)
+	}
+	e.pub.down.Store(false)
+	// A deferred constraint fails at COMMIT: the unit could not finish, InTx answers an error.
+	dup := func(ctx context.Context, tx *sql.Tx) error {
+		_, err := tx.ExecContext(ctx, `INSERT INTO tel_boundary VALUES (1), (1)`)
+		return err
+	}
+	if err := e.ob.InTx(ctx, dup); err == nil {
+		t.Fatal("InTx with a deferred unique violation: no error, want the commit's")
+	}
+
+	rm = e.tel.collect(t)
+	for _, o := range all {
+		if n := sumInt(t, rm, outbox.MetricBoundaryUnits, outcome(o)); n != 1 {
+			t.Errorf("%s{outcome=%s} = %d, want 1", outbox.MetricBoundaryUnits, o, n)
+		}
+	}
+}
+
+// A cleanup pass that fails counts in outbox.cleanup.errors (zero before), and a batch of marks the
+// relay could not write counts in outbox.marks.failures as the commit path's do: without them the
+// first sign of a failing cleanup is the lag alert a retention later, and the relay's re-sends
+// go unseen.
+func TestTelemetryCleanupAndRelayMarkFailures(t *testing.T) {
+	e := newCounterEnv(t, outbox.Config{
+		CleanupInterval: 100 * time.Millisecond, RelayInterval: 50 * time.Millisecond,
+		RelayGrace: 200 * time.Millisecond, StatsInterval: -1,
+	})
+	ctx := context.Background()
+	if n := sumInt(t, e.tel.collect(t), outbox.MetricCleanupErrors, nil); n != 0 || !hasPoint(e.tel.collect(t), outbox.MetricCleanupErrors, nil) {
+		t.Errorf("%s not reported at zero before the first pass (%d)", outbox.MetricCleanupErrors, n)
+	}
+	var processed, effects string
+	if err := e.db.QueryRow(`SELECT to_regclass('outbox_processed')::text, to_regclass('outbox_effects')::text`).Scan(&processed, &effects); err != nil {
+		t.Fatalf("the outbox tables (default prefix): %v", err)
+	}
+
+	// The relay's marks: the commit path fails (outage), the relay sends the effect once the
+	// broker is back, and its mark is refused (a trigger stands for a database that refuses).
+	e.pub.down.Store(true)
+	if err := e.ob.InTx(ctx, func(ctx context.Context, tx *sql.Tx) error {
+		return outbox.Publish(ctx, telEvents, message.NewMessage(uuid.NewString(), []byte("x")))
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := e.db.Exec(`CREATE FUNCTION tel_refuse() RETURNS trigger LANGUAGE plpgsql AS $$
+		BEGIN RAISE EXCEPTION 'refused by the test' USING ERRCODE = '42P01'; END $$;
+		CREATE TRIGGER tel_refuse_mark BEFORE DELETE ON ` + effects + ` FOR EACH STATEMENT EXECUTE FUNCTION tel_refuse();
+		ALTER TABLE ` + processed + ` RENAME TO tel_processed_away`); err != nil {
+		t.Fatal(err)
+	}
+	e.pub.down.Store(false)
+	e.run(t)
+	e.waitCount(t, outbox.MetricCleanupErrors, nil, 1, 20*time.Second)
+	e.waitCount(t, outbox.MetricMarkFailures, nil, 1, 30*time.Second)
+	if _, err := e.db.Exec(`ALTER TABLE tel_processed_away RENAME TO ` + processed); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// Every panel of the shipped dashboard has a series to show on a healthy service that has
+// handled a few messages and run cleanup, with nothing gone wrong: a panel whose series appear
+// only at the first failure shows "No data", which reads as a broken dashboard, not as zero.
+func TestDashboardPanelsHaveDataOnAHealthyService(t *testing.T) {
+	e := newCounterEnv(t, outbox.Config{CleanupInterval: 50 * time.Millisecond, StatsInterval: 50 * time.Millisecond,
+		RelayInterval: 50 * time.Millisecond})
+	e.run(t)
+	for i := range 3 {
+		msg := message.NewMessage(uuid.NewString(), []byte(fmt.Sprint(i)))
+		err := e.ob.Handle(msg, outbox.HandleParams{Consumer: "c1", MessageID: msg.UUID}, func(msg *message.Message) ([]*message.Message, error) {
+			return nil, outbox.Publish(msg.Context(), telEvents, message.NewMessage(uuid.NewString(), msg.Payload))
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	e.waitCount(t, outbox.MetricCleanupBatches, nil, 1, 20*time.Second)
+	e.ob.FlushMarks()
+	time.Sleep(200 * time.Millisecond) // a relay round and a stats sample
+
+	families, err := e.tel.reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	served := map[string]bool{}
+	for _, f := range families {
+		served[f.GetName()] = true
+	}
+	raw, err := os.ReadFile("../deploy/grafana/outbox-dashboard.json")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var dash struct {
+		Panels []struct {
+			Title   string
+			Type    string
+			Targets []struct{ Expr string }
+		}
+	}
+	if err := json.Unmarshal(raw, &dash); err != nil {
+		t.Fatal(err)
+	}
+	name := regexp.MustCompile(`\b(?:outbox|messaging)_[a-z0-9_]+`)
+	matchers := regexp.MustCompile(`\{[^}]*\}`)
+	labels := regexp.MustCompile(`^(?:outbox|messaging)_(?:consumer_group_name|outcome|dispatch_path|effect_kind|table|tables)$`)
+	for _, p := range dash.Panels {
+		if p.Type == "row" || len(p.Targets) == 0 {
+			continue
+		}
+		// Duplicates need a duplicate delivery: their panels are read once one came.
+		if strings.Contains(strings.ToLower(p.Title), "duplicate") {
+			continue
+		}
+		shows := false
+		for _, tg := range p.Targets {
+			all := true
+			for _, n := range name.FindAllString(matchers.ReplaceAllString(tg.Expr, ""), -1) {
+				if labels.MatchString(n) {
+					continue
+				}
+				base := n
+				for _, suffix := range []string{"_bucket", "_sum", "_count"} {
+					if b, ok := strings.CutSuffix(n, suffix); ok && served[b] {
+						base = b
+					}
+				}
+				all = all && served[base]
+			}
+			shows = shows || all
+		}
+		if !shows {
+			t.Errorf("panel %q has no series on a healthy service: it shows \"No data\"", p.Title)
+		}
+	}
+}

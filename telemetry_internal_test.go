@@ -1,0 +1,94 @@
+package outbox
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"go.opentelemetry.io/otel/metric"
+	"go.opentelemetry.io/otel/metric/embedded"
+)
+
+// gaugeRecorder is a metric.Observer that keeps the last value observed for each gauge.
+type gaugeRecorder struct {
+	embedded.Observer
+	names  map[metric.Observable]string
+	values map[string]float64
+}
+
+func (r *gaugeRecorder) ObserveFloat64(o metric.Float64Observable, v float64, _ ...metric.ObserveOption) {
+	r.values[r.names[o]] = v
+}
+
+func (r *gaugeRecorder) ObserveInt64(o metric.Int64Observable, v int64, _ ...metric.ObserveOption) {
+	r.values[r.names[o]] = float64(v)
+}
+
+// observeGauges runs the gauges' callback once and returns what it reported, by metric name.
+func observeGauges(t *testing.T, tel *telemetry) map[string]float64 {
+	t.Helper()
+	order := []string{MetricEffectsPending, MetricPendingOldestAge, MetricEffectsParked, MetricParkedOldestAge,
+		MetricMessagesFailing, MetricProcessedRetained, MetricCleanupLag, MetricStatsAge, MetricRelayLastRoundAge, MetricUptime}
+	if len(order) != len(tel.gauges) {
+		t.Fatalf("%d gauges, the test knows %d", len(tel.gauges), len(order))
+	}
+	r := &gaugeRecorder{names: map[metric.Observable]string{}, values: map[string]float64{}}
+	for i, g := range tel.gauges {
+		r.names[g] = order[i]
+	}
+	if err := tel.observe(context.Background(), r); err != nil {
+		t.Fatal(err)
+	}
+	return r.values
+}
+
+// A sample that could not be refreshed (a stalled database, a sampling query that keeps failing)
+// must not keep reporting the healthy ages it had: past staleAfter, the oldest pending effect is
+// reported as old as the sample at least, and the ages that were not zero grow with it.
+func TestTelemetryStaleSampleAges(t *testing.T) {
+	tel, err := newTelemetry(&Outbox{cfg: Config{StatsInterval: 15 * time.Second}})
+	if err != nil {
+		t.Fatal(err)
+	}
+
+	fresh := Stats{SampledAt: time.Now().Add(-5 * time.Second), Pending: 3, OldestPending: 2 * time.Second,
+		Parked: 1, OldestParked: time.Hour, CleanupLag: 0}
+	tel.setStats(fresh)
+	got := observeGauges(t, tel)
+	if got[MetricPendingOldestAge] != 2 || got[MetricParkedOldestAge] != 3600 || got[MetricCleanupLag] != 0 {
+		t.Errorf("fresh sample: ages %v, want the sample's own (2 s, 3600 s, 0)", got)
+	}
+	if got[MetricUptime] < 0 || got[MetricUptime] > 60 {
+		t.Errorf("uptime %v s, want the seconds since newTelemetry", got[MetricUptime])
+	}
+
+	// A database that stalled 10 minutes ago with nothing pending then: nothing is known of what
+	// was committed since, so a healthy zero is no longer reported.
+	tel.setStats(Stats{SampledAt: time.Now().Add(-10 * time.Minute)})
+	got = observeGauges(t, tel)
+	if a := got[MetricPendingOldestAge]; a < 600 || a > 660 {
+		t.Errorf("stale sample (10 min) with nothing pending: oldest pending age %v s, want about 600", a)
+	}
+	if got[MetricParkedOldestAge] != 0 || got[MetricCleanupLag] != 0 {
+		t.Errorf("stale sample with nothing parked and no cleanup lag: parked age %v, cleanup lag %v, want 0",
+			got[MetricParkedOldestAge], got[MetricCleanupLag])
+	}
+
+	stale := fresh
+	stale.SampledAt = time.Now().Add(-10 * time.Minute)
+	stale.CleanupLag = time.Minute
+	tel.setStats(stale)
+	got = observeGauges(t, tel)
+	if a := got[MetricPendingOldestAge]; a < 602 || a > 662 {
+		t.Errorf("stale sample: oldest pending age %v s, want the sample's 2 s plus its 600 s age", a)
+	}
+	if a := got[MetricParkedOldestAge]; a < 4200 || a > 4260 {
+		t.Errorf("stale sample: oldest parked age %v s, want 3600 + 600", a)
+	}
+	if a := got[MetricCleanupLag]; a < 660 || a > 720 {
+		t.Errorf("stale sample: cleanup lag %v s, want 60 + 600", a)
+	}
+	if a := got[MetricStatsAge]; a < 600 {
+		t.Errorf("stats age %v s, want the sample's age", a)
+	}
+}
