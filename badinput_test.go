@@ -112,8 +112,8 @@ func TestOversizedPayloadsAndBadTopicsFailTheHandlerAndCommitNothing(t *testing.
 			mustEqual(t, "claims", e.count(`SELECT count(*) FROM outbox_processed WHERE message_id = $1`, msg.UUID), 0)
 		})
 	}
-	// A large payload under the limit goes through intact.
-	big := bytes.Repeat([]byte{0, 1, 2, 255}, 1<<18)
+	// A large payload under the limit (with the metadata the framework adds) goes through intact.
+	big := bytes.Repeat([]byte{0, 1, 2, 255}, 1<<18-256)
 	msg := message.NewMessage(uuid.NewString(), nil)
 	h := func(m *message.Message) ([]*message.Message, error) {
 		return nil, outbox.Publish(m.Context(), "out_a", message.NewMessage(uuid.NewString(), big))
@@ -300,4 +300,78 @@ func TestHandlerTimeoutCountsTheAttempt(t *testing.T) {
 	}
 	mustEqual(t, "business rows", e.count(`SELECT count(*) FROM applied`), 1)
 	mustEqual(t, "effects sent", len(e.wire("out_a"))+len(e.wire("out_b")), 2)
+}
+
+// TestLongMessageIDsGetAStorableDefaultOrderingKey: a valid message ID of 250 bytes publishes.
+// The default ordering key (consumer, "/", ID) would be longer than a stored key may be: it is
+// shortened, the same way on every attempt, and a short one is left as it is.
+func TestLongMessageIDsGetAStorableDefaultOrderingKey(t *testing.T) {
+	e := newEnv(t)
+	e.pub.failAll.Store(true) // keep the effects pending, to read their keys
+	for _, id := range []string{strings.Repeat("é", 125), "short-" + uuid.NewString()} {
+		msg := message.NewMessage(id, nil)
+		h := func(m *message.Message) ([]*message.Message, error) {
+			return nil, outbox.Publish(m.Context(), "out_a", message.NewMessage(uuid.NewString(), []byte("x")))
+		}
+		err := e.ob.Handle(msg, outbox.HandleParams{Consumer: "billing", MessageID: id}, h)
+		if !errors.Is(err, outbox.ErrDispatchFailed) {
+			t.Fatalf("message ID of %d bytes: want the dispatch to fail (the broker is down), got %v", len(id), err)
+		}
+		var key string
+		if err := e.db.QueryRow(`SELECT ordering_key FROM outbox_effects WHERE source_id = $1`, id).Scan(&key); err != nil {
+			t.Fatal(err)
+		}
+		want := outbox.DefaultOrderingKey(outbox.Source{Consumer: "billing", ID: id})
+		if key != want || len(key) > 255 {
+			t.Fatalf("ordering key of a %d-byte ID: %q (%d bytes), want %q", len(id), key, len(key), want)
+		}
+		if len("billing/"+id) <= 255 && key != "billing/"+id {
+			t.Fatalf("a short default key changed: %q", key)
+		}
+	}
+}
+
+// TestMetadataCountsWithinTheSizeLimit: metadata is counted with the payload against
+// MaxPayloadBytes, and an incoming correlation ID or trace header too large to copy is not copied
+// onto every outgoing message: the messages go out without it, nothing is lost.
+func TestMetadataCountsWithinTheSizeLimit(t *testing.T) {
+	e := newEnv(t, func(c *outbox.Config) { c.MaxPayloadBytes = 1 << 20 })
+	// The application's own metadata over the limit fails the handler, and nothing commits.
+	msg := message.NewMessage(uuid.NewString(), nil)
+	err := handle(e.ob, msg, func(m *message.Message) ([]*message.Message, error) {
+		out := message.NewMessage(uuid.NewString(), []byte("small"))
+		out.Metadata.Set("blob", strings.Repeat("m", 1<<20))
+		return nil, outbox.Publish(m.Context(), "out_a", out)
+	})
+	if !errors.Is(err, outbox.ErrPayloadTooLarge) || !strings.Contains(err.Error(), "metadata") {
+		t.Fatalf("want ErrPayloadTooLarge naming the metadata, got %v", err)
+	}
+	mustEqual(t, "claims", e.count(`SELECT count(*) FROM outbox_processed WHERE message_id = $1`, msg.UUID), 0)
+
+	// A 4 MiB correlation ID on the incoming message: five small messages go out without it.
+	msg = message.NewMessage(uuid.NewString(), nil)
+	msg.Metadata.Set(outbox.MetadataCorrelationID, strings.Repeat("c", 4<<20))
+	msg.Metadata.Set(outbox.MetadataTracestate, strings.Repeat("t", 64<<10))
+	err = handle(e.ob, msg, func(m *message.Message) ([]*message.Message, error) {
+		for i := 0; i < 5; i++ {
+			if err := outbox.Publish(m.Context(), "out_a", message.NewMessage(uuid.NewString(), []byte("small"))); err != nil {
+				return nil, err
+			}
+		}
+		return nil, nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	mustEqual(t, "sent", e.count(`SELECT count(*) FROM watermill_out_a WHERE length(metadata::text) < 1000`), 5)
+	mustEqual(t, "stored metadata over 4 KiB", e.count(`SELECT count(*) FROM outbox_dispatched WHERE octet_length(metadata) > 4096`), 0)
+	// A correlation ID of a usual size is still copied.
+	msg = message.NewMessage(uuid.NewString(), nil)
+	msg.Metadata.Set(outbox.MetadataCorrelationID, "corr-1")
+	if err := handle(e.ob, msg, func(m *message.Message) ([]*message.Message, error) {
+		return nil, outbox.Publish(m.Context(), "out_a", message.NewMessage(uuid.NewString(), nil))
+	}); err != nil {
+		t.Fatal(err)
+	}
+	mustEqual(t, "copied", e.count(`SELECT count(*) FROM watermill_out_a WHERE metadata->>'correlation_id' = 'corr-1'`), 1)
 }

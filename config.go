@@ -103,7 +103,8 @@ type Config struct {
 	// PublishTimeout bounds one call of Publisher.Publish and one call of an applier (whose
 	// context carries the deadline). Default: 30 seconds.
 	PublishTimeout time.Duration
-	// MaxPayloadBytes is the largest side-effect payload accepted. Default: 16 MiB.
+	// MaxPayloadBytes is the largest side effect accepted: its payload and its metadata (keys and
+	// values, with what the framework adds) together. Default: 16 MiB.
 	MaxPayloadBytes int
 
 	// RelayInterval is how often Run looks for side effects left undispatched. Default: 1 second.

@@ -11,7 +11,7 @@ var (
 	ErrInvalidMessageID = errors.New("outbox: invalid message ID")
 	// ErrInvalidTopic means a topic is empty, too long, not UTF-8 or contains NUL.
 	ErrInvalidTopic = errors.New("outbox: invalid topic")
-	// ErrPayloadTooLarge means a payload exceeds Config.MaxPayloadBytes.
+	// ErrPayloadTooLarge means a payload and its metadata exceed Config.MaxPayloadBytes.
 	ErrPayloadTooLarge = errors.New("outbox: payload too large")
 	// ErrUnknownApplier means Record named an applier that was not registered.
 	ErrUnknownApplier = errors.New("outbox: unknown applier")

@@ -46,6 +46,7 @@ type unit struct {
 	mu       sync.Mutex
 	effects  []Effect
 	finished bool // no more records: the transaction is being committed or rolled back
+	warned   bool // an incoming value too large to copy was logged
 }
 
 func newUnit(o *Outbox, tx outboxdriver.UnitTx, src Source, incoming *message.Message) *unit {
@@ -79,7 +80,11 @@ func (o *Outbox) customKeys(src Source, effects []Effect) []string {
 	return keys
 }
 
-func defaultOrderingKey(src Source) string { return src.Consumer + "/" + src.ID }
+func defaultOrderingKey(src Source) string { return outboxdriver.DefaultOrderingKey(src) }
+
+// DefaultOrderingKey is the ordering key of the side effects of src recorded without
+// WithOrderingKey.
+func DefaultOrderingKey(src Source) string { return outboxdriver.DefaultOrderingKey(src) }
 
 // keyBlocked tells whether an earlier effect of another transaction with one of the custom ordering
 // keys of effects is still undispatched; then these effects must go through the relay, in order.
@@ -255,9 +260,33 @@ func (u *unit) addCausation(ctx context.Context, md map[string]string) {
 	}
 	if u.incoming != nil {
 		for _, k := range propagated {
-			setDefault(k, u.incoming.Metadata.Get(k))
+			v := u.incoming.Metadata.Get(k)
+			if len(v) > maxPropagatedBytes {
+				// Copied onto every message the handler sends, a value this large would multiply
+				// (a 4 MiB correlation ID stored 20 MiB for five small messages) or push each one
+				// over MaxPayloadBytes: the messages go without it.
+				u.warnNotPropagated(k, len(v))
+				continue
+			}
+			setDefault(k, v)
 		}
 	}
+}
+
+// maxPropagatedBytes bounds an incoming correlation ID or trace header copied onto the messages a
+// handler sends (W3C asks tracestate to fit in 512 bytes; IDs are much shorter).
+const maxPropagatedBytes = 4096
+
+// warnNotPropagated logs, once per unit of work, an incoming value too large to copy.
+func (u *unit) warnNotPropagated(key string, size int) {
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	if u.warned {
+		return
+	}
+	u.warned = true
+	u.o.logger.Info("Incoming metadata too large to copy onto the messages sent: not copied", watermill.LogFields{
+		"consumer": u.src.Consumer, "message_id": u.src.ID, "key": key, "bytes": size, "limit": maxPropagatedBytes})
 }
 
 // record stores effects in the transaction at once, so that they commit with the business writes
@@ -275,9 +304,14 @@ func (u *unit) record(ctx context.Context, effects []Effect) error {
 		return fmt.Errorf("outbox: ordering key: %w", err)
 	}
 	for i := range effects {
-		if len(effects[i].Payload) > u.o.cfg.MaxPayloadBytes {
-			return fmt.Errorf("%w: %d bytes, the limit is %d (Config.MaxPayloadBytes)",
-				ErrPayloadTooLarge, len(effects[i].Payload), u.o.cfg.MaxPayloadBytes)
+		// Metadata is stored and sent with every message: it counts within the limit.
+		md := 0
+		for k, v := range effects[i].Metadata {
+			md += len(k) + len(v)
+		}
+		if len(effects[i].Payload)+md > u.o.cfg.MaxPayloadBytes {
+			return fmt.Errorf("%w: payload %d bytes and metadata %d bytes, the limit of the two is %d (Config.MaxPayloadBytes)",
+				ErrPayloadTooLarge, len(effects[i].Payload), md, u.o.cfg.MaxPayloadBytes)
 		}
 		effects[i].OrderingKey = key
 		effects[i].Source = u.src

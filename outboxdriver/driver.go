@@ -7,9 +7,12 @@ package outboxdriver
 
 import (
 	"context"
+	"crypto/sha256"
 	"database/sql"
+	"encoding/hex"
 	"errors"
 	"time"
+	"unicode/utf8"
 )
 
 // Source identifies what caused a group of side effects: an incoming message handled by a consumer
@@ -386,4 +389,25 @@ type UnitStore interface {
 	// JoinUnit wraps tx, a transaction the caller owns and commits (JoinTx): effects are stored
 	// as they are recorded, and Commit only checks. It returns an error for a tx of another type.
 	JoinUnit(tx any) (UnitTx, error)
+}
+
+// MaxOrderingKeyBytes is the longest ordering key a store keeps.
+const MaxOrderingKeyBytes = 255
+
+// DefaultOrderingKey is the ordering key of the side effects of src that set none of their own:
+// consumer, "/", ID. A consumer name and a message ID may each be 255 bytes, so a key longer than a
+// store keeps is shortened: its first bytes (cut at a character boundary), "#", and the SHA-256 of
+// the whole key in hex, the same on every attempt. Every form derives it here, so that a store
+// recognizes the default key whichever form wrote it.
+func DefaultOrderingKey(src Source) string {
+	key := src.Consumer + "/" + src.ID
+	if len(key) <= MaxOrderingKeyBytes {
+		return key
+	}
+	sum := sha256.Sum256([]byte(key))
+	n := MaxOrderingKeyBytes - 1 - 2*len(sum)
+	for n > 0 && !utf8.RuneStart(key[n]) {
+		n--
+	}
+	return key[:n] + "#" + hex.EncodeToString(sum[:])
 }

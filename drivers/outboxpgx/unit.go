@@ -332,7 +332,7 @@ func (u *unit) end(how string) error {
 
 // ownKeys tells whether every effect has the default ordering key of src, its source.
 func ownKeys(effects []outboxdriver.Effect, src outboxdriver.Source) bool {
-	key := src.Consumer + "/" + src.ID
+	key := outboxdriver.DefaultOrderingKey(src)
 	for _, e := range effects {
 		if e.OrderingKey != key {
 			return false

@@ -420,3 +420,43 @@ func TestRunReturnsWhileTheDatabaseHangs(t *testing.T) {
 		}
 	}()
 }
+
+// TestLongMessageIDsPublishOnEveryForm: a valid 250-byte message ID publishes in both modes, with
+// the default ordering key the database/sql form derives; the optimistic mode still keeps the
+// effects inline in the claim (they have the default key).
+func TestLongMessageIDsPublishOnEveryForm(t *testing.T) {
+	for name, mode := range modes {
+		t.Run(name, func(t *testing.T) {
+			pool := openPool(t, outboxtest.DSN(t), 8, nil)
+			rec := &outboxtest.Recorder{}
+			ob := ready(t, pool, outbox.Config{Publisher: rec, Failpoint: crashAfterCommit}, outboxpgx.WithConcurrency(mode))
+			id := strings.Repeat("x", 250)
+			handle := func() error {
+				return ob.Handle(message.NewMessage(id, nil), outbox.HandleParams{Consumer: "billing", MessageID: id},
+					consume(func(msg *message.Message) error {
+						return outbox.Publish(msg.Context(), "out", message.NewMessage("e-1", nil))
+					}))
+			}
+			if err := handle(); !errors.Is(err, errCrash) {
+				t.Fatalf("want the crash after commit, got %v", err)
+			}
+			ctx := context.Background()
+			if mode == outboxpgx.Optimistic {
+				if c, r := inlineLeft(t, pool); c != 1 || r != 0 {
+					t.Fatalf("%d claims with inline effects, %d effect rows; want the effects inline (1, 0)", c, r)
+				}
+			} else {
+				var key string
+				if err := pool.QueryRow(ctx, `SELECT ordering_key FROM outbox_effects WHERE source_id = $1`, id).Scan(&key); err != nil {
+					t.Fatal(err)
+				}
+				if want := outbox.DefaultOrderingKey(outbox.Source{Consumer: "billing", ID: id}); key != want {
+					t.Fatalf("ordering key %q, want %q", key, want)
+				}
+			}
+			if err := handle(); err != nil || len(rec.All()) != 1 {
+				t.Fatalf("the redelivery: %v, sent %d, want 1", err, len(rec.All()))
+			}
+		})
+	}
+}
