@@ -190,30 +190,88 @@ func (o *Outbox) relayHealth() error {
 // HealthHandler returns an http.Handler for a readiness probe: 200 with the report as JSON when
 // Health and every extra check (for example the Router's: func(context.Context) error { if
 // !router.IsRunning() { return errors.New("router not running") }; return nil }) pass, 503
-// otherwise. Each extra check gets the request's context, bounded with the rest to 10 seconds. The report names tables and thresholds but no data; mount it where probes reach it.
+// otherwise. Each extra check gets the request's context, bounded with the rest to 10 seconds.
+// The report gives each check's reason, which may name the database's address and quote its
+// errors: mount it on an internal port only; where anyone may reach the endpoint, serve
+// HealthHandlerWith without Detail. A report is served again for a second before the checks run
+// again (HealthHandlerOptions.CacheFor).
 func (o *Outbox) HealthHandler(extra map[string]func(context.Context) error) http.Handler {
+	return o.HealthHandlerWith(HealthHandlerOptions{Extra: extra, Detail: true})
+}
+
+// HealthHandlerOptions configure HealthHandlerWith.
+type HealthHandlerOptions struct {
+	// Extra checks, by name, run with Health (the Router's state, for example).
+	Extra map[string]func(context.Context) error
+	// Detail serves the whole report, each check with its reason. False (the default, for an
+	// endpoint anyone may reach): only {"healthy": true|false} and the status code, 200 or 503.
+	Detail bool
+	// CacheFor is how long a report is served again before the checks run again, so that
+	// probes, or anyone, calling the endpoint often do not query the database on every request.
+	// Default: one second; negative: never.
+	CacheFor time.Duration
+}
+
+// HealthHandlerWith returns an http.Handler for a readiness probe as HealthHandler does, with
+// the options of opt: by default it shows the status only.
+func (o *Outbox) HealthHandlerWith(opt HealthHandlerOptions) http.Handler {
+	if opt.CacheFor == 0 {
+		opt.CacheFor = time.Second
+	}
+	var (
+		turn = make(chan struct{}, 1) // one request runs the checks; the others wait for its report
+		at   time.Time
+		last HealthReport
+	)
 	return http.HandlerFunc(func(w http.ResponseWriter, req *http.Request) {
 		ctx, cancel := context.WithTimeout(req.Context(), 10*time.Second)
 		defer cancel()
-		r := o.Health(ctx)
-		for _, name := range slices.Sorted(maps.Keys(extra)) {
-			err := o.bounded(ctx, "health check "+name, func() error { return extra[name](ctx) })
-			c := HealthCheck{Name: name, OK: err == nil, Reason: "ok"}
-			if err != nil {
-				c.Reason = err.Error()
-				r.Healthy = false
-			}
-			r.Checks = append(r.Checks, c)
-		}
 		w.Header().Set("Content-Type", "application/json")
 		w.Header().Set("Cache-Control", "no-store")
+		w.Header().Set("X-Content-Type-Options", "nosniff")
+		select {
+		case turn <- struct{}{}:
+		case <-ctx.Done():
+			w.WriteHeader(http.StatusServiceUnavailable)
+			_, _ = w.Write([]byte(`{"healthy":false}` + "\n"))
+			return
+		}
+		r := last
+		if at.IsZero() || opt.CacheFor < 0 || time.Since(at) >= opt.CacheFor {
+			r = o.healthWith(ctx, opt.Extra)
+			if req.Context().Err() == nil { // a report cut short by a client that left is not kept
+				at, last = time.Now(), r
+			}
+		}
+		<-turn
 		if !r.Healthy {
 			w.WriteHeader(http.StatusServiceUnavailable)
 		}
-		if err := json.NewEncoder(w).Encode(r); err != nil {
+		var body any = r
+		if !opt.Detail {
+			body = struct {
+				Healthy bool `json:"healthy"`
+			}{r.Healthy}
+		}
+		if err := json.NewEncoder(w).Encode(body); err != nil {
 			o.logger.Debug("Writing the health report failed", watermill.LogFields{"error": err.Error()})
 		}
 	})
+}
+
+// healthWith is Health with the extra checks.
+func (o *Outbox) healthWith(ctx context.Context, extra map[string]func(context.Context) error) HealthReport {
+	r := o.Health(ctx)
+	for _, name := range slices.Sorted(maps.Keys(extra)) {
+		err := o.bounded(ctx, "health check "+name, func() error { return extra[name](ctx) })
+		c := HealthCheck{Name: name, OK: err == nil, Reason: "ok"}
+		if err != nil {
+			c.Reason = err.Error()
+			r.Healthy = false
+		}
+		r.Checks = append(r.Checks, c)
+	}
+	return r
 }
 
 // WaitIdle waits until every side effect committed so far was dispatched and marked (parked

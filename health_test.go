@@ -165,3 +165,41 @@ func TestHealthHandlerExtraChecks(t *testing.T) {
 		t.Errorf("health with a failing and a panicking check: %d %+v", rec.Code, r)
 	}
 }
+
+// TestHealthHandlerCachesAndShowsStatusOnly: a report is served again for CacheFor without
+// querying the database (a schema broken meanwhile shows only after it), and the status-only mode
+// shows neither the checks nor the database's errors.
+func TestHealthHandlerCachesAndShowsStatusOnly(t *testing.T) {
+	e := newEnv(t)
+	stop := startRun(t, e.ob)
+	defer stop()
+	get := func(h http.Handler) (int, string) {
+		rec := httptest.NewRecorder()
+		h.ServeHTTP(rec, httptest.NewRequest(http.MethodGet, "/ready", nil))
+		return rec.Code, rec.Body.String()
+	}
+	detailed := e.ob.HealthHandler(nil)
+	if code, body := get(detailed); code != http.StatusOK {
+		t.Fatalf("healthy: %d %s", code, body)
+	}
+	if _, err := e.db.Exec(`ALTER TABLE outbox_migrations RENAME TO outbox_migrations_away`); err != nil {
+		t.Fatal(err)
+	}
+	defer func() {
+		if _, err := e.db.Exec(`ALTER TABLE outbox_migrations_away RENAME TO outbox_migrations`); err != nil {
+			t.Error(err)
+		}
+	}()
+	if code, body := get(detailed); code != http.StatusOK {
+		t.Fatalf("within a second of a healthy report: %d %s, want the report served again", code, body)
+	}
+	time.Sleep(1100 * time.Millisecond)
+	code, body := get(detailed)
+	if code != http.StatusServiceUnavailable || !strings.Contains(body, `"schema"`) {
+		t.Fatalf("a second later: %d %s, want 503 naming the schema", code, body)
+	}
+	code, body = get(e.ob.HealthHandlerWith(outbox.HealthHandlerOptions{}))
+	if code != http.StatusServiceUnavailable || strings.TrimSpace(body) != `{"healthy":false}` {
+		t.Fatalf("status only: %d %s", code, body)
+	}
+}
