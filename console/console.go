@@ -5,14 +5,16 @@
 //	o, err := ops.ForOutbox(ob) // the tables the Outbox works on
 //	h, err := console.New(o, console.Options{
 //		Authenticate: func(r *http.Request) (string, bool) { return userFrom(r) },
-//		Authorize:    func(r *http.Request, user, action string) bool { return isOperator(user) },
+//		Authorize:    func(r *http.Request, user string, a console.Action) bool { return isOperator(user) },
 //	})
 //	mux.Handle("/outbox/", http.StripPrefix("/outbox", h))
 //
 // It is server-rendered with html/template (no JavaScript build step). It is read-only unless
-// Authorize allows an action; actions are POSTs that carry a per-user token (CSRF) and must come
-// from the same site. It serves nothing without Authenticate unless the application opts in with
-// AllowUnauthenticated (because its own authentication sits in front of it).
+// Authorize allows an action on its target; actions are POSTs that carry a per-user token (CSRF)
+// that expires, and must come from the same site; a discard asks first. It serves nothing without
+// Authenticate (or BasicAuth) unless the application opts in with AllowUnauthenticated (because
+// its own authentication sits in front of it). Its counts come from the sampled stats and every
+// list is paged, so that a page costs the same whatever the backlog.
 package console
 
 import (
@@ -28,6 +30,7 @@ import (
 	"html/template"
 	"net/http"
 	"net/url"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -46,6 +49,7 @@ var page = template.Must(template.New("console.html").Funcs(template.FuncMap{
 		return time.Since(t).Round(time.Second).String() + " ago"
 	},
 	"dur":      func(d time.Duration) string { return d.Round(time.Millisecond).String() },
+	"since":    func(t time.Time) string { return time.Since(t).Round(time.Second).String() + " ago" },
 	"boundary": func(c string) string { return map[bool]string{true: "(boundary)", false: c}[c == ""] },
 	"ids": func(ids []int64) string {
 		parts := make([]string, len(ids))
@@ -63,34 +67,83 @@ const (
 	ActionReplay  = "replay"
 )
 
+// Action is what Authorize is asked about: an action and its target.
+type Action struct {
+	// Name is ActionRetry, ActionDiscard or ActionReplay.
+	Name string
+	// StoreIDs are the parked effects a retry or a discard changes, and Consumers and Topics
+	// theirs (each once); for a replay, Consumers holds the message's consumer.
+	StoreIDs  []int64
+	Consumers []string
+	Topics    []string
+	// MessageID is the message a replay is for.
+	MessageID string
+}
+
 // Options configure the console.
 type Options struct {
-	// Authenticate returns the user a request comes from, or false to refuse it (401). Required,
-	// unless AllowUnauthenticated.
+	// Authenticate returns the user a request comes from, or false to refuse it (401, without a
+	// challenge: a browser shows the refusal). Required, unless BasicAuth or AllowUnauthenticated.
 	Authenticate func(r *http.Request) (user string, ok bool)
+	// BasicAuth authenticates with HTTP Basic: it tells whether the user name and password a
+	// request carries are valid. A request without valid ones is refused with 401 and a
+	// WWW-Authenticate challenge, so that a browser asks for them. Serve the console over TLS.
+	BasicAuth func(user, password string) bool
+	// Realm names the console in the Basic challenge. Default: "outbox console".
+	Realm string
 	// AllowUnauthenticated serves the console without Authenticate, as user "anonymous": only
 	// for an application whose own authentication sits in front of the handler.
 	AllowUnauthenticated bool
-	// Authorize tells whether user may perform action (ActionRetry, ActionDiscard, ActionReplay).
-	// Nil: the console is read-only.
-	Authorize func(r *http.Request, user, action string) bool
+	// Authorize tells whether user may perform a.Name on its target (the parked effects, their
+	// consumers and topics, or the message to replay), so that permissions may be per consumer
+	// or per tenant. It is asked for every row the page shows a button for, and again for the
+	// target of every action. Nil: the console is read-only.
+	Authorize func(r *http.Request, user string, a Action) bool
+	// Key signs the anti-forgery tokens and the notices shown after an action. Instances behind
+	// one load balancer must share it (at least 32 random bytes, kept secret), or one refuses the
+	// tokens of another. Default: a key drawn at start, for one instance.
+	Key []byte
+	// TokenTTL is how long an anti-forgery token (the page's buttons) stays valid. Default: 12 hours.
+	TokenTTL time.Duration
 	// Retention is the service's Config.Retention, for the cleanup lag. Default: 7 days.
 	Retention time.Duration
 	// Timeout bounds each request's queries. Default: 10 seconds.
 	Timeout time.Duration
+	// MaxSampleAge is how old the sampled counts may be before the page takes a sample of its
+	// own (bounded, not stored). Default: one minute.
+	MaxSampleAge time.Duration
+	// RelayStaleAfter: when no service stored a sample for this long, no Outbox.Run (and so no
+	// relay) is taken to be running, and pending effects are flagged. Keep it above the
+	// services' StatsInterval. Default: one minute (four default StatsIntervals).
+	RelayStaleAfter time.Duration
+	// PageSize bounds each list of the page. Default: 50.
+	PageSize int
 }
 
 type console struct {
 	ops *ops.Ops
 	opt Options
-	key []byte // signs the CSRF tokens
+	key []byte // signs the CSRF tokens and the flash notices
 }
 
-// New returns the console's handler. It serves "/" (the page) and the POSTs "/retry",
-// "/discard" and "/replay"; mount it under a prefix with http.StripPrefix.
+// New returns the console's handler. It serves "/" (the page), "/discard" (GET: the question
+// before a discard) and the POSTs "/retry", "/discard" and "/replay"; mount it under a prefix
+// with http.StripPrefix.
 func New(o *ops.Ops, opt Options) (http.Handler, error) {
-	if opt.Authenticate == nil && !opt.AllowUnauthenticated {
-		return nil, errors.New("console: Options.Authenticate is required (or set AllowUnauthenticated when the application authenticates in front of the console)")
+	if opt.Authenticate == nil && opt.BasicAuth == nil && !opt.AllowUnauthenticated {
+		return nil, errors.New("console: Options.Authenticate or BasicAuth is required (or set AllowUnauthenticated when the application authenticates in front of the console)")
+	}
+	if opt.Authenticate != nil && opt.BasicAuth != nil {
+		return nil, errors.New("console: set Options.Authenticate or BasicAuth, not both")
+	}
+	if opt.Key != nil && len(opt.Key) < 32 {
+		return nil, fmt.Errorf("console: Options.Key is %d bytes, want at least 32 random bytes", len(opt.Key))
+	}
+	if opt.Realm == "" {
+		opt.Realm = "outbox console"
+	}
+	if opt.TokenTTL <= 0 {
+		opt.TokenTTL = 12 * time.Hour
 	}
 	if opt.Retention == 0 {
 		opt.Retention = 7 * 24 * time.Hour
@@ -98,12 +151,25 @@ func New(o *ops.Ops, opt Options) (http.Handler, error) {
 	if opt.Timeout == 0 {
 		opt.Timeout = 10 * time.Second
 	}
-	c := &console{ops: o, opt: opt, key: make([]byte, 32)}
-	if _, err := rand.Read(c.key); err != nil {
-		return nil, err
+	if opt.MaxSampleAge <= 0 {
+		opt.MaxSampleAge = time.Minute
+	}
+	if opt.RelayStaleAfter <= 0 {
+		opt.RelayStaleAfter = time.Minute
+	}
+	if opt.PageSize <= 0 {
+		opt.PageSize = 50
+	}
+	c := &console{ops: o, opt: opt, key: opt.Key}
+	if c.key == nil {
+		c.key = make([]byte, 32)
+		if _, err := rand.Read(c.key); err != nil {
+			return nil, err
+		}
 	}
 	mux := http.NewServeMux()
 	mux.HandleFunc("GET /{$}", c.show)
+	mux.HandleFunc("GET /discard", c.confirmDiscard)
 	mux.HandleFunc("POST /retry", c.action(ActionRetry))
 	mux.HandleFunc("POST /discard", c.action(ActionDiscard))
 	mux.HandleFunc("POST /replay", c.action(ActionReplay))
@@ -112,11 +178,27 @@ func New(o *ops.Ops, opt Options) (http.Handler, error) {
 
 type userKey struct{}
 
-// secure authenticates every request and sets headers that keep the page out of frames and caches.
+// secure authenticates every request and sets headers that keep the page out of frames, caches
+// and content sniffing.
 func (c *console) secure(next http.Handler) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		h := w.Header()
+		h.Set("Content-Security-Policy", "default-src 'none'; style-src 'unsafe-inline'; form-action 'self'; frame-ancestors 'none'")
+		h.Set("X-Frame-Options", "DENY")
+		h.Set("X-Content-Type-Options", "nosniff")
+		h.Set("Cache-Control", "no-store")
+		h.Set("Referrer-Policy", "same-origin")
 		user := "anonymous"
-		if c.opt.Authenticate != nil {
+		switch {
+		case c.opt.BasicAuth != nil:
+			u, p, ok := r.BasicAuth()
+			if !ok || !c.opt.BasicAuth(u, p) {
+				h.Set("WWW-Authenticate", fmt.Sprintf("Basic realm=%q, charset=\"UTF-8\"", c.opt.Realm))
+				http.Error(w, "unauthorized", http.StatusUnauthorized)
+				return
+			}
+			user = u
+		case c.opt.Authenticate != nil:
 			u, ok := c.opt.Authenticate(r)
 			if !ok {
 				http.Error(w, "unauthorized", http.StatusUnauthorized)
@@ -124,110 +206,343 @@ func (c *console) secure(next http.Handler) http.Handler {
 			}
 			user = u
 		}
-		h := w.Header()
-		h.Set("Content-Security-Policy", "default-src 'none'; style-src 'unsafe-inline'; form-action 'self'; frame-ancestors 'none'")
-		h.Set("X-Frame-Options", "DENY")
-		h.Set("Cache-Control", "no-store")
-		h.Set("Referrer-Policy", "same-origin")
 		next.ServeHTTP(w, r.WithContext(context.WithValue(r.Context(), userKey{}, user)))
 	})
 }
 
 func userOf(r *http.Request) string { return r.Context().Value(userKey{}).(string) }
 
-// token is the CSRF token of user: an HMAC under the process's random key.
-func (c *console) token(user string) string {
+func (c *console) sign(parts ...string) string {
 	m := hmac.New(sha256.New, c.key)
-	m.Write([]byte("outbox-console\x00" + user))
+	m.Write([]byte("outbox-console"))
+	for _, p := range parts {
+		m.Write([]byte{0})
+		m.Write([]byte(p))
+	}
 	return base64.RawURLEncoding.EncodeToString(m.Sum(nil))
 }
 
-func (c *console) may(r *http.Request, action string) bool {
-	return c.opt.Authorize != nil && c.opt.Authorize(r, userOf(r), action)
+// token is a CSRF token of user, valid until its expiry: the expiry and an HMAC of both under
+// the key, so that any instance with the key checks it.
+func (c *console) token(user string) string {
+	exp := strconv.FormatInt(time.Now().Add(c.opt.TokenTTL).Unix(), 10)
+	return exp + "." + c.sign("csrf", user, exp)
+}
+
+// tokenErr tells why tok is not a valid token of user, or nil.
+func (c *console) tokenErr(user, tok string) error {
+	exp, sig, ok := strings.Cut(tok, ".")
+	if !ok || subtle.ConstantTimeCompare([]byte(sig), []byte(c.sign("csrf", user, exp))) != 1 {
+		return errors.New("forbidden: missing or wrong CSRF token (reload the page)")
+	}
+	if at, err := strconv.ParseInt(exp, 10, 64); err != nil || time.Now().Unix() > at {
+		return errors.New("forbidden: the page is too old, its CSRF token expired (reload the page)")
+	}
+	return nil
+}
+
+// flash is the query parameter that carries a notice for user after an action: its text and a
+// signature, so that a link cannot make the console show a notice it did not write.
+func (c *console) flash(user, text string) string {
+	return base64.RawURLEncoding.EncodeToString([]byte(text)) + "." + c.sign("flash", user, text)
+}
+
+// flashText returns the notice of a flash parameter for user, or "" if it is not one the
+// console signed for them.
+func (c *console) flashText(user, param string) string {
+	enc, sig, ok := strings.Cut(param, ".")
+	if !ok {
+		return ""
+	}
+	b, err := base64.RawURLEncoding.DecodeString(enc)
+	if err != nil || subtle.ConstantTimeCompare([]byte(sig), []byte(c.sign("flash", user, string(b)))) != 1 {
+		return ""
+	}
+	return string(b)
+}
+
+func (c *console) may(r *http.Request, a Action) bool {
+	return c.opt.Authorize != nil && c.opt.Authorize(r, userOf(r), a)
+}
+
+// row is a parked effect with what the user may do with it.
+type row struct {
+	ops.Parked
+	CanRetry, CanDiscard bool
+}
+
+// group is a failure group of the page with whether the user may retry all of it.
+type group struct {
+	ops.FailureGroup
+	CanRetry bool
+}
+
+// poisoned is a poisoned message with whether the user may replay it.
+type poisoned struct {
+	ops.Poisoned
+	CanReplay bool
+}
+
+// relay is the indicator of the relays' state.
+type relay struct {
+	Level string // ok, warn, bad
+	Text  string
+}
+
+// filter is the page's selection, kept in its links.
+type filter struct {
+	Consumer, Topic, Error string
+	After                  int64
+}
+
+func (f filter) query(after int64) template.URL {
+	q := url.Values{}
+	for k, v := range map[string]string{"consumer": f.Consumer, "topic": f.Topic, "error": f.Error} {
+		if v != "" {
+			q.Set(k, v)
+		}
+	}
+	if after > 0 {
+		q.Set("after", strconv.FormatInt(after, 10))
+	}
+	return template.URL("./?" + q.Encode())
 }
 
 type view struct {
-	User                 string
-	Token                string
-	CanRetry, CanDiscard bool
-	CanReplay            bool
-	Flash, Error         string
-	Status               ops.Status
-	Groups               []ops.FailureGroup
-	Parked               []ops.Parked
-	Failing              []ops.Failing
-	Poisoned             []ops.Poisoned
+	User        string
+	Token       string
+	ReadOnly    bool
+	Flash       string
+	Error       string
+	Filter      filter
+	Overview    ops.Overview
+	Relay       relay
+	Groups      []group
+	Parked      []row
+	NextParked  template.URL
+	Failing     []ops.Failing
+	MoreFailing bool
+	Poisoned    []poisoned
+	MorePoison  bool
+	PageSize    int
+	Confirm     []ops.Parked // the effects a discard would give up, asked about first
+	ConfirmIDs  string
 }
 
 func (c *console) show(w http.ResponseWriter, r *http.Request) {
 	ctx, cancel := context.WithTimeout(r.Context(), c.opt.Timeout)
 	defer cancel()
-	v := view{User: userOf(r), Token: c.token(userOf(r)), Flash: r.URL.Query().Get("flash"),
-		CanRetry: c.may(r, ActionRetry), CanDiscard: c.may(r, ActionDiscard), CanReplay: c.may(r, ActionReplay)}
-	var err error
-	if v.Status, err = c.ops.Status(ctx, c.opt.Retention); err == nil {
-		if v.Parked, err = c.ops.ParkedEffects(ctx, ops.ParkedFilter{Limit: 200}); err == nil {
-			v.Groups = ops.GroupByFingerprint(v.Parked)
-			if v.Failing, err = c.ops.FailingMessages(ctx, "", 100); err == nil {
-				v.Poisoned, err = c.ops.PoisonedMessages(ctx, 100)
-			}
-		}
-	}
+	q := r.URL.Query()
+	user := userOf(r)
+	v := view{User: user, Token: c.token(user), ReadOnly: c.opt.Authorize == nil, Flash: c.flashText(user, q.Get("flash")),
+		PageSize: c.opt.PageSize, Filter: filter{Consumer: q.Get("consumer"), Topic: q.Get("topic"), Error: q.Get("error")}}
+	v.Filter.After, _ = strconv.ParseInt(q.Get("after"), 10, 64)
+	err := c.load(ctx, r, &v)
 	if err != nil {
 		w.WriteHeader(http.StatusServiceUnavailable)
 		v.Error = err.Error()
 	}
+	c.render(w, v)
+}
+
+func (c *console) render(w http.ResponseWriter, v view) {
 	w.Header().Set("Content-Type", "text/html; charset=utf-8")
 	_ = page.Execute(w, v)
 }
 
-// action handles a POST: the user must be authorized, the token must match, the request must not
-// come from another site; then the change goes through ops, audited with the user's name.
+// load reads what the page shows: the sampled counts, and a page of each list.
+func (c *console) load(ctx context.Context, r *http.Request, v *view) error {
+	var err error
+	if v.Overview, err = c.ops.Overview(ctx, ops.OverviewParams{Retention: c.opt.Retention, MaxAge: c.opt.MaxSampleAge}); err != nil {
+		return err
+	}
+	v.Relay = c.relayState(v.Overview)
+	n := c.opt.PageSize
+	parked, err := c.ops.ParkedEffects(ctx, ops.ParkedFilter{Consumer: v.Filter.Consumer, Topic: v.Filter.Topic,
+		ErrorContains: v.Filter.Error, AfterID: v.Filter.After, Limit: n + 1})
+	if err != nil {
+		return err
+	}
+	if len(parked) > n {
+		parked = parked[:n]
+		v.NextParked = v.Filter.query(parked[n-1].StoreID)
+	}
+	for _, p := range parked {
+		t := target(p)
+		v.Parked = append(v.Parked, row{Parked: p,
+			CanRetry: c.may(r, t.as(ActionRetry)), CanDiscard: c.may(r, t.as(ActionDiscard))})
+	}
+	for _, g := range ops.GroupByFingerprint(parked) {
+		var in []ops.Parked
+		for _, p := range parked {
+			if slices.Contains(g.StoreIDs, p.StoreID) {
+				in = append(in, p)
+			}
+		}
+		v.Groups = append(v.Groups, group{FailureGroup: g, CanRetry: c.may(r, target(in...).as(ActionRetry))})
+	}
+	if v.Failing, err = c.ops.FailingMessages(ctx, v.Filter.Consumer, n+1); err != nil {
+		return err
+	}
+	if len(v.Failing) > n {
+		v.Failing, v.MoreFailing = v.Failing[:n], true
+	}
+	list, err := c.ops.PoisonedMessages(ctx, v.Filter.Consumer, n+1)
+	if err != nil {
+		return err
+	}
+	if len(list) > n {
+		list, v.MorePoison = list[:n], true
+	}
+	for _, p := range list {
+		v.Poisoned = append(v.Poisoned, poisoned{Poisoned: p,
+			CanReplay: c.may(r, Action{Name: ActionReplay, Consumers: []string{p.Consumer}, MessageID: p.MessageID})})
+	}
+	return nil
+}
+
+// relayState says whether relays run, from the age of the sample the services store.
+func (c *console) relayState(o ops.Overview) relay {
+	t := o.Totals
+	switch {
+	case o.ServiceSampled < 0 || o.ServiceSampled > c.opt.RelayStaleAfter:
+		since := "ever"
+		if o.ServiceSampled >= 0 {
+			since = "for " + o.ServiceSampled.Round(time.Second).String()
+		}
+		if t.Pending > 0 {
+			return relay{"bad", fmt.Sprintf("%d side effects pending and no relay seems to be running: no service has sampled the tables %s (Outbox.Run samples every StatsInterval). Start Outbox.Run.", t.Pending, since)}
+		}
+		return relay{"warn", fmt.Sprintf("No relay seems to be running: no service has sampled the tables %s (Outbox.Run samples every StatsInterval).", since)}
+	case t.Pending > 0 && t.OldestPending > c.opt.RelayStaleAfter:
+		return relay{"warn", fmt.Sprintf("Relays run (a service sampled %s ago), but the oldest pending side effect is %s old: they are not keeping up, or cannot publish.",
+			o.ServiceSampled.Round(time.Second), t.OldestPending.Round(time.Second))}
+	}
+	return relay{"ok", fmt.Sprintf("Relays run: a service sampled the tables %s ago.", o.ServiceSampled.Round(time.Second))}
+}
+
+// target is the target of an action on effects.
+func target(effects ...ops.Parked) Action {
+	var a Action
+	for _, p := range effects {
+		a.StoreIDs = append(a.StoreIDs, p.StoreID)
+		if !slices.Contains(a.Consumers, p.Source.Consumer) {
+			a.Consumers = append(a.Consumers, p.Source.Consumer)
+		}
+		if !slices.Contains(a.Topics, p.Topic) {
+			a.Topics = append(a.Topics, p.Topic)
+		}
+	}
+	return a
+}
+
+func (a Action) as(name string) Action { a.Name = name; return a }
+
+// parkedOf returns the parked effects of the store IDs in s ("1,2,3"), or an error for the user.
+func (c *console) parkedOf(ctx context.Context, s string) ([]ops.Parked, error) {
+	var ids []int64
+	for _, part := range strings.Split(s, ",") {
+		id, err := strconv.ParseInt(strings.TrimSpace(part), 10, 64)
+		if err != nil || id <= 0 {
+			return nil, fmt.Errorf("bad request: store ID %q", part)
+		}
+		ids = append(ids, id)
+	}
+	if len(ids) > ops.DefaultLimit {
+		return nil, fmt.Errorf("bad request: %d store IDs, at most %d at once", len(ids), ops.DefaultLimit)
+	}
+	return c.ops.ParkedEffects(ctx, ops.ParkedFilter{IDs: ids, Limit: len(ids)})
+}
+
+// confirmDiscard asks before a discard: it shows the effects and a button that discards them.
+func (c *console) confirmDiscard(w http.ResponseWriter, r *http.Request) {
+	ctx, cancel := context.WithTimeout(r.Context(), c.opt.Timeout)
+	defer cancel()
+	c.askDiscard(ctx, w, r, r.URL.Query().Get("ids"))
+}
+
+func (c *console) askDiscard(ctx context.Context, w http.ResponseWriter, r *http.Request, ids string) {
+	parked, err := c.parkedOf(ctx, ids)
+	if err != nil {
+		http.Error(w, err.Error(), http.StatusBadRequest)
+		return
+	}
+	if len(parked) == 0 {
+		http.Error(w, "none of these effects is parked (any more)", http.StatusNotFound)
+		return
+	}
+	if !c.may(r, target(parked...).as(ActionDiscard)) {
+		http.Error(w, "forbidden: not authorized to discard these effects", http.StatusForbidden)
+		return
+	}
+	user := userOf(r)
+	c.render(w, view{User: user, Token: c.token(user), Confirm: parked, ConfirmIDs: idList(target(parked...).StoreIDs)})
+}
+
+// action handles a POST: the request must not come from another site, the token must be valid,
+// the user must be authorized for the action on its target; a discard must be confirmed. Then
+// the change goes through ops, audited with the user's name and address.
 func (c *console) action(action string) http.HandlerFunc {
 	return func(w http.ResponseWriter, r *http.Request) {
-		if !c.may(r, action) {
-			http.Error(w, "forbidden: not authorized to "+action, http.StatusForbidden)
+		if c.opt.Authorize == nil {
+			http.Error(w, "forbidden: the console is read-only", http.StatusForbidden)
 			return
 		}
 		if site := r.Header.Get("Sec-Fetch-Site"); site != "" && site != "same-origin" {
 			http.Error(w, "forbidden: cross-site request", http.StatusForbidden)
 			return
 		}
+		r.Body = http.MaxBytesReader(w, r.Body, 1<<20)
 		if err := r.ParseForm(); err != nil {
 			http.Error(w, "bad request: "+err.Error(), http.StatusBadRequest)
 			return
 		}
-		if subtle.ConstantTimeCompare([]byte(r.PostForm.Get("token")), []byte(c.token(userOf(r)))) != 1 {
-			http.Error(w, "forbidden: missing or wrong CSRF token (reload the page)", http.StatusForbidden)
+		user := userOf(r)
+		if err := c.tokenErr(user, r.PostForm.Get("token")); err != nil {
+			http.Error(w, err.Error(), http.StatusForbidden)
 			return
 		}
 		ctx, cancel := context.WithTimeout(r.Context(), c.opt.Timeout)
 		defer cancel()
-		opt := ops.RepairOptions{Actor: userOf(r) + " (console)"}
+		opt := ops.RepairOptions{Actor: user + " (console)", Remote: r.RemoteAddr}
 		var flash string
 		var err error
 		switch action {
 		case ActionReplay:
+			consumer, id := r.PostForm.Get("consumer"), r.PostForm.Get("message_id")
+			if !c.may(r, Action{Name: ActionReplay, Consumers: []string{consumer}, MessageID: id}) {
+				http.Error(w, "forbidden: not authorized to replay "+consumer+"/"+id, http.StatusForbidden)
+				return
+			}
 			var ok bool
-			ok, err = c.ops.ReplayPoisoned(ctx, r.PostForm.Get("consumer"), r.PostForm.Get("message_id"), opt)
-			flash = fmt.Sprintf("replay %s/%s: %v", r.PostForm.Get("consumer"), r.PostForm.Get("message_id"), map[bool]string{
+			ok, err = c.ops.ReplayPoisoned(ctx, consumer, id, opt)
+			flash = fmt.Sprintf("replay %s/%s: %v", consumer, id, map[bool]string{
 				true: "its next delivery runs the handler", false: "not a poisoned message"}[ok])
 		default:
-			var ids []int64
-			for _, s := range strings.Split(r.PostForm.Get("ids"), ",") {
-				id, perr := strconv.ParseInt(strings.TrimSpace(s), 10, 64)
-				if perr != nil || id <= 0 {
-					http.Error(w, fmt.Sprintf("bad request: store ID %q", s), http.StatusBadRequest)
-					return
-				}
-				ids = append(ids, id)
+			parked, perr := c.parkedOf(ctx, r.PostForm.Get("ids"))
+			if perr != nil {
+				http.Error(w, perr.Error(), http.StatusBadRequest)
+				return
+			}
+			t := target(parked...).as(action)
+			if len(parked) == 0 {
+				flash = "none of these effects is parked (any more): nothing changed"
+				break
+			}
+			if !c.may(r, t) {
+				http.Error(w, "forbidden: not authorized to "+action+" these effects", http.StatusForbidden)
+				return
+			}
+			if action == ActionDiscard && r.PostForm.Get("confirm") != "yes" {
+				c.askDiscard(ctx, w, r, idList(t.StoreIDs))
+				return
 			}
 			repair := c.ops.RetryParked
 			if action == ActionDiscard {
 				repair = c.ops.DiscardParked
 			}
 			var ch ops.Change
-			ch, err = repair(ctx, ops.ParkedFilter{IDs: ids}, opt)
+			ch, err = repair(ctx, ops.ParkedFilter{IDs: t.StoreIDs, Limit: len(t.StoreIDs)}, opt)
 			past := map[string]string{ActionRetry: "retried", ActionDiscard: "discarded"}[action]
 			flash = fmt.Sprintf("%d parked effect(s) %s", ch.Changed, past)
 		}
@@ -236,7 +551,15 @@ func (c *console) action(action string) http.HandlerFunc {
 			return
 		}
 		// A relative Location: the browser resolves it against the prefix the console is mounted under.
-		w.Header().Set("Location", "./?flash="+url.QueryEscape(flash))
+		w.Header().Set("Location", "./?flash="+url.QueryEscape(c.flash(user, flash)))
 		w.WriteHeader(http.StatusSeeOther)
 	}
+}
+
+func idList(ids []int64) string {
+	parts := make([]string, len(ids))
+	for i, id := range ids {
+		parts[i] = strconv.FormatInt(id, 10)
+	}
+	return strings.Join(parts, ",")
 }

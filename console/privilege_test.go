@@ -73,7 +73,7 @@ func TestConsoleRunsAsTheApplicationRole(t *testing.T) {
 	}
 	srv := serve(t, o, console.Options{
 		Authenticate: func(*http.Request) (string, bool) { return "alice", true },
-		Authorize:    func(*http.Request, string, string) bool { return true },
+		Authorize:    func(*http.Request, string, console.Action) bool { return true },
 	})
 	jar, _ := cookiejar.New(nil)
 	c := &http.Client{Jar: jar, CheckRedirect: func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }}
@@ -94,5 +94,21 @@ func TestConsoleRunsAsTheApplicationRole(t *testing.T) {
 	}
 	if resp.StatusCode != http.StatusSeeOther || parked != 0 || audited != 1 {
 		t.Errorf("retry as the application role: %d, %d parked, %d audit entries; want 303, 0, 1", resp.StatusCode, parked, audited)
+	}
+	// The entry names the database role and the client's addresses (the database's view and the
+	// HTTP one), which the database sets: a writer that names another role is not believed.
+	var role, client, remote string
+	if err := owner.QueryRow(`SELECT db_role, coalesce(host(client_addr), 'local'), remote_addr FROM outbox_audit
+		WHERE action = 'retry-parked'`).Scan(&role, &client, &remote); err != nil {
+		t.Fatal(err)
+	}
+	if role != "console_app" || client == "" || !strings.HasPrefix(remote, "127.0.0.1:") {
+		t.Errorf("audit origin: role %q, client %q, HTTP remote %q; want console_app, an address, 127.0.0.1:port", role, client, remote)
+	}
+	if _, err := app.Exec(`INSERT INTO outbox_audit (actor, action, target, db_role) VALUES ('x', 'forged', 'y', 'postgres')`); err != nil {
+		t.Fatal(err)
+	}
+	if err := owner.QueryRow(`SELECT db_role FROM outbox_audit WHERE action = 'forged'`).Scan(&role); err != nil || role != "console_app" {
+		t.Errorf("a forged role: %q %v, want console_app", role, err)
 	}
 }

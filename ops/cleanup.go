@@ -42,6 +42,9 @@ const DefaultRetention = 7 * 24 * time.Hour
 type CleanupOptions struct {
 	// Actor is written to the audit table. Required.
 	Actor string
+	// Remote is the address of the client the pass came from, for the audit table (see
+	// RepairOptions.Remote).
+	Remote string
 	// Retention: claims and attempt counters older than this are deleted. Zero takes the
 	// service's recorded Retention (an error when none is recorded).
 	Retention time.Duration
@@ -138,7 +141,7 @@ func (o *Ops) Cleanup(ctx context.Context, opt CleanupOptions) (CleanupReport, e
 	if opt.Force {
 		params += ", forced"
 	}
-	if err := o.audit(ctx, opt.Actor, "cleanup", "expired rows", params); err != nil {
+	if err := o.audit(ctx, opt.Actor, "cleanup", "expired rows", params, opt.Remote); err != nil {
 		return rep, fmt.Errorf("%w (nothing was deleted)", err)
 	}
 	size := opt.BatchSize
@@ -158,7 +161,7 @@ func (o *Ops) Cleanup(ctx context.Context, opt CleanupOptions) (CleanupReport, e
 	// A separate context: the totals of a pass cut short by its deadline are still recorded.
 	actx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
 	defer cancel()
-	if aerr := o.audit(actx, opt.Actor, "cleanup-done", "expired rows", detail); aerr != nil {
+	if aerr := o.audit(actx, opt.Actor, "cleanup-done", "expired rows", detail, opt.Remote); aerr != nil {
 		err = errors.Join(err, aerr)
 	}
 	if err != nil {

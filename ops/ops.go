@@ -166,6 +166,12 @@ type Audit struct {
 	Action string    `json:"action"`
 	Target string    `json:"target"`
 	Detail string    `json:"detail,omitempty"`
+	// Role is the database role that wrote the entry, and ClientAddr the address of its
+	// connection (empty over a Unix socket), both set by the database; Remote is the address of
+	// the HTTP client the console served (empty otherwise).
+	Role       string `json:"db_role,omitempty"`
+	ClientAddr string `json:"client_addr,omitempty"`
+	Remote     string `json:"remote_addr,omitempty"`
 }
 
 // Status samples the tables: totals (as Outbox.Stats), pending and parked effects per consumer
@@ -273,6 +279,8 @@ type ParkedFilter struct {
 	// otherwise (ErrNoSelection), so that none applies to everything by accident.
 	All   bool
 	Limit int // default 1000
+	// AfterID lists the effects with a larger store ID only: the next page of a list.
+	AfterID int64
 }
 
 // selects tells whether f selects effects by something other than its limit.
@@ -346,7 +354,8 @@ func (o *Ops) ParkedEffects(ctx context.Context, f ParkedFilter) ([]Parked, erro
 		  AND ($2 = '' OR topic = $2) AND ($3 = '' OR source_consumer = $3)
 		  AND parked_at < now() - ($4 * interval '1 millisecond')
 		  AND ($5 = '' OR strpos(coalesce(last_error, ''), $5) > 0)
-		ORDER BY id LIMIT $6`, ids, f.Topic, f.Consumer, f.OlderThan.Milliseconds(), f.ErrorContains, limit)
+		  AND id > $7
+		ORDER BY id LIMIT $6`, ids, f.Topic, f.Consumer, f.OlderThan.Milliseconds(), f.ErrorContains, limit, f.AfterID)
 	if err != nil {
 		return nil, fmt.Errorf("ops: list parked effects: %w", err)
 	}
@@ -456,6 +465,9 @@ type RepairOptions struct {
 	BatchSize int
 	// Progress, if set, is called after each batch with the effects changed so far.
 	Progress func(done, total int)
+	// Remote is the address of the client the change came from (the console sets the HTTP
+	// client's), written to the audit table with the database role and connection address.
+	Remote string
 }
 
 // RetryParked makes the parked effects f selects due again with fresh counts, in batches, each
@@ -511,7 +523,7 @@ func (o *Ops) repair(ctx context.Context, action string, f ParkedFilter, opt Rep
 		// The entry is written in the batch's transaction: a batch whose entry cannot be written
 		// is not applied.
 		n, err := apply(ctx, batch, func(n int) store.Audit {
-			return auditEntry(opt.Actor, action+"-parked", "effects "+idList(batch), fmt.Sprintf("%d of %d changed", n, len(batch)))
+			return auditEntry(opt.Actor, action+"-parked", "effects "+idList(batch), fmt.Sprintf("%d of %d changed", n, len(batch)), opt.Remote)
 		})
 		if err != nil {
 			return ch, fmt.Errorf("ops: %s parked effects: %w", action, err)
@@ -575,7 +587,7 @@ func (o *Ops) ReplayPoisoned(ctx context.Context, consumer, messageID string, op
 		}
 		return poisoned, err
 	}
-	a := auditEntry(opt.Actor, "replay-poisoned", consumer+"/"+messageID, "")
+	a := auditEntry(opt.Actor, "replay-poisoned", consumer+"/"+messageID, "", opt.Remote)
 	ok, err := o.st.MessageReplayAudited(ctx, outboxdriver.Source{Consumer: consumer, ID: messageID}, &a)
 	if err != nil {
 		return false, fmt.Errorf("ops: replay: %w", err)
@@ -588,22 +600,27 @@ type Poisoned struct {
 	Consumer  string    `json:"consumer"`
 	MessageID string    `json:"message_id"`
 	At        time.Time `json:"at"`
+	// Attempts and Reason are those of its last failed attempt, while its attempt counter is
+	// kept (Retention after the last failure); a message rejected for an unusable ID has none.
+	Attempts int    `json:"attempts,omitempty"`
+	Reason   string `json:"reason,omitempty"`
 }
 
-// PoisonedMessages lists up to limit poisoned messages, newest first.
-func (o *Ops) PoisonedMessages(ctx context.Context, limit int) ([]Poisoned, error) {
+// PoisonedMessages lists up to limit poisoned messages (of consumer, if not empty), newest first.
+func (o *Ops) PoisonedMessages(ctx context.Context, consumer string, limit int) ([]Poisoned, error) {
 	if limit <= 0 {
 		limit = 1000
 	}
-	rows, err := o.db.QueryContext(ctx, `SELECT consumer, message_id, processed_at FROM `+o.n.Processed+`
-		WHERE poisoned ORDER BY processed_at DESC LIMIT $1`, limit)
+	rows, err := o.db.QueryContext(ctx, `SELECT p.consumer, p.message_id, p.processed_at, coalesce(a.attempts, 0), coalesce(a.last_error, '')
+		FROM `+o.n.Processed+` p LEFT JOIN `+o.n.Attempts+` a ON a.consumer = p.consumer AND a.message_id = p.message_id
+		WHERE p.poisoned AND ($1 = '' OR p.consumer = $1) ORDER BY p.processed_at DESC LIMIT $2`, consumer, limit)
 	if err != nil {
 		return nil, fmt.Errorf("ops: list poisoned messages: %w", err)
 	}
 	var out []Poisoned
 	for rows.Next() {
 		var p Poisoned
-		if err := rows.Scan(&p.Consumer, &p.MessageID, &p.At); err != nil {
+		if err := rows.Scan(&p.Consumer, &p.MessageID, &p.At, &p.Attempts, &p.Reason); err != nil {
 			_ = rows.Close()
 			return nil, err
 		}
@@ -685,7 +702,9 @@ func (o *Ops) Lookup(ctx context.Context, consumer, messageID string) (Lookup, e
 
 // AuditLog returns the latest limit audit entries, newest first.
 func (o *Ops) AuditLog(ctx context.Context, limit int) ([]Audit, error) {
-	rows, err := o.db.QueryContext(ctx, `SELECT at, actor, action, target, detail FROM `+o.n.Audit+` ORDER BY id DESC LIMIT $1`, limit)
+	rows, err := o.db.QueryContext(ctx, `SELECT at, actor, action, target, detail, coalesce(db_role, ''),
+			coalesce(host(client_addr), ''), remote_addr
+		FROM `+o.n.Audit+` ORDER BY id DESC LIMIT $1`, limit)
 	if err != nil {
 		if isInsufficientPrivilege(err) {
 			return nil, fmt.Errorf("%w: %w", ErrAuditUnreadable, err)
@@ -695,7 +714,7 @@ func (o *Ops) AuditLog(ctx context.Context, limit int) ([]Audit, error) {
 	var out []Audit
 	for rows.Next() {
 		var a Audit
-		if err := rows.Scan(&a.At, &a.Actor, &a.Action, &a.Target, &a.Detail); err != nil {
+		if err := rows.Scan(&a.At, &a.Actor, &a.Action, &a.Target, &a.Detail, &a.Role, &a.ClientAddr, &a.Remote); err != nil {
 			_ = rows.Close()
 			return nil, err
 		}
@@ -714,17 +733,17 @@ func isInsufficientPrivilege(err error) bool {
 	return errors.As(err, &s) && s.SQLState() == "42501"
 }
 
-func (o *Ops) audit(ctx context.Context, actor, action, target, detail string) error {
-	_, err := o.db.ExecContext(ctx, `INSERT INTO `+o.n.Audit+` (actor, action, target, detail) VALUES ($1, $2, $3, $4)`,
-		sanitize(actor), action, sanitize(target), sanitize(detail))
+func (o *Ops) audit(ctx context.Context, actor, action, target, detail, remote string) error {
+	_, err := o.db.ExecContext(ctx, `INSERT INTO `+o.n.Audit+` (actor, action, target, detail, remote_addr) VALUES ($1, $2, $3, $4, $5)`,
+		sanitize(actor), action, sanitize(target), sanitize(detail), sanitize(remote))
 	if err != nil {
 		return fmt.Errorf("ops: write the audit entry: %w", err)
 	}
 	return nil
 }
 
-func auditEntry(actor, action, target, detail string) store.Audit {
-	return store.Audit{Actor: sanitize(actor), Action: action, Target: sanitize(target), Detail: sanitize(detail)}
+func auditEntry(actor, action, target, detail, remote string) store.Audit {
+	return store.Audit{Actor: sanitize(actor), Action: action, Target: sanitize(target), Detail: sanitize(detail), Remote: sanitize(remote)}
 }
 
 // sanitize makes text storable in a text column: valid UTF-8, no NUL, at most 4 KiB.

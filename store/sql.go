@@ -74,7 +74,7 @@ type Queries struct {
 	StatsWrite  string // (sample): stores a sample taken now
 	StatsRead   string // -> sample, its age in ms (no row before the first)
 
-	// AuditInsert (actor, action, target, detail) writes an entry of the audit table; empty when
+	// AuditInsert (actor, action, target, detail, remote address) writes an entry of the audit table; empty when
 	// the dialect has none (then no audited change can be made).
 	AuditInsert string
 	// RecordServiceConfig (retention ms, effect retention ms, redelivery horizon ms) records the
@@ -763,6 +763,9 @@ func (s *SQL) EffectDiscard(ctx context.Context, ids []int64) (int, error) {
 // Audit is an entry of the audit table: who changed what.
 type Audit struct {
 	Actor, Action, Target, Detail string
+	// Remote is the address of the client the change came from (the console's HTTP client); the
+	// database records its own role and the connection's address itself.
+	Remote string
 }
 
 // EffectUnparkAudited is EffectUnpark that writes the entry audit returns (when audit is not
@@ -829,7 +832,7 @@ func (s *SQL) writeAudit(ctx context.Context, tx *sql.Tx, a *Audit) error {
 	if s.d.Queries.AuditInsert == "" {
 		return errors.New("this store has no audit table (nothing was changed)")
 	}
-	if _, err := tx.ExecContext(ctx, s.d.Queries.AuditInsert, a.Actor, a.Action, a.Target, a.Detail); err != nil {
+	if _, err := tx.ExecContext(ctx, s.d.Queries.AuditInsert, a.Actor, a.Action, a.Target, a.Detail, a.Remote); err != nil {
 		return fmt.Errorf("write the audit entry (nothing was changed): %w", s.wrap(err))
 	}
 	return nil

@@ -29,6 +29,7 @@ import (
 	"net/url"
 	"os"
 	"os/user"
+	"slices"
 	"strconv"
 	"strings"
 	"text/tabwriter"
@@ -251,7 +252,12 @@ func status(ctx context.Context, o *ops.Ops, args []string, out printer) error {
 		case len(s.Audit) > 0:
 			fmt.Fprintf(w, "\nRECENT CHANGES\t\t\t\t\n")
 			for _, a := range s.Audit {
-				fmt.Fprintf(w, "%s\t%s\t%s\t%s\t%s\n", a.At.Format(time.RFC3339), clean(a.Actor), clean(a.Action), clean(a.Target), clean(a.Detail))
+				who := clean(a.Actor)
+				if a.Role != "" { // the role and addresses the database and the console recorded
+					who += " [" + strings.Join(slices.DeleteFunc([]string{clean(a.Role), clean(a.ClientAddr), clean(a.Remote)},
+						func(s string) bool { return s == "" }), " ") + "]"
+				}
+				fmt.Fprintf(w, "%s\t%s\t%s\t%s\t%s\n", a.At.Format(time.RFC3339), who, clean(a.Action), clean(a.Target), clean(a.Detail))
 			}
 		}
 	})

@@ -375,7 +375,7 @@ func queries(n store.Names, deleteDispatched bool) store.Queries {
 		StatsRead: `SELECT sample, (extract(epoch FROM now() - sampled_at) * 1000)::bigint FROM ` + n.Stats + `
 			WHERE id = 1 AND sample IS NOT NULL`,
 
-		AuditInsert: `INSERT INTO ` + n.Audit + ` (actor, action, target, detail) VALUES ($1, $2, $3, $4)`,
+		AuditInsert: `INSERT INTO ` + n.Audit + ` (actor, action, target, detail, remote_addr) VALUES ($1, $2, $3, $4, $5)`,
 		RecordServiceConfig: `UPDATE ` + n.Stats + ` SET retention_ms = $1, effect_retention_ms = $2,
 			redelivery_horizon_ms = $3, config_at = now() WHERE id = 1`,
 	}

@@ -118,7 +118,7 @@ func TestConsoleInABrowser(t *testing.T) {
 	}
 	h, err := console.New(o, console.Options{
 		Authenticate: func(*http.Request) (string, bool) { return "operator", true },
-		Authorize:    func(*http.Request, string, string) bool { return true },
+		Authorize:    func(*http.Request, string, console.Action) bool { return true },
 	})
 	if err != nil {
 		t.Fatal(err)
