@@ -191,4 +191,98 @@ func TestConsoleInABrowser(t *testing.T) {
 	if err := db.QueryRow(`SELECT actor || ' ' || action FROM outbox_audit`).Scan(&audit); err != nil || audit != "operator (console) retry-parked" {
 		t.Errorf("audit: %q %v", audit, err)
 	}
+
+	// Discard the second: the console asks first, and nothing changes until the operator confirms.
+	row2 := chromedp.CSS(`tr[data-uuid="` + parked[1] + `"]`)
+	if err := chromedp.Do(bctx, chromedp.Click(row2+` button.discard`), chromedp.WaitVisible(chromedp.CSS(`#confirm-discard`))); err != nil {
+		t.Fatalf("asking before the discard: %v", err)
+	}
+	stillParked := func() int {
+		var n int
+		if err := db.QueryRow(`SELECT count(*) FROM outbox_effects WHERE uuid = $1 AND parked_at IS NOT NULL AND dispatched_at IS NULL`, parked[1]).Scan(&n); err != nil {
+			t.Fatal(err)
+		}
+		return n
+	}
+	if stillParked() != 1 {
+		t.Fatal("the question discarded the effect before it was answered")
+	}
+	if err := chromedp.Do(bctx, chromedp.Click(chromedp.CSS(`#confirm-discard`)), chromedp.WaitVisible(chromedp.CSS(`#flash`))); err != nil {
+		t.Fatalf("confirming the discard: %v", err)
+	}
+	if flash, err = chromedp.Run(bctx, chromedp.Text(chromedp.CSS(`#flash`))); err != nil || !strings.Contains(flash, "1 parked effect(s) discarded") || stillParked() != 0 {
+		t.Fatalf("after the confirmed discard: flash %q (%v), %d parked", flash, err, stillParked())
+	}
+	// The relays run here (Run samples the tables): the page says so, with the sample's age.
+	relay, err := chromedp.Run(bctx, chromedp.AttributeValue(chromedp.CSS(`#relay`), "class"))
+	if err != nil || relay.Value != "relay ok" {
+		t.Errorf("relay indicator with Run running: %q %v", relay.Value, err)
+	}
+	// A link cannot make the page show a notice the console did not write.
+	if err := chromedp.Do(bctx, chromedp.Navigate(srv.URL+"/outbox/?flash=Session+expired%3A+sign+in+at+evil.example"),
+		chromedp.WaitVisible(chromedp.CSS(`#relay`))); err != nil {
+		t.Fatal(err)
+	}
+	if n, err := chromedp.Run(bctx, chromedp.Evaluate[int](`document.querySelectorAll('#flash').length`)); err != nil || n != 0 {
+		t.Errorf("a notice from a link is shown (%d, %v)", n, err)
+	}
+}
+
+// TestConsoleBasicAuthInABrowser: the console behind its own BasicAuth makes the browser ask for
+// the credentials (a challenge), and shows, for effects pending with no relay running, that no
+// relay runs.
+func TestConsoleBasicAuthInABrowser(t *testing.T) {
+	db := pgtest.DB(t)
+	ctx := context.Background()
+	b := &broker{sent: map[string]int{}}
+	b.refusing.Store(true)
+	ob, err := outbox.New(outbox.Config{DB: db, Driver: postgres.Driver{}, Publisher: b, RetryDelay: -1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := ob.Migrate(ctx); err != nil {
+		t.Fatal(err)
+	}
+	err = ob.Handle(message.NewMessage("placed-o-2001", nil), outbox.HandleParams{Consumer: "billing", MessageID: "placed-o-2001"},
+		func(msg *message.Message) ([]*message.Message, error) {
+			return nil, outbox.Publish(msg.Context(), "invoices", message.NewMessage(watermill.NewUUID(), []byte("v1:o-2001")))
+		})
+	if !errors.Is(err, outbox.ErrDispatchFailed) {
+		t.Fatalf("leaving the invoice pending: %v", err)
+	}
+	ob.FlushMarks()
+	o, err := ops.ForOutbox(ob)
+	if err != nil {
+		t.Fatal(err)
+	}
+	h, err := console.New(o, console.Options{BasicAuth: func(user, password string) bool { return user == "operator" && password == "s3cret" }})
+	if err != nil {
+		t.Fatal(err)
+	}
+	mux := http.NewServeMux()
+	mux.Handle("/outbox/", http.StripPrefix("/outbox", h))
+	srv := httptest.NewServer(mux)
+	defer srv.Close()
+
+	alloc, cancelAlloc := chromedp.NewExecAllocator(ctx, append(chromedp.DefaultExecAllocatorOptions[:],
+		chromedp.ExecPath(chromium(t)), chromedp.NoSandbox, chromedp.Headless, chromedp.DisableGPU)...)
+	defer cancelAlloc()
+	bctx, cancelBrowser := chromedp.NewContext(alloc)
+	defer cancelBrowser()
+	bctx, cancelTimeout := context.WithTimeout(bctx, 60*time.Second)
+	defer cancelTimeout()
+	// The browser answers a challenge with the credentials of the address, as it would with what
+	// the user types into its prompt; without a challenge it shows the refusal.
+	u := strings.Replace(srv.URL, "http://", "http://operator:s3cret@", 1) + "/outbox/"
+	if err := chromedp.Do(bctx, chromedp.Navigate(u)); err != nil {
+		t.Fatalf("loading the console: %v", err)
+	}
+	text, err := chromedp.Run(bctx, chromedp.Text(chromedp.CSS(`body`)))
+	if err != nil || !strings.Contains(text, "signed in as operator") {
+		t.Fatalf("the console behind BasicAuth in a browser: %q %v", text, err)
+	}
+	relay, err := chromedp.Run(bctx, chromedp.Text(chromedp.CSS(`#relay`)))
+	if err != nil || !strings.Contains(relay, "1 side effects pending and no relay seems to be running") {
+		t.Errorf("relay indicator without Run: %q %v", relay, err)
+	}
 }

@@ -213,28 +213,14 @@ func (a *api) mountConsole(cfg config) (string, error) {
 		return "", err
 	}
 	a.console, err = console.New(o, console.Options{
-		Authenticate: func(r *http.Request) (string, bool) {
-			user, pass, ok := r.BasicAuth()
-			if ok && user == "operator" && subtle.ConstantTimeCompare([]byte(pass), []byte(password)) == 1 {
-				return user, true
-			}
-			return "", false
+		// The console answers a request without the credentials with a challenge: the browser asks.
+		BasicAuth: func(user, pass string) bool {
+			return user == "operator" && subtle.ConstantTimeCompare([]byte(pass), []byte(password)) == 1
 		},
-		Authorize: func(_ *http.Request, user, _ string) bool { return user == "operator" },
+		Authorize: func(_ *http.Request, user string, _ console.Action) bool { return user == "operator" },
 	})
 	if err != nil {
 		return "", err
 	}
-	a.console = basicAuthChallenge(a.console)
 	return note, nil
-}
-
-// basicAuthChallenge asks the browser for the Basic credentials the console refused.
-func basicAuthChallenge(next http.Handler) http.Handler {
-	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		if _, _, ok := r.BasicAuth(); !ok {
-			w.Header().Set("WWW-Authenticate", `Basic realm="outbox console"`)
-		}
-		next.ServeHTTP(w, r)
-	})
 }
