@@ -102,12 +102,16 @@ func (o *Outbox) Health(ctx context.Context) HealthReport {
 		}
 		r.Checks = append(r.Checks, c)
 	}
-	dbErr := o.db.PingContext(ctx)
+	pingErr := o.db.PingContext(ctx)
+	dbErr := pingErr
 	if dbErr != nil {
 		dbErr = fmt.Errorf("ping (waited for a connection and an answer, at most 5s): %w", dbErr)
+	} else if w, ok := o.store.(outboxdriver.WritableChecker); ok {
+		// Reachable is not enough: a standby answers every read and refuses every unit of work.
+		dbErr = w.CheckWritable(ctx)
 	}
 	add(CheckDatabase, dbErr, "reachable")
-	if dbErr == nil {
+	if pingErr == nil {
 		add(CheckSchema, o.store.SchemaCheck(ctx), "current")
 	}
 	add(CheckRelay, o.relayHealth(), fmt.Sprintf("running, last round %s ago", o.sinceRelayRound().Round(time.Millisecond)))

@@ -203,3 +203,40 @@ func TestHealthHandlerCachesAndShowsStatusOnly(t *testing.T) {
 		t.Fatalf("status only: %d %s", code, body)
 	}
 }
+
+// TestHealthReportsAReadOnlyServer: a server that takes no writes (a standby reached by mistake
+// after a failover, or a database set read-only) is not ready, and the report says why.
+func TestHealthReportsAReadOnlyServer(t *testing.T) {
+	e := newEnv(t)
+	ctx := context.Background()
+	var dbname string
+	if err := e.db.QueryRow(`SELECT current_database()`).Scan(&dbname); err != nil {
+		t.Fatal(err)
+	}
+	// New sessions of this database start read-only, as every session on a standby does.
+	if _, err := e.db.Exec(`ALTER DATABASE ` + dbname + ` SET default_transaction_read_only = on`); err != nil {
+		t.Fatal(err)
+	}
+	ro, err := sql.Open("postgres", e.dsn)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ro.Close()
+	r := e.newOutbox(func(c *outbox.Config) { c.DB = ro }).Health(ctx)
+	if r.Healthy || r.Checks[0].Name != outbox.CheckDatabase || r.Checks[0].OK || !strings.Contains(r.Checks[0].Reason, "read-only") {
+		t.Fatalf("on a read-only database: %+v, want the database check failed as read-only", r)
+	}
+	t.Logf("reported: %s", r.Checks[0].Reason)
+
+	if _, err := e.db.Exec(`ALTER DATABASE ` + dbname + ` RESET default_transaction_read_only`); err != nil {
+		t.Fatal(err)
+	}
+	rw, err := sql.Open("postgres", e.dsn)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer rw.Close()
+	if r := e.newOutbox(func(c *outbox.Config) { c.DB = rw }).Health(ctx); !r.Checks[0].OK {
+		t.Fatalf("writable again: %+v, want the database check passed", r)
+	}
+}

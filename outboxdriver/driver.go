@@ -333,6 +333,18 @@ var (
 	ErrSchemaOutdated = errors.New("outbox: tables outdated, run Outbox.Migrate(ctx)")
 )
 
+// ErrReadOnly is wrapped by WritableChecker.CheckWritable for a server that takes no writes.
+var ErrReadOnly = errors.New("outbox: the database is read-only")
+
+// WritableChecker is implemented by a Store that can tell whether the server it reaches takes
+// writes. After a failover a connection can land on a standby (a stale address, a DNS name not
+// yet moved): every unit of work then fails, and a readiness probe must say why.
+type WritableChecker interface {
+	// CheckWritable returns an error wrapping ErrReadOnly, with the reason, when the server takes
+	// no writes.
+	CheckWritable(ctx context.Context) error
+}
+
 // ErrListenUnsupported is returned by Store.EffectListen when the store cannot listen for wake-ups.
 var ErrListenUnsupported = errors.New("outbox: the store cannot listen for notifications")
 

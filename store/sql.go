@@ -66,6 +66,8 @@ type Queries struct {
 	CleanupAttempts string // (retention ms, limit)
 
 	SchemaLatest string // -> latest applied version
+	// Writable -> in recovery (a standby), read-only; empty when the dialect cannot tell.
+	Writable string
 
 	// StatsSample (count cap, retention ms) -> pending, oldest pending ms, parked, oldest parked
 	// ms, failing, retained, estimated, cleanup lag ms. Each count reads at most cap rows.
@@ -152,6 +154,24 @@ func (s *SQL) Migrate(ctx context.Context) error {
 // SchemaCheck implements outboxdriver.Store.
 func (s *SQL) SchemaCheck(ctx context.Context) error {
 	return SchemaCheck(ctx, s.db, s.d.Queries.SchemaLatest, len(s.migrations), s.d.IsUndefinedTable, s.names)
+}
+
+// CheckWritable implements outboxdriver.WritableChecker.
+func (s *SQL) CheckWritable(ctx context.Context) error {
+	if s.d.Queries.Writable == "" {
+		return nil
+	}
+	var inRecovery, readOnly bool
+	if err := s.db.QueryRowContext(ctx, s.d.Queries.Writable).Scan(&inRecovery, &readOnly); err != nil {
+		return fmt.Errorf("check that the database takes writes: %w", err)
+	}
+	switch {
+	case inRecovery:
+		return fmt.Errorf("%w: the server is a standby in recovery (pg_is_in_recovery()); connect to the primary", outboxdriver.ErrReadOnly)
+	case readOnly:
+		return fmt.Errorf("%w: transactions are read-only (transaction_read_only = on)", outboxdriver.ErrReadOnly)
+	}
+	return nil
 }
 
 // wrap adds the fix to errors caused by missing tables.

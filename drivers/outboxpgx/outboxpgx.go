@@ -152,15 +152,24 @@ type pgxStore struct {
 }
 
 var (
-	_ outboxdriver.UnitStore      = (*pgxStore)(nil)
-	_ outboxdriver.InlineStore    = (*pgxStore)(nil)
-	_ outboxdriver.ConfigRecorder = (*pgxStore)(nil)
+	_ outboxdriver.UnitStore       = (*pgxStore)(nil)
+	_ outboxdriver.InlineStore     = (*pgxStore)(nil)
+	_ outboxdriver.ConfigRecorder  = (*pgxStore)(nil)
+	_ outboxdriver.WritableChecker = (*pgxStore)(nil)
 )
 
 // RecordServiceConfig implements outboxdriver.ConfigRecorder through the postgres driver's store.
 func (s *pgxStore) RecordServiceConfig(ctx context.Context, c outboxdriver.ServiceConfig) error {
 	if r, ok := s.postgresStore.(outboxdriver.ConfigRecorder); ok {
 		return r.RecordServiceConfig(ctx, c)
+	}
+	return nil
+}
+
+// CheckWritable implements outboxdriver.WritableChecker through the postgres driver's store.
+func (s *pgxStore) CheckWritable(ctx context.Context) error {
+	if w, ok := s.postgresStore.(outboxdriver.WritableChecker); ok {
+		return w.CheckWritable(ctx)
 	}
 	return nil
 }

@@ -337,6 +337,7 @@ func queries(n store.Names, deleteDispatched bool) store.Queries {
 			SELECT consumer, message_id FROM ` + n.Attempts + ` WHERE last_failed_at < now() - ` + ms("$1") + ` LIMIT $2)`,
 
 		SchemaLatest: `SELECT max(version) FROM ` + n.Migrations,
+		Writable:     `SELECT pg_is_in_recovery(), current_setting('transaction_read_only') = 'on'`,
 
 		// A count the planner's statistics put at $1 rows or more is taken from them; a smaller
 		// one is counted, reading at most $1 rows through an index (and estimated if it reaches
