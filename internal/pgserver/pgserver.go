@@ -14,6 +14,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 )
@@ -43,6 +44,11 @@ type Options struct {
 	// Port, when non-zero, is the port to listen on (to restart a server at the same address).
 	// Default: a free port.
 	Port int
+	// StandbyOf, when set, is a libpq connection string of a primary: instead of initdb, Start
+	// copies it with pg_basebackup -R and starts a streaming standby of it (hot standby,
+	// read-only until Promote). The connection string's application_name is the standby's name
+	// for synchronous_standby_names. Only with DataDir empty.
+	StandbyOf string
 }
 
 // Server is a running private PostgreSQL server. Its methods are safe for concurrent use.
@@ -61,6 +67,7 @@ type Server struct {
 
 	reaper     *exec.Cmd
 	reaperPipe *os.File // closing it (or our death) tells the reaper to clean up
+	killed     atomic.Bool
 	stopOnce   sync.Once
 	stopErr    error
 }
@@ -132,6 +139,9 @@ func Start(opts Options) (_ *Server, err error) {
 	}
 
 	needInit := true
+	if opts.StandbyOf != "" && opts.DataDir != "" {
+		return nil, errors.New("pgserver: StandbyOf needs a new cluster (DataDir empty)")
+	}
 	if opts.DataDir == "" {
 		s.dataDir = filepath.Join(s.base, "data")
 	} else {
@@ -141,6 +151,14 @@ func Start(opts Options) (_ *Server, err error) {
 		}
 	}
 
+	if opts.StandbyOf != "" {
+		needInit = false
+		// -R writes primary_conninfo and standby.signal; -X stream copies the WAL written meanwhile.
+		backup := s.command(filepath.Join(binDir, "pg_basebackup"), "-D", s.dataDir, "-d", opts.StandbyOf, "-R", "-X", "stream", "--no-sync", "-c", "fast")
+		if out, err := backup.CombinedOutput(); err != nil {
+			return nil, fmt.Errorf("pg_basebackup (%s): %w\n%s", backup, err, tail(out, 40))
+		}
+	}
 	if needInit {
 		args := []string{"-D", s.dataDir, "-A", "trust", "-U", dbUser, "-E", "UTF8", "--locale=C"}
 		if !s.keepData {
@@ -258,6 +276,77 @@ func (s *Server) Port() int { return s.port }
 // DataDir returns the cluster's data directory.
 func (s *Server) DataDir() string { return s.dataDir }
 
+// Promote turns a standby (Options.StandbyOf) into a primary that takes writes, and waits until
+// it does (pg_ctl promote -w, at most a minute).
+func (s *Server) Promote() error {
+	out, err := s.command(filepath.Join(s.binDir, "pg_ctl"), "-D", s.dataDir, "-w", "-t", "60", "promote").CombinedOutput()
+	if err != nil {
+		return fmt.Errorf("pg_ctl promote: %w: %s\n%s", err, bytes.TrimSpace(out), s.LogTail())
+	}
+	return nil
+}
+
+// Kill ends the server as the loss of its machine would: SIGKILL to the postmaster and every
+// process it started, with no shutdown checkpoint and no goodbye to clients or standbys. The
+// postmaster is stopped first so that it cannot start a replacement for a child killed before it.
+// Stop afterwards only removes the temp dir.
+func (s *Server) Kill() error {
+	b, err := os.ReadFile(filepath.Join(s.dataDir, "postmaster.pid"))
+	if err != nil {
+		return fmt.Errorf("read postmaster.pid: %w", err)
+	}
+	first, _, _ := strings.Cut(string(b), "\n")
+	pid, err := strconv.Atoi(strings.TrimSpace(first))
+	if err != nil {
+		return fmt.Errorf("postmaster.pid: %w", err)
+	}
+	if err := syscall.Kill(pid, syscall.SIGSTOP); err != nil {
+		return fmt.Errorf("stop postmaster %d: %w", pid, err)
+	}
+	for _, child := range children(pid) {
+		_ = syscall.Kill(child, syscall.SIGKILL)
+	}
+	if err := syscall.Kill(pid, syscall.SIGKILL); err != nil {
+		return fmt.Errorf("kill postmaster %d: %w", pid, err)
+	}
+	// Reap-free wait: the postmaster is not our child; it is gone when signal 0 fails.
+	deadline := time.Now().Add(10 * time.Second)
+	for syscall.Kill(pid, 0) == nil {
+		if time.Now().After(deadline) {
+			return fmt.Errorf("postmaster %d still there 10s after SIGKILL", pid)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	s.killed.Store(true)
+	return nil
+}
+
+// children lists the processes whose parent is pid.
+func children(pid int) []int {
+	entries, _ := os.ReadDir("/proc")
+	var out []int
+	for _, e := range entries {
+		child, err := strconv.Atoi(e.Name())
+		if err != nil {
+			continue
+		}
+		b, err := os.ReadFile(filepath.Join("/proc", e.Name(), "stat"))
+		if err != nil {
+			continue
+		}
+		// The command in parentheses may hold spaces: the parent is the second field after it.
+		i := bytes.LastIndexByte(b, ')')
+		if i < 0 {
+			continue
+		}
+		f := strings.Fields(string(b[i+1:]))
+		if len(f) > 1 && f[1] == strconv.Itoa(pid) {
+			out = append(out, child)
+		}
+	}
+	return out
+}
+
 // Stop stops the server and removes its temp dir (and the data, unless Options.DataDir was set).
 // A throwaway cluster is stopped in immediate mode; a kept one in fast mode, so that it is shut
 // down cleanly. Safe to call more than once; later calls return the first result.
@@ -265,7 +354,8 @@ func (s *Server) Stop() error {
 	s.stopOnce.Do(func() {
 		s.killReaper()
 		var errs []error
-		if out, err := s.command(filepath.Join(s.binDir, "pg_ctl"), "-D", s.dataDir, "-m", s.stopMode(), "-w", "stop").CombinedOutput(); err != nil {
+		// After Kill nothing runs, and pg_ctl would only complain about the stale postmaster.pid.
+		if out, err := s.command(filepath.Join(s.binDir, "pg_ctl"), "-D", s.dataDir, "-m", s.stopMode(), "-w", "stop").CombinedOutput(); err != nil && !s.killed.Load() {
 			errs = append(errs, fmt.Errorf("pg_ctl stop: %w: %s", err, bytes.TrimSpace(out)))
 		}
 		if err := os.RemoveAll(s.base); err != nil {

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -133,5 +134,54 @@ func TestNoBinaries(t *testing.T) {
 	}
 	if !errors.Is(err, pgserver.ErrNoBinaries) || !strings.Contains(err.Error(), "apt-get install postgresql") {
 		t.Fatalf("error %q: want ErrNoBinaries with the install hint", err)
+	}
+}
+
+// TestStandbyPromote: a standby streams what the primary commits, is read-only, and takes writes
+// once promoted after the primary was killed.
+func TestStandbyPromote(t *testing.T) {
+	primary := start(t, pgserver.Options{})
+	query(t, primary.DSN("postgres"), `CREATE TABLE t (v int)`)
+	standby := start(t, pgserver.Options{StandbyOf: "host=127.0.0.1 port=" + strconv.Itoa(primary.Port()) + " user=postgres application_name=s1"})
+	var inRecovery bool
+	query(t, standby.DSN("postgres"), `SELECT pg_is_in_recovery()`, &inRecovery)
+	if !inRecovery {
+		t.Fatal("the standby is not in recovery")
+	}
+	query(t, primary.DSN("postgres"), `ALTER SYSTEM SET synchronous_standby_names = 's1'`)
+	query(t, primary.DSN("postgres"), `SELECT pg_reload_conf()`)
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		var state string
+		db, err := sql.Open("postgres", primary.DSN("postgres"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		err = db.QueryRow(`SELECT coalesce(max(sync_state), '') FROM pg_stat_replication WHERE application_name = 's1'`).Scan(&state)
+		db.Close()
+		if err == nil && state == "sync" {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the standby is not a synchronous standby after 30s (state %q, %v)", state, err)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	// Synchronous: the commit returns once the standby has it.
+	query(t, primary.DSN("postgres"), `INSERT INTO t VALUES (1)`)
+	if err := primary.Kill(); err != nil {
+		t.Fatal(err)
+	}
+	if err := standby.Promote(); err != nil {
+		t.Fatal(err)
+	}
+	query(t, standby.DSN("postgres"), `INSERT INTO t VALUES (2)`)
+	var n int
+	query(t, standby.DSN("postgres"), `SELECT count(*) FROM t`, &n)
+	if n != 2 {
+		t.Errorf("%d rows on the promoted standby, want 2", n)
+	}
+	if err := primary.Stop(); err != nil {
+		t.Errorf("Stop after Kill: %v", err)
 	}
 }
