@@ -17,7 +17,9 @@ import (
 
 	"github.com/watermill-outbox/outbox"
 	"github.com/watermill-outbox/outbox/drivers/postgres"
+	"github.com/watermill-outbox/outbox/internal/logtest"
 	"github.com/watermill-outbox/outbox/internal/routertest"
+	"github.com/watermill-outbox/outbox/outboxdriver"
 )
 
 func TestValidateHoldsRetentionAgainstTheRedeliveryHorizon(t *testing.T) {
@@ -239,4 +241,35 @@ func TestHealthReportsAReadOnlyServer(t *testing.T) {
 	if r := e.newOutbox(func(c *outbox.Config) { c.DB = rw }).Health(ctx); !r.Checks[0].OK {
 		t.Fatalf("writable again: %+v, want the database check passed", r)
 	}
+}
+
+// TestRelayOnAReadOnlyServerSaysSo: a relay whose connection lands on a server that takes no
+// writes (a standby reached after a failover) logs that, not only the server's bare refusal.
+func TestRelayOnAReadOnlyServerSaysSo(t *testing.T) {
+	e := newEnv(t)
+	var dbname string
+	if err := e.db.QueryRow(`SELECT current_database()`).Scan(&dbname); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := e.db.Exec(`ALTER DATABASE ` + dbname + ` SET default_transaction_read_only = on`); err != nil {
+		t.Fatal(err)
+	}
+	ro, err := sql.Open("postgres", e.dsn)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ro.Close()
+	logs := &logtest.Errors{}
+	ob := e.newOutbox(func(c *outbox.Config) {
+		c.DB = ro
+		c.Logger = logs
+		c.RelayInterval = 20 * time.Millisecond
+	})
+	ctx, stop := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- ob.Run(ctx) }()
+	defer func() { stop(); <-done }()
+	routertest.WaitUntil(t, "the relay's error names the read-only server", func() (bool, string) {
+		return logs.Contains(outboxdriver.ErrReadOnly.Error()), strings.Join(logs.Lines(), "\n")
+	})
 }

@@ -92,6 +92,9 @@ type Dialect struct {
 	Migrations fs.FS
 	// IsUndefinedTable tells whether err means a missing table or schema.
 	IsUndefinedTable func(error) bool
+	// IsReadOnly tells whether err means the server refused a write because it takes none (a
+	// standby); nil when the dialect cannot tell.
+	IsReadOnly func(error) bool
 	// Prepare enables prepared statements reused per connection on the hot path.
 	Prepare bool
 	// Notify wakes listening relays (no arguments); empty when the dialect has no notifications.
@@ -174,10 +177,15 @@ func (s *SQL) CheckWritable(ctx context.Context) error {
 	return nil
 }
 
-// wrap adds the fix to errors caused by missing tables.
+// wrap adds the fix to errors caused by missing tables, and names a server that takes no writes.
 func (s *SQL) wrap(err error) error {
 	if err != nil && s.d.IsUndefinedTable(err) {
 		return fmt.Errorf("%w (schema %q, prefix %q): %w", outboxdriver.ErrSchemaMissing, s.names.Schema, s.names.Prefix, err)
+	}
+	if err != nil && s.d.IsReadOnly != nil && s.d.IsReadOnly(err) {
+		// After a failover a connection may still reach the old primary, now a standby: the
+		// bare refusal does not say that the fix is in the connection string or the DNS.
+		return fmt.Errorf("%w (a standby? the connection must reach the primary): %w", outboxdriver.ErrReadOnly, err)
 	}
 	return err
 }

@@ -63,6 +63,7 @@ func (d Driver) Open(db *sql.DB, opts outboxdriver.StoreOptions) (outboxdriver.S
 		Migrate:          migrateQueries(names),
 		Migrations:       migrations,
 		IsUndefinedTable: IsUndefinedTable,
+		IsReadOnly:       IsReadOnly,
 		Prepare:          !d.DisablePreparedStatements,
 		// The channel is built from validated identifiers, so the literal is safe.
 		Notify: fmt.Sprintf("SELECT pg_notify('%s', '')", notifyChannel(names.Schema, names.Prefix)),
@@ -112,6 +113,13 @@ func IsUndefinedTable(err error) bool {
 		return s.SQLState() == "42P01" || s.SQLState() == "3F000"
 	}
 	return false
+}
+
+// IsReadOnly tells whether err is PostgreSQL's read_only_sql_transaction: a write sent to a
+// standby, or to a session or database set read-only.
+func IsReadOnly(err error) bool {
+	var s interface{ SQLState() string }
+	return errors.As(err, &s) && s.SQLState() == "25006"
 }
 
 // lockKey returns the SQL of the second key of a named advisory lock of these tables. The names
