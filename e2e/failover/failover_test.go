@@ -225,15 +225,23 @@ func runFailover(t *testing.T, synchronous bool) result {
 	for i := range ids {
 		ids[i] = uuid.NewString()
 	}
+	// Every order is sent twice, the copy a second later (a producer's retry, a redelivery after
+	// a lost ack): a copy that arrives after the failover must find its order's claim.
+	copyLag := *rateFlag
 	produced := make(chan error, 1)
 	go func() {
 		tick := time.NewTicker(time.Second / time.Duration(*rateFlag))
 		defer tick.Stop()
-		for _, id := range ids {
+		for i := 0; i < n+copyLag; i++ {
 			<-tick.C
-			if err := producer.Publish(ordersTopic, message.NewMessage(id, []byte(`{}`))); err != nil {
-				produced <- fmt.Errorf("produce %s: %w", id, err)
-				return
+			for _, j := range []int{i, i - copyLag} {
+				if j < 0 || j >= n {
+					continue
+				}
+				if err := producer.Publish(ordersTopic, message.NewMessage(ids[j], []byte(`{}`))); err != nil {
+					produced <- fmt.Errorf("produce %s: %w", ids[j], err)
+					return
+				}
 			}
 		}
 		produced <- nil
