@@ -85,7 +85,8 @@ const (
 	CheckParked   = "parked"
 )
 
-// Health checks, with reasons: the database answers, the schema is current, the relay is running
+// Health checks, with reasons: the database answers and takes writes (a standby reached after a
+// failover does not), the schema is current, the relay is running
 // in this process and finished a round recently, the notification listener is connected
 // (PostgreSQL), and the backlog and the parked effects are under the thresholds of Config
 // (HealthMaxPending, HealthMaxPendingAge, HealthMaxParked; checked only when set, against the

@@ -2,6 +2,10 @@
 // PostgreSQL primary with a streaming standby, kills the primary mid-stream and promotes the
 // standby: with synchronous replication exactly-once must hold across the failover; with
 // asynchronous replication the test measures what is lost (docs/guarantees.md, "Failover").
+//
+// make e2e runs both in about a minute; a larger run, for instance:
+//
+//	go test -race -count=1 -v -run TestFailover ./failover -failover.orders 3000 -failover.rate 300 -failover.lag 2s
 package failover_test
 
 import (
