@@ -1,0 +1,102 @@
+#!/usr/bin/env bash
+# Model-checks model/outbox.pml with SPIN (docs/protocol.md): the protocol as fixed must keep every
+# invariant, and each old variant must be caught breaking the invariant named for it, so that the
+# model is known to see the defects it was written for.
+#
+#   model/check.sh quick   (make model, part of make test: well under a minute)
+#   model/check.sh full    (make model-full: larger bounds, exhaustive, several minutes)
+#
+# Each run: spin -a generates the verifier, gcc compiles it (safety only), pan searches every
+# state up to the depth bound; a search cut short by the depth bound fails the run.
+set -euo pipefail
+
+mode=${1:-quick}
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+for tool in spin gcc; do
+	if ! command -v "${tool}" >/dev/null; then
+		echo "model: ${tool} is not installed; the protocol's model cannot be checked (apt-get install spin gcc)" >&2
+		exit 1
+	fi
+done
+work=$(mktemp -d)
+trap 'rm -rf "${work}"' EXIT
+
+failed=0
+# check NAME EXPECT STORAGE SPIN-FLAGS...: EXPECT is "pass" or the invariant the run must break.
+# STORAGE: "exact" (states stored whole, compressed) or "compact" (hash-compact, 4 bytes a state:
+# the chance of a state missed is printed by pan and is below 1e-3 at these sizes).
+check() {
+	local name=$1 expect=$2 storage=$3
+	shift 3
+	local dir="${work}/${name}" cc=(-O2 -w -DSAFETY) run=(-m50000)
+	case ${storage} in
+	exact) cc+=(-DCOLLAPSE) run+=(-w26) ;;
+	compact) cc+=(-DHC4) run+=(-w24) ;;
+	esac
+	mkdir -p "${dir}"
+	cp "${here}/outbox.pml" "${dir}/"
+	local start=${SECONDS}
+	if ! (cd "${dir}" && spin -a "$@" outbox.pml >spin.out 2>&1 && gcc "${cc[@]}" -o pan pan.c >gcc.out 2>&1 &&
+		./pan "${run[@]}" >pan.out 2>&1); then
+		echo "FAIL ${name}: spin, gcc or pan did not run:" >&2
+		cat "${dir}"/spin.out "${dir}"/gcc.out "${dir}"/pan.out 2>/dev/null | tail -20 >&2
+		failed=1
+		return
+	fi
+	local out="${dir}/pan.out" took=$((SECONDS - start))
+	local states errors violated
+	states=$(awk '/states, stored/ {print $1; exit}' "${out}")
+	errors=$(sed -n 's/.*errors: \([0-9]*\).*/\1/p' "${out}" | head -1)
+	violated=$(sed -n 's/.*assertion violated *!(\([a-z_]*\)).*/\1/p' "${out}" | head -1)
+	if grep -q 'max search depth too small' "${out}"; then
+		echo "FAIL ${name}: the search hit its depth bound (raise -m in model/check.sh)" >&2
+		failed=1
+		return
+	fi
+	if [[ ${expect} == pass ]]; then
+		if [[ ${errors} == 0 ]]; then
+			echo "ok   ${name}: every invariant holds (${states} states, ${took}s; $*)"
+		else
+			echo "FAIL ${name}: ${errors} error(s), first: ${violated:-$(grep -m1 -E 'pan:1|error' "${out}")} ($*)" >&2
+			(cd "${dir}" && spin -t -p "$@" outbox.pml 2>&1 | tail -60) >&2 || true
+			failed=1
+		fi
+	else
+		if [[ ${violated} == "${expect}" ]]; then
+			echo "ok   ${name}: breaks ${expect}, as it should (${took}s; $*)"
+		else
+			echo "FAIL ${name}: expected a violation of ${expect}, got errors=${errors} ${violated:+(${violated})} ($*)" >&2
+			failed=1
+		fi
+	fi
+}
+
+case ${mode} in
+quick)
+	# The protocol as fixed: 2 messages, 2 copies each on an optimistic and a pessimistic (or
+	# database/sql) instance, a crash at any step; and 1 message with more crashes and failures.
+	check fixed-2msg pass compact -DNM=2 -DMAXCRASH=1 -DMAXFAIL=0
+	check fixed-faults pass compact -DNM=1 -DMAXCRASH=2 -DMAXFAIL=2
+	# The protocol as it was: each defect is found.
+	check old-sweep eventually_sent compact -DNM=1 -DMAXCRASH=1 -DMAXFAIL=1 -DOLD_SWEEP
+	check old-round lease_held compact -DNM=1 -DMAXCRASH=1 -DMAXFAIL=1 -DOLD_ROUND
+	check old-blind eventually_sent compact -DNM=1 -DMAXCRASH=1 -DMAXFAIL=1 -DOLD_BLIND
+	;;
+full)
+	check fixed-2msg-faults pass exact -DNM=2 -DMAXCRASH=1 -DMAXFAIL=1
+	check fixed-2msg-crashes pass exact -DNM=2 -DMAXCRASH=2 -DMAXFAIL=0
+	check fixed-1msg-slow pass exact -DNM=1 -DMAXCRASH=3 -DMAXFAIL=2 -DTMAX=3 -DGRACE=1
+	check old-sweep-2msg eventually_sent exact -DNM=2 -DMAXCRASH=1 -DMAXFAIL=1 -DOLD_SWEEP
+	check old-round-2msg lease_held exact -DNM=2 -DMAXCRASH=1 -DMAXFAIL=1 -DOLD_ROUND
+	check old-blind-2msg eventually_sent exact -DNM=2 -DMAXCRASH=1 -DMAXFAIL=1 -DOLD_BLIND
+	;;
+*)
+	echo "usage: $0 quick|full" >&2
+	exit 2
+	;;
+esac
+if [[ ${failed} != 0 ]]; then
+	echo "model: FAILED" >&2
+	exit 1
+fi
+echo "model: ok"
