@@ -2,10 +2,10 @@
  * The outbox protocol as state and steps, for the SPIN model checker.
  * docs/protocol.md describes it in words; model/check.sh runs it (make model, make model-full).
  *
- * Each process step that a crash can follow is written crash_at(name) or abort_at(name), and
- * name (with '_' for '-') is a failpoint of the code (outbox.Failpoint*): TestModelFailpoints
- * keeps the two lists equal. The one crash elsewhere is a kill during the optimistic INSERT's wait
- * on a copy's claim row: no failpoint can stop there.
+ * Each process step that a crash can follow ends in crash_at(step) or abort_at(step), and the
+ * step's name (with '_' for '-') is a failpoint of the code (outbox.Failpoint*):
+ * TestModelFailpoints keeps the two lists equal. The one crash elsewhere is a kill during the
+ * optimistic INSERT's wait on a copy's claim row: no failpoint can stop there.
  *
  * What is modelled:
  *   - NM messages with NE side effects each (one ordering key per message: its default key),
