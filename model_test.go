@@ -1,6 +1,9 @@
 package outbox_test
 
 import (
+	"context"
+	"database/sql"
+	"errors"
 	"go/ast"
 	"go/parser"
 	"go/token"
@@ -10,7 +13,15 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
+
+	"github.com/watermill-outbox/outbox"
 )
 
 // modelPending lists the steps of the protocol's model that have no failpoint in the code yet,
@@ -141,4 +152,75 @@ func failpointConstants(t *testing.T) map[string]string {
 		t.Fatalf("found only %d failpoint constants in config.go", len(out))
 	}
 	return out
+}
+
+// TestRelayFailpoints crashes a relay round at its steps, as the protocol's model does: after
+// its lease, nothing is sent until the lease ends; after its mark, what it sent stays marked.
+func TestRelayFailpoints(t *testing.T) {
+	var crashAt atomic.Value // the failpoint that fails, "" for none
+	crashAt.Store("")
+	var mu sync.Mutex
+	seen := map[string]int{}
+	e := newEnv(t, func(c *outbox.Config) {
+		c.RelayGrace = time.Millisecond
+		c.RelayInterval = 20 * time.Millisecond
+		c.Failpoint = func(_ context.Context, point string) error {
+			mu.Lock()
+			seen[point]++
+			mu.Unlock()
+			if point == crashAt.Load().(string) {
+				return errors.New("crash")
+			}
+			return nil
+		}
+	})
+	hits := func(point string) int {
+		mu.Lock()
+		defer mu.Unlock()
+		return seen[point]
+	}
+	ctx := context.Background()
+
+	// Two effects committed and left to the relay: the boundary crashes after its commit.
+	crashAt.Store(outbox.FailpointAfterCommit)
+	var ids []string
+	err := e.ob.InTx(ctx, func(ctx context.Context, tx *sql.Tx) error {
+		for _, p := range []string{"one", "two"} {
+			m := message.NewMessage(uuid.NewString(), []byte(p))
+			ids = append(ids, m.UUID)
+			if err := outbox.Publish(ctx, "out_a", m); err != nil {
+				return err
+			}
+		}
+		return nil
+	})
+	if !errors.Is(err, outbox.ErrFailpoint) {
+		t.Fatalf("InTx with a crash after commit: %v, want ErrFailpoint", err)
+	}
+	mustEqual(t, "pending effects after the crash", e.pendingEffects(), 2)
+
+	// A crash after the round's lease: nothing sent, the key leased.
+	crashAt.Store(outbox.FailpointAfterRelayClaim)
+	stop := startRun(t, e.ob)
+	waitFor(t, "a relay round to crash after its lease", func() bool { return hits(outbox.FailpointAfterRelayClaim) > 0 })
+	stop()
+	mustEqual(t, "messages on the wire after a crash after the lease", len(e.wire("out_a")), 0)
+	mustEqual(t, "leased effects", e.count(`SELECT count(*) FROM outbox_effects WHERE next_attempt_at > now()`), 1)
+
+	// The lease runs out; a crash after the round's mark leaves what it sent marked, once on the wire.
+	if _, err := e.db.Exec(`UPDATE outbox_effects SET next_attempt_at = now()`); err != nil {
+		t.Fatal(err)
+	}
+	crashAt.Store(outbox.FailpointAfterRelayMark)
+	stop = startRun(t, e.ob)
+	waitFor(t, "a relay round to crash after its mark", func() bool { return hits(outbox.FailpointAfterRelayMark) > 0 })
+	stop()
+	mustEqual(t, "pending effects after a crash after the mark", e.pendingEffects(), 0)
+	wire := e.wire("out_a")
+	for _, id := range ids {
+		mustEqual(t, "copies on the wire of "+id, wire[id], 1)
+	}
+	if hits(outbox.FailpointAfterPublish) == 0 {
+		t.Error("the relay's publish did not reach its failpoint")
+	}
 }
