@@ -21,7 +21,6 @@ done
 work=$(mktemp -d)
 trap 'rm -rf "${work}"' EXIT
 
-failed=0
 # check NAME EXPECT SPIN-FLAGS...: EXPECT is "pass" or the invariant the run must break. States are
 # stored hash-compacted: 32 bits of each beside its slot in a 2^25-slot table, so that a state is
 # skipped only when two of n states share 57 bits (chance about n^2/2^58: 2e-4 for the quick
@@ -31,7 +30,9 @@ check() {
 	local name=$1 expect=$2
 	shift 2
 	local dir="${work}/${name}" cc=(-O2 -w -DSAFETY -DHC4 -DMEMLIM=2000) run=(-m50000 -w25)
+	local failed=0
 	mkdir -p "${dir}"
+	trap 'echo "${failed}" >"${dir}/failed"' RETURN
 	cp "${here}/outbox.pml" "${dir}/"
 	local start=${SECONDS}
 	if ! (cd "${dir}" && spin -a "$@" outbox.pml >spin.out 2>&1 && gcc "${cc[@]}" -o pan pan.c >gcc.out 2>&1 &&
@@ -69,31 +70,45 @@ check() {
 	fi
 }
 
+# The runs go in parallel (a core each, where there are several); their lines come in order.
+runs=()
+start() {
+	runs+=("$1")
+	check "$@" >"${work}/$1.log" 2>&1 &
+}
 case ${mode} in
 quick)
 	# The protocol as fixed: 2 messages, 2 copies each on an optimistic and a pessimistic (or
 	# database/sql) instance, a crash at any step; and 1 message with more crashes and failures.
-	check fixed-2msg pass -DNM=2 -DMAXCRASH=1 -DMAXFAIL=0
-	check fixed-faults pass -DNM=1 -DMAXCRASH=2 -DMAXFAIL=2
+	start fixed-2msg pass -DNM=2 -DMAXCRASH=1 -DMAXFAIL=0
+	start fixed-faults pass -DNM=1 -DMAXCRASH=2 -DMAXFAIL=2
 	# The protocol as it was: each defect is found.
-	check old-sweep eventually_sent -DNM=1 -DMAXCRASH=1 -DMAXFAIL=1 -DOLD_SWEEP
-	check old-round lease_held -DNM=1 -DMAXCRASH=1 -DMAXFAIL=1 -DOLD_ROUND
-	check old-blind eventually_sent -DNM=1 -DMAXCRASH=1 -DMAXFAIL=1 -DOLD_BLIND
+	start old-sweep eventually_sent -DNM=1 -DMAXCRASH=1 -DMAXFAIL=1 -DOLD_SWEEP
+	start old-round lease_held -DNM=1 -DMAXCRASH=1 -DMAXFAIL=1 -DOLD_ROUND
+	start old-blind eventually_sent -DNM=1 -DMAXCRASH=1 -DMAXFAIL=1 -DOLD_BLIND
 	;;
 full)
 	# Larger bounds: a failure among 2 messages; 1 message with more crashes and failures and a
 	# slower clock (leases and grace of several ticks); each old defect among 2 messages.
-	check fixed-2msg-failure pass -DNM=2 -DMAXCRASH=0 -DMAXFAIL=1
-	check fixed-1msg-slow pass -DNM=1 -DMAXCRASH=3 -DMAXFAIL=2 -DTMAX=3 -DGRACE=1
-	check old-sweep-2msg eventually_sent -DNM=2 -DMAXCRASH=1 -DMAXFAIL=1 -DOLD_SWEEP
-	check old-round-2msg lease_held -DNM=2 -DMAXCRASH=1 -DMAXFAIL=1 -DOLD_ROUND
-	check old-blind-2msg eventually_sent -DNM=2 -DMAXCRASH=1 -DMAXFAIL=0 -DOLD_BLIND
+	start fixed-2msg-failure pass -DNM=2 -DMAXCRASH=0 -DMAXFAIL=1
+	start fixed-1msg-slow pass -DNM=1 -DMAXCRASH=3 -DMAXFAIL=2 -DTMAX=3 -DGRACE=1
+	start old-sweep-2msg eventually_sent -DNM=2 -DMAXCRASH=1 -DMAXFAIL=1 -DOLD_SWEEP
+	start old-round-2msg lease_held -DNM=2 -DMAXCRASH=1 -DMAXFAIL=1 -DOLD_ROUND
+	start old-blind-2msg eventually_sent -DNM=2 -DMAXCRASH=1 -DMAXFAIL=0 -DOLD_BLIND
 	;;
 *)
 	echo "usage: $0 quick|full" >&2
 	exit 2
 	;;
 esac
+wait
+failed=0
+for name in "${runs[@]}"; do
+	cat "${work}/${name}.log"
+	if [[ $(cat "${work}/${name}/failed" 2>/dev/null) != 0 ]]; then
+		failed=1
+	fi
+done
 if [[ ${failed} != 0 ]]; then
 	echo "model: FAILED" >&2
 	exit 1
