@@ -89,11 +89,12 @@ quick)
 	;;
 full)
 	# Larger bounds: a failure among 2 messages; 1 message with more crashes and failures and a
-	# slower clock (leases and grace of several ticks); each old defect among 2 messages.
-	start fixed-2msg-failure pass -DNM=2 -DMAXCRASH=0 -DMAXFAIL=1
-	start fixed-1msg-slow pass -DNM=1 -DMAXCRASH=3 -DMAXFAIL=2 -DTMAX=3 -DGRACE=1
-	start old-sweep-2msg eventually_sent -DNM=2 -DMAXCRASH=1 -DMAXFAIL=1 -DOLD_SWEEP
-	start old-round-2msg lease_held -DNM=2 -DMAXCRASH=1 -DMAXFAIL=1 -DOLD_ROUND
+	# slower clock (leases and grace of several ticks); each old defect among 2 messages. One at
+	# a time: each may take up to 2 GB.
+	start fixed-2msg-failure pass -DNM=2 -DMAXCRASH=0 -DMAXFAIL=1 && wait
+	start fixed-1msg-slow pass -DNM=1 -DMAXCRASH=3 -DMAXFAIL=2 -DTMAX=3 -DGRACE=1 && wait
+	start old-sweep-2msg eventually_sent -DNM=2 -DMAXCRASH=1 -DMAXFAIL=1 -DOLD_SWEEP && wait
+	start old-round-2msg lease_held -DNM=2 -DMAXCRASH=1 -DMAXFAIL=1 -DOLD_ROUND && wait
 	start old-blind-2msg eventually_sent -DNM=2 -DMAXCRASH=1 -DMAXFAIL=0 -DOLD_BLIND
 	;;
 *)
