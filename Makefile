@@ -10,7 +10,7 @@
 
 GO ?= go
 
-.PHONY: test fmt-check vet bench example alerts-test
+.PHONY: test fmt-check vet bench example alerts-test model model-full
 
 # The steps run strictly in this order (also under make -j).
 test:
@@ -22,6 +22,7 @@ test:
 	cd bench && $(GO) vet ./...
 	cd drivers/outboxpgx && $(GO) vet ./...
 	GO=$(GO) ./scripts/depcheck.sh
+	@$(MAKE) --no-print-directory model
 	$(GO) test -race -count=1 -timeout 20m ./...
 	cd drivers/outboxpgx && $(GO) test -race -count=1 -timeout 10m ./...
 	cd examples/order-processing && $(GO) test -race -count=1 -timeout 10m ./...
@@ -50,6 +51,15 @@ E2E_FLAGS ?= -v
 e2e:
 	cd e2e && $(GO) test -race -count=1 -timeout 10m $(E2E_FLAGS) -skip '^TestRabbitMQ' ./...
 	cd e2e && $(GO) test -count=1 -timeout 10m $(E2E_FLAGS) -run '^TestRabbitMQ' ./...
+
+# The protocol's model (model/outbox.pml, docs/protocol.md), checked with SPIN (apt-get install spin):
+# the protocol as fixed keeps every invariant, and each old variant is caught breaking its own.
+# `model` uses the quick bounds (under a minute, part of make test); `model-full` larger ones.
+model:
+	./model/check.sh quick
+
+model-full:
+	./model/check.sh full
 
 fmt-check:
 	@unformatted="$$(find . \( -path ./vendor -o -path ./.git \) -prune -o -name '*.go' -print0 | xargs -0 -r gofmt -l)"; \

@@ -160,18 +160,33 @@ type Config struct {
 	HealthMaxPendingAge time.Duration
 	HealthMaxParked     int64
 
-	// Failpoint, when set, is called at each named step of a unit of work (see the Failpoint*
-	// constants); a non-nil error aborts the unit of work there as a crash would. For tests.
+	// Failpoint, when set, is called at each named step of a unit of work, a relay round and the
+	// relay's sweep of inline effects (see the Failpoint* constants, and docs/protocol.md for the steps); a
+	// non-nil error aborts the unit of work, round or sweep there as a crash would. For tests.
 	Failpoint func(ctx context.Context, point string) error
 }
 
-// Names of the failpoints passed to Config.Failpoint, in the order they are reached.
+// Names of the failpoints passed to Config.Failpoint, in the order they are reached. Each is a
+// step of the protocol's model (model/outbox.pml, docs/protocol.md), and TestModelFailpoints
+// keeps the two lists equal.
 const (
 	FailpointAfterClaim   = "after-claim"
 	FailpointAfterHandler = "after-handler"
 	FailpointAfterCommit  = "after-commit"
-	FailpointAfterPublish = "after-publish" // after each publish call or applier call
+	FailpointAfterPublish = "after-publish" // after each publish call or applier call, on every path
 	FailpointAfterMark    = "after-mark"
+	// FailpointAfterMaterialize follows the move of a message's inline effects to rows (a failed
+	// dispatch, a redelivery that sends them).
+	FailpointAfterMaterialize = "after-materialize"
+	// FailpointAfterRelayClaim follows the lease of a relay round's effects; FailpointAfterRelayMark
+	// the mark of those it sent, before the failures of the others are recorded.
+	FailpointAfterRelayClaim = "after-relay-claim"
+	FailpointAfterRelayMark  = "after-relay-mark"
+	// FailpointAfterSweepMove and FailpointBeforeSweepWatermark are steps of the relay's sweep of
+	// inline effects left behind, inside its transaction: after the move to rows, and before the
+	// watermark advances. A failure there rolls the whole sweep back.
+	FailpointAfterSweepMove       = "after-sweep-move"
+	FailpointBeforeSweepWatermark = "before-sweep-watermark"
 )
 
 const (

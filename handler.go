@@ -527,6 +527,9 @@ func (o *Outbox) materialize(ctx context.Context, src Source, effects []Effect, 
 	if err != nil {
 		return nil, fmt.Errorf("outbox: move the inline side effects of %q for %q to the relay: %w", src.ID, src.Consumer, err)
 	}
+	if err := o.failpoint(ctx, FailpointAfterMaterialize); err != nil {
+		return nil, err
+	}
 	// An effect is its source's seq-th record: one message (one UUID) may go to several topics.
 	byPos := make(map[effectPos]Effect, len(rows))
 	for _, r := range rows {

@@ -61,6 +61,15 @@ func New(cfg Config) (*Outbox, error) {
 		return nil, fmt.Errorf("outbox: invalid config: %w", err)
 	}
 	logger, storeErrs := cfg.Logger, &oncePer{}
+	var storeFailpoint func(context.Context, string) error
+	if fp := cfg.Failpoint; fp != nil {
+		storeFailpoint = func(ctx context.Context, point string) error {
+			if err := fp(ctx, point); err != nil {
+				return fmt.Errorf("%w %s: %w", ErrFailpoint, point, err)
+			}
+			return nil
+		}
+	}
 	st, err := cfg.Driver.Open(cfg.DB, outboxdriver.StoreOptions{
 		Schema: cfg.Schema, TablePrefix: cfg.TablePrefix, DeleteDispatched: cfg.EffectRetention == 0,
 		OnError: func(what string, err error) {
@@ -68,6 +77,7 @@ func New(cfg Config) (*Outbox, error) {
 				logger.Error("outbox: "+what+" failed", err, nil)
 			}
 		},
+		Failpoint: storeFailpoint,
 	})
 	if err != nil {
 		return nil, fmt.Errorf("outbox: open store: %w", err)

@@ -45,6 +45,9 @@ func (o *Outbox) relayOnce(ctx context.Context) error {
 		}
 		o.tel.lastRelayRound.Store(time.Now().UnixNano())
 		if n := len(claim.Effects); n > 0 {
+			if err := o.failpoint(ctx, FailpointAfterRelayClaim); err != nil {
+				return err
+			}
 			o.tel.relayRounds.Add(ctx, 1)
 			o.tel.relayEffects.Record(ctx, int64(n))
 			sending := time.Now()
@@ -144,6 +147,9 @@ func (o *Outbox) relayRound(ctx context.Context, claimed []Effect, deadline time
 			time.Sleep(pause)
 			pause = min(2*pause, time.Second)
 		}
+	}
+	if o.failpoint(wctx, FailpointAfterRelayMark) != nil {
+		return stalled // as a crash: the failures go unrecorded, the effects are due again when the lease ends
 	}
 	if len(fails) > 0 {
 		if err := o.store.EffectRecordFailures(wctx, fails...); err != nil {

@@ -83,6 +83,9 @@ type StoreOptions struct {
 	// was asked (the postgres driver's move of inline effects left behind, before a relay claim),
 	// which must not fail the call it rides on.
 	OnError func(what string, err error)
+	// Failpoint, when set, is Config.Failpoint: a store calls it at the named steps of the work
+	// it does on its own (the sweep of inline effects), and stops there with its error.
+	Failpoint func(ctx context.Context, point string) error
 }
 
 // Store is the storage contract the framework needs from a database. The drivers/ packages

@@ -38,6 +38,7 @@ type inline struct {
 	q                inlineQueries
 	deleteDispatched bool
 	onError          func(what string, err error)
+	failpoint        func(ctx context.Context, point string) error // StoreOptions.Failpoint, or nil
 
 	lastSweep atomic.Int64 // UnixNano of the last sweep of inline effects left behind
 }
@@ -323,6 +324,9 @@ func (s *inline) sweepBatch(ctx context.Context, grace time.Duration) (int, erro
 			return err
 		}
 		taken += len(undecodable)
+		if err := s.fail(ctx, "after-sweep-move"); err != nil { // outbox.FailpointAfterSweepMove
+			return err
+		}
 		if len(undecodable) > 0 {
 			// Set aside, so that they neither hold the watermark back nor fill every batch.
 			keys := make([]claimKey, len(undecodable))
@@ -345,6 +349,9 @@ func (s *inline) sweepBatch(ctx context.Context, grace time.Duration) (int, erro
 		if left.Valid && left.Int64 < to {
 			to = left.Int64
 		}
+		if err := s.fail(ctx, "before-sweep-watermark"); err != nil { // outbox.FailpointBeforeSweepWatermark
+			return err
+		}
 		_, err = tx.ExecContext(ctx, s.q.sweptTo, to)
 		return wrapErr(s.SQL, err)
 	})
@@ -352,6 +359,15 @@ func (s *inline) sweepBatch(ctx context.Context, grace time.Duration) (int, erro
 		s.onError("moving inline effects left behind to the relay", setAsideError(undecodable))
 	}
 	return taken, err
+}
+
+// fail calls Config.Failpoint at a step of the sweep; the names are outbox.Failpoint*, which this
+// package cannot import.
+func (s *inline) fail(ctx context.Context, point string) error {
+	if s.failpoint == nil {
+		return nil
+	}
+	return s.failpoint(ctx, point)
 }
 
 // setAsideError reports claims whose inline effects could not be decoded and were set aside.

@@ -78,7 +78,8 @@ func (d Driver) Open(db *sql.DB, opts outboxdriver.StoreOptions) (outboxdriver.S
 	if err != nil {
 		return nil, err
 	}
-	return &inline{SQL: st, db: db, q: newInlineQueries(names), deleteDispatched: opts.DeleteDispatched, onError: opts.OnError}, nil
+	return &inline{SQL: st, db: db, q: newInlineQueries(names), deleteDispatched: opts.DeleteDispatched, onError: opts.OnError,
+		failpoint: opts.Failpoint}, nil
 }
 
 // Migrations returns the migrations of the outbox tables for schema (empty: DefaultSchema) and
