@@ -1,0 +1,319 @@
+// Package campaign is the randomized fault campaign: many short runs, each a random schedule of
+// deliveries of a few messages to three instances (of one form, or of several forms on the same
+// tables and consumer group), with faults injected everywhere, checked effect by effect against the
+// guarantee at the end. The root module runs it on the database/sql form; drivers/outboxpgx on the
+// pgx form in both modes and on mixed deployments. Every run is replayable from its seed.
+//
+//	go test -run TestFaultCampaign . -args -campaign.runs=400     # more runs (or OUTBOX_CAMPAIGN_RUNS)
+//	go test -run TestFaultCampaign . -args -campaign.seed=1234    # replay one run
+//	go test -run TestFaultCampaign . -args -campaign.off=clock-step,held-claim   # without scenarios
+//	go test -run TestFaultCampaign . -args -campaign.on=big-unit  # with scenarios that are off by default
+package campaign
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"flag"
+	"fmt"
+	"maps"
+	"os"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/watermill-outbox/outbox"
+	"github.com/watermill-outbox/outbox/drivers/postgres"
+)
+
+var (
+	flagRuns = flag.Int("campaign.runs", 0, "fault campaign: number of runs (default $OUTBOX_CAMPAIGN_RUNS, else the test's own)")
+	flagSeed = flag.Uint64("campaign.seed", 0, "fault campaign: run only this seed")
+	flagOff  = flag.String("campaign.off", "", "fault campaign: comma-separated scenarios to leave out (default $OUTBOX_CAMPAIGN_OFF)")
+	flagDep  = flag.String("campaign.deployment", "", "fault campaign: run only the deployment of this name")
+	flagAll  = flag.Bool("campaign.keepgoing", false, "fault campaign: go on after a failed run, and list the failed seeds at the end")
+	flagOn   = flag.String("campaign.on", "", "fault campaign: comma-separated scenarios to run that are off by default, or all (default $OUTBOX_CAMPAIGN_ON)")
+)
+
+// Scenarios are the named parts of a schedule that can be switched off (-campaign.off) one by one.
+// The faults of every delivery (failing, losing, panicking and hanging publishes, failing,
+// panicking and slow handlers, cancelled contexts, killed connections, savepoints rolled back,
+// effects recorded from several goroutines) are always on.
+var Scenarios = map[string]string{
+	"crash":       "a delivery crashes at a failpoint (each of them is reached in a campaign)",
+	"copy-during": "a copy of the message is delivered to another instance while the original's handler runs",
+	"copy-after":  "a copy is delivered to another instance after the original committed, before it dispatched",
+	"late-copies": "copies arrive after the message was acked",
+	"topic-fails": "the broker refuses the first calls for one topic (on every path, the relay's too)",
+	"shared-uuid": "one message (one UUID) is published to two topics in one unit of work",
+	"big-unit":    "one unit of work records 9,400 effects, more than one statement's bind parameters hold (rare)",
+	"held-claim":  "a claim becomes visible later than the sweep's look-back behind its timestamp (simulated), and its unit crashes after commit",
+	"clock-step":  "the database clock runs 10 minutes ahead for a moment and steps back (simulated on the claims and the sweep's watermark)",
+	"relay-one":   "the final drain runs on one instance chosen at random, not on all",
+}
+
+// Form is one way to build an instance of the framework.
+type Form struct {
+	Name string
+	// Open builds an instance on the database dsn from cfg (Publisher, TablePrefix, Failpoint and
+	// the timings set; DB and Driver unset); close releases what it opened.
+	Open func(dsn string, cfg outbox.Config) (ob *outbox.Outbox, close func(), err error)
+	// Exec runs a statement in the transaction of the unit of work in ctx.
+	Exec func(ctx context.Context, query string, args ...any) error
+	// Savepoint begins a savepoint in that transaction; rollback rolls back to it.
+	Savepoint func(ctx context.Context) (rollback func() error, err error)
+	// MovesInline: the form's relay moves the inline effects left behind in claims (the pgx form,
+	// in either mode: docs/pgx.md). When a deployment has such a form, the relay-one drain runs on
+	// one of them.
+	MovesInline bool
+}
+
+// SQLForm is the database/sql form (lib/pq, drivers/postgres).
+func SQLForm() Form {
+	return Form{
+		Name: "database/sql",
+		Open: func(dsn string, cfg outbox.Config) (*outbox.Outbox, func(), error) {
+			db, err := sql.Open("postgres", dsn)
+			if err != nil {
+				return nil, nil, err
+			}
+			cfg.DB, cfg.Driver = db, postgres.Driver{}
+			ob, err := outbox.New(cfg)
+			if err != nil {
+				_ = db.Close()
+				return nil, nil, err
+			}
+			return ob, func() { _ = ob.Close(); _ = db.Close() }, nil
+		},
+		Exec: func(ctx context.Context, query string, args ...any) error {
+			_, err := outbox.Tx(ctx).ExecContext(ctx, query, args...)
+			return err
+		},
+		Savepoint: func(ctx context.Context) (func() error, error) {
+			tx := outbox.Tx(ctx)
+			if _, err := tx.ExecContext(ctx, `SAVEPOINT campaign`); err != nil {
+				return nil, err
+			}
+			return func() error {
+				_, err := tx.ExecContext(ctx, `ROLLBACK TO SAVEPOINT campaign`)
+				return err
+			}, nil
+		},
+	}
+}
+
+// Deployment is the instances of one run: three of them, one per form given (a form may repeat).
+type Deployment struct {
+	Name  string
+	Forms []Form
+	// Shuffle puts the instances in a random order each run, so that any form may get the first
+	// delivery, the copies and the drain.
+	Shuffle bool
+}
+
+// Options configure a campaign.
+type Options struct {
+	// Deployments: run i (seed s) uses Deployments[s % len].
+	Deployments []Deployment
+	// Runs is the number of runs by default (-campaign.runs and $OUTBOX_CAMPAIGN_RUNS override it).
+	Runs int
+	// CoverageRuns: a campaign of at least this many runs must reach every failpoint and every
+	// outcome it is for. Zero: Runs.
+	CoverageRuns int
+	// Off lists the scenarios that run only when switched on (-campaign.on), with why.
+	Off map[string]string
+	// Replay is the command that replays one seed, with %d for the seed.
+	Replay string
+}
+
+// Run runs the campaign on a fresh database dsn, each run on tables of its own.
+func Run(t *testing.T, dsn string, o Options) {
+	if len(o.Deployments) == 0 {
+		t.Fatal("campaign: no deployment")
+	}
+	runs := *flagRuns
+	if runs == 0 {
+		runs = o.Runs
+		if v := os.Getenv("OUTBOX_CAMPAIGN_RUNS"); v != "" {
+			n, err := strconv.Atoi(v)
+			if err != nil || n <= 0 {
+				t.Fatalf("OUTBOX_CAMPAIGN_RUNS=%q: want a positive number", v)
+			}
+			runs = n
+		}
+	}
+	if *flagDep != "" {
+		var keep []Deployment
+		for _, d := range o.Deployments {
+			if d.Name == *flagDep {
+				keep = append(keep, d)
+			}
+		}
+		if len(keep) == 0 {
+			t.Fatalf("campaign: no deployment %q", *flagDep)
+		}
+		o.Deployments = keep
+	}
+	on, err := scenarios(o.Off)
+	if err != nil {
+		t.Fatal(err)
+	}
+	seeds := make([]uint64, runs)
+	base := uint64(time.Now().UnixNano())
+	for i := range seeds {
+		seeds[i] = base + uint64(i)
+	}
+	if *flagSeed != 0 {
+		seeds = []uint64{*flagSeed}
+	}
+	db, err := sql.Open("postgres", dsn)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer db.Close()
+	var off []string
+	for name := range Scenarios {
+		if !on[name] {
+			off = append(off, name)
+		}
+	}
+	slices.Sort(off)
+	if len(off) > 0 {
+		t.Logf("scenarios off: %s (switch on with -campaign.on=%s)", strings.Join(off, ","), strings.Join(off, ","))
+	}
+	st := &stats{outcomes: map[string]int{}}
+	began := time.Now()
+	var failed []string
+	for i, seed := range seeds {
+		d := o.Deployments[seed%uint64(len(o.Deployments))]
+		c := &run{t: t, db: db, dsn: dsn, n: i, seed: seed, dep: d, on: on, stats: st}
+		if !c.do() {
+			if !*flagAll {
+				t.Fatalf("fault campaign run %d (%s, seed %d) failed; replay it with: %s", i, d.Name, seed, fmt.Sprintf(o.Replay, seed))
+			}
+			failed = append(failed, fmt.Sprintf("%d (%s)", seed, d.Name))
+		}
+	}
+	if len(failed) > 0 {
+		t.Fatalf("%d of %d runs failed, seeds: %s; replay one with: %s", len(failed), len(seeds), strings.Join(failed, ", "), o.Replay)
+	}
+	t.Logf("%d runs passed in %s: %d deliveries; outcomes %v", len(seeds), time.Since(began).Round(time.Second), st.deliveries, st.outcomes)
+	coverage := o.CoverageRuns
+	if coverage == 0 {
+		coverage = o.Runs
+	}
+	if len(seeds) < coverage {
+		return
+	}
+	// The campaign must have reached the paths it is for.
+	want := []string{"acked", "dispatch failed", "handler panicked", "handler failed", "timed out"}
+	if on["crash"] {
+		for _, p := range failpoints {
+			want = append(want, "crash@"+p)
+		}
+	}
+	for _, s := range []string{"copy-during", "copy-after", "shared-uuid", "topic-fails", "held-claim", "clock-step"} {
+		if on[s] {
+			want = append(want, s)
+		}
+	}
+	for _, w := range want {
+		if st.outcomes[w] == 0 {
+			t.Errorf("%q was never reached in %d runs: the campaign does not exercise that path", w, len(seeds))
+		}
+	}
+}
+
+// scenarios returns which scenarios are on: all but those of defaultOff, less -campaign.off, plus
+// -campaign.on.
+func scenarios(defaultOff map[string]string) (map[string]bool, error) {
+	on := map[string]bool{}
+	for name := range Scenarios {
+		on[name] = defaultOff[name] == ""
+	}
+	list := func(flagValue, env string) []string {
+		v := flagValue
+		if v == "" {
+			v = os.Getenv(env)
+		}
+		var out []string
+		for _, s := range strings.Split(v, ",") {
+			if s = strings.TrimSpace(s); s != "" {
+				out = append(out, s)
+			}
+		}
+		return out
+	}
+	for _, s := range list(*flagOn, "OUTBOX_CAMPAIGN_ON") {
+		if s == "all" {
+			for name := range Scenarios {
+				on[name] = true
+			}
+			continue
+		}
+		if _, ok := Scenarios[s]; !ok {
+			return nil, fmt.Errorf("campaign: unknown scenario %q (known: %s)", s, strings.Join(slices.Sorted(maps.Keys(Scenarios)), ", "))
+		}
+		on[s] = true
+	}
+	for _, s := range list(*flagOff, "OUTBOX_CAMPAIGN_OFF") {
+		if _, ok := Scenarios[s]; !ok {
+			return nil, fmt.Errorf("campaign: unknown scenario %q (known: %s)", s, strings.Join(slices.Sorted(maps.Keys(Scenarios)), ", "))
+		}
+		on[s] = false
+	}
+	return on, nil
+}
+
+var failpoints = []string{outbox.FailpointAfterClaim, outbox.FailpointAfterHandler, outbox.FailpointAfterCommit,
+	outbox.FailpointAfterPublish, outbox.FailpointAfterMark}
+
+// stats counts how the deliveries of a campaign ended, and which scenarios it reached.
+type stats struct {
+	mu         sync.Mutex
+	deliveries int
+	outcomes   map[string]int
+}
+
+func (s *stats) add(err error) {
+	kind := "other error"
+	switch {
+	case err == nil:
+		kind = "acked"
+	case errors.Is(err, outbox.ErrFailpoint):
+		kind = "crash"
+		for _, p := range failpoints {
+			if strings.Contains(err.Error(), "failpoint "+p+":") {
+				kind = "crash@" + p
+			}
+		}
+	case errors.Is(err, outbox.ErrDispatchFailed):
+		kind = "dispatch failed"
+	case errors.Is(err, outbox.ErrHandlerPanicked):
+		kind = "handler panicked"
+	case errors.Is(err, context.DeadlineExceeded):
+		kind = "timed out"
+	case errors.Is(err, outbox.ErrCommitOutcomeUnknown):
+		kind = "commit outcome unknown"
+	case strings.Contains(err.Error(), "cancelled"):
+		kind = "cancelled"
+	case strings.Contains(err.Error(), "handler failed"):
+		kind = "handler failed"
+	case strings.Contains(err.Error(), "connection killed"):
+		kind = "connection killed"
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.deliveries++
+	s.outcomes[kind]++
+}
+
+// reached counts a scenario that a run went through.
+func (s *stats) reached(name string) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.outcomes[name]++
+}

@@ -1,0 +1,235 @@
+package campaign
+
+import (
+	"fmt"
+	"slices"
+	"strings"
+	"sync/atomic"
+
+	"github.com/watermill-outbox/outbox/outboxdriver"
+	"github.com/watermill-outbox/outbox/store"
+)
+
+// pending returns how many committed effects are not sent yet: effect rows, and claims still
+// holding inline effects.
+func (c *run) pending() int {
+	for _, ob := range c.procs {
+		ob.FlushMarks()
+	}
+	var rows, inline int
+	if err := c.db.QueryRow(`SELECT (SELECT count(*) FROM `+c.prefix+`effects WHERE dispatched_at IS NULL),
+		(SELECT count(*) FROM `+c.prefix+`processed WHERE effects IS NOT NULL)`).Scan(&rows, &inline); err != nil {
+		c.t.Fatal(err)
+	}
+	return rows + inline
+}
+
+// effect is one committed side effect.
+type effect struct {
+	source  string // the message ID (one consumer)
+	seq     int
+	topic   string
+	uuid    string
+	payload string
+	where   string // "row", "dispatched" or "inline"
+}
+
+func (e effect) String() string {
+	return fmt.Sprintf("(%s, seq %d, %s, %s, %q, %s)", e.source[:8], e.seq, e.topic, e.uuid, e.payload, e.where)
+}
+
+// committed reads every committed effect: pending rows, dispatched ones kept for EffectRetention,
+// and inline ones still in their claims.
+func (c *run) committed() []effect {
+	t := c.t
+	var out []effect
+	rows, err := c.db.Query(`SELECT source_consumer, source_id, seq, topic, uuid, payload, 'row' FROM ` + c.prefix + `effects
+		UNION ALL SELECT source_consumer, source_id, seq, topic, uuid, payload, 'dispatched' FROM ` + c.prefix + `dispatched`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for rows.Next() {
+		var e effect
+		var cons string
+		var payload []byte
+		if err := rows.Scan(&cons, &e.source, &e.seq, &e.topic, &e.uuid, &payload, &e.where); err != nil {
+			t.Fatal(err)
+		}
+		e.payload = string(payload)
+		out = append(out, e)
+	}
+	if err := rows.Err(); err != nil {
+		t.Fatal(err)
+	}
+	rows.Close()
+	rows, err = c.db.Query(`SELECT consumer, message_id, effects FROM ` + c.prefix + `processed WHERE effects IS NOT NULL`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer rows.Close()
+	for rows.Next() {
+		var src outboxdriver.Source
+		var blob []byte
+		if err := rows.Scan(&src.Consumer, &src.ID, &blob); err != nil {
+			t.Fatal(err)
+		}
+		effects, err := store.DecodeEffects(blob, src)
+		if err != nil {
+			c.fail("inline effects of %s: %v", src.ID, err)
+			continue
+		}
+		for _, d := range effects {
+			out = append(out, effect{source: src.ID, seq: d.Seq, topic: d.Topic, uuid: d.UUID, payload: string(d.Payload), where: "inline"})
+		}
+	}
+	if err := rows.Err(); err != nil {
+		t.Fatal(err)
+	}
+	return out
+}
+
+// wireCopy is one copy on a broker topic.
+type wireCopy struct {
+	topic, uuid, payload string
+}
+
+func (c *run) wire() []wireCopy {
+	var out []wireCopy
+	for _, topic := range c.topics {
+		rows, err := c.db.Query(`SELECT uuid, payload FROM "watermill_` + topic + `" ORDER BY "offset"`)
+		if err != nil {
+			c.t.Fatal(err)
+		}
+		for rows.Next() {
+			w := wireCopy{topic: topic}
+			var payload []byte
+			if err := rows.Scan(&w.uuid, &payload); err != nil {
+				c.t.Fatal(err)
+			}
+			w.payload = string(payload)
+			out = append(out, w)
+		}
+		if err := rows.Err(); err != nil {
+			c.t.Fatal(err)
+		}
+		rows.Close()
+	}
+	return out
+}
+
+// check checks the guarantee effect by effect (source, sequence, topic, UUID): each business
+// change applied once (at most once for a message never acked), every committed effect sent on
+// its topic with exactly the UUID it committed with, nothing sent that did not commit, and the
+// effects of each message sent in the order they were recorded (their ordering key).
+func (c *run) check(specs []*spec, acked []atomic.Bool) {
+	t := c.t
+	// Bound the report: one defect can fail thousands of effects of a big unit.
+	reported := 0
+	fail := func(format string, args ...any) {
+		reported++
+		switch {
+		case reported <= 25:
+			c.fail(format, args...)
+		case reported == 26:
+			c.fail("(further failures of this run not shown)")
+		}
+	}
+	if n := c.pending(); n > 0 {
+		var parked, inline int
+		if err := c.db.QueryRow(`SELECT (SELECT count(*) FROM `+c.prefix+`effects WHERE parked_at IS NOT NULL),
+			(SELECT count(*) FROM `+c.prefix+`processed WHERE effects IS NOT NULL)`).Scan(&parked, &inline); err != nil {
+			t.Fatal(err)
+		}
+		fail("%d effects still pending after the relays ran for %s (%d parked effect rows, %d claims holding inline effects)", n, drainFor, parked, inline)
+	}
+
+	for i, sp := range specs {
+		var n int
+		if err := c.db.QueryRow(`SELECT count(*) FROM `+c.applied+` WHERE message_id = $1`, sp.id).Scan(&n); err != nil {
+			t.Fatal(err)
+		}
+		if n > 1 || (n != 1 && acked[i].Load()) {
+			fail("message %s applied %d times (acked: %v)", sp.id, n, acked[i].Load())
+		}
+	}
+
+	all := c.committed()
+	bySource := map[string][]effect{}
+	byKey := map[[2]string]effect{}   // (source, seq)
+	byWire := map[wireKey]effect{}    // (topic, UUID)
+	byPayload := map[wireKey]effect{} // (topic, payload)
+	for _, e := range all {
+		k := [2]string{e.source, fmt.Sprint(e.seq)}
+		if prev, ok := byKey[k]; ok {
+			fail("effect %s committed twice: %v and %v", k, prev, e)
+		}
+		byKey[k] = e
+		if prev, ok := byWire[wireKey{e.topic, e.uuid}]; ok {
+			fail("two committed effects with one topic and UUID: %v and %v", prev, e)
+		}
+		byWire[wireKey{e.topic, e.uuid}] = e
+		byPayload[wireKey{e.topic, e.payload}] = e
+		bySource[e.source] = append(bySource[e.source], e)
+		if !strings.HasPrefix(e.payload, e.source+"/") {
+			fail("effect %v committed under another message's source", e)
+		}
+		if strings.HasSuffix(e.payload, "/undone") {
+			fail("effect %v (recorded in a rolled-back savepoint) committed", e)
+		}
+	}
+	for i, sp := range specs {
+		want := c.wantEffects(sp)
+		got := bySource[sp.id]
+		if !acked[i].Load() && len(got) == 0 {
+			continue
+		}
+		for _, w := range want {
+			if _, ok := byPayload[w]; !ok {
+				fail("effect %s to %s never committed (%d of %d effects of the message committed)", w.uuid, w.topic, len(got), len(want))
+			}
+		}
+		if len(got) != len(want) {
+			fail("message %s committed %d effects, want %d", sp.id, len(got), len(want))
+		}
+	}
+
+	// The wire: every copy is of a committed effect, on its topic, with its UUID; every committed
+	// effect has a copy.
+	sent := map[wireKey]int{}
+	for _, w := range c.wire() {
+		e, ok := byPayload[wireKey{w.topic, w.payload}]
+		switch {
+		case strings.HasSuffix(w.payload, "/undone"):
+			fail("%q (recorded in a rolled-back savepoint) reached %s", w.payload, w.topic)
+		case !ok:
+			fail("%q reached %s (UUID %s), but no effect with that payload committed to that topic", w.payload, w.topic, w.uuid)
+		case e.uuid != w.uuid:
+			fail("effect %v reached the wire with UUID %s", e, w.uuid)
+		}
+		sent[wireKey{w.topic, w.uuid}]++
+	}
+	for _, e := range all {
+		if sent[wireKey{e.topic, e.uuid}] == 0 {
+			fail("committed effect %v never reached %s", e, e.topic)
+		}
+	}
+
+	// Per-key order (the key of every effect here is its message): an effect never reaches the
+	// broker before one recorded before it by the same unit of work.
+	c.pub.mu.Lock()
+	defer c.pub.mu.Unlock()
+	for _, effects := range bySource {
+		slices.SortFunc(effects, func(a, b effect) int { return a.seq - b.seq })
+		prev, prevE := 0, effect{}
+		for _, e := range effects {
+			at, ok := c.pub.first[wireKey{e.topic, e.uuid}]
+			if !ok {
+				continue
+			}
+			if at < prev {
+				fail("effect %v reached the broker before %v, recorded before it", e, prevE)
+			}
+			prev, prevE = at, e
+		}
+	}
+}

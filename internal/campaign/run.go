@@ -1,0 +1,490 @@
+package campaign
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	wsql "github.com/ThreeDotsLabs/watermill-sql/v3/pkg/sql"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
+
+	"github.com/watermill-outbox/outbox"
+)
+
+const (
+	consumer  = "c"
+	messages  = 12
+	instances = 3
+	// drainFor bounds the final drain by the relays.
+	drainFor = 30 * time.Second
+	// lookBack is more than the sweep of inline effects looks behind where it got to (a minute).
+	lookBack = "interval '2 minutes'"
+	// clockStep is how far ahead the database clock runs in the clock-step scenario.
+	clockStep = "interval '10 minutes'"
+)
+
+// run is one run of the campaign: its own tables (a prefix of its own) and topics.
+type run struct {
+	t     *testing.T
+	db    *sql.DB // the test's view of the database, and the broker's
+	dsn   string
+	n     int
+	seed  uint64
+	dep   Deployment
+	on    map[string]bool
+	stats *stats
+
+	r       *rand.Rand
+	prefix  string
+	topics  [2]string
+	applied string
+	forms   []Form
+	procs   []*outbox.Outbox
+	pub     *publisher
+	timeout time.Duration // HandlerTimeout
+
+	clockAhead atomic.Bool // claims committed now are stamped clockStep ahead
+	failed     atomic.Bool
+	logMu      sync.Mutex
+	log        strings.Builder
+}
+
+func (c *run) fail(format string, args ...any) {
+	c.failed.Store(true)
+	c.t.Errorf("run %d (%s, seed %d): %s", c.n, c.dep.Name, c.seed, fmt.Sprintf(format, args...))
+}
+
+// note adds a line to the run's log, shown when it fails.
+func (c *run) note(format string, args ...any) {
+	c.logMu.Lock()
+	defer c.logMu.Unlock()
+	fmt.Fprintf(&c.log, format+"\n", args...)
+}
+
+// exec runs a statement of the test's own on the database.
+func (c *run) exec(query string, args ...any) int64 {
+	res, err := c.db.Exec(query, args...)
+	if err != nil {
+		c.fail("%s: %v", query, err)
+		return 0
+	}
+	n, _ := res.RowsAffected()
+	return n
+}
+
+// do runs the schedule and checks the invariants; it returns false when some failed.
+func (c *run) do() bool {
+	t := c.t
+	c.r = rand.New(rand.NewPCG(c.seed, c.seed^0x9e3779b97f4a7c15))
+	r := c.r
+	c.prefix = fmt.Sprintf("c%d_", c.n)
+	c.topics = [2]string{fmt.Sprintf("campaign_%d_a", c.n), fmt.Sprintf("campaign_%d_b", c.n)}
+	c.applied = c.prefix + "applied"
+	if _, err := c.db.Exec(`CREATE TABLE ` + c.applied + ` (message_id text NOT NULL)`); err != nil {
+		t.Fatal(err)
+	}
+	schema := wsql.DefaultPostgreSQLSchema{GeneratePayloadType: func(string) string { return "BYTEA" }}
+	for _, topic := range c.topics {
+		for _, q := range schema.SchemaInitializingQueries(topic) {
+			if _, err := c.db.Exec(q.Query, q.Args...); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	broker, err := wsql.NewPublisher(c.db, wsql.PublisherConfig{SchemaAdapter: schema}, watermill.NopLogger{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	c.pub = &publisher{next: broker, stuck: make(chan struct{}), first: map[wireKey]int{}}
+	defer close(c.pub.stuck)
+
+	// Run-level choices, all drawn before anything runs, so that the seed replays the schedule.
+	bigAt := -1
+	if c.on["big-unit"] && r.IntN(8) == 0 {
+		bigAt = r.IntN(messages)
+	}
+	if c.on["topic-fails"] && r.IntN(2) == 0 {
+		c.pub.failTopic = c.topics[r.IntN(2)]
+		c.pub.failCalls.Store(int32(1 + r.IntN(4)))
+		c.note("the broker refuses the first %d calls for %s", c.pub.failCalls.Load(), c.pub.failTopic)
+		c.stats.reached("topic-fails")
+	}
+	clockAt := time.Duration(-1)
+	if c.on["clock-step"] && r.IntN(3) == 0 {
+		clockAt = time.Duration(50+r.IntN(400)) * time.Millisecond
+	}
+	anyHeld := false
+	relaysDuring := r.IntN(2) == 0
+	c.forms = append([]Form(nil), c.dep.Forms...)
+	if c.dep.Shuffle {
+		r.Shuffle(len(c.forms), func(i, j int) { c.forms[i], c.forms[j] = c.forms[j], c.forms[i] })
+	}
+	drainers := []int{0, 1, 2}
+	if c.on["relay-one"] && r.IntN(2) == 0 {
+		var candidates []int
+		for i, f := range c.forms {
+			if f.MovesInline {
+				candidates = append(candidates, i)
+			}
+		}
+		if len(candidates) == 0 {
+			candidates = drainers
+		}
+		drainers = []int{candidates[r.IntN(len(candidates))]}
+	}
+	var names []string
+	for i, f := range c.forms {
+		names = append(names, fmt.Sprintf("%d=%s", i, f.Name))
+	}
+	c.note("instances %s; drain by %v; relays during the deliveries: %v; big unit: message %d", strings.Join(names, " "), drainers, relaysDuring, bigAt)
+
+	c.timeout = 300 * time.Millisecond
+	publishTimeout := 200 * time.Millisecond
+	if bigAt >= 0 {
+		// 9,400 effects take longer than the usual bounds to record, commit and publish.
+		c.timeout, publishTimeout = 5*time.Second, 3*time.Second
+	}
+	cfg := outbox.Config{
+		TablePrefix:      c.prefix,
+		Publisher:        c.pub,
+		Logger:           watermill.NopLogger{},
+		EffectRetention:  time.Hour, // keep dispatched effects: the check compares them with the wire
+		MaxAttempts:      1000,
+		RetryDelay:       10 * time.Millisecond,
+		RetryDelayMax:    50 * time.Millisecond,
+		RelayMaxAttempts: 1000,
+		HandlerTimeout:   c.timeout,
+		PublishTimeout:   publishTimeout,
+		DuplicateWait:    100 * time.Millisecond,
+		RelayGrace:       200 * time.Millisecond,
+		RelayInterval:    50 * time.Millisecond,
+		StatsInterval:    -1,
+		Failpoint:        c.failpoint,
+	}
+	for _, f := range c.forms {
+		ob, closeFn, err := f.Open(c.dsn, cfg)
+		if err != nil {
+			t.Fatalf("open %s: %v", f.Name, err)
+		}
+		defer closeFn()
+		c.procs = append(c.procs, ob)
+	}
+	ctx := context.Background()
+	if err := c.procs[0].Migrate(ctx); err != nil {
+		t.Fatal(err)
+	}
+
+	// The schedule: each message is delivered until one delivery is acked (sometimes with a copy
+	// at the same moment, during the handler or after the commit, to another instance), then a
+	// few late copies arrive.
+	type schedule struct {
+		msg          *spec
+		plans        []*plan
+		procs        []int // the instance of each delivery: the plans', then the broker's redeliveries, then the late copies
+		concurrentAt int
+		late         int
+	}
+	scheds := make([]schedule, messages)
+	for i := range scheds {
+		sp := &spec{id: uuid.NewString(), shared: c.on["shared-uuid"] && r.IntN(3) == 0, big: i == bigAt, bigCalls: 1 + 9*r.IntN(2)}
+		s := schedule{msg: sp, concurrentAt: -1}
+		for range 16 {
+			s.plans = append(s.plans, randomPlan(r, sp, c.on))
+		}
+		if c.on["copy-during"] {
+			s.concurrentAt = r.IntN(4)
+		}
+		if c.on["late-copies"] {
+			s.late = r.IntN(3)
+		}
+		for range 16 + 8 + s.late + 1 {
+			s.procs = append(s.procs, r.IntN(instances))
+		}
+		for d, pl := range s.plans {
+			pl.copyTo = (s.procs[d] + 1 + r.IntN(instances-1)) % instances
+			anyHeld = anyHeld || pl.held
+		}
+		if sp.shared {
+			c.stats.reached("shared-uuid")
+		}
+		c.note("%s: shared UUID %v, big %v (in %d calls), concurrent copy at delivery %d, %d late; instances %v; plans %v", sp.id[:8], sp.shared, sp.big, sp.bigCalls,
+			s.concurrentAt, s.late, s.procs[:4], s.plans[:4])
+		scheds[i] = s
+	}
+	if anyHeld || clockAt >= 0 {
+		relaysDuring = true // the sweep's watermark moves only while a relay runs
+	}
+
+	runCtx, stopRelays := context.WithCancel(ctx)
+	var relays sync.WaitGroup
+	startRelays := func(which []int) {
+		for _, i := range which {
+			relays.Add(1)
+			go func() { defer relays.Done(); _ = c.procs[i].Run(runCtx) }()
+		}
+	}
+	if relaysDuring {
+		startRelays([]int{0, 1, 2})
+	}
+	var clock sync.WaitGroup
+	if clockAt >= 0 {
+		clock.Add(1)
+		go func() { defer clock.Done(); c.stepClock(clockAt, cfg.RelayGrace) }()
+	}
+
+	acked := make([]atomic.Bool, messages)
+	var wg sync.WaitGroup
+	for i, s := range scheds {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			var copies sync.WaitGroup
+			defer copies.Wait()
+			var lastMu sync.Mutex
+			var last error // the last failed delivery's error, for the report
+			deliver := func(proc int, pl *plan) error {
+				pl.startCopy = func() func() {
+					done := make(chan struct{})
+					copies.Add(1)
+					go func() {
+						defer copies.Done()
+						defer close(done)
+						if c.deliver(pl.copyTo, &plan{msg: s.msg}) == nil {
+							acked[i].Store(true)
+						}
+					}()
+					return func() { <-done }
+				}
+				err := c.deliver(proc, pl)
+				if err == nil {
+					acked[i].Store(true)
+				} else {
+					lastMu.Lock()
+					last = fmt.Errorf("delivery to instance %d (%s), plan %v: %w", proc, c.forms[proc].Name, pl, err)
+					lastMu.Unlock()
+				}
+				return err
+			}
+			for d := 0; d < len(s.plans) && !acked[i].Load(); d++ {
+				if d == s.concurrentAt {
+					var cw sync.WaitGroup
+					cw.Add(1)
+					go func() { defer cw.Done(); _ = deliver(s.plans[d].copyTo, &plan{msg: s.msg}) }()
+					_ = deliver(s.procs[d], s.plans[d])
+					cw.Wait()
+					continue
+				}
+				_ = deliver(s.procs[d], s.plans[d])
+			}
+			for d := 0; d < 8 && !acked[i].Load(); d++ { // the broker keeps redelivering
+				_ = deliver(s.procs[16+d], &plan{msg: s.msg})
+			}
+			if !acked[i].Load() {
+				lastMu.Lock()
+				c.fail("message %s was never acked; the last failure: %v", s.msg.id, last)
+				lastMu.Unlock()
+				return
+			}
+			copies.Wait()
+			for d := 0; d < s.late; d++ {
+				if err := deliver(s.procs[24+d], &plan{msg: s.msg}); err != nil {
+					c.fail("late copy of %s to instance %d (%s): %v", s.msg.id, s.procs[24+d], c.forms[s.procs[24+d]].Name, err)
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	clock.Wait()
+
+	// The relays send whatever is left.
+	stopRelays()
+	relays.Wait()
+	runCtx, stopRelays = context.WithCancel(ctx)
+	startRelays(drainers)
+	deadline := time.Now().Add(drainFor)
+	for c.pending() > 0 && time.Now().Before(deadline) {
+		time.Sleep(50 * time.Millisecond)
+	}
+	stopRelays()
+	relays.Wait()
+	for _, ob := range c.procs {
+		ob.FlushMarks()
+	}
+	specs := make([]*spec, len(scheds))
+	for i, s := range scheds {
+		specs[i] = s.msg
+	}
+	c.check(specs, acked)
+	if c.failed.Load() {
+		t.Logf("run %d (%s, seed %d) schedule:\n%s", c.n, c.dep.Name, c.seed, c.log.String())
+	}
+	return !c.failed.Load()
+}
+
+// deliver hands one copy of a message to instance proc, as a broker would.
+func (c *run) deliver(proc int, pl *plan) error {
+	msgCtx, cancel := context.WithCancel(context.WithValue(context.Background(), planKey{}, pl))
+	defer cancel()
+	m := message.NewMessage(pl.msg.id, nil)
+	m.SetContext(msgCtx)
+	h := c.handler(c.forms[proc])
+	if pl.cancel {
+		inner := h
+		h = func(m *message.Message) ([]*message.Message, error) {
+			cancel()
+			return inner(m)
+		}
+	}
+	err := c.procs[proc].Handle(m, outbox.HandleParams{Consumer: consumer, MessageID: pl.msg.id}, h)
+	c.stats.add(err)
+	return err
+}
+
+// handler is the consumer: one business write and the effects of the message's spec, with the
+// faults of the delivery's plan. Effect payloads are "<message>/<label>"; "undone" ones are
+// recorded in a savepoint that is rolled back.
+func (c *run) handler(f Form) message.HandlerFunc {
+	return func(m *message.Message) ([]*message.Message, error) {
+		ctx := m.Context()
+		pl := planOf(ctx)
+		if err := f.Exec(ctx, `INSERT INTO `+c.applied+` (message_id) VALUES ($1)`, m.UUID); err != nil {
+			return nil, err
+		}
+		if pl.copyDuring && pl.startCopy != nil {
+			pl.copyOnce.Do(func() {
+				c.stats.reached("copy-during")
+				pl.startCopy()
+				time.Sleep(30 * time.Millisecond) // the copy reaches its claim, or its handler
+			})
+		}
+		publish := func(topic int, label string) error {
+			return outbox.Publish(ctx, c.topics[topic], message.NewMessage(uuid.NewString(), []byte(m.UUID+"/"+label)))
+		}
+		if pl.concurrent {
+			var wg sync.WaitGroup
+			errs := make([]error, 3)
+			for i := range errs {
+				wg.Add(1)
+				go func() { defer wg.Done(); errs[i] = publish(i%2, fmt.Sprint(i)) }()
+			}
+			wg.Wait()
+			if err := errors.Join(errs...); err != nil {
+				return nil, err
+			}
+		} else {
+			for i := range 3 {
+				if err := publish(i%2, fmt.Sprint(i)); err != nil {
+					return nil, err
+				}
+			}
+		}
+		if pl.msg.shared {
+			// The same message to both topics: two effects with one UUID.
+			id := uuid.NewString()
+			for _, topic := range c.topics {
+				if err := outbox.Publish(ctx, topic, message.NewMessage(id, []byte(m.UUID+"/shared"))); err != nil {
+					return nil, err
+				}
+			}
+		}
+		if pl.msg.big {
+			msgs := make([]*message.Message, bigEffects)
+			for i := range msgs {
+				msgs[i] = message.NewMessage(uuid.NewString(), []byte(fmt.Sprintf("%s/big%d", m.UUID, i)))
+			}
+			for part := range pl.msg.bigCalls {
+				n := len(msgs) / pl.msg.bigCalls
+				if err := outbox.Publish(ctx, c.topics[0], msgs[part*n:(part+1)*n]...); err != nil {
+					return nil, err
+				}
+			}
+		}
+		if pl.savepoint {
+			rollback, err := f.Savepoint(ctx)
+			if err != nil {
+				return nil, err
+			}
+			if err := publish(0, "undone"); err != nil {
+				return nil, err
+			}
+			if err := rollback(); err != nil {
+				return nil, err
+			}
+		}
+		switch {
+		case pl.killConnection:
+			err := f.Exec(ctx, `SELECT pg_terminate_backend(pg_backend_pid())`)
+			return nil, fmt.Errorf("connection killed: %w", err)
+		case pl.handlerPanics:
+			panic("handler bug")
+		case pl.handlerFails:
+			return nil, errors.New("handler failed")
+		case pl.handlerSlow:
+			return nil, f.Exec(ctx, `SELECT pg_sleep($1)`, (c.timeout + 200*time.Millisecond).Seconds())
+		}
+		return nil, publish(1, "3")
+	}
+}
+
+// wantEffects are the (topic, payload) of the effects a processed message committed.
+func (c *run) wantEffects(sp *spec) []wireKey {
+	out := []wireKey{{c.topics[0], sp.id + "/0"}, {c.topics[1], sp.id + "/1"}, {c.topics[0], sp.id + "/2"}, {c.topics[1], sp.id + "/3"}}
+	if sp.shared {
+		out = append(out, wireKey{c.topics[0], sp.id + "/shared"}, wireKey{c.topics[1], sp.id + "/shared"})
+	}
+	if sp.big {
+		for i := range bigEffects {
+			out = append(out, wireKey{c.topics[0], fmt.Sprintf("%s/big%d", sp.id, i)})
+		}
+	}
+	return out
+}
+
+// afterCommit runs in the failpoint after a commit, before the dispatch: it ages the claim past the
+// sweep's look-back (as a commit that became visible that long after its timestamp would be),
+// stamps it ahead while the database clock is ahead, and sends the plan's copy after the commit.
+func (c *run) afterCommit(_ context.Context, pl *plan) {
+	claim := ` WHERE consumer = $1 AND message_id = $2`
+	if pl.held {
+		if c.exec(`UPDATE `+c.prefix+`processed SET processed_at = processed_at - `+lookBack+claim, consumer, pl.msg.id) > 0 {
+			c.stats.reached("held-claim")
+			c.note("%s: claim aged by %s after its commit", pl.msg.id[:8], lookBack)
+		}
+	}
+	if c.clockAhead.Load() {
+		c.exec(`UPDATE `+c.prefix+`processed SET processed_at = processed_at + `+clockStep+claim, consumer, pl.msg.id)
+		c.note("%s: committed while the clock was ahead", pl.msg.id[:8])
+	}
+	if pl.copyAfter > 0 && pl.startCopy != nil {
+		pl.copyOnce.Do(func() {
+			c.stats.reached("copy-after")
+			wait := pl.startCopy()
+			if pl.copyAfter == 1 {
+				wait()
+			}
+		})
+	}
+}
+
+// stepClock simulates a database clock that runs clockStep ahead for 300 ms from at on and then
+// steps back: the claims committed meanwhile are stamped ahead, and so is the sweep's watermark.
+func (c *run) stepClock(at, grace time.Duration) {
+	time.Sleep(at)
+	c.clockAhead.Store(true)
+	c.stats.reached("clock-step")
+	c.note("the database clock runs %s ahead", clockStep)
+	time.Sleep(300 * time.Millisecond)
+	c.clockAhead.Store(false)
+	c.exec(`UPDATE `+c.prefix+`stats SET swept_to = greatest(coalesce(swept_to, '-infinity'), now() + `+clockStep+` - $1 * interval '1 millisecond') WHERE id = 1`,
+		grace.Milliseconds())
+	c.note("the database clock stepped back")
+}
