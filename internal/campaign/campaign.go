@@ -34,6 +34,7 @@ var (
 	flagSeed = flag.Uint64("campaign.seed", 0, "fault campaign: run only this seed")
 	flagOff  = flag.String("campaign.off", "", "fault campaign: comma-separated scenarios to leave out (default $OUTBOX_CAMPAIGN_OFF)")
 	flagDep  = flag.String("campaign.deployment", "", "fault campaign: run only the deployment of this name")
+	flagLog  = flag.Bool("campaign.log", false, "fault campaign: log the schedule of every run, not only of failed ones")
 	flagAll  = flag.Bool("campaign.keepgoing", false, "fault campaign: go on after a failed run, and list the failed seeds at the end")
 	flagOn   = flag.String("campaign.on", "", "fault campaign: comma-separated scenarios to run that are off by default, or all (default $OUTBOX_CAMPAIGN_ON)")
 )
@@ -145,26 +146,25 @@ func Run(t *testing.T, dsn string, o Options) {
 			runs = n
 		}
 	}
-	if *flagDep != "" {
-		var keep []Deployment
-		for _, d := range o.Deployments {
-			if d.Name == *flagDep {
-				keep = append(keep, d)
-			}
-		}
-		if len(keep) == 0 {
-			t.Fatalf("campaign: no deployment %q", *flagDep)
-		}
-		o.Deployments = keep
-	}
 	on, err := scenarios(o.Off)
 	if err != nil {
 		t.Fatal(err)
 	}
+	// Run i has seed base+i, whose deployment is Deployments[seed % len]; with -campaign.deployment,
+	// only the seeds of that deployment, so that a seed replays alone.
 	seeds := make([]uint64, runs)
 	base := uint64(time.Now().UnixNano())
+	step, first := uint64(1), uint64(0)
+	if *flagDep != "" {
+		i := slices.IndexFunc(o.Deployments, func(d Deployment) bool { return d.Name == *flagDep })
+		if i < 0 {
+			t.Fatalf("campaign: no deployment %q", *flagDep)
+		}
+		step, first = uint64(len(o.Deployments)), uint64(i)
+		base -= base % step
+	}
 	for i := range seeds {
-		seeds[i] = base + uint64(i)
+		seeds[i] = base + first + uint64(i)*step
 	}
 	if *flagSeed != 0 {
 		seeds = []uint64{*flagSeed}

@@ -47,6 +47,7 @@ type plan struct {
 	copyAfter      int  // after commit, a copy goes to another instance: 1 waited for, 2 not
 	held           bool // the claim is aged past the sweep's look-back, then the unit crashes
 
+	proc      int           // the instance it is delivered to
 	copyTo    int           // the instance of the copy
 	startCopy func() func() // starts the copy of copyDuring and copyAfter; the func it returns waits for it
 	copyOnce  sync.Once     // one copy, even when the unit of work runs again within the delivery
@@ -80,18 +81,18 @@ func randomPlan(r *rand.Rand, msg *spec, on map[string]bool) *plan {
 		savepoint:      r.IntN(4) == 0,
 		concurrent:     r.IntN(4) == 0,
 	}
-	if r.IntN(4) == 0 && on["crash"] {
-		p.crashAt = failpoints[r.IntN(len(failpoints))]
+	// Every value is drawn whichever scenarios are on, so that a seed gives the same schedule
+	// with a scenario switched off, less that scenario.
+	crash, point := r.IntN(4) == 0, failpoints[r.IntN(len(failpoints))]
+	if crash && on["crash"] {
+		p.crashAt = point
 	}
-	if r.IntN(8) == 0 && on["copy-during"] {
-		p.copyDuring = true
+	p.copyDuring = r.IntN(8) == 0 && on["copy-during"]
+	copyAfter, how := r.IntN(8) == 0, 1+r.IntN(2)
+	if copyAfter && on["copy-after"] {
+		p.copyAfter = how
 	}
-	if r.IntN(8) == 0 && on["copy-after"] {
-		p.copyAfter = 1 + r.IntN(2)
-	}
-	if r.IntN(10) == 0 && on["held-claim"] {
-		p.held = true
-	}
+	p.held = r.IntN(10) == 0 && on["held-claim"]
 	return p
 }
 

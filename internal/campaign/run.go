@@ -108,19 +108,21 @@ func (c *run) do() bool {
 	defer close(c.pub.stuck)
 
 	// Run-level choices, all drawn before anything runs, so that the seed replays the schedule.
+	// Every value is drawn whichever scenarios are on, so that a seed gives the same schedule
+	// with a scenario switched off, less that scenario.
 	bigAt := -1
-	if c.on["big-unit"] && r.IntN(8) == 0 {
-		bigAt = r.IntN(messages)
+	if big, at := r.IntN(8) == 0, r.IntN(messages); big && c.on["big-unit"] {
+		bigAt = at
 	}
-	if c.on["topic-fails"] && r.IntN(2) == 0 {
-		c.pub.failTopic = c.topics[r.IntN(2)]
-		c.pub.failCalls.Store(int32(1 + r.IntN(4)))
-		c.note("the broker refuses the first %d calls for %s", c.pub.failCalls.Load(), c.pub.failTopic)
+	if fails, topic, calls := r.IntN(2) == 0, r.IntN(2), 1+r.IntN(4); fails && c.on["topic-fails"] {
+		c.pub.failTopic = c.topics[topic]
+		c.pub.failCalls.Store(int32(calls))
+		c.note("the broker refuses the first %d calls for %s", calls, c.pub.failTopic)
 		c.stats.reached("topic-fails")
 	}
-	clockAt := time.Duration(-1)
-	if c.on["clock-step"] && r.IntN(3) == 0 {
-		clockAt = time.Duration(50+r.IntN(400)) * time.Millisecond
+	clockAt, clockFor := time.Duration(-1), time.Duration(0)
+	if step, at, d := r.IntN(3) == 0, r.IntN(100), 200+r.IntN(800); step && c.on["clock-step"] {
+		clockAt, clockFor = time.Duration(at)*time.Millisecond, time.Duration(d)*time.Millisecond
 	}
 	anyHeld := false
 	relaysDuring := r.IntN(2) == 0
@@ -129,7 +131,7 @@ func (c *run) do() bool {
 		r.Shuffle(len(c.forms), func(i, j int) { c.forms[i], c.forms[j] = c.forms[j], c.forms[i] })
 	}
 	drainers := []int{0, 1, 2}
-	if c.on["relay-one"] && r.IntN(2) == 0 {
+	if one, pick := r.IntN(2) == 0, r.IntN(instances); one && c.on["relay-one"] {
 		var candidates []int
 		for i, f := range c.forms {
 			if f.MovesInline {
@@ -139,7 +141,7 @@ func (c *run) do() bool {
 		if len(candidates) == 0 {
 			candidates = drainers
 		}
-		drainers = []int{candidates[r.IntN(len(candidates))]}
+		drainers = []int{candidates[pick%len(candidates)]}
 	}
 	var names []string
 	for i, f := range c.forms {
@@ -195,18 +197,24 @@ func (c *run) do() bool {
 	}
 	scheds := make([]schedule, messages)
 	for i := range scheds {
-		sp := &spec{id: uuid.NewString(), shared: c.on["shared-uuid"] && r.IntN(3) == 0, big: i == bigAt, bigCalls: 1 + 9*r.IntN(2)}
+		sp := &spec{id: uuid.NewString(), shared: r.IntN(3) == 0 && c.on["shared-uuid"], big: i == bigAt, bigCalls: 1 + 9*r.IntN(2)}
 		s := schedule{msg: sp, concurrentAt: -1}
 		for range 16 {
-			s.plans = append(s.plans, randomPlan(r, sp, c.on))
+			pl := randomPlan(r, sp, c.on)
+			if r.IntN(6) == 0 && clockAt >= 0 {
+				// What the clock's step can lose: effects left in their claim by a crash, for
+				// the relay's sweep to find.
+				pl.crashAt = outbox.FailpointAfterCommit
+			}
+			s.plans = append(s.plans, pl)
 		}
-		if c.on["copy-during"] {
-			s.concurrentAt = r.IntN(4)
+		if at := r.IntN(4); c.on["copy-during"] {
+			s.concurrentAt = at
 		}
-		if c.on["late-copies"] {
-			s.late = r.IntN(3)
+		if late := r.IntN(3); c.on["late-copies"] {
+			s.late = late
 		}
-		for range 16 + 8 + s.late + 1 {
+		for range 16 + 8 + 2 {
 			s.procs = append(s.procs, r.IntN(instances))
 		}
 		for d, pl := range s.plans {
@@ -238,7 +246,7 @@ func (c *run) do() bool {
 	var clock sync.WaitGroup
 	if clockAt >= 0 {
 		clock.Add(1)
-		go func() { defer clock.Done(); c.stepClock(clockAt, cfg.RelayGrace) }()
+		go func() { defer clock.Done(); c.stepClock(clockAt, clockFor, cfg.RelayGrace) }()
 	}
 
 	acked := make([]atomic.Bool, messages)
@@ -324,7 +332,7 @@ func (c *run) do() bool {
 		specs[i] = s.msg
 	}
 	c.check(specs, acked)
-	if c.failed.Load() {
+	if c.failed.Load() || *flagLog {
 		t.Logf("run %d (%s, seed %d) schedule:\n%s", c.n, c.dep.Name, c.seed, c.log.String())
 	}
 	return !c.failed.Load()
@@ -332,6 +340,7 @@ func (c *run) do() bool {
 
 // deliver hands one copy of a message to instance proc, as a broker would.
 func (c *run) deliver(proc int, pl *plan) error {
+	pl.proc = proc
 	msgCtx, cancel := context.WithCancel(context.WithValue(context.Background(), planKey{}, pl))
 	defer cancel()
 	m := message.NewMessage(pl.msg.id, nil)
@@ -462,7 +471,11 @@ func (c *run) afterCommit(_ context.Context, pl *plan) {
 	}
 	if c.clockAhead.Load() {
 		c.exec(`UPDATE `+c.prefix+`processed SET processed_at = processed_at + `+clockStep+claim, consumer, pl.msg.id)
-		c.note("%s: committed while the clock was ahead", pl.msg.id[:8])
+		c.stats.reached("clock-step")
+		if pl.crashAt == outbox.FailpointAfterCommit {
+			c.stats.reached("clock-step crash")
+		}
+		c.note("%s: committed by instance %d while the clock was ahead (plan %v)", pl.msg.id[:8], pl.proc, pl)
 	}
 	if pl.copyAfter > 0 && pl.startCopy != nil {
 		pl.copyOnce.Do(func() {
@@ -475,14 +488,13 @@ func (c *run) afterCommit(_ context.Context, pl *plan) {
 	}
 }
 
-// stepClock simulates a database clock that runs clockStep ahead for 300 ms from at on and then
-// steps back: the claims committed meanwhile are stamped ahead, and so is the sweep's watermark.
-func (c *run) stepClock(at, grace time.Duration) {
+// stepClock simulates a database clock that runs clockStep ahead for d from at on and then steps
+// back: the claims committed meanwhile are stamped ahead, and so is the sweep's watermark.
+func (c *run) stepClock(at, d, grace time.Duration) {
 	time.Sleep(at)
 	c.clockAhead.Store(true)
-	c.stats.reached("clock-step")
-	c.note("the database clock runs %s ahead", clockStep)
-	time.Sleep(300 * time.Millisecond)
+	c.note("the database clock runs %s ahead for %s", clockStep, d)
+	time.Sleep(d)
 	c.clockAhead.Store(false)
 	c.exec(`UPDATE `+c.prefix+`stats SET swept_to = greatest(coalesce(swept_to, '-infinity'), now() + `+clockStep+` - $1 * interval '1 millisecond') WHERE id = 1`,
 		grace.Milliseconds())
