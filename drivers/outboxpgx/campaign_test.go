@@ -45,7 +45,6 @@ func campaignForm(name string, mode outboxpgx.Concurrency) campaign.Form {
 			}
 			return func() error { return sp.Rollback(ctx) }, nil
 		},
-		MovesInline: true,
 	}
 }
 

@@ -66,10 +66,6 @@ type Form struct {
 	Exec func(ctx context.Context, query string, args ...any) error
 	// Savepoint begins a savepoint in that transaction; rollback rolls back to it.
 	Savepoint func(ctx context.Context) (rollback func() error, err error)
-	// MovesInline: the form's relay moves the inline effects left behind in claims (the pgx form,
-	// in either mode: docs/pgx.md). When a deployment has such a form, the relay-one drain runs on
-	// one of them.
-	MovesInline bool
 }
 
 // SQLForm is the database/sql form (lib/pq, drivers/postgres).

@@ -133,16 +133,8 @@ func (c *run) do() bool {
 	}
 	drainers := []int{0, 1, 2}
 	if one, pick := r.IntN(2) == 0, r.IntN(instances); one && c.on["relay-one"] {
-		var candidates []int
-		for i, f := range c.forms {
-			if f.MovesInline {
-				candidates = append(candidates, i)
-			}
-		}
-		if len(candidates) == 0 {
-			candidates = drainers
-		}
-		drainers = []int{candidates[pick%len(candidates)]}
+		// Any one instance: every form's relay moves the inline effects left behind (docs/pgx.md).
+		drainers = []int{pick}
 	}
 	var names []string
 	for i, f := range c.forms {
