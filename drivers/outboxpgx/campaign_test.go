@@ -64,16 +64,7 @@ func TestFaultCampaign(t *testing.T) {
 			{Name: "pgx pessimistic", Forms: []campaign.Form{pess, pess, pess}},
 			{Name: "mixed", Forms: []campaign.Form{campaign.SQLForm(), opt, pess}, Shuffle: true},
 		},
-		Runs: 24,
-		// Each fails on the code of today (the seeds and failures are in the commit that added
-		// them): switch them on with -campaign.on once fixed.
-		Off: map[string]string{
-			"shared-uuid": "effects matched by UUID when inline effects move to rows: one of two effects with one UUID is sent twice, the other never or out of order",
-			"held-claim":  "a claim visible later than the sweep's look-back keeps its inline effects when the redelivery goes to a database/sql or pessimistic instance",
-			"relay-one":   "the relay of a pessimistic instance does not move inline effects left behind",
-			"clock-step":  "mixed: inline effects of claims stamped while the database clock ran ahead are not swept, and a database/sql or pessimistic redelivery acks without them",
-			"big-unit":    "pessimistic: pgx refuses more than 65,535 bind parameters client-side, taken as an unknown commit outcome; database/sql: one Publish of 9,400 messages fails the handler",
-		},
+		Runs:   24,
 		Replay: "cd drivers/outboxpgx && go test -race -run TestFaultCampaign . -args -campaign.seed=%d",
 	})
 }

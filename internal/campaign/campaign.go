@@ -51,7 +51,7 @@ var Scenarios = map[string]string{
 	"topic-fails": "the broker refuses the first calls for one topic (on every path, the relay's too)",
 	"shared-uuid": "one message (one UUID) is published to two topics in one unit of work",
 	"big-unit":    "one unit of work records 9,400 effects, more than one statement's bind parameters hold (rare)",
-	"held-claim":  "a claim becomes visible later than the sweep's look-back behind its timestamp (simulated), and its unit crashes after commit",
+	"held-claim":  "a unit holds its transaction open while the relays sweep, its claim becomes visible later than the sweep's look-back behind its timestamp (simulated), and it crashes after commit",
 	"clock-step":  "the database clock runs 10 minutes ahead for a moment and steps back (simulated on the claims and the sweep's watermark)",
 	"relay-one":   "the final drain runs on one instance chosen at random, not on all",
 }

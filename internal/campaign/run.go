@@ -371,6 +371,11 @@ func (c *run) handler(f Form) message.HandlerFunc {
 		if err := f.Exec(ctx, `INSERT INTO `+c.applied+` (message_id) VALUES ($1)`, m.UUID); err != nil {
 			return nil, err
 		}
+		if pl.held {
+			// A long transaction: its first write (and its transaction ID) comes well before
+			// its commit, while the relays sweep.
+			time.Sleep(c.timeout / 2)
+		}
 		if pl.copyDuring && pl.startCopy != nil {
 			pl.copyOnce.Do(func() {
 				c.stats.reached("copy-during")
