@@ -114,6 +114,7 @@ func (c *run) do() bool {
 	bigAt := -1
 	if big, at := r.IntN(8) == 0, r.IntN(messages); big && c.on["big-unit"] {
 		bigAt = at
+		c.stats.reached("big-unit")
 	}
 	if fails, topic, calls := r.IntN(2) == 0, r.IntN(2), 1+r.IntN(4); fails && c.on["topic-fails"] {
 		c.pub.failTopic = c.topics[topic]
