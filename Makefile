@@ -5,12 +5,15 @@
 # Modules: the library (this directory) requires only what its packages import, plus what its
 # own tests need that is light (watermill-sql, goleak); tests that need NATS, pgx, SQLite, an
 # OpenTelemetry SDK or a broker client live in e2e/, the example in examples/order-processing/,
-# the benchmark in bench/, the pgx driver in drivers/outboxpgx/, each its own module tied to this one by a replace directive.
-# scripts/depcheck.sh (run by make test) keeps it that way.
+# the benchmark in bench/, the pgx driver in drivers/outboxpgx/, each its own module. They require
+# each other at the release version and go.work (at the root) ties them to this tree; `go mod tidy`
+# in one of them: make tidy. scripts/depcheck.sh (run by make test) keeps the library light and
+# installs it, and the pgx form, into a throwaway module from a file-system module proxy, with no
+# replace; scripts/release.sh tags the modules together (docs/releasing.md).
 
 GO ?= go
 
-.PHONY: test fmt-check vet bench example alerts-test model model-full
+.PHONY: test fmt-check vet bench example alerts-test model model-full tidy
 
 # The steps run strictly in this order (also under make -j).
 test:
@@ -23,6 +26,7 @@ test:
 	cd drivers/outboxpgx && $(GO) vet ./...
 	GO=$(GO) ./scripts/depcheck.sh
 	@$(MAKE) --no-print-directory model
+	GO=$(GO) ./scripts/release.sh --dry-run v0.99.0-dryrun
 	$(GO) test -race -count=1 -timeout 20m ./...
 	cd drivers/outboxpgx && $(GO) test -race -count=1 -timeout 10m ./...
 	cd examples/order-processing && $(GO) test -race -count=1 -timeout 10m ./...
@@ -34,13 +38,18 @@ test:
 # newest installed one above.
 OLDEST_GO ?= go1.25.0
 .PHONY: test-oldest
+# go.work says what the newest module needs (bench's go line); the oldest Go gets a workspace
+# without bench, written beside go.work so that its relative paths hold.
+OLDEST_WORK := $(CURDIR)/.oldest.work
 test-oldest:
 	GOTOOLCHAIN=$(OLDEST_GO) $(GO) version
-	GOTOOLCHAIN=$(OLDEST_GO) $(GO) vet ./...
-	cd e2e && GOTOOLCHAIN=$(OLDEST_GO) $(GO) vet ./...
-	cd examples/order-processing && GOTOOLCHAIN=$(OLDEST_GO) $(GO) vet ./...
-	cd drivers/outboxpgx && GOTOOLCHAIN=$(OLDEST_GO) $(GO) vet ./...
-	GOTOOLCHAIN=$(OLDEST_GO) $(GO) test -count=1 -timeout 20m ./...
+	cp go.work $(OLDEST_WORK) && cp go.work.sum $(OLDEST_WORK).sum
+	GOWORK=$(OLDEST_WORK) $(GO) work edit -go=$(patsubst go%,%,$(OLDEST_GO)) -dropuse=./bench
+	GOWORK=$(OLDEST_WORK) GOTOOLCHAIN=$(OLDEST_GO) $(GO) vet ./...
+	cd e2e && GOWORK=$(OLDEST_WORK) GOTOOLCHAIN=$(OLDEST_GO) $(GO) vet ./...
+	cd examples/order-processing && GOWORK=$(OLDEST_WORK) GOTOOLCHAIN=$(OLDEST_GO) $(GO) vet ./...
+	cd drivers/outboxpgx && GOWORK=$(OLDEST_WORK) GOTOOLCHAIN=$(OLDEST_GO) $(GO) vet ./...
+	GOWORK=$(OLDEST_WORK) GOTOOLCHAIN=$(OLDEST_GO) $(GO) test -count=1 -timeout 20m ./...
 
 # The end-to-end tests on real brokers. The TestRabbitMQ... tests run without the race detector:
 # watermill-amqp v3.0.2 itself races on a reconnect (ConnectionWrapper.connected is replaced
@@ -80,6 +89,13 @@ alerts-test:
 	@command -v $(PROMTOOL) >/dev/null || { echo "alerts-test: $(PROMTOOL) not found: install Prometheus (apt-get install prometheus) or set PROMTOOL=/path/to/promtool" >&2; exit 1; }
 	cd deploy/prometheus && $(PROMTOOL) check rules outbox-alerts.yaml
 	cd deploy/prometheus && $(PROMTOOL) test rules outbox-alerts_test.yaml
+
+# go mod tidy in every module. Outside the workspace (GOWORK=off) a module that requires the
+# library at a version not yet on the module proxy (the next release) cannot resolve it, so the
+# library's modules come from a file-system proxy made of this tree; their go.sum lines are then
+# left out again, since inside the workspace the tree stands in for them.
+tidy:
+	GO=$(GO) ./scripts/tidy.sh
 
 bench:
 	$(GO) test -run '^$$' -bench . -benchtime 2s ./...

@@ -2,10 +2,6 @@ module github.com/watermill-outbox/outbox/bench
 
 go 1.25.8
 
-replace github.com/watermill-outbox/outbox => ../
-
-replace github.com/watermill-outbox/outbox/drivers/outboxpgx => ../drivers/outboxpgx
-
 require (
 	github.com/ThreeDotsLabs/watermill v1.5.1
 	github.com/ThreeDotsLabs/watermill-nats/v2 v2.1.3
@@ -18,8 +14,8 @@ require (
 	github.com/rbaliyan/event/v3 v3.15.5
 	github.com/riverqueue/river v0.25.0
 	github.com/riverqueue/river/riverdriver/riverdatabasesql v0.25.0
-	github.com/watermill-outbox/outbox v0.0.0
-	github.com/watermill-outbox/outbox/drivers/outboxpgx v0.0.0
+	github.com/watermill-outbox/outbox v0.1.0
+	github.com/watermill-outbox/outbox/drivers/outboxpgx v0.1.0
 )
 
 require (

@@ -2,10 +2,6 @@ module github.com/watermill-outbox/outbox/e2e
 
 go 1.25.0
 
-replace github.com/watermill-outbox/outbox => ../
-
-replace github.com/watermill-outbox/outbox/drivers/outboxpgx => ../drivers/outboxpgx
-
 require (
 	github.com/ThreeDotsLabs/watermill v1.5.1
 	github.com/ThreeDotsLabs/watermill-amqp/v3 v3.0.2
@@ -19,8 +15,8 @@ require (
 	github.com/nats-io/nats.go v1.51.0
 	github.com/prometheus/client_golang v1.24.1
 	github.com/redis/go-redis/v9 v9.12.1
-	github.com/watermill-outbox/outbox v0.0.0
-	github.com/watermill-outbox/outbox/drivers/outboxpgx v0.0.0
+	github.com/watermill-outbox/outbox v0.1.0
+	github.com/watermill-outbox/outbox/drivers/outboxpgx v0.1.0
 	go.opentelemetry.io/otel v1.46.0
 	go.opentelemetry.io/otel/exporters/prometheus v0.68.0
 	go.opentelemetry.io/otel/sdk v1.46.0

@@ -4,23 +4,61 @@
 # anything heavy: a broker server or client the library does not use, an SQLite implementation,
 # pgx, an OpenTelemetry SDK or exporter, a benchmark peer. (Watermill itself requires the Prometheus client for its metrics component: that one is the foundation's.) Those belong to the e2e, example and
 # bench modules, whose requirements a user of the library never downloads.
+#
+# The throwaway modules have no replace directive: they resolve the library and the pgx
+# driver as a user's build does, from a module proxy, here a file-system one
+# (internal/cmd/modproxy) that serves the tree at the version the modules require of each
+# other (the version the next release tags). So this also checks that the modules install as
+# README says, once for the database/sql form and once for the pgx form.
+#
+# DEPCHECK_ROOT names another tree to check (scripts/release.sh --dry-run passes the tree of
+# the tags it made); the default is this repository's work tree.
 set -euo pipefail
 
-root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+root="$(cd "${DEPCHECK_ROOT:-${repo}}" && pwd)"
 go="${GO:-go}"
 tmp="$(mktemp -d)"
 trap 'rm -rf "${tmp}"' EXIT
 
-cat >"${tmp}/go.mod" <<EOF
+lib=github.com/watermill-outbox/outbox
+version="$(sed -nE "s#^[[:space:]]*(require[[:space:]]+)?${lib} (v[^[:space:]]+).*#\\2#p" "${root}/drivers/outboxpgx/go.mod")"
+if [[ -z "${version}" ]]; then
+	echo "depcheck: drivers/outboxpgx/go.mod does not require ${lib} at a version" >&2
+	exit 1
+fi
+# A user's build ignores replace directives in the modules it requires, and v0.0.0 is no tag:
+# the modules require each other at the release version, and go.work ties them locally.
+for mod in drivers/outboxpgx e2e bench examples/order-processing; do
+	if grep -nE "^[[:space:]]*(replace[[:space:]]+)?${lib}(/[^[:space:]]*)?( v[^[:space:]]+)? =>" "${root}/${mod}/go.mod" >&2; then
+		echo "depcheck: ${mod}/go.mod replaces a module of this repository (go.work ties them; see docs/releasing.md)" >&2
+		exit 1
+	fi
+done
+if [[ "${version}" == v0.0.0 || "${version}" == v0.0.0-* ]]; then
+	echo "depcheck: drivers/outboxpgx/go.mod requires ${lib} ${version}, which no release tags" >&2
+	exit 1
+fi
+(cd "${repo}" && "${go}" run ./internal/cmd/modproxy -out "${tmp}/proxy" -version "${version}" "${root}" "${root}/drivers/outboxpgx" >/dev/null)
+
+# What a user's environment has, plus the file-system proxy in front for this module path
+# (which no checksum database knows yet). No go.work applies out here (GOWORK=off makes sure).
+export GOWORK=off GOFLAGS=-mod=mod
+export GONOSUMDB="${lib}"
+# The module cache is a fresh one, so that a version of the library cached by an earlier run
+# cannot stand in for this tree; the other modules come from the machine's cache behind it.
+cache="$("${go}" env GOMODCACHE)"
+export GOPROXY="file://${tmp}/proxy,file://${cache}/cache/download,$("${go}" env GOPROXY)"
+export GOMODCACHE="${tmp}/modcache"
+export GOFLAGS="${GOFLAGS} -modcacherw"
+
+mkdir "${tmp}/sql"
+cat >"${tmp}/sql/go.mod" <<EOF
 module example.com/consumer
 
 go 1.25.0
-
-require github.com/watermill-outbox/outbox v0.0.0
-
-replace github.com/watermill-outbox/outbox => ${root}
 EOF
-cat >"${tmp}/main.go" <<'EOF'
+cat >"${tmp}/sql/main.go" <<'EOF'
 package main
 
 import (
@@ -36,7 +74,8 @@ import (
 func main() {}
 EOF
 
-cd "${tmp}"
+cd "${tmp}/sql"
+"${go}" get "${lib}@${version}" >/dev/null 2>&1 || "${go}" get "${lib}@${version}"
 "${go}" mod tidy >/dev/null
 "${go}" build ./...
 
@@ -49,7 +88,7 @@ if [[ -n "${found}" ]]; then
 	echo "(move the test or tool that needs them into the e2e, example or bench module)" >&2
 	exit 1
 fi
-echo "depcheck: a module importing the library's packages needs $(echo "${graph}" | wc -l) modules, none of them heavy"
+echo "depcheck: a module importing the library's packages needs $(echo "${graph}" | wc -l) modules, none of them heavy (installed from a proxy at ${version}, no replace)"
 
 # The pgx form (its own module) adds pgx and what pgx needs, nothing else heavy.
 mkdir "${tmp}/pgx"
@@ -57,15 +96,6 @@ cat >"${tmp}/pgx/go.mod" <<EOF2
 module example.com/pgxconsumer
 
 go 1.25.0
-
-require (
-	github.com/watermill-outbox/outbox v0.0.0
-	github.com/watermill-outbox/outbox/drivers/outboxpgx v0.0.0
-)
-
-replace github.com/watermill-outbox/outbox => ${root}
-
-replace github.com/watermill-outbox/outbox/drivers/outboxpgx => ${root}/drivers/outboxpgx
 EOF2
 cat >"${tmp}/pgx/main.go" <<'EOF2'
 package main
@@ -78,6 +108,7 @@ import (
 func main() {}
 EOF2
 cd "${tmp}/pgx"
+"${go}" get "${lib}/drivers/outboxpgx@${version}" >/dev/null 2>&1 || "${go}" get "${lib}/drivers/outboxpgx@${version}"
 "${go}" mod tidy >/dev/null
 "${go}" build ./...
 pgxHeavy="$(echo "${heavy}" | sed 's/|jackc\/pgx//')"
@@ -88,4 +119,4 @@ if [[ -n "${found}" ]]; then
 	echo "${found}" >&2
 	exit 1
 fi
-echo "depcheck: a module importing the pgx form needs $(echo "${graph}" | wc -l) modules: pgx and nothing else heavy"
+echo "depcheck: a module importing the pgx form needs $(echo "${graph}" | wc -l) modules: pgx and nothing else heavy (installed from a proxy at ${version}, no replace)"

@@ -5,7 +5,7 @@ go 1.25.0
 require (
 	github.com/ThreeDotsLabs/watermill v1.5.1
 	github.com/jackc/pgx/v5 v5.12.0
-	github.com/watermill-outbox/outbox v0.0.0
+	github.com/watermill-outbox/outbox v0.1.0
 )
 
 require (
@@ -29,5 +29,3 @@ require (
 	golang.org/x/sync v0.22.0 // indirect
 	golang.org/x/text v0.41.0 // indirect
 )
-
-replace github.com/watermill-outbox/outbox => ../..

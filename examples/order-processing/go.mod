@@ -2,8 +2,6 @@ module github.com/watermill-outbox/outbox/examples/order-processing
 
 go 1.25.0
 
-replace github.com/watermill-outbox/outbox => ../..
-
 require (
 	github.com/ThreeDotsLabs/watermill v1.5.1
 	github.com/ThreeDotsLabs/watermill-nats/v2 v2.1.3
@@ -66,7 +64,7 @@ require (
 	github.com/prometheus/common v0.70.1
 	github.com/rabbitmq/amqp091-go v1.10.0
 	github.com/redis/go-redis/v9 v9.12.1
-	github.com/watermill-outbox/outbox v0.0.0-00010101000000-000000000000
+	github.com/watermill-outbox/outbox v0.1.0
 	go.opentelemetry.io/otel v1.46.0
 	go.opentelemetry.io/otel/exporters/prometheus v0.68.0
 	go.opentelemetry.io/otel/sdk v1.46.0

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# go mod tidy in every module of the repository. go mod tidy works outside the workspace, so a
+# module that requires the library at the version of the next release, which the module proxy
+# does not have yet, gets the library's modules from a file-system proxy made of this tree.
+# Their go.sum lines are dropped afterwards: inside the workspace go.work replaces that version
+# with this tree, and the hash of a tree that is not yet tagged would be a guess.
+set -euo pipefail
+
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+go="${GO:-go}"
+tmp="$(mktemp -d)"
+trap 'rm -rf "${tmp}"' EXIT
+lib=github.com/watermill-outbox/outbox
+
+version="$(sed -nE "s#^[[:space:]]*(require[[:space:]]+)?${lib} (v[^[:space:]]+).*#\\2#p" "${repo}/drivers/outboxpgx/go.mod")"
+(cd "${repo}" && "${go}" run ./internal/cmd/modproxy -out "${tmp}/proxy" -version "${version}" . drivers/outboxpgx >/dev/null)
+proxy="file://${tmp}/proxy,$("${go}" env GOPROXY)"
+
+for mod in . drivers/outboxpgx e2e bench examples/order-processing; do
+	echo "tidy: ${mod}"
+	(
+		cd "${repo}/${mod}"
+		GOWORK=off GOPROXY="${proxy}" GONOSUMDB="${lib}" GOFLAGS=-mod=mod "${go}" mod tidy
+		sed -i -E "\\#^${lib}(/drivers/outboxpgx)? #d" go.sum
+	)
+done
