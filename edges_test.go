@@ -325,6 +325,27 @@ func TestNestedUnitOfWorkFailsClearly(t *testing.T) {
 	mustEqual(t, "business rows", e.count(`SELECT count(*) FROM applied`), 0)
 }
 
+// Item: the middleware applied twice fails every message, and the Router redelivers at once: the
+// failure waits RetryDelay before it returns, like any other, rather than spinning (thousands of
+// failed attempts a second were measured without the wait).
+func TestNestedUnitOfWorkWaitsRetryDelay(t *testing.T) {
+	const delay = 300 * time.Millisecond
+	e := newEnv(t, func(c *outbox.Config) { c.RetryDelay = delay; c.HandlerTimeout = time.Minute })
+	began := time.Now()
+	var err error
+	returnsWithin(t, 20*time.Second, "a nested Handle", func() {
+		err = handle(e.ob, message.NewMessage(uuid.NewString(), nil), func(m *message.Message) ([]*message.Message, error) {
+			return nil, handle(e.ob, m, applyAndPublish(nil))
+		})
+	})
+	if !errors.Is(err, outbox.ErrNestedUnitOfWork) {
+		t.Fatalf("want ErrNestedUnitOfWork, got %v", err)
+	}
+	if took := time.Since(began); took < delay {
+		t.Errorf("the nested Handle failed after %s; want it to wait RetryDelay (%s) first", took, delay)
+	}
+}
+
 // Item: a redelivery that follows a failed dispatch does not wait DuplicateWait for an original
 // that is known to have failed (whether the broker failed before or after taking the message).
 func TestRedeliveryAfterAFailedDispatchDoesNotWait(t *testing.T) {

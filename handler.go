@@ -119,10 +119,15 @@ func (o *Outbox) handle(msg *message.Message, p HandleParams, next message.Handl
 			o.logger.Debug("Serialization failure or deadlock; running the unit of work again at once", fields.Add(watermill.LogFields{"try": try, "error": err.Error()}))
 			try++
 			continue
-		case parent.Err() != nil || errors.Is(err, ErrNestedUnitOfWork) || errors.Is(err, ErrFailpoint):
-			// A shutdown, or a wiring error: waiting helps neither. A failpoint stands for a
-			// crash, which does not wait either (a killed consumer's in-flight messages would
-			// otherwise each wait RetryDelay, one after another, before it let go of them).
+		case parent.Err() != nil || errors.Is(err, ErrFailpoint):
+			// A shutdown: waiting helps nothing. A failpoint stands for a crash, which does not
+			// wait either (a killed consumer's in-flight messages would otherwise each wait
+			// RetryDelay, one after another, before it let go of them).
+			return err
+		case errors.Is(err, ErrNestedUnitOfWork):
+			// A wiring error: running again cannot help, but it fails every message, and the
+			// Router redelivers at once; without the wait that is thousands of failures a second.
+			o.backoff(parent, err)
 			return err
 		}
 		if !o.backoff(parent, err) {
