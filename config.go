@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"reflect"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -293,9 +294,15 @@ func (c Config) Validate() error {
 	}
 	if c.Driver == nil {
 		errs = append(errs, errors.New("Driver is required (for example postgres.Driver{})"))
+	} else if isNilPointer(c.Driver) {
+		errs = append(errs, fmt.Errorf("Driver is a nil %T", c.Driver))
 	}
 	if c.Publisher == nil {
 		errs = append(errs, errors.New("Publisher is required"))
+	} else if isNilPointer(c.Publisher) {
+		// A publisher variable declared but never assigned: it would pass as set and panic at
+		// the first dispatch, in the relay, far from the mistake.
+		errs = append(errs, fmt.Errorf("Publisher is a nil %T (declared but never assigned?)", c.Publisher))
 	}
 	for name, d := range map[string]time.Duration{
 		"Retention": c.Retention, "EffectRetention": c.EffectRetention, "CleanupInterval": c.CleanupInterval,
@@ -356,3 +363,12 @@ const (
 	// DispatchFailureAck acks the message and leaves the dispatch to the relay.
 	DispatchFailureAck DispatchFailurePolicy = "ack"
 )
+
+// isNilPointer reports whether v, a non-nil interface, holds a nil pointer, map, channel or func.
+func isNilPointer(v any) bool {
+	switch rv := reflect.ValueOf(v); rv.Kind() {
+	case reflect.Pointer, reflect.Map, reflect.Chan, reflect.Func, reflect.Slice, reflect.Interface:
+		return rv.IsNil()
+	}
+	return false
+}
