@@ -89,6 +89,11 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer, getenv fu
 	case errors.As(err, &ue):
 		fmt.Fprintf(stderr, "outbox: %s\n%s", clean(postgres.RedactDSN(ue.msg, dsn)), usage)
 		return 2
+	case postgres.IsUndefinedTable(err):
+		// The raw "relation does not exist" does not say what to do about it.
+		fmt.Fprintf(stderr, "outbox: %v\noutbox: the outbox tables are not in this database under these -schema and -prefix: "+
+			"run `outbox migrate up` (with the same -schema and -prefix), or point -dsn, -schema, -prefix at the service's tables\n", err)
+		return 1
 	default:
 		fmt.Fprintf(stderr, "outbox: %s\n", clean(postgres.RedactDSN(err.Error(), dsn)))
 		return 1
@@ -394,6 +399,10 @@ func parked(ctx context.Context, o *ops.Ops, db *sql.DB, g globals, args []strin
 		if err != nil {
 			return err
 		}
+		if ch.Matched == 0 {
+			// "0 of 0 changed" and exit 0 reads as done: a wrong -id or filter must not.
+			return fmt.Errorf("parked %s: no parked effect matched the selection; nothing changed (see `outbox parked list`)", sub)
+		}
 		return out.emit(ch, func(w *tabwriter.Writer) {
 			if ch.DryRun {
 				fmt.Fprintf(w, "dry run: %s would change %d parked effect(s): %v\n", sub, ch.Matched, ch.IDs)
@@ -511,34 +520,46 @@ func migrate(ctx context.Context, o *ops.Ops, db *sql.DB, g globals, args []stri
 	}
 	switch args[0] {
 	case "up":
+		all, err := postgres.Migrations(g.schema, g.prefix)
+		if err != nil {
+			return err
+		}
+		before, err := appliedMigrations(ctx, db, g)
+		if err != nil {
+			return err
+		}
 		if err := o.Store().Migrate(ctx); err != nil {
 			return err
 		}
-		return out.emit(map[string]string{"migrate": "done"}, func(w *tabwriter.Writer) { fmt.Fprintln(w, "the outbox tables are current") })
+		// Which ones this run applied: the same words for "created everything" and "nothing to
+		// do" left the operator to guess whether the command reached the intended database.
+		after, err := appliedMigrations(ctx, db, g)
+		if err != nil {
+			return err
+		}
+		res := struct {
+			Migrate string   `json:"migrate"`
+			Applied []string `json:"applied"`
+		}{Migrate: "done", Applied: []string{}}
+		for _, m := range all {
+			if after[m.Version] && !before[m.Version] {
+				res.Applied = append(res.Applied, fmt.Sprintf("%03d_%s", m.Version, m.Name))
+			}
+		}
+		return out.emit(res, func(w *tabwriter.Writer) {
+			if len(res.Applied) == 0 {
+				fmt.Fprintf(w, "no migration to apply: the outbox tables are current (%d migrations)\n", len(all))
+				return
+			}
+			fmt.Fprintf(w, "applied %d migration(s): %s; the outbox tables are current\n", len(res.Applied), strings.Join(res.Applied, ", "))
+		})
 	case "status":
 		all, err := postgres.Migrations(g.schema, g.prefix)
 		if err != nil {
 			return err
 		}
-		table, err := migrationsTable(g)
+		applied, err := appliedMigrations(ctx, db, g)
 		if err != nil {
-			return err
-		}
-		applied := map[int]bool{}
-		rows, err := db.QueryContext(ctx, `SELECT version FROM `+table)
-		if err == nil {
-			for rows.Next() {
-				var v int
-				if err := rows.Scan(&v); err != nil {
-					_ = rows.Close()
-					return err
-				}
-				applied[v] = true
-			}
-			if err := errors.Join(rows.Err(), rows.Close()); err != nil {
-				return err
-			}
-		} else if !postgres.IsUndefinedTable(err) {
 			return err
 		}
 		type row struct {
@@ -558,6 +579,34 @@ func migrate(ctx context.Context, o *ops.Ops, db *sql.DB, g globals, args []stri
 		})
 	}
 	return usageError{fmt.Sprintf("migrate %s: want up, status, sql or grants", args[0])}
+}
+
+// appliedMigrations returns the versions recorded in the migrations table; none if it does not exist.
+func appliedMigrations(ctx context.Context, db *sql.DB, g globals) (map[int]bool, error) {
+	table, err := migrationsTable(g)
+	if err != nil {
+		return nil, err
+	}
+	applied := map[int]bool{}
+	rows, err := db.QueryContext(ctx, `SELECT version FROM `+table)
+	if err != nil {
+		if postgres.IsUndefinedTable(err) {
+			return applied, nil
+		}
+		return nil, fmt.Errorf("read the applied migrations: %w", err)
+	}
+	for rows.Next() {
+		var v int
+		if err := rows.Scan(&v); err != nil {
+			_ = rows.Close()
+			return nil, fmt.Errorf("read the applied migrations: %w", err)
+		}
+		applied[v] = true
+	}
+	if err := errors.Join(rows.Err(), rows.Close()); err != nil {
+		return nil, fmt.Errorf("read the applied migrations: %w", err)
+	}
+	return applied, nil
 }
 
 // migrationsTable is the quoted name of the table that records the applied migrations.
