@@ -1,0 +1,75 @@
+package console_test
+
+import (
+	"context"
+	"database/sql"
+	"fmt"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
+	_ "github.com/lib/pq"
+
+	"github.com/watermill-outbox/outbox"
+	"github.com/watermill-outbox/outbox/console"
+	"github.com/watermill-outbox/outbox/drivers/postgres"
+	"github.com/watermill-outbox/outbox/internal/pgtest"
+	"github.com/watermill-outbox/outbox/ops"
+)
+
+// The console mounted under /outbox/ of the service's own mux, behind the service's
+// authentication; only the user "alice" may repair. A request without a user is refused.
+func ExampleNew() {
+	dsn, drop, err := pgtest.Database() // the service's database; here a fresh one for the example
+	if err != nil {
+		panic(err)
+	}
+	defer drop()
+	db, err := sql.Open("postgres", dsn)
+	if err != nil {
+		panic(err)
+	}
+	defer db.Close()
+	pubSub := gochannel.NewGoChannel(gochannel.Config{}, watermill.NopLogger{})
+	defer pubSub.Close()
+	ob, err := outbox.New(outbox.Config{DB: db, Driver: postgres.Driver{}, Publisher: pubSub})
+	if err != nil {
+		panic(err)
+	}
+	if err := ob.Migrate(context.Background()); err != nil {
+		panic(err)
+	}
+
+	o, err := ops.ForOutbox(ob)
+	if err != nil {
+		panic(err)
+	}
+	h, err := console.New(o, console.Options{
+		Authenticate: func(r *http.Request) (string, bool) {
+			user := r.Header.Get("X-User") // stands for the service's session or SSO check
+			return user, user != ""
+		},
+		Authorize: func(r *http.Request, user, action string) bool { return user == "alice" },
+	})
+	if err != nil {
+		panic(err)
+	}
+	mux := http.NewServeMux()
+	mux.Handle("/outbox/", http.StripPrefix("/outbox", h))
+
+	for _, user := range []string{"alice", ""} {
+		req := httptest.NewRequest(http.MethodGet, "/outbox/", nil)
+		if user != "" {
+			req.Header.Set("X-User", user)
+		}
+		rec := httptest.NewRecorder()
+		mux.ServeHTTP(rec, req)
+		fmt.Printf("user %q: %d, the page names the parked effects: %v\n",
+			user, rec.Code, strings.Contains(strings.ToLower(rec.Body.String()), "parked"))
+	}
+	// Output:
+	// user "alice": 200, the page names the parked effects: true
+	// user "": 401, the page names the parked effects: false
+}
