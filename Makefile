@@ -15,6 +15,10 @@ GO ?= go
 
 .PHONY: test fmt-check vet bench example alerts-test model model-full tidy
 
+# The Go code of README and docs/ is type-checked against the packages (internal/cmd/docsnippets),
+# and so is the code in these package comments (what go doc and pkg.go.dev show first).
+DOC_COMMENTS := doc.go console/console.go drivers/outboxpgx/outboxpgx.go drivers/sqlite/doc.go outboxtest/outboxtest.go
+
 # The steps run strictly in this order (also under make -j).
 test:
 	@$(MAKE) --no-print-directory fmt-check
@@ -27,6 +31,7 @@ test:
 	GO=$(GO) ./scripts/depcheck.sh
 	@$(MAKE) --no-print-directory model
 	GO=$(GO) ./scripts/release.sh --dry-run v0.99.0-dryrun
+	$(GO) run ./internal/cmd/docsnippets README.md docs/*.md $(DOC_COMMENTS)
 	$(GO) test -race -count=1 -timeout 20m ./...
 	cd drivers/outboxpgx && $(GO) test -race -count=1 -timeout 10m ./...
 	cd examples/order-processing && $(GO) test -race -count=1 -timeout 10m ./...

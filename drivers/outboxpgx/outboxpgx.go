@@ -10,15 +10,17 @@
 // without them.
 //
 //	ob, err := outboxpgx.New(pool, outbox.Config{Publisher: pub})
-//	...
-//	router.AddConsumerHandler("reserve", "orders", sub, middleware.New(ob, "inventory")(
-//		func(msg *message.Message) error {
-//			tx := outboxpgx.Tx(msg.Context())          // a pgx.Tx: queries.New(tx) with sqlc
-//			if _, err := tx.Exec(msg.Context(), "INSERT ...", ...); err != nil {
-//				return err
-//			}
-//			return outbox.Publish(msg.Context(), "reserved", message.NewMessage(...))
-//		}))
+//	if err != nil {
+//		return err
+//	}
+//	router.AddConsumerHandler("reserve", "orders", sub, func(msg *message.Message) error {
+//		ctx := msg.Context()
+//		tx := outboxpgx.Tx(ctx) // a pgx.Tx: queries.New(tx) with sqlc
+//		if _, err := tx.Exec(ctx, `INSERT INTO reservations (order_id) VALUES ($1)`, msg.UUID); err != nil {
+//			return err
+//		}
+//		return outbox.Publish(ctx, "reserved", message.NewMessage(watermill.NewUUID(), msg.Payload))
+//	}).AddMiddleware(middleware.New(ob)) // the handler name, "reserve", is the consumer identity
 //
 // Savepoints: take them with tx.Begin (pgx's nested transactions): effects recorded inside one
 // that is rolled back are dropped with it. Do not send SAVEPOINT, COMMIT or ROLLBACK as SQL.
