@@ -400,7 +400,13 @@ func parked(ctx context.Context, o *ops.Ops, db *sql.DB, g globals, args []strin
 			return err
 		}
 		if ch.Matched == 0 {
-			// "0 of 0 changed" and exit 0 reads as done: a wrong -id or filter must not.
+			// "0 of 0 changed" and exit 0 reads as done: a wrong -id or filter must not. A script
+			// still gets the JSON of the (empty) change.
+			if out.json {
+				if err := out.emit(ch, nil); err != nil {
+					return err
+				}
+			}
 			return fmt.Errorf("parked %s: no parked effect matched the selection; nothing changed (see `outbox parked list`)", sub)
 		}
 		return out.emit(ch, func(w *tabwriter.Writer) {

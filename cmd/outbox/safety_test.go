@@ -181,7 +181,7 @@ func TestOutputIsSafeAndConsistent(t *testing.T) {
 		}
 	}
 	for _, args := range [][]string{{"status"}, {"parked", "list"}, {"parked", "groups"}, {"failing", "list"},
-		{"lookup", "billing", "m-parked-1"}, {"parked", "retry", "-id", "1", "-dry-run"}, {"cleanup", "-retention", "168h", "-dry-run"}} {
+		{"lookup", "billing", "m-parked-1"}, {"parked", "retry", "-consumer", "billing", "-dry-run"}, {"cleanup", "-retention", "168h", "-dry-run"}} {
 		code, out := f.cli(t, append([]string{"-o", "json"}, args...)...)
 		var v any
 		if err := json.Unmarshal([]byte(out), &v); code != 0 || err != nil {
