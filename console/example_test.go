@@ -51,7 +51,7 @@ func ExampleNew() {
 			user := r.Header.Get("X-User") // stands for the service's session or SSO check
 			return user, user != ""
 		},
-		Authorize: func(r *http.Request, user, action string) bool { return user == "alice" },
+		Authorize: func(r *http.Request, user string, a console.Action) bool { return user == "alice" },
 	})
 	if err != nil {
 		panic(err)
