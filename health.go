@@ -116,11 +116,14 @@ func (o *Outbox) Health(ctx context.Context) HealthReport {
 		add(CheckSchema, o.store.SchemaCheck(ctx), "current")
 	}
 	add(CheckRelay, o.relayHealth(), fmt.Sprintf("running, last round %s ago", o.sinceRelayRound().Round(time.Millisecond)))
+	deaf := o.tel.listenDeaf.Load()
 	switch {
 	case o.tel.listenUnsupported.Load():
 		add(CheckListener, nil, "not supported by the store: the relay polls every RelayInterval")
 	case o.relaysRunning.Load() == 0:
 		add(CheckListener, errors.New("not started (Outbox.Run is not running)"), "")
+	case !o.tel.listening.Load() && deaf != nil:
+		add(CheckListener, fmt.Errorf("not receiving notifications, the relay polls every RelayInterval: %s", *deaf), "")
 	case !o.tel.listening.Load():
 		add(CheckListener, errors.New("not connected: the relay polls every RelayInterval until it reconnects"), "")
 	default:

@@ -280,12 +280,17 @@ func (o *Outbox) ReplayPoisoned(ctx context.Context, consumer, messageID string)
 	return ok, nil
 }
 
+// listenDeafRetry is how long the relay polls before it listens again after a listener that
+// received nothing (ErrListenerDeaf): the cause (a pooler in transaction mode) is configuration.
+const listenDeafRetry = 30 * time.Second
+
 // listen wakes the relay on notifications from other instances, reconnecting after failures.
 func (o *Outbox) listen(ctx context.Context) {
 	defer o.tel.listening.Store(false)
 	for ctx.Err() == nil {
 		err := o.store.EffectListen(ctx, func() {
 			o.tel.listening.Store(true)
+			o.tel.listenDeaf.Store(nil)
 			o.lastHandoff.Store(time.Now().UnixNano())
 			o.kickRelay()
 		})
@@ -295,10 +300,22 @@ func (o *Outbox) listen(ctx context.Context) {
 			return
 		}
 		if err != nil && ctx.Err() == nil {
-			o.logger.Error("Listening for relay wake-ups failed; retrying", err, nil)
+			retry := time.Second
+			if errors.Is(err, outboxdriver.ErrListenerDeaf) {
+				retry = listenDeafRetry
+				reason := err.Error()
+				o.tel.listenDeaf.Store(&reason)
+				o.tel.listenerDeaf.Add(ctx, 1)
+				if o.tel.deafWarned.allow(10 * time.Minute) {
+					o.logger.Error("The relay's listener receives no notifications; the relay polls every RelayInterval, "+
+						"and other instances' failed dispatches wait for its next round", err, nil)
+				}
+			} else {
+				o.logger.Error("Listening for relay wake-ups failed; retrying", err, nil)
+			}
 			select {
 			case <-ctx.Done():
-			case <-time.After(time.Second):
+			case <-time.After(retry):
 			}
 		}
 	}

@@ -47,6 +47,7 @@ const (
 	MetricBoundaryUnits     = "outbox.boundary.units"       // counter: InTx and InUnit units of work, by outcome
 	MetricCleanupErrors     = "outbox.cleanup.errors"       // counter: cleanup passes that failed
 	MetricUptime            = "outbox.uptime"               // gauge, s: since this Outbox was created
+	MetricListenerDeaf      = "outbox.listener.deaf"        // counter: listeners that LISTENed but did not receive their own notification
 )
 
 // Attribute keys. Consumer and topic names are bounded by the application; message IDs are never
@@ -138,6 +139,7 @@ type telemetry struct {
 	markFailures     metric.Int64Counter
 	boundaryUnits    metric.Int64Counter
 	cleanupErrors    metric.Int64Counter
+	listenerDeaf     metric.Int64Counter
 
 	attrSets sync.Map // attrKey -> metric.MeasurementOption
 
@@ -159,6 +161,10 @@ type telemetry struct {
 	listening atomic.Bool
 	// listenUnsupported: the store cannot listen (SQLite); the relay polls.
 	listenUnsupported atomic.Bool
+	// listenDeaf is why the last listener received no notification (ErrListenerDeaf), until one
+	// connects that does; deafWarned lets that be logged once every ten minutes.
+	listenDeaf atomic.Pointer[string]
+	deafWarned oncePer
 	// lateWarned lets a late duplicate be logged once a minute.
 	lateWarned oncePer
 	// created is when the Outbox was created (outbox.uptime).
@@ -220,6 +226,7 @@ func newTelemetry(o *Outbox) (*telemetry, error) {
 	t.markFailures = i64c(MetricMarkFailures, "{batch}", "Batches of dispatched marks that could not be written; their effects may be sent again.")
 	t.boundaryUnits = i64c(MetricBoundaryUnits, "{unit}", "Units of work at the boundary (InTx, InUnit), by outcome: committed, dispatch_failed, rolled_back, failed.")
 	t.cleanupErrors = i64c(MetricCleanupErrors, "{error}", "Cleanup passes that failed (the database refused or timed out).")
+	t.listenerDeaf = i64c(MetricListenerDeaf, "{listener}", "Relay listeners that LISTENed but did not receive a notification of their own (a pooler in transaction mode): the relay polls.")
 
 	gauge := func(name, unit, desc string) metric.Float64ObservableGauge {
 		g, err := m.Float64ObservableGauge(name, metric.WithUnit(unit), metric.WithDescription(desc))
@@ -274,7 +281,7 @@ func newTelemetry(o *Outbox) (*telemetry, error) {
 	// anything went wrong: the boundary's outcomes, cleanup's tables, and the dispatches of
 	// publishes on every path (appliers' kinds start when they are registered).
 	ctx := context.Background()
-	for _, c := range []metric.Int64Counter{t.relayRounds, t.relayErrors, t.cleanupBatches, t.markFailures, t.cleanupErrors} {
+	for _, c := range []metric.Int64Counter{t.relayRounds, t.relayErrors, t.cleanupBatches, t.markFailures, t.cleanupErrors, t.listenerDeaf} {
 		c.Add(ctx, 0)
 	}
 	for _, outcome := range []string{OutcomeCommitted, OutcomeDispatchFailed, OutcomeRolledBack, OutcomeFailed} {

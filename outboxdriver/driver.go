@@ -348,6 +348,17 @@ type WritableChecker interface {
 	CheckWritable(ctx context.Context) error
 }
 
+// ErrUnsafeBehindPooler is wrapped by the error of Migrate, SchemaCheck and every statement of a
+// Store that reaches PostgreSQL through a pooler in transaction mode (PgBouncer's pool_mode =
+// transaction) with a client driver that could bind a statement's parameters to a statement of
+// another client of the same server connection. The error names the setting that fixes it.
+var ErrUnsafeBehindPooler = errors.New("outbox: the database driver is unsafe behind a pooler in transaction mode")
+
+// ErrListenerDeaf is wrapped by the error of Store.EffectListen when LISTEN succeeded but a
+// notification the listener sent itself did not arrive: its connection goes through a pooler in
+// transaction mode, or something else drops notifications. The relay polls meanwhile.
+var ErrListenerDeaf = errors.New("outbox: the listener receives no notifications")
+
 // ErrListenUnsupported is returned by Store.EffectListen when the store cannot listen for wake-ups.
 var ErrListenUnsupported = errors.New("outbox: the store cannot listen for notifications")
 

@@ -102,6 +102,12 @@ type Dialect struct {
 	// Listen blocks until ctx is done, calling wake on every notification; nil when the dialect
 	// cannot listen.
 	Listen func(ctx context.Context, wake func()) error
+	// Pooler, when set, tells whether db reaches the database through a pooler in transaction
+	// mode (statements are then never prepared), and returns an error wrapping
+	// outboxdriver.ErrUnsafeBehindPooler when the client driver is unsafe there. Migrate and
+	// SchemaCheck run it, and the first statement starts it: until it has answered, statements
+	// run unprepared; once it refused, every statement fails with its error.
+	Pooler func(ctx context.Context, db *sql.DB) (transactionPooled bool, err error)
 }
 
 // SQL is an outboxdriver.Store over database/sql.
@@ -115,6 +121,18 @@ type SQL struct {
 	stmts     map[string]*sql.Stmt
 	preparing map[string]bool
 	closed    bool
+
+	pool poolerState
+}
+
+// poolerState is what Dialect.Pooler found; the check runs once, again after it could not ask.
+type poolerState struct {
+	mu      sync.Mutex
+	known   bool
+	pooled  bool
+	err     error // wraps outboxdriver.ErrUnsafeBehindPooler; sticky
+	running bool
+	check   sync.Mutex // serializes the checks
 }
 
 var _ outboxdriver.Store = (*SQL)(nil)
@@ -136,6 +154,9 @@ func (s *SQL) Close() error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	s.closed = true
+	s.pool.mu.Lock()
+	s.pool.running = true // no background check starts after Close
+	s.pool.mu.Unlock()
 	var errs []error
 	for q, st := range s.stmts {
 		errs = append(errs, st.Close())
@@ -146,6 +167,9 @@ func (s *SQL) Close() error {
 
 // Migrate implements outboxdriver.Store.
 func (s *SQL) Migrate(ctx context.Context) error {
+	if err := s.checkPooler(ctx); err != nil {
+		return err
+	}
 	// Up to date: nothing to do, and nothing that needs more than the right to read the
 	// migrations table (an application role with DML rights only can start).
 	if err := s.SchemaCheck(ctx); err == nil {
@@ -156,6 +180,9 @@ func (s *SQL) Migrate(ctx context.Context) error {
 
 // SchemaCheck implements outboxdriver.Store.
 func (s *SQL) SchemaCheck(ctx context.Context) error {
+	if err := s.checkPooler(ctx); err != nil {
+		return err
+	}
 	return SchemaCheck(ctx, s.db, s.d.Queries.SchemaLatest, len(s.migrations), s.d.IsUndefinedTable, s.names)
 }
 
@@ -203,7 +230,17 @@ const prepareTimeout = 30 * time.Second
 // prepared yet runs unprepared, and is prepared in the background, where waiting for a
 // connection holds none.
 func (s *SQL) stmt(ctx context.Context, tx *sql.Tx, query string) (*sql.Stmt, error) {
-	if !s.d.Prepare {
+	// Behind a pooler in transaction mode a statement prepared on one server connection is missing,
+	// or is another client's, on the server connection of the next transaction.
+	pooled, known, err := s.poolerState()
+	if err != nil {
+		return nil, err
+	}
+	if !known {
+		s.checkPoolerInBackground()
+		return nil, nil
+	}
+	if pooled || !s.d.Prepare {
 		return nil, nil
 	}
 	s.mu.Lock()
@@ -227,6 +264,63 @@ func (s *SQL) stmt(ctx context.Context, tx *sql.Tx, query string) (*sql.Stmt, er
 		return tx.StmtContext(ctx, st), nil
 	}
 	return st, nil
+}
+
+// poolerCheckTimeout bounds a check of the pooler started by the first statement.
+const poolerCheckTimeout = 30 * time.Second
+
+// poolerState returns what the pooler check found, known false while it has not answered.
+func (s *SQL) poolerState() (pooled, known bool, err error) {
+	if s.d.Pooler == nil {
+		return false, true, nil
+	}
+	s.pool.mu.Lock()
+	defer s.pool.mu.Unlock()
+	return s.pool.pooled, s.pool.known, s.pool.err
+}
+
+// checkPooler runs the dialect's pooler check unless it has answered already, and returns its
+// refusal, if any.
+func (s *SQL) checkPooler(ctx context.Context) error {
+	if s.d.Pooler == nil {
+		return nil
+	}
+	s.pool.check.Lock()
+	defer s.pool.check.Unlock()
+	if _, known, err := s.poolerState(); known {
+		return err
+	}
+	pooled, err := s.d.Pooler(ctx, s.db)
+	if err != nil && !errors.Is(err, outboxdriver.ErrUnsafeBehindPooler) {
+		return s.wrap(err) // could not ask: ask again next time
+	}
+	s.pool.mu.Lock()
+	defer s.pool.mu.Unlock()
+	s.pool.known, s.pool.pooled, s.pool.err = true, pooled, err
+	return err
+}
+
+func (s *SQL) checkPoolerInBackground() {
+	s.pool.mu.Lock()
+	if s.pool.running {
+		s.pool.mu.Unlock()
+		return
+	}
+	s.pool.running = true
+	s.pool.mu.Unlock()
+	go func() {
+		ctx, cancel := context.WithTimeout(context.Background(), poolerCheckTimeout)
+		defer cancel()
+		_ = s.checkPooler(ctx) // a statement that follows reports a refusal
+		s.mu.Lock()
+		closed := s.closed
+		s.mu.Unlock()
+		if !closed {
+			s.pool.mu.Lock()
+			s.pool.running = false
+			s.pool.mu.Unlock()
+		}
+	}()
 }
 
 func (s *SQL) prepare(ctx context.Context, query string) (*sql.Stmt, error) {

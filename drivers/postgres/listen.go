@@ -3,6 +3,7 @@ package postgres
 import (
 	"context"
 	"crypto/sha256"
+	"database/sql"
 	"encoding/hex"
 	"fmt"
 	"net"
@@ -10,6 +11,8 @@ import (
 	"time"
 
 	"github.com/lib/pq"
+
+	"github.com/watermill-outbox/outbox/outboxdriver"
 )
 
 // maxChannelBytes is PostgreSQL's identifier limit (NAMEDATALEN - 1), which channel names obey:
@@ -36,6 +39,34 @@ const listenRetry = 100 * time.Millisecond
 // is closed (and replaced by the caller).
 const pingTimeout = 30 * time.Second
 
+// listenProofTimeout bounds the wait for the listener's own notification after LISTEN.
+const listenProofTimeout = 5 * time.Second
+
+// proveListener sends a notification on channel through db, the way the other instances'
+// notifications come, and waits for it (or any other) on notes: a LISTEN that succeeded through
+// a pooler in transaction mode receives nothing, and must not pass for connected. lost reports
+// the connection's loss meanwhile.
+func proveListener[N any](ctx context.Context, db *sql.DB, channel string, notes <-chan N, lost <-chan error) error {
+	// A literal (the channel is a validated identifier): no parameters to bind, whatever the driver.
+	if _, err := db.ExecContext(ctx, "SELECT pg_notify('"+channel+"', 'outbox: listener check')"); err != nil {
+		return fmt.Errorf("send the listener's own notification on %q: %w", channel, err)
+	}
+	t := time.NewTimer(listenProofTimeout)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return nil
+	case err := <-lost:
+		return fmt.Errorf("listener connection on %q lost: %w", channel, err)
+	case <-notes:
+		return nil
+	case <-t.C:
+		return fmt.Errorf("%w: LISTEN on %q succeeded, but a notification sent on it through the database connection did not arrive within %s: "+
+			"the listener's connection likely goes through a pooler in transaction mode; point ListenDSN at PostgreSQL directly "+
+			"(or at a pooler in session mode)", outboxdriver.ErrListenerDeaf, channel, listenProofTimeout)
+	}
+}
+
 // listen holds a dedicated connection (lib/pq's Listener) that LISTENs on channel and calls wake
 // for every notification, and once connected, since notifications sent before were missed. It
 // returns nil when ctx is done, and an error when the connection cannot be made or is lost (the
@@ -43,7 +74,10 @@ const pingTimeout = 30 * time.Second
 // and waits for a connection without end, holding its lock while it dials: the connections it
 // dials are closed when ctx ends (which unblocks it), and whatever it started has ended when
 // listen returns.
-func listen(dsn, channel string) func(ctx context.Context, wake func()) error {
+//
+// Once LISTEN succeeded, the listener proves that it receives notifications (proveListener); when
+// it does not, listen returns an error wrapping outboxdriver.ErrListenerDeaf.
+func listen(db *sql.DB, dsn, channel string) func(ctx context.Context, wake func()) error {
 	return func(ctx context.Context, wake func()) error {
 		d := newClosingDialer()
 		failed := make(chan error, 1)
@@ -78,6 +112,9 @@ func listen(dsn, channel string) func(ctx context.Context, wake func()) error {
 				}
 				return fmt.Errorf("listen on %q: %w", channel, redactErr(err, dsn))
 			}
+		}
+		if err := proveListener(ctx, db, channel, l.NotificationChannel(), failed); err != nil || ctx.Err() != nil {
+			return redactErr(err, dsn)
 		}
 		wake()
 		for {

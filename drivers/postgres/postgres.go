@@ -65,12 +65,13 @@ func (d Driver) Open(db *sql.DB, opts outboxdriver.StoreOptions) (outboxdriver.S
 		IsUndefinedTable: IsUndefinedTable,
 		IsReadOnly:       IsReadOnly,
 		Prepare:          !d.DisablePreparedStatements,
+		Pooler:           checkPooler,
 		// The channel is built from validated identifiers, so the literal is safe.
 		Notify: fmt.Sprintf("SELECT pg_notify('%s', '')", notifyChannel(names.Schema, names.Prefix)),
 	}
 	switch channel := notifyChannel(names.Schema, names.Prefix); {
 	case d.ListenDSN != "":
-		dialect.Listen = listen(d.ListenDSN, channel)
+		dialect.Listen = listen(db, d.ListenDSN, channel)
 	case d.Listener != nil:
 		dialect.Listen = func(ctx context.Context, wake func()) error { return d.Listener(ctx, channel, wake) }
 	}

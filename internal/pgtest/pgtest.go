@@ -19,6 +19,7 @@ import (
 	"github.com/lib/pq"
 	"go.uber.org/goleak"
 
+	"github.com/watermill-outbox/outbox/internal/pgbouncer"
 	"github.com/watermill-outbox/outbox/internal/pgserver"
 )
 
@@ -47,7 +48,8 @@ var (
 type environment struct {
 	adminDSN string
 	admin    *sql.DB
-	local    *pgserver.Server // nil when EnvDSN is used
+	local    *pgserver.Server              // nil when EnvDSN is used
+	bouncers map[string]*pgbouncer.Bouncer // by pool mode, started by PoolerDSN
 }
 
 // Run is called from TestMain: os.Exit(pgtest.Run(m)). It provisions the server (once per test binary), runs m.Run(),
@@ -229,6 +231,11 @@ func (e *environment) createDB(name string) error {
 
 func (e *environment) close() error {
 	var errs []error
+	for _, b := range e.bouncers {
+		if err := b.Stop(); err != nil {
+			errs = append(errs, fmt.Errorf("stop PgBouncer: %w", err))
+		}
+	}
 	if e.admin != nil {
 		if err := e.admin.Close(); err != nil {
 			errs = append(errs, fmt.Errorf("close admin connection: %w", err))

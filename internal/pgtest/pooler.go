@@ -1,0 +1,58 @@
+package pgtest
+
+import (
+	"fmt"
+	"net"
+	"net/url"
+	"strconv"
+	"testing"
+
+	"github.com/watermill-outbox/outbox/internal/pgbouncer"
+)
+
+// Pooling modes for PoolerDSN.
+const (
+	PoolTransaction = pgbouncer.Transaction
+	PoolSession     = pgbouncer.Session
+)
+
+// PoolerDSN returns DSN(t) (a fresh database) and the same database reached through a PgBouncer
+// in mode (PoolTransaction or PoolSession) on loopback, with 20 server connections. One PgBouncer
+// per mode serves the whole test binary and is stopped by Run. The test fails if PgBouncer is not
+// installed.
+func PoolerDSN(t testing.TB, mode string) (direct, pooled string) {
+	t.Helper()
+	e := current(t)
+	direct = DSN(t)
+	u, err := url.Parse(direct)
+	if err != nil || u.Host == "" {
+		t.Fatalf("pgtest: PoolerDSN needs a postgres:// URL (the built-in server, or %s as a URL): %v", EnvDSN, err)
+	}
+	b, err := e.bouncer(u, mode)
+	if err != nil {
+		t.Fatalf("pgtest: %v", err)
+	}
+	u.Host = net.JoinHostPort("127.0.0.1", strconv.Itoa(b.Port()))
+	return direct, u.String()
+}
+
+func (e *environment) bouncer(u *url.URL, mode string) (*pgbouncer.Bouncer, error) {
+	mu.Lock()
+	defer mu.Unlock()
+	if b, ok := e.bouncers[mode]; ok {
+		return b, nil
+	}
+	user := "postgres"
+	if u.User != nil {
+		user = u.User.Username()
+	}
+	b, err := pgbouncer.Start(pgbouncer.Options{Upstream: u.Host, User: user, Mode: mode})
+	if err != nil {
+		return nil, fmt.Errorf("start PgBouncer in %s mode: %w", mode, err)
+	}
+	if e.bouncers == nil {
+		e.bouncers = map[string]*pgbouncer.Bouncer{}
+	}
+	e.bouncers[mode] = b
+	return b, nil
+}
