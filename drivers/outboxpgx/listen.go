@@ -2,34 +2,44 @@ package outboxpgx
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"time"
 
 	"github.com/jackc/pgx/v5"
+
+	"github.com/watermill-outbox/outbox/internal/listencheck"
+	"github.com/watermill-outbox/outbox/outboxdriver"
 )
 
-// listen LISTENs on channel on a connection taken out of the pool (it does not count against the
-// pool's size while it listens), calls wake once connected and on every notification, and returns
-// when ctx is done or the connection is lost.
+// listen LISTENs on channel on a connection of its own: one dialed with ListenDSN when set, else
+// one taken out of the pool (it does not count against the pool's size while it listens). Once
+// LISTEN succeeded it proves that it receives notifications: it sends one through the pool, the
+// way the other instances' notifications come, and waits for it; a LISTEN through a pooler in
+// transaction mode receives nothing, and returns an error wrapping outboxdriver.ErrListenerDeaf.
+// It calls wake once proven and on every notification, and returns when ctx is done or the
+// connection is lost.
 func (d Driver) listen(ctx context.Context, channel string, wake func()) error {
-	pc, err := d.Pool.Acquire(ctx)
+	conn, err := d.listenConn(ctx)
 	if err != nil {
 		if ctx.Err() != nil {
 			return nil
 		}
-		return fmt.Errorf("acquire a connection to listen on %q: %w", channel, err)
+		return fmt.Errorf("connect to listen on %q: %w", channel, err)
 	}
-	conn := pc.Hijack()
 	defer func() {
 		cctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 		defer cancel()
 		_ = conn.Close(cctx)
 	}()
-	if _, err := conn.Exec(ctx, "LISTEN "+pgx.Identifier{channel}.Sanitize()); err != nil {
+	if _, err := conn.Exec(ctx, "LISTEN "+pgx.Identifier{channel}.Sanitize(), pgx.QueryExecModeSimpleProtocol); err != nil {
 		if ctx.Err() != nil {
 			return nil
 		}
 		return fmt.Errorf("listen on %q: %w", channel, err)
+	}
+	if err := d.proveListener(ctx, conn, channel); err != nil || ctx.Err() != nil {
+		return err
 	}
 	// Connected: notifications sent before now were missed, so the relay looks once.
 	wake()
@@ -42,4 +52,51 @@ func (d Driver) listen(ctx context.Context, channel string, wake func()) error {
 		}
 		wake()
 	}
+}
+
+// proveListener sends a notification on channel through the pool and waits for it on conn (see
+// listencheck.Token: a token of this attempt, so that a notification that reached conn by
+// another way proves nothing).
+func (d Driver) proveListener(ctx context.Context, conn *pgx.Conn, channel string) error {
+	token, err := listencheck.Token()
+	if err != nil {
+		return err
+	}
+	// The channel is a validated identifier and the token hex: a literal has no parameters to
+	// bind, in any mode.
+	if _, err := d.Pool.Exec(ctx, "SELECT pg_notify('"+channel+"', '"+token+"')", pgx.QueryExecModeSimpleProtocol); err != nil {
+		if ctx.Err() != nil {
+			return nil
+		}
+		return fmt.Errorf("send the listener's own notification on %q: %w", channel, err)
+	}
+	pctx, cancel := context.WithTimeout(ctx, listencheck.Timeout)
+	defer cancel()
+	for {
+		n, err := conn.WaitForNotification(pctx)
+		switch {
+		case ctx.Err() != nil:
+			return nil
+		case err != nil && errors.Is(pctx.Err(), context.DeadlineExceeded):
+			return fmt.Errorf("%w: LISTEN on %q succeeded, but a notification sent on it through the pool did not arrive within %s: "+
+				"the listener's connection likely goes through a pooler in transaction mode; give it a connection to PostgreSQL "+
+				"directly (WithListenDSN), or to a pooler in session mode", outboxdriver.ErrListenerDeaf, channel, listencheck.Timeout)
+		case err != nil:
+			return fmt.Errorf("listener connection on %q lost: %w", channel, err)
+		case n.Payload == token:
+			return nil
+		}
+	}
+}
+
+// listenConn returns the listener's connection: dialed with ListenDSN, or taken out of the pool.
+func (d Driver) listenConn(ctx context.Context) (*pgx.Conn, error) {
+	if d.ListenDSN != "" {
+		return pgx.Connect(ctx, d.ListenDSN)
+	}
+	pc, err := d.Pool.Acquire(ctx)
+	if err != nil {
+		return nil, fmt.Errorf("acquire a connection: %w", err)
+	}
+	return pc.Hijack(), nil
 }

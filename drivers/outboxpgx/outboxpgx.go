@@ -67,6 +67,11 @@ type Option func(*Driver)
 // WithConcurrency sets the concurrency mode (default Optimistic).
 func WithConcurrency(c Concurrency) Option { return func(d *Driver) { d.Concurrency = c } }
 
+// WithListenDSN sets Driver.ListenDSN: the relay LISTENs on a connection of its own dialed with
+// dsn instead of one of the pool's (needed when the pool goes through a pooler in transaction
+// mode).
+func WithListenDSN(dsn string) Option { return func(d *Driver) { d.ListenDSN = dsn } }
+
 // New returns an Outbox on pool: cfg.DB and cfg.Driver are set from it (cfg.DB becomes a
 // database/sql handle on the same pool, for the operator tools; leave both unset). Close the
 // Outbox when done with it (the pool stays open).
@@ -95,6 +100,12 @@ func New(pool *pgxpool.Pool, cfg outbox.Config, opts ...Option) (*outbox.Outbox,
 type Driver struct {
 	Pool        *pgxpool.Pool
 	Concurrency Concurrency
+	// ListenDSN, when set, is the connection string (pgx format) of the connection on which the
+	// relay LISTENs for wake-ups, apart from the pool. Set it to reach PostgreSQL directly (or
+	// through a pooler in session mode) when the pool goes through a pooler in transaction mode:
+	// a LISTEN there succeeds, but its notifications never arrive. Default: "" (a connection
+	// taken out of the pool).
+	ListenDSN string
 
 	closeDB bool // the Store's Close closes the DB (New opened it)
 }

@@ -12,6 +12,7 @@ import (
 
 	"github.com/lib/pq"
 
+	"github.com/watermill-outbox/outbox/internal/listencheck"
 	"github.com/watermill-outbox/outbox/outboxdriver"
 )
 
@@ -39,31 +40,38 @@ const listenRetry = 100 * time.Millisecond
 // is closed (and replaced by the caller).
 const pingTimeout = 30 * time.Second
 
-// listenProofTimeout bounds the wait for the listener's own notification after LISTEN.
-const listenProofTimeout = 5 * time.Second
-
 // proveListener sends a notification on channel through db, the way the other instances'
-// notifications come, and waits for it (or any other) on notes: a LISTEN that succeeded through
-// a pooler in transaction mode receives nothing, and must not pass for connected. lost reports
-// the connection's loss meanwhile.
-func proveListener[N any](ctx context.Context, db *sql.DB, channel string, notes <-chan N, lost <-chan error) error {
-	// A literal (the channel is a validated identifier): no parameters to bind, whatever the driver.
-	if _, err := db.ExecContext(ctx, "SELECT pg_notify('"+channel+"', 'outbox: listener check')"); err != nil {
+// notifications come, and waits for it on notes: a LISTEN that succeeded through a pooler in
+// transaction mode receives nothing, and must not pass for connected. The notification carries
+// a token of this attempt (see listencheck.Token).
+// lost reports the connection's loss meanwhile.
+func proveListener(ctx context.Context, db *sql.DB, channel string, notes <-chan *pq.Notification, lost <-chan error) error {
+	token, err := listencheck.Token()
+	if err != nil {
+		return err
+	}
+	// A literal (the channel is a validated identifier, the token hex): no parameters to bind,
+	// whatever the driver.
+	if _, err := db.ExecContext(ctx, "SELECT pg_notify('"+channel+"', '"+token+"')"); err != nil {
 		return fmt.Errorf("send the listener's own notification on %q: %w", channel, err)
 	}
-	t := time.NewTimer(listenProofTimeout)
+	t := time.NewTimer(listencheck.Timeout)
 	defer t.Stop()
-	select {
-	case <-ctx.Done():
-		return nil
-	case err := <-lost:
-		return fmt.Errorf("listener connection on %q lost: %w", channel, err)
-	case <-notes:
-		return nil
-	case <-t.C:
-		return fmt.Errorf("%w: LISTEN on %q succeeded, but a notification sent on it through the database connection did not arrive within %s: "+
-			"the listener's connection likely goes through a pooler in transaction mode; point ListenDSN at PostgreSQL directly "+
-			"(or at a pooler in session mode)", outboxdriver.ErrListenerDeaf, channel, listenProofTimeout)
+	for {
+		select {
+		case <-ctx.Done():
+			return nil
+		case err := <-lost:
+			return fmt.Errorf("listener connection on %q lost: %w", channel, err)
+		case n := <-notes:
+			if n != nil && n.Extra == token {
+				return nil
+			}
+		case <-t.C:
+			return fmt.Errorf("%w: LISTEN on %q succeeded, but a notification sent on it through the database connection did not arrive within %s: "+
+				"the listener's connection likely goes through a pooler in transaction mode; point ListenDSN at PostgreSQL directly "+
+				"(or at a pooler in session mode)", outboxdriver.ErrListenerDeaf, channel, listencheck.Timeout)
+		}
 	}
 }
 

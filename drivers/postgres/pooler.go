@@ -69,6 +69,16 @@ func checkPooler(ctx context.Context, db *sql.DB) (bool, error) {
 	}
 	for range poolerRounds {
 		pooled, tx, err := poolerRound(ctx, a, b, first)
+		if isStatementMixup(err) {
+			// The check's own statements, which the driver prepared under a name, went missing
+			// (or were another connection's) in the next transaction: a pooler it is.
+			if err := checkDriverBehindPooler(ctx, a, nil); err != nil {
+				return true, err
+			}
+			return true, fmt.Errorf("%w: the driver prepares named statements, which the next transaction's server connection "+
+				"does not have (%w): configure it to send each statement with its parameters in one round trip, or connect through "+
+				"a pooler in session mode", outboxdriver.ErrUnsafeBehindPooler, err)
+		}
 		if err != nil {
 			return false, err
 		}
@@ -118,6 +128,13 @@ func poolerRound(ctx context.Context, a, b *sql.Conn, first int) (bool, *sql.Tx,
 		tx = nil
 	}
 	return pooled, tx, nil
+}
+
+// isStatementMixup tells whether err is PostgreSQL's duplicate_prepared_statement (42P05) or
+// invalid_sql_statement_name (26000), from lib/pq or pgx.
+func isStatementMixup(err error) bool {
+	var s interface{ SQLState() string }
+	return errors.As(err, &s) && (s.SQLState() == "42P05" || s.SQLState() == "26000")
 }
 
 func backendPID(ctx context.Context, c *sql.Conn) (int, error) {

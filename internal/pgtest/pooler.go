@@ -17,7 +17,8 @@ const (
 )
 
 // PoolerDSN returns DSN(t) (a fresh database) and the same database reached through a PgBouncer
-// in mode (PoolTransaction or PoolSession) on loopback, with 20 server connections. One PgBouncer
+// in mode (PoolTransaction or PoolSession) on loopback, with 20 server connections per database in
+// transaction mode and 100 in session mode (one per client connection). One PgBouncer
 // per mode serves the whole test binary and is stopped by Run. The test fails if PgBouncer is not
 // installed.
 func PoolerDSN(t testing.TB, mode string) (direct, pooled string) {
@@ -46,7 +47,11 @@ func (e *environment) bouncer(u *url.URL, mode string) (*pgbouncer.Bouncer, erro
 	if u.User != nil {
 		user = u.User.Username()
 	}
-	b, err := pgbouncer.Start(pgbouncer.Options{Upstream: u.Host, User: user, Mode: mode})
+	size := 20
+	if mode == pgbouncer.Session {
+		size = 100 // a client holds its server connection as long as it is connected
+	}
+	b, err := pgbouncer.Start(pgbouncer.Options{Upstream: u.Host, User: user, Mode: mode, PoolSize: size})
 	if err != nil {
 		return nil, fmt.Errorf("start PgBouncer in %s mode: %w", mode, err)
 	}

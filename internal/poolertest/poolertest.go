@@ -49,6 +49,19 @@ func WithParam(t testing.TB, dsn, kv string) string {
 	return u.String()
 }
 
+// WithoutParam returns dsn (a URL) without the parameter key.
+func WithoutParam(t testing.TB, dsn, key string) string {
+	t.Helper()
+	u, err := url.Parse(dsn)
+	if err != nil {
+		t.Fatal(err)
+	}
+	q := u.Query()
+	q.Del(key)
+	u.RawQuery = q.Encode()
+	return u.String()
+}
+
 // Refused checks that, behind a pooler in transaction mode, the form without its setting is
 // refused at Migrate with an error that names the setting, and works with it.
 func Refused(t *testing.T, form Form) {
