@@ -24,15 +24,18 @@ const lockClass = 0x6f757462
 
 // Driver is the PostgreSQL dialect. The zero value is ready to use.
 type Driver struct {
-	// DisablePreparedStatements stops reusing prepared statements per connection. Set it behind a
-	// pooler in transaction mode that cannot keep them, or with a DB limited to one connection.
+	// DisablePreparedStatements stops reusing prepared statements per connection. Behind a
+	// pooler in transaction mode the store notices the pooler and never prepares them, whatever
+	// this says (and refuses lib/pq without binary_parameters=yes there, see docs/operations.md).
 	// Default: false (prepared statements save lib/pq a round trip per statement).
 	DisablePreparedStatements bool
 
 	// ListenDSN, when set, is the connection string (lib/pq format) of a dedicated connection on
 	// which the relay LISTENs for wake-ups: an effect whose dispatch failed in any instance is
 	// retried by the relays at once instead of at their next poll. Default: "" (the relay polls
-	// every RelayInterval; a failure in this process still wakes this process's relay).
+	// every RelayInterval; a failure in this process still wakes this process's relay). Behind a
+	// pooler in transaction mode it must reach PostgreSQL directly (or a pooler in session
+	// mode): the listener counts as connected only once a notification of its own arrived.
 	ListenDSN string
 
 	// Listener, when set and ListenDSN is not, is how the relay LISTENs for wake-ups: it LISTENs

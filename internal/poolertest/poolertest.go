@@ -17,6 +17,8 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
+	"go.opentelemetry.io/otel/metric"
+	"go.opentelemetry.io/otel/metric/noop"
 
 	"github.com/watermill-outbox/outbox"
 	"github.com/watermill-outbox/outbox/internal/pgtest"
@@ -266,16 +268,24 @@ func Run(t *testing.T, form Form, mode string) {
 	go func() { defer wakeRunning.Done(); wakeErrs <- woken.Run(runCtx) }()
 	waitFor(t, 15*time.Second, "the listener connected", func() bool { return listenerOK(runCtx, woken) })
 	pub.failEvery.Store(1)
-	start := time.Now()
 	if err := obs[3].Handle(message.NewMessage("wake", nil), outbox.HandleParams{Consumer: "orders", MessageID: "wake"}, handler); !errors.Is(err, outbox.ErrDispatchFailed) {
 		t.Fatalf("the publish meant to fail: %v", err)
 	}
 	waitFor(t, 10*time.Second, "the woken relay to send", func() bool { return wakePub.uuids()["out-wake"] > 0 })
-	t.Logf("%s mode: another instance's relay sent a failed publish %s after the handler began", mode, time.Since(start).Round(time.Millisecond))
+	wakePub.mu.Lock()
+	sentAt := wakePub.sentAt["out-wake"]
+	wakePub.mu.Unlock()
+	pub.mu.Lock()
+	failedAt := pub.failedAt
+	pub.mu.Unlock()
+	t.Logf("%s mode: another instance's relay sent a failed publish %s after it failed", mode, sentAt.Sub(failedAt).Round(100*time.Microsecond))
 
 	if mode == pgtest.PoolTransaction {
 		// A listener through the pooler in transaction mode receives nothing: it says so.
-		deaf, err := form.Open(t, pooled, "", wcfg)
+		dcfg := wcfg
+		deafCount := &countingMeters{name: outbox.MetricListenerDeaf}
+		dcfg.MeterProvider = deafCount
+		deaf, err := form.Open(t, pooled, "", dcfg)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -295,6 +305,9 @@ func Run(t *testing.T, form Form, mode string) {
 			return false
 		})
 		t.Logf("listener through the pooler: %s", reason)
+		if n := deafCount.n.Load(); n < 1 {
+			t.Errorf("%s = %d after the listener reported deaf", outbox.MetricListenerDeaf, n)
+		}
 	}
 	shutdown(stop, &wakeRunning, wakeErrs)
 }
@@ -364,6 +377,8 @@ func diff(got map[string]int, want map[string]bool) string {
 type publisher struct {
 	mu        sync.Mutex
 	sent      map[string]int
+	sentAt    map[string]time.Time // first send
+	failedAt  time.Time            // last refusal
 	calls     int64
 	failEvery atomic.Int64
 }
@@ -373,12 +388,16 @@ func (p *publisher) Publish(_ string, msgs ...*message.Message) error {
 	defer p.mu.Unlock()
 	p.calls++
 	if n := p.failEvery.Load(); n > 0 && p.calls%n == 0 {
+		p.failedAt = time.Now()
 		return errors.New("broker down")
 	}
 	if p.sent == nil {
-		p.sent = map[string]int{}
+		p.sent, p.sentAt = map[string]int{}, map[string]time.Time{}
 	}
 	for _, m := range msgs {
+		if p.sent[m.UUID] == 0 {
+			p.sentAt[m.UUID] = time.Now()
+		}
 		p.sent[m.UUID]++
 	}
 	return nil
@@ -395,3 +414,31 @@ func (p *publisher) uuids() map[string]int {
 	}
 	return out
 }
+
+// countingMeters is a MeterProvider that counts what is added to the Int64Counter name.
+type countingMeters struct {
+	noop.MeterProvider
+	name string
+	n    atomic.Int64
+}
+
+func (p *countingMeters) Meter(string, ...metric.MeterOption) metric.Meter { return countingMeter{p: p} }
+
+type countingMeter struct {
+	noop.Meter
+	p *countingMeters
+}
+
+func (m countingMeter) Int64Counter(name string, _ ...metric.Int64CounterOption) (metric.Int64Counter, error) {
+	if name != m.p.name {
+		return noop.Int64Counter{}, nil
+	}
+	return countingCounter{n: &m.p.n}, nil
+}
+
+type countingCounter struct {
+	noop.Int64Counter
+	n *atomic.Int64
+}
+
+func (c countingCounter) Add(_ context.Context, incr int64, _ ...metric.AddOption) { c.n.Add(incr) }
