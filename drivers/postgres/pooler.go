@@ -146,7 +146,7 @@ func backendPID(ctx context.Context, c *sql.Conn) (int, error) {
 }
 
 // checkDriverBehindPooler refuses a client driver that is unsafe behind a transaction-mode
-// pooler. The probes run in tx (its server connection stays with it), when there is one.
+// pooler. The probes run in tx (its server connection stays with it), or in a transaction of c.
 //
 // Unsafe: a statement prepared under a name (it stays on the server connection of its
 // transaction, which the next transaction may not get), and a statement sent in two round trips
@@ -161,11 +161,17 @@ func checkDriverBehindPooler(ctx context.Context, c *sql.Conn, tx *sql.Tx) error
 		mode = pgxExecMode(dc)
 		return nil
 	})
-	switch pkg {
-	case "github.com/lib/pq":
-		if tx == nil {
-			return nil
+	if pkg == "github.com/jackc/pgx/v5/stdlib" && mode > 0 {
+		return pgxBehindPooler(mode)
+	}
+	if tx == nil {
+		var err error
+		if tx, err = c.BeginTx(ctx, nil); err != nil {
+			return fmt.Errorf("check the driver behind a pooler: %w", err)
 		}
+		defer func() { _ = tx.Rollback() }()
+	}
+	if pkg == "github.com/lib/pq" {
 		// With binary_parameters=yes lib/pq sends Parse, Bind and Execute at once, with []byte
 		// parameters in binary (four bytes make an int4); otherwise it describes the statement in
 		// a round trip of its own and sends []byte as text, which these bytes are not.
@@ -182,26 +188,8 @@ func checkDriverBehindPooler(ctx context.Context, c *sql.Conn, tx *sql.Tx) error
 			return fmt.Errorf("check the driver behind a pooler: %w", err)
 		}
 		return nil
-	case "github.com/jackc/pgx/v5/stdlib":
-		switch mode {
-		case pgxCacheDescribe, pgxExec, pgxSimpleProtocol:
-			return nil
-		case pgxCacheStatement:
-			return fmt.Errorf("%w: pgx's default query exec mode, cache_statement, prepares named statements that the next transaction's "+
-				"server connection does not have: add default_query_exec_mode=exec to the connection string "+
-				"(or set ConnConfig.DefaultQueryExecMode = pgx.QueryExecModeExec), or connect through a pooler in session mode",
-				outboxdriver.ErrUnsafeBehindPooler)
-		case pgxDescribeExec:
-			return fmt.Errorf("%w: pgx's query exec mode describe_exec sends a statement's parameters in a round trip after the statement, "+
-				"which the pooler may give to another client's statement: use default_query_exec_mode=exec in the connection string "+
-				"(or ConnConfig.DefaultQueryExecMode = pgx.QueryExecModeExec), or connect through a pooler in session mode",
-				outboxdriver.ErrUnsafeBehindPooler)
-		}
 	}
 	// Another driver: refuse at least one that prepares named statements.
-	if tx == nil {
-		return nil
-	}
 	const count = "SELECT count(*) FROM pg_prepared_statements"
 	var before, after int
 	if err := tx.QueryRowContext(ctx, count).Scan(&before); err != nil {
@@ -259,4 +247,21 @@ func pgxExecMode(dc any) (mode int64) {
 		return -1
 	}
 	return f.Int()
+}
+
+// pgxBehindPooler refuses pgx's query exec modes that are unsafe behind a transaction-mode pooler.
+func pgxBehindPooler(mode int64) error {
+	switch mode {
+	case pgxCacheStatement:
+		return fmt.Errorf("%w: pgx's default query exec mode, cache_statement, prepares named statements that the next transaction's "+
+			"server connection does not have: add default_query_exec_mode=exec to the connection string "+
+			"(or set ConnConfig.DefaultQueryExecMode = pgx.QueryExecModeExec), or connect through a pooler in session mode",
+			outboxdriver.ErrUnsafeBehindPooler)
+	case pgxDescribeExec:
+		return fmt.Errorf("%w: pgx's query exec mode describe_exec sends a statement's parameters in a round trip after the statement, "+
+			"which the pooler may give to another client's statement: use default_query_exec_mode=exec in the connection string "+
+			"(or ConnConfig.DefaultQueryExecMode = pgx.QueryExecModeExec), or connect through a pooler in session mode",
+			outboxdriver.ErrUnsafeBehindPooler)
+	}
+	return nil // cache_describe, exec and simple_protocol send each statement with its parameters
 }
