@@ -422,7 +422,9 @@ type countingMeters struct {
 	n    atomic.Int64
 }
 
-func (p *countingMeters) Meter(string, ...metric.MeterOption) metric.Meter { return countingMeter{p: p} }
+func (p *countingMeters) Meter(string, ...metric.MeterOption) metric.Meter {
+	return countingMeter{p: p}
+}
 
 type countingMeter struct {
 	noop.Meter
