@@ -15,9 +15,9 @@ import (
 	"github.com/watermill-outbox/outbox/outboxdriver"
 )
 
-// poolerCheckTimeout bounds the wait for the second connection of the check: a DB limited to one
-// connection cannot give it.
-const poolerCheckTimeout = 5 * time.Second
+// poolerCheckTimeout bounds the wait for the second connection of the check, which holds the
+// first meanwhile.
+const poolerCheckTimeout = time.Second
 
 // pgx's QueryExecMode values (github.com/jackc/pgx/v5), read from a pgx stdlib connection
 // without importing pgx.
@@ -53,8 +53,10 @@ func checkPooler(ctx context.Context, db *sql.DB) (bool, error) {
 	if err != nil {
 		return false, err
 	}
+	// A second connection only when the pool has one to spare: nothing waits for a connection
+	// while it holds one (the wait is bounded besides, for a spare one taken meanwhile).
 	var b *sql.Conn
-	if db.Stats().MaxOpenConnections != 1 {
+	if st := db.Stats(); st.MaxOpenConnections == 0 || st.Idle > 0 || st.OpenConnections < st.MaxOpenConnections {
 		bctx, cancel := context.WithTimeout(ctx, poolerCheckTimeout)
 		b, err = db.Conn(bctx)
 		cancel()
