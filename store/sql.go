@@ -132,6 +132,7 @@ type poolerState struct {
 	pooled  bool
 	err     error // wraps outboxdriver.ErrUnsafeBehindPooler; sticky
 	running bool
+	started time.Time  // of the last background check: one a second at most while it cannot ask
 	check   sync.Mutex // serializes the checks
 }
 
@@ -302,11 +303,11 @@ func (s *SQL) checkPooler(ctx context.Context) error {
 
 func (s *SQL) checkPoolerInBackground() {
 	s.pool.mu.Lock()
-	if s.pool.running {
+	if s.pool.running || time.Since(s.pool.started) < time.Second {
 		s.pool.mu.Unlock()
 		return
 	}
-	s.pool.running = true
+	s.pool.running, s.pool.started = true, time.Now()
 	s.pool.mu.Unlock()
 	go func() {
 		ctx, cancel := context.WithTimeout(context.Background(), poolerCheckTimeout)
