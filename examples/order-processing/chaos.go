@@ -187,8 +187,11 @@ func (c *chaos) start(ctx context.Context, s *service) (*incarnation, error) {
 			if inc.dead.Load() {
 				return errCrashed // killed: whatever was in flight stops at its next step
 			}
-			if c.roll(c.cfg.crashRate) {
-				c.crashes[point].Add(1)
+			// The steps of a message's unit of work crash at random; the relay's and the sweep's
+			// steps crash only when the whole incarnation is killed (above): a random crash there
+			// would hold its effects for a lease, longer than a chaos run lasts.
+			if n, ok := c.crashes[point]; ok && c.roll(c.cfg.crashRate) {
+				n.Add(1)
 				return errCrashed
 			}
 			return nil
