@@ -194,6 +194,11 @@ func queries(n store.Names, deleteDispatched bool) store.Queries {
 				FROM (SELECT DISTINCT source_consumer, source_id FROM m) s
 				WHERE p.consumer = s.source_consumer AND p.message_id = s.source_id`
 	markWhere := `USING ` + ids("$1") + ` WHERE e.id = v.id AND ` + asyncCommit
+	// The effects the relay may send, found through the index effects_due: the windows of a claim
+	// are placed among them, so that the parked effects in front are not walked by every pass (a
+	// window's effects are still checked against all pending effects of their keys, parked ones
+	// included, which hold them back).
+	unparked := `dispatched_at IS NULL AND parked_at IS NULL`
 	return store.Queries{
 		// The claim's CTE and the SELECT see one snapshot, taken when the statement began: a
 		// conflicting claim the SELECT cannot see was committed while the INSERT waited for it, by
@@ -267,10 +272,11 @@ func queries(n store.Names, deleteDispatched bool) store.Queries {
 			p AS (` + moveClaims + `)
 			SELECT 1 FROM m`,
 
-		// A claim looks at a window of ids from the first pending effect (or after $5), so that its
-		// cost stays that of the window whatever the backlog, and whatever the planner believes of
-		// a table whose statistics predate the backlog; and at a second window of the same width
-		// that ends at the last pending effect, for the keys that have nothing pending before it,
+		// A claim looks at a window of ids from the first pending effect that is not parked (or
+		// after $5), so that its cost stays that of the window whatever the backlog (parked effects
+		// included), and whatever the planner believes of a table whose statistics predate the
+		// backlog; and at a second window of the same width that ends at the last pending effect
+		// that is not parked, for the keys that have nothing pending before it,
 		// so that what was committed behind a backlog (of another topic, another key) waits one
 		// round for it, not until the claims have crawled through the backlog. The candidates are
 		// the first $2 effects of the first window that are due by themselves, in id order, and
@@ -288,11 +294,11 @@ func queries(n store.Names, deleteDispatched bool) store.Queries {
 		// claim. One row is locked and written per key, not per effect. A lost lease (the claim
 		// commits asynchronously) only lets an effect be sent again.
 		EffectClaimDue: `WITH bounds AS MATERIALIZED (
-				SELECT lo + $6 AS hi, EXISTS (SELECT 1 FROM ` + n.Effects + ` WHERE dispatched_at IS NULL AND id > lo + $6) AS more, lo,
+				SELECT lo + $6 AS hi, EXISTS (SELECT 1 FROM ` + n.Effects + ` WHERE ` + unparked + ` AND id > lo + $6) AS more, lo,
 					greatest(lo + $6, last - $6) AS tail_lo, last
 				FROM (SELECT CASE WHEN $5 > 0 THEN $5
-					ELSE coalesce((SELECT min(id) FROM ` + n.Effects + ` WHERE dispatched_at IS NULL), 0) - 1 END AS lo,
-					coalesce((SELECT max(id) FROM ` + n.Effects + ` WHERE dispatched_at IS NULL), 0) AS last) l
+					ELSE coalesce((SELECT min(id) FROM ` + n.Effects + ` WHERE ` + unparked + `), 0) - 1 END AS lo,
+					coalesce((SELECT max(id) FROM ` + n.Effects + ` WHERE ` + unparked + `), 0) AS last) l
 				WHERE ` + asyncCommit + `),
 			tail AS MATERIALIZED (
 				SELECT e.id, e.ordering_key, e.topic, octet_length(e.payload) + octet_length(e.metadata) AS size
