@@ -25,17 +25,22 @@ const markLinger = 5 * time.Millisecond
 // causes a re-send with the same UUIDs, which consumers deduplicate. The worker goroutine runs
 // only while marks are queued and exits when the queue is empty, so there is nothing to close.
 type marker struct {
-	o       *Outbox
-	mu      sync.Mutex
-	queue   []outboxdriver.DispatchMark
-	queued  map[int64]int  // store IDs whose mark is queued or being written
-	inline  map[Source]int // sources whose inline effects' mark is queued or being written
+	o      *Outbox
+	mu     sync.Mutex
+	queue  []outboxdriver.DispatchMark
+	queued map[int64]int  // store IDs whose mark is queued or being written
+	inline map[Source]int // sources whose inline effects' mark is queued or being written
+	// written remembers, for markRecall, the marks written lately: a relay round whose claim
+	// leased effects just before their mark deleted them must not send them again.
+	written []writtenMarks
+	recent  map[int64]int
+	recentI map[Source]int
 	running bool
 	idle    *sync.Cond // signalled when the worker exits
 }
 
 func newMarker(o *Outbox) *marker {
-	m := &marker{o: o, queued: map[int64]int{}, inline: map[Source]int{}}
+	m := &marker{o: o, queued: map[int64]int{}, inline: map[Source]int{}, recent: map[int64]int{}, recentI: map[Source]int{}}
 	m.idle = sync.NewCond(&m.mu)
 	return m
 }
@@ -70,12 +75,57 @@ func (m *marker) add(src Source, effects []Effect, moveClaim bool) {
 	}
 }
 
-// isQueued tells whether the mark of e is queued or being written; m.mu must be held.
+// markRecall is how long a written mark is remembered. A relay's claim that committed before the
+// mark's statement (which then waited on the claim's row locks) returns effects the mark deletes
+// right after; the round checks them against the marks queued here a moment later, by which time
+// the mark may have been written. Measured under load, that window is milliseconds; a few seconds
+// covers it many times over at the cost of a map entry per effect sent in that time.
+const markRecall = 5 * time.Second
+
+// writtenMarks is one batch of marks written at a time, for markRecall.
+type writtenMarks struct {
+	at    time.Time
+	batch []outboxdriver.DispatchMark
+}
+
+// isQueued tells whether the mark of e is queued, being written, or was written in the last
+// markRecall; m.mu must be held.
 func (m *marker) isQueued(e Effect) bool {
 	if e.StoreID == 0 {
-		return m.inline[e.Source] > 0
+		return m.inline[e.Source] > 0 || m.recentI[e.Source] > 0
 	}
-	return m.queued[e.StoreID] > 0
+	return m.queued[e.StoreID] > 0 || m.recent[e.StoreID] > 0
+}
+
+// remember records a batch of marks as written, and forgets those older than markRecall; m.mu
+// must be held.
+func (m *marker) remember(batch []outboxdriver.DispatchMark, now time.Time) {
+	m.written = append(m.written, writtenMarks{at: now, batch: batch})
+	for _, mk := range batch {
+		for _, id := range mk.StoreIDs {
+			m.recent[id]++
+		}
+		if mk.Inline {
+			m.recentI[mk.Source]++
+		}
+	}
+	n := 0
+	for n < len(m.written) && now.Sub(m.written[n].at) > markRecall {
+		for _, mk := range m.written[n].batch {
+			for _, id := range mk.StoreIDs {
+				if m.recent[id]--; m.recent[id] <= 0 {
+					delete(m.recent, id)
+				}
+			}
+			if mk.Inline {
+				if m.recentI[mk.Source]--; m.recentI[mk.Source] <= 0 {
+					delete(m.recentI, mk.Source)
+				}
+			}
+		}
+		n++
+	}
+	m.written = m.written[n:]
 }
 
 func (m *marker) work() {
@@ -92,8 +142,11 @@ func (m *marker) work() {
 		}
 		m.mu.Unlock()
 		// Everything queued while the previous batch was written goes in one statement.
-		m.write(batch)
+		ok := m.write(batch)
 		m.mu.Lock()
+		if ok {
+			m.remember(batch, time.Now())
+		}
 		for _, mk := range batch {
 			for _, id := range mk.StoreIDs {
 				if m.queued[id]--; m.queued[id] <= 0 {
@@ -119,26 +172,27 @@ func (m *marker) work() {
 
 // write writes a batch of marks, retrying a failed write (a deadlock, a lost connection) with a
 // growing pause until markTimeout has passed: a dropped batch would send every effect of it again.
-func (m *marker) write(batch []outboxdriver.DispatchMark) {
+// It reports whether the batch was written.
+func (m *marker) write(batch []outboxdriver.DispatchMark) bool {
 	ctx, cancel := context.WithTimeout(context.Background(), markTimeout)
 	defer cancel()
 	pause := 20 * time.Millisecond
 	for try := 1; ; try++ {
 		err := m.o.store.EffectMarkDispatched(ctx, batch...)
 		if err == nil {
-			return
+			return true
 		}
 		fields := watermill.LogFields{"sources": len(batch), "first_source_id": batch[0].Source.ID, "try": try}
 		if permanent(err) {
 			m.o.tel.markFailures.Add(ctx, 1)
 			m.o.logger.Error("Marking side effects dispatched failed; they may be sent again", err, fields)
-			return
+			return false
 		}
 		select {
 		case <-ctx.Done():
 			m.o.tel.markFailures.Add(context.Background(), 1)
 			m.o.logger.Error("Marking side effects dispatched failed; they may be sent again", err, fields)
-			return
+			return false
 		case <-time.After(pause):
 		}
 		m.o.logger.Info("Marking side effects dispatched failed; retrying", fields.Add(watermill.LogFields{"error": err.Error()}))
@@ -146,8 +200,8 @@ func (m *marker) write(batch []outboxdriver.DispatchMark) {
 	}
 }
 
-// unsent returns those of effects whose mark is not queued here: what this process has not sent
-// (or whose mark is written already).
+// unsent returns those of effects whose mark is not queued here nor was written in the last
+// markRecall: what this process has not sent lately.
 func (m *marker) unsent(effects []Effect) []Effect {
 	m.mu.Lock()
 	defer m.mu.Unlock()
