@@ -45,7 +45,21 @@ type chaosConfig struct {
 	// linger keeps the API and /metrics up this long after the report, so that Prometheus can
 	// scrape the final state; negative: until the process is interrupted.
 	linger time.Duration
+	// fault, when set, is injected faultAfter into the linger and held until the process ends,
+	// while a client keeps placing an order a second and the consumers keep running: what an
+	// operator's alerts must see (make alerts-live). One of faults.
+	fault      string
+	faultAfter time.Duration
 }
+
+// The faults the chaos mode can inject after its report.
+const (
+	faultBrokerDown  = "broker-down"  // the embedded NATS server shuts down
+	faultRefuseTopic = "refuse-topic" // the broker refuses every publish to topicStockReserved
+	faultDBStall     = "db-stall"     // a side transaction holds outbox_effects locked (PostgreSQL)
+)
+
+var faults = []string{faultBrokerDown, faultRefuseTopic, faultDBStall}
 
 var (
 	errInjected = errors.New("chaos: injected handler failure")
@@ -59,10 +73,12 @@ var failpoints = []string{outbox.FailpointAfterClaim, outbox.FailpointAfterHandl
 type chaos struct {
 	cfg chaosConfig
 
-	mu      sync.Mutex
-	rng     *rand.Rand
-	held    map[string][]*message.Message // duplicates waiting for the next publish to their topic
-	sentIDs map[string]bool               // every message ID handed to the broker
+	mu       sync.Mutex
+	rng      *rand.Rand
+	held     map[string][]*message.Message // duplicates waiting for the next publish to their topic
+	sentIDs  map[string]bool               // every message ID handed to the broker
+	refused  atomic.Pointer[string]        // a topic the broker refuses (fault refuse-topic)
+	postgres bool                          // the database is PostgreSQL (fault db-stall)
 
 	sent, injectedDups                    atomic.Int64
 	delivered, duplicates, runs, failures atomic.Int64
@@ -101,6 +117,9 @@ type chaosPublisher struct {
 
 func (p *chaosPublisher) Publish(topic string, msgs ...*message.Message) error {
 	c := p.c
+	if t := c.refused.Load(); t != nil && *t == topic {
+		return fmt.Errorf("chaos: the broker refuses topic %s", topic)
+	}
 	c.mu.Lock()
 	out := append([]*message.Message{}, msgs...)
 	out = append(out, c.held[topic]...)
@@ -251,6 +270,7 @@ func runChaos(ctx context.Context, cfg config, out io.Writer) (*chaosReport, err
 	runID := uuid.NewString()[:8]
 	cfg.dataDir = filepath.Join(cfg.dataDir, "chaos-"+runID)
 	c := newChaos(cfg.chaosConfig)
+	c.postgres = cfg.postgres != ""
 
 	// A crashed consumer's messages come back after the broker's ack timeout, and until then they
 	// count against its MaxAckPending: 2 s, so that the run does not idle (the service uses 30 s).
@@ -324,7 +344,9 @@ func runChaos(ctx context.Context, cfg config, out io.Writer) (*chaosReport, err
 	if err := waitSettled(ctx, out, s, customer); err != nil {
 		return nil, err
 	}
-	_ = side.stop()
+	if cfg.fault == "" {
+		_ = side.stop()
+	} // else the consumers keep running for the fault (the deferred stop ends them)
 
 	rep, err := c.reconcile(ctx, s, customer, accepted, stock)
 	if err != nil {
@@ -343,12 +365,100 @@ func runChaos(ctx context.Context, cfg config, out io.Writer) (*chaosReport, err
 			wait = t.C
 		}
 		fmt.Fprintln(out, " (interrupt to stop)")
+		if cfg.fault != "" {
+			faultDone := make(chan struct{})
+			go func() {
+				defer close(faultDone)
+				c.injectFault(runCtx, out, s, "http://"+ln.Addr().String(), customer, runID)
+			}()
+			defer func() { cancel(); <-faultDone }()
+		}
 		select {
 		case <-ctx.Done():
 		case <-wait:
 		}
 	}
 	return rep, nil
+}
+
+// injectFault keeps placing an order a second and, after faultAfter, injects the fault, which
+// holds until ctx ends. Errors are printed: the orders are expected to fail under some faults.
+func (c *chaos) injectFault(ctx context.Context, out io.Writer, s *service, baseURL, customer, runID string) {
+	sku := "chaos-" + runID + "-trickle"
+	if err := addProduct(ctx, s.db, sku, sku, 1000, 1<<40); err != nil {
+		fmt.Fprintf(out, "fault: add the product for the trickle of orders: %v\n", err)
+		return
+	}
+	client := &http.Client{Timeout: 10 * time.Second}
+	inject := time.NewTimer(c.cfg.faultAfter)
+	defer inject.Stop()
+	tick := time.NewTicker(time.Second)
+	defer tick.Stop()
+	var placed, failed int
+	for {
+		select {
+		case <-ctx.Done():
+			fmt.Fprintf(out, "fault: %d orders placed and %d refused during the linger\n", placed, failed)
+			return
+		case <-inject.C:
+			if err := c.startFault(ctx, s); err != nil {
+				fmt.Fprintf(out, "fault %s NOT injected: %v\n", c.cfg.fault, err)
+				continue
+			}
+			fmt.Fprintf(out, "fault injected: %s\n", c.cfg.fault)
+		case <-tick.C:
+			octx, done := context.WithTimeout(ctx, 10*time.Second)
+			_, err := postOrder(octx, client, baseURL, placeOrderRequest{Customer: customer, SKU: sku, Quantity: 1})
+			done()
+			if err != nil {
+				failed++
+			} else {
+				placed++
+			}
+		}
+	}
+}
+
+// startFault injects c.cfg.fault; a database stall holds until ctx ends.
+func (c *chaos) startFault(ctx context.Context, s *service) error {
+	switch c.cfg.fault {
+	case faultBrokerDown:
+		nb, ok := s.broker.(*natsBroker)
+		if !ok || nb.server == nil {
+			return errors.New("needs the embedded NATS server (-broker nats without -nats-url)")
+		}
+		// The clients stay: they reconnect in vain, and every publish fails, as when the
+		// broker's host goes away.
+		nb.server.Shutdown()
+		return nil
+	case faultRefuseTopic:
+		t := topicStockReserved
+		c.refused.Store(&t)
+		return nil
+	case faultDBStall:
+		if !c.postgres {
+			return errors.New("needs PostgreSQL (-postgres DSN)")
+		}
+		conn, err := s.db.Conn(ctx)
+		if err != nil {
+			return fmt.Errorf("side connection: %w", err)
+		}
+		tx, err := conn.BeginTx(ctx, nil)
+		if err == nil {
+			_, err = tx.ExecContext(ctx, `LOCK TABLE outbox_effects IN ACCESS EXCLUSIVE MODE`)
+		}
+		if err != nil {
+			_ = conn.Close()
+			return fmt.Errorf("lock outbox_effects: %w", err)
+		}
+		go func() {
+			<-ctx.Done()
+			_ = tx.Rollback()
+			_ = conn.Close()
+		}()
+		return nil
+	}
+	return fmt.Errorf("unknown fault %q (want one of %s)", c.cfg.fault, strings.Join(faults, ", "))
 }
 
 // consumerSide runs the consumers and, every restartEvery or so, kills them and starts new ones.

@@ -22,6 +22,7 @@ import (
 	"os"
 	"os/signal"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"syscall"
@@ -122,6 +123,8 @@ func parseFlags(args []string) (config, error) {
 	fs.DurationVar(&cfg.timeout, "timeout", 5*time.Minute, "chaos: how long orders may take to reach a final state")
 	fs.StringVar(&cfg.chaosConfig.addr, "chaos-addr", "127.0.0.1:0", "chaos: listen address of the API and GET /metrics (port 0: a free one, printed at start)")
 	fs.DurationVar(&cfg.linger, "linger", 0, "chaos: keep serving /metrics this long after the report, for a last scrape (negative: until interrupted)")
+	fs.StringVar(&cfg.fault, "fault", "", "chaos: a fault to inject during the linger, while an order a second is placed: "+strings.Join(faults, ", "))
+	fs.DurationVar(&cfg.faultAfter, "fault-after", time.Minute, "chaos: when the -fault is injected, from the start of the linger")
 	if err := fs.Parse(args); err != nil {
 		return cfg, err
 	}
@@ -130,6 +133,10 @@ func parseFlags(args []string) (config, error) {
 		return cfg, fmt.Errorf("-broker must be nats, postgres, amqp or redis, not %q", cfg.broker)
 	case cfg.broker == "postgres" && cfg.postgres == "":
 		return cfg, errors.New("-broker postgres needs -postgres DSN")
+	case cfg.fault != "" && !slices.Contains(faults, cfg.fault):
+		return cfg, fmt.Errorf("-fault must be one of %s, not %q", strings.Join(faults, ", "), cfg.fault)
+	case cfg.fault != "" && cfg.linger == 0:
+		return cfg, errors.New("-fault is injected during the -linger")
 	case cfg.broker != "nats" && cfg.natsURL != "":
 		return cfg, errors.New("-nats-url is for -broker nats")
 	}

@@ -4,6 +4,13 @@
 // really serves and how a real Prometheus evaluates them, where the promtool unit tests feed
 // series written by hand. `make alerts-live` runs it; it needs the prometheus binary (Debian:
 // apt-get install prometheus), and fails when it is missing.
+//
+// With -fault, the service keeps taking an order a second after its report, the fault is injected
+// a minute later and held for -hold before the kill: broker-down (the embedded NATS server shuts
+// down), refuse-topic (the broker refuses one topic), db-stall (a side transaction holds the
+// outbox_effects table locked; the run then uses a private PostgreSQL). The kill itself is the
+// dead-service fault, at the end of every run. -fast divides every `for:` of a copy of the rules by
+// 10, for a quick look; the report says so.
 package main
 
 import (
@@ -20,10 +27,13 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
 	"sort"
 	"strconv"
 	"strings"
 	"time"
+
+	"github.com/watermill-outbox/outbox/internal/pgserver"
 )
 
 func main() {
@@ -38,7 +48,14 @@ func run() error {
 	after := flag.Duration("after", 30*time.Second, "how long the service stays up after its report before it is killed")
 	watch := flag.Duration("watch", 3*time.Minute, "how long Prometheus keeps evaluating after the kill")
 	chaosArgs := flag.String("chaos-args", "", "more flags for the chaos run, space-separated (e.g. \"-fail-rate 0.3\")")
+	fault := flag.String("fault", "", "a fault injected a minute after the report: broker-down, refuse-topic or db-stall (empty: only the kill)")
+	hold := flag.Duration("hold", 13*time.Minute, "with -fault: how long the fault is held before the kill")
+	fast := flag.Bool("fast", false, "evaluate a copy of the rules with every for: divided by 10 (not the shipped rules)")
 	flag.Parse()
+	const faultAfter = time.Minute
+	if *fault != "" {
+		*after = faultAfter + *hold
+	}
 
 	prom, err := exec.LookPath(envOr("PROMETHEUS", "prometheus"))
 	if err != nil {
@@ -56,6 +73,13 @@ func run() error {
 		return err
 	}
 	defer os.RemoveAll(dir)
+	rulesNote := "deploy/prometheus/outbox-alerts.yaml"
+	if *fast {
+		if rules, err = fastRules(rules, dir); err != nil {
+			return err
+		}
+		rulesNote = "FAST: a copy of deploy/prometheus/outbox-alerts.yaml with every for: divided by 10"
+	}
 
 	bin := filepath.Join(dir, "order-processing")
 	if out, err := exec.Command("go", "build", "-o", bin, ".").CombinedOutput(); err != nil {
@@ -98,9 +122,23 @@ scrape_configs:
 	}
 	fmt.Printf("prometheus %s, rules %s, scraping the service at %s\n", promAddr, rules, svcAddr)
 
-	start := time.Now()
 	args := []string{"-chaos", "-orders", strconv.Itoa(*orders), "-chaos-addr", svcAddr, "-linger", "-1s", "-data", filepath.Join(dir, "data")}
+	if *fault != "" {
+		// Nothing else fails, so that what fires is the fault's.
+		args = append(args, "-fault", *fault, "-fault-after", faultAfter.String(),
+			"-fail-rate", "0", "-crash-rate", "0", "-dup-rate", "0", "-restart-every", "0")
+	}
+	if *fault == "db-stall" {
+		pg, err := pgserver.Start(pgserver.Options{})
+		if err != nil {
+			return fmt.Errorf("start PostgreSQL for the database stall: %w", err)
+		}
+		defer func() { _ = pg.Stop() }()
+		args = append(args, "-postgres", pg.DSN("postgres"))
+		fmt.Printf("PostgreSQL %s on port %d\n", pg.Version(), pg.Port())
+	}
 	args = append(args, strings.Fields(*chaosArgs)...)
+	start := time.Now()
 	svc := exec.Command(bin, args...)
 	stdout, err := svc.StdoutPipe()
 	if err != nil {
@@ -112,11 +150,15 @@ scrape_configs:
 	}
 	events := []event{{0, "service started: chaos run of " + strconv.Itoa(*orders) + " orders"}}
 	reported := make(chan struct{})
+	injected := make(chan time.Duration, 1)
 	go func() {
 		sc := bufio.NewScanner(stdout)
 		closed := false
 		for sc.Scan() {
 			fmt.Println("  | " + sc.Text())
+			if strings.HasPrefix(sc.Text(), "fault injected") {
+				injected <- time.Since(start)
+			}
 			if !closed && strings.Contains(sc.Text(), "still serving") {
 				close(reported)
 				closed = true
@@ -141,6 +183,15 @@ scrape_configs:
 	_ = svc.Wait()
 	killed := time.Since(start)
 	events = append(events, event{killed, "service killed (SIGKILL)"})
+	faultAt := time.Duration(-1)
+	select {
+	case faultAt = <-injected:
+		events = append(events, event{faultAt, "fault injected: " + *fault})
+	default:
+		if *fault != "" {
+			events = append(events, event{killed, "fault " + *fault + " was NOT injected (see the service's output)"})
+		}
+	}
 	fmt.Printf("service killed at +%s; Prometheus keeps evaluating for %s\n", killed.Round(time.Second), *watch)
 	time.Sleep(*watch)
 	end := time.Now()
@@ -149,16 +200,30 @@ scrape_configs:
 	if err != nil {
 		return err
 	}
-	fmt.Printf("\nalerts-live: %d orders, service killed at +%s, watched until +%s (rules: deploy/prometheus/outbox-alerts.yaml)\n\n",
-		*orders, killed.Round(time.Second), end.Sub(start).Round(time.Second))
-	fmt.Println("| at | event |")
-	fmt.Println("| --- | --- |")
+	fmt.Printf("\nalerts-live: %d orders, fault %q, service killed at +%s, watched until +%s (rules: %s)\n\n",
+		*orders, *fault, killed.Round(time.Second), end.Sub(start).Round(time.Second), rulesNote)
+	since := func(at time.Duration) string {
+		s := "+" + at.Round(time.Second).String()
+		if faultAt >= 0 && at >= faultAt {
+			s += fmt.Sprintf(" (fault +%s)", (at - faultAt).Round(time.Second))
+		}
+		if at >= killed {
+			s += fmt.Sprintf(" (kill +%s)", (at - killed).Round(time.Second))
+		}
+		return s
+	}
 	for _, f := range fired {
-		events = append(events, event{f.from.Sub(start), fmt.Sprintf("`%s` firing%s (until +%s)", f.name, f.labels, f.to.Sub(start).Round(time.Second))})
+		until := "firing at the end"
+		if end.Sub(f.to) > 5*time.Second {
+			until = "resolved at " + since(f.to.Sub(start)+time.Second)
+		}
+		events = append(events, event{f.from.Sub(start), fmt.Sprintf("`%s` firing%s (%s)", f.name, f.labels, until)})
 	}
 	sort.SliceStable(events, func(i, j int) bool { return events[i].at < events[j].at })
+	fmt.Println("| at | event |")
+	fmt.Println("| --- | --- |")
 	for _, e := range events {
-		fmt.Printf("| +%s | %s |\n", e.at.Round(time.Second), e.what)
+		fmt.Printf("| %s | %s |\n", since(e.at), e.what)
 	}
 	if len(fired) == 0 {
 		fmt.Println("\nno alert fired")
@@ -230,6 +295,22 @@ func firing(ctx context.Context, promAddr string, start, end time.Time) ([]alert
 	}
 	sort.Slice(out, func(i, j int) bool { return out[i].from.Before(out[j].from) })
 	return out, nil
+}
+
+// fastRules writes a copy of the rules with every `for:` divided by 10 and returns its path.
+func fastRules(rules, dir string) (string, error) {
+	b, err := os.ReadFile(rules)
+	if err != nil {
+		return "", err
+	}
+	re := regexp.MustCompile(`(?m)^(\s+for: )(\d+)m$`)
+	out := re.ReplaceAllStringFunc(string(b), func(m string) string {
+		g := re.FindStringSubmatch(m)
+		n, _ := strconv.Atoi(g[2])
+		return fmt.Sprintf("%s%ds", g[1], n*6)
+	})
+	p := filepath.Join(dir, "outbox-alerts-fast.yaml")
+	return p, os.WriteFile(p, []byte(out), 0o600)
 }
 
 func waitReady(ctx context.Context, u string, timeout time.Duration) error {
