@@ -10,6 +10,7 @@ import (
 	"os/exec"
 	"os/user"
 	"path/filepath"
+	"runtime"
 	"strconv"
 	"strings"
 	"sync"
@@ -125,10 +126,24 @@ logfile = %s
 	b.cmd = exec.Command(bin, confFile)
 	// Pdeathsig: PgBouncer goes when the test process dies without calling Stop.
 	b.cmd.SysProcAttr = &syscall.SysProcAttr{Credential: cred, Pdeathsig: syscall.SIGTERM, Setpgid: true}
-	if err := b.cmd.Start(); err != nil {
+	// Pdeathsig is sent when the OS thread that started the child exits, not the process: a
+	// thread the runtime lets go mid-test killed PgBouncer under a loaded make test. The thread
+	// that starts it stays locked, and alive, until PgBouncer exits.
+	started := make(chan error, 1)
+	go func() {
+		runtime.LockOSThread()
+		if err := b.cmd.Start(); err != nil {
+			started <- err
+			close(b.done)
+			return
+		}
+		started <- nil
+		_ = b.cmd.Wait()
+		close(b.done)
+	}()
+	if err := <-started; err != nil {
 		return nil, fmt.Errorf("pgbouncer: start %s: %w", bin, err)
 	}
-	go func() { _ = b.cmd.Wait(); close(b.done) }()
 	deadline := time.Now().Add(startTimeout)
 	for {
 		c, err := net.DialTimeout("tcp", b.Addr(), time.Second)
