@@ -57,7 +57,8 @@ func TestMain(m *testing.M) {
 // settleBound is the time within which, after the primary is killed, every order must be
 // applied and every effect sent on the promoted standby (synchronous replication). It covers
 // the promotion (about a second), the consumers' redelivery of what failed meanwhile, and the
-// relay's grace for effects whose dispatch was cut off.
+// relay's grace for effects whose dispatch was cut off, and one relay lease (34 s with the
+// PublishTimeout below) for effects a relay round leased on the old primary and could not mark.
 const settleBound = 40 * time.Second
 
 // forms are the two consumers, each its own Outbox, NATS durable and downstream topic.
@@ -187,11 +188,14 @@ func runFailover(t *testing.T, synchronous bool) result {
 			EffectRetention: time.Hour, // keep dispatched effects, to compare with what was delivered
 			RelayInterval:   100 * time.Millisecond,
 			RelayGrace:      time.Second,
-			StatsInterval:   200 * time.Millisecond,
-			HandlerTimeout:  10 * time.Second,
-			RetryDelay:      50 * time.Millisecond,
-			RetryDelayMax:   500 * time.Millisecond,
-			MaxAttempts:     1000, // a failover is no reason to poison an order
+			// A relay round cut short by the kill leaves its effects leased (2 x PublishTimeout +
+			// 30 s) on the new primary too (the lease was replicated): settleBound allows one lease.
+			PublishTimeout: 2 * time.Second,
+			StatsInterval:  200 * time.Millisecond,
+			HandlerTimeout: 10 * time.Second,
+			RetryDelay:     50 * time.Millisecond,
+			RetryDelayMax:  500 * time.Millisecond,
+			MaxAttempts:    1000, // a failover is no reason to poison an order
 		}
 		var ob *outbox.Outbox
 		switch form {
