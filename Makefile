@@ -149,3 +149,9 @@ chaos:
 alerts-live:
 	cd examples/order-processing && $(GO) run ./alertslive $(ARGS)
 
+# The failover tests (e2e/failover): a primary and a streaming standby, the primary killed and the
+# standby promoted. Kept out of make test while the synchronous case's settle time is not yet
+# bounded on a loaded machine (one effect was still pending a minute after the kill in two CI runs).
+.PHONY: failover
+failover:
+	cd e2e && $(GO) test -race -count=1 -timeout 15m -tags failover -v ./failover/

@@ -1,3 +1,5 @@
+//go:build failover
+
 // Package failover_test runs both forms of the framework (database/sql and pgx) against a
 // PostgreSQL primary with a streaming standby, kills the primary mid-stream and promotes the
 // standby: with synchronous replication exactly-once must hold across the failover; with

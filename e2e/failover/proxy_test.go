@@ -1,3 +1,5 @@
+//go:build failover
+
 package failover_test
 
 import (
