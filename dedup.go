@@ -2,134 +2,218 @@ package outbox
 
 import (
 	"context"
-	"crypto/sha256"
-	"encoding/binary"
 	"fmt"
-	"maps"
-	"strconv"
-	"strings"
+	"slices"
+	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
-	"github.com/ThreeDotsLabs/watermill/message"
-	"github.com/google/uuid"
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/metric"
 
 	"github.com/watermill-outbox/outbox/outboxdriver"
 )
 
-// Metadata keys of a message moved to the poison topic.
-const (
-	MetadataPoisonReason   = "outbox_poison_reason"
-	MetadataPoisonConsumer = "outbox_poison_consumer"
-	MetadataPoisonAttempts = "outbox_poison_attempts"
-)
-
-// maxReasonBytes bounds the failure reason stored and sent to the poison topic.
-const maxReasonBytes = 4096
-
-// handlerFailed counts a failed attempt durably (outside the rolled-back transaction) and, after
-// MaxAttempts, moves the message to the poison topic when one is configured.
-func (o *Outbox) handlerFailed(ctx context.Context, msg *message.Message, src Source, herr error, fields watermill.LogFields) error {
-	reason := sanitizeReason(herr.Error())
+// copyWon tells whether a claim of src committed (by a copy of the message).
+func (o *Outbox) copyWon(ctx context.Context, src Source) bool {
 	bctx, cancel := context.WithTimeout(ctx, storeTimeout)
 	defer cancel()
-	attempts, err := o.store.AttemptRecord(bctx, src, reason)
+	done, err := o.store.MessageIsProcessed(bctx, src)
+	return err == nil && done
+}
+
+// lostToCopy handles a unit of work of the optimistic mode that a copy of the message beat to
+// its commit: it rolled back, and the message is a duplicate of the copy's.
+func (o *Outbox) lostToCopy(ctx context.Context, src Source, fields watermill.LogFields) error {
+	claim := outboxdriver.Claim{Concurrent: true}
+	o.duplicateSeen(ctx, src, claim)
+	return o.redeliver(ctx, src, claim, fields)
+}
+
+// duplicateSeen counts a duplicate delivery by the age of the claim it found, and reports one
+// that comes late in the dedup window: one a little later would have run the handler again.
+func (o *Outbox) duplicateSeen(ctx context.Context, src Source, claim outboxdriver.Claim) {
+	setOutcome(ctx, OutcomeDuplicate)
+	consumer := o.tel.attrs(AttrConsumer, src.Consumer, "", "")
+	o.tel.duplicateAge.Record(ctx, claim.Age.Seconds(), consumer)
+	if claim.Age <= o.cfg.Retention/2 {
+		return
+	}
+	o.tel.duplicatesLate.Add(ctx, 1, consumer)
+	if !o.tel.lateWarned.allow(time.Minute) {
+		return
+	}
+	o.logger.Error("A duplicate came late in the dedup window: its claim was older than half of Retention. "+
+		"A copy redelivered after Retention runs the handler again; raise Retention above the broker's redelivery horizon "+
+		"(see docs/operations.md)", ErrRetentionTooShort, watermill.LogFields{
+		"consumer": src.Consumer, "message_id": src.ID, "claim_age": claim.Age.String(), "retention": o.cfg.Retention.String(),
+	})
+}
+
+// redeliver is the duplicate path: the message was processed before, so only side effects still
+// pending are dispatched, with their original UUIDs and order. Parked effects are the operator's:
+// they are not sent, nor is anything behind them with their ordering key, and they do not keep
+// the message from being acked.
+func (o *Outbox) redeliver(ctx context.Context, src Source, claim outboxdriver.Claim, fields watermill.LogFields) error {
+	pending, parked, err := o.listPending(ctx, src)
 	if err != nil {
-		o.logger.Error("Counting a failed attempt failed", err, fields)
-		return fmt.Errorf("%w (and counting the attempt failed: %w)", herr, err)
-	}
-	fields = fields.Add(watermill.LogFields{"attempts": attempts, "max_attempts": o.cfg.MaxAttempts})
-	if attempts < o.cfg.MaxAttempts {
-		return counted(fmt.Errorf("attempt %d of %d: %w", attempts, o.cfg.MaxAttempts, herr), attempts)
-	}
-	if o.cfg.PoisonTopic == "" {
-		o.logger.Error("Message keeps failing; no PoisonTopic is set, so it is nacked again", herr, fields)
-		return counted(fmt.Errorf("attempt %d (max %d, no poison topic): %w", attempts, o.cfg.MaxAttempts, herr), attempts)
-	}
-	if err := o.poison(bctx, msg, src, reason, attempts); err != nil {
-		return fmt.Errorf("%w (and moving it to the poison topic failed: %w)", herr, err)
-	}
-	setOutcome(ctx, OutcomePoisoned)
-	o.logger.Error("Message moved to the poison topic after repeated failures", herr,
-		fields.Add(watermill.LogFields{"poison_topic": o.cfg.PoisonTopic}))
-	return nil
-}
-
-// reject handles a message that cannot be processed at all (for example one without a usable ID):
-// it goes to the poison topic at once, or is nacked with a clear error when none is set.
-func (o *Outbox) reject(ctx context.Context, msg *message.Message, src Source, cause error, fields watermill.LogFields) error {
-	setOutcome(ctx, OutcomeRejected)
-	if o.cfg.PoisonTopic == "" {
-		o.logger.Error("Message cannot be processed and no PoisonTopic is set; it is nacked", cause, fields)
-		return cause
-	}
-	m := poisonMessage(msg, src.Consumer, sanitizeReason(cause.Error()), 0)
-	if m.UUID == "" || validateName(m.UUID) != nil {
-		m.UUID = rejectedID(msg, src.Consumer)
-	}
-	if err := o.publish(context.WithoutCancel(ctx), o.cfg.PoisonTopic, []Effect{messageEffect(m)}); err != nil {
-		return fmt.Errorf("%w (and moving it to the poison topic failed: %w)", cause, err)
-	}
-	o.logger.Error("Message moved to the poison topic", cause, fields)
-	return nil
-}
-
-// rejectedNamespace is the namespace of the IDs given to rejected messages.
-var rejectedNamespace = uuid.MustParse("0b8f8f8e-5a3c-4d6e-9a43-6f75746278a1")
-
-// rejectedID derives the ID of the poison message of a message whose own ID is unusable from what
-// every redelivery of it carries (the consumer, its raw UUID and its payload), so that the copies
-// on the poison topic share one ID, and consumers of the poison topic can deduplicate them.
-func rejectedID(msg *message.Message, consumer string) string {
-	h := sha256.New()
-	for _, part := range [][]byte{[]byte(consumer), []byte(msg.UUID), msg.Payload} {
-		var n [8]byte
-		binary.BigEndian.PutUint64(n[:], uint64(len(part)))
-		h.Write(n[:])
-		h.Write(part)
-	}
-	return uuid.NewSHA1(rejectedNamespace, h.Sum(nil)).String()
-}
-
-func (o *Outbox) poison(ctx context.Context, msg *message.Message, src Source, reason string, attempts int) error {
-	m := poisonMessage(msg, src.Consumer, reason, attempts)
-	if err := o.publish(ctx, o.cfg.PoisonTopic, []Effect{messageEffect(m)}); err != nil {
 		return err
 	}
-	// Remember it as processed so that copies still in the broker do not run the handler again.
-	if err := o.store.MessagePoison(ctx, src); err != nil {
-		o.logger.Error("Recording a poisoned message failed; a redelivered copy may be poisoned again", err, nil)
+	o.logger.Debug("Duplicate message skipped", fields.Add(watermill.LogFields{"pending_effects": len(pending), "parked_effects": parked}))
+	if parked > 0 && len(pending) == 0 {
+		o.logger.Info("Duplicate message acked; its undispatched side effects are parked (see Outbox.ParkedEffects)", fields)
 	}
-	return nil
+	// What this process sent and whose mark is still being written is not pending: a
+	// redelivery right after a partial failure must send only what did not go out.
+	if pending = o.marks.unsent(pending); len(pending) == 0 {
+		return nil
+	}
+	if wait := o.duplicateWait(src, claim, pending); wait > 0 {
+		// The original is most likely sending these effects right now (this copy waited on its
+		// claim, or they are this young and no failure of theirs is known): let it, rather than
+		// put a second copy on the wire, and send only what is still pending once it is done, has
+		// failed, or the wait is over.
+		if pending, err = o.awaitDispatch(ctx, src, wait); err != nil {
+			return err
+		}
+		if len(pending) == 0 {
+			return nil
+		}
+	}
+	if hasInline(pending) {
+		// The original did not send them (it failed, or crashed): from now on they are rows,
+		// which the relay also sees, so that each is marked, retried or parked on its own.
+		// Leased as a relay round would lease them: the relays leave them to this dispatch.
+		if pending, err = o.materialize(ctx, src, pending, o.relayLease()); err != nil {
+			return err
+		}
+		if pending, _ = sendable(pending); len(pending) == 0 {
+			return nil
+		}
+	}
+	// A re-send after the claim's own dispatch failed or was lost: retention counts from now.
+	return o.dispatchAndMark(ctx, PathRedelivery, src, pending, time.Time{}, fields)
 }
 
-func poisonMessage(msg *message.Message, consumer, reason string, attempts int) *message.Message {
-	m := message.NewMessage(msg.UUID, msg.Payload)
-	m.Metadata = maps.Clone(msg.Metadata)
-	if m.Metadata == nil {
-		m.Metadata = message.Metadata{}
+// duplicateWait is how long a duplicate waits for the original to dispatch pending: never when
+// the original is known to have failed (here, or as recorded in the database); DuplicateWait when
+// the copy waited on the original's claim; otherwise what is left of DuplicateWait since the
+// effects were stored, never more (a database clock that stepped back makes them look younger
+// than they are).
+func (o *Outbox) duplicateWait(src Source, claim outboxdriver.Claim, pending []Effect) time.Duration {
+	if o.failedHere.contains(src) {
+		return 0
 	}
-	m.Metadata.Set(MetadataPoisonReason, reason)
-	m.Metadata.Set(MetadataPoisonConsumer, consumer)
-	m.Metadata.Set(MetadataPoisonAttempts, strconv.Itoa(attempts))
-	return m
+	for _, e := range pending {
+		if e.Failures > 0 {
+			return 0
+		}
+	}
+	if claim.Concurrent {
+		return o.cfg.DuplicateWait
+	}
+	return min(max(o.cfg.DuplicateWait-pending[0].PendingFor, 0), o.cfg.DuplicateWait)
 }
 
-func messageEffect(m *message.Message) Effect {
-	return Effect{Kind: KindPublish, UUID: m.UUID, Payload: m.Payload, Metadata: m.Metadata}
+// listPending returns the pending effects of src that may be sent now (parked effects, and those
+// behind them with their ordering key, left out), and how many are parked.
+func (o *Outbox) listPending(ctx context.Context, src Source) ([]Effect, int, error) {
+	bctx, cancel := context.WithTimeout(ctx, storeTimeout)
+	defer cancel()
+	all, err := o.store.EffectListPending(bctx, src)
+	if err != nil {
+		return nil, 0, fmt.Errorf("outbox: list pending side effects of %q for %q: %w", src.ID, src.Consumer, err)
+	}
+	out, parked := sendable(all)
+	return out, parked, nil
 }
 
-// sanitizeReason makes a failure reason readable and bounded for the poison message's metadata
-// and the logs: valid UTF-8, NUL escaped, at most maxReasonBytes. (The store makes whatever it
-// stores storable itself.)
-func sanitizeReason(s string) string {
-	s = strings.ToValidUTF8(s, "\uFFFD")
-	s = strings.ReplaceAll(s, "\x00", `\x00`)
-	if len(s) > maxReasonBytes {
-		s = strings.ToValidUTF8(s[:maxReasonBytes], "") + "..."
+// sendable returns those of the pending effects all that may be sent now (parked effects, and
+// those behind them with their ordering key, left out), and how many are parked.
+func sendable(all []Effect) ([]Effect, int) {
+	blocked := map[string]bool{}
+	parked := 0
+	out := all[:0]
+	for _, e := range all {
+		if e.Parked {
+			parked++
+			blocked[e.OrderingKey] = true
+		}
+		if !blocked[e.OrderingKey] {
+			out = append(out, e)
+		}
 	}
-	return s
+	return out, parked
+}
+
+// hasInline tells whether some of effects are kept inline in their claim (StoreID 0).
+func hasInline(effects []Effect) bool {
+	return slices.ContainsFunc(effects, func(e Effect) bool { return e.StoreID == 0 })
+}
+
+// materialize moves the inline effects of src into effect rows (so that they can be marked one
+// by one, fail, be retried and parked like any other) and returns effects with each replaced by
+// its row.
+func (o *Outbox) materialize(ctx context.Context, src Source, effects []Effect, lease time.Duration) ([]Effect, error) {
+	is, ok := o.store.(outboxdriver.InlineStore)
+	if !ok {
+		return nil, fmt.Errorf("outbox: effects of %q for %q are inline, but the store cannot move them", src.ID, src.Consumer)
+	}
+	bctx, cancel := context.WithTimeout(ctx, storeTimeout)
+	defer cancel()
+	rows, err := is.EffectMaterialize(bctx, src, lease)
+	if err != nil {
+		return nil, fmt.Errorf("outbox: move the inline side effects of %q for %q to the relay: %w", src.ID, src.Consumer, err)
+	}
+	if err := o.failpoint(ctx, FailpointAfterMaterialize); err != nil {
+		return nil, err
+	}
+	// An effect is its source's seq-th record: one message (one UUID) may go to several topics.
+	byPos := make(map[effectPos]Effect, len(rows))
+	for _, r := range rows {
+		byPos[posOf(r)] = r
+	}
+	out := make([]Effect, 0, len(effects))
+	for _, e := range effects {
+		if r, ok := byPos[posOf(e)]; ok {
+			r.StoredAt = e.StoredAt
+			out = append(out, r)
+		}
+	}
+	return out, nil
+}
+
+// effectPos identifies an effect wherever it is kept (inline in its claim, or as a row): its
+// source and its position among the source's records. The UUID does not: one message may be
+// published to several topics.
+type effectPos struct {
+	src Source
+	seq int
+}
+
+func posOf(e Effect) effectPos { return effectPos{e.Source, e.Seq} }
+
+// awaitDispatch polls the pending effects of src until none are left, a failed dispatch of them
+// is recorded, or wait has passed, and returns what is still pending.
+func (o *Outbox) awaitDispatch(ctx context.Context, src Source, wait time.Duration) ([]Effect, error) {
+	deadline := time.Now().Add(wait)
+	for {
+		step := min(25*time.Millisecond, time.Until(deadline))
+		select {
+		case <-ctx.Done():
+			return nil, fmt.Errorf("outbox: waiting for an in-flight dispatch: %w", ctx.Err())
+		case <-time.After(step):
+		}
+		pending, _, err := o.listPending(ctx, src)
+		if err != nil {
+			return nil, err
+		}
+		if pending = o.marks.unsent(pending); len(pending) == 0 {
+			return nil, nil
+		}
+		if !time.Now().Before(deadline) || o.failedHere.contains(src) || slices.ContainsFunc(pending, func(e Effect) bool { return e.Failures > 0 }) {
+			return pending, nil
+		}
+	}
 }
 
 // Cleanup runs one retention cleanup pass with the configured retention, batch size and pause, as

@@ -2,11 +2,20 @@ package outbox
 
 import (
 	"context"
+	"crypto/sha256"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"maps"
 	"math/rand/v2"
+	"strconv"
+	"strings"
 	"sync"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
 
 	"github.com/watermill-outbox/outbox/outboxdriver"
 )
@@ -177,4 +186,156 @@ func (o *Outbox) relayNeeded(fields watermill.LogFields) {
 	o.logger.Error("Side effects were left to the relay, but Outbox.Run is not running in this process: "+
 		"start it (go ob.Run(ctx)) in every instance, or they are sent only by another instance's relay or a redelivery",
 		ErrRelayNotRunning, fields)
+}
+
+// failureCount marks an error with how many times in a row the message failed, from which
+// backoff computes the wait.
+type failureCount struct {
+	err error
+	n   int
+}
+
+func (f *failureCount) Error() string { return f.err.Error() }
+
+func (f *failureCount) Unwrap() error { return f.err }
+
+func counted(err error, n int) error { return &failureCount{err: err, n: n} }
+
+// backoff waits RetryDelay, doubled for each further failure of the message up to RetryDelayMax,
+// unless ctx ends first; it reports whether it waited the whole time.
+func (o *Outbox) backoff(ctx context.Context, err error) bool {
+	if o.cfg.RetryDelay < 0 {
+		return true
+	}
+	n := 1
+	var fc *failureCount
+	if errors.As(err, &fc) {
+		n = max(fc.n, 1)
+	}
+	d := min(o.cfg.RetryDelay<<min(n-1, 30), o.cfg.RetryDelayMax)
+	if d <= 0 {
+		d = o.cfg.RetryDelayMax
+	}
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return false
+	case <-t.C:
+		return true
+	}
+}
+
+// Metadata keys of a message moved to the poison topic.
+const (
+	MetadataPoisonReason   = "outbox_poison_reason"
+	MetadataPoisonConsumer = "outbox_poison_consumer"
+	MetadataPoisonAttempts = "outbox_poison_attempts"
+)
+
+// maxReasonBytes bounds the failure reason stored and sent to the poison topic.
+const maxReasonBytes = 4096
+
+// handlerFailed counts a failed attempt durably (outside the rolled-back transaction) and, after
+// MaxAttempts, moves the message to the poison topic when one is configured.
+func (o *Outbox) handlerFailed(ctx context.Context, msg *message.Message, src Source, herr error, fields watermill.LogFields) error {
+	reason := sanitizeReason(herr.Error())
+	bctx, cancel := context.WithTimeout(ctx, storeTimeout)
+	defer cancel()
+	attempts, err := o.store.AttemptRecord(bctx, src, reason)
+	if err != nil {
+		o.logger.Error("Counting a failed attempt failed", err, fields)
+		return fmt.Errorf("%w (and counting the attempt failed: %w)", herr, err)
+	}
+	fields = fields.Add(watermill.LogFields{"attempts": attempts, "max_attempts": o.cfg.MaxAttempts})
+	if attempts < o.cfg.MaxAttempts {
+		return counted(fmt.Errorf("attempt %d of %d: %w", attempts, o.cfg.MaxAttempts, herr), attempts)
+	}
+	if o.cfg.PoisonTopic == "" {
+		o.logger.Error("Message keeps failing; no PoisonTopic is set, so it is nacked again", herr, fields)
+		return counted(fmt.Errorf("attempt %d (max %d, no poison topic): %w", attempts, o.cfg.MaxAttempts, herr), attempts)
+	}
+	if err := o.poison(bctx, msg, src, reason, attempts); err != nil {
+		return fmt.Errorf("%w (and moving it to the poison topic failed: %w)", herr, err)
+	}
+	setOutcome(ctx, OutcomePoisoned)
+	o.logger.Error("Message moved to the poison topic after repeated failures", herr,
+		fields.Add(watermill.LogFields{"poison_topic": o.cfg.PoisonTopic}))
+	return nil
+}
+
+// reject handles a message that cannot be processed at all (for example one without a usable ID):
+// it goes to the poison topic at once, or is nacked with a clear error when none is set.
+func (o *Outbox) reject(ctx context.Context, msg *message.Message, src Source, cause error, fields watermill.LogFields) error {
+	setOutcome(ctx, OutcomeRejected)
+	if o.cfg.PoisonTopic == "" {
+		o.logger.Error("Message cannot be processed and no PoisonTopic is set; it is nacked", cause, fields)
+		return cause
+	}
+	m := poisonMessage(msg, src.Consumer, sanitizeReason(cause.Error()), 0)
+	if m.UUID == "" || validateName(m.UUID) != nil {
+		m.UUID = rejectedID(msg, src.Consumer)
+	}
+	if err := o.publish(context.WithoutCancel(ctx), o.cfg.PoisonTopic, []Effect{messageEffect(m)}); err != nil {
+		return fmt.Errorf("%w (and moving it to the poison topic failed: %w)", cause, err)
+	}
+	o.logger.Error("Message moved to the poison topic", cause, fields)
+	return nil
+}
+
+// rejectedNamespace is the namespace of the IDs given to rejected messages.
+var rejectedNamespace = uuid.MustParse("0b8f8f8e-5a3c-4d6e-9a43-6f75746278a1")
+
+// rejectedID derives the ID of the poison message of a message whose own ID is unusable from what
+// every redelivery of it carries (the consumer, its raw UUID and its payload), so that the copies
+// on the poison topic share one ID, and consumers of the poison topic can deduplicate them.
+func rejectedID(msg *message.Message, consumer string) string {
+	h := sha256.New()
+	for _, part := range [][]byte{[]byte(consumer), []byte(msg.UUID), msg.Payload} {
+		var n [8]byte
+		binary.BigEndian.PutUint64(n[:], uint64(len(part)))
+		h.Write(n[:])
+		h.Write(part)
+	}
+	return uuid.NewSHA1(rejectedNamespace, h.Sum(nil)).String()
+}
+
+func (o *Outbox) poison(ctx context.Context, msg *message.Message, src Source, reason string, attempts int) error {
+	m := poisonMessage(msg, src.Consumer, reason, attempts)
+	if err := o.publish(ctx, o.cfg.PoisonTopic, []Effect{messageEffect(m)}); err != nil {
+		return err
+	}
+	// Remember it as processed so that copies still in the broker do not run the handler again.
+	if err := o.store.MessagePoison(ctx, src); err != nil {
+		o.logger.Error("Recording a poisoned message failed; a redelivered copy may be poisoned again", err, nil)
+	}
+	return nil
+}
+
+func poisonMessage(msg *message.Message, consumer, reason string, attempts int) *message.Message {
+	m := message.NewMessage(msg.UUID, msg.Payload)
+	m.Metadata = maps.Clone(msg.Metadata)
+	if m.Metadata == nil {
+		m.Metadata = message.Metadata{}
+	}
+	m.Metadata.Set(MetadataPoisonReason, reason)
+	m.Metadata.Set(MetadataPoisonConsumer, consumer)
+	m.Metadata.Set(MetadataPoisonAttempts, strconv.Itoa(attempts))
+	return m
+}
+
+func messageEffect(m *message.Message) Effect {
+	return Effect{Kind: KindPublish, UUID: m.UUID, Payload: m.Payload, Metadata: m.Metadata}
+}
+
+// sanitizeReason makes a failure reason readable and bounded for the poison message's metadata
+// and the logs: valid UTF-8, NUL escaped, at most maxReasonBytes. (The store makes whatever it
+// stores storable itself.)
+func sanitizeReason(s string) string {
+	s = strings.ToValidUTF8(s, "\uFFFD")
+	s = strings.ReplaceAll(s, "\x00", `\x00`)
+	if len(s) > maxReasonBytes {
+		s = strings.ToValidUTF8(s[:maxReasonBytes], "") + "..."
+	}
+	return s
 }

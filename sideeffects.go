@@ -461,3 +461,56 @@ func growStack() byte {
 
 //go:noinline
 func lastByte(b []byte) byte { return b[len(b)-1] }
+
+// storeProduced turns the messages an AddHandler handler returns into side effects, so that the
+// Router does not publish them a second time outside the transaction.
+func (o *Outbox) storeProduced(ctx context.Context, topic string, produced []*message.Message) error {
+	if topic == "" {
+		return fmt.Errorf("outbox: the handler returned %d message(s) but has no publish topic (use AddConsumerHandler with outbox.Publish, or AddHandler with a topic)", len(produced))
+	}
+	return Publish(ctx, topic, produced...)
+}
+
+// dispatchAndMark sends effects and queues their mark. claimed is no later than the time the claim
+// of src was written with (zero if unknown): when the effects went out within ClaimClockSlack of
+// it, that time stands for their dispatch and the mark leaves the claim alone. A failed dispatch
+// is recorded at once, and returned as ErrDispatchFailed.
+func (o *Outbox) dispatchAndMark(ctx context.Context, path string, src Source, effects []Effect, claimed time.Time, fields watermill.LogFields) (err error) {
+	if len(effects) == 0 {
+		return nil
+	}
+	ctx, traced := o.tel.startDispatch(ctx, path, effects, true)
+	defer func() { traced(err) }()
+	if blocked, err := o.keyBlocked(ctx, src, effects); err != nil {
+		return fmt.Errorf("outbox: check ordering keys: %w", err)
+	} else if blocked {
+		// The effects are committed; the relay sends them after the earlier ones, in order.
+		return o.handToRelay(ctx, src)
+	}
+	sent, failed, err := o.dispatch(ctx, path, effects)
+	if err != nil && hasInline(effects) {
+		// Inline effects are marked all at once; after a partial failure each is marked,
+		// counted and retried on its own, as a row.
+		rows, merr := o.materialize(ctx, src, effects, 0) // the failure recorded next sets their retry time
+		if merr != nil || len(rows) != len(effects) {
+			o.failedHere.add(src)
+			o.relayNeeded(fields)
+			return fmt.Errorf("%w: %d of %d side effects of %q for %q: %w (they stay with the claim until the relay takes them over: %v)",
+				ErrDispatchFailed, len(effects)-sent, len(effects), src.ID, src.Consumer, err, merr)
+		}
+		effects = rows
+	}
+	o.marks.add(src, effects[:sent], claimed.IsZero() || time.Since(claimed) > ClaimClockSlack)
+	if err != nil {
+		if failed > 0 {
+			o.dispatchFailed(ctx, src, effects, sent, failed, err)
+		}
+		// Committed effects stay pending: redelivery or the relay sends them with the same UUIDs.
+		err = fmt.Errorf("%w: %d of %d side effects of %q for %q: %w", ErrDispatchFailed, len(effects)-sent, len(effects), src.ID, src.Consumer, err)
+		if failed > 0 {
+			return counted(err, effects[sent].Failures+1)
+		}
+		return err
+	}
+	return o.failpoint(ctx, FailpointAfterMark)
+}
