@@ -10,16 +10,17 @@
 //	err = ob.Migrate(ctx) // creates or upgrades the outbox tables; safe from every instance
 //	go ob.Run(ctx)        // the relay and the cleanup, in every instance
 //
-// Wrap each consumer with the middleware (package middleware), and in the handler write through
-// the message's transaction and record what the message causes:
+// Wrap each consumer's handler function with the middleware (package middleware; innermost by
+// construction, inside any Retry or PoisonQueue), and in the handler write through the message's
+// transaction and record what the message causes:
 //
-//	router.AddConsumerHandler("reserve-stock", "orders", subscriber, func(msg *message.Message) error {
+//	router.AddConsumerHandler("reserve-stock", "orders", subscriber, middleware.WrapConsumer(ob, func(msg *message.Message) error {
 //		ctx := msg.Context()
 //		if _, err := outbox.Tx(ctx).ExecContext(ctx, `UPDATE stock ...`); err != nil {
 //			return err
 //		}
 //		return outbox.Publish(ctx, "stock.reserved", message.NewMessage(watermill.NewUUID(), payload))
-//	}).AddMiddleware(middleware.New(ob))
+//	}))
 //
 // The claim that the message was processed, the business writes and the recorded messages commit
 // together; the messages are sent after the commit, before the incoming message is acked, with

@@ -40,6 +40,13 @@ var (
 	// handler; the inner one would wait forever for the claim the outer one holds), or the
 	// handler called InTx (whose transaction would commit even when the message's rolls back).
 	ErrNestedUnitOfWork = errors.New("outbox: unit of work started inside a message's unit of work")
+	// ErrUnsafeMiddlewareOrder means Watermill middleware that retries, poisons or acks messages
+	// runs inside the outbox middleware, where it breaks the guarantee: Retry would apply a failed
+	// attempt's business change again in the same transaction, PoisonQueue would commit what a
+	// failed attempt wrote, InstantAck would ack before the commit. The message is not handled (its
+	// unit of work rolls back, no failed attempt is counted, the delivery waits RetryDelay) until
+	// the wiring is fixed: wrap the handler with middleware.Wrap, or add the outbox middleware last.
+	ErrUnsafeMiddlewareOrder = errors.New("outbox: unsafe middleware order")
 	// ErrUnitOfWorkFinished is returned by Publish and Record when the unit of work of ctx has
 	// already committed or rolled back (a goroutine that outlived the handler).
 	ErrUnitOfWorkFinished = errors.New("outbox: the unit of work of this context has finished")

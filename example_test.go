@@ -67,13 +67,13 @@ func Example() {
 	if err != nil {
 		panic(err)
 	}
-	router.AddConsumerHandler("reserve-stock", "orders", orders, func(msg *message.Message) error {
+	router.AddConsumerHandler("reserve-stock", "orders", orders, middleware.WrapConsumer(ob, func(msg *message.Message) error {
 		ctx := msg.Context()
 		if _, err := outbox.Tx(ctx).ExecContext(ctx, `INSERT INTO reservations VALUES ($1)`, string(msg.Payload)); err != nil {
 			return err
 		}
 		return outbox.Publish(ctx, "stock.reserved", message.NewMessage("", msg.Payload))
-	}).AddMiddleware(middleware.New(ob))
+	}))
 	reserved, err := events.Subscribe(ctx, "stock.reserved")
 	if err != nil {
 		panic(err)

@@ -123,7 +123,7 @@ func (o *Outbox) handle(msg *message.Message, p HandleParams, next message.Handl
 			// wait either (a killed consumer's in-flight messages would otherwise each wait
 			// RetryDelay, one after another, before it let go of them).
 			return err
-		case errors.Is(err, ErrNestedUnitOfWork):
+		case errors.Is(err, ErrNestedUnitOfWork), errors.Is(err, ErrUnsafeMiddlewareOrder):
 			// A wiring error: running again cannot help, but it fails every message, and the
 			// Router redelivers at once; without the wait that is thousands of failures a second.
 			o.backoff(parent, err)
@@ -205,6 +205,10 @@ func (o *Outbox) handleOnce(msg *message.Message, src Source, p HandleParams, ne
 	if err != nil {
 		rbErr := tx.Rollback(after)
 		switch {
+		case errors.Is(err, ErrUnsafeMiddlewareOrder):
+			// A wiring error found while the handler ran: nothing it wrote may commit, and the
+			// message is not to blame.
+			return err
 		case isRetryable(err) && !lastTry:
 			return fmt.Errorf("%w: %w", errRetryAtOnce, err)
 		case parent.Err() != nil && txCtx.Err() == nil:

@@ -1,7 +1,6 @@
 package middleware
 
 import (
-	"errors"
 	"fmt"
 	"reflect"
 	"runtime"
@@ -9,10 +8,13 @@ import (
 	"strings"
 
 	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/watermill-outbox/outbox"
 )
 
-// ErrUnsafeMiddlewareOrder is returned by CheckRouter.
-var ErrUnsafeMiddlewareOrder = errors.New("outbox middleware: unsafe middleware order")
+// ErrUnsafeMiddlewareOrder is returned by CheckRouter, and by the middleware for each message it
+// refuses to handle because of what runs inside it (it is outbox.ErrUnsafeMiddlewareOrder).
+var ErrUnsafeMiddlewareOrder = outbox.ErrUnsafeMiddlewareOrder
 
 // CheckRouter reports, before the Router runs, middleware that breaks the outbox's guarantee by
 // where it sits. Watermill runs middleware in the order it was added, Router-level and
@@ -26,8 +28,9 @@ var ErrUnsafeMiddlewareOrder = errors.New("outbox middleware: unsafe middleware 
 //     failed;
 //   - InstantAck acks the message before anything is committed, wherever it sits.
 //
-// Add the outbox middleware last: on the handler (h.AddMiddleware(middleware.New(ob))) after the
-// Router's middleware was added, or on the Router after the others. CheckRouter reads the
+// Wrap the handler function (Wrap, WrapConsumer), which cannot be misplaced, or add the outbox
+// middleware last: on the handler (h.AddMiddleware(middleware.New(ob))) after the Router's
+// middleware was added, or on the Router after the others. CheckRouter reads the
 // Router's middleware list by reflection (Watermill does not export it); on a Watermill whose
 // Router it cannot read, it reports nothing.
 func CheckRouter(r *message.Router) error {

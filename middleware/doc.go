@@ -1,4 +1,5 @@
-// Package middleware adapts the outbox unit of work to Watermill: middleware.New(ob) is a
-// message.HandlerMiddleware that gives each wrapped handler exactly-once effects. Add it per
-// handler; the Router handler name is the consumer identity.
+// Package middleware adapts the outbox unit of work to Watermill: Wrap(ob, h) and
+// WrapConsumer(ob, h) give a handler function exactly-once effects, innermost by construction,
+// inside whatever middleware the Router adds; New(ob) is the same as a
+// message.HandlerMiddleware, to add last. The Router handler name is the consumer identity.
 package middleware

@@ -122,3 +122,54 @@ func ExampleCheckRouter() {
 	fmt.Println(errors.Is(err, middleware.ErrUnsafeMiddlewareOrder))
 	// Output: true
 }
+
+// WrapConsumer puts the unit of work around the handler function itself, so a Retry on the
+// Router runs whole units of work again: the first try's write is rolled back before the second,
+// and the order is reserved once.
+func ExampleWrapConsumer() {
+	db, closeDB := exampleDB()
+	defer closeDB()
+	ctx := context.Background()
+	if _, err := db.Exec(`CREATE TABLE reservations (order_id text)`); err != nil {
+		panic(err)
+	}
+	orders := gochannel.NewGoChannel(gochannel.Config{BlockPublishUntilSubscriberAck: true}, watermill.NopLogger{})
+	defer orders.Close()
+	ob, err := outbox.New(outbox.Config{DB: db, Driver: postgres.Driver{}, Publisher: orders})
+	if err != nil {
+		panic(err)
+	}
+	if err := ob.Migrate(ctx); err != nil {
+		panic(err)
+	}
+
+	router, err := message.NewRouter(message.RouterConfig{}, watermill.NopLogger{})
+	if err != nil {
+		panic(err)
+	}
+	router.AddMiddleware(wmw.Retry{MaxRetries: 3, InitialInterval: time.Millisecond}.Middleware)
+	tries := 0
+	router.AddConsumerHandler("reserve-stock", "orders", orders, middleware.WrapConsumer(ob, func(msg *message.Message) error {
+		ctx := msg.Context()
+		if _, err := outbox.Tx(ctx).ExecContext(ctx, `INSERT INTO reservations VALUES ($1)`, string(msg.Payload)); err != nil {
+			return err
+		}
+		if tries++; tries == 1 {
+			return errors.New("the first try fails after its write")
+		}
+		return nil
+	}))
+	go func() { _ = router.Run(ctx) }()
+	<-router.Running()
+	defer router.Close()
+
+	if err := orders.Publish("orders", message.NewMessage(watermill.NewUUID(), []byte("order-1"))); err != nil {
+		panic(err)
+	}
+	var n int
+	if err := db.QueryRow(`SELECT count(*) FROM reservations`).Scan(&n); err != nil {
+		panic(err)
+	}
+	fmt.Println("tries:", tries, "reservations:", n)
+	// Output: tries: 2 reservations: 1
+}

@@ -2,7 +2,11 @@ package middleware
 
 import (
 	"fmt"
+	"reflect"
+	"strings"
+	"sync"
 
+	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/watermill-outbox/outbox"
@@ -33,12 +37,22 @@ func WithMessageID(fn func(*message.Message) (string, error)) Option {
 // work (see outbox.Outbox.Handle). The handler writes through outbox.Tx(msg.Context()) and records
 // side effects with outbox.Publish; the messages it returns are stored and dispatched by the
 // middleware, which returns none to the Router.
+//
+// It must be the innermost middleware of the handler (Wrap makes it so by construction). What it
+// can see of the wiring it checks as it runs: Watermill's Retry, PoisonQueue or InstantAck
+// directly inside it, and a PoisonQueue anywhere inside it that poisons a message, make every
+// message fail with ErrUnsafeMiddlewareOrder (rolled back, not counted as a failed attempt); a
+// message acked before it reaches the middleware (InstantAck outside it) is logged at ERROR
+// once, and handled. CheckRouter sees the whole chain before the Router runs.
 func New(ob *outbox.Outbox, opts ...Option) message.HandlerMiddleware {
 	var cfg options
 	for _, opt := range opts {
 		opt(&cfg)
 	}
 	return func(next message.HandlerFunc) message.HandlerFunc {
+		inner := innerMiddleware(funcName(reflect.ValueOf(next)))
+		guarded := guard(next, inner)
+		var ackedOnce sync.Once
 		return func(msg *message.Message) ([]*message.Message, error) {
 			ctx := msg.Context()
 			p := outbox.HandleParams{
@@ -60,8 +74,96 @@ func New(ob *outbox.Outbox, opts ...Option) message.HandlerMiddleware {
 				}
 				p.MessageID = id
 			}
-			return nil, ob.Handle(msg, p, next)
+			if acked(msg) {
+				// Refusing it would lose it: the broker already forgot it. Handle it, and say why a
+				// crash now would lose such messages.
+				ackedOnce.Do(func() {
+					ob.Config().Logger.Error("Message acked before its unit of work: InstantAck (or another middleware that acks) runs outside the outbox middleware; a crash loses such messages",
+						outbox.ErrUnsafeMiddlewareOrder, watermill.LogFields{"consumer": p.Consumer, "message_uuid": msg.UUID})
+				})
+			}
+			return nil, ob.Handle(msg, p, guarded)
 		}
+	}
+}
+
+// Wrap returns h run as one outbox unit of work per message: the outbox middleware applied to
+// the handler function itself, and so inside whatever middleware the Router and the handler add
+// (Retry, PoisonQueue, Timeout), which then see the outcome of whole units of work. It is the
+// wiring to prefer over AddMiddleware(New(ob)), whose place in the chain depends on the order of
+// the AddMiddleware calls:
+//
+//	router.AddHandler("orders", "orders", sub, "events", pub, middleware.Wrap(ob, handle))
+func Wrap(ob *outbox.Outbox, h message.HandlerFunc, opts ...Option) message.HandlerFunc {
+	return New(ob, opts...)(h)
+}
+
+// WrapConsumer is Wrap for a handler that returns no messages (Router.AddConsumerHandler).
+func WrapConsumer(ob *outbox.Outbox, h message.NoPublishHandlerFunc, opts ...Option) message.NoPublishHandlerFunc {
+	wrapped := New(ob, opts...)(func(msg *message.Message) ([]*message.Message, error) {
+		return nil, h(msg)
+	})
+	return func(msg *message.Message) error {
+		_, err := wrapped(msg)
+		return err
+	}
+}
+
+// guard returns next with the wiring errors it can see turned into ErrUnsafeMiddlewareOrder:
+// inner names the Watermill middleware next belongs to ("" for anything else).
+func guard(next message.HandlerFunc, inner string) message.HandlerFunc {
+	switch inner {
+	case "Retry", "PoisonQueue", "InstantAck":
+		err := fmt.Errorf("%w: Watermill's %s runs inside the outbox middleware (%s); wrap the handler with middleware.Wrap, or add the outbox middleware after %s",
+			outbox.ErrUnsafeMiddlewareOrder, inner, innerHarm[inner], inner)
+		return func(*message.Message) ([]*message.Message, error) { return nil, err }
+	}
+	return func(msg *message.Message) ([]*message.Message, error) {
+		before, had := msg.Metadata[reasonPoisonedKey]
+		out, err := next(msg)
+		if after, has := msg.Metadata[reasonPoisonedKey]; err == nil && has && (!had || after != before) {
+			// A PoisonQueue inside turned the handler's failure into a success: committing would
+			// keep what the failed attempt wrote.
+			return nil, fmt.Errorf("%w: a PoisonQueue inside the outbox middleware poisoned the message (%s) and reported success; the unit of work is rolled back; wrap the handler with middleware.Wrap, or add the outbox middleware after PoisonQueue",
+				outbox.ErrUnsafeMiddlewareOrder, after)
+		}
+		return out, err
+	}
+}
+
+// reasonPoisonedKey is the metadata key Watermill's PoisonQueue sets on the message it poisons
+// (middleware.ReasonForPoisonedKey; not imported, so that this package pulls in none of
+// Watermill's middleware dependencies).
+const reasonPoisonedKey = "reason_poisoned"
+
+var innerHarm = map[string]string{
+	"Retry":       "it would apply a failed attempt's business change again in the same transaction",
+	"PoisonQueue": "it would commit what a failed attempt wrote",
+	"InstantAck":  "it acks before the commit",
+}
+
+// innerMiddleware names the Watermill middleware that the handler function named name belongs
+// to: a closure of Watermill's middleware package, or one the compiler inlined into its caller
+// (wmw.InstantAck(handle) passed as the handler is named after the calling function).
+func innerMiddleware(name string) string {
+	if kind := watermillMiddleware(name); kind != "" {
+		return kind
+	}
+	for kind, inlined := range map[string]string{"Retry": ".Retry.Middleware.func", "InstantAck": ".InstantAck.func"} {
+		if strings.Contains(name, inlined) {
+			return kind
+		}
+	}
+	return ""
+}
+
+// acked reports whether msg was acked already.
+func acked(msg *message.Message) bool {
+	select {
+	case <-msg.Acked():
+		return true
+	default:
+		return false
 	}
 }
 

@@ -13,14 +13,14 @@
 //	if err != nil {
 //		return err
 //	}
-//	router.AddConsumerHandler("reserve", "orders", sub, func(msg *message.Message) error {
+//	router.AddConsumerHandler("reserve", "orders", sub, middleware.WrapConsumer(ob, func(msg *message.Message) error {
 //		ctx := msg.Context()
 //		tx := outboxpgx.Tx(ctx) // a pgx.Tx: queries.New(tx) with sqlc
 //		if _, err := tx.Exec(ctx, `INSERT INTO reservations (order_id) VALUES ($1)`, msg.UUID); err != nil {
 //			return err
 //		}
 //		return outbox.Publish(ctx, "reserved", message.NewMessage(watermill.NewUUID(), msg.Payload))
-//	}).AddMiddleware(middleware.New(ob)) // the handler name, "reserve", is the consumer identity
+//	})) // the handler name, "reserve", is the consumer identity
 //
 // Savepoints: take them with tx.Begin (pgx's nested transactions): effects recorded inside one
 // that is rolled back are dropped with it. Do not send SAVEPOINT, COMMIT or ROLLBACK as SQL.

@@ -129,7 +129,7 @@ func run(n int, verbose bool) error {
 	if err != nil {
 		return err
 	}
-	h := router.AddConsumerHandler("reserve-stock", "orders.placed", subs["reserve-stock"], func(msg *message.Message) error {
+	h := router.AddConsumerHandler("reserve-stock", "orders.placed", subs["reserve-stock"], middleware.WrapConsumer(ob, func(msg *message.Message) error {
 		ctx := msg.Context()
 		order := string(msg.Payload)
 		// The business write goes through the message's transaction: it commits together with the
@@ -145,7 +145,7 @@ func run(n int, verbose bool) error {
 			return errors.New("injected failure") // rolls back the insert and the recorded message; the broker redelivers
 		}
 		return nil
-	})
+	}))
 	// Outermost, so that it sees every copy, duplicates included; the outbox middleware then
 	// decides whether the handler runs.
 	h.AddMiddleware(func(next message.HandlerFunc) message.HandlerFunc {
@@ -157,13 +157,13 @@ func run(n int, verbose bool) error {
 			}
 			return out, err
 		}
-	}, middleware.New(ob))
+	})
 
-	router.AddConsumerHandler("notify", "stock.reserved", subs["notify"], func(msg *message.Message) error {
+	router.AddConsumerHandler("notify", "stock.reserved", subs["notify"], middleware.WrapConsumer(ob, func(msg *message.Message) error {
 		ctx := msg.Context()
 		_, err := outbox.Tx(ctx).ExecContext(ctx, `INSERT INTO notifications (order_id) VALUES ($1)`, string(msg.Payload))
 		return err
-	}).AddMiddleware(middleware.New(ob))
+	}))
 
 	runCtx, cancel := context.WithCancel(ctx)
 	var wg sync.WaitGroup

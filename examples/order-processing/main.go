@@ -290,11 +290,16 @@ func startConsumers(ctx context.Context, s *service, ob *outbox.Outbox, wrap *ch
 			_ = router.Close() // closes the subscribers added so far
 			return nil, fmt.Errorf("subscriber %s: %w", c.name, err)
 		}
-		handle, mw := c.handle, []message.HandlerMiddleware{middleware.New(ob)}
+		handle := c.handle
 		if wrap != nil {
-			handle, mw = wrap.handler(handle), append([]message.HandlerMiddleware{wrap.countDeliveries}, mw...)
+			handle = wrap.handler(handle) // the injected faults run inside the unit of work
 		}
-		router.AddConsumerHandler(c.name, c.topic, sub, handle).AddMiddleware(mw...)
+		// WrapConsumer: the unit of work around the handler function itself, innermost whatever
+		// middleware the Router gets.
+		h := router.AddConsumerHandler(c.name, c.topic, sub, middleware.WrapConsumer(ob, handle))
+		if wrap != nil {
+			h.AddMiddleware(wrap.countDeliveries)
+		}
 		subs = append(subs, sub)
 	}
 	// The Router stops only through stop, not when ctx ends: the subscribers must drain first.
