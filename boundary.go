@@ -114,19 +114,29 @@ func callInTx(ctx context.Context, tx outboxdriver.UnitTx, fn func(ctx context.C
 // the caller never calls it (or crashes first), the relay sends them after Config.RelayGrace. If tx
 // rolled back, dispatch sends nothing. Because the outcome of a transaction the caller owns cannot
 // be seen from here, dispatch reads back what was committed: one query more than InTx.
+//
+// Inside a handler's unit of work it panics with an error wrapping ErrNestedUnitOfWork (which
+// the unit of work turns into a failed attempt): effects in another transaction would commit
+// even when the message's rolls back, and again, with new UUIDs, on every retry.
 func (o *Outbox) JoinTx(ctx context.Context, tx *sql.Tx) (context.Context, func(context.Context)) {
 	ctx, dispatch, err := o.JoinUnit(ctx, tx)
 	if err != nil {
-		// Only a driver whose units of work are not *sql.Tx refuses one; its package's JoinTx
-		// is the one to call. Failing loudly beats storing effects nowhere.
+		// A driver whose units of work are not *sql.Tx refuses one (its package's JoinTx is the
+		// one to call), and so does a handler's unit of work. Failing loudly beats storing
+		// effects nowhere, or where they escape the message's rollback.
 		panic(err)
 	}
 	return ctx, dispatch
 }
 
 // JoinUnit is JoinTx for any driver: tx is the driver's transaction type (a *sql.Tx, or a pgx.Tx
-// with the pgx driver, whose JoinTx builds on it). It returns an error for a tx of another type.
+// with the pgx driver, whose JoinTx builds on it). It returns an error for a tx of another type,
+// and one wrapping ErrNestedUnitOfWork inside a handler's unit of work.
 func (o *Outbox) JoinUnit(ctx context.Context, tx any) (context.Context, func(context.Context), error) {
+	if outer := unitFrom(ctx); outer != nil && outer.incoming != nil {
+		return ctx, nil, fmt.Errorf("%w: JoinTx called inside the unit of work of consumer %q (message %q) would record effects in another transaction; "+
+			"write through outbox.Tx (outboxpgx.Tx with pgx) and record with outbox.Publish instead", ErrNestedUnitOfWork, outer.src.Consumer, outer.src.ID)
+	}
 	ut, err := o.units.JoinUnit(tx)
 	if err != nil {
 		return ctx, nil, fmt.Errorf("outbox: JoinTx: %w", err)

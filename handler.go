@@ -332,6 +332,10 @@ func timedOut(err error, d time.Duration) error {
 func callHandler(next message.HandlerFunc, msg *message.Message) (produced []*message.Message, err error) {
 	defer func() {
 		if r := recover(); r != nil {
+			if perr, ok := r.(error); ok { // kept for errors.Is: a refused JoinTx panics with ErrNestedUnitOfWork
+				err = fmt.Errorf("%w: %w\n%s", ErrHandlerPanicked, perr, debug.Stack())
+				return
+			}
 			err = fmt.Errorf("%w: %v\n%s", ErrHandlerPanicked, r, debug.Stack())
 		}
 	}()

@@ -85,3 +85,51 @@ func TestInTxInsideAHandlerIsRefused(t *testing.T) {
 		t.Errorf("InTx at the boundary: %v", err)
 	}
 }
+
+// Item: JoinTx inside a message's unit of work attaches effects to a transaction apart from the
+// message's: they commit even when the message's unit rolls back, and again, under new UUIDs, on
+// every retry. It is refused like InTx (JoinUnit returns the error, JoinTx panics with it, which
+// the handler's unit turns into a failed attempt), and no effect escapes.
+func TestJoinTxInsideAHandlerIsRefused(t *testing.T) {
+	e := newEnv(t)
+	var inner error
+	err := handle(e.ob, message.NewMessage(uuid.NewString(), nil), func(m *message.Message) ([]*message.Message, error) {
+		ctx := m.Context()
+		tx, err := e.db.BeginTx(ctx, nil)
+		if err != nil {
+			return nil, err
+		}
+		defer tx.Rollback()
+		jctx, _, jerr := e.ob.JoinUnit(ctx, tx)
+		inner = jerr
+		if jerr == nil {
+			if err := outbox.Publish(jctx, "escaped", message.NewMessage(uuid.NewString(), nil)); err != nil {
+				return nil, err
+			}
+			if err := tx.Commit(); err != nil {
+				return nil, err
+			}
+		}
+		return nil, errors.New("the message's unit rolls back")
+	})
+	if err == nil {
+		t.Fatal("the handler's failure was acked")
+	}
+	if !errors.Is(inner, outbox.ErrNestedUnitOfWork) || !strings.Contains(inner.Error(), `"c1"`) {
+		t.Errorf("JoinUnit inside a handler: %v; want ErrNestedUnitOfWork naming consumer \"c1\"", inner)
+	}
+	mustEqual(t, "effects committed by the joined transaction", e.count(`SELECT count(*) FROM all_effects WHERE topic = 'escaped'`), 0)
+
+	err = handle(e.ob, message.NewMessage(uuid.NewString(), nil), func(m *message.Message) (_ []*message.Message, err error) {
+		tx, err := e.db.BeginTx(m.Context(), nil)
+		if err != nil {
+			return nil, err
+		}
+		defer tx.Rollback()
+		e.ob.JoinTx(m.Context(), tx) // panics
+		return nil, nil
+	})
+	if !errors.Is(err, outbox.ErrNestedUnitOfWork) {
+		t.Errorf("JoinTx inside a handler: %v", err)
+	}
+}
