@@ -180,9 +180,39 @@ func (o *Outbox) sinceRelayRound() time.Duration {
 	return time.Since(time.Unix(0, last))
 }
 
-// relayHealth reports a relay that is not running, or whose last round is older than a round
-// may take (RelayInterval, plus a lease's worth of publishing, plus a minute).
+// relayStreak is a run of relay rounds that failed in a row.
+type relayStreak struct {
+	since time.Time
+	n     int
+	last  error
+}
+
+// relayFailingAfter is how many rounds in a row must fail before Health reports the relay: one
+// failed claim (a connection reset, a deadlock) is retried at the next round and means nothing.
+const relayFailingAfter = 3
+
+// relayClaimFailed records a round that could not claim; relayClaimed ends the streak.
+func (o *Outbox) relayClaimFailed(err error) {
+	s := &relayStreak{since: time.Now(), n: 1, last: err}
+	if prev := o.tel.relayFailing.Load(); prev != nil {
+		s.since, s.n = prev.since, prev.n+1
+	}
+	o.tel.relayFailing.Store(s)
+}
+
+func (o *Outbox) relayClaimed() {
+	if o.tel.relayFailing.Load() != nil {
+		o.tel.relayFailing.Store(nil)
+	}
+}
+
+// relayHealth reports a relay that is not running, that has failed its last rounds, or whose
+// last round is older than a round may take (RelayInterval, plus a lease's worth of publishing,
+// plus a minute).
 func (o *Outbox) relayHealth() error {
+	if s := o.tel.relayFailing.Load(); s != nil && s.n >= relayFailingAfter && o.relaysRunning.Load() > 0 {
+		return fmt.Errorf("failing: its last %d rounds could not claim effects, for %s: %w", s.n, time.Since(s.since).Round(time.Second), s.last)
+	}
 	if o.relaysRunning.Load() == 0 {
 		return errors.New("not running: start Outbox.Run in every instance")
 	}

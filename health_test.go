@@ -273,3 +273,42 @@ func TestRelayOnAReadOnlyServerSaysSo(t *testing.T) {
 		return logs.Contains(outboxdriver.ErrReadOnly.Error()), strings.Join(logs.Lines(), "\n")
 	})
 }
+
+// TestHealthReportsAFailingRelay: a relay whose rounds cannot claim (the effects table is gone,
+// the database refuses) is reported by its last rounds' error, not only minutes later as a round
+// that did not finish; one success clears it.
+func TestHealthReportsAFailingRelay(t *testing.T) {
+	e := newEnv(t)
+	ob := e.newOutbox(func(c *outbox.Config) { c.RelayInterval = 20 * time.Millisecond })
+	ctx, stop := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- ob.Run(ctx) }()
+	defer func() { stop(); <-done }()
+	relayCheck := func() outbox.HealthCheck {
+		for _, c := range ob.Health(context.Background()).Checks {
+			if c.Name == outbox.CheckRelay {
+				return c
+			}
+		}
+		t.Fatal("no relay check")
+		return outbox.HealthCheck{}
+	}
+	routertest.WaitUntil(t, "the relay healthy", func() (bool, string) {
+		c := relayCheck()
+		return c.OK, c.Reason
+	})
+	if _, err := e.db.Exec(`ALTER TABLE outbox_effects RENAME TO outbox_effects_away`); err != nil {
+		t.Fatal(err)
+	}
+	routertest.WaitUntil(t, "the relay reported failing with its error", func() (bool, string) {
+		c := relayCheck()
+		return !c.OK && strings.Contains(c.Reason, "failing") && strings.Contains(c.Reason, "outbox_effects"), c.Reason
+	})
+	if _, err := e.db.Exec(`ALTER TABLE outbox_effects_away RENAME TO outbox_effects`); err != nil {
+		t.Fatal(err)
+	}
+	routertest.WaitUntil(t, "the relay healthy again", func() (bool, string) {
+		c := relayCheck()
+		return c.OK, c.Reason
+	})
+}

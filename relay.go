@@ -41,8 +41,12 @@ func (o *Outbox) relayOnce(ctx context.Context) error {
 		})
 		if err != nil {
 			o.tel.relayErrors.Add(ctx, 1)
+			if ctx.Err() == nil {
+				o.relayClaimFailed(err)
+			}
 			return err
 		}
+		o.relayClaimed()
 		o.tel.lastRelayRound.Store(time.Now().UnixNano())
 		if n := len(claim.Effects); n > 0 {
 			if err := o.failpoint(ctx, FailpointAfterRelayClaim); err != nil {

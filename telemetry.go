@@ -157,6 +157,9 @@ type telemetry struct {
 	stats   *Stats
 	// lastRelayRound is when (UnixNano) this process's relay last finished a round; 0: never.
 	lastRelayRound atomic.Int64
+	// relayFailing is the relay's current streak of rounds that failed to claim (the database
+	// refused or did not answer), nil once one succeeds.
+	relayFailing atomic.Pointer[relayStreak]
 	// listening tells whether the relay's notification listener is connected.
 	listening atomic.Bool
 	// listenUnsupported: the store cannot listen (SQLite); the relay polls.
