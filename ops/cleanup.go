@@ -135,7 +135,12 @@ func (o *Ops) Cleanup(ctx context.Context, opt CleanupOptions) (CleanupReport, e
 	}
 	rep := CleanupReport{DryRun: opt.DryRun, Retention: retention, EffectRetention: opt.EffectRetention, Forced: opt.Force}
 	if opt.DryRun {
-		return rep, o.cleanupCount(ctx, &rep)
+		res, err := o.st.CleanupCount(ctx, outboxdriver.CleanupParams{Retention: retention, EffectRetention: opt.EffectRetention})
+		rep.Claims, rep.Effects, rep.Attempts = res.Claims, res.Effects, res.Attempts
+		if err != nil {
+			return rep, fmt.Errorf("ops: %w", err)
+		}
+		return rep, nil
 	}
 	params := fmt.Sprintf("retention %s, effect retention %s", retention, opt.EffectRetention)
 	if opt.Force {
@@ -168,22 +173,4 @@ func (o *Ops) Cleanup(ctx context.Context, opt CleanupOptions) (CleanupReport, e
 		return rep, fmt.Errorf("ops: cleanup: %w", err)
 	}
 	return rep, nil
-}
-
-// cleanupCount counts what the postgres driver's cleanup statements would delete (the same
-// conditions, without their batch limit).
-func (o *Ops) cleanupCount(ctx context.Context, rep *CleanupReport) error {
-	ms := func(p string) string { return `(` + p + ` * interval '1 millisecond')` }
-	err := o.db.QueryRowContext(ctx, `SELECT
-		(SELECT count(*) FROM `+o.n.Processed+` p
-			WHERE processed_at < now() - `+ms("$1")+` AND dispatched_at < now() - `+ms("$1")+` AND p.effects IS NULL
-			  AND NOT EXISTS (SELECT 1 FROM `+o.n.Effects+` e
-				WHERE e.source_consumer = p.consumer AND e.source_id = p.message_id AND e.dispatched_at IS NULL)),
-		(SELECT count(*) FROM `+o.n.Dispatched+` WHERE dispatched_at < now() - `+ms("$2")+`),
-		(SELECT count(*) FROM `+o.n.Attempts+` WHERE last_failed_at < now() - `+ms("$1")+`)`,
-		rep.Retention.Milliseconds(), rep.EffectRetention.Milliseconds()).Scan(&rep.Claims, &rep.Effects, &rep.Attempts)
-	if err != nil {
-		return fmt.Errorf("ops: cleanup dry run: %w", err)
-	}
-	return nil
 }

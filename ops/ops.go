@@ -35,6 +35,7 @@ type auditedStore interface {
 	EffectUnparkAudited(ctx context.Context, ids []int64, audit func(changed int) store.Audit) (int, error)
 	EffectDiscardAudited(ctx context.Context, ids []int64, audit func(changed int) store.Audit) (int, error)
 	MessageReplayAudited(ctx context.Context, src outboxdriver.Source, audit *store.Audit) (bool, error)
+	CleanupCount(ctx context.Context, p outboxdriver.CleanupParams) (outboxdriver.CleanupResult, error)
 }
 
 // Options say which tables an Ops works on, and how the service that uses them keeps what it

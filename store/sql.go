@@ -64,6 +64,10 @@ type Queries struct {
 	CleanupClaims   string // (retention ms, limit)
 	CleanupEffects  string // (retention ms, limit)
 	CleanupAttempts string // (retention ms, limit)
+	// The rows the three statements above would delete without their limit, counted: the dry
+	// run of a cleanup (retention ms) -> count. Dialects build each pair from one selection, so
+	// that a dry run cannot drift from what a cleanup deletes. Empty: no dry run.
+	CleanupClaimsCount, CleanupEffectsCount, CleanupAttemptsCount string
 
 	SchemaLatest string // -> latest applied version
 	// Writable -> in recovery (a standby), read-only; empty when the dialect cannot tell.
@@ -786,6 +790,30 @@ func (s *SQL) Cleanup(ctx context.Context, p outboxdriver.CleanupParams) (outbox
 				case <-time.After(pause):
 				}
 			}
+		}
+	}
+	return res, nil
+}
+
+// CleanupCount counts what Cleanup would delete with p's retentions, deleting nothing (a dry
+// run): the dialect's cleanup conditions without their batch limit.
+func (s *SQL) CleanupCount(ctx context.Context, p outboxdriver.CleanupParams) (outboxdriver.CleanupResult, error) {
+	var res outboxdriver.CleanupResult
+	q := s.d.Queries
+	if q.CleanupClaimsCount == "" || q.CleanupEffectsCount == "" || q.CleanupAttemptsCount == "" {
+		return res, errors.New("cleanup dry run: not supported by this dialect")
+	}
+	for _, st := range []struct {
+		query     string
+		retention time.Duration
+		count     *int64
+	}{
+		{q.CleanupClaimsCount, p.Retention, &res.Claims},
+		{q.CleanupEffectsCount, p.EffectRetention, &res.Effects},
+		{q.CleanupAttemptsCount, p.Retention, &res.Attempts},
+	} {
+		if err := s.db.QueryRowContext(ctx, st.query, st.retention.Milliseconds()).Scan(st.count); err != nil {
+			return res, fmt.Errorf("cleanup dry run: %w", s.wrap(err))
 		}
 	}
 	return res, nil

@@ -190,6 +190,13 @@ func queries(n store.Names, deleteDispatched bool) store.Queries {
 				ON CONFLICT (id) DO NOTHING
 				RETURNING source_consumer, source_id)`
 	}
+	// What cleanup deletes (retention ms as $1), shared by its batches and its dry run.
+	cleanupClaims := `SELECT consumer, message_id FROM ` + n.Processed + ` p
+			WHERE processed_at < now() - ` + ms("$1") + ` AND dispatched_at < now() - ` + ms("$1") + ` AND p.effects IS NULL
+			  AND NOT EXISTS (SELECT 1 FROM ` + n.Effects + ` e
+				WHERE e.source_consumer = p.consumer AND e.source_id = p.message_id AND e.dispatched_at IS NULL)`
+	cleanupEffects := `SELECT id FROM ` + n.Dispatched + ` WHERE dispatched_at < now() - ` + ms("$1")
+	cleanupAttempts := `SELECT consumer, message_id FROM ` + n.Attempts + ` WHERE last_failed_at < now() - ` + ms("$1")
 	moveClaims := `UPDATE ` + n.Processed + ` p SET dispatched_at = now()
 				FROM (SELECT DISTINCT source_consumer, source_id FROM m) s
 				WHERE p.consumer = s.source_consumer AND p.message_id = s.source_id`
@@ -343,17 +350,13 @@ func queries(n store.Names, deleteDispatched bool) store.Queries {
 
 		CleanupLock: fmt.Sprintf("SELECT pg_try_advisory_xact_lock(%d, %s)", lockClass, lockKey(n, "cleanup")),
 		// Cleanup batches commit asynchronously: a batch lost in a crash is simply deleted again.
-		CleanupBegin: `SET LOCAL synchronous_commit = off`,
-		CleanupClaims: `DELETE FROM ` + n.Processed + ` WHERE (consumer, message_id) IN (
-			SELECT consumer, message_id FROM ` + n.Processed + ` p
-			WHERE processed_at < now() - ` + ms("$1") + ` AND dispatched_at < now() - ` + ms("$1") + ` AND p.effects IS NULL
-			  AND NOT EXISTS (SELECT 1 FROM ` + n.Effects + ` e
-				WHERE e.source_consumer = p.consumer AND e.source_id = p.message_id AND e.dispatched_at IS NULL)
-			LIMIT $2)`,
-		CleanupEffects: `DELETE FROM ` + n.Dispatched + ` WHERE id IN (
-			SELECT id FROM ` + n.Dispatched + ` WHERE dispatched_at < now() - ` + ms("$1") + ` LIMIT $2)`,
-		CleanupAttempts: `DELETE FROM ` + n.Attempts + ` WHERE (consumer, message_id) IN (
-			SELECT consumer, message_id FROM ` + n.Attempts + ` WHERE last_failed_at < now() - ` + ms("$1") + ` LIMIT $2)`,
+		CleanupBegin:         `SET LOCAL synchronous_commit = off`,
+		CleanupClaims:        `DELETE FROM ` + n.Processed + ` WHERE (consumer, message_id) IN (` + cleanupClaims + ` LIMIT $2)`,
+		CleanupEffects:       `DELETE FROM ` + n.Dispatched + ` WHERE id IN (` + cleanupEffects + ` LIMIT $2)`,
+		CleanupAttempts:      `DELETE FROM ` + n.Attempts + ` WHERE (consumer, message_id) IN (` + cleanupAttempts + ` LIMIT $2)`,
+		CleanupClaimsCount:   `SELECT count(*) FROM (` + cleanupClaims + `) s`,
+		CleanupEffectsCount:  `SELECT count(*) FROM (` + cleanupEffects + `) s`,
+		CleanupAttemptsCount: `SELECT count(*) FROM (` + cleanupAttempts + `) s`,
 
 		SchemaLatest: `SELECT max(version) FROM ` + n.Migrations,
 		Writable:     `SELECT pg_is_in_recovery(), current_setting('transaction_read_only') = 'on'`,

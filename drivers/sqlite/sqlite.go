@@ -119,6 +119,13 @@ const effectColumns = `id, source_consumer, source_id, seq, kind, topic, uuid, p
 func ids(arg string) string { return `(SELECT value FROM json_each('[' || ` + arg + ` || ']'))` }
 
 func queries(n store.Names) store.Queries {
+	// What cleanup deletes (retention ms as ?1), shared by its batches and its dry run.
+	cleanupClaims := `SELECT consumer, message_id FROM ` + n.Processed + ` p
+			WHERE processed_at < ` + ago("?1") + ` AND dispatched_at < ` + ago("?1") + `
+			  AND NOT EXISTS (SELECT 1 FROM ` + n.Effects + ` e
+				WHERE e.source_consumer = p.consumer AND e.source_id = p.message_id AND e.dispatched_at IS NULL)`
+	cleanupEffects := `SELECT id FROM ` + n.Effects + ` WHERE dispatched_at < ` + ago("?1")
+	cleanupAttempts := `SELECT consumer, message_id FROM ` + n.Attempts + ` WHERE last_failed_at < ` + ago("?1")
 	return store.Queries{
 		MessageClaim: `INSERT INTO ` + n.Processed + ` (consumer, message_id, dispatched_at) VALUES (?1, ?2, ` + now + `)
 			ON CONFLICT (consumer, message_id) DO NOTHING RETURNING 1`,
@@ -203,16 +210,12 @@ func queries(n store.Names) store.Queries {
 			RETURNING ` + effectColumns,
 
 		// No lock: each batch's transaction holds the write lock, so cleaners take turns.
-		CleanupClaims: `DELETE FROM ` + n.Processed + ` WHERE (consumer, message_id) IN (
-			SELECT consumer, message_id FROM ` + n.Processed + ` p
-			WHERE processed_at < ` + ago("?1") + ` AND dispatched_at < ` + ago("?1") + `
-			  AND NOT EXISTS (SELECT 1 FROM ` + n.Effects + ` e
-				WHERE e.source_consumer = p.consumer AND e.source_id = p.message_id AND e.dispatched_at IS NULL)
-			LIMIT ?2)`,
-		CleanupEffects: `DELETE FROM ` + n.Effects + ` WHERE id IN (
-			SELECT id FROM ` + n.Effects + ` WHERE dispatched_at < ` + ago("?1") + ` ORDER BY id LIMIT ?2)`,
-		CleanupAttempts: `DELETE FROM ` + n.Attempts + ` WHERE (consumer, message_id) IN (
-			SELECT consumer, message_id FROM ` + n.Attempts + ` WHERE last_failed_at < ` + ago("?1") + ` LIMIT ?2)`,
+		CleanupClaims:        `DELETE FROM ` + n.Processed + ` WHERE (consumer, message_id) IN (` + cleanupClaims + ` LIMIT ?2)`,
+		CleanupEffects:       `DELETE FROM ` + n.Effects + ` WHERE id IN (` + cleanupEffects + ` ORDER BY id LIMIT ?2)`,
+		CleanupAttempts:      `DELETE FROM ` + n.Attempts + ` WHERE (consumer, message_id) IN (` + cleanupAttempts + ` LIMIT ?2)`,
+		CleanupClaimsCount:   `SELECT count(*) FROM (` + cleanupClaims + `)`,
+		CleanupEffectsCount:  `SELECT count(*) FROM (` + cleanupEffects + `)`,
+		CleanupAttemptsCount: `SELECT count(*) FROM (` + cleanupAttempts + `)`,
 
 		SchemaLatest: `SELECT max(version) FROM ` + n.Migrations,
 

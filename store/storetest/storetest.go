@@ -1848,6 +1848,18 @@ func testCleanupRetention(f *fixture) {
 	f.age("attempts", "last_failed_at", x, 8*day)
 
 	p := outboxdriver.CleanupParams{Retention: 7 * day, EffectRetention: time.Hour, BatchSize: 100}
+	// A store that counts for a dry run counts what the cleanup then deletes.
+	if c, ok := f.st.(interface {
+		CleanupCount(context.Context, outboxdriver.CleanupParams) (outboxdriver.CleanupResult, error)
+	}); ok {
+		dry, err := c.CleanupCount(f.ctx, p)
+		if err != nil {
+			f.t.Fatalf("CleanupCount: %v", err)
+		}
+		if want := (outboxdriver.CleanupResult{Claims: 1, Effects: 3, Attempts: 1}); dry != want {
+			f.t.Fatalf("dry run: %+v, want %+v", dry, want)
+		}
+	}
 	res := f.cleanup(p)
 	if want := (outboxdriver.CleanupResult{Batches: 3, Claims: 1, Effects: 3, Attempts: 1}); res != want {
 		f.t.Fatalf("cleanup: %+v, want %+v", res, want)
