@@ -9,7 +9,6 @@ import (
 	"maps"
 	"math/rand/v2"
 	"strconv"
-	"strings"
 	"sync"
 	"time"
 
@@ -233,13 +232,10 @@ const (
 	MetadataPoisonAttempts = "outbox_poison_attempts"
 )
 
-// maxReasonBytes bounds the failure reason stored and sent to the poison topic.
-const maxReasonBytes = 4096
-
 // handlerFailed counts a failed attempt durably (outside the rolled-back transaction) and, after
 // MaxAttempts, moves the message to the poison topic when one is configured.
 func (o *Outbox) handlerFailed(ctx context.Context, msg *message.Message, src Source, herr error, fields watermill.LogFields) error {
-	reason := sanitizeReason(herr.Error())
+	reason := outboxdriver.StorableText(herr.Error())
 	bctx, cancel := context.WithTimeout(ctx, storeTimeout)
 	defer cancel()
 	attempts, err := o.store.AttemptRecord(bctx, src, reason)
@@ -272,7 +268,7 @@ func (o *Outbox) reject(ctx context.Context, msg *message.Message, src Source, c
 		o.logger.Error("Message cannot be processed and no PoisonTopic is set; it is nacked", cause, fields)
 		return cause
 	}
-	m := poisonMessage(msg, src.Consumer, sanitizeReason(cause.Error()), 0)
+	m := poisonMessage(msg, src.Consumer, outboxdriver.StorableText(cause.Error()), 0)
 	if m.UUID == "" || validateName(m.UUID) != nil {
 		m.UUID = rejectedID(msg, src.Consumer)
 	}
@@ -326,16 +322,4 @@ func poisonMessage(msg *message.Message, consumer, reason string, attempts int) 
 
 func messageEffect(m *message.Message) Effect {
 	return Effect{Kind: KindPublish, UUID: m.UUID, Payload: m.Payload, Metadata: m.Metadata}
-}
-
-// sanitizeReason makes a failure reason readable and bounded for the poison message's metadata
-// and the logs: valid UTF-8, NUL escaped, at most maxReasonBytes. (The store makes whatever it
-// stores storable itself.)
-func sanitizeReason(s string) string {
-	s = strings.ToValidUTF8(s, "\uFFFD")
-	s = strings.ReplaceAll(s, "\x00", `\x00`)
-	if len(s) > maxReasonBytes {
-		s = strings.ToValidUTF8(s[:maxReasonBytes], "") + "..."
-	}
-	return s
 }

@@ -736,7 +736,7 @@ func isInsufficientPrivilege(err error) bool {
 
 func (o *Ops) audit(ctx context.Context, actor, action, target, detail, remote string) error {
 	_, err := o.db.ExecContext(ctx, `INSERT INTO `+o.n.Audit+` (actor, action, target, detail, remote_addr) VALUES ($1, $2, $3, $4, $5)`,
-		sanitize(actor), action, sanitize(target), sanitize(detail), sanitize(remote))
+		outboxdriver.StorableText(actor), action, outboxdriver.StorableText(target), outboxdriver.StorableText(detail), outboxdriver.StorableText(remote))
 	if err != nil {
 		return fmt.Errorf("ops: write the audit entry: %w", err)
 	}
@@ -744,16 +744,7 @@ func (o *Ops) audit(ctx context.Context, actor, action, target, detail, remote s
 }
 
 func auditEntry(actor, action, target, detail, remote string) store.Audit {
-	return store.Audit{Actor: sanitize(actor), Action: action, Target: sanitize(target), Detail: sanitize(detail), Remote: sanitize(remote)}
-}
-
-// sanitize makes text storable in a text column: valid UTF-8, no NUL, at most 4 KiB.
-func sanitize(s string) string {
-	s = strings.ToValidUTF8(strings.ReplaceAll(s, "\x00", `\x00`), "\uFFFD")
-	if len(s) > 4096 {
-		s = strings.ToValidUTF8(s[:4096], "")
-	}
-	return s
+	return store.Audit{Actor: outboxdriver.StorableText(actor), Action: action, Target: outboxdriver.StorableText(target), Detail: outboxdriver.StorableText(detail), Remote: outboxdriver.StorableText(remote)}
 }
 
 func idList(ids []int64) string {

@@ -496,7 +496,7 @@ func (s *SQL) MessageReplayAudited(ctx context.Context, src outboxdriver.Source,
 // AttemptRecord implements outboxdriver.Store.
 func (s *SQL) AttemptRecord(ctx context.Context, src outboxdriver.Source, reason string) (int, error) {
 	var n int
-	err := s.queryRow(ctx, nil, s.d.Queries.AttemptRecord, []any{src.Consumer, src.ID, storableReason(reason)}, &n)
+	err := s.queryRow(ctx, nil, s.d.Queries.AttemptRecord, []any{src.Consumer, src.ID, outboxdriver.StorableText(reason)}, &n)
 	return n, err
 }
 
@@ -695,7 +695,7 @@ func (s *SQL) EffectRecordFailures(ctx context.Context, failures ...outboxdriver
 			continue
 		}
 		if _, err := s.db.ExecContext(ctx, s.d.Queries.EffectRecordFailure,
-			f.StoreID, storableReason(f.Reason), f.Counted, f.Park, f.RetryAfter.Milliseconds()); err != nil {
+			f.StoreID, outboxdriver.StorableText(f.Reason), f.Counted, f.Park, f.RetryAfter.Milliseconds()); err != nil {
 			return fmt.Errorf("record failure of effect %d: %w", f.StoreID, s.wrap(err))
 		}
 	}
