@@ -32,33 +32,40 @@ func exampleDB() (*sql.DB, func()) {
 	return db, func() { _ = db.Close(); drop() }
 }
 
+// exampleService stands for the service's set-up: its database with a reservations table, an
+// Outbox on it that publishes to events, and a Router.
+func exampleService(events message.Publisher) (*sql.DB, *outbox.Outbox, *message.Router, func()) {
+	db, closeDB := exampleDB()
+	if _, err := db.Exec(`CREATE TABLE reservations (order_id text)`); err != nil {
+		panic(err)
+	}
+	ob, err := outbox.New(outbox.Config{DB: db, Driver: postgres.Driver{}, Publisher: events})
+	if err != nil {
+		panic(err)
+	}
+	if err := ob.Migrate(context.Background()); err != nil {
+		panic(err)
+	}
+	router, err := message.NewRouter(message.RouterConfig{}, watermill.NopLogger{})
+	if err != nil {
+		panic(err)
+	}
+	return db, ob, router, closeDB
+}
+
 // The middleware on one handler: the handler's write and the message it publishes commit with
 // the claim of the incoming message's ID, so a second copy of the message changes nothing. Here
 // producers put a business key in the metadata, and WithMessageID deduplicates on it: two
 // messages with different UUIDs but the same order are one.
 func ExampleNew() {
-	db, closeDB := exampleDB()
-	defer closeDB()
 	ctx := context.Background()
-	if _, err := db.Exec(`CREATE TABLE reservations (order_id text)`); err != nil {
-		panic(err)
-	}
 	orders := gochannel.NewGoChannel(gochannel.Config{BlockPublishUntilSubscriberAck: true}, watermill.NopLogger{})
 	defer orders.Close()
 	events := gochannel.NewGoChannel(gochannel.Config{Persistent: true}, watermill.NopLogger{})
 	defer events.Close()
-	ob, err := outbox.New(outbox.Config{DB: db, Driver: postgres.Driver{}, Publisher: events})
-	if err != nil {
-		panic(err)
-	}
-	if err := ob.Migrate(ctx); err != nil {
-		panic(err)
-	}
+	db, ob, router, closeDB := exampleService(events)
+	defer closeDB()
 
-	router, err := message.NewRouter(message.RouterConfig{}, watermill.NopLogger{})
-	if err != nil {
-		panic(err)
-	}
 	router.AddConsumerHandler("reserve-stock", "orders", orders, func(msg *message.Message) error {
 		ctx := msg.Context()
 		if _, err := outbox.Tx(ctx).ExecContext(ctx, `INSERT INTO reservations VALUES ($1)`, msg.Metadata.Get("order_id")); err != nil {
@@ -127,26 +134,12 @@ func ExampleCheckRouter() {
 // Router runs whole units of work again: the first try's write is rolled back before the second,
 // and the order is reserved once.
 func ExampleWrapConsumer() {
-	db, closeDB := exampleDB()
-	defer closeDB()
 	ctx := context.Background()
-	if _, err := db.Exec(`CREATE TABLE reservations (order_id text)`); err != nil {
-		panic(err)
-	}
 	orders := gochannel.NewGoChannel(gochannel.Config{BlockPublishUntilSubscriberAck: true}, watermill.NopLogger{})
 	defer orders.Close()
-	ob, err := outbox.New(outbox.Config{DB: db, Driver: postgres.Driver{}, Publisher: orders})
-	if err != nil {
-		panic(err)
-	}
-	if err := ob.Migrate(ctx); err != nil {
-		panic(err)
-	}
+	db, ob, router, closeDB := exampleService(orders)
+	defer closeDB()
 
-	router, err := message.NewRouter(message.RouterConfig{}, watermill.NopLogger{})
-	if err != nil {
-		panic(err)
-	}
 	router.AddMiddleware(wmw.Retry{MaxRetries: 3, InitialInterval: time.Millisecond}.Middleware)
 	tries := 0
 	router.AddConsumerHandler("reserve-stock", "orders", orders, middleware.WrapConsumer(ob, func(msg *message.Message) error {
