@@ -1,7 +1,8 @@
-// Package brokertest runs throwaway RabbitMQ and Redis servers on loopback for the end-to-end
-// tests and the example's chaos mode, from the binaries of Debian's rabbitmq-server and
-// redis-server packages, and kills and restarts them on demand. A server dies with the process
-// that started it, even one that is killed.
+// Package brokertest runs throwaway RabbitMQ, Redis and Kafka servers on loopback for the
+// end-to-end tests and the example's chaos mode, and kills and restarts them on demand: RabbitMQ
+// and Redis from the binaries of Debian's rabbitmq-server and redis-server packages, Kafka as
+// franz-go's kfake built from internal/kfakeserver (no Kafka server package installs here). A
+// server dies with the process that started it, even one that is killed.
 package brokertest
 
 import (
@@ -12,6 +13,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"runtime"
 	"strings"
 	"sync"
 	"syscall"
@@ -22,7 +24,14 @@ import (
 const (
 	RabbitMQ = "rabbitmq"
 	Redis    = "redis"
+	// Kafka is kfake (github.com/twmb/franz-go/pkg/kfake), one broker that speaks the Kafka wire
+	// protocol, with its log on disk and fsynced per batch: it survives SIGKILL with what it
+	// acknowledged. It is not Apache Kafka: see docs/brokers.md for what it proves.
+	Kafka = "kafka"
 )
+
+// KafkaPartitions is the number of partitions of the topics the Kafka server creates on first use.
+const KafkaPartitions = 8
 
 const startTimeout = 90 * time.Second
 
@@ -43,6 +52,7 @@ type Server struct {
 	epmd   *exec.Cmd // RabbitMQ only: the Erlang port mapper, run here rather than left to daemonize
 	reaper *exec.Cmd
 	pipe   *os.File
+	bin    string // Kafka only: the kfakeserver binary, built by Start
 }
 
 // Start starts a server of kind in a new temporary directory.
@@ -63,6 +73,12 @@ func Start(kind string) (*Server, error) {
 	if err := s.startReaper(); err != nil {
 		_ = os.RemoveAll(s.dir)
 		return nil, err
+	}
+	if kind == Kafka {
+		if err := s.buildKafka(); err != nil {
+			s.Close()
+			return nil, err
+		}
 	}
 	if kind == RabbitMQ {
 		// epmd would daemonize itself out of reach of Kill and Close: run it as a child instead.
@@ -88,6 +104,8 @@ func (s *Server) findBinaries() error {
 		bin, pkg = "/usr/lib/rabbitmq/bin/rabbitmq-server", "rabbitmq-server"
 	case Redis:
 		bin, pkg = "redis-server", "redis-server"
+	case Kafka:
+		bin, pkg = "go", "golang (the go command builds internal/kfakeserver)"
 	default:
 		return fmt.Errorf("unknown broker kind %q", s.kind)
 	}
@@ -97,7 +115,26 @@ func (s *Server) findBinaries() error {
 	return nil
 }
 
-// Addr is the server's address: an AMQP URL for RabbitMQ, host:port for Redis.
+// buildKafka builds internal/kfakeserver into the server's directory. It is a module of its own,
+// outside the workspace (kfake requires a newer Go than the library's floor); its source is found
+// beside this file.
+func (s *Server) buildKafka() error {
+	_, file, _, ok := runtime.Caller(0)
+	if !ok {
+		return errors.New("brokertest: cannot find the source of internal/kfakeserver")
+	}
+	src := filepath.Join(filepath.Dir(file), "..", "kfakeserver")
+	s.bin = filepath.Join(s.dir, "kfakeserver")
+	cmd := exec.Command("go", "build", "-o", s.bin, ".")
+	cmd.Dir = src
+	cmd.Env = append(os.Environ(), "GOWORK=off", "GOFLAGS=")
+	if out, err := cmd.CombinedOutput(); err != nil {
+		return fmt.Errorf("build %s: %w\n%s", src, err, out)
+	}
+	return nil
+}
+
+// Addr is the server's address: an AMQP URL for RabbitMQ, host:port for Redis and Kafka.
 func (s *Server) Addr() string {
 	if s.kind == RabbitMQ {
 		return fmt.Sprintf("amqp://guest:guest@127.0.0.1:%d/", s.port)
@@ -129,6 +166,8 @@ func (s *Server) command() *exec.Cmd {
 		cmd = exec.Command("redis-server", "--port", fmt.Sprint(s.port), "--bind", "127.0.0.1",
 			"--dir", s.dir, "--appendonly", "yes", "--appendfsync", "always", "--save", "",
 			"--protected-mode", "no", "--daemonize", "no")
+	case Kafka:
+		cmd = exec.Command(s.bin, "-port", fmt.Sprint(s.port), "-dir", s.dir, "-partitions", fmt.Sprint(KafkaPartitions))
 	}
 	cmd.Dir = s.dir
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true} // one group: kill reaches the Erlang VM's children
@@ -147,6 +186,11 @@ func (s *Server) Start() error {
 			return err
 		}
 		if err := os.WriteFile(filepath.Join(s.dir, "rabbitmq.conf"), []byte("loopback_users = none\n"), 0o644); err != nil {
+			return err
+		}
+	}
+	if s.kind == Kafka {
+		if err := os.Remove(filepath.Join(s.dir, "ready")); err != nil && !errors.Is(err, os.ErrNotExist) {
 			return err
 		}
 	}
@@ -181,8 +225,14 @@ func (s *Server) Start() error {
 	return nil
 }
 
-// ready tells whether the server answers: Redis a PING, RabbitMQ the AMQP protocol header.
+// ready tells whether the server answers: Redis a PING, RabbitMQ the AMQP protocol header, Kafka
+// once it has loaded its state (it says so in a file) and accepts connections.
 func (s *Server) ready() bool {
+	if s.kind == Kafka {
+		if _, err := os.Stat(filepath.Join(s.dir, "ready")); err != nil {
+			return false
+		}
+	}
 	c, err := net.DialTimeout("tcp", fmt.Sprintf("127.0.0.1:%d", s.port), time.Second)
 	if err != nil {
 		return false
@@ -196,6 +246,8 @@ func (s *Server) ready() bool {
 		}
 		line, err := bufio.NewReader(c).ReadString('\n')
 		return err == nil && strings.HasPrefix(line, "+PONG")
+	case Kafka:
+		return true
 	default:
 		if _, err := c.Write([]byte("AMQP\x00\x00\x09\x01")); err != nil {
 			return false

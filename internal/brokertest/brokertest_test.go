@@ -6,7 +6,7 @@ import (
 
 // TestKillAndRestart starts each broker, kills it, starts it again, restarts it gracefully.
 func TestKillAndRestart(t *testing.T) {
-	for _, kind := range []string{Redis, RabbitMQ} {
+	for _, kind := range []string{Redis, RabbitMQ, Kafka} {
 		t.Run(kind, func(t *testing.T) {
 			s, err := Start(kind)
 			if err != nil {
