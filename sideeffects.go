@@ -28,7 +28,27 @@ const (
 	// MetadataTraceparent and MetadataTracestate (W3C trace context) are copied from the incoming message.
 	MetadataTraceparent = "traceparent"
 	MetadataTracestate  = "tracestate"
+	// MetadataOrderingKey holds the effect's ordering key (the key set with WithOrderingKey, or
+	// DefaultOrderingKey of its source). Unlike the keys above it is always the framework's: it
+	// is set when the message is handed to the Publisher, on every path (after commit, on
+	// redelivery, by the relay), replacing a value the message had. A broker that orders per
+	// partition keeps the outbox's order per key only if the key picks the partition: see
+	// PartitionKey.
+	MetadataOrderingKey = "outbox_ordering_key"
 )
+
+// PartitionKey returns the ordering key the outbox set on msg (MetadataOrderingKey), for a
+// Publisher that routes messages to partitions by key, so that effects with one ordering key
+// land on one partition and a consumer of the topic sees them in the order the outbox dispatched
+// them. Its signature is watermill-kafka's GeneratePartitionKey:
+//
+//	kafka.NewWithPartitioningMarshaler(outbox.PartitionKey)
+//
+// A message the outbox did not publish has no such metadata: its key is "", which Sarama's hash
+// partitioner spreads over the partitions at random.
+func PartitionKey(topic string, msg *message.Message) (string, error) {
+	return msg.Metadata.Get(MetadataOrderingKey), nil
+}
 
 // propagated are the incoming metadata keys copied onto the messages a handler records.
 var propagated = []string{MetadataCorrelationID, MetadataTraceparent, MetadataTracestate}
@@ -391,6 +411,9 @@ func (o *Outbox) publish(ctx context.Context, topic string, effects []Effect) er
 		m.Metadata = maps.Clone(e.Metadata)
 		if m.Metadata == nil {
 			m.Metadata = message.Metadata{}
+		}
+		if e.OrderingKey != "" {
+			m.Metadata.Set(MetadataOrderingKey, e.OrderingKey)
 		}
 		m.SetContext(ctx)
 		msgs[i] = m
