@@ -75,6 +75,8 @@ func (b broker) redisClient() *redis.Client {
 
 func (b broker) publisher() (message.Publisher, func(), error) {
 	switch b.kind {
+	case brokertest.Kafka:
+		return b.kafkaPublisher()
 	case brokertest.RabbitMQ:
 		p, err := amqp.NewPublisher(b.amqpConfig(), watermill.NopLogger{})
 		if err != nil {
@@ -92,9 +94,11 @@ func (b broker) publisher() (message.Publisher, func(), error) {
 }
 
 // subscriber returns a Subscriber of group (RabbitMQ: the topic's queue, which the group's
-// subscribers share; Redis: a consumer group); name tells its members apart.
+// subscribers share; Redis and Kafka: a consumer group); name tells its members apart.
 func (b broker) subscriber(group, name string) (message.Subscriber, func(), error) {
 	switch b.kind {
+	case brokertest.Kafka:
+		return b.kafkaSubscriber(group)
 	case brokertest.RabbitMQ:
 		s, err := amqp.NewSubscriber(b.amqpConfig(), watermill.NopLogger{})
 		if err != nil {
@@ -344,6 +348,9 @@ func testBroker(t *testing.T, kind string) {
 			c.stop(t)
 		}
 	})
+	if kind == brokertest.Kafka {
+		waitKafkaGroup(t, b, consumer, len(consumers))
+	}
 
 	// The producer sends each order once and 30% of them a second time with the same UUID, and
 	// retries a send the broker refused (it is down for a while below).

@@ -16,7 +16,7 @@ version="$(sed -nE "s#^[[:space:]]*(require[[:space:]]+)?${lib} (v[^[:space:]]+)
 (cd "${repo}" && "${go}" run ./internal/cmd/modproxy -out "${tmp}/proxy" -version "${version}" . drivers/outboxpgx >/dev/null)
 proxy="file://${tmp}/proxy,$("${go}" env GOPROXY)"
 
-for mod in . drivers/outboxpgx e2e bench examples/order-processing; do
+for mod in . drivers/outboxpgx e2e bench examples/order-processing internal/kfakeserver; do
 	echo "tidy: ${mod}"
 	(
 		cd "${repo}/${mod}"
