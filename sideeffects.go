@@ -44,8 +44,9 @@ const (
 //
 //	kafka.NewWithPartitioningMarshaler(outbox.PartitionKey)
 //
-// A message the outbox did not publish has no such metadata: its key is "", which Sarama's hash
-// partitioner spreads over the partitions at random.
+// A message the outbox did not publish has no such metadata: its key is "", and watermill-kafka's
+// partitioning marshaler sends every such message (an empty key, not a missing one) to one
+// partition.
 func PartitionKey(topic string, msg *message.Message) (string, error) {
 	return msg.Metadata.Get(MetadataOrderingKey), nil
 }
