@@ -79,7 +79,7 @@ cd "${tmp}/sql"
 "${go}" mod tidy >/dev/null
 "${go}" build ./...
 
-heavy='nats-io/nats-server|nats-io/nats\.go|watermill-nats|watermill-amqp|watermill-redisstream|redis/go-redis|rabbitmq|modernc\.org/sqlite|mattn/go-sqlite3|jackc/pgx|riverqueue|rbaliyan|go\.opentelemetry\.io/otel/sdk|go\.opentelemetry\.io/otel/exporters|otel/exporters/prometheus|chromedp'
+heavy='nats-io/nats-server|nats-io/nats\.go|watermill-nats|watermill-amqp|watermill-redisstream|redis/go-redis|rabbitmq|modernc\.org/sqlite|mattn/go-sqlite3|jackc/pgx|riverqueue|rbaliyan|go\.opentelemetry\.io/otel/sdk|go\.opentelemetry\.io/otel/exporters|otel/exporters/prometheus|chromedp|watermill-kafka|sarama|twmb/franz-go'
 graph="$("${go}" list -m all)"
 found="$( { echo "${graph}"; cat go.sum; } | grep -E "${heavy}" | sort -u || true)"
 if [[ -n "${found}" ]]; then

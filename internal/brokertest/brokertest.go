@@ -7,6 +7,7 @@ package brokertest
 
 import (
 	"bufio"
+	"cmp"
 	"errors"
 	"fmt"
 	"net"
@@ -125,9 +126,15 @@ func (s *Server) buildKafka() error {
 	}
 	src := filepath.Join(filepath.Dir(file), "..", "kfakeserver")
 	s.bin = filepath.Join(s.dir, "kfakeserver")
-	cmd := exec.Command("go", "build", "-o", s.bin, ".")
+	// Under the oldest Go (make test-oldest) the go command on PATH is that Go's: OUTBOX_GO names
+	// the newer one, and GOTOOLCHAIN=auto lets either take the Go kfake requires.
+	gocmd := cmp.Or(os.Getenv("OUTBOX_GO"), "go")
+	cmd := exec.Command(gocmd, "build", "-o", s.bin, ".")
 	cmd.Dir = src
-	cmd.Env = append(os.Environ(), "GOWORK=off", "GOFLAGS=")
+	cmd.Env = append(os.Environ(), "GOWORK=off", "GOFLAGS=", "GOTOOLCHAIN=auto")
+	if gocmd != "go" {
+		cmd.Env = append(cmd.Env, "GOROOT=") // the test's GOROOT is the older Go's
+	}
 	if out, err := cmd.CombinedOutput(); err != nil {
 		return fmt.Errorf("build %s: %w\n%s", src, err, out)
 	}
