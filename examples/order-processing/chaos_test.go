@@ -30,7 +30,7 @@ func testConfig(t *testing.T) config {
 }
 
 // TestChaos runs the chaos mode with a small load on the embedded default and on PostgreSQL
-// (with the embedded NATS server, watermill-sql, RabbitMQ and Redis Streams as the broker): every
+// (with the embedded NATS server, watermill-sql, RabbitMQ, Redis Streams and Kafka as the broker): every
 // order must end paid or rejected, and no business effect may happen twice.
 func TestChaos(t *testing.T) {
 	cases := []struct {
@@ -43,6 +43,7 @@ func TestChaos(t *testing.T) {
 		{"postgres+watermill-sql", true, "postgres"},
 		{"postgres+rabbitmq", true, "amqp"},
 		{"postgres+redis", true, "redis"},
+		{"postgres+kafka", true, "kafka"},
 	}
 	for i, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
@@ -53,14 +54,14 @@ func TestChaos(t *testing.T) {
 			}
 			cfg.broker = tc.broker
 			switch tc.broker {
-			case "amqp", "redis":
-				kind := map[string]string{"amqp": brokertest.RabbitMQ, "redis": brokertest.Redis}[tc.broker]
+			case "amqp", "redis", "kafka":
+				kind := map[string]string{"amqp": brokertest.RabbitMQ, "redis": brokertest.Redis, "kafka": brokertest.Kafka}[tc.broker]
 				srv, err := brokertest.Start(kind)
 				if err != nil {
 					t.Fatal(err)
 				}
 				t.Cleanup(srv.Close)
-				cfg.amqpURL, cfg.redis = srv.Addr(), srv.Addr()
+				cfg.amqpURL, cfg.redis, cfg.kafkaBrokers = srv.Addr(), srv.Addr(), srv.Addr()
 			}
 			cfg.orders = 100
 			cfg.restartEvery = time.Second

@@ -45,10 +45,11 @@ type config struct {
 	postgres string // PostgreSQL DSN; empty: SQLite in dataDir
 	// consolePassword is the web console's password for user "operator"; empty: a random one.
 	consolePassword string
-	broker          string // "nats", "postgres" (watermill-sql on the PostgreSQL database), "amqp" or "redis"
+	broker          string // "nats", "postgres" (watermill-sql on the PostgreSQL database), "amqp", "redis" or "kafka"
 	natsURL         string // an external NATS server; empty: an in-process one
 	amqpURL         string // the RabbitMQ server of -broker amqp
 	redis           string // the Redis server (host:port) of -broker redis
+	kafkaBrokers    string // the Kafka bootstrap servers (host:port,...) of -broker kafka
 	verbose         bool
 
 	chaos bool
@@ -104,10 +105,11 @@ func parseFlags(args []string) (config, error) {
 		"directory for the SQLite database, the embedded NATS server's storage and the e-mail spool (ORDERS_DATA)")
 	fs.StringVar(&cfg.postgres, "postgres", env("ORDERS_POSTGRES", ""), "PostgreSQL DSN; empty: SQLite (ORDERS_POSTGRES)")
 	fs.StringVar(&cfg.broker, "broker", env("ORDERS_BROKER", "nats"),
-		"nats (embedded, or -nats-url), postgres (watermill-sql pub/sub on the -postgres database), amqp (RabbitMQ at -amqp-url) or redis (Redis Streams at -redis) (ORDERS_BROKER)")
+		"nats (embedded, or -nats-url), postgres (watermill-sql pub/sub on the -postgres database), amqp (RabbitMQ at -amqp-url), redis (Redis Streams at -redis) or kafka (at -kafka-brokers) (ORDERS_BROKER)")
 	fs.StringVar(&cfg.natsURL, "nats-url", env("ORDERS_NATS_URL", ""), "external NATS server with JetStream; empty: in-process (ORDERS_NATS_URL)")
 	fs.StringVar(&cfg.amqpURL, "amqp-url", env("ORDERS_AMQP_URL", "amqp://guest:guest@localhost:5672/"), "RabbitMQ server of -broker amqp (ORDERS_AMQP_URL)")
 	fs.StringVar(&cfg.redis, "redis", env("ORDERS_REDIS", "localhost:6379"), "Redis server (host:port) of -broker redis (ORDERS_REDIS)")
+	fs.StringVar(&cfg.kafkaBrokers, "kafka-brokers", env("ORDERS_KAFKA_BROKERS", "localhost:9092"), "Kafka bootstrap servers (host:port, comma-separated) of -broker kafka (ORDERS_KAFKA_BROKERS)")
 	fs.BoolVar(&cfg.verbose, "v", false, "log what Watermill and the outbox do")
 	fs.StringVar(&cfg.consolePassword, "console-password", env("ORDERS_CONSOLE_PASSWORD", ""),
 		"password of user operator for the web console at /outbox/ (PostgreSQL only); empty: a random one, printed at start (ORDERS_CONSOLE_PASSWORD)")
@@ -129,8 +131,8 @@ func parseFlags(args []string) (config, error) {
 		return cfg, err
 	}
 	switch {
-	case cfg.broker != "nats" && cfg.broker != "postgres" && cfg.broker != "amqp" && cfg.broker != "redis":
-		return cfg, fmt.Errorf("-broker must be nats, postgres, amqp or redis, not %q", cfg.broker)
+	case !slices.Contains([]string{"nats", "postgres", "amqp", "redis", "kafka"}, cfg.broker):
+		return cfg, fmt.Errorf("-broker must be nats, postgres, amqp, redis or kafka, not %q", cfg.broker)
 	case cfg.broker == "postgres" && cfg.postgres == "":
 		return cfg, errors.New("-broker postgres needs -postgres DSN")
 	case cfg.fault != "" && !slices.Contains(faults, cfg.fault):
@@ -145,7 +147,7 @@ func parseFlags(args []string) (config, error) {
 
 // consumer is one message handler of the service. Its name is the Router handler name, the
 // identity under which the outbox deduplicates its messages, and its durable consumer (NATS),
-// consumer group (watermill-sql, Redis) or queue (RabbitMQ) on the broker. Renaming one starts it over.
+// consumer group (watermill-sql, Redis, Kafka) or queue (RabbitMQ) on the broker. Renaming one starts it over.
 type consumer struct {
 	name, topic string
 	handle      message.NoPublishHandlerFunc
@@ -221,6 +223,9 @@ func openService(ctx context.Context, cfg config, ackWait time.Duration) (_ *ser
 	case cfg.broker == "redis":
 		s.broker, err = startRedis(ctx, cfg.redis, ackWait, s.logger)
 		brokerDesc = "Redis Streams at " + cfg.redis
+	case cfg.broker == "kafka":
+		s.broker, err = startKafka(strings.Split(cfg.kafkaBrokers, ","), s.logger)
+		brokerDesc = "Kafka at " + cfg.kafkaBrokers
 	case cfg.natsURL != "":
 		s.broker, err = startNATS(cfg.dataDir, cfg.natsURL, ackWait, s.logger)
 		brokerDesc = "NATS JetStream at " + cfg.natsURL
