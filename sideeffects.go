@@ -44,11 +44,15 @@ const (
 //
 //	kafka.NewWithPartitioningMarshaler(outbox.PartitionKey)
 //
-// A message the outbox did not publish has no such metadata: its key is "", and watermill-kafka's
-// partitioning marshaler sends every such message (an empty key, not a missing one) to one
-// partition.
+// A message the outbox did not publish has no such metadata: its key is its UUID, which spreads
+// such messages over the partitions and keeps the copies of one on one partition. (An empty key
+// would not: watermill-kafka's partitioning marshaler sends an empty key, not a missing one, and
+// every such message would land on one partition.)
 func PartitionKey(topic string, msg *message.Message) (string, error) {
-	return msg.Metadata.Get(MetadataOrderingKey), nil
+	if key := msg.Metadata.Get(MetadataOrderingKey); key != "" {
+		return key, nil
+	}
+	return msg.UUID, nil
 }
 
 // propagated are the incoming metadata keys copied onto the messages a handler records.
