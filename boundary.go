@@ -44,6 +44,12 @@ func (o *Outbox) InUnit(ctx context.Context, fn func(ctx context.Context) error)
 		return fmt.Errorf("%w: InTx called inside the unit of work of consumer %q (message %q) would open an independent transaction; "+
 			"write through outbox.Tx (outboxpgx.Tx with pgx) and record with outbox.Publish instead", ErrNestedUnitOfWork, outer.src.Consumer, outer.src.ID)
 	}
+	if outer := unitFrom(ctx); outer != nil && outer.key != nil && keyedFrom(ctx) == outer.key {
+		// It would claim the key the outer unit holds: refused at once, or waited for until
+		// HandlerTimeout with WaitInFlight.
+		return fmt.Errorf("%w: InTx called inside the keyed unit of work of idempotency key %q would claim its key again; "+
+			"write through the outer unit's transaction", ErrNestedUnitOfWork, outer.key.key)
+	}
 	ctx, span := o.tel.tracer.Start(ctx, "outbox InTx")
 	defer func() { endSpan(span, err) }()
 	// Every unit counts by its outcome; a panic in fn (re-panicking) counts as rolled back.
@@ -52,12 +58,32 @@ func (o *Outbox) InUnit(ctx context.Context, fn func(ctx context.Context) error)
 	after := context.WithoutCancel(ctx)
 	txCtx, cancel := context.WithTimeout(after, o.cfg.HandlerTimeout)
 	defer cancel()
+	key := keyedFrom(ctx)
+	if key != nil {
+		key.reset()
+		if err := key.validate(); err != nil {
+			outcome = OutcomeFailed
+			return err
+		}
+	}
 	tx, _, err := o.units.BeginUnit(txCtx, nil)
 	if err != nil {
 		outcome = OutcomeFailed
 		return fmt.Errorf("outbox: %w", err)
 	}
 	u := newUnit(o, tx, Source{ID: uuid.NewString()}, nil)
+	if key != nil {
+		run, err := o.runKeyed(ctx, txCtx, tx, key)
+		if err != nil || !run {
+			_ = tx.Rollback(after)
+			outcome = OutcomeReplayed
+			if err != nil {
+				outcome = keyOutcome(err)
+			}
+			return err
+		}
+		u.key = key
+	}
 	if err := callInTx(withUnit(ctx, u), tx, fn); err != nil {
 		u.finish()
 		if rbErr := tx.Rollback(after); rbErr != nil && !errors.Is(rbErr, sql.ErrTxDone) {
@@ -67,6 +93,9 @@ func (o *Outbox) InUnit(ctx context.Context, fn func(ctx context.Context) error)
 	}
 	outcome = OutcomeFailed
 	effects, err := u.committedEffects(txCtx)
+	if err == nil && key != nil {
+		err = o.saveKeyed(txCtx, tx, u)
+	}
 	if err != nil {
 		_ = tx.Rollback(after)
 		return err
@@ -79,6 +108,9 @@ func (o *Outbox) InUnit(ctx context.Context, fn func(ctx context.Context) error)
 			return ErrTxFinishedByHandler
 		}
 		return fmt.Errorf("outbox: commit: %w", err)
+	}
+	if key != nil {
+		key.outcome(u.result, false)
 	}
 	if err := o.failpoint(ctx, FailpointAfterCommit); err != nil {
 		return err
@@ -137,6 +169,11 @@ func (o *Outbox) JoinUnit(ctx context.Context, tx any) (context.Context, func(co
 		return ctx, nil, fmt.Errorf("%w: JoinTx called inside the unit of work of consumer %q (message %q) would record effects in another transaction; "+
 			"write through outbox.Tx (outboxpgx.Tx with pgx) and record with outbox.Publish instead", ErrNestedUnitOfWork, outer.src.Consumer, outer.src.ID)
 	}
+	if k := keyedFrom(ctx); k != nil {
+		// The caller's transaction was begun before the key could be claimed in it, and its
+		// commit cannot be kept from happening twice from here.
+		return ctx, nil, fmt.Errorf("outbox: JoinTx with idempotency key %q: %w: a keyed unit of work runs with InTx", k.key, ErrIdempotencyUnsupported)
+	}
 	ut, err := o.units.JoinUnit(tx)
 	if err != nil {
 		return ctx, nil, fmt.Errorf("outbox: JoinTx: %w", err)
@@ -188,4 +225,39 @@ func (o *Outbox) dispatchBoundary(ctx context.Context, src Source, effects []Eff
 		return false
 	}
 	return true
+}
+
+// runKeyed claims the key of a keyed unit of work (waiting, with WaitInFlight, as long as ctx
+// and txCtx allow) and tells whether fn is to run: false when the key was committed before.
+func (o *Outbox) runKeyed(ctx, txCtx context.Context, tx outboxdriver.UnitTx, key *keyed) (bool, error) {
+	claimCtx, cancel := context.WithCancel(txCtx)
+	defer cancel()
+	// The caller's request may end while it waits behind the first one: it stops waiting.
+	stop := context.AfterFunc(ctx, cancel)
+	defer stop()
+	run, err := o.claimKey(claimCtx, tx, key)
+	if err != nil || !run {
+		return false, err
+	}
+	if err := o.failpoint(ctx, FailpointAfterClaim); err != nil {
+		return false, err
+	}
+	return true, nil
+}
+
+// saveKeyed stores the result of a keyed unit of work with its key, before the commit.
+func (o *Outbox) saveKeyed(ctx context.Context, tx outboxdriver.UnitTx, u *unit) error {
+	if err := o.failpoint(ctx, FailpointAfterHandler); err != nil {
+		return err
+	}
+	u.mu.Lock()
+	result := u.result
+	u.mu.Unlock()
+	if len(result) == 0 {
+		return nil // the claim stored an empty result
+	}
+	if err := tx.(outboxdriver.KeyedUnitTx).KeySave(ctx, u.key.scope, u.key.key, result); err != nil {
+		return fmt.Errorf("outbox: %w", err)
+	}
+	return nil
 }

@@ -155,6 +155,16 @@ type Config struct {
 	// its ID was forgotten runs the handler a second time. Zero: not checked. At run time a
 	// duplicate whose claim is older than half of Retention is reported whatever this says.
 	RedeliveryHorizon time.Duration
+	// IdempotencyRetention is how long an idempotency key (WithIdempotencyKey) is kept, counted
+	// from its claim: a request retried with the key within it gets the stored result and runs
+	// nothing; one retried later runs again. Each key is stored with its expiry, so a cleanup
+	// run with another retention (the operators' CLI) cannot forget it sooner. Default: 24 hours.
+	IdempotencyRetention time.Duration
+	// ClientRetryHorizon is how long after a request the clients that send idempotency keys may
+	// retry it (their retry policy's longest span, an offline queue's replay). Validate refuses
+	// an IdempotencyRetention shorter than it: a retry after its key was forgotten runs the unit
+	// of work a second time. Zero: not checked.
+	ClientRetryHorizon time.Duration
 	// HealthMaxPending, HealthMaxPendingAge and HealthMaxParked are the thresholds above which
 	// Outbox.Health reports the backlog as unhealthy. Zero: not checked.
 	HealthMaxPending    int64
@@ -212,6 +222,7 @@ const (
 	defaultHandlerTimeout   = time.Minute
 	defaultRelayMaxAttempts = 10
 	defaultStatsInterval    = 15 * time.Second
+	defaultKeyRetention     = 24 * time.Hour
 
 	// maxIDLength bounds message IDs and topics so that they index well.
 	maxIDLength = 255
@@ -253,6 +264,9 @@ func (c *Config) setDefaults() {
 	}
 	if c.DuplicateWait == 0 {
 		c.DuplicateWait = defaultDuplicateWait
+	}
+	if c.IdempotencyRetention == 0 {
+		c.IdempotencyRetention = defaultKeyRetention
 	}
 	if c.HandlerTimeout == 0 {
 		c.HandlerTimeout = defaultHandlerTimeout
@@ -311,6 +325,7 @@ func (c Config) Validate() error {
 		"RetryDelayMax": c.RetryDelayMax,
 		"RelayInterval": c.RelayInterval, "RelayGrace": c.RelayGrace,
 		"RedeliveryHorizon": c.RedeliveryHorizon, "HealthMaxPendingAge": c.HealthMaxPendingAge,
+		"IdempotencyRetention": c.IdempotencyRetention, "ClientRetryHorizon": c.ClientRetryHorizon,
 	} {
 		if d < 0 {
 			errs = append(errs, fmt.Errorf("%s must not be negative", name))
@@ -338,6 +353,11 @@ func (c Config) Validate() error {
 		errs = append(errs, fmt.Errorf("%w: Retention (%s) is shorter than RedeliveryHorizon (%s): a copy the broker "+
 			"redelivers after the ID was forgotten would run the handler a second time; raise Retention to at least %s",
 			ErrRetentionTooShort, retention, c.RedeliveryHorizon, c.RedeliveryHorizon))
+	}
+	if retention := cmp.Or(c.IdempotencyRetention, defaultKeyRetention); c.ClientRetryHorizon > 0 && retention < c.ClientRetryHorizon {
+		errs = append(errs, fmt.Errorf("%w: IdempotencyRetention (%s) is shorter than ClientRetryHorizon (%s): a request "+
+			"retried after its key was forgotten would run a second time; raise IdempotencyRetention to at least %s",
+			ErrRetentionTooShort, retention, c.ClientRetryHorizon, c.ClientRetryHorizon))
 	}
 	switch c.AfterDispatchFailure {
 	case "", DispatchFailureNack, DispatchFailureAck:

@@ -1,6 +1,10 @@
 package outbox
 
-import "errors"
+import (
+	"errors"
+
+	"github.com/watermill-outbox/outbox/outboxdriver"
+)
 
 // Errors returned by the framework; test them with errors.Is.
 var (
@@ -60,6 +64,19 @@ var (
 	// ErrRetentionTooShort means Config.Retention is shorter than Config.RedeliveryHorizon; it is
 	// also logged when a duplicate arrives whose claim is older than half of Retention.
 	ErrRetentionTooShort = errors.New("outbox: dedup retention too short for the broker's redelivery horizon")
+	// ErrIdempotencyInFlight is returned by InTx for a keyed unit of work (WithIdempotencyKey)
+	// while another unit of work holds the same key uncommitted: the first request is still
+	// running (HTTP 409). Nothing ran; retry later, or ask to wait with WaitInFlight.
+	ErrIdempotencyInFlight = outboxdriver.ErrKeyInFlight
+	// ErrIdempotencyMismatch is returned by InTx when the key was committed with another request
+	// fingerprint (HTTP 422): the client reused a key for a different request. Nothing ran.
+	ErrIdempotencyMismatch = errors.New("outbox: idempotency key reused with a different request")
+	// ErrInvalidIdempotencyKey means an idempotency key or scope is too long, not UTF-8 or
+	// contains NUL, or the key is empty.
+	ErrInvalidIdempotencyKey = errors.New("outbox: invalid idempotency key")
+	// ErrIdempotencyUnsupported is returned by InTx for a keyed unit of work when the driver
+	// keeps no idempotency keys (SQLite), or for a joined transaction (JoinTx).
+	ErrIdempotencyUnsupported = outboxdriver.ErrKeysUnsupported
 	// ErrCommitOutcomeUnknown means the COMMIT failed in flight (the connection was lost): the
 	// message may or may not have been processed. It is nacked without counting an attempt; the
 	// redelivery finds out.

@@ -72,6 +72,10 @@ type unit struct {
 	effects  []Effect
 	finished bool // no more records: the transaction is being committed or rolled back
 	warned   bool // an incoming value too large to copy was logged
+	derived  int  // UUIDs derived so far (NewUUID)
+
+	key    *keyed // the idempotency key of a keyed boundary unit; nil otherwise
+	result []byte // set with SetResult, stored with the key
 }
 
 func newUnit(o *Outbox, tx outboxdriver.UnitTx, src Source, incoming *message.Message) *unit {

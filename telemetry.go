@@ -79,6 +79,10 @@ const (
 const (
 	OutcomeCommitted  = "committed"   // committed, and its effects went out
 	OutcomeRolledBack = "rolled_back" // fn returned an error or panicked: rolled back, nothing sent
+	OutcomeReplayed   = "replayed"    // keyed: the key was committed before, fn did not run
+	// OutcomeKeyConflict: keyed, fn did not run: the key is in flight in another unit of work, or
+	// was committed with another request fingerprint.
+	OutcomeKeyConflict = "key_conflict"
 	// OutcomeFailed (above) at the boundary: the transaction could not begin or commit, or the
 	// effects could not be stored; InTx returned the error.
 )

@@ -86,3 +86,21 @@ func (u *sqlUnit) Survivors(ctx context.Context, effects []Effect) ([]Effect, er
 func (u *sqlUnit) Commit(context.Context, []Effect) error { return u.tx.Commit() }
 
 func (u *sqlUnit) Rollback(context.Context) error { return u.tx.Rollback() }
+
+// KeyClaim implements outboxdriver.KeyedUnitTx through the Store, when it keeps keys.
+func (u *sqlUnit) KeyClaim(ctx context.Context, p outboxdriver.KeyClaimParams) (outboxdriver.KeyClaim, error) {
+	ks, ok := u.store.(outboxdriver.KeyStore)
+	if !ok {
+		return outboxdriver.KeyClaim{}, outboxdriver.ErrKeysUnsupported
+	}
+	return ks.KeyClaim(ctx, u.tx, p)
+}
+
+// KeySave implements outboxdriver.KeyedUnitTx through the Store.
+func (u *sqlUnit) KeySave(ctx context.Context, scope, key string, result []byte) error {
+	ks, ok := u.store.(outboxdriver.KeyStore)
+	if !ok {
+		return outboxdriver.ErrKeysUnsupported
+	}
+	return ks.KeySave(ctx, u.tx, scope, key, result)
+}

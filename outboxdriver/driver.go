@@ -175,7 +175,7 @@ type Store interface {
 
 	// Cleanup deletes, in batches, claims whose effects were all dispatched more than retention ago
 	// (never a claim with an undispatched effect), dispatched effects older than their retention,
-	// and old attempt counters. Only one process cleans at a time; the others
+	// old attempt counters, and idempotency keys past their expiry (a KeyStore's). Only one process cleans at a time; the others
 	// return at once with zero.
 	Cleanup(ctx context.Context, p CleanupParams) (CleanupResult, error)
 }
@@ -324,6 +324,8 @@ type CleanupResult struct {
 	Claims   int64
 	Effects  int64
 	Attempts int64
+	// Keys counts the idempotency keys deleted past their expiry.
+	Keys int64
 	// Skipped is true when another process held the cleanup lock.
 	Skipped bool
 }

@@ -35,6 +35,9 @@ func (n Names) Tables() []Table {
 		// Append-only for the application: a repair writes its entry in its own transaction, and
 		// nothing the application runs can rewrite or read back who did what.
 		{Name: n.Audit, Sequence: seq("audit"), App: []string{"INSERT"}, Operator: []string{"SELECT"}},
+		// Keys are claimed and their results written by the units of work, and deleted by the
+		// cleanup once expired.
+		{Name: n.Idempotency, App: dml},
 		// Migrate reads it to find that nothing is to be done; applying migrations takes a role
 		// that may create tables.
 		{Name: n.Migrations, App: []string{"SELECT"}},

@@ -20,6 +20,7 @@ type Names struct {
 	Attempts     string
 	Stats        string
 	Audit        string
+	Idempotency  string
 	Migrations   string
 	QuotedSchema string
 }
@@ -54,6 +55,7 @@ func NewNames(schema, prefix string) (Names, error) {
 		Attempts:     q("attempts"),
 		Stats:        q("stats"),
 		Audit:        q("audit"),
+		Idempotency:  q("idempotency"),
 		Migrations:   q("migrations"),
 	}, nil
 }

@@ -68,6 +68,19 @@ type Queries struct {
 	// run of a cleanup (retention ms) -> count. Dialects build each pair from one selection, so
 	// that a dry run cannot drift from what a cleanup deletes. Empty: no dry run.
 	CleanupClaimsCount, CleanupEffectsCount, CleanupAttemptsCount string
+	// CleanupKeys (0, limit) deletes idempotency keys past their expiry; empty when the dialect
+	// keeps none.
+	CleanupKeys string
+
+	// KeyLock (lock name, wait bool) -> bool takes the transaction's lock of an idempotency key:
+	// with wait, waits for it (true); without, tells whether it got it. Empty when the dialect
+	// keeps no keys.
+	KeyLock string
+	// KeyClaim (scope, key, fingerprint, retention ms) claims a key that is absent or expired: a
+	// row when it did, none when a claim that has not expired is committed.
+	KeyClaim string
+	KeyRead  string // (scope, key) -> fingerprint, result
+	KeySave  string // (scope, key, result)
 
 	SchemaLatest string // -> latest applied version
 	// Writable -> in recovery (a standby), read-only; empty when the dialect cannot tell.
@@ -762,8 +775,13 @@ func (s *SQL) Cleanup(ctx context.Context, p outboxdriver.CleanupParams) (outbox
 		{s.d.Queries.CleanupClaims, p.Retention, &res.Claims},
 		{s.d.Queries.CleanupEffects, p.EffectRetention, &res.Effects},
 		{s.d.Queries.CleanupAttempts, p.Retention, &res.Attempts},
+		// A key carries its own expiry, written at its claim: nothing to pass.
+		{s.d.Queries.CleanupKeys, 0, &res.Keys},
 	}
 	for _, st := range steps {
+		if st.query == "" {
+			continue
+		}
 		for {
 			began := time.Now()
 			n, locked, err := s.cleanupBatch(ctx, st.query, st.retention, p.BatchSize)

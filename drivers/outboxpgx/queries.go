@@ -15,6 +15,8 @@ type queries struct {
 
 	lookup      string // optimistic: (consumer, id) -> age of the claim, no row when there is none
 	claimInline string // optimistic: (consumer, id, inline effects or NULL): no ON CONFLICT
+
+	keys store.Queries // the postgres driver's statements of idempotency keys (KeyLock, KeyClaim, KeyRead, KeySave)
 }
 
 func newQueries(n store.Names, deleteDispatched bool) queries {
@@ -24,6 +26,7 @@ func newQueries(n store.Names, deleteDispatched bool) queries {
 		insert:    pq.EffectInsert,
 		processed: pq.MessageIsProcessed,
 		pending:   postgres.PendingQuery(n),
+		keys:      store.Queries{KeyLock: pq.KeyLock, KeyClaim: pq.KeyClaim, KeyRead: pq.KeyRead, KeySave: pq.KeySave},
 
 		lookup: `SELECT (extract(epoch FROM now() - p.processed_at) * 1000)::bigint FROM ` + n.Processed + ` p
 			WHERE p.consumer = $1 AND p.message_id = $2`,

@@ -585,3 +585,43 @@ func (b errBatch) Query() (pgx.Rows, error)         { return nil, b.err }
 func (b errBatch) QueryRow() pgx.Row                { return errRow(b) }
 func (b errBatch) Close() error                     { return b.err }
 func (b errBatch) Tx() pgx.Tx                       { return nil }
+
+var _ outboxdriver.KeyedUnitTx = (*unit)(nil)
+
+// KeyClaim implements outboxdriver.KeyedUnitTx with the postgres driver's statements, on the
+// unit's connection.
+func (u *unit) KeyClaim(ctx context.Context, p outboxdriver.KeyClaimParams) (outboxdriver.KeyClaim, error) {
+	c, err := u.keyConn()
+	if err != nil {
+		return outboxdriver.KeyClaim{}, err
+	}
+	return store.ClaimKey(ctx, u.s.q.keys, u.s.names, func(ctx context.Context, query string, args []any, dest ...any) (bool, error) {
+		switch err := c.QueryRow(ctx, query, args...).Scan(dest...); {
+		case errors.Is(err, pgx.ErrNoRows):
+			return false, nil
+		case err != nil:
+			return false, wrap(err)
+		}
+		return true, nil
+	}, p)
+}
+
+// KeySave implements outboxdriver.KeyedUnitTx.
+func (u *unit) KeySave(ctx context.Context, scope, key string, result []byte) error {
+	c, err := u.keyConn()
+	if err != nil {
+		return err
+	}
+	if _, err := c.Exec(ctx, u.s.q.keys.KeySave, scope, key, result); err != nil {
+		return fmt.Errorf("store the result of idempotency key %q: %w", key, wrap(err))
+	}
+	return nil
+}
+
+// keyConn is the connection of a unit that may hold a key: one the framework began.
+func (u *unit) keyConn() (*pgx.Conn, error) {
+	if u.joined != nil {
+		return nil, fmt.Errorf("outboxpgx: a joined transaction: %w", outboxdriver.ErrKeysUnsupported)
+	}
+	return (&tx{u: u}).conn()
+}

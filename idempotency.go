@@ -1,0 +1,205 @@
+package outbox
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strconv"
+	"sync"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
+
+	"github.com/watermill-outbox/outbox/outboxdriver"
+)
+
+// keyed is the idempotency key of a context, and the outcome of the last unit of work that ran
+// with it (read with IdempotencyResult).
+type keyed struct {
+	scope, key  string
+	fingerprint []byte
+	wait        bool
+
+	mu       sync.Mutex
+	done     bool
+	replayed bool
+	result   []byte
+}
+
+type keyedKey struct{}
+
+// KeyOption is an option of WithIdempotencyKey.
+type KeyOption func(*keyed)
+
+// Fingerprint sets the fingerprint of the request the key comes with (a hash of what makes the
+// request what it is: method, path, body). A key committed with another fingerprint makes InTx
+// return ErrIdempotencyMismatch. Without it the fingerprint is empty, and only another empty
+// fingerprint matches.
+func Fingerprint(fp []byte) KeyOption {
+	fp = append([]byte(nil), fp...)
+	return func(k *keyed) { k.fingerprint = fp }
+}
+
+// WaitInFlight makes InTx wait, while another unit of work holds the key uncommitted, for its
+// outcome (within HandlerTimeout and ctx) and then replay its result, or run if it rolled back,
+// instead of returning ErrIdempotencyInFlight at once.
+func WaitInFlight() KeyOption { return func(k *keyed) { k.wait = true } }
+
+// WithIdempotencyKey returns a context that makes InTx (and InUnit) a keyed unit of work: key,
+// unique within scope (an API, an endpoint; it may be empty), is claimed in the transaction of fn,
+// so that it commits with the business change, the side effects and the result fn sets with
+// SetResult. A call with a key committed before (and not expired, see
+// Config.IdempotencyRetention) runs nothing, sends nothing and returns nil; IdempotencyResult then
+// returns the stored result. While another call holds the key uncommitted, InTx returns
+// ErrIdempotencyInFlight (or waits, with WaitInFlight); for a key committed with another
+// Fingerprint it returns ErrIdempotencyMismatch. A key is not stored when fn fails: a retry runs
+// again.
+func WithIdempotencyKey(ctx context.Context, scope, key string, opts ...KeyOption) context.Context {
+	k := &keyed{scope: scope, key: key}
+	for _, opt := range opts {
+		opt(k)
+	}
+	return context.WithValue(ctx, keyedKey{}, k)
+}
+
+func keyedFrom(ctx context.Context) *keyed {
+	k, _ := ctx.Value(keyedKey{}).(*keyed)
+	return k
+}
+
+// SetResult sets the result of the keyed unit of work of ctx (the response of the request):
+// it is stored with the key when the unit commits, and returned by IdempotencyResult to this call
+// and to every retry with the key. The last call wins. It returns an error outside a keyed unit
+// of work, or for a result larger than Config.MaxPayloadBytes.
+func SetResult(ctx context.Context, result []byte) error {
+	u := unitFrom(ctx)
+	if u == nil {
+		return ErrNoUnitOfWork
+	}
+	if u.key == nil {
+		return fmt.Errorf("outbox: SetResult in a unit of work without an idempotency key (see WithIdempotencyKey): %w", ErrNoUnitOfWork)
+	}
+	if len(result) > u.o.cfg.MaxPayloadBytes {
+		return fmt.Errorf("%w: result of %d bytes for idempotency key %q, the limit is %d (Config.MaxPayloadBytes)",
+			ErrPayloadTooLarge, len(result), u.key.key, u.o.cfg.MaxPayloadBytes)
+	}
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	if u.finished {
+		return ErrUnitOfWorkFinished
+	}
+	u.result = append([]byte(nil), result...)
+	return nil
+}
+
+// IdempotencyResult returns the result of the last keyed unit of work that ran with ctx (the
+// context returned by WithIdempotencyKey, or one derived from it): what fn set with SetResult
+// when it ran and committed, or the stored result when the key was committed before (replayed
+// true). Before InTx returned nil it returns nil and false.
+func IdempotencyResult(ctx context.Context) (result []byte, replayed bool) {
+	k := keyedFrom(ctx)
+	if k == nil {
+		return nil, false
+	}
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	if !k.done {
+		return nil, false
+	}
+	return append([]byte(nil), k.result...), k.replayed
+}
+
+// outcome records the outcome of a unit of work that committed (or found the key committed).
+func (k *keyed) outcome(result []byte, replayed bool) {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	k.done, k.replayed, k.result = true, replayed, result
+}
+
+func (k *keyed) reset() {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	k.done, k.replayed, k.result = false, false, nil
+}
+
+func (k *keyed) validate() error {
+	if k.scope != "" {
+		if err := validateName(k.scope); err != nil {
+			return fmt.Errorf("%w: scope: %w", ErrInvalidIdempotencyKey, err)
+		}
+	}
+	if err := validateName(k.key); err != nil {
+		return fmt.Errorf("%w: key: %w", ErrInvalidIdempotencyKey, err)
+	}
+	return nil
+}
+
+// claimKey claims the key of a keyed unit of work in tx. It returns true when the unit is to
+// run; false when the key was committed before (its result is then recorded as replayed).
+func (o *Outbox) claimKey(ctx context.Context, tx outboxdriver.UnitTx, k *keyed) (bool, error) {
+	kt, ok := tx.(outboxdriver.KeyedUnitTx)
+	if !ok {
+		return false, fmt.Errorf("outbox: %w: its units of work run on %T", ErrIdempotencyUnsupported, tx.Tx())
+	}
+	c, err := kt.KeyClaim(ctx, outboxdriver.KeyClaimParams{Scope: k.scope, Key: k.key, Fingerprint: k.fingerprint,
+		Retention: o.cfg.IdempotencyRetention, Wait: k.wait})
+	switch {
+	case err != nil && ctx.Err() != nil && k.wait:
+		return false, fmt.Errorf("outbox: waited for the unit of work in flight with idempotency key %q (scope %q), at most HandlerTimeout (%s): %w",
+			k.key, k.scope, o.cfg.HandlerTimeout, err)
+	case err != nil:
+		return false, fmt.Errorf("outbox: %w", err)
+	case c.Claimed:
+		return true, nil
+	case string(c.Fingerprint) != string(k.fingerprint):
+		return false, fmt.Errorf("%w: key %q (scope %q) was used for another request", ErrIdempotencyMismatch, k.key, k.scope)
+	}
+	k.outcome(c.Result, true)
+	return false, nil
+}
+
+// derivedNamespace is the namespace of the UUIDs NewUUID derives.
+var derivedNamespace = uuid.MustParse("6f1b6a55-5f7e-4c1e-8b4a-0d9a7c3e2f10")
+
+// NewUUID returns a UUID for an effect of the unit of work of ctx derived from the unit's cause
+// and the effect's position among the UUIDs derived in the unit: the consumer and ID of the
+// incoming message, or the scope and idempotency key of a keyed boundary unit (a name-based
+// UUID, version 5). A run of the same cause again (a redelivery after a rolled-back attempt, a
+// retry after a commit that was lost to a failover or a restore) that derives its UUIDs in the
+// same order gets the same UUIDs, which downstream deduplication already knows. Outside a unit of
+// work, and in a boundary unit without a key, whose cause is new on every call, the UUID is
+// random. See docs/boundary.md ("Effect UUIDs derived from their cause") for when this is safe.
+func NewUUID(ctx context.Context) string {
+	u := unitFrom(ctx)
+	if u == nil {
+		return uuid.NewString()
+	}
+	var cause string
+	switch {
+	case u.incoming != nil:
+		cause = "message\x00" + u.src.Consumer + "\x00" + u.src.ID
+	case u.key != nil:
+		cause = "key\x00" + u.key.scope + "\x00" + u.key.key
+	default:
+		return uuid.NewString()
+	}
+	u.mu.Lock()
+	n := u.derived
+	u.derived++
+	u.mu.Unlock()
+	return uuid.NewSHA1(derivedNamespace, []byte(cause+"\x00"+strconv.Itoa(n))).String()
+}
+
+// NewMessage returns a message with payload whose UUID is derived from the cause of the unit of
+// work of ctx and its position (NewUUID), to record with Publish.
+func NewMessage(ctx context.Context, payload message.Payload) *message.Message {
+	return message.NewMessage(NewUUID(ctx), payload)
+}
+
+// keyOutcome tells the telemetry outcome of a keyed unit's refusal.
+func keyOutcome(err error) string {
+	if errors.Is(err, ErrIdempotencyInFlight) || errors.Is(err, ErrIdempotencyMismatch) {
+		return OutcomeKeyConflict
+	}
+	return OutcomeFailed
+}

@@ -1,0 +1,400 @@
+package outbox_test
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"slices"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/watermill-outbox/outbox"
+)
+
+// placeOrder is the keyed unit of work of these tests: one business row, two effects with UUIDs
+// derived from the key, and the response as the result.
+func placeOrder(runs *atomic.Int32, order string) func(ctx context.Context, tx *sql.Tx) error {
+	return func(ctx context.Context, tx *sql.Tx) error {
+		runs.Add(1)
+		if _, err := tx.ExecContext(ctx, `INSERT INTO applied (message_id, note) VALUES ($1, 'order')`, order); err != nil {
+			return err
+		}
+		if err := outbox.Publish(ctx, "out_a", outbox.NewMessage(ctx, []byte("placed "+order))); err != nil {
+			return err
+		}
+		if err := outbox.Publish(ctx, "out_b", outbox.NewMessage(ctx, []byte("charge "+order))); err != nil {
+			return err
+		}
+		return outbox.SetResult(ctx, []byte("order "+order+" placed"))
+	}
+}
+
+// Many clients retry one key at once: fn runs once, one business row commits, each effect is
+// stored once, and every caller gets the first one's result. With WaitInFlight every caller
+// waits for it; without, those that came while it ran get ErrIdempotencyInFlight.
+func TestKeyedInTxConcurrentRetriesRunOnce(t *testing.T) {
+	for _, wait := range []bool{true, false} {
+		t.Run(fmt.Sprintf("wait=%v", wait), func(t *testing.T) {
+			e := newEnv(t)
+			const callers = 24
+			var runs atomic.Int32
+			order := fmt.Sprintf("o-wait-%v", wait)
+			var opts []outbox.KeyOption
+			if wait {
+				opts = append(opts, outbox.WaitInFlight())
+			}
+			start := make(chan struct{})
+			var wg sync.WaitGroup
+			var mu sync.Mutex
+			var replayed, ran, inFlight int
+			results := map[string]int{}
+			for range callers {
+				wg.Add(1)
+				go func() {
+					defer wg.Done()
+					<-start
+					ctx := outbox.WithIdempotencyKey(context.Background(), "orders", order, opts...)
+					err := e.ob.InTx(ctx, func(ctx context.Context, tx *sql.Tx) error {
+						// Long enough that the others arrive while it runs.
+						time.Sleep(200 * time.Millisecond)
+						return placeOrder(&runs, order)(ctx, tx)
+					})
+					mu.Lock()
+					defer mu.Unlock()
+					switch {
+					case errors.Is(err, outbox.ErrIdempotencyInFlight):
+						inFlight++
+						return
+					case err != nil:
+						t.Errorf("InTx: %v", err)
+						return
+					}
+					res, rep := outbox.IdempotencyResult(ctx)
+					results[string(res)]++
+					if rep {
+						replayed++
+					} else {
+						ran++
+					}
+				}()
+			}
+			close(start)
+			wg.Wait()
+			t.Logf("%d callers: %d ran, %d replayed, %d told the key was in flight", callers, ran, replayed, inFlight)
+			mustEqual(t, "runs of fn", runs.Load(), int32(1))
+			mustEqual(t, "callers that ran fn", ran, 1)
+			mustEqual(t, "business rows", e.count(`SELECT count(*) FROM applied WHERE message_id = $1`, order), 1)
+			mustEqual(t, "stored effects", e.count(`SELECT count(*) FROM all_effects`), 2)
+			if wait {
+				mustEqual(t, "callers told in flight while waiting", inFlight, 0)
+				mustEqual(t, "replays", replayed, callers-1)
+			} else if inFlight == 0 {
+				t.Errorf("no caller was told the key was in flight, though all came while the first ran")
+			}
+			for res, n := range results {
+				if res != "order "+order+" placed" {
+					t.Errorf("%d callers got result %q", n, res)
+				}
+			}
+			// A retry after all of them: the stored result, nothing run.
+			ctx := outbox.WithIdempotencyKey(context.Background(), "orders", order)
+			if err := e.ob.InTx(ctx, placeOrder(&runs, order)); err != nil {
+				t.Fatal(err)
+			}
+			res, rep := outbox.IdempotencyResult(ctx)
+			mustEqual(t, "late retry replayed", rep, true)
+			mustEqual(t, "late retry's result", string(res), "order "+order+" placed")
+			mustEqual(t, "runs of fn", runs.Load(), int32(1))
+		})
+	}
+}
+
+// A unit that fails stores no key: the retry runs. A key reused with another fingerprint is
+// refused without running fn; scopes keep equal keys apart.
+func TestKeyedInTxFailureMismatchAndScopes(t *testing.T) {
+	e := newEnv(t)
+	var runs atomic.Int32
+	fp := outbox.Fingerprint([]byte("POST /orders {sku: 1}"))
+	failed := errors.New("card declined")
+	ctx := outbox.WithIdempotencyKey(context.Background(), "orders", "k1", fp)
+	err := e.ob.InTx(ctx, func(ctx context.Context, tx *sql.Tx) error {
+		if err := placeOrder(&runs, "o1")(ctx, tx); err != nil {
+			return err
+		}
+		return failed
+	})
+	if !errors.Is(err, failed) {
+		t.Fatalf("failing fn: %v", err)
+	}
+	if _, rep := outbox.IdempotencyResult(ctx); rep {
+		t.Fatal("a failed unit reported as replayed")
+	}
+	mustEqual(t, "stored keys after a failure", e.count(`SELECT count(*) FROM outbox_idempotency`), 0)
+	if err := e.ob.InTx(ctx, placeOrder(&runs, "o1")); err != nil {
+		t.Fatalf("retry after a failure: %v", err)
+	}
+	mustEqual(t, "runs (the failed one and its retry)", runs.Load(), int32(2))
+	res, rep := outbox.IdempotencyResult(ctx)
+	mustEqual(t, "retry after a failure replayed", rep, false)
+	mustEqual(t, "retry's result", string(res), "order o1 placed")
+
+	other := outbox.WithIdempotencyKey(context.Background(), "orders", "k1", outbox.Fingerprint([]byte("POST /orders {sku: 2}")))
+	if err := e.ob.InTx(other, placeOrder(&runs, "o2")); !errors.Is(err, outbox.ErrIdempotencyMismatch) {
+		t.Fatalf("key reused with another request: %v, want ErrIdempotencyMismatch", err)
+	}
+	noFP := outbox.WithIdempotencyKey(context.Background(), "orders", "k1")
+	if err := e.ob.InTx(noFP, placeOrder(&runs, "o2")); !errors.Is(err, outbox.ErrIdempotencyMismatch) {
+		t.Fatalf("key reused without a fingerprint: %v, want ErrIdempotencyMismatch", err)
+	}
+	mustEqual(t, "runs after the mismatches", runs.Load(), int32(2))
+	if err := e.ob.InTx(outbox.WithIdempotencyKey(context.Background(), "payments", "k1", fp), placeOrder(&runs, "o3")); err != nil {
+		t.Fatalf("the same key in another scope: %v", err)
+	}
+	mustEqual(t, "runs after the other scope", runs.Load(), int32(3))
+
+	for _, k := range []struct{ scope, key string }{{"orders", ""}, {"orders", "a\x00b"}, {"s\x00", "k"}, {"orders", string(make([]byte, 256))}} {
+		if err := e.ob.InTx(outbox.WithIdempotencyKey(context.Background(), k.scope, k.key), placeOrder(&runs, "o4")); !errors.Is(err, outbox.ErrInvalidIdempotencyKey) {
+			t.Errorf("key %q in scope %q: %v, want ErrInvalidIdempotencyKey", k.key, k.scope, err)
+		}
+	}
+	mustEqual(t, "runs after invalid keys", runs.Load(), int32(3))
+}
+
+// Misuse is refused: a keyed InTx inside the keyed unit (which would wait for its own key),
+// JoinTx with a key, SetResult without one.
+func TestKeyedInTxMisuse(t *testing.T) {
+	e := newEnv(t)
+	ctx := outbox.WithIdempotencyKey(context.Background(), "orders", "nested", outbox.WaitInFlight())
+	var inner error
+	err := e.ob.InTx(ctx, func(ctx context.Context, tx *sql.Tx) error {
+		inner = e.ob.InTx(ctx, func(context.Context, *sql.Tx) error { return nil })
+		return nil
+	})
+	if err != nil || !errors.Is(inner, outbox.ErrNestedUnitOfWork) {
+		t.Fatalf("nested keyed InTx: outer %v, inner %v (want ErrNestedUnitOfWork)", err, inner)
+	}
+	tx, err := e.db.Begin()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = tx.Rollback() }()
+	if _, _, err := e.ob.JoinUnit(ctx, tx); !errors.Is(err, outbox.ErrIdempotencyUnsupported) {
+		t.Fatalf("JoinUnit with a key: %v", err)
+	}
+	err = e.ob.InTx(context.Background(), func(ctx context.Context, tx *sql.Tx) error {
+		return outbox.SetResult(ctx, []byte("x"))
+	})
+	if !errors.Is(err, outbox.ErrNoUnitOfWork) {
+		t.Fatalf("SetResult without a key: %v", err)
+	}
+}
+
+// A key expires after IdempotencyRetention: a retry later runs again; the cleanup deletes
+// expired keys, in batches, and keeps the others. Validate refuses a retention shorter than the
+// clients' retry horizon.
+func TestKeyedInTxExpiry(t *testing.T) {
+	e := newEnv(t)
+	short := e.newOutbox(func(c *outbox.Config) { c.IdempotencyRetention = 300 * time.Millisecond; c.CleanupBatchSize = 2 })
+	var runs atomic.Int32
+	for i := range 5 {
+		ctx := outbox.WithIdempotencyKey(context.Background(), "orders", fmt.Sprintf("k%d", i))
+		if err := short.InTx(ctx, placeOrder(&runs, fmt.Sprintf("o%d", i))); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// One key with the default retention (24 h): not expired.
+	if err := e.ob.InTx(outbox.WithIdempotencyKey(context.Background(), "orders", "kept"), placeOrder(&runs, "kept")); err != nil {
+		t.Fatal(err)
+	}
+	ctx := outbox.WithIdempotencyKey(context.Background(), "orders", "k0")
+	if err := short.InTx(ctx, placeOrder(&runs, "o0-again")); err != nil {
+		t.Fatal(err)
+	}
+	if _, rep := outbox.IdempotencyResult(ctx); !rep {
+		t.Fatal("retry within the retention ran again")
+	}
+	time.Sleep(400 * time.Millisecond)
+	if err := short.InTx(ctx, placeOrder(&runs, "o0-again")); err != nil {
+		t.Fatal(err)
+	}
+	if res, rep := outbox.IdempotencyResult(ctx); rep || string(res) != "order o0-again placed" {
+		t.Fatalf("retry after expiry: result %q, replayed %v; want a new run", res, rep)
+	}
+	mustEqual(t, "runs", runs.Load(), int32(7))
+	res, err := short.Cleanup(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	mustEqual(t, "expired keys deleted", res.Keys, int64(4))
+	if res.Batches < 2 {
+		t.Errorf("cleanup of 4 keys in batches of 2 ran %d batches", res.Batches)
+	}
+	mustEqual(t, "keys left (k0 claimed again, kept)", e.count(`SELECT count(*) FROM outbox_idempotency`), 2)
+
+	_, err = outbox.New(outbox.Config{DB: e.db, Publisher: e.pub, IdempotencyRetention: time.Hour, ClientRetryHorizon: 2 * time.Hour})
+	if !errors.Is(err, outbox.ErrRetentionTooShort) {
+		t.Fatalf("IdempotencyRetention below ClientRetryHorizon: %v, want ErrRetentionTooShort", err)
+	}
+}
+
+// A crash at every step of a keyed unit, then a retry by a restarted process: one business
+// change, each effect on the wire under one UUID (the relay sends what the crashed process left),
+// and the first run's response returned to the retry when the first run committed.
+func TestKeyedInTxCrashThenRetry(t *testing.T) {
+	points := []string{outbox.FailpointAfterClaim, outbox.FailpointAfterHandler, outbox.FailpointAfterCommit, outbox.FailpointAfterPublish}
+	for _, point := range points {
+		t.Run(point, func(t *testing.T) {
+			e := newEnv(t)
+			crash := errors.New("crash")
+			crashing := e.newOutbox(func(c *outbox.Config) {
+				c.Failpoint = func(_ context.Context, p string) error {
+					if p == point {
+						return crash
+					}
+					return nil
+				}
+			})
+			var runs atomic.Int32
+			ctx := outbox.WithIdempotencyKey(context.Background(), "orders", "k-"+point)
+			err := crashing.InTx(ctx, placeOrder(&runs, "o1"))
+			if point == outbox.FailpointAfterPublish {
+				// After its commit InTx returns nil whatever happens to the dispatch: the crash
+				// leaves the second effect to the relay.
+				if err != nil {
+					t.Fatalf("InTx crashing at %s: %v", point, err)
+				}
+			} else if !errors.Is(err, crash) {
+				t.Fatalf("InTx crashing at %s: %v", point, err)
+			}
+			committed := point == outbox.FailpointAfterCommit || point == outbox.FailpointAfterPublish
+
+			restarted := e.newOutbox(func(c *outbox.Config) {
+				c.RelayGrace = 100 * time.Millisecond
+				c.RelayInterval = 50 * time.Millisecond
+			})
+			retry := outbox.WithIdempotencyKey(context.Background(), "orders", "k-"+point)
+			if err := restarted.InTx(retry, placeOrder(&runs, "o1")); err != nil {
+				t.Fatalf("retry: %v", err)
+			}
+			res, rep := outbox.IdempotencyResult(retry)
+			mustEqual(t, "retry replayed the committed run", rep, committed)
+			mustEqual(t, "retry's result", string(res), "order o1 placed")
+			wantRuns := int32(1) // fn ran once before the crash and committed, or only in the retry
+			if point == outbox.FailpointAfterHandler {
+				wantRuns = 2 // it ran, rolled back with the crash, and ran again
+			}
+			mustEqual(t, "runs of fn", runs.Load(), wantRuns)
+			stop := startRun(t, restarted)
+			waitFor(t, "the relay to send what was left", func() bool { return e.pendingEffects() == 0 })
+			stop()
+			mustEqual(t, "business rows", e.count(`SELECT count(*) FROM applied WHERE message_id = 'o1'`), 1)
+			mustEqual(t, "stored effects", e.count(`SELECT count(*) FROM all_effects`), 2)
+			for _, topic := range []string{"out_a", "out_b"} {
+				if w := e.wire(topic); len(w) != 1 {
+					t.Errorf("%s: %d UUIDs on the wire (%v), want one", topic, len(w), w)
+				}
+			}
+		})
+	}
+}
+
+// Effect UUIDs derived from the cause are the same when the cause runs again after its commit
+// was lost (here: the committed rows deleted, as a restore to before the commit would): a keyed
+// boundary unit and a handled message alike; a unit without a key gets new ones.
+func TestDerivedUUIDsEqualAcrossRerun(t *testing.T) {
+	e := newEnv(t)
+	var runs atomic.Int32
+	uuids := func() []string {
+		return columnStrings(e, `SELECT uuid FROM all_effects ORDER BY source_id, seq`)
+	}
+	lose := func() {
+		e.flush()
+		for _, q := range []string{`DELETE FROM applied`, `DELETE FROM outbox_effects`, `DELETE FROM outbox_dispatched`,
+			`DELETE FROM outbox_idempotency`, `DELETE FROM outbox_processed`} {
+			if _, err := e.db.Exec(q); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	run := func() []string {
+		if err := e.ob.InTx(outbox.WithIdempotencyKey(context.Background(), "orders", "k"), placeOrder(&runs, "o1")); err != nil {
+			t.Fatal(err)
+		}
+		return uuids()
+	}
+	first := run()
+	lose()
+	second := run()
+	if len(first) != 2 || !slices.Equal(first, second) || first[0] == first[1] {
+		t.Fatalf("keyed unit: UUIDs %v, then %v after the lost commit; want two distinct, equal across runs", first, second)
+	}
+	lose()
+	other := func() []string {
+		if err := e.ob.InTx(outbox.WithIdempotencyKey(context.Background(), "orders", "k2"), placeOrder(&runs, "o1")); err != nil {
+			t.Fatal(err)
+		}
+		return uuids()
+	}()
+	if slices.Contains(other, first[0]) || slices.Contains(other, first[1]) {
+		t.Fatalf("another key derived the same UUIDs: %v and %v", first, other)
+	}
+
+	lose()
+	handler := func(msg *message.Message) ([]*message.Message, error) {
+		ctx := msg.Context()
+		return nil, outbox.Publish(ctx, "out_a", outbox.NewMessage(ctx, []byte("a")), outbox.NewMessage(ctx, []byte("b")))
+	}
+	msg := message.NewMessage("m-1", nil)
+	if err := handle(e.ob, msg, handler); err != nil {
+		t.Fatal(err)
+	}
+	h1 := uuids()
+	lose()
+	if err := handle(e.ob, copyOf(msg), handler); err != nil {
+		t.Fatal(err)
+	}
+	h2 := uuids()
+	if len(h1) != 2 || !slices.Equal(h1, h2) {
+		t.Fatalf("handled message: UUIDs %v, then %v after the lost commit", h1, h2)
+	}
+
+	lose()
+	unkeyed := func() []string {
+		err := e.ob.InTx(context.Background(), func(ctx context.Context, tx *sql.Tx) error {
+			return outbox.Publish(ctx, "out_a", outbox.NewMessage(ctx, []byte("a")), outbox.NewMessage(ctx, []byte("b")))
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return uuids()
+	}
+	u1 := unkeyed()
+	lose()
+	if u2 := unkeyed(); slices.Equal(u1, u2) {
+		t.Fatalf("a unit without a key derived the same UUIDs twice: %v", u1)
+	}
+}
+
+func columnStrings(e *env, query string) []string {
+	e.t.Helper()
+	e.flush()
+	rows, err := e.db.Query(query)
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	defer rows.Close()
+	var out []string
+	for rows.Next() {
+		var s string
+		if err := rows.Scan(&s); err != nil {
+			e.t.Fatal(err)
+		}
+		out = append(out, s)
+	}
+	return out
+}
