@@ -257,15 +257,15 @@ func (o *Outbox) cleanupOnce(ctx context.Context) error {
 	}
 	if res.Batches > 0 {
 		o.tel.cleanupBatches.Add(ctx, int64(res.Batches))
-		for table, n := range map[string]int64{"processed": res.Claims, "dispatched": res.Effects, "attempts": res.Attempts} {
+		for table, n := range map[string]int64{"processed": res.Claims, "dispatched": res.Effects, "attempts": res.Attempts, "idempotency": res.Keys} {
 			if n > 0 {
 				o.tel.cleanupDeleted.Add(ctx, n, metric.WithAttributeSet(attribute.NewSet(AttrTable.String(table))))
 			}
 		}
 	}
-	if res.Claims+res.Effects+res.Attempts > 0 {
+	if res.Claims+res.Effects+res.Attempts+res.Keys > 0 {
 		o.logger.Info("Cleanup deleted expired rows", watermill.LogFields{
-			"claims": res.Claims, "effects": res.Effects, "attempts": res.Attempts,
+			"claims": res.Claims, "effects": res.Effects, "attempts": res.Attempts, "idempotency_keys": res.Keys,
 		})
 	}
 	return nil

@@ -71,7 +71,10 @@ type CleanupReport struct {
 	Claims          int64         `json:"claims"`
 	Effects         int64         `json:"effects"`
 	Attempts        int64         `json:"attempts"`
-	Batches         int           `json:"batches,omitempty"`
+	// Keys counts the idempotency keys past the expiry each was claimed with (whatever the
+	// retention given here: a key's expiry is the service's IdempotencyRetention at its claim).
+	Keys    int64 `json:"keys"`
+	Batches int   `json:"batches,omitempty"`
 	// Skipped is true when another process held the cleanup lock: nothing was deleted.
 	Skipped bool `json:"skipped,omitempty"`
 }
@@ -136,7 +139,7 @@ func (o *Ops) Cleanup(ctx context.Context, opt CleanupOptions) (CleanupReport, e
 	rep := CleanupReport{DryRun: opt.DryRun, Retention: retention, EffectRetention: opt.EffectRetention, Forced: opt.Force}
 	if opt.DryRun {
 		res, err := o.st.CleanupCount(ctx, outboxdriver.CleanupParams{Retention: retention, EffectRetention: opt.EffectRetention})
-		rep.Claims, rep.Effects, rep.Attempts = res.Claims, res.Effects, res.Attempts
+		rep.Claims, rep.Effects, rep.Attempts, rep.Keys = res.Claims, res.Effects, res.Attempts, res.Keys
 		if err != nil {
 			return rep, fmt.Errorf("ops: %w", err)
 		}
@@ -155,8 +158,8 @@ func (o *Ops) Cleanup(ctx context.Context, opt CleanupOptions) (CleanupReport, e
 	}
 	res, err := o.st.Cleanup(ctx, outboxdriver.CleanupParams{Retention: retention, EffectRetention: opt.EffectRetention,
 		BatchSize: size, PauseBetweenBatches: 20 * time.Millisecond, PauseFactor: 2, Progress: opt.Progress})
-	rep.Claims, rep.Effects, rep.Attempts, rep.Batches, rep.Skipped = res.Claims, res.Effects, res.Attempts, res.Batches, res.Skipped
-	detail := fmt.Sprintf("deleted %d claims, %d dispatched effects, %d attempt counters", res.Claims, res.Effects, res.Attempts)
+	rep.Claims, rep.Effects, rep.Attempts, rep.Keys, rep.Batches, rep.Skipped = res.Claims, res.Effects, res.Attempts, res.Keys, res.Batches, res.Skipped
+	detail := fmt.Sprintf("deleted %d claims, %d dispatched effects, %d attempt counters, %d expired idempotency keys", res.Claims, res.Effects, res.Attempts, res.Keys)
 	switch {
 	case err != nil:
 		detail += "; stopped: " + err.Error()

@@ -68,9 +68,9 @@ type Queries struct {
 	// run of a cleanup (retention ms) -> count. Dialects build each pair from one selection, so
 	// that a dry run cannot drift from what a cleanup deletes. Empty: no dry run.
 	CleanupClaimsCount, CleanupEffectsCount, CleanupAttemptsCount string
-	// CleanupKeys (0, limit) deletes idempotency keys past their expiry; empty when the dialect
-	// keeps none.
-	CleanupKeys string
+	// CleanupKeys (0, limit) deletes idempotency keys past their expiry, and CleanupKeysCount (0)
+	// counts them for the dry run; empty when the dialect keeps none.
+	CleanupKeys, CleanupKeysCount string
 
 	// KeyLock (lock name, wait bool) -> bool takes the transaction's lock of an idempotency key:
 	// with wait, waits for it (true); without, tells whether it got it. Empty when the dialect
@@ -829,7 +829,11 @@ func (s *SQL) CleanupCount(ctx context.Context, p outboxdriver.CleanupParams) (o
 		{q.CleanupClaimsCount, p.Retention, &res.Claims},
 		{q.CleanupEffectsCount, p.EffectRetention, &res.Effects},
 		{q.CleanupAttemptsCount, p.Retention, &res.Attempts},
+		{q.CleanupKeysCount, 0, &res.Keys},
 	} {
+		if st.query == "" {
+			continue // a dialect that keeps no idempotency keys
+		}
 		if err := s.db.QueryRowContext(ctx, st.query, st.retention.Milliseconds()).Scan(st.count); err != nil {
 			return res, fmt.Errorf("cleanup dry run: %w", s.wrap(err))
 		}

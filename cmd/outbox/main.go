@@ -741,12 +741,12 @@ func cleanup(ctx context.Context, o *ops.Ops, g globals, args []string, out prin
 	return out.emit(rep, func(w *tabwriter.Writer) {
 		switch {
 		case rep.DryRun:
-			fmt.Fprintf(w, "would delete %d claims, %d dispatched effects, %d attempt counters\n", rep.Claims, rep.Effects, rep.Attempts)
+			fmt.Fprintf(w, "would delete %d claims, %d dispatched effects, %d attempt counters, %d expired idempotency keys\n", rep.Claims, rep.Effects, rep.Attempts, rep.Keys)
 		case rep.Skipped:
 			fmt.Fprintln(w, "another process is cleaning; nothing done")
 		default:
-			fmt.Fprintf(w, "deleted %d claims, %d dispatched effects, %d attempt counters in %d batches (audited as %s)\n",
-				rep.Claims, rep.Effects, rep.Attempts, rep.Batches, clean(g.actor))
+			fmt.Fprintf(w, "deleted %d claims, %d dispatched effects, %d attempt counters, %d expired idempotency keys in %d batches (audited as %s)\n",
+				rep.Claims, rep.Effects, rep.Attempts, rep.Keys, rep.Batches, clean(g.actor))
 		}
 	})
 }

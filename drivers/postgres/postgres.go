@@ -197,6 +197,7 @@ func queries(n store.Names, deleteDispatched bool) store.Queries {
 				WHERE e.source_consumer = p.consumer AND e.source_id = p.message_id AND e.dispatched_at IS NULL)`
 	cleanupEffects := `SELECT id FROM ` + n.Dispatched + ` WHERE dispatched_at < now() - ` + ms("$1")
 	cleanupAttempts := `SELECT consumer, message_id FROM ` + n.Attempts + ` WHERE last_failed_at < now() - ` + ms("$1")
+	cleanupKeys := `SELECT scope, key FROM ` + n.Idempotency + ` WHERE expires_at < now() - ` + ms("$1")
 	moveClaims := `UPDATE ` + n.Processed + ` p SET dispatched_at = now()
 				FROM (SELECT DISTINCT source_consumer, source_id FROM m) s
 				WHERE p.consumer = s.source_consumer AND p.message_id = s.source_id`
@@ -360,8 +361,8 @@ func queries(n store.Names, deleteDispatched bool) store.Queries {
 
 		// Expired keys only: each carries its expiry, written at its claim. $1 is the cleanup's
 		// retention argument, zero for keys.
-		CleanupKeys: `DELETE FROM ` + n.Idempotency + ` WHERE (scope, key) IN (
-			SELECT scope, key FROM ` + n.Idempotency + ` WHERE expires_at < now() - ` + ms("$1") + ` LIMIT $2)`,
+		CleanupKeys:      `DELETE FROM ` + n.Idempotency + ` WHERE (scope, key) IN (` + cleanupKeys + ` LIMIT $2)`,
+		CleanupKeysCount: `SELECT count(*) FROM (` + cleanupKeys + `) s`,
 
 		// A key's lock is a transaction-level advisory lock on the 64-bit hash of its name
 		// (seeded with the class of the framework's locks): held from the claim to the end of the

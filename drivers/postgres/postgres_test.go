@@ -66,8 +66,8 @@ func TestMigrateIsIdempotentAndSafeConcurrently(t *testing.T) {
 	if err := db.QueryRow(`SELECT count(*) FROM pg_tables WHERE schemaname = 'billing' AND tablename LIKE 'ob\_%'`).Scan(&n); err != nil {
 		t.Fatal(err)
 	}
-	if n != 7 {
-		t.Fatalf("tables in billing: %d, want 7", n)
+	if n != 8 {
+		t.Fatalf("tables in billing: %d, want 8", n)
 	}
 	if err := db.QueryRow(`SELECT count(*) FROM pg_tables WHERE schemaname = 'public'`).Scan(&n); err != nil {
 		t.Fatal(err)

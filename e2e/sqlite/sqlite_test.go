@@ -515,3 +515,14 @@ type nopPublisher struct{}
 
 func (nopPublisher) Publish(string, ...*message.Message) error { return nil }
 func (nopPublisher) Close() error                              { return nil }
+
+// SQLite keeps no idempotency keys: a keyed InTx is refused before anything runs.
+func TestKeyedInTxIsRefused(t *testing.T) {
+	e := newEnv(t)
+	ran := false
+	ctx := outbox.WithIdempotencyKey(context.Background(), "orders", "k")
+	err := e.newOutbox().InTx(ctx, func(context.Context, *sql.Tx) error { ran = true; return nil })
+	if !errors.Is(err, outbox.ErrIdempotencyUnsupported) || ran {
+		t.Fatalf("keyed InTx on SQLite: %v (fn ran: %v), want ErrIdempotencyUnsupported", err, ran)
+	}
+}
