@@ -11,8 +11,10 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5"
 
 	"github.com/watermill-outbox/outbox"
+	"github.com/watermill-outbox/outbox/drivers/outboxpgx"
 	"github.com/watermill-outbox/outbox/drivers/postgres"
 	"github.com/watermill-outbox/outbox/internal/logtest"
 	"github.com/watermill-outbox/outbox/ops"
@@ -106,5 +108,25 @@ func TestLeastPrivilegedRole(t *testing.T) {
 	var audited int
 	if err := owner.QueryRow(ctx, `SELECT count(*) FROM outbox_audit WHERE action = 'replay-poisoned' AND actor = 'alice'`).Scan(&audited); err != nil || audited != 1 {
 		t.Errorf("the replay's audit entry: %d (%v), want 1", audited, err)
+	}
+
+	// A keyed unit of work claims its key, stores its result and replays it with the
+	// application's grants; the cleanup deletes expired keys with them.
+	keyed := outbox.WithIdempotencyKey(ctx, "orders", "k1")
+	for range 2 {
+		if err := outboxpgx.InTx(keyed, ob, func(ctx context.Context, tx pgx.Tx) error {
+			return outbox.SetResult(ctx, []byte("done"))
+		}); err != nil {
+			t.Fatalf("keyed InTx as the application role: %v", err)
+		}
+	}
+	if res, rep := outbox.IdempotencyResult(keyed); !rep || string(res) != "done" {
+		t.Errorf("keyed retry as the application role: %q replayed %v", res, rep)
+	}
+	if _, err := owner.Exec(ctx, `UPDATE outbox_idempotency SET expires_at = now() - interval '1 second'`); err != nil {
+		t.Fatal(err)
+	}
+	if res, err := ob.Cleanup(ctx); err != nil || res.Keys != 1 {
+		t.Errorf("cleanup of an expired key as the application role: %+v, %v", res, err)
 	}
 }
