@@ -1,0 +1,336 @@
+package idempotency
+
+import (
+	"bytes"
+	"context"
+	"crypto/sha256"
+	"encoding/binary"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"slices"
+	"strconv"
+	"unicode/utf8"
+
+	"github.com/watermill-outbox/outbox"
+)
+
+// DefaultHeader is the request header that carries the key.
+const DefaultHeader = "Idempotency-Key"
+
+// ReplayedHeader is set to "true" on a response replayed from a stored one.
+const ReplayedHeader = "Idempotent-Replayed"
+
+// Config configures the middleware.
+type Config struct {
+	// Outbox runs the units of work. Required.
+	Outbox *outbox.Outbox
+	// Header is the request header that carries the key. Default: DefaultHeader.
+	Header string
+	// Scope returns the scope of a request's key: keys are unique within a scope. Scope keys per
+	// client (the authenticated account) so that two clients cannot meet on one key. Default:
+	// "http" for every request.
+	Scope func(r *http.Request) string
+	// Methods are the methods whose requests run in a unit of work, keyed when the header is
+	// set. Others pass through untouched. Default: POST and PATCH.
+	Methods []string
+	// Required makes a request of Methods without the header fail with 400 Bad Request.
+	// Default: false (it runs in a unit of work without a key).
+	Required bool
+	// StoredHeaders are the response headers stored with the status and body and returned to a
+	// retry. Default: Content-Type, Content-Language, Location, ETag, Last-Modified.
+	StoredHeaders []string
+	// MaxResponseBytes bounds the response body stored with a key (and buffered until the commit).
+	// A handler that writes more is rolled back and the client gets 500 Internal Server Error
+	// saying so. Default: 1 MiB; it must not exceed the Outbox's MaxPayloadBytes.
+	MaxResponseBytes int
+	// MaxRequestBytes bounds the request body read to fingerprint a keyed request; a larger one
+	// gets 413 Content Too Large without running. Default: 1 MiB.
+	MaxRequestBytes int64
+	// Fingerprint returns the fingerprint of a keyed request, body its body. A key sent again
+	// with another fingerprint gets 422 Unprocessable Content. Default: SHA-256 of the method,
+	// the path and query, and the body.
+	Fingerprint func(r *http.Request, body []byte) []byte
+	// Wait makes a retry that comes while the first request with its key still runs wait for
+	// its outcome (up to the Outbox's HandlerTimeout, or until the client goes) and get its
+	// response. Default: false (409 Conflict at once, as the draft specifies).
+	Wait bool
+	// Commit tells whether a response with status commits the unit of work (and is stored with
+	// the key). Default: status below 500: a server error rolls back, and a retry runs again.
+	Commit func(status int) bool
+	// OnError, when set, is told of the errors that end a request with 500 (a failed commit, a
+	// response too large to store).
+	OnError func(r *http.Request, err error)
+}
+
+func (c *Config) setDefaults() {
+	if c.Header == "" {
+		c.Header = DefaultHeader
+	}
+	if c.Scope == nil {
+		c.Scope = func(*http.Request) string { return "http" }
+	}
+	if len(c.Methods) == 0 {
+		c.Methods = []string{http.MethodPost, http.MethodPatch}
+	}
+	if c.StoredHeaders == nil {
+		c.StoredHeaders = []string{"Content-Type", "Content-Language", "Location", "ETag", "Last-Modified"}
+	}
+	if c.MaxResponseBytes == 0 {
+		c.MaxResponseBytes = 1 << 20
+	}
+	if c.MaxRequestBytes == 0 {
+		c.MaxRequestBytes = 1 << 20
+	}
+	if c.Fingerprint == nil {
+		c.Fingerprint = DefaultFingerprint
+	}
+	if c.Commit == nil {
+		c.Commit = func(status int) bool { return status < 500 }
+	}
+}
+
+// Validate returns an error for a configuration the middleware cannot run with.
+func (c Config) Validate() error {
+	var errs []error
+	if c.Outbox == nil {
+		errs = append(errs, errors.New("Outbox is required"))
+	}
+	if c.MaxResponseBytes < 0 || c.MaxRequestBytes < 0 {
+		errs = append(errs, errors.New("MaxResponseBytes and MaxRequestBytes must not be negative"))
+	}
+	return errors.Join(errs...)
+}
+
+// DefaultFingerprint is the SHA-256 of the request's method, path and query, and body, each
+// prefixed with its length.
+func DefaultFingerprint(r *http.Request, body []byte) []byte {
+	h := sha256.New()
+	for _, part := range [][]byte{[]byte(r.Method), []byte(r.URL.RequestURI()), body} {
+		var n [8]byte
+		binary.BigEndian.PutUint64(n[:], uint64(len(part)))
+		h.Write(n[:])
+		h.Write(part)
+	}
+	return h.Sum(nil)
+}
+
+// New returns the middleware. The wrapped handler of a request of Config.Methods runs inside a
+// unit of work of Config.Outbox: it writes through outbox.Tx(r.Context()) (outboxpgx.Tx with the
+// pgx form) and records side effects with outbox.Publish, and must not call InTx itself. Its
+// response is buffered and sent once the unit committed (a response of a unit that could not
+// commit is never sent: the client gets 500).
+func New(cfg Config) (func(http.Handler) http.Handler, error) {
+	cfg.setDefaults()
+	if err := cfg.Validate(); err != nil {
+		return nil, fmt.Errorf("idempotency: %w", err)
+	}
+	return func(next http.Handler) http.Handler {
+		return &middleware{cfg: cfg, next: next}
+	}, nil
+}
+
+type middleware struct {
+	cfg  Config
+	next http.Handler
+}
+
+// stored is a response as it is stored with its key.
+type stored struct {
+	Status int         `json:"status"`
+	Header http.Header `json:"header,omitempty"`
+	Body   []byte      `json:"body,omitempty"`
+}
+
+// errTooLarge is returned by the unit of work whose response exceeded MaxResponseBytes.
+var errTooLarge = errors.New("idempotency: response too large to store")
+
+// notCommitted carries a response that Config.Commit refused: the unit rolled back.
+type notCommitted struct{ status int }
+
+func (e *notCommitted) Error() string {
+	return "idempotency: response status " + strconv.Itoa(e.status) + " rolls the unit of work back"
+}
+
+func (m *middleware) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	if !slices.Contains(m.cfg.Methods, r.Method) {
+		m.next.ServeHTTP(w, r)
+		return
+	}
+	ctx := r.Context()
+	key, keyed := r.Header[http.CanonicalHeaderKey(m.cfg.Header)]
+	switch {
+	case !keyed && m.cfg.Required:
+		problem(w, http.StatusBadRequest, "Idempotency key required", "This request needs an "+m.cfg.Header+" header.")
+		return
+	case keyed && (len(key) != 1 || !validKey(key[0])):
+		problem(w, http.StatusBadRequest, "Invalid idempotency key",
+			"The "+m.cfg.Header+" header must appear once, with 1 to 255 printable characters.")
+		return
+	case keyed:
+		body, err := io.ReadAll(io.LimitReader(r.Body, m.cfg.MaxRequestBytes+1))
+		if err != nil {
+			problem(w, http.StatusBadRequest, "Unreadable request body", err.Error())
+			return
+		}
+		if int64(len(body)) > m.cfg.MaxRequestBytes {
+			problem(w, http.StatusRequestEntityTooLarge, "Request too large",
+				fmt.Sprintf("A request with an idempotency key may carry at most %d bytes.", m.cfg.MaxRequestBytes))
+			return
+		}
+		r.Body = io.NopCloser(bytes.NewReader(body))
+		opts := []outbox.KeyOption{outbox.Fingerprint(m.cfg.Fingerprint(r, body))}
+		if m.cfg.Wait {
+			opts = append(opts, outbox.WaitInFlight())
+		}
+		ctx = outbox.WithIdempotencyKey(ctx, m.cfg.Scope(r), key[0], opts...)
+	}
+
+	rec := &recorder{header: http.Header{}, limit: m.cfg.MaxResponseBytes}
+	err := m.cfg.Outbox.InUnit(ctx, func(ctx context.Context) error {
+		m.next.ServeHTTP(rec, r.WithContext(ctx))
+		if rec.overflow {
+			return fmt.Errorf("%w: the handler wrote more than %d bytes (Config.MaxResponseBytes)", errTooLarge, m.cfg.MaxResponseBytes)
+		}
+		if !m.cfg.Commit(rec.code()) {
+			return &notCommitted{status: rec.code()}
+		}
+		if !keyed {
+			return nil
+		}
+		resp, err := json.Marshal(stored{Status: rec.code(), Header: pick(rec.header, m.cfg.StoredHeaders), Body: rec.body.Bytes()})
+		if err != nil {
+			return err
+		}
+		return outbox.SetResult(ctx, resp)
+	})
+	var nc *notCommitted
+	switch {
+	case err == nil:
+	case errors.As(err, &nc):
+		rec.send(w, false) // the handler's own error response, not stored
+		return
+	case errors.Is(err, outbox.ErrIdempotencyInFlight):
+		w.Header().Set("Retry-After", "1")
+		problem(w, http.StatusConflict, "Request in progress",
+			"A request with this idempotency key is still being processed; retry later.")
+		return
+	case errors.Is(err, outbox.ErrIdempotencyMismatch):
+		problem(w, http.StatusUnprocessableEntity, "Idempotency key reused",
+			"This idempotency key was used for a different request.")
+		return
+	case errors.Is(err, outbox.ErrInvalidIdempotencyKey):
+		problem(w, http.StatusBadRequest, "Invalid idempotency key", err.Error())
+		return
+	case errors.Is(err, errTooLarge):
+		m.failed(r, err)
+		problem(w, http.StatusInternalServerError, "Response too large to store",
+			fmt.Sprintf("The response exceeded the %d bytes stored with an idempotency key; nothing was done.", m.cfg.MaxResponseBytes))
+		return
+	default:
+		m.failed(r, err)
+		problem(w, http.StatusInternalServerError, "Request failed", "The request could not be completed; nothing was done.")
+		return
+	}
+	if !keyed {
+		rec.send(w, false)
+		return
+	}
+	res, replayed := outbox.IdempotencyResult(ctx)
+	if !replayed {
+		rec.send(w, false)
+		return
+	}
+	var s stored
+	if err := json.Unmarshal(res, &s); err != nil {
+		m.failed(r, fmt.Errorf("idempotency: the stored response of key %q is unreadable: %w", key[0], err))
+		problem(w, http.StatusInternalServerError, "Stored response unreadable", "The response stored with this idempotency key cannot be read.")
+		return
+	}
+	(&recorder{header: s.Header, status: s.Status, body: *bytes.NewBuffer(s.Body)}).send(w, true)
+}
+
+func (m *middleware) failed(r *http.Request, err error) {
+	if m.cfg.OnError != nil {
+		m.cfg.OnError(r, err)
+	}
+}
+
+// validKey accepts 1 to 255 bytes of printable ASCII, as the draft's sf-string allows.
+func validKey(k string) bool {
+	if k == "" || len(k) > 255 || !utf8.ValidString(k) {
+		return false
+	}
+	for i := 0; i < len(k); i++ {
+		if k[i] < 0x20 || k[i] > 0x7e {
+			return false
+		}
+	}
+	return true
+}
+
+func pick(h http.Header, names []string) http.Header {
+	out := http.Header{}
+	for _, n := range names {
+		if v := h.Values(n); len(v) > 0 {
+			out[http.CanonicalHeaderKey(n)] = slices.Clone(v)
+		}
+	}
+	return out
+}
+
+// problem writes an RFC 9457 problem details response.
+func problem(w http.ResponseWriter, status int, title, detail string) {
+	body, _ := json.Marshal(map[string]any{"type": "about:blank", "title": title, "status": status, "detail": detail})
+	w.Header().Set("Content-Type", "application/problem+json")
+	w.WriteHeader(status)
+	_, _ = w.Write(body)
+}
+
+// recorder buffers a response until the unit of work's outcome is known.
+type recorder struct {
+	header  http.Header
+	status  int
+	body    bytes.Buffer
+	limit   int
+	written bool
+	// overflow: the handler wrote more than limit bytes; what it wrote past it was dropped.
+	overflow bool
+}
+
+func (r *recorder) Header() http.Header { return r.header }
+
+func (r *recorder) WriteHeader(status int) {
+	if !r.written {
+		r.status, r.written = status, true
+	}
+}
+
+func (r *recorder) Write(p []byte) (int, error) {
+	r.WriteHeader(http.StatusOK)
+	if r.body.Len()+len(p) > r.limit {
+		r.overflow = true
+		return 0, errTooLarge
+	}
+	return r.body.Write(p)
+}
+
+func (r *recorder) code() int {
+	if r.status == 0 {
+		return http.StatusOK
+	}
+	return r.status
+}
+
+func (r *recorder) send(w http.ResponseWriter, replayed bool) {
+	for k, v := range r.header {
+		w.Header()[k] = v
+	}
+	if replayed {
+		w.Header().Set(ReplayedHeader, "true")
+	}
+	w.WriteHeader(r.code())
+	_, _ = w.Write(r.body.Bytes())
+}

@@ -1,0 +1,234 @@
+package idempotency_test
+
+import (
+	"context"
+	"database/sql"
+	"fmt"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/watermill-outbox/outbox"
+	"github.com/watermill-outbox/outbox/drivers/postgres"
+	"github.com/watermill-outbox/outbox/idempotency"
+	"github.com/watermill-outbox/outbox/internal/pgtest"
+	"github.com/watermill-outbox/outbox/outboxtest"
+)
+
+func TestMain(m *testing.M) { os.Exit(pgtest.Run(m)) }
+
+type fixture struct {
+	t     *testing.T
+	db    *sql.DB
+	rec   *outboxtest.Recorder
+	runs  atomic.Int32
+	delay time.Duration
+	srv   *httptest.Server
+}
+
+// newFixture serves POST /orders, which places an order (a row and an event) and answers 201
+// with its Location; "fail" in the body answers 503, "big" writes more than the bound.
+func newFixture(t *testing.T, mutate func(*idempotency.Config)) *fixture {
+	f := &fixture{t: t, db: pgtest.DB(t), rec: &outboxtest.Recorder{}}
+	ob, err := outbox.New(outbox.Config{DB: f.db, Driver: postgres.Driver{}, Publisher: f.rec})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	if err := ob.Migrate(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := f.db.Exec(`CREATE TABLE orders (id serial PRIMARY KEY, body text NOT NULL)`); err != nil {
+		t.Fatal(err)
+	}
+	cfg := idempotency.Config{Outbox: ob, MaxResponseBytes: 1000, OnError: func(_ *http.Request, err error) { t.Logf("500: %v", err) }}
+	if mutate != nil {
+		mutate(&cfg)
+	}
+	mw, err := idempotency.New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	mux := http.NewServeMux()
+	mux.HandleFunc("POST /orders", func(w http.ResponseWriter, r *http.Request) {
+		f.runs.Add(1)
+		time.Sleep(f.delay)
+		body, _ := io.ReadAll(r.Body)
+		ctx := r.Context()
+		if strings.Contains(string(body), "fail") {
+			http.Error(w, "payment service unavailable", http.StatusServiceUnavailable)
+			return
+		}
+		var id int
+		if err := outbox.Tx(ctx).QueryRowContext(ctx, `INSERT INTO orders (body) VALUES ($1) RETURNING id`, string(body)).Scan(&id); err != nil {
+			http.Error(w, err.Error(), http.StatusInternalServerError)
+			return
+		}
+		if err := outbox.Publish(ctx, "orders", outbox.NewMessage(ctx, body)); err != nil {
+			http.Error(w, err.Error(), http.StatusInternalServerError)
+			return
+		}
+		w.Header().Set("Location", fmt.Sprintf("/orders/%d", id))
+		w.Header().Set("Content-Type", "application/json")
+		w.Header().Set("X-Not-Stored", "1")
+		w.WriteHeader(http.StatusCreated)
+		if strings.Contains(string(body), "big") {
+			_, _ = w.Write([]byte(strings.Repeat("x", 2000)))
+			return
+		}
+		_, _ = fmt.Fprintf(w, `{"id":%d}`, id)
+	})
+	f.srv = httptest.NewServer(mw(mux))
+	t.Cleanup(f.srv.Close)
+	return f
+}
+
+type response struct {
+	status int
+	header http.Header
+	body   string
+}
+
+func (f *fixture) post(key, body string) response {
+	f.t.Helper()
+	req, err := http.NewRequest(http.MethodPost, f.srv.URL+"/orders", strings.NewReader(body))
+	if err != nil {
+		f.t.Fatal(err)
+	}
+	if key != "" {
+		req.Header.Set("Idempotency-Key", key)
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		f.t.Error(err)
+		return response{}
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return response{status: resp.StatusCode, header: resp.Header, body: string(b)}
+}
+
+func (f *fixture) orders() int {
+	var n int
+	if err := f.db.QueryRow(`SELECT count(*) FROM orders`).Scan(&n); err != nil {
+		f.t.Fatal(err)
+	}
+	return n
+}
+
+// A retried POST gets the first response (status, stored headers, body) and places one order; a
+// key reused with another body gets 422; a new key places another.
+func TestRetryGetsTheFirstResponse(t *testing.T) {
+	f := newFixture(t, nil)
+	first := f.post("k1", `{"sku":"a"}`)
+	if first.status != http.StatusCreated || first.header.Get("Location") != "/orders/1" || first.header.Get(idempotency.ReplayedHeader) != "" {
+		t.Fatalf("first: %+v", first)
+	}
+	retry := f.post("k1", `{"sku":"a"}`)
+	if retry.status != http.StatusCreated || retry.body != first.body || retry.header.Get("Location") != "/orders/1" ||
+		retry.header.Get("Content-Type") != "application/json" || retry.header.Get(idempotency.ReplayedHeader) != "true" {
+		t.Fatalf("retry: %+v, want the first response %+v, replayed", retry, first)
+	}
+	if retry.header.Get("X-Not-Stored") != "" {
+		t.Errorf("a header not in StoredHeaders was replayed")
+	}
+	if f.runs.Load() != 1 || f.orders() != 1 || len(f.rec.All()) != 1 {
+		t.Fatalf("handler ran %d times, %d orders, %d events; want 1 each", f.runs.Load(), f.orders(), len(f.rec.All()))
+	}
+	if r := f.post("k1", `{"sku":"b"}`); r.status != http.StatusUnprocessableEntity || !strings.Contains(r.header.Get("Content-Type"), "problem+json") {
+		t.Fatalf("key reused with another body: %+v", r)
+	}
+	if r := f.post("k2", `{"sku":"b"}`); r.status != http.StatusCreated || r.header.Get("Location") != "/orders/2" {
+		t.Fatalf("another key: %+v", r)
+	}
+	if f.orders() != 2 {
+		t.Fatalf("orders %d, want 2", f.orders())
+	}
+}
+
+// While the first request with a key runs, a retry gets 409 with Retry-After; with Wait it
+// waits and gets the first response. The handler runs once either way.
+func TestRetryWhileInFlight(t *testing.T) {
+	for _, wait := range []bool{false, true} {
+		t.Run(fmt.Sprintf("wait=%v", wait), func(t *testing.T) {
+			f := newFixture(t, func(c *idempotency.Config) { c.Wait = wait })
+			f.delay = 300 * time.Millisecond
+			var wg sync.WaitGroup
+			results := make([]response, 8)
+			for i := range results {
+				wg.Add(1)
+				go func() {
+					defer wg.Done()
+					if i > 0 {
+						time.Sleep(100 * time.Millisecond) // the first is running
+					}
+					results[i] = f.post("k", `{"sku":"a"}`)
+				}()
+			}
+			wg.Wait()
+			created, conflicts := 0, 0
+			for _, r := range results {
+				switch r.status {
+				case http.StatusCreated:
+					created++
+				case http.StatusConflict:
+					conflicts++
+					if r.header.Get("Retry-After") == "" {
+						t.Errorf("409 without Retry-After")
+					}
+				default:
+					t.Errorf("response %+v", r)
+				}
+			}
+			if f.runs.Load() != 1 || f.orders() != 1 {
+				t.Fatalf("handler ran %d times, %d orders; want 1", f.runs.Load(), f.orders())
+			}
+			if wait && created != len(results) || !wait && (created != 1 || conflicts != len(results)-1) {
+				t.Fatalf("wait=%v: %d created, %d conflicts of %d", wait, created, conflicts, len(results))
+			}
+		})
+	}
+}
+
+// A server error rolls back and is not stored: the retry runs again. A response past the bound
+// rolls back and says so. A required key that is missing, or an invalid one, gets 400; GET
+// passes through.
+func TestFailuresBoundsAndMissingKeys(t *testing.T) {
+	f := newFixture(t, func(c *idempotency.Config) { c.Required = true; c.MaxRequestBytes = 100 })
+	if r := f.post("k-fail", `fail`); r.status != http.StatusServiceUnavailable || !strings.Contains(r.body, "payment service") {
+		t.Fatalf("failing handler: %+v", r)
+	}
+	if r := f.post("k-fail", `fail`); r.status != http.StatusServiceUnavailable || f.runs.Load() != 2 {
+		t.Fatalf("retry of a failed request: %+v after %d runs, want it run again", r, f.runs.Load())
+	}
+	r := f.post("k-big", `big`)
+	if r.status != http.StatusInternalServerError || !strings.Contains(r.body, "1000 bytes") || f.orders() != 0 {
+		t.Fatalf("response past the bound: %+v, %d orders (want 500 saying so, nothing committed)", r, f.orders())
+	}
+	if r := f.post("", `{"sku":"a"}`); r.status != http.StatusBadRequest || !strings.Contains(r.body, "Idempotency-Key") {
+		t.Fatalf("missing required key: %+v", r)
+	}
+	if r := f.post(strings.Repeat("k", 256), `{"sku":"a"}`); r.status != http.StatusBadRequest {
+		t.Fatalf("key too long: %+v", r)
+	}
+	if r := f.post("k-large", strings.Repeat("a", 101)); r.status != http.StatusRequestEntityTooLarge {
+		t.Fatalf("request past MaxRequestBytes: %+v", r)
+	}
+	resp, err := http.Get(f.srv.URL + "/orders")
+	if err != nil {
+		t.Fatal(err)
+	}
+	_ = resp.Body.Close()
+	if resp.StatusCode != http.StatusMethodNotAllowed {
+		t.Fatalf("GET: %d, want the mux's own 405", resp.StatusCode)
+	}
+	if f.orders() != 0 {
+		t.Fatalf("orders %d, want 0", f.orders())
+	}
+}
