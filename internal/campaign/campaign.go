@@ -54,6 +54,7 @@ var Scenarios = map[string]string{
 	"held-claim":  "a unit holds its transaction open while the relays sweep, its claim becomes visible later than the sweep's look-back behind its timestamp (simulated), and it crashes after commit",
 	"clock-step":  "the database clock runs 10 minutes ahead for a moment and steps back (simulated on the claims and the sweep's watermark)",
 	"relay-one":   "the final drain runs on one instance chosen at random, not on all",
+	"keyed":       "client requests with an idempotency key are retried through keyed boundary units of work (some attempts at once, waiting or not), with the deliveries' faults",
 }
 
 // Form is one way to build an instance of the framework.
@@ -215,6 +216,9 @@ func Run(t *testing.T, dsn string, o Options) {
 		if on[s] {
 			want = append(want, s)
 		}
+	}
+	if on["keyed"] {
+		want = append(want, "keyed replayed")
 	}
 	for _, w := range want {
 		if st.outcomes[w] == 0 {

@@ -26,12 +26,13 @@ func (c *run) pending() int {
 
 // effect is one committed side effect.
 type effect struct {
-	source  string // the message ID (one consumer)
-	seq     int
-	topic   string
-	uuid    string
-	payload string
-	where   string // "row", "dispatched" or "inline"
+	consumer string // empty for a boundary unit of work's (a keyed request's)
+	source   string // the message ID (one consumer), or the boundary unit's ID
+	seq      int
+	topic    string
+	uuid     string
+	payload  string
+	where    string // "row", "dispatched" or "inline"
 }
 
 func (e effect) String() string {
@@ -50,9 +51,8 @@ func (c *run) committed() []effect {
 	}
 	for rows.Next() {
 		var e effect
-		var cons string
 		var payload []byte
-		if err := rows.Scan(&cons, &e.source, &e.seq, &e.topic, &e.uuid, &payload, &e.where); err != nil {
+		if err := rows.Scan(&e.consumer, &e.source, &e.seq, &e.topic, &e.uuid, &payload, &e.where); err != nil {
 			t.Fatal(err)
 		}
 		e.payload = string(payload)
@@ -79,7 +79,7 @@ func (c *run) committed() []effect {
 			continue
 		}
 		for _, d := range effects {
-			out = append(out, effect{source: src.ID, seq: d.Seq, topic: d.Topic, uuid: d.UUID, payload: string(d.Payload), where: "inline"})
+			out = append(out, effect{consumer: src.Consumer, source: src.ID, seq: d.Seq, topic: d.Topic, uuid: d.UUID, payload: string(d.Payload), where: "inline"})
 		}
 	}
 	if err := rows.Err(); err != nil {
@@ -121,7 +121,7 @@ func (c *run) wire() []wireCopy {
 // change applied once (at most once for a message never acked), every committed effect sent on
 // its topic with exactly the UUID it committed with, nothing sent that did not commit, and the
 // effects of each message sent in the order they were recorded (their ordering key).
-func (c *run) check(specs []*spec, acked []atomic.Bool) {
+func (c *run) check(specs []*spec, acked []atomic.Bool, rqs []*request) {
 	t := c.t
 	// Bound the report: one defect can fail thousands of effects of a big unit.
 	reported := 0
@@ -170,7 +170,7 @@ func (c *run) check(specs []*spec, acked []atomic.Bool) {
 		byWire[wireKey{e.topic, e.uuid}] = e
 		byPayload[wireKey{e.topic, e.payload}] = e
 		bySource[e.source] = append(bySource[e.source], e)
-		if !strings.HasPrefix(e.payload, e.source+"/") {
+		if e.consumer != "" && !strings.HasPrefix(e.payload, e.source+"/") {
 			fail("effect %v committed under another message's source", e)
 		}
 		if strings.HasSuffix(e.payload, "/undone") {
@@ -192,6 +192,8 @@ func (c *run) check(specs []*spec, acked []atomic.Bool) {
 			fail("message %s committed %d effects, want %d", sp.id, len(got), len(want))
 		}
 	}
+
+	c.checkRequests(rqs, bySource)
 
 	// The wire: every copy is of a committed effect, on its topic, with its UUID; every committed
 	// effect has a copy.

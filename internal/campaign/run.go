@@ -222,6 +222,7 @@ func (c *run) do() bool {
 			s.concurrentAt, s.late, s.procs[:4], s.plans[:4])
 		scheds[i] = s
 	}
+	rqs := c.drawRequests(r)
 	if anyHeld || clockAt >= 0 {
 		relaysDuring = true // the sweep's watermark moves only while a relay runs
 	}
@@ -315,6 +316,10 @@ func (c *run) do() bool {
 			}
 		}()
 	}
+	for _, rq := range rqs {
+		wg.Add(1)
+		go func() { defer wg.Done(); c.send(rq) }()
+	}
 	wg.Wait()
 	clock.Wait()
 
@@ -336,7 +341,7 @@ func (c *run) do() bool {
 	for i, s := range scheds {
 		specs[i] = s.msg
 	}
-	c.check(specs, acked)
+	c.check(specs, acked, rqs)
 	if c.failed.Load() || *flagLog {
 		t.Logf("run %d (%s, seed %d) schedule:\n%s", c.n, c.dep.Name, c.seed, c.log.String())
 	}
