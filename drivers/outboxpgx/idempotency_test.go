@@ -181,3 +181,35 @@ func TestKeyedInTxCrashThenRetry(t *testing.T) {
 		}
 	}
 }
+
+// The UUIDs derived from the key are the same when the request runs again after its commit was
+// lost (the rows deleted, as a restore to before the commit would).
+func TestDerivedUUIDsEqualAcrossRerun(t *testing.T) {
+	for name, mode := range modes {
+		t.Run(name, func(t *testing.T) {
+			pool := openPool(t, outboxtest.DSN(t), 4, nil)
+			rec := &outboxtest.Recorder{}
+			ob := ready(t, pool, outbox.Config{Publisher: rec}, outboxpgx.WithConcurrency(mode))
+			var runs atomic.Int32
+			run := func() []string {
+				before := len(rec.All())
+				if err := outboxpgx.InTx(outbox.WithIdempotencyKey(context.Background(), "orders", "k"), ob, placeOrder(&runs, "o1")); err != nil {
+					t.Fatal(err)
+				}
+				var ids []string
+				for _, s := range rec.All()[before:] {
+					ids = append(ids, s.Message.UUID)
+				}
+				return ids
+			}
+			first := run()
+			if _, err := pool.Exec(context.Background(), `DELETE FROM applied; DELETE FROM outbox_idempotency`); err != nil {
+				t.Fatal(err)
+			}
+			second := run()
+			if runs.Load() != 2 || len(first) != 2 || !slices.Equal(first, second) || first[0] == first[1] {
+				t.Fatalf("UUIDs %v, then %v after the lost commit (%d runs); want two distinct, equal across runs", first, second, runs.Load())
+			}
+		})
+	}
+}
