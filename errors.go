@@ -75,7 +75,9 @@ var (
 	// contains NUL, or the key is empty.
 	ErrInvalidIdempotencyKey = errors.New("outbox: invalid idempotency key")
 	// ErrIdempotencyUnsupported is returned by InTx for a keyed unit of work when the driver
-	// keeps no idempotency keys (SQLite), or for a joined transaction (JoinTx).
+	// keeps no idempotency keys (a Store that implements neither outboxdriver.KeyStore nor
+	// KeyedUnitTx), and by JoinUnit for a context with a key (a joined transaction was begun
+	// before the key could be claimed in it).
 	ErrIdempotencyUnsupported = outboxdriver.ErrKeysUnsupported
 	// ErrCommitOutcomeUnknown means the COMMIT failed in flight (the connection was lost): the
 	// message may or may not have been processed. It is nacked without counting an attempt; the

@@ -59,6 +59,7 @@ var (
 	// ErrKeyInFlight means another transaction holds an uncommitted claim of the key: the first
 	// request with the key is still running.
 	ErrKeyInFlight = errors.New("outbox: a request with this idempotency key is still in flight")
-	// ErrKeysUnsupported means the store keeps no idempotency keys (the SQLite driver).
+	// ErrKeysUnsupported means the store keeps no idempotency keys (its dialect has no statements
+	// for them).
 	ErrKeysUnsupported = errors.New("outbox: the driver keeps no idempotency keys")
 )

@@ -126,6 +126,7 @@ func queries(n store.Names) store.Queries {
 				WHERE e.source_consumer = p.consumer AND e.source_id = p.message_id AND e.dispatched_at IS NULL)`
 	cleanupEffects := `SELECT id FROM ` + n.Effects + ` WHERE dispatched_at < ` + ago("?1")
 	cleanupAttempts := `SELECT consumer, message_id FROM ` + n.Attempts + ` WHERE last_failed_at < ` + ago("?1")
+	cleanupKeys := `SELECT scope, key FROM ` + n.Idempotency + ` WHERE expires_at < ` + ago("?1")
 	return store.Queries{
 		MessageClaim: `INSERT INTO ` + n.Processed + ` (consumer, message_id, dispatched_at) VALUES (?1, ?2, ` + now + `)
 			ON CONFLICT (consumer, message_id) DO NOTHING RETURNING 1`,
@@ -216,6 +217,21 @@ func queries(n store.Names) store.Queries {
 		CleanupClaimsCount:   `SELECT count(*) FROM (` + cleanupClaims + `)`,
 		CleanupEffectsCount:  `SELECT count(*) FROM (` + cleanupEffects + `)`,
 		CleanupAttemptsCount: `SELECT count(*) FROM (` + cleanupAttempts + `)`,
+		CleanupKeys:          `DELETE FROM ` + n.Idempotency + ` WHERE (scope, key) IN (` + cleanupKeys + ` LIMIT ?2)`,
+		CleanupKeysCount:     `SELECT count(*) FROM (` + cleanupKeys + `)`,
+
+		// Every write transaction begins IMMEDIATE (DSNParams), holding the database's one write
+		// lock: a unit with a key the first request still holds waits at its BEGIN for that
+		// outcome, within busy_timeout, whether it asked to wait or not, and its key's lock is
+		// already held when it asks.
+		KeyLock: `SELECT coalesce(?1, ?2, 1) IS NOT NULL`,
+		KeyClaim: `INSERT INTO ` + n.Idempotency + ` (scope, key, fingerprint, expires_at) VALUES (?1, ?2, ?3, ` + fromNow("?4") + `)
+			ON CONFLICT (scope, key) DO UPDATE SET fingerprint = excluded.fingerprint, result = x'',
+				created_at = ` + now + `, expires_at = excluded.expires_at
+			WHERE expires_at <= ` + now + `
+			RETURNING 1`,
+		KeyRead: `SELECT fingerprint, result FROM ` + n.Idempotency + ` WHERE scope = ?1 AND key = ?2`,
+		KeySave: `UPDATE ` + n.Idempotency + ` SET result = ?3 WHERE scope = ?1 AND key = ?2`,
 
 		SchemaLatest: `SELECT max(version) FROM ` + n.Migrations,
 

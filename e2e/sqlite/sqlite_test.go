@@ -516,13 +516,43 @@ type nopPublisher struct{}
 func (nopPublisher) Publish(string, ...*message.Message) error { return nil }
 func (nopPublisher) Close() error                              { return nil }
 
-// SQLite keeps no idempotency keys: a keyed InTx is refused before anything runs.
-func TestKeyedInTxIsRefused(t *testing.T) {
+// A keyed InTx on SQLite: a retry gets the stored result without running, another request
+// with the key is refused, and clients retrying at once wait for the first (writes serialize).
+func TestKeyedInTx(t *testing.T) {
 	e := newEnv(t)
-	ran := false
-	ctx := outbox.WithIdempotencyKey(context.Background(), "orders", "k")
-	err := e.newOutbox().InTx(ctx, func(context.Context, *sql.Tx) error { ran = true; return nil })
-	if !errors.Is(err, outbox.ErrIdempotencyUnsupported) || ran {
-		t.Fatalf("keyed InTx on SQLite: %v (fn ran: %v), want ErrIdempotencyUnsupported", err, ran)
+	ob := e.newOutbox()
+	var runs atomic.Int32
+	place := func(ctx context.Context, tx *sql.Tx) error {
+		runs.Add(1)
+		if _, err := tx.ExecContext(ctx, `INSERT INTO reserved (message_id) VALUES (?)`, "order-1"); err != nil {
+			return err
+		}
+		if err := outbox.Publish(ctx, topic, outbox.NewMessage(ctx, []byte("placed"))); err != nil {
+			return err
+		}
+		return outbox.SetResult(ctx, []byte("order-1 placed"))
+	}
+	var wg sync.WaitGroup
+	for range 8 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			ctx := outbox.WithIdempotencyKey(context.Background(), "orders", "k", outbox.Fingerprint([]byte("a")))
+			if err := ob.InTx(ctx, place); err != nil {
+				t.Errorf("keyed InTx: %v", err)
+				return
+			}
+			if res, _ := outbox.IdempotencyResult(ctx); string(res) != "order-1 placed" {
+				t.Errorf("result %q", res)
+			}
+		}()
+	}
+	wg.Wait()
+	if runs.Load() != 1 || e.count(`SELECT count(*) FROM reserved`) != 1 {
+		t.Fatalf("fn ran %d times, %d rows; want once", runs.Load(), e.count(`SELECT count(*) FROM reserved`))
+	}
+	other := outbox.WithIdempotencyKey(context.Background(), "orders", "k", outbox.Fingerprint([]byte("b")))
+	if err := ob.InTx(other, place); !errors.Is(err, outbox.ErrIdempotencyMismatch) {
+		t.Fatalf("key reused with another request: %v", err)
 	}
 }
