@@ -1,14 +1,17 @@
 package main
 
 import (
+	"bytes"
 	"context"
 	"crypto/rand"
+	"crypto/sha256"
 	"crypto/subtle"
 	"database/sql"
 	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
 	"net/http"
 	"net/mail"
@@ -87,9 +90,19 @@ var errUnknownSKU = errors.New("unknown sku")
 // exist or neither does. The event is published right after the commit; if that fails, or the
 // process dies first, the outbox relay publishes it later. The client gets 201 only once both
 // are durable.
+//
+// A request with an Idempotency-Key header is a keyed unit of work: the key is claimed in the
+// same transaction, with the response, so a client that retries (its connection dropped before
+// the 201 arrived) gets the first response back, marked Idempotent-Replayed, and places no second
+// order. A retry while the first request still runs gets 409; the key sent with another body, 422.
 func (a *api) placeOrder(w http.ResponseWriter, r *http.Request) {
 	var req placeOrderRequest
-	dec := json.NewDecoder(http.MaxBytesReader(w, r.Body, 64<<10))
+	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, 64<<10))
+	if err != nil {
+		writeError(w, http.StatusBadRequest, fmt.Sprintf("invalid request body: %v", err))
+		return
+	}
+	dec := json.NewDecoder(bytes.NewReader(body))
 	dec.DisallowUnknownFields()
 	if err := dec.Decode(&req); err != nil {
 		writeError(w, http.StatusBadRequest, fmt.Sprintf("invalid request body: %v", err))
@@ -99,12 +112,22 @@ func (a *api) placeOrder(w http.ResponseWriter, r *http.Request) {
 		writeError(w, http.StatusUnprocessableEntity, err.Error())
 		return
 	}
+	ctx, key := r.Context(), r.Header.Get("Idempotency-Key")
+	if _, sent := r.Header["Idempotency-Key"]; sent {
+		if key == "" || len(key) > 255 {
+			writeError(w, http.StatusBadRequest, "Idempotency-Key must have 1 to 255 characters")
+			return
+		}
+		// The fingerprint is the body: the key sent again with another order is refused.
+		fp := sha256.Sum256(body)
+		ctx = outbox.WithIdempotencyKey(ctx, "orders", key, outbox.Fingerprint(fp[:]))
+	}
 	now := time.Now().UTC()
 	order := Order{
 		ID: watermill.NewUUID(), Customer: req.Customer, SKU: req.SKU, Quantity: req.Quantity,
 		Status: "pending", CreatedAt: now, UpdatedAt: now, History: []HistoryEntry{},
 	}
-	err := a.ob.InTx(r.Context(), func(ctx context.Context, tx *sql.Tx) error {
+	err = a.ob.InTx(ctx, func(ctx context.Context, tx *sql.Tx) error {
 		var price int64
 		err := tx.QueryRowContext(ctx, `SELECT price_cents FROM products WHERE sku = $1`, req.SKU).Scan(&price)
 		if errors.Is(err, sql.ErrNoRows) {
@@ -122,18 +145,41 @@ func (a *api) placeOrder(w http.ResponseWriter, r *http.Request) {
 		// that the framework copies onto every message caused by this one, all the way down.
 		ctx = outbox.WithOrderingKey(ctx, order.ID)
 		ctx = outbox.WithMetadata(ctx, outbox.MetadataCorrelationID, order.ID)
-		return publishEvent(ctx, topicOrderPlaced, OrderPlaced{
+		if err := publishEvent(ctx, topicOrderPlaced, OrderPlaced{
 			OrderID: order.ID, Customer: order.Customer, SKU: order.SKU, Quantity: order.Quantity, AmountCents: order.AmountCents,
-		})
+		}); err != nil || key == "" {
+			return err
+		}
+		resp, err := json.Marshal(order)
+		if err != nil {
+			return err
+		}
+		return outbox.SetResult(ctx, resp) // the response a retry with the key gets
 	})
 	switch {
 	case errors.Is(err, errUnknownSKU):
 		writeError(w, http.StatusUnprocessableEntity, "unknown sku "+req.SKU)
 		return
+	case errors.Is(err, outbox.ErrIdempotencyInFlight):
+		w.Header().Set("Retry-After", "1")
+		writeError(w, http.StatusConflict, "a request with this Idempotency-Key is still being processed")
+		return
+	case errors.Is(err, outbox.ErrIdempotencyMismatch):
+		writeError(w, http.StatusUnprocessableEntity, "this Idempotency-Key was used for another request")
+		return
 	case err != nil:
 		slog.Error("place order", "error", err)
 		writeError(w, http.StatusInternalServerError, "could not place the order, try again")
 		return
+	}
+	if stored, replayed := outbox.IdempotencyResult(ctx); replayed {
+		// The order placed by the first request with the key, as it was answered then.
+		if err := json.Unmarshal(stored, &order); err != nil {
+			slog.Error("place order: the stored response is unreadable", "error", err)
+			writeError(w, http.StatusInternalServerError, "could not read the order placed with this Idempotency-Key")
+			return
+		}
+		w.Header().Set("Idempotent-Replayed", "true")
 	}
 	w.Header().Set("Location", "/orders/"+order.ID)
 	writeJSON(w, http.StatusCreated, order)

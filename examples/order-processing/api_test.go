@@ -80,6 +80,39 @@ func TestAPI(t *testing.T) {
 			t.Errorf("POST /orders %s: %d, want %d", body, code, want)
 		}
 	}
+	// A client retries a POST with its Idempotency-Key (the first response was lost): it gets the
+	// first response back and places no second order; the key with another order is refused.
+	keyed := func(key, body string) (int, Order, http.Header) {
+		t.Helper()
+		req, err := http.NewRequest(http.MethodPost, base+"/orders", strings.NewReader(body))
+		if err != nil {
+			t.Fatal(err)
+		}
+		req.Header.Set("Idempotency-Key", key)
+		resp, err := client.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		var o Order
+		_ = json.NewDecoder(resp.Body).Decode(&o)
+		return resp.StatusCode, o, resp.Header
+	}
+	order := `{"customer":"cy@example.com","sku":"espresso-beans","quantity":1}`
+	code, first, h := keyed("retry-1", order)
+	if code != http.StatusCreated || h.Get("Idempotent-Replayed") != "" {
+		t.Fatalf("first keyed POST: %d %+v %v", code, first, h)
+	}
+	waitFor("/orders/"+first.ID, "paid")
+	code, again, h := keyed("retry-1", order)
+	if code != http.StatusCreated || again.ID != first.ID || again.Status != "pending" || h.Get("Idempotent-Replayed") != "true" ||
+		h.Get("Location") != "/orders/"+first.ID {
+		t.Fatalf("retried keyed POST: %d %+v %v; want the first response (order %s, pending), replayed", code, again, h, first.ID)
+	}
+	if code, _, _ := keyed("retry-1", `{"customer":"cy@example.com","sku":"espresso-beans","quantity":2}`); code != http.StatusUnprocessableEntity {
+		t.Fatalf("key reused for another order: %d, want 422", code)
+	}
+
 	resp, err := client.Get(base + "/orders/no-such-order")
 	if err != nil {
 		t.Fatal(err)

@@ -85,6 +85,9 @@ type chaos struct {
 	aborted                               atomic.Int64
 	restarts                              atomic.Int64
 	crashes                               map[string]*atomic.Int64 // per failpoint
+	// retries counts the orders a client sent again with its Idempotency-Key after a 201 (as if
+	// the response had been lost); retryNewOrder those for which it got another order.
+	retries, retryNewOrder atomic.Int64
 }
 
 func newChaos(cfg chaosConfig) *chaos {
@@ -256,6 +259,7 @@ type chaosReport struct {
 	ReceiptRepeats                            int64
 	StockUnaccounted                          int64
 	Lost, AppliedTwice                        int
+	Retries, RetryNewOrder                    int64
 	Took                                      time.Duration
 }
 
@@ -623,7 +627,20 @@ func (c *chaos) placeOrders(ctx context.Context, baseURL, customer, plenty, scar
 				if rng.IntN(5) == 0 {
 					req.SKU = scarce
 				}
-				id, err := postOrder(ctx, client, baseURL, req)
+				key := uuid.NewString()
+				id, err := postKeyed(ctx, client, baseURL, req, key)
+				if err == nil && rng.Float64() < c.cfg.dupRate {
+					// The response was lost on its way: the client sends the order again with its
+					// key, and must get the same order, not a second one.
+					c.retries.Add(1)
+					again, rerr := postKeyed(ctx, client, baseURL, req, key)
+					switch {
+					case rerr != nil:
+						err = fmt.Errorf("retry with the same Idempotency-Key: %w", rerr)
+					case again != id:
+						c.retryNewOrder.Add(1)
+					}
+				}
 				mu.Lock()
 				if err != nil {
 					errs = append(errs, err)
@@ -648,8 +665,15 @@ func (c *chaos) placeOrders(ctx context.Context, baseURL, customer, plenty, scar
 	return ids, nil
 }
 
-// postOrder places one order, retrying on errors that leave nothing committed (5xx, no answer).
+// postOrder places one order with an Idempotency-Key of its own (see postKeyed).
 func postOrder(ctx context.Context, client *http.Client, baseURL string, req placeOrderRequest) (string, error) {
+	return postKeyed(ctx, client, baseURL, req, uuid.NewString())
+}
+
+// postKeyed places one order with Idempotency-Key key, retrying on a server error, no answer
+// (the order may have been placed: the key makes the retry return it rather than place another)
+// and 409 (the first attempt is still running).
+func postKeyed(ctx context.Context, client *http.Client, baseURL string, req placeOrderRequest, key string) (string, error) {
 	body, _ := json.Marshal(req)
 	var lastErr error
 	for attempt := range 5 {
@@ -660,6 +684,7 @@ func postOrder(ctx context.Context, client *http.Client, baseURL string, req pla
 		if err != nil {
 			return "", err
 		}
+		r.Header.Set("Idempotency-Key", key)
 		resp, err := client.Do(r)
 		if err != nil {
 			lastErr = err
@@ -671,7 +696,7 @@ func postOrder(ctx context.Context, client *http.Client, baseURL string, req pla
 		switch {
 		case resp.StatusCode == http.StatusCreated && err == nil:
 			return o.ID, nil
-		case resp.StatusCode >= 500:
+		case resp.StatusCode >= 500 || resp.StatusCode == http.StatusConflict:
 			lastErr = fmt.Errorf("POST /orders: %s", resp.Status)
 		default:
 			return "", fmt.Errorf("POST /orders: %s", resp.Status)
@@ -735,7 +760,9 @@ func (c *chaos) reconcile(ctx context.Context, s *service, customer string, acce
 		Delivered: c.delivered.Load(), Duplicates: c.duplicates.Load(), Runs: c.runs.Load(), Failures: c.failures.Load(),
 		Aborted:  c.aborted.Load(),
 		Restarts: c.restarts.Load(), ReceiptRepeats: s.mail.repeats.Load(), Crashes: map[string]int64{},
+		Retries: c.retries.Load(), RetryNewOrder: c.retryNewOrder.Load(),
 	}
+	r.AppliedTwice += int(r.RetryNewOrder) // an order placed twice by one client request
 	for p, n := range c.crashes {
 		r.Crashes[p] = n.Load()
 	}
@@ -859,6 +886,7 @@ func (r *chaosReport) print(out io.Writer) {
 	}
 	fmt.Fprintf(out, "\nReconciliation after %s\n", r.Took.Round(100*time.Millisecond))
 	row("orders placed (HTTP 201)", r.Placed, "")
+	row("orders retried (same key)", r.Retries, fmt.Sprintf("after their 201, as if it was lost: %d placed a second order, must be 0", r.RetryNewOrder))
 	row("orders final", r.Final, fmt.Sprintf("paid %d, rejected %d (out of stock)", r.Paid, r.Rejected))
 	row("events published (distinct IDs)", r.EventsPublished, fmt.Sprintf("want %d: OrderPlaced, StockReserved/Rejected, PaymentCaptured", r.EventsExpected))
 	row("copies sent to the broker", r.CopiesSent, fmt.Sprintf("incl. %d extra copies from the broker, and re-sends with the same ID", r.InjectedDuplicates))

@@ -83,6 +83,9 @@ func TestChaos(t *testing.T) {
 			if !rep.ok() {
 				t.Error("the numbers do not reconcile")
 			}
+			if rep.Retries == 0 {
+				t.Errorf("no order was retried with its Idempotency-Key")
+			}
 			if rep.Duplicates == 0 || rep.Failures == 0 {
 				t.Errorf("no chaos: %d duplicates suppressed, %d injected failures", rep.Duplicates, rep.Failures)
 			}

@@ -5,7 +5,6 @@ import (
 	"encoding/json"
 	"fmt"
 
-	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/watermill-outbox/outbox"
@@ -56,7 +55,10 @@ func publishEvent(ctx context.Context, topic string, event any) error {
 	if err != nil {
 		return err
 	}
-	return outbox.Publish(ctx, topic, message.NewMessage(watermill.NewUUID(), payload))
+	// The event's UUID is derived from what caused it (the incoming message, or the request's
+	// Idempotency-Key) and its position: a re-run after a lost commit sends the UUID the
+	// consumers' deduplication already knows.
+	return outbox.Publish(ctx, topic, outbox.NewMessage(ctx, payload))
 }
 
 // decode reads an event. A payload that does not decode is an error: the message is nacked and

@@ -376,6 +376,8 @@ func serve(ctx context.Context, cfg config, out io.Writer, ready func(addr strin
 	fmt.Fprintf(out, "order-processing listening on http://%s\n%s\n\n", addr, s.desc)
 	fmt.Fprintf(out, "Place an order:\n  curl -si http://%s/orders -d '{\"customer\":\"ada@example.com\",\"sku\":\"espresso-beans\",\"quantity\":2}'\n", addr)
 	fmt.Fprintf(out, "Then look at it (it ends as \"paid\"):\n  curl -s http://%s/orders/<id>\n", addr)
+	fmt.Fprintf(out, "Send it twice with one Idempotency-Key (one order; the second answer is the first, replayed):\n"+
+		"  curl -si http://%s/orders -H 'Idempotency-Key: order-42' -d '{\"customer\":\"ada@example.com\",\"sku\":\"espresso-beans\",\"quantity\":2}'\n", addr)
 	fmt.Fprintf(out, "Metrics (Prometheus):\n  curl -s http://%s/metrics | grep ^outbox_\n", addr)
 	fmt.Fprintf(out, "Web console:\n  %s\n\nCtrl-C stops.\n\n", strings.ReplaceAll(consoleNote, "ADDR", addr))
 	// From here on only the progress printer writes to out.
