@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -397,4 +398,39 @@ func columnStrings(e *env, query string) []string {
 		out = append(out, s)
 	}
 	return out
+}
+
+// A retry that waits for the first request is bounded by HandlerTimeout, and by its caller's
+// context: it returns an error saying what it waited for, and runs nothing.
+func TestKeyedInTxWaitIsBounded(t *testing.T) {
+	e := newEnv(t)
+	impatient := e.newOutbox(func(c *outbox.Config) { c.HandlerTimeout = 300 * time.Millisecond })
+	var runs atomic.Int32
+	holding, release := make(chan struct{}), make(chan struct{})
+	done := make(chan error, 1)
+	go func() {
+		done <- e.ob.InTx(outbox.WithIdempotencyKey(context.Background(), "orders", "slow"), func(ctx context.Context, tx *sql.Tx) error {
+			close(holding)
+			<-release
+			return placeOrder(&runs, "o1")(ctx, tx)
+		})
+	}()
+	<-holding
+	began := time.Now()
+	err := impatient.InTx(outbox.WithIdempotencyKey(context.Background(), "orders", "slow", outbox.WaitInFlight()), placeOrder(&runs, "o1"))
+	if err == nil || !strings.Contains(err.Error(), "waited for the unit of work in flight") || time.Since(began) > 5*time.Second {
+		t.Errorf("waiting past HandlerTimeout: %v after %s", err, time.Since(began))
+	}
+	cctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
+	defer cancel()
+	err = e.ob.InTx(outbox.WithIdempotencyKey(cctx, "orders", "slow", outbox.WaitInFlight()), placeOrder(&runs, "o1"))
+	if err == nil || cctx.Err() == nil {
+		t.Errorf("waiting past the caller's context: %v", err)
+	}
+	close(release)
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	mustEqual(t, "runs", runs.Load(), int32(1))
+	mustEqual(t, "business rows", e.count(`SELECT count(*) FROM applied`), 1)
 }
