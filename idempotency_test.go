@@ -15,6 +15,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/watermill-outbox/outbox"
+	"github.com/watermill-outbox/outbox/ops"
 )
 
 // placeOrder is the keyed unit of work of these tests: one business row, two effects with UUIDs
@@ -227,6 +228,14 @@ func TestKeyedInTxExpiry(t *testing.T) {
 		t.Fatalf("retry after expiry: result %q, replayed %v; want a new run", res, rep)
 	}
 	mustEqual(t, "runs", runs.Load(), int32(7))
+	o, err := ops.ForOutbox(short)
+	if err != nil {
+		t.Fatal(err)
+	}
+	dry, err := o.Cleanup(context.Background(), ops.CleanupOptions{Actor: "test", Retention: 7 * 24 * time.Hour, DryRun: true})
+	if err != nil || dry.Keys != 4 {
+		t.Fatalf("dry run: %+v, %v; want 4 expired keys counted", dry, err)
+	}
 	res, err := short.Cleanup(context.Background())
 	if err != nil {
 		t.Fatal(err)
