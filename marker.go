@@ -109,6 +109,14 @@ func (m *marker) remember(batch []outboxdriver.DispatchMark, now time.Time) {
 			m.recentI[mk.Source]++
 		}
 	}
+	m.forget(now)
+}
+
+// forget drops the written marks older than markRecall; m.mu must be held. It runs on every look
+// at them, not only when a mark is written: a mark the database lost (marks commit asynchronously,
+// and a failover drops what the standby had not received) would otherwise hold its effects back
+// for as long as this process writes no other mark.
+func (m *marker) forget(now time.Time) {
 	n := 0
 	for n < len(m.written) && now.Sub(m.written[n].at) > markRecall {
 		for _, mk := range m.written[n].batch {
@@ -203,15 +211,25 @@ func (m *marker) write(batch []outboxdriver.DispatchMark) bool {
 // unsent returns those of effects whose mark is not queued here nor was written in the last
 // markRecall: what this process has not sent lately.
 func (m *marker) unsent(effects []Effect) []Effect {
+	out, _ := m.split(effects)
+	return out
+}
+
+// split returns those of effects that this process has not sent lately, and the others (their
+// mark is queued here or was written in the last markRecall).
+func (m *marker) split(effects []Effect) (unsent, sent []Effect) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	out := make([]Effect, 0, len(effects))
+	m.forget(time.Now())
+	unsent = make([]Effect, 0, len(effects))
 	for _, e := range effects {
-		if !m.isQueued(e) {
-			out = append(out, e)
+		if m.isQueued(e) {
+			sent = append(sent, e)
+		} else {
+			unsent = append(unsent, e)
 		}
 	}
-	return out
+	return unsent, sent
 }
 
 // wait blocks until every queued mark was written (or failed).

@@ -102,7 +102,10 @@ func (o *Outbox) relayRound(ctx context.Context, claimed []Effect, deadline time
 	// Effects this process sent and whose mark is still being written are not sent again: the
 	// mark takes them out. A round that starts right after a dispatch (its mark lingers a few
 	// milliseconds, longer on a loaded database) would otherwise put a second copy on the wire.
-	effects := o.marks.unsent(claimed)
+	effects, held := o.marks.split(claimed)
+	if len(held) > 0 {
+		o.releaseSent(ctx, held)
+	}
 	if len(effects) == 0 {
 		return 0
 	}
@@ -167,6 +170,23 @@ func (o *Outbox) relayRound(ctx context.Context, claimed []Effect, deadline time
 		}
 	}
 	return stalled
+}
+
+// releaseSent ends the lease the claim took on effects this process sent lately (their mark is
+// queued or was written in the last markRecall), which the round does not send: they are due
+// again when that memory ends. A mark that landed makes this a no-op; one the database lost
+// (marks commit asynchronously: a failover loses what the standby had not received) leaves the
+// effects pending, and they go out again then, not when the lease ends (2 x PublishTimeout + 30 s).
+func (o *Outbox) releaseSent(ctx context.Context, held []Effect) {
+	fs := make([]outboxdriver.EffectFailure, len(held))
+	for i, e := range held {
+		fs[i] = outboxdriver.EffectFailure{StoreID: e.StoreID, RetryAfter: markRecall}
+	}
+	wctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), markTimeout)
+	defer cancel()
+	if err := o.store.EffectRecordFailures(wctx, fs...); err != nil {
+		o.logger.Error("Relay could not release side effects sent lately; they are due again when their lease ends", err, nil)
+	}
 }
 
 // relayRun is the state one relay round shares between its lanes.
