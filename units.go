@@ -18,8 +18,19 @@ type sqlUnits struct {
 
 var _ outboxdriver.UnitStore = sqlUnits{}
 
+// txBeginner is implemented by a Store that begins transactions on its database itself, to name
+// the errors of BEGIN (store.SQL: a standby that refuses BEGIN READ WRITE is reported as
+// read-only).
+type txBeginner interface {
+	BeginTx(ctx context.Context, opts *sql.TxOptions) (*sql.Tx, error)
+}
+
 func (s sqlUnits) BeginUnit(ctx context.Context, claim *Source) (outboxdriver.UnitTx, outboxdriver.Claim, error) {
-	tx, err := s.db.BeginTx(ctx, nil)
+	begin := s.db.BeginTx
+	if b, ok := s.store.(txBeginner); ok {
+		begin = b.BeginTx
+	}
+	tx, err := begin(ctx, nil)
 	if err != nil {
 		return nil, outboxdriver.Claim{}, fmt.Errorf("begin transaction (waiting for a database connection, at most HandlerTimeout): %w", err)
 	}

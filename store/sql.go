@@ -112,6 +112,11 @@ type Dialect struct {
 	// IsReadOnly tells whether err means the server refused a write because it takes none (a
 	// standby); nil when the dialect cannot tell.
 	IsReadOnly func(error) bool
+	// IsReadOnlyAtBegin tells whether an error of BEGIN means the server takes no writes: database/sql
+	// drivers begin with BEGIN READ WRITE, which a PostgreSQL standby refuses with
+	// feature_not_supported (0A000), a code too broad to mean read-only after any other statement.
+	// Nil when the dialect cannot tell.
+	IsReadOnlyAtBegin func(error) bool
 	// Prepare enables prepared statements reused per connection on the hot path.
 	Prepare bool
 	// Notify wakes listening relays (no arguments); empty when the dialect has no notifications.
@@ -233,6 +238,20 @@ func (s *SQL) wrap(err error) error {
 		return fmt.Errorf("%w (a standby? the connection must reach the primary): %w", outboxdriver.ErrReadOnly, err)
 	}
 	return err
+}
+
+// BeginTx begins a transaction on the Store's database. A server that refuses to begin one
+// because it takes no writes (a standby: see Dialect.IsReadOnlyAtBegin) is named as such, with
+// an error that wraps outboxdriver.ErrReadOnly.
+func (s *SQL) BeginTx(ctx context.Context, opts *sql.TxOptions) (*sql.Tx, error) {
+	tx, err := s.db.BeginTx(ctx, opts)
+	if err != nil {
+		if s.d.IsReadOnlyAtBegin != nil && s.d.IsReadOnlyAtBegin(err) {
+			return nil, fmt.Errorf("%w (a standby? the connection must reach the primary): %w", outboxdriver.ErrReadOnly, err)
+		}
+		return nil, err
+	}
+	return tx, nil
 }
 
 // prepareTimeout bounds the background preparation of one statement.
@@ -481,7 +500,7 @@ func (s *SQL) MessageReplay(ctx context.Context, src outboxdriver.Source) (bool,
 // MessageReplayAudited is MessageReplay that writes audit (when not nil) in the transaction of
 // the change: the change is made only if its audit entry is written.
 func (s *SQL) MessageReplayAudited(ctx context.Context, src outboxdriver.Source, audit *Audit) (bool, error) {
-	tx, err := s.db.BeginTx(ctx, nil)
+	tx, err := s.BeginTx(ctx, nil)
 	if err != nil {
 		return false, fmt.Errorf("begin: %w", err)
 	}
@@ -843,7 +862,7 @@ func (s *SQL) CleanupCount(ctx context.Context, p outboxdriver.CleanupParams) (o
 
 // cleanupBatch deletes one batch in its own short transaction, so that it never holds locks long.
 func (s *SQL) cleanupBatch(ctx context.Context, query string, retention time.Duration, limit int) (int64, bool, error) {
-	tx, err := s.db.BeginTx(ctx, nil)
+	tx, err := s.BeginTx(ctx, nil)
 	if err != nil {
 		return 0, false, fmt.Errorf("begin: %w", err)
 	}
@@ -975,7 +994,7 @@ func (s *SQL) EffectDiscardAudited(ctx context.Context, ids []int64, audit func(
 func (s *SQL) eachID(ctx context.Context, ids []int64, audit func(changed int) Audit, one func(*sql.Tx, int64) (int, error)) (int, error) {
 	ids = slices.Clone(ids)
 	slices.Sort(ids)
-	tx, err := s.db.BeginTx(ctx, nil)
+	tx, err := s.BeginTx(ctx, nil)
 	if err != nil {
 		return 0, fmt.Errorf("begin: %w", err)
 	}

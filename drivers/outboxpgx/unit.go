@@ -49,6 +49,9 @@ func (s *pgxStore) BeginUnit(ctx context.Context, claim *outboxdriver.Source) (o
 	}
 	if err != nil {
 		abort(conn)
+		if postgres.IsReadOnlyAtBegin(err) {
+			err = fmt.Errorf("%w (a standby? the connection must reach the primary): %w", outboxdriver.ErrReadOnly, err)
+		}
 		return nil, outboxdriver.Claim{}, fmt.Errorf("begin and claim: %w", wrap(err))
 	}
 	u := &unit{s: s, conn: conn, inner: br.Tx()}
@@ -105,10 +108,13 @@ func abort(conn *pgxpool.Conn) {
 	conn.Release()
 }
 
-// wrap adds the fix to errors caused by missing tables.
+// wrap adds the fix to errors caused by missing tables, and names a server that takes no writes.
 func wrap(err error) error {
 	if err != nil && postgres.IsUndefinedTable(err) {
 		return fmt.Errorf("%w: %w", outboxdriver.ErrSchemaMissing, err)
+	}
+	if err != nil && postgres.IsReadOnly(err) && !errors.Is(err, outboxdriver.ErrReadOnly) {
+		return fmt.Errorf("%w (a standby? the connection must reach the primary): %w", outboxdriver.ErrReadOnly, err)
 	}
 	return err
 }

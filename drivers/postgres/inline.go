@@ -483,7 +483,7 @@ func (s *inline) move(ctx context.Context, tx *sql.Tx, insert string, lock func(
 
 // inTx runs fn in a transaction, committed if fn returns nil.
 func (s *inline) inTx(ctx context.Context, fn func(tx *sql.Tx) error) error {
-	tx, err := s.db.BeginTx(ctx, nil)
+	tx, err := s.SQL.BeginTx(ctx, nil)
 	if err != nil {
 		return fmt.Errorf("begin: %w", err)
 	}

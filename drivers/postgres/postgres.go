@@ -62,13 +62,14 @@ func (d Driver) Open(db *sql.DB, opts outboxdriver.StoreOptions) (outboxdriver.S
 		return nil, fmt.Errorf("postgres migrations: %w", err)
 	}
 	dialect := store.Dialect{
-		Queries:          queries(names, opts.DeleteDispatched),
-		Migrate:          migrateQueries(names),
-		Migrations:       migrations,
-		IsUndefinedTable: IsUndefinedTable,
-		IsReadOnly:       IsReadOnly,
-		Prepare:          !d.DisablePreparedStatements,
-		Pooler:           checkPooler,
+		Queries:           queries(names, opts.DeleteDispatched),
+		Migrate:           migrateQueries(names),
+		Migrations:        migrations,
+		IsUndefinedTable:  IsUndefinedTable,
+		IsReadOnly:        IsReadOnly,
+		IsReadOnlyAtBegin: IsReadOnlyAtBegin,
+		Prepare:           !d.DisablePreparedStatements,
+		Pooler:            checkPooler,
 		// The channel is built from validated identifiers, so the literal is safe.
 		Notify: fmt.Sprintf("SELECT pg_notify('%s', '')", notifyChannel(names.Schema, names.Prefix)),
 	}
@@ -125,6 +126,17 @@ func IsUndefinedTable(err error) bool {
 func IsReadOnly(err error) bool {
 	var s interface{ SQLState() string }
 	return errors.As(err, &s) && s.SQLState() == "25006"
+}
+
+// IsReadOnlyAtBegin tells whether err, the error of BEGIN (and of the statements sent with it),
+// means that the server takes no writes: read_only_sql_transaction (25006), or the
+// feature_not_supported (0A000) with which a server in recovery refuses BEGIN READ WRITE ("cannot
+// set transaction read-write mode during recovery"; lib/pq begins so) or BEGIN ISOLATION LEVEL
+// SERIALIZABLE. After any other statement 0A000 means something else (a cached plan whose result
+// type changed): only BEGIN may be classified with it.
+func IsReadOnlyAtBegin(err error) bool {
+	var s interface{ SQLState() string }
+	return errors.As(err, &s) && (s.SQLState() == "25006" || s.SQLState() == "0A000")
 }
 
 // lockKey returns the SQL of the second key of a named advisory lock of these tables. The names
