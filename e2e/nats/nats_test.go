@@ -10,10 +10,9 @@ import (
 
 	wnats "github.com/ThreeDotsLabs/watermill-nats/v2/pkg/nats"
 	"github.com/ThreeDotsLabs/watermill/message"
-	"github.com/nats-io/nats-server/v2/server"
-	"github.com/nats-io/nats.go"
 
 	"github.com/watermill-outbox/outbox"
+	"github.com/watermill-outbox/outbox/e2e/internal/natstest"
 	"github.com/watermill-outbox/outbox/internal/logtest"
 	"github.com/watermill-outbox/outbox/internal/routertest"
 	"github.com/watermill-outbox/outbox/middleware"
@@ -44,60 +43,15 @@ func TestE2ENATSJetStream(t *testing.T) {
 		t.Fatal(err)
 	}
 	logs := &logtest.Errors{}
-	ns := startNATS(t)
-
-	js, err := natsConn(t, ns, "admin").JetStream()
+	ns := natstest.Start(t)
+	js, err := natstest.Conn(t, ns, "admin").JetStream()
 	if err != nil {
 		t.Fatal(err)
 	}
-	// Create the streams up front rather than letting every publisher and subscriber race to.
-	for _, topic := range []string{ordersTopic, stockTopic} {
-		if _, err := js.AddStream(&nats.StreamConfig{Name: topic, Subjects: []string{topic}, Storage: nats.FileStorage}); err != nil {
-			t.Fatal(err)
-		}
-	}
-	newPublisher := func(name string) *wnats.Publisher {
-		pub, err := wnats.NewPublisherWithNatsConn(natsConn(t, ns, name), wnats.PublisherPublishConfig{
-			Marshaler:         &wnats.NATSMarshaler{},
-			SubjectCalculator: wnats.DefaultSubjectCalculator,
-			// TrackMsgId stays off: JetStream's own duplicate window (Nats-Msg-Id) would drop the
-			// producer's duplicates and the Outbox's re-sends, and hide what the framework must absorb.
-			JetStream: wnats.JetStreamConfig{TrackMsgId: false},
-		}, logs)
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { _ = pub.Close() })
-		return pub
-	}
+	natstest.AddStreams(t, js, ordersTopic, stockTopic)
+	newPublisher := func(name string) *wnats.Publisher { return natstest.Publisher(t, ns, name, logs) }
 	newSubscriber := func(durable string) *wnats.Subscriber {
-		sub, err := wnats.NewSubscriberWithNatsConn(natsConn(t, ns, durable), wnats.SubscriberSubscriptionConfig{
-			Unmarshaler:      &wnats.NATSMarshaler{},
-			SubscribersCount: 1,
-			AckWaitTimeout:   30 * time.Second,
-			CloseTimeout:     30 * time.Second,
-			SubscribeTimeout: 30 * time.Second,
-			QueueGroupPrefix: durable, // a queue subscription's deliver group must equal its durable
-			NakDelay:         wnats.NewStaticDelay(50 * time.Millisecond),
-			JetStream: wnats.JetStreamConfig{
-				DurablePrefix: durable,
-				SubscribeOptions: []nats.SubOpt{
-					// As in the example (examples/order-processing/broker.go): without ManualAck the
-					// client acks every message its callback returns from, also one the subscriber
-					// gave up on, and a failed delivery would never come back.
-					nats.ManualAck(),
-					nats.AckExplicit(),
-					nats.DeliverAll(),
-					nats.AckWait(30 * time.Second),
-					nats.MaxAckPending(64),
-				},
-			},
-		}, logs)
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { _ = sub.Close() }) // the Router closes it first; a second Close is a no-op
-		return sub
+		return natstest.Subscriber(t, ns, durable, 30*time.Second, logs)
 	}
 	// copies counts what a handler receives before the middleware deduplicates it.
 	var copiesMu sync.Mutex
@@ -154,14 +108,14 @@ func TestE2ENATSJetStream(t *testing.T) {
 	// so the notify durable's state is then final.
 	routertest.WaitUntil(t, "every durable consumer caught up and no side effect pending", func() (bool, string) {
 		for _, d := range durables {
-			if ok, state := jsCaughtUp(t, js, ordersTopic, d); !ok {
+			if ok, state := natstest.CaughtUp(js, ordersTopic, d); !ok {
 				return false, state
 			}
 		}
 		if p := e.pendingEffects(); p != 0 {
 			return false, fmt.Sprintf("%d side effects pending", p)
 		}
-		return jsCaughtUp(t, js, stockTopic, notifyDurable)
+		return natstest.CaughtUp(js, stockTopic, notifyDurable)
 	})
 
 	routertest.MustEqual(t, "business rows (an order applied twice?)", e.count(`SELECT count(*) FROM reserved`), n)
@@ -209,74 +163,6 @@ func TestE2ENATSJetStream(t *testing.T) {
 		t.Errorf("unexpected errors logged: %s", strings.Join(unexpected, "\n"))
 	}
 	t.Logf("took %s", time.Since(start).Round(time.Millisecond))
-}
-
-// startNATS runs an in-process NATS server with JetStream that accepts only in-process
-// connections, and shuts it down when the test ends.
-func startNATS(t *testing.T) *server.Server {
-	t.Helper()
-	ns, err := server.NewServer(&server.Options{
-		JetStream:  true,
-		StoreDir:   t.TempDir(),
-		DontListen: true, // clients connect with nats.InProcessServer: no port to pick or leak
-		NoLog:      true,
-		NoSigs:     true,
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	go ns.Start()
-	t.Cleanup(func() {
-		ns.Shutdown()
-		ns.WaitForShutdown()
-	})
-	if !ns.ReadyForConnections(10 * time.Second) {
-		t.Fatal("NATS server not ready for connections after 10s")
-	}
-	return ns
-}
-
-// natsConn returns an in-process connection to ns. At the end of the test it waits for a drain in
-// progress (a closed watermill-nats subscriber drains its connection asynchronously), closes the
-// connection, and waits until it is closed, so that no client goroutine outlives the test.
-func natsConn(t *testing.T, ns *server.Server, name string) *nats.Conn {
-	t.Helper()
-	closed := make(chan struct{})
-	nc, err := nats.Connect("", nats.InProcessServer(ns), nats.Name(name),
-		nats.ClosedHandler(func(*nats.Conn) { close(closed) }))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		if nc.IsDraining() {
-			select {
-			case <-closed:
-			case <-time.After(routertest.Timeout):
-				t.Errorf("NATS connection %s still draining after %s", name, routertest.Timeout)
-			}
-		}
-		nc.Close()
-		select {
-		case <-closed:
-		case <-time.After(routertest.Timeout):
-			t.Errorf("NATS connection %s not closed after %s", name, routertest.Timeout)
-		}
-	})
-	return nc
-}
-
-// jsCaughtUp reports whether the durable consumer of stream has had every message delivered and acked.
-func jsCaughtUp(t *testing.T, js nats.JetStreamContext, stream, durable string) (bool, string) {
-	t.Helper()
-	info, err := js.ConsumerInfo(stream, durable)
-	if err != nil {
-		t.Fatalf("consumer info %s/%s: %v", stream, durable, err)
-	}
-	if info.NumPending != 0 || info.NumAckPending != 0 {
-		return false, fmt.Sprintf("%s/%s: %d undelivered, %d unacked, %d redelivered",
-			stream, durable, info.NumPending, info.NumAckPending, info.NumRedelivered)
-	}
-	return true, ""
 }
 
 func withPublisher(pub message.Publisher) func(*outbox.Config) {

@@ -10,6 +10,7 @@ import (
 
 	"github.com/watermill-outbox/outbox"
 	"github.com/watermill-outbox/outbox/drivers/postgres"
+	"github.com/watermill-outbox/outbox/e2e/internal/natstest"
 	"github.com/watermill-outbox/outbox/internal/logtest"
 	"github.com/watermill-outbox/outbox/internal/pgtest"
 )
@@ -18,13 +19,13 @@ import (
 // return before the broker has the message; it says nothing of the others.
 func TestUnsafePublishersAreReported(t *testing.T) {
 	db := pgtest.DB(t)
-	ns := startNATS(t)
-	core, err := wnats.NewPublisherWithNatsConn(natsConn(t, ns, "core"), wnats.PublisherPublishConfig{
+	ns := natstest.Start(t)
+	core, err := wnats.NewPublisherWithNatsConn(natstest.Conn(t, ns, "core"), wnats.PublisherPublishConfig{
 		Marshaler: &wnats.NATSMarshaler{}, SubjectCalculator: wnats.DefaultSubjectCalculator, JetStream: wnats.JetStreamConfig{Disabled: true}}, watermill.NopLogger{})
 	if err != nil {
 		t.Fatal(err)
 	}
-	js, err := wnats.NewPublisherWithNatsConn(natsConn(t, ns, "js"), wnats.PublisherPublishConfig{
+	js, err := wnats.NewPublisherWithNatsConn(natstest.Conn(t, ns, "js"), wnats.PublisherPublishConfig{
 		Marshaler: &wnats.NATSMarshaler{}, SubjectCalculator: wnats.DefaultSubjectCalculator, JetStream: wnats.JetStreamConfig{AutoProvision: true}}, watermill.NopLogger{})
 	if err != nil {
 		t.Fatal(err)

@@ -15,13 +15,13 @@ import (
 	wnats "github.com/ThreeDotsLabs/watermill-nats/v2/pkg/nats"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
-	"github.com/nats-io/nats-server/v2/server"
 	"github.com/nats-io/nats.go"
 	"go.uber.org/goleak"
 	_ "modernc.org/sqlite"
 
 	"github.com/watermill-outbox/outbox"
 	"github.com/watermill-outbox/outbox/drivers/sqlite"
+	"github.com/watermill-outbox/outbox/e2e/internal/natstest"
 	"github.com/watermill-outbox/outbox/outboxdriver"
 )
 
@@ -66,39 +66,14 @@ func newEnv(t *testing.T) *env {
 	if _, err := e.db.Exec(`CREATE TABLE reserved (message_id TEXT NOT NULL)`); err != nil {
 		t.Fatal(err)
 	}
-	ns, err := server.NewServer(&server.Options{JetStream: true, StoreDir: t.TempDir(), DontListen: true, NoLog: true, NoSigs: true})
-	if err != nil {
+	ns := natstest.Start(t)
+	var err error
+	if e.js, err = natstest.Conn(t, ns, "admin").JetStream(); err != nil {
 		t.Fatal(err)
 	}
-	go ns.Start()
-	t.Cleanup(func() { ns.Shutdown(); ns.WaitForShutdown() })
-	if !ns.ReadyForConnections(waitMax) {
-		t.Fatal("NATS server not ready")
-	}
-	connect := func() *nats.Conn {
-		nc, err := nats.Connect("", nats.InProcessServer(ns))
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(nc.Close)
-		return nc
-	}
-	if e.js, err = connect().JetStream(); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := e.js.AddStream(&nats.StreamConfig{Name: topic, Subjects: []string{topic}, Storage: nats.FileStorage}); err != nil {
-		t.Fatal(err)
-	}
-	pub, err := wnats.NewPublisherWithNatsConn(connect(), wnats.PublisherPublishConfig{
-		Marshaler:         &wnats.NATSMarshaler{},
-		SubjectCalculator: wnats.DefaultSubjectCalculator,
-		// Off, so that every copy the outbox sends is on the wire to be counted.
-		JetStream: wnats.JetStreamConfig{TrackMsgId: false},
-	}, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = pub.Close() })
+	natstest.AddStreams(t, e.js, topic)
+	// Every copy the outbox sends is on the wire to be counted (no JetStream duplicate window).
+	pub := natstest.Publisher(t, ns, "outbox", nil)
 	e.pub = pub
 	return e
 }
