@@ -40,6 +40,10 @@ func (s *pgxStore) BeginUnit(ctx context.Context, claim *outboxdriver.Source) (o
 	}
 	br := conn.SendBatch(ctx, b)
 	_, err = br.Exec()
+	if err != nil && postgres.IsReadOnlyAtBegin(err) {
+		// BEGIN's own refusal: only there does 0A000 mean a server in recovery.
+		err = fmt.Errorf("%w (a standby? the connection must reach the primary): %w", outboxdriver.ErrReadOnly, err)
+	}
 	c := outboxdriver.Claim{Claimed: true}
 	if err == nil && claim != nil {
 		c, err = s.readClaim(br.QueryRow())
@@ -49,9 +53,6 @@ func (s *pgxStore) BeginUnit(ctx context.Context, claim *outboxdriver.Source) (o
 	}
 	if err != nil {
 		abort(conn)
-		if postgres.IsReadOnlyAtBegin(err) {
-			err = fmt.Errorf("%w (a standby? the connection must reach the primary): %w", outboxdriver.ErrReadOnly, err)
-		}
 		return nil, outboxdriver.Claim{}, fmt.Errorf("begin and claim: %w", wrap(err))
 	}
 	u := &unit{s: s, conn: conn, inner: br.Tx()}

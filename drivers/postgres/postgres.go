@@ -128,7 +128,7 @@ func IsReadOnly(err error) bool {
 	return errors.As(err, &s) && s.SQLState() == "25006"
 }
 
-// IsReadOnlyAtBegin tells whether err, the error of BEGIN (and of the statements sent with it),
+// IsReadOnlyAtBegin tells whether err, the error of a BEGIN statement itself,
 // means that the server takes no writes: read_only_sql_transaction (25006), or the
 // feature_not_supported (0A000) with which a server in recovery refuses BEGIN READ WRITE ("cannot
 // set transaction read-write mode during recovery"; lib/pq begins so) or BEGIN ISOLATION LEVEL
