@@ -59,7 +59,7 @@ type Queries struct {
 	EffectClaimDue         string
 	EffectClaimDueWindowed bool
 
-	CleanupLock     string // -> bool
+	CleanupLock     string // -> bool, or no row when another process holds it
 	CleanupBegin    string // run first in every cleanup transaction (e.g. to relax durability); may be empty
 	CleanupClaims   string // (retention ms, limit)
 	CleanupEffects  string // (retention ms, limit)
@@ -130,6 +130,34 @@ type Dialect struct {
 	// SchemaCheck run it, and the first statement starts it: until it has answered, statements
 	// run unprepared; once it refused, every statement fails with its error.
 	Pooler func(ctx context.Context, db *sql.DB) (transactionPooled bool, err error)
+	// Hooks run the steps that the dialect's SQL cannot do in one statement of Queries.
+	Hooks Hooks
+}
+
+// Hooks are steps a dialect runs as several statements of its own, where one statement of Queries
+// would need what its database lacks: RETURNING of an UPDATE, ON CONFLICT, a CTE that writes, a
+// transaction around DDL (MySQL and MariaDB). Each is nil for a dialect whose Queries do the step;
+// when set, the store calls it instead of the query, with its arguments unchanged.
+type Hooks struct {
+	// MessageClaim claims src in tx (Queries.MessageClaim is then unused).
+	MessageClaim func(ctx context.Context, tx *sql.Tx, src outboxdriver.Source) (outboxdriver.Claim, error)
+	// EffectInsert stores at most EffectInsertMaxRows effects of src in tx and sets their StoreID.
+	// The store reports them as possibly written inside a savepoint: a dialect that needs this
+	// hook cannot tell.
+	EffectInsert func(ctx context.Context, tx *sql.Tx, src outboxdriver.Source, effects []outboxdriver.Effect) error
+	// AttemptRecord counts a failed attempt of src (reason already storable) and returns the count.
+	AttemptRecord func(ctx context.Context, db *sql.DB, src outboxdriver.Source, reason string) (int, error)
+	// EffectMarkDispatched marks the effects ids (ascending, at most a batch) dispatched, moving
+	// their claims' dispatch time with moveClaims; effect rows are locked before claim rows.
+	EffectMarkDispatched func(ctx context.Context, db *sql.DB, ids []int64, moveClaims bool) error
+	// EffectDiscard discards the parked effect id in tx as Queries.EffectDiscard does, and
+	// returns how many effects it discarded.
+	EffectDiscard func(ctx context.Context, tx *sql.Tx, id int64) (int, error)
+	// EffectClaimDue claims due effects as Queries.EffectClaimDue does (not windowed).
+	EffectClaimDue func(ctx context.Context, db *sql.DB, p outboxdriver.EffectClaimParams) ([]outboxdriver.Effect, error)
+	// Migrate applies the missing migrations, safe from several processes at once, where DDL
+	// cannot run inside a transaction (Migrate and MigrateQueries are then unused).
+	Migrate func(ctx context.Context, db *sql.DB, migrations []Migration) error
 }
 
 // SQL is an outboxdriver.Store over database/sql.
@@ -197,6 +225,9 @@ func (s *SQL) Migrate(ctx context.Context) error {
 	// migrations table (an application role with DML rights only can start).
 	if err := s.SchemaCheck(ctx); err == nil {
 		return nil
+	}
+	if s.d.Hooks.Migrate != nil {
+		return s.d.Hooks.Migrate(ctx, s.db, s.migrations)
 	}
 	return Migrate(ctx, s.db, s.d.Migrate, s.migrations)
 }
@@ -456,6 +487,10 @@ func idList(ids []int64) string {
 
 // MessageClaim implements outboxdriver.Store.
 func (s *SQL) MessageClaim(ctx context.Context, tx *sql.Tx, src outboxdriver.Source) (outboxdriver.Claim, error) {
+	if s.d.Hooks.MessageClaim != nil {
+		c, err := s.d.Hooks.MessageClaim(ctx, tx, src)
+		return c, s.wrap(err)
+	}
 	if s.d.Queries.MessageClaimReportsConcurrent {
 		var claimed bool
 		var seen sql.NullInt64
@@ -527,6 +562,10 @@ func (s *SQL) MessageReplayAudited(ctx context.Context, src outboxdriver.Source,
 
 // AttemptRecord implements outboxdriver.Store.
 func (s *SQL) AttemptRecord(ctx context.Context, src outboxdriver.Source, reason string) (int, error) {
+	if s.d.Hooks.AttemptRecord != nil {
+		n, err := s.d.Hooks.AttemptRecord(ctx, s.db, src, outboxdriver.StorableText(reason))
+		return n, s.wrap(err)
+	}
 	var n int
 	err := s.queryRow(ctx, nil, s.d.Queries.AttemptRecord, []any{src.Consumer, src.ID, outboxdriver.StorableText(reason)}, &n)
 	return n, err
@@ -558,6 +597,9 @@ func (s *SQL) EffectInsert(ctx context.Context, tx *sql.Tx, src outboxdriver.Sou
 func (s *SQL) effectInsert(ctx context.Context, tx *sql.Tx, src outboxdriver.Source, effects []outboxdriver.Effect) (bool, error) {
 	if len(effects) == 0 {
 		return false, nil
+	}
+	if s.d.Hooks.EffectInsert != nil {
+		return true, s.wrap(s.d.Hooks.EffectInsert(ctx, tx, src, effects))
 	}
 	args := EffectInsertArgs(src, effects)
 	bySeq := make(map[int]int, len(effects))
@@ -704,6 +746,13 @@ func (s *SQL) EffectMarkDispatched(ctx context.Context, marks ...outboxdriver.Di
 		slices.Sort(group.ids)
 		for ids := slices.Compact(group.ids); len(ids) > 0; {
 			n := min(len(ids), maxMarkBatch)
+			if s.d.Hooks.EffectMarkDispatched != nil {
+				if err := s.d.Hooks.EffectMarkDispatched(ctx, s.db, ids[:n], group.moveClaims); err != nil {
+					return s.wrap(err)
+				}
+				ids = ids[n:]
+				continue
+			}
 			if _, err := s.db.ExecContext(ctx, s.d.Queries.EffectMarkDispatched(group.moveClaims), idList(ids[:n])); err != nil {
 				return s.wrap(err)
 			}
@@ -747,6 +796,14 @@ func (s *SQL) EffectClaimDue(ctx context.Context, p outboxdriver.EffectClaimPara
 	maxBytes := int64(p.MaxBytes)
 	if maxBytes <= 0 {
 		maxBytes = math.MaxInt64
+	}
+	if s.d.Hooks.EffectClaimDue != nil {
+		effects, err := s.d.Hooks.EffectClaimDue(ctx, s.db, p)
+		if err != nil {
+			return outboxdriver.EffectClaim{}, fmt.Errorf("claim due effects: %w", s.wrap(err))
+		}
+		slices.SortFunc(effects, func(a, b outboxdriver.Effect) int { return cmp.Compare(a.StoreID, b.StoreID) })
+		return outboxdriver.EffectClaim{Effects: effects}, nil
 	}
 	window := int64(max(p.Limit, 1)) * claimWindow
 	rows, err := s.db.QueryContext(ctx, s.d.Queries.EffectClaimDue, p.Grace.Milliseconds(), p.Limit, maxBytes, p.Lease.Milliseconds(), p.After, window)
@@ -868,8 +925,9 @@ func (s *SQL) cleanupBatch(ctx context.Context, query string, retention time.Dur
 	}
 	defer func() { _ = tx.Rollback() }()
 	if s.d.Queries.CleanupLock != "" {
+		// No row is the lock taken, as a row of false is (MySQL's SKIP LOCKED leaves the row out).
 		var ok bool
-		if err := tx.QueryRowContext(ctx, s.d.Queries.CleanupLock).Scan(&ok); err != nil {
+		if err := tx.QueryRowContext(ctx, s.d.Queries.CleanupLock).Scan(&ok); err != nil && !errors.Is(err, sql.ErrNoRows) {
 			return 0, false, fmt.Errorf("cleanup lock: %w", s.wrap(err))
 		}
 		if !ok {
@@ -977,6 +1035,10 @@ func (s *SQL) EffectUnparkAudited(ctx context.Context, ids []int64, audit func(c
 // EffectDiscardAudited is EffectDiscard with its audit entry written as EffectUnparkAudited's.
 func (s *SQL) EffectDiscardAudited(ctx context.Context, ids []int64, audit func(changed int) Audit) (int, error) {
 	return s.eachID(ctx, ids, audit, func(tx *sql.Tx, id int64) (int, error) {
+		if s.d.Hooks.EffectDiscard != nil {
+			n, err := s.d.Hooks.EffectDiscard(ctx, tx, id)
+			return n, s.wrap(err)
+		}
 		rows, err := tx.QueryContext(ctx, s.d.Queries.EffectDiscard, id)
 		if err != nil {
 			return 0, s.wrap(err)
