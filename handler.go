@@ -169,6 +169,11 @@ func (o *Outbox) handleOnce(msg *message.Message, src Source, p HandleParams, ne
 	span := trace.SpanFromContext(parent)
 	tx, claim, err := o.units.BeginUnit(txCtx, &src)
 	if err != nil {
+		if o.isRetryable(err) && !lastTry {
+			// Copies of the message met at their claims (MySQL: a deadlock between the waiters
+			// of a claim that rolled back): the next claim finds the winner's, or wins.
+			return fmt.Errorf("%w: %w", errRetryAtOnce, err)
+		}
 		if txCtx.Err() != nil {
 			return fmt.Errorf("outbox: claim message %q for %q: waited HandlerTimeout (%s) for a database connection, a copy being processed elsewhere, or the database: %w",
 				src.ID, src.Consumer, o.cfg.HandlerTimeout, err)
@@ -209,7 +214,7 @@ func (o *Outbox) handleOnce(msg *message.Message, src Source, p HandleParams, ne
 			// A wiring error found while the handler ran: nothing it wrote may commit, and the
 			// message is not to blame.
 			return err
-		case isRetryable(err) && !lastTry:
+		case o.isRetryable(err) && !lastTry:
 			return fmt.Errorf("%w: %w", errRetryAtOnce, err)
 		case parent.Err() != nil && txCtx.Err() == nil:
 			// The Router is shutting down, or the broker's ack deadline passed: not the message's fault.
@@ -246,7 +251,7 @@ func (o *Outbox) handleOnce(msg *message.Message, src Source, p HandleParams, ne
 				cause = timedOut(err, o.cfg.HandlerTimeout)
 			}
 			return o.finishedEarly(after, msg, src, cause, fields)
-		case isRetryable(err) && !lastTry:
+		case o.isRetryable(err) && !lastTry:
 			return fmt.Errorf("%w: %w", errRetryAtOnce, err)
 		case rolledBack(err) || errors.Is(err, outboxdriver.ErrNotSent):
 			// The server answered (a deferred constraint, a serialization failure at commit), or
@@ -285,10 +290,14 @@ func sqlState(err error) string {
 	return ""
 }
 
-// isRetryable tells a serialization failure or a deadlock, which a new transaction usually gets past.
-func isRetryable(err error) bool {
-	code := sqlState(err)
-	return code == "40001" || code == "40P01"
+// isRetryable tells a serialization failure or a deadlock, which a new transaction usually gets
+// past: by its SQLSTATE, or as the store tells for a database whose errors carry none.
+func (o *Outbox) isRetryable(err error) bool {
+	if code := sqlState(err); code == "40001" || code == "40P01" {
+		return true
+	}
+	c, ok := o.store.(outboxdriver.RetryClassifier)
+	return ok && c.Retryable(err)
 }
 
 // rolledBack tells whether a failed COMMIT is known to have rolled back: the server answered with

@@ -341,6 +341,16 @@ var (
 // ErrReadOnly is wrapped by WritableChecker.CheckWritable for a server that takes no writes.
 var ErrReadOnly = errors.New("outbox: the database is read-only")
 
+// RetryClassifier is implemented by a Store whose database's errors carry no SQLSTATE (MySQL's
+// driver reports an error number instead): it tells the errors after which the unit of work runs
+// again at once, as after PostgreSQL's serialization failures and deadlocks, without counting a
+// failed attempt.
+type RetryClassifier interface {
+	// Retryable tells whether err, from any statement of a unit of work or from its claim, rolled
+	// back the statement or the transaction for a conflict that running again usually gets past.
+	Retryable(err error) bool
+}
+
 // WritableChecker is implemented by a Store that can tell whether the server it reaches takes
 // writes. After a failover a connection can land on a standby (a stale address, a DNS name not
 // yet moved): every unit of work then fails, and a readiness probe must say why.

@@ -13,14 +13,14 @@ trap 'rm -rf "${tmp}"' EXIT
 lib=github.com/watermill-outbox/outbox
 
 version="$(sed -nE "s#^[[:space:]]*(require[[:space:]]+)?${lib} (v[^[:space:]]+).*#\\2#p" "${repo}/drivers/outboxpgx/go.mod")"
-(cd "${repo}" && "${go}" run ./internal/cmd/modproxy -out "${tmp}/proxy" -version "${version}" . drivers/outboxpgx >/dev/null)
+(cd "${repo}" && "${go}" run ./internal/cmd/modproxy -out "${tmp}/proxy" -version "${version}" . drivers/outboxpgx drivers/mysql >/dev/null)
 proxy="file://${tmp}/proxy,$("${go}" env GOPROXY)"
 
-for mod in . drivers/outboxpgx e2e bench examples/order-processing internal/kfakeserver; do
+for mod in . drivers/outboxpgx drivers/mysql e2e bench examples/order-processing internal/kfakeserver; do
 	echo "tidy: ${mod}"
 	(
 		cd "${repo}/${mod}"
 		GOWORK=off GOPROXY="${proxy}" GONOSUMDB="${lib}" GOFLAGS=-mod=mod "${go}" mod tidy
-		sed -i -E "\\#^${lib}(/drivers/outboxpgx)? #d" go.sum
+		sed -i -E "\\#^${lib}(/drivers/(outboxpgx|mysql))? #d" go.sum
 	)
 done

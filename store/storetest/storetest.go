@@ -925,18 +925,18 @@ func testInsertInSavepoint(f *fixture) {
 		}
 		return es, nested
 	}
-	exec("SAVEPOINT undo")
+	exec("SAVEPOINT sp_undo")
 	undone, nested := insert(1)
 	if !nested {
 		f.t.Fatal("EffectInsert inside a savepoint: want inSavepoint")
 	}
-	exec("ROLLBACK TO SAVEPOINT undo")
-	exec("SAVEPOINT keep")
+	exec("ROLLBACK TO SAVEPOINT sp_undo")
+	exec("SAVEPOINT sp_keep")
 	kept, nested := insert(2)
 	if !nested {
 		f.t.Fatal("EffectInsert inside a savepoint: want inSavepoint")
 	}
-	exec("RELEASE SAVEPOINT keep")
+	exec("RELEASE SAVEPOINT sp_keep")
 	ids := []int64{before[0].StoreID, undone[0].StoreID, kept[0].StoreID}
 	got, err := f.st.EffectExisting(f.ctx, tx, ids)
 	if err != nil {
