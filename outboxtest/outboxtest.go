@@ -34,6 +34,7 @@ import (
 	"github.com/watermill-outbox/outbox"
 	"github.com/watermill-outbox/outbox/drivers/postgres"
 	"github.com/watermill-outbox/outbox/internal/pgtest"
+	"github.com/watermill-outbox/outbox/outboxdriver"
 	"github.com/watermill-outbox/outbox/store"
 )
 
@@ -113,6 +114,8 @@ type Harness struct {
 	Pub *Recorder
 	Ob  *outbox.Outbox
 
+	database *Database
+
 	failpoint func(ctx context.Context, point string) error
 	fpMu      sync.Mutex
 }
@@ -132,16 +135,42 @@ func New(t testing.TB, cfg outbox.Config, setup func(ctx context.Context, db *sq
 // and calls outboxpgx.New (its close goes in t.Cleanup).
 type Opener func(t testing.TB, dsn string, cfg outbox.Config) (*outbox.Outbox, error)
 
+// Database is a database other than PostgreSQL for a harness: a driver's own tests run the
+// crash matrix on it (the MySQL driver's module, with its server and database/sql driver).
+type Database struct {
+	// Open returns a fresh, empty database and its DSN (given to an Opener); it registers
+	// their cleanup with t.
+	Open func(t testing.TB) (db *sql.DB, dsn string)
+	// Driver is the outbox driver of the database/sql form on it.
+	Driver outboxdriver.Driver
+	// Effects returns the query of every effect committed for a message, pending or
+	// dispatched, with its arguments consumer and message ID, as rows of (seq, kind, topic,
+	// uuid, payload, ordering_key), for the tables of schema (empty when not set) and prefix.
+	Effects func(schema, prefix string) string
+}
+
 // NewWith is New with the Outbox built by open (nil: the database/sql form).
 func NewWith(t testing.TB, open Opener, cfg outbox.Config, setup func(ctx context.Context, db *sql.DB) error) *Harness {
 	t.Helper()
-	dsn := DSN(t)
-	db, err := sql.Open("postgres", dsn)
-	if err != nil {
-		t.Fatalf("outboxtest: open: %v", err)
+	return NewOn(t, nil, open, cfg, setup)
+}
+
+// NewOn is NewWith on database (nil: PostgreSQL, started by Main).
+func NewOn(t testing.TB, database *Database, open Opener, cfg outbox.Config, setup func(ctx context.Context, db *sql.DB) error) *Harness {
+	t.Helper()
+	var db *sql.DB
+	var dsn string
+	if database != nil {
+		db, dsn = database.Open(t)
+	} else {
+		dsn = DSN(t)
+		var err error
+		if db, err = sql.Open("postgres", dsn); err != nil {
+			t.Fatalf("outboxtest: open: %v", err)
+		}
+		t.Cleanup(func() { _ = db.Close() })
 	}
-	t.Cleanup(func() { _ = db.Close() })
-	h := &Harness{t: t, DB: db, Pub: &Recorder{}}
+	h := &Harness{t: t, DB: db, Pub: &Recorder{}, database: database}
 	if setup != nil {
 		if err := setup(context.Background(), h.DB); err != nil {
 			t.Fatalf("outboxtest: set up the business tables: %v", err)
@@ -150,6 +179,9 @@ func NewWith(t testing.TB, open Opener, cfg outbox.Config, setup func(ctx contex
 	cfg.Publisher = h.Pub
 	if open == nil {
 		cfg.DB, cfg.Driver = h.DB, postgres.Driver{}
+		if database != nil {
+			cfg.Driver = database.Driver
+		}
 		open = func(_ testing.TB, _ string, cfg outbox.Config) (*outbox.Outbox, error) { return outbox.New(cfg) }
 	}
 	if cfg.EffectRetention == 0 {
@@ -236,6 +268,9 @@ func (h *Harness) Run(consumer string, msg *message.Message, handler message.Han
 func (h *Harness) committedEffects(consumer, id string) []Effect {
 	h.t.Helper()
 	cfg := h.Ob.Config()
+	if h.database != nil {
+		return h.readEffects(h.database.Effects(cfg.Schema, cfg.TablePrefix), consumer, id)
+	}
 	schema := cfg.Schema
 	if schema == "" {
 		schema = postgres.DefaultSchema
@@ -250,10 +285,6 @@ func (h *Harness) committedEffects(consumer, id string) []Effect {
 		h.t.Fatalf("outboxtest: read the committed effects: %v", err)
 	}
 	defer rows.Close()
-	type seqEffect struct {
-		seq int
-		e   Effect
-	}
 	var all []seqEffect
 	for rows.Next() {
 		var se seqEffect
@@ -282,6 +313,40 @@ func (h *Harness) committedEffects(consumer, id string) []Effect {
 				Metadata: e.Metadata, OrderingKey: e.OrderingKey}})
 		}
 	}
+	return h.sentMetadata(all)
+}
+
+// seqEffect is an effect with its place among its message's.
+type seqEffect struct {
+	seq int
+	e   Effect
+}
+
+// readEffects reads the effects that query (arguments consumer and id) returns.
+func (h *Harness) readEffects(query, consumer, id string) []Effect {
+	h.t.Helper()
+	rows, err := h.DB.Query(query, consumer, id)
+	if err != nil {
+		h.t.Fatalf("outboxtest: read the committed effects: %v", err)
+	}
+	defer rows.Close()
+	var all []seqEffect
+	for rows.Next() {
+		var se seqEffect
+		e := &se.e
+		if err := rows.Scan(&se.seq, &e.Kind, &e.Topic, &e.UUID, &e.Payload, &e.OrderingKey); err != nil {
+			h.t.Fatalf("outboxtest: %v", err)
+		}
+		all = append(all, se)
+	}
+	if err := rows.Err(); err != nil {
+		h.t.Fatalf("outboxtest: %v", err)
+	}
+	return h.sentMetadata(all)
+}
+
+// sentMetadata orders the effects by seq and gives each the metadata it was sent with.
+func (h *Harness) sentMetadata(all []seqEffect) []Effect {
 	slices.SortStableFunc(all, func(a, b seqEffect) int { return a.seq - b.seq })
 	out := make([]Effect, len(all))
 	for i, se := range all {
@@ -325,6 +390,8 @@ type CrashMatrix struct {
 	Copies int
 	// Open builds each scenario's Outbox (nil: the database/sql form); see Opener.
 	Open Opener
+	// Database is the database of the scenarios (nil: PostgreSQL, started by Main).
+	Database *Database
 }
 
 // crashPoints are the steps of a unit of work at which CrashMatrix crashes ("" : none).
@@ -369,7 +436,7 @@ func (c CrashMatrix) Run(t *testing.T) {
 // scenario runs one message with one crash point and returns what went wrong, with the report.
 func (c CrashMatrix) scenario(t testing.TB, msg *message.Message, point string, copies int) []string {
 	ctx := context.Background()
-	h := NewWith(t, c.Open, c.Config, c.Setup)
+	h := NewOn(t, c.Database, c.Open, c.Config, c.Setup)
 	if c.Register != nil {
 		if err := c.Register(h.Ob, h.DB); err != nil {
 			t.Fatalf("outboxtest: Register: %v", err)
