@@ -4,6 +4,7 @@ go 1.25.0
 
 require (
 	github.com/ThreeDotsLabs/watermill v1.5.1
+	github.com/ThreeDotsLabs/watermill-sql/v3 v3.1.0
 	github.com/go-sql-driver/mysql v1.10.0
 	github.com/watermill-outbox/outbox v0.1.0
 	go.uber.org/goleak v1.3.0

@@ -25,6 +25,8 @@ import (
 	"testing"
 	"time"
 
+	wsql "github.com/ThreeDotsLabs/watermill-sql/v3/pkg/sql"
+
 	"github.com/watermill-outbox/outbox"
 	"github.com/watermill-outbox/outbox/drivers/postgres"
 )
@@ -103,6 +105,43 @@ func SQLForm() Form {
 	}
 }
 
+// Database is the database of a campaign other than PostgreSQL (a driver's module runs the
+// campaign on its own database with it). Its store keeps every effect in the effects table, with
+// dispatched_at set once sent, and none in the claims.
+type Database struct {
+	// DriverName opens the test's own view of the database (sql.Open).
+	DriverName string
+	// Broker is the watermill-sql schema of the broker's topics on this database; the payload
+	// column must take any bytes.
+	Broker wsql.SchemaAdapter
+	// Bind rewrites the campaign's statements, whose parameters are $1, $2, ... in order of
+	// appearance, into the database's.
+	Bind func(query string) string
+	// IDType is the column type of a message ID in the business table.
+	IDType string
+	// Wire is the query of (uuid, payload) of every message of topic, in the order sent.
+	Wire func(topic string) string
+	// KillConnection is a statement that kills the connection it runs on.
+	KillConnection string
+	// Sleep is a statement that sleeps $1 seconds.
+	Sleep string
+	// Unsupported are the scenarios that do not apply to the database (forced off), with why.
+	Unsupported map[string]string
+}
+
+// postgresDatabase is the default: PostgreSQL (lib/pq), its inline effects and dispatched table.
+var postgresDatabase = &Database{
+	DriverName: "postgres",
+	Broker:     wsql.DefaultPostgreSQLSchema{GeneratePayloadType: func(string) string { return "BYTEA" }},
+	Bind:       func(q string) string { return q },
+	IDType:     "text",
+	Wire: func(topic string) string {
+		return `SELECT uuid, payload FROM "watermill_` + topic + `" ORDER BY "offset"`
+	},
+	KillConnection: `SELECT pg_terminate_backend(pg_backend_pid())`,
+	Sleep:          `SELECT pg_sleep($1)`,
+}
+
 // Deployment is the instances of one run: three of them, one per form given (a form may repeat).
 type Deployment struct {
 	Name  string
@@ -125,6 +164,8 @@ type Options struct {
 	Off map[string]string
 	// Replay is the command that replays one seed, with %d for the seed.
 	Replay string
+	// Database is the database (nil: PostgreSQL).
+	Database *Database
 }
 
 // Run runs the campaign on a fresh database dsn, each run on tables of its own.
@@ -143,9 +184,19 @@ func Run(t *testing.T, dsn string, o Options) {
 			runs = n
 		}
 	}
+	database := o.Database
+	if database == nil {
+		database = postgresDatabase
+	}
 	on, err := scenarios(o.Off)
 	if err != nil {
 		t.Fatal(err)
+	}
+	for name, why := range database.Unsupported {
+		if on[name] {
+			t.Logf("scenario %s off on this database: %s", name, why)
+		}
+		on[name] = false
 	}
 	// Run i has seed base+i, whose deployment is Deployments[seed % len]; with -campaign.deployment,
 	// only the seeds of that deployment, so that a seed replays alone.
@@ -166,7 +217,7 @@ func Run(t *testing.T, dsn string, o Options) {
 	if *flagSeed != 0 {
 		seeds = []uint64{*flagSeed}
 	}
-	db, err := sql.Open("postgres", dsn)
+	db, err := sql.Open(database.DriverName, dsn)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -186,7 +237,7 @@ func Run(t *testing.T, dsn string, o Options) {
 	var failed []string
 	for i, seed := range seeds {
 		d := o.Deployments[seed%uint64(len(o.Deployments))]
-		c := &run{t: t, db: db, dsn: dsn, n: i, seed: seed, dep: d, on: on, stats: st}
+		c := &run{t: t, db: db, dsn: dsn, n: i, seed: seed, dep: d, on: on, stats: st, database: database}
 		if !c.do() {
 			if !*flagAll {
 				t.Fatalf("fault campaign run %d (%s, seed %d) failed; replay it with: %s", i, d.Name, seed, fmt.Sprintf(o.Replay, seed))

@@ -44,6 +44,8 @@ type run struct {
 	on    map[string]bool
 	stats *stats
 
+	database *Database
+
 	r       *rand.Rand
 	prefix  string
 	topics  [2]string
@@ -73,7 +75,7 @@ func (c *run) note(format string, args ...any) {
 
 // exec runs a statement of the test's own on the database.
 func (c *run) exec(query string, args ...any) int64 {
-	res, err := c.db.Exec(query, args...)
+	res, err := c.db.Exec(c.database.Bind(query), args...)
 	if err != nil {
 		c.fail("%s: %v", query, err)
 		return 0
@@ -90,10 +92,10 @@ func (c *run) do() bool {
 	c.prefix = fmt.Sprintf("c%d_", c.n)
 	c.topics = [2]string{fmt.Sprintf("campaign_%d_a", c.n), fmt.Sprintf("campaign_%d_b", c.n)}
 	c.applied = c.prefix + "applied"
-	if _, err := c.db.Exec(`CREATE TABLE ` + c.applied + ` (message_id text NOT NULL)`); err != nil {
+	if _, err := c.db.Exec(`CREATE TABLE ` + c.applied + ` (message_id ` + c.database.IDType + ` NOT NULL)`); err != nil {
 		t.Fatal(err)
 	}
-	schema := wsql.DefaultPostgreSQLSchema{GeneratePayloadType: func(string) string { return "BYTEA" }}
+	schema := c.database.Broker
 	for _, topic := range c.topics {
 		for _, q := range schema.SchemaInitializingQueries(topic) {
 			if _, err := c.db.Exec(q.Query, q.Args...); err != nil {
@@ -375,7 +377,7 @@ func (c *run) handler(f Form) message.HandlerFunc {
 	return func(m *message.Message) ([]*message.Message, error) {
 		ctx := m.Context()
 		pl := planOf(ctx)
-		if err := f.Exec(ctx, `INSERT INTO `+c.applied+` (message_id) VALUES ($1)`, m.UUID); err != nil {
+		if err := f.Exec(ctx, c.database.Bind(`INSERT INTO `+c.applied+` (message_id) VALUES ($1)`), m.UUID); err != nil {
 			return nil, err
 		}
 		if pl.held {
@@ -446,14 +448,14 @@ func (c *run) handler(f Form) message.HandlerFunc {
 		}
 		switch {
 		case pl.killConnection:
-			err := f.Exec(ctx, `SELECT pg_terminate_backend(pg_backend_pid())`)
+			err := f.Exec(ctx, c.database.KillConnection)
 			return nil, fmt.Errorf("connection killed: %w", err)
 		case pl.handlerPanics:
 			panic("handler bug")
 		case pl.handlerFails:
 			return nil, errors.New("handler failed")
 		case pl.handlerSlow:
-			return nil, f.Exec(ctx, `SELECT pg_sleep($1)`, (c.timeout + 200*time.Millisecond).Seconds())
+			return nil, f.Exec(ctx, c.database.Bind(c.database.Sleep), (c.timeout + 200*time.Millisecond).Seconds())
 		}
 		return nil, publish(1, "3")
 	}

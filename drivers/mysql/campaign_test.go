@@ -1,0 +1,86 @@
+package mysql_test
+
+import (
+	"context"
+	"database/sql"
+	"regexp"
+	"testing"
+
+	wsql "github.com/ThreeDotsLabs/watermill-sql/v3/pkg/sql"
+
+	"github.com/watermill-outbox/outbox"
+	"github.com/watermill-outbox/outbox/drivers/mysql"
+	"github.com/watermill-outbox/outbox/drivers/mysql/internal/mysqltest"
+	"github.com/watermill-outbox/outbox/internal/campaign"
+)
+
+var dollarParam = regexp.MustCompile(`\$[0-9]+`)
+
+// campaignDatabase is MariaDB (or MySQL) for the fault campaign, with watermill-sql's MySQL
+// broker on the same server.
+var campaignDatabase = &campaign.Database{
+	DriverName: "mysql",
+	Broker:     wsql.DefaultMySQLSchema{GeneratePayloadType: func(string) string { return "LONGBLOB" }},
+	Bind:       func(q string) string { return dollarParam.ReplaceAllString(q, "?") },
+	IDType:     "VARCHAR(64)",
+	Wire: func(topic string) string {
+		return "SELECT uuid, payload FROM `watermill_" + topic + "` ORDER BY `offset`"
+	},
+	KillConnection: `KILL CONNECTION_ID()`,
+	Sleep:          `SELECT SLEEP($1)`,
+	Unsupported: map[string]string{
+		"held-claim": "no inline effects, so no sweep whose look-back a late claim could fall behind",
+		"clock-step": "no inline effects, so no sweep watermark for a clock step to move",
+	},
+}
+
+// sqlForm is the database/sql form on MySQL: each instance has a pool of its own, as a process
+// would.
+func sqlForm() campaign.Form {
+	return campaign.Form{
+		Name: "mysql",
+		Open: func(dsn string, cfg outbox.Config) (*outbox.Outbox, func(), error) {
+			db, err := sql.Open("mysql", dsn)
+			if err != nil {
+				return nil, nil, err
+			}
+			db.SetMaxOpenConns(8)
+			cfg.DB, cfg.Driver = db, mysql.Driver{}
+			ob, err := outbox.New(cfg)
+			if err != nil {
+				_ = db.Close()
+				return nil, nil, err
+			}
+			return ob, func() { _ = ob.Close(); _ = db.Close() }, nil
+		},
+		Exec: func(ctx context.Context, query string, args ...any) error {
+			_, err := outbox.Tx(ctx).ExecContext(ctx, query, args...)
+			return err
+		},
+		Savepoint: func(ctx context.Context) (func() error, error) {
+			tx := outbox.Tx(ctx)
+			if _, err := tx.ExecContext(ctx, `SAVEPOINT campaign`); err != nil {
+				return nil, err
+			}
+			return func() error {
+				_, err := tx.ExecContext(ctx, `ROLLBACK TO SAVEPOINT campaign`)
+				return err
+			}, nil
+		},
+	}
+}
+
+// TestFaultCampaign is the fault campaign (internal/campaign) on MySQL: three instances of the
+// database/sql form on the same tables and consumer group.
+//
+//	go test -run TestFaultCampaign . -args -campaign.runs=400      # longer (or OUTBOX_CAMPAIGN_RUNS)
+//	go test -run TestFaultCampaign . -args -campaign.seed=1234     # replay one run
+func TestFaultCampaign(t *testing.T) {
+	f := sqlForm()
+	campaign.Run(t, mysqltest.DSN(t), campaign.Options{
+		Deployments: []campaign.Deployment{{Name: "mysql", Forms: []campaign.Form{f, f, f}}},
+		Runs:        16,
+		Replay:      "go test -race -run TestFaultCampaign . -args -campaign.seed=%d",
+		Database:    campaignDatabase,
+	})
+}
