@@ -29,7 +29,7 @@ if [[ -z "${version}" ]]; then
 fi
 # A user's build ignores replace directives in the modules it requires, and v0.0.0 is no tag:
 # the modules require each other at the release version, and go.work ties them locally.
-for mod in drivers/outboxpgx e2e bench examples/order-processing; do
+for mod in drivers/outboxpgx drivers/mysql e2e bench examples/order-processing; do
 	if grep -nE "^[[:space:]]*(replace[[:space:]]+)?${lib}(/[^[:space:]]*)?( v[^[:space:]]+)? =>" "${root}/${mod}/go.mod" >&2; then
 		echo "depcheck: ${mod}/go.mod replaces a module of this repository (go.work ties them; see docs/releasing.md)" >&2
 		exit 1
@@ -39,7 +39,7 @@ if [[ "${version}" == v0.0.0 || "${version}" == v0.0.0-* ]]; then
 	echo "depcheck: drivers/outboxpgx/go.mod requires ${lib} ${version}, which no release tags" >&2
 	exit 1
 fi
-(cd "${repo}" && "${go}" run ./internal/cmd/modproxy -out "${tmp}/proxy" -version "${version}" "${root}" "${root}/drivers/outboxpgx" >/dev/null)
+(cd "${repo}" && "${go}" run ./internal/cmd/modproxy -out "${tmp}/proxy" -version "${version}" "${root}" "${root}/drivers/outboxpgx" "${root}/drivers/mysql" >/dev/null)
 
 # What a user's environment has, plus the file-system proxy in front for this module path
 # (which no checksum database knows yet). No go.work applies out here (GOWORK=off makes sure).
@@ -79,7 +79,7 @@ cd "${tmp}/sql"
 "${go}" mod tidy >/dev/null
 "${go}" build ./...
 
-heavy='nats-io/nats-server|nats-io/nats\.go|watermill-nats|watermill-amqp|watermill-redisstream|redis/go-redis|rabbitmq|modernc\.org/sqlite|mattn/go-sqlite3|jackc/pgx|riverqueue|rbaliyan|go\.opentelemetry\.io/otel/sdk|go\.opentelemetry\.io/otel/exporters|otel/exporters/prometheus|chromedp|watermill-kafka|sarama|twmb/franz-go'
+heavy='go-sql-driver/mysql|nats-io/nats-server|nats-io/nats\.go|watermill-nats|watermill-amqp|watermill-redisstream|redis/go-redis|rabbitmq|modernc\.org/sqlite|mattn/go-sqlite3|jackc/pgx|riverqueue|rbaliyan|go\.opentelemetry\.io/otel/sdk|go\.opentelemetry\.io/otel/exporters|otel/exporters/prometheus|chromedp|watermill-kafka|sarama|twmb/franz-go'
 graph="$("${go}" list -m all)"
 found="$( { echo "${graph}"; cat go.sum; } | grep -E "${heavy}" | sort -u || true)"
 if [[ -n "${found}" ]]; then
@@ -120,3 +120,35 @@ if [[ -n "${found}" ]]; then
 	exit 1
 fi
 echo "depcheck: a module importing the pgx form needs $(echo "${graph}" | wc -l) modules: pgx and nothing else heavy (installed from a proxy at ${version}, no replace)"
+
+# The MySQL driver (its own module) adds go-sql-driver/mysql and what it needs, nothing else heavy.
+mkdir "${tmp}/mysql"
+cat >"${tmp}/mysql/go.mod" <<EOF3
+module example.com/mysqlconsumer
+
+go 1.25.0
+EOF3
+cat >"${tmp}/mysql/main.go" <<'EOF3'
+package main
+
+import (
+	_ "github.com/watermill-outbox/outbox"
+	_ "github.com/watermill-outbox/outbox/drivers/mysql"
+	_ "github.com/watermill-outbox/outbox/middleware"
+)
+
+func main() {}
+EOF3
+cd "${tmp}/mysql"
+"${go}" get "${lib}/drivers/mysql@${version}" >/dev/null 2>&1 || "${go}" get "${lib}/drivers/mysql@${version}"
+"${go}" mod tidy >/dev/null
+"${go}" build ./...
+mysqlHeavy="$(echo "${heavy}" | sed 's/go-sql-driver\/mysql|//')"
+graph="$("${go}" list -m all)"
+found="$( { echo "${graph}"; cat go.sum; } | grep -E "${mysqlHeavy}" | sort -u || true)"
+if [[ -n "${found}" ]]; then
+	echo "depcheck: a module importing the MySQL driver gets heavy dependencies beyond go-sql-driver/mysql:" >&2
+	echo "${found}" >&2
+	exit 1
+fi
+echo "depcheck: a module importing the MySQL driver needs $(echo "${graph}" | wc -l) modules: go-sql-driver/mysql and nothing else heavy (installed from a proxy at ${version}, no replace)"

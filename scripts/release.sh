@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Tags a release of the library's modules together: the root module
-# (github.com/watermill-outbox/outbox) and the pgx driver
-# (github.com/watermill-outbox/outbox/drivers/outboxpgx, tag drivers/outboxpgx/VERSION).
+# (github.com/watermill-outbox/outbox), the pgx driver
+# (github.com/watermill-outbox/outbox/drivers/outboxpgx, tag drivers/outboxpgx/VERSION) and the
+# MySQL driver (github.com/watermill-outbox/outbox/drivers/mysql, tag drivers/mysql/VERSION).
 #
 #   scripts/release.sh v0.2.0            # on a clean main: bump, commit, tag; prints the push
 #   scripts/release.sh --dry-run v0.2.0  # the same in a scratch copy of the work tree, then a
@@ -31,9 +32,10 @@ go="${GO:-go}"
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 lib=github.com/watermill-outbox/outbox
 pgx="${lib}/drivers/outboxpgx"
+mysql="${lib}/drivers/mysql"
 # The modules that require the library (or its driver); only the library's own are tagged.
-dependents=(drivers/outboxpgx e2e bench examples/order-processing)
-tags=("${version}" "drivers/outboxpgx/${version}")
+dependents=(drivers/outboxpgx drivers/mysql e2e bench examples/order-processing)
+tags=("${version}" "drivers/outboxpgx/${version}" "drivers/mysql/${version}")
 
 tmp="$(mktemp -d)"
 trap 'rm -rf "${tmp}"' EXIT
@@ -65,7 +67,7 @@ done
 required() { sed -nE "s#^[[:space:]]*(require[[:space:]]+)?$1 (v[^[:space:]]+).*#\\2#p" "$2"; }
 previous="$(required "${lib}" "${work}/drivers/outboxpgx/go.mod")"
 for mod in "${dependents[@]}"; do
-	for dep in "${lib}" "${pgx}"; do
+	for dep in "${lib}" "${pgx}" "${mysql}"; do
 		have="$(required "${dep}" "${work}/${mod}/go.mod")"
 		if [[ -n "${have}" && "${have}" != "${previous}" ]]; then
 			echo "release: ${mod}/go.mod requires ${dep} ${have}, not ${previous} as drivers/outboxpgx does" >&2
@@ -79,8 +81,8 @@ done
 (
 	cd "${work}"
 	"${go}" work edit \
-		-dropreplace="${lib}@${previous}" -dropreplace="${pgx}@${previous}" \
-		-replace="${lib}@${version}=./" -replace="${pgx}@${version}=./drivers/outboxpgx"
+		-dropreplace="${lib}@${previous}" -dropreplace="${pgx}@${previous}" -dropreplace="${mysql}@${previous}" \
+		-replace="${lib}@${version}=./" -replace="${pgx}@${version}=./drivers/outboxpgx" -replace="${mysql}@${version}=./drivers/mysql"
 )
 echo "release: the modules require each other at ${version} (was ${previous})"
 
@@ -97,7 +99,7 @@ done
 git -C "${work}" add -A
 git -C "${work}" -c user.name="$(git -C "${repo}" config user.name || echo release)" \
 	-c user.email="$(git -C "${repo}" config user.email || echo release@localhost)" \
-	commit -q -m "Release ${version}: the library and the pgx driver require each other at ${version}"
+	commit -q -m "Release ${version}: the library and its pgx and MySQL drivers require each other at ${version}"
 for tag in "${tags[@]}"; do
 	git -C "${work}" -c user.name=release -c user.email=release@localhost tag -a -m "${tag}" "${tag}"
 done
