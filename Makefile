@@ -22,7 +22,7 @@ GO ?= go
 
 # The Go code of README and docs/ is type-checked against the packages (internal/cmd/docsnippets),
 # and so is the code in these package comments (what go doc and pkg.go.dev show first).
-DOC_COMMENTS := doc.go console/console.go drivers/outboxpgx/outboxpgx.go drivers/sqlite/doc.go outboxtest/outboxtest.go
+DOC_COMMENTS := doc.go console/console.go drivers/outboxpgx/outboxpgx.go drivers/mysql/doc.go drivers/sqlite/doc.go outboxtest/outboxtest.go
 
 # The steps run strictly in this order (also under make -j).
 test:
