@@ -51,6 +51,7 @@ var knownImports = map[string]string{
 	"postgres":    "github.com/watermill-outbox/outbox/drivers/postgres",
 	"sqlite":      "github.com/watermill-outbox/outbox/drivers/sqlite",
 	"outboxpgx":   "github.com/watermill-outbox/outbox/drivers/outboxpgx",
+	"mysql":       "github.com/watermill-outbox/outbox/drivers/mysql",
 	"middleware":  "github.com/watermill-outbox/outbox/middleware",
 	"outboxmw":    "github.com/watermill-outbox/outbox/middleware",
 	"outboxtest":  "github.com/watermill-outbox/outbox/outboxtest",
