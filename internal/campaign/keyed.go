@@ -137,7 +137,7 @@ func (c *run) attempt(rq *request, proc int, pl *plan, wait bool) (err error) {
 		}
 	}()
 	return c.procs[proc].InUnit(ctx, func(ctx context.Context) error {
-		if err := f.Exec(ctx, `INSERT INTO `+c.applied+` (message_id) VALUES ($1)`, rq.id); err != nil {
+		if err := f.Exec(ctx, c.database.Bind(`INSERT INTO `+c.applied+` (message_id) VALUES ($1)`), rq.id); err != nil {
 			return err
 		}
 		for i := range rq.effects {
@@ -148,14 +148,14 @@ func (c *run) attempt(rq *request, proc int, pl *plan, wait bool) (err error) {
 		}
 		switch {
 		case pl.killConnection:
-			err := f.Exec(ctx, `SELECT pg_terminate_backend(pg_backend_pid())`)
+			err := f.Exec(ctx, c.database.KillConnection)
 			return fmt.Errorf("connection killed: %w", err)
 		case pl.handlerPanics:
 			panic("handler bug")
 		case pl.handlerFails:
 			return errors.New("handler failed")
 		case pl.handlerSlow:
-			return f.Exec(ctx, `SELECT pg_sleep($1)`, (c.timeout + 200*time.Millisecond).Seconds())
+			return f.Exec(ctx, c.database.Bind(c.database.Sleep), (c.timeout + 200*time.Millisecond).Seconds())
 		}
 		return outbox.SetResult(ctx, []byte(rq.id+"/result"))
 	})
@@ -181,7 +181,7 @@ func (c *run) checkRequests(rqs []*request, bySource map[string][]effect) {
 	}
 	for _, rq := range rqs {
 		var n int
-		if err := c.db.QueryRow(`SELECT count(*) FROM `+c.applied+` WHERE message_id = $1`, rq.id).Scan(&n); err != nil {
+		if err := c.db.QueryRow(c.database.Bind(`SELECT count(*) FROM `+c.applied+` WHERE message_id = $1`), rq.id).Scan(&n); err != nil {
 			c.t.Fatal(err)
 		}
 		if n != 1 {
