@@ -28,9 +28,48 @@ func (o *Outbox) relayBudget() time.Duration { return o.relayLease() / 2 }
 // relayOnce dispatches committed side effects that the path that wrote them left undispatched,
 // round after round, until a round finds nothing due. A round leases its effects in one short
 // statement and holds nothing (no transaction, no lock) while it publishes them.
-func (o *Outbox) relayOnce(ctx context.Context) error {
-	var after int64
+//
+// Under a backlog to a destination whose calls take longer than a claim, the rounds overlap: the
+// next round is claimed while the current one sends, and the current one's outcome is written
+// while the next one sends, so that a round costs about the longer of its calls and its
+// statements rather than their sum. One round sends at a time (at most RelayConcurrency calls).
+// A claim never takes an effect of a key that has an effect in the round still sending: the
+// claim leases the first effect of each key it takes, and the later effects of a key wait behind
+// a leased one (see EffectClaimDue) until the round's outcome is written. Every claim is made
+// after the outcome of every round but the one sending was written, so that it never finds a key
+// half marked, nor a failed effect before its retry time is written.
+func (o *Outbox) relayOnce(ctx context.Context) (err error) {
+	var (
+		after   int64
+		fl      *relayFlight       // the round whose calls are under way
+		claimed time.Duration      // how long the last claim took
+		sent    time.Duration = -1 // how long the calls of the last round took; -1: none yet
+	)
+	defer func() {
+		// A pass that ends (nothing due, an error, a shutdown) writes the outcome of the round
+		// still sending, but a crash (a failpoint) abandons it.
+		if fl != nil {
+			if errors.Is(err, ErrFailpoint) {
+				fl.abandon()
+			} else if lerr := o.relayLand(fl); lerr != nil && err == nil {
+				err = lerr
+			}
+		}
+	}()
 	for ctx.Err() == nil {
+		if fl != nil && sent >= 0 && sent <= claimed {
+			// Claiming while the round sends gains nothing when its calls take less time than a
+			// claim, and costs a pass: the claim finds the effects behind that round's keys not
+			// due, and leaves them to the next pass.
+			f := fl
+			fl = nil
+			f.wait()
+			sent = f.took
+			if err := o.relayLand(f); err != nil {
+				return err
+			}
+		}
+		overlapping := fl != nil
 		began := time.Now()
 		claim, err := o.store.EffectClaimDue(ctx, outboxdriver.EffectClaimParams{
 			Grace:    o.cfg.RelayGrace,
@@ -47,38 +86,68 @@ func (o *Outbox) relayOnce(ctx context.Context) error {
 			return err
 		}
 		o.relayClaimed()
+		claimed = time.Since(began)
 		o.tel.lastRelayRound.Store(time.Now().UnixNano())
-		if n := len(claim.Effects); n > 0 {
+		n := len(claim.Effects)
+		if n > 0 {
 			if err := o.failpoint(ctx, FailpointAfterRelayClaim); err != nil {
 				return err
 			}
 			o.tel.relayRounds.Add(ctx, 1)
 			o.tel.relayEffects.Record(ctx, int64(n))
-			sending := time.Now()
-			stalled := o.relayRound(ctx, claim.Effects, began.Add(o.relayBudget()))
-			// The pause leaves the database and the CPUs to the consumers for as long as the round
-			// used them; a call that hung until its timeout used neither.
-			if f := o.cfg.RelayPauseFactor; f > 0 {
-				select {
-				case <-ctx.Done():
-				case <-time.After(time.Duration(f * float64(time.Since(sending)-stalled))):
-				}
+		}
+		// The round that was sending ends its calls; the claimed one starts sending, and the
+		// outcome of the one before is written meanwhile.
+		prev := fl
+		fl = nil
+		var busy time.Duration
+		if prev != nil {
+			prev.wait()
+			sent = prev.took
+		}
+		if n > 0 {
+			fl = o.relayLaunch(ctx, claim.Effects, began.Add(o.relayBudget()))
+		}
+		if prev != nil {
+			writing := time.Now()
+			if err := o.relayLand(prev); err != nil {
+				return err
+			}
+			busy = time.Since(writing)
+			if !overlapping {
+				busy += prev.took - prev.stalled
 			}
 		}
-		switch n := len(claim.Effects); {
-		case claim.Next > 0 && n == o.cfg.RelayBatchSize:
+		switch {
+		case claim.Next > 0 && n > 0 && (n == o.cfg.RelayBatchSize || overlapping):
 			// The window may hold more: go on from the last claimed effect, unless the claim took
 			// effects from the end of the pending ones too. Then it took topics and keys in turns
-			// and may have left earlier effects of the window behind: look at it again.
+			// and may have left earlier effects of the window behind: look at it again. A claim
+			// made while a round was sending left the effects behind that round's keys: they are
+			// left to the next pass, not skipped with the rest of the window.
 			if last := claim.Effects[n-1].StoreID; last <= claim.Next {
 				after = last
 			}
+		case claim.Next > 0 && overlapping:
+			// Nothing due in the window but behind the round that was sending: look at it again,
+			// now that that round's outcome is written.
 		case claim.Next > 0:
 			after = claim.Next // nothing more due in this window: look further
-		case n > 0:
+		case n > 0 || overlapping:
 			after = 0 // the end: from the front again, where effects behind the sent ones are due now
 		default:
 			return nil
+		}
+		// The pause leaves the database and the CPUs to the consumers for as long as the relay
+		// used them: its statements, and the calls of a round it waited for (calls that overlap
+		// a claim mostly wait on the destination; a call that hung until its timeout used
+		// neither).
+		if f := o.cfg.RelayPauseFactor; f > 0 && n > 0 {
+			busy += claimed
+			select {
+			case <-ctx.Done():
+			case <-time.After(time.Duration(f * float64(busy))):
+			}
 		}
 	}
 	return nil
@@ -96,9 +165,21 @@ func (d destinationDown) Error() string {
 	return "destination down until " + d.until.Format(time.RFC3339Nano)
 }
 
-// relayRound dispatches leased effects and records the outcome of each. Its calls end by
-// deadline. It returns how long it waited on calls that hung (see relayDispatch).
-func (o *Outbox) relayRound(ctx context.Context, claimed []Effect, deadline time.Time) (stalled time.Duration) {
+// relayFlight is a relay round whose leased effects are being sent.
+type relayFlight struct {
+	ctx     context.Context // the round's span's
+	cancel  context.CancelFunc
+	effects []Effect
+	span    trace.Span
+	done    chan struct{} // closed when every call of the round has ended
+	errs    []error       // the outcome of each effect, once done
+	stalled time.Duration // how long it waited for calls that hung, once done
+	took    time.Duration // how long its calls took, once done
+}
+
+// relayLaunch starts sending leased effects; the round's calls end by deadline. It returns nil
+// when there is nothing to send.
+func (o *Outbox) relayLaunch(ctx context.Context, claimed []Effect, deadline time.Time) *relayFlight {
 	// Effects this process sent and whose mark is still being written are not sent again: the
 	// mark takes them out. A round that starts right after a dispatch (its mark lingers a few
 	// milliseconds, longer on a loaded database) would otherwise put a second copy on the wire.
@@ -107,12 +188,41 @@ func (o *Outbox) relayRound(ctx context.Context, claimed []Effect, deadline time
 		o.releaseSent(ctx, held)
 	}
 	if len(effects) == 0 {
-		return 0
+		return nil
 	}
 	ctx, span := o.tel.tracer.Start(ctx, "outbox relay", trace.WithLinks(o.tel.producerLinks(effects)...),
 		trace.WithAttributes(AttrPath.String(PathRelay), attribute.Int("outbox.effects", len(effects))))
-	defer span.End()
-	errs, stalled := o.relayDispatch(ctx, effects, deadline)
+	// Calls end at a shutdown (ctx), or when the round is abandoned (a crash).
+	cctx, cancel := context.WithCancel(ctx)
+	f := &relayFlight{ctx: ctx, cancel: cancel, effects: effects, span: span, done: make(chan struct{})}
+	go func() {
+		defer close(f.done)
+		began := time.Now()
+		f.errs, f.stalled = o.relayDispatch(cctx, effects, deadline)
+		f.took = time.Since(began)
+	}()
+	return f
+}
+
+// wait waits until every call of f has ended.
+func (f *relayFlight) wait() { <-f.done }
+
+// abandon ends the calls of f and writes nothing, as a crash would: its effects are due again
+// when their lease ends.
+func (f *relayFlight) abandon() {
+	f.cancel()
+	<-f.done
+	f.span.End()
+}
+
+// relayLand waits for the calls of f to end and records the outcome of each of its effects. It
+// returns an error only when a failpoint stops it.
+func (o *Outbox) relayLand(f *relayFlight) error {
+	f.wait()
+	defer f.cancel()
+	defer f.span.End()
+	ctx := f.ctx
+	effects, errs := f.effects, f.errs
 	// The outcome is written even when ctx was cancelled meanwhile (a shutdown): what was sent
 	// must be marked, or it is sent again.
 	wctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), markTimeout)
@@ -151,12 +261,15 @@ func (o *Outbox) relayRound(ctx context.Context, claimed []Effect, deadline time
 				o.logger.Error("Relay could not mark side effects dispatched; they are sent again when their lease ends", err, nil)
 				break
 			}
-			time.Sleep(pause)
+			select {
+			case <-wctx.Done():
+			case <-time.After(pause):
+			}
 			pause = min(2*pause, time.Second)
 		}
 	}
-	if o.failpoint(wctx, FailpointAfterRelayMark) != nil {
-		return stalled // as a crash: the failures go unrecorded, the effects are due again when the lease ends
+	if err := o.failpoint(wctx, FailpointAfterRelayMark); err != nil {
+		return err // as a crash: the failures go unrecorded, the effects are due again when the lease ends
 	}
 	if len(fails) > 0 {
 		if err := o.store.EffectRecordFailures(wctx, fails...); err != nil {
@@ -169,7 +282,7 @@ func (o *Outbox) relayRound(ctx context.Context, claimed []Effect, deadline time
 			}
 		}
 	}
-	return stalled
+	return nil
 }
 
 // releaseSent ends the lease the claim took on effects this process sent lately (their mark is

@@ -185,6 +185,17 @@ func selfDue(ms func(string) string) string {
 }
 
 func queries(n store.Names, deleteDispatched bool) store.Queries {
+	// headFree is the condition that the first undispatched effect of the ordering key of effect
+	// row e is neither leased (a round of this or another relay is sending it), nor waiting for
+	// its retry time, nor parked: otherwise e waits behind it, and a claim that took e as a
+	// candidate would spend its LIMIT on effects it cannot take (half a window of them, behind
+	// the keys of a round that is sending while the next one is claimed). One look-up of the
+	// pending-key index per candidate.
+	headFree := func(e string) string {
+		return `NOT EXISTS (SELECT 1 FROM (SELECT h.next_attempt_at, h.parked_at FROM ` + n.Effects + ` h
+					WHERE h.ordering_key = ` + e + `.ordering_key AND h.dispatched_at IS NULL
+					ORDER BY h.ordering_key, h.id LIMIT 1) h WHERE h.next_attempt_at > now() OR h.parked_at IS NOT NULL)`
+	}
 	ms := func(arg string) string { return "(" + arg + " * interval '1 millisecond')" }
 	// Marked effects leave the effects table, which holds only what is pending: deleted (the
 	// default), or moved to the dispatched table for EffectRetention. Every statement that takes
@@ -323,7 +334,7 @@ func queries(n store.Names, deleteDispatched bool) store.Queries {
 			tail AS MATERIALIZED (
 				SELECT e.id, e.ordering_key, e.topic, octet_length(e.payload) + octet_length(e.metadata) AS size
 				FROM ` + n.Effects + ` e, bounds
-				WHERE e.id > bounds.tail_lo AND e.id <= bounds.last AND ` + selfDue(ms) + `
+				WHERE e.id > bounds.tail_lo AND e.id <= bounds.last AND ` + selfDue(ms) + ` AND ` + headFree("e") + `
 				ORDER BY e.id DESC LIMIT ($2 + 3) / 4),
 			fresh AS MATERIALIZED (SELECT t.ordering_key FROM (SELECT DISTINCT ordering_key FROM tail) t, bounds
 				WHERE (SELECT b.id FROM ` + n.Effects + ` b WHERE b.ordering_key = t.ordering_key AND b.dispatched_at IS NULL
@@ -331,7 +342,7 @@ func queries(n store.Names, deleteDispatched bool) store.Queries {
 			cand AS MATERIALIZED (
 				(SELECT e.id, e.ordering_key, e.topic, octet_length(e.payload) + octet_length(e.metadata) AS size
 				FROM ` + n.Effects + ` e, bounds
-				WHERE e.id > bounds.lo AND e.id <= bounds.hi AND ` + selfDue(ms) + `
+				WHERE e.id > bounds.lo AND e.id <= bounds.hi AND ` + selfDue(ms) + ` AND ` + headFree("e") + `
 				ORDER BY e.id LIMIT $2)
 				UNION ALL
 				SELECT tail.* FROM tail JOIN fresh USING (ordering_key)),
