@@ -121,9 +121,11 @@ type Config struct {
 	// RelayConcurrency is how many ordering keys one relay round sends to at the same time. The
 	// effects of one key are sent one call after another, in order, and after a failure the key's
 	// later effects wait; different keys go concurrently, so that a slow destination or a long
-	// backlog of one key does not hold up the others. Raise it for a slow destination (a relay
-	// sends at most about RelayConcurrency / call latency calls per second); 1 sends one call at a
-	// time. Default: 8.
+	// backlog of one key does not hold up the others. A relay sends at most about
+	// RelayConcurrency / call latency calls per second (16 calls of 1 ms each: 16,000 a second
+	// while it sends); raise it for a slower destination, lower it for a Publisher that takes a
+	// scarce resource per call (a database connection); 1 sends one call at a time. See
+	// docs/operations.md, "Sizing the relay". Default: 16.
 	RelayConcurrency int
 	// RelayPauseFactor makes the relay pause after each round that claimed something for this
 	// many times as long as the round took from its claim on (less the time it waited for calls
@@ -218,7 +220,7 @@ const (
 	defaultRelayGrace       = 10 * time.Second
 	defaultRelayBatchSize   = 500
 	defaultRelayBatchBytes  = 16 << 20
-	defaultRelayConcurrency = 8
+	defaultRelayConcurrency = 16
 	defaultHandlerTimeout   = time.Minute
 	defaultRelayMaxAttempts = 10
 	defaultStatsInterval    = 15 * time.Second

@@ -29,21 +29,22 @@ func (o *Outbox) relayBudget() time.Duration { return o.relayLease() / 2 }
 // round after round, until a round finds nothing due. A round leases its effects in one short
 // statement and holds nothing (no transaction, no lock) while it publishes them.
 //
-// Under a backlog to a destination whose calls take longer than a claim, the rounds overlap: the
-// next round is claimed while the current one sends, and the current one's outcome is written
-// while the next one sends, so that a round costs about the longer of its calls and its
-// statements rather than their sum. One round sends at a time (at most RelayConcurrency calls).
-// A claim never takes an effect of a key that has an effect in the round still sending: the
-// claim leases the first effect of each key it takes, and the later effects of a key wait behind
-// a leased one (see EffectClaimDue) until the round's outcome is written. Every claim is made
-// after the outcome of every round but the one sending was written, so that it never finds a key
-// half marked, nor a failed effect before its retry time is written.
+// Under a backlog to a destination whose calls take at least half as long as a claim, the rounds
+// overlap: the next round is claimed while the current one sends, and the current one's outcome
+// is written while the next one sends, so that a round costs about the longer of its calls and
+// its statements rather than their sum. One round sends at a time (at most RelayConcurrency
+// calls). A claim never takes an effect of a key that has an effect in the round still sending:
+// the claim leases the first effect of each key it takes, and the later effects of a key wait
+// behind a leased one (see EffectClaimDue) until the round's outcome is written. Every claim is
+// made after the outcome of every round but the one sending was written, so that it never finds
+// a key half marked, nor a failed effect before its retry time is written.
 func (o *Outbox) relayOnce(ctx context.Context) (err error) {
 	var (
 		after   int64
 		fl      *relayFlight       // the round whose calls are under way
 		claimed time.Duration      // how long the last claim took
 		sent    time.Duration = -1 // how long the calls of the last round took; -1: none yet
+		ahead   int64              // where the claim after the last one would look, were the rounds one after another
 	)
 	defer func() {
 		// A pass that ends (nothing due, an error, a shutdown) writes the outcome of the round
@@ -56,19 +57,40 @@ func (o *Outbox) relayOnce(ctx context.Context) (err error) {
 			}
 		}
 	}()
+	var busy time.Duration // how long the last turn took besides its claim, for the pause
+	// land waits for the calls of f to end and writes its outcome; the wait and the writing count
+	// toward the pause, less the time the calls waited for calls that hung.
+	land := func(f *relayFlight) error {
+		t := time.Now()
+		f.wait()
+		sent = f.took
+		busy += max(time.Since(t)-f.stalled, 0)
+		t = time.Now()
+		err := o.relayLand(f)
+		busy += time.Since(t)
+		return err
+	}
 	for ctx.Err() == nil {
-		if fl != nil && sent >= 0 && sent <= claimed {
-			// Claiming while the round sends gains nothing when its calls take less time than a
-			// claim, and costs a pass: the claim finds the effects behind that round's keys not
-			// due, and leaves them to the next pass.
+		if fl != nil && sent >= 0 && 2*sent < claimed {
+			// Claiming while the round sends gains little when its calls take much less time
+			// than a claim, and costs some: the next claim looks at this one's window again.
 			f := fl
 			fl = nil
-			f.wait()
-			sent = f.took
-			if err := o.relayLand(f); err != nil {
+			if err := land(f); err != nil {
 				return err
 			}
 		}
+		// The pause leaves the database and the CPUs to the consumers for as long as the relay
+		// used them in its last turn, besides its claim (as when the rounds did not overlap: a
+		// claim costs about as much whatever it finds). The round that is sending goes on
+		// meanwhile.
+		if f := o.cfg.RelayPauseFactor; f > 0 && busy > 0 {
+			select {
+			case <-ctx.Done():
+			case <-time.After(time.Duration(f * float64(busy))):
+			}
+		}
+		busy = 0
 		overlapping := fl != nil
 		began := time.Now()
 		claim, err := o.store.EffectClaimDue(ctx, outboxdriver.EffectClaimParams{
@@ -100,54 +122,47 @@ func (o *Outbox) relayOnce(ctx context.Context) (err error) {
 		// outcome of the one before is written meanwhile.
 		prev := fl
 		fl = nil
-		var busy time.Duration
 		if prev != nil {
+			t := time.Now()
 			prev.wait()
 			sent = prev.took
+			busy += max(time.Since(t)-prev.stalled, 0)
 		}
 		if n > 0 {
 			fl = o.relayLaunch(ctx, claim.Effects, began.Add(o.relayBudget()))
 		}
 		if prev != nil {
-			writing := time.Now()
+			t := time.Now()
 			if err := o.relayLand(prev); err != nil {
 				return err
 			}
-			busy = time.Since(writing)
-			if !overlapping {
-				busy += prev.took - prev.stalled
-			}
+			busy += time.Since(t)
 		}
+		var next int64 // where the claim after this one would look, were the rounds one after another
 		switch {
-		case claim.Next > 0 && n > 0 && (n == o.cfg.RelayBatchSize || overlapping):
+		case claim.Next > 0 && n == o.cfg.RelayBatchSize:
 			// The window may hold more: go on from the last claimed effect, unless the claim took
 			// effects from the end of the pending ones too. Then it took topics and keys in turns
-			// and may have left earlier effects of the window behind: look at it again. A claim
-			// made while a round was sending left the effects behind that round's keys: they are
-			// left to the next pass, not skipped with the rest of the window.
+			// and may have left earlier effects of the window behind: look at it again.
+			next = after
 			if last := claim.Effects[n-1].StoreID; last <= claim.Next {
-				after = last
+				next = last
 			}
-		case claim.Next > 0 && overlapping:
-			// Nothing due in the window but behind the round that was sending: look at it again,
-			// now that that round's outcome is written.
 		case claim.Next > 0:
-			after = claim.Next // nothing more due in this window: look further
+			next = claim.Next // nothing more due in this window: look further
 		case n > 0 || overlapping:
-			after = 0 // the end: from the front again, where effects behind the sent ones are due now
+			next = 0 // the end: from the front again, where effects behind the sent ones are due now
 		default:
 			return nil
 		}
-		// The pause leaves the database and the CPUs to the consumers for as long as the relay
-		// used them: its statements, and the calls of a round it waited for (calls that overlap
-		// a claim mostly wait on the destination; a call that hung until its timeout used
-		// neither).
-		if f := o.cfg.RelayPauseFactor; f > 0 && n > 0 {
-			busy += claimed
-			select {
-			case <-ctx.Done():
-			case <-time.After(time.Duration(f * float64(busy))):
-			}
+		if overlapping && claim.Next > 0 {
+			// A claim made while a round was sending left the effects of its window that wait
+			// behind that round's keys. The next claim, made once that round's outcome is written,
+			// looks at this window again: it goes on from where the claim before this one would
+			// have gone on, one claim behind.
+			after, ahead = ahead, next
+		} else {
+			after, ahead = next, next
 		}
 	}
 	return nil

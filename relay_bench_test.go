@@ -120,7 +120,9 @@ func backlog(tb testing.TB, e *env, n, keys int) {
 }
 
 // BenchmarkRelayDrain drains a backlog of 30,000 effects on 300 ordering keys with one and with
-// three relay instances to a publisher that does nothing, and reports effects per second.
+// three relay instances to a publisher that does nothing (OUTBOX_BENCH_PER_MESSAGE: that takes
+// this long per message), and reports effects per second. OUTBOX_BENCH_RELAY_CONCURRENCY and
+// OUTBOX_BENCH_RELAY_PAUSE set RelayConcurrency and RelayPauseFactor.
 func BenchmarkRelayDrain(b *testing.B) {
 	for _, instances := range []int{1, 3} {
 		b.Run(fmt.Sprintf("instances=%d", instances), func(b *testing.B) {
@@ -133,7 +135,10 @@ func BenchmarkRelayDrain(b *testing.B) {
 					mustExec(b, e, `ALTER TABLE outbox_effects SET (fillfactor = `+ff+`)`)
 				}
 				backlog(b, e, n, keys)
-				pub := newNullPublisher()
+				pub := &latencyPublisher{nullPublisher: newNullPublisher()}
+				if v := os.Getenv("OUTBOX_BENCH_PER_MESSAGE"); v != "" {
+					pub.perMessage, _ = time.ParseDuration(v)
+				}
 				pub.expectStoreOrder(b, e.db, "outbox_effects")
 				var obs []*outbox.Outbox
 				for k := 0; k < instances; k++ {
@@ -150,6 +155,9 @@ func BenchmarkRelayDrain(b *testing.B) {
 						c.EffectRetention = 0
 						if v := os.Getenv("OUTBOX_BENCH_RELAY_CONCURRENCY"); v != "" {
 							c.RelayConcurrency, _ = strconv.Atoi(v)
+						}
+						if v := os.Getenv("OUTBOX_BENCH_RELAY_PAUSE"); v != "" {
+							c.RelayPauseFactor, _ = strconv.ParseFloat(v, 64)
 						}
 					}))
 				}

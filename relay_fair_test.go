@@ -236,3 +236,33 @@ func TestRelayClaimTakesFreshKeysBehindABacklog(t *testing.T) {
 			e.count(`SELECT count(*) FROM outbox_effects WHERE ordering_key = $1 AND dispatched_at IS NULL AND id <= $2`, key, id), claimed)
 	}
 }
+
+// TestRelayClaimSkipsKeysOfARoundInFlight: key a-0 has 20 effects pending and its first one is
+// leased (a round, of this relay or another, is sending it); 20 other keys have one effect each,
+// committed after a-0's. A claim of 10 takes 10 of the other keys' effects: a-0's later effects,
+// which wait behind its leased one, do not use up the claim's limit. (Before, the claim took the
+// first 10 due effects of its window, all a-0's, found them behind the lease, and claimed nothing
+// from them: a claim made while a round sends came back nearly empty.)
+func TestRelayClaimSkipsKeysOfARoundInFlight(t *testing.T) {
+	e := newEnv(t)
+	commitPending(t, e, "out_a", "a", 20, 1)
+	commitPending(t, e, "out_a", "b", 20, 20)
+	time.Sleep(10 * time.Millisecond)
+	mustExec(t, e, `UPDATE outbox_effects SET next_attempt_at = now() + interval '1 minute'
+		WHERE id = (SELECT min(id) FROM outbox_effects WHERE ordering_key = 'a-0')`)
+	claim, err := e.ob.Store().EffectClaimDue(context.Background(), outboxdriver.EffectClaimParams{
+		Grace: time.Millisecond, Limit: 10, Lease: time.Minute,
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	keys := map[string]bool{}
+	for _, ef := range claim.Effects {
+		if ef.OrderingKey == "a-0" {
+			t.Fatalf("the claim took effect %d of a-0, behind its leased first effect", ef.StoreID)
+		}
+		keys[ef.OrderingKey] = true
+	}
+	mustEqual(t, "effects claimed", len(claim.Effects), 10)
+	mustEqual(t, "keys claimed", len(keys), 10)
+}

@@ -334,7 +334,7 @@ func queries(n store.Names, deleteDispatched bool) store.Queries {
 			tail AS MATERIALIZED (
 				SELECT e.id, e.ordering_key, e.topic, octet_length(e.payload) + octet_length(e.metadata) AS size
 				FROM ` + n.Effects + ` e, bounds
-				WHERE e.id > bounds.tail_lo AND e.id <= bounds.last AND ` + selfDue(ms) + ` AND ` + headFree("e") + `
+				WHERE e.id > (SELECT tail_lo FROM bounds) AND e.id <= (SELECT last FROM bounds) AND ` + selfDue(ms) + ` AND ` + headFree("e") + `
 				ORDER BY e.id DESC LIMIT ($2 + 3) / 4),
 			fresh AS MATERIALIZED (SELECT t.ordering_key FROM (SELECT DISTINCT ordering_key FROM tail) t, bounds
 				WHERE (SELECT b.id FROM ` + n.Effects + ` b WHERE b.ordering_key = t.ordering_key AND b.dispatched_at IS NULL
@@ -342,7 +342,7 @@ func queries(n store.Names, deleteDispatched bool) store.Queries {
 			cand AS MATERIALIZED (
 				(SELECT e.id, e.ordering_key, e.topic, octet_length(e.payload) + octet_length(e.metadata) AS size
 				FROM ` + n.Effects + ` e, bounds
-				WHERE e.id > bounds.lo AND e.id <= bounds.hi AND ` + selfDue(ms) + ` AND ` + headFree("e") + `
+				WHERE e.id > (SELECT lo FROM bounds) AND e.id <= (SELECT hi FROM bounds) AND ` + selfDue(ms) + ` AND ` + headFree("e") + `
 				ORDER BY e.id LIMIT $2)
 				UNION ALL
 				SELECT tail.* FROM tail JOIN fresh USING (ordering_key)),
