@@ -20,12 +20,13 @@ import (
 )
 
 // health remembers when this process last dispatched something successfully to each target: the
-// Publisher (for every message) and each applier. It tells a poison effect (the target refuses it
-// and takes everything else) from an outage (the target takes nothing), so that an outage of any
-// length parks nothing.
+// Publisher (for every message), each topic, and each applier. It tells a poison effect (the
+// target refuses it and takes everything else) from an outage (the target takes nothing), so that
+// an outage of any length parks nothing.
 type health struct {
 	mu        sync.Mutex
 	publishOK time.Time
+	topicOK   map[string]time.Time
 	applierOK map[string]time.Time
 }
 
@@ -35,6 +36,10 @@ func (h *health) succeeded(e Effect) {
 	defer h.mu.Unlock()
 	if e.Kind == KindPublish {
 		h.publishOK = now
+		if h.topicOK == nil {
+			h.topicOK = map[string]time.Time{}
+		}
+		h.topicOK[e.Topic] = now
 		return
 	}
 	if h.applierOK == nil {
@@ -50,8 +55,11 @@ const outageTolerance = 24 * time.Hour
 
 // counts tells whether a failed dispatch of e counts toward parking it: when the same target took
 // something else since e's previous failure (or since e was stored, for its first), or when e has
-// been pending for longer than outageTolerance.
-func (h *health) counts(e Effect) bool {
+// been pending for longer than outageTolerance. For a call that did not return in time (timedOut)
+// the target of a message is its topic, not the Publisher: a broker that hangs on one topic (a
+// partition without a leader, a queue that blocks) times out whatever it is given while the
+// other topics flow, and its probes must not park the effects that wait for it.
+func (h *health) counts(e Effect, timedOut bool) bool {
 	if e.PendingFor >= outageTolerance {
 		return true
 	}
@@ -62,8 +70,11 @@ func (h *health) counts(e Effect) bool {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	last := h.publishOK
-	if e.Kind != KindPublish {
+	switch {
+	case e.Kind != KindPublish:
 		last = h.applierOK[e.Kind]
+	case timedOut:
+		last = h.topicOK[e.Topic]
 	}
 	return !last.IsZero() && last.After(time.Now().Add(-max(since, 0)))
 }
@@ -94,7 +105,7 @@ func (o *Outbox) failures(effects []Effect, sent, failed int, err error) []outbo
 			out = append(out, outboxdriver.EffectFailure{StoreID: e.StoreID})
 			continue
 		}
-		counted := o.health.counts(e)
+		counted := o.health.counts(e, hung(err))
 		attempts := e.Attempts
 		if counted {
 			attempts++

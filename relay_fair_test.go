@@ -266,3 +266,45 @@ func TestRelayClaimSkipsKeysOfARoundInFlight(t *testing.T) {
 	mustEqual(t, "effects claimed", len(claim.Effects), 10)
 	mustEqual(t, "keys claimed", len(keys), 10)
 }
+
+// TestRelayHungTopicParksNothing: the Publisher hangs on every call to topic A while topic B
+// flows. A hung destination is an outage of that destination, not a poison effect: its calls
+// time out whatever they carry. A's effect is tried again and again (each probe of its breaker
+// times out) and is never parked, however many of those time-outs there are, while B's effects
+// go out. (Before, a time-out counted as evidence against the effect as soon as anything else
+// reached the Publisher: with B flowing, RelayMaxAttempts probes of A parked its head effect.)
+func TestRelayHungTopicParksNothing(t *testing.T) {
+	e := newEnv(t)
+	commitPending(t, e, "out_a", "a", 1, 1)
+	pub := &hungTopicPublisher{next: e.pub.next, hung: "out_a", release: make(chan struct{})}
+	t.Cleanup(func() { close(pub.release) })
+	relay := e.newOutbox(func(c *outbox.Config) {
+		c.Publisher = pub
+		c.PublishTimeout = 200 * time.Millisecond
+		c.RelayGrace = time.Millisecond
+		c.RelayInterval = 10 * time.Millisecond
+		c.RelayMaxAttempts = 2
+	})
+	ctx, stop := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- relay.Run(ctx) }()
+	defer func() { stop(); <-done }()
+
+	// B flows meanwhile: an effect every 50 ms, sent by the same relay.
+	b := 0
+	for deadline := time.Now().Add(30 * time.Second); ; {
+		if e.count(`SELECT count(*) FROM outbox_effects WHERE topic = 'out_a' AND (failures >= 3 OR parked_at IS NOT NULL)`) > 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("A's effect failed %d times in 30 s: the test tests too little",
+				e.count(`SELECT failures FROM outbox_effects WHERE topic = 'out_a'`))
+		}
+		commitPending(t, e, "out_b", fmt.Sprintf("b%d", b), 1, 1)
+		b++
+		time.Sleep(50 * time.Millisecond)
+	}
+	waitFor(t, "B's effects sent", func() bool { return len(e.wire("out_b")) == b })
+	mustEqual(t, "A's effect parked", e.count(`SELECT count(*) FROM outbox_effects WHERE topic = 'out_a' AND parked_at IS NOT NULL`), 0)
+	mustEqual(t, "A's effect pending", e.count(`SELECT count(*) FROM outbox_effects WHERE topic = 'out_a' AND dispatched_at IS NULL`), 1)
+}
