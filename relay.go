@@ -35,7 +35,8 @@ func (o *Outbox) relayBudget() time.Duration { return o.relayLease() / 2 }
 // its statements rather than their sum. One round sends at a time (at most RelayConcurrency
 // calls). A claim never takes an effect of a key that has an effect in the round still sending:
 // the claim leases the first effect of each key it takes, and the later effects of a key wait
-// behind a leased one (see EffectClaimDue) until the round's outcome is written. Every claim is
+// behind a leased one (see EffectClaimDue) until the round's outcome is written; the claim is
+// told to skip those keys, so that it does not spend its limit on them. Every claim is
 // made after the outcome of every round but the one sending was written, so that it never finds
 // a key half marked, nor a failed effect before its retry time is written.
 func (o *Outbox) relayOnce(ctx context.Context) (err error) {
@@ -92,6 +93,10 @@ func (o *Outbox) relayOnce(ctx context.Context) (err error) {
 		}
 		busy = 0
 		overlapping := fl != nil
+		var skip []string
+		if overlapping {
+			skip = fl.keys()
+		}
 		began := time.Now()
 		claim, err := o.store.EffectClaimDue(ctx, outboxdriver.EffectClaimParams{
 			Grace:    o.cfg.RelayGrace,
@@ -99,6 +104,7 @@ func (o *Outbox) relayOnce(ctx context.Context) (err error) {
 			MaxBytes: o.cfg.RelayBatchBytes,
 			Lease:    o.relayLease(),
 			After:    after,
+			Skip:     skip,
 		})
 		if err != nil {
 			o.tel.relayErrors.Add(ctx, 1)
@@ -217,6 +223,19 @@ func (o *Outbox) relayLaunch(ctx context.Context, claimed []Effect, deadline tim
 		f.took = time.Since(began)
 	}()
 	return f
+}
+
+// keys returns the ordering keys of f's effects.
+func (f *relayFlight) keys() []string {
+	seen := make(map[string]bool, len(f.effects))
+	var keys []string
+	for _, e := range f.effects {
+		if !seen[e.OrderingKey] {
+			seen[e.OrderingKey] = true
+			keys = append(keys, e.OrderingKey)
+		}
+	}
+	return keys
 }
 
 // wait waits until every call of f has ended.

@@ -238,11 +238,12 @@ func TestRelayClaimTakesFreshKeysBehindABacklog(t *testing.T) {
 }
 
 // TestRelayClaimSkipsKeysOfARoundInFlight: key a-0 has 20 effects pending and its first one is
-// leased (a round, of this relay or another, is sending it); 20 other keys have one effect each,
-// committed after a-0's. A claim of 10 takes 10 of the other keys' effects: a-0's later effects,
-// which wait behind its leased one, do not use up the claim's limit. (Before, the claim took the
-// first 10 due effects of its window, all a-0's, found them behind the lease, and claimed nothing
-// from them: a claim made while a round sends came back nearly empty.)
+// leased (the round the relay is sending); 20 other keys have one effect each, committed after
+// a-0's. A claim of 10 made meanwhile, told to skip a-0, takes 10 of the other keys' effects:
+// a-0's later effects, which wait behind its leased one, do not use up the claim's limit.
+// (Before, the claim took the first 10 due effects of its window, all a-0's, found them behind
+// the lease, and claimed nothing from them: a claim made while a round sends came back nearly
+// empty.)
 func TestRelayClaimSkipsKeysOfARoundInFlight(t *testing.T) {
 	e := newEnv(t)
 	commitPending(t, e, "out_a", "a", 20, 1)
@@ -251,7 +252,7 @@ func TestRelayClaimSkipsKeysOfARoundInFlight(t *testing.T) {
 	mustExec(t, e, `UPDATE outbox_effects SET next_attempt_at = now() + interval '1 minute'
 		WHERE id = (SELECT min(id) FROM outbox_effects WHERE ordering_key = 'a-0')`)
 	claim, err := e.ob.Store().EffectClaimDue(context.Background(), outboxdriver.EffectClaimParams{
-		Grace: time.Millisecond, Limit: 10, Lease: time.Minute,
+		Grace: time.Millisecond, Limit: 10, Lease: time.Minute, Skip: []string{"a-0", "x,y\"z"},
 	})
 	if err != nil {
 		t.Fatal(err)

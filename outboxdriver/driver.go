@@ -294,6 +294,10 @@ type EffectClaimParams struct {
 	Lease time.Duration
 	// After: only effects with a greater StoreID are claimed (0: from the first).
 	After int64
+	// Skip are ordering keys whose effects are not claimed, nor looked at: the keys of a round
+	// the caller is sending, whose later effects wait behind its lease anyway. A store may
+	// ignore it (it only saves the claim's limit for effects it can take).
+	Skip []string
 }
 
 // EffectClaim is what Store.EffectClaimDue leased.

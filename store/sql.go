@@ -52,7 +52,8 @@ type Queries struct {
 	// time; it returns a row per effect it discarded.
 	EffectDiscard string
 	// EffectClaimDue (grace ms, limit, max bytes, lease ms, after, window) -> effect columns of the
-	// leased effects, in any order. With EffectClaimDueWindowed it looks only at the window
+	// leased effects, in any order. With EffectClaimDueWindowed it takes a seventh argument, the
+	// ordering keys to leave alone (a JSON array of strings), and looks only at the window
 	// (lo, lo+window] of ids, lo the greater of after and the first pending id less one, and every
 	// row starts with (next, more): more tells whether pending effects lie beyond next; a row whose
 	// effect id is 0 carries them when nothing was claimed.
@@ -806,7 +807,15 @@ func (s *SQL) EffectClaimDue(ctx context.Context, p outboxdriver.EffectClaimPara
 		return outboxdriver.EffectClaim{Effects: effects}, nil
 	}
 	window := int64(max(p.Limit, 1)) * claimWindow
-	rows, err := s.db.QueryContext(ctx, s.d.Queries.EffectClaimDue, p.Grace.Milliseconds(), p.Limit, maxBytes, p.Lease.Milliseconds(), p.After, window)
+	args := []any{p.Grace.Milliseconds(), p.Limit, maxBytes, p.Lease.Milliseconds(), p.After, window}
+	if s.d.Queries.EffectClaimDueWindowed {
+		skip, err := json.Marshal(append([]string{}, p.Skip...)) // [], not null, for none
+		if err != nil {
+			return outboxdriver.EffectClaim{}, fmt.Errorf("claim due effects: %w", err)
+		}
+		args = append(args, string(skip))
+	}
+	rows, err := s.db.QueryContext(ctx, s.d.Queries.EffectClaimDue, args...)
 	if err != nil {
 		return outboxdriver.EffectClaim{}, fmt.Errorf("claim due effects: %w", s.wrap(err))
 	}

@@ -185,17 +185,10 @@ func selfDue(ms func(string) string) string {
 }
 
 func queries(n store.Names, deleteDispatched bool) store.Queries {
-	// headFree is the condition that the first undispatched effect of the ordering key of effect
-	// row e is neither leased (a round of this or another relay is sending it), nor waiting for
-	// its retry time, nor parked: otherwise e waits behind it, and a claim that took e as a
-	// candidate would spend its LIMIT on effects it cannot take (half a window of them, behind
-	// the keys of a round that is sending while the next one is claimed). One look-up of the
-	// pending-key index per candidate.
-	headFree := func(e string) string {
-		return `NOT EXISTS (SELECT 1 FROM (SELECT h.next_attempt_at, h.parked_at FROM ` + n.Effects + ` h
-					WHERE h.ordering_key = ` + e + `.ordering_key AND h.dispatched_at IS NULL
-					ORDER BY h.ordering_key, h.id LIMIT 1) h WHERE h.next_attempt_at > now() OR h.parked_at IS NOT NULL)`
-	}
+	// notSkipped leaves out the ordering keys the relay asked the claim to skip ($7): those of
+	// the round it is sending, whose later effects wait behind that round's lease. Without it a
+	// claim made while a round sends spends its limit on them and takes nothing from them.
+	notSkipped := `e.ordering_key NOT IN (SELECT jsonb_array_elements_text($7::jsonb))`
 	ms := func(arg string) string { return "(" + arg + " * interval '1 millisecond')" }
 	// Marked effects leave the effects table, which holds only what is pending: deleted (the
 	// default), or moved to the dispatched table for EffectRetention. Every statement that takes
@@ -334,7 +327,7 @@ func queries(n store.Names, deleteDispatched bool) store.Queries {
 			tail AS MATERIALIZED (
 				SELECT e.id, e.ordering_key, e.topic, octet_length(e.payload) + octet_length(e.metadata) AS size
 				FROM ` + n.Effects + ` e, bounds
-				WHERE e.id > (SELECT tail_lo FROM bounds) AND e.id <= (SELECT last FROM bounds) AND ` + selfDue(ms) + ` AND ` + headFree("e") + `
+				WHERE e.id > (SELECT tail_lo FROM bounds) AND e.id <= (SELECT last FROM bounds) AND ` + selfDue(ms) + ` AND ` + notSkipped + `
 				ORDER BY e.id DESC LIMIT ($2 + 3) / 4),
 			fresh AS MATERIALIZED (SELECT t.ordering_key FROM (SELECT DISTINCT ordering_key FROM tail) t, bounds
 				WHERE (SELECT b.id FROM ` + n.Effects + ` b WHERE b.ordering_key = t.ordering_key AND b.dispatched_at IS NULL
@@ -342,7 +335,7 @@ func queries(n store.Names, deleteDispatched bool) store.Queries {
 			cand AS MATERIALIZED (
 				(SELECT e.id, e.ordering_key, e.topic, octet_length(e.payload) + octet_length(e.metadata) AS size
 				FROM ` + n.Effects + ` e, bounds
-				WHERE e.id > (SELECT lo FROM bounds) AND e.id <= (SELECT hi FROM bounds) AND ` + selfDue(ms) + ` AND ` + headFree("e") + `
+				WHERE e.id > (SELECT lo FROM bounds) AND e.id <= (SELECT hi FROM bounds) AND ` + selfDue(ms) + ` AND ` + notSkipped + `
 				ORDER BY e.id LIMIT $2)
 				UNION ALL
 				SELECT tail.* FROM tail JOIN fresh USING (ordering_key)),
