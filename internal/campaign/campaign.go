@@ -57,6 +57,8 @@ var Scenarios = map[string]string{
 	"clock-step":  "the database clock runs 10 minutes ahead for a moment and steps back (simulated on the claims and the sweep's watermark)",
 	"relay-one":   "the final drain runs on one instance chosen at random, not on all",
 	"keyed":       "client requests with an idempotency key are retried through keyed boundary units of work (some attempts at once, waiting or not), with the deliveries' faults",
+	"slow-topic":  "every call for one topic takes 20-120 ms (within PublishTimeout), on every path",
+	"hung-topic":  "for the first 0.3-1.5 s of the run every call for one topic hangs until its context ends (PublishTimeout), on every path, while the other topic flows",
 }
 
 // Form is one way to build an instance of the framework.
@@ -263,7 +265,7 @@ func Run(t *testing.T, dsn string, o Options) {
 			want = append(want, "crash@"+p)
 		}
 	}
-	for _, s := range []string{"copy-during", "copy-after", "shared-uuid", "topic-fails", "held-claim", "clock-step"} {
+	for _, s := range []string{"copy-during", "copy-after", "shared-uuid", "topic-fails", "held-claim", "clock-step", "slow-topic", "hung-topic"} {
 		if on[s] {
 			want = append(want, s)
 		}

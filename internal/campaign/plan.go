@@ -7,6 +7,7 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 
@@ -125,6 +126,12 @@ type publisher struct {
 	failTopic string       // "": none
 	failCalls atomic.Int32 // calls for failTopic still to refuse
 
+	slowTopic string        // "": none
+	slowBy    time.Duration // how long every call for slowTopic takes
+	hungTopic string        // "": none
+	hungUntil time.Time     // until then every call for hungTopic hangs until its context ends
+	hungCalls atomic.Int32
+
 	mu    sync.Mutex
 	clock int
 	first map[wireKey]int // (topic, UUID) -> the clock when the broker first took it
@@ -138,6 +145,19 @@ func (p *publisher) Publish(topic string, msgs ...*message.Message) error {
 	pl.published++
 	first := pl.published == 1
 	pl.mu.Unlock()
+	if topic == p.hungTopic && time.Now().Before(p.hungUntil) {
+		// A broker that hangs takes nothing; the call returns when the framework gives up on it
+		// (every call's context carries PublishTimeout), or when the run ends.
+		p.hungCalls.Add(1)
+		select {
+		case <-msgs[0].Context().Done():
+		case <-p.stuck:
+		}
+		return errors.New("broker hung on the topic")
+	}
+	if topic == p.slowTopic {
+		time.Sleep(p.slowBy)
+	}
 	if topic == p.failTopic && p.failCalls.Add(-1) >= 0 {
 		return errors.New("broker refused the topic")
 	}

@@ -139,6 +139,16 @@ func (c *run) do() bool {
 		// Any one instance: every form's relay moves the inline effects left behind (docs/pgx.md).
 		drainers = []int{pick}
 	}
+	if slow, topic, by := r.IntN(3) == 0, r.IntN(2), 20+r.IntN(100); slow && c.on["slow-topic"] {
+		c.pub.slowTopic, c.pub.slowBy = c.topics[topic], time.Duration(by)*time.Millisecond
+		c.note("every call for %s takes %s", c.pub.slowTopic, c.pub.slowBy)
+		c.stats.reached("slow-topic")
+	}
+	if hung, topic, d := r.IntN(3) == 0, r.IntN(2), 300+r.IntN(1200); hung && c.on["hung-topic"] {
+		// From now on: the instances open in a few milliseconds, and the deliveries begin.
+		c.pub.hungTopic, c.pub.hungUntil = c.topics[topic], time.Now().Add(time.Duration(d)*time.Millisecond)
+		c.note("every call for %s hangs for the first %d ms", c.pub.hungTopic, d)
+	}
 	var names []string
 	for i, f := range c.forms {
 		names = append(names, fmt.Sprintf("%d=%s", i, f.Name))
@@ -338,6 +348,9 @@ func (c *run) do() bool {
 	relays.Wait()
 	for _, ob := range c.procs {
 		ob.FlushMarks()
+	}
+	if c.pub.hungCalls.Load() > 0 {
+		c.stats.reached("hung-topic") // a call for the topic hung while the run went on
 	}
 	specs := make([]*spec, len(scheds))
 	for i, s := range scheds {
