@@ -127,13 +127,15 @@ type Config struct {
 	// scarce resource per call (a database connection); 1 sends one call at a time. See
 	// docs/operations.md, "Sizing the relay". Default: 16.
 	RelayConcurrency int
-	// RelayPauseFactor makes the relay pause after each round that claimed something for this
-	// many times as long as the round took from its claim on (less the time it waited for calls
-	// that did not return within PublishTimeout, which used neither the database nor the CPUs),
-	// so that a relay draining a backlog keeps to about 1/(1+factor) of its time and leaves the
-	// database and the CPUs to the consumers. Default: 1 (half its time; one relay still drains
-	// more than 10,000 effects/s on 2 CPUs, see docs/benchmarks.md). Negative: no pause, the
-	// fastest drain.
+	// RelayPauseFactor makes a relay that is draining a backlog pause, before each claim, for
+	// this many times as long as its last turn took besides its claim: waiting for the calls of a
+	// round (less the time they waited for calls that did not return within PublishTimeout,
+	// which used neither the database nor the CPUs) and writing its outcome. The calls of a round
+	// that run while the relay claims the next one are not counted (they mostly wait on the
+	// destination), and they go on during the pause. So a relay draining a backlog keeps to about
+	// 1/(1+factor) of its time and leaves the database and the CPUs to the consumers. Default: 1
+	// (what it costs in drain speed is in docs/benchmarks.md). Negative: no pause, the fastest
+	// drain.
 	RelayPauseFactor float64
 	// RelayMaxAttempts is how many failed dispatches of one side effect, on any path, park it.
 	// Only failures while the target is otherwise healthy count (something else reached the
