@@ -51,6 +51,10 @@ type config struct {
 	redis           string // the Redis server (host:port) of -broker redis
 	kafkaBrokers    string // the Kafka bootstrap servers (host:port,...) of -broker kafka
 	verbose         bool
+	// afterDispatchFailure is outbox.Config.AfterDispatchFailure: "nack" (the default) or "ack".
+	afterDispatchFailure string
+	// relayMaxAttempts is outbox.Config.RelayMaxAttempts; 0: the default (10).
+	relayMaxAttempts int
 
 	chaos bool
 	chaosConfig
@@ -114,6 +118,10 @@ func parseFlags(args []string) (config, error) {
 	fs.StringVar(&cfg.consolePassword, "console-password", env("ORDERS_CONSOLE_PASSWORD", ""),
 		"password of user operator for the web console at /outbox/ (PostgreSQL only); empty: a random one, printed at start (ORDERS_CONSOLE_PASSWORD)")
 
+	fs.StringVar(&cfg.afterDispatchFailure, "after-dispatch-failure", env("ORDERS_AFTER_DISPATCH_FAILURE", string(outbox.DispatchFailureNack)),
+		"when a message's events cannot all be sent after its commit: nack (redeliver it; its redelivery sends them) or ack (leave them to the relay) (ORDERS_AFTER_DISPATCH_FAILURE)")
+	fs.IntVar(&cfg.relayMaxAttempts, "relay-max-attempts", 0, "failed dispatches of one event, while the broker takes others, that park it (0: the outbox default, 10)")
+
 	fs.BoolVar(&cfg.chaos, "chaos", false, "run the load-and-chaos check instead of serving")
 	fs.IntVar(&cfg.orders, "orders", 1000, "chaos: orders to place")
 	fs.IntVar(&cfg.clients, "clients", 8, "chaos: concurrent HTTP clients")
@@ -141,6 +149,10 @@ func parseFlags(args []string) (config, error) {
 		return cfg, errors.New("-fault is injected during the -linger")
 	case cfg.broker != "nats" && cfg.natsURL != "":
 		return cfg, errors.New("-nats-url is for -broker nats")
+	case cfg.afterDispatchFailure != string(outbox.DispatchFailureNack) && cfg.afterDispatchFailure != string(outbox.DispatchFailureAck):
+		return cfg, fmt.Errorf("-after-dispatch-failure must be nack or ack, not %q", cfg.afterDispatchFailure)
+	case cfg.relayMaxAttempts < 0:
+		return cfg, fmt.Errorf("-relay-max-attempts must not be negative, not %d", cfg.relayMaxAttempts)
 	}
 	return cfg, nil
 }
@@ -174,6 +186,10 @@ type service struct {
 	meters  *sdkmetric.MeterProvider
 	metrics http.Handler
 
+	// afterDispatchFailure and relayMaxAttempts come from the flags of the same names.
+	afterDispatchFailure outbox.DispatchFailurePolicy
+	relayMaxAttempts     int
+
 	// tune, when set, adjusts every outbox configuration (the chaos mode injects faults with it).
 	tune func(*outbox.Config)
 }
@@ -183,7 +199,8 @@ func openService(ctx context.Context, cfg config, ackWait time.Duration) (_ *ser
 	if err := os.MkdirAll(cfg.dataDir, 0o755); err != nil {
 		return nil, err
 	}
-	s := &service{mail: &mailer{dir: filepath.Join(cfg.dataDir, "mail")}, logger: watermill.NopLogger{}}
+	s := &service{mail: &mailer{dir: filepath.Join(cfg.dataDir, "mail")}, logger: watermill.NopLogger{},
+		afterDispatchFailure: outbox.DispatchFailurePolicy(cfg.afterDispatchFailure), relayMaxAttempts: cfg.relayMaxAttempts}
 	// Watermill and the outbox log errors (a failed handler, a failed send) to stderr; -v adds
 	// what they do. The chaos mode fails on purpose all the time: it logs only with -v.
 	level := slog.LevelError
@@ -262,6 +279,9 @@ func (s *service) newOutbox(tune ...func(*outbox.Config)) (*outbox.Outbox, messa
 		// marked as sent is left to the relay, which sends it at its next round. A consumer is
 		// often that fast, so poll every 100 ms rather than every second (the default).
 		RelayInterval: 100 * time.Millisecond,
+
+		AfterDispatchFailure: s.afterDispatchFailure,
+		RelayMaxAttempts:     s.relayMaxAttempts,
 	}
 	for _, t := range append([]func(*outbox.Config){s.tune}, tune...) {
 		if t != nil {
