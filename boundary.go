@@ -86,6 +86,15 @@ func (o *Outbox) InUnit(ctx context.Context, fn func(ctx context.Context) error)
 	}
 	if err := callInTx(withUnit(ctx, u), tx, fn); err != nil {
 		u.finish()
+		// A unit whose context ended (the caller gave up, or HandlerTimeout) or whose effects the
+		// store did not take could not finish: the database, not the application, said no. A
+		// stalled database shows this way first, since fn's statements wait on it.
+		if ctx.Err() != nil || txCtx.Err() != nil || u.storeRefused() {
+			outcome = OutcomeFailed
+		}
+		if txCtx.Err() != nil && ctx.Err() == nil {
+			err = timedOut(err, o.cfg.HandlerTimeout)
+		}
 		if rbErr := tx.Rollback(after); rbErr != nil && !errors.Is(rbErr, sql.ErrTxDone) {
 			return fmt.Errorf("%w (rollback: %w)", err, rbErr)
 		}

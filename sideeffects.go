@@ -76,6 +76,10 @@ type unit struct {
 
 	key    *keyed // the idempotency key of a keyed boundary unit; nil otherwise
 	result []byte // set with SetResult, stored with the key
+
+	// storeFailed: the store refused or did not answer a record of effects. A boundary unit that
+	// then fails counts as failed, not as the application's rollback.
+	storeFailed bool
 }
 
 func newUnit(o *Outbox, tx outboxdriver.UnitTx, src Source, incoming *message.Message) *unit {
@@ -88,6 +92,13 @@ func (u *unit) finish() []Effect {
 	defer u.mu.Unlock()
 	u.finished = true
 	return u.effects
+}
+
+// storeRefused tells whether a record of effects failed in the store.
+func (u *unit) storeRefused() bool {
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	return u.storeFailed
 }
 
 // committedEffects stops recording and returns the recorded effects that will commit with the
@@ -354,6 +365,7 @@ func (u *unit) record(ctx context.Context, effects []Effect) error {
 		effects[i].Seq = len(u.effects) + i
 	}
 	if err := u.tx.Record(ctx, effects); err != nil {
+		u.storeFailed = true
 		return fmt.Errorf("outbox: store side effects: %w", err)
 	}
 	u.effects = append(u.effects, effects...)

@@ -83,8 +83,9 @@ const (
 	// OutcomeKeyConflict: keyed, fn did not run: the key is in flight in another unit of work, or
 	// was committed with another request fingerprint.
 	OutcomeKeyConflict = "key_conflict"
-	// OutcomeFailed (above) at the boundary: the transaction could not begin or commit, or the
-	// effects could not be stored; InTx returned the error.
+	// OutcomeFailed (above) at the boundary: the transaction could not begin or commit, the
+	// effects could not be stored, or the unit's context ended (its caller gave up, or
+	// HandlerTimeout) before it finished; InTx returned the error.
 )
 
 // Dispatch paths (AttrPath).

@@ -260,3 +260,53 @@ func TestDashboardPanelsHaveDataOnAHealthyService(t *testing.T) {
 		}
 	}
 }
+
+// A unit that cannot finish because the database does not answer counts as failed, not as rolled
+// back, whether its caller gives up (a client's timeout cancels the request's context) or
+// HandlerTimeout ends it: OutboxBoundaryFailing is the alert for a stalled database at the
+// boundary, and an application's own refusals (rolled_back) must not be mistaken for it.
+func TestTelemetryBoundaryStalledUnitsFail(t *testing.T) {
+	e := newCounterEnv(t, outbox.Config{HandlerTimeout: time.Second, StatsInterval: -1})
+	outcome := func(o string) map[string]string { return map[string]string{string(outbox.AttrOutcome): o} }
+
+	// The stall: a side transaction holds the effects table as an operator's migration might.
+	lock, err := e.db.BeginTx(context.Background(), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = lock.Rollback() }()
+	if _, err := lock.Exec(`LOCK TABLE outbox_effects IN ACCESS EXCLUSIVE MODE`); err != nil {
+		t.Fatal(err)
+	}
+	publish := func(ctx context.Context, tx *sql.Tx) error {
+		return outbox.Publish(ctx, telEvents, message.NewMessage(uuid.NewString(), []byte("x")))
+	}
+
+	// The caller gives up first.
+	ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
+	err = e.ob.InTx(ctx, publish)
+	cancel()
+	if err == nil {
+		t.Fatal("InTx against a locked effects table with a 300 ms context: no error")
+	}
+	t.Logf("caller's deadline: %v", err)
+	// HandlerTimeout ends it.
+	start := time.Now()
+	err = e.ob.InTx(context.Background(), publish)
+	if err == nil {
+		t.Fatal("InTx against a locked effects table with a 1 s HandlerTimeout: no error")
+	}
+	if took := time.Since(start); took > 30*time.Second {
+		t.Errorf("InTx took %v with a 1 s HandlerTimeout", took)
+	}
+	t.Logf("HandlerTimeout: %v", err)
+
+	rm := e.tel.collect(t)
+	if n := sumInt(t, rm, outbox.MetricBoundaryUnits, outcome(outbox.OutcomeFailed)); n != 2 {
+		t.Errorf("%s{outcome=failed} = %d after two units stalled on the database, want 2 (rolled_back: %d)", outbox.MetricBoundaryUnits, n,
+			sumInt(t, rm, outbox.MetricBoundaryUnits, outcome(outbox.OutcomeRolledBack)))
+	}
+	if n := sumInt(t, rm, outbox.MetricBoundaryUnits, outcome(outbox.OutcomeRolledBack)); n != 0 {
+		t.Errorf("%s{outcome=rolled_back} = %d, want 0: no fn refused anything", outbox.MetricBoundaryUnits, n)
+	}
+}
