@@ -79,12 +79,18 @@ type base struct {
 	db    *sql.DB
 	wc    *wireCounters
 	crash *atomic.Pointer[string]
+	// suffix follows the contender's name: pooledSuffix when it reaches the database through
+	// PgBouncer.
+	suffix string
 }
 
-func newBase(e *env) (base, error) {
+func newBase(e *env) (base, error) { return newBaseDSN(e, e.dsn, "") }
+
+// newBaseDSN is newBase on dsn (the pooler's) with suffix after the contender's name.
+func newBaseDSN(e *env, dsn, suffix string) (base, error) {
 	wc := &wireCounters{}
-	db, err := openCounted(e.dsn, wc, 64)
-	return base{e: e, db: db, wc: wc, crash: new(atomic.Pointer[string])}, err
+	db, err := openCounted(dsn, wc, 64)
+	return base{e: e, db: db, wc: wc, crash: new(atomic.Pointer[string]), suffix: suffix}, err
 }
 
 func (b *base) counters() *wireCounters { return b.wc }
@@ -188,7 +194,7 @@ func (c *bare) name() string {
 	if c.noop != nil {
 		return "ceiling"
 	}
-	return "bare"
+	return "bare" + c.suffix
 }
 
 func (c *bare) path() string {
@@ -589,7 +595,12 @@ type framework struct {
 type crashIDKey struct{}
 
 func newFramework(e *env, boundary bool, prefix string) (*framework, error) {
-	b, err := newBase(e)
+	return newFrameworkDSN(e, boundary, prefix, e.dsn, "")
+}
+
+// newFrameworkDSN is newFramework on dsn (the pooler's) with suffix after its name.
+func newFrameworkDSN(e *env, boundary bool, prefix, dsn, suffix string) (*framework, error) {
+	b, err := newBaseDSN(e, dsn, suffix)
 	if err != nil {
 		return nil, err
 	}
@@ -639,16 +650,15 @@ func (c *framework) close() {
 }
 
 func (c *framework) name() string {
-	if c.pool != nil && c.pessimistic {
-		return "outbox-pgx-pessimistic"
+	switch {
+	case c.pool != nil && c.pessimistic:
+		return "outbox-pgx-pessimistic" + c.suffix
+	case c.pool != nil:
+		return "outbox-pgx" + c.suffix
+	case c.boundary:
+		return "outbox-intx" + c.suffix
 	}
-	if c.pool != nil {
-		return "outbox-pgx"
-	}
-	if c.boundary {
-		return "outbox-intx"
-	}
-	return "outbox-middleware"
+	return "outbox-middleware" + c.suffix
 }
 
 func (c *framework) path() string {

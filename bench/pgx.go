@@ -29,14 +29,17 @@ func openCountedPool(dsn string, c *wireCounters, maxConns int32) (*pgxpool.Pool
 	return pgxpool.NewWithConfig(context.Background(), cfg)
 }
 
-func newPgxBase(e *env) (base, *pgxpool.Pool, error) {
+func newPgxBase(e *env) (base, *pgxpool.Pool, error) { return newPgxBaseDSN(e, e.dsn, "") }
+
+// newPgxBaseDSN is newPgxBase on dsn (the pooler's) with suffix after the contender's name.
+func newPgxBaseDSN(e *env, dsn, suffix string) (base, *pgxpool.Pool, error) {
 	wc := &wireCounters{}
-	pool, err := openCountedPool(e.dsn, wc, 64)
+	pool, err := openCountedPool(dsn, wc, 64)
 	if err != nil {
 		return base{}, nil, err
 	}
 	// base's *sql.DB (closed with it) is a database/sql view of the same pool.
-	return base{e: e, db: stdlib.OpenDBFromPool(pool), wc: wc, crash: new(atomic.Pointer[string])}, pool, nil
+	return base{e: e, db: stdlib.OpenDBFromPool(pool), wc: wc, crash: new(atomic.Pointer[string]), suffix: suffix}, pool, nil
 }
 
 // barePgx is bare on pgx: a plain pgx transaction (BEGIN, the write, COMMIT: a round trip each),
@@ -51,7 +54,7 @@ func newBarePgx(e *env) (contender, error) {
 	return &barePgx{base: b, pool: pool}, err
 }
 
-func (c *barePgx) name() string       { return "bare-pgx" }
+func (c *barePgx) name() string       { return "bare-pgx" + c.suffix }
 func (c *barePgx) path() string       { return "consumer" }
 func (c *barePgx) safe() bool         { return false }
 func (c *barePgx) crashPoint() string { return "after commit, before publish" }
@@ -79,7 +82,13 @@ func (c *barePgx) handle(ctx context.Context, d delivery) (bool, error) {
 // newFrameworkPgx is the framework's consumer path on pgx (outboxpgx.New, middleware.New, the
 // handler writing through outboxpgx.Tx).
 func newFrameworkPgx(e *env, prefix string, mode outboxpgx.Concurrency) (*framework, error) {
-	b, pool, err := newPgxBase(e)
+	return newFrameworkPgxDSN(e, prefix, mode, e.dsn, "")
+}
+
+// newFrameworkPgxDSN is newFrameworkPgx on dsn (the pooler's) with suffix after its name and
+// more options (the pooled form's direct listener).
+func newFrameworkPgxDSN(e *env, prefix string, mode outboxpgx.Concurrency, dsn, suffix string, opts ...outboxpgx.Option) (*framework, error) {
+	b, pool, err := newPgxBaseDSN(e, dsn, suffix)
 	if err != nil {
 		return nil, err
 	}
@@ -90,7 +99,7 @@ func newFrameworkPgx(e *env, prefix string, mode outboxpgx.Concurrency) (*framew
 		TablePrefix: prefix,
 		RelayGrace:  2 * time.Second,
 		Failpoint:   c.failpoint,
-	}, outboxpgx.WithConcurrency(mode))
+	}, append([]outboxpgx.Option{outboxpgx.WithConcurrency(mode)}, opts...)...)
 	if err != nil {
 		pool.Close()
 		return nil, err

@@ -17,6 +17,9 @@ type machine struct {
 	Postgres       string
 	ServerSettings string
 	LoadAtStart    string
+	LoadAtEnd      string `json:",omitempty"`
+	// Pooler is the PgBouncer the -pgbouncer contenders go through, when they ran.
+	Pooler string `json:",omitempty"`
 }
 
 type cell struct {
@@ -193,6 +196,17 @@ func markdown(r *report) string {
 	w("Produced by `%s` (mode `%s`, %s, took %.0f s).%s\n\n", r.Command, r.Mode, r.Started, r.DurationSec, reduced)
 	w("Machine: %d CPUs (%s), %.0f GiB, %s, %s, %s; load average at start %s. Server settings: %s.\n\n",
 		r.Machine.CPUs, r.Machine.CPU, r.Machine.MemGB, r.Machine.OS, r.Machine.Go, r.Machine.Postgres, r.Machine.LoadAtStart, r.Machine.ServerSettings)
+	if r.Machine.LoadAtEnd != "" {
+		w("Load average at the end: %s.", r.Machine.LoadAtEnd)
+		if r.Machine.Pooler != "" {
+			w(" ")
+		} else {
+			w("\n\n")
+		}
+	}
+	if r.Machine.Pooler != "" {
+		w("Pooler of the -pgbouncer contenders: %s.\n\n", r.Machine.Pooler)
+	}
 	w("Parameters: %d deliveries per contender and concurrency, in %d interleaved repetitions; concurrency %s; "+
 		"%.0f%% of the deliveries are duplicates, each 2c+100..2c+%d deliveries after its original (c consumers) and handed out only once "+
 		"the original was acked, as a broker redelivers after an ack deadline; safety check: %d deliveries; "+
@@ -350,6 +364,13 @@ River) are timed until the relay has published everything; the framework's relay
 - **outbox-pgx**: this framework's pgx form (` + "`outboxpgx.New`" + `, ` + "`middleware.New`" + `, the write through ` + "`outboxpgx.Tx`" + `) in its default, optimistic mode: BEGIN with the claim's look-up in one round trip, the claim with the effect inline and COMMIT in one.
 - **outbox-pgx-pessimistic**: the same in the claim-first mode: BEGIN with the claim in one round trip, the effect row and COMMIT in one.
 - **outbox-intx**: this framework's boundary path, ` + "`Outbox.InTx`" + `, with the relay running.
+- **bare-pgbouncer**, **outbox-middleware-pgbouncer**, **bare-pgx-pgbouncer**, **outbox-pgx-pgbouncer**: bare, outbox-middleware,
+  bare-pgx and outbox-pgx through PgBouncer in transaction mode (on loopback, in front of the same server), configured as a
+  deployment behind such a pooler must be (docs/operations.md, "Connection poolers"): lib/pq with ` + "`binary_parameters=yes`" + `,
+  pgx with ` + "`default_query_exec_mode=exec`" + `, the pgx form's listener on a direct connection (` + "`outboxpgx.WithListenDSN`" + `).
+  The settings change the protocol as well as the route: lib/pq sends a statement with its parameters in one message instead
+  of preparing it first, pgx prepares nothing; compare the round trips per message. Their exactly-once behind the pooler is
+  tested (` + "`TestBehindPgBouncer`" + `), not checked again here: they are left out of the safety check.
 
 On the boundary path (river, outbox-intx) there is no incoming message: every delivery, duplicates included, is one independent
 call (an HTTP request, say), so duplicates are not deduplicated there and the comparison is between the two boundary contenders.

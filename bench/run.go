@@ -25,6 +25,10 @@ type env struct {
 	admin  *sql.DB
 	broker *broker
 	pub    message.Publisher
+	// pooledDSN is the bench database through PgBouncer in transaction mode (the -pgbouncer
+	// contenders); empty when PgBouncer could not start, for the reason in poolerErr.
+	pooledDSN string
+	poolerErr error
 
 	lastRecord *runRecord // the recorder of the last run with runOpts.keepSrc
 }

@@ -223,3 +223,18 @@ func freePort() (int, error) {
 	defer l.Close()
 	return l.Addr().(*net.TCPAddr).Port, nil
 }
+
+// Version returns the first line of `pgbouncer -V` ("PgBouncer 1.18.0"), or the reason it could
+// not be read.
+func Version() string {
+	bin, err := findBinary()
+	if err != nil {
+		return err.Error()
+	}
+	out, err := exec.Command(bin, "-V").Output()
+	if err != nil {
+		return fmt.Sprintf("pgbouncer -V: %v", err)
+	}
+	line, _, _ := strings.Cut(strings.TrimSpace(string(out)), "\n")
+	return line
+}
