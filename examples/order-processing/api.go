@@ -127,7 +127,7 @@ func (a *api) placeOrder(w http.ResponseWriter, r *http.Request) {
 		ID: watermill.NewUUID(), Customer: req.Customer, SKU: req.SKU, Quantity: req.Quantity,
 		Status: "pending", CreatedAt: now, UpdatedAt: now, History: []HistoryEntry{},
 	}
-	err = a.ob.InTx(ctx, func(ctx context.Context, tx *sql.Tx) error {
+	err = inUnit(ctx, a.ob, func(ctx context.Context, tx unitTx) error {
 		var price int64
 		err := tx.QueryRowContext(ctx, `SELECT price_cents FROM products WHERE sku = $1`, req.SKU).Scan(&price)
 		if errors.Is(err, sql.ErrNoRows) {

@@ -30,20 +30,25 @@ func testConfig(t *testing.T) config {
 }
 
 // TestChaos runs the chaos mode with a small load on the embedded default and on PostgreSQL
-// (with the embedded NATS server, watermill-sql, RabbitMQ, Redis Streams and Kafka as the broker): every
-// order must end paid or rejected, and no business effect may happen twice.
+// (with the embedded NATS server, watermill-sql, RabbitMQ, Redis Streams and Kafka as the broker),
+// in the database/sql form and in the pgx form: every order must end paid or rejected, and no
+// business effect may happen twice.
 func TestChaos(t *testing.T) {
 	cases := []struct {
 		name     string
 		postgres bool
 		broker   string
+		form     string
 	}{
-		{"sqlite+nats", false, "nats"},
-		{"postgres+nats", true, "nats"},
-		{"postgres+watermill-sql", true, "postgres"},
-		{"postgres+rabbitmq", true, "amqp"},
-		{"postgres+redis", true, "redis"},
-		{"postgres+kafka", true, "kafka"},
+		{"sqlite+nats", false, "nats", formSQL},
+		{"postgres+nats", true, "nats", formSQL},
+		{"postgres+watermill-sql", true, "postgres", formSQL},
+		{"postgres+rabbitmq", true, "amqp", formSQL},
+		{"postgres+redis", true, "redis", formSQL},
+		{"postgres+kafka", true, "kafka", formSQL},
+		// The pgx form (a pgxpool and drivers/outboxpgx) under the same chaos.
+		{"pgx+nats", true, "nats", formPgx},
+		{"pgx+watermill-sql", true, "postgres", formPgx},
 	}
 	for i, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
@@ -53,6 +58,7 @@ func TestChaos(t *testing.T) {
 				cfg.postgres = pgtest.DSN(t)
 			}
 			cfg.broker = tc.broker
+			cfg.form = tc.form
 			switch tc.broker {
 			case "amqp", "redis", "kafka":
 				kind := map[string]string{"amqp": brokertest.RabbitMQ, "redis": brokertest.Redis, "kafka": brokertest.Kafka}[tc.broker]

@@ -7,8 +7,10 @@ import (
 	"testing"
 
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/watermill-outbox/outbox"
+	"github.com/watermill-outbox/outbox/drivers/outboxpgx"
 	"github.com/watermill-outbox/outbox/drivers/postgres"
 	"github.com/watermill-outbox/outbox/outboxtest"
 )
@@ -53,7 +55,31 @@ func noDB(h message.NoPublishHandlerFunc) func(*sql.DB) message.HandlerFunc {
 	}
 }
 
+// openPgxForm is the pgx form for outboxtest: a pool on the scenario's database and outboxpgx.New.
+func openPgxForm(t testing.TB, dsn string, cfg outbox.Config) (*outbox.Outbox, error) {
+	pool, err := pgxpool.New(context.Background(), dsn)
+	if err != nil {
+		return nil, err
+	}
+	ob, err := outboxpgx.New(pool, cfg)
+	if err != nil {
+		pool.Close()
+		return nil, err
+	}
+	t.Cleanup(func() { _ = ob.Close(); pool.Close() })
+	return ob, nil
+}
+
 func TestConsumersUnderTheCrashMatrix(t *testing.T) {
+	for _, form := range []struct {
+		name string
+		open outboxtest.Opener
+	}{{formSQL, nil}, {formPgx, openPgxForm}} {
+		t.Run(form.name, func(t *testing.T) { crashMatrix(t, form.open) })
+	}
+}
+
+func crashMatrix(t *testing.T, open outboxtest.Opener) {
 	t.Run("inventory", func(t *testing.T) {
 		outboxtest.CrashMatrix{
 			Consumer: "inventory",
@@ -64,6 +90,7 @@ func TestConsumersUnderTheCrashMatrix(t *testing.T) {
 			},
 			Setup:   setupShop,
 			Applied: countRows(`SELECT count(*) FROM reservations WHERE order_id = $1`),
+			Open:    open,
 		}.Run(t)
 	})
 	t.Run("payment", func(t *testing.T) {
@@ -77,6 +104,7 @@ func TestConsumersUnderTheCrashMatrix(t *testing.T) {
 				m := &mailer{dir: t.TempDir()}
 				return ob.RegisterApplier(applierReceipt, m.sendReceipt)
 			},
+			Open: open,
 		}.Run(t)
 	})
 }

@@ -10,7 +10,7 @@ import (
 )
 
 // -after-dispatch-failure and -relay-max-attempts are validated and reach the Config of every
-// Outbox the service creates.
+// Outbox the service creates; -form is validated.
 func TestDispatchFailureFlags(t *testing.T) {
 	cases := []struct {
 		args     []string
@@ -24,6 +24,8 @@ func TestDispatchFailureFlags(t *testing.T) {
 		{[]string{"-after-dispatch-failure", "drop"}, "", 0, `-after-dispatch-failure must be nack or ack, not "drop"`},
 		{[]string{"-after-dispatch-failure", ""}, "", 0, "-after-dispatch-failure must be nack or ack"},
 		{[]string{"-relay-max-attempts", "-1"}, "", 0, "-relay-max-attempts must not be negative"},
+		{[]string{"-form", "pgx"}, "", 0, "-form pgx needs -postgres DSN"},
+		{[]string{"-form", "gorm"}, "", 0, `-form must be sql or pgx, not "gorm"`},
 	}
 	for _, tc := range cases {
 		t.Run(strings.Join(tc.args, " "), func(t *testing.T) {

@@ -21,7 +21,7 @@ func reserveStock(msg *message.Message) error {
 	}
 	// Every event about one order shares its ordering key, so they leave in the order recorded.
 	ctx := outbox.WithOrderingKey(msg.Context(), ev.OrderID)
-	tx := outbox.Tx(ctx) // write through the message's transaction, never through the *sql.DB
+	tx := txOf(ctx) // write through the message's transaction, never through the *sql.DB (form.go)
 	now := time.Now().UTC()
 
 	// Check and take in one statement: no other order can take the same units in between.

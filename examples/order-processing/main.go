@@ -30,6 +30,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5/pgxpool"
 	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
 
 	"github.com/watermill-outbox/outbox"
@@ -43,6 +44,7 @@ type config struct {
 	addr     string // HTTP listen address
 	dataDir  string // SQLite file, embedded NATS storage, e-mail spool
 	postgres string // PostgreSQL DSN; empty: SQLite in dataDir
+	form     string // "sql" (database/sql) or "pgx" (pgxpool and drivers/outboxpgx; PostgreSQL only)
 	// consolePassword is the web console's password for user "operator"; empty: a random one.
 	consolePassword string
 	broker          string // "nats", "postgres" (watermill-sql on the PostgreSQL database), "amqp", "redis" or "kafka"
@@ -108,6 +110,8 @@ func parseFlags(args []string) (config, error) {
 	fs.StringVar(&cfg.dataDir, "data", env("ORDERS_DATA", filepath.Join(os.TempDir(), "order-processing")),
 		"directory for the SQLite database, the embedded NATS server's storage and the e-mail spool (ORDERS_DATA)")
 	fs.StringVar(&cfg.postgres, "postgres", env("ORDERS_POSTGRES", ""), "PostgreSQL DSN; empty: SQLite (ORDERS_POSTGRES)")
+	fs.StringVar(&cfg.form, "form", env("ORDERS_FORM", formSQL),
+		"the framework's form: sql (database/sql: lib/pq, or SQLite) or pgx (a pgxpool and drivers/outboxpgx; needs -postgres) (ORDERS_FORM)")
 	fs.StringVar(&cfg.broker, "broker", env("ORDERS_BROKER", "nats"),
 		"nats (embedded, or -nats-url), postgres (watermill-sql pub/sub on the -postgres database), amqp (RabbitMQ at -amqp-url), redis (Redis Streams at -redis) or kafka (at -kafka-brokers) (ORDERS_BROKER)")
 	fs.StringVar(&cfg.natsURL, "nats-url", env("ORDERS_NATS_URL", ""), "external NATS server with JetStream; empty: in-process (ORDERS_NATS_URL)")
@@ -141,6 +145,10 @@ func parseFlags(args []string) (config, error) {
 	switch {
 	case !slices.Contains([]string{"nats", "postgres", "amqp", "redis", "kafka"}, cfg.broker):
 		return cfg, fmt.Errorf("-broker must be nats, postgres, amqp, redis or kafka, not %q", cfg.broker)
+	case cfg.form != formSQL && cfg.form != formPgx:
+		return cfg, fmt.Errorf("-form must be sql or pgx, not %q", cfg.form)
+	case cfg.form == formPgx && cfg.postgres == "":
+		return cfg, errors.New("-form pgx needs -postgres DSN")
 	case cfg.broker == "postgres" && cfg.postgres == "":
 		return cfg, errors.New("-broker postgres needs -postgres DSN")
 	case cfg.fault != "" && !slices.Contains(faults, cfg.fault):
@@ -176,6 +184,7 @@ var consumers = []consumer{
 // service holds what the API and the consumers share.
 type service struct {
 	db     *sql.DB
+	pool   *pgxpool.Pool // the pgx form's pool (db is a database/sql handle on it); nil: database/sql
 	driver outboxdriver.Driver
 	broker broker
 	mail   *mailer
@@ -217,7 +226,7 @@ func openService(ctx context.Context, cfg config, ackWait time.Duration) (_ *ser
 		return nil, err
 	}
 	var dbDesc string
-	if s.db, s.driver, dbDesc, err = openDatabase(ctx, cfg.postgres, cfg.dataDir); err != nil {
+	if s.db, s.pool, s.driver, dbDesc, err = openDatabase(ctx, cfg.postgres, cfg.dataDir, cfg.form); err != nil {
 		_ = s.meters.Shutdown(context.Background())
 		return nil, err
 	}
@@ -261,11 +270,14 @@ func (s *service) close() {
 		_ = s.broker.Close()
 	}
 	_ = s.db.Close()
+	if s.pool != nil {
+		s.pool.Close()
+	}
 	_ = s.meters.Shutdown(context.Background())
 }
 
-// newOutbox returns an Outbox with its own publisher (close it after the Outbox's last use) and
-// the receipt applier registered. Every Outbox needs every applier: its relay may be the one
+// newOutbox returns an Outbox with its own publisher and the receipt applier registered. Closing
+// the publisher closes the Outbox too (form.go): do it after the Outbox's last use. Every Outbox needs every applier: its relay may be the one
 // that sends a receipt another instance recorded.
 func (s *service) newOutbox(tune ...func(*outbox.Config)) (*outbox.Outbox, message.Publisher, error) {
 	pub, err := s.broker.Publisher()
@@ -288,15 +300,17 @@ func (s *service) newOutbox(tune ...func(*outbox.Config)) (*outbox.Outbox, messa
 			t(&cfg)
 		}
 	}
-	ob, err := outbox.New(cfg)
-	if err == nil {
-		err = ob.RegisterApplier(applierReceipt, s.mail.sendReceipt)
-	}
+	ob, err := s.newOutboxOn(cfg)
 	if err != nil {
 		_ = pub.Close()
 		return nil, nil, err
 	}
-	return ob, pub, nil
+	closer := &outboxPublisher{Publisher: pub, ob: ob}
+	if err := ob.RegisterApplier(applierReceipt, s.mail.sendReceipt); err != nil {
+		_ = closer.Close()
+		return nil, nil, err
+	}
+	return ob, closer, nil
 }
 
 // startConsumers runs every consumer on a new Router until stop is called. Each handler

@@ -29,7 +29,7 @@ func capturePayment(msg *message.Message) error {
 		return err
 	}
 	ctx := outbox.WithOrderingKey(msg.Context(), ev.OrderID)
-	tx := outbox.Tx(ctx)
+	tx := txOf(ctx)
 
 	paymentID := watermill.NewUUID()
 	if _, err := tx.ExecContext(ctx, `INSERT INTO payments (id, order_id, amount_cents, captured_at) VALUES ($1, $2, $3, $4)`,

@@ -4,8 +4,6 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
-
-	"github.com/watermill-outbox/outbox"
 )
 
 // The order status consumers move an order along pending -> reserved -> paid, or pending ->
@@ -45,7 +43,7 @@ func markPaid(msg *message.Message) error {
 // event in the order's history.
 func advance(msg *message.Message, orderID, update string, extra ...any) error {
 	ctx := msg.Context()
-	tx := outbox.Tx(ctx)
+	tx := txOf(ctx)
 	now := time.Now().UTC()
 	if _, err := tx.ExecContext(ctx, update, append([]any{orderID, now}, extra...)...); err != nil {
 		return err

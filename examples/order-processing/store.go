@@ -8,9 +8,11 @@ import (
 	"strings"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgxpool"
 	_ "github.com/lib/pq"  // database/sql driver "postgres"
 	_ "modernc.org/sqlite" // database/sql driver "sqlite" (pure Go, no cgo)
 
+	"github.com/watermill-outbox/outbox/drivers/outboxpgx"
 	"github.com/watermill-outbox/outbox/drivers/postgres"
 	"github.com/watermill-outbox/outbox/drivers/sqlite"
 	"github.com/watermill-outbox/outbox/outboxdriver"
@@ -18,9 +20,16 @@ import (
 
 // openDatabase opens the service's database: PostgreSQL when dsn is set, otherwise the SQLite file
 // orders.db in dir. The business tables and the outbox tables live in it side by side, which is
-// what lets one transaction cover a business change and the events it causes.
-func openDatabase(ctx context.Context, dsn, dir string) (db *sql.DB, driver outboxdriver.Driver, desc string, err error) {
-	if dsn != "" {
+// what lets one transaction cover a business change and the events it causes. With form pgx
+// (PostgreSQL only) it opens a pgxpool.Pool, and db is a database/sql handle on the same pool.
+func openDatabase(ctx context.Context, dsn, dir, form string) (db *sql.DB, pool *pgxpool.Pool, driver outboxdriver.Driver, desc string, err error) {
+	switch {
+	case form == formPgx:
+		// The pgx form LISTENs on a connection of the pool: a failed send in any instance wakes
+		// every instance's relay at once.
+		pool, db, err = openPgx(ctx, dsn)
+		driver, desc = outboxpgx.Driver{Pool: pool}, "PostgreSQL (pgx form: pgxpool and drivers/outboxpgx)"
+	case dsn != "":
 		db, err = sql.Open("postgres", dsn)
 		// ListenDSN: a failed send in any instance wakes every instance's relay at once.
 		driver, desc = postgres.Driver{ListenDSN: dsn}, "PostgreSQL"
@@ -31,7 +40,7 @@ func openDatabase(ctx context.Context, dsn, dir string) (db *sql.DB, driver outb
 			db.SetMaxOpenConns(32)
 			db.SetMaxIdleConns(32)
 		}
-	} else {
+	default:
 		path := filepath.Join(dir, "orders.db")
 		// sqlite.DSN adds the connection parameters the outbox needs (immediate transactions, a
 		// busy timeout, WAL, synchronous commits): see the drivers/sqlite package documentation.
@@ -46,15 +55,18 @@ func openDatabase(ctx context.Context, dsn, dir string) (db *sql.DB, driver outb
 		}
 	}
 	if err != nil {
-		return nil, nil, "", err
+		return nil, nil, nil, "", err
 	}
 	pingCtx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
 	if err := db.PingContext(pingCtx); err != nil {
 		_ = db.Close()
-		return nil, nil, "", fmt.Errorf("connect to %s: %w", desc, err)
+		if pool != nil {
+			pool.Close()
+		}
+		return nil, nil, nil, "", fmt.Errorf("connect to %s: %w", desc, err)
 	}
-	return db, driver, desc, nil
+	return db, pool, driver, desc, nil
 }
 
 // schema holds the business tables, written for PostgreSQL; createSchema adapts the one type
