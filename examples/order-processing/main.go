@@ -277,8 +277,8 @@ func (s *service) close() {
 }
 
 // newOutbox returns an Outbox with its own publisher and the receipt applier registered. Closing
-// the publisher closes the Outbox too (form.go): do it after the Outbox's last use. Every Outbox needs every applier: its relay may be the one
-// that sends a receipt another instance recorded.
+// the publisher closes the Outbox too (form.go): do it after the Outbox's last use. Every Outbox
+// needs every applier: its relay may be the one that sends a receipt another instance recorded.
 func (s *service) newOutbox(tune ...func(*outbox.Config)) (*outbox.Outbox, message.Publisher, error) {
 	pub, err := s.broker.Publisher()
 	if err != nil {
