@@ -620,7 +620,9 @@ func human(n int) string {
 
 // --- chart -------------------------------------------------------------------------------------
 
-var palette = []string{"#7f7f7f", "#1f77b4", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#2ca02c", "#17becf", "#bcbd22", "#d62728"}
+// palette has a colour for each of the sixteen contenders, so that none shares one in the chart.
+var palette = []string{"#7f7f7f", "#1f77b4", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#2ca02c", "#17becf", "#bcbd22", "#d62728",
+	"#aec7e8", "#ffbb78", "#98df8a", "#c5b0d5", "#c49c94", "#f7b6d2"}
 
 // chart draws two panels of grouped bars (one group per concurrency, one bar per contender):
 // throughput on a linear axis and p99 latency on a logarithmic one.
