@@ -54,6 +54,29 @@ func TestDemoOnThePgxForm(t *testing.T) {
 		time.Sleep(20 * time.Millisecond)
 	}
 
+	// A retry with the same Idempotency-Key gets the first order back (the key is claimed in the
+	// pgx form's unit of work as in the database/sql one).
+	keyed := func() (int, string, string) {
+		req, err := http.NewRequest(http.MethodPost, base+"/orders", strings.NewReader(`{"customer":"bob@example.com","sku":"espresso-beans","quantity":1}`))
+		if err != nil {
+			t.Fatal(err)
+		}
+		req.Header.Set("Idempotency-Key", "pgx-form-retry")
+		resp, err := client.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, _ = io.Copy(io.Discard, resp.Body)
+		_ = resp.Body.Close()
+		return resp.StatusCode, resp.Header.Get("Location"), resp.Header.Get("Idempotent-Replayed")
+	}
+	code1, loc1, _ := keyed()
+	code2, loc2, replayed := keyed()
+	if code1 != http.StatusCreated || code2 != http.StatusCreated || loc1 == "" || loc1 != loc2 || replayed != "true" {
+		t.Errorf("POST /orders twice with one Idempotency-Key: %d %q, then %d %q (Idempotent-Replayed %q); want the same order, replayed",
+			code1, loc1, code2, loc2, replayed)
+	}
+
 	resp, err = client.Post(base+"/orders", "application/json", strings.NewReader(`{"customer":"ada@example.com","sku":"no-such-sku","quantity":1}`))
 	if err != nil {
 		t.Fatal(err)
