@@ -35,6 +35,7 @@ type Outbox struct {
 	appliers map[string]Applier
 
 	kick  chan struct{} // wakes the relay
+	due   dueTimer      // wakes the relay when a delayed effect is due
 	marks *marker
 	tel   *telemetry
 	// health tells a poison effect from an outage (see health.counts).
@@ -91,6 +92,7 @@ func New(cfg Config) (*Outbox, error) {
 		appliers: map[string]Applier{},
 		kick:     make(chan struct{}, 1),
 	}
+	o.due.kick = o.kickRelay
 	o.units = sqlUnits{db: cfg.DB, store: st}
 	if us, ok := st.(outboxdriver.UnitStore); ok {
 		o.units = us
@@ -187,6 +189,7 @@ func (o *Outbox) Run(ctx context.Context) error {
 		go func() { defer wg.Done(); o.runEvery(ctx, o.cfg.StatsInterval, nil, "stats sampling", o.sampleStats) }()
 	}
 	wg.Wait()
+	o.due.stop()
 	o.marks.wait() // a clean shutdown leaves no mark unwritten, so nothing is re-sent after it
 	return nil
 }

@@ -40,6 +40,7 @@ func (o *Outbox) relayBudget() time.Duration { return o.relayLease() / 2 }
 // made after the outcome of every round but the one sending was written, so that it never finds
 // a key half marked, nor a failed effect before its retry time is written.
 func (o *Outbox) relayOnce(ctx context.Context) (err error) {
+	o.promoteDelayed(ctx) // delayed effects that are due become pending ones first
 	var (
 		after   int64
 		fl      *relayFlight       // the round whose calls are under way

@@ -69,10 +69,11 @@ type unit struct {
 	begun    time.Time
 
 	mu       sync.Mutex
-	effects  []Effect
-	finished bool // no more records: the transaction is being committed or rolled back
-	warned   bool // an incoming value too large to copy was logged
-	derived  int  // UUIDs derived so far (NewUUID)
+	effects  []Effect // sent after commit, in order; delayed effects are not among them
+	recorded int      // effects recorded, delayed ones included: the next Seq
+	finished bool     // no more records: the transaction is being committed or rolled back
+	warned   bool     // an incoming value too large to copy was logged
+	derived  int      // UUIDs derived so far (NewUUID)
 
 	key    *keyed // the idempotency key of a keyed boundary unit; nil otherwise
 	result []byte // set with SetResult, stored with the key
@@ -356,19 +357,42 @@ func (u *unit) record(ctx context.Context, effects []Effect) error {
 		effects[i].OrderingKey = key
 		effects[i].Source = u.src
 	}
+	due, delayed := ctx.Value(dueKey{}).(time.Time)
+	cancelKey, _ := ctx.Value(cancelKeyKey{}).(string)
+	if cancelKey != "" && !delayed {
+		return ErrCancelKeyWithoutDelay
+	}
 	u.mu.Lock()
 	defer u.mu.Unlock()
 	if u.finished {
 		return ErrUnitOfWorkFinished
 	}
 	for i := range effects {
-		effects[i].Seq = len(u.effects) + i
+		effects[i].Seq = u.recorded + i
+	}
+	if delayed {
+		dt, ok := u.tx.(outboxdriver.DelayedUnitTx)
+		if !ok {
+			return ErrDelayUnsupported
+		}
+		for i := range effects {
+			effects[i].DueAt, effects[i].CancelKey = due, cancelKey
+		}
+		if err := dt.RecordDelayed(ctx, effects); err != nil {
+			return fmt.Errorf("outbox: store delayed side effects: %w", err)
+		}
+		u.recorded += len(effects)
+		// This process's relay wakes at the due time (another's finds it at its next pass).
+		// Armed before the commit: a wake-up for a unit that rolls back costs one empty pass.
+		u.o.due.arm(due)
+		return nil
 	}
 	if err := u.tx.Record(ctx, effects); err != nil {
 		u.storeFailed = true
 		return fmt.Errorf("outbox: store side effects: %w", err)
 	}
 	u.effects = append(u.effects, effects...)
+	u.recorded += len(effects)
 	return nil
 }
 

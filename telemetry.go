@@ -48,6 +48,8 @@ const (
 	MetricCleanupErrors     = "outbox.cleanup.errors"       // counter: cleanup passes that failed
 	MetricUptime            = "outbox.uptime"               // gauge, s: since this Outbox was created
 	MetricListenerDeaf      = "outbox.listener.deaf"        // counter: listeners that LISTENed but did not receive their own notification
+	MetricEffectsDelayed    = "outbox.effects.delayed"      // gauge: delayed effects not yet due (no backlog)
+	MetricDelayedPromoted   = "outbox.effects.delayed.due"  // counter: delayed effects the relay made pending once due
 )
 
 // Attribute keys. Consumer and topic names are bounded by the application; message IDs are never
@@ -145,6 +147,7 @@ type telemetry struct {
 	boundaryUnits    metric.Int64Counter
 	cleanupErrors    metric.Int64Counter
 	listenerDeaf     metric.Int64Counter
+	delayedPromoted  metric.Int64Counter
 
 	attrSets sync.Map // attrKey -> metric.MeasurementOption
 
@@ -234,6 +237,7 @@ func newTelemetry(o *Outbox) (*telemetry, error) {
 	t.markFailures = i64c(MetricMarkFailures, "{batch}", "Batches of dispatched marks that could not be written; their effects may be sent again.")
 	t.boundaryUnits = i64c(MetricBoundaryUnits, "{unit}", "Units of work at the boundary (InTx, InUnit), by outcome: committed, dispatch_failed, rolled_back, failed.")
 	t.cleanupErrors = i64c(MetricCleanupErrors, "{error}", "Cleanup passes that failed (the database refused or timed out).")
+	t.delayedPromoted = i64c(MetricDelayedPromoted, "{effect}", "Delayed side effects the relay made pending once due (then sent as any other).")
 	t.listenerDeaf = i64c(MetricListenerDeaf, "{listener}", "Relay listeners that LISTENed but did not receive a notification of their own (a pooler in transaction mode): the relay polls.")
 
 	gauge := func(name, unit, desc string) metric.Float64ObservableGauge {
@@ -251,7 +255,8 @@ func newTelemetry(o *Outbox) (*telemetry, error) {
 	statsAge := gauge(MetricStatsAge, "s", "Age of the database sample the outbox gauges show.")
 	relayAge := gauge(MetricRelayLastRoundAge, "s", "Time since this process's relay last finished a round.")
 	uptime := gauge(MetricUptime, "s", "Time since this Outbox was created: its counters count from then.")
-	t.gauges = []metric.Observable{pending, pendingAge, parked, parkedAge, failing, retained, cleanupLag, statsAge, relayAge, uptime}
+	delayed := gauge(MetricEffectsDelayed, "{effect}", "Delayed side effects committed and not yet due: no backlog (once due they count as pending).")
+	t.gauges = []metric.Observable{pending, pendingAge, parked, parkedAge, failing, retained, cleanupLag, statsAge, relayAge, uptime, delayed}
 	tablesName := o.cfg.TablePrefix
 	if o.cfg.Schema != "" {
 		tablesName = o.cfg.Schema + "." + tablesName
@@ -277,6 +282,7 @@ func newTelemetry(o *Outbox) (*telemetry, error) {
 		obs.ObserveFloat64(retained, float64(s.Retained), opt)
 		obs.ObserveFloat64(cleanupLag, cleanupBehind.Seconds(), opt)
 		obs.ObserveFloat64(statsAge, age.Seconds(), opt)
+		obs.ObserveFloat64(delayed, float64(s.Delayed), opt)
 		return nil
 	}
 	t.meter = m
@@ -289,7 +295,7 @@ func newTelemetry(o *Outbox) (*telemetry, error) {
 	// anything went wrong: the boundary's outcomes, cleanup's tables, and the dispatches of
 	// publishes on every path (appliers' kinds start when they are registered).
 	ctx := context.Background()
-	for _, c := range []metric.Int64Counter{t.relayRounds, t.relayErrors, t.cleanupBatches, t.markFailures, t.cleanupErrors, t.listenerDeaf} {
+	for _, c := range []metric.Int64Counter{t.relayRounds, t.relayErrors, t.cleanupBatches, t.markFailures, t.cleanupErrors, t.listenerDeaf, t.delayedPromoted} {
 		c.Add(ctx, 0)
 	}
 	for _, outcome := range []string{OutcomeCommitted, OutcomeDispatchFailed, OutcomeRolledBack, OutcomeFailed} {

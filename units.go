@@ -115,3 +115,23 @@ func (u *sqlUnit) KeySave(ctx context.Context, scope, key string, result []byte)
 	}
 	return ks.KeySave(ctx, u.tx, scope, key, result)
 }
+
+var _ outboxdriver.DelayedUnitTx = (*sqlUnit)(nil)
+
+// RecordDelayed stores delayed effects in the transaction, through the store's DelayedStore.
+func (u *sqlUnit) RecordDelayed(ctx context.Context, effects []Effect) error {
+	ds, ok := u.store.(outboxdriver.DelayedStore)
+	if !ok {
+		return ErrDelayUnsupported
+	}
+	return ds.DelayedInsert(ctx, u.tx, effects[0].Source, effects)
+}
+
+// CancelDelayed cancels delayed effects in the transaction, through the store's DelayedStore.
+func (u *sqlUnit) CancelDelayed(ctx context.Context, key string) (int, error) {
+	ds, ok := u.store.(outboxdriver.DelayedStore)
+	if !ok {
+		return 0, ErrDelayUnsupported
+	}
+	return ds.DelayedCancel(ctx, u.tx, key)
+}

@@ -59,6 +59,13 @@ type Effect struct {
 	// PendingFor (a store sets it with PendingFor), or the commit of the unit of work that
 	// dispatches it from memory. Zero if unknown.
 	StoredAt time.Time
+	// DueAt, when not zero, makes the effect delayed: it is stored apart from the pending effects
+	// (see DelayedStore) and becomes an ordinary pending effect, due for the relay, once DueAt
+	// has passed. It is set only while the effect is recorded.
+	DueAt time.Time
+	// CancelKey, on a delayed effect, is the key a later unit of work cancels it by (empty: it
+	// cannot be cancelled).
+	CancelKey string
 }
 
 // KindPublish is the Kind of effects that publish a message.
@@ -239,6 +246,10 @@ type Stats struct {
 	CleanupLag time.Duration
 	// SampledAt is when the sample was taken, by this process's clock.
 	SampledAt time.Time
+	// Delayed counts the delayed effects that are not due yet (estimated beyond StatsCountCap);
+	// they are no backlog. A delayed effect past its due time that the relay has not moved yet
+	// counts in Pending, and its due time in OldestPending.
+	Delayed int64
 }
 
 // DispatchMark is one source's effects that Store.EffectMarkDispatched marks dispatched.
@@ -419,6 +430,38 @@ type InlineStore interface {
 	// lease (not due for the relay before, as after EffectClaimDue) when it is positive: the
 	// caller is about to send them itself.
 	EffectMaterialize(ctx context.Context, src Source, lease time.Duration) ([]Effect, error)
+}
+
+// DelayedStore is implemented by a Store that keeps delayed effects (Effect.DueAt) apart from
+// the pending ones until they are due, so that they hold nothing back and cost a relay pass
+// nothing until then. The relay moves the due ones into ordinary pending effects (each behind
+// what is pending with its ordering key at that moment) with DelayedPromote; a unit of work
+// cancels those not moved yet with DelayedCancel.
+type DelayedStore interface {
+	// DelayedInsert stores delayed effects of src in tx (their DueAt and CancelKey set). The due
+	// time is kept as a delay from the insert, by the database's clock: DueAt less this process's
+	// time of the call.
+	DelayedInsert(ctx context.Context, tx *sql.Tx, src Source, effects []Effect) error
+	// DelayedCancel deletes in tx the delayed effects with cancel key key that were not moved
+	// into pending effects yet, and returns how many. It waits for a DelayedPromote that is
+	// moving one of them: what it deleted is never sent, and what it did not find was moved
+	// before (or never existed).
+	DelayedCancel(ctx context.Context, tx *sql.Tx, key string) (int, error)
+	// DelayedPromote moves up to limit due delayed effects, in the order of their due times,
+	// into pending effects that are due for the relay at once, in a short transaction of its
+	// own that skips the rows a DelayedCancel holds. It returns how many it moved, and how long
+	// until the next delayed effect is due (false when there is none).
+	DelayedPromote(ctx context.Context, limit int) (moved int, next time.Duration, any bool, err error)
+}
+
+// DelayedUnitTx is implemented by a UnitTx that stores delayed effects: in the transaction, at
+// once (never inline in a claim), whatever the driver does with the others.
+type DelayedUnitTx interface {
+	// RecordDelayed stores delayed effects (DueAt set), with their Seq, Source and OrderingKey
+	// set, in the transaction.
+	RecordDelayed(ctx context.Context, effects []Effect) error
+	// CancelDelayed is DelayedStore.DelayedCancel in the transaction.
+	CancelDelayed(ctx context.Context, key string) (int, error)
 }
 
 // UnitStore is implemented by a Store that runs units of work on a transaction type of its own

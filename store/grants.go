@@ -29,6 +29,7 @@ func (n Names) Tables() []Table {
 		{Name: n.Processed, App: dml},
 		{Name: n.Effects, Sequence: seq("effects"), App: dml},
 		{Name: n.Dispatched, App: dml},
+		{Name: n.Delayed, Sequence: seq("delayed"), App: dml},
 		{Name: n.Attempts, App: dml},
 		// One row, written by the migration; the services lease and update it.
 		{Name: n.Stats, App: []string{"SELECT", "UPDATE"}},

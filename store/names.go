@@ -17,6 +17,7 @@ type Names struct {
 	Processed    string // quoted, schema-qualified
 	Effects      string
 	Dispatched   string
+	Delayed      string
 	Attempts     string
 	Stats        string
 	Audit        string
@@ -52,6 +53,7 @@ func NewNames(schema, prefix string) (Names, error) {
 		Processed:    q("processed"),
 		Effects:      q("effects"),
 		Dispatched:   q("dispatched"),
+		Delayed:      q("delayed"),
 		Attempts:     q("attempts"),
 		Stats:        q("stats"),
 		Audit:        q("audit"),

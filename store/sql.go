@@ -60,6 +60,18 @@ type Queries struct {
 	EffectClaimDue         string
 	EffectClaimDueWindowed bool
 
+	// DelayedInsert returns the insert of n delayed effects: the arguments of EffectInsert, then
+	// per effect (delay ms from now, cancel key or NULL). Empty when the dialect keeps none.
+	DelayedInsert func(n int) string
+	DelayedCancel string // (cancel key) -> deletes the delayed effects with the key; rows affected
+	// DelayedPromote (limit) moves up to limit due delayed effects into the effects table, due
+	// for the relay at once; rows affected.
+	DelayedPromote string
+	DelayedNextDue string // -> ms until the earliest due time (negative when past), NULL when none
+	// DelayedStats (count cap) -> delayed not due, overdue, age of the oldest overdue ms; each
+	// count reads at most cap rows.
+	DelayedStats string
+
 	CleanupLock     string // -> bool, or no row when another process holds it
 	CleanupBegin    string // run first in every cleanup transaction (e.g. to relax durability); may be empty
 	CleanupClaims   string // (retention ms, limit)
@@ -1119,6 +1131,7 @@ type statsSample struct {
 	Pending, Parked, Failing, Retained            int64
 	OldestPendingMS, OldestParkedMS, CleanupLagMS int64
 	Estimated                                     bool
+	Delayed                                       int64
 }
 
 // Stats implements outboxdriver.Store.
@@ -1155,6 +1168,18 @@ func (s *SQL) Stats(ctx context.Context, p outboxdriver.StatsParams) (outboxdriv
 	if err != nil {
 		return outboxdriver.Stats{}, fmt.Errorf("sample stats: %w", s.wrap(err))
 	}
+	if q.DelayedStats != "" {
+		var overdue, overdueMS int64
+		if err := s.db.QueryRowContext(ctx, q.DelayedStats, outboxdriver.StatsCountCap).Scan(&smp.Delayed, &overdue, &overdueMS); err != nil {
+			return outboxdriver.Stats{}, fmt.Errorf("sample delayed effects: %w", s.wrap(err))
+		}
+		// A delayed effect past its due time that no relay has moved is late like a pending one.
+		if overdue > 0 {
+			smp.Pending += overdue
+			smp.OldestPendingMS = max(smp.OldestPendingMS, overdueMS)
+		}
+		smp.Estimated = smp.Estimated || smp.Delayed >= outboxdriver.StatsCountCap
+	}
 	if p.Interval > 0 {
 		text, err := json.Marshal(smp)
 		if err != nil {
@@ -1173,6 +1198,6 @@ func (smp statsSample) stats(at time.Time) outboxdriver.Stats {
 		Pending: smp.Pending, OldestPending: ms(smp.OldestPendingMS),
 		Parked: smp.Parked, OldestParked: ms(smp.OldestParkedMS),
 		Failing: smp.Failing, Retained: smp.Retained, Estimated: smp.Estimated,
-		CleanupLag: ms(smp.CleanupLagMS), SampledAt: at,
+		CleanupLag: ms(smp.CleanupLagMS), SampledAt: at, Delayed: smp.Delayed,
 	}
 }

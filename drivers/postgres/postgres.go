@@ -365,6 +365,40 @@ func queries(n store.Names, deleteDispatched bool) store.Queries {
 			FROM bounds WHERE NOT EXISTS (SELECT 1 FROM claimed)`,
 		EffectClaimDueWindowed: true,
 
+		// A delayed effect's due time is its delay from the insert by the database's clock, the
+		// clock the relay compares it with.
+		DelayedInsert: func(count int) string {
+			var b strings.Builder
+			b.WriteString(`INSERT INTO ` + n.Delayed + ` (source_consumer, source_id, seq, kind, topic, uuid, payload, metadata, ordering_key, due_at, cancel_key) VALUES `)
+			for i := 0; i < count; i++ {
+				if i > 0 {
+					b.WriteString(", ")
+				}
+				a := 3 + 7*i
+				d := 3 + 7*count + 2*i
+				fmt.Fprintf(&b, "($1, $2, $%d, $%d, $%d, $%d, $%d, $%d, $%d, clock_timestamp() + ($%d::bigint * interval '1 millisecond'), $%d::text)",
+					a, a+1, a+2, a+3, a+4, a+5, a+6, d, d+1)
+			}
+			return b.String()
+		},
+		DelayedCancel: `DELETE FROM ` + n.Delayed + ` WHERE cancel_key = $1`,
+		// The moved effects are handed over (next_attempt_at set: no grace period) and count as
+		// stored at their due time, from which their backlog age and dispatch lag count. A row a
+		// cancel holds is skipped (it is gone, or due again at the next pass). Ids are drawn in
+		// due order, so that effects of one key due together keep their recorded order.
+		DelayedPromote: `WITH due AS (SELECT id FROM ` + n.Delayed + ` WHERE due_at <= now()
+				ORDER BY due_at, id LIMIT $1 FOR UPDATE SKIP LOCKED),
+			moved AS (DELETE FROM ` + n.Delayed + ` d USING due WHERE d.id = due.id RETURNING d.*)
+			INSERT INTO ` + n.Effects + ` (source_consumer, source_id, seq, kind, topic, uuid, payload, metadata, ordering_key,
+				created_at, next_attempt_at)
+			SELECT source_consumer, source_id, seq, kind, topic, uuid, payload, metadata, ordering_key, due_at, now()
+			FROM moved ORDER BY due_at, id`,
+		DelayedNextDue: `SELECT (extract(epoch FROM min(due_at) - now()) * 1000)::bigint FROM ` + n.Delayed,
+		DelayedStats: `WITH later AS (SELECT 1 FROM ` + n.Delayed + ` WHERE due_at > now() LIMIT $1),
+			overdue AS MATERIALIZED (SELECT due_at FROM ` + n.Delayed + ` WHERE due_at <= now() ORDER BY due_at LIMIT $1)
+			SELECT (SELECT count(*) FROM later), (SELECT count(*) FROM overdue),
+				coalesce((SELECT (extract(epoch FROM now() - min(due_at)) * 1000)::bigint FROM overdue), 0)`,
+
 		CleanupLock: fmt.Sprintf("SELECT pg_try_advisory_xact_lock(%d, %s)", lockClass, lockKey(n, "cleanup")),
 		// Cleanup batches commit asynchronously: a batch lost in a crash is simply deleted again.
 		CleanupBegin:         `SET LOCAL synchronous_commit = off`,

@@ -1,0 +1,386 @@
+package outbox_test
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"sort"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
+
+	"github.com/watermill-outbox/outbox"
+	"github.com/watermill-outbox/outbox/outboxdriver"
+)
+
+// runRelay runs ob's background work until the test ends.
+func runRelay(t *testing.T, ob *outbox.Outbox) {
+	t.Helper()
+	ctx, stop := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- ob.Run(ctx) }()
+	t.Cleanup(func() {
+		stop()
+		select {
+		case <-done:
+		case <-time.After(30 * time.Second):
+			t.Error("Run did not return within 30 s of its context's end")
+		}
+	})
+}
+
+// publishDelayed is a handler that publishes one message now and one delayed by delay, with
+// the cancel key key when not empty; it returns the delayed message's UUID through id.
+func publishDelayed(delay time.Duration, key string, id *string) message.HandlerFunc {
+	return func(msg *message.Message) ([]*message.Message, error) {
+		ctx := msg.Context()
+		if err := outbox.Publish(ctx, "out_a", message.NewMessage(uuid.NewString(), []byte("now"))); err != nil {
+			return nil, err
+		}
+		dctx := outbox.WithDelay(ctx, delay)
+		if key != "" {
+			dctx = outbox.WithCancelKey(dctx, key)
+		}
+		m := message.NewMessage(uuid.NewString(), []byte("later"))
+		*id = m.UUID
+		return nil, outbox.Publish(dctx, "out_b", m)
+	}
+}
+
+// A delayed effect commits with the unit of work, is not sent after its commit, and is sent by
+// the relay once due (woken by the due time, not by its poll), once, with its UUID.
+func TestDelayedEffectSentWhenDue(t *testing.T) {
+	e := newEnv(t, func(c *outbox.Config) { c.RelayInterval = time.Hour })
+	runRelay(t, e.ob)
+	const delay = 1500 * time.Millisecond
+	var delayed string
+	recorded := time.Now()
+	if err := handle(e.ob, message.NewMessage(uuid.NewString(), nil), publishDelayed(delay, "", &delayed)); err != nil {
+		t.Fatal(err)
+	}
+	mustEqual(t, "messages sent at once", len(e.wire("out_a")), 1)
+	mustEqual(t, "delayed messages sent at once", len(e.wire("out_b")), 0)
+	mustEqual(t, "delayed effects waiting", e.count(`SELECT count(*) FROM outbox_delayed WHERE uuid = $1`, delayed), 1)
+	mustEqual(t, "delayed effects among the pending", e.pendingEffects(), 0)
+
+	waitFor(t, "the delayed message sent", func() bool { return e.wire("out_b")[delayed] > 0 })
+	took := time.Since(recorded)
+	if took < delay {
+		t.Fatalf("the delayed message was sent %s after it was recorded, before its delay of %s", took, delay)
+	}
+	if took > delay+time.Second {
+		t.Errorf("the delayed message was sent %s after it was recorded: more than a second after it was due (RelayInterval 1 h)", took)
+	}
+	time.Sleep(300 * time.Millisecond)
+	mustEqual(t, "copies of the delayed message", e.wire("out_b")[delayed], 1)
+	mustEqual(t, "delayed effects waiting", e.count(`SELECT count(*) FROM outbox_delayed`), 0)
+}
+
+// A delayed effect holds back neither the later effects of its ordering key (a handler's
+// effects on that key go out after their commit) nor the other effects of its unit of work.
+func TestDelayedEffectDoesNotHoldBackItsKey(t *testing.T) {
+	e := newEnv(t, func(c *outbox.Config) { c.RelayInterval = time.Hour })
+	var delayed string
+	err := handle(e.ob, message.NewMessage(uuid.NewString(), nil), func(msg *message.Message) ([]*message.Message, error) {
+		ctx := outbox.WithOrderingKey(msg.Context(), "order-1")
+		m := message.NewMessage(uuid.NewString(), []byte("timeout"))
+		delayed = m.UUID
+		if err := outbox.Publish(outbox.WithDelay(ctx, time.Hour), "out_b", m); err != nil {
+			return nil, err
+		}
+		return nil, outbox.Publish(ctx, "out_a", message.NewMessage(uuid.NewString(), []byte("placed")))
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	e.flush() // the first message's effect is marked: the second's waits behind nothing sent
+	later := message.NewMessage(uuid.NewString(), nil)
+	err = handle(e.ob, later, func(msg *message.Message) ([]*message.Message, error) {
+		ctx := outbox.WithOrderingKey(msg.Context(), "order-1")
+		return nil, outbox.Publish(ctx, "out_a", message.NewMessage(uuid.NewString(), []byte("paid")))
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	mustEqual(t, "effects of the key sent at once", len(e.wire("out_a")), 2)
+	mustEqual(t, "delayed effects sent", len(e.wire("out_b")), 0)
+	mustEqual(t, "effects left to the relay", e.pendingEffects(), 0)
+	mustEqual(t, "delayed effects waiting", e.count(`SELECT count(*) FROM outbox_delayed WHERE uuid = $1`, delayed), 1)
+}
+
+// Once due, a delayed effect takes its place behind the effects pending with its key then:
+// an effect of the key that waits (its destination down) is sent before it.
+func TestDelayedEffectOrderedByDueTime(t *testing.T) {
+	e := newEnv(t, func(c *outbox.Config) {
+		c.RelayInterval = 50 * time.Millisecond
+		c.RelayGrace = time.Millisecond
+	})
+	var delayed string
+	// Published at once, the first effect fails and waits for the relay; the delayed effect
+	// recorded after it, due in 300 ms, must not overtake it.
+	e.pub.fail.Store(1)
+	err := handle(e.ob, message.NewMessage(uuid.NewString(), nil), func(msg *message.Message) ([]*message.Message, error) {
+		ctx := outbox.WithOrderingKey(msg.Context(), "k")
+		if err := outbox.Publish(ctx, "out_a", message.NewMessage(uuid.NewString(), []byte("first"))); err != nil {
+			return nil, err
+		}
+		m := message.NewMessage(uuid.NewString(), []byte("second"))
+		delayed = m.UUID
+		return nil, outbox.Publish(outbox.WithDelay(ctx, 300*time.Millisecond), "out_a", m)
+	})
+	if err == nil {
+		t.Fatal("the handler's dispatch should have failed")
+	}
+	runRelay(t, e.ob)
+	waitFor(t, "both messages sent", func() bool { return len(e.wire("out_a")) == 2 })
+	var order []string
+	rows, err := e.db.Query(`SELECT uuid FROM "watermill_out_a" ORDER BY "offset"`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer rows.Close()
+	for rows.Next() {
+		var id string
+		if err := rows.Scan(&id); err != nil {
+			t.Fatal(err)
+		}
+		order = append(order, id)
+	}
+	if len(order) != 2 || order[1] != delayed {
+		t.Fatalf("wire order %v: the delayed message %s should come last", order, delayed)
+	}
+}
+
+// At the boundary, InTx sends the effects recorded without delay after its commit and leaves
+// the delayed ones to the relay; a cancel key needs a delay.
+func TestDelayedEffectAtTheBoundary(t *testing.T) {
+	e := newEnv(t, func(c *outbox.Config) { c.RelayInterval = time.Hour })
+	err := e.ob.InTx(context.Background(), func(ctx context.Context, tx *sql.Tx) error {
+		if err := outbox.Publish(outbox.WithCancelKey(ctx, "k"), "out_a", message.NewMessage(uuid.NewString(), nil)); !errors.Is(err, outbox.ErrCancelKeyWithoutDelay) {
+			return fmt.Errorf("a cancel key without a delay: got %v, want ErrCancelKeyWithoutDelay", err)
+		}
+		if err := outbox.Publish(ctx, "out_a", message.NewMessage(uuid.NewString(), nil)); err != nil {
+			return err
+		}
+		return outbox.Publish(outbox.WithDelayUntil(ctx, time.Now().Add(time.Hour)), "out_b", message.NewMessage(uuid.NewString(), nil))
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	mustEqual(t, "messages sent after commit", len(e.wire("out_a")), 1)
+	mustEqual(t, "delayed messages sent after commit", len(e.wire("out_b")), 0)
+	mustEqual(t, "delayed effects waiting", e.count(`SELECT count(*) FROM outbox_delayed`), 1)
+	// A unit of work that rolls back leaves no delayed effect.
+	_ = e.ob.InTx(context.Background(), func(ctx context.Context, tx *sql.Tx) error {
+		if err := outbox.Publish(outbox.WithDelay(ctx, time.Millisecond), "out_b", message.NewMessage(uuid.NewString(), nil)); err != nil {
+			return err
+		}
+		return errors.New("rolled back")
+	})
+	mustEqual(t, "delayed effects waiting", e.count(`SELECT count(*) FROM outbox_delayed`), 1)
+}
+
+// A later unit of work cancels a delayed effect by its key, with its own changes: a cancel that
+// rolls back cancels nothing, one that commits means the effect is never sent.
+func TestCancelDelayedEffect(t *testing.T) {
+	e := newEnv(t, func(c *outbox.Config) { c.RelayInterval = 50 * time.Millisecond })
+	runRelay(t, e.ob)
+	var kept, cancelled string
+	if err := handle(e.ob, message.NewMessage(uuid.NewString(), nil), publishDelayed(time.Second, "timeout/1", &cancelled)); err != nil {
+		t.Fatal(err)
+	}
+	if err := handle(e.ob, message.NewMessage(uuid.NewString(), nil), publishDelayed(time.Second, "timeout/2", &kept)); err != nil {
+		t.Fatal(err)
+	}
+	cancel := func(key string, fail bool) (int, error) {
+		var n int
+		err := e.ob.InTx(context.Background(), func(ctx context.Context, tx *sql.Tx) error {
+			if _, err := tx.ExecContext(ctx, `INSERT INTO applied (message_id, note) VALUES ($1, 'paid')`, key); err != nil {
+				return err
+			}
+			var err error
+			if n, err = outbox.CancelDelayed(ctx, key); err != nil || !fail {
+				return err
+			}
+			return errors.New("rolled back")
+		})
+		return n, err
+	}
+	if n, err := cancel("timeout/2", true); err == nil || n != 1 {
+		t.Fatalf("cancel that rolls back: %d cancelled, %v", n, err)
+	}
+	if n, err := cancel("timeout/1", false); err != nil || n != 1 {
+		t.Fatalf("cancel: %d cancelled, %v; want 1", n, err)
+	}
+	if n, err := cancel("timeout/1", false); err != nil || n != 0 {
+		t.Fatalf("second cancel: %d cancelled, %v; want 0", n, err)
+	}
+	if _, err := outbox.CancelDelayed(context.Background(), "timeout/1"); !errors.Is(err, outbox.ErrNoUnitOfWork) {
+		t.Fatalf("cancel outside a unit of work: %v", err)
+	}
+	waitFor(t, "the delayed message that was not cancelled sent", func() bool { return e.wire("out_b")[kept] > 0 })
+	time.Sleep(300 * time.Millisecond)
+	mustEqual(t, "copies of the cancelled message", e.wire("out_b")[cancelled], 0)
+	mustEqual(t, "delayed messages sent", len(e.wire("out_b")), 1)
+	if n, err := cancel("timeout/2", false); err != nil || n != 0 {
+		t.Fatalf("cancel after the effect was sent: %d cancelled, %v; want 0", n, err)
+	}
+}
+
+// A cancel racing the due time and two relays: each effect is either cancelled (the cancel
+// counts it, and it is never sent) or sent exactly once (the cancel finds nothing).
+func TestCancelDelayedRacesDueTime(t *testing.T) {
+	e := newEnv(t, func(c *outbox.Config) { c.RelayInterval = 10 * time.Millisecond })
+	runRelay(t, e.ob)
+	runRelay(t, e.newOutbox(func(c *outbox.Config) { c.RelayInterval = 10 * time.Millisecond }))
+	const n = 60
+	ids := make([]string, n)
+	due := time.Now().Add(time.Second)
+	err := e.ob.InTx(context.Background(), func(ctx context.Context, tx *sql.Tx) error {
+		for i := range ids {
+			m := message.NewMessage(uuid.NewString(), nil)
+			ids[i] = m.UUID
+			ctx := outbox.WithCancelKey(outbox.WithDelayUntil(ctx, due), fmt.Sprintf("race/%d", i))
+			if err := outbox.Publish(ctx, "out_b", m); err != nil {
+				return err
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(time.Until(due) - 30*time.Millisecond)
+	cancelled := make([]int, n)
+	var wg sync.WaitGroup
+	var mu sync.Mutex
+	var errs []error
+	for i := range ids {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			time.Sleep(time.Duration(i) * time.Millisecond) // spread over the due time
+			err := e.ob.InTx(context.Background(), func(ctx context.Context, tx *sql.Tx) error {
+				var err error
+				cancelled[i], err = outbox.CancelDelayed(ctx, fmt.Sprintf("race/%d", i))
+				return err
+			})
+			if err != nil {
+				mu.Lock()
+				errs = append(errs, err)
+				mu.Unlock()
+			}
+		}()
+	}
+	wg.Wait()
+	if err := errors.Join(errs...); err != nil {
+		t.Fatal(err)
+	}
+	sent := 0
+	for i := range cancelled {
+		if cancelled[i] == 0 {
+			sent++
+		}
+	}
+	waitFor(t, "the effects not cancelled sent", func() bool { return len(e.wire("out_b")) >= sent })
+	time.Sleep(300 * time.Millisecond)
+	wire := e.wire("out_b")
+	for i, id := range ids {
+		switch {
+		case cancelled[i] == 1 && wire[id] != 0:
+			t.Errorf("effect %d was cancelled and sent %d times", i, wire[id])
+		case cancelled[i] == 0 && wire[id] != 1:
+			t.Errorf("effect %d was not cancelled and sent %d times; want once", i, wire[id])
+		}
+	}
+	t.Logf("%d of %d cancelled around their due time", n-sent, n)
+	mustEqual(t, "delayed effects left", e.count(`SELECT count(*) FROM outbox_delayed`), 0)
+}
+
+// Delayed effects that are not due are no backlog: Stats counts them apart, and neither the
+// pending count nor the age of the oldest pending effect includes them. Once due and not moved
+// (no relay runs), they are late like any pending effect.
+func TestDelayedEffectsAreNoBacklog(t *testing.T) {
+	e := newEnv(t)
+	mustExec(t, e, `INSERT INTO outbox_delayed (source_consumer, source_id, seq, kind, topic, uuid, payload, metadata,
+			ordering_key, created_at, due_at)
+		SELECT '', 'd-' || g, 0, '', 'out_b', gen_random_uuid()::text, ''::bytea, ''::bytea, '/d-' || g,
+			now() - interval '2 hours', now() + interval '1 hour' FROM generate_series(1, 100) g`)
+	s, err := e.ob.Stats(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if s.Delayed != 100 || s.Pending != 0 || s.OldestPending != 0 {
+		t.Fatalf("stats %+v: want 100 delayed, none pending", s)
+	}
+	mustExec(t, e, `UPDATE outbox_delayed SET due_at = now() - interval '10 minutes' WHERE source_id = 'd-1'`)
+	s, err = e.ob.Stats(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if s.Delayed != 99 || s.Pending != 1 || s.OldestPending < 10*time.Minute || s.OldestPending > 11*time.Minute {
+		t.Fatalf("stats %+v: want 99 delayed, 1 pending 10 minutes late", s)
+	}
+}
+
+// Thousands of delayed effects that are not due cost an idle relay pass (the move of the due
+// ones and the claim) nothing measurable.
+func TestDelayedEffectsCostIdleRelayNothing(t *testing.T) {
+	e := newEnv(t)
+	st := e.ob.Store()
+	ds := st.(outboxdriver.DelayedStore)
+	ctx := context.Background()
+	pass := func() time.Duration {
+		began := time.Now()
+		if _, _, _, err := ds.DelayedPromote(ctx, 1000); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := st.EffectClaimDue(ctx, outboxdriver.EffectClaimParams{Grace: time.Second, Limit: 100, MaxBytes: 1 << 20, Lease: time.Minute}); err != nil {
+			t.Fatal(err)
+		}
+		return time.Since(began)
+	}
+	median := func() time.Duration {
+		for range 5 {
+			pass() // warm up: plans and caches
+		}
+		var ds []time.Duration
+		for range 41 {
+			ds = append(ds, pass())
+		}
+		sort.Slice(ds, func(i, j int) bool { return ds[i] < ds[j] })
+		return ds[len(ds)/2]
+	}
+	none := median()
+	mustExec(t, e, `INSERT INTO outbox_delayed (source_consumer, source_id, seq, kind, topic, uuid, payload, metadata,
+			ordering_key, due_at, cancel_key)
+		SELECT '', 'd-' || g, 0, '', 'out_b', gen_random_uuid()::text, repeat('x', 200)::bytea, ''::bytea, '/d-' || g,
+			now() + (g || ' seconds')::interval + interval '1 hour', 'k-' || g FROM generate_series(1, 10000) g`)
+	mustExec(t, e, `ANALYZE outbox_delayed`)
+	many := median()
+	t.Logf("idle relay pass (move due delayed effects, claim): %s with none, %s with 10,000 delayed", none, many)
+	if many > 2*none+2*time.Millisecond {
+		t.Errorf("an idle relay pass took %s with 10,000 delayed effects, %s without", many, none)
+	}
+	var plan string
+	rows, err := e.db.Query(`EXPLAIN SELECT id FROM outbox_delayed WHERE due_at <= now() ORDER BY due_at, id LIMIT 1000`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer rows.Close()
+	for rows.Next() {
+		var line string
+		if err := rows.Scan(&line); err != nil {
+			t.Fatal(err)
+		}
+		plan += line + "\n"
+	}
+	if !strings.Contains(plan, "outbox_delayed_due") {
+		t.Errorf("the move of due delayed effects does not use the due index:\n%s", plan)
+	}
+}

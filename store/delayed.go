@@ -1,0 +1,80 @@
+package store
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"slices"
+	"time"
+
+	"github.com/watermill-outbox/outbox/outboxdriver"
+)
+
+var _ outboxdriver.DelayedStore = (*SQL)(nil)
+
+// errNoDelayed is returned by the delayed-effect methods of a dialect that keeps none.
+var errNoDelayed = errors.New("this store keeps no delayed effects")
+
+// DelayedInsert implements outboxdriver.DelayedStore.
+func (s *SQL) DelayedInsert(ctx context.Context, tx *sql.Tx, src outboxdriver.Source, effects []outboxdriver.Effect) error {
+	if s.d.Queries.DelayedInsert == nil {
+		return errNoDelayed
+	}
+	for chunk := range slices.Chunk(effects, DelayedInsertMaxRows) {
+		if _, err := tx.ExecContext(ctx, s.d.Queries.DelayedInsert(len(chunk)), DelayedInsertArgs(src, chunk, time.Now())...); err != nil {
+			return fmt.Errorf("store delayed effects: %w", s.wrap(err))
+		}
+	}
+	return nil
+}
+
+// DelayedInsertMaxRows bounds the delayed effects one insert statement stores (9 parameters each).
+const DelayedInsertMaxRows = 500
+
+// DelayedInsertArgs returns the arguments of Queries.DelayedInsert(len(effects)) for effects of
+// src, their delays counted from now.
+func DelayedInsertArgs(src outboxdriver.Source, effects []outboxdriver.Effect, now time.Time) []any {
+	args := EffectInsertArgs(src, effects)
+	for _, e := range effects {
+		var key any
+		if e.CancelKey != "" {
+			key = e.CancelKey
+		}
+		args = append(args, max(e.DueAt.Sub(now), 0).Milliseconds(), key)
+	}
+	return args
+}
+
+// DelayedCancel implements outboxdriver.DelayedStore.
+func (s *SQL) DelayedCancel(ctx context.Context, tx *sql.Tx, key string) (int, error) {
+	if s.d.Queries.DelayedCancel == "" {
+		return 0, errNoDelayed
+	}
+	r, err := tx.ExecContext(ctx, s.d.Queries.DelayedCancel, key)
+	if err != nil {
+		return 0, fmt.Errorf("cancel delayed effects: %w", s.wrap(err))
+	}
+	n, err := r.RowsAffected()
+	return int(n), err
+}
+
+// DelayedPromote implements outboxdriver.DelayedStore.
+func (s *SQL) DelayedPromote(ctx context.Context, limit int) (int, time.Duration, bool, error) {
+	if s.d.Queries.DelayedPromote == "" {
+		return 0, 0, false, nil
+	}
+	r, err := s.db.ExecContext(ctx, s.d.Queries.DelayedPromote, limit)
+	if err != nil {
+		return 0, 0, false, fmt.Errorf("move due delayed effects: %w", s.wrap(err))
+	}
+	moved, err := r.RowsAffected()
+	if err != nil {
+		return 0, 0, false, err
+	}
+	var ms sql.NullInt64
+	if err := s.db.QueryRowContext(ctx, s.d.Queries.DelayedNextDue).Scan(&ms); err != nil {
+		return int(moved), 0, false, fmt.Errorf("next due delayed effect: %w", s.wrap(err))
+	}
+	return int(moved), time.Duration(ms.Int64) * time.Millisecond, ms.Valid, nil
+}
