@@ -13,6 +13,9 @@ type queries struct {
 	processed string           // (consumer, id) -> a row when processed
 	pending   string           // (consumer, id) -> the effect rows and inline effects of the source: see postgres.PendingQuery
 
+	delayedInsert func(int) string // the delayed effects: see store.DelayedInsertArgs
+	delayedCancel string           // (cancel key)
+
 	lookup      string // optimistic: (consumer, id) -> age of the claim, no row when there is none
 	claimInline string // optimistic: (consumer, id, inline effects or NULL): no ON CONFLICT
 
@@ -27,6 +30,9 @@ func newQueries(n store.Names, deleteDispatched bool) queries {
 		processed: pq.MessageIsProcessed,
 		pending:   postgres.PendingQuery(n),
 		keys:      store.Queries{KeyLock: pq.KeyLock, KeyClaim: pq.KeyClaim, KeyRead: pq.KeyRead, KeySave: pq.KeySave},
+
+		delayedInsert: pq.DelayedInsert,
+		delayedCancel: pq.DelayedCancel,
 
 		lookup: `SELECT (extract(epoch FROM now() - p.processed_at) * 1000)::bigint FROM ` + n.Processed + ` p
 			WHERE p.consumer = $1 AND p.message_id = $2`,
