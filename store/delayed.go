@@ -61,20 +61,65 @@ func (s *SQL) DelayedCancel(ctx context.Context, tx *sql.Tx, key string) (int, e
 
 // DelayedPromote implements outboxdriver.DelayedStore.
 func (s *SQL) DelayedPromote(ctx context.Context, limit int) (int, time.Duration, bool, error) {
-	if s.d.Queries.DelayedPromote == "" {
+	q := s.d.Queries
+	var moved int64
+	switch {
+	case q.DelayedPromote != "":
+		r, err := s.db.ExecContext(ctx, q.DelayedPromote, limit)
+		if err != nil {
+			return 0, 0, false, fmt.Errorf("move due delayed effects: %w", s.wrap(err))
+		}
+		if moved, err = r.RowsAffected(); err != nil {
+			return 0, 0, false, err
+		}
+	case q.DelayedDue != "":
+		n, err := s.promoteInSteps(ctx, limit)
+		if err != nil {
+			return 0, 0, false, fmt.Errorf("move due delayed effects: %w", err)
+		}
+		moved = int64(n)
+	default:
 		return 0, 0, false, nil
-	}
-	r, err := s.db.ExecContext(ctx, s.d.Queries.DelayedPromote, limit)
-	if err != nil {
-		return 0, 0, false, fmt.Errorf("move due delayed effects: %w", s.wrap(err))
-	}
-	moved, err := r.RowsAffected()
-	if err != nil {
-		return 0, 0, false, err
 	}
 	var ms sql.NullInt64
 	if err := s.db.QueryRowContext(ctx, s.d.Queries.DelayedNextDue).Scan(&ms); err != nil {
 		return int(moved), 0, false, fmt.Errorf("next due delayed effect: %w", s.wrap(err))
 	}
 	return int(moved), time.Duration(ms.Int64) * time.Millisecond, ms.Valid, nil
+}
+
+// promoteInSteps is DelayedPromote with Queries.DelayedDue, DelayedMove and DelayedDelete.
+func (s *SQL) promoteInSteps(ctx context.Context, limit int) (int, error) {
+	tx, err := s.db.BeginTx(ctx, nil)
+	if err != nil {
+		return 0, fmt.Errorf("begin: %w", err)
+	}
+	defer func() { _ = tx.Rollback() }()
+	rows, err := tx.QueryContext(ctx, s.d.Queries.DelayedDue, limit)
+	if err != nil {
+		return 0, s.wrap(err)
+	}
+	var due []int64
+	for rows.Next() {
+		var id int64
+		if err := rows.Scan(&id); err != nil {
+			_ = rows.Close()
+			return 0, err
+		}
+		due = append(due, id)
+	}
+	if err := errors.Join(rows.Err(), rows.Close()); err != nil {
+		return 0, s.wrap(err)
+	}
+	if len(due) == 0 {
+		return 0, nil
+	}
+	list := idList(due)
+	if _, err := tx.ExecContext(ctx, s.d.Queries.DelayedMove, list); err != nil {
+		return 0, s.wrap(err)
+	}
+	if _, err := tx.ExecContext(ctx, s.d.Queries.DelayedDelete, list); err != nil {
+		return 0, s.wrap(err)
+	}
+	return len(due), tx.Commit()
 }

@@ -67,7 +67,11 @@ type Queries struct {
 	// DelayedPromote (limit) moves up to limit due delayed effects into the effects table, due
 	// for the relay at once; rows affected.
 	DelayedPromote string
-	DelayedNextDue string // -> ms until the earliest due time (negative when past), NULL when none
+	// DelayedDue, DelayedMove and DelayedDelete are DelayedPromote in three statements of one
+	// transaction, for a dialect whose statements change one table: (limit) -> ids of the due
+	// ones; (ids) moves them; (ids) deletes them.
+	DelayedDue, DelayedMove, DelayedDelete string
+	DelayedNextDue                         string // -> ms until the earliest due time (negative when past), NULL when none
 	// DelayedStats (count cap) -> delayed not due, overdue, age of the oldest overdue ms; each
 	// count reads at most cap rows.
 	DelayedStats string

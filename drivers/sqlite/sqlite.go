@@ -210,6 +210,36 @@ func queries(n store.Names) store.Queries {
 				ORDER BY e.id LIMIT ?2) WHERE running <= ?3 OR n = 1)
 			RETURNING ` + effectColumns,
 
+		// Numbered parameters: the delays and cancel keys follow all the effects' arguments.
+		DelayedInsert: func(count int) string {
+			var b strings.Builder
+			b.WriteString(`INSERT INTO ` + n.Delayed + ` (source_consumer, source_id, seq, kind, topic, uuid, payload, metadata, ordering_key, due_at, cancel_key) VALUES `)
+			for i := 0; i < count; i++ {
+				if i > 0 {
+					b.WriteString(", ")
+				}
+				a := 3 + 7*i
+				d := 3 + 7*count + 2*i
+				fmt.Fprintf(&b, "(?1, ?2, ?%d, ?%d, ?%d, ?%d, coalesce(?%d, x''), coalesce(?%d, x''), ?%d, %s, ?%d)",
+					a, a+1, a+2, a+3, a+4, a+5, a+6, fromNow(fmt.Sprintf("?%d", d)), d+1)
+			}
+			return b.String()
+		},
+		DelayedCancel: `DELETE FROM ` + n.Delayed + ` WHERE cancel_key = ?1`,
+		// One statement changes one table in SQLite: the move takes three, in one transaction
+		// (the write lock, taken at BEGIN, keeps the rows as the first one found them).
+		DelayedDue: `SELECT id FROM ` + n.Delayed + ` WHERE due_at <= ` + now + ` ORDER BY due_at, id LIMIT ?1`,
+		DelayedMove: `INSERT INTO ` + n.Effects + ` (source_consumer, source_id, seq, kind, topic, uuid, payload, metadata, ordering_key,
+				created_at, next_attempt_at)
+			SELECT source_consumer, source_id, seq, kind, topic, uuid, payload, metadata, ordering_key, due_at, ` + now + `
+			FROM ` + n.Delayed + ` WHERE id IN ` + ids("?1") + ` ORDER BY due_at, id`,
+		DelayedDelete:  `DELETE FROM ` + n.Delayed + ` WHERE id IN ` + ids("?1"),
+		DelayedNextDue: `SELECT -` + msSince("min(due_at)") + ` FROM ` + n.Delayed,
+		DelayedStats: `WITH later AS (SELECT 1 FROM ` + n.Delayed + ` WHERE due_at > ` + now + ` LIMIT ?1),
+			overdue AS (SELECT due_at FROM ` + n.Delayed + ` WHERE due_at <= ` + now + ` ORDER BY due_at LIMIT ?1)
+			SELECT (SELECT count(*) FROM later), (SELECT count(*) FROM overdue),
+				coalesce((SELECT ` + msSince("min(due_at)") + ` FROM overdue), 0)`,
+
 		// No lock: each batch's transaction holds the write lock, so cleaners take turns.
 		CleanupClaims:        `DELETE FROM ` + n.Processed + ` WHERE (consumer, message_id) IN (` + cleanupClaims + ` LIMIT ?2)`,
 		CleanupEffects:       `DELETE FROM ` + n.Effects + ` WHERE id IN (` + cleanupEffects + ` ORDER BY id LIMIT ?2)`,
