@@ -228,6 +228,9 @@ type Effect struct {
 	Payload     []byte
 	Metadata    map[string]string
 	OrderingKey string
+	// Delayed: the effect was recorded with a delay and was still waiting for its due time when
+	// it was read (not yet moved to the pending effects by a relay).
+	Delayed bool
 }
 
 // Result is what one unit of work did.
@@ -263,8 +266,8 @@ func (h *Harness) Run(consumer string, msg *message.Message, handler message.Han
 }
 
 // committedEffects reads every effect committed for the message, pending or dispatched: effect
-// rows, dispatched rows kept for EffectRetention, and effects kept inline in the claim (the pgx
-// form's optimistic mode), in the order they were recorded.
+// rows, dispatched rows kept for EffectRetention, delayed effects not due yet, and effects kept
+// inline in the claim (the pgx form's optimistic mode), in the order they were recorded.
 func (h *Harness) committedEffects(consumer, id string) []Effect {
 	h.t.Helper()
 	cfg := h.Ob.Config()
@@ -279,8 +282,9 @@ func (h *Harness) committedEffects(consumer, id string) []Effect {
 	if err != nil {
 		h.t.Fatalf("outboxtest: %v", err)
 	}
-	rows, err := h.DB.Query(`SELECT seq, kind, topic, uuid, payload, ordering_key FROM `+n.Effects+` WHERE source_consumer = $1 AND source_id = $2
-		UNION ALL SELECT seq, kind, topic, uuid, payload, ordering_key FROM `+n.Dispatched+` WHERE source_consumer = $1 AND source_id = $2`, consumer, id)
+	rows, err := h.DB.Query(`SELECT seq, kind, topic, uuid, payload, ordering_key, false FROM `+n.Effects+` WHERE source_consumer = $1 AND source_id = $2
+		UNION ALL SELECT seq, kind, topic, uuid, payload, ordering_key, false FROM `+n.Dispatched+` WHERE source_consumer = $1 AND source_id = $2
+		UNION ALL SELECT seq, kind, topic, uuid, payload, ordering_key, true FROM `+n.Delayed+` WHERE source_consumer = $1 AND source_id = $2`, consumer, id)
 	if err != nil {
 		h.t.Fatalf("outboxtest: read the committed effects: %v", err)
 	}
@@ -289,7 +293,7 @@ func (h *Harness) committedEffects(consumer, id string) []Effect {
 	for rows.Next() {
 		var se seqEffect
 		e := &se.e
-		if err := rows.Scan(&se.seq, &e.Kind, &e.Topic, &e.UUID, &e.Payload, &e.OrderingKey); err != nil {
+		if err := rows.Scan(&se.seq, &e.Kind, &e.Topic, &e.UUID, &e.Payload, &e.OrderingKey, &e.Delayed); err != nil {
 			h.t.Fatalf("outboxtest: %v", err)
 		}
 		all = append(all, se)
@@ -478,12 +482,22 @@ func (c CrashMatrix) scenario(t testing.TB, msg *message.Message, point string, 
 	later := h.Run(c.Consumer, msg, handler)
 	report = append(report, fmt.Sprintf("a later copy: err=%v", later.Err))
 
+	// Only the relay sends a delayed effect, once due: none may be on the wire before it runs.
+	beforeRelay := h.Pub.All()
+
 	// The relay sends what a failed or crashed dispatch left behind.
 	runCtx, stop := context.WithCancel(ctx)
 	done := make(chan error, 1)
 	go func() { done <- h.Ob.Run(runCtx) }()
 	waitCtx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	idleErr := h.Ob.WaitIdle(waitCtx)
+	if idleErr == nil {
+		// Delayed effects are no backlog until due: wait for them too, then for their dispatch.
+		idleErr = h.waitDelayed(waitCtx, c.Consumer, msg.UUID)
+	}
+	if idleErr == nil {
+		idleErr = h.Ob.WaitIdle(waitCtx)
+	}
 	cancel()
 	stop()
 	<-done
@@ -512,6 +526,17 @@ func (c CrashMatrix) scenario(t testing.TB, msg *message.Message, point string, 
 			committed[onTopic{e.Topic, e.UUID}] = true
 		}
 	}
+	for _, e := range later.Effects {
+		if !e.Delayed || e.Kind != outbox.KindPublish {
+			continue
+		}
+		for _, sent := range beforeRelay {
+			if sent.Topic == e.Topic && sent.Message.UUID == e.UUID {
+				fail("delayed side effect %s to %q was sent before its due time (by a unit of work, not the relay)", e.UUID, e.Topic)
+				break
+			}
+		}
+	}
 	onWire := map[onTopic]int{}
 	for _, s := range h.Pub.All() {
 		onWire[onTopic{s.Topic, s.Message.UUID}]++
@@ -536,6 +561,30 @@ func (c CrashMatrix) scenario(t testing.TB, msg *message.Message, point string, 
 		failures = append(failures, "what happened:", joinLines(report))
 	}
 	return failures
+}
+
+// waitDelayed waits until no delayed effect of the message waits for its due time.
+func (h *Harness) waitDelayed(ctx context.Context, consumer, id string) error {
+	cfg := h.Ob.Config()
+	n, err := store.NewNames(cmp.Or(cfg.Schema, postgres.DefaultSchema), cfg.TablePrefix)
+	if err != nil {
+		return err
+	}
+	for {
+		var waiting int
+		if err := h.DB.QueryRowContext(ctx, `SELECT count(*) FROM `+n.Delayed+` WHERE source_consumer = $1 AND source_id = $2`,
+			consumer, id).Scan(&waiting); err != nil {
+			return fmt.Errorf("outboxtest: wait for the delayed effects: %w", err)
+		}
+		if waiting == 0 {
+			return nil
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("outboxtest: %d delayed effects still waiting: %w", waiting, ctx.Err())
+		case <-time.After(20 * time.Millisecond):
+		}
+	}
 }
 
 func joinLines(lines []string) string {

@@ -59,6 +59,30 @@ func orders() []*message.Message {
 	return []*message.Message{message.NewMessage("order-1", []byte("o-1"))}
 }
 
+// reserveWithTimeout also records a delayed effect (the reservation's expiry), which must be
+// sent once, with its committed UUID, whatever crashed before it was due.
+func reserveWithTimeout(*sql.DB) message.HandlerFunc {
+	return func(msg *message.Message) ([]*message.Message, error) {
+		ctx := msg.Context()
+		if _, err := outbox.Tx(ctx).ExecContext(ctx, `INSERT INTO reservations VALUES ($1)`, string(msg.Payload)); err != nil {
+			return nil, err
+		}
+		expiry := outbox.WithCancelKey(outbox.WithDelay(ctx, 300*time.Millisecond), "expiry/"+string(msg.Payload))
+		if err := outbox.Publish(expiry, "reservation.expired", message.NewMessage("", msg.Payload)); err != nil {
+			return nil, err
+		}
+		return nil, outbox.Publish(ctx, "stock.reserved", message.NewMessage("", msg.Payload))
+	}
+}
+
+// The matrix covers delayed effects: a crash at any step of the unit of work comes before the
+// due time; the copies and the later delivery must not send the delayed effect early or twice,
+// and the relay sends it once when due.
+func TestCrashMatrixDelayedEffects(t *testing.T) {
+	CrashMatrix{Consumer: "reserve", Handler: reserveWithTimeout, Messages: orders(), Setup: setupOrders, Applied: applied,
+		Config: outbox.Config{RelayInterval: 20 * time.Millisecond}}.Run(t)
+}
+
 func TestCrashMatrixPassesACorrectHandler(t *testing.T) {
 	CrashMatrix{Consumer: "reserve", Handler: reserve, Messages: orders(), Setup: setupOrders, Applied: applied}.Run(t)
 }
