@@ -133,3 +133,19 @@ func delayedEffects(t *testing.T, mode outboxpgx.Concurrency) {
 		t.Fatalf("cancel outside a unit of work: %v", err)
 	}
 }
+
+// The crash matrix with a delayed effect (the optimistic mode's claim keeps the others inline):
+// whatever crashes before the due time, it is sent once, by the relay, when due.
+func TestCrashMatrixDelayedEffect(t *testing.T) {
+	for name, mode := range modes {
+		t.Run(name, func(t *testing.T) {
+			crashMatrixOf(t, form(mode), func(msg *message.Message) error {
+				if err := handler(msg); err != nil {
+					return err
+				}
+				ctx := outbox.WithCancelKey(outbox.WithDelay(msg.Context(), 300*time.Millisecond), "expiry/"+msg.UUID)
+				return outbox.Publish(ctx, "expired", message.NewMessage("expired-"+msg.UUID, nil))
+			})
+		})
+	}
+}
