@@ -149,3 +149,48 @@ func TestCrashMatrixDelayedEffect(t *testing.T) {
 		})
 	}
 }
+
+// A delayed effect due while its unit's other effects are still inline in the claim (a crash
+// after commit, before their dispatch) waits for them: it shares their ordering key, the
+// message's, and is sent after them.
+func TestDelayedEffectWaitsForInlineEffectsOfItsUnit(t *testing.T) {
+	pool := openPool(t, outboxtest.DSN(t), 8, nil)
+	ctx := context.Background()
+	rec := &outboxtest.Recorder{}
+	crash := errors.New("crash")
+	ob := ready(t, pool, outbox.Config{Publisher: rec, RelayGrace: time.Second, RelayInterval: 20 * time.Millisecond,
+		RetryDelay: -1, Failpoint: func(_ context.Context, point string) error {
+			if point == outbox.FailpointAfterCommit {
+				return crash
+			}
+			return nil
+		}})
+	h := func(msg *message.Message) error {
+		if err := handler(msg); err != nil {
+			return err
+		}
+		return outbox.Publish(outbox.WithDelay(msg.Context(), 50*time.Millisecond), "out", message.NewMessage("later-"+msg.UUID, nil))
+	}
+	if err := ob.Handle(message.NewMessage("m", nil), outbox.HandleParams{Consumer: "c", MessageID: "m"}, consume(h)); !errors.Is(err, crash) {
+		t.Fatalf("crash after commit: %v", err)
+	}
+	var inline int
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM outbox_processed WHERE effects IS NOT NULL`).Scan(&inline); err != nil || inline != 1 {
+		t.Fatalf("claims holding inline effects: %d (%v); want 1", inline, err)
+	}
+	runCtx, stop := context.WithCancel(ctx)
+	done := make(chan error, 1)
+	go func() { done <- ob.Run(runCtx) }()
+	defer func() { stop(); <-done }()
+	deadline := time.Now().Add(20 * time.Second)
+	for len(rec.Messages("out")) < 2 {
+		if time.Now().After(deadline) {
+			t.Fatalf("sent: %v; want both messages", rec.All())
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	got := rec.Messages("out")
+	if got[0].UUID != "out-m" || got[1].UUID != "later-m" {
+		t.Fatalf("sent in the order %s, %s; the delayed message must follow the one recorded before it", got[0].UUID, got[1].UUID)
+	}
+}

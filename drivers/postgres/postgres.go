@@ -385,9 +385,14 @@ func queries(n store.Names, deleteDispatched bool) store.Queries {
 		// The moved effects are handed over (next_attempt_at set: no grace period) and count as
 		// stored at their due time, from which their backlog age and dispatch lag count. A row a
 		// cancel holds is skipped (it is gone, or due again at the next pass). Ids are drawn in
-		// due order, so that effects of one key due together keep their recorded order.
-		DelayedPromote: `WITH due AS (SELECT id FROM ` + n.Delayed + ` WHERE due_at <= now()
-				ORDER BY due_at, id LIMIT $1 FOR UPDATE SKIP LOCKED),
+		// due order, so that effects of one key due together keep their recorded order. An
+		// effect whose claim still holds its unit's other effects inline (the pgx driver's
+		// optimistic mode, after a crash) waits until they are sent or moved to rows: it would
+		// take an id before them and overtake them on its key, the source's.
+		DelayedPromote: `WITH due AS (SELECT d.id FROM ` + n.Delayed + ` d WHERE d.due_at <= now()
+				  AND NOT EXISTS (SELECT 1 FROM ` + n.Processed + ` p
+					WHERE p.consumer = d.source_consumer AND p.message_id = d.source_id AND p.effects IS NOT NULL)
+				ORDER BY d.due_at, d.id LIMIT $1 FOR UPDATE OF d SKIP LOCKED),
 			moved AS (DELETE FROM ` + n.Delayed + ` d USING due WHERE d.id = due.id RETURNING d.*)
 			INSERT INTO ` + n.Effects + ` (source_consumer, source_id, seq, kind, topic, uuid, payload, metadata, ordering_key,
 				created_at, next_attempt_at)
