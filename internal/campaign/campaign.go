@@ -59,6 +59,7 @@ var Scenarios = map[string]string{
 	"keyed":       "client requests with an idempotency key are retried through keyed boundary units of work (some attempts at once, waiting or not), with the deliveries' faults",
 	"slow-topic":  "every call for one topic takes 20-120 ms (within PublishTimeout), on every path",
 	"hung-topic":  "for the first 0.3-1.5 s of the run every call for one topic hangs until its context ends (PublishTimeout), on every path, while the other topic flows",
+	"delayed":     "the unit of work also records a delayed effect (due 0 to 600 ms after it is recorded, on the message's key), and a later unit of work on any instance cancels it around its due time, racing the relays",
 }
 
 // Form is one way to build an instance of the framework.
@@ -265,10 +266,14 @@ func Run(t *testing.T, dsn string, o Options) {
 			want = append(want, "crash@"+p)
 		}
 	}
-	for _, s := range []string{"copy-during", "copy-after", "shared-uuid", "topic-fails", "held-claim", "clock-step", "slow-topic", "hung-topic"} {
+	for _, s := range []string{"copy-during", "copy-after", "shared-uuid", "topic-fails", "held-claim", "clock-step", "slow-topic", "hung-topic", "delayed"} {
 		if on[s] {
 			want = append(want, s)
 		}
+	}
+	if on["delayed"] {
+		// A cancel that won, and one that came too late.
+		want = append(want, "delayed cancelled", "delayed too late to cancel")
 	}
 	if on["keyed"] {
 		want = append(want, "keyed replayed")

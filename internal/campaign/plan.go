@@ -22,6 +22,15 @@ type spec struct {
 	// bigCalls: the big effects are recorded in one Publish call, or in several (each one
 	// statement on database/sql)
 	bigCalls int
+	// delay, when not negative, is the delay of one more effect, recorded last.
+	delay time.Duration
+	// cancel: after the message is acked, a unit of work on instance cancelProc cancels the
+	// delayed effect cancelAt after the ack (around its due time); cancelled is what it
+	// reported: 1 cancelled, 0 too late, -1 unknown (it failed).
+	cancel     bool
+	cancelProc int
+	cancelAt   time.Duration
+	cancelled  atomic.Int32
 }
 
 // bigEffects is more effects than one INSERT can carry: 7 bind parameters per effect, at most

@@ -203,7 +203,12 @@ func (c *run) do() bool {
 	}
 	scheds := make([]schedule, messages)
 	for i := range scheds {
-		sp := &spec{id: uuid.NewString(), shared: r.IntN(3) == 0 && c.on["shared-uuid"], big: i == bigAt, bigCalls: 1 + 9*r.IntN(2)}
+		sp := &spec{id: uuid.NewString(), shared: r.IntN(3) == 0 && c.on["shared-uuid"], big: i == bigAt, bigCalls: 1 + 9*r.IntN(2), delay: -1}
+		if delayed, delay, cancel, proc, jitter := r.IntN(2) == 0, r.IntN(600), r.IntN(2) == 0, r.IntN(instances), r.IntN(300)-150; delayed && c.on["delayed"] && c.database == postgresDatabase {
+			sp.delay = time.Duration(delay) * time.Millisecond
+			sp.cancel, sp.cancelProc, sp.cancelAt = cancel, proc, max(sp.delay+time.Duration(jitter)*time.Millisecond, 0)
+			c.stats.reached("delayed")
+		}
 		s := schedule{msg: sp, concurrentAt: -1}
 		for range 16 {
 			pl := randomPlan(r, sp, c.on)
@@ -230,8 +235,8 @@ func (c *run) do() bool {
 		if sp.shared {
 			c.stats.reached("shared-uuid")
 		}
-		c.note("%s: shared UUID %v, big %v (in %d calls), concurrent copy at delivery %d, %d late; instances %v; plans %v", sp.id[:8], sp.shared, sp.big, sp.bigCalls,
-			s.concurrentAt, s.late, s.procs[:4], s.plans[:4])
+		c.note("%s: shared UUID %v, big %v (in %d calls), delayed by %v (cancelled %v on instance %d at %v), concurrent copy at delivery %d, %d late; instances %v; plans %v",
+			sp.id[:8], sp.shared, sp.big, sp.bigCalls, sp.delay, sp.cancel, sp.cancelProc, sp.cancelAt, s.concurrentAt, s.late, s.procs[:4], s.plans[:4])
 		scheds[i] = s
 	}
 	rqs := c.drawRequests(r)
@@ -310,6 +315,10 @@ func (c *run) do() bool {
 				return
 			}
 			copies.Wait()
+			if s.msg.cancel {
+				copies.Add(1)
+				go func() { defer copies.Done(); c.cancelDelayed(s.msg) }()
+			}
 			for d := 0; d < s.late; d++ {
 				// A late copy may find effects whose mark is not written yet and send them
 				// again, or wait for a connection: on a loaded machine a publish or the claim
@@ -470,8 +479,39 @@ func (c *run) handler(f Form) message.HandlerFunc {
 		case pl.handlerSlow:
 			return nil, f.Exec(ctx, c.database.Bind(c.database.Sleep), (c.timeout + 200*time.Millisecond).Seconds())
 		}
-		return nil, publish(1, "3")
+		if err := publish(1, "3"); err != nil || pl.msg.delay < 0 {
+			return nil, err
+		}
+		// Last, so that on the message's key it follows every other effect, by its due time.
+		return nil, outbox.Publish(outbox.WithCancelKey(outbox.WithDelay(ctx, pl.msg.delay), c.cancelKey(pl.msg)), c.topics[1],
+			message.NewMessage(uuid.NewString(), []byte(m.UUID+"/delayed")))
 	}
+}
+
+func (c *run) cancelKey(sp *spec) string { return c.prefix + sp.id }
+
+// cancelDelayed cancels the delayed effect of sp in a unit of work of its own, cancelAt after
+// the message was acked: around its due time, racing the relays that move it.
+func (c *run) cancelDelayed(sp *spec) {
+	time.Sleep(sp.cancelAt)
+	var n int
+	err := c.procs[sp.cancelProc].InUnit(context.Background(), func(ctx context.Context) error {
+		var err error
+		n, err = outbox.CancelDelayed(ctx, c.cancelKey(sp))
+		return err
+	})
+	switch {
+	case err != nil:
+		sp.cancelled.Store(-1)
+		c.note("%s: the cancel of the delayed effect failed: %v", sp.id[:8], err)
+	case n == 1:
+		sp.cancelled.Store(1)
+		c.stats.reached("delayed cancelled")
+	default:
+		sp.cancelled.Store(0)
+		c.stats.reached("delayed too late to cancel")
+	}
+	c.note("%s: cancel of the delayed effect on instance %d: %d cancelled (%v)", sp.id[:8], sp.cancelProc, n, err)
 }
 
 // wantEffects are the (topic, payload) of the effects a processed message committed.
@@ -484,6 +524,9 @@ func (c *run) wantEffects(sp *spec) []wireKey {
 		for i := range bigEffects {
 			out = append(out, wireKey{c.topics[0], fmt.Sprintf("%s/big%d", sp.id, i)})
 		}
+	}
+	if sp.delay >= 0 && sp.cancelled.Load() != 1 {
+		out = append(out, wireKey{c.topics[1], sp.id + "/delayed"})
 	}
 	return out
 }
