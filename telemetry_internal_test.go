@@ -28,7 +28,8 @@ func (r *gaugeRecorder) ObserveInt64(o metric.Int64Observable, v int64, _ ...met
 func observeGauges(t *testing.T, tel *telemetry) map[string]float64 {
 	t.Helper()
 	order := []string{MetricEffectsPending, MetricPendingOldestAge, MetricEffectsParked, MetricParkedOldestAge,
-		MetricMessagesFailing, MetricProcessedRetained, MetricCleanupLag, MetricStatsAge, MetricRelayLastRoundAge, MetricUptime}
+		MetricMessagesFailing, MetricProcessedRetained, MetricCleanupLag, MetricStatsAge, MetricRelayLastRoundAge, MetricUptime,
+		MetricEffectsDelayed}
 	if len(order) != len(tel.gauges) {
 		t.Fatalf("%d gauges, the test knows %d", len(tel.gauges), len(order))
 	}
@@ -40,6 +41,19 @@ func observeGauges(t *testing.T, tel *telemetry) map[string]float64 {
 		t.Fatal(err)
 	}
 	return r.values
+}
+
+// Delayed effects not due yet are reported apart: neither the backlog nor its age counts them.
+func TestTelemetryDelayedEffectsApart(t *testing.T) {
+	tel, err := newTelemetry(&Outbox{cfg: Config{StatsInterval: 15 * time.Second}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	tel.setStats(Stats{SampledAt: time.Now(), Delayed: 10_000})
+	got := observeGauges(t, tel)
+	if got[MetricEffectsDelayed] != 10_000 || got[MetricEffectsPending] != 0 || got[MetricPendingOldestAge] != 0 {
+		t.Errorf("gauges %v: want 10,000 delayed, nothing pending", got)
+	}
 }
 
 // A sample that could not be refreshed (a stalled database, a sampling query that keeps failing)

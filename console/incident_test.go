@@ -40,14 +40,14 @@ func postForm(t *testing.T, c *http.Client, u string, form url.Values) (*http.Re
 func TestPageCountsComeFromTheSample(t *testing.T) {
 	o, db, _ := parkedEnv(t)
 	if _, err := db.Exec(`UPDATE outbox_stats SET sampled_at = now() - interval '5 seconds', leased_at = now() - interval '5 seconds',
-		sample = '{"Pending": 4242, "Parked": 17, "OldestPendingMS": 1000}' WHERE id = 1`); err != nil {
+		sample = '{"Pending": 4242, "Parked": 17, "OldestPendingMS": 1000, "Delayed": 31}' WHERE id = 1`); err != nil {
 		t.Fatal(err)
 	}
 	srv := serve(t, o, console.Options{AllowUnauthenticated: true})
 	code, body := get(t, srv.Client(), srv.URL+"/outbox/")
 	if code != http.StatusOK || !strings.Contains(body, `id="pending">4242<`) || !strings.Contains(body, `id="parked-count">17<`) ||
-		!regexp.MustCompile(`id="sampled">sampled \ds ago`).MatchString(body) {
-		t.Fatalf("want the sampled counts (4242 pending, 17 parked) and their age:\n%s", body)
+		!strings.Contains(body, `id="delayed">31<`) || !regexp.MustCompile(`id="sampled">sampled \ds ago`).MatchString(body) {
+		t.Fatalf("want the sampled counts (4242 pending, 17 parked, 31 delayed apart) and their age:\n%s", body)
 	}
 	if !strings.Contains(body, `class="relay ok"`) {
 		t.Errorf("a service sampled 5 s ago: want the relays shown as running:\n%s", body)

@@ -128,6 +128,7 @@ type totalsJSON struct {
 	Estimated       bool      `json:"estimated,omitempty"`
 	CleanupLagNS    int64     `json:"cleanup_lag_ns"`
 	SampledAt       time.Time `json:"sampled_at"`
+	Delayed         int64     `json:"delayed"`
 }
 
 // statusJSON is a Status as JSON shows it.
@@ -143,7 +144,7 @@ func (s Status) MarshalJSON() ([]byte, error) {
 	t := s.Totals
 	return json.Marshal(statusJSON{plainStatus(s), totalsJSON{Pending: t.Pending, OldestPendingNS: int64(t.OldestPending), Parked: t.Parked,
 		OldestParkedNS: int64(t.OldestParked), Failing: t.Failing, Retained: t.Retained, Estimated: t.Estimated,
-		CleanupLagNS: int64(t.CleanupLag), SampledAt: t.SampledAt}})
+		CleanupLagNS: int64(t.CleanupLag), SampledAt: t.SampledAt, Delayed: t.Delayed}})
 }
 
 // UnmarshalJSON reads what MarshalJSON writes.
@@ -156,7 +157,7 @@ func (s *Status) UnmarshalJSON(b []byte) error {
 	t := j.Totals
 	s.Totals = outboxdriver.Stats{Pending: t.Pending, OldestPending: time.Duration(t.OldestPendingNS), Parked: t.Parked,
 		OldestParked: time.Duration(t.OldestParkedNS), Failing: t.Failing, Retained: t.Retained, Estimated: t.Estimated,
-		CleanupLag: time.Duration(t.CleanupLagNS), SampledAt: t.SampledAt}
+		CleanupLag: time.Duration(t.CleanupLagNS), SampledAt: t.SampledAt, Delayed: t.Delayed}
 	return nil
 }
 

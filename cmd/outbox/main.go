@@ -224,6 +224,7 @@ func status(ctx context.Context, o *ops.Ops, args []string, out printer) error {
 	return out.emit(s, func(w *tabwriter.Writer) {
 		t := s.Totals
 		fmt.Fprintf(w, "pending\t%d\toldest %s\n", t.Pending, t.OldestPending.Round(time.Millisecond))
+		fmt.Fprintf(w, "delayed\t%d\tnot due yet (no backlog)\n", t.Delayed)
 		fmt.Fprintf(w, "parked\t%d\toldest %s\n", t.Parked, t.OldestParked.Round(time.Millisecond))
 		fmt.Fprintf(w, "failing messages\t%d\t\n", t.Failing)
 		fmt.Fprintf(w, "retained IDs\t%d\t%s\n", t.Retained, map[bool]string{true: "(estimated)"}[t.Estimated])
