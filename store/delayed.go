@@ -88,31 +88,21 @@ func (s *SQL) DelayedPromote(ctx context.Context, limit int) (int, time.Duration
 	return int(moved), time.Duration(ms.Int64) * time.Millisecond, ms.Valid, nil
 }
 
-// promoteInSteps is DelayedPromote with Queries.DelayedDue, DelayedMove and DelayedDelete.
+// promoteInSteps is DelayedPromote with Queries.DelayedDue, DelayedMove and DelayedDelete. It
+// looks for due effects before it begins a transaction: there (SQLite) a transaction takes the
+// write lock, which an idle relay pass must not take.
 func (s *SQL) promoteInSteps(ctx context.Context, limit int) (int, error) {
+	if due, err := s.delayedDue(ctx, s.db, limit); err != nil || len(due) == 0 {
+		return 0, err
+	}
 	tx, err := s.db.BeginTx(ctx, nil)
 	if err != nil {
 		return 0, fmt.Errorf("begin: %w", err)
 	}
 	defer func() { _ = tx.Rollback() }()
-	rows, err := tx.QueryContext(ctx, s.d.Queries.DelayedDue, limit)
-	if err != nil {
-		return 0, s.wrap(err)
-	}
-	var due []int64
-	for rows.Next() {
-		var id int64
-		if err := rows.Scan(&id); err != nil {
-			_ = rows.Close()
-			return 0, err
-		}
-		due = append(due, id)
-	}
-	if err := errors.Join(rows.Err(), rows.Close()); err != nil {
-		return 0, s.wrap(err)
-	}
-	if len(due) == 0 {
-		return 0, nil
+	due, err := s.delayedDue(ctx, tx, limit) // again, under the lock: a cancel may have taken some
+	if err != nil || len(due) == 0 {
+		return 0, err
 	}
 	list := idList(due)
 	if _, err := tx.ExecContext(ctx, s.d.Queries.DelayedMove, list); err != nil {
@@ -122,4 +112,25 @@ func (s *SQL) promoteInSteps(ctx context.Context, limit int) (int, error) {
 		return 0, s.wrap(err)
 	}
 	return len(due), tx.Commit()
+}
+
+// delayedDue returns the ids of up to limit due delayed effects, in due order.
+func (s *SQL) delayedDue(ctx context.Context, q execer, limit int) ([]int64, error) {
+	rows, err := q.QueryContext(ctx, s.d.Queries.DelayedDue, limit)
+	if err != nil {
+		return nil, s.wrap(err)
+	}
+	var due []int64
+	for rows.Next() {
+		var id int64
+		if err := rows.Scan(&id); err != nil {
+			_ = rows.Close()
+			return nil, err
+		}
+		due = append(due, id)
+	}
+	if err := errors.Join(rows.Err(), rows.Close()); err != nil {
+		return nil, s.wrap(err)
+	}
+	return due, nil
 }
