@@ -248,7 +248,8 @@ func (inc *incarnation) kill() error {
 // chaosReport is the reconciliation.
 type chaosReport struct {
 	Setup                                     string
-	Placed, Final, Paid, Rejected             int
+	Placed, Final, Paid, Rejected, Cancelled  int
+	PaidAndCancelled                          int
 	EventsPublished, EventsExpected           int
 	CopiesSent, InjectedDuplicates            int64
 	Delivered, Duplicates, Runs, Failures     int64
@@ -264,7 +265,7 @@ type chaosReport struct {
 }
 
 func (r *chaosReport) ok() bool {
-	return r.Lost == 0 && r.AppliedTwice == 0 && r.StockUnaccounted == 0 && r.EventsPublished == r.EventsExpected
+	return r.Lost == 0 && r.AppliedTwice == 0 && r.StockUnaccounted == 0 && r.EventsPublished == r.EventsExpected && r.PaidAndCancelled == 0
 }
 
 // runChaos runs the chaos mode in a fresh directory under cfg.dataDir and prints the
@@ -273,6 +274,7 @@ func runChaos(ctx context.Context, cfg config, out io.Writer) (*chaosReport, err
 	start := time.Now()
 	runID := uuid.NewString()[:8]
 	cfg.dataDir = filepath.Join(cfg.dataDir, "chaos-"+runID)
+	cfg.chaos = true // as with -chaos, whoever calls it: the chaos mode's payment window and logging
 	c := newChaos(cfg.chaosConfig)
 	c.postgres = cfg.postgres != ""
 
@@ -293,7 +295,13 @@ func runChaos(ctx context.Context, cfg config, out io.Writer) (*chaosReport, err
 	plenty, scarce := "chaos-"+runID+"-beans", "chaos-"+runID+"-grinder"
 	stock := map[string]int64{plenty: int64(3 * cfg.orders), scarce: int64(cfg.orders / 5)}
 	for sku, units := range stock {
-		if err := addProduct(ctx, s.db, sku, sku, 1000, units); err != nil {
+		// Three of the scarce product cost more than a payment may without the customer's
+		// confirmation, which never comes: those orders time out, and their stock comes back.
+		price := int64(1000)
+		if sku == scarce {
+			price = confirmAboveCents/3 + 1
+		}
+		if err := addProduct(ctx, s.db, sku, sku, price, units); err != nil {
 			return nil, err
 		}
 	}
@@ -706,11 +714,20 @@ func postKeyed(ctx context.Context, client *http.Client, baseURL string, req pla
 }
 
 func countOrders(ctx context.Context, db *sql.DB, customer string) (placed, final, paid, rejected int, err error) {
+	var cancelled int
+	placed, paid, rejected, cancelled, err = countOrderStates(ctx, db, customer)
+	return placed, paid + rejected + cancelled, paid, rejected, err
+}
+
+// countOrderStates counts the orders of customer, and those paid, rejected and cancelled (not
+// paid in time).
+func countOrderStates(ctx context.Context, db *sql.DB, customer string) (placed, paid, rejected, cancelled int, err error) {
 	err = db.QueryRowContext(ctx, `SELECT count(*),
 			coalesce(sum(CASE WHEN status = 'paid' THEN 1 ELSE 0 END), 0),
-			coalesce(sum(CASE WHEN status = 'rejected' THEN 1 ELSE 0 END), 0)
-		FROM orders WHERE customer = $1`, customer).Scan(&placed, &paid, &rejected)
-	return placed, paid + rejected, paid, rejected, err
+			coalesce(sum(CASE WHEN status = 'rejected' THEN 1 ELSE 0 END), 0),
+			coalesce(sum(CASE WHEN status = 'cancelled' THEN 1 ELSE 0 END), 0)
+		FROM orders WHERE customer = $1`, customer).Scan(&placed, &paid, &rejected, &cancelled)
+	return placed, paid, rejected, cancelled, err
 }
 
 // settled tells whether nothing is left to do: no side effect waits to be sent, the broker has
@@ -787,8 +804,13 @@ func (c *chaos) reconcile(ctx context.Context, s *service, customer string, acce
 			r.Lost++ // accepted by the API but not in the database
 		}
 	}
-	r.Lost += dbPlaced - r.Final // never reached paid or rejected
-	r.EventsExpected = 2*dbPlaced + r.Paid
+	r.Lost += dbPlaced - r.Final // never reached paid, rejected or cancelled
+	if _, _, _, r.Cancelled, err = countOrderStates(ctx, s.db, customer); err != nil {
+		return nil, err
+	}
+	// A reserved order is paid or times out, never both: its PaymentCaptured, or its
+	// PaymentTimedOut (sent when the payment window closed, unless the payment cancelled it).
+	r.EventsExpected = 2*dbPlaced + r.Paid + r.Cancelled
 
 	// Rows per order (per order and event for the history): any surplus was applied twice.
 	for _, q := range []struct {
@@ -811,6 +833,13 @@ func (c *chaos) reconcile(ctx context.Context, s *service, customer string, acce
 		return nil, err
 	}
 	r.Lost += paidWithoutPayment
+	// Both the payment and the timeout took effect: a charge for a cancelled order.
+	if err := s.db.QueryRowContext(ctx, `SELECT count(*) FROM orders o WHERE o.customer = $1
+		AND (o.status = 'cancelled' AND EXISTS (SELECT 1 FROM payments p WHERE p.order_id = o.id)
+		  OR EXISTS (SELECT 1 FROM reservations x WHERE x.order_id = o.id AND x.outcome = 'released') AND o.status <> 'cancelled')`,
+		customer).Scan(&r.PaidAndCancelled); err != nil {
+		return nil, err
+	}
 
 	receipts, err := s.mail.receipts()
 	if err != nil {
@@ -887,8 +916,8 @@ func (r *chaosReport) print(out io.Writer) {
 	fmt.Fprintf(out, "\nReconciliation after %s\n", r.Took.Round(100*time.Millisecond))
 	row("orders placed (HTTP 201)", r.Placed, "")
 	row("orders retried (same key)", r.Retries, fmt.Sprintf("after their 201, as if it was lost: %d placed a second order, must be 0", r.RetryNewOrder))
-	row("orders final", r.Final, fmt.Sprintf("paid %d, rejected %d (out of stock)", r.Paid, r.Rejected))
-	row("events published (distinct IDs)", r.EventsPublished, fmt.Sprintf("want %d: OrderPlaced, StockReserved/Rejected, PaymentCaptured", r.EventsExpected))
+	row("orders final", r.Final, fmt.Sprintf("paid %d, rejected %d (out of stock), cancelled %d (not paid in time)", r.Paid, r.Rejected, r.Cancelled))
+	row("events published (distinct IDs)", r.EventsPublished, fmt.Sprintf("want %d: OrderPlaced, StockReserved/Rejected, PaymentCaptured/TimedOut", r.EventsExpected))
 	row("copies sent to the broker", r.CopiesSent, fmt.Sprintf("incl. %d extra copies from the broker, and re-sends with the same ID", r.InjectedDuplicates))
 	row("copies delivered to handlers", r.Delivered, fmt.Sprintf("= handler runs + duplicates suppressed + %d that failed before the handler", r.Aborted))
 	row("duplicates suppressed", r.Duplicates, "copies acked without running the handler")
@@ -898,8 +927,9 @@ func (r *chaosReport) print(out io.Writer) {
 	row("stock reservations/rejections", r.Decisions, fmt.Sprintf("want %d", r.Final))
 	row("payments", r.Payments, fmt.Sprintf("want %d", r.Paid))
 	row("receipts e-mailed", r.Receipts, fmt.Sprintf("want %d (%d repeated sends skipped by the applier)", r.Paid, r.ReceiptRepeats))
-	row("order status changes", r.StatusRows, fmt.Sprintf("want %d", r.Final+r.Paid))
+	row("order status changes", r.StatusRows, fmt.Sprintf("want %d", r.Final+r.Paid+r.Cancelled))
 	row("stock units unaccounted", r.StockUnaccounted, "must be 0")
+	row("paid and also cancelled", r.PaidAndCancelled, verdict(r.PaidAndCancelled))
 	row("lost", r.Lost, verdict(r.Lost))
 	row("applied twice", r.AppliedTwice, verdict(r.AppliedTwice))
 	if r.ok() {

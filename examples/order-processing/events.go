@@ -18,7 +18,7 @@ const (
 	topicPaymentCaptured = "payment_captured"
 )
 
-var topics = []string{topicOrderPlaced, topicStockReserved, topicStockRejected, topicPaymentCaptured}
+var topics = []string{topicOrderPlaced, topicStockReserved, topicStockRejected, topicPaymentCaptured, topicPaymentTimedOut}
 
 // The events. Each carries what its consumers need, so that no consumer reads another one's tables.
 

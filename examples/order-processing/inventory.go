@@ -45,6 +45,9 @@ func reserveStock(msg *message.Message) error {
 	if taken == 0 {
 		return publishEvent(ctx, topicStockRejected, StockRejected{OrderID: ev.OrderID, Reason: "out of stock"})
 	}
+	if err := recordPaymentTimeout(ctx, ev); err != nil { // cancelled by the payment (timeout.go)
+		return err
+	}
 	return publishEvent(ctx, topicStockReserved, StockReserved{
 		OrderID: ev.OrderID, Customer: ev.Customer, AmountCents: ev.AmountCents,
 	})

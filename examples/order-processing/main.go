@@ -58,6 +58,9 @@ type config struct {
 	// relayMaxAttempts is outbox.Config.RelayMaxAttempts; 0: the default (10).
 	relayMaxAttempts int
 
+	// paymentTimeout is how long a reserved order waits for its payment; 0: the default.
+	paymentTimeout time.Duration
+
 	chaos bool
 	chaosConfig
 }
@@ -126,6 +129,10 @@ func parseFlags(args []string) (config, error) {
 		"when a message's events cannot all be sent after its commit: nack (redeliver it; its redelivery sends them) or ack (leave them to the relay) (ORDERS_AFTER_DISPATCH_FAILURE)")
 	fs.IntVar(&cfg.relayMaxAttempts, "relay-max-attempts", 0, "failed dispatches of one event, while the broker takes others, that park it (0: the outbox default, 10)")
 
+	fs.DurationVar(&cfg.paymentTimeout, "payment-timeout", 0, fmt.Sprintf(
+		"how long a reserved order waits for its payment before it is cancelled and its stock released (0: %s, %s with -chaos)",
+		defaultPaymentWindow, defaultChaosPaymentWindow))
+
 	fs.BoolVar(&cfg.chaos, "chaos", false, "run the load-and-chaos check instead of serving")
 	fs.IntVar(&cfg.orders, "orders", 1000, "chaos: orders to place")
 	fs.IntVar(&cfg.clients, "clients", 8, "chaos: concurrent HTTP clients")
@@ -179,6 +186,8 @@ var consumers = []consumer{
 	{"order-status-reserved", topicStockReserved, markReserved},
 	{"order-status-rejected", topicStockRejected, markRejected},
 	{"order-status-paid", topicPaymentCaptured, markPaid},
+	{"inventory-release", topicPaymentTimedOut, releaseStock},
+	{"order-status-cancelled", topicPaymentTimedOut, markCancelled},
 }
 
 // service holds what the API and the consumers share.
@@ -208,6 +217,7 @@ func openService(ctx context.Context, cfg config, ackWait time.Duration) (_ *ser
 	if err := os.MkdirAll(cfg.dataDir, 0o755); err != nil {
 		return nil, err
 	}
+	setPaymentWindow(cfg)
 	s := &service{mail: &mailer{dir: filepath.Join(cfg.dataDir, "mail")}, logger: watermill.NopLogger{},
 		afterDispatchFailure: outbox.DispatchFailurePolicy(cfg.afterDispatchFailure), relayMaxAttempts: cfg.relayMaxAttempts}
 	// Watermill and the outbox log errors (a failed handler, a failed send) to stderr; -v adds

@@ -30,6 +30,14 @@ func capturePayment(msg *message.Message) error {
 	}
 	ctx := outbox.WithOrderingKey(msg.Context(), ev.OrderID)
 	tx := txOf(ctx)
+	if ev.AmountCents > confirmAboveCents {
+		return nil // waits for a confirmation that never comes: the payment timeout cancels the order
+	}
+	// The payment stops the order's timeout, in the transaction that records it. Nothing to
+	// cancel: the timeout is on its way (the order is being cancelled), and nothing is charged.
+	if stopped, err := outbox.CancelDelayed(ctx, timeoutKey(ev.OrderID)); err != nil || stopped == 0 {
+		return err
+	}
 
 	paymentID := watermill.NewUUID()
 	if _, err := tx.ExecContext(ctx, `INSERT INTO payments (id, order_id, amount_cents, captured_at) VALUES ($1, $2, $3, $4)`,
