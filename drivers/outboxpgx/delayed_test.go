@@ -96,8 +96,11 @@ func delayedEffects(t *testing.T, mode outboxpgx.Concurrency) {
 		}
 		time.Sleep(10 * time.Millisecond)
 	}
-	if took := time.Since(recorded); took < delay || took > delay+time.Second {
+	// The due time woke the relay, not its poll (an hour); the bound leaves room for a loaded machine.
+	if took := time.Since(recorded); took < delay || took > delay+5*time.Second {
 		t.Errorf("the delayed message was sent %s after it was recorded; due after %s (RelayInterval 1 h)", took, delay)
+	} else {
+		t.Logf("sent %s after it was due", took-delay)
 	}
 	time.Sleep(300 * time.Millisecond)
 	var got []string
