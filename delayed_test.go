@@ -8,6 +8,7 @@ import (
 	"sort"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -390,4 +391,63 @@ func TestDelayedEffectsCostIdleRelayNothing(t *testing.T) {
 	if !strings.Contains(plan, "outbox_delayed_due") {
 		t.Errorf("the move of due delayed effects does not use the due index:\n%s", plan)
 	}
+}
+
+// A relay that crashes once a delayed effect is due, after it claimed it and before sending it,
+// leaves it leased; another instance's relay sends it when the lease ends, once, with its UUID.
+// Another delayed effect, whose round failed after its publish (the relay path's failpoint after
+// a call), counts as sent and is not sent again.
+func TestDelayedEffectsRelayCrashesAtAndAfterTheDueTime(t *testing.T) {
+	if testing.Short() {
+		t.Skip("waits for a relay lease (30 s)")
+	}
+	t.Parallel()
+	var claimCrashes, publishCrashes atomic.Int32
+	claimCrashes.Store(1)
+	e := newEnv(t, func(c *outbox.Config) {
+		c.RelayInterval = 20 * time.Millisecond
+		c.PublishTimeout = 100 * time.Millisecond
+		c.Failpoint = func(ctx context.Context, point string) error {
+			switch {
+			case point == outbox.FailpointAfterRelayClaim && claimCrashes.Add(-1) == 0:
+				publishCrashes.Store(1) // the next round crashes after its publish
+				return errors.New("crash after the claim")
+			case point == outbox.FailpointAfterPublish && publishCrashes.Add(-1) == 0:
+				return errors.New("crash after the publish")
+			}
+			return nil
+		}
+	})
+	first, second := message.NewMessage(uuid.NewString(), []byte("first")), message.NewMessage(uuid.NewString(), []byte("second"))
+	err := e.ob.InTx(context.Background(), func(ctx context.Context, tx *sql.Tx) error {
+		if err := outbox.Publish(outbox.WithDelay(ctx, 300*time.Millisecond), "out_a", first); err != nil {
+			return err
+		}
+		return outbox.Publish(outbox.WithOrderingKey(outbox.WithDelay(ctx, 600*time.Millisecond), "other"), "out_b", second)
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, stop := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- e.ob.Run(ctx) }()
+	waitFor(t, "the second delayed message sent by the relay that then crashed", func() bool { return e.wire("out_b")[second.UUID] == 1 })
+	stop() // the instance is gone
+	<-done
+	mustEqual(t, "copies of the first delayed message (claimed, then a crash)", e.wire("out_a")[first.UUID], 0)
+
+	other := e.newOutbox(func(c *outbox.Config) { c.RelayInterval = 50 * time.Millisecond })
+	runRelay(t, other)
+	deadline := time.Now().Add(90 * time.Second)
+	for e.wire("out_a")[first.UUID] == 0 {
+		if time.Now().After(deadline) {
+			t.Fatalf("after the lease: first sent %d times; want once", e.wire("out_a")[first.UUID])
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	waitFor(t, "nothing pending", func() bool { return e.pendingEffects() == 0 })
+	mustEqual(t, "copies of the first", e.wire("out_a")[first.UUID], 1)
+	mustEqual(t, "copies of the second", e.wire("out_b")[second.UUID], 1)
+	mustEqual(t, "messages on out_a", len(e.wire("out_a")), 1)
+	mustEqual(t, "messages on out_b", len(e.wire("out_b")), 1)
 }
