@@ -136,6 +136,7 @@ func Run(t *testing.T, newHarness func(t *testing.T) Harness) {
 		{"Cleanup/RetentionAndCounts", testCleanupRetention},
 		{"Cleanup/Batches", testCleanupBatches},
 		{"Cleanup/AnotherProcessCleaning", testCleanupLocked},
+		{"Delayed/DueCancelAndOrder", testDelayed},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
@@ -2085,5 +2086,107 @@ func testStatsConcurrent(f *fixture) {
 	}
 	if taken == 0 {
 		f.t.Fatal("no concurrent caller got a sample")
+	}
+}
+
+// testDelayed: delayed effects (a DelayedStore) are stored in the transaction (nothing if it
+// rolls back), are neither pending nor claimed before their due time, and are moved, once due,
+// into pending effects the relay claims at once (no grace), with everything they were recorded
+// with, behind what is pending with their key; a cancel counts what it deleted, only if it
+// commits; Stats counts the delayed ones apart.
+func testDelayed(f *fixture) {
+	ds, ok := f.st.(outboxdriver.DelayedStore)
+	if !ok {
+		f.t.Skip("the store keeps no delayed effects")
+	}
+	src := f.src("delayed")
+	insert := func(effects []outboxdriver.Effect, commit bool) {
+		f.t.Helper()
+		tx := f.begin()
+		defer func() { _ = tx.Rollback() }()
+		if err := ds.DelayedInsert(f.ctx, tx, src, effects); err != nil {
+			f.t.Fatalf("DelayedInsert: %v", err)
+		}
+		if commit {
+			if err := tx.Commit(); err != nil {
+				f.t.Fatalf("commit: %v", err)
+			}
+		}
+	}
+	promote := func() (int, time.Duration, bool) {
+		f.t.Helper()
+		n, next, waiting, err := ds.DelayedPromote(f.ctx, 100)
+		if err != nil {
+			f.t.Fatalf("DelayedPromote: %v", err)
+		}
+		return n, next, waiting
+	}
+	cancel := func(key string, commit bool) int {
+		f.t.Helper()
+		tx := f.begin()
+		defer func() { _ = tx.Rollback() }()
+		n, err := ds.DelayedCancel(f.ctx, tx, key)
+		if err != nil {
+			f.t.Fatalf("DelayedCancel(%q): %v", key, err)
+		}
+		if commit {
+			if err := tx.Commit(); err != nil {
+				f.t.Fatalf("commit: %v", err)
+			}
+		}
+		return n
+	}
+	es := f.effects(src, "k", 3)
+	now := time.Now()
+	es[0].DueAt = now.Add(-time.Second) // due at once
+	es[1].DueAt, es[1].CancelKey = now.Add(400*time.Millisecond), "soon"
+	es[2].DueAt, es[2].CancelKey = now.Add(time.Hour), "later"
+	insert(f.effects(f.src("rolled-back"), "k", 1), false)
+	// An effect of key k pending in rows: the delayed ones go behind it, however early recorded.
+	before := f.effects(f.src("before"), "k", 1)
+	f.commit(before[0].Source, false, before)
+	insert(es, true)
+
+	if got := f.pending(src); len(got) != 0 {
+		f.t.Fatalf("delayed effects listed as pending: %v", uuids(got))
+	}
+	if s, err := f.st.Stats(f.ctx, outboxdriver.StatsParams{}); err != nil || s.Delayed != 2 || s.Pending != 2 {
+		f.t.Fatalf("Stats = %+v, %v; want 2 delayed not due, 2 pending (1 effect row, 1 delayed past due)", s, err)
+	}
+	params := outboxdriver.EffectClaimParams{Grace: time.Hour, Limit: 10, Lease: time.Minute}
+	if n, next, waiting := promote(); n != 1 || !waiting || next <= 0 || next > 400*time.Millisecond {
+		f.t.Fatalf("DelayedPromote = %d moved, next in %s (%v); want 1 moved (the one due), the next within 400 ms", n, next, waiting)
+	}
+	if got := f.claimDue(f.st, params); len(got) != 0 {
+		f.t.Fatalf("claimed %v while the effect pending with its key before its due time (in its grace period) is not sent", uuids(got))
+	}
+	f.mark(before[0].Source)
+	wantUUIDs(f.t, "claimed once the first is due and what was before it on its key sent (grace 1 h: only what was moved)", f.claimDue(f.st, params), es[0])
+	if n := cancel("soon", false); n != 1 {
+		f.t.Fatalf("cancel that rolls back: %d, want 1 counted", n)
+	}
+	time.Sleep(time.Until(es[1].DueAt) + 50*time.Millisecond)
+	if n, _, _ := promote(); n != 1 {
+		f.t.Fatalf("DelayedPromote after the second's due time: %d moved, want 1 (its cancel rolled back)", n)
+	}
+	if n := cancel("soon", true); n != 0 {
+		f.t.Fatalf("cancel after the move: %d, want 0 (on its way)", n)
+	}
+	got := f.pending(src)
+	if len(got) != 2 {
+		f.t.Fatalf("pending after the moves: %v, want the two moved", uuids(got))
+	}
+	sameEffect(f.t, got[1], es[1])
+	if got[1].StoreID <= before[0].StoreID {
+		f.t.Errorf("moved effect %d is before the effect %d pending with its key when it was due", got[1].StoreID, before[0].StoreID)
+	}
+	if n := cancel("later", true); n != 1 {
+		f.t.Fatalf("cancel before the due time: %d, want 1", n)
+	}
+	if n, _, waiting := promote(); n != 0 || waiting {
+		f.t.Fatalf("DelayedPromote with nothing left: %d moved, waiting %v", n, waiting)
+	}
+	if s, err := f.st.Stats(f.ctx, outboxdriver.StatsParams{}); err != nil || s.Delayed != 0 {
+		f.t.Fatalf("Stats = %+v, %v; want none delayed", s, err)
 	}
 }
