@@ -34,6 +34,9 @@ type StockReserved struct {
 	OrderID     string `json:"order_id"`
 	Customer    string `json:"customer"`
 	AmountCents int64  `json:"amount_cents"`
+	// PaymentTimeout: a payment timeout was recorded with the reservation (timeout.go); the
+	// payment must cancel it, and not charge once it is on its way.
+	PaymentTimeout bool `json:"payment_timeout,omitempty"`
 }
 
 type StockRejected struct {

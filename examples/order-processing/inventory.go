@@ -49,6 +49,6 @@ func reserveStock(msg *message.Message) error {
 		return err
 	}
 	return publishEvent(ctx, topicStockReserved, StockReserved{
-		OrderID: ev.OrderID, Customer: ev.Customer, AmountCents: ev.AmountCents,
+		OrderID: ev.OrderID, Customer: ev.Customer, AmountCents: ev.AmountCents, PaymentTimeout: true,
 	})
 }

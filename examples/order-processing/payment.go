@@ -35,8 +35,10 @@ func capturePayment(msg *message.Message) error {
 	}
 	// The payment stops the order's timeout, in the transaction that records it. Nothing to
 	// cancel: the timeout is on its way (the order is being cancelled), and nothing is charged.
-	if stopped, err := outbox.CancelDelayed(ctx, timeoutKey(ev.OrderID)); err != nil || stopped == 0 {
-		return err
+	if ev.PaymentTimeout {
+		if stopped, err := outbox.CancelDelayed(ctx, timeoutKey(ev.OrderID)); err != nil || stopped == 0 {
+			return err
+		}
 	}
 
 	paymentID := watermill.NewUUID()
