@@ -362,6 +362,11 @@ func (u *unit) record(ctx context.Context, effects []Effect) error {
 	if cancelKey != "" && !delayed {
 		return ErrCancelKeyWithoutDelay
 	}
+	if cancelKey != "" {
+		if err := validateName(cancelKey); err != nil {
+			return fmt.Errorf("outbox: cancel key: %w", err)
+		}
+	}
 	u.mu.Lock()
 	defer u.mu.Unlock()
 	if u.finished {
