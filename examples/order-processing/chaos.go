@@ -108,6 +108,10 @@ func (c *chaos) roll(rate float64) bool {
 // tune is applied to every Outbox of the run.
 func (c *chaos) tune(cfg *outbox.Config) {
 	cfg.Publisher = &chaosPublisher{c: c, next: cfg.Publisher}
+	// The payment timeouts go out through the relays, and a consumer killed in a relay round
+	// leaves its effects leased (2 x PublishTimeout + 30 s): 40 s, within the wait for the run
+	// to settle, not the default 90 s.
+	cfg.PublishTimeout = 5 * time.Second
 }
 
 // chaosPublisher is the broker misbehaving: some messages are delivered twice, with the same
