@@ -85,7 +85,7 @@ var (
 	ErrCommitOutcomeUnknown = errors.New("outbox: commit outcome unknown (connection lost during COMMIT); not counted as a failed attempt")
 	// ErrDelayUnsupported is returned by Publish, Record and CancelDelayed for a delayed effect
 	// (WithDelay, WithDelayUntil) when the driver keeps no delayed effects.
-	ErrDelayUnsupported = errors.New("outbox: the driver keeps no delayed side effects")
+	ErrDelayUnsupported = outboxdriver.ErrDelayedUnsupported
 	// ErrCancelKeyWithoutDelay is returned by Publish and Record in a context with a cancel key
 	// (WithCancelKey) but no delay: only a delayed effect can be cancelled.
 	ErrCancelKeyWithoutDelay = errors.New("outbox: a cancel key needs a delay (WithDelay or WithDelayUntil)")

@@ -454,6 +454,10 @@ type DelayedStore interface {
 	DelayedPromote(ctx context.Context, limit int) (moved int, next time.Duration, any bool, err error)
 }
 
+// ErrDelayedUnsupported is returned by the methods of a DelayedStore (and a DelayedUnitTx) whose
+// database keeps no delayed effects (a dialect without the table).
+var ErrDelayedUnsupported = errors.New("outbox: the driver keeps no delayed side effects")
+
 // DelayedUnitTx is implemented by a UnitTx that stores delayed effects: in the transaction, at
 // once (never inline in a claim), whatever the driver does with the others.
 type DelayedUnitTx interface {

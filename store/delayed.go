@@ -14,7 +14,7 @@ import (
 var _ outboxdriver.DelayedStore = (*SQL)(nil)
 
 // errNoDelayed is returned by the delayed-effect methods of a dialect that keeps none.
-var errNoDelayed = errors.New("this store keeps no delayed effects")
+var errNoDelayed = outboxdriver.ErrDelayedUnsupported
 
 // DelayedInsert implements outboxdriver.DelayedStore.
 func (s *SQL) DelayedInsert(ctx context.Context, tx *sql.Tx, src outboxdriver.Source, effects []outboxdriver.Effect) error {
