@@ -1,14 +1,11 @@
 package mysql_test
 
 import (
-	"context"
-	"database/sql"
 	"regexp"
 	"testing"
 
 	wsql "github.com/ThreeDotsLabs/watermill-sql/v3/pkg/sql"
 
-	"github.com/watermill-outbox/outbox"
 	"github.com/watermill-outbox/outbox/drivers/mysql"
 	"github.com/watermill-outbox/outbox/drivers/mysql/internal/mysqltest"
 	"github.com/watermill-outbox/outbox/internal/campaign"
@@ -38,39 +35,7 @@ var campaignDatabase = &campaign.Database{
 
 // sqlForm is the database/sql form on MySQL: each instance has a pool of its own, as a process
 // would.
-func sqlForm() campaign.Form {
-	return campaign.Form{
-		Name: "mysql",
-		Open: func(dsn string, cfg outbox.Config) (*outbox.Outbox, func(), error) {
-			db, err := sql.Open("mysql", dsn)
-			if err != nil {
-				return nil, nil, err
-			}
-			db.SetMaxOpenConns(8)
-			cfg.DB, cfg.Driver = db, mysql.Driver{}
-			ob, err := outbox.New(cfg)
-			if err != nil {
-				_ = db.Close()
-				return nil, nil, err
-			}
-			return ob, func() { _ = ob.Close(); _ = db.Close() }, nil
-		},
-		Exec: func(ctx context.Context, query string, args ...any) error {
-			_, err := outbox.Tx(ctx).ExecContext(ctx, query, args...)
-			return err
-		},
-		Savepoint: func(ctx context.Context) (func() error, error) {
-			tx := outbox.Tx(ctx)
-			if _, err := tx.ExecContext(ctx, `SAVEPOINT campaign`); err != nil {
-				return nil, err
-			}
-			return func() error {
-				_, err := tx.ExecContext(ctx, `ROLLBACK TO SAVEPOINT campaign`)
-				return err
-			}, nil
-		},
-	}
-}
+func sqlForm() campaign.Form { return campaign.DatabaseSQLForm("mysql", "mysql", mysql.Driver{}, 8) }
 
 // TestFaultCampaign is the fault campaign (internal/campaign) on MySQL: three instances of the
 // database/sql form on the same tables and consumer group.

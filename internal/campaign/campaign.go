@@ -29,6 +29,7 @@ import (
 
 	"github.com/watermill-outbox/outbox"
 	"github.com/watermill-outbox/outbox/drivers/postgres"
+	"github.com/watermill-outbox/outbox/outboxdriver"
 )
 
 var (
@@ -75,15 +76,22 @@ type Form struct {
 }
 
 // SQLForm is the database/sql form (lib/pq, drivers/postgres).
-func SQLForm() Form {
+func SQLForm() Form { return DatabaseSQLForm("database/sql", "postgres", postgres.Driver{}, 0) }
+
+// DatabaseSQLForm is a database/sql form on any store driver: name names it in reports; sqlDriver
+// and driver open the database; maxOpen, when positive, bounds its pool.
+func DatabaseSQLForm(name, sqlDriver string, driver outboxdriver.Driver, maxOpen int) Form {
 	return Form{
-		Name: "database/sql",
+		Name: name,
 		Open: func(dsn string, cfg outbox.Config) (*outbox.Outbox, func(), error) {
-			db, err := sql.Open("postgres", dsn)
+			db, err := sql.Open(sqlDriver, dsn)
 			if err != nil {
 				return nil, nil, err
 			}
-			cfg.DB, cfg.Driver = db, postgres.Driver{}
+			if maxOpen > 0 {
+				db.SetMaxOpenConns(maxOpen)
+			}
+			cfg.DB, cfg.Driver = db, driver
 			ob, err := outbox.New(cfg)
 			if err != nil {
 				_ = db.Close()
