@@ -39,7 +39,13 @@ type broker struct {
 	pub  *wnats.Publisher
 	rec  *recorder
 	conn []*nats.Conn
+	// nullCount counts what the null publisher took, when there is no broker (newNullBroker).
+	nullCount atomic.Int64
 }
+
+// newNullBroker is the broker of -broker none: no server; its publisher records and counts each
+// message and returns at once.
+func newNullBroker() *broker { return &broker{rec: &recorder{}} }
 
 func startBroker() (*broker, error) {
 	dir, err := os.MkdirTemp("", "outbox-bench-nats-")
@@ -88,7 +94,12 @@ func startBroker() (*broker, error) {
 func (b *broker) publisher() message.Publisher { return recordingPublisher{b: b} }
 
 // purge empties the stream between runs.
-func (b *broker) purge() error { return b.js.PurgeStream(outTopic) }
+func (b *broker) purge() error {
+	if b.js == nil {
+		return nil
+	}
+	return b.js.PurgeStream(outTopic)
+}
 
 // streamMsgs is how many messages the stream holds.
 func (b *broker) streamMsgs() (uint64, error) {
@@ -100,6 +111,9 @@ func (b *broker) streamMsgs() (uint64, error) {
 }
 
 func (b *broker) close() {
+	if b.ns == nil {
+		return
+	}
 	_ = b.pub.Close()
 	for _, c := range b.conn {
 		c.Close()
@@ -113,7 +127,9 @@ func (b *broker) close() {
 type recordingPublisher struct{ b *broker }
 
 func (p recordingPublisher) Publish(topic string, msgs ...*message.Message) error {
-	if err := p.b.pub.Publish(topic, msgs...); err != nil {
+	if p.b.pub == nil {
+		p.b.nullCount.Add(int64(len(msgs)))
+	} else if err := p.b.pub.Publish(topic, msgs...); err != nil {
 		return err
 	}
 	p.b.rec.published(msgs)

@@ -235,13 +235,16 @@ func (c *bare) handle(ctx context.Context, d delivery) (bool, error) {
 	}
 	err = c.noopRoundTrip(ctx, tx)
 	if err == nil {
-		_, err = tx.ExecContext(ctx, businessWrite, d.id)
+		err = businessSQL(ctx, tx, d.id)
 	}
 	if err == nil {
 		err = c.noopRoundTrip(ctx, tx)
 	}
 	if err != nil {
 		_ = tx.Rollback()
+		if isUniqueViolation(err) {
+			return false, nil // a redelivered copy whose reservation is committed: dropped
+		}
 		return false, err
 	}
 	return false, c.commitThenPublish(tx, d)
@@ -621,7 +624,7 @@ func newFrameworkDSN(e *env, boundary bool, prefix, dsn, suffix string) (*framew
 	}
 	c.h = middleware.New(c.ob, middleware.WithConsumer("bench"))(func(msg *message.Message) ([]*message.Message, error) {
 		ctx := msg.Context()
-		if _, err := outbox.Tx(ctx).ExecContext(ctx, businessWrite, msg.UUID); err != nil {
+		if err := businessSQL(ctx, outbox.Tx(ctx), msg.UUID); err != nil {
 			return nil, err
 		}
 		d := ctx.Value(deliveryKey{}).(delivery)
@@ -698,7 +701,7 @@ func (c *framework) handle(ctx context.Context, d delivery) (bool, error) {
 	ctx = context.WithValue(context.WithValue(ctx, deliveryKey{}, d), crashIDKey{}, d.id)
 	if c.boundary {
 		return false, c.ob.InTx(ctx, func(ctx context.Context, tx *sql.Tx) error {
-			if _, err := tx.ExecContext(ctx, businessWrite, d.id); err != nil {
+			if err := businessSQL(ctx, tx, d.id); err != nil {
 				return err
 			}
 			return outbox.Publish(ctx, outTopic, outgoing(d, uuid.NewString()))

@@ -54,6 +54,12 @@ type config struct {
 	ScaleOnly  bool `json:"-"` // -scale-only: skip the matrix and the safety check
 	Seed       uint64
 	Contenders []string
+	// Broker is "nats" (the in-process JetStream; contenders called directly) or "none" (a null
+	// publisher; deliveries through a Watermill Router, router.go).
+	Broker string `json:",omitempty"`
+	// Workload is the business write (workload.go): "insert" or "two-statement".
+	Workload   string `json:",omitempty"`
+	SkipSafety bool   `json:"-"`
 }
 
 var allContenders = []string{"floor", "bare", "ceiling", "naive", "watermill-stack", "river", "rbaliyan-event", "outbox-middleware", "outbox-intx",
@@ -99,7 +105,23 @@ func main() {
 	render := flag.String("render", "", "only re-render the docs from this results JSON")
 	cpuProfile := flag.String("cpuprofile", "", "write a CPU profile of the whole run (this process only) to this file")
 	drain := flag.Bool("drain", false, "run the relay-drain benchmark instead (its own section of benchmarks.md; results-drain-<mode>.json)")
+	brokerKind := flag.String("broker", "nats", "nats (in-process JetStream, contenders called directly) or none (a null publisher; every contender's handler in a Watermill Router)")
+	work := flag.String("workload", workloadInsert, "business write: insert (one INSERT) or two-statement (UPDATE a stock row, INSERT a reservation)")
+	skipSafety := flag.Bool("skip-safety", false, "skip the safety check (duplicates and one crash)")
 	flag.Parse()
+	switch *brokerKind {
+	case "nats", "none":
+	default:
+		fmt.Fprintln(os.Stderr, "bad -broker (nats or none)")
+		os.Exit(2)
+	}
+	switch *work {
+	case workloadInsert, workloadTwoStatement:
+		workload = *work
+	default:
+		fmt.Fprintln(os.Stderr, "bad -workload (insert or two-statement)")
+		os.Exit(2)
+	}
 
 	if *cpuProfile != "" {
 		f, err := os.Create(*cpuProfile)
@@ -164,6 +186,7 @@ func main() {
 		}
 		cfg.DupRate, cfg.DupWindow = *dupRate, *dupWindow
 		cfg.ScaleOnly = *scaleOnly
+		cfg.Broker, cfg.Workload, cfg.SkipSafety = *brokerKind, workload, *skipSafety
 		if *only != "" {
 			cfg.Contenders = strings.Split(*only, ",")
 		}
@@ -223,14 +246,22 @@ func run(cfg config, dsn string, skipScale bool, docsDir, resultsPath string) (e
 		CREATE TABLE naive_processed (message_id text PRIMARY KEY, processed_at timestamptz NOT NULL DEFAULT now());`); err != nil {
 		return err
 	}
-
-	logf("starting NATS JetStream")
-	b, err := startBroker()
-	if err != nil {
+	if err := setupWorkload(ctx, admin); err != nil {
 		return err
 	}
+
+	var b *broker
+	if cfg.Broker == "none" {
+		logf("no broker: a null publisher, deliveries through a Watermill Router")
+		b = newNullBroker()
+	} else {
+		logf("starting NATS JetStream")
+		if b, err = startBroker(); err != nil {
+			return err
+		}
+	}
 	defer b.close()
-	e := &env{dsn: benchDSN, admin: admin, broker: b, pub: b.publisher()}
+	e := &env{dsn: benchDSN, admin: admin, broker: b, pub: b.publisher(), router: cfg.Broker == "none"}
 	if slices.ContainsFunc(cfg.Contenders, func(n string) bool { return strings.HasSuffix(n, pooledSuffix) }) {
 		logf("starting PgBouncer (transaction mode)")
 		pooler, pooled, err := startPooler(benchDSN)
@@ -250,7 +281,7 @@ func run(cfg config, dsn string, skipScale bool, docsDir, resultsPath string) (e
 		}
 	}()
 	for _, name := range cfg.Contenders {
-		c, err := newContender(e, name)
+		c, err := e.newContender(name)
 		if err != nil {
 			msg := fmt.Sprintf("%s left out: %v", name, err)
 			logf("%s", msg)
@@ -331,11 +362,13 @@ func run(cfg config, dsn string, skipScale bool, docsDir, resultsPath string) (e
 		}
 	}
 
-	logf("safety: duplicates and one crash")
+	if !cfg.SkipSafety {
+		logf("safety: duplicates and one crash")
+	}
 	for i, c := range cs {
 		// Behind the pooler the framework's exactly-once is the tests' (TestBehindPgBouncer); here
 		// the pooled contenders are timed only, which keeps the quick mode within its time.
-		if c.path() == "floor" || c.path() == "ceiling" || cfg.ScaleOnly || strings.HasSuffix(c.name(), pooledSuffix) {
+		if c.path() == "floor" || c.path() == "ceiling" || cfg.ScaleOnly || cfg.SkipSafety || strings.HasSuffix(c.name(), pooledSuffix) {
 			continue
 		}
 		row, err := e.safety(ctx, c, cfg, maxConc, uint64(5000+i))
@@ -349,7 +382,7 @@ func run(cfg config, dsn string, skipScale bool, docsDir, resultsPath string) (e
 	if !skipScale {
 		var mw *framework
 		for _, c := range cs {
-			if f, ok := c.(*framework); ok && f.name() == "outbox-middleware" {
+			if f, ok := unwrap(c).(*framework); ok && f.name() == "outbox-middleware" {
 				mw = f
 			}
 		}
@@ -370,7 +403,9 @@ func run(cfg config, dsn string, skipScale bool, docsDir, resultsPath string) (e
 
 	rep.Machine.LoadAtEnd = loadAverage()
 	rep.DurationSec = time.Since(began).Seconds()
+	rep.Ratios = ratios(rep)
 	logf("done in %.0f s", rep.DurationSec)
+	printRatios(os.Stdout, rep)
 	js, err := json.MarshalIndent(rep, "", "  ")
 	if err != nil {
 		return err
@@ -390,6 +425,23 @@ func errNote(r runResult) string {
 		s += fmt.Sprintf("  UNDELIVERED %d", r.Undelivered)
 	}
 	return s
+}
+
+// newContender builds contender name for the run's workload, behind a Router with -broker none.
+func (e *env) newContender(name string) (contender, error) {
+	if err := checkWorkload(name); err != nil {
+		return nil, err
+	}
+	c, err := newContender(e, name)
+	if err != nil || !e.router {
+		return c, err
+	}
+	r, err := newRouted(c)
+	if err != nil {
+		c.close()
+		return nil, err
+	}
+	return r, nil
 }
 
 func newContender(e *env, name string) (contender, error) {
@@ -448,6 +500,9 @@ func createDatabase(ctx context.Context, dsn, dbname string) (string, error) {
 }
 
 func commandLine(cfg config) string {
+	if cfg.Broker == "none" || cfg.Workload == workloadTwoStatement {
+		return fmt.Sprintf("cd bench && go run . -mode %s -broker %s -workload %s", cfg.Mode, cfg.Broker, cfg.Workload)
+	}
 	return "make bench-" + cfg.Mode
 }
 

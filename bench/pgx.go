@@ -66,8 +66,11 @@ func (c *barePgx) handle(ctx context.Context, d delivery) (bool, error) {
 	if err != nil {
 		return false, err
 	}
-	if _, err := tx.Exec(ctx, businessWrite, d.id); err != nil {
+	if err := businessPgx(ctx, tx, d.id); err != nil {
 		_ = tx.Rollback(ctx)
+		if isUniqueViolation(err) {
+			return false, nil // a redelivered copy whose reservation is committed: dropped
+		}
 		return false, err
 	}
 	if err := tx.Commit(ctx); err != nil {
@@ -110,7 +113,7 @@ func newFrameworkPgxDSN(e *env, prefix string, mode outboxpgx.Concurrency, dsn, 
 	}
 	c.h = middleware.New(c.ob, middleware.WithConsumer("bench"))(func(msg *message.Message) ([]*message.Message, error) {
 		ctx := msg.Context()
-		if _, err := outboxpgx.Tx(ctx).Exec(ctx, businessWrite, msg.UUID); err != nil {
+		if err := businessPgx(ctx, outboxpgx.Tx(ctx), msg.UUID); err != nil {
 			return nil, err
 		}
 		d := ctx.Value(deliveryKey{}).(delivery)

@@ -99,6 +99,8 @@ type report struct {
 	}
 	Memory []memRow
 	Notes  []string
+	// Ratios are the framework's throughput over its bare form's, per concurrency (ratios).
+	Ratios []ratioRow `json:",omitempty"`
 }
 
 func (r *report) cell(name string, conc int) (cell, bool) {
@@ -118,6 +120,12 @@ const (
 // writeDocs writes benchmarks.svg and the generated part of benchmarks.md; text outside the
 // markers (for example a section on the micro-benchmarks) is kept as it is.
 func writeDocs(dir string, r *report) error {
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return err
+	}
+	if len(r.Ratios) == 0 {
+		r.Ratios = ratios(r) // results written before the ratios were
+	}
 	if err := os.WriteFile(filepath.Join(dir, "benchmarks.svg"), []byte(chart(r)), 0o644); err != nil {
 		return err
 	}
@@ -213,8 +221,12 @@ func markdown(r *report) string {
 		"retained IDs: %s; expired rows cleaned: %s.\n\n",
 		cfg.N, cfg.Reps, joinInts(cfg.Concs), cfg.DupRate*100, 100+cfg.DupWindow-1, cfg.SafetyN, human(cfg.Retained), human(cfg.Expired))
 
+	if cfg.Broker == "none" || cfg.Workload == workloadTwoStatement {
+		w("**This run differs from the standard one:** broker `%s`, workload `%s` (see \"Framework over bare\" below).\n\n", or(cfg.Broker, "nats"), or(cfg.Workload, workloadInsert))
+	}
 	w("### What is measured\n\n")
 	w(whatIsMeasured)
+	w("%s", ratiosMarkdown(r))
 
 	w("\n### Results\n\n")
 	w("![throughput and p99 per contender and concurrency](benchmarks.svg)\n\n")

@@ -29,6 +29,8 @@ type env struct {
 	// contenders); empty when PgBouncer could not start, for the reason in poolerErr.
 	pooledDSN string
 	poolerErr error
+	// router: every contender is built behind a Watermill Router (-broker none; router.go).
+	router bool
 
 	lastRecord *runRecord // the recorder of the last run with runOpts.keepSrc
 }
@@ -129,7 +131,7 @@ func (e *env) walDiff(ctx context.Context, from, to string) (int64, error) {
 // reset empties the business table and the contender's tables and the broker's stream, and
 // checkpoints, so that every run starts from the same state.
 func (e *env) reset(ctx context.Context, c contender, keepContender bool) error {
-	tables := []string{"applied"}
+	tables := workloadTables()
 	if !keepContender {
 		tables = append(tables, c.tables()...)
 	}

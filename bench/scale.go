@@ -79,6 +79,10 @@ func (e *env) safety(ctx context.Context, c contender, cfg config, conc int, see
 			break
 		}
 	}
+	stock0, err := stockSum(ctx, e.admin)
+	if err != nil {
+		return safetyRow{}, err
+	}
 	res, err := e.run(ctx, c, ds, runOpts{conc: conc, keepSrc: true, crashID: crash, drainWait: 30 * time.Second})
 	if err != nil {
 		return safetyRow{}, err
@@ -111,21 +115,13 @@ func (e *env) safety(ctx context.Context, c contender, cfg config, conc int, see
 			seen[k] = d.id
 		}
 	}
-	applied := map[string]int{}
-	rows, err := e.admin.QueryContext(ctx, `SELECT message_id, count(*) FROM applied GROUP BY message_id`)
+	applied, extra, err := appliedCounts(ctx, e.admin, stock0)
 	if err != nil {
 		return row, err
 	}
-	for rows.Next() {
-		var id string
-		var n int
-		if err := rows.Scan(&id, &n); err != nil {
-			rows.Close()
-			return row, err
-		}
-		applied[id] = n
+	if rate > 0 {
+		row.DupApplied += extra
 	}
-	rows.Close()
 	rr := e.lastRecord
 	for id := range uniq {
 		n := applied[id]
