@@ -25,6 +25,7 @@ import (
 	"runtime"
 	"runtime/pprof"
 	"slices"
+	"strconv"
 	"strings"
 	"sync/atomic"
 	"syscall"
@@ -108,6 +109,11 @@ func main() {
 	brokerKind := flag.String("broker", "nats", "nats (in-process JetStream, contenders called directly) or none (a null publisher; every contender's handler in a Watermill Router)")
 	work := flag.String("workload", workloadInsert, "business write: insert (one INSERT) or two-statement (UPDATE a stock row, INSERT a reservation)")
 	skipSafety := flag.Bool("skip-safety", false, "skip the safety check (duplicates and one crash)")
+	scaling := flag.Bool("scaling", false, "run the scaling benchmark instead: 1..8 consumer processes against one PostgreSQL (docs/scaling.md; results-scaling-<mode>.json)")
+	procs := flag.String("procs", "", "-scaling: consumer process counts, comma-separated (default 1,2,4,8)")
+	inFlight := flag.Int("inflight", 0, "-scaling: messages in flight per consumer process (default 4)")
+	worker := flag.Bool("scaling-worker", false, "internal: be one consumer process of a -scaling step")
+	seed := flag.Uint64("seed", 1, "seed of the deliveries")
 	flag.Parse()
 	switch *brokerKind {
 	case "nats", "none":
@@ -150,6 +156,46 @@ func main() {
 		return
 	}
 
+	if *worker {
+		if err := scalingWorker(*dsn, *only, *n, *inFlight, *seed); err != nil {
+			fmt.Fprintln(os.Stderr, "scaling worker:", err)
+			os.Exit(1)
+		}
+		return
+	}
+	if *scaling {
+		cfg, err := scalingPresets(*mode)
+		if err == nil {
+			if *n > 0 {
+				cfg.N = *n
+			}
+			if *reps > 0 {
+				cfg.Reps = *reps
+			}
+			if *inFlight > 0 {
+				cfg.InFlight = *inFlight
+			}
+			if *only != "" {
+				cfg.Contenders = strings.Split(*only, ",")
+			}
+			if *procs != "" {
+				cfg.Procs, err = parseInts(*procs)
+			}
+			cfg.Workload = workload
+		}
+		if err == nil {
+			if *results == "" {
+				*results = "results-scaling-" + cfg.Mode + ".json"
+			}
+			err = runScaling(cfg, *dsn, *docs, *results)
+		}
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "error:", err)
+			os.Exit(1)
+		}
+		return
+	}
+
 	if *render != "" {
 		b, err := os.ReadFile(*render)
 		if err == nil {
@@ -174,16 +220,12 @@ func main() {
 			cfg.Reps = *reps
 		}
 		if *concs != "" {
-			cfg.Concs = nil
-			for _, s := range strings.Split(*concs, ",") {
-				var v int
-				if _, err := fmt.Sscan(s, &v); err != nil || v < 1 {
-					fmt.Fprintln(os.Stderr, "bad -conc")
-					os.Exit(2)
-				}
-				cfg.Concs = append(cfg.Concs, v)
+			if cfg.Concs, err = parseInts(*concs); err != nil {
+				fmt.Fprintln(os.Stderr, "bad -conc")
+				os.Exit(2)
 			}
 		}
+		cfg.Seed = *seed
 		cfg.DupRate, cfg.DupWindow = *dupRate, *dupWindow
 		cfg.ScaleOnly = *scaleOnly
 		cfg.Broker, cfg.Workload, cfg.SkipSafety = *brokerKind, workload, *skipSafety
@@ -199,6 +241,19 @@ func main() {
 		fmt.Fprintln(os.Stderr, "error:", err)
 		os.Exit(1)
 	}
+}
+
+// parseInts parses a comma-separated list of positive integers.
+func parseInts(s string) ([]int, error) {
+	var out []int
+	for _, f := range strings.Split(s, ",") {
+		v, err := strconv.Atoi(strings.TrimSpace(f))
+		if err != nil || v < 1 {
+			return nil, fmt.Errorf("bad list %q: want positive integers separated by commas", s)
+		}
+		out = append(out, v)
+	}
+	return out, nil
 }
 
 // classifyN is the number of deliveries of each untimed pass that classifies round trips.
@@ -389,7 +444,7 @@ func run(cfg config, dsn string, skipScale bool, docsDir, resultsPath string) (e
 		if mw == nil {
 			rep.Notes = append(rep.Notes, "scale runs skipped: outbox-middleware not selected")
 		} else {
-			if err := e.scaleRetained(ctx, cfg, mw, rep); err != nil {
+			if err := e.scaleRetained(ctx, cfg, cs, rep); err != nil {
 				return err
 			}
 			if err := e.scaleCleanup(ctx, cfg, rep); err != nil {

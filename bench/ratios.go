@@ -127,6 +127,9 @@ func printRatios(out io.Writer, r *report) {
 			}
 		}
 	}
+	if len(r.Cells) == 0 {
+		return
+	}
 	fmt.Fprintf(out, "%-48s", "msg/s | WAL bytes/msg")
 	for _, c := range r.Config.Concs {
 		fmt.Fprintf(out, " %16s", fmt.Sprintf("c=%d", c))

@@ -103,6 +103,27 @@ type report struct {
 	Ratios []ratioRow `json:",omitempty"`
 }
 
+// retainedPair finds the empty and the retained row of the retained-IDs run at conc of the form
+// of label (either of its two labels: "empty", "retained", "empty-pgx", "retained-pgx").
+func (r *report) retainedPair(label string, conc int) (empty, retained cell, ok bool) {
+	suffix := ""
+	if strings.HasSuffix(label, "-pgx") {
+		suffix = "-pgx"
+	}
+	for _, c := range r.Scale.Rows {
+		if c.Conc != conc {
+			continue
+		}
+		switch c.Contender {
+		case "empty" + suffix:
+			empty = c
+		case "retained" + suffix:
+			retained = c
+		}
+	}
+	return empty, retained, empty.Messages > 0 && retained.Messages > 0 && empty.Throughput > 0
+}
+
 func (r *report) cell(name string, conc int) (cell, bool) {
 	for _, c := range r.Cells {
 		if c.Contender == name && c.Conc == conc {
@@ -303,12 +324,18 @@ func markdown(r *report) string {
 
 	if len(r.Scale.Rows) > 0 {
 		w("\n### Scale: %s retained IDs in the dedup table\n\n", human(r.Scale.Retained))
-		w("The consumer path (outbox-middleware) on an empty processed table and on one holding %s retained claims (%.0f MiB with its indexes; "+
-			"loaded with INSERT ... SELECT and the primary key rebuilt, so its index is denser than one grown by random inserts), interleaved.\n\n",
+		w("The consumer path of each form (outbox-middleware: database/sql; outbox-pgx: pgx, optimistic) on an empty processed table and on one "+
+			"holding %s retained claims (up to %.0f MiB with its indexes; loaded with INSERT ... SELECT and the primary key rebuilt, so its index "+
+			"is denser than one grown by random inserts), all interleaved. Retained / empty is the throughput ratio of the form's two rows.\n\n",
 			human(r.Scale.Retained), r.Scale.TableMB)
-		w("| table | consumers | msg/s | p50 ms | p99 ms | WAL bytes/msg |\n|---|--:|--:|--:|--:|--:|\n")
+		w("| table | form | consumers | msg/s | p50 ms | p99 ms | WAL bytes/msg | retained / empty |\n|---|---|--:|--:|--:|--:|--:|--:|\n")
 		for _, c := range r.Scale.Rows {
-			w("| %s | %d | %s | %s | %s | %s |\n", c.Contender, c.Conc, f0(c.Throughput), f2(c.P50), f2(c.P99), f0(c.WALBytes))
+			ratio := "–"
+			if e, big, ok := r.retainedPair(c.Contender, c.Conc); ok && c.Contender == big.Contender {
+				ratio = f2(big.Throughput / e.Throughput)
+			}
+			w("| %s | %s | %d | %s | %s | %s | %s | %s |\n", strings.TrimSuffix(c.Contender, "-pgx"), or(c.Path, "outbox-middleware"), c.Conc,
+				f0(c.Throughput), f2(c.P50), f2(c.P99), f0(c.WALBytes), ratio)
 		}
 	}
 	if len(r.Cleanup.Rows) > 0 {
@@ -527,18 +554,16 @@ func targets(r *report) []target {
 		}
 		ts = append(ts, t)
 	}
-	if len(r.Scale.Rows) > 0 {
+	for _, form := range []struct{ label, suffix string }{{"", ""}, {"pgx: ", "-pgx"}} {
+		if len(r.Scale.Rows) == 0 {
+			break
+		}
 		for _, conc := range r.Config.ScaleConcs {
-			var e, big cell
-			for _, c := range r.Scale.Rows {
-				if c.Conc == conc && c.Contender == "empty" {
-					e = c
-				}
-				if c.Conc == conc && c.Contender == "retained" {
-					big = c
-				}
+			e, big, ok := r.retainedPair("empty"+form.suffix, conc)
+			if !ok && form.suffix != "" {
+				continue // a report from before the pgx form ran here
 			}
-			t := target{name: fmt.Sprintf("%s retained IDs cost <= 10%% throughput (%d consumers)", human(r.Scale.Retained), conc), known: e.Messages > 0 && big.Messages > 0}
+			t := target{name: fmt.Sprintf("%s%s retained IDs cost <= 10%% throughput (%d consumers)", form.label, human(r.Scale.Retained), conc), known: ok}
 			if t.known {
 				loss := 1 - big.Throughput/e.Throughput
 				t.measured = fmt.Sprintf("%+.1f%% (%s vs %s msg/s; p99 %.1f vs %.1f ms)", -loss*100, f0(big.Throughput), f0(e.Throughput), big.P99, e.P99)

@@ -12,6 +12,7 @@ import (
 	wmw "github.com/ThreeDotsLabs/watermill/message/router/middleware"
 
 	"github.com/watermill-outbox/outbox"
+	"github.com/watermill-outbox/outbox/drivers/outboxpgx"
 )
 
 // aggregate sums the runs of one contender at one concurrency over the repetitions.
@@ -174,51 +175,107 @@ func (e *env) prefill(ctx context.Context, prefix string, n int, age string) err
 	return nil
 }
 
-// scaleRetained compares the consumer path on an empty dedup table with the same on a table that
-// retains cfg.Retained IDs, interleaved.
-func (e *env) scaleRetained(ctx context.Context, cfg config, empty *framework, rep *report) error {
-	big, err := newFramework(e, false, "big_")
-	if err != nil {
-		return err
+// retainedForm is one form of the framework in the retained-IDs run: labels of its rows and the
+// prefix of its prefilled tables.
+type retainedForm struct {
+	name              string // the matrix contender it is
+	empty, retained   string // labels of its rows
+	bigPrefix         string
+	build             func(prefix string) (*framework, error)
+	defaultEmptyTable string
+}
+
+// retainedForms are the two forms of the framework the retained-IDs run measures: the
+// database/sql form (its rows keep the labels of the report before the pgx form ran here) and
+// the pgx form.
+func (e *env) retainedForms() []retainedForm {
+	return []retainedForm{
+		{name: "outbox-middleware", empty: "empty", retained: "retained", bigPrefix: "big_", defaultEmptyTable: "outbox_",
+			build: func(prefix string) (*framework, error) { return newFramework(e, false, prefix) }},
+		{name: "outbox-pgx", empty: "empty-pgx", retained: "retained-pgx", bigPrefix: "bigx_", defaultEmptyTable: "pgx_",
+			build: func(prefix string) (*framework, error) { return newFrameworkPgx(e, prefix, outboxpgx.Optimistic) }},
 	}
-	defer big.close()
-	if err := e.prefill(ctx, "big_", cfg.Retained, "1 day"); err != nil {
-		return err
-	}
-	var size int64
-	_ = e.admin.QueryRowContext(ctx, `SELECT pg_total_relation_size('big_processed')`).Scan(&size)
+}
+
+// scaleRetained compares the consumer path of each form on an empty dedup table with the same on a
+// table that retains cfg.Retained IDs, interleaved. The empty one is the matrix's contender when
+// it ran (cs), else one built here.
+func (e *env) scaleRetained(ctx context.Context, cfg config, cs []contender, rep *report) error {
 	rep.Scale.Retained = cfg.Retained
-	rep.Scale.TableMB = float64(size) / (1 << 20)
+	type pair struct {
+		f          retainedForm
+		empty, big *framework
+	}
+	var pairs []pair
+	defer func() {
+		for _, p := range pairs {
+			p.big.close()
+		}
+	}()
+	for _, f := range e.retainedForms() {
+		var empty *framework
+		for _, c := range cs {
+			if fw, ok := unwrap(c).(*framework); ok && fw.name() == f.name {
+				empty = fw
+			}
+		}
+		if empty == nil {
+			fw, err := f.build(f.defaultEmptyTable)
+			if err != nil {
+				return err
+			}
+			defer fw.close()
+			empty = fw
+		}
+		big, err := f.build(f.bigPrefix)
+		if err != nil {
+			return err
+		}
+		pairs = append(pairs, pair{f: f, empty: empty, big: big})
+		if err := e.prefill(ctx, f.bigPrefix, cfg.Retained, "1 day"); err != nil {
+			return err
+		}
+		var size int64
+		_ = e.admin.QueryRowContext(ctx, `SELECT pg_total_relation_size('`+f.bigPrefix+`processed')`).Scan(&size)
+		rep.Scale.TableMB = max(rep.Scale.TableMB, float64(size)/(1<<20))
+	}
 	aggs := map[string]*aggregate{}
 	perRep := cfg.ScaleN / cfg.Reps
+	k := 0
 	for r := 0; r < cfg.Reps; r++ {
 		for ci, conc := range cfg.ScaleConcs {
 			ds := makeDeliveries(perRep, cfg.DupRate, redeliveryGap(conc), cfg.DupWindow, 7_000_000+uint64(r*100+ci))
-			order := []*framework{empty, big}
-			if (r+ci)%2 == 1 {
-				order = []*framework{big, empty}
+			var runs []*framework
+			labels := map[*framework]string{}
+			bigs := map[*framework]bool{}
+			for _, p := range pairs {
+				runs = append(runs, p.empty, p.big)
+				labels[p.empty], labels[p.big] = p.f.empty, p.f.retained
+				bigs[p.big] = true
 			}
-			for _, f := range order {
-				res, err := e.run(ctx, f, ds, runOpts{conc: conc, noReset: f == big, redelivered: true, drainWait: 30 * time.Second})
+			for j := range runs {
+				f := runs[(j+k)%len(runs)]
+				res, err := e.run(ctx, f, ds, runOpts{conc: conc, noReset: bigs[f], redelivered: true, drainWait: 30 * time.Second})
 				if err != nil {
 					return err
 				}
-				label := "empty"
-				if f == big {
-					label = "retained"
-				}
+				label := labels[f]
 				key := fmt.Sprintf("%s/%d", label, conc)
 				if aggs[key] == nil {
-					aggs[key] = &aggregate{contender: label, conc: conc}
+					aggs[key] = &aggregate{contender: label, path: f.name(), conc: conc}
 				}
 				aggs[key].add(res)
-				logf("scale %-8s c=%-2d %7.0f msg/s  p99 %7.2f ms", label, conc, float64(res.Messages)/res.Elapsed.Seconds(), ms(pct(res.Latencies, 0.99)))
+				logf("scale %-12s c=%-2d %7.0f msg/s  p99 %7.2f ms  WAL %5.0f B/msg", label, conc, float64(res.Messages)/res.Elapsed.Seconds(),
+					ms(pct(res.Latencies, 0.99)), float64(res.WALBytes)/float64(res.Messages))
 			}
+			k++
 		}
 	}
 	for _, conc := range cfg.ScaleConcs {
-		for _, label := range []string{"empty", "retained"} {
-			rep.Scale.Rows = append(rep.Scale.Rows, aggs[fmt.Sprintf("%s/%d", label, conc)].cell())
+		for _, p := range pairs {
+			for _, label := range []string{p.f.empty, p.f.retained} {
+				rep.Scale.Rows = append(rep.Scale.Rows, aggs[fmt.Sprintf("%s/%d", label, conc)].cell())
+			}
 		}
 	}
 	return nil
