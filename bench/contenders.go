@@ -613,7 +613,7 @@ func newFrameworkDSN(e *env, boundary bool, prefix, dsn, suffix string) (*framew
 		Driver:      postgres.Driver{},
 		Publisher:   e.pub,
 		TablePrefix: prefix,
-		RelayGrace:  2 * time.Second,
+		RelayGrace:  e.relayGrace(),
 		Failpoint:   c.failpoint,
 	})
 	if err != nil {

@@ -112,6 +112,7 @@ func main() {
 	scaling := flag.Bool("scaling", false, "run the scaling benchmark instead: 1..8 consumer processes against one PostgreSQL (docs/scaling.md; results-scaling-<mode>.json)")
 	procs := flag.String("procs", "", "-scaling: consumer process counts, comma-separated (default 1,2,4,8)")
 	inFlight := flag.Int("inflight", 0, "-scaling: messages in flight per consumer process (default 4)")
+	tablesF := flag.String("tables", "", "-scaling: Outboxes per process, each on its own TablePrefix, comma-separated (default 1,4; the framework's contenders only)")
 	worker := flag.Bool("scaling-worker", false, "internal: be one consumer process of a -scaling step")
 	seed := flag.Uint64("seed", 1, "seed of the deliveries")
 	flag.Parse()
@@ -157,7 +158,8 @@ func main() {
 	}
 
 	if *worker {
-		if err := scalingWorker(*dsn, *only, *n, *inFlight, *seed); err != nil {
+		tables, _ := strconv.Atoi(*tablesF)
+		if err := scalingWorker(*dsn, *only, tables, *n, *inFlight, *seed); err != nil {
 			fmt.Fprintln(os.Stderr, "scaling worker:", err)
 			os.Exit(1)
 		}
@@ -180,6 +182,9 @@ func main() {
 			}
 			if *procs != "" {
 				cfg.Procs, err = parseInts(*procs)
+			}
+			if *tablesF != "" && err == nil {
+				cfg.Tables, err = parseInts(*tablesF)
 			}
 			cfg.Workload = workload
 		}

@@ -3,7 +3,6 @@ package main
 import (
 	"context"
 	"sync/atomic"
-	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
@@ -100,7 +99,7 @@ func newFrameworkPgxDSN(e *env, prefix string, mode outboxpgx.Concurrency, dsn, 
 	c.ob, err = outboxpgx.New(pool, outbox.Config{
 		Publisher:   e.pub,
 		TablePrefix: prefix,
-		RelayGrace:  2 * time.Second,
+		RelayGrace:  e.relayGrace(),
 		Failpoint:   c.failpoint,
 	}, append([]outboxpgx.Option{outboxpgx.WithConcurrency(mode)}, opts...)...)
 	if err != nil {

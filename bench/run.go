@@ -31,8 +31,20 @@ type env struct {
 	poolerErr error
 	// router: every contender is built behind a Watermill Router (-broker none; router.go).
 	router bool
+	// defaultGrace: the framework's contenders keep the default RelayGrace (the scaling run,
+	// which crashes nothing), not the 2 s that keeps the crash checks short.
+	defaultGrace bool
 
 	lastRecord *runRecord // the recorder of the last run with runOpts.keepSrc
+}
+
+// relayGrace is the RelayGrace of the framework's contenders: 2 s, so that the crash checks do
+// not wait 10 s for the relay, or the default (0) with defaultGrace.
+func (e *env) relayGrace() time.Duration {
+	if e.defaultGrace {
+		return 0
+	}
+	return 2 * time.Second
 }
 
 // makeDeliveries returns n deliveries: n - round(n*dupRate) distinct messages, in order, and

@@ -19,6 +19,8 @@ import (
 	"sync/atomic"
 	"syscall"
 	"time"
+
+	"github.com/watermill-outbox/outbox/drivers/outboxpgx"
 )
 
 // The scaling run (-scaling): 1, 2, 4 and 8 consumer processes against one PostgreSQL, each
@@ -41,10 +43,13 @@ type scalingConfig struct {
 	Reps       int
 	Contenders []string
 	Workload   string
+	// Tables are the numbers of Outboxes per process (each on its own TablePrefix) to measure the
+	// framework's contenders with; the bare ones run with one.
+	Tables []int `json:",omitempty"`
 }
 
 func scalingPresets(mode string) (scalingConfig, error) {
-	c := scalingConfig{Mode: mode, Procs: []int{1, 2, 4, 8}, InFlight: 4, Contenders: []string{"bare-pgx", "outbox-pgx", "bare", "outbox-middleware"}}
+	c := scalingConfig{Mode: mode, Procs: []int{1, 2, 4, 8}, InFlight: 4, Tables: []int{1, 4}, Contenders: []string{"bare-pgx", "outbox-pgx", "bare", "outbox-middleware"}}
 	switch mode {
 	case "quick":
 		c.N, c.Reps = 2000, 2
@@ -61,8 +66,11 @@ type scalingRow struct {
 	Contender string
 	Procs     int
 	InFlight  int
-	Messages  int
-	Seconds   float64 // from the start signal to the last process's last message, summed over repetitions
+	// Tables is the number of Outboxes in each process, each on its own tables (TablePrefix),
+	// the process's consumers spread over them.
+	Tables   int `json:",omitempty"`
+	Messages int
+	Seconds  float64 // from the start signal to the last process's last message, summed over repetitions
 	// Throughput is the messages of all processes over Seconds.
 	Throughput float64
 	P50, P99   float64 // ms, over every message of every process
@@ -74,7 +82,12 @@ type scalingRow struct {
 	// timed part only).
 	ClientCPUus float64
 	WALBytes    float64 // per message
-	Errors      int
+	// IdleServerMs is the server's CPU time per second, in ms, in the second before the start
+	// signal, the processes connected and their relays running: the background cost of
+	// the processes' Outboxes (relay polls, sweeps), which the per-message numbers include
+	// for the step's duration.
+	IdleServerMs float64
+	Errors       int
 }
 
 type scalingReport struct {
@@ -154,22 +167,29 @@ func runScaling(cfg scalingConfig, dsn, docsDir, resultsPath string) error {
 	// The contenders' tables, migrated once here: the workers share them, as the replicas of one
 	// service do.
 	b := newNullBroker()
-	e := &env{dsn: benchDSN, admin: admin, broker: b, pub: b.publisher()}
-	var cs []contender
+	e := &env{dsn: benchDSN, admin: admin, broker: b, pub: b.publisher(), defaultGrace: true}
+	var cs []scalingSubject
 	defer func() {
 		for _, c := range cs {
-			c.close()
+			for _, o := range c.set {
+				o.close()
+			}
 		}
 	}()
 	for _, name := range cfg.Contenders {
 		if err := checkWorkload(name); err != nil {
 			return err
 		}
-		c, err := newContender(e, name)
-		if err != nil {
-			return fmt.Errorf("%s: %w", name, err)
+		for _, t := range cfg.Tables {
+			if t > 1 && !strings.HasPrefix(name, "outbox-") {
+				continue
+			}
+			set, err := newContenderSet(e, name, t)
+			if err != nil {
+				return fmt.Errorf("%s: %w", name, err)
+			}
+			cs = append(cs, scalingSubject{name: name, tables: t, set: set})
 		}
-		cs = append(cs, c)
 	}
 	self, err := os.Executable()
 	if err != nil {
@@ -188,26 +208,28 @@ func runScaling(cfg scalingConfig, dsn, docsDir, resultsPath string) error {
 				stmts.statements(ctx, "before") // resets the counts
 				st, err := e.scalingStep(ctx, self, benchDSN, cfg, c, procs, postmaster, uint64(r*10_000+procs*100+j))
 				if err != nil {
-					return fmt.Errorf("%s with %d processes: %w", c.name(), procs, err)
+					return fmt.Errorf("%s with %d processes: %w", c.label(), procs, err)
 				}
-				key := fmt.Sprintf("%s/%d", c.name(), procs)
+				key := fmt.Sprintf("%s/%d", c.label(), procs)
 				if aggs[key] == nil {
 					aggs[key] = &scalingAgg{}
 				}
 				aggs[key].add(st)
 				logf("scaling rep %d %-18s procs %d x %d in flight: %6.0f msg/s  p99 %6.2f ms  server CPU %5.0f us/msg  client CPU %5.0f us/msg  WAL %5.0f B/msg%s",
-					r+1, c.name(), procs, cfg.InFlight, float64(st.messages)/st.seconds, ms(pct(st.lat, 0.99)),
+					r+1, c.label(), procs, cfg.InFlight, float64(st.messages)/st.seconds, ms(pct(st.lat, 0.99)),
 					float64(st.serverCPU.Microseconds())/float64(st.messages), float64(st.clientCPUus)/float64(st.messages),
 					float64(st.wal)/float64(st.messages), map[bool]string{true: fmt.Sprintf("  errors %d", st.errors), false: ""}[st.errors > 0])
-				stmts.statements(ctx, fmt.Sprintf("%s x%d", c.name(), procs))
+				stmts.statements(ctx, fmt.Sprintf("%s x%d", c.label(), procs))
 			}
 			k++
 		}
 	}
 	for _, c := range cs {
 		for _, procs := range cfg.Procs {
-			if a := aggs[fmt.Sprintf("%s/%d", c.name(), procs)]; a != nil {
-				rep.Rows = append(rep.Rows, a.row(c.name(), procs, cfg.InFlight, postmaster > 0))
+			if a := aggs[fmt.Sprintf("%s/%d", c.label(), procs)]; a != nil {
+				row := a.row(c.name, procs, cfg.InFlight, postmaster > 0)
+				row.Tables = c.tables
+				rep.Rows = append(rep.Rows, row)
 			}
 		}
 	}
@@ -232,9 +254,13 @@ type stepResult struct {
 	seconds     float64
 	lat         []time.Duration
 	serverCPU   time.Duration
+	idleCPU     time.Duration // over idleWindow
 	clientCPUus int64
 	wal         int64
 }
+
+// idleWindow is how long a step measures the server's CPU with its processes connected and idle.
+const idleWindow = time.Second
 
 type scalingAgg struct {
 	st        stepResult
@@ -247,6 +273,7 @@ func (a *scalingAgg) add(s stepResult) {
 	a.st.seconds += s.seconds
 	a.st.lat = append(a.st.lat, s.lat...)
 	a.st.serverCPU += s.serverCPU
+	a.st.idleCPU += s.idleCPU
 	a.st.clientCPUus += s.clientCPUus
 	a.st.wal += s.wal
 	a.stepCount++
@@ -259,15 +286,65 @@ func (a *scalingAgg) row(name string, procs, inFlight int, cpuKnown bool) scalin
 		ClientCPUus: float64(a.st.clientCPUus) / n, WALBytes: float64(a.st.wal) / n, Errors: a.st.errors}
 	if cpuKnown {
 		row.ServerCPUus = float64(a.st.serverCPU.Microseconds()) / n
+		row.IdleServerMs = ms(a.st.idleCPU) / float64(a.stepCount) / idleWindow.Seconds()
 	}
 	return row
 }
 
+// scalingSubject is a contender of the scaling run with its number of Outboxes per process: the
+// parent's instances, which migrated their tables and are used to empty them.
+type scalingSubject struct {
+	name   string
+	tables int
+	set    []contender
+}
+
+func (s scalingSubject) label() string {
+	if s.tables > 1 {
+		return fmt.Sprintf("%s x%d tables", s.name, s.tables)
+	}
+	return s.name
+}
+
+// newContenderSet builds n instances of contender name: the first as newContender does, the
+// others (the framework's contenders only) each on its own TablePrefix.
+func newContenderSet(e *env, name string, n int) ([]contender, error) {
+	var set []contender
+	for i := range n {
+		var c contender
+		var err error
+		prefix := fmt.Sprintf("t%d_", i)
+		switch {
+		case i == 0:
+			c, err = newContender(e, name)
+		case name == "outbox-pgx":
+			c, err = newFrameworkPgx(e, "pgx"+prefix, outboxpgx.Optimistic)
+		case name == "outbox-pgx-pessimistic":
+			c, err = newFrameworkPgx(e, "pgxp"+prefix, outboxpgx.Pessimistic)
+		case name == "outbox-middleware":
+			c, err = newFramework(e, false, "outbox"+prefix)
+		default:
+			err = fmt.Errorf("%s has no tables of its own to split", name)
+		}
+		if err != nil {
+			for _, o := range set {
+				o.close()
+			}
+			return nil, err
+		}
+		set = append(set, c)
+	}
+	return set, nil
+}
+
 // scalingStep runs c in procs worker processes, cfg.N messages over all of them.
-func (e *env) scalingStep(ctx context.Context, self, dsn string, cfg scalingConfig, c contender, procs, postmaster int, seed uint64) (stepResult, error) {
+func (e *env) scalingStep(ctx context.Context, self, dsn string, cfg scalingConfig, c scalingSubject, procs, postmaster int, seed uint64) (stepResult, error) {
 	var res stepResult
-	if err := e.reset(ctx, c, false); err != nil {
-		return res, err
+	for i, o := range c.set {
+		// The business tables once, every Outbox's own.
+		if err := e.reset(ctx, o, i > 0); err != nil {
+			return res, err
+		}
 	}
 	ctx, cancel := context.WithTimeout(ctx, 4*time.Minute)
 	defer cancel()
@@ -287,7 +364,7 @@ func (e *env) scalingStep(ctx context.Context, self, dsn string, cfg scalingConf
 	}()
 	per := cfg.N / procs
 	for i := range ws {
-		cmd := exec.CommandContext(ctx, self, "-scaling-worker", "-dsn", dsn, "-contenders", c.name(), "-workload", workload,
+		cmd := exec.CommandContext(ctx, self, "-scaling-worker", "-dsn", dsn, "-contenders", c.name, "-tables", strconv.Itoa(c.tables), "-workload", workload,
 			"-n", strconv.Itoa(per), "-inflight", strconv.Itoa(cfg.InFlight), "-seed", strconv.FormatUint(seed*100+uint64(i), 10))
 		cmd.Stderr = os.Stderr
 		stdin, err := cmd.StdinPipe()
@@ -332,6 +409,12 @@ func (e *env) scalingStep(ctx context.Context, self, dsn string, cfg scalingConf
 	}
 	if _, err := e.admin.ExecContext(ctx, "CHECKPOINT"); err != nil {
 		return res, err
+	}
+	if idle0, err := serverCPU(postmaster); err == nil {
+		time.Sleep(idleWindow)
+		if idle1, err := serverCPU(postmaster); err == nil {
+			res.idleCPU = idle1 - idle0
+		}
 	}
 	lsn0, err := e.walLSN(ctx)
 	if err != nil {
@@ -406,18 +489,24 @@ func (e *env) scalingStep(ctx context.Context, self, dsn string, cfg scalingConf
 // scalingWorker is one consumer process of a scaling step: it builds its contender on its own
 // pool, warms up, says "ready", waits for "go" on stdin, consumes its deliveries with conc
 // goroutines and prints its result.
-func scalingWorker(dsn, name string, n, conc int, seed uint64) error {
+func scalingWorker(dsn, name string, tables, n, conc int, seed uint64) error {
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
 	b := newNullBroker()
-	e := &env{dsn: dsn, broker: b, pub: b.publisher()}
-	c, err := newContender(e, name)
+	e := &env{dsn: dsn, broker: b, pub: b.publisher(), defaultGrace: true}
+	set, err := newContenderSet(e, name, max(tables, 1))
 	if err != nil {
 		return err
 	}
-	defer c.close()
-	if err := c.start(ctx); err != nil {
-		return err
+	defer func() {
+		for _, c := range set {
+			c.close()
+		}
+	}()
+	for _, c := range set {
+		if err := c.start(ctx); err != nil {
+			return err
+		}
 	}
 	consume := func(ds []delivery) (lat []float64, errs int, err error) {
 		var next atomic.Int64
@@ -425,7 +514,8 @@ func scalingWorker(dsn, name string, n, conc int, seed uint64) error {
 		var wg sync.WaitGroup
 		var errN atomic.Int64
 		lat = make([]float64, 0, len(ds))
-		for range conc {
+		for g := range conc {
+			c := set[g%len(set)] // the consumers spread over the Outboxes
 			wg.Add(1)
 			go func() {
 				defer wg.Done()
@@ -490,8 +580,10 @@ func scalingWorker(dsn, name string, n, conc int, seed uint64) error {
 	// The relay and the background marks stop before the result, so that their work is in the
 	// step's numbers; the pool closes only once the parent has read them (stdin closed), so
 	// that the backends' exits are not.
-	if err := c.stop(); err != nil {
-		return err
+	for _, c := range set {
+		if err := c.stop(); err != nil {
+			return err
+		}
 	}
 	cpu1 := selfCPU()
 	if err != nil {
@@ -601,17 +693,21 @@ func serverCPU(postmaster int) (time.Duration, error) {
 // printScaling writes the scaling table on out.
 func printScaling(out io.Writer, r *scalingReport) {
 	fmt.Fprintf(out, "\nscaling: %d in flight per process, workload %s, load %s -> %s\n", r.Config.InFlight, r.Config.Workload, r.Machine.LoadAtStart, r.Machine.LoadAtEnd)
-	fmt.Fprintf(out, "%-20s %5s %8s %8s %14s %14s %10s %12s\n", "contender", "procs", "msg/s", "p99 ms", "server us/msg", "client us/msg", "WAL B/msg", "server CPU x1")
+	fmt.Fprintf(out, "%-28s %5s %8s %8s %14s %14s %10s %12s %14s\n", "contender", "procs", "msg/s", "p99 ms", "server us/msg", "client us/msg", "WAL B/msg", "server CPU x1", "idle server ms/s")
 	for _, row := range r.Rows {
-		fmt.Fprintf(out, "%-20s %5d %8.0f %8.2f %14.0f %14.0f %10.0f %12s\n", row.Contender, row.Procs, row.Throughput, row.P99,
-			row.ServerCPUus, row.ClientCPUus, row.WALBytes, relToOne(r, row))
+		fmt.Fprintf(out, "%-28s %5d %8.0f %8.2f %14.0f %14.0f %10.0f %12s %14.1f\n", row.label(), row.Procs, row.Throughput, row.P99,
+			row.ServerCPUus, row.ClientCPUus, row.WALBytes, relToOne(r, row), row.IdleServerMs)
 	}
+}
+
+func (row scalingRow) label() string {
+	return scalingSubject{name: row.Contender, tables: row.Tables}.label()
 }
 
 // relToOne is row's server CPU per message relative to the same contender's with one process.
 func relToOne(r *scalingReport, row scalingRow) string {
 	for _, o := range r.Rows {
-		if o.Contender == row.Contender && o.Procs == slices.Min(r.Config.Procs) && o.ServerCPUus > 0 {
+		if o.Contender == row.Contender && o.Tables <= 1 && o.Procs == slices.Min(r.Config.Procs) && o.ServerCPUus > 0 {
 			return fmt.Sprintf("%.2fx", row.ServerCPUus/o.ServerCPUus)
 		}
 	}
@@ -668,8 +764,8 @@ func scalingMarkdown(r *scalingReport) string {
 		"work after the last message; client CPU is the consumer processes' own (getrusage over their timed part). WAL is "+
 		"`pg_current_wal_lsn()` before and after; each step starts after a CHECKPOINT on emptied tables.\n\n",
 		c.N, slices.Max(c.Procs), c.InFlight, c.Reps)
-	w("| contender | processes | consumers in all | msg/s | p50 ms | p99 ms | server CPU µs/msg | vs 1 process | client CPU µs/msg | WAL bytes/msg |\n")
-	w("|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|\n")
+	w("| contender | processes | consumers in all | msg/s | p50 ms | p99 ms | server CPU µs/msg | vs 1 process | client CPU µs/msg | WAL bytes/msg | idle server CPU ms/s |\n")
+	w("|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|\n")
 	for _, row := range r.Rows {
 		cpu := "not measured"
 		if row.ServerCPUus > 0 {
@@ -679,8 +775,8 @@ func scalingMarkdown(r *scalingReport) string {
 		if row.Errors > 0 {
 			note = fmt.Sprintf(" (%d errors)", row.Errors)
 		}
-		w("| %s%s | %d | %d | %s | %s | %s | %s | %s | %s | %s |\n", row.Contender, note, row.Procs, row.Procs*row.InFlight, f0(row.Throughput),
-			f2(row.P50), f2(row.P99), cpu, relToOne(r, row), f0(row.ClientCPUus), f0(row.WALBytes))
+		w("| %s%s | %d | %d | %s | %s | %s | %s | %s | %s | %s | %s |\n", row.label(), note, row.Procs, row.Procs*row.InFlight, f0(row.Throughput),
+			f2(row.P50), f2(row.P99), cpu, relToOne(r, row), f0(row.ClientCPUus), f0(row.WALBytes), f1(row.IdleServerMs))
 	}
 	for _, n := range r.Notes {
 		w("\nNote: %s\n", n)
