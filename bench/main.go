@@ -165,6 +165,20 @@ func main() {
 		}
 		return
 	}
+	if *scaling && *render != "" {
+		b, err := os.ReadFile(*render)
+		if err == nil {
+			var r scalingReport
+			if err = json.Unmarshal(b, &r); err == nil {
+				err = writeScalingDocs(*docs, &r)
+			}
+		}
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "error:", err)
+			os.Exit(1)
+		}
+		return
+	}
 	if *scaling {
 		cfg, err := scalingPresets(*mode)
 		if err == nil {

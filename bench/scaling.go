@@ -752,18 +752,24 @@ func scalingMarkdown(r *scalingReport) string {
 	w := func(format string, args ...any) { fmt.Fprintf(&b, format, args...) }
 	c := r.Config
 	w("### Measured: consumer processes against one PostgreSQL\n\n")
-	w("Produced by `cd bench && go run . -scaling -mode %s -workload %s` (%s, took %.0f s). Machine: %d CPUs (%s), %s; "+
+	w("Produced by `cd bench && go run . -scaling -mode %s -workload %s -n %d` (%s, took %.0f s). Machine: %d CPUs (%s), %s; "+
 		"load average %s at the start, %s at the end (the machine was shared with other work: the absolute numbers move with it, "+
 		"the per-message numbers much less).\n\n",
-		r.Mode, c.Workload, r.Started, r.DurationSec, r.Machine.CPUs, r.Machine.CPU, r.Machine.Postgres, r.Machine.LoadAtStart, r.Machine.LoadAtEnd)
+		r.Mode, c.Workload, c.N, r.Started, r.DurationSec, r.Machine.CPUs, r.Machine.CPU, r.Machine.Postgres, r.Machine.LoadAtStart, r.Machine.LoadAtEnd)
+	tablesNote := ""
+	if len(c.Tables) > 0 && slices.Max(c.Tables) > 1 {
+		tablesNote = "\"x" + fmt.Sprint(slices.Max(c.Tables)) + " tables\" rows give each process that many Outboxes, each on its own " +
+			"TablePrefix, the process's consumers spread over them. "
+	}
 	w("Each step runs %d messages (no duplicates) split over 1 to %d consumer processes, each this program re-executed with "+
-		"its own connection pool, its own Outbox with its relay (`Outbox.Run`), and %d messages in flight; the processes publish to "+
-		"a null publisher, so that they share only the database. Steps of different contenders interleave, %d repetitions. "+
-		"Server CPU is utime + stime of every PostgreSQL server process (the postmaster, its backends, the WAL writer, checkpointer and "+
-		"autovacuum; `/proc`), before the start signal and after the last process exited, so it includes the relays' and marks' "+
-		"work after the last message; client CPU is the consumer processes' own (getrusage over their timed part). WAL is "+
-		"`pg_current_wal_lsn()` before and after; each step starts after a CHECKPOINT on emptied tables.\n\n",
-		c.N, slices.Max(c.Procs), c.InFlight, c.Reps)
+		"its own connection pool, its own Outbox with its relay (`Outbox.Run`, default configuration), and %d messages in flight; "+
+		"%sThe processes publish to a null publisher, so that they share only the database. Steps of different contenders interleave, "+
+		"%d repetitions. Server CPU is utime + stime of every PostgreSQL server process (the postmaster, its backends, the WAL writer, "+
+		"checkpointer and autovacuum; `/proc`), read before the start signal and once every process has stopped its relay and written "+
+		"its marks (before they disconnect), so it includes that background work; idle server CPU is the same over one second before "+
+		"the start, the processes connected and idle. Client CPU is the consumer processes' own (getrusage over their timed part). "+
+		"WAL is `pg_current_wal_lsn()` before and after, the whole server's; each step starts after a CHECKPOINT on emptied tables.\n\n",
+		c.N, slices.Max(c.Procs), c.InFlight, tablesNote, c.Reps)
 	w("| contender | processes | consumers in all | msg/s | p50 ms | p99 ms | server CPU µs/msg | vs 1 process | client CPU µs/msg | WAL bytes/msg | idle server CPU ms/s |\n")
 	w("|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|\n")
 	for _, row := range r.Rows {
