@@ -141,6 +141,13 @@ bench-drain-quick: # 200k rows in the scale run, about 2 minutes
 bench-drain-full: # 10M rows in the scale run
 	cd bench && $(GO) run . -drain -mode full
 
+# Scaling: 1, 2, 4 and 8 consumer processes (and 4 Outboxes per process) against one PostgreSQL:
+# throughput, server CPU and WAL per message; rewrites the generated part of docs/scaling.md.
+.PHONY: bench-scaling
+
+bench-scaling: # 3000 messages per step, 2-3 minutes
+	cd bench && $(GO) run . -scaling -mode quick
+
 # The example order service (examples/order-processing, its own module): SQLite and an in-process
 # NATS JetStream, nothing to set up. `make chaos` places N orders (default 1000) under duplicated
 # deliveries, failing handlers and crashing consumers, and reconciles; add ARGS='-postgres DSN',

@@ -52,7 +52,7 @@ func scalingPresets(mode string) (scalingConfig, error) {
 	c := scalingConfig{Mode: mode, Procs: []int{1, 2, 4, 8}, InFlight: 4, Tables: []int{1, 4}, Contenders: []string{"bare-pgx", "outbox-pgx", "bare", "outbox-middleware"}}
 	switch mode {
 	case "quick":
-		c.N, c.Reps = 2000, 2
+		c.N, c.Reps = 3000, 2
 	case "full":
 		c.N, c.Reps = 20000, 3
 	default:
