@@ -25,7 +25,6 @@ import (
 	"runtime"
 	"runtime/pprof"
 	"slices"
-	"strconv"
 	"strings"
 	"sync/atomic"
 	"syscall"
@@ -109,11 +108,6 @@ func main() {
 	brokerKind := flag.String("broker", "nats", "nats (in-process JetStream, contenders called directly) or none (a null publisher; every contender's handler in a Watermill Router)")
 	work := flag.String("workload", workloadInsert, "business write: insert (one INSERT) or two-statement (UPDATE a stock row, INSERT a reservation)")
 	skipSafety := flag.Bool("skip-safety", false, "skip the safety check (duplicates and one crash)")
-	scaling := flag.Bool("scaling", false, "run the scaling benchmark instead: 1..8 consumer processes against one PostgreSQL (docs/scaling.md; results-scaling-<mode>.json)")
-	procs := flag.String("procs", "", "-scaling: consumer process counts, comma-separated (default 1,2,4,8)")
-	inFlight := flag.Int("inflight", 0, "-scaling: messages in flight per consumer process (default 4)")
-	tablesF := flag.String("tables", "", "-scaling: Outboxes per process, each on its own TablePrefix, comma-separated (default 1,4; the framework's contenders only)")
-	worker := flag.Bool("scaling-worker", false, "internal: be one consumer process of a -scaling step")
 	seed := flag.Uint64("seed", 1, "seed of the deliveries")
 	flag.Parse()
 	switch *brokerKind {
@@ -157,64 +151,9 @@ func main() {
 		return
 	}
 
-	if *worker {
-		tables, _ := strconv.Atoi(*tablesF)
-		if err := scalingWorker(*dsn, *only, tables, *n, *inFlight, *seed); err != nil {
-			fmt.Fprintln(os.Stderr, "scaling worker:", err)
-			os.Exit(1)
-		}
+	if scalingMain(*mode, *dsn, *docs, *results, *render, *only, *n, *reps, *seed) {
 		return
 	}
-	if *scaling && *render != "" {
-		b, err := os.ReadFile(*render)
-		if err == nil {
-			var r scalingReport
-			if err = json.Unmarshal(b, &r); err == nil {
-				err = writeScalingDocs(*docs, &r)
-			}
-		}
-		if err != nil {
-			fmt.Fprintln(os.Stderr, "error:", err)
-			os.Exit(1)
-		}
-		return
-	}
-	if *scaling {
-		cfg, err := scalingPresets(*mode)
-		if err == nil {
-			if *n > 0 {
-				cfg.N = *n
-			}
-			if *reps > 0 {
-				cfg.Reps = *reps
-			}
-			if *inFlight > 0 {
-				cfg.InFlight = *inFlight
-			}
-			if *only != "" {
-				cfg.Contenders = strings.Split(*only, ",")
-			}
-			if *procs != "" {
-				cfg.Procs, err = parseInts(*procs)
-			}
-			if *tablesF != "" && err == nil {
-				cfg.Tables, err = parseInts(*tablesF)
-			}
-			cfg.Workload = workload
-		}
-		if err == nil {
-			if *results == "" {
-				*results = "results-scaling-" + cfg.Mode + ".json"
-			}
-			err = runScaling(cfg, *dsn, *docs, *results)
-		}
-		if err != nil {
-			fmt.Fprintln(os.Stderr, "error:", err)
-			os.Exit(1)
-		}
-		return
-	}
-
 	if *render != "" {
 		b, err := os.ReadFile(*render)
 		if err == nil {
@@ -260,19 +199,6 @@ func main() {
 		fmt.Fprintln(os.Stderr, "error:", err)
 		os.Exit(1)
 	}
-}
-
-// parseInts parses a comma-separated list of positive integers.
-func parseInts(s string) ([]int, error) {
-	var out []int
-	for _, f := range strings.Split(s, ",") {
-		v, err := strconv.Atoi(strings.TrimSpace(f))
-		if err != nil || v < 1 {
-			return nil, fmt.Errorf("bad list %q: want positive integers separated by commas", s)
-		}
-		out = append(out, v)
-	}
-	return out, nil
 }
 
 // classifyN is the number of deliveries of each untimed pass that classifies round trips.

@@ -6,6 +6,7 @@ import (
 	"database/sql"
 	"encoding/json"
 	"errors"
+	"flag"
 	"fmt"
 	"io"
 	"os"
@@ -34,6 +35,91 @@ import (
 //
 // There is no broker: each worker publishes to a null publisher, so that the processes share
 // only the database, and the machine's CPUs go to the server and the consumers.
+
+// The flags of the scaling run; -mode, -dsn, -docs, -results, -render, -contenders, -n, -reps,
+// -seed and -workload are the program's.
+var (
+	scalingFlag  = flag.Bool("scaling", false, "run the scaling benchmark instead: 1..8 consumer processes against one PostgreSQL (docs/scaling.md; results-scaling-<mode>.json)")
+	procsFlag    = flag.String("procs", "", "-scaling: consumer process counts, comma-separated (default 1,2,4,8)")
+	inFlightFlag = flag.Int("inflight", 0, "-scaling: messages in flight per consumer process (default 4)")
+	tablesFlag   = flag.String("tables", "", "-scaling: Outboxes per process, each on its own TablePrefix, comma-separated (default 1,4; the framework's contenders only)")
+	workerFlag   = flag.Bool("scaling-worker", false, "internal: be one consumer process of a -scaling step")
+)
+
+// scalingMain runs what the scaling flags ask for (a worker, a render or a run) and exits on an
+// error; it tells whether it ran anything.
+func scalingMain(mode, dsn, docs, results, render, only string, n, reps int, seed uint64) bool {
+	var err error
+	switch {
+	case *workerFlag:
+		tables, _ := strconv.Atoi(*tablesFlag)
+		if err := scalingWorker(dsn, only, tables, n, *inFlightFlag, seed); err != nil {
+			fmt.Fprintln(os.Stderr, "scaling worker:", err)
+			os.Exit(1)
+		}
+		return true
+	case *scalingFlag && render != "":
+		var b []byte
+		if b, err = os.ReadFile(render); err == nil {
+			var r scalingReport
+			if err = json.Unmarshal(b, &r); err == nil {
+				err = writeScalingDocs(docs, &r)
+			}
+		}
+	case *scalingFlag:
+		var cfg scalingConfig
+		if cfg, err = scalingPresets(mode); err != nil {
+			break
+		}
+		if n > 0 {
+			cfg.N = n
+		}
+		if reps > 0 {
+			cfg.Reps = reps
+		}
+		if *inFlightFlag > 0 {
+			cfg.InFlight = *inFlightFlag
+		}
+		if only != "" {
+			cfg.Contenders = strings.Split(only, ",")
+		}
+		if *procsFlag != "" {
+			if cfg.Procs, err = parseInts(*procsFlag); err != nil {
+				break
+			}
+		}
+		if *tablesFlag != "" {
+			if cfg.Tables, err = parseInts(*tablesFlag); err != nil {
+				break
+			}
+		}
+		cfg.Workload = workload
+		if results == "" {
+			results = "results-scaling-" + cfg.Mode + ".json"
+		}
+		err = runScaling(cfg, dsn, docs, results)
+	default:
+		return false
+	}
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "error:", err)
+		os.Exit(1)
+	}
+	return true
+}
+
+// parseInts parses a comma-separated list of positive integers.
+func parseInts(s string) ([]int, error) {
+	var out []int
+	for _, f := range strings.Split(s, ",") {
+		v, err := strconv.Atoi(strings.TrimSpace(f))
+		if err != nil || v < 1 {
+			return nil, fmt.Errorf("bad list %q: want positive integers separated by commas", s)
+		}
+		out = append(out, v)
+	}
+	return out, nil
+}
 
 type scalingConfig struct {
 	Mode       string
