@@ -10,6 +10,7 @@ import (
 	"os/exec"
 	"os/user"
 	"path/filepath"
+	"slices"
 	"sort"
 	"strconv"
 	"strings"
@@ -109,7 +110,13 @@ func startPG() (_ *pgServer, err error) {
 		s.port = l.Addr().(*net.TCPAddr).Port
 		_ = l.Close()
 		opts := fmt.Sprintf("-p %d -k %s", s.port, filepath.Join(s.base, "sock"))
-		for _, kv := range append(serverSettings, extraSettings...) {
+		settings := append(slices.Clone(serverSettings), extraSettings...)
+		if extra := os.Getenv("OUTBOX_BENCH_PG_SETTINGS"); extra != "" {
+			// Settings to try a planner or server change with (comma-separated key=value),
+			// e.g. enable_hashjoin=off: not for published numbers.
+			settings = append(settings, strings.Split(extra, ",")...)
+		}
+		for _, kv := range settings {
 			opts += " -c " + kv
 		}
 		out, err := s.command(filepath.Join(s.binDir, "pg_ctl"), "-w", "-t", "60", "-D", s.dataDir,
