@@ -164,6 +164,11 @@ func (a *api) placeOrder(w http.ResponseWriter, r *http.Request) {
 		w.Header().Set("Retry-After", "1")
 		writeError(w, http.StatusConflict, "a request with this Idempotency-Key is still being processed")
 		return
+	case errors.Is(err, outbox.ErrIdempotencyUnsupported):
+		// The database's outbox driver keeps no keys: placing the order without its key would
+		// break the promise the client relies on when it retries.
+		writeError(w, http.StatusNotImplemented, "Idempotency-Key is not supported on this service's database; send the order without it")
+		return
 	case errors.Is(err, outbox.ErrIdempotencyMismatch):
 		writeError(w, http.StatusUnprocessableEntity, "this Idempotency-Key was used for another request")
 		return

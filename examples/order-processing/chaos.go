@@ -79,6 +79,7 @@ type chaos struct {
 	sentIDs  map[string]bool               // every message ID handed to the broker
 	refused  atomic.Pointer[string]        // a topic the broker refuses (fault refuse-topic)
 	postgres bool                          // the database is PostgreSQL (fault db-stall)
+	feats    features                      // without keys the clients send none; without delays no order waits for a confirmation
 
 	sent, injectedDups                    atomic.Int64
 	delivered, duplicates, runs, failures atomic.Int64
@@ -294,22 +295,6 @@ func runChaos(ctx context.Context, cfg config, out io.Writer) (*chaosReport, err
 		"%.0f%% crash chance per step, restart every ~%s, seed %d\n%s\n\n",
 		runID, cfg.orders, cfg.clients, 100*cfg.dupRate, 100*cfg.failRate, 100*cfg.crashRate, cfg.restartEvery, cfg.seed, s.desc)
 
-	// This run's customer and products, so that a shared PostgreSQL database reconciles per run.
-	customer := "chaos-" + runID + "@example.com"
-	plenty, scarce := "chaos-"+runID+"-beans", "chaos-"+runID+"-grinder"
-	stock := map[string]int64{plenty: int64(3 * cfg.orders), scarce: int64(cfg.orders / 5)}
-	for sku, units := range stock {
-		// Three of the scarce product cost more than a payment may without the customer's
-		// confirmation, which never comes: those orders time out, and their stock comes back.
-		price := int64(1000)
-		if sku == scarce {
-			price = confirmAboveCents/3 + 1
-		}
-		if err := addProduct(ctx, s.db, sku, sku, price, units); err != nil {
-			return nil, err
-		}
-	}
-
 	// The API: its own Outbox, which never crashes, behind a real HTTP server.
 	apiOb, apiPub, err := s.newOutbox()
 	if err != nil {
@@ -318,6 +303,35 @@ func runChaos(ctx context.Context, cfg config, out io.Writer) (*chaosReport, err
 	defer func() { _ = apiPub.Close() }()
 	if err := apiOb.Migrate(ctx); err != nil {
 		return nil, err
+	}
+	if c.feats, err = probeFeatures(ctx, apiOb); err != nil {
+		return nil, err
+	}
+	fmt.Fprint(out, c.feats.notes())
+	if !c.feats.keys {
+		fmt.Fprint(out, "The clients place their orders without an Idempotency-Key, and retry none.\n\n")
+	} else if !c.feats.delays {
+		fmt.Fprintln(out)
+	}
+
+	// This run's customer and products, so that a shared PostgreSQL database reconciles per run.
+	customer := "chaos-" + runID + "@example.com"
+	plenty, scarce := "chaos-"+runID+"-beans", "chaos-"+runID+"-grinder"
+	stock := map[string]int64{plenty: int64(3 * cfg.orders), scarce: int64(cfg.orders / 5)}
+	for sku, units := range stock {
+		// Three of the scarce product cost more than a payment may without the customer's
+		// confirmation, which never comes: those orders time out, and their stock comes back.
+		// Without payment timeouts no order may wait for one: it would never be final.
+		price := int64(1000)
+		switch {
+		case sku == scarce && c.feats.delays:
+			price = confirmAboveCents/3 + 1
+		case sku == scarce:
+			price = confirmAboveCents / 3
+		}
+		if err := addProduct(ctx, s.db, s.driver, sku, sku, price, units); err != nil {
+			return nil, err
+		}
 	}
 	runCtx, cancel := context.WithCancel(ctx)
 	defer cancel()
@@ -401,7 +415,7 @@ func runChaos(ctx context.Context, cfg config, out io.Writer) (*chaosReport, err
 // holds until ctx ends. Errors are printed: the orders are expected to fail under some faults.
 func (c *chaos) injectFault(ctx context.Context, out io.Writer, s *service, baseURL, customer, runID string) {
 	sku := "chaos-" + runID + "-trickle"
-	if err := addProduct(ctx, s.db, sku, sku, 1000, 1<<40); err != nil {
+	if err := addProduct(ctx, s.db, s.driver, sku, sku, 1000, 1<<40); err != nil {
 		fmt.Fprintf(out, "fault: add the product for the trickle of orders: %v\n", err)
 		return
 	}
@@ -424,7 +438,7 @@ func (c *chaos) injectFault(ctx context.Context, out io.Writer, s *service, base
 			fmt.Fprintf(out, "fault injected: %s\n", c.cfg.fault)
 		case <-tick.C:
 			octx, done := context.WithTimeout(ctx, 10*time.Second)
-			_, err := postOrder(octx, client, baseURL, placeOrderRequest{Customer: customer, SKU: sku, Quantity: 1})
+			_, err := c.postOrder(octx, client, baseURL, placeOrderRequest{Customer: customer, SKU: sku, Quantity: 1})
 			done()
 			if err != nil {
 				failed++
@@ -639,9 +653,12 @@ func (c *chaos) placeOrders(ctx context.Context, baseURL, customer, plenty, scar
 				if rng.IntN(5) == 0 {
 					req.SKU = scarce
 				}
-				key := uuid.NewString()
+				key := ""
+				if c.feats.keys {
+					key = uuid.NewString()
+				}
 				id, err := postKeyed(ctx, client, baseURL, req, key)
-				if err == nil && rng.Float64() < c.cfg.dupRate {
+				if err == nil && key != "" && rng.Float64() < c.cfg.dupRate {
 					// The response was lost on its way: the client sends the order again with its
 					// key, and must get the same order, not a second one.
 					c.retries.Add(1)
@@ -677,18 +694,28 @@ func (c *chaos) placeOrders(ctx context.Context, baseURL, customer, plenty, scar
 	return ids, nil
 }
 
-// postOrder places one order with an Idempotency-Key of its own (see postKeyed).
-func postOrder(ctx context.Context, client *http.Client, baseURL string, req placeOrderRequest) (string, error) {
-	return postKeyed(ctx, client, baseURL, req, uuid.NewString())
+// postOrder places one order with an Idempotency-Key of its own (see postKeyed), when the
+// service takes one.
+func (c *chaos) postOrder(ctx context.Context, client *http.Client, baseURL string, req placeOrderRequest) (string, error) {
+	key := ""
+	if c.feats.keys {
+		key = uuid.NewString()
+	}
+	return postKeyed(ctx, client, baseURL, req, key)
 }
 
 // postKeyed places one order with Idempotency-Key key, retrying on a server error, no answer
 // (the order may have been placed: the key makes the retry return it rather than place another)
-// and 409 (the first attempt is still running).
+// and 409 (the first attempt is still running). Without a key (empty) it sends the order once:
+// a retry could place it twice.
 func postKeyed(ctx context.Context, client *http.Client, baseURL string, req placeOrderRequest, key string) (string, error) {
 	body, _ := json.Marshal(req)
 	var lastErr error
-	for attempt := range 5 {
+	attempts := 5
+	if key == "" {
+		attempts = 1
+	}
+	for attempt := range attempts {
 		if attempt > 0 {
 			time.Sleep(time.Duration(attempt) * 100 * time.Millisecond)
 		}
@@ -696,7 +723,9 @@ func postKeyed(ctx context.Context, client *http.Client, baseURL string, req pla
 		if err != nil {
 			return "", err
 		}
-		r.Header.Set("Idempotency-Key", key)
+		if key != "" {
+			r.Header.Set("Idempotency-Key", key)
+		}
 		resp, err := client.Do(r)
 		if err != nil {
 			lastErr = err
@@ -823,7 +852,7 @@ func (c *chaos) reconcile(ctx context.Context, s *service, customer string, acce
 	}{
 		{&r.Decisions, `SELECT count(*), count(DISTINCT x.order_id) FROM reservations x JOIN orders o ON o.id = x.order_id WHERE o.customer = $1`},
 		{&r.Payments, `SELECT count(*), count(DISTINCT x.order_id) FROM payments x JOIN orders o ON o.id = x.order_id WHERE o.customer = $1`},
-		{&r.StatusRows, `SELECT count(*), count(DISTINCT x.order_id || '/' || x.event) FROM order_history x JOIN orders o ON o.id = x.order_id WHERE o.customer = $1`},
+		{&r.StatusRows, `SELECT count(*), count(DISTINCT concat(x.order_id, '/', x.event)) FROM order_history x JOIN orders o ON o.id = x.order_id WHERE o.customer = $1`},
 	} {
 		var distinct int
 		if err := s.db.QueryRowContext(ctx, q.sql, customer).Scan(q.rows, &distinct); err != nil {

@@ -24,7 +24,7 @@ func setupShop(ctx context.Context, db *sql.DB) error {
 	if err := createSchema(ctx, db, postgres.Driver{}); err != nil {
 		return err
 	}
-	return addProduct(ctx, db, "sku-1", "Widget", 250, 3)
+	return addProduct(ctx, db, postgres.Driver{}, "sku-1", "Widget", 250, 3)
 }
 
 func eventMessage(t *testing.T, id string, event any) *message.Message {

@@ -26,6 +26,8 @@ func TestDispatchFailureFlags(t *testing.T) {
 		{[]string{"-relay-max-attempts", "-1"}, "", 0, "-relay-max-attempts must not be negative"},
 		{[]string{"-form", "pgx"}, "", 0, "-form pgx needs -postgres DSN"},
 		{[]string{"-form", "gorm"}, "", 0, `-form must be sql or pgx, not "gorm"`},
+		{[]string{"-postgres", "postgres://localhost/orders", "-mysql", "root@tcp(localhost:3306)/orders"}, "", 0, "-postgres and -mysql name two databases"},
+		{[]string{"-mysql", "root@tcp(localhost:3306)/orders", "-form", "pgx"}, "", 0, "-form pgx needs -postgres DSN"},
 	}
 	for _, tc := range cases {
 		t.Run(strings.Join(tc.args, " "), func(t *testing.T) {

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"errors"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -45,10 +46,16 @@ func reserveStock(msg *message.Message) error {
 	if taken == 0 {
 		return publishEvent(ctx, topicStockRejected, StockRejected{OrderID: ev.OrderID, Reason: "out of stock"})
 	}
-	if err := recordPaymentTimeout(ctx, ev); err != nil { // cancelled by the payment (timeout.go)
+	// The timeout is cancelled by the payment (timeout.go). A database whose outbox driver keeps
+	// no delayed effects records none: the order then waits for its payment without a deadline.
+	timeout := true
+	if err := recordPaymentTimeout(ctx, ev); errors.Is(err, outbox.ErrDelayUnsupported) {
+		timeout = false
+		logNoPaymentTimeout(err)
+	} else if err != nil {
 		return err
 	}
 	return publishEvent(ctx, topicStockReserved, StockReserved{
-		OrderID: ev.OrderID, Customer: ev.Customer, AmountCents: ev.AmountCents, PaymentTimeout: true,
+		OrderID: ev.OrderID, Customer: ev.Customer, AmountCents: ev.AmountCents, PaymentTimeout: timeout,
 	})
 }

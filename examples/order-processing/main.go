@@ -3,6 +3,7 @@
 // order's status, every step exactly once through crashes, redeliveries and duplicates.
 //
 //	go run .                       # SQLite + in-process NATS JetStream
+//	go run . -mysql 'app:secret@tcp(localhost:3306)/orders'   # MySQL or MariaDB
 //	go run . -chaos -orders 1000   # load, faults, and a reconciliation
 //
 // See README.md for a walk through the code and a run.
@@ -43,7 +44,8 @@ import (
 type config struct {
 	addr     string // HTTP listen address
 	dataDir  string // SQLite file, embedded NATS storage, e-mail spool
-	postgres string // PostgreSQL DSN; empty: SQLite in dataDir
+	postgres string // PostgreSQL DSN; empty: SQLite in dataDir (or MySQL)
+	mysql    string // MySQL or MariaDB DSN (go-sql-driver/mysql's form); empty: SQLite in dataDir (or PostgreSQL)
 	form     string // "sql" (database/sql) or "pgx" (pgxpool and drivers/outboxpgx; PostgreSQL only)
 	// consolePassword is the web console's password for user "operator"; empty: a random one.
 	consolePassword string
@@ -97,6 +99,9 @@ func errorText(err error, cfg config) string {
 			text = postgres.RedactDSN(text, dsn)
 		}
 	}
+	if cfg.mysql != "" {
+		text = redactMySQLDSN(text, cfg.mysql)
+	}
 	return text
 }
 
@@ -113,8 +118,10 @@ func parseFlags(args []string) (config, error) {
 	fs.StringVar(&cfg.dataDir, "data", env("ORDERS_DATA", filepath.Join(os.TempDir(), "order-processing")),
 		"directory for the SQLite database, the embedded NATS server's storage and the e-mail spool (ORDERS_DATA)")
 	fs.StringVar(&cfg.postgres, "postgres", env("ORDERS_POSTGRES", ""), "PostgreSQL DSN; empty: SQLite (ORDERS_POSTGRES)")
+	fs.StringVar(&cfg.mysql, "mysql", env("ORDERS_MYSQL", ""),
+		"MySQL or MariaDB DSN, user:password@tcp(host:3306)/database (go-sql-driver/mysql); empty: SQLite (ORDERS_MYSQL)")
 	fs.StringVar(&cfg.form, "form", env("ORDERS_FORM", formSQL),
-		"the framework's form: sql (database/sql: lib/pq, or SQLite) or pgx (a pgxpool and drivers/outboxpgx; needs -postgres) (ORDERS_FORM)")
+		"the framework's form: sql (database/sql: lib/pq, go-sql-driver/mysql, or SQLite) or pgx (a pgxpool and drivers/outboxpgx; needs -postgres) (ORDERS_FORM)")
 	fs.StringVar(&cfg.broker, "broker", env("ORDERS_BROKER", "nats"),
 		"nats (embedded, or -nats-url), postgres (watermill-sql pub/sub on the -postgres database), amqp (RabbitMQ at -amqp-url), redis (Redis Streams at -redis) or kafka (at -kafka-brokers) (ORDERS_BROKER)")
 	fs.StringVar(&cfg.natsURL, "nats-url", env("ORDERS_NATS_URL", ""), "external NATS server with JetStream; empty: in-process (ORDERS_NATS_URL)")
@@ -152,6 +159,8 @@ func parseFlags(args []string) (config, error) {
 	switch {
 	case !slices.Contains([]string{"nats", "postgres", "amqp", "redis", "kafka"}, cfg.broker):
 		return cfg, fmt.Errorf("-broker must be nats, postgres, amqp, redis or kafka, not %q", cfg.broker)
+	case cfg.postgres != "" && cfg.mysql != "":
+		return cfg, errors.New("-postgres and -mysql name two databases: give one")
 	case cfg.form != formSQL && cfg.form != formPgx:
 		return cfg, fmt.Errorf("-form must be sql or pgx, not %q", cfg.form)
 	case cfg.form == formPgx && cfg.postgres == "":
@@ -236,7 +245,7 @@ func openService(ctx context.Context, cfg config, ackWait time.Duration) (_ *ser
 		return nil, err
 	}
 	var dbDesc string
-	if s.db, s.pool, s.driver, dbDesc, err = openDatabase(ctx, cfg.postgres, cfg.dataDir, cfg.form); err != nil {
+	if s.db, s.pool, s.driver, dbDesc, err = openDatabase(ctx, cfg); err != nil {
 		_ = s.meters.Shutdown(context.Background())
 		return nil, err
 	}
@@ -390,6 +399,10 @@ func serve(ctx context.Context, cfg config, out io.Writer, ready func(addr strin
 	if err := ob.Migrate(ctx); err != nil { // idempotent; safe from several instances at once
 		return err
 	}
+	feats, err := probeFeatures(ctx, ob)
+	if err != nil {
+		return err
+	}
 
 	runCtx, cancel := context.WithCancel(ctx)
 	var wg sync.WaitGroup
@@ -420,8 +433,11 @@ func serve(ctx context.Context, cfg config, out io.Writer, ready func(addr strin
 	fmt.Fprintf(out, "order-processing listening on http://%s\n%s\n\n", addr, s.desc)
 	fmt.Fprintf(out, "Place an order:\n  curl -si http://%s/orders -d '{\"customer\":\"ada@example.com\",\"sku\":\"espresso-beans\",\"quantity\":2}'\n", addr)
 	fmt.Fprintf(out, "Then look at it (it ends as \"paid\"):\n  curl -s http://%s/orders/<id>\n", addr)
-	fmt.Fprintf(out, "Send it twice with one Idempotency-Key (one order; the second answer is the first, replayed):\n"+
-		"  curl -si http://%s/orders -H 'Idempotency-Key: order-42' -d '{\"customer\":\"ada@example.com\",\"sku\":\"espresso-beans\",\"quantity\":2}'\n", addr)
+	if feats.keys {
+		fmt.Fprintf(out, "Send it twice with one Idempotency-Key (one order; the second answer is the first, replayed):\n"+
+			"  curl -si http://%s/orders -H 'Idempotency-Key: order-42' -d '{\"customer\":\"ada@example.com\",\"sku\":\"espresso-beans\",\"quantity\":2}'\n", addr)
+	}
+	fmt.Fprint(out, feats.notes())
 	fmt.Fprintf(out, "Metrics (Prometheus):\n  curl -s http://%s/metrics | grep ^outbox_\n", addr)
 	fmt.Fprintf(out, "Web console:\n  %s\n\nCtrl-C stops.\n\n", strings.ReplaceAll(consoleNote, "ADDR", addr))
 	// From here on only the progress printer writes to out.

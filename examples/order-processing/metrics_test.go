@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/google/uuid"
 	dto "github.com/prometheus/client_model/go"
 	"github.com/prometheus/common/expfmt"
 	"github.com/prometheus/common/model"
@@ -23,8 +24,8 @@ func TestMetrics(t *testing.T) {
 	out := &syncBuffer{}
 	base, client := startService(t, testConfig(t), out)
 
-	id, err := postOrder(context.Background(), client, base,
-		placeOrderRequest{Customer: "ada@example.com", SKU: "espresso-beans", Quantity: 1})
+	id, err := postKeyed(context.Background(), client, base,
+		placeOrderRequest{Customer: "ada@example.com", SKU: "espresso-beans", Quantity: 1}, uuid.NewString())
 	if err != nil {
 		t.Fatal(err)
 	}

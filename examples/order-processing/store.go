@@ -12,18 +12,29 @@ import (
 	_ "github.com/lib/pq"  // database/sql driver "postgres"
 	_ "modernc.org/sqlite" // database/sql driver "sqlite" (pure Go, no cgo)
 
+	"github.com/watermill-outbox/outbox/drivers/mysql"
 	"github.com/watermill-outbox/outbox/drivers/outboxpgx"
 	"github.com/watermill-outbox/outbox/drivers/postgres"
 	"github.com/watermill-outbox/outbox/drivers/sqlite"
 	"github.com/watermill-outbox/outbox/outboxdriver"
 )
 
-// openDatabase opens the service's database: PostgreSQL when dsn is set, otherwise the SQLite file
-// orders.db in dir. The business tables and the outbox tables live in it side by side, which is
-// what lets one transaction cover a business change and the events it causes. With form pgx
-// (PostgreSQL only) it opens a pgxpool.Pool, and db is a database/sql handle on the same pool.
-func openDatabase(ctx context.Context, dsn, dir, form string) (db *sql.DB, pool *pgxpool.Pool, driver outboxdriver.Driver, desc string, err error) {
+// openDatabase opens the service's database: PostgreSQL when cfg.postgres is set, MySQL or
+// MariaDB when cfg.mysql is, otherwise the SQLite file orders.db in cfg.dataDir. The business
+// tables and the outbox tables live in it side by side, which is what lets one transaction cover
+// a business change and the events it causes. With form pgx (PostgreSQL only) it opens a
+// pgxpool.Pool, and db is a database/sql handle on the same pool.
+func openDatabase(ctx context.Context, cfg config) (db *sql.DB, pool *pgxpool.Pool, driver outboxdriver.Driver, desc string, err error) {
+	dsn, dir, form := cfg.postgres, cfg.dataDir, cfg.form
 	switch {
+	case cfg.mysql != "":
+		db, err = openMySQL(cfg.mysql)
+		driver, desc = mysql.Driver{}, "MySQL/MariaDB (database/sql: go-sql-driver/mysql and drivers/mysql)"
+		if err == nil {
+			// As on PostgreSQL: connections kept for a dozen goroutines using the database.
+			db.SetMaxOpenConns(32)
+			db.SetMaxIdleConns(32)
+		}
 	case form == formPgx:
 		// The pgx form LISTENs on a connection of the pool: a failed send in any instance wakes
 		// every instance's relay at once.
@@ -70,7 +81,7 @@ func openDatabase(ctx context.Context, dsn, dir, form string) (db *sql.DB, pool 
 }
 
 // schema holds the business tables, written for PostgreSQL; createSchema adapts the one type
-// SQLite spells differently. Statements are idempotent: every start runs them.
+// SQLite spells differently (MySQL's are mysqlSchema, mysql.go). Statements are idempotent: every start runs them.
 //
 // reservations, payments and order_history have no UNIQUE constraint on the order on purpose: the
 // chaos mode counts rows per order to show that nothing is applied twice without one. A real
@@ -134,7 +145,11 @@ var catalogue = []struct {
 // createSchema creates the business tables and stocks the catalogue (once: a restart keeps the
 // stock levels).
 func createSchema(ctx context.Context, db *sql.DB, driver outboxdriver.Driver) error {
-	for _, stmt := range schema {
+	stmts := schema
+	if _, isMySQL := driver.(mysql.Driver); isMySQL {
+		stmts = mysqlSchema
+	}
+	for _, stmt := range stmts {
 		if _, isSQLite := driver.(sqlite.Driver); isSQLite {
 			// SQLite has no TIMESTAMPTZ; with TIMESTAMP the driver returns time.Time.
 			stmt = strings.ReplaceAll(stmt, "TIMESTAMPTZ", "TIMESTAMP")
@@ -144,7 +159,7 @@ func createSchema(ctx context.Context, db *sql.DB, driver outboxdriver.Driver) e
 		}
 	}
 	for _, p := range catalogue {
-		if err := addProduct(ctx, db, p.sku, p.name, p.priceCents, p.units); err != nil {
+		if err := addProduct(ctx, db, driver, p.sku, p.name, p.priceCents, p.units); err != nil {
 			return err
 		}
 	}
@@ -152,18 +167,21 @@ func createSchema(ctx context.Context, db *sql.DB, driver outboxdriver.Driver) e
 }
 
 // addProduct adds a product and its stock unless the SKU exists.
-func addProduct(ctx context.Context, db *sql.DB, sku, name string, priceCents, units int64) error {
+func addProduct(ctx context.Context, db *sql.DB, driver outboxdriver.Driver, sku, name string, priceCents, units int64) error {
 	tx, err := db.BeginTx(ctx, nil)
 	if err != nil {
 		return err
 	}
 	defer func() { _ = tx.Rollback() }()
-	if _, err := tx.ExecContext(ctx, `INSERT INTO products (sku, name, price_cents) VALUES ($1, $2, $3)
-		ON CONFLICT (sku) DO NOTHING`, sku, name, priceCents); err != nil {
+	ifAbsent := "ON CONFLICT (sku) DO NOTHING"
+	if _, isMySQL := driver.(mysql.Driver); isMySQL {
+		ifAbsent = "ON DUPLICATE KEY UPDATE sku = sku" // MySQL's way; INSERT IGNORE would hide other errors
+	}
+	if _, err := tx.ExecContext(ctx, `INSERT INTO products (sku, name, price_cents) VALUES ($1, $2, $3) `+ifAbsent,
+		sku, name, priceCents); err != nil {
 		return fmt.Errorf("add product %s: %w", sku, err)
 	}
-	if _, err := tx.ExecContext(ctx, `INSERT INTO stock (sku, available) VALUES ($1, $2)
-		ON CONFLICT (sku) DO NOTHING`, sku, units); err != nil {
+	if _, err := tx.ExecContext(ctx, `INSERT INTO stock (sku, available) VALUES ($1, $2) `+ifAbsent, sku, units); err != nil {
 		return fmt.Errorf("stock product %s: %w", sku, err)
 	}
 	return tx.Commit()
