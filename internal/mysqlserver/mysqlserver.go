@@ -52,8 +52,10 @@ type Server struct {
 }
 
 // Start initializes a data directory in a new temp dir and starts mysqld on it. Every wait is
-// bounded; an error says what failed, with the end of the server's log.
-func Start() (_ *Server, err error) {
+// bounded; an error says what failed, with the end of the server's log. extra are mysqld options
+// added after the defaults, which they override (the last of an option wins): a benchmark asks
+// for durable commits with --innodb-flush-log-at-trx-commit=1.
+func Start(extra ...string) (_ *Server, err error) {
 	mysqld, err := lookPath("mariadbd", "mysqld")
 	if err != nil {
 		return nil, err
@@ -102,7 +104,7 @@ func Start() (_ *Server, err error) {
 		if err != nil {
 			return nil, err
 		}
-		if lastErr = s.start(mysqld, data, port, asRoot); lastErr == nil {
+		if lastErr = s.start(mysqld, data, port, append(asRoot, extra...)); lastErr == nil {
 			return s, nil
 		}
 		if !strings.Contains(lastErr.Error(), "Address already in use") {
@@ -113,8 +115,9 @@ func Start() (_ *Server, err error) {
 	return nil, lastErr
 }
 
-// start runs mysqld on port and waits until it accepts connections.
-func (s *Server) start(mysqld, data string, port int, asRoot []string) error {
+// start runs mysqld on port, with the options more after the defaults, and waits until it
+// accepts connections.
+func (s *Server) start(mysqld, data string, port int, more []string) error {
 	logFile := filepath.Join(s.base, "server.log")
 	args := append([]string{"--no-defaults",
 		"--datadir=" + data,
@@ -130,7 +133,7 @@ func (s *Server) start(mysqld, data string, port int, asRoot []string) error {
 		"--innodb-buffer-pool-size=128M",
 		// The tests kill clients, not the server: a commit need not reach the disk.
 		"--innodb-flush-log-at-trx-commit=2",
-	}, asRoot...)
+	}, more...)
 	s.cmd = exec.Command(mysqld, args...)
 	s.cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
 	if err := s.cmd.Start(); err != nil {
