@@ -8,7 +8,9 @@
 //	go run . -render results.json # re-render the docs from a saved run, without running
 //
 // It starts its own PostgreSQL from the local binaries (apt-get install postgresql) unless -dsn or
-// OUTBOX_BENCH_DSN names one (a superuser DSN; the database "outbox_bench" is dropped and created).
+// OUTBOX_BENCH_DSN names one (a superuser DSN; the database "outbox_bench" is dropped and created),
+// and, for the MySQL contenders, its own MariaDB (apt-get install mariadb-server) unless
+// OUTBOX_BENCH_MYSQL_DSN names a server (bench/mysql.go).
 package main
 
 import (
@@ -64,7 +66,8 @@ type config struct {
 
 var allContenders = []string{"floor", "bare", "ceiling", "naive", "watermill-stack", "river", "rbaliyan-event", "outbox-middleware", "outbox-intx",
 	"bare-pgx", "outbox-pgx", "outbox-pgx-pessimistic",
-	"bare" + pooledSuffix, "outbox-middleware" + pooledSuffix, "bare-pgx" + pooledSuffix, "outbox-pgx" + pooledSuffix}
+	"bare" + pooledSuffix, "outbox-middleware" + pooledSuffix, "bare-pgx" + pooledSuffix, "outbox-pgx" + pooledSuffix,
+	"bare" + mysqlSuffix, "outbox" + mysqlSuffix}
 
 func presets(mode string) (config, error) {
 	c := config{Mode: mode, Concs: []int{1, 4, 16}, DupRate: 0.10, DupWindow: 64, Seed: 1, Contenders: allContenders}
@@ -274,6 +277,12 @@ func run(cfg config, dsn string, skipScale bool, docsDir, resultsPath string) (e
 		}
 	}
 
+	stopMySQL, err := startMySQL(ctx, cfg, rep) // bench/mysql.go
+	if err != nil {
+		return err
+	}
+	defer stopMySQL()
+
 	var cs []contender
 	defer func() {
 		for _, c := range cs {
@@ -445,6 +454,9 @@ func (e *env) newContender(name string) (contender, error) {
 }
 
 func newContender(e *env, name string) (contender, error) {
+	if isMySQL(name) {
+		return newMySQLContender(e, name)
+	}
 	switch name {
 	case "floor":
 		return newFloor(e)

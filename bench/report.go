@@ -20,6 +20,8 @@ type machine struct {
 	LoadAtEnd      string `json:",omitempty"`
 	// Pooler is the PgBouncer the -pgbouncer contenders go through, when they ran.
 	Pooler string `json:",omitempty"`
+	// MySQL is the server of the -mysql contenders (bench/mysql.go), when they ran.
+	MySQL string `json:",omitempty"`
 }
 
 type cell struct {
@@ -253,7 +255,7 @@ func markdown(r *report) string {
 	w("![throughput and p99 per contender and concurrency](benchmarks.svg)\n\n")
 	w("| contender | path | consumers | msg/s | p50 ms | p99 ms | p50 added vs bare, ms | round trips/msg: waited for / all | statements/msg | WAL bytes/msg | re-sent |\n")
 	w("|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|\n")
-	for _, c := range r.Cells {
+	for _, c := range withoutMySQL(r).Cells { // theirs: mysqlSection
 		note := ""
 		if c.Errors > 0 {
 			note += fmt.Sprintf(" (%d errors)", c.Errors)
@@ -364,6 +366,7 @@ func markdown(r *report) string {
 			w("| %d | %s | %+.2f | %s |\n", m.Messages, strings.Join(parts, " / "), m.growthMB(), f1(m.PeakHeapMB))
 		}
 	}
+	w("%s", mysqlSection(r))
 	if len(r.Notes) > 0 {
 		w("\n### Notes\n\n")
 		for _, n := range r.Notes {
@@ -664,6 +667,7 @@ var palette = []string{"#7f7f7f", "#1f77b4", "#ff7f0e", "#9467bd", "#8c564b", "#
 // chart draws two panels of grouped bars (one group per concurrency, one bar per contender):
 // throughput on a linear axis and p99 latency on a logarithmic one.
 func chart(r *report) string {
+	r = withoutMySQL(r) // another server: compared in their own section
 	var names []string
 	for _, c := range r.Cells {
 		if !contains(names, c.Contender) {

@@ -116,7 +116,7 @@ func (e *env) safety(ctx context.Context, c contender, cfg config, conc int, see
 			seen[k] = d.id
 		}
 	}
-	applied, extra, err := appliedCounts(ctx, e.admin, stock0)
+	applied, extra, err := appliedCounts(ctx, appliedDB(e, c), stock0)
 	if err != nil {
 		return row, err
 	}
