@@ -359,8 +359,8 @@ func mysqlSection(r *report) string {
 	// (-contenders bare-mysql,outbox-mysql) the section says which run it comes from.
 	run := "in the same interleaved repetitions as the contenders above"
 	if len(withoutMySQL(r).Cells) == 0 {
-		run = fmt.Sprintf("in a run of their own (`cd bench && go run . -mode %s -contenders %s -skip-scale`, %s, load average %s at its start, %s at its end)",
-			r.Mode, strings.Join(r.Config.Contenders, ","), r.Started, r.Machine.LoadAtStart, r.Machine.LoadAtEnd)
+		run = fmt.Sprintf("in a run of their own (`cd bench && go run . -mode %s -n %d -reps %d -contenders %s -skip-scale`, %s, load average %s at its start, %s at its end)",
+			r.Mode, r.Config.N, r.Config.Reps, strings.Join(r.Config.Contenders, ","), r.Started, r.Machine.LoadAtStart, r.Machine.LoadAtEnd)
 	}
 	w("The workload on a throwaway MariaDB server (%s), %s, with the same broker and deliveries: database/sql with "+
 		"go-sql-driver/mysql and `mysql.DSNParams` (interpolateParams: a statement and its arguments in one round trip), the business "+
