@@ -57,12 +57,12 @@ var mysqlBench struct {
 }
 
 // startMySQL starts a throwaway MariaDB or MySQL server from the local binaries when cfg selects a
-// MySQL contender (unless OUTBOX_BENCH_MYSQL_DSN names one), creates the bench database with the
+// MySQL contender that runs the workload (unless OUTBOX_BENCH_MYSQL_DSN names one), creates the bench database with the
 // business table, and returns what stops it. It fails when it cannot: a run that selected them
 // (the default) does not quietly leave them out.
 func startMySQL(ctx context.Context, cfg config, rep *report) (_ func(), err error) {
 	stopServer := func() {}
-	if !slices.ContainsFunc(cfg.Contenders, isMySQL) {
+	if !slices.ContainsFunc(cfg.Contenders, func(n string) bool { return isMySQL(n) && checkWorkload(n) == nil }) {
 		return stopServer, nil
 	}
 	base := os.Getenv(envMySQLDSN)
