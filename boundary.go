@@ -8,7 +8,6 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
-	"github.com/google/uuid"
 
 	"github.com/watermill-outbox/outbox/outboxdriver"
 )
@@ -71,7 +70,7 @@ func (o *Outbox) InUnit(ctx context.Context, fn func(ctx context.Context) error)
 		outcome = OutcomeFailed
 		return fmt.Errorf("outbox: %w", err)
 	}
-	u := newUnit(o, tx, Source{ID: uuid.NewString()}, nil)
+	u := newUnit(o, tx, Source{ID: newID()}, nil)
 	if key != nil {
 		run, err := o.runKeyed(ctx, txCtx, tx, key)
 		if err != nil || !run {
@@ -187,7 +186,7 @@ func (o *Outbox) JoinUnit(ctx context.Context, tx any) (context.Context, func(co
 	if err != nil {
 		return ctx, nil, fmt.Errorf("outbox: JoinTx: %w", err)
 	}
-	u := newUnit(o, ut, Source{ID: uuid.NewString()}, nil)
+	u := newUnit(o, ut, Source{ID: newID()}, nil)
 	return withUnit(ctx, u), func(ctx context.Context) {
 		if len(u.finish()) == 0 {
 			return

