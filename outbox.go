@@ -291,10 +291,19 @@ const listenDeafRetry = 30 * time.Second
 func (o *Outbox) listen(ctx context.Context) {
 	defer o.tel.listening.Store(false)
 	for ctx.Err() == nil {
+		connected := false
 		err := o.store.EffectListen(ctx, func() {
 			o.tel.listening.Store(true)
 			o.tel.listenDeaf.Store(nil)
-			o.lastHandoff.Store(time.Now().UnixNano())
+			if connected {
+				// A notification: another instance handed effects off, which may wait behind
+				// effects whose marks this process is writing. The first call is the listener
+				// connecting, after which one round looks for what was missed meanwhile; taken
+				// for a hand-off it had the relay run a round behind every batch of marks for
+				// a minute after every start.
+				o.lastHandoff.Store(time.Now().UnixNano())
+			}
+			connected = true
 			o.kickRelay()
 		})
 		o.tel.listening.Store(false)

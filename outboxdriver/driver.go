@@ -158,8 +158,10 @@ type Store interface {
 	// EffectNotify wakes the relays of every instance that listens (PostgreSQL NOTIFY). A dialect
 	// without notifications does nothing.
 	EffectNotify(ctx context.Context) error
-	// EffectListen calls wake whenever EffectNotify is called anywhere, until ctx is done; it returns
-	// ErrListenUnsupported at once when the store cannot listen (the relay then polls).
+	// EffectListen calls wake once it listens (notifications sent before were missed) and then
+	// whenever EffectNotify is called anywhere, until ctx is done; it returns
+	// ErrListenUnsupported at once when the store cannot listen (the relay then polls). The
+	// first call of each EffectListen is the one that says it listens.
 	EffectListen(ctx context.Context, wake func()) error
 	// EffectClaimDue leases up to p.Limit due effects (and at most p.MaxBytes of payload and
 	// metadata, but always one) for p.Lease, in StoreID order, after p.After, and returns them:
