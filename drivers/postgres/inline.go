@@ -74,6 +74,21 @@ const effectsRecordset = `ROWS FROM (json_to_recordset($1::json) AS (c text, i t
 // claimsRecordset reads the claims of $1 (claimKey in JSON).
 const claimsRecordset = `json_to_recordset($1::json) AS v(c text, i text)`
 
+// claimsOf is the condition that claim p is one of the claims of $1 (claimKey in JSON), written so
+// that the planner finds them through the primary key whatever it estimates: the claims' consumers
+// and IDs as arrays in the index condition, the pairs checked after. A join with the claims, the
+// shape it replaces, was planned for 100 of them (a function's estimate) and so, on a claim table
+// of up to some ten thousand rows, as a sequential scan of the table with a hash join: every batch
+// of marks read the whole table. The pairs are compared with every claim found (the JSON's rows
+// are kept, not parsed again): a statement takes at most a few hundred claims (markChunk,
+// sweepBatch).
+const claimsOf = `p.consumer = ANY (ARRAY(SELECT x->>'c' FROM json_array_elements($1::json) x))
+			AND p.message_id = ANY (ARRAY(SELECT x->>'i' FROM json_array_elements($1::json) x))
+			AND (p.consumer, p.message_id) IN (SELECT c, i FROM ` + claimsRecordset + `)`
+
+// markChunk bounds the claims of one statement that marks or clears inline effects.
+const markChunk = 200
+
 func newInlineQueries(n store.Names) inlineQueries {
 	return inlineQueries{
 		pending: PendingQuery(n),
@@ -88,14 +103,12 @@ func newInlineQueries(n store.Names) inlineQueries {
 			SELECT nextval(pg_get_serial_sequence('` + n.Effects + `', 'id')), c, i, s, k, t, u, decode(pl, 'base64'), decode(md, 'base64'), ok,
 				now() - a * interval '1 millisecond', now(), 0, 0
 			FROM ` + effectsRecordset + ` ORDER BY n`,
-		clear: `UPDATE ` + n.Processed + ` p SET effects = NULL FROM ` + claimsRecordset + `
-			WHERE p.consumer = v.c AND p.message_id = v.i`,
+		clear: `UPDATE ` + n.Processed + ` p SET effects = NULL WHERE ` + claimsOf,
 		// effects is in no index, and inline_xid stays: a HOT update.
-		mark: `UPDATE ` + n.Processed + ` p SET effects = NULL FROM ` + claimsRecordset + `
-			WHERE p.consumer = v.c AND p.message_id = v.i AND p.effects IS NOT NULL AND ` + asyncCommit,
+		mark: `UPDATE ` + n.Processed + ` p SET effects = NULL
+			WHERE ` + claimsOf + ` AND p.effects IS NOT NULL AND ` + asyncCommit,
 		take: `WITH old AS (SELECT p.consumer, p.message_id, p.effects, ` + age + ` AS age FROM ` + n.Processed + ` p
-				JOIN ` + claimsRecordset + ` ON p.consumer = v.c AND p.message_id = v.i
-				WHERE p.effects IS NOT NULL FOR UPDATE OF p),
+				WHERE ` + claimsOf + ` AND p.effects IS NOT NULL FOR UPDATE OF p),
 			clr AS (UPDATE ` + n.Processed + ` p SET effects = NULL FROM old WHERE p.consumer = old.consumer AND p.message_id = old.message_id)
 			SELECT consumer, message_id, effects, age FROM old`,
 		leaseSource: `UPDATE ` + n.Effects + ` SET next_attempt_at = now() + $3 * interval '1 millisecond'
@@ -119,8 +132,7 @@ func newInlineQueries(n store.Names) inlineQueries {
 			  AND (p.processed_at < now() - $2::bigint * interval '1 millisecond'
 			       OR p.processed_at > clock_timestamp() + $3::bigint * interval '1 millisecond')
 			ORDER BY p.inline_xid LIMIT $4 FOR UPDATE OF p SKIP LOCKED`,
-		setAside: `UPDATE ` + n.Processed + ` p SET inline_xid = NULL FROM ` + claimsRecordset + `
-			WHERE p.consumer = v.c AND p.message_id = v.i`,
+		setAside:  `UPDATE ` + n.Processed + ` p SET inline_xid = NULL WHERE ` + claimsOf,
 		sweepLeft: `SELECT min(inline_xid) FROM ` + n.Processed + ` WHERE inline_xid >= $1 AND effects IS NOT NULL`,
 		sweptTo:   `UPDATE ` + n.Stats + ` SET swept_xid = $1 WHERE id = 1`,
 	}
@@ -227,15 +239,27 @@ func (s *inline) EffectMarkDispatched(ctx context.Context, marks ...outboxdriver
 	if len(claims) == 0 {
 		return errors.Join(errs...)
 	}
+	for len(claims) > 0 {
+		chunk := claims[:min(len(claims), markChunk)]
+		claims = claims[len(chunk):]
+		if err := s.markInline(ctx, chunk); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// markInline marks the inline effects of claims sent: cleared, or moved to the dispatched table.
+func (s *inline) markInline(ctx context.Context, claims []claimKey) error {
 	arg, err := jsonArg(claims)
 	if err != nil {
-		return errors.Join(append(errs, err)...)
+		return err
 	}
 	if s.deleteDispatched {
 		if _, err := s.db.ExecContext(ctx, s.q.mark, arg); err != nil {
-			errs = append(errs, fmt.Errorf("clear inline effects: %w", wrapErr(s.SQL, err)))
+			return fmt.Errorf("clear inline effects: %w", wrapErr(s.SQL, err))
 		}
-		return errors.Join(errs...)
+		return nil
 	}
 	// Kept for EffectRetention: they move to the dispatched table as rows would. They were sent,
 	// so undecodable ones are cleared all the same (nothing could be kept of them anyway).
@@ -243,9 +267,9 @@ func (s *inline) EffectMarkDispatched(ctx context.Context, marks ...outboxdriver
 		_, _, err := s.move(ctx, tx, s.q.archive, func() (*sql.Rows, error) { return tx.QueryContext(ctx, s.q.take, arg) })
 		return err
 	}); err != nil {
-		errs = append(errs, fmt.Errorf("archive inline effects: %w", err))
+		return fmt.Errorf("archive inline effects: %w", err)
 	}
-	return errors.Join(errs...)
+	return nil
 }
 
 // EffectClaimDue first moves the inline effects left behind (a crash between commit and mark, a
