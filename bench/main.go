@@ -111,6 +111,7 @@ func main() {
 	brokerKind := flag.String("broker", "nats", "nats (in-process JetStream, contenders called directly) or none (a null publisher; every contender's handler in a Watermill Router)")
 	work := flag.String("workload", workloadInsert, "business write: insert (one INSERT) or two-statement (UPDATE a stock row, INSERT a reservation)")
 	skipSafety := flag.Bool("skip-safety", false, "skip the safety check (duplicates and one crash)")
+	retained := flag.Int("retained", 0, "IDs the retained-IDs scale run loads (default: the mode's)")
 	seed := flag.Uint64("seed", 1, "seed of the deliveries")
 	flag.Parse()
 	switch *brokerKind {
@@ -174,6 +175,9 @@ func main() {
 
 	cfg, err := presets(*mode)
 	if err == nil {
+		if *retained > 0 {
+			cfg.Retained = *retained
+		}
 		if *n > 0 {
 			cfg.N = *n
 		}

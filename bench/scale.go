@@ -10,6 +10,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	wmw "github.com/ThreeDotsLabs/watermill/message/router/middleware"
+	"github.com/google/uuid"
 
 	"github.com/watermill-outbox/outbox"
 	"github.com/watermill-outbox/outbox/drivers/outboxpgx"
@@ -180,6 +181,7 @@ func (e *env) prefill(ctx context.Context, prefix string, n int, age string) err
 type retainedForm struct {
 	name              string // the matrix contender it is
 	empty, retained   string // labels of its rows
+	ordered           string // label of the row on the retained table with time-ordered message IDs
 	bigPrefix         string
 	build             func(prefix string) (*framework, error)
 	defaultEmptyTable string
@@ -190,9 +192,9 @@ type retainedForm struct {
 // the pgx form.
 func (e *env) retainedForms() []retainedForm {
 	return []retainedForm{
-		{name: "outbox-middleware", empty: "empty", retained: "retained", bigPrefix: "big_", defaultEmptyTable: "outbox_",
+		{name: "outbox-middleware", empty: "empty", retained: "retained", ordered: "retained-ordered", bigPrefix: "big_", defaultEmptyTable: "outbox_",
 			build: func(prefix string) (*framework, error) { return newFramework(e, false, prefix) }},
-		{name: "outbox-pgx", empty: "empty-pgx", retained: "retained-pgx", bigPrefix: "bigx_", defaultEmptyTable: "pgx_",
+		{name: "outbox-pgx", empty: "empty-pgx", retained: "retained-pgx", ordered: "retained-ordered-pgx", bigPrefix: "bigx_", defaultEmptyTable: "pgx_",
 			build: func(prefix string) (*framework, error) { return newFrameworkPgx(e, prefix, outboxpgx.Optimistic) }},
 	}
 }
@@ -245,21 +247,27 @@ func (e *env) scaleRetained(ctx context.Context, cfg config, cs []contender, rep
 	for r := 0; r < cfg.Reps; r++ {
 		for ci, conc := range cfg.ScaleConcs {
 			ds := makeDeliveries(perRep, cfg.DupRate, redeliveryGap(conc), cfg.DupWindow, 7_000_000+uint64(r*100+ci))
-			var runs []*framework
-			labels := map[*framework]string{}
-			bigs := map[*framework]bool{}
+			type step struct {
+				f       *framework
+				label   string
+				big     bool
+				ordered bool // the deliveries' IDs time-ordered
+			}
+			var runs []step
 			for _, p := range pairs {
-				runs = append(runs, p.empty, p.big)
-				labels[p.empty], labels[p.big] = p.f.empty, p.f.retained
-				bigs[p.big] = true
+				runs = append(runs, step{p.empty, p.f.empty, false, false}, step{p.big, p.f.retained, true, false},
+					step{p.big, p.f.ordered, true, true})
 			}
 			for j := range runs {
-				f := runs[(j+k)%len(runs)]
-				res, err := e.run(ctx, f, ds, runOpts{conc: conc, noReset: bigs[f], redelivered: true, drainWait: 30 * time.Second})
+				st := runs[(j+k)%len(runs)]
+				f, label, run := st.f, st.label, ds
+				if st.ordered {
+					run = timeOrdered(ds)
+				}
+				res, err := e.run(ctx, f, run, runOpts{conc: conc, noReset: st.big, redelivered: true, drainWait: 30 * time.Second})
 				if err != nil {
 					return err
 				}
-				label := labels[f]
 				key := fmt.Sprintf("%s/%d", label, conc)
 				if aggs[key] == nil {
 					aggs[key] = &aggregate{contender: label, path: f.name(), conc: conc}
@@ -273,7 +281,7 @@ func (e *env) scaleRetained(ctx context.Context, cfg config, cs []contender, rep
 	}
 	for _, conc := range cfg.ScaleConcs {
 		for _, p := range pairs {
-			for _, label := range []string{p.f.empty, p.f.retained} {
+			for _, label := range []string{p.f.empty, p.f.retained, p.f.ordered} {
 				rep.Scale.Rows = append(rep.Scale.Rows, aggs[fmt.Sprintf("%s/%d", label, conc)].cell())
 			}
 		}
@@ -357,4 +365,22 @@ func (e *env) memoryCheck(ctx context.Context, cfg config, mw *framework, rep *r
 		logf("memory n=%d live heap at 10/50/90%%: %.2f MB; peak %.1f MB", n, row.LiveMB, row.PeakHeapMB)
 	}
 	return nil
+}
+
+// timeOrdered returns ds with each message ID replaced by a time-ordered one (a version 7 UUID,
+// made in the order of first appearance; copies keep their original's), as a producer that makes
+// time-ordered IDs (outbox.NewUUID outside a unit of work, watermill.NewULID) sends them.
+func timeOrdered(ds []delivery) []delivery {
+	ids := make(map[string]string, len(ds))
+	out := make([]delivery, len(ds))
+	for i, d := range ds {
+		id, ok := ids[d.id]
+		if !ok {
+			id = uuid.Must(uuid.NewV7()).String()
+			ids[d.id] = id
+		}
+		d.id = id
+		out[i] = d
+	}
+	return out
 }
