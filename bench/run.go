@@ -193,7 +193,7 @@ func (e *env) run(ctx context.Context, c contender, ds []delivery, opts runOpts)
 	var mu sync.Mutex
 	var again []delivery // redeliveries
 	var errs, crashes atomic.Int64
-	var lastErr atomic.Value
+	var lastErr atomic.Pointer[error] // errors of different types: an atomic.Value panics on the second
 	var handled atomic.Int64
 
 	stopSampler := make(chan struct{})
@@ -291,7 +291,7 @@ func (e *env) run(ctx context.Context, c contender, ds []delivery, opts runOpts)
 						c.restart()
 					} else {
 						errs.Add(1)
-						lastErr.Store(err)
+						lastErr.Store(&err)
 						if errs.Load() > 100 {
 							return
 						}
@@ -317,7 +317,11 @@ func (e *env) run(ctx context.Context, c contender, ds []delivery, opts runOpts)
 		<-probeDone
 		e.broker.rec.end()
 		_ = c.stop()
-		return res, fmt.Errorf("%s: too many errors, last: %v", c.name(), lastErr.Load())
+		var last error
+		if p := lastErr.Load(); p != nil {
+			last = *p
+		}
+		return res, fmt.Errorf("%s: too many errors, last: %w", c.name(), last)
 	}
 	// Wait for the relays to publish everything that was committed for publishing later.
 	deadline := time.Now().Add(opts.drainWait)
