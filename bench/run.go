@@ -291,7 +291,8 @@ func (e *env) run(ctx context.Context, c contender, ds []delivery, opts runOpts)
 						c.restart()
 					} else {
 						errs.Add(1)
-						lastErr.Store(&err)
+						last := err
+						lastErr.Store(&last)
 						if errs.Load() > 100 {
 							return
 						}
