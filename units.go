@@ -3,7 +3,9 @@ package outbox
 import (
 	"context"
 	"database/sql"
+	"database/sql/driver"
 	"fmt"
+	"time"
 
 	"github.com/watermill-outbox/outbox/outboxdriver"
 )
@@ -26,6 +28,20 @@ type txBeginner interface {
 }
 
 func (s sqlUnits) BeginUnit(ctx context.Context, claim *Source) (outboxdriver.UnitTx, outboxdriver.Claim, error) {
+	if _, ok := s.store.(outboxdriver.KeySessionLocker); ok && claim == nil {
+		// A boundary unit may claim an idempotency key, whose lock outlives the transaction:
+		// its connection is the unit's until the lock is released.
+		conn, err := s.db.Conn(ctx)
+		if err != nil {
+			return nil, outboxdriver.Claim{}, fmt.Errorf("begin transaction (waiting for a database connection, at most HandlerTimeout): %w", err)
+		}
+		tx, err := conn.BeginTx(ctx, nil)
+		if err != nil {
+			_ = conn.Close()
+			return nil, outboxdriver.Claim{}, fmt.Errorf("begin transaction: %w", err)
+		}
+		return &sqlUnit{store: s.store, tx: tx, conn: conn}, outboxdriver.Claim{Claimed: true}, nil
+	}
 	begin := s.db.BeginTx
 	if b, ok := s.store.(txBeginner); ok {
 		begin = b.BeginTx
@@ -58,6 +74,10 @@ type sqlUnit struct {
 	store       outboxdriver.Store
 	tx          *sql.Tx
 	inSavepoint bool // some effect may have been written inside a savepoint
+	// conn is the connection of tx when the store locks keys per session; keyed is the key
+	// claimed on it, whose lock is released once tx has ended.
+	conn  *sql.Conn
+	keyed *outboxdriver.KeyClaimParams
 }
 
 func (u *sqlUnit) Tx() any { return u.tx }
@@ -94,15 +114,49 @@ func (u *sqlUnit) Survivors(ctx context.Context, effects []Effect) ([]Effect, er
 	return out, nil
 }
 
-func (u *sqlUnit) Commit(context.Context, []Effect) error { return u.tx.Commit() }
+func (u *sqlUnit) Commit(ctx context.Context, _ []Effect) error {
+	err := u.tx.Commit()
+	u.endSession(ctx)
+	return err
+}
 
-func (u *sqlUnit) Rollback(context.Context) error { return u.tx.Rollback() }
+func (u *sqlUnit) Rollback(ctx context.Context) error {
+	err := u.tx.Rollback()
+	u.endSession(ctx)
+	return err
+}
+
+// keyUnlockTimeout bounds the release of a key's session lock after the unit's transaction.
+const keyUnlockTimeout = 10 * time.Second
+
+// endSession releases the lock of the claimed key, after the transaction so that a claim waiting
+// for it finds the key committed, and gives the connection back. A connection whose lock may
+// outlive the release is closed: the lock ends with its session.
+func (u *sqlUnit) endSession(ctx context.Context) {
+	if u.conn == nil {
+		return
+	}
+	conn, keyed := u.conn, u.keyed
+	u.conn, u.keyed = nil, nil
+	if keyed != nil {
+		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), keyUnlockTimeout)
+		defer cancel()
+		if err := u.store.(outboxdriver.KeySessionLocker).KeyUnlock(rctx, conn, keyed.Scope, keyed.Key); err != nil {
+			_ = conn.Raw(func(any) error { return driver.ErrBadConn })
+		}
+	}
+	_ = conn.Close()
+}
 
 // KeyClaim implements outboxdriver.KeyedUnitTx through the Store, when it keeps keys.
 func (u *sqlUnit) KeyClaim(ctx context.Context, p outboxdriver.KeyClaimParams) (outboxdriver.KeyClaim, error) {
 	ks, ok := u.store.(outboxdriver.KeyStore)
 	if !ok {
 		return outboxdriver.KeyClaim{}, outboxdriver.ErrKeysUnsupported
+	}
+	if u.conn != nil {
+		// Set before the claim: it may take the lock and then fail.
+		u.keyed = &p
 	}
 	return ks.KeyClaim(ctx, u.tx, p)
 }

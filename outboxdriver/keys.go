@@ -54,6 +54,18 @@ type KeyStore interface {
 	KeySave(ctx context.Context, tx *sql.Tx, scope, key string, result []byte) error
 }
 
+// KeySessionLocker is implemented by a KeyStore whose lock of a key belongs to the session, not
+// to the transaction (MySQL's GET_LOCK): the transaction of a keyed unit of work then runs on a
+// connection reserved for the unit, and KeyUnlock releases the lock on it once the transaction
+// has ended (committed, rolled back, or ended by its context), before the connection goes back to
+// the pool. A waiting claim of the key is let in only after the commit: it finds the key stored.
+type KeySessionLocker interface {
+	// KeyUnlock releases conn's lock of the key, taken by a KeyClaim in a transaction on conn;
+	// it does nothing when conn holds none. An error means conn may still hold it: the caller
+	// closes conn rather than putting it back into the pool.
+	KeyUnlock(ctx context.Context, conn *sql.Conn, scope, key string) error
+}
+
 // Errors of keyed units of work; the outbox package exports them under its own names.
 var (
 	// ErrKeyInFlight means another transaction holds an uncommitted claim of the key: the first

@@ -18,11 +18,17 @@ var errNoDelayed = outboxdriver.ErrDelayedUnsupported
 
 // DelayedInsert implements outboxdriver.DelayedStore.
 func (s *SQL) DelayedInsert(ctx context.Context, tx *sql.Tx, src outboxdriver.Source, effects []outboxdriver.Effect) error {
-	if s.d.Queries.DelayedInsert == nil {
+	if s.d.Queries.DelayedInsert == nil && s.d.Hooks.DelayedInsert == nil {
 		return errNoDelayed
 	}
 	for chunk := range slices.Chunk(effects, DelayedInsertMaxRows) {
-		if _, err := tx.ExecContext(ctx, s.d.Queries.DelayedInsert(len(chunk)), DelayedInsertArgs(src, chunk, time.Now())...); err != nil {
+		var err error
+		if s.d.Hooks.DelayedInsert != nil {
+			err = s.d.Hooks.DelayedInsert(ctx, tx, src, chunk)
+		} else {
+			_, err = tx.ExecContext(ctx, s.d.Queries.DelayedInsert(len(chunk)), DelayedInsertArgs(src, chunk, time.Now())...)
+		}
+		if err != nil {
 			return fmt.Errorf("store delayed effects: %w", s.wrap(err))
 		}
 	}
@@ -64,6 +70,12 @@ func (s *SQL) DelayedPromote(ctx context.Context, limit int) (int, time.Duration
 	q := s.d.Queries
 	var moved int64
 	switch {
+	case s.d.Hooks.DelayedPromote != nil:
+		n, err := s.d.Hooks.DelayedPromote(ctx, s.db, limit)
+		if err != nil {
+			return 0, 0, false, fmt.Errorf("move due delayed effects: %w", s.wrap(err))
+		}
+		moved = int64(n)
 	case q.DelayedPromote != "":
 		r, err := s.db.ExecContext(ctx, q.DelayedPromote, limit)
 		if err != nil {

@@ -65,6 +65,10 @@ func ClaimKey(ctx context.Context, q Queries, n Names, row KeyRow, p outboxdrive
 
 // KeyClaim implements outboxdriver.KeyStore.
 func (s *SQL) KeyClaim(ctx context.Context, tx *sql.Tx, p outboxdriver.KeyClaimParams) (outboxdriver.KeyClaim, error) {
+	if s.d.Hooks.KeyClaim != nil {
+		c, err := s.d.Hooks.KeyClaim(ctx, tx, p)
+		return c, s.wrap(err)
+	}
 	return ClaimKey(ctx, s.d.Queries, s.names, func(ctx context.Context, query string, args []any, dest ...any) (bool, error) {
 		err := s.queryRow(ctx, tx, query, args, dest...)
 		if errors.Is(err, sql.ErrNoRows) {

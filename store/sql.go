@@ -175,6 +175,15 @@ type Hooks struct {
 	// Migrate applies the missing migrations, safe from several processes at once, where DDL
 	// cannot run inside a transaction (Migrate and MigrateQueries are then unused).
 	Migrate func(ctx context.Context, db *sql.DB, migrations []Migration) error
+	// KeyClaim claims an idempotency key in tx as ClaimKey does with Queries.KeyLock, KeyClaim
+	// and KeyRead, which are then unused.
+	KeyClaim func(ctx context.Context, tx *sql.Tx, p outboxdriver.KeyClaimParams) (outboxdriver.KeyClaim, error)
+	// DelayedInsert stores at most DelayedInsertMaxRows delayed effects of src in tx
+	// (Queries.DelayedInsert is then unused).
+	DelayedInsert func(ctx context.Context, tx *sql.Tx, src outboxdriver.Source, effects []outboxdriver.Effect) error
+	// DelayedPromote moves up to limit due delayed effects into the effects table as
+	// Queries.DelayedPromote does, and returns how many it moved.
+	DelayedPromote func(ctx context.Context, db *sql.DB, limit int) (int, error)
 }
 
 // SQL is an outboxdriver.Store over database/sql.

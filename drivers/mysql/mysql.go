@@ -37,7 +37,7 @@ const DSNParams = "parseTime=true&interpolateParams=true&charset=utf8mb4"
 const maxIdentifier = 64
 
 // longestTable is the longest table name suffix the migrations create.
-const longestTable = "migrations"
+const longestTable = "idempotency"
 
 // Driver is the MySQL and MariaDB dialect (MySQL 8.0+, MariaDB 10.6+: both have SKIP LOCKED and
 // JSON_TABLE). The zero value is ready to use. The program registers the database/sql driver
@@ -84,6 +84,9 @@ func (d Driver) Open(db *sql.DB, opts outboxdriver.StoreOptions) (outboxdriver.S
 			EffectMarkDispatched: q.effectMarkDispatched,
 			EffectDiscard:        q.effectDiscard,
 			EffectClaimDue:       q.effectClaimDue,
+			KeyClaim:             q.keyClaim,
+			DelayedInsert:        q.delayedInsert,
+			DelayedPromote:       q.delayedPromote,
 			Migrate: func(ctx context.Context, db *sql.DB, ms []store.Migration) error {
 				return migrate(ctx, db, names, ms, lockTimeout)
 			},
@@ -92,16 +95,45 @@ func (d Driver) Open(db *sql.DB, opts outboxdriver.StoreOptions) (outboxdriver.S
 	if err != nil {
 		return nil, err
 	}
-	return &mysqlStore{SQL: st}, nil
+	return &mysqlStore{SQL: st, db: db, q: q}, nil
 }
 
-// mysqlStore is the store with what the framework asks of MySQL's errors.
-type mysqlStore struct{ *store.SQL }
+// mysqlStore is the store with what the framework asks of MySQL's errors, its session locks of
+// idempotency keys, and its check that the server takes writes.
+type mysqlStore struct {
+	*store.SQL
+	db *sql.DB
+	q  queries
+}
 
 var _ outboxdriver.RetryClassifier = (*mysqlStore)(nil)
 
 // Retryable implements outboxdriver.RetryClassifier.
 func (*mysqlStore) Retryable(err error) bool { return IsRetryable(err) }
+
+var _ outboxdriver.WritableChecker = (*mysqlStore)(nil)
+
+// CheckWritable implements outboxdriver.WritableChecker: a server started --read-only (a replica;
+// MySQL's --super-read-only sets it too) or a session whose transactions are read-only takes no
+// unit of work. MariaDB before 11.1 names the session's setting tx_read_only only, MySQL 8
+// transaction_read_only only.
+func (s *mysqlStore) CheckWritable(ctx context.Context) error {
+	var server, session bool
+	err := s.db.QueryRowContext(ctx, `SELECT @@global.read_only, @@transaction_read_only`).Scan(&server, &session)
+	var e *gomysql.MySQLError
+	if errors.As(err, &e) && e.Number == 1193 { // unknown system variable
+		err = s.db.QueryRowContext(ctx, `SELECT @@global.read_only, @@tx_read_only`).Scan(&server, &session)
+	}
+	switch {
+	case err != nil:
+		return fmt.Errorf("check that the database takes writes: %w", err)
+	case server:
+		return fmt.Errorf("%w: the server is read-only (read_only = ON: a replica?); connect to the primary", outboxdriver.ErrReadOnly)
+	case session:
+		return fmt.Errorf("%w: transactions are read-only (transaction_read_only = ON)", outboxdriver.ErrReadOnly)
+	}
+	return nil
+}
 
 // IsRetryable tells a deadlock (1213, the transaction rolled back) or a lock wait timeout (1205,
 // the statement rolled back): running the unit of work again usually gets past either. Between
@@ -154,7 +186,8 @@ func NewNames(schema, prefix string) (store.Names, error) {
 	return store.Names{
 		Schema: schema, Prefix: prefix, QuotedSchema: quoted,
 		Processed: q("processed"), Effects: q("effects"), Dispatched: q("effects"), Attempts: q("attempts"),
-		Stats: q("stats"), Audit: q("audit"), Migrations: q("migrations"),
+		Stats: q("stats"), Audit: q("audit"), Migrations: q("migrations"), Delayed: q("delayed"),
+		Idempotency: q("idempotency"),
 	}, nil
 }
 

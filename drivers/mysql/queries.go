@@ -54,6 +54,7 @@ func (q queries) store() store.Queries {
 					WHERE e.source_consumer = c.consumer AND e.source_id = c.message_id AND e.dispatched_at IS NULL)`
 	cleanupEffects := `dispatched_at < ` + ago("?")
 	cleanupAttempts := `last_failed_at < ` + ago("?")
+	cleanupKeys := `expires_at < ` + ago("?")
 	return store.Queries{
 		// The claim is a hook (messageClaim); Queries.MessageClaim is not used.
 		MessageClaimReportsConcurrent: true,
@@ -103,6 +104,26 @@ func (q queries) store() store.Queries {
 		CleanupClaimsCount:   `SELECT count(*) FROM (` + cleanupClaims + `) d`,
 		CleanupEffectsCount:  `SELECT count(*) FROM ` + n.Effects + ` WHERE ` + cleanupEffects,
 		CleanupAttemptsCount: `SELECT count(*) FROM ` + n.Attempts + ` WHERE ` + cleanupAttempts,
+
+		// Expired keys only: each carries its expiry, written at its claim; the first argument is
+		// the cleanup's retention, zero for keys.
+		CleanupKeys:      `DELETE FROM ` + n.Idempotency + ` WHERE ` + cleanupKeys + ` ORDER BY expires_at LIMIT ?`,
+		CleanupKeysCount: `SELECT count(*) FROM ` + n.Idempotency + ` WHERE ` + cleanupKeys,
+
+		// The claim is a hook (keyClaim), under the key's session lock. The arguments (scope, key,
+		// result) are used out of order: a derived row names them.
+		KeySave: `UPDATE ` + n.Idempotency + ` k JOIN (SELECT ` + text + ` AS s, ` + text + ` AS k, ? AS r) a
+			ON k.scope = a.s AND k.` + "`key`" + ` = a.k SET k.result = a.r`,
+
+		// Inserted and moved by hooks (delayedInsert, delayedPromote). The cancel's DELETE locks
+		// the rows it deletes; the move skips them, and finds nothing once the cancel commits.
+		DelayedCancel:  `DELETE FROM ` + n.Delayed + ` WHERE cancel_key = ?`,
+		DelayedNextDue: `SELECT TIMESTAMPDIFF(MICROSECOND, ` + now + `, min(due_at)) DIV 1000 FROM ` + n.Delayed,
+		// The argument is the count cap (StatsCountCap), a LIMIT; the overdue count's is the same
+		// constant as a literal, as a statement's arguments are used once each.
+		DelayedStats: `SELECT (SELECT count(*) FROM (SELECT 1 FROM ` + n.Delayed + ` WHERE due_at > ` + now + ` LIMIT ?) x),
+				(SELECT count(*) FROM (SELECT 1 FROM ` + n.Delayed + ` WHERE due_at <= ` + now + ` ORDER BY due_at LIMIT ` + fmt.Sprint(outboxdriver.StatsCountCap) + `) y),
+				coalesce((SELECT ` + msSince("min(due_at)") + ` FROM ` + n.Delayed + ` WHERE due_at <= ` + now + `), 0)`,
 
 		SchemaLatest: `SELECT max(version) FROM ` + n.Migrations,
 

@@ -1,0 +1,95 @@
+package mysql
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"strings"
+	"time"
+
+	"github.com/watermill-outbox/outbox/outboxdriver"
+	"github.com/watermill-outbox/outbox/store"
+)
+
+// delayedInsert stores delayed effects of src in tx. A due time is the effect's delay from the
+// insert by the database's clock, the clock the move compares it with.
+func (q queries) delayedInsert(ctx context.Context, tx *sql.Tx, src outboxdriver.Source, effects []outboxdriver.Effect) error {
+	var b strings.Builder
+	b.WriteString(`INSERT INTO ` + q.n.Delayed + ` (source_consumer, source_id, seq, kind, topic, uuid, payload, metadata, ordering_key,
+		created_at, due_at, cancel_key) VALUES `)
+	args := make([]any, 0, 11*len(effects))
+	at := time.Now()
+	for i, e := range effects {
+		if i > 0 {
+			b.WriteString(", ")
+		}
+		b.WriteString(`(?, ?, ?, ?, ?, ?, ?, ?, ?, ` + now + `, ` + fromNow("?") + `, ?)`)
+		payload := e.Payload
+		if payload == nil {
+			payload = []byte{}
+		}
+		var key any
+		if e.CancelKey != "" {
+			key = e.CancelKey
+		}
+		args = append(args, src.Consumer, src.ID, e.Seq, string(e.Kind), e.Topic, e.UUID, payload, store.EncodeMetadata(e.Metadata),
+			e.OrderingKey, max(e.DueAt.Sub(at), 0).Milliseconds(), key)
+	}
+	_, err := tx.ExecContext(ctx, b.String(), args...)
+	return err
+}
+
+// delayedPromote moves up to limit due delayed effects into the effects table, in one
+// transaction at READ COMMITTED (no gap locks: the inserts of new delayed effects never wait for
+// it). An idle pass is one read of the due index, outside any transaction. The due rows are
+// taken FOR UPDATE SKIP LOCKED, in due order: a row a cancel holds is left (it is gone once the
+// cancel commits, or due again at the next pass), and a cancel that comes after waits for this
+// transaction and finds nothing. The moved effects are handed over (next_attempt_at set: no grace
+// period) and count as stored at their due time; their IDs follow the due order, so that effects
+// of one key due together keep it.
+func (q queries) delayedPromote(ctx context.Context, db *sql.DB, limit int) (int, error) {
+	due := `SELECT id FROM ` + q.n.Delayed + ` WHERE due_at <= ` + now + ` ORDER BY due_at, id LIMIT ?`
+	var some bool
+	if err := db.QueryRowContext(ctx, `SELECT EXISTS (`+due+`)`, 1).Scan(&some); err != nil || !some {
+		return 0, err
+	}
+	tx, err := db.BeginTx(ctx, readCommitted)
+	if err != nil {
+		return 0, fmt.Errorf("begin: %w", err)
+	}
+	defer func() { _ = tx.Rollback() }()
+	rows, err := tx.QueryContext(ctx, due+` FOR UPDATE SKIP LOCKED`, max(limit, 1))
+	if err != nil {
+		return 0, err
+	}
+	var list []int64
+	for rows.Next() {
+		var id int64
+		if err := rows.Scan(&id); err != nil {
+			rows.Close()
+			return 0, err
+		}
+		list = append(list, id)
+	}
+	if err := errors.Join(rows.Err(), rows.Close()); err != nil {
+		return 0, err
+	}
+	if len(list) == 0 {
+		return 0, nil
+	}
+	in := idList(list)
+	if _, err := tx.ExecContext(ctx, `INSERT INTO `+q.n.Effects+` (source_consumer, source_id, seq, kind, topic, uuid, payload, metadata,
+			ordering_key, created_at, next_attempt_at)
+		SELECT source_consumer, source_id, seq, kind, topic, uuid, payload, metadata, ordering_key, due_at, `+now+`
+		FROM `+q.n.Delayed+` FORCE INDEX (PRIMARY) WHERE id IN (`+in+`) ORDER BY due_at, id`); err != nil {
+		return 0, err
+	}
+	if _, err := tx.ExecContext(ctx, `DELETE FROM `+q.n.Delayed+` WHERE id IN (`+in+`)`); err != nil {
+		return 0, err
+	}
+	if err := tx.Commit(); err != nil {
+		return 0, fmt.Errorf("commit: %w", err)
+	}
+	return len(list), nil
+}
