@@ -2,9 +2,7 @@ package mysql
 
 import (
 	"context"
-	"crypto/sha1"
 	"database/sql"
-	"encoding/hex"
 	"errors"
 	"fmt"
 	"math"
@@ -19,12 +17,22 @@ var (
 	_ outboxdriver.KeySessionLocker = (*mysqlStore)(nil)
 )
 
-// keyLockName is the GET_LOCK name of an idempotency key of the tables named by n: the server's
-// locks are one namespace of names of at most 64 characters, so the name is a hash of the tables,
-// the scope and the key.
-func keyLockName(n store.Names, scope, key string) string {
-	sum := sha1.Sum([]byte(store.KeyLockName(n, scope, key)))
-	return "outbox_key_" + hex.EncodeToString(sum[:])
+// keyLock is the SQL of the GET_LOCK name of an idempotency key of the tables named by n, whose
+// argument is keyLockArg. The server's locks are one namespace of names of at most 64
+// characters: the name is a hash of the tables' database, their prefix, the scope and the key.
+// The database is the session's when n names none, so that processes that name it and processes
+// that leave it to the connection lock one key by one name.
+func keyLock(n store.Names) string {
+	database := `DATABASE()`
+	if n.Schema != "" {
+		database = `'` + n.Schema + `'` // a validated identifier
+	}
+	return `CONCAT('outbox_key_', SHA1(CONCAT(` + database + `, ?)))`
+}
+
+// keyLockArg is the argument of keyLock: the lock's name without the database.
+func keyLockArg(n store.Names, scope, key string) string {
+	return store.KeyLockName(store.Names{Prefix: n.Prefix}, scope, key)
 }
 
 // keyWaitForever is GET_LOCK's timeout, in seconds, of a waiting claim without a deadline: the
@@ -53,7 +61,7 @@ func (q queries) keyClaim(ctx context.Context, tx *sql.Tx, p outboxdriver.KeyCla
 		}
 	}
 	var got sql.NullInt64
-	if err := tx.QueryRowContext(ctx, `SELECT GET_LOCK(?, ?)`, keyLockName(q.n, p.Scope, p.Key), max(wait, 0)).Scan(&got); err != nil {
+	if err := tx.QueryRowContext(ctx, `SELECT GET_LOCK(`+keyLock(q.n)+`, ?)`, keyLockArg(q.n, p.Scope, p.Key), max(wait, 0)).Scan(&got); err != nil {
 		return outboxdriver.KeyClaim{}, fmt.Errorf("lock idempotency key: %w", err)
 	}
 	if !got.Valid || got.Int64 != 1 {
@@ -104,7 +112,7 @@ func (q queries) keyClaim(ctx context.Context, tx *sql.Tx, p outboxdriver.KeyCla
 
 // KeyUnlock implements outboxdriver.KeySessionLocker.
 func (s *mysqlStore) KeyUnlock(ctx context.Context, conn *sql.Conn, scope, key string) error {
-	if _, err := conn.ExecContext(ctx, `DO RELEASE_LOCK(?)`, keyLockName(s.q.n, scope, key)); err != nil {
+	if _, err := conn.ExecContext(ctx, `DO RELEASE_LOCK(`+keyLock(s.q.n)+`)`, keyLockArg(s.q.n, scope, key)); err != nil {
 		return fmt.Errorf("release the lock of idempotency key %q: %w", key, err)
 	}
 	return nil
