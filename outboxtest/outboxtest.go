@@ -147,6 +147,9 @@ type Database struct {
 	// dispatched, with its arguments consumer and message ID, as rows of (seq, kind, topic,
 	// uuid, payload, ordering_key), for the tables of schema (empty when not set) and prefix.
 	Effects func(schema, prefix string) string
+	// Delayed returns the query of the delayed effects of a message that wait for their due
+	// time (not moved into the effects yet), as Effects does; nil when the database keeps none.
+	Delayed func(schema, prefix string) string
 }
 
 // NewWith is New with the Outbox built by open (nil: the database/sql form).
@@ -272,7 +275,11 @@ func (h *Harness) committedEffects(consumer, id string) []Effect {
 	h.t.Helper()
 	cfg := h.Ob.Config()
 	if h.database != nil {
-		return h.readEffects(h.database.Effects(cfg.Schema, cfg.TablePrefix), consumer, id)
+		all := h.readEffects(h.database.Effects(cfg.Schema, cfg.TablePrefix), consumer, id, false)
+		if h.database.Delayed != nil {
+			all = append(all, h.readEffects(h.database.Delayed(cfg.Schema, cfg.TablePrefix), consumer, id, true)...)
+		}
+		return h.sentMetadata(all)
 	}
 	schema := cfg.Schema
 	if schema == "" {
@@ -326,8 +333,8 @@ type seqEffect struct {
 	e   Effect
 }
 
-// readEffects reads the effects that query (arguments consumer and id) returns.
-func (h *Harness) readEffects(query, consumer, id string) []Effect {
+// readEffects reads the effects that query (arguments consumer and id) returns, delayed or not.
+func (h *Harness) readEffects(query, consumer, id string, delayed bool) []seqEffect {
 	h.t.Helper()
 	rows, err := h.DB.Query(query, consumer, id)
 	if err != nil {
@@ -341,12 +348,13 @@ func (h *Harness) readEffects(query, consumer, id string) []Effect {
 		if err := rows.Scan(&se.seq, &e.Kind, &e.Topic, &e.UUID, &e.Payload, &e.OrderingKey); err != nil {
 			h.t.Fatalf("outboxtest: %v", err)
 		}
+		e.Delayed = delayed
 		all = append(all, se)
 	}
 	if err := rows.Err(); err != nil {
 		h.t.Fatalf("outboxtest: %v", err)
 	}
-	return h.sentMetadata(all)
+	return all
 }
 
 // sentMetadata orders the effects by seq and gives each the metadata it was sent with.
@@ -565,18 +573,23 @@ func (c CrashMatrix) scenario(t testing.TB, msg *message.Message, point string, 
 
 // waitDelayed waits until no delayed effect of the message waits for its due time.
 func (h *Harness) waitDelayed(ctx context.Context, consumer, id string) error {
-	if h.database != nil {
-		return nil // delayed effects are kept on PostgreSQL (and SQLite) only
-	}
 	cfg := h.Ob.Config()
-	n, err := store.NewNames(cmp.Or(cfg.Schema, postgres.DefaultSchema), cfg.TablePrefix)
-	if err != nil {
-		return err
+	var query string
+	switch {
+	case h.database == nil:
+		n, err := store.NewNames(cmp.Or(cfg.Schema, postgres.DefaultSchema), cfg.TablePrefix)
+		if err != nil {
+			return err
+		}
+		query = `SELECT count(*) FROM ` + n.Delayed + ` WHERE source_consumer = $1 AND source_id = $2`
+	case h.database.Delayed == nil:
+		return nil // the database keeps no delayed effects
+	default:
+		query = `SELECT count(*) FROM (` + h.database.Delayed(cfg.Schema, cfg.TablePrefix) + `) d`
 	}
 	for {
 		var waiting int
-		if err := h.DB.QueryRowContext(ctx, `SELECT count(*) FROM `+n.Delayed+` WHERE source_consumer = $1 AND source_id = $2`,
-			consumer, id).Scan(&waiting); err != nil {
+		if err := h.DB.QueryRowContext(ctx, query, consumer, id).Scan(&waiting); err != nil {
 			return fmt.Errorf("outboxtest: wait for the delayed effects: %w", err)
 		}
 		if waiting == 0 {

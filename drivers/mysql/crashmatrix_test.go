@@ -4,6 +4,7 @@ import (
 	"context"
 	"database/sql"
 	"testing"
+	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 
@@ -33,6 +34,13 @@ var database = &outboxtest.Database{
 		}
 		return `SELECT seq, kind, topic, uuid, payload, ordering_key FROM ` + n.Effects + ` WHERE source_consumer = ? AND source_id = ?`
 	},
+	Delayed: func(schema, prefix string) string {
+		n, err := mysql.NewNames(schema, prefix)
+		if err != nil {
+			panic(err)
+		}
+		return `SELECT seq, kind, topic, uuid, payload, ordering_key FROM ` + n.Delayed + ` WHERE source_consumer = ? AND source_id = ?`
+	},
 }
 
 func setupOrders(ctx context.Context, db *sql.DB) error {
@@ -60,6 +68,22 @@ func reserve(*sql.DB) message.HandlerFunc {
 	}
 }
 
+// reserveWithTimeout also records a delayed effect (the reservation's expiry), which must be
+// sent once, with its committed UUID, whatever crashed before it was due.
+func reserveWithTimeout(*sql.DB) message.HandlerFunc {
+	return func(msg *message.Message) ([]*message.Message, error) {
+		ctx := msg.Context()
+		if _, err := outbox.Tx(ctx).ExecContext(ctx, `INSERT INTO reservations VALUES (?)`, string(msg.Payload)); err != nil {
+			return nil, err
+		}
+		expiry := outbox.WithCancelKey(outbox.WithDelay(ctx, 300*time.Millisecond), "expiry/"+string(msg.Payload))
+		if err := outbox.Publish(expiry, "reservation.expired", message.NewMessage("", msg.Payload)); err != nil {
+			return nil, err
+		}
+		return nil, outbox.Publish(ctx, "stock.reserved", message.NewMessage("", msg.Payload))
+	}
+}
+
 func orders() []*message.Message {
 	return []*message.Message{message.NewMessage("order-1", []byte("o-1"))}
 }
@@ -70,4 +94,12 @@ func orders() []*message.Message {
 func TestCrashMatrix(t *testing.T) {
 	outboxtest.CrashMatrix{Consumer: "reserve", Handler: reserve, Messages: orders(), Setup: setupOrders, Applied: applied,
 		Database: database}.Run(t)
+}
+
+// TestCrashMatrixDelayedEffects: a crash at any step of the unit of work comes before the due
+// time of its delayed effect; the copies and the later delivery must not send it early or twice,
+// and the relay sends it once when due.
+func TestCrashMatrixDelayedEffects(t *testing.T) {
+	outboxtest.CrashMatrix{Consumer: "reserve", Handler: reserveWithTimeout, Messages: orders(), Setup: setupOrders, Applied: applied,
+		Database: database, Config: outbox.Config{RelayInterval: 20 * time.Millisecond}}.Run(t)
 }
