@@ -28,8 +28,6 @@ var campaignDatabase = &campaign.Database{
 	Unsupported: map[string]string{
 		"held-claim": "no inline effects, so no sweep whose look-back a late claim could fall behind",
 		"clock-step": "no inline effects, so no sweep watermark for a clock step to move",
-		"keyed":      "the driver keeps no idempotency keys",
-		"delayed":    "the driver keeps no delayed effects",
 	},
 }
 

@@ -42,4 +42,11 @@
 //     by default): a unit of work's effects are inserted 1,000 per statement, so their payloads
 //     must fit.
 //   - Timestamps are DATETIME(6) in UTC (UTC_TIMESTAMP), whatever the session's time zone.
+//   - An idempotency key is locked with GET_LOCK of a hashed name, a lock of the session: a keyed
+//     unit of work runs on a connection reserved for it, which releases the lock after the
+//     transaction has ended (or is closed when it cannot). Claims of one key take turns on it and
+//     never deadlock on the key's row.
+//   - Delayed effects are moved by the relay in a READ COMMITTED transaction that takes the due
+//     ones FOR UPDATE SKIP LOCKED: a unit of work that cancels one holds it, and once its cancel
+//     commits the effect is never sent.
 package mysql

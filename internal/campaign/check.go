@@ -32,13 +32,19 @@ func (c *run) inlineCount() string {
 	return `(SELECT count(*) FROM ` + c.prefix + `processed WHERE effects IS NOT NULL)`
 }
 
-// delayedCount is the SQL of the number of delayed effects waiting (none but on PostgreSQL: the
-// delayed scenario runs there only).
+// delayedCount is the SQL of the number of delayed effects waiting (none on a database that
+// keeps none).
 func (c *run) delayedCount() string {
-	if c.database != postgresDatabase {
+	if !c.keepsDelayed() {
 		return `0`
 	}
 	return `(SELECT count(*) FROM ` + c.prefix + `delayed)`
+}
+
+// keepsDelayed tells whether the database keeps delayed effects (a table of them).
+func (c *run) keepsDelayed() bool {
+	_, unsupported := c.database.Unsupported["delayed"]
+	return !unsupported
 }
 
 // effect is one committed side effect.
@@ -63,8 +69,10 @@ func (c *run) committed() []effect {
 	var out []effect
 	query := `SELECT source_consumer, source_id, seq, topic, uuid, payload, 'row' FROM ` + c.prefix + `effects`
 	if c.database == postgresDatabase {
-		query += ` UNION ALL SELECT source_consumer, source_id, seq, topic, uuid, payload, 'dispatched' FROM ` + c.prefix + `dispatched
-			UNION ALL SELECT source_consumer, source_id, seq, topic, uuid, payload, 'delayed' FROM ` + c.prefix + `delayed`
+		query += ` UNION ALL SELECT source_consumer, source_id, seq, topic, uuid, payload, 'dispatched' FROM ` + c.prefix + `dispatched`
+	}
+	if c.keepsDelayed() {
+		query += ` UNION ALL SELECT source_consumer, source_id, seq, topic, uuid, payload, 'delayed' FROM ` + c.prefix + `delayed`
 	}
 	rows, err := c.db.Query(query)
 	if err != nil {

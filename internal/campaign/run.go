@@ -204,7 +204,7 @@ func (c *run) do() bool {
 	scheds := make([]schedule, messages)
 	for i := range scheds {
 		sp := &spec{id: uuid.NewString(), shared: r.IntN(3) == 0 && c.on["shared-uuid"], big: i == bigAt, bigCalls: 1 + 9*r.IntN(2), delay: -1}
-		if delayed, delay, cancel, proc, jitter := r.IntN(2) == 0, r.IntN(600), r.IntN(2) == 0, r.IntN(instances), r.IntN(300)-150; delayed && c.on["delayed"] && c.database == postgresDatabase {
+		if delayed, delay, cancel, proc, jitter := r.IntN(2) == 0, r.IntN(600), r.IntN(2) == 0, r.IntN(instances), r.IntN(300)-150; delayed && c.on["delayed"] {
 			sp.delay = time.Duration(delay) * time.Millisecond
 			sp.cancel, sp.cancelProc, sp.cancelAt = cancel, proc, max(sp.delay+time.Duration(jitter)*time.Millisecond, 0)
 			c.stats.reached("delayed")
