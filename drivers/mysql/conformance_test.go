@@ -96,7 +96,7 @@ func TestConformance(t *testing.T) {
 				}
 				return waiting
 			},
-			Capabilities: storetest.Capabilities{RowLocks: true, CleanupSkips: true, ClaimReportsConcurrent: true},
+			Capabilities: storetest.Capabilities{RowLocks: true, CleanupSkips: true, ClaimReportsConcurrent: true, KeyInFlight: true},
 		}
 	})
 }

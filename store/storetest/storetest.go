@@ -60,6 +60,10 @@ type Capabilities struct {
 	// ClaimReportsConcurrent: MessageClaim tells a claim committed while it waited for it
 	// (Claim.Concurrent) from one committed before it began. Without it, Concurrent is always false.
 	ClaimReportsConcurrent bool
+	// KeyInFlight: a KeyClaim without Wait of a key another transaction holds uncommitted returns
+	// ErrKeyInFlight at once. Without it (one writer at a time), the second transaction waits to
+	// begin until the first has ended.
+	KeyInFlight bool
 }
 
 // KeyColumns returns the columns of an outbox table that hold the source of a row.
@@ -137,6 +141,9 @@ func Run(t *testing.T, newHarness func(t *testing.T) Harness) {
 		{"Cleanup/Batches", testCleanupBatches},
 		{"Cleanup/AnotherProcessCleaning", testCleanupLocked},
 		{"Delayed/DueCancelAndOrder", testDelayed},
+		{"KeyClaim/ReplayMismatchExpiryCleanup", testKeys},
+		{"KeyClaim/InFlight", testKeysInFlight},
+		{"KeyClaim/ConcurrentClaimsOneRuns", testKeysConcurrent},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
@@ -2194,5 +2201,264 @@ func testDelayed(f *fixture) {
 	}
 	if s, err := f.st.Stats(f.ctx, outboxdriver.StatsParams{}); err != nil || s.Delayed != 0 {
 		f.t.Fatalf("Stats = %+v, %v; want none delayed", s, err)
+	}
+}
+
+// keyTx is a transaction that claims an idempotency key, on a connection of its own when the
+// store's key locks belong to the session (outboxdriver.KeySessionLocker), as a unit of work's.
+type keyTx struct {
+	f     *fixture
+	ks    outboxdriver.KeyStore
+	tx    *sql.Tx
+	conn  *sql.Conn
+	scope string
+	key   string
+}
+
+// keyStore returns the store as a KeyStore, or skips the test when it keeps no keys.
+func (f *fixture) keyStore() outboxdriver.KeyStore {
+	ks, ok := f.st.(outboxdriver.KeyStore)
+	if !ok {
+		f.t.Skip("the store keeps no idempotency keys")
+	}
+	k := f.beginKeyed(ks)
+	_, err := k.claim(outboxdriver.KeyClaimParams{Scope: "probe", Key: "probe", Retention: time.Hour})
+	k.end(false)
+	if errors.Is(err, outboxdriver.ErrKeysUnsupported) {
+		f.t.Skip("the store keeps no idempotency keys")
+	}
+	return ks
+}
+
+func (f *fixture) beginKeyed(ks outboxdriver.KeyStore) *keyTx {
+	f.t.Helper()
+	k := &keyTx{f: f, ks: ks}
+	if _, ok := ks.(outboxdriver.KeySessionLocker); ok {
+		conn, err := f.h.DB.Conn(f.ctx)
+		if err != nil {
+			f.t.Fatalf("connect: %v", err)
+		}
+		k.conn = conn
+		if k.tx, err = conn.BeginTx(f.ctx, nil); err != nil {
+			f.t.Fatalf("begin: %v", err)
+		}
+		return k
+	}
+	k.tx = f.begin()
+	return k
+}
+
+// claim claims p's key in the transaction (with a bound on a wait for another one).
+func (k *keyTx) claim(p outboxdriver.KeyClaimParams) (outboxdriver.KeyClaim, error) {
+	k.scope, k.key = p.Scope, p.Key
+	ctx, cancel := context.WithTimeout(k.f.ctx, waitLimit)
+	defer cancel()
+	return k.ks.KeyClaim(ctx, k.tx, p)
+}
+
+func (k *keyTx) save(result string) {
+	k.f.t.Helper()
+	if err := k.ks.KeySave(k.f.ctx, k.tx, k.scope, k.key, []byte(result)); err != nil {
+		k.f.t.Fatalf("KeySave(%q): %v", k.key, err)
+	}
+}
+
+// end commits or rolls the transaction back, then releases a session lock of the key.
+func (k *keyTx) end(commit bool) {
+	k.f.t.Helper()
+	var err error
+	if commit {
+		err = k.tx.Commit()
+	} else {
+		_ = k.tx.Rollback()
+	}
+	if k.conn != nil {
+		if k.key != "" {
+			if uerr := k.ks.(outboxdriver.KeySessionLocker).KeyUnlock(k.f.ctx, k.conn, k.scope, k.key); uerr != nil {
+				k.f.t.Errorf("KeyUnlock(%q): %v", k.key, uerr)
+			}
+		}
+		_ = k.conn.Close()
+	}
+	if err != nil {
+		k.f.t.Fatalf("commit: %v", err)
+	}
+}
+
+// claimKey claims a key in a transaction of its own and ends it (commit: with result saved when
+// claimed).
+func (f *fixture) claimKey(ks outboxdriver.KeyStore, p outboxdriver.KeyClaimParams, result string, commit bool) outboxdriver.KeyClaim {
+	f.t.Helper()
+	k := f.beginKeyed(ks)
+	c, err := k.claim(p)
+	if err != nil {
+		k.end(false)
+		f.t.Fatalf("KeyClaim(%q, %q): %v", p.Scope, p.Key, err)
+	}
+	if c.Claimed && result != "" {
+		k.save(result)
+	}
+	k.end(commit && c.Claimed)
+	return c
+}
+
+// testKeys: a key claimed and committed with its result is found by the next claim with its
+// fingerprint and result, not claimed; scopes keep equal keys apart; a rolled-back claim stores
+// nothing; an expired key is claimed again in place; cleanup deletes the expired keys only, and
+// its dry run counts them.
+func testKeys(f *fixture) {
+	ks := f.keyStore()
+	p := outboxdriver.KeyClaimParams{Scope: "orders", Key: "k1", Fingerprint: []byte("fp1"), Retention: time.Hour}
+	if c := f.claimKey(ks, p, "result 1", true); !c.Claimed {
+		f.t.Fatalf("first claim: %+v, want claimed", c)
+	}
+	other := p
+	other.Fingerprint = []byte("fp2")
+	if c := f.claimKey(ks, other, "", false); c.Claimed || string(c.Fingerprint) != "fp1" || string(c.Result) != "result 1" {
+		f.t.Fatalf("claim of a committed key: %+v, want not claimed, fingerprint fp1, result 1", c)
+	}
+	scoped := p
+	scoped.Scope = "refunds"
+	if c := f.claimKey(ks, scoped, "", true); !c.Claimed {
+		f.t.Fatalf("the same key in another scope: %+v, want claimed", c)
+	}
+	rolled := outboxdriver.KeyClaimParams{Scope: "orders", Key: "rolled-back", Retention: time.Hour}
+	if c := f.claimKey(ks, rolled, "lost", false); !c.Claimed {
+		f.t.Fatalf("first claim: %+v", c)
+	}
+	if c := f.claimKey(ks, rolled, "", false); !c.Claimed {
+		f.t.Fatalf("claim after a rolled-back claim: %+v, want claimed", c)
+	}
+	var expired []outboxdriver.KeyClaimParams
+	for i := range 3 {
+		e := outboxdriver.KeyClaimParams{Scope: "orders", Key: fmt.Sprintf("short-%d", i), Fingerprint: []byte("old"), Retention: time.Millisecond}
+		f.claimKey(ks, e, "old result", true)
+		expired = append(expired, e)
+	}
+	time.Sleep(50 * time.Millisecond)
+	again := expired[0]
+	again.Fingerprint, again.Retention = []byte("new"), time.Hour
+	if c := f.claimKey(ks, again, "new result", true); !c.Claimed {
+		f.t.Fatalf("claim of an expired key: %+v, want claimed (taken over)", c)
+	}
+	if c := f.claimKey(ks, again, "", false); c.Claimed || string(c.Fingerprint) != "new" || string(c.Result) != "new result" {
+		f.t.Fatalf("claim after the take-over: %+v, want the new fingerprint and result", c)
+	}
+	p2 := outboxdriver.CleanupParams{Retention: 7 * 24 * time.Hour, EffectRetention: time.Hour, BatchSize: 1}
+	if c, ok := f.st.(interface {
+		CleanupCount(context.Context, outboxdriver.CleanupParams) (outboxdriver.CleanupResult, error)
+	}); ok {
+		dry, err := c.CleanupCount(f.ctx, p2)
+		if err != nil || dry.Keys != 2 {
+			f.t.Fatalf("CleanupCount: %+v, %v; want the 2 expired keys counted", dry, err)
+		}
+	}
+	if res := f.cleanup(p2); res.Keys != 2 {
+		f.t.Fatalf("cleanup: %+v, want the 2 expired keys deleted (in batches of 1)", res)
+	}
+	if c := f.claimKey(ks, p, "", false); c.Claimed {
+		f.t.Fatal("cleanup deleted a key that has not expired")
+	}
+	if c := f.claimKey(ks, expired[1], "", false); !c.Claimed {
+		f.t.Fatal("an expired key is still there after cleanup")
+	}
+}
+
+// testKeysInFlight: while a transaction holds an uncommitted claim of a key, a claim without
+// Wait is told ErrKeyInFlight at once (a dialect that can tell), and one with Wait waits for the
+// outcome: the stored result when it commits, the claim when it rolls back.
+func testKeysInFlight(f *fixture) {
+	ks := f.keyStore()
+	for _, commit := range []bool{true, false} {
+		p := outboxdriver.KeyClaimParams{Scope: "orders", Key: fmt.Sprintf("held-%v", commit), Fingerprint: []byte("fp"), Retention: time.Hour}
+		holder := f.beginKeyed(ks)
+		if c, err := holder.claim(p); err != nil || !c.Claimed {
+			f.t.Fatalf("first claim: %+v, %v", c, err)
+		}
+		if f.h.Capabilities.KeyInFlight {
+			began := time.Now()
+			k := f.beginKeyed(ks)
+			_, err := k.claim(p)
+			k.end(false)
+			if !errors.Is(err, outboxdriver.ErrKeyInFlight) || time.Since(began) > 5*time.Second {
+				f.t.Fatalf("claim without Wait of a key held uncommitted: %v after %s, want ErrKeyInFlight at once", err, time.Since(began))
+			}
+		}
+		type outcome struct {
+			c   outboxdriver.KeyClaim
+			err error
+		}
+		done := make(chan outcome, 1)
+		go func() {
+			k := f.beginKeyed(ks)
+			wp := p
+			wp.Wait = true
+			c, err := k.claim(wp)
+			if err == nil && c.Claimed {
+				k.save("second")
+			}
+			k.end(err == nil && c.Claimed)
+			done <- outcome{c, err}
+		}()
+		select {
+		case o := <-done:
+			f.t.Fatalf("a waiting claim returned while the key was held: %+v, %v", o.c, o.err)
+		case <-time.After(300 * time.Millisecond):
+		}
+		holder.save("first")
+		holder.end(commit)
+		o := receive(f, "the waiting claim", done)
+		switch {
+		case o.err != nil:
+			f.t.Fatalf("waiting claim: %v", o.err)
+		case commit && (o.c.Claimed || string(o.c.Result) != "first"):
+			f.t.Fatalf("waiting claim after the holder committed: %+v, want its result", o.c)
+		case !commit && !o.c.Claimed:
+			f.t.Fatalf("waiting claim after the holder rolled back: %+v, want claimed", o.c)
+		}
+	}
+}
+
+// testKeysConcurrent: 24 transactions claim one key at once, waiting for each other: exactly one
+// claims it, and each of the others finds its result.
+func testKeysConcurrent(f *fixture) {
+	ks := f.keyStore()
+	const n = 24
+	p := outboxdriver.KeyClaimParams{Scope: "orders", Key: "contended", Fingerprint: []byte("fp"), Retention: time.Hour, Wait: true}
+	var mu sync.Mutex
+	claimed, replayed := 0, 0
+	var errs []error
+	var wg sync.WaitGroup
+	start := make(chan struct{})
+	for range n {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			<-start
+			k := f.beginKeyed(ks)
+			c, err := k.claim(p)
+			if err == nil && c.Claimed {
+				time.Sleep(100 * time.Millisecond) // the others arrive while it runs
+				k.save("the result")
+			}
+			k.end(err == nil && c.Claimed)
+			mu.Lock()
+			defer mu.Unlock()
+			switch {
+			case err != nil:
+				errs = append(errs, err)
+			case c.Claimed:
+				claimed++
+			case string(c.Result) == "the result":
+				replayed++
+			default:
+				errs = append(errs, fmt.Errorf("found the key with result %q", c.Result))
+			}
+		}()
+	}
+	close(start)
+	wg.Wait()
+	if claimed != 1 || replayed != n-1 || len(errs) > 0 {
+		f.t.Fatalf("%d concurrent claims: %d claimed, %d found the result, errors %v; want 1, %d, none", n, claimed, replayed, errs, n-1)
 	}
 }
