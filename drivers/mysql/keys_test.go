@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
+	gomysql "github.com/go-sql-driver/mysql"
 
 	"github.com/watermill-outbox/outbox"
 	"github.com/watermill-outbox/outbox/drivers/mysql"
@@ -382,5 +383,54 @@ func TestCheckWritable(t *testing.T) {
 	err = ro.Handle(msg, outbox.HandleParams{Consumer: "reserve", MessageID: msg.UUID}, func(*message.Message) ([]*message.Message, error) { return nil, nil })
 	if !errors.Is(err, outboxdriver.ErrReadOnly) {
 		t.Errorf("a message's unit of work on read-only transactions: %v, want ErrReadOnly", err)
+	}
+}
+
+// TestCheckWritableReadOnlyServer: a server started read-only (a replica) is reported by the
+// start-up check. It changes the server's global read_only: only on the tests' own server (whose
+// root user writes whatever read_only says, so the refusal of a write is IsReadOnly's test).
+func TestCheckWritableReadOnlyServer(t *testing.T) {
+	if !mysqltest.Private() {
+		t.Skip("sets the server's global read_only: only on the server the tests started")
+	}
+	db := mysqltest.DB(t)
+	ob := keyedOutbox(t, db, nil)
+	checker := ob.Store().(outboxdriver.WritableChecker)
+	if err := checker.CheckWritable(context.Background()); err != nil {
+		t.Fatalf("CheckWritable before read_only: %v", err)
+	}
+	if _, err := db.Exec(`SET GLOBAL read_only = ON`); err != nil {
+		t.Fatal(err)
+	}
+	defer func() {
+		if _, err := db.Exec(`SET GLOBAL read_only = OFF`); err != nil {
+			t.Fatalf("set read_only back: %v", err)
+		}
+	}()
+	err := checker.CheckWritable(context.Background())
+	if !errors.Is(err, outboxdriver.ErrReadOnly) || !strings.Contains(err.Error(), "server is read-only") {
+		t.Fatalf("CheckWritable on a read-only server: %v, want ErrReadOnly", err)
+	}
+}
+
+// TestIsReadOnly: the server's refusals of a write because it takes none are read-only, and only
+// those: 1290 is also the refusal of a statement by other options.
+func TestIsReadOnly(t *testing.T) {
+	for _, c := range []struct {
+		err  *gomysql.MySQLError
+		want bool
+	}{
+		{&gomysql.MySQLError{Number: 1290, Message: "The MySQL server is running with the --read-only option so it cannot execute this statement"}, true},
+		{&gomysql.MySQLError{Number: 1290, Message: "The MySQL server is running with the --super-read-only option so it cannot execute this statement"}, true},
+		{&gomysql.MySQLError{Number: 1290, Message: "The MariaDB server is running with the --read-only option so it cannot execute this statement"}, true},
+		{&gomysql.MySQLError{Number: 1792, Message: "Cannot execute statement in a READ ONLY transaction"}, true},
+		{&gomysql.MySQLError{Number: 1836, Message: "Running in read-only mode"}, true},
+		{&gomysql.MySQLError{Number: 1290, Message: "The MariaDB server is running with the --skip-grant-tables option so it cannot execute this statement"}, false},
+		{&gomysql.MySQLError{Number: 1290, Message: "The MySQL server is running with the --secure-file-priv option so it cannot execute this statement"}, false},
+		{&gomysql.MySQLError{Number: 1213, Message: "Deadlock found when trying to get lock; try restarting transaction"}, false},
+	} {
+		if got := mysql.IsReadOnly(fmt.Errorf("wrapped: %w", c.err)); got != c.want {
+			t.Errorf("IsReadOnly(%d %q) = %v, want %v", c.err.Number, c.err.Message, got, c.want)
+		}
 	}
 }

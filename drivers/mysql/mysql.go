@@ -12,6 +12,7 @@ import (
 	"io/fs"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"time"
 
 	gomysql "github.com/go-sql-driver/mysql"
@@ -104,6 +105,8 @@ type mysqlStore struct {
 	*store.SQL
 	db *sql.DB
 	q  queries
+	// oldReadOnlyName: the server knows the session's read-only setting as tx_read_only only.
+	oldReadOnlyName atomic.Bool
 }
 
 var _ outboxdriver.RetryClassifier = (*mysqlStore)(nil)
@@ -119,10 +122,18 @@ var _ outboxdriver.WritableChecker = (*mysqlStore)(nil)
 // transaction_read_only only.
 func (s *mysqlStore) CheckWritable(ctx context.Context) error {
 	var server, session bool
-	err := s.db.QueryRowContext(ctx, `SELECT @@global.read_only, @@transaction_read_only`).Scan(&server, &session)
+	read := func() error {
+		name := "transaction_read_only"
+		if s.oldReadOnlyName.Load() {
+			name = "tx_read_only"
+		}
+		return s.db.QueryRowContext(ctx, `SELECT @@global.read_only, @@`+name).Scan(&server, &session)
+	}
+	err := read()
 	var e *gomysql.MySQLError
-	if errors.As(err, &e) && e.Number == 1193 { // unknown system variable
-		err = s.db.QueryRowContext(ctx, `SELECT @@global.read_only, @@tx_read_only`).Scan(&server, &session)
+	if errors.As(err, &e) && e.Number == 1193 && !s.oldReadOnlyName.Load() { // unknown system variable
+		s.oldReadOnlyName.Store(true)
+		err = read()
 	}
 	switch {
 	case err != nil:
@@ -151,10 +162,20 @@ func IsUndefinedTable(err error) bool {
 }
 
 // IsReadOnly tells whether err means the server takes no writes: --read-only or
-// --super-read-only (1290, 1836), or a read-only transaction (1792).
+// --super-read-only (1290, 1836), or a read-only transaction (1792). 1290 is the refusal of a
+// statement by any option (--skip-grant-tables, --secure-file-priv): only the read-only ones count.
 func IsReadOnly(err error) bool {
 	var e *gomysql.MySQLError
-	return errors.As(err, &e) && (e.Number == 1290 || e.Number == 1836 || e.Number == 1792)
+	if !errors.As(err, &e) {
+		return false
+	}
+	switch e.Number {
+	case 1836, 1792:
+		return true
+	case 1290:
+		return strings.Contains(e.Message, "read-only") || strings.Contains(e.Message, "read_only")
+	}
+	return false
 }
 
 // NewNames validates schema (empty: the connection's database) and prefix, and returns the

@@ -58,6 +58,10 @@ func Run(m *testing.M) int {
 	return m.Run()
 }
 
+// Private tells whether the server is the tests' own (started by Run), whose global settings a
+// test may change.
+func Private() bool { return server != nil }
+
 // Version is the server's version.
 func Version(t testing.TB) string {
 	var v string
