@@ -74,9 +74,10 @@ func mysqlDSN(t *testing.T) string {
 
 // The demo on MySQL/MariaDB (-mysql): the business tables in MySQL's DDL, the SQL of the handlers
 // with its $N placeholders rewritten, an order placed through the API going through every
-// consumer to paid, an unknown SKU refused. Idempotency keys and payment timeouts are used when
-// the driver keeps keys and delayed effects, and otherwise announced at start and left out: a
-// keyed request gets 501, an order that waits for a confirmation stays reserved.
+// consumer to paid, an unknown SKU refused, a keyed retry replayed, an unpaid order cancelled by its
+// payment timeout. (Were the driver to keep no keys or delayed effects, the service would announce
+// it at start and leave them out: a keyed request would get 501, an order that waits for a
+// confirmation would stay reserved.)
 func TestDemoOnMySQL(t *testing.T) {
 	cfg := testConfig(t)
 	cfg.mysql = mysqlDSN(t)
@@ -90,6 +91,11 @@ func TestDemoOnMySQL(t *testing.T) {
 	keys := !strings.Contains(banner, "Idempotency-Key: not supported")
 	delays := !strings.Contains(banner, "Payment timeouts: off")
 	t.Logf("idempotency keys %v, delayed effects %v:\n%s", keys, delays, banner)
+	if !keys || !delays {
+		// drivers/mysql keeps both: the service must find them (the paths without them stay for
+		// a driver that does not).
+		t.Errorf("on MySQL the service runs without idempotency keys (%v) or delayed effects (%v); drivers/mysql keeps both", !keys, !delays)
+	}
 
 	post := func(body, key string) (int, string, http.Header) {
 		t.Helper()
