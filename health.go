@@ -301,7 +301,7 @@ func (o *Outbox) HealthHandlerWith(opt HealthHandlerOptions) http.Handler {
 func (o *Outbox) healthWith(ctx context.Context, extra map[string]func(context.Context) error) HealthReport {
 	r := o.Health(ctx)
 	for _, name := range slices.Sorted(maps.Keys(extra)) {
-		err := o.bounded(ctx, "health check "+name, func() error { return extra[name](ctx) })
+		err := o.bounded(ctx, func() string { return "health check " + name }, func() error { return extra[name](ctx) })
 		c := HealthCheck{Name: name, OK: err == nil, Reason: "ok"}
 		if err != nil {
 			c.Reason = err.Error()

@@ -129,9 +129,13 @@ func DefaultOrderingKey(src Source) string { return outboxdriver.DefaultOrdering
 // keyBlocked tells whether an earlier effect of another transaction with one of the custom ordering
 // keys of effects is still undispatched; then these effects must go through the relay, in order.
 func (o *Outbox) keyBlocked(ctx context.Context, src Source, effects []Effect) (bool, error) {
+	keys := o.customKeys(src, effects)
+	if len(keys) == 0 {
+		return false, nil // the default key is the source's own: nothing else holds it
+	}
 	ctx, cancel := context.WithTimeout(ctx, storeTimeout)
 	defer cancel()
-	for _, key := range o.customKeys(src, effects) {
+	for _, key := range keys {
 		blocked, err := o.store.EffectKeyBlocked(ctx, src, key)
 		if err != nil || blocked {
 			return blocked, err
@@ -446,7 +450,7 @@ func (o *Outbox) apply(ctx context.Context, e Effect) error {
 	}
 	ctx, cancel := context.WithTimeout(ctx, o.cfg.PublishTimeout)
 	defer cancel()
-	err := o.bounded(ctx, fmt.Sprintf("applier %q (effect %s)", e.Kind, e.UUID), func() error { return fn(ctx, e) })
+	err := o.bounded(ctx, func() string { return fmt.Sprintf("applier %q (effect %s)", e.Kind, e.UUID) }, func() error { return fn(ctx, e) })
 	if err != nil {
 		return fmt.Errorf("outbox: applier %q (effect %s): %w", e.Kind, e.UUID, err)
 	}
@@ -470,7 +474,8 @@ func (o *Outbox) publish(ctx context.Context, topic string, effects []Effect) er
 	// Publisher.Publish takes no context; a hung broker must not hang the consumer forever.
 	ctx, cancel := context.WithTimeout(ctx, o.cfg.PublishTimeout)
 	defer cancel()
-	err := o.bounded(ctx, fmt.Sprintf("publish %d message(s) to %q", len(msgs), topic), func() error { return o.pub.Publish(topic, msgs...) })
+	err := o.bounded(ctx, func() string { return fmt.Sprintf("publish %d message(s) to %q", len(msgs), topic) },
+		func() error { return o.pub.Publish(topic, msgs...) })
 	if errors.Is(err, context.DeadlineExceeded) && !errors.Is(err, errCallerDeadline) {
 		return fmt.Errorf("%w: %d message(s) to %q after %s", ErrPublishTimeout, len(msgs), topic, o.cfg.PublishTimeout)
 	}
@@ -487,13 +492,13 @@ var errCallerDeadline = errors.New("returned by the call")
 // bounded runs call (a Publisher or an applier: code that may ignore ctx) in a goroutine of its
 // own, which first grows its stack, and waits for it until ctx is done. A panic in call is
 // returned as an error wrapping ErrEffectPanicked. A call that never returns keeps its goroutine,
-// but not the caller.
-func (o *Outbox) bounded(ctx context.Context, what string, call func() error) error {
+// but not the caller. what names the call in an error (made only for one).
+func (o *Outbox) bounded(ctx context.Context, what func() string, call func() error) error {
 	done := make(chan error, 1)
 	go func() {
 		defer func() {
 			if r := recover(); r != nil {
-				done <- fmt.Errorf("%w: %s: %v\n%s", ErrEffectPanicked, what, r, debug.Stack())
+				done <- fmt.Errorf("%w: %s: %v\n%s", ErrEffectPanicked, what(), r, debug.Stack())
 			}
 		}()
 		growStack()
@@ -512,7 +517,7 @@ func (o *Outbox) bounded(ctx context.Context, what string, call func() error) er
 			return err
 		default:
 		}
-		return fmt.Errorf("waiting for %s: %w", what, ctx.Err())
+		return fmt.Errorf("waiting for %s: %w", what(), ctx.Err())
 	}
 }
 
