@@ -8,6 +8,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
@@ -132,4 +133,61 @@ func mustMigrations(t testing.TB) []store.Migration {
 		t.Fatal(err)
 	}
 	return ms
+}
+
+// TestDropIndexMigrationGivesUpBehindALongTransaction: migration 015 drops an index of the effects
+// table, which waits for every transaction that uses the table and holds back the new ones while
+// it waits. Behind a transaction that does not end, it gives up after its lock_timeout (10 s)
+// instead of stalling every unit of work, and a later Migrate applies it.
+func TestDropIndexMigrationGivesUpBehindALongTransaction(t *testing.T) {
+	db := pgtest.DB(t)
+	ctx := context.Background()
+	ob, err := newOutbox(t, db, "", "lt_")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := ob.Migrate(ctx); err != nil {
+		t.Fatal(err)
+	}
+	// Back to version 14, with the index.
+	for _, q := range []string{`DELETE FROM lt_migrations WHERE version = 15`,
+		`CREATE INDEX lt_effects_pending ON lt_effects (id) WHERE dispatched_at IS NULL`} {
+		if _, err := db.Exec(q); err != nil {
+			t.Fatal(err)
+		}
+	}
+	long, err := db.BeginTx(ctx, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer long.Rollback()
+	if _, err := long.Exec(`SELECT count(*) FROM lt_effects`); err != nil {
+		t.Fatal(err)
+	}
+	start := time.Now()
+	err = ob.Migrate(ctx)
+	waited := time.Since(start)
+	if err == nil || !strings.Contains(err.Error(), "lock timeout") {
+		t.Fatalf("Migrate behind a transaction on the effects table: %v after %v; want the lock timeout", err, waited)
+	}
+	if waited > 30*time.Second {
+		t.Fatalf("Migrate gave up after %v, want about 10 s", waited)
+	}
+	// Meanwhile a unit of work's statement on the table went through at once again.
+	if _, err := db.Exec(`SELECT count(*) FROM lt_effects`); err != nil {
+		t.Fatal(err)
+	}
+	if err := long.Rollback(); err != nil {
+		t.Fatal(err)
+	}
+	if err := ob.Migrate(ctx); err != nil {
+		t.Fatal(err)
+	}
+	var n int
+	if err := db.QueryRow(`SELECT count(*) FROM pg_indexes WHERE indexname = 'lt_effects_pending'`).Scan(&n); err != nil {
+		t.Fatal(err)
+	}
+	if n != 0 {
+		t.Fatal("effects_pending still there after the migration")
+	}
 }
