@@ -25,8 +25,7 @@ func (o *Ops) ServiceConfig(ctx context.Context) (ServiceConfig, error) {
 	var c ServiceConfig
 	var r, e, h sql.NullInt64
 	var at sql.NullTime
-	err := o.db.QueryRowContext(ctx, `SELECT retention_ms, effect_retention_ms, redelivery_horizon_ms, config_at
-		FROM `+o.n.Stats+` WHERE id = 1`).Scan(&r, &e, &h, &at)
+	err := o.db.QueryRowContext(ctx, o.q.ServiceConfig).Scan(&r, &e, &h, &at)
 	if err != nil && !errors.Is(err, sql.ErrNoRows) {
 		return c, fmt.Errorf("ops: read the service's configuration: %w", err)
 	}

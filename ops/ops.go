@@ -1,7 +1,9 @@
-// Package ops is the operator's view of the outbox tables on PostgreSQL: status per consumer and
-// topic, parked effects with filters and failure groups, failing messages, a look-up of one
-// message, and the repairs (retry, discard, replay), each written to an audit table with who did
-// it. The CLI (cmd/outbox) is built on it; an application can call it too.
+// Package ops is the operator's view of the outbox tables: status per consumer and topic, parked
+// effects with filters and failure groups, failing messages, a look-up of one message, and the
+// repairs (retry, discard, replay), each written to an audit table with who did it. It runs the
+// statements of the store's dialect (store.OpsQueries): PostgreSQL by default, or the driver
+// Options.Driver names (MySQL and MariaDB with drivers/mysql). The CLI (cmd/outbox) is built on
+// it; an application can call it too.
 package ops
 
 import (
@@ -24,24 +26,30 @@ import (
 // Ops reads and repairs the outbox tables of one schema and prefix.
 type Ops struct {
 	db *sql.DB
-	n  store.Names
+	q  store.OpsQueries
 	st auditedStore
 }
 
-// auditedStore is the postgres driver's store, whose repairs write their audit entry in their
-// own transaction (see store.SQL).
+// auditedStore is a store built on store.SQL, whose repairs write their audit entry in their own
+// transaction, and whose dialect has the statements of the operators' tools.
 type auditedStore interface {
 	outboxdriver.Store
 	EffectUnparkAudited(ctx context.Context, ids []int64, audit func(changed int) store.Audit) (int, error)
 	EffectDiscardAudited(ctx context.Context, ids []int64, audit func(changed int) store.Audit) (int, error)
 	MessageReplayAudited(ctx context.Context, src outboxdriver.Source, audit *store.Audit) (bool, error)
 	CleanupCount(ctx context.Context, p outboxdriver.CleanupParams) (outboxdriver.CleanupResult, error)
+	WriteAudit(ctx context.Context, a store.Audit) error
+	OpsQueries() (store.OpsQueries, error)
 }
 
 // Options say which tables an Ops works on, and how the service that uses them keeps what it
 // dispatched.
 type Options struct {
-	// Schema of the tables (empty: "public").
+	// Driver is the dialect of the database (nil: postgres.Driver{}), the one the service's
+	// Config.Driver names: mysql.Driver{} of drivers/mysql for MySQL and MariaDB.
+	Driver outboxdriver.Driver
+	// Schema of the tables (empty: the driver's default, "public" on PostgreSQL, the
+	// connection's database on MySQL).
 	Schema string
 	// Prefix of the tables (empty: "outbox_").
 	Prefix string
@@ -53,34 +61,36 @@ type Options struct {
 	DeleteDispatched bool
 }
 
-// Open returns the Ops of the tables in schema (empty: "public") with prefix (empty: "outbox_"),
-// keeping discarded effects (see Options.DeleteDispatched). It does no I/O.
+// Open returns the Ops of the PostgreSQL tables in schema (empty: "public") with prefix (empty:
+// "outbox_"), keeping discarded effects (see Options.DeleteDispatched). It does no I/O. OpenWith
+// opens those of another driver.
 func Open(db *sql.DB, schema, prefix string) (*Ops, error) {
 	return OpenWith(db, Options{Schema: schema, Prefix: prefix})
 }
 
 // OpenWith returns the Ops of the tables opt names. It does no I/O.
 func OpenWith(db *sql.DB, opt Options) (*Ops, error) {
-	schema, prefix := opt.Schema, opt.Prefix
-	if schema == "" {
-		schema = postgres.DefaultSchema
-	}
+	prefix := opt.Prefix
 	if prefix == "" {
 		prefix = "outbox_"
 	}
-	n, err := store.NewNames(schema, prefix)
-	if err != nil {
-		return nil, fmt.Errorf("ops: %w", err)
+	d := opt.Driver
+	if d == nil {
+		d = postgres.Driver{}
 	}
-	st, err := postgres.Driver{}.Open(db, outboxdriver.StoreOptions{Schema: schema, TablePrefix: prefix, DeleteDispatched: opt.DeleteDispatched})
+	st, err := d.Open(db, outboxdriver.StoreOptions{Schema: opt.Schema, TablePrefix: prefix, DeleteDispatched: opt.DeleteDispatched})
 	if err != nil {
 		return nil, fmt.Errorf("ops: %w", err)
 	}
 	sq, ok := st.(auditedStore)
 	if !ok {
-		return nil, fmt.Errorf("ops: the postgres driver's store (%T) cannot audit in the transaction of a change", st)
+		return nil, fmt.Errorf("ops: the store of %T (%T) cannot audit in the transaction of a change", d, st)
 	}
-	return &Ops{db: db, n: n, st: sq}, nil
+	q, err := sq.OpsQueries()
+	if err != nil {
+		return nil, fmt.Errorf("ops: %T: %w", d, err)
+	}
+	return &Ops{db: db, q: q, st: sq}, nil
 }
 
 // Store returns the store of the tables (for Migrate, Cleanup and SchemaCheck).
@@ -185,11 +195,7 @@ func (o *Ops) Status(ctx context.Context, retention time.Duration) (Status, erro
 	if s.Totals, err = o.st.Stats(ctx, outboxdriver.StatsParams{Retention: retention}); err != nil {
 		return s, fmt.Errorf("ops: status: %w", err)
 	}
-	rows, err := o.db.QueryContext(ctx, `SELECT source_consumer, topic,
-			count(*) FILTER (WHERE parked_at IS NULL),
-			coalesce((extract(epoch FROM now() - min(created_at) FILTER (WHERE parked_at IS NULL)) * 1000)::bigint, 0),
-			count(*) FILTER (WHERE parked_at IS NOT NULL)
-		FROM `+o.n.Effects+` WHERE dispatched_at IS NULL GROUP BY 1, 2 ORDER BY 1, 2`)
+	rows, err := o.db.QueryContext(ctx, o.q.Groups)
 	if err != nil {
 		return s, fmt.Errorf("ops: status: %w", err)
 	}
@@ -206,9 +212,7 @@ func (o *Ops) Status(ctx context.Context, retention time.Duration) (Status, erro
 	if err := closeRows(rows); err != nil {
 		return s, fmt.Errorf("ops: status: %w", err)
 	}
-	rows, err = o.db.QueryContext(ctx, `SELECT a.consumer, count(*), sum(a.attempts) FROM `+o.n.Attempts+` a
-		WHERE NOT EXISTS (SELECT 1 FROM `+o.n.Processed+` p WHERE p.consumer = a.consumer AND p.message_id = a.message_id)
-		GROUP BY 1 ORDER BY 1`)
+	rows, err = o.db.QueryContext(ctx, o.q.FailingCounts)
 	if err != nil {
 		return s, fmt.Errorf("ops: status: %w", err)
 	}
@@ -224,16 +228,7 @@ func (o *Ops) Status(ctx context.Context, retention time.Duration) (Status, erro
 		return s, fmt.Errorf("ops: status: %w", err)
 	}
 	s.Retained = map[string]int64{}
-	// The consumers are found by skipping through the primary key (a loose index scan), and each
-	// one's IDs counted up to the cap: the cost does not grow with millions of retained IDs.
-	rows, err = o.db.QueryContext(ctx, `WITH RECURSIVE c AS (
-			(SELECT consumer FROM `+o.n.Processed+` ORDER BY consumer LIMIT 1)
-			UNION ALL
-			SELECT (SELECT p.consumer FROM `+o.n.Processed+` p WHERE p.consumer > c.consumer ORDER BY p.consumer LIMIT 1)
-			FROM c WHERE c.consumer IS NOT NULL)
-		SELECT c.consumer, (SELECT count(*) FROM (SELECT 1 FROM `+o.n.Processed+` p
-			WHERE p.consumer = c.consumer LIMIT $1) x)
-		FROM c WHERE c.consumer IS NOT NULL`, outboxdriver.StatsCountCap)
+	rows, err = o.db.QueryContext(ctx, o.q.Retained, outboxdriver.StatsCountCap)
 	if err != nil {
 		return s, fmt.Errorf("ops: status: %w", err)
 	}
@@ -244,15 +239,13 @@ func (o *Ops) Status(ctx context.Context, retention time.Duration) (Status, erro
 			_ = rows.Close()
 			return s, err
 		}
-		s.Retained[c] = n
+		s.Retained[c] = min(n, outboxdriver.StatsCountCap)
 	}
 	if err := closeRows(rows); err != nil {
 		return s, fmt.Errorf("ops: status: %w", err)
 	}
-	// Claims of the last hour only, found through the BRIN index on processed_at.
 	var last sql.NullTime
-	if err := o.db.QueryRowContext(ctx, `SELECT max(dispatched_at) FROM `+o.n.Processed+`
-		WHERE processed_at > now() - interval '1 hour'`).Scan(&last); err != nil {
+	if err := o.db.QueryRowContext(ctx, o.q.LastDispatch).Scan(&last); err != nil {
 		return s, fmt.Errorf("ops: status: %w", err)
 	}
 	s.LastDispatch = last.Time
@@ -348,16 +341,7 @@ func (o *Ops) ParkedEffects(ctx context.Context, f ParkedFilter) ([]Parked, erro
 	if len(f.IDs) > 0 {
 		ids = idList(f.IDs)
 	}
-	rows, err := o.db.QueryContext(ctx, `SELECT id, source_consumer, source_id, kind, topic, uuid, ordering_key, attempts, failures,
-			coalesce(last_error, ''), parked_at, created_at
-		FROM `+o.n.Effects+` e
-		WHERE parked_at IS NOT NULL AND dispatched_at IS NULL
-		  AND ($1::text IS NULL OR id = ANY (string_to_array($1::text, ',')::bigint[]))
-		  AND ($2 = '' OR topic = $2) AND ($3 = '' OR source_consumer = $3)
-		  AND parked_at < now() - ($4 * interval '1 millisecond')
-		  AND ($5 = '' OR strpos(coalesce(last_error, ''), $5) > 0)
-		  AND id > $7
-		ORDER BY id LIMIT $6`, ids, f.Topic, f.Consumer, f.OlderThan.Milliseconds(), f.ErrorContains, limit, f.AfterID)
+	rows, err := o.db.QueryContext(ctx, o.q.Parked, ids, f.Topic, f.Consumer, f.OlderThan.Milliseconds(), f.ErrorContains, f.AfterID, limit)
 	if err != nil {
 		return nil, fmt.Errorf("ops: list parked effects: %w", err)
 	}
@@ -553,11 +537,7 @@ func (o *Ops) FailingMessages(ctx context.Context, consumer string, limit int) (
 	if limit <= 0 {
 		limit = 1000
 	}
-	rows, err := o.db.QueryContext(ctx, `SELECT a.consumer, a.message_id, a.attempts, a.last_error, a.first_failed_at, a.last_failed_at
-		FROM `+o.n.Attempts+` a
-		WHERE ($1 = '' OR a.consumer = $1)
-		  AND NOT EXISTS (SELECT 1 FROM `+o.n.Processed+` p WHERE p.consumer = a.consumer AND p.message_id = a.message_id)
-		ORDER BY a.attempts DESC, a.last_failed_at DESC LIMIT $2`, consumer, limit)
+	rows, err := o.db.QueryContext(ctx, o.q.Failing, consumer, limit)
 	if err != nil {
 		return nil, fmt.Errorf("ops: list failing messages: %w", err)
 	}
@@ -582,8 +562,7 @@ func (o *Ops) ReplayPoisoned(ctx context.Context, consumer, messageID string, op
 	}
 	if opt.DryRun {
 		var poisoned bool
-		err := o.db.QueryRowContext(ctx, `SELECT poisoned FROM `+o.n.Processed+` WHERE consumer = $1 AND message_id = $2`,
-			consumer, messageID).Scan(&poisoned)
+		err := o.db.QueryRowContext(ctx, o.q.IsPoisoned, consumer, messageID).Scan(&poisoned)
 		if errors.Is(err, sql.ErrNoRows) {
 			return false, nil
 		}
@@ -613,9 +592,7 @@ func (o *Ops) PoisonedMessages(ctx context.Context, consumer string, limit int) 
 	if limit <= 0 {
 		limit = 1000
 	}
-	rows, err := o.db.QueryContext(ctx, `SELECT p.consumer, p.message_id, p.processed_at, coalesce(a.attempts, 0), coalesce(a.last_error, '')
-		FROM `+o.n.Processed+` p LEFT JOIN `+o.n.Attempts+` a ON a.consumer = p.consumer AND a.message_id = p.message_id
-		WHERE p.poisoned AND ($1 = '' OR p.consumer = $1) ORDER BY p.processed_at DESC LIMIT $2`, consumer, limit)
+	rows, err := o.db.QueryContext(ctx, o.q.Poisoned, consumer, limit)
 	if err != nil {
 		return nil, fmt.Errorf("ops: list poisoned messages: %w", err)
 	}
@@ -661,8 +638,7 @@ type LookupEffect struct {
 func (o *Ops) Lookup(ctx context.Context, consumer, messageID string) (Lookup, error) {
 	l := Lookup{Consumer: consumer, MessageID: messageID}
 	var dispatched sql.NullTime
-	err := o.db.QueryRowContext(ctx, `SELECT processed_at, dispatched_at, poisoned FROM `+o.n.Processed+`
-		WHERE consumer = $1 AND message_id = $2`, consumer, messageID).Scan(&l.ProcessedAt, &dispatched, &l.Poisoned)
+	err := o.db.QueryRowContext(ctx, o.q.LookupClaim, consumer, messageID).Scan(&l.ProcessedAt, &dispatched, &l.Poisoned)
 	switch {
 	case errors.Is(err, sql.ErrNoRows):
 	case err != nil:
@@ -671,13 +647,7 @@ func (o *Ops) Lookup(ctx context.Context, consumer, messageID string) (Lookup, e
 		l.Processed = true
 		l.DispatchedAt = dispatched.Time
 	}
-	rows, err := o.db.QueryContext(ctx, `SELECT id, kind, topic, uuid,
-			CASE WHEN parked_at IS NOT NULL THEN 'parked' ELSE 'pending' END, created_at, NULL::timestamptz, coalesce(last_error, '')
-		FROM `+o.n.Effects+` WHERE source_consumer = $1 AND source_id = $2 AND dispatched_at IS NULL
-		UNION ALL
-		SELECT id, kind, topic, uuid, 'dispatched', created_at, dispatched_at, coalesce(last_error, '')
-		FROM `+o.n.Dispatched+` WHERE source_consumer = $1 AND source_id = $2
-		ORDER BY 1`, consumer, messageID)
+	rows, err := o.db.QueryContext(ctx, o.q.LookupEffects, consumer, messageID)
 	if err != nil {
 		return l, fmt.Errorf("ops: lookup: %w", err)
 	}
@@ -694,8 +664,7 @@ func (o *Ops) Lookup(ctx context.Context, consumer, messageID string) (Lookup, e
 	if err := closeRows(rows); err != nil {
 		return l, fmt.Errorf("ops: lookup: %w", err)
 	}
-	err = o.db.QueryRowContext(ctx, `SELECT attempts, last_error FROM `+o.n.Attempts+` WHERE consumer = $1 AND message_id = $2`,
-		consumer, messageID).Scan(&l.Attempts, &l.LastError)
+	err = o.db.QueryRowContext(ctx, o.q.LookupAttempts, consumer, messageID).Scan(&l.Attempts, &l.LastError)
 	if err != nil && !errors.Is(err, sql.ErrNoRows) {
 		return l, fmt.Errorf("ops: lookup: %w", err)
 	}
@@ -704,11 +673,9 @@ func (o *Ops) Lookup(ctx context.Context, consumer, messageID string) (Lookup, e
 
 // AuditLog returns the latest limit audit entries, newest first.
 func (o *Ops) AuditLog(ctx context.Context, limit int) ([]Audit, error) {
-	rows, err := o.db.QueryContext(ctx, `SELECT at, actor, action, target, detail, coalesce(db_role, ''),
-			coalesce(host(client_addr), ''), remote_addr
-		FROM `+o.n.Audit+` ORDER BY id DESC LIMIT $1`, limit)
+	rows, err := o.db.QueryContext(ctx, o.q.AuditLog, limit)
 	if err != nil {
-		if isInsufficientPrivilege(err) {
+		if o.q.IsInsufficientPrivilege != nil && o.q.IsInsufficientPrivilege(err) {
 			return nil, fmt.Errorf("%w: %w", ErrAuditUnreadable, err)
 		}
 		return nil, fmt.Errorf("ops: audit log: %w", err)
@@ -729,17 +696,9 @@ func (o *Ops) AuditLog(ctx context.Context, limit int) ([]Audit, error) {
 // append to it (see postgres.Grants); an operator's role reads it.
 var ErrAuditUnreadable = errors.New("ops: this role may not read the audit table")
 
-// isInsufficientPrivilege tells whether err is PostgreSQL's insufficient_privilege.
-func isInsufficientPrivilege(err error) bool {
-	var s interface{ SQLState() string }
-	return errors.As(err, &s) && s.SQLState() == "42501"
-}
-
 func (o *Ops) audit(ctx context.Context, actor, action, target, detail, remote string) error {
-	_, err := o.db.ExecContext(ctx, `INSERT INTO `+o.n.Audit+` (actor, action, target, detail, remote_addr) VALUES ($1, $2, $3, $4, $5)`,
-		outboxdriver.StorableText(actor), action, outboxdriver.StorableText(target), outboxdriver.StorableText(detail), outboxdriver.StorableText(remote))
-	if err != nil {
-		return fmt.Errorf("ops: write the audit entry: %w", err)
+	if err := o.st.WriteAudit(ctx, auditEntry(actor, action, target, detail, remote)); err != nil {
+		return fmt.Errorf("ops: %w", err)
 	}
 	return nil
 }
@@ -756,9 +715,9 @@ func idList(ids []int64) string {
 	return strings.Join(parts, ",")
 }
 
-// ForOutbox returns the Ops of the tables an Outbox works on (PostgreSQL), which discards
-// effects as the Outbox does: kept with its EffectRetention, deleted without.
+// ForOutbox returns the Ops of the tables an Outbox works on, through its Config.Driver, which
+// discards effects as the Outbox does: kept with its EffectRetention, deleted without.
 func ForOutbox(ob *outbox.Outbox) (*Ops, error) {
 	cfg := ob.Config()
-	return OpenWith(cfg.DB, Options{Schema: cfg.Schema, Prefix: cfg.TablePrefix, DeleteDispatched: cfg.EffectRetention == 0})
+	return OpenWith(cfg.DB, Options{Driver: cfg.Driver, Schema: cfg.Schema, Prefix: cfg.TablePrefix, DeleteDispatched: cfg.EffectRetention == 0})
 }

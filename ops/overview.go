@@ -55,8 +55,7 @@ func (o *Ops) Overview(ctx context.Context, p OverviewParams) (Overview, error) 
 	}
 	v := Overview{ServiceSampled: -1}
 	var ms sql.NullInt64
-	if err := o.db.QueryRowContext(ctx, `SELECT (extract(epoch FROM now() - sampled_at) * 1000)::bigint FROM `+o.n.Stats+` WHERE id = 1`).
-		Scan(&ms); err != nil && !errors.Is(err, sql.ErrNoRows) {
+	if err := o.db.QueryRowContext(ctx, o.q.SampleAge).Scan(&ms); err != nil && !errors.Is(err, sql.ErrNoRows) {
 		return v, fmt.Errorf("ops: overview: %w", err)
 	}
 	if ms.Valid {
@@ -72,13 +71,7 @@ func (o *Ops) Overview(ctx context.Context, p OverviewParams) (Overview, error) 
 	if v.Totals, err = o.st.Stats(ctx, sp); err != nil {
 		return v, fmt.Errorf("ops: overview: %w", err)
 	}
-	rows, err := o.db.QueryContext(ctx, `SELECT source_consumer, topic,
-			count(*) FILTER (WHERE parked_at IS NULL),
-			coalesce((extract(epoch FROM now() - min(created_at) FILTER (WHERE parked_at IS NULL)) * 1000)::bigint, 0),
-			count(*) FILTER (WHERE parked_at IS NOT NULL)
-		FROM (SELECT source_consumer, topic, parked_at, created_at FROM `+o.n.Effects+`
-			WHERE dispatched_at IS NULL ORDER BY id LIMIT $1) e
-		GROUP BY 1, 2 ORDER BY 1, 2`, p.Window)
+	rows, err := o.db.QueryContext(ctx, o.q.GroupsWindow, p.Window)
 	if err != nil {
 		return v, fmt.Errorf("ops: overview: %w", err)
 	}
@@ -95,8 +88,7 @@ func (o *Ops) Overview(ctx context.Context, p OverviewParams) (Overview, error) 
 	if err := closeRows(rows); err != nil {
 		return v, fmt.Errorf("ops: overview: %w", err)
 	}
-	if err := o.db.QueryRowContext(ctx, `SELECT EXISTS (SELECT 1 FROM `+o.n.Effects+`
-		WHERE dispatched_at IS NULL ORDER BY id OFFSET $1 LIMIT 1)`, p.Window).Scan(&v.WindowFull); err != nil {
+	if err := o.db.QueryRowContext(ctx, o.q.WindowFull, p.Window).Scan(&v.WindowFull); err != nil {
 		return v, fmt.Errorf("ops: overview: %w", err)
 	}
 	if v.Audit, err = o.AuditLog(ctx, 10); errors.Is(err, ErrAuditUnreadable) {

@@ -149,6 +149,8 @@ type Dialect struct {
 	Pooler func(ctx context.Context, db *sql.DB) (transactionPooled bool, err error)
 	// Hooks run the steps that the dialect's SQL cannot do in one statement of Queries.
 	Hooks Hooks
+	// Ops are the statements of the operators' tools; empty when the dialect has none.
+	Ops OpsQueries
 }
 
 // Hooks are steps a dialect runs as several statements of its own, where one statement of Queries

@@ -92,6 +92,7 @@ func (d Driver) Open(db *sql.DB, opts outboxdriver.StoreOptions) (outboxdriver.S
 				return migrate(ctx, db, names, ms, lockTimeout)
 			},
 		},
+		Ops: q.ops(),
 	})
 	if err != nil {
 		return nil, err

@@ -70,6 +70,7 @@ func (d Driver) Open(db *sql.DB, opts outboxdriver.StoreOptions) (outboxdriver.S
 		IsReadOnlyAtBegin: IsReadOnlyAtBegin,
 		Prepare:           !d.DisablePreparedStatements,
 		Pooler:            checkPooler,
+		Ops:               opsQueries(names),
 		// The channel is built from validated identifiers, so the literal is safe.
 		Notify: fmt.Sprintf("SELECT pg_notify('%s', '')", notifyChannel(names.Schema, names.Prefix)),
 	}
