@@ -234,12 +234,15 @@ func (o *Ops) Status(ctx context.Context, retention time.Duration) (Status, erro
 	}
 	for rows.Next() {
 		var c string
-		var n int64
+		var n sql.NullInt64
 		if err := rows.Scan(&c, &n); err != nil {
 			_ = rows.Close()
 			return s, err
 		}
-		s.Retained[c] = min(n, outboxdriver.StatsCountCap)
+		s.Retained[c] = outboxdriver.StatsCountCap
+		if n.Valid && n.Int64 < outboxdriver.StatsCountCap {
+			s.Retained[c] = n.Int64
+		}
 	}
 	if err := closeRows(rows); err != nil {
 		return s, fmt.Errorf("ops: status: %w", err)

@@ -21,8 +21,9 @@ type OpsQueries struct {
 	// FailingCounts -> consumer, messages, attempts: the failing messages (attempts without a
 	// claim) per consumer, ordered by consumer.
 	FailingCounts string
-	// Retained (count cap) -> consumer, claims: every consumer with claims, its claims counted at
-	// least up to the cap (ops caps them), at a cost that does not grow with the claims.
+	// Retained (count cap) -> consumer, claims: every consumer with claims, its claims counted up
+	// to the cap, at a cost that does not grow with the claims. A count that is NULL or above the
+	// cap means more than the cap.
 	Retained string
 	// LastDispatch -> the latest dispatch time among the claims of the last hour (NULL: none).
 	LastDispatch string

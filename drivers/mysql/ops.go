@@ -29,14 +29,13 @@ func (q queries) ops() store.OpsQueries {
 		WHERE NOT EXISTS (SELECT 1 FROM ` + n.Processed + ` p WHERE p.consumer = a.consumer AND p.message_id = a.message_id)
 		GROUP BY a.consumer ORDER BY a.consumer`,
 		// The consumers are read by a loose index scan of the primary key (DISTINCT of its
-		// first column), and each one's claims counted up to its (cap+1)-th message ID through
-		// the primary key, so that the cost does not grow with the claims (ops caps the count: a
-		// derived table with the LIMIT cannot name the outer consumer here).
-		Retained: `SELECT c.consumer, (SELECT count(*) FROM ` + n.Processed + ` p
-			WHERE p.consumer = c.consumer AND p.message_id <= coalesce(
-				(SELECT p2.message_id FROM ` + n.Processed + ` p2 WHERE p2.consumer = c.consumer
-					ORDER BY p2.message_id LIMIT 1 OFFSET ?),
-				(SELECT max(p3.message_id) FROM ` + n.Processed + ` p3 WHERE p3.consumer = c.consumer)))
+		// first column). A consumer with more claims than the cap is told by its (cap+1)-th
+		// message ID, found by the primary key, and counted NULL; the others are counted, fewer
+		// than the cap: the cost does not grow with the claims. (A derived table with the LIMIT,
+		// as on PostgreSQL, cannot name the outer consumer on MariaDB.)
+		Retained: `SELECT c.consumer, CASE WHEN (SELECT 1 FROM ` + n.Processed + ` p2 WHERE p2.consumer = c.consumer
+					ORDER BY p2.message_id LIMIT 1 OFFSET ?) IS NULL
+				THEN (SELECT count(*) FROM ` + n.Processed + ` p WHERE p.consumer = c.consumer) END
 		FROM (SELECT DISTINCT consumer FROM ` + n.Processed + `) c ORDER BY c.consumer`,
 		// A claim's dispatch time is never before its processing time: the condition on
 		// dispatched_at, implied by the other, reads the claims of the last hour by its index.
