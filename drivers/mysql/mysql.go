@@ -234,6 +234,37 @@ func Migrations(schema, prefix string) ([]store.Migration, error) {
 	return ms, nil
 }
 
+// MigrationScript returns every migration for schema (empty: the connection's database) and
+// prefix as one script, recorded in the migrations table as Migrate records them: for teams that
+// apply the DDL with their own tool or the mysql client. Each statement is idempotent.
+func MigrationScript(schema, prefix string) (string, error) {
+	n, err := NewNames(schema, prefix)
+	if err != nil {
+		return "", err
+	}
+	all, err := Migrations(schema, prefix)
+	if err != nil {
+		return "", err
+	}
+	table := unqualify(n.Migrations)
+	var b strings.Builder
+	fmt.Fprintf(&b, "-- The outbox tables, database %q (empty: the connection's), prefix %s.\n", schema, prefix)
+	if schema != "" {
+		b.WriteString("CREATE DATABASE IF NOT EXISTS " + n.QuotedSchema + " CHARACTER SET utf8mb4 COLLATE utf8mb4_bin;\n")
+	}
+	b.WriteString("CREATE TABLE IF NOT EXISTS " + table + ` (
+    version    INT         NOT NULL PRIMARY KEY,
+    applied_at DATETIME(6) NOT NULL
+) ENGINE = InnoDB DEFAULT CHARSET = utf8mb4 COLLATE = utf8mb4_bin;
+
+`)
+	for _, m := range all {
+		fmt.Fprintf(&b, "-- %03d_%s\n%s\n", m.Version, m.Name, strings.TrimSpace(m.SQL))
+		fmt.Fprintf(&b, "INSERT IGNORE INTO %s (version, applied_at) VALUES (%d, UTC_TIMESTAMP(6));\n\n", table, m.Version)
+	}
+	return b.String(), nil
+}
+
 // unqualify drops the empty database of names in a migration for the connection's database.
 func unqualify(sql string) string { return strings.ReplaceAll(sql, "``.", "") }
 

@@ -142,7 +142,9 @@ func TestOpsStatusAndLists(t *testing.T) {
 		t.Errorf("retained %v, want billing: 3 (m1, m2, m4)", s.Retained)
 	}
 	// The count stops at the cap (NULL: more), as outboxdriver.StatsCountCap bounds the status's.
-	q, err := f.st.(interface{ OpsQueries() (store.OpsQueries, error) }).OpsQueries()
+	q, err := f.st.(interface {
+		OpsQueries() (store.OpsQueries, error)
+	}).OpsQueries()
 	if err != nil {
 		t.Fatal(err)
 	}
