@@ -5,16 +5,21 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"net/http"
+	"net/http/httptest"
 	"strings"
 	"testing"
 	"time"
 
 	gomysql "github.com/go-sql-driver/mysql"
 
+	"github.com/watermill-outbox/outbox"
+	"github.com/watermill-outbox/outbox/console"
 	"github.com/watermill-outbox/outbox/drivers/mysql"
 	"github.com/watermill-outbox/outbox/drivers/mysql/internal/mysqltest"
 	"github.com/watermill-outbox/outbox/ops"
 	"github.com/watermill-outbox/outbox/outboxdriver"
+	"github.com/watermill-outbox/outbox/outboxtest"
 	"github.com/watermill-outbox/outbox/store"
 )
 
@@ -400,5 +405,33 @@ func TestIsInsufficientPrivilege(t *testing.T) {
 		if got := mysql.IsInsufficientPrivilege(err); got != want {
 			t.Errorf("error %d: insufficient privilege %v, want %v", n, got, want)
 		}
+	}
+}
+
+// TestConsoleOnMySQL: ops.ForOutbox takes the Outbox's driver, and the console, which reads and
+// repairs through ops, serves MySQL's tables.
+func TestConsoleOnMySQL(t *testing.T) {
+	f := newOpsFixture(t)
+	ob, err := outbox.New(outbox.Config{DB: f.db, Driver: mysql.Driver{}, Publisher: &outboxtest.Recorder{}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ob.Close()
+	o, err := ops.ForOutbox(ob)
+	if err != nil {
+		t.Fatal(err)
+	}
+	h, err := console.New(o, console.Options{
+		Authenticate: func(r *http.Request) (string, bool) { return "alice", true },
+		Authorize:    func(*http.Request, string, console.Action) bool { return true },
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	rec := httptest.NewRecorder()
+	h.ServeHTTP(rec, httptest.NewRequest(http.MethodGet, "/", nil))
+	body := rec.Body.String()
+	if rec.Code != http.StatusOK || !strings.Contains(body, "invoices") || !strings.Contains(body, "receipts") || !strings.Contains(body, "m4") {
+		t.Errorf("console page: %d\n%s", rec.Code, body)
 	}
 }
