@@ -70,6 +70,12 @@ func Open(db *sql.DB, schema, prefix string) (*Ops, error) {
 
 // OpenWith returns the Ops of the tables opt names. It does no I/O.
 func OpenWith(db *sql.DB, opt Options) (*Ops, error) {
+	o, _, err := open(db, opt)
+	return o, err
+}
+
+// open is OpenWith that also returns the driver's store, when it could open one.
+func open(db *sql.DB, opt Options) (*Ops, outboxdriver.Store, error) {
 	prefix := opt.Prefix
 	if prefix == "" {
 		prefix = "outbox_"
@@ -80,17 +86,17 @@ func OpenWith(db *sql.DB, opt Options) (*Ops, error) {
 	}
 	st, err := d.Open(db, outboxdriver.StoreOptions{Schema: opt.Schema, TablePrefix: prefix, DeleteDispatched: opt.DeleteDispatched})
 	if err != nil {
-		return nil, fmt.Errorf("ops: %w", err)
+		return nil, nil, fmt.Errorf("ops: %w", err)
 	}
 	sq, ok := st.(auditedStore)
 	if !ok {
-		return nil, fmt.Errorf("ops: the store of %T (%T) cannot audit in the transaction of a change", d, st)
+		return nil, st, fmt.Errorf("%w: %T (%T)", errNotAudited, d, st)
 	}
 	q, err := sq.OpsQueries()
 	if err != nil {
-		return nil, fmt.Errorf("ops: %T: %w", d, err)
+		return nil, st, fmt.Errorf("ops: %T: %w", d, err)
 	}
-	return &Ops{db: db, q: q, st: sq}, nil
+	return &Ops{db: db, q: q, st: sq}, st, nil
 }
 
 // Store returns the store of the tables (for Migrate, Cleanup and SchemaCheck).
@@ -718,9 +724,22 @@ func idList(ids []int64) string {
 	return strings.Join(parts, ",")
 }
 
+// errNotAudited means that a driver's store is not built on store.SQL, whose repairs write their
+// audit entry in the transaction of the change.
+var errNotAudited = errors.New("ops: the driver's store cannot audit in the transaction of a change")
+
 // ForOutbox returns the Ops of the tables an Outbox works on, through its Config.Driver, which
-// discards effects as the Outbox does: kept with its EffectRetention, deleted without.
+// discards effects as the Outbox does: kept with its EffectRetention, deleted without. A driver
+// whose store wraps the postgres driver's (the pgx form's, which runs everything off the hot path
+// on its statements through ob.Config().DB) gets the postgres driver's Ops.
 func ForOutbox(ob *outbox.Outbox) (*Ops, error) {
 	cfg := ob.Config()
-	return OpenWith(cfg.DB, Options{Driver: cfg.Driver, Schema: cfg.Schema, Prefix: cfg.TablePrefix, DeleteDispatched: cfg.EffectRetention == 0})
+	opt := Options{Driver: cfg.Driver, Schema: cfg.Schema, Prefix: cfg.TablePrefix, DeleteDispatched: cfg.EffectRetention == 0}
+	o, st, err := open(cfg.DB, opt)
+	// Of the stores here, only PostgreSQL's keep inline effects.
+	if _, inline := st.(outboxdriver.InlineStore); errors.Is(err, errNotAudited) && inline {
+		opt.Driver = postgres.Driver{}
+		return OpenWith(cfg.DB, opt)
+	}
+	return o, err
 }
