@@ -82,20 +82,28 @@ func Start(extra ...string) (_ *Server, err error) {
 		return nil, err
 	}
 	data := filepath.Join(s.base, "data")
-	var asRoot []string
+	// A temp dir of its own: a server removes the #sql files of its temp dir when it starts, and
+	// the installer's bootstrap keeps its temporary tables there, so that servers of several test
+	// binaries sharing /tmp broke each other's installation.
+	tmp := filepath.Join(s.base, "tmp")
+	if err := os.Mkdir(tmp, 0o700); err != nil {
+		return nil, fmt.Errorf("create the server's temp dir: %w", err)
+	}
+	// The options of the installer and the server alike.
+	common := []string{"--tmpdir=" + tmp}
 	if os.Geteuid() == 0 {
-		asRoot = []string{"--user=root"}
+		common = append(common, "--user=root")
 	}
 	if strings.Contains(s.Version, "MariaDB") {
 		installDB, err := lookPath("mariadb-install-db", "mysql_install_db")
 		if err != nil {
 			return nil, err
 		}
-		args := append([]string{"--no-defaults", "--datadir=" + data, "--auth-root-authentication-method=normal", "--skip-test-db"}, asRoot...)
+		args := append([]string{"--no-defaults", "--datadir=" + data, "--auth-root-authentication-method=normal", "--skip-test-db"}, common...)
 		if err := run(installDB, args...); err != nil {
 			return nil, err
 		}
-	} else if err := run(mysqld, append([]string{"--no-defaults", "--initialize-insecure", "--datadir=" + data}, asRoot...)...); err != nil {
+	} else if err := run(mysqld, append([]string{"--no-defaults", "--initialize-insecure", "--datadir=" + data}, common...)...); err != nil {
 		return nil, err
 	}
 	var lastErr error
@@ -104,7 +112,7 @@ func Start(extra ...string) (_ *Server, err error) {
 		if err != nil {
 			return nil, err
 		}
-		if lastErr = s.start(mysqld, data, port, append(asRoot, extra...)); lastErr == nil {
+		if lastErr = s.start(mysqld, data, port, append(common, extra...)); lastErr == nil {
 			return s, nil
 		}
 		if !strings.Contains(lastErr.Error(), "Address already in use") {

@@ -27,3 +27,24 @@ func TestStartStop(t *testing.T) {
 		t.Fatalf("server still accepts connections on %s after Stop", s.Addr)
 	}
 }
+
+// TestStartLeavesSharedTempDirAlone: a server removes the #sql files of its temp dir when it starts,
+// and the installer's bootstrap keeps its temporary tables there. Two test binaries starting
+// servers at once (go test ./... of a module with two packages of MySQL tests) must not remove
+// each other's, or the other's installation fails ("Unknown table mysql.tmp_proxies_priv").
+func TestStartLeavesSharedTempDirAlone(t *testing.T) {
+	probe, err := os.CreateTemp("", "#sql-mysqlserver-probe-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	probe.Close()
+	defer os.Remove(probe.Name())
+	s, err := Start()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Stop()
+	if _, err := os.Stat(probe.Name()); err != nil {
+		t.Errorf("%s, another process's temporary file, after a server started: %v", probe.Name(), err)
+	}
+}
