@@ -49,7 +49,7 @@ type Database struct {
 	Title string
 	// DSNFormat describes the connection strings -dsn takes, for the usage.
 	DSNFormat string
-	// DefaultSchema is what an empty -schema means, for the usage.
+	// DefaultSchema says what an empty -schema means, for the usage.
 	DefaultSchema string
 	// Open checks dsn and opens the database (no I/O); its error must not repeat the password.
 	Open func(dsn string) (*sql.DB, error)
@@ -133,7 +133,7 @@ type usageError struct{ msg string }
 func (e usageError) Error() string { return e.msg }
 
 func usage(d Database) string {
-	return fmt.Sprintf("%s (%s; -dsn in %s, -schema default %q)\n", usageText, d.Title, d.DSNFormat, d.DefaultSchema)
+	return fmt.Sprintf("%s\n%s: -dsn in %s; no -schema: %s\n", usageText, d.Title, d.DSNFormat, d.DefaultSchema)
 }
 
 const usageText = `usage: outbox [-dsn DSN] [-schema S] [-prefix P] [-o text|json] [-actor NAME] [-timeout D] COMMAND

@@ -40,7 +40,7 @@ func database() outboxcli.Database {
 	return outboxcli.Database{
 		Title:            "MySQL/MariaDB",
 		DSNFormat:        "go-sql-driver/mysql format, user:password@tcp(host:3306)/database, mysql:// prefix allowed",
-		DefaultSchema:    "",
+		DefaultSchema:    "the DSN's database",
 		Open:             open,
 		Driver:           mysql.Driver{},
 		RedactDSN:        redact,
