@@ -239,13 +239,13 @@ func writeError(w http.ResponseWriter, status int, msg string) {
 }
 
 // mountConsole sets up the outbox's web console (package console) at /outbox/ when the service
-// runs on PostgreSQL (the console reads the tables with PostgreSQL's SQL). It asks for HTTP Basic
+// runs on PostgreSQL or MySQL (package ops has their statements, not SQLite's). It asks for HTTP Basic
 // authentication as user "operator" with cfg.consolePassword, or with a random password when none
 // is set, and lets the operator retry, discard and replay. It returns what to tell the user, with
 // ADDR standing for the listen address.
 func (a *api) mountConsole(cfg config) (string, error) {
-	if cfg.postgres == "" {
-		return "(needs PostgreSQL: start with -postgres DSN)", nil
+	if cfg.postgres == "" && cfg.mysql == "" {
+		return "(needs PostgreSQL or MySQL: start with -postgres DSN or -mysql DSN)", nil
 	}
 	password := cfg.consolePassword
 	// The operator's own password is never printed (the banner may end up in a log); a

@@ -11,11 +11,22 @@ import (
 	"github.com/watermill-outbox/outbox/internal/pgtest"
 )
 
-// On PostgreSQL the service mounts the outbox's web console at /outbox/, behind HTTP Basic
-// authentication as user operator.
+// On PostgreSQL and on MySQL the service mounts the outbox's web console at /outbox/, behind HTTP
+// Basic authentication as user operator.
 func TestConsoleIsMountedBehindAuthentication(t *testing.T) {
-	cfg := testConfig(t)
-	cfg.postgres = pgtest.DSN(t)
+	t.Run("postgres", func(t *testing.T) {
+		cfg := testConfig(t)
+		cfg.postgres = pgtest.DSN(t)
+		checkConsole(t, cfg)
+	})
+	t.Run("mysql", func(t *testing.T) {
+		cfg := testConfig(t)
+		cfg.mysql = mysqlDSN(t)
+		checkConsole(t, cfg)
+	})
+}
+
+func checkConsole(t *testing.T, cfg config) {
 	cfg.consolePassword = "s3cret"
 	out := &syncBuffer{}
 	base, client := startService(t, cfg, out)

@@ -130,7 +130,7 @@ func parseFlags(args []string) (config, error) {
 	fs.StringVar(&cfg.kafkaBrokers, "kafka-brokers", env("ORDERS_KAFKA_BROKERS", "localhost:9092"), "Kafka bootstrap servers (host:port, comma-separated) of -broker kafka (ORDERS_KAFKA_BROKERS)")
 	fs.BoolVar(&cfg.verbose, "v", false, "log what Watermill and the outbox do")
 	fs.StringVar(&cfg.consolePassword, "console-password", env("ORDERS_CONSOLE_PASSWORD", ""),
-		"password of user operator for the web console at /outbox/ (PostgreSQL only); empty: a random one, printed at start (ORDERS_CONSOLE_PASSWORD)")
+		"password of user operator for the web console at /outbox/ (PostgreSQL or MySQL); empty: a random one, printed at start (ORDERS_CONSOLE_PASSWORD)")
 
 	fs.StringVar(&cfg.afterDispatchFailure, "after-dispatch-failure", env("ORDERS_AFTER_DISPATCH_FAILURE", string(outbox.DispatchFailureNack)),
 		"when a message's events cannot all be sent after its commit: nack (redeliver it; its redelivery sends them) or ack (leave them to the relay) (ORDERS_AFTER_DISPATCH_FAILURE)")
