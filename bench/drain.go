@@ -581,26 +581,11 @@ func runDrain(cfg drainConfig, dsn, docsDir, resultsPath string) error {
 	if pgss {
 		extraSettings = append(extraSettings, "shared_preload_libraries=pg_stat_statements", "pg_stat_statements.track_utility=off")
 	}
-	if dsn == "" {
-		logf("starting a throwaway PostgreSQL")
-		srv, err := startPG()
-		if err != nil {
-			return err
-		}
-		defer srv.stop()
-		dsn = srv.dsn("postgres")
-		rep.Machine.Postgres = srv.version
-		rep.Machine.ServerSettings = strings.Join(serverSettings, ", ")
-	}
-	benchDSN, err := createDatabase(ctx, dsn, "outbox_drain")
+	admin, benchDSN, closeDB, err := openBenchDatabase(ctx, dsn, "outbox_drain", &rep.Machine)
 	if err != nil {
 		return err
 	}
-	admin, err := sql.Open("postgres", benchDSN)
-	if err != nil {
-		return err
-	}
-	defer admin.Close()
+	defer closeDB()
 	if _, err := admin.ExecContext(ctx, `CREATE TABLE applied (message_id text NOT NULL)`); err != nil {
 		return err
 	}

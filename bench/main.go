@@ -223,31 +223,11 @@ func run(cfg config, dsn string, skipScale bool, docsDir, resultsPath string) (e
 	rep := &report{Mode: cfg.Mode, Config: cfg, Started: began.UTC().Format(time.RFC3339), Command: commandLine(cfg)}
 	rep.Machine = machineInfo()
 
-	if dsn == "" {
-		logf("starting a throwaway PostgreSQL")
-		srv, err := startPG()
-		if err != nil {
-			return err
-		}
-		defer srv.stop()
-		dsn = srv.dsn("postgres")
-		rep.Machine.Postgres = srv.version
-		rep.Machine.ServerSettings = strings.Join(serverSettings, ", ")
-	} else {
-		rep.Machine.ServerSettings = "external server (-dsn): its own settings"
-	}
-	benchDSN, err := createDatabase(ctx, dsn, "outbox_bench")
+	admin, benchDSN, closeDB, err := openBenchDatabase(ctx, dsn, "outbox_bench", &rep.Machine)
 	if err != nil {
 		return err
 	}
-	admin, err := sql.Open("postgres", benchDSN)
-	if err != nil {
-		return err
-	}
-	defer admin.Close()
-	if rep.Machine.Postgres == "" {
-		_ = admin.QueryRow(`SELECT version()`).Scan(&rep.Machine.Postgres)
-	}
+	defer closeDB()
 	if _, err := admin.ExecContext(ctx, `
 		CREATE TABLE applied (message_id text NOT NULL);
 		CREATE TABLE naive_processed (message_id text PRIMARY KEY, processed_at timestamptz NOT NULL DEFAULT now());`); err != nil {

@@ -2,6 +2,8 @@ package main
 
 import (
 	"bytes"
+	"context"
+	"database/sql"
 	"errors"
 	"fmt"
 	"net"
@@ -212,3 +214,35 @@ func findBinDir() (string, error) {
 }
 
 var _ = time.Second
+
+// openBenchDatabase starts a throwaway PostgreSQL unless dsn names a server, creates database name
+// on it afresh and opens it, noting the server in m. stop ends what it started.
+func openBenchDatabase(ctx context.Context, dsn, name string, m *machine) (admin *sql.DB, benchDSN string, stop func(), err error) {
+	stop = func() {}
+	if dsn == "" {
+		logf("starting a throwaway PostgreSQL")
+		srv, err := startPG()
+		if err != nil {
+			return nil, "", stop, err
+		}
+		stop = srv.stop
+		dsn = srv.dsn("postgres")
+		m.Postgres = srv.version
+		m.ServerSettings = strings.Join(serverSettings, ", ")
+	} else {
+		m.ServerSettings = "external server (-dsn): its own settings"
+	}
+	benchDSN, err = createDatabase(ctx, dsn, name)
+	if err == nil {
+		admin, err = sql.Open("postgres", benchDSN)
+	}
+	if err != nil {
+		stop()
+		return nil, "", func() {}, err
+	}
+	if m.Postgres == "" {
+		_ = admin.QueryRow(`SELECT version()`).Scan(&m.Postgres)
+	}
+	stopServer := stop
+	return admin, benchDSN, func() { _ = admin.Close(); stopServer() }, nil
+}

@@ -207,31 +207,11 @@ func runScaling(cfg scalingConfig, dsn, docsDir, resultsPath string) error {
 	if pgss {
 		extraSettings = append(extraSettings, "shared_preload_libraries=pg_stat_statements", "pg_stat_statements.track_utility=off")
 	}
-	if dsn == "" {
-		logf("starting a throwaway PostgreSQL")
-		srv, err := startPG()
-		if err != nil {
-			return err
-		}
-		defer srv.stop()
-		dsn = srv.dsn("postgres")
-		rep.Machine.Postgres = srv.version
-		rep.Machine.ServerSettings = strings.Join(serverSettings, ", ")
-	} else {
-		rep.Machine.ServerSettings = "external server (-dsn): its own settings"
-	}
-	benchDSN, err := createDatabase(ctx, dsn, "outbox_scaling")
+	admin, benchDSN, closeDB, err := openBenchDatabase(ctx, dsn, "outbox_scaling", &rep.Machine)
 	if err != nil {
 		return err
 	}
-	admin, err := sql.Open("postgres", benchDSN)
-	if err != nil {
-		return err
-	}
-	defer admin.Close()
-	if rep.Machine.Postgres == "" {
-		_ = admin.QueryRow(`SELECT version()`).Scan(&rep.Machine.Postgres)
-	}
+	defer closeDB()
 	if _, err := admin.ExecContext(ctx, `CREATE TABLE applied (message_id text NOT NULL)`); err != nil {
 		return err
 	}
