@@ -32,9 +32,7 @@ func TestFailedDispatchWakesTheRelayOfAnotherInstance(t *testing.T) {
 			t.Error(err)
 		}
 	}()
-	waitFor(t, "the relay to listen", func() bool {
-		return e.count(`SELECT count(*) FROM pg_stat_activity WHERE query LIKE 'LISTEN %'`) > 0
-	})
+	waitListening(t, e)
 
 	e.pub.fail.Store(1) // the fast path fails once, then the broker is back
 	var id string
@@ -68,18 +66,8 @@ func TestListenerConnectingIsNoHandoff(t *testing.T) {
 		c.Driver = d
 		c.RelayInterval = time.Hour
 	})
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error)
-	go func() { done <- ob.Run(ctx) }()
-	defer func() {
-		cancel()
-		if err := <-done; err != nil {
-			t.Error(err)
-		}
-	}()
-	waitFor(t, "the relay to listen", func() bool {
-		return e.count(`SELECT count(*) FROM pg_stat_activity WHERE query LIKE 'LISTEN %'`) > 0
-	})
+	startRun(t, ob)
+	waitListening(t, e)
 	waitFor(t, "the relay's first rounds", func() bool { return claims() > 0 })
 	time.Sleep(200 * time.Millisecond)
 	before := claims()
@@ -98,4 +86,12 @@ func TestListenerConnectingIsNoHandoff(t *testing.T) {
 	if n := claims() - before; n > 2 {
 		t.Fatalf("the relay claimed %d times while %d messages were sent on the fast path, nothing handed off; want at most 2", n, messages)
 	}
+}
+
+// waitListening waits until a relay's listener of the database of e has sent LISTEN.
+func waitListening(t *testing.T, e *env) {
+	t.Helper()
+	waitFor(t, "the relay to listen", func() bool {
+		return e.count(`SELECT count(*) FROM pg_stat_activity WHERE query LIKE 'LISTEN %'`) > 0
+	})
 }
