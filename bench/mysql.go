@@ -9,7 +9,6 @@ import (
 	"os"
 	"slices"
 	"strings"
-	"sync"
 	"sync/atomic"
 	"time"
 
@@ -245,7 +244,9 @@ func openCountedMySQL(contender string, c *wireCounters, maxConns int) (*sql.DB,
 		if err != nil {
 			return nil, err
 		}
-		return &mysqlCountingConn{Conn: conn, c: c}, nil
+		cc := &mysqlCountingConn{}
+		cc.roundTripConn = roundTripConn{Conn: conn, c: c, parse: cc.parse}
+		return cc, nil
 	})
 	cfg.Net = network
 	connector, err := gomysql.NewConnector(cfg)
@@ -263,43 +264,10 @@ func openCountedMySQL(contender string, c *wireCounters, maxConns int) (*sql.DB,
 // and a sequence number; a packet with sequence number 0 starts a command, whose first byte says
 // which (COM_QUERY: a statement, its arguments interpolated; COM_STMT_PREPARE, COM_STMT_EXECUTE).
 type mysqlCountingConn struct {
-	net.Conn
-	c *wireCounters
-
-	mu        sync.Mutex
-	lastWrite bool
-	hdr       []byte // partial packet header
-	skip      int    // payload bytes of the current packet still to skip
-	command   bool   // the next payload byte is a command byte
-}
-
-func (cc *mysqlCountingConn) Read(p []byte) (int, error) {
-	n, err := cc.Conn.Read(p)
-	cc.c.bytesIn.Add(int64(n))
-	if n > 0 {
-		cc.mu.Lock()
-		cc.lastWrite = false
-		cc.mu.Unlock()
-	}
-	return n, err
-}
-
-func (cc *mysqlCountingConn) Write(p []byte) (int, error) {
-	cc.mu.Lock()
-	if !cc.lastWrite {
-		cc.c.roundTrips.Add(1)
-		cc.lastWrite = true
-		if classifyRoundTrips.Load() {
-			if _, ok := consumerGoroutines.Load(goroutineID()); ok {
-				cc.c.syncRT.Add(1)
-			}
-		}
-	}
-	cc.parse(p)
-	cc.mu.Unlock()
-	n, err := cc.Conn.Write(p)
-	cc.c.bytesOut.Add(int64(n))
-	return n, err
+	roundTripConn
+	hdr     []byte // partial packet header
+	skip    int    // payload bytes of the current packet still to skip
+	command bool   // the next payload byte is a command byte
 }
 
 const (

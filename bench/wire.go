@@ -109,23 +109,23 @@ func (d countingDialer) DialContext(ctx context.Context, network, address string
 	if err != nil {
 		return nil, err
 	}
-	return &countingConn{Conn: c, c: d.c, startup: true}, nil
+	cc := &countingConn{startup: true}
+	cc.roundTripConn = roundTripConn{Conn: c, c: d.c, parse: cc.parse}
+	return cc, nil
 }
 
-// countingConn parses the frontend message stream: after the untyped startup packet, every
-// message is a type byte and a big-endian int32 length that includes itself.
-type countingConn struct {
+// roundTripConn counts the round trips and bytes of a connection: a write after a read starts a
+// round trip. parse reads the protocol's messages out of each write (under mu).
+type roundTripConn struct {
 	net.Conn
 	c *wireCounters
 
 	mu        sync.Mutex
 	lastWrite bool // the last I/O was a write: further writes belong to the same round trip
-	startup   bool
-	hdr       []byte // partial header
-	skip      int    // body bytes of the current message still to skip
+	parse     func(p []byte)
 }
 
-func (cc *countingConn) Read(p []byte) (int, error) {
+func (cc *roundTripConn) Read(p []byte) (int, error) {
 	n, err := cc.Conn.Read(p)
 	cc.c.bytesIn.Add(int64(n))
 	if n > 0 {
@@ -136,7 +136,7 @@ func (cc *countingConn) Read(p []byte) (int, error) {
 	return n, err
 }
 
-func (cc *countingConn) Write(p []byte) (int, error) {
+func (cc *roundTripConn) Write(p []byte) (int, error) {
 	cc.mu.Lock()
 	if !cc.lastWrite {
 		cc.c.roundTrips.Add(1)
@@ -152,6 +152,15 @@ func (cc *countingConn) Write(p []byte) (int, error) {
 	n, err := cc.Conn.Write(p)
 	cc.c.bytesOut.Add(int64(n))
 	return n, err
+}
+
+// countingConn parses the frontend message stream: after the untyped startup packet, every
+// message is a type byte and a big-endian int32 length that includes itself.
+type countingConn struct {
+	roundTripConn
+	startup bool
+	hdr     []byte // partial header
+	skip    int    // body bytes of the current message still to skip
 }
 
 func (cc *countingConn) parse(p []byte) {
