@@ -3,7 +3,6 @@ package main
 import (
 	"context"
 	"database/sql"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -709,11 +708,7 @@ func runDrain(cfg drainConfig, dsn, docsDir, resultsPath string) error {
 
 	rep.DurationSec = time.Since(began).Seconds()
 	logf("done in %.0f s", rep.DurationSec)
-	js, err := json.MarshalIndent(rep, "", "  ")
-	if err != nil {
-		return err
-	}
-	if err := os.WriteFile(resultsPath, js, 0o644); err != nil {
+	if err := writeResults(resultsPath, rep); err != nil {
 		return err
 	}
 	return writeDrainDocs(docsDir, rep)

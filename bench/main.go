@@ -399,11 +399,7 @@ func run(cfg config, dsn string, skipScale bool, docsDir, resultsPath string) (e
 	rep.Ratios = ratios(rep)
 	logf("done in %.0f s", rep.DurationSec)
 	printRatios(os.Stdout, rep)
-	js, err := json.MarshalIndent(rep, "", "  ")
-	if err != nil {
-		return err
-	}
-	if err := os.WriteFile(resultsPath, js, 0o644); err != nil {
+	if err := writeResults(resultsPath, rep); err != nil {
 		return err
 	}
 	return writeDocs(docsDir, rep)
@@ -535,3 +531,12 @@ func loadAverage() string {
 var _ = errors.New
 var _ = filepath.Join
 var _ atomic.Bool
+
+// writeResults writes a run's results as indented JSON to path.
+func writeResults(path string, rep any) error {
+	js, err := json.MarshalIndent(rep, "", "  ")
+	if err != nil {
+		return err
+	}
+	return os.WriteFile(path, js, 0o644)
+}

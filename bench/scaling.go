@@ -303,11 +303,7 @@ func runScaling(cfg scalingConfig, dsn, docsDir, resultsPath string) error {
 	rep.DurationSec = time.Since(began).Seconds()
 	logf("done in %.0f s", rep.DurationSec)
 	printScaling(os.Stdout, rep)
-	js, err := json.MarshalIndent(rep, "", "  ")
-	if err != nil {
-		return err
-	}
-	if err := os.WriteFile(resultsPath, js, 0o644); err != nil {
+	if err := writeResults(resultsPath, rep); err != nil {
 		return err
 	}
 	return writeScalingDocs(docsDir, rep)
