@@ -387,6 +387,7 @@ func (u *unit) record(ctx context.Context, effects []Effect) error {
 			effects[i].DueAt, effects[i].CancelKey = due, cancelKey
 		}
 		if err := dt.RecordDelayed(ctx, effects); err != nil {
+			u.storeFailed = true
 			return fmt.Errorf("outbox: store delayed side effects: %w", err)
 		}
 		u.recorded += len(effects)

@@ -310,3 +310,30 @@ func TestTelemetryBoundaryStalledUnitsFail(t *testing.T) {
 		t.Errorf("%s{outcome=rolled_back} = %d, want 0: no fn refused anything", outbox.MetricBoundaryUnits, n)
 	}
 }
+
+// A unit whose delayed effect the store refuses counts as failed too, as one whose effect the
+// store refuses: the database said no, not the application.
+func TestTelemetryBoundaryRefusedDelayedEffectFails(t *testing.T) {
+	e := newCounterEnv(t, outbox.Config{StatsInterval: -1})
+	outcome := func(o string) map[string]string { return map[string]string{string(outbox.AttrOutcome): o} }
+	// The delayed table is missing (an operator's mistake): every delayed record fails at once.
+	if _, err := e.db.Exec(`ALTER TABLE outbox_delayed RENAME TO outbox_delayed_away`); err != nil {
+		t.Fatal(err)
+	}
+	defer func() {
+		if _, err := e.db.Exec(`ALTER TABLE outbox_delayed_away RENAME TO outbox_delayed`); err != nil {
+			t.Error(err)
+		}
+	}()
+	err := e.ob.InTx(context.Background(), func(ctx context.Context, tx *sql.Tx) error {
+		return outbox.Publish(outbox.WithDelay(ctx, time.Minute), telEvents, message.NewMessage(uuid.NewString(), []byte("x")))
+	})
+	if err == nil {
+		t.Fatal("InTx with a delayed effect and no delayed table: no error")
+	}
+	rm := e.tel.collect(t)
+	if n := sumInt(t, rm, outbox.MetricBoundaryUnits, outcome(outbox.OutcomeFailed)); n != 1 {
+		t.Errorf("%s{outcome=failed} = %d after the store refused a delayed effect, want 1 (rolled_back: %d)", outbox.MetricBoundaryUnits, n,
+			sumInt(t, rm, outbox.MetricBoundaryUnits, outcome(outbox.OutcomeRolledBack)))
+	}
+}
