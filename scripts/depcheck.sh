@@ -90,65 +90,38 @@ if [[ -n "${found}" ]]; then
 fi
 echo "depcheck: a module importing the library's packages needs $(echo "${graph}" | wc -l) modules, none of them heavy (installed from a proxy at ${version}, no replace)"
 
+# consumer installs a throwaway module NAME that imports the packages given, from the proxy at
+# this version with no replace, after `go get` of MODULE, and fails when its graph holds a heavy
+# dependency other than the ALLOWED one (an alternative of heavy), named WHAT in the messages.
+consumer() {
+	local name="$1" module="$2" allowed="$3" what="$4"
+	shift 4
+	mkdir "${tmp}/${name}"
+	printf 'module example.com/%sconsumer\n\ngo 1.25.0\n' "${name}" >"${tmp}/${name}/go.mod"
+	{
+		printf 'package main\n\nimport (\n'
+		for p in "$@"; do printf '\t_ "%s"\n' "${p}"; done
+		printf ')\n\nfunc main() {}\n'
+	} >"${tmp}/${name}/main.go"
+	(
+		cd "${tmp}/${name}"
+		"${go}" get "${module}@${version}" >/dev/null 2>&1 || "${go}" get "${module}@${version}"
+		"${go}" mod tidy >/dev/null
+		"${go}" build ./...
+		local others graph found
+		others="$(echo "|${heavy}|" | sed "s#|${allowed}|#|#; s#^|##; s#|\$##")"
+		graph="$("${go}" list -m all)"
+		found="$( { echo "${graph}"; cat go.sum; } | grep -E "${others}" | sort -u || true)"
+		if [[ -n "${found}" ]]; then
+			echo "depcheck: a module importing ${what} gets heavy dependencies beyond ${allowed}:" >&2
+			echo "${found}" >&2
+			exit 1
+		fi
+		echo "depcheck: a module importing ${what} needs $(echo "${graph}" | wc -l) modules: ${allowed} and nothing else heavy (installed from a proxy at ${version}, no replace)"
+	)
+}
+
 # The pgx form (its own module) adds pgx and what pgx needs, nothing else heavy.
-mkdir "${tmp}/pgx"
-cat >"${tmp}/pgx/go.mod" <<EOF2
-module example.com/pgxconsumer
-
-go 1.25.0
-EOF2
-cat >"${tmp}/pgx/main.go" <<'EOF2'
-package main
-
-import (
-	_ "github.com/watermill-outbox/outbox/drivers/outboxpgx"
-	_ "github.com/watermill-outbox/outbox/middleware"
-)
-
-func main() {}
-EOF2
-cd "${tmp}/pgx"
-"${go}" get "${lib}/drivers/outboxpgx@${version}" >/dev/null 2>&1 || "${go}" get "${lib}/drivers/outboxpgx@${version}"
-"${go}" mod tidy >/dev/null
-"${go}" build ./...
-pgxHeavy="$(echo "${heavy}" | sed 's/|jackc\/pgx//')"
-graph="$("${go}" list -m all)"
-found="$( { echo "${graph}"; cat go.sum; } | grep -E "${pgxHeavy}" | sort -u || true)"
-if [[ -n "${found}" ]]; then
-	echo "depcheck: a module importing the pgx form gets heavy dependencies beyond pgx:" >&2
-	echo "${found}" >&2
-	exit 1
-fi
-echo "depcheck: a module importing the pgx form needs $(echo "${graph}" | wc -l) modules: pgx and nothing else heavy (installed from a proxy at ${version}, no replace)"
-
+consumer pgx "${lib}/drivers/outboxpgx" 'jackc/pgx' 'the pgx form' "${lib}/drivers/outboxpgx" "${lib}/middleware"
 # The MySQL driver (its own module) adds go-sql-driver/mysql and what it needs, nothing else heavy.
-mkdir "${tmp}/mysql"
-cat >"${tmp}/mysql/go.mod" <<EOF3
-module example.com/mysqlconsumer
-
-go 1.25.0
-EOF3
-cat >"${tmp}/mysql/main.go" <<'EOF3'
-package main
-
-import (
-	_ "github.com/watermill-outbox/outbox"
-	_ "github.com/watermill-outbox/outbox/drivers/mysql"
-	_ "github.com/watermill-outbox/outbox/middleware"
-)
-
-func main() {}
-EOF3
-cd "${tmp}/mysql"
-"${go}" get "${lib}/drivers/mysql@${version}" >/dev/null 2>&1 || "${go}" get "${lib}/drivers/mysql@${version}"
-"${go}" mod tidy >/dev/null
-"${go}" build ./...
-mysqlHeavy="$(echo "${heavy}" | sed 's/go-sql-driver\/mysql|//')"
-graph="$("${go}" list -m all)"
-found="$( { echo "${graph}"; cat go.sum; } | grep -E "${mysqlHeavy}" | sort -u || true)"
-if [[ -n "${found}" ]]; then
-	echo "depcheck: a module importing the MySQL driver gets heavy dependencies beyond go-sql-driver/mysql:" >&2
-	echo "${found}" >&2
-	exit 1
-fi
-echo "depcheck: a module importing the MySQL driver needs $(echo "${graph}" | wc -l) modules: go-sql-driver/mysql and nothing else heavy (installed from a proxy at ${version}, no replace)"
+consumer mysql "${lib}/drivers/mysql" 'go-sql-driver/mysql' 'the MySQL driver' "${lib}" "${lib}/drivers/mysql" "${lib}/middleware"
