@@ -110,9 +110,13 @@ func (q queries) keyClaim(ctx context.Context, tx *sql.Tx, p outboxdriver.KeyCla
 	return outboxdriver.KeyClaim{Claimed: true}, nil
 }
 
-// KeyUnlock implements outboxdriver.KeySessionLocker.
+// KeyUnlock implements outboxdriver.KeySessionLocker. It releases every lock of the unit's
+// session, not the key's by name: the name is made of DATABASE() when no schema is configured,
+// which a handler's USE changes, and a lock released by a name it no longer has would stay with
+// the connection in the pool (every later claim of the key in flight). The session is the unit's
+// alone, so what else it holds (a GET_LOCK of the handler's) would leak the same way.
 func (s *mysqlStore) KeyUnlock(ctx context.Context, conn *sql.Conn, scope, key string) error {
-	if _, err := conn.ExecContext(ctx, `DO RELEASE_LOCK(`+keyLock(s.q.n)+`)`, keyLockArg(s.q.n, scope, key)); err != nil {
+	if _, err := conn.ExecContext(ctx, `DO RELEASE_ALL_LOCKS()`); err != nil {
 		return fmt.Errorf("release the lock of idempotency key %q: %w", key, err)
 	}
 	return nil
