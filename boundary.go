@@ -70,6 +70,10 @@ func (o *Outbox) InUnit(ctx context.Context, fn func(ctx context.Context) error)
 		outcome = OutcomeFailed
 		return fmt.Errorf("outbox: %w", err)
 	}
+	// A panic on the way (in fn, or in a store or driver step) rolls the transaction back before it
+	// goes on, so that the connection goes back to the pool, and with it, on MySQL, the session
+	// lock of a claimed key. On every other path the unit has ended by then: a no-op.
+	defer func() { _ = tx.Rollback(after) }()
 	u := newUnit(o, tx, Source{ID: newID()}, nil)
 	if key != nil {
 		run, err := o.runKeyed(ctx, txCtx, tx, key)
@@ -83,7 +87,7 @@ func (o *Outbox) InUnit(ctx context.Context, fn func(ctx context.Context) error)
 		}
 		u.key = key
 	}
-	if err := callInTx(withUnit(ctx, u), tx, fn); err != nil {
+	if err := fn(withUnit(ctx, u)); err != nil {
 		u.finish()
 		// A unit whose context ended (the caller gave up, or HandlerTimeout) or whose effects the
 		// store did not take could not finish: the database, not the application, said no. A
@@ -134,19 +138,6 @@ func (o *Outbox) InUnit(ctx context.Context, fn func(ctx context.Context) error)
 		outcome = OutcomeDispatchFailed
 	}
 	return nil
-}
-
-// callInTx calls fn; if fn panics, the transaction is rolled back before the panic goes on.
-func callInTx(ctx context.Context, tx outboxdriver.UnitTx, fn func(ctx context.Context) error) (err error) {
-	panicked := true
-	defer func() {
-		if panicked {
-			_ = tx.Rollback(context.WithoutCancel(ctx))
-		}
-	}()
-	err = fn(ctx)
-	panicked = false
-	return err
 }
 
 // JoinTx attaches a unit of work to a transaction the caller owns: side effects recorded with the

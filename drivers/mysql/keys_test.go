@@ -234,6 +234,27 @@ func TestKeyLockOutlivesNoUnit(t *testing.T) {
 			}
 		})
 	}
+	// A handler that switches the session to another database: the lock's name, taken from
+	// DATABASE() when no schema is configured, names another lock by the time it is released.
+	t.Run("use", func(t *testing.T) {
+		if _, err := db.Exec("CREATE DATABASE IF NOT EXISTS outbox_elsewhere"); err != nil {
+			t.Fatal(err)
+		}
+		if err := ob.InTx(outbox.WithIdempotencyKey(context.Background(), "orders", "k-use"), func(ctx context.Context, tx *sql.Tx) error {
+			_, err := tx.ExecContext(ctx, "USE outbox_elsewhere")
+			return err
+		}); err != nil {
+			t.Fatal(err)
+		}
+		var runs atomic.Int32
+		ctx := outbox.WithIdempotencyKey(context.Background(), "orders", "k-use")
+		if err := other.InTx(ctx, placeOrder(&runs, "k-use")); err != nil {
+			t.Fatalf("retry after a unit that switched databases: %v", err)
+		}
+		if _, rep := outbox.IdempotencyResult(ctx); !rep || runs.Load() != 0 {
+			t.Errorf("retry after a unit that switched databases: replayed %v, ran %d; want the stored result", rep, runs.Load())
+		}
+	})
 }
 
 // TestKeyedInTxMismatchExpiryAndCleanup: a key reused with another fingerprint is refused; an
@@ -432,5 +453,67 @@ func TestIsReadOnly(t *testing.T) {
 		if got := mysql.IsReadOnly(fmt.Errorf("wrapped: %w", c.err)); got != c.want {
 			t.Errorf("IsReadOnly(%d %q) = %v, want %v", c.err.Number, c.err.Message, got, c.want)
 		}
+	}
+}
+
+// panickingKeys is the MySQL store with a claim that panics once, after taking the key's lock, when
+// armed: a bug in a store or driver step of a keyed unit, outside the application's fn.
+type panickingKeys struct {
+	outboxdriver.Store
+	armed *atomic.Bool
+}
+
+func (s panickingKeys) KeyClaim(ctx context.Context, tx *sql.Tx, p outboxdriver.KeyClaimParams) (outboxdriver.KeyClaim, error) {
+	c, err := s.Store.(outboxdriver.KeyStore).KeyClaim(ctx, tx, p)
+	if s.armed.CompareAndSwap(true, false) {
+		panic("store bug after the claim")
+	}
+	return c, err
+}
+
+func (s panickingKeys) KeySave(ctx context.Context, tx *sql.Tx, scope, key string, result []byte) error {
+	return s.Store.(outboxdriver.KeyStore).KeySave(ctx, tx, scope, key, result)
+}
+
+func (s panickingKeys) KeyUnlock(ctx context.Context, conn *sql.Conn, scope, key string) error {
+	return s.Store.(outboxdriver.KeySessionLocker).KeyUnlock(ctx, conn, scope, key)
+}
+
+type panickingKeysDriver struct{ armed *atomic.Bool }
+
+func (d panickingKeysDriver) Open(db *sql.DB, opts outboxdriver.StoreOptions) (outboxdriver.Store, error) {
+	st, err := mysql.Driver{}.Open(db, opts)
+	return panickingKeys{Store: st, armed: d.armed}, err
+}
+
+// TestKeyLockReleasedAfterAPanicOutsideFn: a panic in a step of the keyed unit other than fn (here
+// the store's claim, after it took the key's lock) rolls the unit back on its way up, so that its
+// reserved connection, and the session lock of the key, go back: a retry from another process
+// runs instead of finding the key in flight.
+func TestKeyLockReleasedAfterAPanicOutsideFn(t *testing.T) {
+	var armed atomic.Bool
+	db := openAt(t, "REPEATABLE-READ")
+	ob := keyedOutbox(t, db, func(c *outbox.Config) { c.Driver = panickingKeysDriver{armed: &armed} })
+	var schema string
+	if err := db.QueryRow(`SELECT database()`).Scan(&schema); err != nil {
+		t.Fatal(err)
+	}
+	other := keyedOutbox(t, openAt(t, "REPEATABLE-READ"), func(c *outbox.Config) { c.Schema = schema })
+	var runs atomic.Int32
+	armed.Store(true)
+	func() {
+		defer func() {
+			if r := recover(); r == nil {
+				t.Error("the store's panic did not reach the caller")
+			}
+		}()
+		_ = ob.InTx(outbox.WithIdempotencyKey(context.Background(), "orders", "k-store-panic"), placeOrder(&runs, "k-store-panic"))
+	}()
+	ctx := outbox.WithIdempotencyKey(context.Background(), "orders", "k-store-panic")
+	if err := other.InTx(ctx, placeOrder(&runs, "k-store-panic")); err != nil {
+		t.Fatalf("retry after a store step panicked: %v", err)
+	}
+	if runs.Load() != 1 {
+		t.Errorf("fn ran %d times, want once (the retry)", runs.Load())
 	}
 }
