@@ -27,20 +27,33 @@ type txBeginner interface {
 	BeginTx(ctx context.Context, opts *sql.TxOptions) (*sql.Tx, error)
 }
 
+// beginTries bounds the BEGINs of a unit on a reserved connection (see BeginUnit).
+const beginTries = 3
+
 func (s sqlUnits) BeginUnit(ctx context.Context, claim *Source) (outboxdriver.UnitTx, outboxdriver.Claim, error) {
 	if _, ok := s.store.(outboxdriver.KeySessionLocker); ok && claim == nil {
 		// A boundary unit may claim an idempotency key, whose lock outlives the transaction:
 		// its connection is the unit's until the lock is released.
-		conn, err := s.db.Conn(ctx)
-		if err != nil {
-			return nil, outboxdriver.Claim{}, fmt.Errorf("begin transaction (waiting for a database connection, at most HandlerTimeout): %w", err)
-		}
-		tx, err := conn.BeginTx(ctx, nil)
-		if err != nil {
+		// database/sql's BeginTx takes another connection when the first turns out dead; a
+		// reserved one does not, so BEGIN, which changes nothing, is sent again on a fresh
+		// connection (the dead one is discarded with the driver's error).
+		var err error
+		for try := 1; try <= beginTries; try++ {
+			var conn *sql.Conn
+			conn, err = s.db.Conn(ctx)
+			if err != nil {
+				return nil, outboxdriver.Claim{}, fmt.Errorf("begin transaction (waiting for a database connection, at most HandlerTimeout): %w", err)
+			}
+			var tx *sql.Tx
+			if tx, err = conn.BeginTx(ctx, nil); err == nil {
+				return &sqlUnit{store: s.store, tx: tx, conn: conn}, outboxdriver.Claim{Claimed: true}, nil
+			}
 			_ = conn.Close()
-			return nil, outboxdriver.Claim{}, fmt.Errorf("begin transaction: %w", err)
+			if ctx.Err() != nil {
+				break
+			}
 		}
-		return &sqlUnit{store: s.store, tx: tx, conn: conn}, outboxdriver.Claim{Claimed: true}, nil
+		return nil, outboxdriver.Claim{}, fmt.Errorf("begin transaction: %w", err)
 	}
 	begin := s.db.BeginTx
 	if b, ok := s.store.(txBeginner); ok {

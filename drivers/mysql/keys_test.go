@@ -517,3 +517,28 @@ func TestKeyLockReleasedAfterAPanicOutsideFn(t *testing.T) {
 		t.Errorf("fn ran %d times, want once (the retry)", runs.Load())
 	}
 }
+
+// TestInTxBeginsAgainOnADeadPooledConnection: a boundary unit on MySQL runs on a connection it
+// reserves; one that died in the pool (the server ended its session) is left for another, as
+// database/sql's own BeginTx does, instead of failing the unit with "bad connection".
+func TestInTxBeginsAgainOnADeadPooledConnection(t *testing.T) {
+	db := openAt(t, "REPEATABLE-READ", "checkConnLiveness=false")
+	db.SetMaxIdleConns(4)
+	ob := keyedOutbox(t, db, nil)
+	var id int64
+	if err := db.QueryRow(`SELECT CONNECTION_ID()`).Scan(&id); err != nil {
+		t.Fatal(err)
+	}
+	admin := openAt(t, "REPEATABLE-READ")
+	if _, err := admin.Exec(fmt.Sprintf("KILL %d", id)); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(100 * time.Millisecond)
+	var runs atomic.Int32
+	if err := ob.InTx(outbox.WithIdempotencyKey(context.Background(), "orders", "k-dead"), placeOrder(&runs, "k-dead")); err != nil {
+		t.Fatalf("InTx on a pool whose idle connection died: %v", err)
+	}
+	if runs.Load() != 1 {
+		t.Errorf("fn ran %d times, want once", runs.Load())
+	}
+}
