@@ -43,7 +43,8 @@ func (o *Outbox) InUnit(ctx context.Context, fn func(ctx context.Context) error)
 		return fmt.Errorf("%w: InTx called inside the unit of work of consumer %q (message %q) would open an independent transaction; "+
 			"write through outbox.Tx (outboxpgx.Tx with pgx) and record with outbox.Publish instead", ErrNestedUnitOfWork, outer.src.Consumer, outer.src.ID)
 	}
-	if outer := unitFrom(ctx); outer != nil && outer.key != nil && keyedFrom(ctx) == outer.key {
+	if outer, k := unitFrom(ctx), keyedFrom(ctx); outer != nil && outer.key != nil && k != nil &&
+		k.scope == outer.key.scope && k.key == outer.key.key {
 		// It would claim the key the outer unit holds: refused at once, or waited for until
 		// HandlerTimeout with WaitInFlight.
 		return fmt.Errorf("%w: InTx called inside the keyed unit of work of idempotency key %q would claim its key again; "+

@@ -182,6 +182,20 @@ func TestKeyedInTxMisuse(t *testing.T) {
 	if err != nil || !errors.Is(inner, outbox.ErrNestedUnitOfWork) {
 		t.Fatalf("nested keyed InTx: outer %v, inner %v (want ErrNestedUnitOfWork)", err, inner)
 	}
+	// The same key set again on the inner context is the same key: refused at once, not waited
+	// for until HandlerTimeout.
+	start, inner, ran := time.Now(), nil, false
+	err = e.ob.InTx(outbox.WithIdempotencyKey(context.Background(), "orders", "nested-again"), func(ctx context.Context, tx *sql.Tx) error {
+		ran = true
+		inner = e.ob.InTx(outbox.WithIdempotencyKey(ctx, "orders", "nested-again", outbox.WaitInFlight()), func(context.Context, *sql.Tx) error { return nil })
+		return nil
+	})
+	if !ran {
+		t.Fatal("the outer keyed unit did not run")
+	}
+	if err != nil || !errors.Is(inner, outbox.ErrNestedUnitOfWork) || time.Since(start) > 5*time.Second {
+		t.Fatalf("nested InTx with the outer unit's key set again: outer %v, inner %v after %v (want ErrNestedUnitOfWork at once)", err, inner, time.Since(start))
+	}
 	tx, err := e.db.Begin()
 	if err != nil {
 		t.Fatal(err)
