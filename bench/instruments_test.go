@@ -78,8 +78,8 @@ func TestRouterTwoStatement(t *testing.T) {
 func TestRatios(t *testing.T) {
 	r := &report{Config: config{Concs: []int{1, 4}, Broker: "none", Workload: workloadTwoStatement}}
 	r.Cells = []cell{
-		{Contender: "bare-pgx", Conc: 1, Throughput: 1000, WALBytes: 500},
-		{Contender: "outbox-pgx", Conc: 1, Throughput: 800, WALBytes: 1200},
+		{Contender: "bare-pgx", Conc: 1, Throughput: 1000, WALBytes: 500, ServerCPUus: 120, ClientCPUus: 90, Allocs: 53},
+		{Contender: "outbox-pgx", Conc: 1, Throughput: 800, WALBytes: 1200, ServerCPUus: 230, ClientCPUus: 150, Allocs: 198},
 		{Contender: "bare-pgx", Conc: 4, Throughput: 2000},
 		{Contender: "outbox-pgx", Conc: 4, Throughput: 1000},
 		{Contender: "outbox-middleware", Conc: 4, Throughput: 700}, // no bare: no row
@@ -98,8 +98,15 @@ func TestRatios(t *testing.T) {
 	if strings.Contains(out.String(), "outbox-middleware / bare") {
 		t.Errorf("a pair without its bare side printed:\n%s", out.String())
 	}
-	if md := ratiosMarkdown(r); !strings.Contains(md, "| outbox-pgx / bare-pgx | 4 | **0.50** |") {
+	md := ratiosMarkdown(r)
+	if !strings.Contains(md, "| outbox-pgx / bare-pgx | 4 | **0.50** |") {
 		t.Errorf("markdown lacks the c=4 row:\n%s", md)
+	}
+	if !strings.Contains(md, "| 230 / 120 | 150 / 90 | 198 / 53 |") || !strings.Contains(md, "| ? / ? | ? / ? | ? / ? |") {
+		t.Errorf("markdown lacks the CPU and allocations of the c=1 row, or the unmeasured ones of the c=4 row:\n%s", md)
+	}
+	if !strings.Contains(out.String(), "230+150 | 198") {
+		t.Errorf("stdout lacks the CPU and allocations table:\n%s", out.String())
 	}
 }
 

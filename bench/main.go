@@ -336,10 +336,11 @@ func run(cfg config, dsn string, skipScale bool, docsDir, resultsPath string) (e
 					agg[key] = &aggregate{contender: c.name(), path: c.path(), conc: conc}
 				}
 				agg[key].add(res)
-				logf("rep %d c=%-2d %-18s %7.0f msg/s  p50 %6.2f ms  p99 %7.2f ms  rt/msg %.2f/%.2f  stmts/msg %.2f  WAL %5.0f B/msg%s",
+				logf("rep %d c=%-2d %-18s %7.0f msg/s  p50 %6.2f ms  p99 %7.2f ms  rt/msg %.2f/%.2f  stmts/msg %.2f  WAL %5.0f B/msg  CPU us/msg %s  allocs/msg %.0f%s",
 					r+1, conc, c.name(), float64(res.Messages)/res.Elapsed.Seconds(), ms(pct(res.Latencies, 0.5)), ms(pct(res.Latencies, 0.99)),
 					syncRT[key], float64(res.Wire.RoundTrips)/float64(res.Messages), float64(res.Wire.Statements)/float64(res.Messages),
-					float64(res.WALBytes)/float64(res.Messages), errNote(res))
+					float64(res.WALBytes)/float64(res.Messages), cpuPair(res.ServerCPU, res.ClientCPU, res.Messages),
+					float64(res.Allocs)/float64(res.Messages), errNote(res))
 			}
 			k++
 		}
@@ -539,4 +540,14 @@ func writeResults(path string, rep any) error {
 		return err
 	}
 	return os.WriteFile(path, js, 0o644)
+}
+
+// cpuPair formats the server's and the client's CPU time per message as "server + client".
+func cpuPair(server, client time.Duration, messages int) string {
+	n := float64(max(messages, 1))
+	sv := "?"
+	if server >= 0 {
+		sv = fmt.Sprintf("%.0f", float64(server.Microseconds())/n)
+	}
+	return fmt.Sprintf("%s + %.0f", sv, float64(client.Microseconds())/n)
 }

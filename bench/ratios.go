@@ -21,6 +21,10 @@ type ratioRow struct {
 	BareSyncRT        float64
 	FrameworkStmtsMsg float64
 	BareStmtsMsg      float64
+	// CPU time per message, server (-1: not measured) and client, and Go allocations per message.
+	FrameworkServerCPU, BareServerCPU float64
+	FrameworkClientCPU, BareClientCPU float64
+	FrameworkAllocs, BareAllocs       float64
 }
 
 // ratioPairs are the framework contenders and the bare form each is measured against: the same
@@ -46,7 +50,9 @@ func ratios(r *report) []ratioRow {
 			out = append(out, ratioRow{Framework: p[0], Bare: p[1], Conc: conc, Ratio: f.Throughput / b.Throughput,
 				FrameworkMsgS: f.Throughput, BareMsgS: b.Throughput, FrameworkWAL: f.WALBytes, BareWAL: b.WALBytes,
 				FrameworkP50: f.P50, BareP50: b.P50, FrameworkSyncRT: f.SyncRoundTrips, BareSyncRT: b.SyncRoundTrips,
-				FrameworkStmtsMsg: f.Statements, BareStmtsMsg: b.Statements})
+				FrameworkStmtsMsg: f.Statements, BareStmtsMsg: b.Statements,
+				FrameworkServerCPU: f.ServerCPUus, BareServerCPU: b.ServerCPUus, FrameworkClientCPU: f.ClientCPUus, BareClientCPU: b.ClientCPUus,
+				FrameworkAllocs: f.Allocs, BareAllocs: b.Allocs})
 		}
 	}
 	return out
@@ -75,13 +81,19 @@ func ratiosMarkdown(r *report) string {
 		"form's in this run (contenders interleaved, so that both saw the same load), with the WAL each wrote per message "+
 		"(`pg_current_wal_lsn()` before and after each run, the whole server's: background work such as autovacuum counts too).\n\n",
 		or(r.Config.Broker, "nats"), or(r.Config.Workload, workloadInsert), r.Machine.LoadAtStart, or(r.Machine.LoadAtEnd, "?"))
-	w("| framework / bare | consumers | throughput ratio | msg/s | p50 ms | WAL bytes/msg | waited-for round trips/msg | statements/msg |\n")
-	w("|---|--:|--:|--:|--:|--:|--:|--:|\n")
+	w("| framework / bare | consumers | throughput ratio | msg/s | p50 ms | WAL bytes/msg | waited-for round trips/msg | statements/msg | server CPU µs/msg | client CPU µs/msg | allocations/msg |\n")
+	w("|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|\n")
 	for _, x := range rows {
-		w("| %s / %s | %d | **%.2f** | %s / %s | %s / %s | %s / %s | %s / %s | %s / %s |\n", x.Framework, x.Bare, x.Conc, x.Ratio,
+		w("| %s / %s | %d | **%.2f** | %s / %s | %s / %s | %s / %s | %s / %s | %s / %s | %s / %s | %s / %s | %s / %s |\n", x.Framework, x.Bare, x.Conc, x.Ratio,
 			f0(x.FrameworkMsgS), f0(x.BareMsgS), f2(x.FrameworkP50), f2(x.BareP50), f0(x.FrameworkWAL), f0(x.BareWAL),
-			f2(x.FrameworkSyncRT), f2(x.BareSyncRT), f2(x.FrameworkStmtsMsg), f2(x.BareStmtsMsg))
+			f2(x.FrameworkSyncRT), f2(x.BareSyncRT), f2(x.FrameworkStmtsMsg), f2(x.BareStmtsMsg),
+			cpuCell(x.FrameworkServerCPU), cpuCell(x.BareServerCPU), cpuCell(x.FrameworkClientCPU), cpuCell(x.BareClientCPU),
+			cpuCell(x.FrameworkAllocs), cpuCell(x.BareAllocs))
 	}
+	w("\nCPU time per message: the server's is every PostgreSQL process's (`/proc`, in 10 ms ticks: backends, WAL writer, " +
+		"checkpointer, autovacuum), the client's the benchmark process's own (`getrusage`: the contender's, the harness's and the " +
+		"broker's); allocations are the Go heap allocations of that process per message (`runtime.MemStats.Mallocs`). On two CPUs " +
+		"shared by both, throughput at 16 consumers follows their sum.\n")
 	if r.Config.Broker == "none" {
 		w("\nWithout a broker: each contender's handler is a handler of its own Watermill Router (`message.NewRouter`), fed by an " +
 			"in-process subscriber that hands out the pre-generated deliveries (one in flight per consumer, the next after the ack), " +
@@ -130,9 +142,26 @@ func printRatios(out io.Writer, r *report) {
 	if len(r.Cells) == 0 {
 		return
 	}
-	fmt.Fprintf(out, "%-48s", "msg/s | WAL bytes/msg")
+	printCells(out, r, "msg/s | WAL bytes/msg", 16, func(c cell) string { return fmt.Sprintf("%.0f | %.0f", c.Throughput, c.WALBytes) })
+	printCells(out, r, "CPU us/msg server + client | allocs/msg", 18, func(c cell) string {
+		return fmt.Sprintf("%s+%s | %.0f", cpuCell(c.ServerCPUus), cpuCell(c.ClientCPUus), c.Allocs)
+	})
+}
+
+// cpuCell formats a per-message figure that may be unmeasured: negative, or zero in the results
+// of a version that did not measure it.
+func cpuCell(v float64) string {
+	if v <= 0 {
+		return "?"
+	}
+	return f0(v)
+}
+
+// printCells writes one line per contender of r with v of each of its cells.
+func printCells(out io.Writer, r *report, title string, width int, v func(cell) string) {
+	fmt.Fprintf(out, "%-48s", title)
 	for _, c := range r.Config.Concs {
-		fmt.Fprintf(out, " %16s", fmt.Sprintf("c=%d", c))
+		fmt.Fprintf(out, " %*s", width, fmt.Sprintf("c=%d", c))
 	}
 	fmt.Fprintln(out)
 	var names []string
@@ -144,11 +173,11 @@ func printRatios(out io.Writer, r *report) {
 	for _, n := range names {
 		fmt.Fprintf(out, "%-48s", n)
 		for _, conc := range r.Config.Concs {
-			v := "-"
+			s := "-"
 			if c, ok := r.cell(n, conc); ok {
-				v = fmt.Sprintf("%.0f | %.0f", c.Throughput, c.WALBytes)
+				s = v(c)
 			}
-			fmt.Fprintf(out, " %16s", v)
+			fmt.Fprintf(out, " %*s", width, s)
 		}
 		fmt.Fprintln(out)
 	}

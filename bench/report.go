@@ -41,6 +41,10 @@ type cell struct {
 	Undelivered    int
 	PeakHeapMB     float64
 	Resent         int64 // outgoing messages published again (same delivery), e.g. by a relay racing a late mark
+	// ServerCPUus is the server's CPU time per message (all its processes; -1: not measured, the
+	// server is not on this machine), ClientCPUus the benchmark process's (the contender's, the
+	// harness's and the broker's), Allocs its Go heap allocations per message.
+	ServerCPUus, ClientCPUus, Allocs float64
 }
 
 type safetyRow struct {

@@ -36,6 +36,26 @@ type env struct {
 	defaultGrace bool
 
 	lastRecord *runRecord // the recorder of the last run with runOpts.keepSrc
+
+	// postmaster is the server's postmaster PID (for its CPU time), 0 before the first run
+	// looked it up, -1 when the server is not on this machine.
+	postmaster int
+}
+
+// serverCPUNow is the server's CPU time so far, or ok false when the server is not on this
+// machine.
+func (e *env) serverCPUNow(ctx context.Context) (time.Duration, bool) {
+	if e.postmaster == 0 {
+		e.postmaster = -1
+		if pm, err := postmasterPID(ctx, e.admin); err == nil {
+			e.postmaster = pm
+		}
+	}
+	if e.postmaster < 0 {
+		return 0, false
+	}
+	d, err := serverCPU(e.postmaster)
+	return d, err == nil
 }
 
 // relayGrace is the RelayGrace of the framework's contenders: 2 s, so that the crash checks do
@@ -113,6 +133,13 @@ type runResult struct {
 	Undelivered int      // outgoing messages a relay had not published when the run gave up waiting
 	Published   int64    // outgoing messages published more than once for one delivery (re-sends)
 	LiveHeap    []uint64 // with runOpts.memProbe: live heap (after a GC) at 10%, 50% and 90% of the run
+	// ServerCPU is the server's CPU time over the run (every PostgreSQL process: backends,
+	// WAL writer, checkpointer, autovacuum), -1 when the server is not on this machine.
+	ServerCPU time.Duration
+	// ClientCPU is this process's CPU time over the run (getrusage): the contender's, the
+	// harness's and the null broker's or NATS's alike.
+	ClientCPU time.Duration
+	Allocs    uint64 // Go heap allocations over the run (runtime.MemStats.Mallocs)
 }
 
 type runOpts struct {
@@ -178,7 +205,9 @@ func (e *env) run(ctx context.Context, c contender, ds []delivery, opts runOpts)
 	runtime.GC()
 	var ms runtime.MemStats
 	runtime.ReadMemStats(&ms)
-	heapBefore := ms.HeapAlloc
+	heapBefore, mallocs0 := ms.HeapAlloc, ms.Mallocs
+	cpu0, cpuOK := e.serverCPUNow(ctx)
+	self0 := selfCPU()
 	lsn0, err := e.walLSN(ctx)
 	if err != nil {
 		return res, err
@@ -374,6 +403,11 @@ func (e *env) run(ctx context.Context, c contender, ds []delivery, opts runOpts)
 		}
 	}
 	res.Wire = c.counters().snapshot().sub(wire0)
+	res.ClientCPU = selfCPU() - self0
+	res.ServerCPU = -1
+	if cpu1, ok := e.serverCPUNow(ctx); ok && cpuOK {
+		res.ServerCPU = cpu1 - cpu0
+	}
 	lsn1, err := e.walLSN(ctx)
 	if err != nil {
 		return res, err
@@ -383,6 +417,7 @@ func (e *env) run(ctx context.Context, c contender, ds []delivery, opts runOpts)
 	}
 	runtime.GC()
 	runtime.ReadMemStats(&ms)
+	res.Allocs = ms.Mallocs - mallocs0
 	res.PeakHeap = peak.Load()
 	res.HeapRetain = int64(ms.HeapAlloc) - int64(heapBefore)
 	res.Messages = n

@@ -29,6 +29,9 @@ type aggregate struct {
 	undelivered     int
 	peakHeap        uint64
 	resent          int64
+	serverCPU       time.Duration // -1 once a run could not read it
+	clientCPU       time.Duration
+	allocs          uint64
 }
 
 func (a *aggregate) add(r runResult) {
@@ -41,11 +44,18 @@ func (a *aggregate) add(r runResult) {
 	a.undelivered += r.Undelivered
 	a.peakHeap = max(a.peakHeap, r.PeakHeap)
 	a.resent += r.Published
+	if r.ServerCPU < 0 || a.serverCPU < 0 {
+		a.serverCPU = -1
+	} else {
+		a.serverCPU += r.ServerCPU
+	}
+	a.clientCPU += r.ClientCPU
+	a.allocs += r.Allocs
 }
 
 func (a *aggregate) cell() cell {
 	n := float64(a.messages)
-	return cell{
+	c := cell{
 		Contender: a.contender, Path: a.path, Conc: a.conc, Messages: a.messages,
 		Seconds:    a.elapsed.Seconds(),
 		Throughput: n / a.elapsed.Seconds(),
@@ -54,8 +64,13 @@ func (a *aggregate) cell() cell {
 		Statements: float64(a.wire.Statements) / n,
 		Parses:     float64(a.wire.Parses) / n, WALBytes: float64(a.wal) / n,
 		Errors: a.errors, Undelivered: a.undelivered, PeakHeapMB: float64(a.peakHeap) / (1 << 20),
-		Resent: a.resent,
+		Resent:      a.resent,
+		ServerCPUus: -1, ClientCPUus: float64(a.clientCPU.Microseconds()) / n, Allocs: float64(a.allocs) / n,
 	}
+	if a.serverCPU >= 0 {
+		c.ServerCPUus = float64(a.serverCPU.Microseconds()) / n
+	}
+	return c
 }
 
 func ms(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }
