@@ -6,6 +6,7 @@ import (
 	"database/sql"
 	"fmt"
 	"maps"
+	"strings"
 	"testing"
 	"time"
 
@@ -163,4 +164,66 @@ func TestInlineEffectsFromBeforeTheTransactionIDs(t *testing.T) {
 		t.Fatal(err)
 	}
 	sameEffects(t, "claimed by the relay", claim.Effects, old, true)
+}
+
+// TestInlineMarkHostileIDs: one batch of marks over several consumers clears exactly the claims
+// it names, whatever their IDs hold (the quotes, backslashes, braces, commas and spaces of a
+// text[] literal, the word NULL, non-ASCII, the longest allowed ID), cleared or kept in the
+// dispatched table for EffectRetention; claims of the same IDs under another consumer keep theirs.
+func TestInlineMarkHostileIDs(t *testing.T) {
+	ids := []string{`a"b`, `a\b`, `\"`, `{x,y}`, `a,b`, ` lead and trail `, `NULL`, `null`, `"NULL"`, `ü€😀`, `''`,
+		strings.Repeat(`\`, 255), strings.Repeat(`"`, 255), strings.Repeat("é", 127)}
+	for _, deleteDispatched := range []bool{true, false} {
+		t.Run(fmt.Sprint("delete dispatched ", deleteDispatched), func(t *testing.T) {
+			db := pgtest.DB(t)
+			ctx := context.Background()
+			st, _ := openInline(t, db, deleteDispatched)
+			if err := st.Migrate(ctx); err != nil {
+				t.Fatal(err)
+			}
+			var marks []outboxdriver.DispatchMark
+			for _, consumer := range []string{`c"1`, `c\2`, "untouched"} {
+				for _, id := range ids {
+					src := outboxdriver.Source{Consumer: consumer, ID: id}
+					claimInline(t, db, src, 0, false)
+					if consumer != "untouched" {
+						marks = append(marks, outboxdriver.DispatchMark{Source: src, Inline: true})
+					}
+				}
+			}
+			if err := st.EffectMarkDispatched(ctx, marks...); err != nil {
+				t.Fatal(err)
+			}
+			rows, err := db.QueryContext(ctx, `SELECT consumer, message_id FROM outbox_processed WHERE effects IS NOT NULL`)
+			if err != nil {
+				t.Fatal(err)
+			}
+			left := map[outboxdriver.Source]bool{}
+			for rows.Next() {
+				var src outboxdriver.Source
+				if err := rows.Scan(&src.Consumer, &src.ID); err != nil {
+					t.Fatal(err)
+				}
+				left[src] = true
+			}
+			if err := rows.Close(); err != nil {
+				t.Fatal(err)
+			}
+			for _, id := range ids {
+				if !left[outboxdriver.Source{Consumer: "untouched", ID: id}] {
+					t.Errorf("the claim %q of a consumer that was not marked lost its effects", id)
+				}
+			}
+			if len(left) != len(ids) {
+				t.Errorf("%d claims hold effects after the marks, want the %d unmarked ones: %v", len(left), len(ids), left)
+			}
+			var archived int
+			if err := db.QueryRow(`SELECT count(DISTINCT (source_consumer, source_id)) FROM outbox_dispatched`).Scan(&archived); err != nil {
+				t.Fatal(err)
+			}
+			if want := map[bool]int{true: 0, false: len(marks)}[deleteDispatched]; archived != want {
+				t.Errorf("%d claims' sent effects kept in the dispatched table, want %d", archived, want)
+			}
+		})
+	}
 }

@@ -168,7 +168,10 @@ const effectColumns = `e.id, e.source_consumer, e.source_id, e.seq, e.kind, e.to
 
 // asyncCommit makes the implicit transaction of a single statement commit without waiting for
 // the WAL flush: the marks it guards are safe to lose (a lost mark only causes a re-send).
-const asyncCommit = `set_config('synchronous_commit', 'off', true) IS NOT NULL`
+const asyncCommit = asyncCommitSetting + ` IS NOT NULL`
+
+// asyncCommitSetting is the call that asyncCommit makes.
+const asyncCommitSetting = `set_config('synchronous_commit', 'off', true)`
 
 // ids is the list of store IDs passed as the text argument arg, as a table v(id) to join: a join
 // with the primary key is the plan whatever the statistics (id = ANY (...) was once planned as a
