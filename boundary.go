@@ -37,6 +37,7 @@ func (o *Outbox) InTx(ctx context.Context, fn func(ctx context.Context, tx *sql.
 // Inside a handler's unit of work it returns an error wrapping ErrNestedUnitOfWork: the
 // handler's own transaction is the one to write through.
 func (o *Outbox) InUnit(ctx context.Context, fn func(ctx context.Context) error) (err error) {
+	growStack() // see Handle
 	if outer := unitFrom(ctx); outer != nil && outer.incoming != nil {
 		// A transaction of its own would commit even when the message's rolls back, and again,
 		// with new effect UUIDs, on every retry of the message.

@@ -51,6 +51,11 @@ func setOutcome(ctx context.Context, outcome string) {
 // already processed skips next and only dispatches what is still pending. Handle returns nil when
 // msg may be acked, and an error when it must be nacked. The middleware package calls it.
 func (o *Outbox) Handle(msg *message.Message, p HandleParams, next message.HandlerFunc) error {
+	// The Router runs every message on a new goroutine, whose small stack the unit of work's
+	// calls (the driver, the handler, the broker client) would grow deep down, copying a deep
+	// stack, once or more per message: 8% of the consumer path's CPU in the benchmark (database/sql
+	// form, 16 in flight), 3% once grown here, where the stack is still shallow.
+	growStack()
 	began := time.Now()
 	parent := msg.Context()
 	d := &delivery{}

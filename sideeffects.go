@@ -529,7 +529,7 @@ const publishStack = 24 << 10
 // shallow, where the runtime's copy of it costs next to nothing. A new goroutine starts with a
 // small stack; broker clients call deep (NATS decodes its acknowledgement as JSON), and growing it
 // there copies a deep stack, once or twice per message: a tenth of the consumer path's throughput
-// in the benchmark.
+// in the benchmark. Handle and InUnit call it too, on the goroutine of the message or request.
 //
 //go:noinline
 func growStack() byte {
