@@ -176,7 +176,13 @@ func (e *env) wire(topic string) map[string]int {
 // storedEffects returns the UUIDs of the committed effects of a message, in order.
 func (e *env) storedEffects(consumer, id string) []string {
 	e.t.Helper()
-	rows, err := e.db.Query(`SELECT uuid FROM all_effects WHERE source_consumer = $1 AND source_id = $2 ORDER BY seq`, consumer, id)
+	return e.strings(`SELECT uuid FROM all_effects WHERE source_consumer = $1 AND source_id = $2 ORDER BY seq`, consumer, id)
+}
+
+// strings returns the one text column of the rows of query.
+func (e *env) strings(query string, args ...any) []string {
+	e.t.Helper()
+	rows, err := e.db.Query(query, args...)
 	if err != nil {
 		e.t.Fatal(err)
 	}
@@ -188,6 +194,9 @@ func (e *env) storedEffects(consumer, id string) []string {
 			e.t.Fatal(err)
 		}
 		out = append(out, s)
+	}
+	if err := rows.Err(); err != nil {
+		e.t.Fatal(err)
 	}
 	return out
 }

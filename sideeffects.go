@@ -562,7 +562,14 @@ func (o *Outbox) dispatchAndMark(ctx context.Context, path string, src Source, e
 	if blocked, err := o.keyBlocked(ctx, src, effects); err != nil {
 		return fmt.Errorf("outbox: check ordering keys: %w", err)
 	} else if blocked {
-		// The effects are committed; the relay sends them after the earlier ones, in order.
+		// The effects are committed; the relay sends them after the earlier ones, in order. Those
+		// kept in the claim (the database/sql form keeps there the ones of the message's own key)
+		// become rows first, which the relay sends at once rather than after the grace period.
+		if hasInline(effects) {
+			if _, err := o.materialize(ctx, src, effects, 0); err != nil {
+				return fmt.Errorf("outbox: hand side effects to the relay: %w", err)
+			}
+		}
 		return o.handToRelay(ctx, src)
 	}
 	sent, failed, err := o.dispatch(ctx, path, effects)

@@ -5,6 +5,7 @@ import (
 	"database/sql"
 	"database/sql/driver"
 	"fmt"
+	"slices"
 	"time"
 
 	"github.com/watermill-outbox/outbox/outboxdriver"
@@ -72,6 +73,9 @@ func (s sqlUnits) BeginUnit(ctx context.Context, claim *Source) (outboxdriver.Un
 		_ = tx.Rollback()
 		return nil, outboxdriver.Claim{}, err
 	}
+	if r, ok := s.store.(outboxdriver.InlineRecorder); ok && c.Claimed {
+		u.inline = &inlineRecord{store: r, src: *claim}
+	}
 	return u, c, nil
 }
 
@@ -86,7 +90,8 @@ func (s sqlUnits) JoinUnit(tx any) (outboxdriver.UnitTx, error) {
 type sqlUnit struct {
 	store       outboxdriver.Store
 	tx          *sql.Tx
-	inSavepoint bool // some effect may have been written inside a savepoint
+	inSavepoint bool          // some effect row may have been written inside a savepoint
+	inline      *inlineRecord // the effects kept in the claim; nil when there is no claim or the store keeps none
 	// conn is the connection of tx when the store locks keys per session; keyed is the key
 	// claimed on it, whose lock is released once tx has ended.
 	conn  *sql.Conn
@@ -95,7 +100,16 @@ type sqlUnit struct {
 
 func (u *sqlUnit) Tx() any { return u.tx }
 
+// Record stores effects at once: in the claim when the store keeps them there and they have the
+// default ordering key of their source, as effect rows otherwise.
 func (u *sqlUnit) Record(ctx context.Context, effects []Effect) error {
+	if u.inline != nil && u.inline.takes(effects) {
+		ok, err := u.inline.record(ctx, u.tx, effects)
+		if ok || err != nil {
+			return err
+		}
+		u.inline = nil // no claim any more (the handler ended the transaction): rows, as without one
+	}
 	inSavepoint, err := u.store.EffectInsert(ctx, u.tx, effects[0].Source, effects)
 	u.inSavepoint = u.inSavepoint || inSavepoint
 	return err
@@ -103,28 +117,118 @@ func (u *sqlUnit) Record(ctx context.Context, effects []Effect) error {
 
 // Survivors asks the database only when an effect may have been written inside a savepoint.
 func (u *sqlUnit) Survivors(ctx context.Context, effects []Effect) ([]Effect, error) {
-	if !u.inSavepoint || len(effects) == 0 {
+	var keepRow map[int64]bool
+	if u.inSavepoint && len(effects) > 0 {
+		var ids []int64
+		for _, e := range effects {
+			if e.StoreID != 0 {
+				ids = append(ids, e.StoreID)
+			}
+		}
+		existing, err := u.store.EffectExisting(ctx, u.tx, ids)
+		if err != nil {
+			return nil, fmt.Errorf("outbox: check which side effects survived savepoints: %w", err)
+		}
+		keepRow = make(map[int64]bool, len(existing))
+		for _, id := range existing {
+			keepRow[id] = true
+		}
+	}
+	var keepInline map[int]bool
+	if u.inline != nil && u.inline.unsure {
+		var err error
+		if keepInline, err = u.inline.survivors(ctx, u.tx); err != nil {
+			return nil, fmt.Errorf("outbox: check which side effects survived savepoints: %w", err)
+		}
+	}
+	if keepRow == nil && keepInline == nil {
 		return effects, nil
-	}
-	ids := make([]int64, len(effects))
-	for i, e := range effects {
-		ids[i] = e.StoreID
-	}
-	existing, err := u.store.EffectExisting(ctx, u.tx, ids)
-	if err != nil {
-		return nil, fmt.Errorf("outbox: check which side effects survived savepoints: %w", err)
-	}
-	keep := make(map[int64]bool, len(existing))
-	for _, id := range existing {
-		keep[id] = true
 	}
 	out := effects[:0:0]
 	for _, e := range effects {
-		if keep[e.StoreID] {
+		switch {
+		case e.StoreID != 0 && keepRow != nil && !keepRow[e.StoreID]:
+		case e.StoreID == 0 && keepInline != nil && !keepInline[e.Seq]:
+		default:
 			out = append(out, e)
 		}
 	}
 	return out, nil
+}
+
+// inlineRecord keeps the effects of a claimed unit of work in its claim (InlineRecorder).
+type inlineRecord struct {
+	store   outboxdriver.InlineRecorder
+	src     Source
+	effects []Effect // what the claim holds, as far as the unit knows
+	token   int      // of the write that put them there
+	// unsure: a write was made inside a savepoint, or one found the claim holding other effects
+	// than the unit wrote (a savepoint was rolled back): which ones commit is read at the end.
+	unsure bool
+}
+
+// takes tells whether effects are to be kept in the claim: those with the default ordering key
+// of the source. The others are rows, which wait behind the earlier effects of their key (the
+// order is per key: these and the claim's are of different keys).
+func (r *inlineRecord) takes(effects []Effect) bool {
+	key := outboxdriver.DefaultOrderingKey(r.src)
+	for _, e := range effects {
+		if e.OrderingKey != key {
+			return false
+		}
+	}
+	return true
+}
+
+// record writes effects into the claim, after those it holds; ok false when there is no claim.
+func (r *inlineRecord) record(ctx context.Context, tx *sql.Tx, effects []Effect) (bool, error) {
+	for try := 0; try < 2; try++ {
+		next := append(slices.Clip(r.effects), effects...)
+		token, ok, nested, err := r.store.EffectRecordInline(ctx, tx, r.src, next, r.token)
+		if err != nil {
+			return false, err
+		}
+		if ok {
+			r.effects, r.token, r.unsure = next, token, r.unsure || nested
+			return true, nil
+		}
+		// The claim holds less than this unit wrote (a savepoint the handler rolled back undid
+		// the writes since it began), or is gone: start again from what it holds.
+		held, token, claimed, err := r.store.EffectReadInline(ctx, tx, r.src)
+		if err != nil || !claimed {
+			return false, err
+		}
+		r.effects, r.token, r.unsure = r.held(held), token, true
+	}
+	return false, fmt.Errorf("outbox: the side effects in the claim of %q for %q changed while they were written", r.src.ID, r.src.Consumer)
+}
+
+// held returns the effects this unit recorded that are among held (read from the claim).
+func (r *inlineRecord) held(held []Effect) []Effect {
+	seqs := make(map[int]bool, len(held))
+	for _, e := range held {
+		seqs[e.Seq] = true
+	}
+	var out []Effect
+	for _, e := range r.effects {
+		if seqs[e.Seq] {
+			out = append(out, e)
+		}
+	}
+	return out
+}
+
+// survivors returns the Seqs of the effects the claim holds, as the transaction will commit it.
+func (r *inlineRecord) survivors(ctx context.Context, tx *sql.Tx) (map[int]bool, error) {
+	held, _, _, err := r.store.EffectReadInline(ctx, tx, r.src)
+	if err != nil {
+		return nil, err
+	}
+	seqs := make(map[int]bool, len(held))
+	for _, e := range held {
+		seqs[e.Seq] = true
+	}
+	return seqs, nil
 }
 
 func (u *sqlUnit) Commit(ctx context.Context, _ []Effect) error {

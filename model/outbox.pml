@@ -10,9 +10,11 @@
  * What is modelled:
  *   - NM messages with NE side effects each (one ordering key per message: its default key),
  *     NCOPY copies of each, copy c delivered to instance c: instance 0 runs the pgx form's
- *     optimistic mode (claim INSERTed at COMMIT, effects inline in it), instance 1 the
- *     pessimistic mode or the database/sql form (claim INSERT ... ON CONFLICT at BEGIN, effects
- *     as rows: both are the ROWS form here, they differ in nothing the protocol sees);
+ *     optimistic mode (claim INSERTed at COMMIT, effects inline in it), instance 1, chosen once
+ *     for all its deliveries, the pgx form's pessimistic mode (claim INSERT ... ON CONFLICT at
+ *     BEGIN, effect rows at COMMIT: the ROWS form) or the database/sql form (the same claim at
+ *     BEGIN, its transaction's ID in it, and the effects written into it while the handler runs:
+ *     the PINL form);
  *   - one relay, which sweeps before its rounds as the code does, in an instance of either form;
  *   - a cleanup of claims whose retention has passed;
  *   - a clock that moves on while a handler runs and while a Publish call is under way: leases
@@ -31,6 +33,10 @@
  *   OLD_BLIND  the ROWS form neither reads nor moves inline effects (a duplicate acks without
  *              them, its relay does not sweep); fixed: every form does.
  *   OLD        all three.
+ * And one that the code never had, to show the model sees it:
+ *   NO_XID     the PINL form's claim carries no transaction ID (inline_xid), as a claim written
+ *              without it and then given its effects would: the sweep, which finds claims by
+ *              it, never sees them; fixed: the claim takes it at BEGIN.
  */
 
 #ifdef OLD
@@ -66,7 +72,8 @@
 #define DEADLINE 1          /* a relay round's deadline: half its lease */
 
 #define OPT 0               /* optimistic pgx: claim at COMMIT, effects inline */
-#define ROWS 1              /* pessimistic pgx, database/sql: claim at BEGIN, effect rows */
+#define ROWS 1              /* pessimistic pgx: claim at BEGIN, effect rows */
+#define PINL 2              /* database/sql: claim at BEGIN, effects inline, written before COMMIT */
 
 #define E(m, s) ((m) * NE + (s))
 
@@ -92,7 +99,7 @@ bit relayForm;          /* the form of the instance that runs the relay and the 
 
 /* the database */
 bool claimed[NM];       /* a committed claim row */
-byte lockedBy[NM];      /* the delivery holding an uncommitted claim row (ROWS form), 0: none */
+byte lockedBy[NM];      /* the delivery holding an uncommitted claim row (ROWS, PINL), 0: none */
 byte biz[NM];           /* committed business changes */
 bool inl[NM];           /* the claim holds its effects inline */
 byte ptime[NM];         /* the claim's processed_at */
@@ -209,7 +216,7 @@ inline backgroundMark() {
  * from memory; the mark, queued, written after the ack. The duplicate path: list what is pending;
  * move inline effects to rows; publish them; mark.
  */
-proctype Delivery(byte d; byte m; bit form) {
+proctype Delivery(byte d; byte m; byte form) {
 	byte xid, T, p, k, n, i, s, markp;
 	bool ok, inlSeen, markInl;
 
@@ -256,6 +263,27 @@ start:
 			claimed[m] = true; lockedBy[m] = 0; row[E(m, 0)] = 1; row[E(m, 1)] = 1; rowAt[m] = now; cuuid[m] = d;
 			biz[m]++; CHECK(at_most_once, biz[m] <= 1);
 			crash_at(after_commit) }
+	:: form == PINL ->
+		/* the claim at BEGIN takes the transaction's ID (its inline_xid), which stays open, and so
+		 * in the sweep's xmin, until COMMIT */
+		atomic {
+			lockedBy[m] == 0 ->
+			if :: !claimed[m] -> lockedBy[m] = d; xid = nextxid; nextxid++; txid[d] = xid :: else -> skip fi;
+			crash_at(after_claim);
+			if :: claimed[m] -> goto duplicate :: else -> skip fi
+		}
+		/* the handler writes the effects into the claim as it records them: their time (the
+		 * claim's dispatched_at, from which the sweep's grace counts) is the write's */
+		atomic { tick; T = now; tick }
+		atomic {
+			handler_fails;
+			crash_at(after_handler);
+			claimed[m] = true; lockedBy[m] = 0; inl[m] = true; ptime[m] = T; ixid[m] = xid; txid[d] = 0; cuuid[m] = d;
+#ifdef NO_XID
+			ixid[m] = 0; if :: W == 0 -> W = 1 :: else -> skip fi;   /* below every watermark the sweep keeps */
+#endif
+			biz[m]++; CHECK(at_most_once, biz[m] <= 1); xid = 0; T = 0;
+			crash_at(after_commit) }
 	fi;
 
 	/* dispatch from memory, with this delivery's UUIDs; on success the mark is queued and M acked */
@@ -263,15 +291,15 @@ start:
 		publish(m, 3, d, false, 0);
 		crash_at(after_publish);
 		if
-		:: ok -> markInl = (form == OPT); markp = 3 * (form == ROWS); k = 0; ok = false;
+		:: ok -> markInl = (form != ROWS); markp = 3 * (form == ROWS); k = 0; ok = false;
 			crash_at(after_mark); ackCheck(m); goto acked
 		:: else -> skip
 		fi }
 	/* failed: inline effects become rows (each marked, retried, parked on its own), the failure
 	 * is recorded (due again at once), the sent ones are marked */
 	atomic {
-		if :: form == OPT && inl[m] -> moveInline(m) :: else -> skip fi;
-		if :: form == OPT -> crash_at(after_materialize) :: else -> skip fi;
+		if :: form != ROWS && inl[m] -> moveInline(m) :: else -> skip fi;
+		if :: form != ROWS -> crash_at(after_materialize) :: else -> skip fi;
 		firstOf(3, k, markp); leaseTo[m] = now + 1; k = 0 }
 	goto nacked;
 
@@ -463,14 +491,19 @@ end:
 
 
 init {
-	byte m, e;
+	byte m, e, form1;
 	atomic {
+#ifdef FORM1
+		form1 = FORM1;   /* one form for instance 1 (a smaller search) */
+#else
+		if :: form1 = ROWS :: form1 = PINL fi;
+#endif
 #ifdef OLD_BLIND
 		if :: relayForm = OPT :: relayForm = ROWS fi;   /* the fixed protocol does not depend on it */
 #endif
 		m = 0;
 		do
-		:: m < NM -> run Delivery(2 * m + 1, m, OPT); run Delivery(2 * m + 2, m, ROWS); m++
+		:: m < NM -> run Delivery(2 * m + 1, m, OPT); run Delivery(2 * m + 2, m, form1); m++
 		:: else -> break
 		od;
 		m = 0;

@@ -434,6 +434,27 @@ type InlineStore interface {
 	EffectMaterialize(ctx context.Context, src Source, lease time.Duration) ([]Effect, error)
 }
 
+// InlineRecorder is implemented by an InlineStore that keeps the effects of a claimed unit of work
+// on database/sql in its claim as they are recorded, as the pgx driver's optimistic mode does at
+// COMMIT: the effects with the source's default ordering key (those with a key of their own are
+// stored as effect rows, behind the earlier effects of their key). Each record writes every
+// effect the unit keeps inline so far, guarded by a token of the write before it: a savepoint
+// the handler rolled back undoes the writes made since it began, which the unit, blind to user
+// SQL, learns from the guard.
+type InlineRecorder interface {
+	InlineStore
+	// EffectRecordInline writes effects (every effect the unit keeps inline, in the order they
+	// were recorded, all of src) as the inline effects of src's claim in tx, if the claim holds
+	// those of the write that returned prev (0: none). It returns the token of this write, or ok
+	// false when the claim holds other effects (a savepoint was rolled back) or there is no claim
+	// (nothing was written), and whether the write was made inside a savepoint.
+	EffectRecordInline(ctx context.Context, tx *sql.Tx, src Source, effects []Effect, prev int) (token int, ok, nested bool, err error)
+	// EffectReadInline returns the inline effects of src's claim as tx sees them (Seq, UUID and
+	// the other stored fields), the token of the write that put them there (0: none), and claimed
+	// false when there is no claim.
+	EffectReadInline(ctx context.Context, tx *sql.Tx, src Source) (effects []Effect, token int, claimed bool, err error)
+}
+
 // DelayedStore is implemented by a Store that keeps delayed effects (Effect.DueAt) apart from
 // the pending ones until they are due, so that they hold nothing back and cost a relay pass
 // nothing until then. The relay moves the due ones into ordinary pending effects (each behind

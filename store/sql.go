@@ -1216,3 +1216,9 @@ func (smp statsSample) stats(at time.Time) outboxdriver.Stats {
 		CleanupLag: ms(smp.CleanupLagMS), SampledAt: at, Delayed: smp.Delayed,
 	}
 }
+
+// QueryRowPrepared runs query in tx as a statement prepared per connection (as the store's hot
+// statements are) and scans its one row into dest.
+func (s *SQL) QueryRowPrepared(ctx context.Context, tx *sql.Tx, query string, args []any, dest ...any) error {
+	return s.queryRow(ctx, tx, query, args, dest...)
+}

@@ -240,8 +240,8 @@ func TestSweepDoesNotTrustClocks(t *testing.T) {
 		}
 	}
 	if _, err := pool.Exec(ctx, `UPDATE outbox_stats SET swept_to = now() + interval '1 hour';
-		UPDATE outbox_processed SET processed_at = now() - interval '10 minutes' WHERE message_id = 'past';
-		UPDATE outbox_processed SET processed_at = now() + interval '1 hour' WHERE message_id = 'future'`); err != nil {
+		UPDATE outbox_processed SET processed_at = now() - interval '10 minutes', dispatched_at = now() - interval '10 minutes' WHERE message_id = 'past';
+		UPDATE outbox_processed SET processed_at = now() + interval '1 hour', dispatched_at = now() + interval '1 hour' WHERE message_id = 'future'`); err != nil {
 		t.Fatal(err)
 	}
 	relay := ready(t, openPool(t, dsn, 8, nil), outbox.Config{Publisher: rec, RelayGrace: 200 * time.Millisecond, RelayInterval: 50 * time.Millisecond})

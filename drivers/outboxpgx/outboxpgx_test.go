@@ -850,7 +850,7 @@ func TestSweepSkipsLockedClaims(t *testing.T) {
 			t.Fatal("no crash")
 		}
 	}
-	if _, err := pool.Exec(ctx, `UPDATE outbox_processed SET processed_at = processed_at - interval '2 hours'`); err != nil {
+	if _, err := pool.Exec(ctx, `UPDATE outbox_processed SET processed_at = processed_at - interval '2 hours', dispatched_at = dispatched_at - interval '2 hours'`); err != nil {
 		t.Fatal(err)
 	}
 	lock, err := pool.Begin(ctx)

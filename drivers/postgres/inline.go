@@ -45,7 +45,7 @@ type inline struct {
 	lastSweep atomic.Int64 // UnixNano of the last sweep of inline effects left behind
 }
 
-var _ outboxdriver.InlineStore = (*inline)(nil)
+var _ outboxdriver.InlineRecorder = (*inline)(nil)
 
 // inlineQueries are the statements on inline effects. A list of effects is one JSON argument
 // (json_to_recordset): one statement text whatever the count, and the same arguments through
@@ -57,6 +57,8 @@ type inlineQueries struct {
 	archive     string // (effects as JSON): dispatched rows, for EffectRetention
 	clear       string // (consumer, IDs): their inline effects moved
 	mark        string // (consumer, IDs): their inline effects sent; committed asynchronously
+	markLate    string // mark, and the claims' dispatch time moved to now (DispatchMark.MoveClaim)
+	sentLate    string // (consumer, IDs): the claims' dispatch time moved to now
 	take        string // (consumer, IDs) -> consumer, id, effects, age in ms of the claims it cleared
 	leaseSource string // (consumer, id, lease ms): the pending rows of the source are not due before
 	sweepBegin  string // -> whether this sweep may run, snapshot xmin, snapshot xmax, watermark
@@ -64,10 +66,19 @@ type inlineQueries struct {
 	setAside    string // (consumer, IDs): undecodable, no longer swept
 	sweepLeft   string // (watermark) -> the smallest inline_xid of the claims still holding effects
 	sweptTo     string // (watermark)
+
+	record string // (consumer, id, inline effects, length of the inline effects now) -> written in a savepoint; no row: not written
+	read   string // (consumer, id) -> the inline effects, NULL when none; no row: no claim
 }
 
-// age is the age in ms of claim p.
-const age = `(extract(epoch FROM now() - p.processed_at) * 1000)::bigint`
+// storedAt is when the inline effects of claim p were written: dispatched_at, which their write
+// sets (the pgx form's claim at COMMIT; the database/sql form's record, into a claim made at
+// BEGIN, whose processed_at is the transaction's start), or processed_at for a claim without it.
+// As with effect rows (created_at), the grace period and a duplicate's wait count from it.
+const storedAt = `coalesce(p.dispatched_at, p.processed_at)`
+
+// age is the age in ms of the inline effects of claim p.
+const age = `(extract(epoch FROM now() - ` + storedAt + `) * 1000)::bigint`
 
 // effectsRecordset reads the effects of $1 (inlineRow in JSON) in the order they were given.
 const effectsRecordset = `ROWS FROM (json_to_recordset($1::json) AS (c text, i text, s int, k text, t text, u text, pl text, md text, ok text, a bigint))
@@ -109,6 +120,9 @@ func newInlineQueries(n store.Names) inlineQueries {
 		// statement (an init plan), not once per row.
 		mark: `UPDATE ` + n.Processed + ` p SET effects = NULL
 			WHERE ` + claimsOf + ` AND p.effects IS NOT NULL AND (SELECT ` + asyncCommitSetting + `) IS NOT NULL`,
+		markLate: `UPDATE ` + n.Processed + ` p SET effects = NULL, dispatched_at = now()
+			WHERE ` + claimsOf + ` AND p.effects IS NOT NULL AND (SELECT ` + asyncCommitSetting + `) IS NOT NULL`,
+		sentLate: `UPDATE ` + n.Processed + ` p SET dispatched_at = now() WHERE ` + claimsOf,
 		take: `WITH old AS (SELECT p.consumer, p.message_id, p.effects, ` + age + ` AS age FROM ` + n.Processed + ` p
 				WHERE ` + claimsOf + ` AND p.effects IS NOT NULL FOR UPDATE OF p),
 			clr AS (UPDATE ` + n.Processed + ` p SET effects = NULL FROM old WHERE p.consumer = old.consumer AND p.message_id = old.message_id)
@@ -131,12 +145,20 @@ func newInlineQueries(n store.Names) inlineQueries {
 		// least grace old, so that the relay takes them at once.
 		sweep: `SELECT p.consumer, p.message_id, p.effects, greatest(` + age + `, $2::bigint) FROM ` + n.Processed + ` p
 			WHERE p.inline_xid >= $1::bigint AND p.effects IS NOT NULL
-			  AND (p.processed_at < now() - $2::bigint * interval '1 millisecond'
-			       OR p.processed_at > clock_timestamp() + $3::bigint * interval '1 millisecond')
+			  AND (` + storedAt + ` < now() - $2::bigint * interval '1 millisecond'
+			       OR ` + storedAt + ` > clock_timestamp() + $3::bigint * interval '1 millisecond')
 			ORDER BY p.inline_xid LIMIT $4 FOR UPDATE OF p SKIP LOCKED`,
 		setAside:  `UPDATE ` + n.Processed + ` p SET inline_xid = NULL WHERE ` + claimsOf,
 		sweepLeft: `SELECT min(inline_xid) FROM ` + n.Processed + ` WHERE inline_xid >= $1 AND effects IS NOT NULL`,
 		sweptTo:   `UPDATE ` + n.Stats + ` SET swept_xid = $1 WHERE id = 1`,
+		// The claim carries its transaction's ID from its insert (MessageClaim), so that writing
+		// its effects changes no indexed column: a HOT update. Their time is the write's
+		// (storedAt). The updated row's xmin is the subtransaction's when the write is made inside
+		// a savepoint.
+		record: `UPDATE ` + n.Processed + ` SET effects = $3, dispatched_at = clock_timestamp()
+			WHERE consumer = $1 AND message_id = $2 AND coalesce(length(effects), 0) = $4
+			RETURNING xmin::text <> (txid_current() % 4294967296)::text`,
+		read: `SELECT effects FROM ` + n.Processed + ` WHERE consumer = $1 AND message_id = $2`,
 	}
 }
 
@@ -221,14 +243,53 @@ func (s *inline) EffectMaterialize(ctx context.Context, src outboxdriver.Source,
 	return s.SQL.EffectListPending(ctx, src)
 }
 
+// EffectRecordInline implements outboxdriver.InlineRecorder; the token of a write is the length
+// of what it wrote. Through the unit's prepared statements, as its other writes.
+func (s *inline) EffectRecordInline(ctx context.Context, tx *sql.Tx, src outboxdriver.Source, effects []outboxdriver.Effect, prev int) (int, bool, bool, error) {
+	blob := store.EncodeEffects(effects)
+	var nested bool
+	switch err := s.SQL.QueryRowPrepared(ctx, tx, s.q.record, []any{src.Consumer, src.ID, blob, prev}, &nested); {
+	case errors.Is(err, sql.ErrNoRows):
+		return 0, false, false, nil
+	case err != nil:
+		return 0, false, false, fmt.Errorf("store side effects in the claim: %w", wrapErr(s.SQL, err))
+	}
+	return len(blob), true, nested, nil
+}
+
+// EffectReadInline implements outboxdriver.InlineRecorder.
+func (s *inline) EffectReadInline(ctx context.Context, tx *sql.Tx, src outboxdriver.Source) ([]outboxdriver.Effect, int, bool, error) {
+	var blob []byte
+	switch err := s.SQL.QueryRowPrepared(ctx, tx, s.q.read, []any{src.Consumer, src.ID}, &blob); {
+	case errors.Is(err, sql.ErrNoRows):
+		return nil, 0, false, nil
+	case err != nil:
+		return nil, 0, false, fmt.Errorf("read the side effects in the claim: %w", wrapErr(s.SQL, err))
+	}
+	if blob == nil {
+		return nil, 0, true, nil
+	}
+	effects, err := store.DecodeEffects(blob, src)
+	if err != nil {
+		return nil, 0, true, fmt.Errorf("inline effects of %q for %q: %w", src.ID, src.Consumer, err)
+	}
+	return effects, len(blob), true, nil
+}
+
 // EffectMarkDispatched clears the inline effects of the marks with Inline (one HOT update per
-// claim, all in one statement) and marks the effect rows of the others.
+// claim, one statement per consumer) and marks the effect rows of the others. Claims whose
+// effects went out late (MoveClaim) get the time of the mark as their dispatch time, in the same
+// update.
 func (s *inline) EffectMarkDispatched(ctx context.Context, marks ...outboxdriver.DispatchMark) error {
 	var rows []outboxdriver.DispatchMark
-	var claims []claimKey
+	var claims [2][]claimKey // sent in time, sent late
 	for _, m := range marks {
 		if m.Inline {
-			claims = append(claims, claimKey{m.Source.Consumer, m.Source.ID})
+			late := 0
+			if m.MoveClaim {
+				late = 1
+			}
+			claims[late] = append(claims[late], claimKey{m.Source.Consumer, m.Source.ID})
 		}
 		if len(m.StoreIDs) > 0 {
 			rows = append(rows, m)
@@ -238,24 +299,26 @@ func (s *inline) EffectMarkDispatched(ctx context.Context, marks ...outboxdriver
 	if len(rows) > 0 {
 		errs = append(errs, s.SQL.EffectMarkDispatched(ctx, rows...))
 	}
-	if len(claims) == 0 {
-		return errors.Join(errs...)
-	}
-	for len(claims) > 0 {
-		chunk := claims[:min(len(claims), markChunk)]
-		claims = claims[len(chunk):]
-		if err := s.markInline(ctx, chunk); err != nil {
-			errs = append(errs, err)
+	for late, claims := range claims {
+		for chunk := range slices.Chunk(claims, markChunk) {
+			if err := s.markInline(ctx, chunk, late == 1); err != nil {
+				errs = append(errs, err)
+			}
 		}
 	}
 	return errors.Join(errs...)
 }
 
-// markInline marks the inline effects of claims sent: cleared, or moved to the dispatched table.
-func (s *inline) markInline(ctx context.Context, claims []claimKey) error {
+// markInline marks the inline effects of claims sent: cleared, or moved to the dispatched table;
+// late: their dispatch time moves to now.
+func (s *inline) markInline(ctx context.Context, claims []claimKey, late bool) error {
 	if s.deleteDispatched {
+		mark := s.q.mark
+		if late {
+			mark = s.q.markLate
+		}
 		for _, g := range byConsumer(claims) {
-			if _, err := s.db.ExecContext(ctx, s.q.mark, g.consumer, g.ids); err != nil {
+			if _, err := s.db.ExecContext(ctx, mark, g.consumer, g.ids); err != nil {
 				return fmt.Errorf("clear inline effects: %w", wrapErr(s.SQL, err))
 			}
 		}
@@ -267,6 +330,11 @@ func (s *inline) markInline(ctx context.Context, claims []claimKey) error {
 		for _, g := range byConsumer(claims) {
 			if _, _, err := s.move(ctx, tx, s.q.archive, func() (*sql.Rows, error) { return tx.QueryContext(ctx, s.q.take, g.consumer, g.ids) }); err != nil {
 				return err
+			}
+			if late {
+				if _, err := tx.ExecContext(ctx, s.q.sentLate, g.consumer, g.ids); err != nil {
+					return fmt.Errorf("move the dispatch time of claims: %w", wrapErr(s.SQL, err))
+				}
 			}
 		}
 		return nil

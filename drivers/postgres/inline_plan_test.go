@@ -79,7 +79,7 @@ func TestInlineStatementsFindClaimsByKey(t *testing.T) {
 func explainClaimStatements(t *testing.T, db *sql.DB, q inlineQueries, exec func(string), claims int) {
 	t.Helper()
 	ctx := context.Background()
-	for name, stmt := range map[string]string{"mark": q.mark, "clear": q.clear, "take": q.take, "setAside": q.setAside} {
+	for name, stmt := range map[string]string{"mark": q.mark, "markLate": q.markLate, "sentLate": q.sentLate, "clear": q.clear, "take": q.take, "setAside": q.setAside} {
 		for _, mode := range []string{"force_custom_plan", "force_generic_plan"} {
 			exec(`SET plan_cache_mode = ` + mode)
 			exec(`PREPARE plan_stmt(text, text) AS ` + stmt)

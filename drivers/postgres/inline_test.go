@@ -31,10 +31,10 @@ func inlineEffects(src outboxdriver.Source) []outboxdriver.Effect {
 func claimInline(t *testing.T, db *sql.DB, src outboxdriver.Source, age time.Duration, legacy bool) {
 	t.Helper()
 	q := `INSERT INTO outbox_processed (consumer, message_id, processed_at, dispatched_at, effects, inline_xid)
-		VALUES ($1, $2, now() - $3 * interval '1 millisecond', now(), $4, pg_current_xact_id()::text::bigint)`
+		VALUES ($1, $2, now() - $3 * interval '1 millisecond', now() - $3 * interval '1 millisecond', $4, pg_current_xact_id()::text::bigint)`
 	if legacy {
 		q = `INSERT INTO outbox_processed (consumer, message_id, processed_at, dispatched_at, effects)
-			VALUES ($1, $2, now() - $3 * interval '1 millisecond', now(), $4)`
+			VALUES ($1, $2, now() - $3 * interval '1 millisecond', now() - $3 * interval '1 millisecond', $4)`
 	}
 	if _, err := db.Exec(q, src.Consumer, src.ID, age.Milliseconds(), store.EncodeEffects(inlineEffects(src))); err != nil {
 		t.Fatal(err)

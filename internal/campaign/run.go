@@ -537,13 +537,13 @@ func (c *run) wantEffects(sp *spec) []wireKey {
 func (c *run) afterCommit(_ context.Context, pl *plan) {
 	claim := ` WHERE consumer = $1 AND message_id = $2`
 	if pl.held {
-		if c.exec(`UPDATE `+c.prefix+`processed SET processed_at = processed_at - `+lookBack+claim, consumer, pl.msg.id) > 0 {
+		if c.exec(`UPDATE `+c.prefix+`processed SET processed_at = processed_at - `+lookBack+`, dispatched_at = dispatched_at - `+lookBack+claim, consumer, pl.msg.id) > 0 {
 			c.stats.reached("held-claim")
 			c.note("%s: claim aged by %s after its commit", pl.msg.id[:8], lookBack)
 		}
 	}
 	if c.clockAhead.Load() {
-		c.exec(`UPDATE `+c.prefix+`processed SET processed_at = processed_at + `+clockStep+claim, consumer, pl.msg.id)
+		c.exec(`UPDATE `+c.prefix+`processed SET processed_at = processed_at + `+clockStep+`, dispatched_at = dispatched_at + `+clockStep+claim, consumer, pl.msg.id)
 		c.stats.reached("clock-step")
 		if pl.crashAt == outbox.FailpointAfterCommit {
 			c.stats.reached("clock-step crash")

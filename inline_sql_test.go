@@ -1,0 +1,252 @@
+package outbox_test
+
+import (
+	"context"
+	"database/sql"
+	"slices"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
+
+	"github.com/watermill-outbox/outbox"
+	"github.com/watermill-outbox/outbox/outboxdriver"
+	"github.com/watermill-outbox/outbox/store"
+)
+
+// The database/sql form on PostgreSQL keeps the effects of a message with its own ordering key in
+// the claim (outboxdriver.InlineRecorder), written as they are recorded; these tests check what
+// the claim holds and what is sent through savepoints, several records, keys of their own, a
+// handler that ends the transaction, and the boundary (no claim: rows).
+
+// inlineOf returns the UUIDs the claim of id holds inline, in order (empty when none).
+func (e *env) inlineOf(id string) []string {
+	e.t.Helper()
+	var blob []byte
+	if err := e.db.QueryRow(`SELECT effects FROM outbox_processed WHERE consumer = 'c1' AND message_id = $1`, id).Scan(&blob); err != nil {
+		e.t.Fatal(err)
+	}
+	return decodeUUIDs(e.t, blob)
+}
+
+// decodeUUIDs returns the UUIDs of the inline effects blob, in order.
+func decodeUUIDs(t testing.TB, blob []byte) []string {
+	t.Helper()
+	if blob == nil {
+		return nil
+	}
+	effects, err := store.DecodeEffects(blob, outboxdriver.Source{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	out := make([]string, len(effects))
+	for i, e := range effects {
+		out[i] = e.UUID
+	}
+	return out
+}
+
+// sent returns the UUIDs on topic in the order they reached it.
+func (e *env) sent(topic string) []string {
+	e.t.Helper()
+	return e.strings(`SELECT uuid FROM "watermill_` + topic + `" ORDER BY "offset"`)
+}
+
+// TestInlineEffectsOfTheDatabaseSQLForm: a message whose handler publishes three times, once
+// inside a savepoint it rolls back, commits its effects in its claim and no effect row; with the
+// broker down they stay there (the claim holds exactly the two that survived), a redelivery sends
+// those two in order, and the mark clears the claim.
+func TestInlineEffectsOfTheDatabaseSQLForm(t *testing.T) {
+	e := newEnv(t, func(c *outbox.Config) { c.EffectRetention = 0 })
+	a, b, c := uuid.NewString(), uuid.NewString(), uuid.NewString()
+	h := func(msg *message.Message) ([]*message.Message, error) {
+		ctx := msg.Context()
+		tx := outbox.Tx(ctx)
+		if err := outbox.Publish(ctx, "out_a", message.NewMessage(a, []byte("a"))); err != nil {
+			return nil, err
+		}
+		if _, err := tx.ExecContext(ctx, `SAVEPOINT sp`); err != nil {
+			return nil, err
+		}
+		if err := outbox.Publish(ctx, "out_a", message.NewMessage(b, []byte("b"))); err != nil {
+			return nil, err
+		}
+		if _, err := tx.ExecContext(ctx, `ROLLBACK TO SAVEPOINT sp`); err != nil {
+			return nil, err
+		}
+		return nil, outbox.Publish(ctx, "out_a", message.NewMessage(c, []byte("c")))
+	}
+	msg := message.NewMessage(uuid.NewString(), nil)
+	e.pub.failAll.Store(true)
+	if err := handle(e.ob, msg, h); err == nil {
+		t.Fatal("dispatch through a failing publisher reported success")
+	}
+	// A failed dispatch moves inline effects to rows (each is then retried and parked on its own).
+	mustEqual(t, "effect rows after the failed dispatch", e.count(`SELECT count(*) FROM outbox_effects`), 2)
+	if got := e.storedEffects("c1", msg.UUID); !slices.Equal(got, []string{a, c}) {
+		t.Fatalf("committed effects %v, want %v (the one in the rolled-back savepoint left out)", got, []string{a, c})
+	}
+	e.pub.failAll.Store(false)
+	if err := handle(e.ob, copyOf(msg), h); err != nil {
+		t.Fatal(err)
+	}
+	if got := e.sent("out_a"); !slices.Equal(got, []string{a, c}) {
+		t.Fatalf("sent %v, want %v", got, []string{a, c})
+	}
+
+	// The same handler with the broker up: nothing but the claim is written, and it is cleared.
+	msg2 := message.NewMessage(uuid.NewString(), nil)
+	a, b, c = uuid.NewString(), uuid.NewString(), uuid.NewString()
+	var held []string
+	hold := func(msg *message.Message) ([]*message.Message, error) {
+		if _, err := h(msg); err != nil {
+			return nil, err
+		}
+		held = e.inlineHeldBy(msg)
+		return nil, nil
+	}
+	if err := handle(e.ob, msg2, hold); err != nil {
+		t.Fatal(err)
+	}
+	if !slices.Equal(held, []string{a, c}) {
+		t.Fatalf("the claim held %v before the commit, want %v", held, []string{a, c})
+	}
+	mustEqual(t, "effect rows", e.count(`SELECT count(*) FROM outbox_effects`), 0)
+	mustEqual(t, "claims still holding effects after the mark", e.count(`SELECT count(*) FROM outbox_processed WHERE effects IS NOT NULL`), 0)
+	if got := e.sent("out_a"); !slices.Equal(got[2:], []string{a, c}) {
+		t.Fatalf("sent %v, want %v after the first two", got, []string{a, c})
+	}
+}
+
+// inlineHeldBy reads, inside the unit of work of msg, what its claim holds inline.
+func (e *env) inlineHeldBy(msg *message.Message) []string {
+	e.t.Helper()
+	ctx := msg.Context()
+	var blob []byte
+	if err := outbox.Tx(ctx).QueryRowContext(ctx, `SELECT effects FROM outbox_processed WHERE consumer = 'c1' AND message_id = $1`, msg.UUID).Scan(&blob); err != nil {
+		e.t.Fatal(err)
+	}
+	return decodeUUIDs(e.t, blob)
+}
+
+// TestInlineEffectsWithKeysOfTheirOwn: effects with an ordering key of their own are rows, behind
+// the earlier effects of their key, while those of the message's own key stay in the claim; each
+// key keeps its order on every path: with the key held by an earlier effect (everything goes
+// through the relay), and on redelivery.
+func TestInlineEffectsWithKeysOfTheirOwn(t *testing.T) {
+	e := newEnv(t, func(c *outbox.Config) {
+		c.EffectRetention = 0
+		c.RelayGrace = time.Hour // only a hand-over makes an effect due
+		c.RelayInterval = 20 * time.Millisecond
+	})
+	// An earlier effect of key k, pending: the message's own effects of k must wait behind it.
+	e.pub.failAll.Store(true)
+	earlier := uuid.NewString()
+	if err := e.ob.InTx(context.Background(), func(ctx context.Context, _ *sql.Tx) error {
+		return outbox.Publish(outbox.WithOrderingKey(ctx, "k"), "out_b", message.NewMessage(earlier, nil))
+	}); err != nil {
+		t.Fatal(err)
+	}
+	e.pub.failAll.Store(false)
+	own1, keyed, own2 := uuid.NewString(), uuid.NewString(), uuid.NewString()
+	var held []string
+	h := func(msg *message.Message) ([]*message.Message, error) {
+		ctx := msg.Context()
+		if err := outbox.Publish(ctx, "out_a", message.NewMessage(own1, nil)); err != nil {
+			return nil, err
+		}
+		if err := outbox.Publish(outbox.WithOrderingKey(ctx, "k"), "out_b", message.NewMessage(keyed, nil)); err != nil {
+			return nil, err
+		}
+		if err := outbox.Publish(ctx, "out_a", message.NewMessage(own2, nil)); err != nil {
+			return nil, err
+		}
+		held = e.inlineHeldBy(msg)
+		return nil, nil
+	}
+	msg := message.NewMessage(uuid.NewString(), nil)
+	if err := handle(e.ob, msg, h); err != nil {
+		t.Fatal(err)
+	}
+	if !slices.Equal(held, []string{own1, own2}) {
+		t.Fatalf("the claim held %v, want the effects of the message's own key %v", held, []string{own1, own2})
+	}
+	// Key k was held: the relay sends everything, k in order, the claim's effects as rows.
+	mustEqual(t, "claims holding effects after the hand-over", e.count(`SELECT count(*) FROM outbox_processed WHERE effects IS NOT NULL`), 0)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error)
+	go func() { done <- e.ob.Run(ctx) }()
+	waitFor(t, "the relay", func() bool { return len(e.sent("out_a")) == 2 && len(e.sent("out_b")) == 2 })
+	cancel()
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	if got := e.sent("out_b"); !slices.Equal(got, []string{earlier, keyed}) {
+		t.Fatalf("key k sent as %v, want %v", got, []string{earlier, keyed})
+	}
+	if got := e.sent("out_a"); !slices.Equal(got, []string{own1, own2}) {
+		t.Fatalf("the message's own key sent as %v, want %v", got, []string{own1, own2})
+	}
+
+	// Redelivered after a failed dispatch, with nothing holding k: both keys in order again.
+	e.pub.failAll.Store(true)
+	own1, keyed, own2 = uuid.NewString(), uuid.NewString(), uuid.NewString()
+	msg2 := message.NewMessage(uuid.NewString(), nil)
+	if err := handle(e.ob, msg2, h); err == nil {
+		t.Fatal("dispatch through a failing publisher reported success")
+	}
+	e.pub.failAll.Store(false)
+	if err := handle(e.ob, copyOf(msg2), h); err != nil {
+		t.Fatal(err)
+	}
+	if got := e.sent("out_a")[2:]; !slices.Equal(got, []string{own1, own2}) {
+		t.Fatalf("on redelivery the message's own key sent as %v, want %v", got, []string{own1, own2})
+	}
+	if got := e.sent("out_b")[2:]; !slices.Equal(got, []string{keyed}) {
+		t.Fatalf("on redelivery key k sent as %v, want %v", got, []string{keyed})
+	}
+}
+
+// TestInlineEffectsAfterTheHandlerCommits: a handler that commits the transaction with SQL (which
+// database/sql cannot see) and then publishes gets its effect stored in the claim, committed at
+// once, and sent once, as an effect row was.
+func TestInlineEffectsAfterTheHandlerCommits(t *testing.T) {
+	e := newEnv(t, func(c *outbox.Config) { c.EffectRetention = 0 })
+	out := uuid.NewString()
+	h := func(msg *message.Message) ([]*message.Message, error) {
+		ctx := msg.Context()
+		if _, err := outbox.Tx(ctx).ExecContext(ctx, `COMMIT`); err != nil {
+			return nil, err
+		}
+		return nil, outbox.Publish(ctx, "out_a", message.NewMessage(out, nil))
+	}
+	msg := message.NewMessage(uuid.NewString(), nil)
+	e.pub.failAll.Store(true)
+	if err := handle(e.ob, msg, h); err == nil {
+		t.Fatal("dispatch through a failing publisher reported success")
+	}
+	e.pub.failAll.Store(false)
+	if got := e.storedEffects("c1", msg.UUID); !slices.Equal(got, []string{out}) {
+		t.Fatalf("committed effects %v, want %v", got, []string{out})
+	}
+	if err := handle(e.ob, copyOf(msg), h); err != nil {
+		t.Fatal(err)
+	}
+	if got := e.sent("out_a"); !slices.Equal(got, []string{out}) {
+		t.Fatalf("sent %v, want %v", got, []string{out})
+	}
+}
+
+// TestBoundaryEffectsAreRows: a unit of work at the boundary has no claim: its effects are rows.
+func TestBoundaryEffectsAreRows(t *testing.T) {
+	e := newEnv(t, func(c *outbox.Config) { c.EffectRetention = 0 })
+	e.pub.failAll.Store(true)
+	if err := e.ob.InTx(context.Background(), func(ctx context.Context, _ *sql.Tx) error {
+		return outbox.Publish(ctx, "out_a", message.NewMessage(uuid.NewString(), nil))
+	}); err != nil {
+		t.Fatal(err)
+	}
+	mustEqual(t, "effect rows of a boundary unit", e.count(`SELECT count(*) FROM outbox_effects`), 1)
+	mustEqual(t, "claims", e.count(`SELECT count(*) FROM outbox_processed`), 0)
+}
