@@ -230,14 +230,16 @@ func queries(n store.Names, deleteDispatched bool) store.Queries {
 	return store.Queries{
 		// The claim's CTE and the SELECT see one snapshot, taken when the statement began: a
 		// conflicting claim the SELECT cannot see was committed while the INSERT waited for it, by
-		// a copy processed at the same moment. The claim carries its transaction's ID at once,
-		// for the effects the unit may write into it (EffectRecordInline): the sweep finds them
-		// by it, and writing them then leaves every indexed column as it is.
+		// a copy processed at the same moment. The look-up runs only when the INSERT claimed
+		// nothing (it could not see the new claim anyway). The claim carries its transaction's ID
+		// at once, for the effects the unit may write into it (EffectRecordInline): the sweep
+		// finds them by it, and writing them then leaves every indexed column as it is.
 		MessageClaim: `WITH ins AS (INSERT INTO ` + n.Processed + ` (consumer, message_id, dispatched_at, inline_xid) VALUES ($1, $2, now(), pg_current_xact_id()::text::bigint)
 				ON CONFLICT (consumer, message_id) DO NOTHING RETURNING 1)
-			SELECT EXISTS (SELECT 1 FROM ins),
-			       (SELECT (extract(epoch FROM now() - processed_at) * 1000)::bigint FROM ` + n.Processed + `
-				WHERE consumer = $1 AND message_id = $2)`,
+			SELECT c.claimed, CASE WHEN NOT c.claimed THEN
+				(SELECT (extract(epoch FROM now() - processed_at) * 1000)::bigint FROM ` + n.Processed + `
+				 WHERE consumer = $1 AND message_id = $2) END
+			FROM (SELECT EXISTS (SELECT 1 FROM ins) AS claimed) c`,
 		MessageClaimReportsConcurrent: true,
 		MessageIsProcessed:            `SELECT 1 FROM ` + n.Processed + ` WHERE consumer = $1 AND message_id = $2`,
 		MessagePoison: `INSERT INTO ` + n.Processed + ` (consumer, message_id, dispatched_at, poisoned) VALUES ($1, $2, now(), true)
