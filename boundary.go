@@ -216,12 +216,13 @@ func (o *Outbox) dispatchBoundary(ctx context.Context, src Source, effects []Eff
 	}
 	ctx, traced := o.tel.startDispatch(ctx, PathCommit, effects, inTx)
 	sent, failed, err := o.dispatch(ctx, PathCommit, effects)
+	failedAt := time.Now()
 	traced(err)
 	o.marks.add(src, effects[:sent], false) // a boundary transaction has no claim
 	if err != nil {
 		o.logger.Error("Dispatch after commit failed; the relay will retry", err, fields)
 		if failed > 0 {
-			o.dispatchFailed(ctx, src, effects, sent, failed, err)
+			o.dispatchFailed(ctx, src, effects, sent, failed, err, failedAt)
 		}
 		return false
 	}

@@ -175,7 +175,9 @@ func (o *Outbox) materialize(ctx context.Context, src Source, effects []Effect, 
 	out := make([]Effect, 0, len(effects))
 	for _, e := range effects {
 		if r, ok := byPos[posOf(e)]; ok {
-			r.StoredAt = e.StoredAt
+			// How long they are pending, for what a failure counts: as the caller saw them (a unit
+			// of work: since it began), not as the row's new timestamp says.
+			r.StoredAt, r.PendingFor = e.StoredAt, max(r.PendingFor, e.PendingFor)
 			out = append(out, r)
 		}
 	}

@@ -59,7 +59,7 @@ const outageTolerance = 24 * time.Hour
 // the target of a message is its topic, not the Publisher: a broker that hangs on one topic (a
 // partition without a leader, a queue that blocks) times out whatever it is given while the
 // other topics flow, and its probes must not park the effects that wait for it.
-func (h *health) counts(e Effect, timedOut bool) bool {
+func (h *health) counts(e Effect, timedOut bool, at time.Time) bool {
 	if e.PendingFor >= outageTolerance {
 		return true
 	}
@@ -76,7 +76,7 @@ func (h *health) counts(e Effect, timedOut bool) bool {
 	case timedOut:
 		last = h.topicOK[e.Topic]
 	}
-	return !last.IsZero() && last.After(time.Now().Add(-max(since, 0)))
+	return !last.IsZero() && last.After(at.Add(-max(since, 0)))
 }
 
 // relayBackoff is the pause after the failures-th failed dispatch of an effect: none after the
@@ -98,14 +98,14 @@ func relayBackoff(failures int) time.Duration {
 // their target is otherwise healthy, parked at RelayMaxAttempts), and the ones after them,
 // which were not tried, become due for the relay at once (behind the failed ones, when they share
 // an ordering key).
-func (o *Outbox) failures(effects []Effect, sent, failed int, err error) []outboxdriver.EffectFailure {
+func (o *Outbox) failures(effects []Effect, sent, failed int, err error, at time.Time) []outboxdriver.EffectFailure {
 	out := make([]outboxdriver.EffectFailure, 0, len(effects)-sent)
 	for i, e := range effects[sent:] {
 		if i >= failed {
 			out = append(out, outboxdriver.EffectFailure{StoreID: e.StoreID})
 			continue
 		}
-		counted := o.health.counts(e, hung(err))
+		counted := o.health.counts(e, hung(err), at)
 		attempts := e.Attempts
 		if counted {
 			attempts++
@@ -124,10 +124,10 @@ func (o *Outbox) failures(effects []Effect, sent, failed int, err error) []outbo
 // dispatchFailed records a failed dispatch of the committed effects of src at once, so that a
 // redelivered copy knows not to wait for it and the relay retries them (after their backoff)
 // even if the message never comes back.
-func (o *Outbox) dispatchFailed(ctx context.Context, src Source, effects []Effect, sent, failed int, err error) {
+func (o *Outbox) dispatchFailed(ctx context.Context, src Source, effects []Effect, sent, failed int, err error, at time.Time) {
 	o.failedHere.add(src)
 	fields := watermill.LogFields{"consumer": src.Consumer, "source_id": src.ID, "effects": len(effects) - sent}
-	fs := o.failures(effects, sent, failed, err)
+	fs := o.failures(effects, sent, failed, err, at)
 	for _, f := range fs {
 		if f.Park {
 			o.logger.Error("Side effect parked after repeated failures; see Outbox.ParkedEffects", err,

@@ -52,6 +52,7 @@ type faultyPublisher struct {
 	fail    atomic.Int32 // fail this many calls
 	failAll atomic.Bool
 	hang    chan struct{} // when non-nil, Publish blocks until it is closed
+	refuse  string        // a topic whose messages are refused (set before use)
 	mu      sync.Mutex
 	calls   int
 }
@@ -67,6 +68,9 @@ func (p *faultyPublisher) Publish(topic string, msgs ...*message.Message) error 
 	}
 	if p.failAll.Load() {
 		return errors.New("broker rejected the message")
+	}
+	if topic == p.refuse {
+		return errors.New("broker refused the message: schema mismatch")
 	}
 	if p.fail.Add(-1) >= 0 {
 		return errors.New("broker unavailable")

@@ -250,3 +250,31 @@ func TestBoundaryEffectsAreRows(t *testing.T) {
 	mustEqual(t, "effect rows of a boundary unit", e.count(`SELECT count(*) FROM outbox_effects`), 1)
 	mustEqual(t, "claims", e.count(`SELECT count(*) FROM outbox_processed`), 0)
 }
+
+// TestRefusedEffectAfterASuccessIsParked: in one dispatch the broker takes one effect and refuses
+// the next, which is poison, not an outage: with RelayMaxAttempts 1 it is parked at once, though
+// its move from the claim to a row (after the failure) takes longer than the unit of work did.
+func TestRefusedEffectAfterASuccessIsParked(t *testing.T) {
+	e := newEnv(t, func(c *outbox.Config) {
+		c.RelayMaxAttempts = 1
+		c.Failpoint = func(_ context.Context, point string) error {
+			if point == outbox.FailpointAfterMaterialize {
+				time.Sleep(100 * time.Millisecond) // a slow move: far longer than the unit of work
+			}
+			return nil
+		}
+	})
+	e.pub.refuse = "out_b"
+	msg := message.NewMessage(uuid.NewString(), nil)
+	if err := handle(e.ob, msg, func(msg *message.Message) ([]*message.Message, error) {
+		ctx := msg.Context()
+		if err := outbox.Publish(ctx, "out_a", message.NewMessage(uuid.NewString(), nil)); err != nil {
+			return nil, err
+		}
+		return nil, outbox.Publish(ctx, "out_b", message.NewMessage(uuid.NewString(), nil))
+	}); err == nil {
+		t.Fatal("a refused effect reported success")
+	}
+	mustEqual(t, "parked effects", e.count(`SELECT count(*) FROM outbox_effects WHERE parked_at IS NOT NULL AND topic = 'out_b'`), 1)
+	mustEqual(t, "sent", len(e.sent("out_a")), 1)
+}

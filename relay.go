@@ -281,7 +281,7 @@ func (o *Outbox) relayLand(f *relayFlight) error {
 		case errors.As(errs[i], &down):
 			fails = append(fails, outboxdriver.EffectFailure{StoreID: e.StoreID, RetryAfter: max(time.Until(down.until), 0)})
 		default:
-			fails = append(fails, o.failures(effects[i:i+1], 0, 1, errs[i])...)
+			fails = append(fails, o.failures(effects[i:i+1], 0, 1, errs[i], time.Now())...)
 		}
 	}
 	if len(marks) > 0 {

@@ -573,6 +573,9 @@ func (o *Outbox) dispatchAndMark(ctx context.Context, path string, src Source, e
 		return o.handToRelay(ctx, src)
 	}
 	sent, failed, err := o.dispatch(ctx, path, effects)
+	// What a failure counts is judged as of the failure, not after the move below, whose time
+	// would let a success just before it look older than the effects.
+	failedAt := time.Now()
 	if err != nil && hasInline(effects) {
 		// Inline effects are marked all at once; after a partial failure each is marked,
 		// counted and retried on its own, as a row.
@@ -588,7 +591,7 @@ func (o *Outbox) dispatchAndMark(ctx context.Context, path string, src Source, e
 	o.marks.add(src, effects[:sent], claimed.IsZero() || time.Since(claimed) > ClaimClockSlack)
 	if err != nil {
 		if failed > 0 {
-			o.dispatchFailed(ctx, src, effects, sent, failed, err)
+			o.dispatchFailed(ctx, src, effects, sent, failed, err, failedAt)
 		}
 		// Committed effects stay pending: redelivery or the relay sends them with the same UUIDs.
 		err = fmt.Errorf("%w: %d of %d side effects of %q for %q: %w", ErrDispatchFailed, len(effects)-sent, len(effects), src.ID, src.Consumer, err)
