@@ -412,7 +412,7 @@ River) are timed until the relay has published everything; the framework's relay
   interval 100 ms instead of 1 s, since the database/sql driver cannot LISTEN and an insert in a transaction does not wake the producer).
 - **rbaliyan-event**: rbaliyan/event/v3's PostgreSQL idempotency store as its docs show: ` + "`IsDuplicateTx`" + `, business write,
   ` + "`MarkProcessedTx`" + ` in one transaction; publish after commit.
-- **outbox-middleware**: this framework's ` + "`middleware.New`" + ` around the handler (consumer path).
+- **outbox-middleware**: this framework's ` + "`middleware.New`" + ` around the handler (consumer path), database/sql over lib/pq: the claim at BEGIN, the effect written into it, cleared once sent.
 - **bare-pgx**: bare on pgx v5 (` + "`pgxpool`" + `, ` + "`pool.Begin`" + `, ` + "`tx.Exec`" + `, ` + "`tx.Commit`" + `: a round trip each), publish after commit, no deduplication.
 - **outbox-pgx**: this framework's pgx form (` + "`outboxpgx.New`" + `, ` + "`middleware.New`" + `, the write through ` + "`outboxpgx.Tx`" + `) in its default, optimistic mode: BEGIN with the claim's look-up in one round trip, the claim with the effect inline and COMMIT in one.
 - **outbox-pgx-pessimistic**: the same in the claim-first mode: BEGIN with the claim in one round trip, the effect row and COMMIT in one.
@@ -460,7 +460,7 @@ func targets(r *report) []target {
 			t.met = ratio >= 0.8
 			t.why = fmt.Sprintf("the framework waits for %.2f round trips and writes %.2f statements and %.0f WAL bytes per message, bare %.2f, %.2f and %.0f: "+
 				"on this machine every round trip costs both processes a wake-up and two system calls, and the extra rows "+
-				"(the claim, the effect row and its indexes, then the dispatched mark) cost WAL and index work.",
+				"(the claim, written again with the effects inline, then the mark that clears them) cost WAL and index work.",
 				f.SyncRoundTrips, f.Statements, f.WALBytes, b.SyncRoundTrips, b.Statements, b.WALBytes)
 			if cl, ok := r.cell("ceiling", conc); ok {
 				t.why += fmt.Sprintf(" The two round trips alone, without their rows, leave %.2fx of bare (the ceiling row: %s msg/s)", cl.Throughput/b.Throughput, f0(cl.Throughput))
@@ -469,8 +469,8 @@ func targets(r *report) []target {
 						"its effect in the transaction can reach 0.8x through database/sql here"
 				}
 				t.why += fmt.Sprintf("; the framework reaches %.2fx of that ceiling, the rest being the rows themselves: the claim, which a "+
-					"concurrent copy must find before its handler runs, and the effect row, which must commit with the business write "+
-					"and is deleted once sent.", f.Throughput/cl.Throughput)
+					"concurrent copy must find before its handler runs, and the effects it holds, which must commit with the business write "+
+					"and are cleared once sent.", f.Throughput/cl.Throughput)
 			}
 			if f.P99 > 500 {
 				t.why += fmt.Sprintf(" The p99 of %.0f ms is DuplicateWait (1 s by default): redelivered copies found their original's effects "+
@@ -521,7 +521,7 @@ func targets(r *report) []target {
 				extra, f.SyncRoundTrips, b.SyncRoundTrips, f.Conc, f.RoundTrips, b.RoundTrips)
 			t.met = extra <= 1.05
 			t.why = fmt.Sprintf("beyond bare's BEGIN, business write (unnamed parse + execute) and COMMIT, a first delivery waits for the claim "+
-				"(INSERT ... ON CONFLICT) and the effect INSERT, each its own round trip (prepared once per connection, so one each)%s.",
+				"(INSERT ... ON CONFLICT) and the effect's write into it (an UPDATE of the claim), each its own round trip (prepared once per connection, so one each)%s.",
 				map[bool]string{true: ", and for what is written after the publish", false: ""}[extra > 2.05])
 		}
 		ts = append(ts, t)
