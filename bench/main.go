@@ -223,11 +223,20 @@ func run(cfg config, dsn string, skipScale bool, docsDir, resultsPath string) (e
 	rep := &report{Mode: cfg.Mode, Config: cfg, Started: began.UTC().Format(time.RFC3339), Command: commandLine(cfg)}
 	rep.Machine = machineInfo()
 
+	pgss := os.Getenv("OUTBOX_BENCH_PGSS") != ""
+	if pgss {
+		extraSettings = append(extraSettings, "shared_preload_libraries=pg_stat_statements", "pg_stat_statements.track_utility=off")
+	}
 	admin, benchDSN, closeDB, err := openBenchDatabase(ctx, dsn, "outbox_bench", &rep.Machine)
 	if err != nil {
 		return err
 	}
 	defer closeDB()
+	if pgss {
+		if _, err := admin.ExecContext(ctx, `CREATE EXTENSION IF NOT EXISTS pg_stat_statements`); err != nil {
+			return fmt.Errorf("OUTBOX_BENCH_PGSS: %w", err)
+		}
+	}
 	if _, err := admin.ExecContext(ctx, `
 		CREATE TABLE applied (message_id text NOT NULL);
 		CREATE TABLE naive_processed (message_id text PRIMARY KEY, processed_at timestamptz NOT NULL DEFAULT now());`); err != nil {
@@ -248,7 +257,7 @@ func run(cfg config, dsn string, skipScale bool, docsDir, resultsPath string) (e
 		}
 	}
 	defer b.close()
-	e := &env{dsn: benchDSN, admin: admin, broker: b, pub: b.publisher(), router: cfg.Broker == "none"}
+	e := &env{dsn: benchDSN, admin: admin, broker: b, pub: b.publisher(), router: cfg.Broker == "none", stmts: &drainEnv{admin: admin, pgss: pgss}}
 	if slices.ContainsFunc(cfg.Contenders, func(n string) bool { return strings.HasSuffix(n, pooledSuffix) }) {
 		logf("starting PgBouncer (transaction mode)")
 		pooler, pooled, err := startPooler(benchDSN)

@@ -31,6 +31,8 @@ type env struct {
 	poolerErr error
 	// router: every contender is built behind a Watermill Router (-broker none; router.go).
 	router bool
+	// stmts logs the statements that took the server's time per scale run (OUTBOX_BENCH_PGSS).
+	stmts *drainEnv
 	// defaultGrace: the framework's contenders keep the default RelayGrace (the scaling run,
 	// which crashes nothing), not the 2 s that keeps the crash checks short.
 	defaultGrace bool

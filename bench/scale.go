@@ -279,10 +279,12 @@ func (e *env) scaleRetained(ctx context.Context, cfg config, cs []contender, rep
 				if st.ordered {
 					run = timeOrdered(ds)
 				}
+				e.stmts.statements(ctx, "before")
 				res, err := e.run(ctx, f, run, runOpts{conc: conc, noReset: st.big, redelivered: true, drainWait: 30 * time.Second})
 				if err != nil {
 					return err
 				}
+				e.stmts.statements(ctx, fmt.Sprintf("%s c=%d", label, conc))
 				key := fmt.Sprintf("%s/%d", label, conc)
 				if aggs[key] == nil {
 					aggs[key] = &aggregate{contender: label, path: f.name(), conc: conc}

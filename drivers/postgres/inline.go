@@ -135,11 +135,17 @@ func newInlineQueries(n store.Names) inlineQueries {
 		// statements after it are planned for their watermark every time: a generic plan (pgx
 		// caches statements) would read the whole table for "inline_xid >= $1". The transaction
 		// commits asynchronously: lost in a crash, it is done again (the watermark stays lower,
-		// the claims keep their effects).
+		// the claims keep their effects). They read the claims through the BRIN index on
+		// inline_xid, never the whole table: where the column's statistics hold no value (claims
+		// of messages that recorded no effect, claims from before inline_xid, statistics taken
+		// before the claims with effects came: a large table is analyzed again only once a tenth
+		// of it has changed) the planner has no correlation to cost the index with and chose to
+		// read every claim, twice per sweep.
 		sweepBegin: `SELECT pg_try_advisory_xact_lock(` + fmt.Sprint(lockClass) + `, ` + lockKey(n, "sweep") + `),
 				pg_snapshot_xmin(s)::text::bigint, pg_snapshot_xmax(s)::text::bigint, st.swept_xid
 			FROM pg_current_snapshot() s, ` + n.Stats + ` st
-			WHERE st.id = 1 AND set_config('plan_cache_mode', 'force_custom_plan', true) IS NOT NULL AND ` + asyncCommit,
+			WHERE st.id = 1 AND set_config('plan_cache_mode', 'force_custom_plan', true) IS NOT NULL
+			  AND set_config('enable_seqscan', 'off', true) IS NOT NULL AND ` + asyncCommit,
 		// Grace decides when a claim's effects are taken from it, never whether: a claim whose
 		// time is in the future (another server's clock) counts as old. Moved effects count as at
 		// least grace old, so that the relay takes them at once.

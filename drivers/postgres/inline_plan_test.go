@@ -3,6 +3,7 @@ package postgres
 import (
 	"context"
 	"database/sql"
+	"regexp"
 	"strconv"
 	"strings"
 	"testing"
@@ -75,6 +76,14 @@ func TestInlineStatementsFindClaimsByKey(t *testing.T) {
 	}
 }
 
+// buffersRe reads the buffers of the top node of EXPLAIN (ANALYZE, BUFFERS): shared hit, and read.
+var buffersRe = regexp.MustCompile(`Buffers: shared hit=(\d+)(?: read=(\d+))?`)
+
+func atoi(s string) int {
+	n, _ := strconv.Atoi(s)
+	return n
+}
+
 // explainClaimStatements checks the plans of the statements on a list of claims.
 func explainClaimStatements(t *testing.T, db *sql.DB, q inlineQueries, exec func(string), claims int) {
 	t.Helper()
@@ -102,6 +111,115 @@ func explainClaimStatements(t *testing.T, db *sql.DB, q inlineQueries, exec func
 			text := strings.Join(plan, "\n")
 			if strings.Contains(text, "Seq Scan on plan_processed") || !strings.Contains(text, "plan_processed_pkey") {
 				t.Errorf("%s (%s, %d claims) does not find the claims by their key:\n%s", name, mode, claims, text)
+			}
+		}
+	}
+}
+
+// TestSweepReadsFromItsWatermark: the relay's sweep of inline effects left behind reads the
+// claims at or above its watermark through the BRIN index on inline_xid, whatever the planner's
+// statistics say. On a table whose claims mostly hold no inline_xid (the pgx form's claims of
+// messages that recorded no effect, claims written before inline_xid existed, claims set aside)
+// the column's statistics are all NULL and carry no correlation, and the planner read the whole
+// table, twice per sweep, every quarter of RelayGrace: a second or more of a CPU for every ten
+// million claims retained.
+func TestSweepReadsFromItsWatermark(t *testing.T) {
+	db, err := sql.Open("postgres", pgtest.DSN(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer db.Close()
+	db.SetMaxOpenConns(1) // PREPARE is the session's
+	ctx := context.Background()
+	st, err := Driver{}.Open(db, outboxdriver.StoreOptions{TablePrefix: "sweepplan_"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := st.Migrate(ctx); err != nil {
+		t.Fatal(err)
+	}
+	n, err := namesOf("", "sweepplan_")
+	if err != nil {
+		t.Fatal(err)
+	}
+	exec := func(q string) {
+		t.Helper()
+		if _, err := db.ExecContext(ctx, q); err != nil {
+			t.Fatalf("%s: %v", q, err)
+		}
+	}
+	q := newInlineQueries(n)
+	const claims = 100_000
+	layouts := []struct{ name, xid string }{
+		{"no claim with an inline_xid", `NULL`},
+		{"one claim in a hundred with an inline_xid", `CASE WHEN g % 100 = 0 THEN g END`},
+		{"every claim with an inline_xid", `g`},
+	}
+	for _, l := range layouts {
+		exec(`TRUNCATE ` + n.Processed)
+		exec(`INSERT INTO ` + n.Processed + ` (consumer, message_id, processed_at, dispatched_at, inline_xid)
+			SELECT 'c', gen_random_uuid()::text, now(), now(), ` + l.xid + ` FROM generate_series(1, ` + strconv.Itoa(claims) + `) g`)
+		// Summarizes the BRIN ranges, as autosummarize does once they are full. The statistics
+		// stay as they are until a tenth of the table has changed (autovacuum_analyze_scale_factor).
+		exec(`VACUUM ANALYZE ` + n.Processed)
+		var pages int
+		if err := db.QueryRowContext(ctx, `SELECT relpages FROM pg_class WHERE oid = '`+n.Processed+`'::regclass`).Scan(&pages); err != nil {
+			t.Fatal(err)
+		}
+		// The newest claims hold effects, as those of a relay that fell behind would.
+		exec(`INSERT INTO ` + n.Processed + ` (consumer, message_id, processed_at, dispatched_at, effects, inline_xid)
+			SELECT 'c', gen_random_uuid()::text, now(), now(), '\x01', g FROM generate_series(` + strconv.Itoa(claims+1) + `, ` + strconv.Itoa(claims+10) + `) g`)
+		for _, from := range []int{1, claims - 50} {
+			if l.xid == `g` && from == 1 {
+				continue // every claim is at or above the watermark: reading them all is the sweep's job
+			}
+			for name, stmt := range map[string]string{"sweep": q.sweep, "sweepLeft": q.sweepLeft} {
+				tx, err := db.BeginTx(ctx, nil)
+				if err != nil {
+					t.Fatal(err)
+				}
+				var may bool
+				var xmin, xmax int64
+				var watermark sql.NullInt64
+				if err := tx.QueryRowContext(ctx, q.sweepBegin).Scan(&may, &xmin, &xmax, &watermark); err != nil {
+					t.Fatal(err)
+				}
+				args := strconv.Itoa(from)
+				if name == "sweep" {
+					args += ", 10000, 1000, 100"
+				}
+				var plan []string
+				for _, s := range []string{`PREPARE sweep_stmt AS ` + stmt, `EXPLAIN (ANALYZE, BUFFERS) EXECUTE sweep_stmt(` + args + `)`, `DEALLOCATE sweep_stmt`} {
+					rows, err := tx.QueryContext(ctx, s)
+					if err != nil {
+						t.Fatalf("%s: %v", s, err)
+					}
+					for rows.Next() {
+						var line string
+						if err := rows.Scan(&line); err != nil {
+							t.Fatal(err)
+						}
+						plan = append(plan, line)
+					}
+					if err := rows.Close(); err != nil {
+						t.Fatal(err)
+					}
+				}
+				if err := tx.Rollback(); err != nil {
+					t.Fatal(err)
+				}
+				text := strings.Join(plan, "\n")
+				if strings.Contains(text, "Seq Scan on sweepplan_processed") || !strings.Contains(text, "sweepplan_processed_inline_xid") {
+					t.Errorf("%s from %d, %s: reads the claims below its watermark:\n%s", name, from, l.name, text)
+				}
+				// What it read: the BRIN index, the ranges at or above the watermark and the
+				// unsummarized newest pages, a few dozen pages of the table's thousand and more.
+				// (From the first transaction on, every range holding an inline_xid is read.)
+				if m := buffersRe.FindStringSubmatch(text); m == nil {
+					t.Errorf("%s: no buffer counts in\n%s", name, text)
+				} else if hit, _ := strconv.Atoi(m[1]); (from > 1 || l.xid == `NULL`) && hit+atoi(m[2]) > pages/10 {
+					t.Errorf("%s from %d, %s: read %s+%s buffers of a table of %d pages:\n%s", name, from, l.name, m[1], m[2], pages, text)
+				}
 			}
 		}
 	}
