@@ -83,7 +83,8 @@ func presets(mode string) (config, error) {
 	case "full":
 		c.N, c.Reps = 20000, 4
 		c.SafetyN = 5000
-		c.Retained, c.ScaleN, c.ScaleConcs = 10_000_000, 10000, []int{4, 16}
+		// Runs of 10,000 deliveries: of 2,500 (a second or two each), single rows moved by 2x.
+		c.Retained, c.ScaleN, c.ScaleConcs = 10_000_000, 40000, []int{4, 16}
 		c.Expired, c.CleanupN, c.CleanupC = 1_000_000, 10000, 4
 		c.MemN = 20000
 	default:
