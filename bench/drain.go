@@ -857,9 +857,11 @@ func (d *drainEnv) idle(ctx context.Context, rep *drainReport) error {
 		go func() { defer wg.Done(); _ = ob.Run(runCtx) }()
 	}
 	time.Sleep(time.Second) // the first rounds and connections
+	d.statements(ctx, "before the idle rounds")
 	w0 := wc.snapshot()
 	time.Sleep(seconds * time.Second)
 	w := wc.snapshot().sub(w0)
+	d.statements(ctx, "idle rounds")
 	stop()
 	wg.Wait()
 	rep.Idle.Instances, rep.Idle.Seconds, rep.Idle.Interval = instances, seconds, interval.Seconds()
