@@ -12,6 +12,7 @@ import (
 
 	"github.com/watermill-outbox/outbox/internal/pgtest"
 	"github.com/watermill-outbox/outbox/outboxdriver"
+	"github.com/watermill-outbox/outbox/store"
 )
 
 // TestInlineStatementsFindClaimsByKey: the statements that mark, clear, take and set aside the
@@ -21,30 +22,8 @@ import (
 // scan and a hash join) for every batch of marks until the table held some ten thousand claims;
 // written with the pairs in JSON, its generic plan still read the whole table up to some 5,000.
 func TestInlineStatementsFindClaimsByKey(t *testing.T) {
-	db, err := sql.Open("postgres", pgtest.DSN(t))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer db.Close()
-	db.SetMaxOpenConns(1) // PREPARE and plan_cache_mode are the session's
+	db, st, n, exec := planTables(t, "plan_")
 	ctx := context.Background()
-	st, err := Driver{}.Open(db, outboxdriver.StoreOptions{TablePrefix: "plan_"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := st.Migrate(ctx); err != nil {
-		t.Fatal(err)
-	}
-	n, err := namesOf("", "plan_")
-	if err != nil {
-		t.Fatal(err)
-	}
-	exec := func(q string) {
-		t.Helper()
-		if _, err := db.ExecContext(ctx, q); err != nil {
-			t.Fatalf("%s: %v", q, err)
-		}
-	}
 	q := newInlineQueries(n)
 	for _, claims := range []int{1500, 8000} {
 		exec(`TRUNCATE ` + n.Processed)
@@ -73,6 +52,37 @@ func TestInlineStatementsFindClaimsByKey(t *testing.T) {
 	}
 	if left != "x/b,y/a" {
 		t.Errorf("claims with effects left after marking x/a and y/b: %s, want x/b,y/a", left)
+	}
+}
+
+// planTables migrates the tables of prefix on a pool of one connection (PREPARE and
+// plan_cache_mode are the session's), closed when the test ends, and returns exec, which fails
+// the test on an error.
+func planTables(t *testing.T, prefix string) (*sql.DB, outboxdriver.Store, store.Names, func(string)) {
+	t.Helper()
+	db, err := sql.Open("postgres", pgtest.DSN(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { db.Close() })
+	db.SetMaxOpenConns(1)
+	ctx := context.Background()
+	st, err := Driver{}.Open(db, outboxdriver.StoreOptions{TablePrefix: prefix})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := st.Migrate(ctx); err != nil {
+		t.Fatal(err)
+	}
+	n, err := namesOf("", prefix)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return db, st, n, func(q string) {
+		t.Helper()
+		if _, err := db.ExecContext(ctx, q); err != nil {
+			t.Fatalf("%s: %v", q, err)
+		}
 	}
 }
 
@@ -124,30 +134,8 @@ func explainClaimStatements(t *testing.T, db *sql.DB, q inlineQueries, exec func
 // table, twice per sweep, every quarter of RelayGrace: a second or more of a CPU for every ten
 // million claims retained.
 func TestSweepReadsFromItsWatermark(t *testing.T) {
-	db, err := sql.Open("postgres", pgtest.DSN(t))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer db.Close()
-	db.SetMaxOpenConns(1) // PREPARE is the session's
+	db, _, n, exec := planTables(t, "sweepplan_")
 	ctx := context.Background()
-	st, err := Driver{}.Open(db, outboxdriver.StoreOptions{TablePrefix: "sweepplan_"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := st.Migrate(ctx); err != nil {
-		t.Fatal(err)
-	}
-	n, err := namesOf("", "sweepplan_")
-	if err != nil {
-		t.Fatal(err)
-	}
-	exec := func(q string) {
-		t.Helper()
-		if _, err := db.ExecContext(ctx, q); err != nil {
-			t.Fatalf("%s: %v", q, err)
-		}
-	}
 	q := newInlineQueries(n)
 	const claims = 100_000
 	layouts := []struct{ name, xid string }{
