@@ -79,7 +79,8 @@ e2e:
 
 # The protocol's model (model/outbox.pml, docs/protocol.md), checked with SPIN (apt-get install spin):
 # the protocol as fixed keeps every invariant, and each old variant is caught breaking its own.
-# `model` uses the quick bounds (under a minute, part of make test); `model-full` larger ones.
+# `model` uses the quick bounds (about three minutes on 2 cores, part of make test); `model-full`
+# larger ones (up to 6 GB of memory).
 model:
 	./model/check.sh quick
 
