@@ -205,10 +205,7 @@ func (r *inlineRecord) record(ctx context.Context, tx *sql.Tx, effects []Effect)
 
 // held returns the effects this unit recorded that are among held (read from the claim).
 func (r *inlineRecord) held(held []Effect) []Effect {
-	seqs := make(map[int]bool, len(held))
-	for _, e := range held {
-		seqs[e.Seq] = true
-	}
+	seqs := seqsOf(held)
 	var out []Effect
 	for _, e := range r.effects {
 		if seqs[e.Seq] {
@@ -224,11 +221,16 @@ func (r *inlineRecord) survivors(ctx context.Context, tx *sql.Tx) (map[int]bool,
 	if err != nil {
 		return nil, err
 	}
-	seqs := make(map[int]bool, len(held))
-	for _, e := range held {
+	return seqsOf(held), nil
+}
+
+// seqsOf returns the positions (Seq) of effects.
+func seqsOf(effects []Effect) map[int]bool {
+	seqs := make(map[int]bool, len(effects))
+	for _, e := range effects {
 		seqs[e.Seq] = true
 	}
-	return seqs, nil
+	return seqs
 }
 
 func (u *sqlUnit) Commit(ctx context.Context, _ []Effect) error {

@@ -86,6 +86,30 @@ func planTables(t *testing.T, prefix string) (*sql.DB, outboxdriver.Store, store
 	}
 }
 
+// queryLines runs q and returns the one text column of its rows (EXPLAIN's lines).
+func queryLines(t *testing.T, db interface {
+	QueryContext(context.Context, string, ...any) (*sql.Rows, error)
+}, q string) []string {
+	t.Helper()
+	rows, err := db.QueryContext(context.Background(), q)
+	if err != nil {
+		t.Fatalf("%s: %v", q, err)
+	}
+	defer rows.Close()
+	var lines []string
+	for rows.Next() {
+		var line string
+		if err := rows.Scan(&line); err != nil {
+			t.Fatal(err)
+		}
+		lines = append(lines, line)
+	}
+	if err := rows.Err(); err != nil {
+		t.Fatal(err)
+	}
+	return lines
+}
+
 // buffersRe reads the buffers of the top node of EXPLAIN (ANALYZE, BUFFERS): shared hit, and read.
 var buffersRe = regexp.MustCompile(`Buffers: shared hit=(\d+)(?: read=(\d+))?`)
 
@@ -97,26 +121,11 @@ func atoi(s string) int {
 // explainClaimStatements checks the plans of the statements on a list of claims.
 func explainClaimStatements(t *testing.T, db *sql.DB, q inlineQueries, exec func(string), claims int) {
 	t.Helper()
-	ctx := context.Background()
 	for name, stmt := range map[string]string{"mark": q.mark, "markLate": q.markLate, "sentLate": q.sentLate, "clear": q.clear, "take": q.take, "setAside": q.setAside} {
 		for _, mode := range []string{"force_custom_plan", "force_generic_plan"} {
 			exec(`SET plan_cache_mode = ` + mode)
 			exec(`PREPARE plan_stmt(text, text) AS ` + stmt)
-			rows, err := db.QueryContext(ctx, `EXPLAIN EXECUTE plan_stmt('c', '{"a","b","c"}')`)
-			if err != nil {
-				t.Fatal(err)
-			}
-			var plan []string
-			for rows.Next() {
-				var line string
-				if err := rows.Scan(&line); err != nil {
-					t.Fatal(err)
-				}
-				plan = append(plan, line)
-			}
-			if err := rows.Close(); err != nil {
-				t.Fatal(err)
-			}
+			plan := queryLines(t, db, `EXPLAIN EXECUTE plan_stmt('c', '{"a","b","c"}')`)
 			exec(`DEALLOCATE plan_stmt`)
 			text := strings.Join(plan, "\n")
 			if strings.Contains(text, "Seq Scan on plan_processed") || !strings.Contains(text, "plan_processed_pkey") {
@@ -178,20 +187,7 @@ func TestSweepReadsFromItsWatermark(t *testing.T) {
 				}
 				var plan []string
 				for _, s := range []string{`PREPARE sweep_stmt AS ` + stmt, `EXPLAIN (ANALYZE, BUFFERS) EXECUTE sweep_stmt(` + args + `)`, `DEALLOCATE sweep_stmt`} {
-					rows, err := tx.QueryContext(ctx, s)
-					if err != nil {
-						t.Fatalf("%s: %v", s, err)
-					}
-					for rows.Next() {
-						var line string
-						if err := rows.Scan(&line); err != nil {
-							t.Fatal(err)
-						}
-						plan = append(plan, line)
-					}
-					if err := rows.Close(); err != nil {
-						t.Fatal(err)
-					}
+					plan = append(plan, queryLines(t, tx, s)...)
 				}
 				if err := tx.Rollback(); err != nil {
 					t.Fatal(err)
