@@ -3,6 +3,7 @@ package outbox_test
 import (
 	"context"
 	"database/sql"
+	"errors"
 	"slices"
 	"testing"
 	"time"
@@ -11,6 +12,7 @@ import (
 	"github.com/google/uuid"
 
 	"github.com/watermill-outbox/outbox"
+	"github.com/watermill-outbox/outbox/drivers/postgres"
 	"github.com/watermill-outbox/outbox/outboxdriver"
 	"github.com/watermill-outbox/outbox/store"
 )
@@ -277,4 +279,167 @@ func TestRefusedEffectAfterASuccessIsParked(t *testing.T) {
 	}
 	mustEqual(t, "parked effects", e.count(`SELECT count(*) FROM outbox_effects WHERE parked_at IS NOT NULL AND topic = 'out_b'`), 1)
 	mustEqual(t, "sent", len(e.sent("out_a")), 1)
+}
+
+// TestOneAtATimeRecordsSpillToRows: a handler that publishes its messages one Publish call at a
+// time does not rewrite every earlier one at each call. Each record rewrites what the claim
+// keeps, so the claim keeps effects only while its writes stay within the store's budget
+// (postgres.Driver.MaxInlineBytes); then they move to effect rows, in order, and the claim holds
+// none. Everything is sent in the order recorded, after the commit and on redelivery.
+func TestOneAtATimeRecordsSpillToRows(t *testing.T) {
+	e := newEnv(t, func(c *outbox.Config) { c.EffectRetention = 0 })
+	const n = 100
+	payload := make([]byte, 300)
+	var ids []string
+	var claimBytes, rows int
+	h := func(msg *message.Message) ([]*message.Message, error) {
+		ctx := msg.Context()
+		ids = ids[:0]
+		for range n {
+			id := uuid.NewString()
+			ids = append(ids, id)
+			if err := outbox.Publish(ctx, "out_a", message.NewMessage(id, payload)); err != nil {
+				return nil, err
+			}
+		}
+		tx := outbox.Tx(ctx)
+		if err := tx.QueryRowContext(ctx, `SELECT coalesce(length(effects), 0) FROM outbox_processed WHERE consumer = 'c1' AND message_id = $1`, msg.UUID).Scan(&claimBytes); err != nil {
+			return nil, err
+		}
+		return nil, tx.QueryRowContext(ctx, `SELECT count(*) FROM outbox_effects WHERE source_id = $1`, msg.UUID).Scan(&rows)
+	}
+	msg := message.NewMessage(uuid.NewString(), nil)
+	if err := handle(e.ob, msg, h); err != nil {
+		t.Fatal(err)
+	}
+	if claimBytes != 0 || rows != n {
+		t.Fatalf("after %d records of one effect the claim held %d bytes and %d effects were rows: every record rewrote all the effects before it (want none in the claim, %d rows)",
+			n, claimBytes, rows, n)
+	}
+	if got := e.sent("out_a"); !slices.Equal(got, ids) {
+		t.Fatalf("sent %d effects, not the %d recorded in their order", len(got), n)
+	}
+	mustEqual(t, "pending effects after the dispatch", e.count(`SELECT count(*) FROM outbox_effects`), 0)
+
+	// Redelivered after a failed dispatch: the rows, in order.
+	e.pub.failAll.Store(true)
+	msg2 := message.NewMessage(uuid.NewString(), nil)
+	if err := handle(e.ob, msg2, h); err == nil {
+		t.Fatal("dispatch through a failing publisher reported success")
+	}
+	want := slices.Clone(ids)
+	e.pub.failAll.Store(false)
+	if err := handle(e.ob, copyOf(msg2), h); err != nil {
+		t.Fatal(err)
+	}
+	if got := e.sent("out_a")[n:]; !slices.Equal(got, want) {
+		t.Fatalf("on redelivery sent %d effects, not the %d committed in their order", len(got), n)
+	}
+}
+
+// TestSpillsThroughSavepoints: with a budget of two effects, the third record moves the claim's
+// effects to rows (a spill). Savepoints rolled back around, before and after a spill give back
+// what was kept before them, in the claim or as rows; whatever mix is left, the effects that
+// commit are those recorded outside the rolled-back savepoints, stored in one place in the order
+// recorded, and sent in that order after the commit and on redelivery.
+func TestSpillsThroughSavepoints(t *testing.T) {
+	cases := []struct {
+		name  string
+		steps []string // a label publishes a message; sp: SAVEPOINT; rb: ROLLBACK TO SAVEPOINT
+		want  []string // the labels committed, in order
+	}{
+		{"spill in a savepoint rolled back, then a record", []string{"a", "b", "sp", "c", "rb", "d"}, []string{"a", "b", "d"}},
+		{"spill in a savepoint rolled back, nothing after", []string{"a", "b", "sp", "c", "rb"}, []string{"a", "b"}},
+		{"two savepoints rolled back", []string{"a", "b", "sp", "c", "rb", "d", "sp", "e", "rb", "f"}, []string{"a", "b", "d", "f"}},
+		{"spill before a savepoint", []string{"a", "b", "c", "sp", "d", "rb", "e"}, []string{"a", "b", "c", "e"}},
+		{"savepoint before every write", []string{"sp", "a", "b", "c", "rb", "d"}, []string{"d"}},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			e := newEnv(t, func(c *outbox.Config) {
+				c.EffectRetention = 0
+				c.Driver = postgres.Driver{MaxInlineBytes: 600}
+			})
+			ids := map[string]string{}
+			var spilled bool
+			h := func(msg *message.Message) ([]*message.Message, error) {
+				ctx := msg.Context()
+				tx := outbox.Tx(ctx)
+				clear(ids)
+				for _, step := range tc.steps {
+					var err error
+					switch step {
+					case "sp":
+						_, err = tx.ExecContext(ctx, `SAVEPOINT sp`)
+					case "rb":
+						_, err = tx.ExecContext(ctx, `ROLLBACK TO SAVEPOINT sp`)
+					default:
+						ids[step] = uuid.NewString()
+						err = outbox.Publish(ctx, "out_a", message.NewMessage(ids[step], []byte(step)))
+					}
+					if err != nil {
+						return nil, err
+					}
+					if step == "c" {
+						var rows int
+						if err := tx.QueryRowContext(ctx, `SELECT count(*) FROM outbox_effects WHERE source_id = $1`, msg.UUID).Scan(&rows); err != nil {
+							return nil, err
+						}
+						spilled = rows == 3 && len(e.inlineHeldBy(msg)) == 0
+					}
+				}
+				return nil, nil
+			}
+			labels := func(uuids []string) []string {
+				var out []string
+				for _, u := range uuids {
+					for l, id := range ids {
+						if id == u {
+							out = append(out, l)
+						}
+					}
+				}
+				return out
+			}
+			msg := message.NewMessage(uuid.NewString(), nil)
+			if err := handle(e.ob, msg, h); err != nil {
+				t.Fatal(err)
+			}
+			if !spilled {
+				t.Fatal("the third record did not move the effects to three rows")
+			}
+			if got := labels(e.sent("out_a")); !slices.Equal(got, tc.want) {
+				t.Fatalf("sent %v, want %v", got, tc.want)
+			}
+			mustEqual(t, "effect rows left", e.count(`SELECT count(*) FROM outbox_effects`), 0)
+			mustEqual(t, "claims holding effects", e.count(`SELECT count(*) FROM outbox_processed WHERE effects IS NOT NULL`), 0)
+
+			// Crashed after the commit: what committed, in order, in one place (rows or the
+			// claim, never both), and sent in order on redelivery.
+			crashing := e.newOutbox(func(c *outbox.Config) {
+				c.EffectRetention = 0
+				c.Driver = postgres.Driver{MaxInlineBytes: 600}
+				c.Failpoint = func(_ context.Context, point string) error {
+					if point == outbox.FailpointAfterCommit {
+						return errors.New("crashed")
+					}
+					return nil
+				}
+			})
+			msg2 := message.NewMessage(uuid.NewString(), nil)
+			if err := handle(crashing, msg2, h); err == nil {
+				t.Fatal("a unit that crashed after its commit reported success")
+			}
+			inClaim, asRows := labels(e.inlineOf(msg2.UUID)), labels(e.storedEffects("c1", msg2.UUID))
+			if len(inClaim) > 0 && len(asRows) > 0 || !slices.Equal(append(asRows, inClaim...), tc.want) {
+				t.Fatalf("committed %v as rows and %v in the claim, want %v in one place", asRows, inClaim, tc.want)
+			}
+			if err := handle(e.ob, copyOf(msg2), h); err != nil {
+				t.Fatal(err)
+			}
+			if got := labels(e.sent("out_a")[len(tc.want):]); !slices.Equal(got, tc.want) {
+				t.Fatalf("on redelivery sent %v, want %v", got, tc.want)
+			}
+		})
+	}
 }

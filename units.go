@@ -74,7 +74,7 @@ func (s sqlUnits) BeginUnit(ctx context.Context, claim *Source) (outboxdriver.Un
 		return nil, outboxdriver.Claim{}, err
 	}
 	if r, ok := s.store.(outboxdriver.InlineRecorder); ok && c.Claimed {
-		u.inline = &inlineRecord{store: r, src: *claim}
+		u.inline = &inlineRecord{store: r, src: *claim, budget: r.InlineBudget()}
 	}
 	return u, c, nil
 }
@@ -92,6 +92,7 @@ type sqlUnit struct {
 	tx          *sql.Tx
 	inSavepoint bool          // some effect row may have been written inside a savepoint
 	inline      *inlineRecord // the effects kept in the claim; nil when there is no claim or the store keeps none
+	moved       map[int]int64 // Seq -> row of the effects kept in the claim and then moved to rows (spilled)
 	// conn is the connection of tx when the store locks keys per session; keyed is the key
 	// claimed on it, whose lock is released once tx has ended.
 	conn  *sql.Conn
@@ -100,23 +101,81 @@ type sqlUnit struct {
 
 func (u *sqlUnit) Tx() any { return u.tx }
 
-// Record stores effects at once: in the claim when the store keeps them there and they have the
-// default ordering key of their source, as effect rows otherwise.
+// Record stores effects at once: in the claim when the store keeps them there, they have the
+// default ordering key of their source and the claim's writes stay within the store's budget, as
+// effect rows otherwise.
 func (u *sqlUnit) Record(ctx context.Context, effects []Effect) error {
-	if u.inline != nil && u.inline.takes(effects) {
-		ok, err := u.inline.record(ctx, u.tx, effects)
-		if ok || err != nil {
+	if r := u.inline; r != nil && !r.spilled && r.takes(effects) {
+		if r.fits(effects) {
+			ok, err := r.record(ctx, u.tx, effects)
+			if ok || err != nil {
+				return err
+			}
+			u.inline = nil // no claim any more (the handler ended the transaction): rows, as without one
+		} else if done, err := u.spill(ctx, effects); done || err != nil {
 			return err
 		}
-		u.inline = nil // no claim any more (the handler ended the transaction): rows, as without one
 	}
 	inSavepoint, err := u.store.EffectInsert(ctx, u.tx, effects[0].Source, effects)
 	u.inSavepoint = u.inSavepoint || inSavepoint
 	return err
 }
 
+// spill moves the effects the claim keeps into effect rows, followed by effects, in one statement:
+// from then on the effects of the unit are rows, so that each record writes only its own. done
+// false: effects are still to be inserted (the claim kept none, or there is no claim).
+func (u *sqlUnit) spill(ctx context.Context, effects []Effect) (bool, error) {
+	r := u.inline
+	for try := 0; try < 2; try++ {
+		if len(r.effects) == 0 {
+			r.spilled = true
+			return false, nil
+		}
+		kept := len(r.effects)
+		all := append(slices.Clone(r.effects), effects...)
+		ok, nested, err := r.store.EffectSpillInline(ctx, u.tx, r.src, all, r.token)
+		if err != nil {
+			return false, err
+		}
+		if ok {
+			if u.moved == nil {
+				u.moved = make(map[int]int64, kept)
+			}
+			for _, e := range all[:kept] {
+				u.moved[e.Seq] = e.StoreID
+			}
+			for i := range effects {
+				effects[i].StoreID = all[kept+i].StoreID
+			}
+			// Inside a savepoint, its rollback gives the claim its effects back and takes the
+			// rows: both are read at the end.
+			u.inSavepoint = u.inSavepoint || nested
+			r.effects, r.token, r.spilled, r.unsure = nil, 0, true, r.unsure || nested
+			return true, nil
+		}
+		held, token, claimed, err := r.store.EffectReadInline(ctx, u.tx, r.src)
+		if err != nil {
+			return false, err
+		}
+		if !claimed {
+			u.inline = nil
+			return false, nil
+		}
+		r.effects, r.token, r.unsure = r.held(held), token, true
+	}
+	return false, fmt.Errorf("outbox: the side effects in the claim of %q for %q changed while they were moved to rows", r.src.ID, r.src.Consumer)
+}
+
 // Survivors asks the database only when an effect may have been written inside a savepoint.
 func (u *sqlUnit) Survivors(ctx context.Context, effects []Effect) ([]Effect, error) {
+	if len(u.moved) > 0 {
+		effects = slices.Clone(effects)
+		for i, e := range effects {
+			if id, ok := u.moved[e.Seq]; ok && e.StoreID == 0 {
+				effects[i].StoreID = id
+			}
+		}
+	}
 	var keepRow map[int64]bool
 	if u.inSavepoint && len(effects) > 0 {
 		var ids []int64
@@ -147,13 +206,52 @@ func (u *sqlUnit) Survivors(ctx context.Context, effects []Effect) ([]Effect, er
 	out := effects[:0:0]
 	for _, e := range effects {
 		switch {
-		case e.StoreID != 0 && keepRow != nil && !keepRow[e.StoreID]:
-		case e.StoreID == 0 && keepInline != nil && !keepInline[e.Seq]:
+		case e.StoreID != 0 && (keepRow == nil || keepRow[e.StoreID]):
+		case keepInline == nil && e.StoreID == 0, keepInline[e.Seq]:
+			e.StoreID = 0 // moved to a row by a spill that a savepoint rolled back, or kept in the claim
 		default:
-			out = append(out, e)
+			continue
 		}
+		out = append(out, e)
+	}
+	if r := u.inline; r != nil && r.spilled && len(keepInline) > 0 {
+		return u.unspill(ctx, out)
 	}
 	return out, nil
+}
+
+// unspill stores the effects of the unit's own key in one place when a spill left them in two: a
+// savepoint rolled back gave the claim back effects that the spill had moved to rows, and later
+// records are rows. Rows are sent by id, the claim's effects after them (ScanPending) or moved
+// to rows after them: the claim takes them all, in order, and their rows go.
+func (u *sqlUnit) unspill(ctx context.Context, effects []Effect) ([]Effect, error) {
+	r := u.inline
+	var own []Effect
+	var rows []int64
+	for _, e := range effects {
+		if r.takes([]Effect{e}) {
+			own = append(own, e)
+			if e.StoreID != 0 {
+				rows = append(rows, e.StoreID)
+			}
+		}
+	}
+	if len(rows) == 0 {
+		return effects, nil // all in the claim
+	}
+	ok, err := r.store.EffectUnspillInline(ctx, u.tx, r.src, own, r.token, rows)
+	if err != nil {
+		return nil, fmt.Errorf("outbox: keep the side effects of %q for %q in one place: %w", r.src.ID, r.src.Consumer, err)
+	}
+	if !ok {
+		return nil, fmt.Errorf("outbox: the side effects in the claim of %q for %q changed while they were written", r.src.ID, r.src.Consumer)
+	}
+	for i := range effects {
+		if r.takes(effects[i : i+1]) {
+			effects[i].StoreID = 0
+		}
+	}
+	return effects, nil
 }
 
 // inlineRecord keeps the effects of a claimed unit of work in its claim (InlineRecorder).
@@ -165,6 +263,29 @@ type inlineRecord struct {
 	// unsure: a write was made inside a savepoint, or one found the claim holding other effects
 	// than the unit wrote (a savepoint was rolled back): which ones commit is read at the end.
 	unsure bool
+	// budget is InlineBudget, written what the unit's writes into the claim wrote in all;
+	// spilled: the effects went to rows (the claim should hold none), and so do later ones.
+	budget, written int
+	spilled         bool
+}
+
+// fits tells whether the claim may take effects: the write of what it keeps and effects stays
+// within the budget (each write counts whole).
+func (r *inlineRecord) fits(effects []Effect) bool {
+	return r.written+r.token+encodedSize(effects) <= r.budget
+}
+
+// encodedSize is about the size of effects in the claim (store.EncodeEffects): their bytes and a
+// few for each length.
+func encodedSize(effects []Effect) int {
+	n := 0
+	for _, e := range effects {
+		n += 8 + len(e.Kind) + len(e.Topic) + len(e.UUID) + len(e.Payload) + len(e.OrderingKey)
+		for k, v := range e.Metadata {
+			n += 2 + len(k) + len(v)
+		}
+	}
+	return n
 }
 
 // takes tells whether effects are to be kept in the claim: those with the default ordering key
@@ -190,6 +311,7 @@ func (r *inlineRecord) record(ctx context.Context, tx *sql.Tx, effects []Effect)
 		}
 		if ok {
 			r.effects, r.token, r.unsure = next, token, r.unsure || nested
+			r.written += token
 			return true, nil
 		}
 		// The claim holds less than this unit wrote (a savepoint the handler rolled back undid
@@ -216,11 +338,13 @@ func (r *inlineRecord) held(held []Effect) []Effect {
 }
 
 // survivors returns the Seqs of the effects the claim holds, as the transaction will commit it.
+// It takes the token of what the claim holds.
 func (r *inlineRecord) survivors(ctx context.Context, tx *sql.Tx) (map[int]bool, error) {
-	held, _, _, err := r.store.EffectReadInline(ctx, tx, r.src)
+	held, token, _, err := r.store.EffectReadInline(ctx, tx, r.src)
 	if err != nil {
 		return nil, err
 	}
+	r.token = token
 	return seqsOf(held), nil
 }
 

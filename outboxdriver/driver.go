@@ -453,6 +453,22 @@ type InlineRecorder interface {
 	// the other stored fields), the token of the write that put them there (0: none), and claimed
 	// false when there is no claim.
 	EffectReadInline(ctx context.Context, tx *sql.Tx, src Source) (effects []Effect, token int, claimed bool, err error)
+	// InlineBudget is how many bytes a unit may write into its claim in all (every write counts
+	// whole: each rewrites what the claim keeps); a record that would go beyond is a row, and so
+	// is every later one (EffectSpillInline). 0: none, every effect is a row.
+	InlineBudget() int
+	// EffectSpillInline moves the unit's effects from the claim into effect rows, in one
+	// statement: if the claim holds those of the write that returned prev, it clears them and
+	// inserts effects (what it held, in order, then those being recorded) as rows, setting their
+	// StoreIDs. ok false when the claim holds other effects (a savepoint was rolled back) or
+	// there is no claim (nothing was written); nested: written inside a savepoint.
+	EffectSpillInline(ctx context.Context, tx *sql.Tx, src Source, effects []Effect, prev int) (ok, nested bool, err error)
+	// EffectUnspillInline writes effects (all of src's default ordering key, in order) into the
+	// claim if it holds those of the write that returned prev, and then deletes the effect rows
+	// rows (some of effects, written by this unit), in one statement; ok false when the claim
+	// holds other effects (nothing was written). It makes one kind of storage of what a spill
+	// left in both, when a savepoint rolled back gave the claim back effects moved to rows.
+	EffectUnspillInline(ctx context.Context, tx *sql.Tx, src Source, effects []Effect, prev int, rows []int64) (ok bool, err error)
 }
 
 // DelayedStore is implemented by a Store that keeps delayed effects (Effect.DueAt) apart from

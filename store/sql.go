@@ -502,6 +502,9 @@ func (s *SQL) queryRow(ctx context.Context, tx *sql.Tx, query string, args []any
 }
 
 // idList encodes store IDs as the one text argument the dialects' queries take.
+// IDList is ids as the comma-separated list the statements on a list of effect ids take.
+func IDList(ids []int64) string { return idList(ids) }
+
 func idList(ids []int64) string {
 	var b strings.Builder
 	for i, id := range ids {

@@ -41,6 +41,7 @@ type inline struct {
 	deleteDispatched bool
 	onError          func(what string, err error)
 	failpoint        func(ctx context.Context, point string) error // StoreOptions.Failpoint, or nil
+	budget           int                                           // InlineBudget (Driver.MaxInlineBytes)
 
 	lastSweep atomic.Int64 // UnixNano of the last sweep of inline effects left behind
 }
@@ -67,8 +68,10 @@ type inlineQueries struct {
 	sweepLeft   string // (watermark) -> the smallest inline_xid of the claims still holding effects
 	sweptTo     string // (watermark)
 
-	record string // (consumer, id, inline effects, length of the inline effects now) -> written in a savepoint; no row: not written
-	read   string // (consumer, id) -> the inline effects, NULL when none; no row: no claim
+	record  string // (consumer, id, inline effects, length of the inline effects now) -> written in a savepoint; no row: not written
+	read    string // (consumer, id) -> the inline effects, NULL when none; no row: no claim
+	spill   string // (effects as JSON, consumer, id, length of the inline effects now) -> id, seq, written in a savepoint; no row: not written
+	unspill string // (consumer, id, inline effects, length of the inline effects now, row ids) -> id of each row deleted; no row: not written
 }
 
 // storedAt is when the inline effects of claim p were written: dispatched_at, which their write
@@ -165,6 +168,19 @@ func newInlineQueries(n store.Names) inlineQueries {
 			WHERE consumer = $1 AND message_id = $2 AND coalesce(length(effects), 0) = $4
 			RETURNING xmin::text <> (txid_current() % 4294967296)::text`,
 		read: `SELECT effects FROM ` + n.Processed + ` WHERE consumer = $1 AND message_id = $2`,
+		// The rows are inserted in the order given (ids ascending: the relay's order within a
+		// key), and only if the claim was cleared, in the same statement: a handler that ended
+		// the transaction itself runs it alone, and it must not lose or double what the claim held.
+		spill: `WITH clr AS (UPDATE ` + n.Processed + ` SET effects = NULL
+				WHERE consumer = $2 AND message_id = $3 AND coalesce(length(effects), 0) = $4 RETURNING 1)
+			INSERT INTO ` + n.Effects + ` (source_consumer, source_id, seq, kind, topic, uuid, payload, metadata, ordering_key, created_at)
+			SELECT c, i, s, k, t, u, decode(pl, 'base64'), decode(md, 'base64'), ok, clock_timestamp()
+			FROM ` + effectsRecordset + ` WHERE EXISTS (SELECT FROM clr) ORDER BY n
+			RETURNING id, seq, xmin::text <> (txid_current() % 4294967296)::text`,
+		unspill: `WITH upd AS (UPDATE ` + n.Processed + ` SET effects = $3, dispatched_at = clock_timestamp()
+				WHERE consumer = $1 AND message_id = $2 AND coalesce(length(effects), 0) = $4 RETURNING 1)
+			DELETE FROM ` + n.Effects + ` e USING ` + ids("$5") + `
+			WHERE e.id = v.id AND EXISTS (SELECT FROM upd) RETURNING e.id`,
 	}
 }
 
@@ -261,6 +277,73 @@ func (s *inline) EffectRecordInline(ctx context.Context, tx *sql.Tx, src outboxd
 		return 0, false, false, fmt.Errorf("store side effects in the claim: %w", wrapErr(s.SQL, err))
 	}
 	return len(blob), true, nested, nil
+}
+
+// InlineBudget implements outboxdriver.InlineRecorder.
+func (s *inline) InlineBudget() int { return s.budget }
+
+// EffectSpillInline implements outboxdriver.InlineRecorder.
+func (s *inline) EffectSpillInline(ctx context.Context, tx *sql.Tx, src outboxdriver.Source, effects []outboxdriver.Effect, prev int) (bool, bool, error) {
+	in := make([]inlineRow, len(effects))
+	bySeq := make(map[int]int, len(effects))
+	for i, e := range effects {
+		in[i] = inlineRowOf(src, e, 0)
+		bySeq[e.Seq] = i
+	}
+	arg, err := jsonArg(in)
+	if err != nil {
+		return false, false, err
+	}
+	rows, err := tx.QueryContext(ctx, s.q.spill, arg, src.Consumer, src.ID, prev)
+	if err != nil {
+		return false, false, fmt.Errorf("move side effects from the claim to rows: %w", wrapErr(s.SQL, err))
+	}
+	defer rows.Close()
+	n, nested := 0, false
+	for rows.Next() {
+		var id int64
+		var seq int
+		var sub bool
+		if err := rows.Scan(&id, &seq, &sub); err != nil {
+			return false, false, err
+		}
+		i, ok := bySeq[seq]
+		if !ok {
+			return false, false, fmt.Errorf("move side effects from the claim to rows: seq %d returned, which was not given", seq)
+		}
+		effects[i].StoreID = id
+		nested = nested || sub
+		n++
+	}
+	if err := rows.Err(); err != nil {
+		return false, false, fmt.Errorf("move side effects from the claim to rows: %w", wrapErr(s.SQL, err))
+	}
+	if n == 0 {
+		return false, false, nil
+	}
+	if n != len(effects) {
+		return false, false, fmt.Errorf("move side effects from the claim to rows: %d of %d inserted", n, len(effects))
+	}
+	return true, nested, nil
+}
+
+// EffectUnspillInline implements outboxdriver.InlineRecorder.
+func (s *inline) EffectUnspillInline(ctx context.Context, tx *sql.Tx, src outboxdriver.Source, effects []outboxdriver.Effect, prev int, rows []int64) (bool, error) {
+	res, err := tx.ExecContext(ctx, s.q.unspill, src.Consumer, src.ID, store.EncodeEffects(effects), prev, store.IDList(rows))
+	if err != nil {
+		return false, fmt.Errorf("move side effects from rows back to the claim: %w", wrapErr(s.SQL, err))
+	}
+	n, err := res.RowsAffected()
+	if err != nil {
+		return false, fmt.Errorf("move side effects from rows back to the claim: %w", err)
+	}
+	if n != int64(len(rows)) {
+		if n == 0 {
+			return false, nil
+		}
+		return false, fmt.Errorf("move side effects from rows back to the claim: %d of %d rows deleted", n, len(rows))
+	}
+	return true, nil
 }
 
 // EffectReadInline implements outboxdriver.InlineRecorder.
@@ -553,6 +636,19 @@ type inlineRow struct {
 	AgeMS       int64  `json:"a"`
 }
 
+// inlineRowOf is effect e of src, ms old, in a JSON argument.
+func inlineRowOf(src outboxdriver.Source, e outboxdriver.Effect, ms int64) inlineRow {
+	r := inlineRow{Consumer: src.Consumer, ID: src.ID, Seq: e.Seq, Kind: e.Kind, Topic: e.Topic, UUID: e.UUID,
+		Payload: e.Payload, Metadata: store.EncodeMetadata(e.Metadata), OrderingKey: e.OrderingKey, AgeMS: ms}
+	if r.Payload == nil {
+		r.Payload = []byte{} // "" in JSON, not null: the column is NOT NULL
+	}
+	if r.Metadata == nil {
+		r.Metadata = []byte{}
+	}
+	return r
+}
+
 // undecodableClaim is a claim whose inline effects could not be decoded.
 type undecodableClaim struct {
 	key claimKey
@@ -595,15 +691,7 @@ func (s *inline) move(ctx context.Context, tx *sql.Tx, insert string, lock func(
 		}
 		moved = append(moved, key)
 		for _, e := range decoded {
-			r := inlineRow{Consumer: src.Consumer, ID: src.ID, Seq: e.Seq, Kind: e.Kind, Topic: e.Topic, UUID: e.UUID,
-				Payload: e.Payload, Metadata: store.EncodeMetadata(e.Metadata), OrderingKey: e.OrderingKey, AgeMS: ms}
-			if r.Payload == nil {
-				r.Payload = []byte{} // "" in JSON, not null: the column is NOT NULL
-			}
-			if r.Metadata == nil {
-				r.Metadata = []byte{}
-			}
-			effects = append(effects, r)
+			effects = append(effects, inlineRowOf(src, e, ms))
 		}
 	}
 	rows.Close()

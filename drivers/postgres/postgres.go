@@ -43,7 +43,21 @@ type Driver struct {
 	// notification, and returns when ctx is done (nil) or the connection is lost (an error; the
 	// caller listens again). The pgx driver sets it to listen on a connection of its pool.
 	Listener func(ctx context.Context, channel string, wake func()) error
+
+	// MaxInlineBytes bounds what the database/sql form writes into a message's claim. It keeps
+	// the effects of the message's own ordering key there, written as they are recorded, and
+	// each record rewrites all of them: a handler that records one effect per call would write
+	// n(n+1)/2 effects for n. Every write counts whole against this budget; the record that
+	// would go beyond it moves the claim's effects to effect rows, in order, in one statement,
+	// and it and every later record of the unit are rows. Default 0: DefaultMaxInlineBytes.
+	// Negative: every effect is a row. The pgx driver writes a claim once, at COMMIT, and does
+	// not use it.
+	MaxInlineBytes int
 }
+
+// DefaultMaxInlineBytes is the default of Driver.MaxInlineBytes: about ten records of one
+// effect each of a few hundred bytes, or one of some sixty (measured in docs/benchmarks.md).
+const DefaultMaxInlineBytes = 16 << 10
 
 var _ outboxdriver.Driver = Driver{}
 
@@ -85,7 +99,18 @@ func (d Driver) Open(db *sql.DB, opts outboxdriver.StoreOptions) (outboxdriver.S
 		return nil, err
 	}
 	return &inline{SQL: st, db: db, q: newInlineQueries(names), deleteDispatched: opts.DeleteDispatched, onError: opts.OnError,
-		failpoint: opts.Failpoint}, nil
+		failpoint: opts.Failpoint, budget: inlineBudget(d.MaxInlineBytes)}, nil
+}
+
+// inlineBudget is InlineBudget for Driver.MaxInlineBytes.
+func inlineBudget(maxBytes int) int {
+	switch {
+	case maxBytes == 0:
+		return DefaultMaxInlineBytes
+	case maxBytes < 0:
+		return 0
+	}
+	return maxBytes
 }
 
 // Migrations returns the migrations of the outbox tables for schema (empty: DefaultSchema) and
