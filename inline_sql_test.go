@@ -4,6 +4,7 @@ import (
 	"context"
 	"database/sql"
 	"errors"
+	"fmt"
 	"slices"
 	"testing"
 	"time"
@@ -441,5 +442,55 @@ func TestSpillsThroughSavepoints(t *testing.T) {
 				t.Fatalf("on redelivery sent %v, want %v", got, tc.want)
 			}
 		})
+	}
+}
+
+// TestSpillAfterTheHandlerCommits: a handler that commits the transaction with SQL and then
+// records past the budget runs the spill outside any transaction: the claim's effects and the new
+// one become rows in one statement, so that none is lost or doubled, and all are sent in order.
+func TestSpillAfterTheHandlerCommits(t *testing.T) {
+	e := newEnv(t, func(c *outbox.Config) {
+		c.EffectRetention = 0
+		c.Driver = postgres.Driver{MaxInlineBytes: 600}
+	})
+	var ids []string
+	h := func(msg *message.Message) ([]*message.Message, error) {
+		ctx := msg.Context()
+		ids = ids[:0]
+		for i, label := range []string{"a", "b", "commit", "c", "d"} {
+			if label == "commit" {
+				if _, err := outbox.Tx(ctx).ExecContext(ctx, `COMMIT`); err != nil {
+					return nil, err
+				}
+				if got := e.inlineOf(msg.UUID); len(got) != 2 {
+					return nil, fmt.Errorf("the claim committed %d effects, want 2", len(got))
+				}
+				continue
+			}
+			ids = append(ids, uuid.NewString())
+			if err := outbox.Publish(ctx, "out_a", message.NewMessage(ids[len(ids)-1], []byte(label))); err != nil {
+				return nil, fmt.Errorf("record %d: %w", i, err)
+			}
+			if label == "c" && len(e.inlineOf(msg.UUID)) > 0 {
+				return nil, errors.New("the third record did not move the claim's effects to rows")
+			}
+		}
+		return nil, nil
+	}
+	msg := message.NewMessage(uuid.NewString(), nil)
+	e.pub.failAll.Store(true)
+	if err := handle(e.ob, msg, h); err == nil {
+		t.Fatal("dispatch through a failing publisher reported success")
+	}
+	want := slices.Clone(ids)
+	if got, held := e.storedEffects("c1", msg.UUID), e.inlineOf(msg.UUID); !slices.Equal(got, want) || len(held) > 0 {
+		t.Fatalf("committed %v as rows and %v in the claim, want %v as rows", got, held, want)
+	}
+	e.pub.failAll.Store(false)
+	if err := handle(e.ob, copyOf(msg), h); err != nil {
+		t.Fatal(err)
+	}
+	if got := e.sent("out_a"); !slices.Equal(got, want) {
+		t.Fatalf("sent %v, want %v", got, want)
 	}
 }
