@@ -16,8 +16,15 @@ import (
 //	go test -run TestFaultCampaign . -args -campaign.off=copy-after # without a scenario
 func TestFaultCampaign(t *testing.T) {
 	campaign.Run(t, pgtest.DSN(t), campaign.Options{
-		Deployments: []campaign.Deployment{{Name: "database/sql", Forms: []campaign.Form{campaign.SQLForm(), campaign.SQLForm(), campaign.SQLForm()}}},
-		Runs:        24,
-		Replay:      "go test -race -run TestFaultCampaign . -args -campaign.seed=%d",
+		Deployments: []campaign.Deployment{
+			{Name: "database/sql", Forms: []campaign.Form{campaign.SQLForm(), campaign.SQLForm(), campaign.SQLForm()}},
+			// Units that move the effects kept in their claim to rows (spill) at their second
+			// record (a budget of 500 bytes) or their fourth (1,200 bytes: the one inside the
+			// handler's savepoint, when it makes one, which a rollback undoes), and an instance
+			// that keeps none in the claim, on the same tables.
+			{Name: "database/sql spilling", Forms: []campaign.Form{campaign.SQLFormInline(500), campaign.SQLFormInline(1200), campaign.SQLFormInline(-1)}, Shuffle: true},
+		},
+		Runs:   36,
+		Replay: "go test -race -run TestFaultCampaign . -args -campaign.seed=%d",
 	})
 }

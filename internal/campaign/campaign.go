@@ -78,6 +78,13 @@ type Form struct {
 // SQLForm is the database/sql form (lib/pq, drivers/postgres).
 func SQLForm() Form { return DatabaseSQLForm("database/sql", "postgres", postgres.Driver{}, 0) }
 
+// SQLFormInline is the database/sql form with postgres.Driver.MaxInlineBytes maxBytes: with a
+// few hundred bytes, units move the effects kept in their claim to rows (spill) after one, two
+// or three of the handler's records, some inside its savepoint; negative, they keep none.
+func SQLFormInline(maxBytes int) Form {
+	return DatabaseSQLForm(fmt.Sprintf("database/sql inline %d", maxBytes), "postgres", postgres.Driver{MaxInlineBytes: maxBytes}, 0)
+}
+
 // DatabaseSQLForm is a database/sql form on any store driver: name names it in reports; sqlDriver
 // and driver open the database; maxOpen, when positive, bounds its pool.
 func DatabaseSQLForm(name, sqlDriver string, driver outboxdriver.Driver, maxOpen int) Form {
