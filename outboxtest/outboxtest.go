@@ -418,8 +418,9 @@ var errCrash = errors.New("outboxtest: crash")
 // the handler, the commit, a publish, the mark), then Copies copies are delivered at the same
 // moment, then one more later, and the relay runs until nothing is pending. The subtest fails
 // with a report if the business change did not happen exactly once, a committed side effect
-// never reached the Publisher on its topic, or something reached a topic under a UUID that was
-// never committed to it (a second ID for one effect, or an effect of a rolled-back attempt). An
+// never reached the Publisher on its topic, something reached a topic under a UUID that was
+// never committed to it (a second ID for one effect, or an effect of a rolled-back attempt), or
+// effects of one ordering key were first sent out of the order they were recorded in. An
 // effect is a (topic, UUID): one message published to two topics is two effects, each checked.
 func (c CrashMatrix) Run(t *testing.T) {
 	t.Helper()
@@ -553,6 +554,30 @@ func (c CrashMatrix) scenario(t testing.TB, msg *message.Message, point string, 
 		if e.Kind == outbox.KindPublish && onWire[onTopic{e.Topic, e.UUID}] == 0 {
 			fail("side effect %s to %q was committed but never sent (lost)", e.UUID, e.Topic)
 		}
+	}
+	// Effects of one ordering key first reach the Publisher in the order they were recorded
+	// (a delayed one joins its key when it is due: it is left out).
+	firstAt := map[onTopic]int{}
+	for i, s := range h.Pub.All() {
+		if _, ok := firstAt[onTopic{s.Topic, s.Message.UUID}]; !ok {
+			firstAt[onTopic{s.Topic, s.Message.UUID}] = i
+		}
+	}
+	type keyed struct {
+		at int
+		e  Effect
+	}
+	lastOf := map[string]keyed{}
+	for _, e := range later.Effects {
+		at, ok := firstAt[onTopic{e.Topic, e.UUID}]
+		if e.Delayed || e.Kind != outbox.KindPublish || !ok {
+			continue
+		}
+		if prev, ok := lastOf[e.OrderingKey]; ok && at < prev.at {
+			fail("side effect %s to %q was first sent before %s to %q, recorded before it with the same ordering key %q",
+				e.UUID, e.Topic, prev.e.UUID, prev.e.Topic, e.OrderingKey)
+		}
+		lastOf[e.OrderingKey] = keyed{at, e}
 	}
 	sent := slices.SortedFunc(maps.Keys(onWire), func(a, b onTopic) int {
 		return cmp.Or(strings.Compare(a.topic, b.topic), strings.Compare(a.uuid, b.uuid))

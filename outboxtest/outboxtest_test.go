@@ -6,12 +6,14 @@ import (
 	"errors"
 	"os"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/watermill-outbox/outbox"
+	"github.com/watermill-outbox/outbox/drivers/postgres"
 	"github.com/watermill-outbox/outbox/internal/pgtest"
 )
 
@@ -165,5 +167,65 @@ func TestWaitIdle(t *testing.T) {
 func TestEnvDSNIsPgtests(t *testing.T) {
 	if EnvDSN != pgtestEnvDSN {
 		t.Fatalf("EnvDSN %q, but the server is taken from %q", EnvDSN, pgtestEnvDSN)
+	}
+}
+
+// spills counts the units of reserveInSteps whose claim held effects after their second record
+// and none after their third: they had moved to rows.
+var spills atomic.Int32
+
+// reserveInSteps records four messages of the message's own key one call at a time, the third
+// inside a savepoint that it rolls back.
+func reserveInSteps(*sql.DB) message.HandlerFunc {
+	return func(msg *message.Message) ([]*message.Message, error) {
+		ctx := msg.Context()
+		tx := outbox.Tx(ctx)
+		if _, err := tx.ExecContext(ctx, `INSERT INTO reservations VALUES ($1)`, string(msg.Payload)); err != nil {
+			return nil, err
+		}
+		var inClaim [2]bool // the claim held effects after the second record, after the third
+		for i, step := range []string{"first", "second", "sp", "undone", "rb", "third", "fourth"} {
+			var err error
+			switch step {
+			case "sp":
+				_, err = tx.ExecContext(ctx, `SAVEPOINT sp`)
+			case "rb":
+				_, err = tx.ExecContext(ctx, `ROLLBACK TO SAVEPOINT sp`)
+			default:
+				err = outbox.Publish(ctx, "steps", message.NewMessage("", []byte(step)))
+			}
+			if err != nil {
+				return nil, err
+			}
+			if i == 1 || i == 3 {
+				if err := tx.QueryRowContext(ctx, `SELECT effects IS NOT NULL FROM outbox_processed WHERE message_id = $1`, msg.UUID).Scan(&inClaim[i/2]); err != nil {
+					return nil, err
+				}
+			}
+		}
+		if inClaim[0] && !inClaim[1] {
+			spills.Add(1)
+		}
+		return nil, nil
+	}
+}
+
+// The matrix on units that move the effects kept in their claim to rows at their third record,
+// inside a savepoint that they roll back (postgres.Driver.MaxInlineBytes), on the database/sql
+// form: what commits is kept in one place, in order, and sent once with its committed UUIDs.
+func TestCrashMatrixSpillingUnits(t *testing.T) {
+	spills.Store(0)
+	open := func(t testing.TB, dsn string, cfg outbox.Config) (*outbox.Outbox, error) {
+		db, err := sql.Open("postgres", dsn)
+		if err != nil {
+			return nil, err
+		}
+		t.Cleanup(func() { _ = db.Close() })
+		cfg.DB, cfg.Driver = db, postgres.Driver{MaxInlineBytes: 400}
+		return outbox.New(cfg)
+	}
+	CrashMatrix{Consumer: "reserve", Handler: reserveInSteps, Messages: orders(), Setup: setupOrders, Applied: applied, Open: open}.Run(t)
+	if spills.Load() == 0 {
+		t.Fatal("no unit moved its effects to rows at its third record: the matrix did not cover a spill")
 	}
 }
