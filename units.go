@@ -270,10 +270,20 @@ type inlineRecord struct {
 }
 
 // fits tells whether the claim may take effects: the write of what it keeps and effects stays
-// within the budget (each write counts whole).
+// within the budget (each write counts whole), and what the unit rewrote so far is less than
+// what rows would have cost it beyond their bytes. Rows from the start would have cost the
+// effects' bytes (about the next write) and rowCost each; the claim has cost what was written
+// and the next write. Past that the effects are moved to rows, once: whatever the number of
+// records, a unit writes at most about twice what rows alone would have (rent until the rent paid
+// would have bought the rows).
 func (r *inlineRecord) fits(effects []Effect) bool {
-	return r.written+r.token+encodedSize(effects) <= r.budget
+	return r.written+r.token+encodedSize(effects) <= r.budget && r.written <= (len(r.effects)+len(effects))*rowCost
 }
+
+// rowCost is about what an effect row costs beyond its bytes, in bytes of WAL: its tuple header
+// and four index entries when it is inserted, and its delete once it is sent
+// (BenchmarkOneAtATimeRecords: 980 bytes per row of a 440-byte effect).
+const rowCost = 512
 
 // encodedSize is about the size of effects in the claim (store.EncodeEffects): their bytes and a
 // few for each length.

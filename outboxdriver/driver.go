@@ -440,7 +440,9 @@ type InlineStore interface {
 // stored as effect rows, behind the earlier effects of their key). Each record writes every
 // effect the unit keeps inline so far, guarded by a token of the write before it: a savepoint
 // the handler rolled back undoes the writes made since it began, which the unit, blind to user
-// SQL, learns from the guard.
+// SQL, learns from the guard. Once rewriting costs more than rows would have, or the writes
+// would pass InlineBudget, the unit moves them to rows (EffectSpillInline), and its later
+// records are rows.
 type InlineRecorder interface {
 	InlineStore
 	// EffectRecordInline writes effects (every effect the unit keeps inline, in the order they

@@ -1220,6 +1220,12 @@ func (smp statsSample) stats(at time.Time) outboxdriver.Stats {
 	}
 }
 
+// QueryPrepared runs query in tx as a statement prepared per connection (as the store's hot
+// statements are); the caller closes the rows.
+func (s *SQL) QueryPrepared(ctx context.Context, tx *sql.Tx, query string, args ...any) (*sql.Rows, error) {
+	return s.query(ctx, tx, query, args...)
+}
+
 // QueryRowPrepared runs query in tx as a statement prepared per connection (as the store's hot
 // statements are) and scans its one row into dest.
 func (s *SQL) QueryRowPrepared(ctx context.Context, tx *sql.Tx, query string, args []any, dest ...any) error {

@@ -294,7 +294,7 @@ func (s *inline) EffectSpillInline(ctx context.Context, tx *sql.Tx, src outboxdr
 	if err != nil {
 		return false, false, err
 	}
-	rows, err := tx.QueryContext(ctx, s.q.spill, arg, src.Consumer, src.ID, prev)
+	rows, err := s.SQL.QueryPrepared(ctx, tx, s.q.spill, arg, src.Consumer, src.ID, prev)
 	if err != nil {
 		return false, false, fmt.Errorf("move side effects from the claim to rows: %w", wrapErr(s.SQL, err))
 	}

@@ -46,17 +46,21 @@ type Driver struct {
 
 	// MaxInlineBytes bounds what the database/sql form writes into a message's claim. It keeps
 	// the effects of the message's own ordering key there, written as they are recorded, and
-	// each record rewrites all of them: a handler that records one effect per call would write
-	// n(n+1)/2 effects for n. Every write counts whole against this budget; the record that
-	// would go beyond it moves the claim's effects to effect rows, in order, in one statement,
-	// and it and every later record of the unit are rows. Default 0: DefaultMaxInlineBytes.
-	// Negative: every effect is a row. The pgx driver writes a claim once, at COMMIT, and does
-	// not use it.
+	// each record rewrites all of them: a handler that records one effect per Publish call would
+	// write n(n+1)/2 effects for n. So a unit keeps them there only while that costs less than
+	// rows would have (its rewrites so far under about 512 bytes per effect, what a row costs
+	// beyond its bytes), and while its writes in all stay within MaxInlineBytes; then the
+	// record moves the claim's effects to effect rows, in order, in one statement, and it and
+	// every later record of the unit are rows. Default 0: DefaultMaxInlineBytes. Negative:
+	// every effect is a row. The pgx driver writes a claim once, at COMMIT, and does not use it.
 	MaxInlineBytes int
 }
 
-// DefaultMaxInlineBytes is the default of Driver.MaxInlineBytes: about ten records of one
-// effect each of a few hundred bytes, or one of some sixty (measured in docs/benchmarks.md).
+// DefaultMaxInlineBytes is the default of Driver.MaxInlineBytes. The cost rule decides where
+// records one at a time move to rows (after three of 300-byte messages, six of 50-byte ones);
+// this bounds what a move writes twice (a large effect followed by another: in the claim, then
+// as a row) and what one Publish call puts in the claim (some thirty messages of 300 bytes).
+// docs/benchmarks.md, "One message per Publish call", has the measurements.
 const DefaultMaxInlineBytes = 16 << 10
 
 var _ outboxdriver.Driver = Driver{}
