@@ -80,7 +80,7 @@ e2e:
 # The protocol's model (model/outbox.pml, docs/protocol.md), checked with SPIN (apt-get install spin):
 # the protocol as fixed keeps every invariant, and each old variant is caught breaking its own.
 # `model` uses the quick bounds (about three minutes on 2 cores, part of make test); `model-full`
-# larger ones (up to 6 GB of memory).
+# larger ones (up to 10 GB of memory, ten minutes).
 model:
 	./model/check.sh quick
 

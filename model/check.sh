@@ -4,7 +4,7 @@
 # model is known to see the defects it was written for.
 #
 #   model/check.sh quick   (make model, part of make test: two to three minutes on 2 cores)
-#   model/check.sh full    (make model-full: larger bounds, a few minutes, up to 6 GB)
+#   model/check.sh full    (make model-full: larger bounds, ten minutes, up to 10 GB)
 #
 # Each run: spin -a generates the verifier, gcc compiles it (safety only), pan searches every
 # state up to the depth bound; a search cut short by the depth bound fails the run.
@@ -85,6 +85,8 @@ quick)
 	start fixed-2msg pass -DNM=2 -DMAXCRASH=1 -DMAXFAIL=0 -DFORM1=ROWS
 	start fixed-2msg-pinl pass -DNM=2 -DMAXCRASH=1 -DMAXFAIL=0 -DFORM1=PINL
 	start fixed-faults pass -DNM=1 -DMAXCRASH=2 -DMAXFAIL=2
+	# The database/sql form whose effects commit in its claim or, spilled, as rows.
+	start fixed-spill pass -DNM=1 -DMAXCRASH=2 -DMAXFAIL=2 -DFORM1=PINL -DSPILL
 	# The protocol as it was: each defect is found.
 	start old-sweep eventually_sent -DNM=1 -DMAXCRASH=1 -DMAXFAIL=1 -DOLD_SWEEP
 	start old-round lease_held -DNM=1 -DMAXCRASH=1 -DMAXFAIL=1 -DOLD_ROUND
@@ -92,12 +94,14 @@ quick)
 	start no-xid eventually_sent -DNM=1 -DMAXCRASH=1 -DMAXFAIL=1 -DNO_XID
 	;;
 full)
-	# Larger bounds: a failure among 2 messages; 1 message with more crashes and failures and a
-	# slower clock (leases and grace of several ticks); each old defect among 2 messages. One at
-	# a time: each may take up to 2 GB, the database/sql form's with a failure 6 GB (77 million
-	# states, 5 GB and three minutes).
+	# Larger bounds: a failure among 2 messages; 2 messages on a database/sql instance that may
+	# spill; 1 message with more crashes and failures and a slower clock (leases and grace of
+	# several ticks); each old defect among 2 messages. One at a time: each may take up to 2 GB,
+	# the database/sql form's with a failure 6 GB (77 million states, 5 GB and three minutes),
+	# with spills 10 GB (105 million states, 8.1 GB and four and a half minutes).
 	start fixed-2msg-failure pass -DNM=2 -DMAXCRASH=0 -DMAXFAIL=1 -DFORM1=ROWS && wait
 	MEMLIM=6000 HASHW=28 start fixed-2msg-failure-pinl pass -DNM=2 -DMAXCRASH=0 -DMAXFAIL=1 -DFORM1=PINL && wait
+	MEMLIM=10000 HASHW=29 start fixed-2msg-spill pass -DNM=2 -DMAXCRASH=1 -DMAXFAIL=0 -DFORM1=PINL -DSPILL && wait
 	start fixed-1msg-slow pass -DNM=1 -DMAXCRASH=3 -DMAXFAIL=2 -DTMAX=3 -DGRACE=1 && wait
 	start old-sweep-2msg eventually_sent -DNM=2 -DMAXCRASH=1 -DMAXFAIL=1 -DOLD_SWEEP && wait
 	start old-round-2msg lease_held -DNM=2 -DMAXCRASH=1 -DMAXFAIL=1 -DOLD_ROUND && wait

@@ -14,7 +14,8 @@
  *     for all its deliveries, the pgx form's pessimistic mode (claim INSERT ... ON CONFLICT at
  *     BEGIN, effect rows at COMMIT: the ROWS form) or the database/sql form (the same claim at
  *     BEGIN, its transaction's ID in it, and the effects written into it while the handler runs:
- *     the PINL form);
+ *     the PINL form), whose effects commit in the claim or, once its writes passed the store's
+ *     budget (a spill, -DSPILL: both are tried), as effect rows, the claim holding none;
  *   - one relay, which sweeps before its rounds as the code does, in an instance of either form;
  *   - a cleanup of claims whose retention has passed;
  *   - a clock that moves on while a handler runs and while a Publish call is under way: leases
@@ -218,7 +219,7 @@ inline backgroundMark() {
  */
 proctype Delivery(byte d; byte m; byte form) {
 	byte xid, T, p, k, n, i, s, markp;
-	bool ok, inlSeen, markInl;
+	bool ok, inlSeen, markInl, spilled;
 
 start:
 	if
@@ -273,12 +274,22 @@ start:
 			if :: claimed[m] -> goto duplicate :: else -> skip fi
 		}
 		/* the handler writes the effects into the claim as it records them: their time (the
-		 * claim's dispatched_at, from which the sweep's grace counts) is the write's */
-		atomic { tick; T = now; tick }
+		 * claim's dispatched_at, from which the sweep's grace counts) is the write's; or, past
+		 * the budget, moves them to effect rows (created then) and writes the later ones there */
+		atomic {
+			tick; T = now;
+#ifdef SPILL
+			if :: spilled = true :: spilled = false fi;
+#endif
+			tick }
 		atomic {
 			handler_fails;
 			crash_at(after_handler);
-			claimed[m] = true; lockedBy[m] = 0; inl[m] = true; ptime[m] = T; ixid[m] = xid; txid[d] = 0; cuuid[m] = d;
+			claimed[m] = true; lockedBy[m] = 0; txid[d] = 0; cuuid[m] = d;
+			if
+			:: spilled -> row[E(m, 0)] = 1; row[E(m, 1)] = 1; rowAt[m] = T
+			:: else -> inl[m] = true; ptime[m] = T; ixid[m] = xid
+			fi;
 #ifdef NO_XID
 			ixid[m] = 0; if :: W == 0 -> W = 1 :: else -> skip fi;   /* below every watermark the sweep keeps */
 #endif
@@ -291,15 +302,16 @@ start:
 		publish(m, 3, d, false, 0);
 		crash_at(after_publish);
 		if
-		:: ok -> markInl = (form != ROWS); markp = 3 * (form == ROWS); k = 0; ok = false;
+		:: ok -> markInl = (form != ROWS && !spilled); markp = 3 * (form == ROWS || spilled); k = 0; ok = false; spilled = false;
 			crash_at(after_mark); ackCheck(m); goto acked
 		:: else -> skip
 		fi }
 	/* failed: inline effects become rows (each marked, retried, parked on its own), the failure
 	 * is recorded (due again at once), the sent ones are marked */
 	atomic {
-		if :: form != ROWS && inl[m] -> moveInline(m) :: else -> skip fi;
-		if :: form != ROWS -> crash_at(after_materialize) :: else -> skip fi;
+		if :: form != ROWS && !spilled && inl[m] -> moveInline(m) :: else -> skip fi;
+		if :: form != ROWS && !spilled -> crash_at(after_materialize) :: else -> skip fi;
+		spilled = false;
 		firstOf(3, k, markp); leaseTo[m] = now + 1; k = 0 }
 	goto nacked;
 
@@ -340,7 +352,7 @@ nacked:
 crashed:
 	atomic {
 		if :: lockedBy[m] == d -> lockedBy[m] = 0 :: else -> skip fi; txid[d] = 0;
-		xid = 0; T = 0; p = 0; k = 0; n = 0; markp = 0; ok = false; inlSeen = false; markInl = false;
+		xid = 0; T = 0; p = 0; k = 0; n = 0; markp = 0; ok = false; inlSeen = false; markInl = false; spilled = false;
 redeliver:
 		if
 		:: goto start            /* the broker redelivers */
