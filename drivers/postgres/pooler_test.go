@@ -12,7 +12,9 @@ import (
 )
 
 // libpq is the database/sql form on lib/pq: behind a pooler in transaction mode it needs
-// binary_parameters=yes, with which lib/pq sends a statement and its parameters at once.
+// binary_parameters=yes, with which lib/pq sends a statement and its parameters at once. Its
+// units move the effects kept in their claim to rows at their second or third record (a small
+// MaxInlineBytes), so that the spill runs through the pooler too.
 var libpq = poolertest.Form{
 	Setting: "binary_parameters=yes",
 	Open: func(t testing.TB, dsn, listenDSN string, cfg outbox.Config) (*outbox.Outbox, error) {
@@ -21,9 +23,9 @@ var libpq = poolertest.Form{
 			return nil, err
 		}
 		t.Cleanup(func() { _ = db.Close() })
-		cfg.DB, cfg.Driver = db, postgres.Driver{ListenDSN: listenDSN}
+		cfg.DB, cfg.Driver = db, postgres.Driver{ListenDSN: listenDSN, MaxInlineBytes: 250}
 		if listenDSN == "" {
-			cfg.Driver = postgres.Driver{ListenDSN: dsn}
+			cfg.Driver = postgres.Driver{ListenDSN: dsn, MaxInlineBytes: 250}
 		}
 		ob, err := outbox.New(cfg)
 		if err == nil {

@@ -97,6 +97,9 @@ func Refused(t *testing.T, form Form) {
 // Setting, or pgtest.PoolSession, with none): Migrate from several instances at once, the
 // consumer path with concurrent copies and a failing publisher, units of work at the boundary,
 // cleanup and stats from several instances, the relay's wake-up across instances, shutdown.
+// orderMessages are the suffixes of the messages an order's handler publishes.
+var orderMessages = []string{"", "-2", "-3"}
+
 func Run(t *testing.T, form Form, mode string) {
 	direct, pooled := pgtest.PoolerDSN(t, mode)
 	if mode == pgtest.PoolTransaction {
@@ -134,12 +137,20 @@ func Run(t *testing.T, form Form, mode string) {
 	var retries atomic.Int64
 	var errMu sync.Mutex
 	var errs []error
+	// Three messages, one Publish call each: a form that keeps them in the claim and moves them
+	// to rows past a bound (the database/sql form's spill, with a small MaxInlineBytes) does so
+	// here.
 	handler := func(msg *message.Message) ([]*message.Message, error) {
 		mctx := msg.Context()
 		if err := form.Write(mctx, msg.UUID); err != nil {
 			return nil, err
 		}
-		return nil, outbox.Publish(mctx, "out", message.NewMessage("out-"+msg.UUID, nil))
+		for _, suffix := range orderMessages {
+			if err := outbox.Publish(mctx, "out", message.NewMessage("out-"+msg.UUID+suffix, nil)); err != nil {
+				return nil, err
+			}
+		}
+		return nil, nil
 	}
 	_ = each(orders*copies, func(i int) error {
 		id := fmt.Sprintf("o%d", i/copies)
@@ -185,7 +196,9 @@ func Run(t *testing.T, form Form, mode string) {
 	}
 	want := map[string]bool{}
 	for i := 0; i < orders; i++ {
-		want[fmt.Sprintf("out-o%d", i)] = true
+		for _, suffix := range orderMessages {
+			want[fmt.Sprintf("out-o%d%s", i, suffix)] = true
+		}
 	}
 	for i := 0; i < units; i++ {
 		want[fmt.Sprintf("out-u%d", i)] = true
