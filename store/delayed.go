@@ -77,13 +77,11 @@ func (s *SQL) DelayedPromote(ctx context.Context, limit int) (int, time.Duration
 		}
 		moved = int64(n)
 	case q.DelayedPromote != "":
-		r, err := s.db.ExecContext(ctx, q.DelayedPromote, limit)
-		if err != nil {
+		var ms sql.NullInt64
+		if err := s.db.QueryRowContext(ctx, q.DelayedPromote, limit).Scan(&moved, &ms); err != nil {
 			return 0, 0, false, fmt.Errorf("move due delayed effects: %w", s.wrap(err))
 		}
-		if moved, err = r.RowsAffected(); err != nil {
-			return 0, 0, false, err
-		}
+		return int(moved), time.Duration(ms.Int64) * time.Millisecond, ms.Valid, nil
 	case q.DelayedDue != "":
 		n, err := s.promoteInSteps(ctx, limit)
 		if err != nil {

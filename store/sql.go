@@ -65,7 +65,9 @@ type Queries struct {
 	DelayedInsert func(n int) string
 	DelayedCancel string // (cancel key) -> deletes the delayed effects with the key; rows affected
 	// DelayedPromote (limit) moves up to limit due delayed effects into the effects table, due
-	// for the relay at once; rows affected.
+	// for the relay at once, and returns one row: how many it moved, and the ms until the
+	// earliest due time of those it left (negative when past, NULL when none), so that an idle
+	// relay pass spends one statement on delayed effects (DelayedNextDue is then unused).
 	DelayedPromote string
 	// DelayedDue, DelayedMove and DelayedDelete are DelayedPromote in three statements of one
 	// transaction, for a dialect whose statements change one table: (limit) -> ids of the due

@@ -425,16 +425,21 @@ func queries(n store.Names, deleteDispatched bool) store.Queries {
 		// due order, so that effects of one key due together keep their recorded order. An
 		// effect whose claim still holds its unit's other effects inline (the pgx driver's
 		// optimistic mode, after a crash) waits until they are sent or moved to rows: it would
-		// take an id before them and overtake them on its key, the source's.
+		// take an id before them and overtake them on its key, the source's. The next due time
+		// is read in the same statement, from the snapshot before the move (the moved ones left
+		// out), by the index on due_at: an idle relay pass is then one statement here.
 		DelayedPromote: `WITH due AS (SELECT d.id FROM ` + n.Delayed + ` d WHERE d.due_at <= now()
 				  AND NOT EXISTS (SELECT 1 FROM ` + n.Processed + ` p
 					WHERE p.consumer = d.source_consumer AND p.message_id = d.source_id AND p.effects IS NOT NULL)
 				ORDER BY d.due_at, d.id LIMIT $1 FOR UPDATE OF d SKIP LOCKED),
-			moved AS (DELETE FROM ` + n.Delayed + ` d USING due WHERE d.id = due.id RETURNING d.*)
-			INSERT INTO ` + n.Effects + ` (source_consumer, source_id, seq, kind, topic, uuid, payload, metadata, ordering_key,
+			moved AS (DELETE FROM ` + n.Delayed + ` d USING due WHERE d.id = due.id RETURNING d.*),
+			ins AS (INSERT INTO ` + n.Effects + ` (source_consumer, source_id, seq, kind, topic, uuid, payload, metadata, ordering_key,
 				created_at, next_attempt_at)
 			SELECT source_consumer, source_id, seq, kind, topic, uuid, payload, metadata, ordering_key, due_at, now()
-			FROM moved ORDER BY due_at, id`,
+			FROM moved ORDER BY due_at, id RETURNING 1)
+			SELECT (SELECT count(*) FROM ins),
+				(SELECT (extract(epoch FROM d.due_at - now()) * 1000)::bigint FROM ` + n.Delayed + ` d
+				WHERE d.id NOT IN (SELECT id FROM moved) ORDER BY d.due_at, d.id LIMIT 1)`,
 		DelayedNextDue: `SELECT (extract(epoch FROM min(due_at) - now()) * 1000)::bigint FROM ` + n.Delayed,
 		DelayedStats: `WITH later AS (SELECT 1 FROM ` + n.Delayed + ` WHERE due_at > now() LIMIT $1),
 			overdue AS MATERIALIZED (SELECT due_at FROM ` + n.Delayed + ` WHERE due_at <= now() ORDER BY due_at LIMIT $1)
