@@ -93,7 +93,7 @@ func New(cfg Config) (*Outbox, error) {
 		kick:     make(chan struct{}, 1),
 	}
 	o.due.kick = o.kickRelay
-	o.units = sqlUnits{db: cfg.DB, store: st}
+	o.units = sqlUnits{db: cfg.DB, store: st, spilled: func(ctx context.Context) { o.tel.spills.Add(ctx, 1) }}
 	if us, ok := st.(outboxdriver.UnitStore); ok {
 		o.units = us
 	}

@@ -50,6 +50,7 @@ const (
 	MetricListenerDeaf      = "outbox.listener.deaf"        // counter: listeners that LISTENed but did not receive their own notification
 	MetricEffectsDelayed    = "outbox.effects.delayed"      // gauge: delayed effects not yet due (no backlog)
 	MetricDelayedPromoted   = "outbox.effects.delayed.due"  // counter: delayed effects the relay made pending once due
+	MetricEffectsSpilled    = "outbox.effects.spilled"      // counter: units of work that moved the effects kept in their claim to rows
 )
 
 // Attribute keys. Consumer and topic names are bounded by the application; message IDs are never
@@ -148,6 +149,7 @@ type telemetry struct {
 	cleanupErrors    metric.Int64Counter
 	listenerDeaf     metric.Int64Counter
 	delayedPromoted  metric.Int64Counter
+	spills           metric.Int64Counter
 
 	attrSets sync.Map // attrKey -> metric.MeasurementOption
 
@@ -238,6 +240,7 @@ func newTelemetry(o *Outbox) (*telemetry, error) {
 	t.boundaryUnits = i64c(MetricBoundaryUnits, "{unit}", "Units of work at the boundary (InTx, InUnit), by outcome: committed, dispatch_failed, rolled_back, failed.")
 	t.cleanupErrors = i64c(MetricCleanupErrors, "{error}", "Cleanup passes that failed (the database refused or timed out).")
 	t.delayedPromoted = i64c(MetricDelayedPromoted, "{effect}", "Delayed side effects the relay made pending once due (then sent as any other).")
+	t.spills = i64c(MetricEffectsSpilled, "{unit}", "Units of work of the database/sql form on PostgreSQL that moved the side effects kept in their claim to effect rows, past the cost of rewriting them (record many messages in one Publish call).")
 	t.listenerDeaf = i64c(MetricListenerDeaf, "{listener}", "Relay listeners that LISTENed but did not receive a notification of their own (a pooler in transaction mode): the relay polls.")
 
 	gauge := func(name, unit, desc string) metric.Float64ObservableGauge {
@@ -295,7 +298,7 @@ func newTelemetry(o *Outbox) (*telemetry, error) {
 	// anything went wrong: the boundary's outcomes, cleanup's tables, and the dispatches of
 	// publishes on every path (appliers' kinds start when they are registered).
 	ctx := context.Background()
-	for _, c := range []metric.Int64Counter{t.relayRounds, t.relayErrors, t.cleanupBatches, t.markFailures, t.cleanupErrors, t.listenerDeaf, t.delayedPromoted} {
+	for _, c := range []metric.Int64Counter{t.relayRounds, t.relayErrors, t.cleanupBatches, t.markFailures, t.cleanupErrors, t.listenerDeaf, t.delayedPromoted, t.spills} {
 		c.Add(ctx, 0)
 	}
 	for _, outcome := range []string{OutcomeCommitted, OutcomeDispatchFailed, OutcomeRolledBack, OutcomeFailed} {

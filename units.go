@@ -15,8 +15,9 @@ import (
 // the claim and each record are round trips of their own, since database/sql cannot pipeline.
 // Effects are stored as they are recorded: the handler holds the *sql.Tx and could commit it.
 type sqlUnits struct {
-	db    *sql.DB
-	store outboxdriver.Store
+	db      *sql.DB
+	store   outboxdriver.Store
+	spilled func(ctx context.Context) // counts a unit that moved its claim's effects to rows
 }
 
 var _ outboxdriver.UnitStore = sqlUnits{}
@@ -75,6 +76,7 @@ func (s sqlUnits) BeginUnit(ctx context.Context, claim *Source) (outboxdriver.Un
 	}
 	if r, ok := s.store.(outboxdriver.InlineRecorder); ok && c.Claimed {
 		u.inline = &inlineRecord{store: r, src: *claim, budget: r.InlineBudget()}
+		u.spilled = s.spilled
 	}
 	return u, c, nil
 }
@@ -93,6 +95,7 @@ type sqlUnit struct {
 	inSavepoint bool          // some effect row may have been written inside a savepoint
 	inline      *inlineRecord // the effects kept in the claim; nil when there is no claim or the store keeps none
 	moved       map[int]int64 // Seq -> row of the effects kept in the claim and then moved to rows (spilled)
+	spilled     func(ctx context.Context)
 	// conn is the connection of tx when the store locks keys per session; keyed is the key
 	// claimed on it, whose lock is released once tx has ended.
 	conn  *sql.Conn
@@ -151,6 +154,9 @@ func (u *sqlUnit) spill(ctx context.Context, effects []Effect) (bool, error) {
 			// rows: both are read at the end.
 			u.inSavepoint = u.inSavepoint || nested
 			r.effects, r.token, r.spilled, r.unsure = nil, 0, true, r.unsure || nested
+			if u.spilled != nil {
+				u.spilled(ctx)
+			}
 			return true, nil
 		}
 		held, token, claimed, err := r.store.EffectReadInline(ctx, u.tx, r.src)

@@ -337,3 +337,32 @@ func TestTelemetryBoundaryRefusedDelayedEffectFails(t *testing.T) {
 			sumInt(t, rm, outbox.MetricBoundaryUnits, outcome(outbox.OutcomeRolledBack)))
 	}
 }
+
+// A unit of work of the database/sql form that records its messages one Publish call at a time
+// moves them from its claim to rows once rewriting them costs more (the spill): counted, from a
+// series at zero, once per unit, not per record after it.
+func TestTelemetryEffectsSpilled(t *testing.T) {
+	e := newCounterEnv(t, outbox.Config{})
+	if got := sumInt(t, e.tel.collect(t), outbox.MetricEffectsSpilled, nil); got != 0 {
+		t.Fatalf("%s = %d before any unit, want 0", outbox.MetricEffectsSpilled, got)
+	}
+	publish := func(n int) message.HandlerFunc {
+		return func(msg *message.Message) ([]*message.Message, error) {
+			for range n {
+				if err := outbox.Publish(msg.Context(), "spilled", message.NewMessage(uuid.NewString(), make([]byte, 300))); err != nil {
+					return nil, err
+				}
+			}
+			return nil, nil
+		}
+	}
+	for _, n := range []int{2, 12} { // two records stay in the claim; twelve spill once
+		msg := message.NewMessage(uuid.NewString(), nil)
+		if err := e.ob.Handle(msg, outbox.HandleParams{Consumer: "spill", MessageID: msg.UUID}, publish(n)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if got := sumInt(t, e.tel.collect(t), outbox.MetricEffectsSpilled, nil); got != 1 {
+		t.Fatalf("%s = %d after a unit of 2 records and one of 12, want 1", outbox.MetricEffectsSpilled, got)
+	}
+}
