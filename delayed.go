@@ -78,16 +78,17 @@ const promoteBatch = 1000
 // unit of work that cancels it holds it): the cancel most likely commits and takes it away.
 const overdueRetry = time.Second
 
-// promoteDelayed moves the due delayed effects into pending ones, before the relay claims, and
-// arms the wake-up for the next due time. A failure is logged: it holds up the delayed effects
-// only, not the relay's round.
-func (o *Outbox) promoteDelayed(ctx context.Context) {
+// promoteDelayed moves the due delayed effects into pending ones, before the relay claims (or
+// when a claim found one due), arms the wake-up for the next due time, and returns how many it
+// moved. A failure is logged: it holds up the delayed effects only, not the relay's round.
+func (o *Outbox) promoteDelayed(ctx context.Context) int {
 	ds, ok := o.store.(outboxdriver.DelayedStore)
 	if !ok {
-		return
+		return 0
 	}
 	ctx, cancel := context.WithTimeout(ctx, storeTimeout)
 	defer cancel()
+	total := 0
 	for ctx.Err() == nil {
 		moved, next, waiting, err := ds.DelayedPromote(ctx, promoteBatch)
 		if err != nil {
@@ -95,8 +96,9 @@ func (o *Outbox) promoteDelayed(ctx context.Context) {
 				o.tel.relayErrors.Add(ctx, 1)
 				o.logger.Error("Moving due delayed side effects failed; the relay tries again at its next pass", err, nil)
 			}
-			return
+			return total
 		}
+		total += moved
 		if moved > 0 {
 			o.tel.delayedPromoted.Add(ctx, int64(moved))
 		}
@@ -109,8 +111,9 @@ func (o *Outbox) promoteDelayed(ctx context.Context) {
 			}
 			o.due.arm(time.Now().Add(max(next, 0)))
 		}
-		return
+		return total
 	}
+	return total
 }
 
 // dueTimer wakes the relay when the earliest delayed effect this process knows of is due, so

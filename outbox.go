@@ -38,6 +38,9 @@ type Outbox struct {
 	due   dueTimer      // wakes the relay when a delayed effect is due
 	marks *marker
 	tel   *telemetry
+	// claimSeesDelayed: the store's claim reads when the next delayed effect is due
+	// (EffectClaim.Delayed), so a relay pass moves delayed effects only when one is due.
+	claimSeesDelayed atomic.Bool
 	// health tells a poison effect from an outage (see health.counts).
 	health health
 	// breakers holds the destinations the relay leaves alone for a while because their calls hung.

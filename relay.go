@@ -40,7 +40,9 @@ func (o *Outbox) relayBudget() time.Duration { return o.relayLease() / 2 }
 // made after the outcome of every round but the one sending was written, so that it never finds
 // a key half marked, nor a failed effect before its retry time is written.
 func (o *Outbox) relayOnce(ctx context.Context) (err error) {
-	o.promoteDelayed(ctx) // delayed effects that are due become pending ones first
+	if !o.claimSeesDelayed.Load() {
+		o.promoteDelayed(ctx) // delayed effects that are due become pending ones first
+	}
 	var (
 		after   int64
 		fl      *relayFlight       // the round whose calls are under way
@@ -116,6 +118,19 @@ func (o *Outbox) relayOnce(ctx context.Context) (err error) {
 		}
 		o.relayClaimed()
 		claimed = time.Since(began)
+		// A store that reads the next due time of delayed effects with the claim lets an idle
+		// pass be the claim alone: the due ones are moved when the claim says so, and claimed
+		// by the next claim of this pass.
+		promoted := false
+		if d := claim.Delayed; d != nil {
+			o.claimSeesDelayed.Store(true)
+			switch {
+			case d.Waiting && d.In <= 0:
+				promoted = o.promoteDelayed(ctx) > 0
+			case d.Waiting:
+				o.due.arm(time.Now().Add(d.In))
+			}
+		}
 		o.tel.lastRelayRound.Store(time.Now().UnixNano())
 		n := len(claim.Effects)
 		if n > 0 {
@@ -159,6 +174,8 @@ func (o *Outbox) relayOnce(ctx context.Context) (err error) {
 			next = claim.Next // nothing more due in this window: look further
 		case n > 0 || overlapping:
 			next = 0 // the end: from the front again, where effects behind the sent ones are due now
+		case promoted:
+			next = 0 // delayed effects became pending: claim them
 		default:
 			return nil
 		}

@@ -319,6 +319,15 @@ type EffectClaim struct {
 	// Next, when not zero, is where the window the store looked at ended, with undispatched
 	// effects beyond it: claim again with After: Next to look at them.
 	Next int64
+	// Delayed, when not nil, is when the earliest delayed effect is due, read with the claim: the
+	// relay then moves delayed effects (DelayedStore.DelayedPromote) only when one is due.
+	Delayed *DelayedDue
+}
+
+// DelayedDue is when the earliest delayed effect is due, as a store read it.
+type DelayedDue struct {
+	Waiting bool          // there are delayed effects
+	In      time.Duration // until the earliest is due; zero or negative: due now
 }
 
 // CleanupParams are the parameters of Store.Cleanup.

@@ -59,6 +59,9 @@ type Queries struct {
 	// effect id is 0 carries them when nothing was claimed.
 	EffectClaimDue         string
 	EffectClaimDueWindowed bool
+	// EffectClaimDueDelayed: (windowed) every row ends with the ms until the earliest due time of
+	// the delayed effects (negative when past, NULL when none): EffectClaim.Delayed.
+	EffectClaimDueDelayed bool
 
 	// DelayedInsert returns the insert of n delayed effects: the arguments of EffectInsert, then
 	// per effect (delay ms from now, cancel key or NULL). Empty when the dialect keeps none.
@@ -860,11 +863,19 @@ func (s *SQL) EffectClaimDue(ctx context.Context, p outboxdriver.EffectClaimPara
 			var next int64
 			var more bool
 			var e outboxdriver.Effect
-			if err = ScanEffect(rows, &e, &next, &more); err != nil {
+			extra := []any{&next, &more}
+			var dueMS sql.NullInt64
+			if s.d.Queries.EffectClaimDueDelayed {
+				extra = append(extra, &dueMS)
+			}
+			if err = ScanEffect(rows, &e, extra...); err != nil {
 				break
 			}
 			if more {
 				claim.Next = next
+			}
+			if s.d.Queries.EffectClaimDueDelayed {
+				claim.Delayed = &outboxdriver.DelayedDue{Waiting: dueMS.Valid, In: time.Duration(dueMS.Int64) * time.Millisecond}
 			}
 			if e.StoreID != 0 {
 				claim.Effects = append(claim.Effects, e)

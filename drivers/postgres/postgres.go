@@ -353,7 +353,9 @@ func queries(n store.Names, deleteDispatched bool) store.Queries {
 		// the first of each key is leased (next_attempt_at in the future): until the lease ends or
 		// the effects are marked, every later effect of the key waits behind it for every other
 		// claim. One row is locked and written per key, not per effect. A lost lease (the claim
-		// commits asynchronously) only lets an effect be sent again.
+		// commits asynchronously) only lets an effect be sent again. Every row also carries the
+		// ms until the earliest delayed effect is due (by the index on due_at), so that a relay
+		// pass moves delayed effects only when one is due: an idle pass is this one statement.
 		EffectClaimDue: `WITH bounds AS MATERIALIZED (
 				SELECT lo + $6 AS hi, EXISTS (SELECT 1 FROM ` + n.Effects + ` WHERE ` + unparked + ` AND id > lo + $6) AS more, lo,
 					greatest(lo + $6, last - $6) AS tail_lo, last
@@ -394,13 +396,16 @@ func queries(n store.Names, deleteDispatched bool) store.Queries {
 			w AS (SELECT c.id, c.ordering_key, sum(c.size) OVER (ORDER BY c.id) AS running, row_number() OVER (ORDER BY c.id) AS n
 				FROM c JOIN stops USING (ordering_key) WHERE stops.stop IS NULL OR c.id < stops.stop),
 			claimed AS MATERIALIZED (SELECT id, ordering_key FROM w WHERE running <= $3 OR n = 1),
+			due AS MATERIALIZED (SELECT (extract(epoch FROM d.due_at - now()) * 1000)::bigint AS ms FROM ` + n.Delayed + ` d
+				ORDER BY d.due_at, d.id LIMIT 1),
 			lease AS (UPDATE ` + n.Effects + ` e SET next_attempt_at = now() + ` + ms("$4") + `
 				FROM (SELECT min(id) AS id FROM claimed GROUP BY ordering_key) f WHERE e.id = f.id)
-			SELECT ` + effectColumns + `, bounds.hi, bounds.more FROM claimed JOIN ` + n.Effects + ` e USING (id), bounds
+			SELECT ` + effectColumns + `, bounds.hi, bounds.more, (SELECT ms FROM due) FROM claimed JOIN ` + n.Effects + ` e USING (id), bounds
 			UNION ALL
-			SELECT 0, '', '', 0, '', '', '', ''::bytea, ''::bytea, '', 0, 0::bigint, 0, 0::bigint, false, bounds.hi, bounds.more
+			SELECT 0, '', '', 0, '', '', '', ''::bytea, ''::bytea, '', 0, 0::bigint, 0, 0::bigint, false, bounds.hi, bounds.more, (SELECT ms FROM due)
 			FROM bounds WHERE NOT EXISTS (SELECT 1 FROM claimed)`,
 		EffectClaimDueWindowed: true,
+		EffectClaimDueDelayed:  true,
 
 		// A delayed effect's due time is its delay from the insert by the database's clock, the
 		// clock the relay compares it with.
