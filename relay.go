@@ -62,6 +62,7 @@ func (o *Outbox) relayOnce(ctx context.Context) (err error) {
 		}
 	}()
 	var busy time.Duration // how long the last turn took besides its claim, for the pause
+	stuckDelayed := false  // a move of due delayed effects in this pass moved none
 	// land waits for the calls of f to end and writes its outcome; the wait and the writing count
 	// toward the pause, less the time the calls waited for calls that hung.
 	land := func(f *relayFlight) error {
@@ -121,13 +122,16 @@ func (o *Outbox) relayOnce(ctx context.Context) (err error) {
 		// A store that reads the next due time of delayed effects with the claim lets an idle
 		// pass be the claim alone: the due ones are moved when the claim says so, and claimed
 		// by the next claim of this pass.
+		// A due one that could not be moved (a cancel holds it) is not tried again in this pass:
+		// the move armed the timer to look again soon.
 		promoted := false
 		if d := claim.Delayed; d != nil {
 			o.claimSeesDelayed.Store(true)
 			switch {
-			case d.Waiting && d.In <= 0:
+			case d.Waiting && d.In <= 0 && !stuckDelayed:
 				promoted = o.promoteDelayed(ctx) > 0
-			case d.Waiting:
+				stuckDelayed = !promoted
+			case d.Waiting && d.In > 0:
 				o.due.arm(time.Now().Add(d.In))
 			}
 		}
