@@ -45,7 +45,9 @@ func TestIdleRelayPassIsOneStatement(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() { done <- ob.Run(ctx) }()
-	time.Sleep(500 * time.Millisecond) // the first passes: the sweep, the first move
+	// The first pass sweeps and moves delayed effects before it claims: the window starts once
+	// it has ended and a later pass has claimed, however slow the machine.
+	waitFor(t, "three claims", func() bool { return wire.snapshot().claims >= 3 })
 	before := wire.snapshot()
 	time.Sleep(time.Second)
 	during := wire.snapshot().minus(before)
