@@ -506,10 +506,11 @@ func (s *SQL) queryRow(ctx context.Context, tx *sql.Tx, query string, args []any
 	return s.wrap(row.Scan(dest...))
 }
 
-// idList encodes store IDs as the one text argument the dialects' queries take.
-// IDList is ids as the comma-separated list the statements on a list of effect ids take.
+// IDList encodes store IDs as the one text argument the dialects' queries take, for a driver's
+// statements of its own on a list of effect ids.
 func IDList(ids []int64) string { return idList(ids) }
 
+// idList encodes store IDs as the one text argument the dialects' queries take.
 func idList(ids []int64) string {
 	var b strings.Builder
 	for i, id := range ids {
