@@ -81,11 +81,18 @@ type Queries struct {
 	// count reads at most cap rows.
 	DelayedStats string
 
-	CleanupLock     string // -> bool, or no row when another process holds it
-	CleanupBegin    string // run first in every cleanup transaction (e.g. to relax durability); may be empty
-	CleanupClaims   string // (retention ms, limit)
-	CleanupEffects  string // (retention ms, limit)
-	CleanupAttempts string // (retention ms, limit)
+	CleanupLock   string // -> bool, or no row when another process holds it
+	CleanupBegin  string // run first in every cleanup transaction (e.g. to relax durability); may be empty
+	CleanupClaims string // (retention ms, limit)
+	// CleanupClaimsFrom, when set, is used instead of CleanupClaims: (retention ms, limit, from)
+	// -> claims deleted, the newest processed_at among them (NULL when none). from is what the
+	// batch before it returned (NULL for the first): a batch looks at claims from there on.
+	CleanupClaimsFrom string
+	// CleanupClaimsBegin runs after CleanupBegin in a transaction of a claims batch (e.g. planner
+	// settings of that statement alone); may be empty.
+	CleanupClaimsBegin string
+	CleanupEffects     string // (retention ms, limit)
+	CleanupAttempts    string // (retention ms, limit)
 	// The rows the three statements above would delete without their limit, counted: the dry
 	// run of a cleanup (retention ms) -> count. Dialects build each pair from one selection, so
 	// that a dry run cannot drift from what a cleanup deletes. Empty: no dry run.
@@ -896,24 +903,29 @@ func (s *SQL) EffectClaimDue(ctx context.Context, p outboxdriver.EffectClaimPara
 // Cleanup implements outboxdriver.Store.
 func (s *SQL) Cleanup(ctx context.Context, p outboxdriver.CleanupParams) (outboxdriver.CleanupResult, error) {
 	var res outboxdriver.CleanupResult
+	claims := cleanupStep{begin: s.d.Queries.CleanupClaimsBegin, query: s.d.Queries.CleanupClaims}
+	if s.d.Queries.CleanupClaimsFrom != "" {
+		claims.query, claims.from = s.d.Queries.CleanupClaimsFrom, true
+	}
 	steps := []struct {
-		query     string
+		cleanupStep
 		retention time.Duration
 		count     *int64
 	}{
-		{s.d.Queries.CleanupClaims, p.Retention, &res.Claims},
-		{s.d.Queries.CleanupEffects, p.EffectRetention, &res.Effects},
-		{s.d.Queries.CleanupAttempts, p.Retention, &res.Attempts},
+		{claims, p.Retention, &res.Claims},
+		{cleanupStep{query: s.d.Queries.CleanupEffects}, p.EffectRetention, &res.Effects},
+		{cleanupStep{query: s.d.Queries.CleanupAttempts}, p.Retention, &res.Attempts},
 		// A key carries its own expiry, written at its claim: nothing to pass.
-		{s.d.Queries.CleanupKeys, 0, &res.Keys},
+		{cleanupStep{query: s.d.Queries.CleanupKeys}, 0, &res.Keys},
 	}
 	for _, st := range steps {
 		if st.query == "" {
 			continue
 		}
+		var from sql.NullTime // where the step's batch before got to
 		for {
 			began := time.Now()
-			n, locked, err := s.cleanupBatch(ctx, st.query, st.retention, p.BatchSize)
+			n, locked, err := s.cleanupBatch(ctx, st.cleanupStep, st.retention, p.BatchSize, &from)
 			took := time.Since(began)
 			if err != nil {
 				return res, err
@@ -970,8 +982,15 @@ func (s *SQL) CleanupCount(ctx context.Context, p outboxdriver.CleanupParams) (o
 	return res, nil
 }
 
+// cleanupStep is how Cleanup deletes the expired rows of one table.
+type cleanupStep struct {
+	begin, query string // begin: run first in each batch's transaction, after CleanupBegin
+	from         bool   // query takes where the batch before got to and returns where it gets to
+}
+
 // cleanupBatch deletes one batch in its own short transaction, so that it never holds locks long.
-func (s *SQL) cleanupBatch(ctx context.Context, query string, retention time.Duration, limit int) (int64, bool, error) {
+// For a step with from, from is where the batch before got to, and is set to where this one got.
+func (s *SQL) cleanupBatch(ctx context.Context, st cleanupStep, retention time.Duration, limit int, from *sql.NullTime) (int64, bool, error) {
 	tx, err := s.BeginTx(ctx, nil)
 	if err != nil {
 		return 0, false, fmt.Errorf("begin: %w", err)
@@ -987,18 +1006,31 @@ func (s *SQL) cleanupBatch(ctx context.Context, query string, retention time.Dur
 			return 0, false, nil
 		}
 	}
-	if s.d.Queries.CleanupBegin != "" {
-		if _, err := tx.ExecContext(ctx, s.d.Queries.CleanupBegin); err != nil {
+	for _, b := range []string{s.d.Queries.CleanupBegin, st.begin} {
+		if b == "" {
+			continue
+		}
+		if _, err := tx.ExecContext(ctx, b); err != nil {
 			return 0, true, fmt.Errorf("cleanup: %w", s.wrap(err))
 		}
 	}
-	r, err := tx.ExecContext(ctx, query, retention.Milliseconds(), limit)
-	if err != nil {
-		return 0, true, fmt.Errorf("cleanup: %w", s.wrap(err))
-	}
-	n, err := r.RowsAffected()
-	if err != nil {
-		return 0, true, fmt.Errorf("cleanup: %w", err)
+	var n int64
+	if st.from {
+		var next sql.NullTime
+		if err := tx.QueryRowContext(ctx, st.query, retention.Milliseconds(), limit, *from).Scan(&n, &next); err != nil {
+			return 0, true, fmt.Errorf("cleanup: %w", s.wrap(err))
+		}
+		if next.Valid {
+			*from = next
+		}
+	} else {
+		r, err := tx.ExecContext(ctx, st.query, retention.Milliseconds(), limit)
+		if err != nil {
+			return 0, true, fmt.Errorf("cleanup: %w", s.wrap(err))
+		}
+		if n, err = r.RowsAffected(); err != nil {
+			return 0, true, fmt.Errorf("cleanup: %w", err)
+		}
 	}
 	return n, true, tx.Commit()
 }

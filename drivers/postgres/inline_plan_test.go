@@ -58,7 +58,7 @@ func TestInlineStatementsFindClaimsByKey(t *testing.T) {
 // planTables migrates the tables of prefix on a pool of one connection (PREPARE and
 // plan_cache_mode are the session's), closed when the test ends, and returns exec, which fails
 // the test on an error.
-func planTables(t *testing.T, prefix string) (*sql.DB, outboxdriver.Store, store.Names, func(string)) {
+func planTables(t testing.TB, prefix string) (*sql.DB, outboxdriver.Store, store.Names, func(string)) {
 	t.Helper()
 	db, err := sql.Open("postgres", pgtest.DSN(t))
 	if err != nil {

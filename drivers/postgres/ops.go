@@ -34,7 +34,7 @@ func opsQueries(n store.Names) store.OpsQueries {
 		SELECT c.consumer, (SELECT count(*) FROM (SELECT 1 FROM ` + n.Processed + ` p
 			WHERE p.consumer = c.consumer LIMIT $1) x)
 		FROM c WHERE c.consumer IS NOT NULL`,
-		// Claims of the last hour only, found through the BRIN index on processed_at.
+		// Claims of the last hour only, found through the index on processed_at.
 		LastDispatch: `SELECT max(dispatched_at) FROM ` + n.Processed + `
 		WHERE processed_at > now() - interval '1 hour'`,
 		Parked: `SELECT id, source_consumer, source_id, kind, topic, uuid, ordering_key, attempts, failures,

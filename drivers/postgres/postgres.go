@@ -240,10 +240,10 @@ func queries(n store.Names, deleteDispatched bool) store.Queries {
 				RETURNING source_consumer, source_id)`
 	}
 	// What cleanup deletes (retention ms as $1), shared by its batches and its dry run.
-	cleanupClaims := `SELECT consumer, message_id FROM ` + n.Processed + ` p
-			WHERE processed_at < now() - ` + ms("$1") + ` AND dispatched_at < now() - ` + ms("$1") + ` AND p.effects IS NULL
+	cleanupClaimsWhere := `p.processed_at < now() - ` + ms("$1") + ` AND p.dispatched_at < now() - ` + ms("$1") + ` AND p.effects IS NULL
 			  AND NOT EXISTS (SELECT 1 FROM ` + n.Effects + ` e
 				WHERE e.source_consumer = p.consumer AND e.source_id = p.message_id AND e.dispatched_at IS NULL)`
+	cleanupClaims := `SELECT consumer, message_id FROM ` + n.Processed + ` p WHERE ` + cleanupClaimsWhere
 	cleanupEffects := `SELECT id FROM ` + n.Dispatched + ` WHERE dispatched_at < now() - ` + ms("$1")
 	cleanupAttempts := `SELECT consumer, message_id FROM ` + n.Attempts + ` WHERE last_failed_at < now() - ` + ms("$1")
 	cleanupKeys := `SELECT scope, key FROM ` + n.Idempotency + ` WHERE expires_at < now() - ` + ms("$1")
@@ -453,8 +453,20 @@ func queries(n store.Names, deleteDispatched bool) store.Queries {
 
 		CleanupLock: fmt.Sprintf("SELECT pg_try_advisory_xact_lock(%d, %s)", lockClass, lockKey(n, "cleanup")),
 		// Cleanup batches commit asynchronously: a batch lost in a crash is simply deleted again.
-		CleanupBegin:         `SET LOCAL synchronous_commit = off`,
-		CleanupClaims:        `DELETE FROM ` + n.Processed + ` WHERE (consumer, message_id) IN (` + cleanupClaims + ` LIMIT $2)`,
+		CleanupBegin: `SET LOCAL synchronous_commit = off`,
+		// A batch takes the oldest expired claims from where the batch before it got to, walking
+		// the B-tree on processed_at in order, and deletes them by their row addresses: it reads
+		// what it deletes and not the table, whatever the planner's statistics say (its batches
+		// are planned without the alternatives that read every expired claim, a bitmap then a
+		// sort, or the table). A claim updated since the batch read it has another address and
+		// is left to the next cleanup. Found through a BRIN index (before migration 016), each
+		// batch read the page ranges earlier batches had emptied, and the whole table once new
+		// claims had filled freed pages; deleted by a join on the key, each read the table again.
+		CleanupClaimsBegin: `SELECT set_config('enable_seqscan', 'off', true), set_config('enable_bitmapscan', 'off', true)`,
+		CleanupClaimsFrom: `WITH d AS (DELETE FROM ` + n.Processed + ` WHERE ctid = ANY (ARRAY(SELECT p.ctid FROM ` + n.Processed + ` p
+				WHERE ` + cleanupClaimsWhere + ` AND p.processed_at >= coalesce($3::timestamptz, '-infinity')
+				ORDER BY p.processed_at LIMIT $2)) RETURNING processed_at)
+			SELECT count(*), max(processed_at) FROM d`,
 		CleanupEffects:       `DELETE FROM ` + n.Dispatched + ` WHERE id IN (` + cleanupEffects + ` LIMIT $2)`,
 		CleanupAttempts:      `DELETE FROM ` + n.Attempts + ` WHERE (consumer, message_id) IN (` + cleanupAttempts + ` LIMIT $2)`,
 		CleanupClaimsCount:   `SELECT count(*) FROM (` + cleanupClaims + `) s`,
@@ -490,8 +502,8 @@ func queries(n store.Names, deleteDispatched bool) store.Queries {
 		// A count the planner's statistics put at $1 rows or more is taken from them; a smaller
 		// one is counted, reading at most $1 rows through an index (and estimated if it reaches
 		// $1 after all). So a sample costs the same at 10M retained IDs as at 100,000. The
-		// cleanup lag looks at the first thousand expired claims that cleanup may delete (found
-		// through the BRIN index; none when it keeps up).
+		// cleanup lag looks at the oldest thousand expired claims that cleanup may delete (found
+		// through the index on processed_at; none when it keeps up).
 		StatsSample: `WITH est AS MATERIALIZED (
 				SELECT greatest((SELECT reltuples FROM pg_class WHERE oid = '` + n.Processed + `'::regclass), 0)::bigint AS processed,
 					greatest((SELECT reltuples FROM pg_class WHERE oid = '` + n.Effects + `'::regclass), 0)::bigint AS effects),
@@ -508,7 +520,7 @@ func queries(n store.Names, deleteDispatched bool) store.Queries {
 				WHERE p.processed_at < now() - ` + ms("$2") + ` AND p.dispatched_at < now() - ` + ms("$2") + ` AND p.effects IS NULL
 				  AND NOT EXISTS (SELECT 1 FROM ` + n.Effects + ` e
 					WHERE e.source_consumer = p.consumer AND e.source_id = p.message_id AND e.dispatched_at IS NULL)
-				LIMIT 1000),
+				ORDER BY p.processed_at LIMIT 1000),
 			counts AS (SELECT (SELECT count(*) FROM pending) AS pending, (SELECT count(*) FROM parked) AS parked)
 			SELECT CASE WHEN counts.pending >= $1 THEN greatest($1, est.effects) ELSE counts.pending END,
 				coalesce((SELECT (extract(epoch FROM now() - min(created_at)) * 1000)::bigint FROM pending), 0),

@@ -150,7 +150,7 @@ func TestDropIndexMigrationGivesUpBehindALongTransaction(t *testing.T) {
 		t.Fatal(err)
 	}
 	// Back to version 14, with the index.
-	for _, q := range []string{`DELETE FROM lt_migrations WHERE version = 15`,
+	for _, q := range []string{`DELETE FROM lt_migrations WHERE version >= 15`,
 		`CREATE INDEX lt_effects_pending ON lt_effects (id) WHERE dispatched_at IS NULL`} {
 		if _, err := db.Exec(q); err != nil {
 			t.Fatal(err)
@@ -189,5 +189,82 @@ func TestDropIndexMigrationGivesUpBehindALongTransaction(t *testing.T) {
 	}
 	if n != 0 {
 		t.Fatal("effects_pending still there after the migration")
+	}
+}
+
+// TestProcessedTimeMigration: migration 016 replaces the BRIN index on processed_at with a B-tree.
+// An index of its name that a failed CREATE INDEX CONCURRENTLY left invalid (the way to build it
+// on a large table without blocking claims, docs/operations.md) is built again; a valid one
+// built that way is kept.
+func TestProcessedTimeMigration(t *testing.T) {
+	db := pgtest.DB(t)
+	ctx := context.Background()
+	ob, err := newOutbox(t, db, "", "pt_")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := ob.Migrate(ctx); err != nil {
+		t.Fatal(err)
+	}
+	index := func() (def string, valid bool) {
+		t.Helper()
+		err := db.QueryRow(`SELECT pg_get_indexdef(i.indexrelid), i.indisvalid FROM pg_index i
+			WHERE i.indexrelid = 'pt_processed_time'::regclass`).Scan(&def, &valid)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return def, valid
+	}
+	back := func(build ...string) {
+		t.Helper()
+		for _, q := range append([]string{`DELETE FROM pt_migrations WHERE version = 16`,
+			`DROP INDEX pt_processed_time`,
+			`CREATE INDEX pt_processed_processed_at ON pt_processed USING brin (processed_at)`}, build...) {
+			if _, err := db.Exec(q); err != nil && !strings.Contains(q, "CONCURRENTLY") {
+				t.Fatalf("%s: %v", q, err)
+			}
+		}
+	}
+	after := func(name string) {
+		t.Helper()
+		if err := ob.Migrate(ctx); err != nil {
+			t.Fatalf("%s: %v", name, err)
+		}
+		def, valid := index()
+		if !valid || def != `CREATE INDEX pt_processed_time ON public.pt_processed USING btree (processed_at)` {
+			t.Errorf("%s: %s (valid: %v)", name, def, valid)
+		}
+		var brin int
+		if err := db.QueryRow(`SELECT count(*) FROM pg_indexes WHERE indexname = 'pt_processed_processed_at'`).Scan(&brin); err != nil {
+			t.Fatal(err)
+		}
+		if brin != 0 {
+			t.Errorf("%s: the BRIN index on processed_at is still there", name)
+		}
+	}
+
+	back()
+	after("from version 15")
+
+	// Two claims at the same time: a unique index built concurrently fails and stays, invalid.
+	back(`INSERT INTO pt_processed (consumer, message_id, processed_at) VALUES ('c', 'a', '2026-01-01'), ('c', 'b', '2026-01-01')`,
+		`CREATE UNIQUE INDEX CONCURRENTLY pt_processed_time ON pt_processed (processed_at)`)
+	if def, valid := index(); valid || !strings.Contains(def, "UNIQUE") {
+		t.Fatalf("the failed concurrent build left %s (valid: %v), want an invalid unique index", def, valid)
+	}
+	after("over an invalid index")
+
+	// Built beforehand, concurrently: kept as it is (its OID with it).
+	back(`CREATE INDEX CONCURRENTLY pt_processed_time ON pt_processed (processed_at)`)
+	var before, kept uint32
+	if err := db.QueryRow(`SELECT 'pt_processed_time'::regclass::oid`).Scan(&before); err != nil {
+		t.Fatal(err)
+	}
+	after("over an index built beforehand")
+	if err := db.QueryRow(`SELECT 'pt_processed_time'::regclass::oid`).Scan(&kept); err != nil {
+		t.Fatal(err)
+	}
+	if kept != before {
+		t.Errorf("the index built beforehand was built again")
 	}
 }

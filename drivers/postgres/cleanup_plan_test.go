@@ -1,0 +1,156 @@
+package postgres
+
+import (
+	"database/sql"
+	"encoding/json"
+	"strconv"
+	"strings"
+	"testing"
+)
+
+// TestCleanupReadsWhatItDeletes: a batch of cleanup reads the expired claims it deletes, not the
+// table around them, both on a table whose earlier batches deleted the claims before them and on
+// one that has been through its retention once (new claims in the pages the last cleanup freed).
+// Found through a BRIN index on processed_at, a batch read every page range whose summary said
+// it might hold an expired claim, and a summary never shrinks: the ranges an earlier batch had
+// emptied were read again by every later batch of the pass (the fortieth batch read forty times
+// the first's pages), and once new claims filled the freed pages every range held "an expired
+// claim" (its summary spanned the oldest claim it ever held to now) and a batch read the table from
+// its first page until it had found its thousand.
+func TestCleanupReadsWhatItDeletes(t *testing.T) {
+	db, _, n, exec := planTables(t, "cleanplan_")
+	q := queries(n, false)
+	const limit = 1000
+	retention := strconv.Itoa(24 * 3600 * 1000) // a day, in ms
+	claims := func(from, to int, age string) {
+		exec(`INSERT INTO ` + n.Processed + ` (consumer, message_id, processed_at, dispatched_at)
+			SELECT 'c', gen_random_uuid()::text, now() - ` + age + `, now() - ` + age + `
+			FROM generate_series(` + strconv.Itoa(from) + `, ` + strconv.Itoa(to) + `) g`)
+	}
+	// pass runs cleanup batches of the claims as Store.Cleanup does (each its own transaction,
+	// each from where the one before got to), each through EXPLAIN ANALYZE, until one deletes
+	// fewer than limit, and returns what the scan of the claims read in each.
+	pass := func() []scanRead {
+		var reads []scanRead
+		from := "NULL"
+		for {
+			tx, err := db.Begin()
+			if err != nil {
+				t.Fatal(err)
+			}
+			for _, s := range []string{q.CleanupBegin, q.CleanupClaimsBegin, `PREPARE cleanup_stmt AS ` + q.CleanupClaimsFrom} {
+				if _, err := tx.Exec(s); err != nil {
+					t.Fatalf("%s: %v", s, err)
+				}
+			}
+			// EXPLAIN does not return the statement's rows: where the batch gets to is read first.
+			var next sql.NullString
+			if err := tx.QueryRow(`SELECT max(processed_at)::text FROM (SELECT processed_at FROM ` + n.Processed + `
+				WHERE processed_at < now() - interval '1 day' AND processed_at >= coalesce(` + from + `::timestamptz, '-infinity')
+				ORDER BY processed_at LIMIT ` + strconv.Itoa(limit) + `) s`).Scan(&next); err != nil {
+				t.Fatal(err)
+			}
+			plan := strings.Join(queryLines(t, tx, `EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) EXECUTE cleanup_stmt(`+retention+`, `+strconv.Itoa(limit)+`, `+from+`)`), "\n")
+			if _, err := tx.Exec(`DEALLOCATE cleanup_stmt`); err != nil {
+				t.Fatal(err)
+			}
+			if err := tx.Commit(); err != nil {
+				t.Fatal(err)
+			}
+			if next.Valid {
+				from = "'" + next.String + "'"
+			}
+			r := claimsScan(t, plan)
+			reads = append(reads, r)
+			if r.rows < limit {
+				return reads
+			}
+		}
+	}
+
+	t.Run("batch after batch", func(t *testing.T) {
+		exec(`TRUNCATE ` + n.Processed)
+		claims(1, 40_000, `interval '30 days' + g * interval '1 ms'`)
+		claims(1, 5_000, `interval '1 minute'`)
+		exec(`VACUUM ANALYZE ` + n.Processed)
+		reads := pass()
+		if len(reads) < 40 {
+			t.Fatalf("%d batches, want 41", len(reads))
+		}
+		first, last := reads[0], reads[len(reads)-2] // the last full batch
+		t.Logf("buffers read by the scan: first batch %d, last full batch %d", first.buffers, last.buffers)
+		if last.buffers > 3*first.buffers+30 {
+			t.Errorf("the last full batch's scan read %d buffers, the first's %d: each batch reads again what the batches before it emptied", last.buffers, first.buffers)
+		}
+	})
+
+	t.Run("a table through its retention", func(t *testing.T) {
+		exec(`TRUNCATE ` + n.Processed)
+		claims(1, 40_000, `interval '40 days'`)
+		exec(`VACUUM ` + n.Processed) // summarizes the page ranges, as autovacuum does
+		exec(`DELETE FROM ` + n.Processed)
+		exec(`VACUUM ` + n.Processed) // the pages are free for new claims
+		// New claims fill the freed pages; one in four has expired since.
+		claims(1, 40_000, `CASE WHEN g % 4 = 0 THEN interval '35 days' ELSE interval '1 minute' END`)
+		exec(`VACUUM ANALYZE ` + n.Processed)
+		reads := pass()
+		var examined, deleted int
+		for _, r := range reads {
+			examined += r.examined
+			deleted += r.rows
+		}
+		t.Logf("%d batches examined %d claims to delete %d", len(reads), examined, deleted)
+		if deleted != 10_000 {
+			t.Errorf("deleted %d claims, want 10000", deleted)
+		}
+		if examined > 2*deleted {
+			t.Errorf("the scans examined %d claims to delete %d: a batch reads the table, not the expired claims", examined, deleted)
+		}
+	})
+}
+
+// scanRead is what the scan of the claims in a cleanup batch read: its buffers, the rows it
+// returned, and the rows it examined (returned, and removed by its filter or by the recheck of
+// a lossy page).
+type scanRead struct{ buffers, rows, examined int }
+
+// claimsScan finds the scan of the claims (alias p) in an EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON).
+func claimsScan(t *testing.T, plan string) scanRead {
+	t.Helper()
+	var doc []struct{ Plan planNode }
+	if err := json.Unmarshal([]byte(plan), &doc); err != nil || len(doc) != 1 {
+		t.Fatalf("plan: %v\n%s", err, plan)
+	}
+	var found *planNode
+	var walk func(*planNode)
+	walk = func(p *planNode) {
+		if p.Alias == "p" && found == nil {
+			found = p
+		}
+		for i := range p.Plans {
+			walk(&p.Plans[i])
+		}
+	}
+	walk(&doc[0].Plan)
+	if found == nil {
+		t.Fatalf("no scan of the claims (alias p) in\n%s", plan)
+	}
+	loops := max(found.Loops, 1)
+	return scanRead{
+		buffers:  found.Hit + found.Read,
+		rows:     int(found.Rows * loops),
+		examined: int((found.Rows + found.Filtered + found.Rechecked) * loops),
+	}
+}
+
+// planNode is a node of EXPLAIN's JSON format (per-loop counts are averages over its loops).
+type planNode struct {
+	Alias     string     `json:"Alias"`
+	Hit       int        `json:"Shared Hit Blocks"`
+	Read      int        `json:"Shared Read Blocks"`
+	Rows      float64    `json:"Actual Rows"`
+	Loops     float64    `json:"Actual Loops"`
+	Filtered  float64    `json:"Rows Removed by Filter"`
+	Rechecked float64    `json:"Rows Removed by Index Recheck"`
+	Plans     []planNode `json:"Plans"`
+}
