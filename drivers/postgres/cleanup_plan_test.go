@@ -22,11 +22,7 @@ func TestCleanupReadsWhatItDeletes(t *testing.T) {
 	q := queries(n, false)
 	const limit = 1000
 	retention := strconv.Itoa(24 * 3600 * 1000) // a day, in ms
-	claims := func(from, to int, age string) {
-		exec(`INSERT INTO ` + n.Processed + ` (consumer, message_id, processed_at, dispatched_at)
-			SELECT 'c', gen_random_uuid()::text, now() - ` + age + `, now() - ` + age + `
-			FROM generate_series(` + strconv.Itoa(from) + `, ` + strconv.Itoa(to) + `) g`)
-	}
+	claims := func(from, to int, age string) { insertClaims(n.Processed, exec, from, to, age) }
 	// pass runs cleanup batches of the claims as Store.Cleanup does (each its own transaction,
 	// each from where the one before got to), each through EXPLAIN ANALYZE, until one deletes
 	// fewer than limit, and returns what the scan of the claims read in each.
@@ -85,14 +81,7 @@ func TestCleanupReadsWhatItDeletes(t *testing.T) {
 	})
 
 	t.Run("a table through its retention", func(t *testing.T) {
-		exec(`TRUNCATE ` + n.Processed)
-		claims(1, 40_000, `interval '40 days'`)
-		exec(`VACUUM ` + n.Processed) // summarizes the page ranges, as autovacuum does
-		exec(`DELETE FROM ` + n.Processed)
-		exec(`VACUUM ` + n.Processed) // the pages are free for new claims
-		// New claims fill the freed pages; one in four has expired since.
-		claims(1, 40_000, `CASE WHEN g % 4 = 0 THEN interval '35 days' ELSE interval '1 minute' END`)
-		exec(`VACUUM ANALYZE ` + n.Processed)
+		throughRetention(n.Processed, exec)
 		reads := pass()
 		var examined, deleted int
 		for _, r := range reads {
@@ -107,6 +96,61 @@ func TestCleanupReadsWhatItDeletes(t *testing.T) {
 			t.Errorf("the scans examined %d claims to delete %d: a batch reads the table, not the expired claims", examined, deleted)
 		}
 	})
+}
+
+// TestStatsSampleReadsTheOldestExpired: the stats sample's cleanup lag reads the oldest thousand
+// expired claims, not the table, on a table through its retention. It read "the first thousand"
+// the BRIN index led to, every StatsInterval: the table from its first page.
+func TestStatsSampleReadsTheOldestExpired(t *testing.T) {
+	db, _, n, exec := planTables(t, "statsplan_")
+	q := queries(n, false)
+	throughRetention(n.Processed, exec)
+	retention := strconv.Itoa(24 * 3600 * 1000)
+	var plan []string
+	for _, s := range []string{`PREPARE sample_stmt AS ` + q.StatsSample, `EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) EXECUTE sample_stmt(10000, ` + retention + `)`, `DEALLOCATE sample_stmt`} {
+		plan = append(plan, queryLines(t, db, s)...)
+	}
+	text := strings.Join(plan, "\n")
+	var doc []struct{ Plan planNode }
+	if err := json.Unmarshal([]byte(text), &doc); err != nil {
+		t.Fatalf("plan: %v\n%s", err, text)
+	}
+	examined := 0
+	var walk func(*planNode)
+	walk = func(p *planNode) {
+		if p.Relation == "statsplan_processed" && strings.Contains(p.Cond+p.Filter+p.Recheck, "processed_at") {
+			examined += int((p.Rows + p.Filtered + p.Rechecked) * max(p.Loops, 1))
+		}
+		for i := range p.Plans {
+			walk(&p.Plans[i])
+		}
+	}
+	walk(&doc[0].Plan)
+	t.Logf("the sample examined %d claims for its cleanup lag", examined)
+	if examined > 2000 {
+		t.Errorf("the sample examined %d claims to find the oldest thousand expired", examined)
+	}
+}
+
+// insertClaims inserts claims from to to of consumer c, processed and dispatched age ago (an SQL
+// expression of g, the claim's number).
+func insertClaims(processed string, exec func(string), from, to int, age string) {
+	exec(`INSERT INTO ` + processed + ` (consumer, message_id, processed_at, dispatched_at)
+		SELECT 'c', gen_random_uuid()::text, now() - ` + age + `, now() - ` + age + `
+		FROM generate_series(` + strconv.Itoa(from) + `, ` + strconv.Itoa(to) + `) g`)
+}
+
+// throughRetention leaves a claim table as one that has been through its retention: 40,000 claims
+// expired and deleted, their pages filled again by 40,000 new ones, one in four of them expired.
+func throughRetention(processed string, exec func(string)) {
+	exec(`TRUNCATE ` + processed)
+	insertClaims(processed, exec, 1, 40_000, `interval '40 days'`)
+	exec(`VACUUM ` + processed) // summarizes BRIN page ranges, as autovacuum does
+	exec(`DELETE FROM ` + processed)
+	exec(`VACUUM ` + processed) // the pages are free for new claims
+	// New claims fill the freed pages; one in four has expired since.
+	insertClaims(processed, exec, 1, 40_000, `CASE WHEN g % 4 = 0 THEN interval '35 days' ELSE interval '1 minute' END`)
+	exec(`VACUUM ANALYZE ` + processed)
 }
 
 // scanRead is what the scan of the claims in a cleanup batch read: its buffers, the rows it
@@ -146,6 +190,10 @@ func claimsScan(t *testing.T, plan string) scanRead {
 // planNode is a node of EXPLAIN's JSON format (per-loop counts are averages over its loops).
 type planNode struct {
 	Alias     string     `json:"Alias"`
+	Relation  string     `json:"Relation Name"`
+	Cond      string     `json:"Index Cond"`
+	Filter    string     `json:"Filter"`
+	Recheck   string     `json:"Recheck Cond"`
 	Hit       int        `json:"Shared Hit Blocks"`
 	Read      int        `json:"Shared Read Blocks"`
 	Rows      float64    `json:"Actual Rows"`
