@@ -88,11 +88,14 @@ type Queries struct {
 	// -> claims deleted, the newest processed_at among them (NULL when none). from is what the
 	// batch before it returned (NULL for the first): a batch looks at claims from there on.
 	CleanupClaimsFrom string
-	// CleanupClaimsBegin runs after CleanupBegin in a transaction of a claims batch (e.g. planner
-	// settings of that statement alone); may be empty.
-	CleanupClaimsBegin string
-	CleanupEffects     string // (retention ms, limit)
-	CleanupAttempts    string // (retention ms, limit)
+	CleanupEffects    string // (retention ms, limit)
+	// CleanupEffectsFrom is to CleanupEffects what CleanupClaimsFrom is to CleanupClaims, with
+	// the newest dispatched_at deleted.
+	CleanupEffectsFrom string
+	// CleanupFromBegin runs after CleanupBegin in the transaction of a batch of CleanupClaimsFrom
+	// or CleanupEffectsFrom (e.g. planner settings of that statement alone); may be empty.
+	CleanupFromBegin string
+	CleanupAttempts  string // (retention ms, limit)
 	// The rows the three statements above would delete without their limit, counted: the dry
 	// run of a cleanup (retention ms) -> count. Dialects build each pair from one selection, so
 	// that a dry run cannot drift from what a cleanup deletes. Empty: no dry run.
@@ -903,20 +906,23 @@ func (s *SQL) EffectClaimDue(ctx context.Context, p outboxdriver.EffectClaimPara
 // Cleanup implements outboxdriver.Store.
 func (s *SQL) Cleanup(ctx context.Context, p outboxdriver.CleanupParams) (outboxdriver.CleanupResult, error) {
 	var res outboxdriver.CleanupResult
-	claims := cleanupStep{begin: s.d.Queries.CleanupClaimsBegin, query: s.d.Queries.CleanupClaims}
-	if s.d.Queries.CleanupClaimsFrom != "" {
-		claims.query, claims.from = s.d.Queries.CleanupClaimsFrom, true
+	q := s.d.Queries
+	step := func(query, from string) cleanupStep {
+		if from != "" {
+			return cleanupStep{begin: q.CleanupFromBegin, query: from, from: true}
+		}
+		return cleanupStep{query: query}
 	}
 	steps := []struct {
 		cleanupStep
 		retention time.Duration
 		count     *int64
 	}{
-		{claims, p.Retention, &res.Claims},
-		{cleanupStep{query: s.d.Queries.CleanupEffects}, p.EffectRetention, &res.Effects},
-		{cleanupStep{query: s.d.Queries.CleanupAttempts}, p.Retention, &res.Attempts},
+		{step(q.CleanupClaims, q.CleanupClaimsFrom), p.Retention, &res.Claims},
+		{step(q.CleanupEffects, q.CleanupEffectsFrom), p.EffectRetention, &res.Effects},
+		{step(q.CleanupAttempts, ""), p.Retention, &res.Attempts},
 		// A key carries its own expiry, written at its claim: nothing to pass.
-		{cleanupStep{query: s.d.Queries.CleanupKeys}, 0, &res.Keys},
+		{step(q.CleanupKeys, ""), 0, &res.Keys},
 	}
 	for _, st := range steps {
 		if st.query == "" {

@@ -23,10 +23,11 @@ func TestCleanupReadsWhatItDeletes(t *testing.T) {
 	const limit = 1000
 	retention := strconv.Itoa(24 * 3600 * 1000) // a day, in ms
 	claims := func(from, to int, age string) { insertClaims(n.Processed, exec, from, to, age) }
-	// pass runs cleanup batches of the claims as Store.Cleanup does (each its own transaction,
-	// each from where the one before got to), each through EXPLAIN ANALYZE, until one deletes
-	// fewer than limit, and returns what the scan of the claims read in each.
-	pass := func() []scanRead {
+	// pass runs cleanup batches of stmt (on table, from column) as Store.Cleanup does (each its
+	// own transaction, each from where the one before got to), each through EXPLAIN ANALYZE,
+	// until one deletes fewer than limit, and returns what the scan of the expired rows read in
+	// each.
+	pass := func(stmt, table, column string) []scanRead {
 		var reads []scanRead
 		from := "NULL"
 		for {
@@ -34,16 +35,16 @@ func TestCleanupReadsWhatItDeletes(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			for _, s := range []string{q.CleanupBegin, q.CleanupClaimsBegin, `PREPARE cleanup_stmt AS ` + q.CleanupClaimsFrom} {
+			for _, s := range []string{q.CleanupBegin, q.CleanupFromBegin, `PREPARE cleanup_stmt AS ` + stmt} {
 				if _, err := tx.Exec(s); err != nil {
 					t.Fatalf("%s: %v", s, err)
 				}
 			}
 			// EXPLAIN does not return the statement's rows: where the batch gets to is read first.
 			var next sql.NullString
-			if err := tx.QueryRow(`SELECT max(processed_at)::text FROM (SELECT processed_at FROM ` + n.Processed + `
-				WHERE processed_at < now() - interval '1 day' AND processed_at >= coalesce(` + from + `::timestamptz, '-infinity')
-				ORDER BY processed_at LIMIT ` + strconv.Itoa(limit) + `) s`).Scan(&next); err != nil {
+			if err := tx.QueryRow(`SELECT max(` + column + `)::text FROM (SELECT ` + column + ` FROM ` + table + `
+				WHERE ` + column + ` < now() - interval '1 day' AND ` + column + ` >= coalesce(` + from + `::timestamptz, '-infinity')
+				ORDER BY ` + column + ` LIMIT ` + strconv.Itoa(limit) + `) s`).Scan(&next); err != nil {
 				t.Fatal(err)
 			}
 			plan := strings.Join(queryLines(t, tx, `EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) EXECUTE cleanup_stmt(`+retention+`, `+strconv.Itoa(limit)+`, `+from+`)`), "\n")
@@ -56,7 +57,7 @@ func TestCleanupReadsWhatItDeletes(t *testing.T) {
 			if next.Valid {
 				from = "'" + next.String + "'"
 			}
-			r := claimsScan(t, plan)
+			r := expiredScan(t, plan, column)
 			reads = append(reads, r)
 			if r.rows < limit {
 				return reads
@@ -69,7 +70,7 @@ func TestCleanupReadsWhatItDeletes(t *testing.T) {
 		claims(1, 40_000, `interval '30 days' + g * interval '1 ms'`)
 		claims(1, 5_000, `interval '1 minute'`)
 		exec(`VACUUM ANALYZE ` + n.Processed)
-		reads := pass()
+		reads := pass(q.CleanupClaimsFrom, n.Processed, "processed_at")
 		if len(reads) < 40 {
 			t.Fatalf("%d batches, want 41", len(reads))
 		}
@@ -82,7 +83,7 @@ func TestCleanupReadsWhatItDeletes(t *testing.T) {
 
 	t.Run("a table through its retention", func(t *testing.T) {
 		throughRetention(n.Processed, exec)
-		reads := pass()
+		reads := pass(q.CleanupClaimsFrom, n.Processed, "processed_at")
 		var examined, deleted int
 		for _, r := range reads {
 			examined += r.examined
@@ -94,6 +95,32 @@ func TestCleanupReadsWhatItDeletes(t *testing.T) {
 		}
 		if examined > 2*deleted {
 			t.Errorf("the scans examined %d claims to delete %d: a batch reads the table, not the expired claims", examined, deleted)
+		}
+	})
+
+	t.Run("the archive through its retention", func(t *testing.T) {
+		effects := func(from, to int, age string) {
+			exec(`INSERT INTO ` + n.Dispatched + ` (id, source_consumer, source_id, seq, kind, topic, uuid, payload, metadata,
+					ordering_key, created_at, dispatched_at, attempts, failures)
+				SELECT g, 'c', g::text, 0, 'publish', 't', gen_random_uuid()::text, '\x', '\x', '', now(), now() - ` + age + `, 1, 0
+				FROM generate_series(` + strconv.Itoa(from) + `, ` + strconv.Itoa(to) + `) g`)
+		}
+		exec(`TRUNCATE ` + n.Dispatched)
+		effects(1, 40_000, `interval '40 days'`)
+		exec(`VACUUM ` + n.Dispatched)
+		exec(`DELETE FROM ` + n.Dispatched)
+		exec(`VACUUM ` + n.Dispatched)
+		effects(40_001, 80_000, `CASE WHEN g % 4 = 0 THEN interval '35 days' ELSE interval '1 minute' END`)
+		exec(`VACUUM ANALYZE ` + n.Dispatched)
+		reads := pass(q.CleanupEffectsFrom, n.Dispatched, "dispatched_at")
+		var examined, deleted int
+		for _, r := range reads {
+			examined += r.examined
+			deleted += r.rows
+		}
+		t.Logf("%d batches examined %d dispatched effects to delete %d", len(reads), examined, deleted)
+		if deleted != 10_000 || examined > 2*deleted {
+			t.Errorf("the scans examined %d dispatched effects to delete %d, want 10000 deleted", examined, deleted)
 		}
 	})
 }
@@ -158,8 +185,9 @@ func throughRetention(processed string, exec func(string)) {
 // a lossy page).
 type scanRead struct{ buffers, rows, examined int }
 
-// claimsScan finds the scan of the claims (alias p) in an EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON).
-func claimsScan(t *testing.T, plan string) scanRead {
+// expiredScan finds the scan of the expired rows (the one whose conditions name column) in an
+// EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON).
+func expiredScan(t *testing.T, plan, column string) scanRead {
 	t.Helper()
 	var doc []struct{ Plan planNode }
 	if err := json.Unmarshal([]byte(plan), &doc); err != nil || len(doc) != 1 {
@@ -168,7 +196,7 @@ func claimsScan(t *testing.T, plan string) scanRead {
 	var found *planNode
 	var walk func(*planNode)
 	walk = func(p *planNode) {
-		if p.Alias == "p" && found == nil {
+		if p.Relation != "" && strings.Contains(p.Cond+p.Filter+p.Recheck, column) && found == nil {
 			found = p
 		}
 		for i := range p.Plans {
@@ -177,7 +205,7 @@ func claimsScan(t *testing.T, plan string) scanRead {
 	}
 	walk(&doc[0].Plan)
 	if found == nil {
-		t.Fatalf("no scan of the claims (alias p) in\n%s", plan)
+		t.Fatalf("no scan on %s in\n%s", column, plan)
 	}
 	loops := max(found.Loops, 1)
 	return scanRead{

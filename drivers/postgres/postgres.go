@@ -462,12 +462,16 @@ func queries(n store.Names, deleteDispatched bool) store.Queries {
 		// is left to the next cleanup. Found through a BRIN index (before migration 016), each
 		// batch read the page ranges earlier batches had emptied, and the whole table once new
 		// claims had filled freed pages; deleted by a join on the key, each read the table again.
-		CleanupClaimsBegin: `SELECT set_config('enable_seqscan', 'off', true), set_config('enable_bitmapscan', 'off', true)`,
+		CleanupFromBegin: `SELECT set_config('enable_seqscan', 'off', true), set_config('enable_bitmapscan', 'off', true)`,
 		CleanupClaimsFrom: `WITH d AS (DELETE FROM ` + n.Processed + ` WHERE ctid = ANY (ARRAY(SELECT p.ctid FROM ` + n.Processed + ` p
 				WHERE ` + cleanupClaimsWhere + ` AND p.processed_at >= coalesce($3::timestamptz, '-infinity')
 				ORDER BY p.processed_at LIMIT $2)) RETURNING processed_at)
 			SELECT count(*), max(processed_at) FROM d`,
-		CleanupEffects:       `DELETE FROM ` + n.Dispatched + ` WHERE id IN (` + cleanupEffects + ` LIMIT $2)`,
+		// The dispatched effects' archive, the same way (migration 017).
+		CleanupEffectsFrom: `WITH d AS (DELETE FROM ` + n.Dispatched + ` WHERE ctid = ANY (ARRAY(SELECT ctid FROM ` + n.Dispatched + `
+				WHERE dispatched_at < now() - ` + ms("$1") + ` AND dispatched_at >= coalesce($3::timestamptz, '-infinity')
+				ORDER BY dispatched_at LIMIT $2)) RETURNING dispatched_at)
+			SELECT count(*), max(dispatched_at) FROM d`,
 		CleanupAttempts:      `DELETE FROM ` + n.Attempts + ` WHERE (consumer, message_id) IN (` + cleanupAttempts + ` LIMIT $2)`,
 		CleanupClaimsCount:   `SELECT count(*) FROM (` + cleanupClaims + `) s`,
 		CleanupEffectsCount:  `SELECT count(*) FROM (` + cleanupEffects + `) s`,

@@ -217,7 +217,7 @@ func TestProcessedTimeMigration(t *testing.T) {
 	}
 	back := func(build ...string) {
 		t.Helper()
-		for _, q := range append([]string{`DELETE FROM pt_migrations WHERE version = 16`,
+		for _, q := range append([]string{`DELETE FROM pt_migrations WHERE version >= 16`,
 			`DROP INDEX pt_processed_time`,
 			`CREATE INDEX pt_processed_processed_at ON pt_processed USING brin (processed_at)`}, build...) {
 			if _, err := db.Exec(q); err != nil && !strings.Contains(q, "CONCURRENTLY") {
