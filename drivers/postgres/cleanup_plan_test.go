@@ -84,11 +84,7 @@ func TestCleanupReadsWhatItDeletes(t *testing.T) {
 	t.Run("a table through its retention", func(t *testing.T) {
 		throughRetention(n.Processed, exec)
 		reads := pass(q.CleanupClaimsFrom, n.Processed, "processed_at")
-		var examined, deleted int
-		for _, r := range reads {
-			examined += r.examined
-			deleted += r.rows
-		}
+		examined, deleted := totals(reads)
 		t.Logf("%d batches examined %d claims to delete %d", len(reads), examined, deleted)
 		if deleted != 10_000 {
 			t.Errorf("deleted %d claims, want 10000", deleted)
@@ -113,11 +109,7 @@ func TestCleanupReadsWhatItDeletes(t *testing.T) {
 		effects(40_001, 80_000, `CASE WHEN g % 4 = 0 THEN interval '35 days' ELSE interval '1 minute' END`)
 		exec(`VACUUM ANALYZE ` + n.Dispatched)
 		reads := pass(q.CleanupEffectsFrom, n.Dispatched, "dispatched_at")
-		var examined, deleted int
-		for _, r := range reads {
-			examined += r.examined
-			deleted += r.rows
-		}
+		examined, deleted := totals(reads)
 		t.Logf("%d batches examined %d dispatched effects to delete %d", len(reads), examined, deleted)
 		if deleted != 10_000 || examined > 2*deleted {
 			t.Errorf("the scans examined %d dispatched effects to delete %d, want 10000 deleted", examined, deleted)
@@ -184,6 +176,15 @@ func throughRetention(processed string, exec func(string)) {
 // returned, and the rows it examined (returned, and removed by its filter or by the recheck of
 // a lossy page).
 type scanRead struct{ buffers, rows, examined int }
+
+// totals adds up the rows the scans of a pass examined and deleted.
+func totals(reads []scanRead) (examined, deleted int) {
+	for _, r := range reads {
+		examined += r.examined
+		deleted += r.rows
+	}
+	return examined, deleted
+}
 
 // expiredScan finds the scan of the expired rows (the one whose conditions name column) in an
 // EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON).
