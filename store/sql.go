@@ -92,8 +92,9 @@ type Queries struct {
 	// CleanupEffectsFrom is to CleanupEffects what CleanupClaimsFrom is to CleanupClaims, with
 	// the newest dispatched_at deleted.
 	CleanupEffectsFrom string
-	// CleanupFromBegin runs after CleanupBegin in the transaction of a batch of CleanupClaimsFrom
-	// or CleanupEffectsFrom (e.g. planner settings of that statement alone); may be empty.
+	// CleanupFromBegin runs instead of CleanupBegin in the transaction of a batch of
+	// CleanupClaimsFrom or CleanupEffectsFrom (what CleanupBegin sets, and e.g. planner settings
+	// of that statement alone, in one round trip); may be empty.
 	CleanupFromBegin string
 	CleanupAttempts  string // (retention ms, limit)
 	// The rows the three statements above would delete without their limit, counted: the dry
@@ -909,7 +910,7 @@ func (s *SQL) Cleanup(ctx context.Context, p outboxdriver.CleanupParams) (outbox
 	q := s.d.Queries
 	step := func(query, from string) cleanupStep {
 		if from != "" {
-			return cleanupStep{begin: q.CleanupFromBegin, query: from, from: true}
+			return cleanupStep{query: from, from: true}
 		}
 		return cleanupStep{query: query}
 	}
@@ -990,8 +991,10 @@ func (s *SQL) CleanupCount(ctx context.Context, p outboxdriver.CleanupParams) (o
 
 // cleanupStep is how Cleanup deletes the expired rows of one table.
 type cleanupStep struct {
-	begin, query string // begin: run first in each batch's transaction, after CleanupBegin
-	from         bool   // query takes where the batch before got to and returns where it gets to
+	query string
+	// from: query takes where the batch before got to and returns where it gets to; its batches
+	// begin with CleanupFromBegin instead of CleanupBegin.
+	from bool
 }
 
 // cleanupBatch deletes one batch in its own short transaction, so that it never holds locks long.
@@ -1012,11 +1015,12 @@ func (s *SQL) cleanupBatch(ctx context.Context, st cleanupStep, retention time.D
 			return 0, false, nil
 		}
 	}
-	for _, b := range []string{s.d.Queries.CleanupBegin, st.begin} {
-		if b == "" {
-			continue
-		}
-		if _, err := tx.ExecContext(ctx, b); err != nil {
+	begin := s.d.Queries.CleanupBegin
+	if st.from {
+		begin = s.d.Queries.CleanupFromBegin
+	}
+	if begin != "" {
+		if _, err := tx.ExecContext(ctx, begin); err != nil {
 			return 0, true, fmt.Errorf("cleanup: %w", s.wrap(err))
 		}
 	}

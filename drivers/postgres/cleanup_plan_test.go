@@ -35,7 +35,7 @@ func TestCleanupReadsWhatItDeletes(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			for _, s := range []string{q.CleanupBegin, q.CleanupFromBegin, `PREPARE cleanup_stmt AS ` + stmt} {
+			for _, s := range []string{q.CleanupFromBegin, `PREPARE cleanup_stmt AS ` + stmt} {
 				if _, err := tx.Exec(s); err != nil {
 					t.Fatalf("%s: %v", s, err)
 				}

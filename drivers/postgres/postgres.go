@@ -462,7 +462,7 @@ func queries(n store.Names, deleteDispatched bool) store.Queries {
 		// is left to the next cleanup. Found through a BRIN index (before migration 016), each
 		// batch read the page ranges earlier batches had emptied, and the whole table once new
 		// claims had filled freed pages; deleted by a join on the key, each read the table again.
-		CleanupFromBegin: `SELECT set_config('enable_seqscan', 'off', true), set_config('enable_bitmapscan', 'off', true)`,
+		CleanupFromBegin: `SELECT ` + asyncCommitSetting + `, set_config('enable_seqscan', 'off', true), set_config('enable_bitmapscan', 'off', true)`,
 		CleanupClaimsFrom: `WITH d AS (DELETE FROM ` + n.Processed + ` WHERE ctid = ANY (ARRAY(SELECT p.ctid FROM ` + n.Processed + ` p
 				WHERE ` + cleanupClaimsWhere + ` AND p.processed_at >= coalesce($3::timestamptz, '-infinity')
 				ORDER BY p.processed_at LIMIT $2)) RETURNING processed_at)
