@@ -54,6 +54,12 @@ func (o *Outbox) duplicateSeen(ctx context.Context, src Source, claim outboxdriv
 // they are not sent, nor is anything behind them with their ordering key, and they do not keep
 // the message from being acked.
 func (o *Outbox) redeliver(ctx context.Context, src Source, claim outboxdriver.Claim, fields watermill.LogFields) error {
+	if claim.Settled {
+		// The claim's statement saw nothing of it pending, which stays so (a delayed effect due
+		// later is the relay's to send): no second read.
+		o.logger.Debug("Duplicate message skipped", fields.Add(watermill.LogFields{"pending_effects": 0, "parked_effects": 0}))
+		return nil
+	}
 	pending, parked, err := o.listPending(ctx, src)
 	if err != nil {
 		return err

@@ -199,6 +199,14 @@ type Claim struct {
 	Concurrent bool
 	// Age is how long ago the claim found was written, when Claimed and Concurrent are false.
 	Age time.Duration
+	// Settled is true, when Claimed and Concurrent are false, if the claim found had nothing
+	// pending as the statement that found it saw it: no inline effects, no undispatched effect
+	// rows (parked ones are undispatched). The duplicate path then has nothing to send and reads
+	// nothing more. A store that cannot tell leaves it false. What it saw stays true: a committed
+	// claim's effects committed with it, and moving inline effects to rows moves them in one
+	// transaction; only a delayed effect becomes pending later (once due), and sending it is the
+	// relay's, as when a duplicate comes before it is due.
+	Settled bool
 	// Tentative is true when the claim is not written yet (the optimistic mode): it is INSERTed
 	// at commit, without ON CONFLICT, so that a copy that commits first wins and this unit of
 	// work's Commit returns an error wrapping ErrClaimTaken.

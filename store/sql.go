@@ -27,12 +27,16 @@ type Queries struct {
 	// returns a row when it claimed and none otherwise (MessageAge then tells the age).
 	MessageClaim                  string
 	MessageClaimReportsConcurrent bool
-	MessageAge                    string // (consumer, id) -> age of the claim in ms
-	MessageIsProcessed            string // (consumer, id) -> a row when processed
-	MessagePoison                 string // (consumer, id)
-	MessageReplay                 string // (consumer, id): delete the claim if it is poisoned
-	AttemptRecord                 string // (consumer, id, reason) -> attempts
-	AttemptDelete                 string // (consumer, id)
+	// MessageClaimReportsSettled: MessageClaim (with MessageClaimReportsConcurrent) returns a
+	// third column, settled: whether the committed claim it ran into has nothing pending
+	// (outboxdriver.Claim.Settled), NULL when it claimed or saw no claim.
+	MessageClaimReportsSettled bool
+	MessageAge                 string // (consumer, id) -> age of the claim in ms
+	MessageIsProcessed         string // (consumer, id) -> a row when processed
+	MessagePoison              string // (consumer, id)
+	MessageReplay              string // (consumer, id): delete the claim if it is poisoned
+	AttemptRecord              string // (consumer, id, reason) -> attempts
+	AttemptDelete              string // (consumer, id)
 	// EffectInsert returns the insert of n effects: (consumer, id) then per effect
 	// (seq, kind, topic, uuid, payload, metadata, ordering_key); it returns (id, seq, in
 	// savepoint) per effect.
@@ -542,10 +546,16 @@ func (s *SQL) MessageClaim(ctx context.Context, tx *sql.Tx, src outboxdriver.Sou
 	if s.d.Queries.MessageClaimReportsConcurrent {
 		var claimed bool
 		var seen sql.NullInt64
-		if err := s.queryRow(ctx, tx, s.d.Queries.MessageClaim, []any{src.Consumer, src.ID}, &claimed, &seen); err != nil {
+		var settled sql.NullBool
+		dest := []any{&claimed, &seen}
+		if s.d.Queries.MessageClaimReportsSettled {
+			dest = append(dest, &settled)
+		}
+		if err := s.queryRow(ctx, tx, s.d.Queries.MessageClaim, []any{src.Consumer, src.ID}, dest...); err != nil {
 			return outboxdriver.Claim{}, err
 		}
-		return outboxdriver.Claim{Claimed: claimed, Concurrent: !claimed && !seen.Valid, Age: time.Duration(seen.Int64) * time.Millisecond}, nil
+		return outboxdriver.Claim{Claimed: claimed, Concurrent: !claimed && !seen.Valid, Age: time.Duration(seen.Int64) * time.Millisecond,
+			Settled: !claimed && seen.Valid && settled.Valid && settled.Bool}, nil
 	}
 	var one int
 	err := s.queryRow(ctx, tx, s.d.Queries.MessageClaim, []any{src.Consumer, src.ID}, &one)

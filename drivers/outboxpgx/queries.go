@@ -8,7 +8,7 @@ import (
 // queries are the statements the pgx driver runs itself; the others are the postgres driver's,
 // run through database/sql on the same pool.
 type queries struct {
-	claim     string           // pessimistic: (consumer, id) -> claimed, age of a committed claim found
+	claim     string           // pessimistic: (consumer, id) -> claimed, age of a committed claim found, whether it is settled
 	insert    func(int) string // the effect rows: see store.EffectInsertArgs
 	processed string           // (consumer, id) -> a row when processed
 	pending   string           // (consumer, id) -> the effect rows and inline effects of the source: see postgres.PendingQuery
@@ -16,7 +16,7 @@ type queries struct {
 	delayedInsert func(int) string // the delayed effects: see store.DelayedInsertArgs
 	delayedCancel string           // (cancel key)
 
-	lookup      string // optimistic: (consumer, id) -> age of the claim, no row when there is none
+	lookup      string // optimistic: (consumer, id) -> age of the claim and whether it is settled, no row when there is none
 	claimInline string // optimistic: (consumer, id, inline effects or NULL): no ON CONFLICT
 
 	keys store.Queries // the postgres driver's statements of idempotency keys (KeyLock, KeyClaim, KeyRead, KeySave)
@@ -34,7 +34,9 @@ func newQueries(n store.Names, deleteDispatched bool) queries {
 		delayedInsert: pq.DelayedInsert,
 		delayedCancel: pq.DelayedCancel,
 
-		lookup: `SELECT (extract(epoch FROM now() - p.processed_at) * 1000)::bigint FROM ` + n.Processed + ` p
+		// A claim found also tells whether anything of it is still pending: a duplicate whose
+		// effects went out then reads nothing more.
+		lookup: `SELECT (extract(epoch FROM now() - p.processed_at) * 1000)::bigint, ` + postgres.SettledColumn(n) + ` FROM ` + n.Processed + ` p
 			WHERE p.consumer = $1 AND p.message_id = $2`,
 		// clock_timestamp(): the time of the commit's round trip, not of BEGIN, from which the
 		// relay's grace counts. Whether the relay's sweep finds the claim does not depend on it:

@@ -69,22 +69,24 @@ func (s *pgxStore) BeginUnit(ctx context.Context, claim *outboxdriver.Source) (o
 // readClaim reads the outcome of the claim (pessimistic) or of its look-up (optimistic).
 func (s *pgxStore) readClaim(row pgx.Row) (outboxdriver.Claim, error) {
 	var ms *int64
+	var settled *bool
 	if s.optimistic {
-		switch err := row.Scan(&ms); {
+		switch err := row.Scan(&ms, &settled); {
 		case errors.Is(err, pgx.ErrNoRows):
 			return outboxdriver.Claim{Claimed: true, Tentative: true}, nil
 		case err != nil:
 			return outboxdriver.Claim{}, err
 		}
-		return outboxdriver.Claim{Age: time.Duration(*ms) * time.Millisecond}, nil
+		return outboxdriver.Claim{Age: time.Duration(*ms) * time.Millisecond, Settled: settled != nil && *settled}, nil
 	}
 	var claimed bool
-	if err := row.Scan(&claimed, &ms); err != nil {
+	if err := row.Scan(&claimed, &ms, &settled); err != nil {
 		return outboxdriver.Claim{}, err
 	}
 	c := outboxdriver.Claim{Claimed: claimed, Concurrent: !claimed && ms == nil}
 	if ms != nil {
 		c.Age = time.Duration(*ms) * time.Millisecond
+		c.Settled = !claimed && settled != nil && *settled
 	}
 	return c, nil
 }

@@ -202,6 +202,18 @@ const asyncCommit = asyncCommitSetting + ` IS NOT NULL`
 // asyncCommitSetting is the call that asyncCommit makes.
 const asyncCommitSetting = `set_config('synchronous_commit', 'off', true)`
 
+// claimAge is the age in milliseconds of the claim p, as the statements that find one report it.
+const claimAge = `(extract(epoch FROM now() - p.processed_at) * 1000)::bigint`
+
+// SettledColumn tells, for the claim p of (consumer $1, id $2), that nothing of it is pending:
+// no inline effects and no undispatched effect row (outboxdriver.Claim.Settled). In the select
+// list of a statement that finds a claim, it is evaluated only when one is found (a duplicate): a
+// first delivery pays nothing for it. The pgx form's look-up uses it too.
+func SettledColumn(n store.Names) string {
+	return `p.effects IS NULL AND NOT EXISTS (SELECT 1 FROM ` + n.Effects + ` e
+				WHERE e.source_consumer = $1 AND e.source_id = $2 AND e.dispatched_at IS NULL)`
+}
+
 // ids is the list of store IDs passed as the text argument arg, as a table v(id) to join: a join
 // with the primary key is the plan whatever the statistics (id = ANY (...) was once planned as a
 // scan of every pending row per statement).
@@ -262,14 +274,17 @@ func queries(n store.Names, deleteDispatched bool) store.Queries {
 		// a copy processed at the same moment. The look-up runs only when the INSERT claimed
 		// nothing (it could not see the new claim anyway). The claim carries its transaction's ID
 		// at once, for the effects the unit may write into it (EffectRecordInline): the sweep
-		// finds them by it, and writing them then leaves every indexed column as it is.
+		// finds them by it, and writing them then leaves every indexed column as it is. The claim
+		// it ran into also tells whether anything of it is still pending (settled): a duplicate
+		// whose effects went out then reads nothing more.
 		MessageClaim: `WITH ins AS (INSERT INTO ` + n.Processed + ` (consumer, message_id, dispatched_at, inline_xid) VALUES ($1, $2, now(), pg_current_xact_id()::text::bigint)
-				ON CONFLICT (consumer, message_id) DO NOTHING RETURNING 1)
-			SELECT c.claimed, CASE WHEN NOT c.claimed THEN
-				(SELECT (extract(epoch FROM now() - processed_at) * 1000)::bigint FROM ` + n.Processed + `
-				 WHERE consumer = $1 AND message_id = $2) END
-			FROM (SELECT EXISTS (SELECT 1 FROM ins) AS claimed) c`,
+				ON CONFLICT (consumer, message_id) DO NOTHING RETURNING 1),
+			seen AS (SELECT ` + claimAge + ` AS age, ` + SettledColumn(n) + ` AS settled FROM ` + n.Processed + ` p
+				WHERE p.consumer = $1 AND p.message_id = $2 AND NOT EXISTS (SELECT 1 FROM ins))
+			SELECT c.claimed, s.age, s.settled
+			FROM (SELECT EXISTS (SELECT 1 FROM ins) AS claimed) c LEFT JOIN seen s ON true`,
 		MessageClaimReportsConcurrent: true,
+		MessageClaimReportsSettled:    true,
 		MessageIsProcessed:            `SELECT 1 FROM ` + n.Processed + ` WHERE consumer = $1 AND message_id = $2`,
 		MessagePoison: `INSERT INTO ` + n.Processed + ` (consumer, message_id, dispatched_at, poisoned) VALUES ($1, $2, now(), true)
 			ON CONFLICT (consumer, message_id) DO NOTHING`,

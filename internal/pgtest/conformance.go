@@ -59,6 +59,6 @@ func ConformanceHarness(db *sql.DB, schema, prefix string, open func(t testing.T
 			}
 			return waiting
 		},
-		Capabilities: storetest.Capabilities{Listen: true, RowLocks: true, CleanupSkips: true, ClaimReportsConcurrent: true, KeyInFlight: true},
+		Capabilities: storetest.Capabilities{Listen: true, RowLocks: true, CleanupSkips: true, ClaimReportsConcurrent: true, ClaimReportsSettled: true, KeyInFlight: true},
 	}
 }

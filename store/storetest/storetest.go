@@ -60,6 +60,9 @@ type Capabilities struct {
 	// ClaimReportsConcurrent: MessageClaim tells a claim committed while it waited for it
 	// (Claim.Concurrent) from one committed before it began. Without it, Concurrent is always false.
 	ClaimReportsConcurrent bool
+	// ClaimReportsSettled: MessageClaim tells a duplicate whether the claim it ran into has
+	// anything pending (Claim.Settled). Without it, Settled is always false.
+	ClaimReportsSettled bool
 	// KeyInFlight: a KeyClaim without Wait of a key another transaction holds uncommitted returns
 	// ErrKeyInFlight at once. Without it (one writer at a time), the second transaction waits to
 	// begin until the first has ended.
@@ -94,6 +97,7 @@ func Run(t *testing.T, newHarness func(t *testing.T) Harness) {
 		{"MessageClaim/ConcurrentCopyWaitsForCommit", func(f *fixture) { testClaimConcurrent(f, true) }},
 		{"MessageClaim/ConcurrentCopyWaitsForRollback", func(f *fixture) { testClaimConcurrent(f, false) }},
 		{"MessageClaim/DuplicateReportsAge", testClaimAge},
+		{"MessageClaim/DuplicateReportsSettled", testClaimSettled},
 		{"MessageIsProcessed", testIsProcessed},
 		{"MessagePoison", testPoison},
 		{"AttemptRecord", testAttemptRecord},
@@ -2002,6 +2006,52 @@ func testClaimAge(f *fixture) {
 	}
 	if c.Claimed || c.Concurrent || c.Age < time.Hour-time.Minute || c.Age > time.Hour+time.Minute {
 		f.t.Fatalf("claim of a message processed an hour ago: %+v, want a duplicate with Age about 1h", c)
+	}
+}
+
+// testClaimSettled: a duplicate's claim is settled when nothing of the claim it ran into is
+// pending (no effects, or all marked dispatched), and not while an effect is pending or parked.
+func testClaimSettled(f *fixture) {
+	settled := func(src outboxdriver.Source) bool {
+		f.t.Helper()
+		tx := f.begin()
+		defer func() { _ = tx.Rollback() }()
+		c, err := f.st.MessageClaim(f.ctx, tx, src)
+		if err != nil || c.Claimed || c.Concurrent {
+			f.t.Fatalf("claim of a processed message: %+v, %v; want a duplicate", c, err)
+		}
+		if c.Settled && !f.h.Capabilities.ClaimReportsSettled {
+			f.t.Fatalf("claim %+v: Settled, and the store does not claim to tell", c)
+		}
+		return c.Settled
+	}
+	want := f.h.Capabilities.ClaimReportsSettled
+	none := f.src("none")
+	f.commit(none, true, nil)
+	if got := settled(none); got != want {
+		f.t.Errorf("a duplicate of a message that recorded no effect: Settled = %v, want %v", got, want)
+	}
+	sent := f.src("sent")
+	f.commit(sent, true, f.effects(sent, "", 2))
+	if settled(sent) {
+		f.t.Error("a duplicate of a message whose effects are pending: Settled")
+	}
+	f.mark(sent)
+	if got := settled(sent); got != want {
+		f.t.Errorf("a duplicate of a message whose effects were sent: Settled = %v, want %v", got, want)
+	}
+	parked := f.src("parked")
+	es := f.effects(parked, "", 1)
+	f.commit(parked, true, es)
+	f.recordFailures(outboxdriver.EffectFailure{StoreID: es[0].StoreID, Reason: "refused", Counted: true, Park: true})
+	if settled(parked) {
+		f.t.Error("a duplicate of a message whose effect is parked: Settled")
+	}
+	// What the claim saw counts, not another consumer's claim of the same message.
+	other := outboxdriver.Source{Consumer: "other", ID: parked.ID}
+	f.commit(other, true, nil)
+	if got := settled(other); got != want {
+		f.t.Errorf("a duplicate of another consumer's message with nothing pending: Settled = %v, want %v", got, want)
 	}
 }
 
