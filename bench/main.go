@@ -65,7 +65,7 @@ type config struct {
 }
 
 var allContenders = []string{"floor", "bare", "ceiling", "naive", "watermill-stack", "river", "rbaliyan-event", "outbox-middleware", "outbox-intx",
-	"bare-pgx", "outbox-pgx", "outbox-pgx-pessimistic",
+	"bare-pgx", "protocol-pgx", "outbox-pgx", "outbox-pgx-pessimistic",
 	"bare" + pooledSuffix, "outbox-middleware" + pooledSuffix, "bare-pgx" + pooledSuffix, "outbox-pgx" + pooledSuffix,
 	"bare" + mysqlSuffix, "outbox" + mysqlSuffix}
 
@@ -465,6 +465,8 @@ func newContender(e *env, name string) (contender, error) {
 		return newEventIdem(e)
 	case "bare-pgx":
 		return newBarePgx(e)
+	case "protocol-pgx":
+		return newProtocolPgx(e)
 	case "outbox-pgx":
 		return newFrameworkPgx(e, "pgx_", outboxpgx.Optimistic)
 	case "outbox-pgx-pessimistic":

@@ -31,6 +31,8 @@ type ratioRow struct {
 // driver, the same route to the server.
 var ratioPairs = [][2]string{
 	{"outbox-pgx", "bare-pgx"},
+	{"protocol-pgx", "bare-pgx"},
+	{"outbox-pgx", "protocol-pgx"},
 	{"outbox-pgx-pessimistic", "bare-pgx"},
 	{"outbox-middleware", "bare"},
 	{"outbox-pgx" + pooledSuffix, "bare-pgx" + pooledSuffix},
