@@ -108,6 +108,7 @@ func main() {
 	results := flag.String("results", "", "write the results as JSON here (default: results-<mode>.json)")
 	render := flag.String("render", "", "only re-render the docs from this results JSON")
 	cpuProfile := flag.String("cpuprofile", "", "write a CPU profile of the whole run (this process only) to this file")
+	memProfile := flag.String("memprofile", "", "write an allocation profile of the whole run (this process only; every allocation sampled) to this file")
 	drain := flag.Bool("drain", false, "run the relay-drain benchmark instead (its own section of benchmarks.md; results-drain-<mode>.json)")
 	brokerKind := flag.String("broker", "nats", "nats (in-process JetStream, contenders called directly) or none (a null publisher; every contender's handler in a Watermill Router)")
 	work := flag.String("workload", workloadInsert, "business write: insert (one INSERT) or two-statement (UPDATE a stock row, INSERT a reservation)")
@@ -139,6 +140,18 @@ func main() {
 			os.Exit(1)
 		}
 		defer pprof.StopCPUProfile()
+	}
+	if *memProfile != "" {
+		runtime.MemProfileRate = 1
+		defer func() {
+			f, err := os.Create(*memProfile)
+			if err == nil {
+				err = pprof.Lookup("allocs").WriteTo(f, 0)
+			}
+			if err != nil {
+				fmt.Fprintln(os.Stderr, "error:", err)
+			}
+		}()
 	}
 
 	if *drain {
