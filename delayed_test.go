@@ -89,6 +89,41 @@ func TestDelayedEffectSentWhenDue(t *testing.T) {
 	mustEqual(t, "delayed effects waiting", e.count(`SELECT count(*) FROM outbox_delayed`), 0)
 }
 
+// A copy of a message whose immediate effects went out finds its claim settled while the delayed
+// effect is not due (it waits in the delayed effects, not among the pending) and is acked without
+// reading further; the relay sends the delayed effect once due, once, and a copy after that is
+// settled too.
+func TestDuplicateBeforeDelayedEffectIsDue(t *testing.T) {
+	e := newEnv(t, func(c *outbox.Config) { c.RelayInterval = 50 * time.Millisecond })
+	runRelay(t, e.ob)
+	const delay = 1500 * time.Millisecond
+	var delayed string
+	msg := message.NewMessage(uuid.NewString(), nil)
+	if err := handle(e.ob, msg, publishDelayed(delay, "", &delayed)); err != nil {
+		t.Fatal(err)
+	}
+	e.ob.FlushMarks()
+	ran := false
+	again := func(*message.Message) ([]*message.Message, error) { ran = true; return nil, nil }
+	if err := handle(e.ob, copyOf(msg), again); err != nil {
+		t.Fatalf("a copy before the delayed effect is due: %v", err)
+	}
+	if ran {
+		t.Fatal("the handler ran for a copy")
+	}
+	mustEqual(t, "delayed messages sent by the copy", len(e.wire("out_b")), 0)
+	mustEqual(t, "delayed effects waiting", e.count(`SELECT count(*) FROM outbox_delayed WHERE uuid = $1`, delayed), 1)
+	waitFor(t, "the delayed message sent", func() bool { return e.wire("out_b")[delayed] > 0 })
+	e.ob.FlushMarks()
+	if err := handle(e.ob, copyOf(msg), again); err != nil {
+		t.Fatalf("a copy after the delayed effect went out: %v", err)
+	}
+	time.Sleep(300 * time.Millisecond)
+	mustEqual(t, "copies of the immediate message", len(e.wire("out_a")), 1)
+	mustEqual(t, "copies of the delayed message", e.wire("out_b")[delayed], 1)
+	mustEqual(t, "pending effects", e.pendingEffects(), 0)
+}
+
 // A delayed effect holds back neither the later effects of its ordering key (a handler's
 // effects on that key go out after their commit) nor the other effects of its unit of work.
 func TestDelayedEffectDoesNotHoldBackItsKey(t *testing.T) {
