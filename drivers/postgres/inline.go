@@ -186,11 +186,15 @@ func newInlineQueries(n store.Names) inlineQueries {
 
 // PendingQuery returns the statement (consumer, id) that reads the pending effects of a source
 // in one round trip: its effect rows, in seq order, and then, in a row of its own, the inline
-// effects of its claim. Read its rows with ScanPending.
+// effects of its claim. Read its rows with ScanPending. The rows are read in the order of the
+// index of pending effects by source, so that the plan reads that index whatever the statistics
+// (planned on an empty table, it read every source's pending effects through the index by
+// ordering key, and a prepared statement kept that plan: TestDuplicateClaimFindsPendingBySource).
 func PendingQuery(n store.Names) string {
 	return `SELECT * FROM (
-			SELECT ` + effectColumns + `, NULL::bytea AS inline FROM ` + n.Effects + ` e
+			(SELECT ` + effectColumns + `, NULL::bytea AS inline FROM ` + n.Effects + ` e
 			WHERE e.source_consumer = $1 AND e.source_id = $2 AND e.dispatched_at IS NULL
+			ORDER BY e.source_consumer, e.source_id, e.seq)
 			UNION ALL
 			SELECT 0::bigint, p.consumer, p.message_id, 0, '', '', '', ''::bytea, ''::bytea, '', 0, ` + age + `, 0, 0::bigint, false, p.effects
 			FROM ` + n.Processed + ` p

@@ -208,3 +208,52 @@ func TestSweepReadsFromItsWatermark(t *testing.T) {
 		}
 	}
 }
+
+// TestDuplicateClaimFindsPendingBySource: the claim's statement and the pgx form's look-up, for a
+// duplicate, tell whether anything of the claim found is pending (settled), and the duplicate's
+// read of what is pending (PendingQuery, EffectListPending) reads it, through the index of
+// pending effects by source, with a custom and with a generic plan, on an empty effects table and
+// behind a backlog (a broker down: 50,000 effects pending), analyzed or not: never by reading the
+// pending effects of every source. Planned on an empty table (a new service), the settled check
+// written as an EXISTS and PendingQuery read them through the index by ordering key, and a
+// prepared statement keeps its plan while a backlog grows.
+func TestDuplicateClaimFindsPendingBySource(t *testing.T) {
+	db, _, n, exec := planTables(t, "dupplan_")
+	q := queries(n, true)
+	lookup := `SELECT ` + claimAge + `, ` + SettledColumn(n) + ` FROM ` + n.Processed + ` p WHERE p.consumer = $1 AND p.message_id = $2`
+	exec(`INSERT INTO ` + n.Processed + ` (consumer, message_id, processed_at, dispatched_at) VALUES ('c', 'dup', now(), now())`)
+	backlog := `INSERT INTO ` + n.Effects + ` (source_consumer, source_id, seq, kind, topic, uuid, payload, metadata, ordering_key, created_at)
+		SELECT 'c', 'm' || (g / 5), g % 5, 'publish', 't', gen_random_uuid()::text, '\x00', '\x00', 'k' || (g % 7), now()
+		FROM generate_series(1, 50000) g`
+	for _, state := range []struct{ name, setup string }{
+		{"empty", ``},
+		{"a backlog, not analyzed", backlog},
+		{"a backlog, analyzed", `ANALYZE ` + n.Effects},
+	} {
+		if state.setup != "" {
+			exec(state.setup)
+		}
+		for name, stmt := range map[string]string{
+			"claim": q.MessageClaim, "look-up": lookup, "pending": PendingQuery(n), "listPending": q.EffectListPending,
+		} {
+			for _, mode := range []string{"force_custom_plan", "force_generic_plan"} {
+				exec(`SET plan_cache_mode = ` + mode)
+				exec(`PREPARE dup_stmt(text, text) AS ` + stmt)
+				tx, err := db.Begin()
+				if err != nil {
+					t.Fatal(err)
+				}
+				plan := queryLines(t, tx, `EXPLAIN (ANALYZE, BUFFERS, COSTS OFF) EXECUTE dup_stmt('c', 'dup')`)
+				_ = tx.Rollback()
+				exec(`DEALLOCATE dup_stmt`)
+				text := strings.Join(plan, "\n")
+				if !strings.Contains(text, "dupplan_effects_pending_source") || strings.Contains(text, "Seq Scan on dupplan_effects") {
+					t.Errorf("%s (%s, %s): the duplicate's pending effects are not read by their source:\n%s", name, mode, state.name, text)
+				}
+				if top := buffersRe.FindStringSubmatch(text); top != nil && atoi(top[1])+atoi(top[2]) > 50 {
+					t.Errorf("%s (%s, %s): %s buffers read for one duplicate:\n%s", name, mode, state.name, top[0], text)
+				}
+			}
+		}
+	}
+}

@@ -208,10 +208,15 @@ const claimAge = `(extract(epoch FROM now() - p.processed_at) * 1000)::bigint`
 // SettledColumn tells, for the claim p of (consumer $1, id $2), that nothing of it is pending:
 // no inline effects and no undispatched effect row (outboxdriver.Claim.Settled). In the select
 // list of a statement that finds a claim, it is evaluated only when one is found (a duplicate): a
-// first delivery pays nothing for it. The pgx form's look-up uses it too.
+// first delivery pays nothing for it. The pgx form's look-up uses it too. The row is looked for in
+// the order of the index of pending effects by source, so that the plan reads that index whatever
+// the statistics: as an EXISTS, planned on an empty table (a new service), it read the pending
+// effects of every source through the index by ordering key, and a prepared statement kept that
+// plan while a backlog grew (TestDuplicateClaimFindsPendingBySource).
 func SettledColumn(n store.Names) string {
-	return `p.effects IS NULL AND NOT EXISTS (SELECT 1 FROM ` + n.Effects + ` e
-				WHERE e.source_consumer = $1 AND e.source_id = $2 AND e.dispatched_at IS NULL)`
+	return `p.effects IS NULL AND (SELECT 1 FROM ` + n.Effects + ` e
+				WHERE e.source_consumer = $1 AND e.source_id = $2 AND e.dispatched_at IS NULL
+				ORDER BY e.source_consumer, e.source_id, e.seq LIMIT 1) IS NULL`
 }
 
 // ids is the list of store IDs passed as the text argument arg, as a table v(id) to join: a join
