@@ -193,3 +193,50 @@ func (c *wireCounts) add(kind string) {
 		c.nextDue++
 	}
 }
+
+// TestSettledDuplicateReadsNothingMore: on database/sql, a copy of a message whose effects went
+// out sends BEGIN, the claim (which finds the claim and that nothing of it is pending) and
+// ROLLBACK: three statements, no read of the pending effects (four before).
+func TestSettledDuplicateReadsNothingMore(t *testing.T) {
+	e := newEnv(t)
+	wire := &statementCounter{}
+	connector, err := pq.NewConnector(e.dsn)
+	if err != nil {
+		t.Fatal(err)
+	}
+	connector.Dialer(wire)
+	db := sql.OpenDB(connector)
+	t.Cleanup(func() { _ = db.Close() })
+	ob, err := outbox.New(outbox.Config{DB: db, Driver: postgres.Driver{}, Publisher: e.pub, Logger: watermill.NopLogger{}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = ob.Close() })
+	publishOne := func(msg *message.Message) ([]*message.Message, error) {
+		return nil, outbox.Publish(msg.Context(), "out_a", message.NewMessage(uuid.NewString(), nil))
+	}
+	duplicate := func(msg *message.Message) int {
+		t.Helper()
+		ob.FlushMarks()
+		before := wire.snapshot()
+		ran := false
+		if err := handle(ob, copyOf(msg), func(*message.Message) ([]*message.Message, error) { ran = true; return nil, nil }); err != nil {
+			t.Fatal(err)
+		}
+		if ran {
+			t.Fatal("the handler ran for a copy")
+		}
+		return wire.snapshot().minus(before).statements
+	}
+	// The first message and its copy prepare what is prepared once per connection.
+	for i, want := range []int{-1, 3} {
+		msg := message.NewMessage(uuid.NewString(), nil)
+		if err := handle(ob, msg, publishOne); err != nil {
+			t.Fatal(err)
+		}
+		if got := duplicate(msg); want >= 0 && got != want {
+			t.Errorf("a copy of a message whose effect went out (%d): %d statements, want %d (BEGIN, the claim, ROLLBACK)", i, got, want)
+		}
+	}
+	mustEqual(t, "messages sent", len(e.wire("out_a")), 2)
+}
