@@ -30,14 +30,7 @@ func TestIdleRelayPassIsOneStatement(t *testing.T) {
 	}); err != nil {
 		t.Fatal(err)
 	}
-	wire := &statementCounter{}
-	connector, err := pq.NewConnector(e.dsn)
-	if err != nil {
-		t.Fatal(err)
-	}
-	connector.Dialer(wire)
-	db := sql.OpenDB(connector)
-	t.Cleanup(func() { _ = db.Close() })
+	db, wire := countedDB(t, e.dsn)
 	ob, err := outbox.New(outbox.Config{DB: db, Driver: postgres.Driver{}, Publisher: e.pub, Logger: watermill.NopLogger{},
 		RelayInterval: 20 * time.Millisecond, RelayGrace: time.Hour, CleanupInterval: time.Hour})
 	if err != nil {
@@ -65,6 +58,21 @@ func TestIdleRelayPassIsOneStatement(t *testing.T) {
 		t.Fatalf("%d idle passes sent %d moves of delayed effects and %d look-ups of their next due time (%d statements in all); want the claim alone",
 			during.claims, during.moves, during.nextDue, during.statements)
 	}
+}
+
+// countedDB opens a database/sql pool on dsn (lib/pq) whose connections count the statements
+// they send, closed when the test ends.
+func countedDB(t *testing.T, dsn string) (*sql.DB, *statementCounter) {
+	t.Helper()
+	wire := &statementCounter{}
+	connector, err := pq.NewConnector(dsn)
+	if err != nil {
+		t.Fatal(err)
+	}
+	connector.Dialer(wire)
+	db := sql.OpenDB(connector)
+	t.Cleanup(func() { _ = db.Close() })
+	return db, wire
 }
 
 // statementCounter is a lib/pq Dialer whose connections count the statements the client sends
@@ -199,14 +207,7 @@ func (c *wireCounts) add(kind string) {
 // ROLLBACK: three statements, no read of the pending effects (four before).
 func TestSettledDuplicateReadsNothingMore(t *testing.T) {
 	e := newEnv(t)
-	wire := &statementCounter{}
-	connector, err := pq.NewConnector(e.dsn)
-	if err != nil {
-		t.Fatal(err)
-	}
-	connector.Dialer(wire)
-	db := sql.OpenDB(connector)
-	t.Cleanup(func() { _ = db.Close() })
+	db, wire := countedDB(t, e.dsn)
 	ob, err := outbox.New(outbox.Config{DB: db, Driver: postgres.Driver{}, Publisher: e.pub, Logger: watermill.NopLogger{}})
 	if err != nil {
 		t.Fatal(err)

@@ -67,8 +67,7 @@ func newProtocolPgx(e *env) (contender, error) {
 	c := &protocolPgx{base: b, pool: pool, ob: ob, q: protocolQueries{
 		// The framework's statements, as pg_stat_statements shows them (outboxpgx's look-up and
 		// optimistic claim, the postgres driver's mark of inline effects).
-		lookup: `SELECT (extract(epoch FROM now() - p.processed_at) * 1000)::bigint, ` + postgres.SettledColumn(n) + ` FROM ` + t + ` p
-			WHERE p.consumer = $1 AND p.message_id = $2`,
+		lookup: postgres.ClaimLookup(n),
 		claim: `INSERT INTO ` + t + ` (consumer, message_id, processed_at, dispatched_at, effects, inline_xid)
 			VALUES ($1, $2, clock_timestamp(), clock_timestamp(), $3::bytea,
 				CASE WHEN $3::bytea IS NOT NULL THEN pg_current_xact_id()::text::bigint END)`,

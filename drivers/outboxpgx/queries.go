@@ -36,8 +36,7 @@ func newQueries(n store.Names, deleteDispatched bool) queries {
 
 		// A claim found also tells whether anything of it is still pending: a duplicate whose
 		// effects went out then reads nothing more.
-		lookup: `SELECT (extract(epoch FROM now() - p.processed_at) * 1000)::bigint, ` + postgres.SettledColumn(n) + ` FROM ` + n.Processed + ` p
-			WHERE p.consumer = $1 AND p.message_id = $2`,
+		lookup: postgres.ClaimLookup(n),
 		// clock_timestamp(): the time of the commit's round trip, not of BEGIN, from which the
 		// relay's grace counts. Whether the relay's sweep finds the claim does not depend on it:
 		// a claim with inline effects records the ID of its transaction (see the postgres

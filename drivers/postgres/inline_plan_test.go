@@ -220,7 +220,6 @@ func TestSweepReadsFromItsWatermark(t *testing.T) {
 func TestDuplicateClaimFindsPendingBySource(t *testing.T) {
 	db, _, n, exec := planTables(t, "dupplan_")
 	q := queries(n, true)
-	lookup := `SELECT ` + claimAge + `, ` + SettledColumn(n) + ` FROM ` + n.Processed + ` p WHERE p.consumer = $1 AND p.message_id = $2`
 	exec(`INSERT INTO ` + n.Processed + ` (consumer, message_id, processed_at, dispatched_at) VALUES ('c', 'dup', now(), now())`)
 	backlog := `INSERT INTO ` + n.Effects + ` (source_consumer, source_id, seq, kind, topic, uuid, payload, metadata, ordering_key, created_at)
 		SELECT 'c', 'm' || (g / 5), g % 5, 'publish', 't', gen_random_uuid()::text, '\x00', '\x00', 'k' || (g % 7), now()
@@ -234,7 +233,7 @@ func TestDuplicateClaimFindsPendingBySource(t *testing.T) {
 			exec(state.setup)
 		}
 		for name, stmt := range map[string]string{
-			"claim": q.MessageClaim, "look-up": lookup, "pending": PendingQuery(n), "listPending": q.EffectListPending,
+			"claim": q.MessageClaim, "look-up": ClaimLookup(n), "pending": PendingQuery(n), "listPending": q.EffectListPending,
 		} {
 			for _, mode := range []string{"force_custom_plan", "force_generic_plan"} {
 				exec(`SET plan_cache_mode = ` + mode)

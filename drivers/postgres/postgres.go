@@ -205,18 +205,26 @@ const asyncCommitSetting = `set_config('synchronous_commit', 'off', true)`
 // claimAge is the age in milliseconds of the claim p, as the statements that find one report it.
 const claimAge = `(extract(epoch FROM now() - p.processed_at) * 1000)::bigint`
 
-// SettledColumn tells, for the claim p of (consumer $1, id $2), that nothing of it is pending:
+// settledColumn tells, for the claim p of (consumer $1, id $2), that nothing of it is pending:
 // no inline effects and no undispatched effect row (outboxdriver.Claim.Settled). In the select
 // list of a statement that finds a claim, it is evaluated only when one is found (a duplicate): a
-// first delivery pays nothing for it. The pgx form's look-up uses it too. The row is looked for in
-// the order of the index of pending effects by source, so that the plan reads that index whatever
-// the statistics: as an EXISTS, planned on an empty table (a new service), it read the pending
-// effects of every source through the index by ordering key, and a prepared statement kept that
-// plan while a backlog grew (TestDuplicateClaimFindsPendingBySource).
-func SettledColumn(n store.Names) string {
+// first delivery pays nothing for it. The row is looked for in the order of the index of pending
+// effects by source, so that the plan reads that index whatever the statistics: as an EXISTS,
+// planned on an empty table (a new service), it read the pending effects of every source through
+// the index by ordering key, and a prepared statement kept that plan while a backlog grew
+// (TestDuplicateClaimFindsPendingBySource).
+func settledColumn(n store.Names) string {
 	return `p.effects IS NULL AND (SELECT 1 FROM ` + n.Effects + ` e
 				WHERE e.source_consumer = $1 AND e.source_id = $2 AND e.dispatched_at IS NULL
 				ORDER BY e.source_consumer, e.source_id, e.seq LIMIT 1) IS NULL`
+}
+
+// ClaimLookup returns the look-up of a claim (consumer $1, id $2) for drivers that claim with
+// statements of their own (the pgx form's optimistic mode): the claim's age in milliseconds and
+// whether it is settled (outboxdriver.Claim.Settled), or no row when there is none.
+func ClaimLookup(n store.Names) string {
+	return `SELECT ` + claimAge + `, ` + settledColumn(n) + ` FROM ` + n.Processed + ` p
+			WHERE p.consumer = $1 AND p.message_id = $2`
 }
 
 // ids is the list of store IDs passed as the text argument arg, as a table v(id) to join: a join
@@ -284,7 +292,7 @@ func queries(n store.Names, deleteDispatched bool) store.Queries {
 		// whose effects went out then reads nothing more.
 		MessageClaim: `WITH ins AS (INSERT INTO ` + n.Processed + ` (consumer, message_id, dispatched_at, inline_xid) VALUES ($1, $2, now(), pg_current_xact_id()::text::bigint)
 				ON CONFLICT (consumer, message_id) DO NOTHING RETURNING 1),
-			seen AS (SELECT ` + claimAge + ` AS age, ` + SettledColumn(n) + ` AS settled FROM ` + n.Processed + ` p
+			seen AS (SELECT ` + claimAge + ` AS age, ` + settledColumn(n) + ` AS settled FROM ` + n.Processed + ` p
 				WHERE p.consumer = $1 AND p.message_id = $2 AND NOT EXISTS (SELECT 1 FROM ins))
 			SELECT c.claimed, s.age, s.settled
 			FROM (SELECT EXISTS (SELECT 1 FROM ins) AS claimed) c LEFT JOIN seen s ON true`,
