@@ -64,7 +64,7 @@ type config struct {
 	SkipSafety bool   `json:"-"`
 }
 
-var allContenders = []string{"floor", "bare", "ceiling", "naive", "watermill-stack", "river", "rbaliyan-event", "outbox-middleware", "outbox-intx",
+var allContenders = []string{"floor", "bare", "ceiling", "protocol-sql", "naive", "watermill-stack", "river", "rbaliyan-event", "outbox-middleware", "outbox-intx",
 	"bare-pgx", "protocol-pgx", "outbox-pgx", "outbox-pgx-pessimistic",
 	"bare" + pooledSuffix, "outbox-middleware" + pooledSuffix, "bare-pgx" + pooledSuffix, "outbox-pgx" + pooledSuffix,
 	"bare" + mysqlSuffix, "outbox" + mysqlSuffix}
@@ -480,6 +480,8 @@ func newContender(e *env, name string) (contender, error) {
 		return newBarePgx(e)
 	case "protocol-pgx":
 		return newProtocolPgx(e)
+	case "protocol-sql":
+		return newProtocolSQL(e)
 	case "outbox-pgx":
 		return newFrameworkPgx(e, "pgx_", outboxpgx.Optimistic)
 	case "outbox-pgx-pessimistic":

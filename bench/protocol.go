@@ -71,11 +71,12 @@ func newProtocolPgx(e *env) (contender, error) {
 		claim: `INSERT INTO ` + t + ` (consumer, message_id, processed_at, dispatched_at, effects, inline_xid)
 			VALUES ($1, $2, clock_timestamp(), clock_timestamp(), $3::bytea,
 				CASE WHEN $3::bytea IS NOT NULL THEN pg_current_xact_id()::text::bigint END)`,
-		mark: `UPDATE ` + t + ` p SET effects = NULL
-			WHERE p.consumer = $1 AND p.message_id = ANY (ARRAY(SELECT unnest($2::text[])))
-			AND p.effects IS NOT NULL AND (SELECT set_config('synchronous_commit', 'off', true)) IS NOT NULL`,
+		mark: postgres.InlineMark(n),
 	}}
-	c.marks = &protocolMarker{pool: pool, q: c.q.mark}
+	c.marks = &protocolMarker{exec: func(ctx context.Context, ids []string) error {
+		_, err := pool.Exec(ctx, c.q.mark, protocolConsumer, ids)
+		return err
+	}}
 	return c, nil
 }
 
@@ -167,11 +168,11 @@ func (c *protocolPgx) handle(ctx context.Context, d delivery) (bool, error) {
 	return false, nil
 }
 
-// protocolMarker writes the marks of protocolPgx in batches, as the framework's marker does: a
-// worker that lets marks gather for 5 ms, writes them in one statement, and exits when none came.
+// protocolMarker writes the marks of a protocol contender in batches, as the framework's marker
+// does: a worker that lets marks gather for 5 ms, writes them in one statement (exec), and exits
+// when none came.
 type protocolMarker struct {
-	pool    *pgxpool.Pool
-	q       string
+	exec    func(ctx context.Context, ids []string) error
 	mu      sync.Mutex
 	queue   []string
 	running bool
@@ -203,7 +204,7 @@ func (m *protocolMarker) work() {
 		}
 		m.mu.Unlock()
 		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-		_, _ = m.pool.Exec(ctx, m.q, protocolConsumer, batch)
+		_ = m.exec(ctx, batch)
 		cancel()
 	}
 }

@@ -35,6 +35,8 @@ var ratioPairs = [][2]string{
 	{"outbox-pgx", "protocol-pgx"},
 	{"outbox-pgx-pessimistic", "bare-pgx"},
 	{"outbox-middleware", "bare"},
+	{"protocol-sql", "bare"},
+	{"outbox-middleware", "protocol-sql"},
 	{"outbox-pgx" + pooledSuffix, "bare-pgx" + pooledSuffix},
 	{"outbox-middleware" + pooledSuffix, "bare" + pooledSuffix},
 }

@@ -413,6 +413,11 @@ River) are timed until the relay has published everything; the framework's relay
 - **rbaliyan-event**: rbaliyan/event/v3's PostgreSQL idempotency store as its docs show: ` + "`IsDuplicateTx`" + `, business write,
   ` + "`MarkProcessedTx`" + ` in one transaction; publish after commit.
 - **outbox-middleware**: this framework's ` + "`middleware.New`" + ` around the handler (consumer path), database/sql over lib/pq: the claim at BEGIN, the effect written into it, cleared once sent.
+- **protocol-sql**: the database/sql form's statements written out by hand on tables its migrations made, through lib/pq and
+  prepared per connection as the framework prepares them: BEGIN, the claim, the business write, the effect written into the claim,
+  COMMIT, the publish called in place, the mark batched in the background; no timeouts, telemetry, relay or recovery (not in the
+  safety check). protocol-sql / bare is the most any client of these statements reaches through database/sql,
+  outbox-middleware / protocol-sql what the framework's code adds to them.
 - **bare-pgx**: bare on pgx v5 (` + "`pgxpool`" + `, ` + "`pool.Begin`" + `, ` + "`tx.Exec`" + `, ` + "`tx.Commit`" + `: a round trip each), publish after commit, no deduplication.
 - **protocol-pgx**: the pgx form's statements written out by hand on tables its migrations made (the same columns and indexes):
   BEGIN with the claim's look-up, the business write, the claim with the effect inline and COMMIT, the publish called in place,

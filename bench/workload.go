@@ -40,7 +40,7 @@ const (
 // workloadContenders are the contenders that implement the two-statement workload: the bare
 // forms and the framework's consumer path in each form (and their twins through PgBouncer).
 var workloadContenders = map[string]bool{
-	"bare": true, "ceiling": true, "bare-pgx": true, "protocol-pgx": true,
+	"bare": true, "ceiling": true, "protocol-sql": true, "bare-pgx": true, "protocol-pgx": true,
 	"outbox-middleware": true, "outbox-pgx": true, "outbox-pgx-pessimistic": true,
 	"bare" + pooledSuffix: true, "outbox-middleware" + pooledSuffix: true,
 	"bare-pgx" + pooledSuffix: true, "outbox-pgx" + pooledSuffix: true,
@@ -49,7 +49,7 @@ var workloadContenders = map[string]bool{
 // checkWorkload tells why contender name cannot run the current workload, or nil.
 func checkWorkload(name string) error {
 	if workload == workloadTwoStatement && !workloadContenders[name] {
-		return fmt.Errorf("the %s workload is implemented for bare, ceiling, bare-pgx, protocol-pgx, outbox-middleware, outbox-pgx and "+
+		return fmt.Errorf("the %s workload is implemented for bare, ceiling, protocol-sql, bare-pgx, protocol-pgx, outbox-middleware, outbox-pgx and "+
 			"outbox-pgx-pessimistic (and their -pgbouncer twins) only", workload)
 	}
 	return nil

@@ -184,6 +184,17 @@ func newInlineQueries(n store.Names) inlineQueries {
 	}
 }
 
+// InlineRecord returns the statement (consumer $1, id $2, the encoded effects $3, the length of
+// what the write before put there $4) that writes a unit's inline effects into its claim on
+// database/sql (EffectRecordInline), returning whether it ran inside a savepoint; no row when the
+// claim holds other effects or there is none. For a client that sends the form's statements
+// itself (the benchmark's protocol contenders).
+func InlineRecord(n store.Names) string { return newInlineQueries(n).record }
+
+// InlineMark returns the statement (consumer $1, a text[] of IDs $2) that clears the inline
+// effects of sent claims, every PostgreSQL form's mark, with asynchronous commit.
+func InlineMark(n store.Names) string { return newInlineQueries(n).mark }
+
 // PendingQuery returns the statement (consumer, id) that reads the pending effects of a source
 // in one round trip: its effect rows, in seq order, and then, in a row of its own, the inline
 // effects of its claim. Read its rows with ScanPending. The rows are read in the order of the
