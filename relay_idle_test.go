@@ -83,10 +83,11 @@ type statementCounter struct {
 	counts wireCounts
 }
 
-type wireCounts struct{ statements, claims, moves, nextDue int }
+type wireCounts struct{ statements, claims, moves, nextDue, marks, markParses int }
 
 func (c wireCounts) minus(o wireCounts) wireCounts {
-	return wireCounts{c.statements - o.statements, c.claims - o.claims, c.moves - o.moves, c.nextDue - o.nextDue}
+	return wireCounts{c.statements - o.statements, c.claims - o.claims, c.moves - o.moves, c.nextDue - o.nextDue,
+		c.marks - o.marks, c.markParses - o.markParses}
 }
 
 func (s *statementCounter) snapshot() wireCounts {
@@ -165,7 +166,11 @@ func (c *countingConn) count(typ byte, body []byte) {
 			if c.kinds == nil {
 				c.kinds = map[string]string{}
 			}
-			c.kinds[string(body[:i])] = kindOf(body[i+1:])
+			kind := kindOf(body[i+1:])
+			c.kinds[string(body[:i])] = kind
+			if kind == "mark" {
+				c.s.counts.markParses++
+			}
 		}
 	case 'B': // Bind: the portal's name, then the statement's
 		if i := bytes.IndexByte(body, 0); i >= 0 {
@@ -187,6 +192,9 @@ func kindOf(text []byte) string {
 		return "move"
 	case bytes.HasPrefix(text, []byte("SELECT (extract(epoch FROM min(due_at)")):
 		return "next due"
+	case bytes.HasPrefix(text, []byte("UPDATE ")) && bytes.Contains(text, []byte(" p SET effects = NULL")) &&
+		bytes.Contains(text, []byte("set_config('synchronous_commit', 'off', true)")):
+		return "mark"
 	}
 	return ""
 }
@@ -199,7 +207,26 @@ func (c *wireCounts) add(kind string) {
 		c.moves++
 	case "next due":
 		c.nextDue++
+	case "mark":
+		c.marks++
 	}
+}
+
+// countedOutbox is an Outbox (database/sql form) on a countedDB, closed when the test ends.
+func countedOutbox(t *testing.T, e *env) (*outbox.Outbox, *sql.DB, *statementCounter) {
+	t.Helper()
+	db, wire := countedDB(t, e.dsn)
+	ob, err := outbox.New(outbox.Config{DB: db, Driver: postgres.Driver{}, Publisher: e.pub, Logger: watermill.NopLogger{}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = ob.Close() })
+	return ob, db, wire
+}
+
+// publishOne is a handler that publishes one message to out_a.
+func publishOne(msg *message.Message) ([]*message.Message, error) {
+	return nil, outbox.Publish(msg.Context(), "out_a", message.NewMessage(uuid.NewString(), nil))
 }
 
 // TestSettledDuplicateReadsNothingMore: on database/sql, a copy of a message whose effects went
@@ -207,15 +234,7 @@ func (c *wireCounts) add(kind string) {
 // ROLLBACK: three statements, no read of the pending effects (four before).
 func TestSettledDuplicateReadsNothingMore(t *testing.T) {
 	e := newEnv(t)
-	db, wire := countedDB(t, e.dsn)
-	ob, err := outbox.New(outbox.Config{DB: db, Driver: postgres.Driver{}, Publisher: e.pub, Logger: watermill.NopLogger{}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = ob.Close() })
-	publishOne := func(msg *message.Message) ([]*message.Message, error) {
-		return nil, outbox.Publish(msg.Context(), "out_a", message.NewMessage(uuid.NewString(), nil))
-	}
+	ob, _, wire := countedOutbox(t, e)
 	duplicate := func(msg *message.Message) int {
 		t.Helper()
 		ob.FlushMarks()
@@ -240,4 +259,38 @@ func TestSettledDuplicateReadsNothingMore(t *testing.T) {
 		}
 	}
 	mustEqual(t, "messages sent", len(e.wire("out_a")), 2)
+}
+
+// TestMarksArePrepared: on database/sql the marks that clear sent inline effects are statements
+// prepared per connection, as the other frequent statements are. Sent unprepared, every mark was
+// parsed and planned again (lib/pq sends a statement with arguments as an unnamed one): more
+// server work than its updates in the small batches of a service at low concurrency.
+func TestMarksArePrepared(t *testing.T) {
+	e := newEnv(t)
+	ob, db, wire := countedOutbox(t, e)
+	markOne := func() {
+		t.Helper()
+		if err := handle(ob, message.NewMessage(uuid.NewString(), nil), publishOne); err != nil {
+			t.Fatal(err)
+		}
+		ob.FlushMarks()
+	}
+	// The first ones prepare what is prepared once per connection (and may go unprepared while
+	// the store checks for a pooler).
+	for range 3 {
+		markOne()
+	}
+	before := wire.snapshot()
+	const n = 12
+	for range n {
+		markOne()
+	}
+	got := wire.snapshot().minus(before)
+	if got.marks != n {
+		t.Errorf("%d marks sent for %d messages flushed one by one, want %d", got.marks, n, n)
+	}
+	if conns := db.Stats().OpenConnections; got.markParses > conns {
+		t.Errorf("%d marks parsed %d times on %d connections: not prepared per connection", got.marks, got.markParses, conns)
+	}
+	mustEqual(t, "messages sent", len(e.wire("out_a")), 3+n)
 }

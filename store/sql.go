@@ -1292,6 +1292,12 @@ func (s *SQL) QueryPrepared(ctx context.Context, tx *sql.Tx, query string, args 
 	return s.query(ctx, tx, query, args...)
 }
 
+// ExecPrepared runs query in tx (on the pool when tx is nil) as a statement prepared per
+// connection, as the store's hot statements are.
+func (s *SQL) ExecPrepared(ctx context.Context, tx *sql.Tx, query string, args ...any) (sql.Result, error) {
+	return s.exec(ctx, tx, query, args...)
+}
+
 // QueryRowPrepared runs query in tx as a statement prepared per connection (as the store's hot
 // statements are) and scans its one row into dest.
 func (s *SQL) QueryRowPrepared(ctx context.Context, tx *sql.Tx, query string, args []any, dest ...any) error {

@@ -421,9 +421,12 @@ func (s *inline) markInline(ctx context.Context, claims []claimKey, late bool) e
 		if late {
 			mark = s.q.markLate
 		}
+		// Prepared per connection, as the framework's other frequent statements: sent unprepared,
+		// each mark was parsed and planned again (lib/pq), which cost more than its updates in
+		// the small batches of a service at low concurrency.
 		for _, g := range byConsumer(claims) {
-			if _, err := s.db.ExecContext(ctx, mark, g.consumer, g.ids); err != nil {
-				return fmt.Errorf("clear inline effects: %w", wrapErr(s.SQL, err))
+			if _, err := s.SQL.ExecPrepared(ctx, nil, mark, g.consumer, g.ids); err != nil {
+				return fmt.Errorf("clear inline effects: %w", err)
 			}
 		}
 		return nil
