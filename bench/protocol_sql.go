@@ -28,8 +28,8 @@ import (
 // this machine; outbox-middleware / protocol-sql is what the framework's code adds to them.
 type protocolSQL struct {
 	base
-	ob            *outbox.Outbox // its migrations made the tables; it is never run
-	claim, record *sql.Stmt
+	ob                  *outbox.Outbox // its migrations made the tables; it is never run
+	claim, record, mark *sql.Stmt
 	marks         *protocolMarker
 }
 
@@ -68,9 +68,11 @@ func (c *protocolSQL) open(e *env) error {
 	if c.record, err = c.db.Prepare(postgres.InlineRecord(n)); err != nil {
 		return err
 	}
-	mark := postgres.InlineMark(n)
+	if c.mark, err = c.db.Prepare(postgres.InlineMark(n)); err != nil {
+		return err
+	}
 	c.marks = &protocolMarker{exec: func(ctx context.Context, ids []string) error {
-		_, err := c.db.ExecContext(ctx, mark, protocolConsumer, pq.Array(ids))
+		_, err := c.mark.ExecContext(ctx, protocolConsumer, pq.Array(ids))
 		return err
 	}}
 	return nil
@@ -93,7 +95,7 @@ func (c *protocolSQL) stop() error {
 
 func (c *protocolSQL) close() {
 	_ = c.stop()
-	for _, st := range []*sql.Stmt{c.claim, c.record} {
+	for _, st := range []*sql.Stmt{c.claim, c.record, c.mark} {
 		if st != nil {
 			_ = st.Close()
 		}
