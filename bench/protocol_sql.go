@@ -30,7 +30,7 @@ type protocolSQL struct {
 	base
 	ob                  *outbox.Outbox // its migrations made the tables; it is never run
 	claim, record, mark *sql.Stmt
-	marks         *protocolMarker
+	marks               *protocolMarker
 }
 
 const protocolSQLPrefix = "protosql_"
