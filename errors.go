@@ -81,8 +81,9 @@ var (
 	ErrIdempotencyUnsupported = outboxdriver.ErrKeysUnsupported
 	// ErrCommitOutcomeUnknown means the COMMIT failed in flight (the connection was lost): the
 	// message may or may not have been processed. It is nacked without counting an attempt; the
-	// redelivery finds out.
-	ErrCommitOutcomeUnknown = errors.New("outbox: commit outcome unknown (connection lost during COMMIT); not counted as a failed attempt")
+	// redelivery finds out. InTx returns it too: the unit may or may not have committed, and only
+	// a keyed unit's retry can find out (it gets the stored result, or runs).
+	ErrCommitOutcomeUnknown = errors.New("outbox: commit outcome unknown (connection lost during COMMIT)")
 	// ErrDelayUnsupported is returned by Publish, Record and CancelDelayed for a delayed effect
 	// (WithDelay, WithDelayUntil) when the driver keeps no delayed effects.
 	ErrDelayUnsupported = outboxdriver.ErrDelayedUnsupported

@@ -2,10 +2,14 @@ package outbox
 
 import (
 	"context"
+	"crypto/sha256"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"strconv"
+	"strings"
 	"sync"
+	"unicode/utf8"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
@@ -46,20 +50,36 @@ func Fingerprint(fp []byte) KeyOption {
 func WaitInFlight() KeyOption { return func(k *keyed) { k.wait = true } }
 
 // WithIdempotencyKey returns a context that makes InTx (and InUnit) a keyed unit of work: key,
-// unique within scope (an API, an endpoint; it may be empty), is claimed in the transaction of fn,
+// unique within scope, is claimed in the transaction of fn,
 // so that it commits with the business change, the side effects and the result fn sets with
 // SetResult. A call with a key committed before (and not expired, see
 // Config.IdempotencyRetention) runs nothing, sends nothing and returns nil; IdempotencyResult then
 // returns the stored result. While another call holds the key uncommitted, InTx returns
 // ErrIdempotencyInFlight (or waits, with WaitInFlight); for a key committed with another
 // Fingerprint it returns ErrIdempotencyMismatch. A key is not stored when fn fails: a retry runs
-// again.
+// again. Keys come from clients: make the scope name the client who sent the key
+// (CallerScope(caller, "orders")), or two clients who pick the same key meet on it.
 func WithIdempotencyKey(ctx context.Context, scope, key string, opts ...KeyOption) context.Context {
 	k := &keyed{scope: scope, key: key}
 	for _, opt := range opts {
 		opt(k)
 	}
 	return context.WithValue(ctx, keyedKey{}, k)
+}
+
+// CallerScope returns the scope of the keys of caller (the authenticated principal, the API
+// client) within scope (an API, an endpoint; it may be empty), for WithIdempotencyKey: a key
+// belongs to its caller, or another caller who sends the same key gets the first caller's stored
+// result. Each (caller, scope) pair gets a scope of its own, distinct from every other pair's (the
+// caller's length comes first, so no caller's name can reach into another's scope), and a valid
+// one: a pair longer than 255 bytes, or with bytes a scope cannot hold, is hashed (SHA-256).
+func CallerScope(caller, scope string) string {
+	s := strconv.Itoa(len(caller)) + ":" + caller + ":" + scope
+	if len(s) <= 255 && utf8.ValidString(s) && !strings.ContainsRune(s, 0) {
+		return s
+	}
+	h := sha256.Sum256([]byte(s))
+	return "sha256:" + hex.EncodeToString(h[:])
 }
 
 func keyedFrom(ctx context.Context) *keyed {

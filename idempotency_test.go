@@ -11,6 +11,7 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+	"unicode/utf8"
 
 	"github.com/google/uuid"
 
@@ -478,5 +479,26 @@ func TestRandomUUIDsAreTimeOrdered(t *testing.T) {
 			t.Fatalf("NewUUID: %s after %s: not ascending", id, prev)
 		}
 		prev = id
+	}
+}
+
+// CallerScope gives each (caller, scope) pair a scope of its own, valid for the store, whatever
+// the caller's name holds: a separator in it, a name longer than a scope may be, a NUL byte.
+func TestCallerScope(t *testing.T) {
+	pairs := [][2]string{{"a", "b:c"}, {"a:b", "c"}, {"a", ""}, {"", "a"}, {"a:", ""}, {"1:a", ""},
+		{strings.Repeat("x", 300), "orders"}, {strings.Repeat("x", 301), "orders"}, {"a\x00b", "orders"}, {"\xff", "orders"}}
+	seen := map[string][2]string{}
+	for _, p := range pairs {
+		s := outbox.CallerScope(p[0], p[1])
+		if other, ok := seen[s]; ok {
+			t.Errorf("CallerScope(%q, %q) = CallerScope(%q, %q) = %q", p[0], p[1], other[0], other[1], s)
+		}
+		seen[s] = p
+		if len(s) == 0 || len(s) > 255 || !utf8.ValidString(s) || strings.ContainsRune(s, 0) {
+			t.Errorf("CallerScope(%q, %q) = %q: not a valid scope", p[0], p[1], s)
+		}
+		if s != outbox.CallerScope(p[0], p[1]) {
+			t.Errorf("CallerScope(%q, %q) is not stable", p[0], p[1])
+		}
 	}
 }

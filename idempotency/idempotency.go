@@ -12,6 +12,7 @@ import (
 	"net/http"
 	"slices"
 	"strconv"
+	"strings"
 	"unicode/utf8"
 
 	"github.com/watermill-outbox/outbox"
@@ -27,11 +28,21 @@ const ReplayedHeader = "Idempotent-Replayed"
 type Config struct {
 	// Outbox runs the units of work. Required.
 	Outbox *outbox.Outbox
+	// Caller returns who sent a keyed request: the authenticated principal, the API client or
+	// the account your authentication middleware put in the request's context. Keys belong to
+	// their caller: two callers who send the same key (and the same request) each get their own
+	// run and their own response, and a caller can neither read another's stored response nor
+	// learn whether another's key is in use. A keyed request whose caller is "" (not identified)
+	// gets 401 Unauthorized without running. Required, unless UnsafeSharedKeys is set.
+	Caller func(r *http.Request) string
+	// UnsafeSharedKeys puts every caller's keys in one key space: a caller who sends another's
+	// key and request gets that caller's stored response. Only for a service whose callers all
+	// trust each other (one internal client). Default: false (Caller is required).
+	UnsafeSharedKeys bool
 	// Header is the request header that carries the key. Default: DefaultHeader.
 	Header string
-	// Scope returns the scope of a request's key: keys are unique within a scope. Scope keys per
-	// client (the authenticated account) so that two clients cannot meet on one key. Default:
-	// "http" for every request.
+	// Scope returns a further scope of a request's key within its caller's (an API, an
+	// endpoint): keys are unique per caller and scope. Default: "http" for every request.
 	Scope func(r *http.Request) string
 	// Methods are the methods whose requests run in a unit of work, keyed when the header is
 	// set. Others pass through untouched. Default: POST and PATCH.
@@ -58,7 +69,10 @@ type Config struct {
 	// response. Default: false (409 Conflict at once, as the draft specifies).
 	Wait bool
 	// Commit tells whether a response with status commits the unit of work (and is stored with
-	// the key). Default: status below 500: a server error rolls back, and a retry runs again.
+	// the key). Default: DefaultCommit (below 500, except 401, 403 and 429): a server error
+	// rolls back, and a retry runs again; so does a refusal that the client can mend (renewed
+	// credentials, a rate limit waited out), which would otherwise be replayed for the key's
+	// whole retention.
 	Commit func(status int) bool
 	// OnError, when set, is told of the errors that end a request with 500 (a failed commit, a
 	// response too large to store).
@@ -88,7 +102,7 @@ func (c *Config) setDefaults() {
 		c.Fingerprint = DefaultFingerprint
 	}
 	if c.Commit == nil {
-		c.Commit = func(status int) bool { return status < 500 }
+		c.Commit = DefaultCommit
 	}
 }
 
@@ -98,10 +112,29 @@ func (c Config) Validate() error {
 	if c.Outbox == nil {
 		errs = append(errs, errors.New("Outbox is required"))
 	}
+	switch {
+	case c.Caller == nil && !c.UnsafeSharedKeys:
+		errs = append(errs, errors.New("Caller is required: keys belong to their caller (the authenticated principal or API client), "+
+			"or another caller who sends the same key gets the first caller's stored response; "+
+			"set UnsafeSharedKeys instead only when every caller of the service trusts every other"))
+	case c.Caller != nil && c.UnsafeSharedKeys:
+		errs = append(errs, errors.New("Caller and UnsafeSharedKeys exclude each other"))
+	}
 	if c.MaxResponseBytes < 0 || c.MaxRequestBytes < 0 {
 		errs = append(errs, errors.New("MaxResponseBytes and MaxRequestBytes must not be negative"))
 	}
 	return errors.Join(errs...)
+}
+
+// DefaultCommit commits a response with a status below 500, except 401 Unauthorized, 403
+// Forbidden and 429 Too Many Requests: a refusal the client can mend (new credentials, a rate
+// limit waited out) rolls back and is not stored, so that the retry runs.
+func DefaultCommit(status int) bool {
+	switch status {
+	case http.StatusUnauthorized, http.StatusForbidden, http.StatusTooManyRequests:
+		return false
+	}
+	return status < 500
 }
 
 // DefaultFingerprint is the SHA-256 of the request's method, path and query, and body, each
@@ -160,14 +193,26 @@ func (m *middleware) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	ctx := r.Context()
-	key, keyed := r.Header[http.CanonicalHeaderKey(m.cfg.Header)]
+	values, keyed := r.Header[http.CanonicalHeaderKey(m.cfg.Header)]
+	var key, caller string
+	if keyed && len(values) == 1 {
+		key = parseKey(values[0])
+	}
+	if keyed && key != "" && m.cfg.Caller != nil {
+		caller = m.cfg.Caller(r)
+	}
 	switch {
 	case !keyed && m.cfg.Required:
 		problem(w, http.StatusBadRequest, "Idempotency key required", "This request needs an "+m.cfg.Header+" header.")
 		return
-	case keyed && (len(key) != 1 || !validKey(key[0])):
+	case keyed && key == "":
 		problem(w, http.StatusBadRequest, "Invalid idempotency key",
-			"The "+m.cfg.Header+" header must appear once, with 1 to 255 printable characters.")
+			"The "+m.cfg.Header+" header must appear once, with 1 to 255 printable characters, as they are or as a quoted string.")
+		return
+	case keyed && caller == "" && !m.cfg.UnsafeSharedKeys:
+		// Keys belong to their caller: without one the key would be nobody's, or everybody's.
+		problem(w, http.StatusUnauthorized, "Caller not identified",
+			"A request with an "+m.cfg.Header+" header must come from an identified caller.")
 		return
 	case keyed:
 		body, err := io.ReadAll(io.LimitReader(r.Body, m.cfg.MaxRequestBytes+1))
@@ -185,7 +230,11 @@ func (m *middleware) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		if m.cfg.Wait {
 			opts = append(opts, outbox.WaitInFlight())
 		}
-		ctx = outbox.WithIdempotencyKey(ctx, m.cfg.Scope(r), key[0], opts...)
+		scope := m.cfg.Scope(r)
+		if !m.cfg.UnsafeSharedKeys {
+			scope = outbox.CallerScope(caller, scope)
+		}
+		ctx = outbox.WithIdempotencyKey(ctx, scope, key, opts...)
 	}
 
 	rec := &recorder{header: http.Header{}, limit: m.cfg.MaxResponseBytes}
@@ -224,6 +273,14 @@ func (m *middleware) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	case errors.Is(err, outbox.ErrInvalidIdempotencyKey):
 		problem(w, http.StatusBadRequest, "Invalid idempotency key", err.Error())
 		return
+	case errors.Is(err, outbox.ErrCommitOutcomeUnknown):
+		m.failed(r, err)
+		detail := "The connection to the database was lost while the request was committed: it may or may not have taken effect."
+		if keyed {
+			detail += " Retry with the same " + m.cfg.Header + " to find out: it gets this request's response if it took effect, and runs once if it did not."
+		}
+		problem(w, http.StatusInternalServerError, "Request outcome unknown", detail)
+		return
 	case errors.Is(err, errTooLarge):
 		m.failed(r, err)
 		problem(w, http.StatusInternalServerError, "Response too large to store",
@@ -245,7 +302,7 @@ func (m *middleware) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	}
 	var s stored
 	if err := json.Unmarshal(res, &s); err != nil {
-		m.failed(r, fmt.Errorf("idempotency: the stored response of key %q is unreadable: %w", key[0], err))
+		m.failed(r, fmt.Errorf("idempotency: the stored response of key %q is unreadable: %w", key, err))
 		problem(w, http.StatusInternalServerError, "Stored response unreadable", "The response stored with this idempotency key cannot be read.")
 		return
 	}
@@ -256,6 +313,41 @@ func (m *middleware) failed(r *http.Request, err error) {
 	if m.cfg.OnError != nil {
 		m.cfg.OnError(r, err)
 	}
+}
+
+// parseKey returns the key a header value carries, or "" for a value that carries none. The
+// draft defines the value as a structured-field string (RFC 8941: "...", with \" and \\ the only
+// escapes, parameters after it ignored); clients that send the key bare are as common, so both
+// forms name the same key: `"k-1"` is k-1.
+func parseKey(v string) string {
+	if !strings.HasPrefix(v, `"`) {
+		if validKey(v) {
+			return v
+		}
+		return ""
+	}
+	var b strings.Builder
+	for i := 1; i < len(v); i++ {
+		switch c := v[i]; {
+		case c == '\\':
+			if i+1 == len(v) || v[i+1] != '"' && v[i+1] != '\\' {
+				return ""
+			}
+			i++
+			b.WriteByte(v[i])
+		case c == '"':
+			if rest := v[i+1:]; rest != "" && rest[0] != ';' {
+				return ""
+			}
+			if k := b.String(); validKey(k) {
+				return k
+			}
+			return ""
+		default:
+			b.WriteByte(c)
+		}
+	}
+	return "" // no closing quote
 }
 
 // validKey accepts 1 to 255 bytes of printable ASCII, as the draft's sf-string allows.

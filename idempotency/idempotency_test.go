@@ -8,6 +8,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"os"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -44,10 +45,15 @@ func newFixture(t *testing.T, mutate func(*idempotency.Config)) *fixture {
 	if err := ob.Migrate(ctx); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := f.db.Exec(`CREATE TABLE orders (id serial PRIMARY KEY, body text NOT NULL)`); err != nil {
+	if _, err := f.db.Exec(`CREATE TABLE orders (id serial PRIMARY KEY, body text NOT NULL);
+		CREATE TABLE slow_commit (n int);
+		CREATE FUNCTION slow_commit() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN PERFORM pg_sleep(2); RETURN NULL; END $$;
+		CREATE CONSTRAINT TRIGGER slow_commit AFTER INSERT ON slow_commit DEFERRABLE INITIALLY DEFERRED
+			FOR EACH ROW EXECUTE FUNCTION slow_commit()`); err != nil {
 		t.Fatal(err)
 	}
-	cfg := idempotency.Config{Outbox: ob, MaxResponseBytes: 1000, OnError: func(_ *http.Request, err error) { t.Logf("500: %v", err) }}
+	cfg := idempotency.Config{Outbox: ob, MaxResponseBytes: 1000, OnError: func(_ *http.Request, err error) { t.Logf("500: %v", err) },
+		Caller: func(r *http.Request) string { return r.Header.Get("X-Caller") }}
 	if mutate != nil {
 		mutate(&cfg)
 	}
@@ -70,9 +76,31 @@ func newFixture(t *testing.T, mutate func(*idempotency.Config)) *fixture {
 			http.Error(w, err.Error(), http.StatusInternalServerError)
 			return
 		}
+		if code, ok := strings.CutPrefix(string(body), "status:"); ok {
+			n, _ := strconv.Atoi(code)
+			http.Error(w, "refused", n)
+			return
+		}
 		if err := outbox.Publish(ctx, "orders", outbox.NewMessage(ctx, body)); err != nil {
 			http.Error(w, err.Error(), http.StatusInternalServerError)
 			return
+		}
+		if string(body) == "kill" {
+			// The unit's connection dies during its COMMIT (held there by a deferred trigger):
+			// the outcome is unknown to the client.
+			var pid int
+			if err := outbox.Tx(ctx).QueryRowContext(ctx, `SELECT pg_backend_pid()`).Scan(&pid); err != nil {
+				http.Error(w, err.Error(), http.StatusInternalServerError)
+				return
+			}
+			if _, err := outbox.Tx(ctx).ExecContext(ctx, `INSERT INTO slow_commit VALUES (1)`); err != nil {
+				http.Error(w, err.Error(), http.StatusInternalServerError)
+				return
+			}
+			go func() {
+				time.Sleep(300 * time.Millisecond)
+				_, _ = f.db.Exec(`SELECT pg_terminate_backend($1)`, pid)
+			}()
 		}
 		w.Header().Set("Location", fmt.Sprintf("/orders/%d", id))
 		w.Header().Set("Content-Type", "application/json")
@@ -97,12 +125,21 @@ type response struct {
 
 func (f *fixture) post(key, body string) response {
 	f.t.Helper()
+	return f.postAs("alice", key, body)
+}
+
+// postAs posts as caller ("" sends no caller).
+func (f *fixture) postAs(caller, key, body string) response {
+	f.t.Helper()
 	req, err := http.NewRequest(http.MethodPost, f.srv.URL+"/orders", strings.NewReader(body))
 	if err != nil {
 		f.t.Fatal(err)
 	}
 	if key != "" {
 		req.Header.Set("Idempotency-Key", key)
+	}
+	if caller != "" {
+		req.Header.Set("X-Caller", caller)
 	}
 	resp, err := http.DefaultClient.Do(req)
 	if err != nil {
@@ -230,5 +267,141 @@ func TestFailuresBoundsAndMissingKeys(t *testing.T) {
 	}
 	if f.orders() != 0 {
 		t.Fatalf("orders %d, want 0", f.orders())
+	}
+}
+
+// Keys belong to their caller: two callers who send the same key and request each get their own
+// run and their own response, and each retry gets its own caller's; a keyed request from no
+// identified caller runs nothing.
+func TestCallersDoNotShareKeys(t *testing.T) {
+	f := newFixture(t, nil)
+	alice := f.postAs("alice", "k1", `{"sku":"a"}`)
+	bob := f.postAs("bob", "k1", `{"sku":"a"}`)
+	if alice.status != http.StatusCreated || bob.status != http.StatusCreated || bob.header.Get(idempotency.ReplayedHeader) != "" {
+		t.Fatalf("alice %+v, bob %+v: want each their own 201", alice, bob)
+	}
+	if alice.header.Get("Location") == bob.header.Get("Location") {
+		t.Fatalf("bob got alice's order %s", bob.header.Get("Location"))
+	}
+	for _, c := range []struct {
+		caller string
+		first  response
+	}{{"alice", alice}, {"bob", bob}} {
+		r := f.postAs(c.caller, "k1", `{"sku":"a"}`)
+		if r.header.Get(idempotency.ReplayedHeader) != "true" || r.body != c.first.body {
+			t.Errorf("%s's retry: %+v, want %s's own first response %q, replayed", c.caller, r, c.caller, c.first.body)
+		}
+	}
+	// A caller whose name is another's scope plus a separator meets nobody's keys.
+	if r := f.postAs("alice:http", "k1", `{"sku":"a"}`); r.status != http.StatusCreated || r.header.Get(idempotency.ReplayedHeader) != "" {
+		t.Errorf("caller alice:http: %+v, want a run of its own", r)
+	}
+	if r := f.postAs("", "k1", `{"sku":"a"}`); r.status != http.StatusUnauthorized {
+		t.Errorf("keyed request from no caller: %+v, want 401", r)
+	}
+	if r := f.postAs("", "", `{"sku":"a"}`); r.status != http.StatusCreated {
+		t.Errorf("unkeyed request from no caller: %+v, want it run", r)
+	}
+	if f.runs.Load() != 4 || f.orders() != 4 {
+		t.Fatalf("handler ran %d times, %d orders; want 4 (alice, bob, alice:http, unkeyed)", f.runs.Load(), f.orders())
+	}
+}
+
+// The middleware cannot be built without saying whose keys are whose: Caller, or the loudly named
+// opt-out, under which every caller shares one key space.
+func TestNewRequiresCaller(t *testing.T) {
+	db := pgtest.DB(t)
+	ob, err := outbox.New(outbox.Config{DB: db, Driver: postgres.Driver{}, Publisher: &outboxtest.Recorder{}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := idempotency.New(idempotency.Config{Outbox: ob, Required: true}); err == nil || !strings.Contains(err.Error(), "Caller is required") {
+		t.Errorf("New without Caller: %v, want Caller is required", err)
+	}
+	both := idempotency.Config{Outbox: ob, Caller: func(*http.Request) string { return "a" }, UnsafeSharedKeys: true}
+	if _, err := idempotency.New(both); err == nil {
+		t.Errorf("New with Caller and UnsafeSharedKeys: no error")
+	}
+	shared := newFixture(t, func(c *idempotency.Config) { c.Caller, c.UnsafeSharedKeys = nil, true })
+	first := shared.postAs("alice", "k1", `{"sku":"a"}`)
+	if r := shared.postAs("bob", "k1", `{"sku":"a"}`); r.header.Get(idempotency.ReplayedHeader) != "true" || r.body != first.body {
+		t.Errorf("UnsafeSharedKeys: bob got %+v, want alice's response replayed (one key space)", r)
+	}
+	if r := shared.postAs("", "k2", `{"sku":"a"}`); r.status != http.StatusCreated {
+		t.Errorf("UnsafeSharedKeys, no caller: %+v, want 201", r)
+	}
+}
+
+// 401, 403 and 429 roll back and are not stored by default: the client that renewed its
+// credentials or waited out the limit gets a run, not the old refusal.
+func TestRefusalsAreNotStored(t *testing.T) {
+	f := newFixture(t, nil)
+	for _, code := range []int{http.StatusUnauthorized, http.StatusForbidden, http.StatusTooManyRequests} {
+		key := "k-" + strconv.Itoa(code)
+		body := "status:" + strconv.Itoa(code)
+		before := f.runs.Load()
+		for range 2 {
+			if r := f.post(key, body); r.status != code || r.header.Get(idempotency.ReplayedHeader) != "" {
+				t.Errorf("%d: %+v, want the handler's own %d", code, r, code)
+			}
+		}
+		if n := f.runs.Load() - before; n != 2 {
+			t.Errorf("%d: the handler ran %d times for a request and its retry, want 2 (not stored)", code, n)
+		}
+	}
+	if f.orders() != 0 {
+		t.Errorf("orders %d, want 0: a refusal rolls back", f.orders())
+	}
+	if r := f.post("k-400", "status:400"); r.status != 400 {
+		t.Fatalf("400: %+v", r)
+	}
+	if r := f.post("k-400", "status:400"); r.header.Get(idempotency.ReplayedHeader) != "true" {
+		t.Errorf("a 400 retried: %+v, want it replayed (stored)", r)
+	}
+}
+
+// The key may come as a structured-field string, as the draft defines it, or bare: both name one
+// key. A malformed string is refused.
+func TestStructuredFieldKey(t *testing.T) {
+	f := newFixture(t, nil)
+	first := f.post(`"k-1"`, `{"sku":"a"}`)
+	if first.status != http.StatusCreated {
+		t.Fatalf("quoted key: %+v", first)
+	}
+	for _, same := range []string{`k-1`, `"k-1";p=1`} {
+		if r := f.post(same, `{"sku":"a"}`); r.header.Get(idempotency.ReplayedHeader) != "true" || r.body != first.body {
+			t.Errorf("key %s after \"k-1\": %+v, want the first response replayed", same, r)
+		}
+	}
+	if r := f.post(`"a\"b"`, `{"sku":"a"}`); r.status != http.StatusCreated {
+		t.Errorf("escaped quote: %+v", r)
+	}
+	if r := f.post(`a"b`, `{"sku":"a"}`); r.header.Get(idempotency.ReplayedHeader) != "true" {
+		t.Errorf(`bare a"b after "a\"b": %+v, want it replayed (one key)`, r)
+	}
+	for _, bad := range []string{`"k-1`, `"k\x"`, `"k"x`, `""`} {
+		if r := f.post(bad, `{"sku":"a"}`); r.status != http.StatusBadRequest {
+			t.Errorf("key %s: %+v, want 400", bad, r)
+		}
+	}
+	if f.runs.Load() != 2 {
+		t.Errorf("handler ran %d times, want 2", f.runs.Load())
+	}
+}
+
+// A COMMIT whose connection broke is answered as an unknown outcome, never as "nothing was done";
+// the retry with the key finds out (here the commit did not take effect: it runs).
+func TestCommitOutcomeUnknown(t *testing.T) {
+	f := newFixture(t, nil)
+	r := f.post("k-kill", "kill")
+	if r.status != http.StatusInternalServerError || !strings.Contains(r.body, "may or may not") || strings.Contains(r.body, "nothing was done") {
+		t.Fatalf("commit on a dead connection: %+v, want 500 saying the outcome is unknown", r)
+	}
+	f.delay = 0
+	if r := f.post("k-kill", "kill"); r.status != http.StatusInternalServerError {
+		t.Fatalf("retry: %+v", r)
+	}
+	if f.runs.Load() != 2 || f.orders() != 0 {
+		t.Fatalf("handler ran %d times, %d orders; want 2 runs (the first did not commit) and no order", f.runs.Load(), f.orders())
 	}
 }
