@@ -118,9 +118,14 @@ func (a *api) placeOrder(w http.ResponseWriter, r *http.Request) {
 			writeError(w, http.StatusBadRequest, "Idempotency-Key must have 1 to 255 characters")
 			return
 		}
-		// The fingerprint is the body: the key sent again with another order is refused.
+		// A key belongs to its caller, so that two clients who pick the same key never get each
+		// other's orders. This example authenticates no one, and the customer stands for the
+		// caller; a real service scopes by its authenticated principal (the account, the API
+		// client), never by something the request merely claims. The fingerprint is the body:
+		// the key sent again with another order is refused.
 		fp := sha256.Sum256(body)
-		ctx = outbox.WithIdempotencyKey(ctx, "orders", key, outbox.Fingerprint(fp[:]))
+		scope := outbox.CallerScope(req.Customer, "orders")
+		ctx = outbox.WithIdempotencyKey(ctx, scope, key, outbox.Fingerprint(fp[:]))
 	}
 	now := time.Now().UTC()
 	order := Order{

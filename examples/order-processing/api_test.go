@@ -112,6 +112,12 @@ func TestAPI(t *testing.T) {
 	if code, _, _ := keyed("retry-1", `{"customer":"cy@example.com","sku":"espresso-beans","quantity":2}`); code != http.StatusUnprocessableEntity {
 		t.Fatalf("key reused for another order: %d, want 422", code)
 	}
+	// Keys belong to their caller: another customer who picks the same key places an order of
+	// their own, and never gets cy's back.
+	code, other, h := keyed("retry-1", `{"customer":"di@example.com","sku":"espresso-beans","quantity":1}`)
+	if code != http.StatusCreated || other.ID == first.ID || other.Customer != "di@example.com" || h.Get("Idempotent-Replayed") != "" {
+		t.Fatalf("another customer with the same key: %d %+v %v; want an order of their own", code, other, h)
+	}
 
 	resp, err := client.Get(base + "/orders/no-such-order")
 	if err != nil {
