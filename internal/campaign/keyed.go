@@ -20,7 +20,9 @@ const requests = 4
 // request is one client request with an idempotency key: its attempts (each a keyed boundary
 // unit of work on an instance, with the faults of a plan), some of them two at once.
 type request struct {
-	id       string // also the key
+	id       string // the request's business row and payloads
+	caller   string // who sends it: keys are scoped per caller (outbox.CallerScope)
+	key      string // its idempotency key, which another caller's request also sends
 	plans    []*plan
 	procs    []int
 	waits    []bool // the attempt waits for one in flight (WaitInFlight)
@@ -37,8 +39,15 @@ type request struct {
 // not, after the rest of the schedule, so that a seed gives the same schedule either way.
 func (c *run) drawRequests(r *rand.Rand) []*request {
 	var out []*request
-	for range requests {
-		rq := &request{id: "r-" + uuid.NewString(), pairAt: -1, late: 1 + r.IntN(3), effects: 1 + r.IntN(3)}
+	var key string
+	for i := range requests {
+		// Two callers pick each key (a counter, a timestamp): each must get a run and a response
+		// of its own, never the other's.
+		if i%2 == 0 {
+			key = "k-" + uuid.NewString()
+		}
+		rq := &request{id: "r-" + uuid.NewString(), caller: fmt.Sprintf("caller-%d", i%2), key: key,
+			pairAt: -1, late: 1 + r.IntN(3), effects: 1 + r.IntN(3)}
 		for range 16 {
 			pl := randomPlan(r, nil, c.on)
 			pl.cancel, pl.copyDuring, pl.copyAfter, pl.held = false, false, 0, false // of messages only
@@ -55,7 +64,7 @@ func (c *run) drawRequests(r *rand.Rand) []*request {
 		return nil
 	}
 	for _, rq := range out {
-		c.note("request %s: %d effects, attempt pair at %d, %d late; instances %v; plans %v", rq.id[:10], rq.effects, rq.pairAt, rq.late, rq.procs[:4], rq.plans[:4])
+		c.note("request %s (%s, key %s): %d effects, attempt pair at %d, %d late; instances %v; plans %v", rq.id[:10], rq.caller, rq.key[:10], rq.effects, rq.pairAt, rq.late, rq.procs[:4], rq.plans[:4])
 	}
 	return out
 }
@@ -114,7 +123,7 @@ func (c *run) attempt(rq *request, proc int, pl *plan, wait bool) (err error) {
 	if wait {
 		opts = append(opts, outbox.WaitInFlight())
 	}
-	ctx := outbox.WithIdempotencyKey(context.WithValue(context.Background(), planKey{}, pl), "campaign", rq.id, opts...)
+	ctx := outbox.WithIdempotencyKey(context.WithValue(context.Background(), planKey{}, pl), outbox.CallerScope(rq.caller, "campaign"), rq.key, opts...)
 	defer func() {
 		if r := recover(); r != nil {
 			err = fmt.Errorf("%w: %v", outbox.ErrHandlerPanicked, r)
