@@ -883,41 +883,39 @@ func migrateUp(ctx context.Context, g *globals, c *command, args []string, out p
 		return err
 	}
 	db := g.sqlDB
-	{
-		all, err := g.db.Migrations(g.schema, g.prefix)
-		if err != nil {
-			return err
-		}
-		before, err := appliedMigrations(ctx, db, g)
-		if err != nil {
-			return err
-		}
-		if err := o.Store().Migrate(ctx); err != nil {
-			return err
-		}
-		// Which ones this run applied: the same words for "created everything" and "nothing to
-		// do" left the operator to guess whether the command reached the intended database.
-		after, err := appliedMigrations(ctx, db, g)
-		if err != nil {
-			return err
-		}
-		res := struct {
-			Migrate string   `json:"migrate"`
-			Applied []string `json:"applied"`
-		}{Migrate: "done", Applied: []string{}}
-		for _, m := range all {
-			if after[m.Version] && !before[m.Version] {
-				res.Applied = append(res.Applied, fmt.Sprintf("%03d_%s", m.Version, m.Name))
-			}
-		}
-		return out.emit(res, func(w *tabwriter.Writer) {
-			if len(res.Applied) == 0 {
-				fmt.Fprintf(w, "no migration to apply: the outbox tables are current (%d migrations)\n", len(all))
-				return
-			}
-			fmt.Fprintf(w, "applied %d migration(s): %s; the outbox tables are current\n", len(res.Applied), strings.Join(res.Applied, ", "))
-		})
+	all, err := g.db.Migrations(g.schema, g.prefix)
+	if err != nil {
+		return err
 	}
+	before, err := appliedMigrations(ctx, db, g)
+	if err != nil {
+		return err
+	}
+	if err := o.Store().Migrate(ctx); err != nil {
+		return err
+	}
+	// Which ones this run applied: the same words for "created everything" and "nothing to
+	// do" left the operator to guess whether the command reached the intended database.
+	after, err := appliedMigrations(ctx, db, g)
+	if err != nil {
+		return err
+	}
+	res := struct {
+		Migrate string   `json:"migrate"`
+		Applied []string `json:"applied"`
+	}{Migrate: "done", Applied: []string{}}
+	for _, m := range all {
+		if after[m.Version] && !before[m.Version] {
+			res.Applied = append(res.Applied, fmt.Sprintf("%03d_%s", m.Version, m.Name))
+		}
+	}
+	return out.emit(res, func(w *tabwriter.Writer) {
+		if len(res.Applied) == 0 {
+			fmt.Fprintf(w, "no migration to apply: the outbox tables are current (%d migrations)\n", len(all))
+			return
+		}
+		fmt.Fprintf(w, "applied %d migration(s): %s; the outbox tables are current\n", len(res.Applied), strings.Join(res.Applied, ", "))
+	})
 }
 
 func migrateStatus(ctx context.Context, g *globals, c *command, args []string, out printer) error {
@@ -929,31 +927,29 @@ func migrateStatus(ctx context.Context, g *globals, c *command, args []string, o
 		return err
 	}
 	db := g.sqlDB
-	{
-		all, err := g.db.Migrations(g.schema, g.prefix)
-		if err != nil {
-			return err
-		}
-		applied, err := appliedMigrations(ctx, db, g)
-		if err != nil {
-			return err
-		}
-		type row struct {
-			Version int    `json:"version"`
-			Name    string `json:"name"`
-			Applied bool   `json:"applied"`
-		}
-		var list []row
-		for _, m := range all {
-			list = append(list, row{m.Version, m.Name, applied[m.Version]})
-		}
-		return out.emit(list, func(w *tabwriter.Writer) {
-			fmt.Fprintf(w, "VERSION\tNAME\tAPPLIED\n")
-			for _, r := range list {
-				fmt.Fprintf(w, "%03d\t%s\t%v\n", r.Version, r.Name, r.Applied)
-			}
-		})
+	all, err := g.db.Migrations(g.schema, g.prefix)
+	if err != nil {
+		return err
 	}
+	applied, err := appliedMigrations(ctx, db, g)
+	if err != nil {
+		return err
+	}
+	type row struct {
+		Version int    `json:"version"`
+		Name    string `json:"name"`
+		Applied bool   `json:"applied"`
+	}
+	var list []row
+	for _, m := range all {
+		list = append(list, row{m.Version, m.Name, applied[m.Version]})
+	}
+	return out.emit(list, func(w *tabwriter.Writer) {
+		fmt.Fprintf(w, "VERSION\tNAME\tAPPLIED\n")
+		for _, r := range list {
+			fmt.Fprintf(w, "%03d\t%s\t%v\n", r.Version, r.Name, r.Applied)
+		}
+	})
 }
 
 // appliedMigrations returns the versions recorded in the migrations table; none if it does not exist.
