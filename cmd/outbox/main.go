@@ -1,19 +1,22 @@
 // Command outbox inspects and repairs the outbox tables of a PostgreSQL database, next to a
 // running service:
 //
-//	outbox [global flags] status
-//	outbox [global flags] parked list|groups|retry|discard [-id N]... [-topic T] [-consumer C] [-older-than D] [-error TEXT] [-all] [-limit N] [-dry-run] [-batch N] [-effect-retention D]
-//	outbox [global flags] failing list [-consumer C]
-//	outbox [global flags] replay [-dry-run] CONSUMER MESSAGE_ID
-//	outbox [global flags] lookup CONSUMER MESSAGE_ID
-//	outbox [global flags] migrate up|status|sql [-grant ROLE] [-operator ROLE]
-//	outbox [global flags] migrate grants [-operator] ROLE
-//	outbox [global flags] cleanup [-retention D] [-effect-retention D] [-force] [-dry-run] [-batch N]
+//	outbox [flags] status [-retention D]
+//	outbox [flags] parked list|groups|retry|discard [-id N]... [-topic T] [-consumer C] [-older-than D] [-error TEXT] [-all] ...
+//	outbox [flags] failing list [-consumer C] [-limit N]
+//	outbox [flags] replay [-dry-run] CONSUMER MESSAGE_ID
+//	outbox [flags] lookup CONSUMER MESSAGE_ID
+//	outbox [flags] migrate up|status|sql|grants ...
+//	outbox [flags] cleanup [-retention D] [-effect-retention D] [-force] [-dry-run] [-batch N]
+//	outbox help [COMMAND [SUBCOMMAND]]
 //
-// Global flags: -dsn (default $OUTBOX_DSN, then $DATABASE_URL; lib/pq format), -schema, -prefix,
-// -o text|json, -actor (default $USER), -timeout. Every change (retry, discard, replay, cleanup) is
-// written to the audit table with the actor; status shows the latest. Text output escapes the
-// control characters of what it prints from the tables; the password of the DSN is never printed.
+// Global flags, before or after the command: -dsn (default $OUTBOX_DSN, then $DATABASE_URL; lib/pq
+// format), -schema, -prefix, -o text|json, -actor (default $USER), -timeout. `outbox COMMAND -h`
+// prints the help of a command, with its flags and their defaults, and needs no database. Exit
+// status: 0 done; 1 failed, or nothing matched; 2 a mistake in the command line. Every change
+// (retry, discard, replay, cleanup) is written to the audit table with the actor; status shows
+// the latest. Text output escapes the control characters of what it prints from the tables; the
+// password of the DSN is never printed.
 // The commands are in internal/outboxcli; for MySQL and MariaDB, drivers/mysql/cmd/outbox-mysql
 // is the same command.
 //

@@ -122,6 +122,21 @@ func (f *fixture) jsonOf(t *testing.T, v any, args ...string) {
 	}
 }
 
+// jsonOfNothing runs a command that matches nothing: exit 1, "nothing matched" on stderr, and
+// the empty result in JSON on stdout, decoded into v.
+func (f *fixture) jsonOfNothing(t *testing.T, v any, args ...string) {
+	t.Helper()
+	var out, errOut bytes.Buffer
+	env := map[string]string{"OUTBOX_DSN": f.dsn, "USER": "alice"}
+	code := run(context.Background(), append([]string{"-o", "json"}, args...), &out, &errOut, func(k string) string { return env[k] })
+	if code != 1 || !strings.Contains(errOut.String(), "nothing matched") {
+		t.Fatalf("outbox %v: exit %d, want 1 and nothing matched: %s%s", args, code, out.String(), errOut.String())
+	}
+	if err := json.Unmarshal(out.Bytes(), v); err != nil {
+		t.Fatalf("outbox %v: %v: %s", args, err, out.String())
+	}
+}
+
 func TestStatusAndLists(t *testing.T) {
 	f := newFixture(t)
 	var s ops.Status
@@ -155,7 +170,7 @@ func TestStatusAndLists(t *testing.T) {
 	if !l.Processed || len(l.Effects) != 2 || l.Effects[0].State != "dispatched" || l.Effects[1].State != "parked" {
 		t.Errorf("lookup: %+v, want processed with one dispatched and one parked effect", l)
 	}
-	f.jsonOf(t, &l, "lookup", "billing", "never-seen")
+	f.jsonOfNothing(t, &l, "lookup", "billing", "never-seen")
 	if l.Processed || len(l.Effects) != 0 {
 		t.Errorf("lookup of an unknown message: %+v", l)
 	}
@@ -181,7 +196,7 @@ func TestRepairsAreAuditedAndDryRunChangesNothing(t *testing.T) {
 	if ch.Changed != 1 {
 		t.Fatalf("retry: %+v", ch)
 	}
-	f.jsonOf(t, &parked, "parked", "list")
+	f.jsonOfNothing(t, &parked, "parked", "list")
 	if len(parked) != 0 {
 		t.Fatalf("after retry and discard: %+v parked", parked)
 	}
@@ -190,7 +205,7 @@ func TestRepairsAreAuditedAndDryRunChangesNothing(t *testing.T) {
 	if replay["poisoned"] != true {
 		t.Fatalf("replay: %v", replay)
 	}
-	f.jsonOf(t, &replay, "replay", "billing", "m-ok")
+	f.jsonOfNothing(t, &replay, "replay", "billing", "m-ok")
 	if replay["poisoned"] != false {
 		t.Fatalf("replay of a processed message: %v, want it left alone", replay)
 	}

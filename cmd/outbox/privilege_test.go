@@ -356,8 +356,9 @@ func TestLeastPrivilegedRoles(t *testing.T) {
 		{"cleanup"},
 		{"cleanup", "-retention", "1h", "-force"},
 	} {
+		// Nothing matched (exit 1, saying so) is an answer too: the role may run the command.
 		code, out, errOut := cliAs(opDSN, args...)
-		if code != 0 {
+		if code != 0 && (code != 1 || !strings.HasPrefix(errOut, "outbox: nothing matched:")) {
 			t.Errorf("outbox %v as the operator's role: exit %d: %s%s", args, code, out, errOut)
 		}
 	}
@@ -373,7 +374,7 @@ func TestLeastPrivilegedRoles(t *testing.T) {
 			t.Errorf("status as the operator's role: want %s among the recent changes: %d %s", action, code, out)
 		}
 	}
-	if code, out, errOut := cliAs(appDSN, "parked", "list"); code != 0 {
+	if code, out, errOut := cliAs(appDSN, "parked", "list"); code != 0 && (code != 1 || !strings.HasPrefix(errOut, "outbox: nothing matched:")) {
 		t.Errorf("parked list as the application role: %d %s%s", code, out, errOut)
 	}
 }

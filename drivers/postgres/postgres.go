@@ -586,6 +586,12 @@ func namesOf(schema, prefix string) (store.Names, error) {
 // script: it creates the schema and the migrations table if missing, and records each migration
 // after its DDL, so that applying it (psql -f, or a migration tool) to an empty database or to
 // tables of an older version leaves them as Migrate would, and Migrate then finds nothing to do.
+//
+// Each migration runs with its record in a transaction of its own, as in Migrate (which runs them
+// all in one): psql runs each statement of a script on its own otherwise, where the SET LOCAL
+// lock_timeout of a migration is ignored with a warning, and a migration behind a long
+// transaction would wait for it while holding back every writer of its table. No migration may
+// need to run outside a transaction (CREATE INDEX CONCURRENTLY): Migrate could not apply it.
 func MigrationScript(schema, prefix string) (string, error) {
 	n, err := namesOf(schema, prefix)
 	if err != nil {
@@ -602,8 +608,8 @@ func MigrationScript(schema, prefix string) (string, error) {
 	}
 	b.WriteString("\n")
 	for _, m := range all {
-		fmt.Fprintf(&b, "-- %03d_%s\n%s\n", m.Version, m.Name, strings.TrimSpace(m.SQL))
-		fmt.Fprintf(&b, "INSERT INTO %s (version) VALUES (%d) ON CONFLICT DO NOTHING;\n\n", n.Migrations, m.Version)
+		fmt.Fprintf(&b, "-- %03d_%s\nBEGIN;\n%s\n", m.Version, m.Name, strings.TrimSpace(m.SQL))
+		fmt.Fprintf(&b, "INSERT INTO %s (version) VALUES (%d) ON CONFLICT DO NOTHING;\nCOMMIT;\n\n", n.Migrations, m.Version)
 	}
 	return b.String(), nil
 }

@@ -3,20 +3,26 @@
 // drivers/mysql/cmd/outbox-mysql for MySQL and MariaDB (whose database/sql driver the library
 // module does not depend on).
 //
-//	outbox [global flags] status
-//	outbox [global flags] parked list|groups|retry|discard [-id N]... [-topic T] [-consumer C] [-older-than D] [-error TEXT] [-all] [-limit N] [-dry-run] [-batch N] [-effect-retention D]
-//	outbox [global flags] failing list [-consumer C]
-//	outbox [global flags] replay [-dry-run] CONSUMER MESSAGE_ID
-//	outbox [global flags] lookup CONSUMER MESSAGE_ID
-//	outbox [global flags] migrate up|status|sql [-grant ROLE] [-operator ROLE]
-//	outbox [global flags] migrate grants [-operator] ROLE
-//	outbox [global flags] cleanup [-retention D] [-effect-retention D] [-force] [-dry-run] [-batch N]
+//	outbox [flags] status [-retention D]
+//	outbox [flags] parked list|groups [-id N]... [-topic T] [-consumer C] [-older-than D] [-error TEXT] [-limit N]
+//	outbox [flags] parked retry|discard (filters or -all) [-dry-run] [-batch N] [-effect-retention D]
+//	outbox [flags] failing list [-consumer C] [-limit N]
+//	outbox [flags] replay [-dry-run] CONSUMER MESSAGE_ID
+//	outbox [flags] lookup CONSUMER MESSAGE_ID
+//	outbox [flags] migrate up|status
+//	outbox [flags] migrate sql [-grant ROLE] [-operator ROLE]
+//	outbox [flags] migrate grants [-operator] ROLE
+//	outbox [flags] cleanup [-retention D] [-effect-retention D] [-force] [-dry-run] [-batch N]
+//	outbox help [COMMAND [SUBCOMMAND]]
 //
-// Global flags: -dsn (default $OUTBOX_DSN, then $DATABASE_URL; in the Database's format),
-// -schema, -prefix, -o text|json, -actor (default $USER), -timeout. Every change (retry, discard,
-// replay, cleanup) is written to the audit table with the actor; status shows the latest. Text
-// output escapes the control characters of what it prints from the tables; the password of the
-// DSN is never printed.
+// Global flags, before or after the command: -dsn (default $OUTBOX_DSN, then $DATABASE_URL; in the
+// Database's format), -schema, -prefix, -o text|json, -actor (default $USER), -timeout. Each
+// command and group has its own help (-h, --help or `outbox help COMMAND`: stdout, exit status 0,
+// no database needed), with the defaults of its flags. Exit status: 0 done; 1 failed, or nothing
+// matched (stderr says "nothing matched", stdout has the empty result); 2 a mistake in the
+// command line. Every change (retry, discard, replay, cleanup) is written to the audit table with
+// the actor; status shows the latest. Text output escapes the control characters of what it
+// prints from the tables; the password of the DSN is never printed.
 package outboxcli
 
 import (
@@ -103,146 +109,408 @@ func PostgreSQL() Database {
 }
 
 // Run runs the command line args on d, printing to stdout and stderr, and returns the exit
-// status: 0 done, 1 failed, 2 a mistake in the command line.
+// status: 0 done, 1 failed or nothing matched, 2 a mistake in the command line. Help (-h, --help,
+// `outbox help COMMAND`) goes to stdout with status 0 and needs no database.
 func Run(ctx context.Context, d Database, args []string, stdout, stderr io.Writer, getenv func(string) string) int {
-	var dsn string
-	err := runErr(ctx, d, args, stdout, getenv, &dsn)
+	g := newGlobals(d, getenv)
+	defer g.close()
+	err := g.run(ctx, root(d), args, stdout)
 	// Errors may carry the DSN (lib/pq puts the whole URL in a parse error): its password is
 	// taken out of everything printed.
 	var ue usageError
+	var hr helpRequest
 	switch {
 	case err == nil:
 		return 0
+	case errors.As(err, &hr):
+		fmt.Fprint(stdout, hr.text)
+		return 0
 	case errors.As(err, &ue):
-		fmt.Fprintf(stderr, "outbox: %s\n%s", clean(d.RedactDSN(ue.msg, dsn)), usage(d))
+		fmt.Fprintf(stderr, "outbox: %s\n%s", clean(d.RedactDSN(ue.msg, g.dsn)), g.help)
 		return 2
 	case d.IsUndefinedTable(err):
 		// The raw "relation does not exist" does not say what to do about it.
 		fmt.Fprintf(stderr, "outbox: %v\noutbox: the outbox tables are not in this database under these -schema and -prefix: "+
-			"run `outbox migrate up` (with the same -schema and -prefix), or point -dsn, -schema, -prefix at the service's tables\n", clean(d.RedactDSN(err.Error(), dsn)))
+			"run `outbox migrate up` (with the same -schema and -prefix), or point -dsn, -schema, -prefix at the service's tables\n", clean(d.RedactDSN(err.Error(), g.dsn)))
 		return 1
 	default:
-		fmt.Fprintf(stderr, "outbox: %s\n", clean(d.RedactDSN(err.Error(), dsn)))
+		fmt.Fprintf(stderr, "outbox: %s\n", clean(d.RedactDSN(err.Error(), g.dsn)))
 		return 1
 	}
 }
 
-// usageError is a mistake in the command line: it is reported with the usage, exit status 2.
+// usageError is a mistake in the command line: it is reported with the help of the command,
+// exit status 2.
 type usageError struct{ msg string }
 
 func (e usageError) Error() string { return e.msg }
 
-func usage(d Database) string {
-	return fmt.Sprintf("%s\n%s: -dsn in %s; no -schema: %s\n", usageText, d.Title, d.DSNFormat, d.DefaultSchema)
+// helpRequest is -h or --help: text is printed on stdout, exit status 0.
+type helpRequest struct{ text string }
+
+func (e helpRequest) Error() string { return "help requested" }
+
+// nothingMatched is the one rule for a selection, a message or a list that matched nothing, as
+// grep has it: exit status 1, "nothing matched" on stderr, the (empty) result on stdout. A wrong
+// -id is not a success, and a script can tell an empty answer from a full one.
+type nothingMatched struct{ msg string }
+
+func (e nothingMatched) Error() string { return "nothing matched: " + e.msg }
+
+// command is a command of the CLI: a group of subcommands (subs), or one that runs.
+type command struct {
+	name  string // "parked retry"
+	args  string // what follows the flags in the usage line
+	short string // one line, in the list of its parent
+	long  string // what it does, in its help
+	subs  []*command
+	run   func(ctx context.Context, g *globals, c *command, args []string, out printer) error
 }
 
-const usageText = `usage: outbox [-dsn DSN] [-schema S] [-prefix P] [-o text|json] [-actor NAME] [-timeout D] COMMAND
-commands:
-  status [-retention D]                   pending, parked, failing, retained, cleanup lag, recent changes
-  parked list|groups|retry|discard        parked effects. Filters: -id N (repeatable) -topic T -consumer C
-                                          -older-than D -error TEXT; -limit N (default 1000). retry and
-                                          discard need a filter or -all, and take -dry-run and -batch N;
-                                          discard keeps the effects, noted as discarded, unless
-                                          -effect-retention 0
-  failing list [-consumer C] [-limit N]   messages whose handler failed and that were not processed
-  replay [-dry-run] CONSUMER MESSAGE_ID   let a poisoned message run again on its next delivery
-  lookup CONSUMER MESSAGE_ID              was it processed, when, what did it send, what is pending
-  migrate up|status                       apply the migrations (needs a role that may create tables),
-                                          or show them
-  migrate sql [-grant ROLE] [-operator ROLE]
-                                          print the migrations as one SQL script (and the grants)
-  migrate grants [-operator] ROLE         print the grants of the application's (or an operator's) role
-  cleanup [-retention D] [-effect-retention D] [-force] [-dry-run] [-batch N]
-                                          one retention cleanup pass now, with progress. -retention
-                                          defaults to the service's recorded Retention; a shorter one,
-                                          or one below its redelivery horizon, needs -force. Dispatched
-                                          effects are kept for -effect-retention (default: -retention)`
+// root returns the commands of the CLI.
+func root(d Database) *command {
+	filters := "Filters select them: -id, -topic, -consumer, -older-than, -error; at most -limit of them."
+	return &command{name: "", subs: []*command{
+		{name: "status", short: "pending, parked, failing, retained, cleanup lag, last dispatch, recent changes", run: status,
+			long: "Status shows the pending, delayed and parked effects (per consumer and topic), the failing messages,\n" +
+				"the retained message IDs, the cleanup lag, the last dispatch and the latest audited changes."},
+		{name: "parked", short: "parked effects: list, group, retry or discard them",
+			long: "Parked effects are the side effects the relay gave up sending.\n" + filters, subs: []*command{
+				{name: "parked list", short: "the parked effects, with their last error", run: parked,
+					long: "List the parked effects, oldest first.\n" + filters},
+				{name: "parked groups", short: "the parked effects grouped by a normalized error fingerprint", run: parked,
+					long: "Group the parked effects that match the filters by their failure: the last error with its\n" +
+						"numbers, IDs and addresses normalized, with the topics of each group."},
+				{name: "parked retry", short: "make parked effects due again, with fresh attempt counts", run: parked,
+					long: "Make the selected parked effects due again, with fresh attempt counts: the relays send them.\n" +
+						"It needs a selection (a filter, or -all), changes at most -limit effects in batches of\n" +
+						"-batch, says when more match, and writes each batch to the audit table."},
+				{name: "parked discard", short: "give parked effects up for good", run: parked,
+					long: "Give the selected parked effects up for good; the later effects of their ordering keys go on.\n" +
+						"A discarded effect is kept in the dispatched table, noted as discarded, as a service with\n" +
+						"EffectRetention does; -effect-retention 0 deletes it, as a service without does. It needs a\n" +
+						"selection (a filter, or -all) and writes each batch to the audit table."},
+			}},
+		{name: "failing", short: "messages whose handler failed", long: "Failing messages are those whose handler failed and that are not processed.", subs: []*command{
+			{name: "failing list", short: "messages whose handler failed and that were not processed", run: failing,
+				long: "List the messages whose handler failed and that were not processed, with their attempts and last error."},
+		}},
+		{name: "replay", args: "CONSUMER MESSAGE_ID", short: "let a poisoned message run its handler again on its next delivery", run: replay,
+			long: "Replay a poisoned message: its next delivery (put it back on its topic, ID unchanged) runs the\n" +
+				"handler again. Written to the audit table."},
+		{name: "lookup", args: "CONSUMER MESSAGE_ID", short: "was a message processed, when, what did it send, what is pending", run: lookup,
+			long: "Look a message up: whether the consumer processed it (or poisoned it), when, its failed attempts,\n" +
+				"and its side effects with their state (dispatched ones while EffectRetention keeps them)."},
+		{name: "migrate", short: "the migrations of the outbox tables: apply, show, print as SQL, grants",
+			long: "The migrations of the outbox tables.", subs: []*command{
+				{name: "migrate up", short: "apply the missing migrations (needs a role that may create tables)", run: migrateUp,
+					long: "Apply the missing migrations, in one transaction, and name the ones applied. It needs a role\n" +
+						"that may create tables in the schema."},
+				{name: "migrate status", short: "the migrations and whether each is applied", run: migrateStatus,
+					long: "List the migrations and whether each is applied."},
+				{name: "migrate sql", short: "print the migrations as one SQL script (and grants); no database", run: migrateSQL,
+					long: "Print every migration as one SQL script for -schema and -prefix, for psql or a migration tool:\n" +
+						"it creates the schema and the migrations table if missing, and runs each migration with the\n" +
+						"row that records it in a transaction of its own (run it without psql's --single-transaction).\n" +
+						"Needs no database."},
+				{name: "migrate grants", args: "ROLE", short: "print the grants of a role; no database", run: migrateGrants,
+					long: "Print the grants of ROLE on the outbox tables: what a service needs, or with -operator what\n" +
+						"the operators' CLI needs too (reading the audit table). Needs no database."},
+			}},
+		{name: "cleanup", short: "one retention cleanup pass now, with progress", run: cleanup,
+			long: "Run one retention cleanup pass now, with progress: delete the claims and attempt counters older\n" +
+				"than -retention and the dispatched effects older than -effect-retention. A retention below the\n" +
+				"service's recorded one, or below its redelivery horizon, needs -force. Written to the audit table."},
+		{name: "help", args: "[COMMAND [SUBCOMMAND]]", short: "the help of a command", run: help,
+			long: "Print the help of a command, or of outbox."},
+	}}
+}
+
+// find returns the subcommand of c named word.
+func (c *command) find(word string) *command {
+	for _, s := range c.subs {
+		if strings.TrimPrefix(s.name, c.name+" ") == strings.TrimSpace(word) {
+			return s
+		}
+	}
+	return nil
+}
+
+// subNames lists the names of the subcommands of c: "a, b or c".
+func (c *command) subNames() string {
+	var names []string
+	for _, s := range c.subs {
+		names = append(names, strings.TrimPrefix(s.name, c.name+" "))
+	}
+	if len(names) < 2 {
+		return strings.Join(names, "")
+	}
+	return strings.Join(names[:len(names)-1], ", ") + " or " + names[len(names)-1]
+}
 
 type globals struct {
 	db                                 Database
+	getenv                             func(string) string
+	top                                *flag.FlagSet
 	dsn, schema, prefix, output, actor string
 	timeout                            time.Duration
+	// help is the help of the command being parsed, printed with a mistake in its command line.
+	help   string
+	sqlDB  *sql.DB
+	cancel context.CancelFunc
 }
 
-func runErr(ctx context.Context, d Database, args []string, stdout io.Writer, getenv func(string) string, dsn *string) error {
+func newGlobals(d Database, getenv func(string) string) *globals {
+	g := &globals{db: d, getenv: getenv}
 	fs := flag.NewFlagSet("outbox", flag.ContinueOnError)
 	fs.SetOutput(io.Discard)
-	g := globals{db: d}
-	defaultDSN := getenv("OUTBOX_DSN")
-	if defaultDSN == "" {
-		defaultDSN = getenv("DATABASE_URL")
-	}
-	defaultActor := getenv("USER")
-	if u, err := user.Current(); err == nil && defaultActor == "" {
-		defaultActor = u.Username
-	}
-	fs.StringVar(&g.dsn, "dsn", defaultDSN, d.Title+" connection string")
-	fs.StringVar(&g.schema, "schema", "", "schema of the outbox tables")
-	fs.StringVar(&g.prefix, "prefix", "outbox_", "table prefix")
+	// The defaults from the environment are applied after parsing: the help shows where they
+	// come from, never the DSN (and its password) it would use.
+	fs.StringVar(&g.dsn, "dsn", "", "`DSN` of the "+d.Title+" database, in "+d.DSNFormat+" (default $OUTBOX_DSN, then $DATABASE_URL)")
+	fs.StringVar(&g.schema, "schema", "", "schema of the outbox tables (default: "+d.DefaultSchema+")")
+	fs.StringVar(&g.prefix, "prefix", "outbox_", "prefix of the outbox tables")
 	fs.StringVar(&g.output, "o", "text", "output: text or json")
-	fs.StringVar(&g.actor, "actor", defaultActor, "who makes the change, for the audit table")
+	fs.StringVar(&g.actor, "actor", "", "who makes the change, for the audit table (default $USER, then the OS user)")
 	fs.DurationVar(&g.timeout, "timeout", time.Minute, "bound of the whole command")
-	err := fs.Parse(args)
-	*dsn = g.dsn
-	if err != nil {
-		return usageError{err.Error()}
+	g.top = fs
+	return g
+}
+
+func (g *globals) close() {
+	if g.cancel != nil {
+		g.cancel()
 	}
-	if g.output != "text" && g.output != "json" {
-		return usageError{fmt.Sprintf("-o %q: want text or json", g.output)}
+	if g.sqlDB != nil {
+		_ = g.sqlDB.Close()
+	}
+}
+
+// run parses the global flags, then runs the command (or the subcommand of a group) the rest
+// names. Global flags may also follow the command, among its own flags.
+func (g *globals) run(ctx context.Context, c *command, args []string, stdout io.Writer) error {
+	g.help = g.groupHelp(c)
+	fs := flag.NewFlagSet(c.name, flag.ContinueOnError)
+	fs.SetOutput(io.Discard)
+	if c.name != "" {
+		g.top.VisitAll(func(f *flag.Flag) { fs.Var(f.Value, f.Name, f.Usage) })
+	} else {
+		fs = g.top
+	}
+	err := fs.Parse(args)
+	switch {
+	case errors.Is(err, flag.ErrHelp):
+		return helpRequest{g.help}
+	case err != nil:
+		return usageError{err.Error()}
 	}
 	rest := fs.Args()
 	if len(rest) == 0 {
-		return usageError{"no command"}
+		if c.name == "" {
+			return usageError{"no command"}
+		}
+		return usageError{fmt.Sprintf("%s: want %s", c.name, c.subNames())}
 	}
-	cmd, rest := rest[0], rest[1:]
-	if cmd == "migrate" && len(rest) > 0 && rest[0] == "sql" {
-		return migrateSQL(g, rest[1:], stdout) // needs no database
+	sub := c.find(rest[0])
+	if sub == nil {
+		if c.name == "" {
+			return usageError{fmt.Sprintf("unknown command %q", rest[0])}
+		}
+		return usageError{fmt.Sprintf("%s %s: unknown command; want %s", c.name, rest[0], c.subNames())}
 	}
-	if cmd == "migrate" && len(rest) > 0 && rest[0] == "grants" {
-		return migrateGrants(g, rest[1:], stdout)
+	if sub.run == nil {
+		return g.run(ctx, sub, rest[1:], stdout)
+	}
+	return sub.run(ctx, g, sub, rest[1:], printer{w: stdout, g: g})
+}
+
+// flags returns the flag set of the command c, for its own flags.
+func (g *globals) flags(c *command) *flag.FlagSet {
+	fs := flag.NewFlagSet(c.name, flag.ContinueOnError)
+	fs.SetOutput(io.Discard)
+	return fs
+}
+
+// parse parses the command line of c: its own flags (in fs) and the global flags, in any order,
+// among its arguments (all of them after --), and returns the arguments. want is how many it
+// takes (-1: any).
+func (g *globals) parse(fs *flag.FlagSet, c *command, args []string, want int) ([]string, error) {
+	g.help = g.leafHelp(c, fs)
+	g.top.VisitAll(func(f *flag.Flag) { fs.Var(f.Value, f.Name, f.Usage) })
+	var pos []string
+	for {
+		err := fs.Parse(args)
+		switch {
+		case errors.Is(err, flag.ErrHelp):
+			return nil, helpRequest{g.help}
+		case err != nil:
+			return nil, usageError{err.Error()}
+		}
+		rest := fs.Args()
+		if n := len(args) - len(rest); n > 0 && args[n-1] == "--" {
+			pos = append(pos, rest...)
+			break
+		}
+		if len(rest) == 0 {
+			break
+		}
+		pos, args = append(pos, rest[0]), rest[1:]
+	}
+	switch {
+	case want == 0 && len(pos) > 0:
+		return nil, usageError{c.name + ": unexpected " + strings.Join(pos, " ")}
+	case want > 0 && len(pos) != want:
+		return nil, usageError{c.name + ": want " + c.args}
+	}
+	if g.output != "text" && g.output != "json" {
+		return nil, usageError{fmt.Sprintf("-o %q: want text or json", g.output)}
 	}
 	if g.dsn == "" {
-		return usageError{"no database: set -dsn, OUTBOX_DSN or DATABASE_URL"}
+		if g.dsn = g.getenv("OUTBOX_DSN"); g.dsn == "" {
+			g.dsn = g.getenv("DATABASE_URL")
+		}
 	}
-	db, err := d.Open(g.dsn)
+	if g.actor == "" {
+		if g.actor = g.getenv("USER"); g.actor == "" {
+			if u, err := user.Current(); err == nil {
+				g.actor = u.Username
+			}
+		}
+	}
+	return pos, nil
+}
+
+// connect opens the database and checks that it answers, within -timeout, which bounds the
+// rest of the command through the context it returns.
+func (g *globals) connect(ctx context.Context) (context.Context, *ops.Ops, error) {
+	if g.dsn == "" {
+		return ctx, nil, usageError{"no database: set -dsn, OUTBOX_DSN or DATABASE_URL"}
+	}
+	db, err := g.db.Open(g.dsn)
+	if err != nil {
+		return ctx, nil, err
+	}
+	g.sqlDB = db
+	ctx, g.cancel = context.WithTimeout(ctx, g.timeout)
+	o, err := ops.OpenWith(db, ops.Options{Driver: g.db.Driver, Schema: g.schema, Prefix: g.prefix})
+	if err != nil {
+		return ctx, nil, usageError{err.Error()}
+	}
+	// Without this, a database out of reach was reported by the first query, under the name of
+	// what that query was for.
+	if err := db.PingContext(ctx); err != nil {
+		return ctx, nil, fmt.Errorf("connect to %s: %w", g.db.Title, err)
+	}
+	return ctx, o, nil
+}
+
+const exitText = `Exit status: 0 done; 1 failed, or nothing matched (a selection, a message or a list that matched
+nothing: stderr says "nothing matched", and stdout has the empty result, [] in JSON); 2 a mistake
+in the command line.
+`
+
+// groupHelp is the help of a group of commands, or of outbox itself (the root).
+func (g *globals) groupHelp(c *command) string {
+	var b strings.Builder
+	tw := tabwriter.NewWriter(&b, 0, 4, 2, ' ', 0)
+	if c.name == "" {
+		fmt.Fprintf(&b, "usage: outbox [flags] COMMAND [flags] [arguments]\n\n"+
+			"outbox inspects and repairs the outbox tables of a %s database, next to a running service.\n"+
+			"Every change (retry, discard, replay, cleanup) is written to the audit table with -actor.\n\nCommands:\n", g.db.Title)
+		for _, s := range c.subs {
+			if s.subs == nil {
+				fmt.Fprintf(tw, "  %s\t%s\n", s.name, s.short)
+			}
+			for _, ss := range s.subs {
+				fmt.Fprintf(tw, "  %s\t%s\n", ss.name, ss.short)
+			}
+		}
+		_ = tw.Flush()
+		fmt.Fprintf(&b, "\nFlags (before or after the command):\n%s\n%s\n"+
+			"Run `outbox COMMAND -h` or `outbox help COMMAND` for the help of a command.\n", defaults(g.top), exitText)
+		return b.String()
+	}
+	fmt.Fprintf(&b, "usage: outbox %s COMMAND [flags] [arguments]\n\n%s\n\nCommands:\n", c.name, c.long)
+	for _, s := range c.subs {
+		fmt.Fprintf(tw, "  %s\t%s\n", strings.TrimPrefix(s.name, c.name+" "), s.short)
+	}
+	_ = tw.Flush()
+	fmt.Fprintf(&b, "\nRun `outbox %s COMMAND -h` for the flags of a command.\n", c.name)
+	return b.String()
+}
+
+// leafHelp is the help of the command c, whose own flags are fs's.
+func (g *globals) leafHelp(c *command, fs *flag.FlagSet) string {
+	var b strings.Builder
+	fmt.Fprintf(&b, "usage: outbox %s [flags]", c.name)
+	if c.args != "" {
+		fmt.Fprintf(&b, " %s", c.args)
+	}
+	fmt.Fprintf(&b, "\n\n%s\n", c.long)
+	if own := defaults(fs); own != "" {
+		fmt.Fprintf(&b, "\nFlags:\n%s", own)
+	}
+	fmt.Fprintf(&b, "\nThe global flags (-dsn, -schema, -prefix, -o, -actor, -timeout) go before or after the\ncommand: see `outbox -h`.\n")
+	return b.String()
+}
+
+// defaults lists the flags of fs with their defaults, as the flag package prints them.
+func defaults(fs *flag.FlagSet) string {
+	var b strings.Builder
+	// A copy keeps the defaults, whatever the command line has set before -h.
+	p := flag.NewFlagSet(fs.Name(), flag.ContinueOnError)
+	fs.VisitAll(func(f *flag.Flag) {
+		p.Var(f.Value, f.Name, f.Usage)
+		p.Lookup(f.Name).DefValue = f.DefValue
+	})
+	p.SetOutput(&b)
+	p.PrintDefaults()
+	return b.String()
+}
+
+// help prints the help of the command its arguments name.
+func help(ctx context.Context, g *globals, c *command, args []string, out printer) error {
+	fs := g.flags(c)
+	words, err := g.parse(fs, c, args, -1)
 	if err != nil {
 		return err
 	}
-	defer db.Close()
-	ctx, cancel := context.WithTimeout(ctx, g.timeout)
-	defer cancel()
-	o, err := ops.OpenWith(db, ops.Options{Driver: d.Driver, Schema: g.schema, Prefix: g.prefix})
-	if err != nil {
-		return usageError{err.Error()}
+	r := root(g.db)
+	if len(words) == 0 {
+		return helpRequest{g.groupHelp(r)}
 	}
-	out := printer{w: stdout, json: g.output == "json"}
-	switch cmd {
-	case "status":
-		return status(ctx, o, rest, out)
-	case "parked":
-		return parked(ctx, o, db, g, rest, out)
-	case "failing":
-		return failing(ctx, o, rest, out)
-	case "replay":
-		return replay(ctx, o, g, rest, out)
-	case "lookup":
-		return lookup(ctx, o, rest, out)
-	case "migrate":
-		return migrate(ctx, o, db, g, rest, out)
-	case "cleanup":
-		return cleanup(ctx, o, g, rest, out)
+	for i, cur := 0, r; i < len(words); i++ {
+		if cur = cur.find(words[i]); cur == nil {
+			return usageError{fmt.Sprintf("unknown command %q", strings.Join(words[:i+1], " "))}
+		}
 	}
-	return usageError{fmt.Sprintf("unknown command %q", cmd)}
+	return g.run(ctx, r, append(words, "-h"), out.w)
 }
 
 type printer struct {
-	w    io.Writer
-	json bool
+	w io.Writer
+	g *globals
 }
+
+// list prints the n rows of v, or, when there are none, [] in JSON and nothing in text, and
+// reports that nothing matched (what says what).
+func (p printer) list(v any, n int, what string, text func(w *tabwriter.Writer)) error {
+	if n > 0 {
+		return p.emit(v, text)
+	}
+	if p.json() {
+		if err := p.emit([]any{}, nil); err != nil {
+			return err
+		}
+	}
+	return nothingMatched{what}
+}
+
+// json tells whether the output is JSON (-o may come after the command, so it is read late).
+func (p printer) json() bool { return p.g.output == "json" }
 
 // emit prints v as JSON, or calls text to print it for a person.
 func (p printer) emit(v any, text func(w *tabwriter.Writer)) error {
-	if p.json {
+	if p.json() {
 		enc := json.NewEncoder(p.w)
 		enc.SetIndent("", "  ")
 		return enc.Encode(v)
@@ -252,12 +520,15 @@ func (p printer) emit(v any, text func(w *tabwriter.Writer)) error {
 	return tw.Flush()
 }
 
-func status(ctx context.Context, o *ops.Ops, args []string, out printer) error {
-	fs := flag.NewFlagSet("status", flag.ContinueOnError)
-	fs.SetOutput(io.Discard)
+func status(ctx context.Context, g *globals, c *command, args []string, out printer) error {
+	fs := g.flags(c)
 	retention := fs.Duration("retention", 0, "the service's Config.Retention, for the cleanup lag (default: as the service recorded it, or 7 days)")
-	if err := fs.Parse(args); err != nil {
-		return usageError{err.Error()}
+	if _, err := g.parse(fs, c, args, 0); err != nil {
+		return err
+	}
+	ctx, o, err := g.connect(ctx)
+	if err != nil {
+		return err
 	}
 	if *retention <= 0 {
 		c, err := o.ServiceConfig(ctx)
@@ -381,33 +652,43 @@ func set(fs *flag.FlagSet, name string) bool {
 	return found
 }
 
-func parked(ctx context.Context, o *ops.Ops, db *sql.DB, g globals, args []string, out printer) error {
-	if len(args) == 0 {
-		return usageError{"parked: want list, groups, retry or discard"}
-	}
-	sub := args[0]
-	fs := flag.NewFlagSet("parked "+sub, flag.ContinueOnError)
-	fs.SetOutput(io.Discard)
+func parked(ctx context.Context, g *globals, c *command, args []string, out printer) error {
+	sub := strings.TrimPrefix(c.name, "parked ")
+	fs := g.flags(c)
 	var f ops.ParkedFilter
 	var ids idFlags
-	fs.Var(&ids, "id", "store ID (repeatable, or comma-separated)")
+	fs.Var(&ids, "id", "only the effect of this store `ID` (repeatable, or comma-separated)")
 	fs.StringVar(&f.Topic, "topic", "", "only effects to this topic")
 	fs.StringVar(&f.Consumer, "consumer", "", "only effects of this consumer")
 	fs.DurationVar(&f.OlderThan, "older-than", 0, "only effects parked longer ago than this")
 	fs.StringVar(&f.ErrorContains, "error", "", "only effects whose last error contains this text")
-	fs.BoolVar(&f.All, "all", false, "retry or discard: every parked effect (up to -limit)")
 	fs.IntVar(&f.Limit, "limit", ops.DefaultLimit, "at most this many effects")
-	dryRun := fs.Bool("dry-run", false, "say what would change, change nothing")
-	batch := fs.Int("batch", 500, "effects changed per batch")
-	effectRetention := fs.Duration("effect-retention", 0,
-		"the service's Config.EffectRetention: 0 deletes discarded effects, as that service does; unset: they are kept, noted as discarded, until cleanup")
-	if err := fs.Parse(args[1:]); err != nil {
-		return usageError{err.Error()}
+	var dryRun bool
+	var batch int
+	var effectRetention time.Duration
+	if sub == "retry" || sub == "discard" {
+		fs.BoolVar(&f.All, "all", false, "every parked effect (up to -limit), without a filter")
+		fs.BoolVar(&dryRun, "dry-run", false, "say what would change, change nothing")
+		fs.IntVar(&batch, "batch", 500, "effects changed per batch")
+	}
+	if sub == "discard" {
+		fs.DurationVar(&effectRetention, "effect-retention", 0,
+			"the service's Config.EffectRetention: 0 deletes the discarded effects, as that service does; unset: they are kept, noted as discarded, until cleanup")
+	}
+	if _, err := g.parse(fs, c, args, 0); err != nil {
+		return err
 	}
 	f.IDs = ids
-	if sub == "discard" && set(fs, "effect-retention") && *effectRetention == 0 {
-		var err error
-		if o, err = ops.OpenWith(db, ops.Options{Driver: g.db.Driver, Schema: g.schema, Prefix: g.prefix, DeleteDispatched: true}); err != nil {
+	if (sub == "retry" || sub == "discard") &&
+		len(f.IDs) == 0 && f.Topic == "" && f.Consumer == "" && f.OlderThan == 0 && f.ErrorContains == "" && !f.All {
+		return usageError{"parked " + sub + ": select the effects (-id, -topic, -consumer, -older-than or -error), or give -all"}
+	}
+	ctx, o, err := g.connect(ctx)
+	if err != nil {
+		return err
+	}
+	if sub == "discard" && set(fs, "effect-retention") && effectRetention == 0 {
+		if o, err = ops.OpenWith(g.sqlDB, ops.Options{Driver: g.db.Driver, Schema: g.schema, Prefix: g.prefix, DeleteDispatched: true}); err != nil {
 			return usageError{err.Error()}
 		}
 	}
@@ -417,7 +698,7 @@ func parked(ctx context.Context, o *ops.Ops, db *sql.DB, g globals, args []strin
 		if err != nil {
 			return err
 		}
-		return out.emit(list, func(w *tabwriter.Writer) {
+		return out.list(list, len(list), "no parked effect matches the filters", func(w *tabwriter.Writer) {
 			fmt.Fprintf(w, "ID\tCONSUMER\tTOPIC\tUUID\tATTEMPTS\tPARKED\tERROR\n")
 			for _, p := range list {
 				fmt.Fprintf(w, "%d\t%s\t%s\t%s\t%d\t%s ago\t%s\n", p.StoreID, orBoundary(p.Source.Consumer), clean(p.Topic), clean(p.UUID),
@@ -430,18 +711,15 @@ func parked(ctx context.Context, o *ops.Ops, db *sql.DB, g globals, args []strin
 			return err
 		}
 		groups := ops.GroupByFingerprint(list)
-		return out.emit(groups, func(w *tabwriter.Writer) {
+		return out.list(groups, len(groups), "no parked effect matches the filters", func(w *tabwriter.Writer) {
 			fmt.Fprintf(w, "COUNT\tTOPICS\tFAILURE\n")
 			for _, gr := range groups {
 				fmt.Fprintf(w, "%d\t%s\t%s\n", gr.Count, clean(strings.Join(gr.Topics, ",")), oneLine(gr.Fingerprint, 120))
 			}
 		})
 	case "retry", "discard":
-		if len(f.IDs) == 0 && f.Topic == "" && f.Consumer == "" && f.OlderThan == 0 && f.ErrorContains == "" && !f.All {
-			return usageError{"parked " + sub + ": select the effects (-id, -topic, -consumer, -older-than or -error), or give -all"}
-		}
-		opt := ops.RepairOptions{Actor: g.actor, DryRun: *dryRun, BatchSize: *batch}
-		if !out.json {
+		opt := ops.RepairOptions{Actor: g.actor, DryRun: dryRun, BatchSize: batch}
+		if !out.json() {
 			opt.Progress = func(done, total int) { fmt.Fprintf(out.w, "%d/%d\n", done, total) }
 		}
 		repair := o.RetryParked
@@ -455,12 +733,12 @@ func parked(ctx context.Context, o *ops.Ops, db *sql.DB, g globals, args []strin
 		if ch.Matched == 0 {
 			// "0 of 0 changed" and exit 0 reads as done: a wrong -id or filter must not. A script
 			// still gets the JSON of the (empty) change.
-			if out.json {
+			if out.json() {
 				if err := out.emit(ch, nil); err != nil {
 					return err
 				}
 			}
-			return fmt.Errorf("parked %s: no parked effect matched the selection; nothing changed (see `outbox parked list`)", sub)
+			return nothingMatched{fmt.Sprintf("parked %s: no parked effect matched the selection; nothing changed (see `outbox parked list`)", sub)}
 		}
 		return out.emit(ch, func(w *tabwriter.Writer) {
 			if ch.DryRun {
@@ -473,7 +751,7 @@ func parked(ctx context.Context, o *ops.Ops, db *sql.DB, g globals, args []strin
 			}
 		})
 	}
-	return usageError{fmt.Sprintf("parked %s: want list, groups, retry or discard", sub)}
+	return usageError{fmt.Sprintf("parked %s: unknown command", sub)}
 }
 
 // oneLine prints s on one line of at most about n bytes, escaped (see clean).
@@ -485,22 +763,22 @@ func oneLine(s string, n int) string {
 	return clean(s)
 }
 
-func failing(ctx context.Context, o *ops.Ops, args []string, out printer) error {
-	if len(args) == 0 || args[0] != "list" {
-		return usageError{"failing: want list"}
+func failing(ctx context.Context, g *globals, c *command, args []string, out printer) error {
+	fs := g.flags(c)
+	consumer := fs.String("consumer", "", "only the messages of this consumer")
+	limit := fs.Int("limit", 1000, "at most this many messages")
+	if _, err := g.parse(fs, c, args, 0); err != nil {
+		return err
 	}
-	fs := flag.NewFlagSet("failing list", flag.ContinueOnError)
-	fs.SetOutput(io.Discard)
-	consumer := fs.String("consumer", "", "only this consumer")
-	limit := fs.Int("limit", 1000, "at most this many")
-	if err := fs.Parse(args[1:]); err != nil {
-		return usageError{err.Error()}
+	ctx, o, err := g.connect(ctx)
+	if err != nil {
+		return err
 	}
 	list, err := o.FailingMessages(ctx, *consumer, *limit)
 	if err != nil {
 		return err
 	}
-	return out.emit(list, func(w *tabwriter.Writer) {
+	return out.list(list, len(list), "no failing message", func(w *tabwriter.Writer) {
 		fmt.Fprintf(w, "CONSUMER\tMESSAGE\tATTEMPTS\tLAST FAILED\tERROR\n")
 		for _, f := range list {
 			fmt.Fprintf(w, "%s\t%s\t%d\t%s ago\t%s\n", clean(f.Consumer), clean(f.MessageID), f.Attempts,
@@ -509,27 +787,34 @@ func failing(ctx context.Context, o *ops.Ops, args []string, out printer) error 
 	})
 }
 
-func replay(ctx context.Context, o *ops.Ops, g globals, args []string, out printer) error {
-	fs := flag.NewFlagSet("replay", flag.ContinueOnError)
-	fs.SetOutput(io.Discard)
+func replay(ctx context.Context, g *globals, c *command, args []string, out printer) error {
+	fs := g.flags(c)
 	dryRun := fs.Bool("dry-run", false, "say whether the message is poisoned, change nothing")
-	if err := fs.Parse(args); err != nil {
-		return usageError{err.Error()}
+	pos, err := g.parse(fs, c, args, 2)
+	if err != nil {
+		return err
 	}
-	if fs.NArg() != 2 {
-		return usageError{"replay: want CONSUMER MESSAGE_ID"}
+	ctx, o, err := g.connect(ctx)
+	if err != nil {
+		return err
 	}
-	consumer, id := fs.Arg(0), fs.Arg(1)
+	consumer, id := pos[0], pos[1]
 	ok, err := o.ReplayPoisoned(ctx, consumer, id, ops.RepairOptions{Actor: g.actor, DryRun: *dryRun})
 	if err != nil {
 		return err
 	}
 	res := map[string]any{"consumer": consumer, "message_id": id, "poisoned": ok, "dry_run": *dryRun}
 	name := clean(consumer) + "/" + clean(id)
+	if !ok {
+		if out.json() {
+			if err := out.emit(res, nil); err != nil {
+				return err
+			}
+		}
+		return nothingMatched{name + " is not a poisoned message: nothing to replay"}
+	}
 	return out.emit(res, func(w *tabwriter.Writer) {
 		switch {
-		case !ok:
-			fmt.Fprintf(w, "%s is not a poisoned message: nothing to replay\n", name)
 		case *dryRun:
 			fmt.Fprintf(w, "dry run: %s is poisoned; replay would let its next delivery run the handler\n", name)
 		default:
@@ -538,19 +823,35 @@ func replay(ctx context.Context, o *ops.Ops, g globals, args []string, out print
 	})
 }
 
-func lookup(ctx context.Context, o *ops.Ops, args []string, out printer) error {
-	if len(args) != 2 {
-		return usageError{"lookup: want CONSUMER MESSAGE_ID"}
+func lookup(ctx context.Context, g *globals, c *command, args []string, out printer) error {
+	pos, err := g.parse(g.flags(c), c, args, 2)
+	if err != nil {
+		return err
 	}
-	l, err := o.Lookup(ctx, args[0], args[1])
+	ctx, o, err := g.connect(ctx)
+	if err != nil {
+		return err
+	}
+	l, err := o.Lookup(ctx, pos[0], pos[1])
 	if err != nil {
 		return err
 	}
 	name := clean(l.Consumer) + "/" + clean(l.MessageID)
+	if !l.Processed && l.Attempts == 0 && len(l.Effects) == 0 {
+		if out.json() {
+			if err := out.emit(l, nil); err != nil {
+				return err
+			}
+		}
+		return nothingMatched{name + " was not processed, has no failed attempt and no effect (or was forgotten after Retention)"}
+	}
 	return out.emit(l, func(w *tabwriter.Writer) {
 		switch {
 		case l.Poisoned:
 			fmt.Fprintf(w, "%s: poisoned at %s\n", name, l.ProcessedAt.Format(time.RFC3339))
+		case l.Processed && l.DispatchedAt.IsZero():
+			// The claim has no dispatch time until its last effect is sent.
+			fmt.Fprintf(w, "%s: processed at %s, its effects not all dispatched yet\n", name, l.ProcessedAt.Format(time.RFC3339Nano))
 		case l.Processed:
 			fmt.Fprintf(w, "%s: processed at %s, last dispatch %s\n", name,
 				l.ProcessedAt.Format(time.RFC3339Nano), l.DispatchedAt.Format(time.RFC3339Nano))
@@ -573,75 +874,86 @@ func lookup(ctx context.Context, o *ops.Ops, args []string, out printer) error {
 	})
 }
 
-func migrate(ctx context.Context, o *ops.Ops, db *sql.DB, g globals, args []string, out printer) error {
-	if len(args) != 1 {
-		return usageError{"migrate: want up, status, sql or grants"}
+func migrateUp(ctx context.Context, g *globals, c *command, args []string, out printer) error {
+	if _, err := g.parse(g.flags(c), c, args, 0); err != nil {
+		return err
 	}
-	switch args[0] {
-	case "up":
-		all, err := g.db.Migrations(g.schema, g.prefix)
-		if err != nil {
-			return err
-		}
-		before, err := appliedMigrations(ctx, db, g)
-		if err != nil {
-			return err
-		}
-		if err := o.Store().Migrate(ctx); err != nil {
-			return err
-		}
-		// Which ones this run applied: the same words for "created everything" and "nothing to
-		// do" left the operator to guess whether the command reached the intended database.
-		after, err := appliedMigrations(ctx, db, g)
-		if err != nil {
-			return err
-		}
-		res := struct {
-			Migrate string   `json:"migrate"`
-			Applied []string `json:"applied"`
-		}{Migrate: "done", Applied: []string{}}
-		for _, m := range all {
-			if after[m.Version] && !before[m.Version] {
-				res.Applied = append(res.Applied, fmt.Sprintf("%03d_%s", m.Version, m.Name))
-			}
-		}
-		return out.emit(res, func(w *tabwriter.Writer) {
-			if len(res.Applied) == 0 {
-				fmt.Fprintf(w, "no migration to apply: the outbox tables are current (%d migrations)\n", len(all))
-				return
-			}
-			fmt.Fprintf(w, "applied %d migration(s): %s; the outbox tables are current\n", len(res.Applied), strings.Join(res.Applied, ", "))
-		})
-	case "status":
-		all, err := g.db.Migrations(g.schema, g.prefix)
-		if err != nil {
-			return err
-		}
-		applied, err := appliedMigrations(ctx, db, g)
-		if err != nil {
-			return err
-		}
-		type row struct {
-			Version int    `json:"version"`
-			Name    string `json:"name"`
-			Applied bool   `json:"applied"`
-		}
-		var list []row
-		for _, m := range all {
-			list = append(list, row{m.Version, m.Name, applied[m.Version]})
-		}
-		return out.emit(list, func(w *tabwriter.Writer) {
-			fmt.Fprintf(w, "VERSION\tNAME\tAPPLIED\n")
-			for _, r := range list {
-				fmt.Fprintf(w, "%03d\t%s\t%v\n", r.Version, r.Name, r.Applied)
-			}
-		})
+	ctx, o, err := g.connect(ctx)
+	if err != nil {
+		return err
 	}
-	return usageError{fmt.Sprintf("migrate %s: want up, status, sql or grants", args[0])}
+	db := g.sqlDB
+	all, err := g.db.Migrations(g.schema, g.prefix)
+	if err != nil {
+		return err
+	}
+	before, err := appliedMigrations(ctx, db, g)
+	if err != nil {
+		return err
+	}
+	if err := o.Store().Migrate(ctx); err != nil {
+		return err
+	}
+	// Which ones this run applied: the same words for "created everything" and "nothing to
+	// do" left the operator to guess whether the command reached the intended database.
+	after, err := appliedMigrations(ctx, db, g)
+	if err != nil {
+		return err
+	}
+	res := struct {
+		Migrate string   `json:"migrate"`
+		Applied []string `json:"applied"`
+	}{Migrate: "done", Applied: []string{}}
+	for _, m := range all {
+		if after[m.Version] && !before[m.Version] {
+			res.Applied = append(res.Applied, fmt.Sprintf("%03d_%s", m.Version, m.Name))
+		}
+	}
+	return out.emit(res, func(w *tabwriter.Writer) {
+		if len(res.Applied) == 0 {
+			fmt.Fprintf(w, "no migration to apply: the outbox tables are current (%d migrations)\n", len(all))
+			return
+		}
+		fmt.Fprintf(w, "applied %d migration(s): %s; the outbox tables are current\n", len(res.Applied), strings.Join(res.Applied, ", "))
+	})
+}
+
+func migrateStatus(ctx context.Context, g *globals, c *command, args []string, out printer) error {
+	if _, err := g.parse(g.flags(c), c, args, 0); err != nil {
+		return err
+	}
+	ctx, _, err := g.connect(ctx)
+	if err != nil {
+		return err
+	}
+	db := g.sqlDB
+	all, err := g.db.Migrations(g.schema, g.prefix)
+	if err != nil {
+		return err
+	}
+	applied, err := appliedMigrations(ctx, db, g)
+	if err != nil {
+		return err
+	}
+	type row struct {
+		Version int    `json:"version"`
+		Name    string `json:"name"`
+		Applied bool   `json:"applied"`
+	}
+	var list []row
+	for _, m := range all {
+		list = append(list, row{m.Version, m.Name, applied[m.Version]})
+	}
+	return out.emit(list, func(w *tabwriter.Writer) {
+		fmt.Fprintf(w, "VERSION\tNAME\tAPPLIED\n")
+		for _, r := range list {
+			fmt.Fprintf(w, "%03d\t%s\t%v\n", r.Version, r.Name, r.Applied)
+		}
+	})
 }
 
 // appliedMigrations returns the versions recorded in the migrations table; none if it does not exist.
-func appliedMigrations(ctx context.Context, db *sql.DB, g globals) (map[int]bool, error) {
+func appliedMigrations(ctx context.Context, db *sql.DB, g *globals) (map[int]bool, error) {
 	table, err := migrationsTable(g)
 	if err != nil {
 		return nil, err
@@ -669,7 +981,7 @@ func appliedMigrations(ctx context.Context, db *sql.DB, g globals) (map[int]bool
 }
 
 // migrationsTable is the quoted name of the table that records the applied migrations.
-func migrationsTable(g globals) (string, error) {
+func migrationsTable(g *globals) (string, error) {
 	t, err := g.db.MigrationsTable(g.schema, g.prefix)
 	if err != nil {
 		return "", usageError{err.Error()}
@@ -679,17 +991,14 @@ func migrationsTable(g globals) (string, error) {
 
 // migrateSQL prints every migration as one script for the schema and prefix, for psql or a
 // migration tool of the team's, followed by the grants of the roles -grant and -operator name.
-func migrateSQL(g globals, args []string, stdout io.Writer) error {
-	fs := flag.NewFlagSet("migrate sql", flag.ContinueOnError)
-	fs.SetOutput(io.Discard)
+func migrateSQL(_ context.Context, g *globals, c *command, args []string, out printer) error {
+	fs := g.flags(c)
 	app := fs.String("grant", "", "also grant this role what the application needs")
 	operator := fs.String("operator", "", "also grant this role what an operator needs")
-	if err := fs.Parse(args); err != nil {
-		return usageError{err.Error()}
+	if _, err := g.parse(fs, c, args, 0); err != nil {
+		return err
 	}
-	if fs.NArg() != 0 {
-		return usageError{"migrate sql: unexpected " + strings.Join(fs.Args(), " ")}
-	}
+	stdout := out.w
 	if (*app != "" || *operator != "") && g.db.Grants == nil {
 		return usageError{"migrate sql: -grant and -operator are not available for " + g.db.Title}
 	}
@@ -720,46 +1029,44 @@ func migrateSQL(g globals, args []string, stdout io.Writer) error {
 
 // migrateGrants prints the grants of a role: what a service needs, or with -operator what the
 // operators' CLI needs too (reading the audit table).
-func migrateGrants(g globals, args []string, stdout io.Writer) error {
-	fs := flag.NewFlagSet("migrate grants", flag.ContinueOnError)
-	fs.SetOutput(io.Discard)
+func migrateGrants(_ context.Context, g *globals, c *command, args []string, out printer) error {
+	fs := g.flags(c)
 	operator := fs.Bool("operator", false, "the role of an operator: may also read the audit table")
-	if err := fs.Parse(args); err != nil {
-		return usageError{err.Error()}
+	pos, err := g.parse(fs, c, args, 1)
+	if err != nil {
+		return err
 	}
-	if fs.NArg() != 1 {
-		return usageError{"migrate grants: want ROLE"}
-	}
+	role := pos[0]
 	if g.db.Grants == nil {
 		return usageError{"migrate grants: not available for " + g.db.Title}
 	}
-	grants, err := g.db.Grants(g.schema, g.prefix, fs.Arg(0), *operator)
+	grants, err := g.db.Grants(g.schema, g.prefix, role, *operator)
 	if err != nil {
 		return usageError{err.Error()}
 	}
-	if g.output == "json" {
-		return printer{w: stdout, json: true}.emit(map[string]any{"role": fs.Arg(0), "operator": *operator, "statements": grants}, nil)
+	if out.json() {
+		return out.emit(map[string]any{"role": role, "operator": *operator, "statements": grants}, nil)
 	}
-	fmt.Fprintf(stdout, "%s;\n", strings.Join(grants, ";\n"))
+	fmt.Fprintf(out.w, "%s;\n", strings.Join(grants, ";\n"))
 	return nil
 }
 
-func cleanup(ctx context.Context, o *ops.Ops, g globals, args []string, out printer) error {
-	fs := flag.NewFlagSet("cleanup", flag.ContinueOnError)
-	fs.SetOutput(io.Discard)
+func cleanup(ctx context.Context, g *globals, c *command, args []string, out printer) error {
+	fs := g.flags(c)
 	retention := fs.Duration("retention", 0, "the service's Config.Retention (default: as the service recorded it)")
 	effectRetention := fs.Duration("effect-retention", 0, "the service's Config.EffectRetention (default: -retention)")
 	force := fs.Bool("force", false, "allow a retention below the service's Retention or redelivery horizon")
 	dryRun := fs.Bool("dry-run", false, "count what would be deleted, delete nothing")
 	batch := fs.Int("batch", 1000, "rows per batch")
-	if err := fs.Parse(args); err != nil {
-		return usageError{err.Error()}
-	}
-	if fs.NArg() != 0 {
-		return usageError{"cleanup: unexpected " + strings.Join(fs.Args(), " ")}
+	if _, err := g.parse(fs, c, args, 0); err != nil {
+		return err
 	}
 	if set(fs, "retention") && *retention <= 0 {
 		return usageError{fmt.Sprintf("cleanup: -retention %s would forget every processed message ID, and every redelivery would run its handler again: give a positive retention (below the service's, with -force)", *retention)}
+	}
+	ctx, o, err := g.connect(ctx)
+	if err != nil {
+		return err
 	}
 	r, err := o.CheckRetention(ctx, ops.CleanupOptions{Retention: *retention, Force: *force})
 	switch {
@@ -773,7 +1080,7 @@ func cleanup(ctx context.Context, o *ops.Ops, g globals, args []string, out prin
 		// never shorter than the service would. Deleting young effects takes an explicit value.
 		*effectRetention = r
 	}
-	if !out.json {
+	if !out.json() {
 		verb := "cleaning"
 		if *dryRun {
 			verb = "dry run"
@@ -783,11 +1090,11 @@ func cleanup(ctx context.Context, o *ops.Ops, g globals, args []string, out prin
 	rep, err := o.Cleanup(ctx, ops.CleanupOptions{Actor: g.actor, Retention: r, EffectRetention: *effectRetention,
 		Force: *force, DryRun: *dryRun, BatchSize: *batch,
 		Progress: func(r outboxdriver.CleanupResult) {
-			if !out.json && r.Claims+r.Effects+r.Attempts > 0 {
+			if !out.json() && r.Claims+r.Effects+r.Attempts > 0 {
 				fmt.Fprintf(out.w, "\r%d claims, %d effects, %d attempt counters deleted", r.Claims, r.Effects, r.Attempts)
 			}
 		}})
-	if !out.json && !*dryRun {
+	if !out.json() && !*dryRun {
 		fmt.Fprintln(out.w)
 	}
 	if err != nil {

@@ -229,3 +229,24 @@ func TestPasswordNeverPrinted(t *testing.T) {
 		}
 	}
 }
+
+// The help of outbox-mysql is its own: MySQL's DSN and default schema, no database needed, and
+// nothing matched exits 1 here too.
+func TestHelpOnMySQL(t *testing.T) {
+	for _, args := range [][]string{{"-h"}, {"help", "status"}, {"parked", "retry", "--help"}, {"migrate", "grants", "-h"}} {
+		code, out, errOut := cli(t, "", args...)
+		if code != 0 || errOut != "" || !strings.Contains(out, "usage: outbox") {
+			t.Errorf("outbox-mysql %s: exit %d, want 0 and the help: %s%s", strings.Join(args, " "), code, out, errOut)
+		}
+	}
+	if _, out, _ := cli(t, "", "-h"); !strings.Contains(out, "go-sql-driver/mysql format") || !strings.Contains(out, "(default: the DSN's database)") {
+		t.Errorf("outbox-mysql -h: want the DSN format and the default schema: %s", out)
+	}
+	dsn := bareDSN(t)
+	if code, _, errOut := cli(t, dsn, "migrate", "up"); code != 0 {
+		t.Fatalf("migrate up: %d %s", code, errOut)
+	}
+	if code, _, errOut := cli(t, dsn, "parked", "list", "-o", "json"); code != 1 || !strings.Contains(errOut, "nothing matched") {
+		t.Errorf("parked list on empty tables: exit %d, want 1 and nothing matched: %s", code, errOut)
+	}
+}
