@@ -196,7 +196,7 @@ func TestRepairsAreAuditedAndDryRunChangesNothing(t *testing.T) {
 	if ch.Changed != 1 {
 		t.Fatalf("retry: %+v", ch)
 	}
-	f.jsonOfNothing(t, &parked, "parked", "list")
+	f.jsonOf(t, &parked, "parked", "list")
 	if len(parked) != 0 {
 		t.Fatalf("after retry and discard: %+v parked", parked)
 	}

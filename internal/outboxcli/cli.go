@@ -18,8 +18,9 @@
 // Global flags, before or after the command: -dsn (default $OUTBOX_DSN, then $DATABASE_URL; in the
 // Database's format), -schema, -prefix, -o text|json, -actor (default $USER), -timeout. Each
 // command and group has its own help (-h, --help or `outbox help COMMAND`: stdout, exit status 0,
-// no database needed), with the defaults of its flags. Exit status: 0 done; 1 failed, or nothing
-// matched (stderr says "nothing matched", stdout has the empty result); 2 a mistake in the
+// no database needed), with the defaults of its flags. Exit status: 0 done (an empty list too);
+// 1 failed, or nothing matched what the command names (a selection to repair, a message to replay
+// or look up: stderr says "nothing matched", stdout has the empty result); 2 a mistake in the
 // command line. Every change (retry, discard, replay, cleanup) is written to the audit table with
 // the actor; status shows the latest. Text output escapes the control characters of what it
 // prints from the tables; the password of the DSN is never printed.
@@ -150,9 +151,10 @@ type helpRequest struct{ text string }
 
 func (e helpRequest) Error() string { return "help requested" }
 
-// nothingMatched is the one rule for a selection, a message or a list that matched nothing, as
-// grep has it: exit status 1, "nothing matched" on stderr, the (empty) result on stdout. A wrong
-// -id is not a success, and a script can tell an empty answer from a full one.
+// nothingMatched is the one rule for a command that names what it acts on or looks up (a
+// selection to repair, a message to replay or look up) when nothing matched, as grep has it: exit
+// status 1, "nothing matched" on stderr, the (empty) result on stdout. A wrong -id is not a
+// success. A list is not such a command: an empty one is an answer (exit 0).
 type nothingMatched struct{ msg string }
 
 func (e nothingMatched) Error() string { return "nothing matched: " + e.msg }
@@ -403,9 +405,9 @@ func (g *globals) connect(ctx context.Context) (context.Context, *ops.Ops, error
 	return ctx, o, nil
 }
 
-const exitText = `Exit status: 0 done; 1 failed, or nothing matched (a selection, a message or a list that matched
-nothing: stderr says "nothing matched", and stdout has the empty result, [] in JSON); 2 a mistake
-in the command line.
+const exitText = `Exit status: 0 done (a list with nothing in it too: [] in JSON); 1 failed, or nothing matched what
+the command names (a selection to repair, a message to replay or look up: stderr says "nothing
+matched", and stdout has the empty result, [] in JSON); 2 a mistake in the command line.
 `
 
 // groupHelp is the help of a group of commands, or of outbox itself (the root).
@@ -491,18 +493,18 @@ type printer struct {
 	g *globals
 }
 
-// list prints the n rows of v, or, when there are none, [] in JSON and nothing in text, and
-// reports that nothing matched (what says what).
+// list prints the n rows of v, or, when there are none, [] in JSON and what (what is empty) in
+// text. An empty list is an answer, not a failure: a script that checks that nothing is parked
+// under set -e must not stop at the healthy state (kubectl get does the same).
 func (p printer) list(v any, n int, what string, text func(w *tabwriter.Writer)) error {
 	if n > 0 {
 		return p.emit(v, text)
 	}
 	if p.json() {
-		if err := p.emit([]any{}, nil); err != nil {
-			return err
-		}
+		return p.emit([]any{}, nil)
 	}
-	return nothingMatched{what}
+	_, err := fmt.Fprintln(p.w, what)
+	return err
 }
 
 // json tells whether the output is JSON (-o may come after the command, so it is read late).
