@@ -35,7 +35,8 @@ func (o *Outbox) InTx(ctx context.Context, fn func(ctx context.Context, tx *sql.
 // InUnit is InTx for any driver: fn finds the transaction in its context, with Tx for
 // database/sql or with the driver package's accessor (the pgx driver's InTx builds on it).
 // Inside a handler's unit of work it returns an error wrapping ErrNestedUnitOfWork: the
-// handler's own transaction is the one to write through.
+// handler's own transaction is the one to write through. So does a keyed call (WithIdempotencyKey)
+// inside any unit of work, keyed or not: its key would commit without the outer unit.
 func (o *Outbox) InUnit(ctx context.Context, fn func(ctx context.Context) error) (err error) {
 	growStack() // see Handle
 	if outer := unitFrom(ctx); outer != nil && outer.incoming != nil {
@@ -44,12 +45,18 @@ func (o *Outbox) InUnit(ctx context.Context, fn func(ctx context.Context) error)
 		return fmt.Errorf("%w: InTx called inside the unit of work of consumer %q (message %q) would open an independent transaction; "+
 			"write through outbox.Tx (outboxpgx.Tx with pgx) and record with outbox.Publish instead", ErrNestedUnitOfWork, outer.src.Consumer, outer.src.ID)
 	}
-	if outer, k := unitFrom(ctx), keyedFrom(ctx); outer != nil && outer.key != nil && k != nil &&
-		k.scope == outer.key.scope && k.key == outer.key.key {
-		// It would claim the key the outer unit holds: refused at once, or waited for until
-		// HandlerTimeout with WaitInFlight.
-		return fmt.Errorf("%w: InTx called inside the keyed unit of work of idempotency key %q would claim its key again; "+
-			"write through the outer unit's transaction", ErrNestedUnitOfWork, outer.key.key)
+	if outer, k := unitFrom(ctx), keyedFrom(ctx); outer != nil && k != nil {
+		if outer.key != nil && k.scope == outer.key.scope && k.key == outer.key.key {
+			// It would claim the key the outer unit holds: refused at once, or waited for until
+			// HandlerTimeout with WaitInFlight.
+			return fmt.Errorf("%w: InTx called inside the keyed unit of work of idempotency key %q would claim its key again; "+
+				"write through the outer unit's transaction", ErrNestedUnitOfWork, outer.key.key)
+		}
+		// Its key would commit with its own transaction, not with the outer one: when the outer
+		// unit rolls back, a retry of the request replays the inner result and the outer work is
+		// never done.
+		return fmt.Errorf("%w: InTx with idempotency key %q called inside another unit of work would commit its key on its own; "+
+			"write through the outer unit's transaction", ErrNestedUnitOfWork, k.key)
 	}
 	ctx, span := o.tel.tracer.Start(ctx, "outbox InTx")
 	defer func() { endSpan(span, err) }()

@@ -43,7 +43,8 @@ var (
 	// outbox middleware is applied twice to one handler (for example on the Router and on the
 	// handler; the inner one would wait forever for the claim the outer one holds), or the
 	// handler called InTx or JoinTx (whose transaction would commit even when the message's rolls
-	// back).
+	// back). It is also returned by InTx with an idempotency key inside any unit of work, keyed or
+	// not (the key would commit even when the outer unit rolls back).
 	ErrNestedUnitOfWork = errors.New("outbox: unit of work started inside a message's unit of work")
 	// ErrUnsafeMiddlewareOrder means Watermill middleware that retries, poisons or acks messages
 	// runs inside the outbox middleware, where it breaks the guarantee: Retry would apply a failed

@@ -213,6 +213,48 @@ func TestKeyedInTxMisuse(t *testing.T) {
 	}
 }
 
+// A keyed InTx nested in any unit of work is refused, whatever its key: its claim would commit on
+// its own, so a retry of its request would replay a result whose outer unit rolled back. Nothing
+// of the inner unit runs or is stored, whether the outer unit is keyed with another key,
+// unkeyed, or joined to the caller's transaction.
+func TestNestedKeyedInTxRefused(t *testing.T) {
+	e := newEnv(t)
+	var runs atomic.Int32
+	errOuter := errors.New("the outer unit fails after the inner one")
+	nested := func(ctx context.Context) error {
+		return e.ob.InTx(outbox.WithIdempotencyKey(ctx, "orders", "inner"), placeOrder(&runs, "inner"))
+	}
+	for name, outer := range map[string]func(fn func(ctx context.Context) error) error{
+		"keyed with another key": func(fn func(ctx context.Context) error) error {
+			return e.ob.InTx(outbox.WithIdempotencyKey(context.Background(), "orders", "outer"), func(ctx context.Context, _ *sql.Tx) error { return fn(ctx) })
+		},
+		"unkeyed": func(fn func(ctx context.Context) error) error {
+			return e.ob.InTx(context.Background(), func(ctx context.Context, _ *sql.Tx) error { return fn(ctx) })
+		},
+		"joined": func(fn func(ctx context.Context) error) error {
+			tx, err := e.db.Begin()
+			if err != nil {
+				return err
+			}
+			defer func() { _ = tx.Rollback() }()
+			ctx, _ := e.ob.JoinTx(context.Background(), tx)
+			return fn(ctx)
+		},
+	} {
+		var inner error
+		err := outer(func(ctx context.Context) error {
+			inner = nested(ctx)
+			return errOuter
+		})
+		if !errors.Is(err, errOuter) || !errors.Is(inner, outbox.ErrNestedUnitOfWork) {
+			t.Errorf("%s: outer %v, nested keyed InTx %v; want ErrNestedUnitOfWork", name, err, inner)
+		}
+	}
+	mustEqual(t, "runs of the nested unit", runs.Load(), int32(0))
+	mustEqual(t, "keys stored", e.count(`SELECT count(*) FROM outbox_idempotency`), 0)
+	mustEqual(t, "business rows", e.count(`SELECT count(*) FROM applied`), 0)
+}
+
 // A key expires after IdempotencyRetention: a retry later runs again; the cleanup deletes
 // expired keys, in batches, and keeps the others. Validate refuses a retention shorter than the
 // clients' retry horizon.

@@ -55,7 +55,8 @@ type Config struct {
 	StoredHeaders []string
 	// MaxResponseBytes bounds the response body stored with a key (and buffered until the commit).
 	// A handler that writes more is rolled back and the client gets 500 Internal Server Error
-	// saying so. Default: 1 MiB; it must not exceed the Outbox's MaxPayloadBytes.
+	// saying so. Default: 1 MiB; it must leave 8 KiB of the Outbox's MaxPayloadBytes for the
+	// stored status and headers (New refuses more), since the response is stored as one result.
 	MaxResponseBytes int
 	// MaxRequestBytes bounds the request body read to fingerprint a keyed request; a larger one
 	// gets 413 Content Too Large without running. Default: 1 MiB.
@@ -93,7 +94,7 @@ func (c *Config) setDefaults() {
 		c.StoredHeaders = []string{"Content-Type", "Content-Language", "Location", "ETag", "Last-Modified"}
 	}
 	if c.MaxResponseBytes == 0 {
-		c.MaxResponseBytes = 1 << 20
+		c.MaxResponseBytes = defaultMaxResponseBytes
 	}
 	if c.MaxRequestBytes == 0 {
 		c.MaxRequestBytes = 1 << 20
@@ -123,6 +124,7 @@ func (c Config) Validate() error {
 	if c.MaxResponseBytes < 0 || c.MaxRequestBytes < 0 {
 		errs = append(errs, errors.New("MaxResponseBytes and MaxRequestBytes must not be negative"))
 	}
+	errs = append(errs, c.checkStoredRoom())
 	return errors.Join(errs...)
 }
 
@@ -249,7 +251,7 @@ func (m *middleware) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		if !keyed {
 			return nil
 		}
-		resp, err := json.Marshal(stored{Status: rec.code(), Header: pick(rec.header, m.cfg.StoredHeaders), Body: rec.body.Bytes()})
+		resp, err := encodeStored(stored{Status: rec.code(), Header: pick(rec.header, m.cfg.StoredHeaders), Body: rec.body.Bytes()})
 		if err != nil {
 			return err
 		}
@@ -300,8 +302,8 @@ func (m *middleware) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		rec.send(w, false)
 		return
 	}
-	var s stored
-	if err := json.Unmarshal(res, &s); err != nil {
+	s, err := decodeStored(res)
+	if err != nil {
 		m.failed(r, fmt.Errorf("idempotency: the stored response of key %q is unreadable: %w", key, err))
 		problem(w, http.StatusInternalServerError, "Stored response unreadable", "The response stored with this idempotency key cannot be read.")
 		return

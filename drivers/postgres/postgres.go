@@ -500,14 +500,21 @@ func queries(n store.Names, deleteDispatched bool) store.Queries {
 				WHERE dispatched_at < now() - ` + ms("$1") + ` AND dispatched_at >= coalesce($3::timestamptz, '-infinity')
 				ORDER BY dispatched_at LIMIT $2)) RETURNING dispatched_at)
 			SELECT count(*), max(dispatched_at) FROM d`,
-		CleanupAttempts:      `DELETE FROM ` + n.Attempts + ` WHERE (consumer, message_id) IN (` + cleanupAttempts + ` LIMIT $2)`,
+		// The DELETE repeats its subquery's condition on its own row: one that was updated while
+		// the DELETE waited for it (a failure counted again, a key taken over by a retry) is
+		// judged again by the version it then finds, where a match by its primary key alone would
+		// delete the new count or claim.
+		CleanupAttempts: `DELETE FROM ` + n.Attempts + ` WHERE (consumer, message_id) IN (` + cleanupAttempts + ` LIMIT $2)
+			AND last_failed_at < now() - ` + ms("$1"),
 		CleanupClaimsCount:   `SELECT count(*) FROM (` + cleanupClaims + `) s`,
 		CleanupEffectsCount:  `SELECT count(*) FROM (` + cleanupEffects + `) s`,
 		CleanupAttemptsCount: `SELECT count(*) FROM (` + cleanupAttempts + `) s`,
 
 		// Expired keys only: each carries its expiry, written at its claim. $1 is the cleanup's
-		// retention argument, zero for keys.
-		CleanupKeys:      `DELETE FROM ` + n.Idempotency + ` WHERE (scope, key) IN (` + cleanupKeys + ` LIMIT $2)`,
+		// retention argument, zero for keys. The expiry is checked again on the row deleted (see
+		// CleanupAttempts).
+		CleanupKeys: `DELETE FROM ` + n.Idempotency + ` WHERE (scope, key) IN (` + cleanupKeys + ` LIMIT $2)
+			AND expires_at < now() - ` + ms("$1"),
 		CleanupKeysCount: `SELECT count(*) FROM (` + cleanupKeys + `) s`,
 
 		// A key's lock is a transaction-level advisory lock on the 64-bit hash of its name

@@ -241,14 +241,19 @@ func queries(n store.Names) store.Queries {
 				coalesce((SELECT ` + msSince("min(due_at)") + ` FROM overdue), 0)`,
 
 		// No lock: each batch's transaction holds the write lock, so cleaners take turns.
-		CleanupClaims:        `DELETE FROM ` + n.Processed + ` WHERE (consumer, message_id) IN (` + cleanupClaims + ` LIMIT ?2)`,
-		CleanupEffects:       `DELETE FROM ` + n.Effects + ` WHERE id IN (` + cleanupEffects + ` ORDER BY id LIMIT ?2)`,
-		CleanupAttempts:      `DELETE FROM ` + n.Attempts + ` WHERE (consumer, message_id) IN (` + cleanupAttempts + ` LIMIT ?2)`,
+		CleanupClaims:  `DELETE FROM ` + n.Processed + ` WHERE (consumer, message_id) IN (` + cleanupClaims + ` LIMIT ?2)`,
+		CleanupEffects: `DELETE FROM ` + n.Effects + ` WHERE id IN (` + cleanupEffects + ` ORDER BY id LIMIT ?2)`,
+		// The counts and keys repeat their condition on the row deleted, as on PostgreSQL, where a
+		// row updated while the DELETE waited for it must be judged by its new version. Here no
+		// writer comes in between; the statements keep the shape that stays right if one could.
+		CleanupAttempts: `DELETE FROM ` + n.Attempts + ` WHERE (consumer, message_id) IN (` + cleanupAttempts + ` LIMIT ?2)
+			AND last_failed_at < ` + ago("?1"),
 		CleanupClaimsCount:   `SELECT count(*) FROM (` + cleanupClaims + `)`,
 		CleanupEffectsCount:  `SELECT count(*) FROM (` + cleanupEffects + `)`,
 		CleanupAttemptsCount: `SELECT count(*) FROM (` + cleanupAttempts + `)`,
-		CleanupKeys:          `DELETE FROM ` + n.Idempotency + ` WHERE (scope, key) IN (` + cleanupKeys + ` LIMIT ?2)`,
-		CleanupKeysCount:     `SELECT count(*) FROM (` + cleanupKeys + `)`,
+		CleanupKeys: `DELETE FROM ` + n.Idempotency + ` WHERE (scope, key) IN (` + cleanupKeys + ` LIMIT ?2)
+			AND expires_at < ` + ago("?1"),
+		CleanupKeysCount: `SELECT count(*) FROM (` + cleanupKeys + `)`,
 
 		// Every write transaction begins IMMEDIATE (DSNParams), holding the database's one write
 		// lock: a unit with a key the first request still holds waits at its BEGIN for that

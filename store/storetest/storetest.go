@@ -144,10 +144,12 @@ func Run(t *testing.T, newHarness func(t *testing.T) Harness) {
 		{"Cleanup/RetentionAndCounts", testCleanupRetention},
 		{"Cleanup/Batches", testCleanupBatches},
 		{"Cleanup/AnotherProcessCleaning", testCleanupLocked},
+		{"Cleanup/AttemptCountedMeanwhile", testCleanupAttemptCounted},
 		{"Delayed/DueCancelAndOrder", testDelayed},
 		{"KeyClaim/ReplayMismatchExpiryCleanup", testKeys},
 		{"KeyClaim/InFlight", testKeysInFlight},
 		{"KeyClaim/ConcurrentClaimsOneRuns", testKeysConcurrent},
+		{"KeyClaim/CleanupWhileTakenOver", testKeysCleanupTakeOver},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
@@ -1994,6 +1996,50 @@ func testCleanupLocked(f *fixture) {
 	}
 }
 
+// testCleanupAttemptCounted: a cleanup that finds a message's failed attempts old while a new
+// failure is being counted (its row updated, uncommitted) waits for it, and then leaves the count:
+// a cleanup that judged the row by what it first saw would reset the count, and the message would
+// get MaxAttempts more attempts before it is poisoned.
+func testCleanupAttemptCounted(f *fixture) {
+	if !f.h.Capabilities.RowLocks {
+		return // one writer at a time: a cleanup cannot run while the count is held
+	}
+	src := f.src("m1")
+	f.attempt(src, "boom")
+	f.attempt(src, "boom")
+	f.age("attempts", "first_failed_at", src, 8*24*time.Hour)
+	f.age("attempts", "last_failed_at", src, 8*24*time.Hour)
+	// The suite's SQL has no parameters: the counting statement of every dialect, in a
+	// transaction held open, with the source inlined.
+	consumer, id := KeyColumns("attempts")
+	tx := f.begin()
+	defer func() { _ = tx.Rollback() }()
+	if _, err := tx.ExecContext(f.ctx, `UPDATE `+f.h.Table("attempts")+` SET attempts = attempts + 1, last_failed_at = CURRENT_TIMESTAMP
+		WHERE `+consumer+` = '`+src.Consumer+`' AND `+id+` = '`+src.ID+`'`); err != nil {
+		f.t.Fatalf("count an attempt: %v", err)
+	}
+	type result struct {
+		res outboxdriver.CleanupResult
+		err error
+	}
+	done := make(chan result, 1)
+	go func() {
+		res, err := f.st.Cleanup(f.ctx, outboxdriver.CleanupParams{Retention: 7 * 24 * time.Hour, EffectRetention: time.Hour, BatchSize: 10})
+		done <- result{res, err}
+	}()
+	f.waitUntil("cleanup to wait for the counted attempt", func() bool { return f.h.Blocked(f.t) })
+	if err := tx.Commit(); err != nil {
+		f.t.Fatalf("commit the count: %v", err)
+	}
+	r := receive(f, "cleanup after the count committed", done)
+	if r.err != nil || r.res.Attempts != 0 {
+		f.t.Fatalf("cleanup while an attempt was counted: %+v, %v; want no count deleted", r.res, r.err)
+	}
+	if got := f.attempt(src, "boom"); got != 4 {
+		f.t.Fatalf("the attempt after the cleanup counted as %d, want 4", got)
+	}
+}
+
 func testClaimAge(f *fixture) {
 	src := f.src("m1")
 	f.commit(src, true, nil)
@@ -2411,6 +2457,45 @@ func testKeys(f *fixture) {
 	}
 	if c := f.claimKey(ks, expired[1], "", false); !c.Claimed {
 		f.t.Fatal("an expired key is still there after cleanup")
+	}
+}
+
+// testKeysCleanupTakeOver: a cleanup that finds a key expired while a retry holds it taken over
+// (uncommitted) waits for the retry, and then leaves the key it committed: the retry's claim and
+// result are there for the next retry. A cleanup that judged the key by the row it first saw
+// would delete the new claim, and the next retry would run the unit once more.
+func testKeysCleanupTakeOver(f *fixture) {
+	ks := f.keyStore()
+	if !f.h.Capabilities.RowLocks {
+		return // one writer at a time: a cleanup cannot run while the retry's claim is held
+	}
+	p := outboxdriver.KeyClaimParams{Scope: "orders", Key: "retaken", Fingerprint: []byte("fp"), Retention: time.Millisecond}
+	f.claimKey(ks, p, "first", true)
+	time.Sleep(50 * time.Millisecond)
+	retry := f.beginKeyed(ks)
+	p.Retention = time.Hour
+	if c, err := retry.claim(p); err != nil || !c.Claimed {
+		retry.end(false)
+		f.t.Fatalf("claim of the expired key: %+v, %v; want claimed (taken over)", c, err)
+	}
+	type result struct {
+		res outboxdriver.CleanupResult
+		err error
+	}
+	done := make(chan result, 1)
+	go func() {
+		res, err := f.st.Cleanup(f.ctx, outboxdriver.CleanupParams{Retention: 7 * 24 * time.Hour, EffectRetention: time.Hour, BatchSize: 10})
+		done <- result{res, err}
+	}()
+	f.waitUntil("cleanup to wait for the retry's claim", func() bool { return f.h.Blocked(f.t) })
+	retry.save("second")
+	retry.end(true)
+	r := receive(f, "cleanup after the retry committed", done)
+	if r.err != nil || r.res.Keys != 0 {
+		f.t.Fatalf("cleanup while a retry held the expired key: %+v, %v; want no key deleted", r.res, r.err)
+	}
+	if c := f.claimKey(ks, p, "", false); c.Claimed || string(c.Result) != "second" {
+		f.t.Fatalf("claim after the cleanup: %+v; want the retry's key with its result", c)
 	}
 }
 
