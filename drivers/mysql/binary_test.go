@@ -3,12 +3,14 @@ package mysql_test
 import (
 	"context"
 	"database/sql"
+	"fmt"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/watermill-outbox/outbox/drivers/mysql"
 	"github.com/watermill-outbox/outbox/drivers/mysql/internal/mysqltest"
+	"github.com/watermill-outbox/outbox/ops"
 	"github.com/watermill-outbox/outbox/outboxdriver"
 )
 
@@ -160,5 +162,79 @@ func TestBinaryIdentifiersMigration(t *testing.T) {
 	}
 	if n, err := ds.DelayedCancel(ctx, tx, "x-a"); err != nil || n != 1 {
 		t.Fatalf(`DelayedCancel("x-a") = %d, %v; want 1`, n, err)
+	}
+}
+
+// TestOpsTellLookalikesApart: the operators' statements filter and group by consumer, topic and
+// message ID byte for byte too: a consumer or topic that differs from another by a trailing space
+// is listed, counted and looked up on its own.
+func TestOpsTellLookalikesApart(t *testing.T) {
+	db := mysqltest.DB(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	o, err := ops.OpenWith(db, ops.Options{Driver: mysql.Driver{}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	st := o.Store()
+	if err := st.Migrate(ctx); err != nil {
+		t.Fatal(err)
+	}
+	parked := map[string]int64{}
+	// Of two messages, so that the claims take no part.
+	for i, s := range []string{"", " "} {
+		src := outboxdriver.Source{Consumer: "billing" + s, ID: fmt.Sprint("m", i+1)}
+		tx, err := db.BeginTx(ctx, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		e := []outboxdriver.Effect{{Kind: outboxdriver.KindPublish, Topic: "invoices" + s, UUID: "u" + s, Payload: []byte("x"), OrderingKey: "k"}}
+		if c, err := st.MessageClaim(ctx, tx, src); err != nil || !c.Claimed {
+			t.Fatalf("claim %q: %+v, %v", src, c, err)
+		}
+		if _, err := st.EffectInsert(ctx, tx, src, e); err != nil {
+			t.Fatal(err)
+		}
+		if err := tx.Commit(); err != nil {
+			t.Fatal(err)
+		}
+		parked[s] = e[0].StoreID
+		if err := st.EffectRecordFailures(ctx, outboxdriver.EffectFailure{StoreID: e[0].StoreID, Reason: "refused", Counted: true, Park: true}); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := st.AttemptRecord(ctx, outboxdriver.Source{Consumer: src.Consumer, ID: "failing"}, "boom"+s); err != nil {
+			t.Fatal(err)
+		}
+	}
+	s, err := o.Status(ctx, time.Hour)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(s.Groups) != 2 || len(s.Failing) != 2 || len(s.Retained) != 2 {
+		t.Errorf("status: groups %+v, failing %+v, retained %v; want two of each (billing and \"billing \")", s.Groups, s.Failing, s.Retained)
+	}
+	for _, c := range []struct {
+		name string
+		f    ops.ParkedFilter
+		want int64
+	}{
+		{"topic invoices", ops.ParkedFilter{Topic: "invoices"}, parked[""]},
+		{`topic "invoices "`, ops.ParkedFilter{Topic: "invoices "}, parked[" "]},
+		{"consumer billing", ops.ParkedFilter{Consumer: "billing"}, parked[""]},
+		{`consumer "billing "`, ops.ParkedFilter{Consumer: "billing "}, parked[" "]},
+	} {
+		got, err := o.ParkedEffects(ctx, c.f)
+		if err != nil || len(got) != 1 || got[0].StoreID != c.want {
+			t.Errorf("parked, %s: %+v, %v; want effect %d only", c.name, got, err, c.want)
+		}
+	}
+	if f, err := o.FailingMessages(ctx, "billing", 0); err != nil || len(f) != 1 || f[0].LastError != "boom" {
+		t.Errorf("failing of billing: %+v, %v; want its one message", f, err)
+	}
+	if l, err := o.Lookup(ctx, "billing", "m1"); err != nil || !l.Processed || len(l.Effects) != 1 || l.Effects[0].Topic != "invoices" {
+		t.Errorf("lookup of billing/m1: %+v, %v; want its one effect", l, err)
+	}
+	if l, err := o.Lookup(ctx, "billing", "m2"); err != nil || l.Processed || len(l.Effects) != 0 {
+		t.Errorf(`lookup of billing/m2: %+v, %v; want nothing (m2 is "billing "'s)`, l, err)
 	}
 }
