@@ -13,7 +13,12 @@
 //	ob, err := outbox.New(outbox.Config{DB: db, Driver: mysql.Driver{}, Publisher: pub})
 //
 // Config.Schema names the database of the outbox tables; empty means the connection's own.
-// The tables are InnoDB, utf8mb4 with binary collation (message IDs compare byte for byte).
+// The tables are InnoDB, utf8mb4. Identifiers (message IDs, consumers, topics, ordering keys,
+// idempotency scopes and keys, cancel keys) are binary strings, VARBINARY and BLOB: they compare
+// byte for byte, as on PostgreSQL ("a", "a " and " a" are three messages, as are "é" composed and
+// decomposed). A text collation would not do: utf8mb4_bin pads with spaces ('a' = 'a '), and no
+// collation that does not has one name on MySQL 8 and MariaDB. The bytes are those the connection
+// sends, UTF-8 under DSNParams (charset=utf8mb4).
 // Migrate creates them (and the database, when Schema names one) under GET_LOCK, so that many
 // instances may start at once; MySQL commits DDL implicitly, so every statement of a migration
 // is idempotent and a migration interrupted half way is completed by the next Migrate.

@@ -9,7 +9,7 @@ import (
 )
 
 // ops are the operators' statements (package ops) on the tables. Arguments used more than once,
-// or compared with the tables' text, are named once by a derived row (see text).
+// or compared with the tables' columns, are named once by a derived row (see binary and text).
 func (q queries) ops() store.OpsQueries {
 	n := q.n
 	groups := `SELECT source_consumer, topic,
@@ -44,7 +44,7 @@ func (q queries) ops() store.OpsQueries {
 		Parked: `SELECT e.id, e.source_consumer, e.source_id, e.kind, e.topic, e.uuid, e.ordering_key, e.attempts, e.failures,
 			coalesce(e.last_error, ''), e.parked_at, e.created_at
 		FROM ` + n.Effects + ` e,
-			(SELECT ? AS ids, ` + text + ` AS topic, ` + text + ` AS consumer, ? AS older_ms, ` + text + ` AS err, ? AS after_id) a
+			(SELECT ? AS ids, ` + binary + ` AS topic, ` + binary + ` AS consumer, ? AS older_ms, ` + text + ` AS err, ? AS after_id) a
 		WHERE e.parked_at IS NOT NULL AND e.dispatched_at IS NULL
 		  AND (a.ids IS NULL OR FIND_IN_SET(e.id, a.ids) > 0)
 		  AND (a.topic = '' OR e.topic = a.topic) AND (a.consumer = '' OR e.source_consumer = a.consumer)
@@ -53,14 +53,14 @@ func (q queries) ops() store.OpsQueries {
 		  AND e.id > a.after_id
 		ORDER BY e.id LIMIT ?`,
 		Failing: `SELECT a.consumer, a.message_id, a.attempts, a.last_error, a.first_failed_at, a.last_failed_at
-		FROM ` + n.Attempts + ` a, (SELECT ` + text + ` AS consumer) f
+		FROM ` + n.Attempts + ` a, (SELECT ` + binary + ` AS consumer) f
 		WHERE (f.consumer = '' OR a.consumer = f.consumer)
 		  AND NOT EXISTS (SELECT 1 FROM ` + n.Processed + ` p WHERE p.consumer = a.consumer AND p.message_id = a.message_id)
 		ORDER BY a.attempts DESC, a.last_failed_at DESC LIMIT ?`,
 		IsPoisoned: `SELECT poisoned FROM ` + n.Processed + ` WHERE consumer = ? AND message_id = ?`,
 		Poisoned: `SELECT p.consumer, p.message_id, p.processed_at, coalesce(a.attempts, 0), coalesce(a.last_error, '')
 		FROM ` + n.Processed + ` p LEFT JOIN ` + n.Attempts + ` a ON a.consumer = p.consumer AND a.message_id = p.message_id,
-			(SELECT ` + text + ` AS consumer) f
+			(SELECT ` + binary + ` AS consumer) f
 		WHERE p.poisoned AND (f.consumer = '' OR p.consumer = f.consumer) ORDER BY p.processed_at DESC LIMIT ?`,
 		LookupClaim: `SELECT processed_at, dispatched_at, poisoned FROM ` + n.Processed + `
 		WHERE consumer = ? AND message_id = ?`,

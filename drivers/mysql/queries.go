@@ -31,9 +31,14 @@ func ids(arg string) string {
 	return `JSON_TABLE(CONCAT('[', ` + arg + `, ']'), '$[*]' COLUMNS (id BIGINT PATH '$')) AS v`
 }
 
-// text is a text argument in the tables' collation: a derived column of a bare argument would
-// carry the connection's collation, and comparing the two is an error ("illegal mix").
+// text is a text argument in the collation of the tables' text columns (last_error): a derived
+// column of a bare argument would carry the connection's collation, and comparing the two is an
+// error ("illegal mix").
 const text = `CONVERT(? USING utf8mb4) COLLATE utf8mb4_bin`
+
+// binary is an identifier argument as a binary string, as the identifier columns are (migration
+// 004): compared byte for byte, without the padding of a text collation.
+const binary = `CAST(? AS BINARY)`
 
 // effectColumns are the columns of an effect (table alias e) as the store scans them.
 var effectColumns = `e.id, e.source_consumer, e.source_id, e.seq, e.kind, e.topic, e.uuid, e.payload, e.metadata,
@@ -79,7 +84,7 @@ func (q queries) store() store.Queries {
 		EffectRelease: `UPDATE ` + ids("?") + ` JOIN ` + n.Effects + ` e FORCE INDEX (PRIMARY) ON e.id = v.id
 			SET e.next_attempt_at = ` + fromNow("?") + `
 			WHERE e.dispatched_at IS NULL AND e.parked_at IS NULL`,
-		EffectKeyBlocked: `SELECT EXISTS (SELECT 1 FROM (SELECT ` + text + ` AS c, ` + text + ` AS i, ` + text + ` AS k) a
+		EffectKeyBlocked: `SELECT EXISTS (SELECT 1 FROM (SELECT ` + binary + ` AS c, ` + binary + ` AS i, ` + binary + ` AS k) a
 			JOIN ` + n.Effects + ` b ON b.ordering_key = a.k
 			WHERE b.dispatched_at IS NULL AND NOT (b.source_consumer = a.c AND b.source_id = a.i)
 			  AND b.id < (SELECT min(s.id) FROM ` + n.Effects + ` s
@@ -112,7 +117,7 @@ func (q queries) store() store.Queries {
 
 		// The claim is a hook (keyClaim), under the key's session lock. The arguments (scope, key,
 		// result) are used out of order: a derived row names them.
-		KeySave: `UPDATE ` + n.Idempotency + ` k JOIN (SELECT ` + text + ` AS s, ` + text + ` AS k, ? AS r) a
+		KeySave: `UPDATE ` + n.Idempotency + ` k JOIN (SELECT ` + binary + ` AS s, ` + binary + ` AS k, ? AS r) a
 			ON k.scope = a.s AND k.` + "`key`" + ` = a.k SET k.result = a.r`,
 
 		// Inserted and moved by hooks (delayedInsert, delayedPromote). The cancel's DELETE locks

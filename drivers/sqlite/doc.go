@@ -42,4 +42,8 @@
 //     holds the only connection while it runs appliers).
 //   - Timestamps are UTC TEXT with millisecond precision, compared as strings; payloads and
 //     metadata are BLOBs, stored byte for byte.
+//
+// As on PostgreSQL, identifiers (message IDs, consumers, ordering keys, idempotency and cancel
+// keys) compare byte for byte: they are TEXT in SQLite's default collation, BINARY (memcmp),
+// which neither pads nor folds ("a" and "a " are two messages).
 package sqlite

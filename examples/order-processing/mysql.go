@@ -58,7 +58,10 @@ func redactMySQLDSN(text, dsn string) string {
 // mysqlSchema is the business tables (schema, store.go) in MySQL's DDL: a key column must have a
 // length (VARCHAR, not TEXT), indexes are declared with their table (MySQL has no CREATE INDEX IF
 // NOT EXISTS), a TEXT column has no default, and timestamps are DATETIME(6), written in UTC. The
-// binary collation compares as PostgreSQL does, byte for byte.
+// binary collation tells case and accents apart, as PostgreSQL does, but pads with spaces
+// ('w-1' = 'w-1 '): a SKU that differs from a product's by trailing spaces finds the product here
+// and not on PostgreSQL. (The outbox's own tables keep their identifiers as binary strings, which
+// compare byte for byte.)
 var mysqlSchema = []string{
 	`CREATE TABLE IF NOT EXISTS products (
 		sku         VARCHAR(100) NOT NULL PRIMARY KEY,

@@ -150,6 +150,10 @@ func Run(t *testing.T, newHarness func(t *testing.T) Harness) {
 		{"KeyClaim/InFlight", testKeysInFlight},
 		{"KeyClaim/ConcurrentClaimsOneRuns", testKeysConcurrent},
 		{"KeyClaim/CleanupWhileTakenOver", testKeysCleanupTakeOver},
+		{"Identifiers/Claims", testLookalikeClaims},
+		{"Identifiers/EffectsAndOrderingKeys", testLookalikeEffects},
+		{"Identifiers/IdempotencyKeys", testLookalikeIdempotencyKeys},
+		{"Identifiers/CancelKeys", testLookalikeCancelKeys},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()

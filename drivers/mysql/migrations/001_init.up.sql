@@ -2,9 +2,9 @@
 -- migration cannot roll back: every statement is idempotent (CREATE TABLE IF NOT EXISTS with its
 -- indexes inline, INSERT IGNORE), and the migrator, which holds GET_LOCK, runs them again after
 -- a crash half way. {{schema}} is the database (`` when the connection's own, see Driver.Open).
--- Text is utf8mb4 with binary collation: message IDs, consumers and ordering keys compare byte
--- for byte, as on PostgreSQL ("A" and "a" are two messages). Timestamps are DATETIME(6) in UTC
--- (UTC_TIMESTAMP(6)), whatever the session's time zone.
+-- Text is utf8mb4 with binary collation, which is PAD SPACE ('a' = 'a '): migration 004 makes the
+-- identifier columns binary strings, so that they compare byte for byte as on PostgreSQL.
+-- Timestamps are DATETIME(6) in UTC (UTC_TIMESTAMP(6)), whatever the session's time zone.
 
 -- Processed-message claims: one row per (consumer, message ID). dispatched_at is when the last
 -- side effect was dispatched (processing time when there were none); retention counts from it,
