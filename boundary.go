@@ -74,26 +74,51 @@ func (o *Outbox) InUnit(ctx context.Context, fn func(ctx context.Context) error)
 			return err
 		}
 	}
-	tx, _, err := o.units.BeginUnit(txCtx, nil)
-	if err != nil {
-		outcome = OutcomeFailed
-		return fmt.Errorf("outbox: %w", err)
-	}
+	var tx outboxdriver.UnitTx
+	var release func() // wakes the retries of this process waiting for the key this unit holds
 	// A panic on the way (in fn, or in a store or driver step) rolls the transaction back before it
 	// goes on, so that the connection goes back to the pool, and with it, on MySQL, the session
 	// lock of a claimed key. On every other path the unit has ended by then: a no-op.
-	defer func() { _ = tx.Rollback(after) }()
+	defer func() {
+		if tx != nil {
+			_ = tx.Rollback(after)
+		}
+		if release != nil {
+			release()
+		}
+	}()
+	// A retry that waits for the unit holding its key (WaitInFlight) waits without a connection:
+	// it rolls back, waits, and begins again. Waiting in the store held a pooled connection per
+	// waiter for up to HandlerTimeout, so that a few retries of one key starved a small pool.
+	for wait := keyPollFirst; ; wait = min(2*wait, keyPollMax) {
+		tx, _, err = o.units.BeginUnit(txCtx, nil)
+		if err != nil {
+			tx = nil
+			outcome = OutcomeFailed
+			return fmt.Errorf("outbox: %w", err)
+		}
+		if key == nil {
+			break
+		}
+		run, err := o.runKeyed(ctx, txCtx, tx, key)
+		if err == nil && run {
+			release = o.keysHeld.hold(key.scope, key.key)
+			break
+		}
+		_ = tx.Rollback(after)
+		if key.wait && errors.Is(err, ErrIdempotencyInFlight) {
+			if err = o.waitKey(ctx, txCtx, key, wait); err == nil {
+				continue
+			}
+		}
+		outcome = OutcomeReplayed
+		if err != nil {
+			outcome = keyOutcome(err)
+		}
+		return err
+	}
 	u := newUnit(o, tx, Source{ID: newID()}, nil)
 	if key != nil {
-		run, err := o.runKeyed(ctx, txCtx, tx, key)
-		if err != nil || !run {
-			_ = tx.Rollback(after)
-			outcome = OutcomeReplayed
-			if err != nil {
-				outcome = keyOutcome(err)
-			}
-			return err
-		}
 		u.key = key
 	}
 	if err := fn(withUnit(ctx, u)); err != nil {

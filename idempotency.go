@@ -6,9 +6,11 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"math/rand/v2"
 	"strconv"
 	"strings"
 	"sync"
+	"time"
 	"unicode/utf8"
 
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -161,12 +163,11 @@ func (o *Outbox) claimKey(ctx context.Context, tx outboxdriver.UnitTx, k *keyed)
 	if !ok {
 		return false, fmt.Errorf("outbox: %w: its units of work run on %T", ErrIdempotencyUnsupported, tx.Tx())
 	}
+	// Never waits in the store: a unit that waits for another (WaitInFlight) does so without a
+	// connection (InUnit, waitKey).
 	c, err := kt.KeyClaim(ctx, outboxdriver.KeyClaimParams{Scope: k.scope, Key: k.key, Fingerprint: k.fingerprint,
-		Retention: o.cfg.IdempotencyRetention, Wait: k.wait})
+		Retention: o.cfg.IdempotencyRetention})
 	switch {
-	case err != nil && ctx.Err() != nil && k.wait:
-		return false, fmt.Errorf("outbox: waited for the unit of work in flight with idempotency key %q (scope %q), at most HandlerTimeout (%s): %w",
-			k.key, k.scope, o.cfg.HandlerTimeout, err)
 	case err != nil:
 		return false, fmt.Errorf("outbox: %w", err)
 	case c.Claimed:
@@ -176,6 +177,70 @@ func (o *Outbox) claimKey(ctx context.Context, tx outboxdriver.UnitTx, k *keyed)
 	}
 	k.outcome(c.Result, true)
 	return false, nil
+}
+
+// Retries that wait for a key held by another unit of work look again after keyPollFirst, then
+// after twice as long each time up to keyPollMax, or at once when the unit that held it in this
+// process ended. Each look is a short transaction (BEGIN, the key's try-lock, ROLLBACK), so a
+// waiter costs at most about a dozen statements a second and no connection between them.
+const (
+	keyPollFirst = 10 * time.Millisecond
+	keyPollMax   = 250 * time.Millisecond
+)
+
+// waitKey waits before a retry looks at key again: d, or until a unit of this process that held
+// the key ends, or ctx (the caller) or txCtx (HandlerTimeout) ends.
+func (o *Outbox) waitKey(ctx, txCtx context.Context, k *keyed, d time.Duration) error {
+	t := time.NewTimer(d/2 + rand.N(d/2+1)) // spread: retries of one key do not look in step
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return nil
+	case <-o.keysHeld.ended(k.scope, k.key):
+		return nil
+	case <-ctx.Done():
+		return fmt.Errorf("outbox: waited for the unit of work in flight with idempotency key %q (scope %q) until the caller's context ended: %w",
+			k.key, k.scope, ctx.Err())
+	case <-txCtx.Done():
+		return fmt.Errorf("outbox: waited for the unit of work in flight with idempotency key %q (scope %q), at most HandlerTimeout (%s): %w",
+			k.key, k.scope, o.cfg.HandlerTimeout, ErrIdempotencyInFlight)
+	}
+}
+
+// heldKeys tells the units of this process that hold an idempotency key, so that the retries
+// waiting for one look again as soon as it ends.
+type heldKeys struct {
+	mu   sync.Mutex
+	held map[[2]string]chan struct{}
+}
+
+// hold records that a unit holds scope and key; the returned function, called when the unit has
+// ended (committed or rolled back), wakes the retries waiting for it.
+func (h *heldKeys) hold(scope, key string) (release func()) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.held == nil {
+		h.held = map[[2]string]chan struct{}{}
+	}
+	k := [2]string{scope, key}
+	ch := make(chan struct{})
+	h.held[k] = ch
+	return func() {
+		h.mu.Lock()
+		defer h.mu.Unlock()
+		if h.held[k] == ch {
+			delete(h.held, k)
+		}
+		close(ch)
+	}
+}
+
+// ended returns a channel closed when the unit of this process that holds scope and key ends; nil
+// (never ready) when none does.
+func (h *heldKeys) ended(scope, key string) <-chan struct{} {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return h.held[[2]string{scope, key}]
 }
 
 // derivedNamespace is the namespace of the UUIDs NewUUID derives.

@@ -544,3 +544,64 @@ func TestCallerScope(t *testing.T) {
 		}
 	}
 }
+
+// Retries that wait for the first request with their key (WaitInFlight) hold no connection while
+// they wait: with a pool of 2, the first request holding one and three retries waiting, an
+// unrelated unit of work still gets a connection at once. Each waiter held a connection (BEGIN,
+// then the key's lock) for up to HandlerTimeout, and the unrelated request waited for the pool.
+func TestKeyedWaitersLeaveThePool(t *testing.T) {
+	e := newEnv(t)
+	small, err := sql.Open("postgres", e.dsn)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer small.Close()
+	small.SetMaxOpenConns(2)
+	ob := e.newOutbox(func(c *outbox.Config) { c.DB = small; c.HandlerTimeout = 20 * time.Second })
+	var runs atomic.Int32
+	holding, release := make(chan struct{}), make(chan struct{})
+	first := make(chan error, 1)
+	go func() {
+		first <- ob.InTx(outbox.WithIdempotencyKey(context.Background(), "orders", "held"), func(ctx context.Context, tx *sql.Tx) error {
+			close(holding)
+			<-release
+			return placeOrder(&runs, "o1")(ctx, tx)
+		})
+	}()
+	<-holding
+	waiters := make(chan error, 3)
+	results := make(chan string, 3)
+	for range 3 {
+		go func() {
+			ctx := outbox.WithIdempotencyKey(context.Background(), "orders", "held", outbox.WaitInFlight())
+			err := ob.InTx(ctx, placeOrder(&runs, "o1"))
+			res, _ := outbox.IdempotencyResult(ctx)
+			results <- string(res)
+			waiters <- err
+		}()
+	}
+	time.Sleep(300 * time.Millisecond) // the retries are waiting
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
+	defer cancel()
+	began := time.Now()
+	err = ob.InTx(ctx, func(ctx context.Context, tx *sql.Tx) error {
+		_, err := tx.ExecContext(ctx, `INSERT INTO applied (message_id, note) VALUES ('other', 'unrelated')`)
+		return err
+	})
+	if err != nil {
+		t.Errorf("an unrelated unit of work while three retries waited on a pool of 2: %v after %s", err, time.Since(began))
+	}
+	close(release)
+	if err := <-first; err != nil {
+		t.Fatal(err)
+	}
+	for range 3 {
+		if err := <-waiters; err != nil {
+			t.Errorf("waiting retry: %v", err)
+		}
+		if res := <-results; res != "order o1 placed" {
+			t.Errorf("waiting retry got %q, want the first request's result", res)
+		}
+	}
+	mustEqual(t, "runs", runs.Load(), int32(1))
+}

@@ -56,6 +56,8 @@ type Outbox struct {
 	// notification told, in another instance: until they are sent, each written mark wakes the
 	// relay, since effects handed over behind the marked ones may be free to go.
 	lastHandoff atomic.Int64
+	// keysHeld wakes the retries of this process that wait for a key a unit of this process holds.
+	keysHeld heldKeys
 }
 
 // New returns an Outbox. It does no I/O: call Migrate (or check the schema) and Run yourself.
