@@ -57,7 +57,7 @@ var Scenarios = map[string]string{
 	"held-claim":  "a unit holds its transaction open while the relays sweep, its claim becomes visible later than the sweep's look-back behind its timestamp (simulated), and it crashes after commit",
 	"clock-step":  "the database clock runs 10 minutes ahead for a moment and steps back (simulated on the claims and the sweep's watermark)",
 	"relay-one":   "the final drain runs on one instance chosen at random, not on all",
-	"keyed":       "client requests with an idempotency key are retried through keyed boundary units of work (some attempts at once, waiting or not), with the deliveries' faults",
+	"keyed":       "client requests with an idempotency key are retried through keyed boundary units of work (some attempts at once, waiting or not), with the deliveries' faults; two callers send each key; some keys expire and are retaken by a retry while a cleanup runs",
 	"slow-topic":  "every call for one topic takes 20-120 ms (within PublishTimeout), on every path",
 	"hung-topic":  "for the first 0.3-1.5 s of the run every call for one topic hangs until its context ends (PublishTimeout), on every path, while the other topic flows",
 	"delayed":     "the unit of work also records a delayed effect (due 0 to 600 ms after it is recorded, on the message's key), and a later unit of work on any instance cancels it around its due time, racing the relays",
@@ -143,6 +143,9 @@ type Database struct {
 	KillConnection string
 	// Sleep is a statement that sleeps $1 seconds.
 	Sleep string
+	// ExpireKey moves the expiry of idempotency key $2 of scope $1 into the past, in the
+	// idempotency table whose name fmt.Sprintf(ExpireKey, prefix) gives.
+	ExpireKey string
 	// Unsupported are the scenarios that do not apply to the database (forced off), with why.
 	Unsupported map[string]string
 }
@@ -158,6 +161,7 @@ var postgresDatabase = &Database{
 	},
 	KillConnection: `SELECT pg_terminate_backend(pg_backend_pid())`,
 	Sleep:          `SELECT pg_sleep($1)`,
+	ExpireKey:      `UPDATE %sidempotency SET expires_at = now() - interval '1 second' WHERE scope = $1 AND key = $2`,
 }
 
 // Deployment is the instances of one run: three of them, one per form given (a form may repeat).
@@ -291,7 +295,7 @@ func Run(t *testing.T, dsn string, o Options) {
 		want = append(want, "delayed cancelled", "delayed too late to cancel")
 	}
 	if on["keyed"] {
-		want = append(want, "keyed replayed")
+		want = append(want, "keyed replayed", "keyed expired and retaken")
 	}
 	for _, w := range want {
 		if st.outcomes[w] == 0 {

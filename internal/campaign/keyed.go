@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"strings"
 	"sync"
 	"time"
 
@@ -20,16 +21,21 @@ const requests = 4
 // request is one client request with an idempotency key: its attempts (each a keyed boundary
 // unit of work on an instance, with the faults of a plan), some of them two at once.
 type request struct {
-	id       string // the request's business row and payloads
-	caller   string // who sends it: keys are scoped per caller (outbox.CallerScope)
-	key      string // its idempotency key, which another caller's request also sends
-	plans    []*plan
-	procs    []int
-	waits    []bool // the attempt waits for one in flight (WaitInFlight)
-	pairAt   int    // the attempt that runs with a second one at once; -1: none
-	late     int    // retries after one returned
-	effects  int    // effects each run records
+	id      string // the request's business row and payloads
+	caller  string // who sends it: keys are scoped per caller (outbox.CallerScope)
+	key     string // its idempotency key, which another caller's request also sends
+	plans   []*plan
+	procs   []int
+	waits   []bool // the attempt waits for one in flight (WaitInFlight)
+	pairAt  int    // the attempt that runs with a second one at once; -1: none
+	late    int    // retries after one returned
+	effects int    // effects each run records
+	// expire: after its late retries the key expires, and a retry takes it over while a cleanup
+	// runs on another instance; the request is then run a second time (gen 1), and a retry after
+	// that must replay the second run's response, not run a third time.
+	expire   bool
 	mu       sync.Mutex
+	gen      int // the run of the request that attempts now belong to
 	done     bool
 	results  []string // what each returned attempt got
 	replayed int
@@ -58,6 +64,7 @@ func (c *run) drawRequests(r *rand.Rand) []*request {
 		if pair, at := r.IntN(2) == 0, r.IntN(4); pair {
 			rq.pairAt = at
 		}
+		rq.expire = r.IntN(3) == 0
 		out = append(out, rq)
 	}
 	if !c.on["keyed"] {
@@ -95,16 +102,60 @@ func (c *run) send(rq *request) {
 		return
 	}
 	for d := 0; d < rq.late; d++ {
-		for try := 0; ; try++ {
-			err := c.attempt(rq, rq.procs[d], &plan{}, true)
-			if err == nil {
-				break
-			}
-			if try == 8 {
-				c.fail("late retry of request %s: %v", rq.id, err)
-				break
-			}
+		c.retry(rq, rq.procs[d], "late retry")
+	}
+	if rq.expire && c.database.ExpireKey != "" {
+		c.expire(rq)
+	}
+}
+
+// retry sends rq again on instance proc until an attempt returns nil.
+func (c *run) retry(rq *request, proc int, what string) {
+	for try := 0; ; try++ {
+		err := c.attempt(rq, proc, &plan{}, true)
+		if err == nil {
+			return
 		}
+		if try == 8 {
+			c.fail("%s of request %s: %v", what, rq.id, err)
+			return
+		}
+	}
+}
+
+// expire lets the key of rq expire, then sends rq again while another instance runs a cleanup:
+// the retry takes the key over and runs the request a second time, and the cleanup, which may
+// have found the key expired before the retry took it, must not delete what the retry committed.
+// A retry after that replays the second run.
+func (c *run) expire(rq *request) {
+	scope := outbox.CallerScope(rq.caller, "campaign")
+	if c.exec(fmt.Sprintf(c.database.ExpireKey, c.prefix), scope, rq.key) != 1 {
+		c.fail("request %s: its key was not there to expire", rq.id)
+		return
+	}
+	rq.mu.Lock()
+	rq.gen, rq.done = 1, false
+	replayed := rq.replayed
+	rq.mu.Unlock()
+	proc := rq.procs[0]
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		if _, err := c.procs[(proc+1)%instances].Cleanup(ctx); err != nil {
+			c.fail("cleanup while request %s's key expired: %v", rq.id, err)
+		}
+	}()
+	c.retry(rq, proc, "retry after the key expired")
+	wg.Wait()
+	c.stats.reached("keyed expired and retaken")
+	c.retry(rq, (proc+2)%instances, "retry after the key was retaken")
+	rq.mu.Lock()
+	defer rq.mu.Unlock()
+	if rq.replayed != replayed+1 {
+		c.fail("request %s: the retry after its expired key was retaken ran again (%d replays before, %d after)", rq.id, replayed, rq.replayed)
 	}
 }
 
@@ -145,12 +196,15 @@ func (c *run) attempt(rq *request, proc int, pl *plan, wait bool) (err error) {
 			rq.mu.Unlock()
 		}
 	}()
+	rq.mu.Lock()
+	gen := rq.gen
+	rq.mu.Unlock()
 	return c.procs[proc].InUnit(ctx, func(ctx context.Context) error {
 		if err := f.Exec(ctx, c.database.Bind(`INSERT INTO `+c.applied+` (message_id) VALUES ($1)`), rq.id); err != nil {
 			return err
 		}
 		for i := range rq.effects {
-			m := outbox.NewMessage(ctx, []byte(fmt.Sprintf("%s/k%d", rq.id, i)))
+			m := outbox.NewMessage(ctx, []byte(fmt.Sprintf("%s/g%d/k%d", rq.id, gen, i)))
 			if err := outbox.Publish(ctx, c.topics[i%2], m); err != nil {
 				return err
 			}
@@ -175,15 +229,19 @@ func (c *run) attempt(rq *request, proc int, pl *plan, wait bool) (err error) {
 // that crashed or rolled back), and none of it sent under two UUIDs (checked with the messages'
 // effects in check).
 func (c *run) checkRequests(rqs []*request, bySource map[string][]effect) {
-	owner := map[string]string{} // request -> the source of its committed effects
+	owner := map[string]string{} // run of a request ("r-.../g0") -> the source of its committed effects
 	for src, effects := range bySource {
 		for _, e := range effects {
 			for _, rq := range rqs {
-				if len(e.payload) > len(rq.id) && e.payload[:len(rq.id)+1] == rq.id+"/" {
-					if prev, ok := owner[rq.id]; ok && prev != src {
-						c.fail("request %s committed effects in two units of work (%s and %s)", rq.id, prev, src)
+				for gen := range rq.gen + 1 {
+					run := fmt.Sprintf("%s/g%d", rq.id, gen)
+					if !strings.HasPrefix(e.payload, run+"/") {
+						continue
 					}
-					owner[rq.id] = src
+					if prev, ok := owner[run]; ok && prev != src {
+						c.fail("run %s of request %s committed effects in two units of work (%s and %s)", run, rq.id, prev, src)
+					}
+					owner[run] = src
 				}
 			}
 		}
@@ -193,11 +251,13 @@ func (c *run) checkRequests(rqs []*request, bySource map[string][]effect) {
 		if err := c.db.QueryRow(c.database.Bind(`SELECT count(*) FROM `+c.applied+` WHERE message_id = $1`), rq.id).Scan(&n); err != nil {
 			c.t.Fatal(err)
 		}
-		if n != 1 {
-			c.fail("request %s applied %d times, want once", rq.id, n)
+		if n != rq.gen+1 {
+			c.fail("request %s applied %d times, want %d (its key expired %d times)", rq.id, n, rq.gen+1, rq.gen)
 		}
-		if got := len(bySource[owner[rq.id]]); got != rq.effects {
-			c.fail("request %s committed %d effects, want %d", rq.id, got, rq.effects)
+		for gen := range rq.gen + 1 {
+			if got := len(bySource[owner[fmt.Sprintf("%s/g%d", rq.id, gen)]]); got != rq.effects {
+				c.fail("run %d of request %s committed %d effects, want %d", gen, rq.id, got, rq.effects)
+			}
 		}
 		for _, res := range rq.results {
 			if res != rq.id+"/result" {
