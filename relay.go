@@ -305,6 +305,24 @@ func (o *Outbox) relayLand(f *relayFlight) error {
 			fails = append(fails, o.failures(effects[i:i+1], 0, 1, errs[i], time.Now())...)
 		}
 	}
+	// The failures first, then the marks. Until the marks land, every effect the failures touch
+	// still waits behind the round's lease: the first effect of its key in the round is leased
+	// and undispatched (or is the failed one itself). Once an effect before it is marked, another
+	// relay may lease it, and a failure recorded then (a first one has no backoff) would end
+	// that lease while the other relay's call is in flight. A crash between the two leaves the
+	// sent effects leased and unmarked: sent again when the lease ends, as after a crash before
+	// the mark.
+	if len(fails) > 0 {
+		if err := o.store.EffectRecordFailures(wctx, fails...); err != nil {
+			o.logger.Error("Relay could not record failed dispatches; the effects are retried when their lease ends", err, nil)
+		}
+		for _, f := range fails {
+			if f.Park {
+				o.logger.Error("Side effect parked after repeated failures; see Outbox.ParkedEffects", nil,
+					watermill.LogFields{"store_id": f.StoreID, "reason": f.Reason})
+			}
+		}
+	}
 	if len(marks) > 0 {
 		pause := 20 * time.Millisecond
 		for {
@@ -325,18 +343,7 @@ func (o *Outbox) relayLand(f *relayFlight) error {
 		}
 	}
 	if err := o.failpoint(wctx, FailpointAfterRelayMark); err != nil {
-		return err // as a crash: the failures go unrecorded, the effects are due again when the lease ends
-	}
-	if len(fails) > 0 {
-		if err := o.store.EffectRecordFailures(wctx, fails...); err != nil {
-			o.logger.Error("Relay could not record failed dispatches; the effects are retried when their lease ends", err, nil)
-		}
-		for _, f := range fails {
-			if f.Park {
-				o.logger.Error("Side effect parked after repeated failures; see Outbox.ParkedEffects", nil,
-					watermill.LogFields{"store_id": f.StoreID, "reason": f.Reason})
-			}
-		}
+		return err // as a crash, with nothing left to write
 	}
 	return nil
 }
