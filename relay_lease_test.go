@@ -60,6 +60,47 @@ func relayConfig(c *outbox.Config) {
 	c.PublishTimeout = 5 * time.Second // a lease of 40 s, a round's deadline of 20 s
 }
 
+// TestRelayShutdownKeepsTheLeaseOfACallInFlight: a relay shuts down (a rolling deploy) while its
+// Publish call of an effect is in flight to a slow broker. A Publisher takes no context, so the
+// call goes on and may deliver: the effect was tried, and another instance must not claim it
+// while that call may still be running (until the round's lease ends), as after a crash. The
+// effect is the second of its key, behind one the round sent and marked, so it was not the row
+// the claim leased: the round must lease it itself. (Before, the round released it as not tried,
+// due at once: the other instance sent it a few milliseconds later, beside the call in flight.)
+func TestRelayShutdownKeepsTheLeaseOfACallInFlight(t *testing.T) {
+	e := newEnv(t)
+	first, second := commitKey(t, e, "order-1")
+	gate := &gatePublisher{next: e.pub, uuid: second, entered: make(chan struct{}), release: make(chan struct{})}
+	var releaseOnce sync.Once
+	release := func() { releaseOnce.Do(func() { close(gate.release) }) }
+	t.Cleanup(release)
+	a := e.newOutbox(relayConfig, func(c *outbox.Config) { c.Publisher = gate })
+	b := e.newOutbox(relayConfig)
+
+	stopA := startRun(t, a)
+	select {
+	case <-gate.entered:
+	case <-time.After(30 * time.Second):
+		t.Fatal("the relay never called the Publisher with the second effect")
+	}
+	stopA() // the call is still in flight
+	stoppedAt := time.Now()
+	mustEqual(t, "copies of the first effect on the wire", e.wire("out_b")[first], 1)
+	if d := e.leasedFor(second); d < 10*time.Second {
+		t.Errorf("the effect whose call is in flight is leased for %s after the shutdown, want the rest of the round's lease (about 40 s)", d)
+	}
+
+	stopB := startRun(t, b)
+	time.Sleep(1500 * time.Millisecond) // many of b's rounds
+	stopB()
+	if n := e.wire("out_a")[second]; n != 0 {
+		t.Fatalf("another instance sent the effect %d time(s) within %s of the shutdown, while the first call was still in flight",
+			n, time.Since(stoppedAt).Round(time.Millisecond))
+	}
+	release() // the slow call delivers
+	waitFor(t, "the call in flight to deliver", func() bool { return e.wire("out_a")[second] == 1 })
+}
+
 // TestRelayFailureRecordKeepsAnotherRelaysLease: a round sends the first effect of a key and fails
 // on the second. Once the round's mark of the first has landed, the second is the key's first
 // pending effect and another relay may lease it; the failure the round records for it must not
