@@ -544,6 +544,9 @@ func (o *Outbox) relayEach(r *relayRun, es []Effect, at []int, failed map[string
 		switch {
 		case err == nil:
 			r.returned()
+			// A call that returned: the destination answers again (a half-open breaker's probe may
+			// have been the batch call that brought the round here).
+			o.breakers.succeeded(destinationOf(e))
 			continue
 		case r.parent.Err() != nil && n > 0:
 			r.errs[at[k]] = errInFlight
