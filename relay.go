@@ -296,6 +296,7 @@ func (o *Outbox) relayLand(f *relayFlight) error {
 	var marks []outboxdriver.DispatchMark
 	bySource := map[Source]int{}
 	var fails []outboxdriver.EffectFailure
+	inFlightFor := max(time.Until(f.leaseEnd), 0) // one delay for them all: one statement
 	for i, e := range effects {
 		var down destinationDown
 		switch {
@@ -312,7 +313,7 @@ func (o *Outbox) relayLand(f *relayFlight) error {
 		case errors.Is(errs[i], errInFlight):
 			// Leased again, not released: the claim leased only the first effect of each key, and
 			// once the effects before it are marked this one would be due at once.
-			fails = append(fails, outboxdriver.EffectFailure{StoreID: e.StoreID, RetryAfter: max(time.Until(f.leaseEnd), 0)})
+			fails = append(fails, outboxdriver.EffectFailure{StoreID: e.StoreID, RetryAfter: inFlightFor})
 		case errors.As(errs[i], &down):
 			fails = append(fails, outboxdriver.EffectFailure{StoreID: e.StoreID, RetryAfter: max(time.Until(down.until), 0)})
 		default:
