@@ -194,7 +194,7 @@ const (
 	// dispatch, a redelivery that sends them).
 	FailpointAfterMaterialize = "after-materialize"
 	// FailpointAfterRelayClaim follows the lease of a relay round's effects; FailpointAfterRelayMark
-	// the mark of those it sent, before the failures of the others are recorded.
+	// the mark of those it sent, the round's last write (the failures of the others come first).
 	FailpointAfterRelayClaim = "after-relay-claim"
 	FailpointAfterRelayMark  = "after-relay-mark"
 	// FailpointAfterSweepMove and FailpointBeforeSweepWatermark are steps of the relay's sweep of

@@ -200,6 +200,12 @@ func (o *Outbox) relayOnce(ctx context.Context) (err error) {
 // failed effect with its ordering key, or the round ran out of time.
 var errNotTried = errors.New("not tried")
 
+// errInFlight is the outcome of an effect whose call a shutdown stopped waiting for. The call goes
+// on (a Publisher takes no context) and may still deliver: the effect was tried, and it keeps
+// the round's lease until the lease ends, as after a crash, so that no other instance sends it
+// beside that call.
+var errInFlight = errors.New("call in flight at shutdown")
+
 // destinationDown is the outcome of an effect that a relay round did not try because its
 // destination hung on an earlier call (see breakers): it is due again at until.
 type destinationDown struct{ until time.Time }
@@ -218,6 +224,9 @@ type relayFlight struct {
 	errs    []error       // the outcome of each effect, once done
 	stalled time.Duration // how long it waited for calls that hung, once done
 	took    time.Duration // how long its calls took, once done
+	// leaseEnd is when the lease the claim took ends, by this process's clock (counted from
+	// before the claim, so a little early).
+	leaseEnd time.Time
 }
 
 // relayLaunch starts sending leased effects; the round's calls end by deadline. It returns nil
@@ -237,7 +246,8 @@ func (o *Outbox) relayLaunch(ctx context.Context, claimed []Effect, deadline tim
 		trace.WithAttributes(AttrPath.String(PathRelay), attribute.Int("outbox.effects", len(effects))))
 	// Calls end at a shutdown (ctx), or when the round is abandoned (a crash).
 	cctx, cancel := context.WithCancel(ctx)
-	f := &relayFlight{ctx: ctx, cancel: cancel, effects: effects, span: span, done: make(chan struct{})}
+	f := &relayFlight{ctx: ctx, cancel: cancel, effects: effects, span: span, done: make(chan struct{}),
+		leaseEnd: deadline.Add(o.relayLease() - o.relayBudget())}
 	go func() {
 		defer close(f.done)
 		began := time.Now()
@@ -286,6 +296,7 @@ func (o *Outbox) relayLand(f *relayFlight) error {
 	var marks []outboxdriver.DispatchMark
 	bySource := map[Source]int{}
 	var fails []outboxdriver.EffectFailure
+	inFlightFor := max(time.Until(f.leaseEnd), 0) // one delay for them all: one statement
 	for i, e := range effects {
 		var down destinationDown
 		switch {
@@ -299,10 +310,32 @@ func (o *Outbox) relayLand(f *relayFlight) error {
 			marks[k].StoreIDs = append(marks[k].StoreIDs, e.StoreID)
 		case errors.Is(errs[i], errNotTried):
 			fails = append(fails, outboxdriver.EffectFailure{StoreID: e.StoreID})
+		case errors.Is(errs[i], errInFlight):
+			// Leased again, not released: the claim leased only the first effect of each key, and
+			// once the effects before it are marked this one would be due at once.
+			fails = append(fails, outboxdriver.EffectFailure{StoreID: e.StoreID, RetryAfter: inFlightFor})
 		case errors.As(errs[i], &down):
 			fails = append(fails, outboxdriver.EffectFailure{StoreID: e.StoreID, RetryAfter: max(time.Until(down.until), 0)})
 		default:
 			fails = append(fails, o.failures(effects[i:i+1], 0, 1, errs[i], time.Now())...)
+		}
+	}
+	// The failures first, then the marks. Until the marks land, every effect the failures touch
+	// still waits behind the round's lease: the first effect of its key in the round is leased
+	// and undispatched (or is the failed one itself). Once an effect before it is marked, another
+	// relay may lease it, and a failure recorded then (a first one has no backoff) would end
+	// that lease while the other relay's call is in flight. A crash between the two leaves the
+	// sent effects leased and unmarked: sent again when the lease ends, as after a crash before
+	// the mark.
+	if len(fails) > 0 {
+		if err := o.store.EffectRecordFailures(wctx, fails...); err != nil {
+			o.logger.Error("Relay could not record failed dispatches; the effects are retried when their lease ends", err, nil)
+		}
+		for _, f := range fails {
+			if f.Park {
+				o.logger.Error("Side effect parked after repeated failures; see Outbox.ParkedEffects", nil,
+					watermill.LogFields{"store_id": f.StoreID, "reason": f.Reason})
+			}
 		}
 	}
 	if len(marks) > 0 {
@@ -325,18 +358,7 @@ func (o *Outbox) relayLand(f *relayFlight) error {
 		}
 	}
 	if err := o.failpoint(wctx, FailpointAfterRelayMark); err != nil {
-		return err // as a crash: the failures go unrecorded, the effects are due again when the lease ends
-	}
-	if len(fails) > 0 {
-		if err := o.store.EffectRecordFailures(wctx, fails...); err != nil {
-			o.logger.Error("Relay could not record failed dispatches; the effects are retried when their lease ends", err, nil)
-		}
-		for _, f := range fails {
-			if f.Park {
-				o.logger.Error("Side effect parked after repeated failures; see Outbox.ParkedEffects", nil,
-					watermill.LogFields{"store_id": f.StoreID, "reason": f.Reason})
-			}
-		}
+		return err // as a crash, with nothing left to write
 	}
 	return nil
 }
@@ -480,9 +502,13 @@ func (o *Outbox) relayLane(r *relayRun, at []int) {
 			r.returned()
 			o.breakers.succeeded(dest)
 		case r.parent.Err() != nil || n == 0:
-			// A shutdown (or a failpoint after a call), not a failure of the effects.
+			// A shutdown (or a failpoint after a call), not a failure of the effects. The call a
+			// shutdown cut short was tried (see errInFlight); the ones after it were not.
 			for k := p + sent; k < q; k++ {
 				r.errs[at[k]] = errNotTried
+				if k < p+sent+n && r.parent.Err() != nil {
+					r.errs[at[k]] = errInFlight
+				}
 			}
 		case hung(err):
 			// The call did not return: its messages may have reached the broker, so they count
@@ -519,6 +545,12 @@ func (o *Outbox) relayEach(r *relayRun, es []Effect, at []int, failed map[string
 		switch {
 		case err == nil:
 			r.returned()
+			// A call that returned: the destination answers again (a half-open breaker's probe may
+			// have been the batch call that brought the round here).
+			o.breakers.succeeded(destinationOf(e))
+			continue
+		case r.parent.Err() != nil && n > 0:
+			r.errs[at[k]] = errInFlight
 			continue
 		case r.parent.Err() != nil || n == 0:
 			r.errs[at[k]] = errNotTried

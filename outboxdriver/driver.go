@@ -171,9 +171,11 @@ type Store interface {
 	// key is claimed in the same call. Instances that claim at the same time get different
 	// effects. A store may look at a window of the pending effects only, so that the cost of a
 	// claim does not grow with the backlog: it then sets Next, and the caller claims again with
-	// After: Next to look further. The caller marks what it sent (EffectMarkDispatched) and
-	// records the rest (EffectRecordFailures). It runs as one short statement, or transaction, of
-	// its own: nothing is held while the caller dispatches.
+	// After: Next to look further. The caller records what it did not send (EffectRecordFailures)
+	// and then marks what it sent (EffectMarkDispatched): until the marks land, a key's effects
+	// wait behind its leased first one whatever retry time the failures gave them, so that no
+	// other claim takes an effect the caller is still writing the outcome of. It runs as one
+	// short statement, or transaction, of its own: nothing is held while the caller dispatches.
 	EffectClaimDue(ctx context.Context, p EffectClaimParams) (EffectClaim, error)
 
 	// Stats returns a sample of the tables: the newest one stored, or a new one, taken and

@@ -129,6 +129,7 @@ func Run(t *testing.T, newHarness func(t *testing.T) Harness) {
 		{"EffectClaimDue/MarksTheClaim", testRelayMarksClaim},
 		{"EffectClaimDue/Instances", testRelayInstances},
 		{"EffectClaimDue/Lease", testClaimDueLease},
+		{"EffectClaimDue/OutcomeWaitsBehindTheLease", testClaimDueOutcomeBehindLease},
 		{"EffectClaimDue/MaxBytes", testClaimDueMaxBytes},
 		{"EffectClaimDue/BeyondABlockedPrefix", testClaimDueBeyondABlockedPrefix},
 		{"EffectClaimDue/LockedEarlierEffectHoldsItsKey", testClaimDueLockedEarlier},
@@ -322,11 +323,13 @@ func (f *fixture) round(st outboxdriver.Store, p relayParams, outcome func(outbo
 				Park: p.MaxAttempts > 0 && e.Attempts+1 >= p.MaxAttempts, RetryAfter: delay})
 		}
 	}
-	if err := st.EffectMarkDispatched(f.ctx, marks...); err != nil {
-		f.t.Fatalf("EffectMarkDispatched: %v", err)
-	}
+	// The failures before the marks, as the framework's relay writes them (see
+	// testClaimDueOutcomeBehindLease).
 	if err := st.EffectRecordFailures(f.ctx, fails...); err != nil {
 		f.t.Fatalf("EffectRecordFailures: %v", err)
+	}
+	if err := st.EffectMarkDispatched(f.ctx, marks...); err != nil {
+		f.t.Fatalf("EffectMarkDispatched: %v", err)
 	}
 	return got
 }
@@ -1546,6 +1549,37 @@ func testClaimDueLease(f *fixture) {
 	}
 	f.age("effects", "next_attempt_at", a, 2*time.Hour) // the lease ran out
 	wantUUIDs(f.t, "claim after the lease ran out", f.relay(due, sent), ea[0], eb[0])
+}
+
+// testClaimDueOutcomeBehindLease: the framework's relay writes a round's outcome in two steps,
+// the failures and then the marks, and relies on this store for what another instance may claim
+// in between. A round sent the first of a key's three effects, the second failed (due again at
+// once), and a shutdown stopped waiting for the call of the third (leased again until the
+// round's lease ends). With the failures written and the mark not yet, the key waits behind its
+// leased, undispatched first effect: another instance claims none of it, though the failed one
+// has a retry time that has passed. Once the mark lands, it claims the failed one alone, the
+// third waiting behind it until its own retry time. Written the other way round, the failed
+// effect was claimable (and leased) between the mark and the failure record, which then ended
+// that lease.
+func testClaimDueOutcomeBehindLease(f *fixture) {
+	src := f.src("m1")
+	es := f.effects(src, "k", 3)
+	f.commit(src, true, es)
+	f.age("effects", "created_at", outboxdriver.Source{}, 2*time.Hour)
+	p := outboxdriver.EffectClaimParams{Grace: time.Hour, Limit: 10, Lease: time.Hour}
+	held := f.claimDue(f.st, p)
+	wantUUIDs(f.t, "the round's claim", held, es...)
+	other := f.h.Open(f.t)
+	f.recordFailures(
+		outboxdriver.EffectFailure{StoreID: held[1].StoreID, Reason: "refused", Counted: true},
+		outboxdriver.EffectFailure{StoreID: held[2].StoreID, RetryAfter: time.Hour})
+	if got := f.claimDue(other, p); len(got) != 0 {
+		f.t.Fatalf("another instance claimed %v while the round's first effect of their key is leased and unmarked", uuids(got))
+	}
+	if err := f.st.EffectMarkDispatched(f.ctx, outboxdriver.DispatchMark{Source: src, StoreIDs: []int64{held[0].StoreID}, MoveClaim: true}); err != nil {
+		f.t.Fatalf("EffectMarkDispatched: %v", err)
+	}
+	wantUUIDs(f.t, "another instance's claim after the mark", f.claimDue(other, p), es[1])
 }
 
 // testClaimDueBeyondABlockedPrefix: a thousand effects held behind a parked one at the front of

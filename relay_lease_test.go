@@ -1,0 +1,170 @@
+package outbox_test
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
+
+	"github.com/watermill-outbox/outbox"
+)
+
+// commitKey commits two effects with ordering key k and leaves them to the relay (a crash after
+// the commit): the first to out_b, the second to out_a, so that a round sends them in two calls.
+// It returns their UUIDs in order.
+func commitKey(t *testing.T, e *env, k string) (first, second string) {
+	t.Helper()
+	crashing := e.newOutbox(func(c *outbox.Config) { c.Failpoint = crashAfterCommit })
+	first, second = uuid.NewString(), uuid.NewString()
+	err := crashing.InTx(context.Background(), func(ctx context.Context, _ *sql.Tx) error {
+		ctx = outbox.WithOrderingKey(ctx, k)
+		if err := outbox.Publish(ctx, "out_b", message.NewMessage(first, []byte("first"))); err != nil {
+			return err
+		}
+		return outbox.Publish(ctx, "out_a", message.NewMessage(second, []byte("second")))
+	})
+	if !errors.Is(err, outbox.ErrFailpoint) {
+		t.Fatalf("InTx with a crash after commit: %v, want ErrFailpoint", err)
+	}
+	// Each row is as old as its statement: on a loaded machine the second may still be within
+	// the relays' grace when the first is past it, and a round would take the first alone.
+	waitFor(t, "both effects to pass the relays' grace", func() bool {
+		return e.count(`SELECT count(*) FROM outbox_effects WHERE created_at < now() - $1 * interval '1 millisecond'`,
+			relayGrace.Milliseconds()) == 2
+	})
+	return first, second
+}
+
+// leasedFor returns how long the effect with UUID id is still leased (zero or negative: due).
+func (e *env) leasedFor(id string) time.Duration {
+	e.t.Helper()
+	var ms float64
+	if err := e.db.QueryRow(`SELECT coalesce(extract(epoch FROM next_attempt_at - now()) * 1000, 0)
+		FROM outbox_effects WHERE uuid = $1`, id).Scan(&ms); err != nil {
+		e.t.Fatal(err)
+	}
+	return time.Duration(ms) * time.Millisecond
+}
+
+const relayGrace = 50 * time.Millisecond
+
+// relayConfig makes a relay that claims effects left behind at once.
+func relayConfig(c *outbox.Config) {
+	c.RelayInterval = 20 * time.Millisecond
+	c.RelayGrace = relayGrace
+	c.PublishTimeout = 5 * time.Second // a lease of 40 s, a round's deadline of 20 s
+}
+
+// TestRelayShutdownKeepsTheLeaseOfACallInFlight: a relay shuts down (a rolling deploy) while its
+// Publish call of an effect is in flight to a slow broker. A Publisher takes no context, so the
+// call goes on and may deliver: the effect was tried, and another instance must not claim it
+// while that call may still be running (until the round's lease ends), as after a crash. The
+// effect is the second of its key, behind one the round sent and marked, so it was not the row
+// the claim leased: the round must lease it itself. (Before, the round released it as not tried,
+// due at once: the other instance sent it a few milliseconds later, beside the call in flight.)
+func TestRelayShutdownKeepsTheLeaseOfACallInFlight(t *testing.T) {
+	e := newEnv(t)
+	first, second := commitKey(t, e, "order-1")
+	gate := &gatePublisher{next: e.pub, uuid: second, entered: make(chan struct{}), release: make(chan struct{})}
+	var releaseOnce sync.Once
+	release := func() { releaseOnce.Do(func() { close(gate.release) }) }
+	t.Cleanup(release)
+	a := e.newOutbox(relayConfig, func(c *outbox.Config) { c.Publisher = gate })
+	b := e.newOutbox(relayConfig)
+
+	stopA := startRun(t, a)
+	select {
+	case <-gate.entered:
+	case <-time.After(30 * time.Second):
+		t.Fatal("the relay never called the Publisher with the second effect")
+	}
+	stopA() // the call is still in flight
+	stoppedAt := time.Now()
+	mustEqual(t, "copies of the first effect on the wire", e.wire("out_b")[first], 1)
+	if d := e.leasedFor(second); d < 10*time.Second {
+		t.Errorf("the effect whose call is in flight is leased for %s after the shutdown, want the rest of the round's lease (about 40 s)", d)
+	}
+
+	stopB := startRun(t, b)
+	time.Sleep(1500 * time.Millisecond) // many of b's rounds
+	stopB()
+	if n := e.wire("out_a")[second]; n != 0 {
+		t.Fatalf("another instance sent the effect %d time(s) within %s of the shutdown, while the first call was still in flight",
+			n, time.Since(stoppedAt).Round(time.Millisecond))
+	}
+	release() // the slow call delivers
+	waitFor(t, "the call in flight to deliver", func() bool { return e.wire("out_a")[second] == 1 })
+}
+
+// TestRelayFailureRecordKeepsAnotherRelaysLease: a round sends the first effect of a key and fails
+// on the second. Once the round's mark of the first has landed, the second is the key's first
+// pending effect and another relay may lease it; the failure the round records for it must not
+// end that lease (a first failure has no backoff: it would be due at once, and sent a second time
+// while the other relay's call is in flight). The other relay claims it right after the mark
+// (the failpoint there), and its lease must still hold once the round has written its outcome.
+func TestRelayFailureRecordKeepsAnotherRelaysLease(t *testing.T) {
+	e := newEnv(t)
+	first, second := commitKey(t, e, "order-1")
+	gate := &gatePublisher{next: e.pub, uuid: second, entered: make(chan struct{}), release: make(chan struct{})}
+	var releaseOnce sync.Once
+	release := func() { releaseOnce.Do(func() { close(gate.release) }) }
+	t.Cleanup(release)
+	b := e.newOutbox(relayConfig, func(c *outbox.Config) { c.Publisher = gate })
+	var (
+		bStarted  = make(chan func(), 1) // b's stop, once the hook started it
+		recorded  = -1                   // the failures recorded on the second effect when the mark had landed
+		hookRan   bool
+		refuseOut = &rejectingPublisher{next: e.pub, reject: func(m *message.Message) bool { return m.UUID == second }}
+	)
+	a := e.newOutbox(relayConfig, func(c *outbox.Config) {
+		c.Publisher = refuseOut
+		c.Failpoint = func(_ context.Context, point string) error {
+			if point != outbox.FailpointAfterRelayMark || hookRan {
+				return nil
+			}
+			hookRan = true
+			if err := e.db.QueryRow(`SELECT failures FROM outbox_effects WHERE uuid = $1`, second).Scan(&recorded); err != nil {
+				return err
+			}
+			// The other relay claims what is due now and calls its Publisher with it.
+			bStarted <- startRun(t, b)
+			select {
+			case <-gate.entered:
+			case <-time.After(5 * time.Second):
+			}
+			return nil
+		}
+	})
+
+	stopA := startRun(t, a)
+	var stopB func()
+	select {
+	case stopB = <-bStarted:
+	case <-time.After(30 * time.Second):
+		t.Fatal("the round never reached its mark")
+	}
+	stopA()
+	mustEqual(t, "copies of the first effect on the wire", e.wire("out_b")[first], 1)
+	if recorded < 1 {
+		t.Errorf("when the round's mark landed, the failure of the effect behind the sent one was not recorded yet (%d failures)", recorded)
+	}
+	select {
+	case <-gate.entered:
+	default:
+		t.Fatal("the other relay did not call its Publisher with the effect after the round's mark")
+	}
+	if d := e.leasedFor(second); d < 10*time.Second {
+		t.Errorf("the other relay's call is in flight, yet the effect is leased for only %s: the round's failure record ended that relay's lease", d)
+	}
+	release() // the other relay's call delivers
+	waitFor(t, "the other relay's call to deliver", func() bool { return e.wire("out_a")[second] == 1 })
+	stopB()
+	e.flush()
+	mustEqual(t, "copies of the second effect on the wire", e.wire("out_a")[second], 1)
+	mustEqual(t, "pending effects", e.pendingEffects(), 0)
+}
