@@ -40,9 +40,14 @@ type Queries struct {
 	// EffectInsert returns the insert of n effects: (consumer, id) then per effect
 	// (seq, kind, topic, uuid, payload, metadata, ordering_key); it returns (id, seq, in
 	// savepoint) per effect.
-	EffectInsert      func(n int) string
-	EffectExisting    string // (ids) -> id of the rows that exist
-	EffectListPending string // (consumer, id) -> effect columns, in seq order
+	EffectInsert func(n int) string
+	// EffectInsertClaimed is EffectInsert for a unit of work that claimed (consumer, id): it
+	// inserts nothing (returns no row) when the claim does not exist, so that nothing is written
+	// in autocommit once user SQL rolled the transaction back
+	// (outboxdriver.ClaimedEffectInserter). Nil when the dialect has none (EffectInsert is used).
+	EffectInsertClaimed func(n int) string
+	EffectExisting      string // (ids) -> id of the rows that exist
+	EffectListPending   string // (consumer, id) -> effect columns, in seq order
 	// EffectMarkDispatched marks effects dispatched: (ids); with moveClaims it moves their
 	// claims' dispatch time too. It locks the effect rows before the claim rows.
 	EffectMarkDispatched func(moveClaims bool) string
@@ -640,9 +645,23 @@ const EffectInsertMaxRows = 1000
 
 // EffectInsert implements outboxdriver.Store.
 func (s *SQL) EffectInsert(ctx context.Context, tx *sql.Tx, src outboxdriver.Source, effects []outboxdriver.Effect) (bool, error) {
+	return s.effectInsertAll(ctx, tx, src, effects, s.d.Queries.EffectInsert, false)
+}
+
+// EffectInsertClaimed implements outboxdriver.ClaimedEffectInserter: with
+// Queries.EffectInsertClaimed, an insert that finds the claim of src not in tx's transaction
+// writes nothing and returns an error wrapping outboxdriver.ErrTxDone.
+func (s *SQL) EffectInsertClaimed(ctx context.Context, tx *sql.Tx, src outboxdriver.Source, effects []outboxdriver.Effect) (bool, error) {
+	if s.d.Queries.EffectInsertClaimed == nil || s.d.Hooks.EffectInsert != nil {
+		return s.EffectInsert(ctx, tx, src, effects)
+	}
+	return s.effectInsertAll(ctx, tx, src, effects, s.d.Queries.EffectInsertClaimed, true)
+}
+
+func (s *SQL) effectInsertAll(ctx context.Context, tx *sql.Tx, src outboxdriver.Source, effects []outboxdriver.Effect, insert func(int) string, guarded bool) (bool, error) {
 	inSavepoint := false
 	for chunk := range slices.Chunk(effects, EffectInsertMaxRows) {
-		nested, err := s.effectInsert(ctx, tx, src, chunk)
+		nested, err := s.effectInsert(ctx, tx, src, chunk, insert, guarded)
 		if err != nil {
 			return false, err
 		}
@@ -651,8 +670,12 @@ func (s *SQL) EffectInsert(ctx context.Context, tx *sql.Tx, src outboxdriver.Sou
 	return inSavepoint, nil
 }
 
-// effectInsert stores at most EffectInsertMaxRows effects in one statement.
-func (s *SQL) effectInsert(ctx context.Context, tx *sql.Tx, src outboxdriver.Source, effects []outboxdriver.Effect) (bool, error) {
+// errClaimNotInTx reports a guarded insert (Queries.EffectInsertClaimed) that wrote nothing.
+var errClaimNotInTx = fmt.Errorf("the claim is gone (the transaction was rolled back by SQL sent through it): nothing stored (%w)", outboxdriver.ErrTxDone)
+
+// effectInsert stores at most EffectInsertMaxRows effects in one statement; guarded: insert is
+// Queries.EffectInsertClaimed.
+func (s *SQL) effectInsert(ctx context.Context, tx *sql.Tx, src outboxdriver.Source, effects []outboxdriver.Effect, insert func(int) string, guarded bool) (bool, error) {
 	if len(effects) == 0 {
 		return false, nil
 	}
@@ -664,7 +687,7 @@ func (s *SQL) effectInsert(ctx context.Context, tx *sql.Tx, src outboxdriver.Sou
 	for i, e := range effects {
 		bySeq[e.Seq] = i
 	}
-	query := s.d.Queries.EffectInsert(len(effects))
+	query := insert(len(effects))
 	var rows *sql.Rows
 	var err error
 	if len(effects) > maxPreparedInsertRows {
@@ -695,6 +718,9 @@ func (s *SQL) effectInsert(ctx context.Context, tx *sql.Tx, src outboxdriver.Sou
 	}
 	if err := rows.Err(); err != nil {
 		return false, s.wrap(err)
+	}
+	if n == 0 && guarded {
+		return false, errClaimNotInTx
 	}
 	if n != len(effects) {
 		return false, fmt.Errorf("insert of %d effects returned %d rows", len(effects), n)
