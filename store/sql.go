@@ -189,6 +189,10 @@ type Hooks struct {
 	// The store reports them as possibly written inside a savepoint: a dialect that needs this
 	// hook cannot tell.
 	EffectInsert func(ctx context.Context, tx *sql.Tx, src outboxdriver.Source, effects []outboxdriver.Effect) error
+	// EffectInsertClaimed is EffectInsert for a unit of work that claimed src: it writes nothing
+	// when the claim does not exist and returns an error wrapping ErrClaimGone
+	// (outboxdriver.ClaimedEffectInserter). Nil: EffectInsert.
+	EffectInsertClaimed func(ctx context.Context, tx *sql.Tx, src outboxdriver.Source, effects []outboxdriver.Effect) error
 	// AttemptRecord counts a failed attempt of src (reason already storable) and returns the count.
 	AttemptRecord func(ctx context.Context, db *sql.DB, src outboxdriver.Source, reason string) (int, error)
 	// EffectMarkDispatched marks the effects ids (ascending, at most a batch) dispatched, moving
@@ -645,23 +649,21 @@ const EffectInsertMaxRows = 1000
 
 // EffectInsert implements outboxdriver.Store.
 func (s *SQL) EffectInsert(ctx context.Context, tx *sql.Tx, src outboxdriver.Source, effects []outboxdriver.Effect) (bool, error) {
-	return s.effectInsertAll(ctx, tx, src, effects, s.d.Queries.EffectInsert, false)
+	return s.effectInsertAll(ctx, tx, src, effects, false)
 }
 
 // EffectInsertClaimed implements outboxdriver.ClaimedEffectInserter: with
-// Queries.EffectInsertClaimed, an insert that finds the claim of src not in tx's transaction
-// writes nothing and returns an error wrapping outboxdriver.ErrTxDone.
+// Queries.EffectInsertClaimed (or Hooks.EffectInsertClaimed), an insert that finds no claim of
+// src writes nothing and returns an error wrapping outboxdriver.ErrTxDone. A dialect with
+// neither inserts as EffectInsert does.
 func (s *SQL) EffectInsertClaimed(ctx context.Context, tx *sql.Tx, src outboxdriver.Source, effects []outboxdriver.Effect) (bool, error) {
-	if s.d.Queries.EffectInsertClaimed == nil || s.d.Hooks.EffectInsert != nil {
-		return s.EffectInsert(ctx, tx, src, effects)
-	}
-	return s.effectInsertAll(ctx, tx, src, effects, s.d.Queries.EffectInsertClaimed, true)
+	return s.effectInsertAll(ctx, tx, src, effects, true)
 }
 
-func (s *SQL) effectInsertAll(ctx context.Context, tx *sql.Tx, src outboxdriver.Source, effects []outboxdriver.Effect, insert func(int) string, guarded bool) (bool, error) {
+func (s *SQL) effectInsertAll(ctx context.Context, tx *sql.Tx, src outboxdriver.Source, effects []outboxdriver.Effect, claimed bool) (bool, error) {
 	inSavepoint := false
 	for chunk := range slices.Chunk(effects, EffectInsertMaxRows) {
-		nested, err := s.effectInsert(ctx, tx, src, chunk, insert, guarded)
+		nested, err := s.effectInsert(ctx, tx, src, chunk, claimed)
 		if err != nil {
 			return false, err
 		}
@@ -670,17 +672,26 @@ func (s *SQL) effectInsertAll(ctx context.Context, tx *sql.Tx, src outboxdriver.
 	return inSavepoint, nil
 }
 
-// errClaimNotInTx reports a guarded insert (Queries.EffectInsertClaimed) that wrote nothing.
-var errClaimNotInTx = fmt.Errorf("the claim is gone (the transaction was rolled back by SQL sent through it): nothing stored (%w)", outboxdriver.ErrTxDone)
+// ErrClaimGone is wrapped by a guarded insert (Queries.EffectInsertClaimed,
+// Hooks.EffectInsertClaimed) that found no claim and wrote nothing.
+var ErrClaimGone = fmt.Errorf("the claim is gone (the transaction was rolled back by SQL sent through it): nothing stored (%w)", outboxdriver.ErrTxDone)
 
-// effectInsert stores at most EffectInsertMaxRows effects in one statement; guarded: insert is
-// Queries.EffectInsertClaimed.
-func (s *SQL) effectInsert(ctx context.Context, tx *sql.Tx, src outboxdriver.Source, effects []outboxdriver.Effect, insert func(int) string, guarded bool) (bool, error) {
+// effectInsert stores at most EffectInsertMaxRows effects in one statement; claimed: only while
+// the claim of src exists, where the dialect can tell.
+func (s *SQL) effectInsert(ctx context.Context, tx *sql.Tx, src outboxdriver.Source, effects []outboxdriver.Effect, claimed bool) (bool, error) {
 	if len(effects) == 0 {
 		return false, nil
 	}
+	if claimed && s.d.Hooks.EffectInsertClaimed != nil {
+		return true, s.wrap(s.d.Hooks.EffectInsertClaimed(ctx, tx, src, effects))
+	}
 	if s.d.Hooks.EffectInsert != nil {
 		return true, s.wrap(s.d.Hooks.EffectInsert(ctx, tx, src, effects))
+	}
+	insert := s.d.Queries.EffectInsert
+	guarded := claimed && s.d.Queries.EffectInsertClaimed != nil
+	if guarded {
+		insert = s.d.Queries.EffectInsertClaimed
 	}
 	args := EffectInsertArgs(src, effects)
 	bySeq := make(map[int]int, len(effects))
@@ -720,7 +731,7 @@ func (s *SQL) effectInsert(ctx context.Context, tx *sql.Tx, src outboxdriver.Sou
 		return false, s.wrap(err)
 	}
 	if n == 0 && guarded {
-		return false, errClaimNotInTx
+		return false, ErrClaimGone
 	}
 	if n != len(effects) {
 		return false, fmt.Errorf("insert of %d effects returned %d rows", len(effects), n)
