@@ -2,6 +2,7 @@ package outbox_test
 
 import (
 	"errors"
+	"fmt"
 	"testing"
 
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -13,8 +14,8 @@ import (
 // endWithSQL is a handler that writes a business row, records an effect, ends the unit's
 // transaction with stmt (ROLLBACK or COMMIT) sent through it, and then records another effect,
 // with the default ordering key or, when key is set, one of its own (an effect row). What the
-// second record returned goes to after.
-func endWithSQL(stmt, key string, after *error) message.HandlerFunc {
+// second record returned goes to after; the handler returns it when told to, and nil otherwise.
+func endWithSQL(stmt, key string, after *error, returnIt bool) message.HandlerFunc {
 	return func(msg *message.Message) ([]*message.Message, error) {
 		ctx := msg.Context()
 		tx := outbox.Tx(ctx)
@@ -31,6 +32,9 @@ func endWithSQL(stmt, key string, after *error) message.HandlerFunc {
 			ctx = outbox.WithOrderingKey(ctx, key)
 		}
 		*after = outbox.Publish(ctx, "out_b", message.NewMessage(uuid.NewString(), []byte(`after`)))
+		if returnIt {
+			return nil, *after
+		}
 		return nil, nil // the handler does not look: the framework must not commit what it cannot
 	}
 }
@@ -41,13 +45,17 @@ func endWithSQL(stmt, key string, after *error) message.HandlerFunc {
 // connection: every delivery committed one more escaped effect, and none counted, so the message
 // never reached MaxAttempts.
 func TestRollbackSentAsSQLThenPublishWritesNothingAndCounts(t *testing.T) {
-	for _, key := range []string{"", "own-key"} {
-		t.Run("key="+key, func(t *testing.T) {
+	for _, v := range []struct {
+		key      string
+		returnIt bool
+	}{{"", false}, {"own-key", false}, {"", true}} {
+		key := v.key
+		t.Run(fmt.Sprintf("key=%s,returns=%v", key, v.returnIt), func(t *testing.T) {
 			e := newEnv(t, func(c *outbox.Config) { c.MaxAttempts = 3; c.PoisonTopic = "poison"; c.RetryDelay = 1 })
 			msg := message.NewMessage(uuid.NewString(), nil)
 			for i := 1; i <= 3; i++ {
 				var after error
-				err := handle(e.ob, copyOf(msg), endWithSQL("ROLLBACK", key, &after))
+				err := handle(e.ob, copyOf(msg), endWithSQL("ROLLBACK", key, &after, v.returnIt))
 				if !errors.Is(after, outbox.ErrTxFinishedByHandler) {
 					t.Fatalf("delivery %d: Publish after ROLLBACK returned %v, want ErrTxFinishedByHandler", i, after)
 				}
@@ -98,7 +106,7 @@ func TestCommitSentAsSQLThenPublishIsTheHandlersDoing(t *testing.T) {
 			e := newEnv(t)
 			msg := message.NewMessage(uuid.NewString(), nil)
 			var after error
-			err := handle(e.ob, copyOf(msg), endWithSQL("COMMIT", key, &after))
+			err := handle(e.ob, copyOf(msg), endWithSQL("COMMIT", key, &after, false))
 			if after != nil {
 				t.Fatalf("Publish after COMMIT: %v", after)
 			}
@@ -106,7 +114,7 @@ func TestCommitSentAsSQLThenPublishIsTheHandlersDoing(t *testing.T) {
 				t.Fatalf("want ErrTxFinishedByHandler, got %v", err)
 			}
 			mustEqual(t, "attempts counted", e.count(`SELECT coalesce(sum(attempts), 0) FROM outbox_attempts`), 0)
-			if err := handle(e.ob, copyOf(msg), endWithSQL("COMMIT", key, &after)); err != nil {
+			if err := handle(e.ob, copyOf(msg), endWithSQL("COMMIT", key, &after, false)); err != nil {
 				t.Fatalf("redelivery: %v", err)
 			}
 			mustEqual(t, "business rows", e.count(`SELECT count(*) FROM applied`), 1)
