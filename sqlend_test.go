@@ -1,9 +1,12 @@
 package outbox_test
 
 import (
+	"context"
+	"database/sql"
 	"errors"
 	"fmt"
 	"testing"
+	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
@@ -122,4 +125,37 @@ func TestCommitSentAsSQLThenPublishIsTheHandlersDoing(t *testing.T) {
 			mustEqual(t, "sent after the COMMIT", len(e.wire("out_b")), 1)
 		})
 	}
+}
+
+// Delayed effects after a ROLLBACK sent as SQL: the insert of a delayed effect and the cancel of
+// delayed effects by key would run in autocommit, on their own: a delayed effect without its
+// business change, once more at every delivery, and a cancel of effects that another unit
+// committed. Both find the claim gone and do nothing.
+func TestRollbackSentAsSQLThenDelayedEffects(t *testing.T) {
+	e := newEnv(t)
+	if err := e.ob.InTx(context.Background(), func(ctx context.Context, _ *sql.Tx) error {
+		return outbox.Publish(outbox.WithCancelKey(outbox.WithDelay(ctx, time.Hour), "reminder-1"), "out_a", message.NewMessage(uuid.NewString(), nil))
+	}); err != nil {
+		t.Fatal(err)
+	}
+	msg := message.NewMessage(uuid.NewString(), nil)
+	var delayed, cancel error
+	h := func(msg *message.Message) ([]*message.Message, error) {
+		ctx := msg.Context()
+		if _, err := outbox.Tx(ctx).ExecContext(ctx, "ROLLBACK"); err != nil {
+			return nil, err
+		}
+		delayed = outbox.Publish(outbox.WithDelay(ctx, time.Hour), "out_a", message.NewMessage(uuid.NewString(), nil))
+		_, cancel = outbox.CancelDelayed(ctx, "reminder-1")
+		return nil, nil
+	}
+	err := handle(e.ob, copyOf(msg), h)
+	if !errors.Is(delayed, outbox.ErrTxFinishedByHandler) || !errors.Is(cancel, outbox.ErrTxFinishedByHandler) {
+		t.Errorf("after ROLLBACK: delayed Publish returned %v, CancelDelayed %v; want ErrTxFinishedByHandler", delayed, cancel)
+	}
+	if !errors.Is(err, outbox.ErrTxFinishedByHandler) {
+		t.Errorf("want ErrTxFinishedByHandler, got %v", err)
+	}
+	mustEqual(t, "delayed effects", e.count(`SELECT count(*) FROM outbox_delayed`), 1) // the other unit's, not cancelled
+	mustEqual(t, "attempts counted", e.count(`SELECT coalesce(sum(attempts), 0) FROM outbox_attempts`), 1)
 }

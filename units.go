@@ -76,7 +76,7 @@ func (s sqlUnits) BeginUnit(ctx context.Context, claim *Source) (outboxdriver.Un
 		_ = tx.Rollback()
 		return nil, outboxdriver.Claim{}, err
 	}
-	u.claimed = c.Claimed
+	u.claimed, u.src = c.Claimed, *claim
 	if r, ok := s.store.(outboxdriver.InlineRecorder); ok && c.Claimed {
 		u.inline = &inlineRecord{store: r, src: *claim, budget: r.InlineBudget()}
 		u.spilled = s.spilled
@@ -103,6 +103,7 @@ type sqlUnit struct {
 	// (outboxdriver.ClaimedEffectInserter). ended: a record found the claim gone, rolled back by
 	// user SQL; nothing more is sent through the transaction.
 	claimed, ended bool
+	src            Source // of the claim, when claimed
 	// conn is the connection of tx when the store locks keys per session; keyed is the key
 	// claimed on it, whose lock is released once tx has ended.
 	conn  *sql.Conn
@@ -490,20 +491,45 @@ func (u *sqlUnit) KeySave(ctx context.Context, scope, key string, result []byte)
 
 var _ outboxdriver.DelayedUnitTx = (*sqlUnit)(nil)
 
-// RecordDelayed stores delayed effects in the transaction, through the store's DelayedStore.
+// RecordDelayed stores delayed effects in the transaction, through the store's DelayedStore; for
+// a claimed unit only while its claim exists, as Record.
 func (u *sqlUnit) RecordDelayed(ctx context.Context, effects []Effect) error {
 	ds, ok := u.store.(outboxdriver.DelayedStore)
 	if !ok {
 		return ErrDelayUnsupported
 	}
+	if u.ended {
+		return u.endedError()
+	}
+	if cs, ok := u.store.(outboxdriver.ClaimedDelayedStore); ok && u.claimed {
+		err := cs.DelayedInsertClaimed(ctx, u.tx, effects[0].Source, effects)
+		if errors.Is(err, outboxdriver.ErrTxDone) {
+			u.ended = true
+			return u.endedError()
+		}
+		return err
+	}
 	return ds.DelayedInsert(ctx, u.tx, effects[0].Source, effects)
 }
 
-// CancelDelayed cancels delayed effects in the transaction, through the store's DelayedStore.
+// CancelDelayed cancels delayed effects in the transaction, through the store's DelayedStore; for
+// a claimed unit only while its claim exists: in autocommit the cancel would delete effects that
+// other units committed, on its own.
 func (u *sqlUnit) CancelDelayed(ctx context.Context, key string) (int, error) {
 	ds, ok := u.store.(outboxdriver.DelayedStore)
 	if !ok {
 		return 0, ErrDelayUnsupported
+	}
+	if u.ended {
+		return 0, u.endedError()
+	}
+	if cs, ok := u.store.(outboxdriver.ClaimedDelayedStore); ok && u.claimed {
+		n, err := cs.DelayedCancelClaimed(ctx, u.tx, u.src, key)
+		if errors.Is(err, outboxdriver.ErrTxDone) {
+			u.ended = true
+			return 0, u.endedError()
+		}
+		return n, err
 	}
 	return ds.DelayedCancel(ctx, u.tx, key)
 }

@@ -503,6 +503,15 @@ type ClaimedEffectInserter interface {
 	EffectInsertClaimed(ctx context.Context, tx *sql.Tx, src Source, effects []Effect) (inSavepoint bool, err error)
 }
 
+// ClaimedDelayedStore is to DelayedStore what ClaimedEffectInserter is to EffectInsert: the
+// insert and the cancel of delayed effects of a unit of work that claimed a message, which do
+// nothing when the claim does not exist (user SQL rolled the transaction back) and return an
+// error wrapping ErrTxDone.
+type ClaimedDelayedStore interface {
+	DelayedInsertClaimed(ctx context.Context, tx *sql.Tx, src Source, effects []Effect) error
+	DelayedCancelClaimed(ctx context.Context, tx *sql.Tx, src Source, key string) (int, error)
+}
+
 // DelayedStore is implemented by a Store that keeps delayed effects (Effect.DueAt) apart from
 // the pending ones until they are due, so that they hold nothing back and cost a relay pass
 // nothing until then. The relay moves the due ones into ordinary pending effects (each behind

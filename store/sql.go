@@ -76,6 +76,13 @@ type Queries struct {
 	// per effect (delay ms from now, cancel key or NULL). Empty when the dialect keeps none.
 	DelayedInsert func(n int) string
 	DelayedCancel string // (cancel key) -> deletes the delayed effects with the key; rows affected
+	// DelayedInsertClaimed and DelayedCancelClaimed are DelayedInsert and DelayedCancel for a
+	// unit of work that claimed (consumer, id), as EffectInsertClaimed: the insert (its
+	// arguments, then consumer and id) inserts nothing when the claim does not exist; the cancel
+	// (cancel key, consumer, id) returns one row, whether the claim exists and how many it
+	// deleted. Nil or empty when the dialect has none.
+	DelayedInsertClaimed func(n int) string
+	DelayedCancelClaimed string
 	// DelayedPromote (limit) moves up to limit due delayed effects into the effects table, due
 	// for the relay at once, and returns one row: how many it moved, and the ms until the
 	// earliest due time of those it left (negative when past, NULL when none), so that an idle
