@@ -144,7 +144,7 @@ func (u *sqlUnit) Record(ctx context.Context, effects []Effect) error {
 		insert = ci.EffectInsertClaimed
 	}
 	inSavepoint, err := insert(ctx, u.tx, effects[0].Source, effects)
-	if errors.Is(err, outboxdriver.ErrTxDone) {
+	if errors.Is(err, outboxdriver.ErrClaimGone) {
 		u.ended = true
 		return u.endedError()
 	}
@@ -503,7 +503,7 @@ func (u *sqlUnit) RecordDelayed(ctx context.Context, effects []Effect) error {
 	}
 	if cs, ok := u.store.(outboxdriver.ClaimedDelayedStore); ok && u.claimed {
 		err := cs.DelayedInsertClaimed(ctx, u.tx, effects[0].Source, effects)
-		if errors.Is(err, outboxdriver.ErrTxDone) {
+		if errors.Is(err, outboxdriver.ErrClaimGone) {
 			u.ended = true
 			return u.endedError()
 		}
@@ -525,7 +525,7 @@ func (u *sqlUnit) CancelDelayed(ctx context.Context, key string) (int, error) {
 	}
 	if cs, ok := u.store.(outboxdriver.ClaimedDelayedStore); ok && u.claimed {
 		n, err := cs.DelayedCancelClaimed(ctx, u.tx, u.src, key)
-		if errors.Is(err, outboxdriver.ErrTxDone) {
+		if errors.Is(err, outboxdriver.ErrClaimGone) {
 			u.ended = true
 			return 0, u.endedError()
 		}

@@ -11,6 +11,7 @@ import (
 	"database/sql"
 	"encoding/hex"
 	"errors"
+	"fmt"
 	"time"
 	"unicode/utf8"
 )
@@ -491,6 +492,10 @@ type InlineRecorder interface {
 	EffectUnspillInline(ctx context.Context, tx *sql.Tx, src Source, effects []Effect, prev int, rows []int64) (ok bool, err error)
 }
 
+// ErrClaimGone is wrapped by the writes of ClaimedEffectInserter and ClaimedDelayedStore that
+// found no claim and wrote nothing. It wraps ErrTxDone.
+var ErrClaimGone = fmt.Errorf("the claim is gone (the transaction was rolled back by SQL sent through it): nothing stored (%w)", ErrTxDone)
+
 // ClaimedEffectInserter is implemented by a Store that stores the effect rows of a unit of work
 // that claimed a message only while the claim exists, in the same statement (PostgreSQL). User
 // SQL that rolled the transaction back (ROLLBACK sent through it) took the claim with it and left
@@ -506,7 +511,7 @@ type ClaimedEffectInserter interface {
 // ClaimedDelayedStore is to DelayedStore what ClaimedEffectInserter is to EffectInsert: the
 // insert and the cancel of delayed effects of a unit of work that claimed a message, which do
 // nothing when the claim does not exist (user SQL rolled the transaction back) and return an
-// error wrapping ErrTxDone.
+// error wrapping ErrClaimGone.
 type ClaimedDelayedStore interface {
 	DelayedInsertClaimed(ctx context.Context, tx *sql.Tx, src Source, effects []Effect) error
 	DelayedCancelClaimed(ctx context.Context, tx *sql.Tx, src Source, key string) (int, error)

@@ -681,7 +681,7 @@ func (s *SQL) effectInsertAll(ctx context.Context, tx *sql.Tx, src outboxdriver.
 
 // ErrClaimGone is wrapped by a guarded insert (Queries.EffectInsertClaimed,
 // Hooks.EffectInsertClaimed) that found no claim and wrote nothing.
-var ErrClaimGone = fmt.Errorf("the claim is gone (the transaction was rolled back by SQL sent through it): nothing stored (%w)", outboxdriver.ErrTxDone)
+var ErrClaimGone = outboxdriver.ErrClaimGone
 
 // effectInsert stores at most EffectInsertMaxRows effects in one statement; claimed: only while
 // the claim of src exists, where the dialect can tell.
