@@ -252,6 +252,9 @@ func (o *Outbox) handleOnce(msg *message.Message, src Source, p HandleParams, ne
 			// COMMIT was never sent: the transaction had been finished already, by the handler
 			// or by database/sql when HandlerTimeout expired.
 			cause := error(ErrTxFinishedByHandler)
+			if errors.Is(err, ErrTxFinishedByHandler) {
+				cause = err // says how it was found
+			}
 			if txCtx.Err() != nil {
 				cause = timedOut(err, o.cfg.HandlerTimeout)
 			}

@@ -266,7 +266,8 @@ func newID() string {
 // retry after a commit that was lost to a failover or a restore) that derives its UUIDs in the
 // same order gets the same UUIDs, which downstream deduplication already knows. Outside a unit of
 // work, and in a boundary unit without a key, whose cause is new on every call, the UUID is
-// random and time-ordered (version 7). See docs/boundary.md ("Effect UUIDs derived from their cause") for when this is safe.
+// random and time-ordered (version 7). Record derives the UUIDs of its effects here, in the same
+// sequence. See docs/boundary.md ("Effect UUIDs derived from their cause") for when this is safe.
 func NewUUID(ctx context.Context) string {
 	u := unitFrom(ctx)
 	if u == nil {

@@ -449,6 +449,88 @@ func TestDerivedUUIDsEqualAcrossRerun(t *testing.T) {
 	}
 }
 
+// Issue 45, item 5: outbox.Record gave every recorded effect a random UUID, so a re-run after a
+// lost commit handed the applier, which deduplicates by Effect.UUID, a new one: the change was
+// applied twice. Its UUID is derived from the cause as NewUUID's are, in the same sequence.
+func TestRecordedEffectUUIDsEqualAcrossRerun(t *testing.T) {
+	e := newEnv(t)
+	var mu sync.Mutex
+	var applied []string
+	if err := e.ob.RegisterApplier("charge", func(_ context.Context, eff outbox.Effect) error {
+		mu.Lock()
+		defer mu.Unlock()
+		applied = append(applied, eff.UUID)
+		return nil
+	}); err != nil {
+		t.Fatal(err)
+	}
+	took := func() []string {
+		e.flush()
+		mu.Lock()
+		defer mu.Unlock()
+		out := applied
+		applied = nil
+		return out
+	}
+	lose := func() { // a restore to before the commit
+		e.flush()
+		for _, q := range []string{`DELETE FROM outbox_effects`, `DELETE FROM outbox_dispatched`, `DELETE FROM outbox_idempotency`, `DELETE FROM outbox_processed`} {
+			if _, err := e.db.Exec(q); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	record := func(ctx context.Context) error {
+		if err := outbox.Publish(ctx, "out_a", outbox.NewMessage(ctx, []byte("a"))); err != nil {
+			return err
+		}
+		if err := outbox.Record(ctx, "charge", []byte("1")); err != nil {
+			return err
+		}
+		return outbox.Record(ctx, "charge", []byte("2"))
+	}
+
+	keyed := func() []string {
+		if err := e.ob.InTx(outbox.WithIdempotencyKey(context.Background(), "payments", "p1"), func(ctx context.Context, _ *sql.Tx) error {
+			return record(ctx)
+		}); err != nil {
+			t.Fatal(err)
+		}
+		return took()
+	}
+	k1 := keyed()
+	lose()
+	if k2 := keyed(); len(k1) != 2 || k1[0] == k1[1] || !slices.Equal(k1, k2) {
+		t.Fatalf("keyed unit: the applier got %v, then %v after the lost commit; want two distinct, equal across runs", k1, k2)
+	}
+
+	lose()
+	handler := func(msg *message.Message) ([]*message.Message, error) { return nil, record(msg.Context()) }
+	msg := message.NewMessage("m-1", nil)
+	if err := handle(e.ob, msg, handler); err != nil {
+		t.Fatal(err)
+	}
+	h1 := took()
+	lose()
+	if err := handle(e.ob, copyOf(msg), handler); err != nil {
+		t.Fatal(err)
+	}
+	if h2 := took(); len(h1) != 2 || !slices.Equal(h1, h2) || slices.Contains(h1, k1[0]) {
+		t.Fatalf("handled message: the applier got %v, then %v after the lost commit; want equal, and not the keyed unit's %v", h1, h2, k1)
+	}
+
+	lose()
+	unkeyed := func() []string {
+		if err := e.ob.InTx(context.Background(), func(ctx context.Context, _ *sql.Tx) error { return record(ctx) }); err != nil {
+			t.Fatal(err)
+		}
+		return took()
+	}
+	if u1, u2 := unkeyed(), unkeyed(); len(u1) != 2 || slices.Equal(u1, u2) {
+		t.Fatalf("a unit without a key: the applier got %v and %v; want new UUIDs each time", u1, u2)
+	}
+}
+
 func columnStrings(e *env, query string) []string {
 	e.t.Helper()
 	e.flush()

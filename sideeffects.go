@@ -266,7 +266,16 @@ func Publish(ctx context.Context, topic string, msgs ...*message.Message) error 
 }
 
 // Record records a custom side effect for the applier registered under kind, with payload as its
-// input. It is applied after commit, at least once, with a stable UUID (Effect.UUID).
+// input. It is applied after commit, at least once, with a stable UUID (Effect.UUID), by which
+// the applier deduplicates.
+//
+// The UUID is derived as NewUUID derives one: from the cause of the unit of work (the consumer
+// and ID of the incoming message, or the scope and key of a keyed boundary unit) and its position
+// among the UUIDs derived in the unit, those of NewUUID and NewMessage included. A run of the same
+// cause again after its commit was lost (a failover to an asynchronous standby, a restore) that
+// records in the same order hands the applier the UUIDs of the first run, which it has seen. In a
+// boundary unit without a key, whose cause is new on every call, it is random (version 7). See
+// docs/boundary.md, "Effect UUIDs derived from their cause".
 func Record(ctx context.Context, kind string, payload []byte) error {
 	u := unitFrom(ctx)
 	if u == nil {
@@ -275,7 +284,7 @@ func Record(ctx context.Context, kind string, payload []byte) error {
 	if _, ok := u.o.applier(kind); !ok {
 		return fmt.Errorf("%w: %q (register it with Outbox.RegisterApplier)", ErrUnknownApplier, kind)
 	}
-	return u.record(ctx, []Effect{{Kind: kind, UUID: newID(), Payload: append([]byte(nil), payload...)}})
+	return u.record(ctx, []Effect{{Kind: kind, UUID: NewUUID(ctx), Payload: append([]byte(nil), payload...)}})
 }
 
 // addCausation ties a recorded message to its cause: the causation ID, the metadata set with

@@ -4,8 +4,10 @@ import (
 	"context"
 	"database/sql"
 	"database/sql/driver"
+	"errors"
 	"fmt"
 	"slices"
+	"strings"
 	"time"
 
 	"github.com/watermill-outbox/outbox/outboxdriver"
@@ -74,6 +76,7 @@ func (s sqlUnits) BeginUnit(ctx context.Context, claim *Source) (outboxdriver.Un
 		_ = tx.Rollback()
 		return nil, outboxdriver.Claim{}, err
 	}
+	u.claimed, u.src = c.Claimed, *claim
 	if r, ok := s.store.(outboxdriver.InlineRecorder); ok && c.Claimed {
 		u.inline = &inlineRecord{store: r, src: *claim, budget: r.InlineBudget()}
 		u.spilled = s.spilled
@@ -96,6 +99,11 @@ type sqlUnit struct {
 	inline      *inlineRecord // the effects kept in the claim; nil when there is no claim or the store keeps none
 	moved       map[int]int64 // Seq -> row of the effects kept in the claim and then moved to rows (spilled)
 	spilled     func(ctx context.Context)
+	// claimed: the unit claimed a message, whose claim the store's writes can check
+	// (outboxdriver.ClaimedEffectInserter). ended: a record found the claim gone, rolled back by
+	// user SQL; nothing more is sent through the transaction.
+	claimed, ended bool
+	src            Source // of the claim, when claimed
 	// conn is the connection of tx when the store locks keys per session; keyed is the key
 	// claimed on it, whose lock is released once tx has ended.
 	conn  *sql.Conn
@@ -107,21 +115,47 @@ func (u *sqlUnit) Tx() any { return u.tx }
 // Record stores effects at once: in the claim when the store keeps them there, they have the
 // default ordering key of their source and the claim's writes stay within the store's budget, as
 // effect rows otherwise.
+//
+// A record never writes for a claim that user SQL rolled back (ROLLBACK sent through the
+// *sql.Tx): the connection is then in autocommit, and a write would commit on its own, an effect
+// without its business change, once more at every delivery. Each write finds the claim in the
+// statement that writes (no round trip of its own); one that finds none reports
+// ErrTxFinishedByHandler, and the unit stores nothing more. After a COMMIT sent through it the
+// claim exists, committed, as do the business writes the handler makes after it: their effects
+// are stored with them, each in autocommit, and sent when the message is redelivered.
 func (u *sqlUnit) Record(ctx context.Context, effects []Effect) error {
+	if u.ended {
+		return u.endedError()
+	}
 	if r := u.inline; r != nil && !r.spilled && r.takes(effects) {
 		if r.fits(effects) {
 			ok, err := r.record(ctx, u.tx, effects)
 			if ok || err != nil {
 				return err
 			}
-			u.inline = nil // no claim any more (the handler ended the transaction): rows, as without one
+			u.ended = true // no claim: the handler rolled the transaction back
+			return u.endedError()
 		} else if done, err := u.spill(ctx, effects); done || err != nil {
 			return err
 		}
 	}
-	inSavepoint, err := u.store.EffectInsert(ctx, u.tx, effects[0].Source, effects)
+	insert := u.store.EffectInsert
+	if ci, ok := u.store.(outboxdriver.ClaimedEffectInserter); ok && u.claimed {
+		insert = ci.EffectInsertClaimed
+	}
+	inSavepoint, err := insert(ctx, u.tx, effects[0].Source, effects)
+	if errors.Is(err, outboxdriver.ErrClaimGone) {
+		u.ended = true
+		return u.endedError()
+	}
 	u.inSavepoint = u.inSavepoint || inSavepoint
 	return err
+}
+
+// endedError reports a unit whose transaction user SQL rolled back.
+func (u *sqlUnit) endedError() error {
+	return fmt.Errorf("%w: the transaction was rolled back by SQL sent through it (its claim is gone): nothing more is stored (%w)",
+		ErrTxFinishedByHandler, outboxdriver.ErrTxDone)
 }
 
 // spill moves the effects the claim keeps into effect rows, followed by effects, in one statement:
@@ -164,8 +198,8 @@ func (u *sqlUnit) spill(ctx context.Context, effects []Effect) (bool, error) {
 			return false, err
 		}
 		if !claimed {
-			u.inline = nil
-			return false, nil
+			u.ended = true // no claim: the handler rolled the transaction back
+			return false, u.endedError()
 		}
 		r.effects, r.token, r.unsure = r.held(held), token, true
 	}
@@ -373,15 +407,41 @@ func seqsOf(effects []Effect) map[int]bool {
 	return seqs
 }
 
+// Commit sends COMMIT unless a record found the claim rolled back by user SQL: a client that sends
+// COMMIT outside a transaction, which the server accepts with a warning, would report success for
+// effects that never committed.
 func (u *sqlUnit) Commit(ctx context.Context, _ []Effect) error {
-	err := u.tx.Commit()
+	if u.ended {
+		_ = u.tx.Rollback()
+		u.endSession(ctx)
+		return u.endedError()
+	}
+	err := endedBySQL(u.tx.Commit())
 	u.endSession(ctx)
 	return err
 }
 
 func (u *sqlUnit) Rollback(ctx context.Context) error {
-	err := u.tx.Rollback()
+	if u.ended {
+		_ = u.tx.Rollback()
+		u.endSession(ctx)
+		return u.endedError()
+	}
+	err := endedBySQL(u.tx.Rollback())
 	u.endSession(ctx)
+	return err
+}
+
+// endedBySQL tells a COMMIT or ROLLBACK that the client refused before sending it because the
+// transaction had been ended by SQL sent through it (lib/pq: "pq: unexpected transaction status
+// idle", from the server's last ReadyForQuery) from one lost in flight: it wraps ErrTxDone, as
+// database/sql's own refusal of a finished *sql.Tx, so that it counts as the handler's doing
+// rather than an unknown outcome.
+func endedBySQL(err error) error {
+	if err != nil && strings.HasPrefix(err.Error(), "pq: unexpected transaction status") {
+		return fmt.Errorf("%w: the transaction was ended by SQL sent through it (COMMIT or ROLLBACK); the client refused to end it again: %w",
+			ErrTxFinishedByHandler, errors.Join(outboxdriver.ErrTxDone, err))
+	}
 	return err
 }
 
@@ -431,20 +491,45 @@ func (u *sqlUnit) KeySave(ctx context.Context, scope, key string, result []byte)
 
 var _ outboxdriver.DelayedUnitTx = (*sqlUnit)(nil)
 
-// RecordDelayed stores delayed effects in the transaction, through the store's DelayedStore.
+// RecordDelayed stores delayed effects in the transaction, through the store's DelayedStore; for
+// a claimed unit only while its claim exists, as Record.
 func (u *sqlUnit) RecordDelayed(ctx context.Context, effects []Effect) error {
 	ds, ok := u.store.(outboxdriver.DelayedStore)
 	if !ok {
 		return ErrDelayUnsupported
 	}
+	if u.ended {
+		return u.endedError()
+	}
+	if cs, ok := u.store.(outboxdriver.ClaimedDelayedStore); ok && u.claimed {
+		err := cs.DelayedInsertClaimed(ctx, u.tx, effects[0].Source, effects)
+		if errors.Is(err, outboxdriver.ErrClaimGone) {
+			u.ended = true
+			return u.endedError()
+		}
+		return err
+	}
 	return ds.DelayedInsert(ctx, u.tx, effects[0].Source, effects)
 }
 
-// CancelDelayed cancels delayed effects in the transaction, through the store's DelayedStore.
+// CancelDelayed cancels delayed effects in the transaction, through the store's DelayedStore; for
+// a claimed unit only while its claim exists: in autocommit the cancel would delete effects that
+// other units committed, on its own.
 func (u *sqlUnit) CancelDelayed(ctx context.Context, key string) (int, error) {
 	ds, ok := u.store.(outboxdriver.DelayedStore)
 	if !ok {
 		return 0, ErrDelayUnsupported
+	}
+	if u.ended {
+		return 0, u.endedError()
+	}
+	if cs, ok := u.store.(outboxdriver.ClaimedDelayedStore); ok && u.claimed {
+		n, err := cs.DelayedCancelClaimed(ctx, u.tx, u.src, key)
+		if errors.Is(err, outboxdriver.ErrClaimGone) {
+			u.ended = true
+			return 0, u.endedError()
+		}
+		return n, err
 	}
 	return ds.DelayedCancel(ctx, u.tx, key)
 }

@@ -11,6 +11,7 @@ import (
 	"database/sql"
 	"encoding/hex"
 	"errors"
+	"fmt"
 	"time"
 	"unicode/utf8"
 )
@@ -472,7 +473,8 @@ type InlineRecorder interface {
 	EffectRecordInline(ctx context.Context, tx *sql.Tx, src Source, effects []Effect, prev int) (token int, ok, nested bool, err error)
 	// EffectReadInline returns the inline effects of src's claim as tx sees them (Seq, UUID and
 	// the other stored fields), the token of the write that put them there (0: none), and claimed
-	// false when there is no claim.
+	// false when there is no claim (user SQL rolled the transaction back: the unit stores nothing
+	// more).
 	EffectReadInline(ctx context.Context, tx *sql.Tx, src Source) (effects []Effect, token int, claimed bool, err error)
 	// InlineBudget is how many bytes a unit may write into its claim in all (every write counts
 	// whole: each rewrites what the claim keeps); a record that would go beyond is a row, and so
@@ -490,6 +492,31 @@ type InlineRecorder interface {
 	// holds other effects (nothing was written). It makes one kind of storage of what a spill
 	// left in both, when a savepoint rolled back gave the claim back effects moved to rows.
 	EffectUnspillInline(ctx context.Context, tx *sql.Tx, src Source, effects []Effect, prev int, rows []int64) (ok bool, err error)
+}
+
+// ErrClaimGone is wrapped by the writes of ClaimedEffectInserter and ClaimedDelayedStore that
+// found no claim and wrote nothing. It wraps ErrTxDone.
+var ErrClaimGone = fmt.Errorf("the claim is gone (the transaction was rolled back by SQL sent through it): nothing stored (%w)", ErrTxDone)
+
+// ClaimedEffectInserter is implemented by a Store that stores the effect rows of a unit of work
+// that claimed a message only while the claim exists, in the same statement (PostgreSQL). User
+// SQL that rolled the transaction back (ROLLBACK sent through it) took the claim with it and left
+// the connection in autocommit, where a plain insert would commit on its own: an effect without
+// its business change, again at every delivery. The framework uses it instead of EffectInsert for
+// a unit that claimed a message; when there is no claim, it writes nothing and returns an error
+// wrapping ErrTxDone. (After a COMMIT sent through it the claim exists, committed, and so do the
+// handler's later writes: its effects are stored with them, as the business writes are.)
+type ClaimedEffectInserter interface {
+	EffectInsertClaimed(ctx context.Context, tx *sql.Tx, src Source, effects []Effect) (inSavepoint bool, err error)
+}
+
+// ClaimedDelayedStore is to DelayedStore what ClaimedEffectInserter is to EffectInsert: the
+// insert and the cancel of delayed effects of a unit of work that claimed a message, which do
+// nothing when the claim does not exist (user SQL rolled the transaction back) and return an
+// error wrapping ErrClaimGone.
+type ClaimedDelayedStore interface {
+	DelayedInsertClaimed(ctx context.Context, tx *sql.Tx, src Source, effects []Effect) error
+	DelayedCancelClaimed(ctx context.Context, tx *sql.Tx, src Source, key string) (int, error)
 }
 
 // DelayedStore is implemented by a Store that keeps delayed effects (Effect.DueAt) apart from

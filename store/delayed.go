@@ -35,6 +35,49 @@ func (s *SQL) DelayedInsert(ctx context.Context, tx *sql.Tx, src outboxdriver.So
 	return nil
 }
 
+var _ outboxdriver.ClaimedDelayedStore = (*SQL)(nil)
+
+// DelayedInsertClaimed implements outboxdriver.ClaimedDelayedStore: with
+// Queries.DelayedInsertClaimed, an insert that finds no claim of src writes nothing and returns
+// an error wrapping ErrClaimGone. A dialect without it inserts as DelayedInsert does.
+func (s *SQL) DelayedInsertClaimed(ctx context.Context, tx *sql.Tx, src outboxdriver.Source, effects []outboxdriver.Effect) error {
+	q := s.d.Queries.DelayedInsertClaimed
+	if q == nil || s.d.Hooks.DelayedInsert != nil {
+		return s.DelayedInsert(ctx, tx, src, effects)
+	}
+	for chunk := range slices.Chunk(effects, DelayedInsertMaxRows) {
+		r, err := tx.ExecContext(ctx, q(len(chunk)), append(DelayedInsertArgs(src, chunk, time.Now()), src.Consumer, src.ID)...)
+		if err != nil {
+			return fmt.Errorf("store delayed effects: %w", s.wrap(err))
+		}
+		if n, err := r.RowsAffected(); err != nil {
+			return fmt.Errorf("store delayed effects: %w", err)
+		} else if n == 0 {
+			return fmt.Errorf("store delayed effects: %w", ErrClaimGone)
+		}
+	}
+	return nil
+}
+
+// DelayedCancelClaimed implements outboxdriver.ClaimedDelayedStore: with
+// Queries.DelayedCancelClaimed, a cancel that finds no claim of src deletes nothing and returns
+// an error wrapping ErrClaimGone. A dialect without it cancels as DelayedCancel does.
+func (s *SQL) DelayedCancelClaimed(ctx context.Context, tx *sql.Tx, src outboxdriver.Source, key string) (int, error) {
+	q := s.d.Queries.DelayedCancelClaimed
+	if q == "" {
+		return s.DelayedCancel(ctx, tx, key)
+	}
+	var claimed bool
+	var n int
+	if err := tx.QueryRowContext(ctx, q, key, src.Consumer, src.ID).Scan(&claimed, &n); err != nil {
+		return 0, fmt.Errorf("cancel delayed effects: %w", s.wrap(err))
+	}
+	if !claimed {
+		return 0, fmt.Errorf("cancel delayed effects: %w", ErrClaimGone)
+	}
+	return n, nil
+}
+
 // DelayedInsertMaxRows bounds the delayed effects one insert statement stores (9 parameters each).
 const DelayedInsertMaxRows = 500
 

@@ -40,9 +40,14 @@ type Queries struct {
 	// EffectInsert returns the insert of n effects: (consumer, id) then per effect
 	// (seq, kind, topic, uuid, payload, metadata, ordering_key); it returns (id, seq, in
 	// savepoint) per effect.
-	EffectInsert      func(n int) string
-	EffectExisting    string // (ids) -> id of the rows that exist
-	EffectListPending string // (consumer, id) -> effect columns, in seq order
+	EffectInsert func(n int) string
+	// EffectInsertClaimed is EffectInsert for a unit of work that claimed (consumer, id): it
+	// inserts nothing (returns no row) when the claim does not exist, so that nothing is written
+	// in autocommit once user SQL rolled the transaction back
+	// (outboxdriver.ClaimedEffectInserter). Nil when the dialect has none (EffectInsert is used).
+	EffectInsertClaimed func(n int) string
+	EffectExisting      string // (ids) -> id of the rows that exist
+	EffectListPending   string // (consumer, id) -> effect columns, in seq order
 	// EffectMarkDispatched marks effects dispatched: (ids); with moveClaims it moves their
 	// claims' dispatch time too. It locks the effect rows before the claim rows.
 	EffectMarkDispatched func(moveClaims bool) string
@@ -71,6 +76,13 @@ type Queries struct {
 	// per effect (delay ms from now, cancel key or NULL). Empty when the dialect keeps none.
 	DelayedInsert func(n int) string
 	DelayedCancel string // (cancel key) -> deletes the delayed effects with the key; rows affected
+	// DelayedInsertClaimed and DelayedCancelClaimed are DelayedInsert and DelayedCancel for a
+	// unit of work that claimed (consumer, id), as EffectInsertClaimed: the insert (its
+	// arguments, then consumer and id) inserts nothing when the claim does not exist; the cancel
+	// (cancel key, consumer, id) returns one row, whether the claim exists and how many it
+	// deleted. Nil or empty when the dialect has none.
+	DelayedInsertClaimed func(n int) string
+	DelayedCancelClaimed string
 	// DelayedPromote (limit) moves up to limit due delayed effects into the effects table, due
 	// for the relay at once, and returns one row: how many it moved, and the ms until the
 	// earliest due time of those it left (negative when past, NULL when none), so that an idle
@@ -184,6 +196,10 @@ type Hooks struct {
 	// The store reports them as possibly written inside a savepoint: a dialect that needs this
 	// hook cannot tell.
 	EffectInsert func(ctx context.Context, tx *sql.Tx, src outboxdriver.Source, effects []outboxdriver.Effect) error
+	// EffectInsertClaimed is EffectInsert for a unit of work that claimed src: it writes nothing
+	// when the claim does not exist and returns an error wrapping ErrClaimGone
+	// (outboxdriver.ClaimedEffectInserter). Nil: EffectInsert.
+	EffectInsertClaimed func(ctx context.Context, tx *sql.Tx, src outboxdriver.Source, effects []outboxdriver.Effect) error
 	// AttemptRecord counts a failed attempt of src (reason already storable) and returns the count.
 	AttemptRecord func(ctx context.Context, db *sql.DB, src outboxdriver.Source, reason string) (int, error)
 	// EffectMarkDispatched marks the effects ids (ascending, at most a batch) dispatched, moving
@@ -640,9 +656,21 @@ const EffectInsertMaxRows = 1000
 
 // EffectInsert implements outboxdriver.Store.
 func (s *SQL) EffectInsert(ctx context.Context, tx *sql.Tx, src outboxdriver.Source, effects []outboxdriver.Effect) (bool, error) {
+	return s.effectInsertAll(ctx, tx, src, effects, false)
+}
+
+// EffectInsertClaimed implements outboxdriver.ClaimedEffectInserter: with
+// Queries.EffectInsertClaimed (or Hooks.EffectInsertClaimed), an insert that finds no claim of
+// src writes nothing and returns an error wrapping outboxdriver.ErrTxDone. A dialect with
+// neither inserts as EffectInsert does.
+func (s *SQL) EffectInsertClaimed(ctx context.Context, tx *sql.Tx, src outboxdriver.Source, effects []outboxdriver.Effect) (bool, error) {
+	return s.effectInsertAll(ctx, tx, src, effects, true)
+}
+
+func (s *SQL) effectInsertAll(ctx context.Context, tx *sql.Tx, src outboxdriver.Source, effects []outboxdriver.Effect, claimed bool) (bool, error) {
 	inSavepoint := false
 	for chunk := range slices.Chunk(effects, EffectInsertMaxRows) {
-		nested, err := s.effectInsert(ctx, tx, src, chunk)
+		nested, err := s.effectInsert(ctx, tx, src, chunk, claimed)
 		if err != nil {
 			return false, err
 		}
@@ -651,20 +679,33 @@ func (s *SQL) EffectInsert(ctx context.Context, tx *sql.Tx, src outboxdriver.Sou
 	return inSavepoint, nil
 }
 
-// effectInsert stores at most EffectInsertMaxRows effects in one statement.
-func (s *SQL) effectInsert(ctx context.Context, tx *sql.Tx, src outboxdriver.Source, effects []outboxdriver.Effect) (bool, error) {
+// ErrClaimGone is wrapped by a guarded insert (Queries.EffectInsertClaimed,
+// Hooks.EffectInsertClaimed) that found no claim and wrote nothing.
+var ErrClaimGone = outboxdriver.ErrClaimGone
+
+// effectInsert stores at most EffectInsertMaxRows effects in one statement; claimed: only while
+// the claim of src exists, where the dialect can tell.
+func (s *SQL) effectInsert(ctx context.Context, tx *sql.Tx, src outboxdriver.Source, effects []outboxdriver.Effect, claimed bool) (bool, error) {
 	if len(effects) == 0 {
 		return false, nil
 	}
+	if claimed && s.d.Hooks.EffectInsertClaimed != nil {
+		return true, s.wrap(s.d.Hooks.EffectInsertClaimed(ctx, tx, src, effects))
+	}
 	if s.d.Hooks.EffectInsert != nil {
 		return true, s.wrap(s.d.Hooks.EffectInsert(ctx, tx, src, effects))
+	}
+	insert := s.d.Queries.EffectInsert
+	guarded := claimed && s.d.Queries.EffectInsertClaimed != nil
+	if guarded {
+		insert = s.d.Queries.EffectInsertClaimed
 	}
 	args := EffectInsertArgs(src, effects)
 	bySeq := make(map[int]int, len(effects))
 	for i, e := range effects {
 		bySeq[e.Seq] = i
 	}
-	query := s.d.Queries.EffectInsert(len(effects))
+	query := insert(len(effects))
 	var rows *sql.Rows
 	var err error
 	if len(effects) > maxPreparedInsertRows {
@@ -695,6 +736,9 @@ func (s *SQL) effectInsert(ctx context.Context, tx *sql.Tx, src outboxdriver.Sou
 	}
 	if err := rows.Err(); err != nil {
 		return false, s.wrap(err)
+	}
+	if n == 0 && guarded {
+		return false, ErrClaimGone
 	}
 	if n != len(effects) {
 		return false, fmt.Errorf("insert of %d effects returned %d rows", len(effects), n)

@@ -81,6 +81,7 @@ func (d Driver) Open(db *sql.DB, opts outboxdriver.StoreOptions) (outboxdriver.S
 		Hooks: store.Hooks{
 			MessageClaim:         q.messageClaim,
 			EffectInsert:         q.effectInsert,
+			EffectInsertClaimed:  q.effectInsertClaimed,
 			AttemptRecord:        q.attemptRecord,
 			EffectMarkDispatched: q.effectMarkDispatched,
 			EffectDiscard:        q.effectDiscard,

@@ -207,15 +207,46 @@ func (q queries) messageClaim(ctx context.Context, tx *sql.Tx, src outboxdriver.
 // read back, from the first one the insert generated (LAST_INSERT_ID, the least of its IDs) on,
 // among the rows of src, which no other transaction writes while tx holds the claim.
 func (q queries) effectInsert(ctx context.Context, tx *sql.Tx, src outboxdriver.Source, effects []outboxdriver.Effect) error {
+	return q.insertEffects(ctx, tx, src, effects, false)
+}
+
+// effectInsertClaimed is effectInsert for a unit of work that claimed src: the insert writes
+// nothing unless the claim exists, in the same statement. A handler's ROLLBACK sent as SQL, or a
+// deadlock in its own statements, ends the transaction and leaves the session in autocommit,
+// where an insert would commit on its own, an effect without its business change.
+func (q queries) effectInsertClaimed(ctx context.Context, tx *sql.Tx, src outboxdriver.Source, effects []outboxdriver.Effect) error {
+	return q.insertEffects(ctx, tx, src, effects, true)
+}
+
+// insertEffects inserts effects of src, with claimed only while its claim exists: INSERT ...
+// SELECT, one row from DUAL (no derived table for the common record of one effect), or a union
+// of rows in seq order (the order of their ids).
+func (q queries) insertEffects(ctx context.Context, tx *sql.Tx, src outboxdriver.Source, effects []outboxdriver.Effect, claimed bool) error {
 	var b strings.Builder
-	b.WriteString(`INSERT INTO ` + q.n.Effects + ` (source_consumer, source_id, seq, kind, topic, uuid, payload, metadata, ordering_key, created_at) VALUES `)
-	args := make([]any, 0, 9*len(effects))
+	b.WriteString(`INSERT INTO ` + q.n.Effects + ` (source_consumer, source_id, seq, kind, topic, uuid, payload, metadata, ordering_key, created_at) `)
+	args := make([]any, 0, 9*len(effects)+2)
 	bySeq := make(map[int]int, len(effects))
+	switch {
+	case !claimed:
+		b.WriteString(`VALUES `)
+	case len(effects) == 1:
+		b.WriteString(`SELECT ?, ?, ?, ?, ?, ?, ?, ?, ?, ` + now + ` FROM DUAL`)
+	default:
+		b.WriteString(`SELECT v.c, v.i, v.s, v.k, v.t, v.u, v.pl, v.md, v.ok, ` + now + ` FROM (`)
+	}
 	for i, e := range effects {
-		if i > 0 {
+		switch {
+		case !claimed && i > 0:
 			b.WriteString(", ")
+			fallthrough
+		case !claimed:
+			b.WriteString(`(?, ?, ?, ?, ?, ?, ?, ?, ?, ` + now + `)`)
+		case len(effects) == 1:
+		case i == 0:
+			b.WriteString(`SELECT ? AS c, ? AS i, ? AS s, ? AS k, ? AS t, ? AS u, ? AS pl, ? AS md, ? AS ok`)
+		default:
+			b.WriteString(` UNION ALL SELECT ?, ?, ?, ?, ?, ?, ?, ?, ?`)
 		}
-		b.WriteString(`(?, ?, ?, ?, ?, ?, ?, ?, ?, ` + now + `)`)
 		payload := e.Payload
 		if payload == nil {
 			payload = []byte{}
@@ -223,9 +254,26 @@ func (q queries) effectInsert(ctx context.Context, tx *sql.Tx, src outboxdriver.
 		args = append(args, src.Consumer, src.ID, e.Seq, string(e.Kind), e.Topic, e.UUID, payload, store.EncodeMetadata(e.Metadata), e.OrderingKey)
 		bySeq[e.Seq] = i
 	}
+	if claimed {
+		if len(effects) > 1 {
+			b.WriteString(`) v`)
+		}
+		b.WriteString(` WHERE EXISTS (SELECT 1 FROM ` + q.n.Processed + ` p WHERE p.consumer = ? AND p.message_id = ?)`)
+		if len(effects) > 1 {
+			b.WriteString(` ORDER BY v.s`)
+		}
+		args = append(args, src.Consumer, src.ID)
+	}
 	r, err := tx.ExecContext(ctx, b.String(), args...)
 	if err != nil {
 		return err
+	}
+	if claimed {
+		if n, err := r.RowsAffected(); err != nil {
+			return fmt.Errorf("rows of the inserted effects: %w", err)
+		} else if n == 0 {
+			return store.ErrClaimGone
+		}
 	}
 	first, err := r.LastInsertId()
 	if err != nil {

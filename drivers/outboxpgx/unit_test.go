@@ -460,3 +460,40 @@ func TestLongMessageIDsPublishOnEveryForm(t *testing.T) {
 		})
 	}
 }
+
+// TestSQLRollbackThenPublish (issue 45, item 4, the pgx form): a handler that sends ROLLBACK
+// through the unit's pgx.Tx and then publishes. The form keeps effects in memory until COMMIT, so
+// nothing is written in autocommit; its COMMIT finds the transaction ended and the message fails
+// as the handler's doing, counted towards MaxAttempts, never as an unknown outcome.
+func TestSQLRollbackThenPublish(t *testing.T) {
+	for name, mode := range modes {
+		t.Run(name, func(t *testing.T) {
+			h := outboxtest.NewWith(t, form(mode), outbox.Config{}, setup)
+			res := h.Run("c", message.NewMessage("m1", nil), consume(func(msg *message.Message) error {
+				ctx := msg.Context()
+				if err := handler(msg); err != nil {
+					return err
+				}
+				if _, err := outboxpgx.Tx(ctx).Exec(ctx, "ROLLBACK"); err != nil {
+					return err
+				}
+				// Kept in memory: only the COMMIT, which never comes, would store it.
+				_ = outbox.Publish(ctx, "out", message.NewMessage("after-rollback", nil))
+				return nil
+			}))
+			if !errors.Is(res.Err, outbox.ErrTxFinishedByHandler) || errors.Is(res.Err, outbox.ErrCommitOutcomeUnknown) {
+				t.Fatalf("Handle: %v; want ErrTxFinishedByHandler", res.Err)
+			}
+			if res.Committed || len(res.Effects) != 0 || len(res.Sent) != 0 || count(t, h.DB, "m1") != 0 {
+				t.Errorf("committed %v, effects %d, sent %d, applied %d; want nothing", res.Committed, len(res.Effects), len(res.Sent), count(t, h.DB, "m1"))
+			}
+			var effects, attempts int
+			if err := h.DB.QueryRow(`SELECT (SELECT count(*) FROM outbox_effects), (SELECT coalesce(sum(attempts), 0) FROM outbox_attempts)`).Scan(&effects, &attempts); err != nil {
+				t.Fatal(err)
+			}
+			if effects != 0 || attempts != 1 {
+				t.Errorf("%d effect rows, %d attempts counted; want 0 and 1", effects, attempts)
+			}
+		})
+	}
+}

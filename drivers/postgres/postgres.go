@@ -323,6 +323,25 @@ func queries(n store.Names, deleteDispatched bool) store.Queries {
 			b.WriteString(` RETURNING id, seq, xmin::text <> (txid_current() % 4294967296)::text`)
 			return b.String()
 		},
+		// Only while the claim exists (outboxdriver.ClaimedEffectInserter): an uncorrelated
+		// sub-select, read once per statement, a look-up of the primary key. The casts give the
+		// parameters the types the columns give them in EffectInsert.
+		EffectInsertClaimed: func(count int) string {
+			var b strings.Builder
+			b.WriteString(`INSERT INTO ` + n.Effects + ` (source_consumer, source_id, seq, kind, topic, uuid, payload, metadata, ordering_key, created_at)
+				SELECT $1::text, $2::text, v.s, v.k, v.t, v.u, v.pl, v.md, v.ok, clock_timestamp() FROM (VALUES `)
+			for i := 0; i < count; i++ {
+				if i > 0 {
+					b.WriteString(", ")
+				}
+				a := 3 + 7*i
+				fmt.Fprintf(&b, "($%d::integer, $%d::text, $%d::text, $%d::text, $%d::bytea, $%d::bytea, $%d::text)", a, a+1, a+2, a+3, a+4, a+5, a+6)
+			}
+			b.WriteString(`) v (s, k, t, u, pl, md, ok)
+				WHERE EXISTS (SELECT FROM ` + n.Processed + ` WHERE consumer = $1 AND message_id = $2)
+				RETURNING id, seq, xmin::text <> (txid_current() % 4294967296)::text`)
+			return b.String()
+		},
 		EffectExisting: `SELECT e.id FROM ` + ids("$1") + ` JOIN ` + n.Effects + ` e ON e.id = v.id`,
 		EffectListPending: `SELECT ` + effectColumns + ` FROM ` + n.Effects + ` e
 			WHERE source_consumer = $1 AND source_id = $2 AND dispatched_at IS NULL ORDER BY seq`,
@@ -452,6 +471,27 @@ func queries(n store.Names, deleteDispatched bool) store.Queries {
 			return b.String()
 		},
 		DelayedCancel: `DELETE FROM ` + n.Delayed + ` WHERE cancel_key = $1`,
+		// As EffectInsertClaimed: nothing without the claim, which is read once per statement.
+		DelayedInsertClaimed: func(count int) string {
+			var b strings.Builder
+			b.WriteString(`INSERT INTO ` + n.Delayed + ` (source_consumer, source_id, seq, kind, topic, uuid, payload, metadata, ordering_key, due_at, cancel_key)
+				SELECT $1::text, $2::text, v.s, v.k, v.t, v.u, v.pl, v.md, v.ok, clock_timestamp() + (v.d * interval '1 millisecond'), v.ck FROM (VALUES `)
+			for i := 0; i < count; i++ {
+				if i > 0 {
+					b.WriteString(", ")
+				}
+				a := 3 + 7*i
+				d := 3 + 7*count + 2*i
+				fmt.Fprintf(&b, "($%d::integer, $%d::text, $%d::text, $%d::text, $%d::bytea, $%d::bytea, $%d::text, $%d::bigint, $%d::text)",
+					a, a+1, a+2, a+3, a+4, a+5, a+6, d, d+1)
+			}
+			fmt.Fprintf(&b, `) v (s, k, t, u, pl, md, ok, d, ck)
+				WHERE EXISTS (SELECT FROM `+n.Processed+` WHERE consumer = $%d AND message_id = $%d)`, 3+9*count, 4+9*count)
+			return b.String()
+		},
+		DelayedCancelClaimed: `WITH c AS (SELECT EXISTS (SELECT FROM ` + n.Processed + ` WHERE consumer = $2 AND message_id = $3) AS claimed),
+			d AS (DELETE FROM ` + n.Delayed + ` WHERE cancel_key = $1 AND (SELECT claimed FROM c) RETURNING 1)
+			SELECT (SELECT claimed FROM c), (SELECT count(*) FROM d)::int`,
 		// The moved effects are handed over (next_attempt_at set: no grace period) and count as
 		// stored at their due time, from which their backlog age and dispatch lag count. A row a
 		// cancel holds is skipped (it is gone, or due again at the next pass). Ids are drawn in
