@@ -19,7 +19,7 @@ var campaignDatabase = &campaign.Database{
 	DriverName: "mysql",
 	Broker:     wsql.DefaultMySQLSchema{GeneratePayloadType: func(string) string { return "LONGBLOB" }},
 	Bind:       func(q string) string { return dollarParam.ReplaceAllString(q, "?") },
-	IDType:     "VARCHAR(64)",
+	IDType:     "VARBINARY(64)", // compared byte for byte, as the IDs with a trailing space need
 	Wire: func(topic string) string {
 		return "SELECT uuid, payload FROM `watermill_" + topic + "` ORDER BY `offset`"
 	},

@@ -60,6 +60,7 @@ var Scenarios = map[string]string{
 	"keyed":       "client requests with an idempotency key are retried through keyed boundary units of work (some attempts at once, waiting or not), with the deliveries' faults; two callers send each key; some keys expire and are retaken by a retry while a cleanup runs",
 	"slow-topic":  "every call for one topic takes 20-120 ms (within PublishTimeout), on every path",
 	"hung-topic":  "for the first 0.3-1.5 s of the run every call for one topic hangs until its context ends (PublishTimeout), on every path, while the other topic flows",
+	"tx-by-sql":   "the handler ends its transaction with a ROLLBACK sent as SQL, then publishes: nothing of the delivery may commit, and the attempt is the handler's doing",
 	"delayed":     "the unit of work also records a delayed effect (due 0 to 600 ms after it is recorded, on the message's key), and a later unit of work on any instance cancels it around its due time, racing the relays",
 }
 
@@ -285,7 +286,7 @@ func Run(t *testing.T, dsn string, o Options) {
 			want = append(want, "crash@"+p)
 		}
 	}
-	for _, s := range []string{"copy-during", "copy-after", "shared-uuid", "topic-fails", "held-claim", "clock-step", "slow-topic", "hung-topic", "delayed"} {
+	for _, s := range []string{"copy-during", "copy-after", "shared-uuid", "topic-fails", "held-claim", "clock-step", "slow-topic", "hung-topic", "delayed", "tx-by-sql"} {
 		if on[s] {
 			want = append(want, s)
 		}

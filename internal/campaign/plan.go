@@ -56,6 +56,7 @@ type plan struct {
 	copyDuring     bool // a copy goes to another instance while the handler runs
 	copyAfter      int  // after commit, a copy goes to another instance: 1 waited for, 2 not
 	held           bool // the claim is aged past the sweep's look-back, then the unit crashes
+	endsTx         bool // the handler sends ROLLBACK as SQL through the unit's transaction, then publishes
 
 	proc      int           // the instance it is delivered to
 	copyTo    int           // the instance of the copy
@@ -103,6 +104,7 @@ func randomPlan(r *rand.Rand, msg *spec, on map[string]bool) *plan {
 		p.copyAfter = how
 	}
 	p.held = r.IntN(10) == 0 && on["held-claim"]
+	p.endsTx = r.IntN(25) == 0 && on["tx-by-sql"]
 	return p
 }
 
@@ -115,7 +117,8 @@ func (p *plan) String() string {
 		{"publish-hangs", p.publishHangs}, {"handler-fails", p.handlerFails}, {"handler-panics", p.handlerPanics},
 		{"handler-slow", p.handlerSlow}, {"cancel", p.cancel}, {"kill-connection", p.killConnection},
 		{"savepoint", p.savepoint}, {"concurrent", p.concurrent}, {"copy-during", p.copyDuring},
-		{"copy-after-waited", p.copyAfter == 1}, {"copy-after", p.copyAfter == 2}, {"held-claim", p.held}} {
+		{"copy-after-waited", p.copyAfter == 1}, {"copy-after", p.copyAfter == 2}, {"held-claim", p.held},
+		{"tx-by-sql", p.endsTx}} {
 		if f.on {
 			parts = append(parts, f.name)
 		}

@@ -204,6 +204,11 @@ func (c *run) do() bool {
 	scheds := make([]schedule, messages)
 	for i := range scheds {
 		sp := &spec{id: uuid.NewString(), shared: r.IntN(3) == 0 && c.on["shared-uuid"], big: i == bigAt, bigCalls: 1 + 9*r.IntN(2), delay: -1}
+		if i%4 == 1 {
+			// An ID that differs from the one before only by a trailing space: another message
+			// on every driver (IDs, and the cancel keys made of them, compare byte for byte).
+			sp.id = scheds[i-1].msg.id + " "
+		}
 		if delayed, delay, cancel, proc, jitter := r.IntN(2) == 0, r.IntN(600), r.IntN(2) == 0, r.IntN(instances), r.IntN(300)-150; delayed && c.on["delayed"] {
 			sp.delay = time.Duration(delay) * time.Millisecond
 			sp.cancel, sp.cancelProc, sp.cancelAt = cancel, proc, max(sp.delay+time.Duration(jitter)*time.Millisecond, 0)
@@ -467,6 +472,16 @@ func (c *run) handler(f Form) message.HandlerFunc {
 			if err := rollback(); err != nil {
 				return nil, err
 			}
+		}
+		if pl.endsTx {
+			// A handler bug: it ends the unit's transaction itself, then records. Nothing of this
+			// delivery may commit (the business row was rolled back; the record must not write
+			// outside the transaction), and the unit fails as the handler's doing.
+			c.stats.reached("tx-by-sql")
+			if err := f.Exec(ctx, "ROLLBACK"); err != nil {
+				return nil, err
+			}
+			return nil, publish(0, "after-rollback")
 		}
 		switch {
 		case pl.killConnection:
