@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"encoding/json"
+	"fmt"
 	"io"
 	"net/http"
 	"strings"
@@ -153,4 +154,25 @@ func startService(t *testing.T, cfg config, out io.Writer) (base string, client 
 	transport := &http.Transport{}
 	t.Cleanup(transport.CloseIdleConnections)
 	return base, &http.Client{Transport: transport, Timeout: 10 * time.Second}
+}
+
+// TestHealthEndpoint: the service serves a readiness probe at GET /healthz, as a deployment's
+// load balancer or Kubernetes would call it: 200 and {"healthy":true} while it runs, with no
+// detail for whoever can reach it.
+func TestHealthEndpoint(t *testing.T) {
+	base, client := startService(t, testConfig(t), io.Discard)
+	var body map[string]any
+	waitUntil(t, "GET /healthz reports healthy", func() (bool, string) {
+		resp, err := client.Get(base + "/healthz")
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		body = nil
+		_ = json.NewDecoder(resp.Body).Decode(&body)
+		return resp.StatusCode == http.StatusOK && body["healthy"] == true, fmt.Sprintf("%s %v", resp.Status, body)
+	})
+	if len(body) != 1 {
+		t.Errorf("GET /healthz shows %v, want the status only", body)
+	}
 }

@@ -420,7 +420,9 @@ func serve(ctx context.Context, cfg config, out io.Writer, ready func(addr strin
 	if err != nil {
 		return err
 	}
-	a := &api{db: s.db, ob: ob, metrics: s.metrics}
+	// The probe shows healthy or not, and nothing else, to whoever can reach it: the reasons
+	// (database, relay, backlog) are in Outbox.Health and the logs.
+	a := &api{db: s.db, ob: ob, metrics: s.metrics, health: ob.HealthHandlerWith(outbox.HealthHandlerOptions{})}
 	consoleNote, err := a.mountConsole(cfg)
 	if err != nil {
 		return err
@@ -439,6 +441,7 @@ func serve(ctx context.Context, cfg config, out io.Writer, ready func(addr strin
 	}
 	fmt.Fprint(out, feats.notes())
 	fmt.Fprintf(out, "Metrics (Prometheus):\n  curl -s http://%s/metrics | grep ^outbox_\n", addr)
+	fmt.Fprintf(out, "Readiness probe (200 or 503):\n  curl -s http://%s/healthz\n", addr)
 	fmt.Fprintf(out, "Web console:\n  %s\n\nCtrl-C stops.\n\n", strings.ReplaceAll(consoleNote, "ADDR", addr))
 	// From here on only the progress printer writes to out.
 	wg.Add(1)
