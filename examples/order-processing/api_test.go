@@ -176,3 +176,35 @@ func TestHealthEndpoint(t *testing.T) {
 		t.Errorf("GET /healthz shows %v, want the status only", body)
 	}
 }
+
+// TestConsumersCheck: the readiness probe's check of the consumers fails once their Router has
+// stopped, which the outbox's own checks (database, relay) cannot see.
+func TestConsumersCheck(t *testing.T) {
+	ctx := context.Background()
+	s, err := openService(ctx, testConfig(t), 2*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.close()
+	ob, pub, err := s.newOutbox()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = pub.Close() }()
+	if err := ob.Migrate(ctx); err != nil {
+		t.Fatal(err)
+	}
+	stop, running, err := startConsumers(ctx, s, ob, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := running(ctx); err != nil {
+		t.Fatalf("consumers running: the check says %v", err)
+	}
+	if err := stop(); err != nil {
+		t.Fatal(err)
+	}
+	if err := running(ctx); err == nil {
+		t.Fatal("consumers stopped: the check passes")
+	}
+}
