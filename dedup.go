@@ -66,7 +66,7 @@ func (o *Outbox) redeliver(ctx context.Context, src Source, claim outboxdriver.C
 	}
 	o.logger.Debug("Duplicate message skipped", fields.Add(watermill.LogFields{"pending_effects": len(pending), "parked_effects": parked}))
 	if parked > 0 && len(pending) == 0 {
-		o.logger.Info("Duplicate message acked; its undispatched side effects are parked (see Outbox.ParkedEffects)", fields)
+		o.logger.Info("Duplicate message acked; its undispatched side effects are parked (`outbox parked list`, or the web console)", fields)
 	}
 	// What this process sent and whose mark is still being written is not pending: a
 	// redelivery right after a partial failure must send only what did not go out.

@@ -10,7 +10,7 @@ import (
 var (
 	// ErrNoUnitOfWork is returned by Publish and Record outside a handler wrapped by the middleware
 	// and outside InTx.
-	ErrNoUnitOfWork = errors.New("outbox: no unit of work in context (wrap the handler with middleware.New, or use Outbox.InTx)")
+	ErrNoUnitOfWork = errors.New("outbox: no unit of work in context (wrap the handler with middleware.WrapConsumer, or run the code in Outbox.InTx)")
 	// ErrInvalidMessageID means an incoming or outgoing message ID is empty, too long, not UTF-8 or contains NUL.
 	ErrInvalidMessageID = errors.New("outbox: invalid message ID")
 	// ErrInvalidTopic means a topic is empty, too long, not UTF-8 or contains NUL.

@@ -121,6 +121,9 @@ func (o *Outbox) failures(effects []Effect, sent, failed int, err error, at time
 	return out
 }
 
+// logParked is the log line of a parked effect: it names what the on-call engineer runs next.
+const logParked = "Side effect parked after repeated failures; nothing sends it until an operator retries or discards it: `outbox parked list` (or the web console) shows it, `outbox parked retry -id N` sends it again"
+
 // dispatchFailed records a failed dispatch of the committed effects of src at once, so that a
 // redelivered copy knows not to wait for it and the relay retries them (after their backoff)
 // even if the message never comes back.
@@ -130,7 +133,7 @@ func (o *Outbox) dispatchFailed(ctx context.Context, src Source, effects []Effec
 	fs := o.failures(effects, sent, failed, err, at)
 	for _, f := range fs {
 		if f.Park {
-			o.logger.Error("Side effect parked after repeated failures; see Outbox.ParkedEffects", err,
+			o.logger.Error(logParked, err,
 				fields.Add(watermill.LogFields{"store_id": f.StoreID}))
 		}
 	}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -237,6 +238,11 @@ func TestPublishOutsideAUnitOfWork(t *testing.T) {
 	err := outbox.Publish(context.Background(), "t", message.NewMessage("x", nil))
 	if !errors.Is(err, outbox.ErrNoUnitOfWork) {
 		t.Fatalf("want ErrNoUnitOfWork, got %v", err)
+	}
+	// The text names what a newcomer should reach for: WrapConsumer, the way the README wraps a
+	// handler, and InTx for code without an incoming message.
+	if msg := err.Error(); !strings.Contains(msg, "middleware.WrapConsumer") || !strings.Contains(msg, "InTx") || strings.Contains(msg, "middleware.New") {
+		t.Errorf("ErrNoUnitOfWork says %q: want it to name middleware.WrapConsumer and InTx", msg)
 	}
 	if tx, ok := outbox.TxOK(context.Background()); ok || tx != nil {
 		t.Fatal("TxOK outside a unit of work must report none")

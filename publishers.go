@@ -1,10 +1,10 @@
 package outbox
 
 import (
+	"fmt"
 	"reflect"
 	"strings"
 
-	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 )
 
@@ -98,7 +98,7 @@ func field(v reflect.Value, path ...string) (reflect.Value, bool) {
 // warnUnsafePublisher logs, once when the Outbox is made, why its Publisher can lose messages.
 func (o *Outbox) warnUnsafePublisher() {
 	if reason := unsafePublisher(o.pub); reason != "" {
-		o.logger.Error("The Publisher can lose side effects the outbox marks dispatched", ErrUnsafePublisher,
-			watermill.LogFields{"reason": reason})
+		o.logger.Error("The Publisher can lose side effects the outbox marks dispatched",
+			fmt.Errorf("%w: %s", ErrUnsafePublisher, reason), nil)
 	}
 }

@@ -333,8 +333,8 @@ func (o *Outbox) relayLand(f *relayFlight) error {
 		}
 		for _, f := range fails {
 			if f.Park {
-				o.logger.Error("Side effect parked after repeated failures; see Outbox.ParkedEffects", nil,
-					watermill.LogFields{"store_id": f.StoreID, "reason": f.Reason})
+				// The failure's text is the error: a logger prints it where it prints every error.
+				o.logger.Error(logParked, errors.New(f.Reason), watermill.LogFields{"store_id": f.StoreID})
 			}
 		}
 	}
@@ -568,7 +568,7 @@ func (o *Outbox) relayEach(r *relayRun, es []Effect, at []int, failed map[string
 
 func (o *Outbox) relayFailed(e Effect, err error) {
 	o.logger.Error("Relay could not dispatch a side effect; it will be retried", err, watermill.LogFields{
-		"store_id": e.StoreID, "effect_uuid": e.UUID, "topic": e.Topic, "kind": e.Kind, "failures": e.Failures + 1,
+		"store_id": e.StoreID, "effect_uuid": e.UUID, "topic": e.Topic, "kind": kindName(e.Kind), "failures": e.Failures + 1,
 	})
 }
 

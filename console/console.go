@@ -325,6 +325,7 @@ type view struct {
 	Poisoned    []poisoned
 	MorePoison  bool
 	PageSize    int
+	Counted     []string     // the tiles that count the lists below rather than the sample
 	Confirm     []ops.Parked // the effects a discard would give up, asked about first
 	ConfirmIDs  string
 }
@@ -353,7 +354,9 @@ func (c *console) render(w http.ResponseWriter, v view) {
 // load reads what the page shows: the sampled counts, and a page of each list.
 func (c *console) load(ctx context.Context, r *http.Request, v *view) error {
 	var err error
-	if v.Overview, err = c.ops.Overview(ctx, ops.OverviewParams{Retention: c.opt.Retention, MaxAge: c.opt.MaxSampleAge}); err != nil {
+	// The page after an action counts afresh: the stored sample predates the change.
+	if v.Overview, err = c.ops.Overview(ctx, ops.OverviewParams{Retention: c.opt.Retention, MaxAge: c.opt.MaxSampleAge,
+		Fresh: v.Flash != ""}); err != nil {
 		return err
 	}
 	v.Relay = c.relayState(v.Overview)
@@ -387,6 +390,7 @@ func (c *console) load(ctx context.Context, r *http.Request, v *view) error {
 	if len(v.Failing) > n {
 		v.Failing, v.MoreFailing = v.Failing[:n], true
 	}
+	c.countFromLists(v, v.NextParked != "")
 	list, err := c.ops.PoisonedMessages(ctx, v.Filter.Consumer, n+1)
 	if err != nil {
 		return err
@@ -399,6 +403,26 @@ func (c *console) load(ctx context.Context, r *http.Request, v *view) error {
 			CanReplay: c.may(r, Action{Name: ActionReplay, Consumers: []string{p.Consumer}, MessageID: p.MessageID})})
 	}
 	return nil
+}
+
+// countFromLists replaces the sampled parked and failing counts with the lists the page read
+// just now, where those lists are whole (unfiltered, one page): a sample up to MaxSampleAge
+// old would otherwise still count an effect the list no longer shows (retried a moment ago), or
+// a message that has since succeeded or been poisoned.
+func (c *console) countFromLists(v *view, parkedPaged bool) {
+	t := &v.Overview.Totals
+	f := v.Filter
+	if f.Consumer == "" && f.Topic == "" && f.Error == "" && f.After == 0 && !parkedPaged {
+		t.Parked, t.OldestParked = int64(len(v.Parked)), 0
+		for _, p := range v.Parked {
+			t.OldestParked = max(t.OldestParked, time.Since(p.CreatedAt))
+		}
+		v.Counted = append(v.Counted, "parked")
+	}
+	if f.Consumer == "" && !v.MoreFailing {
+		t.Failing = int64(len(v.Failing))
+		v.Counted = append(v.Counted, "failing")
+	}
 }
 
 // relayState says whether relays run, from the age of the sample the services store.

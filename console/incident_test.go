@@ -36,14 +36,15 @@ func postForm(t *testing.T, c *http.Client, u string, form url.Values) (*http.Re
 }
 
 // TestPageCountsComeFromTheSample: the page shows the counts a service sampled (and when), not a
-// count of the tables on every load, which grows with the backlog it is opened for.
+// count of the tables on every load, which grows with the backlog it is opened for. (A list the
+// page shows whole counts its tile itself: more parked effects than a page here.)
 func TestPageCountsComeFromTheSample(t *testing.T) {
-	o, db, _ := parkedEnv(t)
+	o, db, _ := parkedBy(t, "billing", "billing")
 	if _, err := db.Exec(`UPDATE outbox_stats SET sampled_at = now() - interval '5 seconds', leased_at = now() - interval '5 seconds',
 		sample = '{"Pending": 4242, "Parked": 17, "OldestPendingMS": 1000, "Delayed": 31}' WHERE id = 1`); err != nil {
 		t.Fatal(err)
 	}
-	srv := serve(t, o, console.Options{AllowUnauthenticated: true})
+	srv := serve(t, o, console.Options{AllowUnauthenticated: true, PageSize: 1})
 	code, body := get(t, srv.Client(), srv.URL+"/outbox/")
 	if code != http.StatusOK || !strings.Contains(body, `id="pending">4242<`) || !strings.Contains(body, `id="parked-count">17<`) ||
 		!strings.Contains(body, `id="delayed">31<`) || !regexp.MustCompile(`id="sampled">sampled \ds ago`).MatchString(body) {
@@ -249,5 +250,28 @@ func TestBasicAuthChallenges(t *testing.T) {
 	resp.Body.Close()
 	if resp.StatusCode != http.StatusOK || !strings.Contains(string(body), "signed in as operator") {
 		t.Fatalf("with credentials: %d\n%s", resp.StatusCode, body)
+	}
+}
+
+// TestPageAfterAnActionSamplesAfresh: the page an action leads to counts the tables again rather
+// than show the sample a service stored before the change.
+func TestPageAfterAnActionSamplesAfresh(t *testing.T) {
+	o, db, _ := parkedBy(t, "billing", "billing")
+	srv := serve(t, o, console.Options{AllowUnauthenticated: true, PageSize: 1,
+		Authorize: func(*http.Request, string, console.Action) bool { return true }})
+	_, body := get(t, srv.Client(), srv.URL+"/outbox/")
+	token, id := tokenRe.FindStringSubmatch(body)[1], idRe.FindStringSubmatch(body)[1]
+	// A service's sample from just before the retry: 2 parked, none pending.
+	if _, err := db.Exec(`UPDATE outbox_stats SET sampled_at = now() - interval '5 seconds', leased_at = now() - interval '5 seconds',
+		sample = '{"Pending": 0, "Parked": 2}' WHERE id = 1`); err != nil {
+		t.Fatal(err)
+	}
+	resp, _ := postForm(t, noRedirect(), srv.URL+"/outbox/retry", url.Values{"ids": {id}, "token": {token}})
+	if resp.StatusCode != http.StatusSeeOther {
+		t.Fatalf("retry: %d, want 303", resp.StatusCode)
+	}
+	_, body = get(t, srv.Client(), srv.URL+"/outbox/"+strings.TrimPrefix(resp.Header.Get("Location"), "./"))
+	if !strings.Contains(body, `id="flash"`) || !strings.Contains(body, `id="pending">1<`) || !strings.Contains(body, `id="parked-count">1<`) {
+		t.Fatalf("after retrying 1 of 2 parked effects: want a fresh sample (1 pending, 1 parked):\n%s", body)
 	}
 }

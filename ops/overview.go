@@ -17,6 +17,9 @@ type OverviewParams struct {
 	// MaxAge is how old the stored sample may be; an older one is replaced by a sample taken
 	// now, which is not stored. Default: one minute.
 	MaxAge time.Duration
+	// Fresh takes a sample now (not stored) whatever the age of the stored one: after a repair,
+	// when a sample from before it would contradict the lists.
+	Fresh bool
 	// Window bounds the undispatched effects (the oldest ones) grouped by consumer and topic.
 	// Default: 10,000.
 	Window int
@@ -64,7 +67,7 @@ func (o *Ops) Overview(ctx context.Context, p OverviewParams) (Overview, error) 
 	// A sample taken here is not stored, so that the age of the stored one keeps telling whether
 	// a service samples.
 	sp := outboxdriver.StatsParams{Retention: p.Retention}
-	if ms.Valid && v.ServiceSampled < p.MaxAge {
+	if ms.Valid && v.ServiceSampled < p.MaxAge && !p.Fresh {
 		sp.Interval = p.MaxAge
 	}
 	var err error

@@ -286,3 +286,147 @@ func TestConsoleBasicAuthInABrowser(t *testing.T) {
 		t.Errorf("relay indicator without Run: %q %v", relay, err)
 	}
 }
+
+// TestConsoleAfterARepairInABrowser: the tiles agree with the lists right after a repair, and
+// when a failing message succeeds, although a service stored its sample of the counts (with
+// the effects still parked and the message still failing) moments before.
+func TestConsoleAfterARepairInABrowser(t *testing.T) {
+	db := pgtest.DB(t)
+	ctx := context.Background()
+	b := &broker{sent: map[string]int{}}
+	b.refusing.Store(true)
+	// A first instance, which samples nothing, parks the invoices the broker refuses (while the
+	// receipts go out, so that the refusals count).
+	cfg := outbox.Config{DB: db, Driver: postgres.Driver{}, Publisher: b, RelayMaxAttempts: 1,
+		RetryDelay: -1, StatsInterval: -1, RelayInterval: 50 * time.Millisecond}
+	first, err := outbox.New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := first.Migrate(ctx); err != nil {
+		t.Fatal(err)
+	}
+	for _, order := range []string{"o-3001", "o-3002", "o-3003"} {
+		err := first.Handle(message.NewMessage("placed-"+order, nil), outbox.HandleParams{Consumer: "billing", MessageID: "placed-" + order},
+			func(msg *message.Message) ([]*message.Message, error) {
+				ctx := msg.Context()
+				if err := outbox.Publish(ctx, "receipts", message.NewMessage(watermill.NewUUID(), []byte("v2:"+order))); err != nil {
+					return nil, err
+				}
+				return nil, outbox.Publish(ctx, "invoices", message.NewMessage(watermill.NewUUID(), []byte("v1:"+order)))
+			})
+		if !errors.Is(err, outbox.ErrDispatchFailed) {
+			t.Fatalf("leaving the invoice of %s undispatched: %v", order, err)
+		}
+	}
+	if _, err := db.Exec(`INSERT INTO outbox_attempts (consumer, message_id, attempts, last_error) VALUES ('shipping', 'placed-o-3004', 2, 'carrier API timeout')`); err != nil {
+		t.Fatal(err)
+	}
+	first.FlushMarks()
+	waitFor := func(what, query string) {
+		t.Helper()
+		deadline := time.Now().Add(30 * time.Second)
+		for {
+			var ok bool
+			if err := db.QueryRow(query).Scan(&ok); err == nil && ok {
+				return
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("%s: not within 30s", what)
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+	}
+	firstCtx, stopFirst := context.WithCancel(ctx)
+	firstDone := make(chan error, 1)
+	go func() { firstDone <- first.Run(firstCtx) }()
+	waitFor("the relay parks the 3 invoices", `SELECT count(*) = 3 FROM outbox_effects WHERE parked_at IS NOT NULL`)
+	stopFirst()
+	<-firstDone
+
+	// The service that runs on samples once at its start and not again during the test: its
+	// sample (3 parked, 1 failing) stays younger than the console's MaxSampleAge, as a sample
+	// taken just before a repair does.
+	cfg.StatsInterval = time.Hour
+	ob, err := outbox.New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	runCtx, stopRun := context.WithCancel(ctx)
+	done := make(chan error, 1)
+	go func() { done <- ob.Run(runCtx) }()
+	defer func() { stopRun(); <-done }()
+	waitFor("Run stores a sample of 3 parked effects and 1 failing message",
+		`SELECT coalesce(sample, '') LIKE '%"Parked":3%"Failing":1%' FROM outbox_stats`)
+
+	o, err := ops.ForOutbox(ob)
+	if err != nil {
+		t.Fatal(err)
+	}
+	h, err := console.New(o, console.Options{
+		Authenticate: func(*http.Request) (string, bool) { return "operator", true },
+		Authorize:    func(*http.Request, string, console.Action) bool { return true },
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	mux := http.NewServeMux()
+	mux.Handle("/outbox/", http.StripPrefix("/outbox", h))
+	srv := httptest.NewServer(mux)
+	defer srv.Close()
+
+	alloc, cancelAlloc := chromedp.NewExecAllocator(ctx, append(chromedp.DefaultExecAllocatorOptions[:],
+		chromedp.ExecPath(chromium(t)), chromedp.NoSandbox, chromedp.Headless, chromedp.DisableGPU)...)
+	defer cancelAlloc()
+	bctx, cancelBrowser := chromedp.NewContext(alloc)
+	defer cancelBrowser()
+	bctx, cancelTimeout := context.WithTimeout(bctx, 90*time.Second)
+	defer cancelTimeout()
+
+	// tiles reads the parked and failing tiles and the rows of the two lists.
+	tiles := func() (parked, parkedRows, failing, failingRows string) {
+		t.Helper()
+		js := `[document.querySelector('#parked-count').textContent,
+			String(document.querySelectorAll('#parked tr[data-id]').length),
+			document.querySelector('#failing-count').textContent,
+			String(document.querySelectorAll('#failing tr[data-message]').length)]`
+		v, err := chromedp.Run(bctx, chromedp.Evaluate[[]string](js))
+		if err != nil || len(v) != 4 {
+			t.Fatalf("reading the tiles: %v %v", v, err)
+		}
+		return v[0], v[1], v[2], v[3]
+	}
+	if err := chromedp.Do(bctx, chromedp.Navigate(srv.URL+"/outbox/"), chromedp.WaitVisible(chromedp.CSS(`#groups button`))); err != nil {
+		t.Fatalf("loading the console: %v", err)
+	}
+	if p, pr, f, fr := tiles(); p != "3" || pr != "3" || f != "1" || fr != "1" {
+		t.Fatalf("before the repair: parked tile %s, %s rows; failing tile %s, %s rows; want 3, 3, 1, 1", p, pr, f, fr)
+	}
+
+	// The broker takes v1 again: retry the whole failure group.
+	b.refusing.Store(false)
+	if err := chromedp.Do(bctx, chromedp.Click(chromedp.CSS(`#groups button`)), chromedp.WaitVisible(chromedp.CSS(`#flash`))); err != nil {
+		t.Fatalf("retrying all in the console: %v", err)
+	}
+	flash, err := chromedp.Run(bctx, chromedp.Text(chromedp.CSS(`#flash`)))
+	if err != nil || !strings.Contains(flash, "3 parked effect(s) retried") {
+		t.Fatalf("after retry all: flash %q %v", flash, err)
+	}
+	if p, pr, _, _ := tiles(); p != "0" || pr != "0" {
+		t.Errorf("after retry all: the parked tile says %s while the list shows %s parked effects", p, pr)
+	}
+	if class, err := chromedp.Run(bctx, chromedp.AttributeValue(chromedp.CSS(`#parked-tile`), "class")); err != nil || strings.Contains(class.Value, "bad") {
+		t.Errorf("after retry all: the parked tile is still red (%q %v)", class.Value, err)
+	}
+
+	// The failing message is delivered again and succeeds: it leaves the count at once.
+	if _, err := db.Exec(`INSERT INTO outbox_processed (consumer, message_id, processed_at) VALUES ('shipping', 'placed-o-3004', now())`); err != nil {
+		t.Fatal(err)
+	}
+	if err := chromedp.Do(bctx, chromedp.Navigate(srv.URL+"/outbox/"), chromedp.WaitVisible(chromedp.CSS(`#relay`))); err != nil {
+		t.Fatal(err)
+	}
+	if _, _, f, fr := tiles(); f != "0" || fr != "0" {
+		t.Errorf("after the failing message succeeded: the failing tile says %s while the list shows %s failing messages", f, fr)
+	}
+}

@@ -25,11 +25,12 @@ import (
 )
 
 // api is the HTTP API: POST /orders places an order, GET /orders/{id} shows it, GET /metrics
-// serves the metrics in the Prometheus text format.
+// serves the metrics in the Prometheus text format, GET /healthz answers readiness probes.
 type api struct {
 	db      *sql.DB
 	ob      *outbox.Outbox
 	metrics http.Handler // nil: no /metrics
+	health  http.Handler // nil: no /healthz
 	console http.Handler // nil: no /outbox/
 }
 
@@ -39,6 +40,9 @@ func (a *api) routes() http.Handler {
 	mux.HandleFunc("GET /orders/{id}", a.getOrder)
 	if a.metrics != nil {
 		mux.Handle("GET /metrics", a.metrics)
+	}
+	if a.health != nil {
+		mux.Handle("GET /healthz", a.health)
 	}
 	if a.console != nil {
 		mux.Handle("/outbox/", http.StripPrefix("/outbox", a.console))

@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"encoding/json"
+	"fmt"
 	"io"
 	"net/http"
 	"strings"
@@ -153,4 +154,57 @@ func startService(t *testing.T, cfg config, out io.Writer) (base string, client 
 	transport := &http.Transport{}
 	t.Cleanup(transport.CloseIdleConnections)
 	return base, &http.Client{Transport: transport, Timeout: 10 * time.Second}
+}
+
+// TestHealthEndpoint: the service serves a readiness probe at GET /healthz, as a deployment's
+// load balancer or Kubernetes would call it: 200 and {"healthy":true} while it runs, with no
+// detail for whoever can reach it.
+func TestHealthEndpoint(t *testing.T) {
+	base, client := startService(t, testConfig(t), io.Discard)
+	var body map[string]any
+	waitUntil(t, "GET /healthz reports healthy", func() (bool, string) {
+		resp, err := client.Get(base + "/healthz")
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		body = nil
+		_ = json.NewDecoder(resp.Body).Decode(&body)
+		return resp.StatusCode == http.StatusOK && body["healthy"] == true, fmt.Sprintf("%s %v", resp.Status, body)
+	})
+	if len(body) != 1 {
+		t.Errorf("GET /healthz shows %v, want the status only", body)
+	}
+}
+
+// TestConsumersCheck: the readiness probe's check of the consumers fails once their Router has
+// stopped, which the outbox's own checks (database, relay) cannot see.
+func TestConsumersCheck(t *testing.T) {
+	ctx := context.Background()
+	s, err := openService(ctx, testConfig(t), 2*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.close()
+	ob, pub, err := s.newOutbox()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = pub.Close() }()
+	if err := ob.Migrate(ctx); err != nil {
+		t.Fatal(err)
+	}
+	stop, running, err := startConsumers(ctx, s, ob, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := running(ctx); err != nil {
+		t.Fatalf("consumers running: the check says %v", err)
+	}
+	if err := stop(); err != nil {
+		t.Fatal(err)
+	}
+	if err := running(ctx); err == nil {
+		t.Fatal("consumers stopped: the check passes")
+	}
 }

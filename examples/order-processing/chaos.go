@@ -230,7 +230,7 @@ func (c *chaos) start(ctx context.Context, s *service) (*incarnation, error) {
 	ictx, cancel := context.WithCancel(ctx)
 	inc.pub, inc.cancel = pub, cancel
 	go func() { defer close(inc.done); _ = ob.Run(ictx) }()
-	if inc.stopConsumers, err = startConsumers(ictx, s, ob, c); err != nil {
+	if inc.stopConsumers, _, err = startConsumers(ictx, s, ob, c); err != nil {
 		cancel()
 		<-inc.done
 		_ = pub.Close()

@@ -336,17 +336,19 @@ func (s *service) newOutbox(tune ...func(*outbox.Config)) (*outbox.Outbox, messa
 // is wrapped in the outbox middleware: its writes, the claim "this consumer processed this
 // message" and the events it publishes commit in one transaction, and a redelivered copy skips the
 // handler. wrap, when set, decorates the handlers and adds outer middleware (the chaos mode).
-func startConsumers(ctx context.Context, s *service, ob *outbox.Outbox, wrap *chaos) (stop func() error, err error) {
+// running reports whether the Router still runs, for the readiness probe: the outbox's own checks
+// cannot see consumers that stopped.
+func startConsumers(ctx context.Context, s *service, ob *outbox.Outbox, wrap *chaos) (stop func() error, running func(context.Context) error, err error) {
 	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 30 * time.Second}, s.logger)
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	var subs []message.Subscriber
 	for _, c := range consumers {
 		sub, err := s.broker.Subscriber(c.name)
 		if err != nil {
 			_ = router.Close() // closes the subscribers added so far
-			return nil, fmt.Errorf("subscriber %s: %w", c.name, err)
+			return nil, nil, fmt.Errorf("subscriber %s: %w", c.name, err)
 		}
 		handle := c.handle
 		if wrap != nil {
@@ -366,7 +368,13 @@ func startConsumers(ctx context.Context, s *service, ob *outbox.Outbox, wrap *ch
 	select {
 	case <-router.Running():
 	case err := <-done:
-		return nil, fmt.Errorf("router stopped at start: %w", errors.Join(err, router.Close()))
+		return nil, nil, fmt.Errorf("router stopped at start: %w", errors.Join(err, router.Close()))
+	}
+	running = func(context.Context) error {
+		if router.IsClosed() || !router.IsRunning() {
+			return errors.New("the consumers' Router is not running")
+		}
+		return nil
 	}
 	return func() error {
 		// watermill-nats closes a subscription's output channel without waiting for a message
@@ -379,7 +387,7 @@ func startConsumers(ctx context.Context, s *service, ob *outbox.Outbox, wrap *ch
 		}
 		err := router.Close()
 		return errors.Join(err, <-done)
-	}, nil
+	}, running, nil
 }
 
 // serve runs the service until ctx ends. ready, when set, receives the HTTP address once it listens.
@@ -410,7 +418,7 @@ func serve(ctx context.Context, cfg config, out io.Writer, ready func(addr strin
 	go func() { defer wg.Done(); _ = ob.Run(runCtx) }() // the relay and the retention cleanup
 	defer func() { cancel(); wg.Wait() }()
 
-	stopConsumers, err := startConsumers(runCtx, s, ob, nil)
+	stopConsumers, consumersRunning, err := startConsumers(runCtx, s, ob, nil)
 	if err != nil {
 		return err
 	}
@@ -420,7 +428,10 @@ func serve(ctx context.Context, cfg config, out io.Writer, ready func(addr strin
 	if err != nil {
 		return err
 	}
-	a := &api{db: s.db, ob: ob, metrics: s.metrics}
+	// The probe shows healthy or not, and nothing else, to whoever can reach it: the reasons
+	// (database, relay, consumers) are in Outbox.Health and the logs.
+	health := ob.HealthHandlerWith(outbox.HealthHandlerOptions{Extra: map[string]func(context.Context) error{"consumers": consumersRunning}})
+	a := &api{db: s.db, ob: ob, metrics: s.metrics, health: health}
 	consoleNote, err := a.mountConsole(cfg)
 	if err != nil {
 		return err
@@ -439,6 +450,7 @@ func serve(ctx context.Context, cfg config, out io.Writer, ready func(addr strin
 	}
 	fmt.Fprint(out, feats.notes())
 	fmt.Fprintf(out, "Metrics (Prometheus):\n  curl -s http://%s/metrics | grep ^outbox_\n", addr)
+	fmt.Fprintf(out, "Readiness probe (200 or 503):\n  curl -s http://%s/healthz\n", addr)
 	fmt.Fprintf(out, "Web console:\n  %s\n\nCtrl-C stops.\n\n", strings.ReplaceAll(consoleNote, "ADDR", addr))
 	// From here on only the progress printer writes to out.
 	wg.Add(1)

@@ -47,9 +47,10 @@ func newMetrics() (*sdkmetric.MeterProvider, http.Handler, error) {
 }
 
 // printProgress prints one line a second to out while the service works, until ctx ends: the
-// orders in the database, how many are paid and rejected, and the side effects waiting to be
-// sent (and parked ones, if any) as ob.Stats samples them. A second in which nothing changed
-// prints nothing, so that an idle service stays quiet.
+// orders in the database, how many are paid, rejected and cancelled (not paid in time), and, as
+// ob.Stats samples them, the side effects waiting to be sent (and parked ones, if any) and the
+// incoming messages whose handler keeps failing. A second in which nothing changed prints
+// nothing, so that an idle service stays quiet.
 func printProgress(ctx context.Context, out io.Writer, db *sql.DB, ob *outbox.Outbox) {
 	t := time.NewTicker(time.Second)
 	defer t.Stop()
@@ -72,21 +73,25 @@ func printProgress(ctx context.Context, out io.Writer, db *sql.DB, ob *outbox.Ou
 }
 
 func progressLine(ctx context.Context, db *sql.DB, ob *outbox.Outbox) string {
-	var placed, paid, rejected int64
+	var placed, paid, rejected, cancelled int64
 	if err := db.QueryRowContext(ctx, `SELECT count(*),
 			coalesce(sum(CASE WHEN status = 'paid' THEN 1 ELSE 0 END), 0),
-			coalesce(sum(CASE WHEN status = 'rejected' THEN 1 ELSE 0 END), 0)
-		FROM orders`).Scan(&placed, &paid, &rejected); err != nil {
+			coalesce(sum(CASE WHEN status = 'rejected' THEN 1 ELSE 0 END), 0),
+			coalesce(sum(CASE WHEN status = 'cancelled' THEN 1 ELSE 0 END), 0)
+		FROM orders`).Scan(&placed, &paid, &rejected, &cancelled); err != nil {
 		return "progress: counting orders: " + err.Error()
 	}
-	line := fmt.Sprintf("orders placed %d  paid %d  rejected %d", placed, paid, rejected)
+	line := fmt.Sprintf("orders placed %d  paid %d  rejected %d  cancelled %d", placed, paid, rejected, cancelled)
 	st, err := ob.Stats(ctx)
 	if err != nil {
 		return line + "  side effects: " + err.Error()
 	}
 	line += fmt.Sprintf("  side effects pending %d", st.Pending)
 	if st.Parked > 0 {
-		line += fmt.Sprintf("  PARKED %d (see docs/operations.md)", st.Parked)
+		line += fmt.Sprintf("  PARKED %d (the web console, or outbox parked list)", st.Parked)
 	}
+	// Messages whose handler failed and that were neither processed nor poisoned since: they
+	// are redelivered; a count that does not fall is a handler that cannot succeed.
+	line += fmt.Sprintf("  failing messages %d", st.Failing)
 	return line
 }

@@ -67,7 +67,7 @@ func TestMetrics(t *testing.T) {
 	}
 
 	// The progress line: one a second while something changes.
-	progress := regexp.MustCompile(`(?m)^\d\d:\d\d:\d\d  orders placed 1  paid 1  rejected 0  side effects pending \d+$`)
+	progress := regexp.MustCompile(`(?m)^\d\d:\d\d:\d\d  orders placed 1  paid 1  rejected 0  cancelled 0  side effects pending \d+  failing messages 0$`)
 	waitUntil(t, "a progress line counts the order", func() (bool, string) {
 		return progress.MatchString(out.String()), "printed:\n" + out.String()
 	})

@@ -11,7 +11,9 @@
 //
 //   - A block that starts with a package clause is a file of its own; the blocks after it in the
 //     same Markdown file belong to that package (a tutorial that builds a program piece by piece).
-//     A block that opens a function without closing it is continued by the next indented blocks.
+//     A block that opens a function without closing it is continued by the next indented blocks,
+//     and by nothing else: a block in between would land inside the function when the reader
+//     pastes the blocks in order (a tutorial's program must build that way).
 //   - Any other block is a fragment, checked in a package of its own. It gets the imports it names
 //     (outbox., middleware., message., ...) and a prelude of the variables that fragments take
 //     for granted (ctx, db, ob, publisher, router, msg, pool, ...). Statements are wrapped in a
@@ -312,12 +314,8 @@ func build(path string, bs []block) ([]*unit, error) {
 			continue
 		}
 		if open != nil {
-			// Blocks in between (a helper shown before the function goes on) are top-level.
-			if !hasPackageClause(code) && pkg != nil {
-				pkg.files = append(pkg.files, autoFile(fmt.Sprintf("%s_%d.go", base, i), packageLine(cur.buf.String()), code, b.extra, at)...)
-				continue
-			}
-			return nil, fmt.Errorf("%s:%d: a block starts before the function opened at line %d is closed", b.file, b.line, pendingAt.line)
+			// A reader who pastes the blocks in order would put this one inside the function.
+			return nil, fmt.Errorf("%s:%d: a block starts before the function opened at line %d is closed: pasted in reading order, it lands inside that function", b.file, b.line, pendingAt.line)
 		}
 		if hasPackageClause(code) {
 			if pkg == nil {

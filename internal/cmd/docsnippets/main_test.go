@@ -47,3 +47,40 @@ func TestCheckFindsDrift(t *testing.T) {
 		t.Errorf("without the go-check declaration: %q, want undefined: sku", problems)
 	}
 }
+
+// A program shown in parts must build when its blocks are pasted in reading order: a block
+// between two parts of a function would land inside it, and is refused at its line.
+func TestProgramPastedInReadingOrder(t *testing.T) {
+	md := filepath.Join(t.TempDir(), "tutorial.md")
+	head := "```go\npackage main\n\nimport \"fmt\"\n\nfunc main() {\n\tfmt.Println(greeting())\n```\n\n"
+	helper := "```go\nfunc greeting() string { return \"hello\" }\n```\n\n"
+	tail := "```go\n\tfmt.Println(\"bye\")\n}\n```\n"
+	build := func(doc string) error {
+		t.Helper()
+		if err := os.WriteFile(md, []byte(doc), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		blocks, err := readBlocks(md)
+		if err != nil {
+			t.Fatal(err)
+		}
+		units, err := build(md, blocks)
+		if err != nil {
+			return err
+		}
+		problems, err := check(units)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(problems) > 0 {
+			t.Fatalf("type-check: %q", problems)
+		}
+		return nil
+	}
+	if err := build(head + helper + tail); err == nil || !strings.Contains(err.Error(), "tutorial.md:11:") {
+		t.Errorf("a helper between the parts of main: %v, want it refused at tutorial.md:11", err)
+	}
+	if err := build(head + tail + helper); err != nil {
+		t.Errorf("the parts of main, then the helper: %v", err)
+	}
+}
