@@ -171,6 +171,8 @@ type Dialect struct {
 	Hooks Hooks
 	// Ops are the statements of the operators' tools; empty when the dialect has none.
 	Ops OpsQueries
+	// DeadLetters are the statements of the dead letters; empty when the dialect keeps none.
+	DeadLetters DeadLetterQueries
 }
 
 // Hooks are steps a dialect runs as several statements of its own, where one statement of Queries

@@ -135,6 +135,7 @@ func Run(t *testing.T, newHarness func(t *testing.T) Harness) {
 		{"EffectClaimDue/LockedEarlierEffectHoldsItsKey", testClaimDueLockedEarlier},
 		{"EffectDiscard/RetentionCountsFromDiscard", testDiscardMovesClaim},
 		{"MessageReplay", testReplay},
+		{"DeadLetters", testDeadLetters},
 		{"EffectListParked", testListParked},
 		{"EffectUnpark", testUnpark},
 		{"EffectDiscard", testDiscard},
