@@ -75,7 +75,8 @@ const (
 	OutcomeFailed         = "failed"          // nacked: the handler failed, or the unit of work could not finish
 	OutcomeDispatchFailed = "dispatch_failed" // committed, but its effects are left to a retry
 	OutcomePoisoned       = "poisoned"        // moved to the poison topic after MaxAttempts
-	OutcomeRejected       = "rejected"        // unusable message ID: poison topic at once, or nacked
+	OutcomeRejected       = "rejected"        // unusable message ID: dead-lettered or poison topic at once, or nacked
+	OutcomeDeadLettered   = "dead_lettered"   // stored as a dead letter and acked (Config.DeadLetters)
 )
 
 // Outcomes of a unit of work at the boundary (InTx, InUnit), beside OutcomeDispatchFailed.
@@ -367,7 +368,7 @@ func (t *telemetry) startConsumer(ctx context.Context, consumer string) {
 	if _, seen := t.consumers.LoadOrStore(consumer, true); seen {
 		return
 	}
-	for _, outcome := range []string{OutcomeProcessed, OutcomeDuplicate, OutcomeFailed, OutcomeDispatchFailed, OutcomePoisoned, OutcomeRejected} {
+	for _, outcome := range []string{OutcomeProcessed, OutcomeDuplicate, OutcomeFailed, OutcomeDispatchFailed, OutcomePoisoned, OutcomeRejected, OutcomeDeadLettered} {
 		t.handled.Add(ctx, 0, t.attrs(AttrConsumer, consumer, AttrOutcome, outcome))
 	}
 	t.duplicatesLate.Add(ctx, 0, t.attrs(AttrConsumer, consumer, "", ""))
