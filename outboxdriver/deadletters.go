@@ -77,7 +77,8 @@ type DeadLetterStore interface {
 	// dead letter (in state dead) becomes retried, the poisoned claim of the message and its
 	// failed attempts are deleted, and the stored message is written as an effect (kind publish,
 	// to its source topic, with its message ID as UUID, its payload and metadata) of source src
-	// (a source of its own per retry, given by newSource), so that the relay sends it. It returns
+	// (a source of its own per retry, given by newSource), due for the relay at once (as after
+	// EffectHandToRelay), so that the relay sends it. It returns
 	// how many it retried; those not found dead are left alone.
 	DeadLetterRetry(ctx context.Context, c DeadLetterChange, newSource func() Source) (int, error)
 	// DeadLetterDiscard marks dead letters (in state dead) discarded, each in one transaction

@@ -202,6 +202,11 @@ func (s *SQL) DeadLetterRetryAudited(ctx context.Context, c outboxdriver.DeadLet
 		if _, err := s.effectInsert(ctx, tx, src, e); err != nil {
 			return fmt.Errorf("store the message for its topic: %w", err)
 		}
+		// Due for the relay at once, not after the grace period a unit of work's effects get
+		// for their own dispatch: nothing else sends it.
+		if _, err := tx.ExecContext(ctx, s.d.Queries.EffectHandToRelay, src.Consumer, src.ID); err != nil {
+			return fmt.Errorf("hand the message to the relay: %w", s.wrap(err))
+		}
 		return nil
 	})
 }

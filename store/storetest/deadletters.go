@@ -99,6 +99,10 @@ func testDeadLetters(f *fixture) {
 	if len(es) != 1 || es[0].Topic != "orders" || es[0].UUID != src.ID || !bytes.Equal(es[0].Payload, payload) || !maps.Equal(es[0].Metadata, md) {
 		f.t.Fatalf("effect of the retry: %+v; want the message to its source topic with its UUID", es)
 	}
+	// Handed to the relay at once: the operator who retried it does not wait for the grace period.
+	if got := f.relay(due, sent); len(got) != 1 || got[0].UUID != src.ID || got[0].Topic != "orders" {
+		f.t.Fatalf("relayed after the retry: %+v; want the retried message at once", got)
+	}
 	// One without a source topic cannot be retried: nothing changes.
 	if _, err := ds.DeadLetterRetry(f.ctx, outboxdriver.DeadLetterChange{Keys: []outboxdriver.Source{other}, Actor: "ops"},
 		func() outboxdriver.Source { return outboxdriver.Source{ID: "retry-of-other"} }); err == nil {
