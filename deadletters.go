@@ -101,3 +101,10 @@ func (o *Outbox) DiscardDeadLetters(ctx context.Context, actor string, keys ...S
 	}
 	return n, nil
 }
+
+// The states of a dead letter (DeadLetter.State, DeadLetterFilter.State).
+const (
+	DeadLetterDead      = outboxdriver.DeadLetterDead
+	DeadLetterRetried   = outboxdriver.DeadLetterRetried
+	DeadLetterDiscarded = outboxdriver.DeadLetterDiscarded
+)

@@ -136,7 +136,8 @@ func TestPermanentErrorIsDeadLetteredAtOnce(t *testing.T) {
 		}
 		var calls atomic.Int32
 		msg := message.NewMessage(uuid.NewString(), []byte(fmt.Sprint(i)))
-		err := handle(e.ob, msg, func(m *message.Message) ([]*message.Message, error) {
+		// Outside a Router, the topic the message came from is told by HandleParams.Topic.
+		err := e.ob.Handle(msg, outbox.HandleParams{Consumer: "c1", MessageID: msg.UUID, Topic: "orders.in"}, func(m *message.Message) ([]*message.Message, error) {
 			calls.Add(1)
 			return nil, herr
 		})
@@ -147,7 +148,8 @@ func TestPermanentErrorIsDeadLetteredAtOnce(t *testing.T) {
 		mustEqual(t, "attempts counted", e.count(`SELECT attempts FROM outbox_attempts WHERE message_id = $1`, msg.UUID), 1)
 	}
 	dls := deadLetters(t, e)
-	if len(dls) != 2 || !dls[0].Permanent || !dls[1].Permanent || dls[0].Attempts != 1 || !strings.Contains(dls[1].Reason, "customer not found") {
+	if len(dls) != 2 || !dls[0].Permanent || !dls[1].Permanent || dls[0].Attempts != 1 || !strings.Contains(dls[1].Reason, "customer not found") ||
+		dls[0].SourceTopic != "orders.in" {
 		t.Fatalf("dead letters: %+v", dls)
 	}
 	if outbox.IsPermanent(errors.New("timeout")) || outbox.IsPermanent(nil) || outbox.Permanent(nil) != nil {

@@ -317,7 +317,7 @@ func (o *Outbox) deadLetter(ctx, outcomeCtx context.Context, dl outboxdriver.Dea
 		poison = &e
 	}
 	n, err := dl.DeadLetterInsert(ctx, outboxdriver.DeadLetter{
-		Consumer: src.Consumer, MessageID: src.ID, SourceTopic: message.SubscribeTopicFromCtx(msg.Context()),
+		Consumer: src.Consumer, MessageID: src.ID, SourceTopic: sourceTopic(outcomeCtx, msg),
 		Payload: msg.Payload, Metadata: msg.Metadata, Reason: reason, Attempts: attempts, Permanent: permanent,
 	}, count, poison)
 	if err != nil {
