@@ -262,6 +262,8 @@ type Stats struct {
 	// they are no backlog. A delayed effect past its due time that the relay has not moved yet
 	// counts in Pending, and its due time in OldestPending.
 	Delayed int64
+	// DeadLetters counts the dead letters still dead (see DeadLetterStore), up to StatsCountCap.
+	DeadLetters int64
 }
 
 // DispatchMark is one source's effects that Store.EffectMarkDispatched marks dispatched.

@@ -1218,6 +1218,7 @@ type statsSample struct {
 	OldestPendingMS, OldestParkedMS, CleanupLagMS int64
 	Estimated                                     bool
 	Delayed                                       int64
+	DeadLetters                                   int64
 }
 
 // Stats implements outboxdriver.Store.
@@ -1266,6 +1267,11 @@ func (s *SQL) Stats(ctx context.Context, p outboxdriver.StatsParams) (outboxdriv
 		}
 		smp.Estimated = smp.Estimated || smp.Delayed >= outboxdriver.StatsCountCap
 	}
+	if s.d.DeadLetters.Count != "" {
+		if err := s.db.QueryRowContext(ctx, s.d.DeadLetters.Count, outboxdriver.StatsCountCap).Scan(&smp.DeadLetters); err != nil {
+			return outboxdriver.Stats{}, fmt.Errorf("count dead letters: %w", s.wrap(err))
+		}
+	}
 	if p.Interval > 0 {
 		text, err := json.Marshal(smp)
 		if err != nil {
@@ -1284,7 +1290,7 @@ func (smp statsSample) stats(at time.Time) outboxdriver.Stats {
 		Pending: smp.Pending, OldestPending: ms(smp.OldestPendingMS),
 		Parked: smp.Parked, OldestParked: ms(smp.OldestParkedMS),
 		Failing: smp.Failing, Retained: smp.Retained, Estimated: smp.Estimated,
-		CleanupLag: ms(smp.CleanupLagMS), SampledAt: at, Delayed: smp.Delayed,
+		CleanupLag: ms(smp.CleanupLagMS), SampledAt: at, Delayed: smp.Delayed, DeadLetters: smp.DeadLetters,
 	}
 }
 

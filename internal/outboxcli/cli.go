@@ -568,6 +568,7 @@ func status(ctx context.Context, g *globals, c *command, args []string, out prin
 		fmt.Fprintf(w, "delayed\t%d\tnot due yet (no backlog)\n", t.Delayed)
 		fmt.Fprintf(w, "parked\t%d\toldest %s\n", t.Parked, t.OldestParked.Round(time.Millisecond))
 		fmt.Fprintf(w, "failing messages\t%d\t\n", t.Failing)
+		fmt.Fprintf(w, "dead letters\t%d\t(outbox dead groups)\n", t.DeadLetters)
 		fmt.Fprintf(w, "retained IDs\t%d\t%s\n", t.Retained, map[bool]string{true: "(estimated)"}[t.Estimated])
 		fmt.Fprintf(w, "cleanup lag\t%s\t\n", t.CleanupLag.Round(time.Second))
 		if s.LastDispatch.IsZero() {

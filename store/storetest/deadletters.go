@@ -79,6 +79,9 @@ func testDeadLetters(f *fixture) {
 	if c, err := ds.DeadLetterCount(f.ctx); err != nil || c != 2 {
 		f.t.Fatalf("DeadLetterCount = %d, %v; want 2", c, err)
 	}
+	if s, err := f.st.Stats(f.ctx, outboxdriver.StatsParams{}); err != nil || s.DeadLetters != 2 {
+		f.t.Fatalf("Stats = %+v, %v; want 2 dead letters", s, err)
+	}
 
 	// A retry, twice: the second finds it retried already and changes nothing.
 	retrySrc := outboxdriver.Source{ID: "retry-of-dead"}
@@ -119,6 +122,9 @@ func testDeadLetters(f *fixture) {
 	}
 	if c, err := ds.DeadLetterCount(f.ctx); err != nil || c != 0 {
 		f.t.Fatalf("DeadLetterCount after retry and discard = %d, %v; want 0", c, err)
+	}
+	if s, err := f.st.Stats(f.ctx, outboxdriver.StatsParams{}); err != nil || s.DeadLetters != 0 {
+		f.t.Fatalf("Stats after retry and discard = %+v, %v; want no dead letters", s, err)
 	}
 	dls = list(outboxdriver.DeadLetterFilter{})
 	if len(dls) != 2 || dls[0].State != outboxdriver.DeadLetterRetried || dls[0].Retries != 1 || dls[0].ChangedBy != "ops" ||
