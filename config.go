@@ -62,9 +62,10 @@ type Config struct {
 	// DeadLettersStore (the default, ""): it is stored in the dead letters table (payload,
 	// metadata, source topic, consumer, reason, attempts) and acked, in one transaction, so that
 	// one bad message cannot hold up its consumer; an operator lists, retries or discards it
-	// (Outbox.DeadLetters, RetryDeadLetters, DiscardDeadLetters, `outbox dead`). DeadLettersOff:
-	// nothing is stored; the message goes to PoisonTopic when one is set, and is otherwise nacked
-	// again on every delivery, forever.
+	// (Outbox.DeadLetters, RetryDeadLetters, DiscardDeadLetters, `outbox dead`). DeadLettersOff,
+	// or a driver that keeps none: nothing is stored; the message goes to PoisonTopic when one is
+	// set (after MaxAttempts, or at once for a permanent error), and is otherwise nacked again on
+	// every delivery, forever.
 	DeadLetters DeadLetterPolicy
 	// PoisonTopic, when set, receives a copy of every dead-lettered message, with the reason in
 	// its metadata (MetadataPoisonReason and the others): with DeadLetters stored, the copy is

@@ -256,7 +256,9 @@ func (o *Outbox) handlerFailed(ctx context.Context, msg *message.Message, src So
 	if dl := o.deadLetterStore(); dl != nil && permanent {
 		// One transaction counts the attempt and stores the dead letter: no attempt is left
 		// counted without its dead letter.
-		return o.deadLetter(bctx, ctx, dl, msg, src, herr, 0, true, true, fields)
+		if err := o.deadLetter(bctx, ctx, dl, msg, src, herr, 0, true, true, fields); !errors.Is(err, errNoDeadLetters) {
+			return err
+		}
 	}
 	attempts, err := o.store.AttemptRecord(bctx, src, reason)
 	if err != nil {
@@ -268,7 +270,9 @@ func (o *Outbox) handlerFailed(ctx context.Context, msg *message.Message, src So
 		return counted(fmt.Errorf("attempt %d of %d: %w", attempts, o.cfg.MaxAttempts, herr), attempts)
 	}
 	if dl := o.deadLetterStore(); dl != nil {
-		return o.deadLetter(bctx, ctx, dl, msg, src, herr, attempts, false, false, fields)
+		if err := o.deadLetter(bctx, ctx, dl, msg, src, herr, attempts, false, permanent, fields); !errors.Is(err, errNoDeadLetters) {
+			return err
+		}
 	}
 	if o.cfg.PoisonTopic == "" {
 		o.logger.Error("Message keeps failing; dead letters are off and no PoisonTopic is set, so it is nacked again", herr, fields)
@@ -282,6 +286,10 @@ func (o *Outbox) handlerFailed(ctx context.Context, msg *message.Message, src So
 		fields.Add(watermill.LogFields{"poison_topic": o.cfg.PoisonTopic}))
 	return nil
 }
+
+// errNoDeadLetters: the store keeps no dead letters after all; the message is handled as with
+// DeadLettersOff.
+var errNoDeadLetters = errors.New("outbox: no dead letters")
 
 // deadLetterStore returns the store's dead letters, or nil when they are off or the store keeps
 // none.
@@ -320,6 +328,10 @@ func (o *Outbox) deadLetter(ctx, outcomeCtx context.Context, dl outboxdriver.Dea
 		Consumer: src.Consumer, MessageID: src.ID, SourceTopic: sourceTopic(outcomeCtx, msg),
 		Payload: msg.Payload, Metadata: msg.Metadata, Reason: reason, Attempts: attempts, Permanent: permanent,
 	}, count, poison)
+	if errors.Is(err, outboxdriver.ErrDeadLettersUnsupported) {
+		// A store of another dialect that keeps none: as with DeadLettersOff.
+		return errNoDeadLetters
+	}
 	if err != nil {
 		o.logger.Error("Storing a dead letter failed; the message is nacked", err, fields)
 		return counted(fmt.Errorf("%w (and storing it as a dead letter failed: %w)", cause, err), max(attempts, 1))
@@ -355,7 +367,10 @@ func (o *Outbox) reject(ctx context.Context, msg *message.Message, src Source, c
 			o.logger.Info("Copy of a rejected message acked: it is dead-lettered already", fields.Add(watermill.LogFields{"dead_letter_id": src.ID}))
 			return nil
 		}
-		return o.deadLetter(bctx, ctx, dl, msg, src, cause, 0, false, true, fields.Add(watermill.LogFields{"dead_letter_id": src.ID}))
+		err := o.deadLetter(bctx, ctx, dl, msg, src, cause, 0, false, true, fields.Add(watermill.LogFields{"dead_letter_id": src.ID}))
+		if !errors.Is(err, errNoDeadLetters) {
+			return err
+		}
 	}
 	if o.cfg.PoisonTopic == "" {
 		o.logger.Error("Message cannot be processed, dead letters are off and no PoisonTopic is set; it is nacked", cause, fields)
