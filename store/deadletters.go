@@ -35,6 +35,9 @@ type DeadLetterQueries struct {
 	Read string
 	// Count (count cap) -> dead letters in state dead, counted up to the cap.
 	Count string
+	// Cleanup (retention ms, limit) deletes up to limit dead letters retried or discarded more
+	// than retention ago; CleanupCount (retention ms) counts them for the dry run.
+	Cleanup, CleanupCount string
 }
 
 func (s *SQL) deadLetters() (DeadLetterQueries, error) {

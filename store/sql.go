@@ -936,6 +936,9 @@ func (s *SQL) Cleanup(ctx context.Context, p outboxdriver.CleanupParams) (outbox
 		{step(q.CleanupAttempts, ""), p.Retention, &res.Attempts},
 		// A key carries its own expiry, written at its claim: nothing to pass.
 		{step(q.CleanupKeys, ""), 0, &res.Keys},
+		// Kept as long as the claims: what an operator did with a message stays readable while
+		// its ID is remembered.
+		{step(s.d.DeadLetters.Cleanup, ""), p.Retention, &res.DeadLetters},
 	}
 	for _, st := range steps {
 		if st.query == "" {
@@ -990,6 +993,7 @@ func (s *SQL) CleanupCount(ctx context.Context, p outboxdriver.CleanupParams) (o
 		{q.CleanupEffectsCount, p.EffectRetention, &res.Effects},
 		{q.CleanupAttemptsCount, p.Retention, &res.Attempts},
 		{q.CleanupKeysCount, 0, &res.Keys},
+		{s.d.DeadLetters.CleanupCount, p.Retention, &res.DeadLetters},
 	} {
 		if st.query == "" {
 			continue // a dialect that keeps no idempotency keys

@@ -6,6 +6,7 @@ import "github.com/watermill-outbox/outbox/store"
 // named once in a derived row, as the arguments are positional.
 func (q queries) deadLetters() store.DeadLetterQueries {
 	n := q.n
+	cleanup := `state <> 'dead' AND changed_at < ` + ago("?")
 	return store.DeadLetterQueries{
 		Attempt: `INSERT INTO ` + n.Attempts + ` (consumer, message_id, attempts, last_error, first_failed_at, last_failed_at)
 			VALUES (?, ?, 1, ?, ` + now + `, ` + now + `)
@@ -31,7 +32,9 @@ func (q queries) deadLetters() store.DeadLetterQueries {
 			SET d.retries = d.retries + CASE WHEN a.state = 'retried' THEN 1 ELSE 0 END,
 				d.state = a.state, d.changed_at = ` + now + `, d.changed_by = a.actor
 			WHERE d.state = 'dead'`,
-		Read:  `SELECT source_topic, payload, metadata FROM ` + n.DeadLetters + ` WHERE consumer = ? AND message_id = ?`,
-		Count: `SELECT count(*) FROM (SELECT 1 FROM ` + n.DeadLetters + ` WHERE state = 'dead' LIMIT ?) d`,
+		Read:         `SELECT source_topic, payload, metadata FROM ` + n.DeadLetters + ` WHERE consumer = ? AND message_id = ?`,
+		Count:        `SELECT count(*) FROM (SELECT 1 FROM ` + n.DeadLetters + ` WHERE state = 'dead' LIMIT ?) d`,
+		Cleanup:      `DELETE FROM ` + n.DeadLetters + ` WHERE ` + cleanup + ` LIMIT ?`,
+		CleanupCount: `SELECT count(*) FROM ` + n.DeadLetters + ` WHERE ` + cleanup,
 	}
 }

@@ -303,6 +303,7 @@ func msSince(t string) string {
 
 // deadLetterQueries are the statements of the dead letters (migration 007).
 func deadLetterQueries(n store.Names) store.DeadLetterQueries {
+	cleanupDead := `SELECT consumer, message_id FROM ` + n.DeadLetters + ` WHERE state <> 'dead' AND changed_at < ` + ago("?1")
 	return store.DeadLetterQueries{
 		Attempt: `INSERT INTO ` + n.Attempts + ` (consumer, message_id, attempts, last_error) VALUES (?1, ?2, 1, ?3)
 			ON CONFLICT (consumer, message_id) DO UPDATE
@@ -325,5 +326,8 @@ func deadLetterQueries(n store.Names) store.DeadLetterQueries {
 			WHERE consumer = ?3 AND message_id = ?4 AND state = 'dead'`,
 		Read:  `SELECT source_topic, payload, metadata FROM ` + n.DeadLetters + ` WHERE consumer = ?1 AND message_id = ?2`,
 		Count: `SELECT count(*) FROM (SELECT 1 FROM ` + n.DeadLetters + ` WHERE state = 'dead' LIMIT ?1)`,
+		Cleanup: `DELETE FROM ` + n.DeadLetters + ` WHERE (consumer, message_id) IN (` + cleanupDead + ` LIMIT ?2)
+			AND changed_at < ` + ago("?1"),
+		CleanupCount: `SELECT count(*) FROM (` + cleanupDead + `)`,
 	}
 }

@@ -1221,12 +1221,13 @@ func cleanup(ctx context.Context, g *globals, c *command, args []string, out pri
 	return out.emit(rep, func(w *tabwriter.Writer) {
 		switch {
 		case rep.DryRun:
-			fmt.Fprintf(w, "would delete %d claims, %d dispatched effects, %d attempt counters, %d expired idempotency keys\n", rep.Claims, rep.Effects, rep.Attempts, rep.Keys)
+			fmt.Fprintf(w, "would delete %d claims, %d dispatched effects, %d attempt counters, %d expired idempotency keys, %d settled dead letters\n",
+				rep.Claims, rep.Effects, rep.Attempts, rep.Keys, rep.DeadLetters)
 		case rep.Skipped:
 			fmt.Fprintln(w, "another process is cleaning; nothing done")
 		default:
-			fmt.Fprintf(w, "deleted %d claims, %d dispatched effects, %d attempt counters, %d expired idempotency keys in %d batches (audited as %s)\n",
-				rep.Claims, rep.Effects, rep.Attempts, rep.Keys, rep.Batches, clean(g.actor))
+			fmt.Fprintf(w, "deleted %d claims, %d dispatched effects, %d attempt counters, %d expired idempotency keys, %d settled dead letters in %d batches (audited as %s)\n",
+				rep.Claims, rep.Effects, rep.Attempts, rep.Keys, rep.DeadLetters, rep.Batches, clean(g.actor))
 		}
 	})
 }

@@ -2,8 +2,10 @@ package storetest
 
 import (
 	"bytes"
+	"context"
 	"maps"
 	"strings"
+	"time"
 
 	"github.com/watermill-outbox/outbox/outboxdriver"
 )
@@ -143,5 +145,23 @@ func testDeadLetters(f *fixture) {
 	}
 	if !f.processed(src) {
 		f.t.Fatal("dead again: no claim")
+	}
+
+	// Cleanup deletes a dead letter retried or discarded more than Retention ago, never a dead one.
+	time.Sleep(20 * time.Millisecond)
+	p := outboxdriver.CleanupParams{Retention: 10 * time.Millisecond, EffectRetention: time.Hour, BatchSize: 10}
+	if cc, ok := f.st.(interface {
+		CleanupCount(context.Context, outboxdriver.CleanupParams) (outboxdriver.CleanupResult, error)
+	}); ok {
+		if dry, err := cc.CleanupCount(f.ctx, p); err != nil || dry.DeadLetters != 1 {
+			f.t.Fatalf("CleanupCount = %+v, %v; want the discarded dead letter", dry, err)
+		}
+	}
+	if res := f.cleanup(p); res.DeadLetters != 1 {
+		f.t.Fatalf("cleanup: %+v; want the discarded dead letter deleted", res)
+	}
+	dls = list(outboxdriver.DeadLetterFilter{})
+	if len(dls) != 1 || dls[0].MessageID != src.ID {
+		f.t.Fatalf("dead letters after the cleanup: %+v; want the dead one kept", dls)
 	}
 }
