@@ -18,7 +18,9 @@ import (
 func TestDeadLetterCommands(t *testing.T) {
 	f := newFixture(t)
 	err := f.ob.Handle(message.NewMessage("m-dead", []byte("order")), outbox.HandleParams{Consumer: "billing", MessageID: "m-dead", Topic: "orders"},
-		func(*message.Message) ([]*message.Message, error) { return nil, outbox.Permanent(errors.New("unknown sku 42")) })
+		func(*message.Message) ([]*message.Message, error) {
+			return nil, outbox.Permanent(errors.New("unknown sku 42"))
+		})
 	if err != nil {
 		t.Fatal(err)
 	}
