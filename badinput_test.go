@@ -17,6 +17,7 @@ import (
 
 func TestInvalidIncomingMessageIDsAreRejectedNotAcked(t *testing.T) {
 	e := newEnv(t)
+	off := e.newOutbox(func(c *outbox.Config) { c.DeadLetters = outbox.DeadLettersOff })
 	for name, id := range map[string]string{
 		"empty":     "",
 		"too long":  strings.Repeat("x", 256),
@@ -24,21 +25,37 @@ func TestInvalidIncomingMessageIDsAreRejectedNotAcked(t *testing.T) {
 		"not UTF-8": "abc\xffdef",
 	} {
 		t.Run(name, func(t *testing.T) {
+			// With dead letters off and no poison topic, it is nacked, never silently acked.
 			var calls atomic.Int32
-			msg := message.NewMessage(id, nil)
-			err := handle(e.ob, msg, applyAndPublish(&calls))
+			msg := message.NewMessage(id, []byte("rejected "+name))
+			err := handle(off, msg, applyAndPublish(&calls))
 			if !errors.Is(err, outbox.ErrInvalidMessageID) {
 				t.Fatalf("want ErrInvalidMessageID, got %v", err)
 			}
+			// By default it is dead-lettered at once, under an ID every copy derives alike, and
+			// acked; a second copy finds the dead letter and is acked too.
+			for copyNo := 1; copyNo <= 2; copyNo++ {
+				if err := handle(e.ob, copyOf(msg), applyAndPublish(&calls)); err != nil {
+					t.Fatalf("copy %d: want it dead-lettered and acked, got %v", copyNo, err)
+				}
+			}
 			mustEqual(t, "handler calls", calls.Load(), int32(0))
+			mustEqual(t, "dead letters", e.count(`SELECT count(*) FROM outbox_dead_letters WHERE payload = $1
+				AND permanent AND reason LIKE '%invalid message ID%'`, []byte("rejected "+name)), 1)
 		})
 	}
-	// With a poison topic the message is moved there (with a usable ID) and acked, never dropped.
+	// With a poison topic a copy goes there too (with a usable ID), never dropped.
 	ob := e.newOutbox(func(c *outbox.Config) { c.PoisonTopic = "poison" })
 	if err := handle(ob, message.NewMessage("", []byte("orphan")), applyAndPublish(nil)); err != nil {
 		t.Fatal(err)
 	}
 	mustEqual(t, "poisoned", e.count(`SELECT count(*) FROM watermill_poison WHERE payload = 'orphan'::bytea AND metadata->>'outbox_poison_reason' LIKE '%invalid message ID%'`), 1)
+	// And with dead letters off, as before them: published there and acked.
+	ob = e.newOutbox(func(c *outbox.Config) { c.PoisonTopic = "poison"; c.DeadLetters = outbox.DeadLettersOff })
+	if err := handle(ob, message.NewMessage("", []byte("orphan, no dead letters")), applyAndPublish(nil)); err != nil {
+		t.Fatal(err)
+	}
+	mustEqual(t, "poisoned", e.count(`SELECT count(*) FROM watermill_poison WHERE payload = 'orphan, no dead letters'::bytea`), 1)
 }
 
 func TestArbitraryBytesSurviveStorageByteForByte(t *testing.T) {

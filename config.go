@@ -54,12 +54,23 @@ type Config struct {
 	// and slows down when the database is busy. Default: 2. Negative: only CleanupPause.
 	CleanupPauseFactor float64
 
-	// MaxAttempts is how many times a failing handler runs before the message is moved to
-	// PoisonTopic. Attempts are counted durably. Default: 5.
+	// MaxAttempts is how many times a failing handler runs before the message is dead-lettered
+	// (see DeadLetters). Attempts are counted durably. Default: 5.
 	MaxAttempts int
-	// PoisonTopic receives messages whose handler failed MaxAttempts times, with the reason in their
-	// metadata; the message is then acked. Empty (the default): failing messages are nacked forever
-	// and each failure is logged with its count.
+	// DeadLetters is what happens to a message the consumer gives up on: one whose handler failed
+	// MaxAttempts times, failed with a permanent error (Permanent), or whose ID is unusable.
+	// DeadLettersStore (the default, ""): it is stored in the dead letters table (payload,
+	// metadata, source topic, consumer, reason, attempts) and acked, in one transaction, so that
+	// one bad message cannot hold up its consumer; an operator lists, retries or discards it
+	// (Outbox.DeadLetters, RetryDeadLetters, DiscardDeadLetters, `outbox dead`). DeadLettersOff,
+	// or a driver that keeps none: nothing is stored; the message goes to PoisonTopic when one is
+	// set (after MaxAttempts, or at once for a permanent error), and is otherwise nacked again on
+	// every delivery, forever.
+	DeadLetters DeadLetterPolicy
+	// PoisonTopic, when set, receives a copy of every dead-lettered message, with the reason in
+	// its metadata (MetadataPoisonReason and the others): with DeadLetters stored, the copy is
+	// recorded in the dead letter's transaction and sent like a side effect; with DeadLettersOff,
+	// the message is published there and acked.
 	PoisonTopic string
 
 	// RetryDelay is how long Handle waits before it returns a failure (a nack), and before each
@@ -368,6 +379,11 @@ func (c Config) Validate() error {
 	default:
 		errs = append(errs, fmt.Errorf("AfterDispatchFailure must be %q or %q, not %q", DispatchFailureNack, DispatchFailureAck, c.AfterDispatchFailure))
 	}
+	switch c.DeadLetters {
+	case "", DeadLettersStore, DeadLettersOff:
+	default:
+		errs = append(errs, fmt.Errorf("DeadLetters must be %q or %q, not %q", DeadLettersStore, DeadLettersOff, c.DeadLetters))
+	}
 	if c.PoisonTopic != "" {
 		if err := validateName(c.PoisonTopic); err != nil {
 			errs = append(errs, fmt.Errorf("PoisonTopic: %w", err))
@@ -386,6 +402,18 @@ const (
 	DispatchFailureNack DispatchFailurePolicy = "nack"
 	// DispatchFailureAck acks the message and leaves the dispatch to the relay.
 	DispatchFailureAck DispatchFailurePolicy = "ack"
+)
+
+// DeadLetterPolicy is what Handle does with a message the consumer gives up on (Config.DeadLetters).
+type DeadLetterPolicy string
+
+// The values of Config.DeadLetters.
+const (
+	// DeadLettersStore stores the message in the dead letters table and acks it (the default).
+	DeadLettersStore DeadLetterPolicy = "store"
+	// DeadLettersOff stores nothing: the message goes to PoisonTopic if set, and is otherwise
+	// nacked forever.
+	DeadLettersOff DeadLetterPolicy = "off"
 )
 
 // isNilPointer reports whether v, a non-nil interface, holds a nil pointer, map, channel or func.

@@ -265,7 +265,7 @@ func (o *Outbox) cleanupOnce(ctx context.Context) error {
 	}
 	if res.Batches > 0 {
 		o.tel.cleanupBatches.Add(ctx, int64(res.Batches))
-		for table, n := range map[string]int64{"processed": res.Claims, "dispatched": res.Effects, "attempts": res.Attempts, "idempotency": res.Keys} {
+		for table, n := range map[string]int64{"processed": res.Claims, "dispatched": res.Effects, "attempts": res.Attempts, "idempotency": res.Keys, "dead_letters": res.DeadLetters} {
 			if n > 0 {
 				o.tel.cleanupDeleted.Add(ctx, n, metric.WithAttributeSet(attribute.NewSet(AttrTable.String(table))))
 			}

@@ -66,19 +66,104 @@ func TestFailingMessageGoesToPoisonTopicAfterMaxAttempts(t *testing.T) {
 	mustEqual(t, "poisoned copies", e.wire("poison")[msg.UUID], 1)
 }
 
-func TestFailingMessageWithoutPoisonTopicIsNackedForever(t *testing.T) {
+// TestFailingMessageWithDeadLettersOffIsNackedForever: the opt-out keeps the behaviour before
+// dead letters: without a poison topic, a failing message is nacked on every delivery.
+func TestFailingMessageWithDeadLettersOffIsNackedForever(t *testing.T) {
 	e := newEnv(t)
-	cfg := func(c *outbox.Config) { c.MaxAttempts = 2 }
+	cfg := func(c *outbox.Config) { c.MaxAttempts = 2; c.DeadLetters = outbox.DeadLettersOff }
 	var calls atomic.Int32
 	msg := message.NewMessage(uuid.NewString(), nil)
 	for i := 0; i < 4; i++ {
 		if err := handle(e.newOutbox(cfg), copyOf(msg), failing(&calls)); err == nil {
-			t.Fatalf("attempt %d: a failing message without poison topic must be nacked", i+1)
+			t.Fatalf("attempt %d: a failing message without dead letters or poison topic must be nacked", i+1)
 		}
 	}
 	mustEqual(t, "handler calls", calls.Load(), int32(4))
 	mustEqual(t, "attempts counted", e.count(`SELECT attempts FROM outbox_attempts WHERE message_id = $1`, msg.UUID), 4)
 	mustEqual(t, "business rows", e.count(`SELECT count(*) FROM applied`), 0)
+	mustEqual(t, "dead letters", e.count(`SELECT count(*) FROM outbox_dead_letters`), 0)
+}
+
+// TestFailingMessageIsDeadLetteredAfterMaxAttempts: by default, with no poison topic, a message
+// that fails MaxAttempts times is stored as a dead letter (payload, metadata, reason, attempts)
+// and acked, and a copy still in the broker is acked without running the handler.
+func TestFailingMessageIsDeadLetteredAfterMaxAttempts(t *testing.T) {
+	e := newEnv(t)
+	cfg := func(c *outbox.Config) { c.MaxAttempts = 2 }
+	var calls atomic.Int32
+	msg := message.NewMessage(uuid.NewString(), []byte("bad \x00 order"))
+	msg.Metadata.Set("k", "v")
+	if err := handle(e.newOutbox(cfg), copyOf(msg), failing(&calls)); err == nil {
+		t.Fatal("first attempt: want a nack")
+	}
+	if err := handle(e.newOutbox(cfg), copyOf(msg), failing(&calls)); err != nil {
+		t.Fatalf("attempt %d of %d: want the message dead-lettered and acked, got %v", 2, 2, err)
+	}
+	dls := deadLetters(t, e)
+	if len(dls) != 1 {
+		t.Fatalf("dead letters: %+v", dls)
+	}
+	d := dls[0]
+	if d.Consumer != "c1" || d.MessageID != msg.UUID || string(d.Payload) != "bad \x00 order" || d.Metadata["k"] != "v" ||
+		!strings.Contains(d.Reason, "payment provider said no") || d.Attempts != 2 || d.Permanent || d.State != outboxdriver.DeadLetterDead {
+		t.Fatalf("dead letter: %+v", d)
+	}
+	if err := handle(e.newOutbox(cfg), copyOf(msg), failing(&calls)); err != nil {
+		t.Fatalf("copy of a dead-lettered message: want an ack, got %v", err)
+	}
+	mustEqual(t, "handler calls", calls.Load(), int32(2))
+	mustEqual(t, "business rows", e.count(`SELECT count(*) FROM applied`), 0)
+	mustEqual(t, "side effects on the wire", len(e.wire("out_a")), 0)
+}
+
+// notFound is a user's error type that marks itself permanent.
+type notFound struct{ what string }
+
+func (e notFound) Error() string   { return e.what + " not found" }
+func (e notFound) Permanent() bool { return true }
+
+// TestPermanentErrorIsDeadLetteredAtOnce: a handler error marked permanent (outbox.Permanent,
+// or an error type with Permanent() true, wrapped or not) dead-letters the message on its first
+// attempt, with the attempt counted.
+func TestPermanentErrorIsDeadLetteredAtOnce(t *testing.T) {
+	e := newEnv(t)
+	for i, herr := range []error{
+		outbox.Permanent(errors.New("cannot parse")),
+		fmt.Errorf("order 7: %w", notFound{"customer"}),
+	} {
+		if !outbox.IsPermanent(herr) {
+			t.Fatalf("IsPermanent(%v) = false", herr)
+		}
+		var calls atomic.Int32
+		msg := message.NewMessage(uuid.NewString(), []byte(fmt.Sprint(i)))
+		// Outside a Router, the topic the message came from is told by HandleParams.Topic.
+		err := e.ob.Handle(msg, outbox.HandleParams{Consumer: "c1", MessageID: msg.UUID, Topic: "orders.in"}, func(m *message.Message) ([]*message.Message, error) {
+			calls.Add(1)
+			return nil, herr
+		})
+		if err != nil {
+			t.Fatalf("%v: want the message dead-lettered and acked at once, got %v", herr, err)
+		}
+		mustEqual(t, "handler calls", calls.Load(), int32(1))
+		mustEqual(t, "attempts counted", e.count(`SELECT attempts FROM outbox_attempts WHERE message_id = $1`, msg.UUID), 1)
+	}
+	dls := deadLetters(t, e)
+	if len(dls) != 2 || !dls[0].Permanent || !dls[1].Permanent || dls[0].Attempts != 1 || !strings.Contains(dls[1].Reason, "customer not found") ||
+		dls[0].SourceTopic != "orders.in" {
+		t.Fatalf("dead letters: %+v", dls)
+	}
+	if outbox.IsPermanent(errors.New("timeout")) || outbox.IsPermanent(nil) || outbox.Permanent(nil) != nil {
+		t.Fatal("IsPermanent of an ordinary error, or Permanent(nil), is wrong")
+	}
+}
+
+func deadLetters(t *testing.T, e *env) []outboxdriver.DeadLetter {
+	t.Helper()
+	dls, err := e.ob.Store().(outboxdriver.DeadLetterStore).DeadLetterList(context.Background(), outboxdriver.DeadLetterFilter{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return dls
 }
 
 func TestRetentionCountsFromDispatchAndCleanupIsBounded(t *testing.T) {

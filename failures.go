@@ -244,26 +244,42 @@ const (
 	MetadataPoisonReason   = "outbox_poison_reason"
 	MetadataPoisonConsumer = "outbox_poison_consumer"
 	MetadataPoisonAttempts = "outbox_poison_attempts"
+	// MetadataPoisonPermanent is "true" on the copy of a message dead-lettered at once, for a
+	// permanent error or an unusable ID; its attempts are then not counted in the copy.
+	MetadataPoisonPermanent = "outbox_poison_permanent"
 )
 
 // handlerFailed counts a failed attempt durably (outside the rolled-back transaction) and, after
-// MaxAttempts, moves the message to the poison topic when one is configured.
+// MaxAttempts or at once for a permanent error, dead-letters the message (see Config.DeadLetters).
 func (o *Outbox) handlerFailed(ctx context.Context, msg *message.Message, src Source, herr error, fields watermill.LogFields) error {
 	reason := outboxdriver.StorableText(herr.Error())
 	bctx, cancel := context.WithTimeout(ctx, storeTimeout)
 	defer cancel()
+	permanent := IsPermanent(herr)
+	if dl := o.deadLetterStore(); dl != nil && permanent {
+		// One transaction counts the attempt and stores the dead letter: no attempt is left
+		// counted without its dead letter.
+		if err := o.deadLetter(bctx, ctx, dl, msg, src, herr, 0, true, true, fields); !errors.Is(err, errNoDeadLetters) {
+			return err
+		}
+	}
 	attempts, err := o.store.AttemptRecord(bctx, src, reason)
 	if err != nil {
 		o.logger.Error("Counting a failed attempt failed", err, fields)
 		return fmt.Errorf("%w (and counting the attempt failed: %w)", herr, err)
 	}
 	fields = fields.Add(watermill.LogFields{"attempts": attempts, "max_attempts": o.cfg.MaxAttempts})
-	if attempts < o.cfg.MaxAttempts {
+	if attempts < o.cfg.MaxAttempts && !permanent {
 		return counted(fmt.Errorf("attempt %d of %d: %w", attempts, o.cfg.MaxAttempts, herr), attempts)
 	}
+	if dl := o.deadLetterStore(); dl != nil {
+		if err := o.deadLetter(bctx, ctx, dl, msg, src, herr, attempts, false, permanent, fields); !errors.Is(err, errNoDeadLetters) {
+			return err
+		}
+	}
 	if o.cfg.PoisonTopic == "" {
-		o.logger.Error("Message keeps failing; no PoisonTopic is set, so it is nacked again", herr, fields)
-		return counted(fmt.Errorf("attempt %d (max %d, no poison topic): %w", attempts, o.cfg.MaxAttempts, herr), attempts)
+		o.logger.Error("Message keeps failing; dead letters are off and no PoisonTopic is set, so it is nacked again", herr, fields)
+		return counted(fmt.Errorf("attempt %d (max %d, no dead letters, no poison topic): %w", attempts, o.cfg.MaxAttempts, herr), attempts)
 	}
 	if err := o.poison(bctx, msg, src, reason, attempts); err != nil {
 		return fmt.Errorf("%w (and moving it to the poison topic failed: %w)", herr, err)
@@ -274,12 +290,93 @@ func (o *Outbox) handlerFailed(ctx context.Context, msg *message.Message, src So
 	return nil
 }
 
+// errNoDeadLetters: the store keeps no dead letters after all; the message is handled as with
+// DeadLettersOff.
+var errNoDeadLetters = errors.New("outbox: no dead letters")
+
+// deadLetterStore returns the store's dead letters, or nil when they are off or the store keeps
+// none.
+func (o *Outbox) deadLetterStore() outboxdriver.DeadLetterStore {
+	if o.cfg.DeadLetters == DeadLettersOff {
+		return nil
+	}
+	dl, _ := o.store.(outboxdriver.DeadLetterStore)
+	return dl
+}
+
+// deadLetter stores msg as a dead letter of src (counting this attempt with count, otherwise
+// attempts failed), with its claim as poisoned so that redelivered copies are acked, and a copy
+// for PoisonTopic, when set, as a side effect in the same transaction; the copy is then sent
+// from memory, or by the relay if that fails. It returns nil (ack) once the dead letter is
+// committed, and the failure (nack) otherwise.
+func (o *Outbox) deadLetter(ctx, outcomeCtx context.Context, dl outboxdriver.DeadLetterStore, msg *message.Message, src Source,
+	cause error, attempts int, count, permanent bool, fields watermill.LogFields) error {
+	reason := outboxdriver.StorableText(cause.Error())
+	var poison *Effect
+	if o.cfg.PoisonTopic != "" {
+		m := poisonMessage(msg, src.Consumer, reason, attempts)
+		if permanent {
+			m.Metadata.Set(MetadataPoisonPermanent, "true")
+		}
+		if m.UUID == "" || validateName(m.UUID) != nil {
+			m.UUID = src.ID
+		}
+		e := messageEffect(m)
+		e.Topic = o.cfg.PoisonTopic
+		e.Source = src
+		e.OrderingKey = outboxdriver.DefaultOrderingKey(src)
+		poison = &e
+	}
+	n, err := dl.DeadLetterInsert(ctx, outboxdriver.DeadLetter{
+		Consumer: src.Consumer, MessageID: src.ID, SourceTopic: sourceTopic(outcomeCtx, msg),
+		Payload: msg.Payload, Metadata: msg.Metadata, Reason: reason, Attempts: attempts, Permanent: permanent,
+	}, count, poison)
+	if errors.Is(err, outboxdriver.ErrDeadLettersUnsupported) {
+		// A store of another dialect that keeps none: as with DeadLettersOff.
+		return errNoDeadLetters
+	}
+	if err != nil {
+		o.logger.Error("Storing a dead letter failed; the message is nacked", err, fields)
+		return counted(fmt.Errorf("%w (and storing it as a dead letter failed: %w)", cause, err), max(attempts, 1))
+	}
+	setOutcome(outcomeCtx, OutcomeDeadLettered)
+	fields = fields.Add(watermill.LogFields{"attempts": n, "permanent": permanent})
+	o.logger.Error("Message dead-lettered and acked; see Outbox.DeadLetters", cause, fields)
+	if poison != nil {
+		poison.StoredAt = time.Now()
+		if err := o.dispatchAndMark(ctx, PathCommit, src, []Effect{*poison}, time.Time{}, fields); err != nil {
+			o.logger.Error("Sending the copy of a dead letter to the poison topic failed; the relay sends it", err, fields)
+		}
+	}
+	return nil
+}
+
 // reject handles a message that cannot be processed at all (for example one without a usable ID):
-// it goes to the poison topic at once, or is nacked with a clear error when none is set.
+// it is dead-lettered at once under an ID derived from what every copy carries, or with dead
+// letters off goes to the poison topic, or is nacked with a clear error when none is set.
 func (o *Outbox) reject(ctx context.Context, msg *message.Message, src Source, cause error, fields watermill.LogFields) error {
 	setOutcome(ctx, OutcomeRejected)
+	if dl := o.deadLetterStore(); dl != nil {
+		if src.ID == "" || validateName(src.ID) != nil {
+			src.ID = rejectedID(msg, src.Consumer)
+		}
+		bctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), storeTimeout)
+		defer cancel()
+		// Every copy of the message is rejected before a claim could ack it: the first one's
+		// dead letter acks the others, so that a discarded one stays discarded.
+		if done, err := o.store.MessageIsProcessed(bctx, src); err != nil {
+			return fmt.Errorf("%w (and looking for its dead letter failed: %w)", cause, err)
+		} else if done {
+			o.logger.Info("Copy of a rejected message acked: it is dead-lettered already", fields.Add(watermill.LogFields{"dead_letter_id": src.ID}))
+			return nil
+		}
+		err := o.deadLetter(bctx, ctx, dl, msg, src, cause, 0, false, true, fields.Add(watermill.LogFields{"dead_letter_id": src.ID}))
+		if !errors.Is(err, errNoDeadLetters) {
+			return err
+		}
+	}
 	if o.cfg.PoisonTopic == "" {
-		o.logger.Error("Message cannot be processed and no PoisonTopic is set; it is nacked", cause, fields)
+		o.logger.Error("Message cannot be processed, dead letters are off and no PoisonTopic is set; it is nacked", cause, fields)
 		return cause
 	}
 	m := poisonMessage(msg, src.Consumer, outboxdriver.StorableText(cause.Error()), 0)

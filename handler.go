@@ -27,16 +27,27 @@ type HandleParams struct {
 	MessageIDErr error
 	// ReplyTopic receives the messages the handler returns; empty if it returns none.
 	ReplyTopic string
-	// Topic is the topic the message came from, for spans; empty if unknown.
+	// Topic is the topic the message came from, for spans, and for its dead letter, which a
+	// retry publishes there again; empty if unknown (a Router's own topic is then used).
 	Topic string
 }
 
 // delivery is what one call of Handle observed, for its metrics and span.
 type delivery struct {
 	outcome string // empty: processed or failed, by the error
+	topic   string // HandleParams.Topic
 }
 
 type deliveryKey struct{}
+
+// sourceTopic returns the topic msg, handled in ctx, came from: HandleParams.Topic, or the
+// Router's subscribe topic.
+func sourceTopic(ctx context.Context, msg *message.Message) string {
+	if d, ok := ctx.Value(deliveryKey{}).(*delivery); ok && d.topic != "" {
+		return d.topic
+	}
+	return message.SubscribeTopicFromCtx(msg.Context())
+}
 
 // setOutcome records the outcome of the delivery being handled in ctx.
 func setOutcome(ctx context.Context, outcome string) {
@@ -58,7 +69,7 @@ func (o *Outbox) Handle(msg *message.Message, p HandleParams, next message.Handl
 	growStack()
 	began := time.Now()
 	parent := msg.Context()
-	d := &delivery{}
+	d := &delivery{topic: p.Topic}
 	name := "process"
 	attrs := []attribute.KeyValue{AttrConsumer.String(p.Consumer), attribute.String("messaging.operation.name", "process"),
 		attribute.String("messaging.message.id", p.MessageID)}

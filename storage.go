@@ -16,6 +16,10 @@ type (
 	Effect = outboxdriver.Effect
 	// ParkedEffect is an effect the relay gave up on after its maximum attempts (ParkedEffects).
 	ParkedEffect = outboxdriver.ParkedEffect
+	// DeadLetter is a message a consumer gave up on (Outbox.DeadLetters).
+	DeadLetter = outboxdriver.DeadLetter
+	// DeadLetterFilter selects dead letters (Outbox.DeadLetters).
+	DeadLetterFilter = outboxdriver.DeadLetterFilter
 	// Stats is a sample of the outbox tables (Outbox.Stats).
 	Stats = outboxdriver.Stats
 	// CleanupResult counts what a cleanup pass deleted (Outbox.Cleanup).

@@ -32,6 +32,7 @@ const (
 	MetricEffectsParked     = "outbox.effects.parked"
 	MetricParkedOldestAge   = "outbox.effects.parked.oldest_age"
 	MetricMessagesFailing   = "outbox.messages.failing" // gauge: failed attempts, not yet poisoned
+	MetricMessagesDead      = "outbox.messages.dead"    // gauge: dead letters not retried or discarded
 	MetricProcessedRetained = "outbox.processed.retained"
 	MetricCleanupLag        = "outbox.cleanup.lag"          // gauge, s: oldest claim past retention
 	MetricStatsAge          = "outbox.stats.age"            // gauge, s: age of the sample the gauges above show
@@ -75,7 +76,8 @@ const (
 	OutcomeFailed         = "failed"          // nacked: the handler failed, or the unit of work could not finish
 	OutcomeDispatchFailed = "dispatch_failed" // committed, but its effects are left to a retry
 	OutcomePoisoned       = "poisoned"        // moved to the poison topic after MaxAttempts
-	OutcomeRejected       = "rejected"        // unusable message ID: poison topic at once, or nacked
+	OutcomeRejected       = "rejected"        // unusable message ID: dead-lettered or poison topic at once, or nacked
+	OutcomeDeadLettered   = "dead_lettered"   // stored as a dead letter and acked (Config.DeadLetters)
 )
 
 // Outcomes of a unit of work at the boundary (InTx, InUnit), beside OutcomeDispatchFailed.
@@ -253,13 +255,14 @@ func newTelemetry(o *Outbox) (*telemetry, error) {
 	parked := gauge(MetricEffectsParked, "{effect}", "Side effects the relay gave up on; an operator must retry or discard them.")
 	parkedAge := gauge(MetricParkedOldestAge, "s", "Age of the oldest parked side effect.")
 	failing := gauge(MetricMessagesFailing, "{message}", "Messages with failed attempts that are not yet poisoned.")
+	dead := gauge(MetricMessagesDead, "{message}", "Dead letters neither retried nor discarded: messages a consumer gave up on, which wait for a person.")
 	retained := gauge(MetricProcessedRetained, "{message}", "Processed message IDs retained for deduplication (estimated above 100,000).")
 	cleanupLag := gauge(MetricCleanupLag, "s", "How long the oldest claim past retention has waited for cleanup.")
 	statsAge := gauge(MetricStatsAge, "s", "Age of the database sample the outbox gauges show.")
 	relayAge := gauge(MetricRelayLastRoundAge, "s", "Time since this process's relay last finished a round.")
 	uptime := gauge(MetricUptime, "s", "Time since this Outbox was created: its counters count from then.")
 	delayed := gauge(MetricEffectsDelayed, "{effect}", "Delayed side effects committed and not yet due: no backlog (once due they count as pending).")
-	t.gauges = []metric.Observable{pending, pendingAge, parked, parkedAge, failing, retained, cleanupLag, statsAge, relayAge, uptime, delayed}
+	t.gauges = []metric.Observable{pending, pendingAge, parked, parkedAge, failing, dead, retained, cleanupLag, statsAge, relayAge, uptime, delayed}
 	tablesName := o.cfg.TablePrefix
 	if o.cfg.Schema != "" {
 		tablesName = o.cfg.Schema + "." + tablesName
@@ -282,6 +285,7 @@ func newTelemetry(o *Outbox) (*telemetry, error) {
 		obs.ObserveFloat64(parked, float64(s.Parked), opt)
 		obs.ObserveFloat64(parkedAge, oldestParked.Seconds(), opt)
 		obs.ObserveFloat64(failing, float64(s.Failing), opt)
+		obs.ObserveFloat64(dead, float64(s.DeadLetters), opt)
 		obs.ObserveFloat64(retained, float64(s.Retained), opt)
 		obs.ObserveFloat64(cleanupLag, cleanupBehind.Seconds(), opt)
 		obs.ObserveFloat64(statsAge, age.Seconds(), opt)
@@ -367,7 +371,7 @@ func (t *telemetry) startConsumer(ctx context.Context, consumer string) {
 	if _, seen := t.consumers.LoadOrStore(consumer, true); seen {
 		return
 	}
-	for _, outcome := range []string{OutcomeProcessed, OutcomeDuplicate, OutcomeFailed, OutcomeDispatchFailed, OutcomePoisoned, OutcomeRejected} {
+	for _, outcome := range []string{OutcomeProcessed, OutcomeDuplicate, OutcomeFailed, OutcomeDispatchFailed, OutcomePoisoned, OutcomeRejected, OutcomeDeadLettered} {
 		t.handled.Add(ctx, 0, t.attrs(AttrConsumer, consumer, AttrOutcome, outcome))
 	}
 	t.duplicatesLate.Add(ctx, 0, t.attrs(AttrConsumer, consumer, "", ""))

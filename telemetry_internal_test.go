@@ -28,7 +28,7 @@ func (r *gaugeRecorder) ObserveInt64(o metric.Int64Observable, v int64, _ ...met
 func observeGauges(t *testing.T, tel *telemetry) map[string]float64 {
 	t.Helper()
 	order := []string{MetricEffectsPending, MetricPendingOldestAge, MetricEffectsParked, MetricParkedOldestAge,
-		MetricMessagesFailing, MetricProcessedRetained, MetricCleanupLag, MetricStatsAge, MetricRelayLastRoundAge, MetricUptime,
+		MetricMessagesFailing, MetricMessagesDead, MetricProcessedRetained, MetricCleanupLag, MetricStatsAge, MetricRelayLastRoundAge, MetricUptime,
 		MetricEffectsDelayed}
 	if len(order) != len(tel.gauges) {
 		t.Fatalf("%d gauges, the test knows %d", len(tel.gauges), len(order))
@@ -49,10 +49,13 @@ func TestTelemetryDelayedEffectsApart(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	tel.setStats(Stats{SampledAt: time.Now(), Delayed: 10_000})
+	tel.setStats(Stats{SampledAt: time.Now(), Delayed: 10_000, DeadLetters: 3})
 	got := observeGauges(t, tel)
 	if got[MetricEffectsDelayed] != 10_000 || got[MetricEffectsPending] != 0 || got[MetricPendingOldestAge] != 0 {
 		t.Errorf("gauges %v: want 10,000 delayed, nothing pending", got)
+	}
+	if got[MetricMessagesDead] != 3 || got[MetricMessagesFailing] != 0 {
+		t.Errorf("gauges %v: want 3 dead letters, not counted as failing", got)
 	}
 }
 

@@ -111,6 +111,9 @@ func newTelemetryEnv(t *testing.T) *telemetryEnv {
 	e.ob, err = outbox.New(outbox.Config{
 		DB: e.db, Driver: postgres.Driver{}, Publisher: e.pub, Logger: e.log,
 		MeterProvider: mp, TracerProvider: tp,
+		// The outcomes poisoned and rejected are those of the opt-out of dead letters, with a
+		// poison topic; dead_lettered, the default's, is checked by TestDeadLetterTelemetry.
+		DeadLetters: outbox.DeadLettersOff,
 		PoisonTopic: telPoison, MaxAttempts: 2, RetryDelay: 50 * time.Millisecond,
 		Retention: telRetain, CleanupInterval: 200 * time.Millisecond,
 		RelayInterval: 50 * time.Millisecond, RelayGrace: 5 * time.Second, RelayMaxAttempts: 1,
@@ -344,6 +347,7 @@ func TestTelemetryScenario(t *testing.T) {
 	waitFor("the failing message in the sample", func() bool { return gauge(t, e.collect(t), outbox.MetricMessagesFailing) == 1 })
 	// The first message of a consumer starts its counters of every outcome at zero.
 	if !hasPoint(e.collect(t), outbox.MetricMessagesHandled, map[string]string{"messaging.consumer.group.name": "tel-fresh", "outbox.outcome": outbox.OutcomePoisoned}) ||
+		!hasPoint(e.collect(t), outbox.MetricMessagesHandled, map[string]string{"messaging.consumer.group.name": "tel-fresh", "outbox.outcome": outbox.OutcomeDeadLettered}) ||
 		!hasPoint(e.collect(t), outbox.MetricDuplicatesLate, map[string]string{"messaging.consumer.group.name": "tel-fresh"}) {
 		t.Errorf("the counters of consumer tel-fresh did not start at zero for every outcome")
 	}
@@ -759,4 +763,60 @@ func walk(v any, fn func(k, v string)) {
 			walk(c, fn)
 		}
 	}
+}
+
+// TestDeadLetterTelemetry: a dead-lettered message counts with outcome dead_lettered, and the
+// gauge of dead letters shows it until it is discarded.
+func TestDeadLetterTelemetry(t *testing.T) {
+	db := pgtest.DB(t)
+	t.Cleanup(func() { _ = db.Close() })
+	reader := sdkmetric.NewManualReader()
+	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
+	t.Cleanup(func() { _ = mp.Shutdown(context.Background()) })
+	ob, err := outbox.New(outbox.Config{DB: db, Driver: postgres.Driver{}, Publisher: nopPublisher{}, MeterProvider: mp,
+		StatsInterval: 50 * time.Millisecond, RelayInterval: 50 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = ob.Close() })
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	if err := ob.Migrate(ctx); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan struct{})
+	go func() { defer close(done); _ = ob.Run(ctx) }()
+	defer func() { cancel(); <-done }()
+	collect := func() metricdata.ResourceMetrics {
+		var rm metricdata.ResourceMetrics
+		if err := reader.Collect(context.Background(), &rm); err != nil {
+			t.Fatal(err)
+		}
+		return rm
+	}
+	err = ob.Handle(message.NewMessage("d-1", nil), outbox.HandleParams{Consumer: "tel-dead", MessageID: "d-1", Topic: "orders"},
+		func(*message.Message) ([]*message.Message, error) {
+			return nil, outbox.Permanent(errors.New("unparsable"))
+		})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := sumInt(t, collect(), outbox.MetricMessagesHandled, map[string]string{"outbox.outcome": outbox.OutcomeDeadLettered}); got != 1 {
+		t.Fatalf("%s{outcome=dead_lettered} = %d, want 1", outbox.MetricMessagesHandled, got)
+	}
+	waitUntil := func(what string, cond func() bool) {
+		t.Helper()
+		deadline := time.Now().Add(30 * time.Second)
+		for !cond() {
+			if time.Now().After(deadline) {
+				t.Fatalf("timed out waiting for %s", what)
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+	}
+	waitUntil("the dead letter in the gauge", func() bool { return gauge(t, collect(), outbox.MetricMessagesDead) == 1 })
+	if n, err := ob.DiscardDeadLetters(ctx, "test", outbox.Source{Consumer: "tel-dead", ID: "d-1"}); err != nil || n != 1 {
+		t.Fatalf("discard: %d, %v", n, err)
+	}
+	waitUntil("the discarded dead letter out of the gauge", func() bool { return gauge(t, collect(), outbox.MetricMessagesDead) == 0 })
 }

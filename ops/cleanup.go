@@ -72,8 +72,10 @@ type CleanupReport struct {
 	Attempts        int64         `json:"attempts"`
 	// Keys counts the idempotency keys past the expiry each was claimed with (whatever the
 	// retention given here: a key's expiry is the service's IdempotencyRetention at its claim).
-	Keys    int64 `json:"keys"`
-	Batches int   `json:"batches,omitempty"`
+	Keys int64 `json:"keys"`
+	// DeadLetters counts the dead letters retried or discarded more than Retention ago.
+	DeadLetters int64 `json:"dead_letters"`
+	Batches     int   `json:"batches,omitempty"`
 	// Skipped is true when another process held the cleanup lock: nothing was deleted.
 	Skipped bool `json:"skipped,omitempty"`
 }
@@ -138,7 +140,7 @@ func (o *Ops) Cleanup(ctx context.Context, opt CleanupOptions) (CleanupReport, e
 	rep := CleanupReport{DryRun: opt.DryRun, Retention: retention, EffectRetention: opt.EffectRetention, Forced: opt.Force}
 	if opt.DryRun {
 		res, err := o.st.CleanupCount(ctx, outboxdriver.CleanupParams{Retention: retention, EffectRetention: opt.EffectRetention})
-		rep.Claims, rep.Effects, rep.Attempts, rep.Keys = res.Claims, res.Effects, res.Attempts, res.Keys
+		rep.Claims, rep.Effects, rep.Attempts, rep.Keys, rep.DeadLetters = res.Claims, res.Effects, res.Attempts, res.Keys, res.DeadLetters
 		if err != nil {
 			return rep, fmt.Errorf("ops: %w", err)
 		}
@@ -158,7 +160,9 @@ func (o *Ops) Cleanup(ctx context.Context, opt CleanupOptions) (CleanupReport, e
 	res, err := o.st.Cleanup(ctx, outboxdriver.CleanupParams{Retention: retention, EffectRetention: opt.EffectRetention,
 		BatchSize: size, PauseBetweenBatches: 20 * time.Millisecond, PauseFactor: 2, Progress: opt.Progress})
 	rep.Claims, rep.Effects, rep.Attempts, rep.Keys, rep.Batches, rep.Skipped = res.Claims, res.Effects, res.Attempts, res.Keys, res.Batches, res.Skipped
-	detail := fmt.Sprintf("deleted %d claims, %d dispatched effects, %d attempt counters, %d expired idempotency keys", res.Claims, res.Effects, res.Attempts, res.Keys)
+	rep.DeadLetters = res.DeadLetters
+	detail := fmt.Sprintf("deleted %d claims, %d dispatched effects, %d attempt counters, %d expired idempotency keys, %d settled dead letters",
+		res.Claims, res.Effects, res.Attempts, res.Keys, res.DeadLetters)
 	switch {
 	case err != nil:
 		detail += "; stopped: " + err.Error()

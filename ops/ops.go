@@ -145,6 +145,7 @@ type totalsJSON struct {
 	CleanupLagNS    int64     `json:"cleanup_lag_ns"`
 	SampledAt       time.Time `json:"sampled_at"`
 	Delayed         int64     `json:"delayed"`
+	DeadLetters     int64     `json:"dead_letters"`
 }
 
 // statusJSON is a Status as JSON shows it.
@@ -160,7 +161,7 @@ func (s Status) MarshalJSON() ([]byte, error) {
 	t := s.Totals
 	return json.Marshal(statusJSON{plainStatus(s), totalsJSON{Pending: t.Pending, OldestPendingNS: int64(t.OldestPending), Parked: t.Parked,
 		OldestParkedNS: int64(t.OldestParked), Failing: t.Failing, Retained: t.Retained, Estimated: t.Estimated,
-		CleanupLagNS: int64(t.CleanupLag), SampledAt: t.SampledAt, Delayed: t.Delayed}})
+		CleanupLagNS: int64(t.CleanupLag), SampledAt: t.SampledAt, Delayed: t.Delayed, DeadLetters: t.DeadLetters}})
 }
 
 // UnmarshalJSON reads what MarshalJSON writes.
@@ -173,7 +174,7 @@ func (s *Status) UnmarshalJSON(b []byte) error {
 	t := j.Totals
 	s.Totals = outboxdriver.Stats{Pending: t.Pending, OldestPending: time.Duration(t.OldestPendingNS), Parked: t.Parked,
 		OldestParked: time.Duration(t.OldestParkedNS), Failing: t.Failing, Retained: t.Retained, Estimated: t.Estimated,
-		CleanupLag: time.Duration(t.CleanupLagNS), SampledAt: t.SampledAt, Delayed: t.Delayed}
+		CleanupLag: time.Duration(t.CleanupLagNS), SampledAt: t.SampledAt, Delayed: t.Delayed, DeadLetters: t.DeadLetters}
 	return nil
 }
 

@@ -187,7 +187,8 @@ type Store interface {
 
 	// Cleanup deletes, in batches, claims whose effects were all dispatched more than retention ago
 	// (never a claim with an undispatched effect), dispatched effects older than their retention,
-	// old attempt counters, and idempotency keys past their expiry (a KeyStore's). Only one process cleans at a time; the others
+	// old attempt counters, idempotency keys past their expiry (a KeyStore's), and dead letters
+	// retried or discarded more than retention ago (a DeadLetterStore's). Only one process cleans at a time; the others
 	// return at once with zero.
 	Cleanup(ctx context.Context, p CleanupParams) (CleanupResult, error)
 }
@@ -263,6 +264,8 @@ type Stats struct {
 	// they are no backlog. A delayed effect past its due time that the relay has not moved yet
 	// counts in Pending, and its due time in OldestPending.
 	Delayed int64
+	// DeadLetters counts the dead letters still dead (see DeadLetterStore), up to StatsCountCap.
+	DeadLetters int64
 }
 
 // DispatchMark is one source's effects that Store.EffectMarkDispatched marks dispatched.
@@ -363,6 +366,9 @@ type CleanupResult struct {
 	Attempts int64
 	// Keys counts the idempotency keys deleted past their expiry.
 	Keys int64
+	// DeadLetters counts the dead letters deleted Retention after they were retried or
+	// discarded (a dead one is kept until an operator acts).
+	DeadLetters int64
 	// Skipped is true when another process held the cleanup lock.
 	Skipped bool
 }

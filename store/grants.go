@@ -39,6 +39,9 @@ func (n Names) Tables() []Table {
 		// Keys are claimed and their results written by the units of work, and deleted by the
 		// cleanup once expired.
 		{Name: n.Idempotency, App: dml},
+		// Written by the units of work that give up on a message; retried and discarded by the
+		// operators' tools, which run with the application's role.
+		{Name: n.DeadLetters, App: dml},
 		// Migrate reads it to find that nothing is to be done; applying migrations takes a role
 		// that may create tables.
 		{Name: n.Migrations, App: []string{"SELECT"}},

@@ -22,6 +22,7 @@ type Names struct {
 	Stats        string
 	Audit        string
 	Idempotency  string
+	DeadLetters  string
 	Migrations   string
 	QuotedSchema string
 }
@@ -58,6 +59,7 @@ func NewNames(schema, prefix string) (Names, error) {
 		Stats:        q("stats"),
 		Audit:        q("audit"),
 		Idempotency:  q("idempotency"),
+		DeadLetters:  q("dead_letters"),
 		Migrations:   q("migrations"),
 	}, nil
 }

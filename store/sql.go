@@ -183,6 +183,8 @@ type Dialect struct {
 	Hooks Hooks
 	// Ops are the statements of the operators' tools; empty when the dialect has none.
 	Ops OpsQueries
+	// DeadLetters are the statements of the dead letters; empty when the dialect keeps none.
+	DeadLetters DeadLetterQueries
 }
 
 // Hooks are steps a dialect runs as several statements of its own, where one statement of Queries
@@ -978,6 +980,9 @@ func (s *SQL) Cleanup(ctx context.Context, p outboxdriver.CleanupParams) (outbox
 		{step(q.CleanupAttempts, ""), p.Retention, &res.Attempts},
 		// A key carries its own expiry, written at its claim: nothing to pass.
 		{step(q.CleanupKeys, ""), 0, &res.Keys},
+		// Kept as long as the claims: what an operator did with a message stays readable while
+		// its ID is remembered.
+		{step(s.d.DeadLetters.Cleanup, ""), p.Retention, &res.DeadLetters},
 	}
 	for _, st := range steps {
 		if st.query == "" {
@@ -1032,6 +1037,7 @@ func (s *SQL) CleanupCount(ctx context.Context, p outboxdriver.CleanupParams) (o
 		{q.CleanupEffectsCount, p.EffectRetention, &res.Effects},
 		{q.CleanupAttemptsCount, p.Retention, &res.Attempts},
 		{q.CleanupKeysCount, 0, &res.Keys},
+		{s.d.DeadLetters.CleanupCount, p.Retention, &res.DeadLetters},
 	} {
 		if st.query == "" {
 			continue // a dialect that keeps no idempotency keys
@@ -1260,6 +1266,7 @@ type statsSample struct {
 	OldestPendingMS, OldestParkedMS, CleanupLagMS int64
 	Estimated                                     bool
 	Delayed                                       int64
+	DeadLetters                                   int64
 }
 
 // Stats implements outboxdriver.Store.
@@ -1308,6 +1315,11 @@ func (s *SQL) Stats(ctx context.Context, p outboxdriver.StatsParams) (outboxdriv
 		}
 		smp.Estimated = smp.Estimated || smp.Delayed >= outboxdriver.StatsCountCap
 	}
+	if s.d.DeadLetters.Count != "" {
+		if err := s.db.QueryRowContext(ctx, s.d.DeadLetters.Count, outboxdriver.StatsCountCap).Scan(&smp.DeadLetters); err != nil {
+			return outboxdriver.Stats{}, fmt.Errorf("count dead letters: %w", s.wrap(err))
+		}
+	}
 	if p.Interval > 0 {
 		text, err := json.Marshal(smp)
 		if err != nil {
@@ -1326,7 +1338,7 @@ func (smp statsSample) stats(at time.Time) outboxdriver.Stats {
 		Pending: smp.Pending, OldestPending: ms(smp.OldestPendingMS),
 		Parked: smp.Parked, OldestParked: ms(smp.OldestParkedMS),
 		Failing: smp.Failing, Retained: smp.Retained, Estimated: smp.Estimated,
-		CleanupLag: ms(smp.CleanupLagMS), SampledAt: at, Delayed: smp.Delayed,
+		CleanupLag: ms(smp.CleanupLagMS), SampledAt: at, Delayed: smp.Delayed, DeadLetters: smp.DeadLetters,
 	}
 }
 

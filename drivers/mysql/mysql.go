@@ -38,7 +38,7 @@ const DSNParams = "parseTime=true&interpolateParams=true&charset=utf8mb4"
 const maxIdentifier = 64
 
 // longestTable is the longest table name suffix the migrations create.
-const longestTable = "idempotency"
+const longestTable = "dead_letters"
 
 // Driver is the MySQL and MariaDB dialect (MySQL 8.0+, MariaDB 10.6+: both have SKIP LOCKED and
 // JSON_TABLE). The zero value is ready to use. The program registers the database/sql driver
@@ -93,7 +93,8 @@ func (d Driver) Open(db *sql.DB, opts outboxdriver.StoreOptions) (outboxdriver.S
 				return migrate(ctx, db, names, ms, lockTimeout)
 			},
 		},
-		Ops: q.ops(),
+		Ops:         q.ops(),
+		DeadLetters: q.deadLetters(),
 	})
 	if err != nil {
 		return nil, err
@@ -210,7 +211,7 @@ func NewNames(schema, prefix string) (store.Names, error) {
 		Schema: schema, Prefix: prefix, QuotedSchema: quoted,
 		Processed: q("processed"), Effects: q("effects"), Dispatched: q("effects"), Attempts: q("attempts"),
 		Stats: q("stats"), Audit: q("audit"), Migrations: q("migrations"), Delayed: q("delayed"),
-		Idempotency: q("idempotency"),
+		Idempotency: q("idempotency"), DeadLetters: q("dead_letters"),
 	}, nil
 }
 

@@ -151,6 +151,7 @@ func (d Driver) Open(db *sql.DB, opts outboxdriver.StoreOptions) (outboxdriver.S
 type postgresStore interface {
 	outboxdriver.Store
 	outboxdriver.InlineStore
+	outboxdriver.DeadLetterStore
 }
 
 // pgxStore is the postgres driver's Store whose units of work run on pgx, with their effects
@@ -169,6 +170,7 @@ var (
 	_ outboxdriver.InlineStore     = (*pgxStore)(nil)
 	_ outboxdriver.ConfigRecorder  = (*pgxStore)(nil)
 	_ outboxdriver.WritableChecker = (*pgxStore)(nil)
+	_ outboxdriver.DeadLetterStore = (*pgxStore)(nil)
 )
 
 // RecordServiceConfig implements outboxdriver.ConfigRecorder through the postgres driver's store.

@@ -89,6 +89,7 @@ func (d Driver) Open(db *sql.DB, opts outboxdriver.StoreOptions) (outboxdriver.S
 		Prepare:           !d.DisablePreparedStatements,
 		Pooler:            checkPooler,
 		Ops:               opsQueries(names),
+		DeadLetters:       deadLetterQueries(names),
 		// The channel is built from validated identifiers, so the literal is safe.
 		Notify: fmt.Sprintf("SELECT pg_notify('%s', '')", notifyChannel(names.Schema, names.Prefix)),
 	}

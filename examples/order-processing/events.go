@@ -64,12 +64,12 @@ func publishEvent(ctx context.Context, topic string, event any) error {
 	return outbox.Publish(ctx, topic, outbox.NewMessage(ctx, payload))
 }
 
-// decode reads an event. A payload that does not decode is an error: the message is nacked and
-// redelivered rather than acked and forgotten (set outbox.Config.PoisonTopic to park such messages
-// after Config.MaxAttempts).
+// decode reads an event. A payload that does not decode never will: the error is permanent, so
+// the message is dead-lettered at once (kept with its payload, acked, listed by `outbox dead`)
+// rather than retried MaxAttempts times or acked and forgotten.
 func decode(msg *message.Message, event any) error {
 	if err := json.Unmarshal(msg.Payload, event); err != nil {
-		return fmt.Errorf("decode %T from message %s: %w", event, msg.UUID, err)
+		return outbox.Permanent(fmt.Errorf("decode %T from message %s: %w", event, msg.UUID, err))
 	}
 	return nil
 }

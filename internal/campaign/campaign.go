@@ -61,6 +61,7 @@ var Scenarios = map[string]string{
 	"slow-topic":  "every call for one topic takes 20-120 ms (within PublishTimeout), on every path",
 	"hung-topic":  "for the first 0.3-1.5 s of the run every call for one topic hangs until its context ends (PublishTimeout), on every path, while the other topic flows",
 	"tx-by-sql":   "the handler ends its transaction with a ROLLBACK sent as SQL, then publishes: nothing of the delivery may commit, and the attempt is the handler's doing",
+	"poison":      "some messages fail with a permanent error on every delivery: they are dead-lettered and acked, never applied, and kept with their payload and source topic; then some are fixed and retried from the dead letters (from two instances at once), and must be applied exactly once",
 	"delayed":     "the unit of work also records a delayed effect (due 0 to 600 ms after it is recorded, on the message's key), and a later unit of work on any instance cancels it around its due time, racing the relays",
 }
 
@@ -297,6 +298,9 @@ func Run(t *testing.T, dsn string, o Options) {
 	}
 	if on["keyed"] {
 		want = append(want, "keyed replayed", "keyed expired and retaken")
+	}
+	if on["poison"] {
+		want = append(want, "dead-lettered", "dead letter retried")
 	}
 	for _, w := range want {
 		if st.outcomes[w] == 0 {

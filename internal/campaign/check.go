@@ -127,7 +127,7 @@ type wireCopy struct {
 
 func (c *run) wire() []wireCopy {
 	var out []wireCopy
-	for _, topic := range c.topics {
+	for _, topic := range append(c.topics[:], c.inTopic) {
 		rows, err := c.db.Query(c.database.Wire(topic))
 		if err != nil {
 			c.t.Fatal(err)
@@ -180,10 +180,18 @@ func (c *run) check(specs []*spec, acked []atomic.Bool, rqs []*request) {
 		if err := c.db.QueryRow(c.database.Bind(`SELECT count(*) FROM `+c.applied+` WHERE message_id = $1`), sp.id).Scan(&n); err != nil {
 			t.Fatal(err)
 		}
+		if sp.poison && !sp.retry {
+			// Dead-lettered and never fixed: its handler never succeeded.
+			if n != 0 {
+				fail("poison message %s applied %d times", sp.id, n)
+			}
+			continue
+		}
 		if n > 1 || (n != 1 && acked[i].Load()) {
-			fail("message %s applied %d times (acked: %v)", sp.id, n, acked[i].Load())
+			fail("message %s applied %d times (acked: %v, poison %v)", sp.id, n, acked[i].Load(), sp.poison)
 		}
 	}
+	c.checkDeadLetters(specs, acked)
 
 	all := c.committed()
 	bySource := map[string][]effect{}
@@ -219,6 +227,12 @@ func (c *run) check(specs []*spec, acked []atomic.Bool, rqs []*request) {
 			}
 		}
 		got := bySource[sp.id]
+		if sp.poison && !sp.retry {
+			if len(got) != 0 {
+				fail("poison message %s committed %d effects", sp.id, len(got))
+			}
+			continue
+		}
 		if !acked[i].Load() && len(got) == 0 {
 			continue
 		}

@@ -31,6 +31,10 @@ type spec struct {
 	cancelProc int
 	cancelAt   time.Duration
 	cancelled  atomic.Int32
+	// poison: the handler fails with a permanent error while broken, so the message is
+	// dead-lettered; retry: it is then fixed and retried from the dead letters.
+	poison, retry bool
+	broken        atomic.Bool
 }
 
 // bigEffects is more effects than one INSERT can carry: 7 bind parameters per effect, at most

@@ -49,6 +49,7 @@ type run struct {
 	r       *rand.Rand
 	prefix  string
 	topics  [2]string
+	inTopic string // the topic the messages come from, where a retried dead letter goes back to
 	applied string
 	forms   []Form
 	procs   []*outbox.Outbox
@@ -91,12 +92,13 @@ func (c *run) do() bool {
 	r := c.r
 	c.prefix = fmt.Sprintf("c%d_", c.n)
 	c.topics = [2]string{fmt.Sprintf("campaign_%d_a", c.n), fmt.Sprintf("campaign_%d_b", c.n)}
+	c.inTopic = fmt.Sprintf("campaign_%d_in", c.n)
 	c.applied = c.prefix + "applied"
 	if _, err := c.db.Exec(`CREATE TABLE ` + c.applied + ` (message_id ` + c.database.IDType + ` NOT NULL)`); err != nil {
 		t.Fatal(err)
 	}
 	schema := c.database.Broker
-	for _, topic := range c.topics {
+	for _, topic := range append(c.topics[:], c.inTopic) {
 		for _, q := range schema.SchemaInitializingQueries(topic) {
 			if _, err := c.db.Exec(q.Query, q.Args...); err != nil {
 				t.Fatal(err)
@@ -214,6 +216,10 @@ func (c *run) do() bool {
 			sp.cancel, sp.cancelProc, sp.cancelAt = cancel, proc, max(sp.delay+time.Duration(jitter)*time.Millisecond, 0)
 			c.stats.reached("delayed")
 		}
+		if poison, retry := r.IntN(5) == 0, r.IntN(2) == 0; poison && c.on["poison"] {
+			sp.poison, sp.retry = true, retry
+			sp.broken.Store(true)
+		}
 		s := schedule{msg: sp, concurrentAt: -1}
 		for range 16 {
 			pl := randomPlan(r, sp, c.on)
@@ -249,8 +255,8 @@ func (c *run) do() bool {
 		if sp.shared {
 			c.stats.reached("shared-uuid")
 		}
-		c.note("%s: shared UUID %v, big %v (in %d calls), delayed by %v (cancelled %v on instance %d at %v), concurrent copy at delivery %d, %d late; instances %v; plans %v",
-			sp.id[:8], sp.shared, sp.big, sp.bigCalls, sp.delay, sp.cancel, sp.cancelProc, sp.cancelAt, s.concurrentAt, s.late, s.procs[:4], s.plans[:4])
+		c.note("%s: shared UUID %v, big %v (in %d calls), delayed by %v (cancelled %v on instance %d at %v), poison %v (retried %v), concurrent copy at delivery %d, %d late; instances %v; plans %v",
+			sp.id[:8], sp.shared, sp.big, sp.bigCalls, sp.delay, sp.cancel, sp.cancelProc, sp.cancelAt, sp.poison, sp.retry, s.concurrentAt, s.late, s.procs[:4], s.plans[:4])
 		scheds[i] = s
 	}
 	rqs := c.drawRequests(r)
@@ -363,6 +369,11 @@ func (c *run) do() bool {
 	relays.Wait()
 	runCtx, stopRelays = context.WithCancel(ctx)
 	startRelays(drainers)
+	specs := make([]*spec, len(scheds))
+	for i, s := range scheds {
+		specs[i] = s.msg
+	}
+	c.retryDeadLetters(specs, acked)
 	deadline := time.Now().Add(drainFor)
 	for c.pending() > 0 && time.Now().Before(deadline) {
 		time.Sleep(50 * time.Millisecond)
@@ -374,10 +385,6 @@ func (c *run) do() bool {
 	}
 	if c.pub.hungCalls.Load() > 0 {
 		c.stats.reached("hung-topic") // a call for the topic hung while the run went on
-	}
-	specs := make([]*spec, len(scheds))
-	for i, s := range scheds {
-		specs[i] = s.msg
 	}
 	c.check(specs, acked, rqs)
 	if c.failed.Load() || *flagLog {
@@ -391,7 +398,9 @@ func (c *run) deliver(proc int, pl *plan) error {
 	pl.proc = proc
 	msgCtx, cancel := context.WithCancel(context.WithValue(context.Background(), planKey{}, pl))
 	defer cancel()
-	m := message.NewMessage(pl.msg.id, nil)
+	// The payload names the message, so that a retried dead letter's copy on the wire is told
+	// from another's.
+	m := message.NewMessage(pl.msg.id, []byte(pl.msg.id+"/in"))
 	m.SetContext(msgCtx)
 	h := c.handler(c.forms[proc])
 	if pl.cancel {
@@ -401,7 +410,7 @@ func (c *run) deliver(proc int, pl *plan) error {
 			return inner(m)
 		}
 	}
-	err := c.procs[proc].Handle(m, outbox.HandleParams{Consumer: consumer, MessageID: pl.msg.id}, h)
+	err := c.procs[proc].Handle(m, outbox.HandleParams{Consumer: consumer, MessageID: pl.msg.id, Topic: c.inTopic}, h)
 	c.stats.add(err)
 	return err
 }
@@ -481,6 +490,10 @@ func (c *run) handler(f Form) message.HandlerFunc {
 			if err := rollback(); err != nil {
 				return nil, err
 			}
+		}
+		if pl.msg.poison && pl.msg.broken.Load() {
+			// After its writes and effects, which roll back with it.
+			return nil, outbox.Permanent(errors.New("poison message"))
 		}
 		if pl.endsTx {
 			// A handler bug: it ends the unit's transaction itself, then records. Nothing of this

@@ -197,6 +197,22 @@ func root(d Database) *command {
 			{name: "failing list", short: "messages whose handler failed and that were not processed", run: failing,
 				long: "List the messages whose handler failed and that were not processed, with their attempts and last error."},
 		}},
+		{name: "dead", short: "dead letters: list, group, retry or discard them",
+			long: "Dead letters are the messages a consumer gave up on (failed MaxAttempts times, failed with a\n" +
+				"permanent error, or without a usable ID), stored with their payload and acked.", subs: []*command{
+				{name: "dead list", short: "the dead letters, oldest first, with their reason", run: dead,
+					long: "List the dead letters, oldest first: -consumer, -state (dead, retried, discarded; empty: all), -limit."},
+				{name: "dead groups", short: "the dead letters grouped by consumer and a normalized reason", run: dead,
+					long: "Group the dead letters still dead by consumer and their reason's fingerprint (numbers, IDs and\n" +
+						"addresses normalized), largest group first."},
+				{name: "dead retry", args: "CONSUMER MESSAGE_ID", short: "hand a dead letter back to its consumer, once", run: dead,
+					long: "Retry a dead letter: in one transaction, its claim and attempts are reset and the stored message\n" +
+						"is recorded for the topic it came from, with its own UUID; the relays send it and the consumer\n" +
+						"runs it once. Written to the audit table."},
+				{name: "dead discard", args: "CONSUMER MESSAGE_ID", short: "give a dead letter up (kept; its copies are still acked)", run: dead,
+					long: "Discard a dead letter: it is kept, noted as discarded, and copies of the message are still acked.\n" +
+						"Written to the audit table."},
+			}},
 		{name: "replay", args: "CONSUMER MESSAGE_ID", short: "let a poisoned message run its handler again on its next delivery", run: replay,
 			long: "Replay a poisoned message: its next delivery (put it back on its topic, ID unchanged) runs the\n" +
 				"handler again. Written to the audit table."},
@@ -552,6 +568,7 @@ func status(ctx context.Context, g *globals, c *command, args []string, out prin
 		fmt.Fprintf(w, "delayed\t%d\tnot due yet (no backlog)\n", t.Delayed)
 		fmt.Fprintf(w, "parked\t%d\toldest %s\n", t.Parked, t.OldestParked.Round(time.Millisecond))
 		fmt.Fprintf(w, "failing messages\t%d\t\n", t.Failing)
+		fmt.Fprintf(w, "dead letters\t%d\t(outbox dead groups)\n", t.DeadLetters)
 		fmt.Fprintf(w, "retained IDs\t%d\t%s\n", t.Retained, map[bool]string{true: "(estimated)"}[t.Estimated])
 		fmt.Fprintf(w, "cleanup lag\t%s\t\n", t.CleanupLag.Round(time.Second))
 		if s.LastDispatch.IsZero() {
@@ -785,6 +802,105 @@ func failing(ctx context.Context, g *globals, c *command, args []string, out pri
 		for _, f := range list {
 			fmt.Fprintf(w, "%s\t%s\t%d\t%s ago\t%s\n", clean(f.Consumer), clean(f.MessageID), f.Attempts,
 				time.Since(f.LastFailedAt).Round(time.Second), oneLine(f.LastError, 100))
+		}
+	})
+}
+
+func dead(ctx context.Context, g *globals, c *command, args []string, out printer) error {
+	sub := strings.TrimPrefix(c.name, "dead ")
+	fs := g.flags(c)
+	var f outboxdriver.DeadLetterFilter
+	var dryRun bool
+	want := 0
+	switch sub {
+	case "list":
+		fs.StringVar(&f.Consumer, "consumer", "", "only the dead letters of this consumer")
+		state := fs.String("state", "", "only the dead letters in this state: dead, retried or discarded (empty: all)")
+		fs.IntVar(&f.Limit, "limit", ops.DefaultLimit, "at most this many dead letters")
+		if _, err := g.parse(fs, c, args, 0); err != nil {
+			return err
+		}
+		switch outboxdriver.DeadLetterState(*state) {
+		case "", outboxdriver.DeadLetterDead, outboxdriver.DeadLetterRetried, outboxdriver.DeadLetterDiscarded:
+			f.State = outboxdriver.DeadLetterState(*state)
+		default:
+			return usageError{fmt.Sprintf("dead list: -state %q: want dead, retried or discarded", *state)}
+		}
+	case "groups":
+		fs.StringVar(&f.Consumer, "consumer", "", "only the dead letters of this consumer")
+		if _, err := g.parse(fs, c, args, 0); err != nil {
+			return err
+		}
+	default:
+		fs.BoolVar(&dryRun, "dry-run", false, "say whether it is a dead letter, change nothing")
+		want = 2
+	}
+	var pos []string
+	if want > 0 {
+		var err error
+		if pos, err = g.parse(fs, c, args, want); err != nil {
+			return err
+		}
+	}
+	ctx, o, err := g.connect(ctx)
+	if err != nil {
+		return err
+	}
+	switch sub {
+	case "list":
+		list, err := o.DeadLetters(ctx, f)
+		if err != nil {
+			return err
+		}
+		return out.list(list, len(list), "no dead letter matches", func(w *tabwriter.Writer) {
+			fmt.Fprintf(w, "CONSUMER\tMESSAGE\tTOPIC\tSTATE\tATTEMPTS\tDEAD\tREASON\n")
+			for _, d := range list {
+				fmt.Fprintf(w, "%s\t%s\t%s\t%s\t%d\t%s ago\t%s\n", clean(d.Consumer), clean(d.MessageID), clean(d.SourceTopic), d.State,
+					d.Attempts, time.Since(d.DeadAt).Round(time.Second), oneLine(d.Reason, 100))
+			}
+		})
+	case "groups":
+		groups, more, err := o.DeadLetterGroups(ctx, f.Consumer)
+		if err != nil {
+			return err
+		}
+		return out.list(groups, len(groups), "no dead letter", func(w *tabwriter.Writer) {
+			fmt.Fprintf(w, "COUNT\tCONSUMER\tOLDEST\tREASON\n")
+			for _, gr := range groups {
+				fmt.Fprintf(w, "%d\t%s\t%s ago\t%s\n", gr.Count, clean(gr.Consumer), time.Since(gr.Oldest).Round(time.Second), oneLine(gr.Reason, 120))
+			}
+			if more {
+				fmt.Fprintf(w, "(the oldest dead letters only: more are dead)\n")
+			}
+		})
+	}
+	key := outboxdriver.Source{Consumer: pos[0], ID: pos[1]}
+	repair := o.RetryDeadLetters
+	if sub == "discard" {
+		repair = o.DiscardDeadLetters
+	}
+	n, err := repair(ctx, []outboxdriver.Source{key}, ops.RepairOptions{Actor: g.actor, DryRun: dryRun})
+	if err != nil {
+		return err
+	}
+	res := map[string]any{"action": sub, "consumer": key.Consumer, "message_id": key.ID, "changed": n, "dry_run": dryRun}
+	name := clean(key.Consumer) + "/" + clean(key.ID)
+	if n == 0 {
+		if out.json() {
+			if err := out.emit(res, nil); err != nil {
+				return err
+			}
+		}
+		return nothingMatched{name + " is not a dead letter (or was retried or discarded already): nothing to " + sub}
+	}
+	return out.emit(res, func(w *tabwriter.Writer) {
+		switch {
+		case dryRun:
+			fmt.Fprintf(w, "dry run: %s is a dead letter; %s would change it\n", name, sub)
+		case sub == "retry":
+			fmt.Fprintf(w, "%s: retried; the relays send it back to its topic and the consumer runs it once\n", name)
+		default:
+			fmt.Fprintf(w, "%s: discarded\n", name)
 		}
 	})
 }
@@ -1105,12 +1221,13 @@ func cleanup(ctx context.Context, g *globals, c *command, args []string, out pri
 	return out.emit(rep, func(w *tabwriter.Writer) {
 		switch {
 		case rep.DryRun:
-			fmt.Fprintf(w, "would delete %d claims, %d dispatched effects, %d attempt counters, %d expired idempotency keys\n", rep.Claims, rep.Effects, rep.Attempts, rep.Keys)
+			fmt.Fprintf(w, "would delete %d claims, %d dispatched effects, %d attempt counters, %d expired idempotency keys, %d settled dead letters\n",
+				rep.Claims, rep.Effects, rep.Attempts, rep.Keys, rep.DeadLetters)
 		case rep.Skipped:
 			fmt.Fprintln(w, "another process is cleaning; nothing done")
 		default:
-			fmt.Fprintf(w, "deleted %d claims, %d dispatched effects, %d attempt counters, %d expired idempotency keys in %d batches (audited as %s)\n",
-				rep.Claims, rep.Effects, rep.Attempts, rep.Keys, rep.Batches, clean(g.actor))
+			fmt.Fprintf(w, "deleted %d claims, %d dispatched effects, %d attempt counters, %d expired idempotency keys, %d settled dead letters in %d batches (audited as %s)\n",
+				rep.Claims, rep.Effects, rep.Attempts, rep.Keys, rep.DeadLetters, rep.Batches, clean(g.actor))
 		}
 	})
 }

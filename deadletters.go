@@ -1,0 +1,110 @@
+package outbox
+
+import (
+	"context"
+	"errors"
+	"fmt"
+
+	"github.com/watermill-outbox/outbox/outboxdriver"
+)
+
+// PermanentError marks a handler's error that no retry can fix (a message that cannot be parsed,
+// a reference to something that will never exist): the message is dead-lettered at once instead
+// of after MaxAttempts. Return Permanent(err), or an error of your own with a method
+// Permanent() bool that returns true.
+type PermanentError struct {
+	Err error
+}
+
+func (e *PermanentError) Error() string { return "permanent: " + e.Err.Error() }
+
+func (e *PermanentError) Unwrap() error { return e.Err }
+
+// Permanent marks err permanent (see PermanentError); nil stays nil.
+func Permanent(err error) error {
+	if err == nil {
+		return nil
+	}
+	return &PermanentError{Err: err}
+}
+
+// IsPermanent tells whether err, or an error it wraps, is permanent: a *PermanentError, or an
+// error whose Permanent() method returns true.
+func IsPermanent(err error) bool {
+	var p *PermanentError
+	if errors.As(err, &p) {
+		return true
+	}
+	var marked interface{ Permanent() bool }
+	return errors.As(err, &marked) && marked.Permanent()
+}
+
+// ErrDeadLettersUnsupported is returned by the dead-letter operations of an Outbox whose driver
+// keeps no dead letters.
+var ErrDeadLettersUnsupported = outboxdriver.ErrDeadLettersUnsupported
+
+func (o *Outbox) deadLetterOps() (outboxdriver.DeadLetterStore, error) {
+	dl, ok := o.store.(outboxdriver.DeadLetterStore)
+	if !ok {
+		return nil, ErrDeadLettersUnsupported
+	}
+	return dl, nil
+}
+
+// DeadLetters lists dead letters, oldest first: messages a consumer gave up on (see
+// Config.DeadLetters), and what an operator did with them.
+func (o *Outbox) DeadLetters(ctx context.Context, f DeadLetterFilter) ([]DeadLetter, error) {
+	dl, err := o.deadLetterOps()
+	if err != nil {
+		return nil, err
+	}
+	out, err := dl.DeadLetterList(ctx, f)
+	if err != nil {
+		return nil, fmt.Errorf("outbox: list dead letters: %w", err)
+	}
+	return out, nil
+}
+
+// RetryDeadLetters hands dead letters (keyed by consumer and message ID) back to their
+// consumers, once the cause is fixed. Each is retried in one transaction: its state becomes
+// retried (by actor), the message's poisoned claim and failed attempts are deleted, and the
+// stored message is recorded as a side effect to the topic it came from, with its own UUID,
+// payload and metadata, which the relay sends. The consumer then runs it once, as a new
+// message; other consumers of the topic that processed it find their claims and ack it. It
+// returns how many it retried: those not dead (retried or discarded already) are left alone.
+func (o *Outbox) RetryDeadLetters(ctx context.Context, actor string, keys ...Source) (int, error) {
+	dl, err := o.deadLetterOps()
+	if err != nil {
+		return 0, err
+	}
+	n, err := dl.DeadLetterRetry(ctx, outboxdriver.DeadLetterChange{Keys: keys, Actor: actor},
+		func() Source { return Source{ID: newID()} })
+	if n > 0 {
+		o.wakeRelays(ctx)
+	}
+	if err != nil {
+		return n, fmt.Errorf("outbox: retry dead letters: %w", err)
+	}
+	return n, nil
+}
+
+// DiscardDeadLetters gives dead letters up for good: their state becomes discarded (by actor);
+// they are kept, and copies of the message are still acked. It returns how many it changed.
+func (o *Outbox) DiscardDeadLetters(ctx context.Context, actor string, keys ...Source) (int, error) {
+	dl, err := o.deadLetterOps()
+	if err != nil {
+		return 0, err
+	}
+	n, err := dl.DeadLetterDiscard(ctx, outboxdriver.DeadLetterChange{Keys: keys, Actor: actor})
+	if err != nil {
+		return n, fmt.Errorf("outbox: discard dead letters: %w", err)
+	}
+	return n, nil
+}
+
+// The states of a dead letter (DeadLetter.State, DeadLetterFilter.State).
+const (
+	DeadLetterDead      = outboxdriver.DeadLetterDead
+	DeadLetterRetried   = outboxdriver.DeadLetterRetried
+	DeadLetterDiscarded = outboxdriver.DeadLetterDiscarded
+)

@@ -1,0 +1,125 @@
+package outbox_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	wsql "github.com/ThreeDotsLabs/watermill-sql/v3/pkg/sql"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
+
+	"github.com/watermill-outbox/outbox"
+	"github.com/watermill-outbox/outbox/internal/logtest"
+	"github.com/watermill-outbox/outbox/internal/routertest"
+	"github.com/watermill-outbox/outbox/middleware"
+	"github.com/watermill-outbox/outbox/outboxdriver"
+)
+
+// TestRetriedDeadLetterIsProcessedOnce runs a consumer behind a real Router over the
+// watermill-sql pub/sub. A message its handler cannot process yet is dead-lettered (with the
+// topic it came from) and acked; once the cause is fixed, two operators retry it at the same
+// moment. The consumer must then process it exactly once, with its own UUID, while a second
+// consumer of the topic, which processed it the first time, does not process it again.
+func TestRetriedDeadLetterIsProcessedOnce(t *testing.T) {
+	const topic = "orders.dead"
+	e := newEnv(t)
+	e.initTopics(topic)
+	if _, err := e.db.Exec(`CREATE TABLE dl_applied (consumer text NOT NULL, message_id text NOT NULL, payload bytea NOT NULL)`); err != nil {
+		t.Fatal(err)
+	}
+	logs := &logtest.Errors{}
+	var broken atomic.Bool
+	broken.Store(true)
+	apply := func(consumer string, fails bool) message.NoPublishHandlerFunc {
+		return func(msg *message.Message) error {
+			ctx := msg.Context()
+			if _, err := outbox.Tx(ctx).ExecContext(ctx, `INSERT INTO dl_applied VALUES ($1, $2, $3)`, consumer, msg.UUID, msg.Payload); err != nil {
+				return err
+			}
+			if fails && broken.Load() {
+				return outbox.Permanent(errors.New("unknown product"))
+			}
+			return nil
+		}
+	}
+	cfg := func(c *outbox.Config) {
+		c.RelayInterval = 50 * time.Millisecond
+		c.RetryDelay = -1
+	}
+	ob := e.newOutbox(withRealPublisher(t, e.db), routertest.WithLogger(logs), cfg)
+	routertest.RunOutbox(t, ob)
+	r := routertest.NewRouter(t, logs)
+	r.AddConsumerHandler("stock", topic, newSQLSubscriber(t, e.db, "stock", topic), apply("stock", true)).AddMiddleware(middleware.New(ob))
+	other := e.newOutbox(withRealPublisher(t, e.db), routertest.WithLogger(logs), cfg)
+	routertest.RunOutbox(t, other)
+	r.AddConsumerHandler("billing", topic, newSQLSubscriber(t, e.db, "billing", topic), apply("billing", false)).AddMiddleware(middleware.New(other))
+	routertest.RunRouter(t, r)
+
+	producer, err := wsql.NewPublisher(e.db, wsql.PublisherConfig{SchemaAdapter: brokerSchema()}, watermill.NopLogger{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	msg := message.NewMessage(uuid.NewString(), []byte("order 1"))
+	msg.Metadata.Set("tenant", "t1")
+	if err := producer.Publish(topic, msg); err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	var dead []outbox.DeadLetter
+	routertest.WaitUntil(t, "the message dead-lettered and the topic consumed", func() (bool, string) {
+		var err error
+		dead, err = ob.DeadLetters(ctx, outbox.DeadLetterFilter{State: outboxdriver.DeadLetterDead})
+		if err != nil {
+			t.Fatal(err)
+		}
+		caught, state := sqlCaughtUp(t, e.db, topic, "stock", "billing")
+		return len(dead) == 1 && caught, fmt.Sprintf("%d dead letters; %s", len(dead), state)
+	})
+	if d := dead[0]; d.Consumer != "stock" || d.MessageID != msg.UUID || d.SourceTopic != topic || !d.Permanent ||
+		string(d.Payload) != "order 1" || d.Metadata["tenant"] != "t1" {
+		t.Fatalf("dead letter: %+v", d)
+	}
+	mustEqual(t, "rows applied by stock before the retry", e.count(`SELECT count(*) FROM dl_applied WHERE consumer = 'stock'`), 0)
+	mustEqual(t, "rows applied by billing", e.count(`SELECT count(*) FROM dl_applied WHERE consumer = 'billing'`), 1)
+
+	broken.Store(false)
+	var retried atomic.Int32
+	var wg sync.WaitGroup
+	for _, actor := range []string{"ops-a", "ops-b"} {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			n, err := ob.RetryDeadLetters(ctx, actor, outbox.Source{Consumer: "stock", ID: msg.UUID})
+			if err != nil {
+				t.Error(err)
+			}
+			retried.Add(int32(n))
+		}()
+	}
+	wg.Wait()
+	mustEqual(t, "dead letters retried by the two operators", retried.Load(), int32(1))
+	routertest.WaitUntil(t, "the retried message applied and everything settled", func() (bool, string) {
+		applied := e.count(`SELECT count(*) FROM dl_applied WHERE consumer = 'stock'`)
+		if applied == 0 || e.pendingEffects() != 0 {
+			return false, fmt.Sprintf("%d applied, %d effects pending", applied, e.pendingEffects())
+		}
+		return sqlCaughtUp(t, e.db, topic, "stock", "billing")
+	})
+	mustEqual(t, "rows applied by stock (the retried message)", e.count(`SELECT count(*) FROM dl_applied WHERE consumer = 'stock' AND message_id = $1 AND payload = 'order 1'`, msg.UUID), 1)
+	mustEqual(t, "rows applied by billing (a retry is no new message for it)", e.count(`SELECT count(*) FROM dl_applied WHERE consumer = 'billing'`), 1)
+	mustEqual(t, "copies of the message on the topic", e.wire(topic)[msg.UUID], 2)
+	all, err := ob.DeadLetters(ctx, outbox.DeadLetterFilter{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(all) != 1 || all[0].State != outboxdriver.DeadLetterRetried || all[0].Retries != 1 {
+		t.Fatalf("dead letter after the retry: %+v", all)
+	}
+	mustEqual(t, "poisoned claims left", e.count(`SELECT count(*) FROM outbox_processed WHERE poisoned`), 0)
+}

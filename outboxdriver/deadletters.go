@@ -1,0 +1,94 @@
+package outboxdriver
+
+import (
+	"context"
+	"errors"
+	"time"
+)
+
+// DeadLetterState is the state of a dead letter.
+type DeadLetterState string
+
+// The states of a dead letter: dead until an operator retries or discards it.
+const (
+	DeadLetterDead      DeadLetterState = "dead"
+	DeadLetterRetried   DeadLetterState = "retried"
+	DeadLetterDiscarded DeadLetterState = "discarded"
+)
+
+// DeadLetter is a message a consumer gave up on, as it is stored.
+type DeadLetter struct {
+	// Consumer and MessageID key it: one dead letter per message and consumer.
+	Consumer  string
+	MessageID string
+	// SourceTopic is the topic the message was received from (empty when unknown); a retry
+	// publishes the message there again.
+	SourceTopic string
+	Payload     []byte
+	Metadata    map[string]string
+	// Reason is the last error, storable (StorableText).
+	Reason string
+	// Attempts counts the failed attempts, this one included.
+	Attempts int
+	// Permanent is true when the handler marked the error permanent, or the message could not be
+	// identified: no attempt could succeed.
+	Permanent bool
+	// DeadAt is when it was stored (the last time, after a retry failed again).
+	DeadAt time.Time
+	// State, ChangedAt and ChangedBy: what an operator did with it, when, and who.
+	State     DeadLetterState
+	ChangedAt time.Time
+	ChangedBy string
+	// Retries counts the times it was retried.
+	Retries int
+}
+
+// DeadLetterFilter selects dead letters for DeadLetterStore.DeadLetterList.
+type DeadLetterFilter struct {
+	// Consumer, when not empty, keeps those of one consumer.
+	Consumer string
+	// State, when not empty, keeps those in one state.
+	State DeadLetterState
+	// Limit bounds how many are returned, oldest first; 0: 100.
+	Limit int
+}
+
+// DeadLetterChange is an operator's change of dead letters (a retry or a discard).
+type DeadLetterChange struct {
+	// Keys are the dead letters, as Source{Consumer, ID: message ID}.
+	Keys []Source
+	// Actor is who changed them; it is stored with each.
+	Actor string
+}
+
+// DeadLetterStore is implemented by a Store that keeps dead letters.
+type DeadLetterStore interface {
+	// DeadLetterInsert, in one transaction: counts a failed attempt of the message (when count is
+	// true, as AttemptRecord does, the count then going into dl.Attempts), stores dl as a dead
+	// letter in state dead (replacing one retried or discarded before), and writes the message's
+	// claim as poisoned (MessagePoison), so that copies delivered later are acked as processed.
+	// poison, when not nil, is stored as an effect of the message in the same transaction (a copy
+	// for the poison topic): it is sent by whoever dispatches the message's pending effects, and
+	// its StoreID is set. It returns the attempts stored.
+	DeadLetterInsert(ctx context.Context, dl DeadLetter, count bool, poison *Effect) (int, error)
+	// DeadLetterList returns dead letters, oldest first.
+	DeadLetterList(ctx context.Context, f DeadLetterFilter) ([]DeadLetter, error)
+	// DeadLetterRetry hands dead letters back to their consumers, each in one transaction: the
+	// dead letter (in state dead) becomes retried, the poisoned claim of the message and its
+	// failed attempts are deleted, and the stored message is written as an effect (kind publish,
+	// to its source topic, with its message ID as UUID, its payload and metadata) of source src
+	// (a source of its own per retry, given by newSource), due for the relay at once (as after
+	// EffectHandToRelay), so that the relay sends it. It returns
+	// how many it retried; those not found dead are left alone.
+	DeadLetterRetry(ctx context.Context, c DeadLetterChange, newSource func() Source) (int, error)
+	// DeadLetterDiscard marks dead letters (in state dead) discarded, each in one transaction
+	// with its audit; it returns how many it changed. They are kept, and the message's claim
+	// stays poisoned.
+	DeadLetterDiscard(ctx context.Context, c DeadLetterChange) (int, error)
+	// DeadLetterCount counts the dead letters in state dead (at most StatsCountCap are counted).
+	DeadLetterCount(ctx context.Context) (int, error)
+}
+
+// ErrDeadLettersUnsupported is returned by the dead-letter operations of a Store that keeps
+// none.
+var ErrDeadLettersUnsupported = errors.New("outbox: the driver keeps no dead letters")

@@ -1,0 +1,300 @@
+package store
+
+import (
+	"cmp"
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"slices"
+	"strings"
+	"time"
+
+	"github.com/watermill-outbox/outbox/outboxdriver"
+)
+
+var _ outboxdriver.DeadLetterStore = (*SQL)(nil)
+
+// DeadLetterQueries are the statements of the dead letters; empty when the dialect keeps none.
+type DeadLetterQueries struct {
+	// Attempt (consumer, id, reason) counts a failed attempt as Queries.AttemptRecord does, in the
+	// dead letter's transaction: it returns the count, or with AttemptRead set returns nothing and
+	// AttemptRead (consumer, id) reads it.
+	Attempt, AttemptRead string
+	// Upsert (consumer, id, source topic, payload, metadata, reason, attempts, permanent) stores a
+	// dead letter in state dead, replacing the one before (retried or discarded) if any.
+	Upsert string
+	// List (consumer or "", state or "", limit) -> consumer, id, source topic, payload, metadata,
+	// reason, attempts, permanent, ms since dead, state, ms since changed (NULL allowed), changed
+	// by, retries; oldest first.
+	List string
+	// Mark (state, actor, consumer, id) moves a dead letter in state dead to state, counting a
+	// retry when state is retried; rows affected.
+	Mark string
+	// Read (consumer, id) -> source topic, payload, metadata.
+	Read string
+	// Count (count cap) -> dead letters in state dead, counted up to the cap.
+	Count string
+	// Cleanup (retention ms, limit) deletes up to limit dead letters retried or discarded more
+	// than retention ago; CleanupCount (retention ms) counts them for the dry run.
+	Cleanup, CleanupCount string
+}
+
+func (s *SQL) deadLetters() (DeadLetterQueries, error) {
+	q := s.d.DeadLetters
+	if q.Upsert == "" {
+		return q, outboxdriver.ErrDeadLettersUnsupported
+	}
+	return q, nil
+}
+
+// DeadLetterInsert implements outboxdriver.DeadLetterStore.
+func (s *SQL) DeadLetterInsert(ctx context.Context, dl outboxdriver.DeadLetter, count bool, poison *outboxdriver.Effect) (int, error) {
+	q, err := s.deadLetters()
+	if err != nil {
+		return 0, err
+	}
+	src := outboxdriver.Source{Consumer: dl.Consumer, ID: dl.MessageID}
+	reason := outboxdriver.StorableText(dl.Reason)
+	tx, err := s.BeginTx(ctx, nil)
+	if err != nil {
+		return 0, fmt.Errorf("begin: %w", err)
+	}
+	defer func() { _ = tx.Rollback() }()
+	attempts := dl.Attempts
+	if count {
+		if attempts, err = s.deadLetterAttempt(ctx, tx, q, src, reason); err != nil {
+			return 0, fmt.Errorf("count the failed attempt: %w", err)
+		}
+	}
+	if _, err := tx.ExecContext(ctx, q.Upsert, dl.Consumer, dl.MessageID, outboxdriver.StorableText(dl.SourceTopic),
+		nonNil(dl.Payload), EncodeMetadata(dl.Metadata), reason, attempts, dl.Permanent); err != nil {
+		return 0, fmt.Errorf("store the dead letter: %w", s.wrap(err))
+	}
+	if _, err := tx.ExecContext(ctx, s.d.Queries.MessagePoison, dl.Consumer, dl.MessageID); err != nil {
+		return 0, fmt.Errorf("mark the claim poisoned: %w", s.wrap(err))
+	}
+	if poison != nil {
+		effects := []outboxdriver.Effect{*poison}
+		if _, err := s.effectInsert(ctx, tx, src, effects, false); err != nil {
+			return 0, fmt.Errorf("store the copy for the poison topic: %w", err)
+		}
+		poison.StoreID = effects[0].StoreID
+	}
+	if err := tx.Commit(); err != nil {
+		return 0, fmt.Errorf("commit the dead letter: %w", s.wrap(err))
+	}
+	return attempts, nil
+}
+
+func (s *SQL) deadLetterAttempt(ctx context.Context, tx *sql.Tx, q DeadLetterQueries, src outboxdriver.Source, reason string) (int, error) {
+	var n int
+	if q.AttemptRead == "" {
+		if err := tx.QueryRowContext(ctx, q.Attempt, src.Consumer, src.ID, reason).Scan(&n); err != nil {
+			return 0, s.wrap(err)
+		}
+		return n, nil
+	}
+	if _, err := tx.ExecContext(ctx, q.Attempt, src.Consumer, src.ID, reason); err != nil {
+		return 0, s.wrap(err)
+	}
+	if err := tx.QueryRowContext(ctx, q.AttemptRead, src.Consumer, src.ID).Scan(&n); err != nil {
+		return 0, s.wrap(err)
+	}
+	return n, nil
+}
+
+func nonNil(b []byte) []byte {
+	if b == nil {
+		return []byte{}
+	}
+	return b
+}
+
+// DeadLetterList implements outboxdriver.DeadLetterStore.
+func (s *SQL) DeadLetterList(ctx context.Context, f outboxdriver.DeadLetterFilter) ([]outboxdriver.DeadLetter, error) {
+	q, err := s.deadLetters()
+	if err != nil {
+		return nil, err
+	}
+	limit := f.Limit
+	if limit <= 0 {
+		limit = 100
+	}
+	rows, err := s.db.QueryContext(ctx, q.List, f.Consumer, string(f.State), limit)
+	if err != nil {
+		return nil, fmt.Errorf("list dead letters: %w", s.wrap(err))
+	}
+	defer rows.Close()
+	now := time.Now()
+	var out []outboxdriver.DeadLetter
+	for rows.Next() {
+		var (
+			d         outboxdriver.DeadLetter
+			topic     []byte
+			md        []byte
+			permanent bool
+			deadMs    int64
+			state     string
+			changedMs sql.NullInt64
+		)
+		if err := rows.Scan(&d.Consumer, &d.MessageID, &topic, &d.Payload, &md, &d.Reason, &d.Attempts, &permanent,
+			&deadMs, &state, &changedMs, &d.ChangedBy, &d.Retries); err != nil {
+			return nil, fmt.Errorf("list dead letters: %w", s.wrap(err))
+		}
+		d.SourceTopic = string(topic)
+		if d.Metadata, err = DecodeMetadata(md); err != nil {
+			return nil, fmt.Errorf("dead letter %q of %q: metadata: %w", d.MessageID, d.Consumer, err)
+		}
+		d.Permanent = permanent
+		d.DeadAt = now.Add(-time.Duration(deadMs) * time.Millisecond)
+		d.State = outboxdriver.DeadLetterState(state)
+		if changedMs.Valid {
+			d.ChangedAt = now.Add(-time.Duration(changedMs.Int64) * time.Millisecond)
+		}
+		out = append(out, d)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, fmt.Errorf("list dead letters: %w", s.wrap(err))
+	}
+	return out, nil
+}
+
+// DeadLetterRetry implements outboxdriver.DeadLetterStore.
+func (s *SQL) DeadLetterRetry(ctx context.Context, c outboxdriver.DeadLetterChange, newSource func() outboxdriver.Source) (int, error) {
+	return s.DeadLetterRetryAudited(ctx, c, newSource, nil)
+}
+
+// DeadLetterDiscard implements outboxdriver.DeadLetterStore.
+func (s *SQL) DeadLetterDiscard(ctx context.Context, c outboxdriver.DeadLetterChange) (int, error) {
+	return s.DeadLetterDiscardAudited(ctx, c, nil)
+}
+
+// DeadLetterRetryAudited is DeadLetterRetry that writes the entry audit returns (when audit is
+// not nil) in the transaction of each retry, so that none is made without its entry.
+func (s *SQL) DeadLetterRetryAudited(ctx context.Context, c outboxdriver.DeadLetterChange, newSource func() outboxdriver.Source, audit func(key outboxdriver.Source) Audit) (int, error) {
+	q, err := s.deadLetters()
+	if err != nil {
+		return 0, err
+	}
+	return s.eachDeadLetter(ctx, c, outboxdriver.DeadLetterRetried, audit, func(tx *sql.Tx, key outboxdriver.Source) error {
+		var (
+			topic, payload, md []byte
+		)
+		if err := tx.QueryRowContext(ctx, q.Read, key.Consumer, key.ID).Scan(&topic, &payload, &md); err != nil {
+			return fmt.Errorf("read the dead letter: %w", s.wrap(err))
+		}
+		if len(topic) == 0 {
+			return fmt.Errorf("dead letter %q of %q: its source topic is unknown, it cannot be retried (discard it)", key.ID, key.Consumer)
+		}
+		metadata, err := DecodeMetadata(md)
+		if err != nil {
+			return fmt.Errorf("dead letter %q of %q: metadata: %w", key.ID, key.Consumer, err)
+		}
+		if _, err := tx.ExecContext(ctx, s.d.Queries.MessageReplay, key.Consumer, key.ID); err != nil {
+			return fmt.Errorf("delete the poisoned claim: %w", s.wrap(err))
+		}
+		if _, err := tx.ExecContext(ctx, s.d.Queries.AttemptDelete, key.Consumer, key.ID); err != nil {
+			return fmt.Errorf("reset the attempts: %w", s.wrap(err))
+		}
+		src := newSource()
+		e := []outboxdriver.Effect{{
+			Kind: outboxdriver.KindPublish, Topic: string(topic), UUID: key.ID, Payload: nonNil(payload), Metadata: metadata,
+			Source: src, OrderingKey: outboxdriver.DefaultOrderingKey(src),
+		}}
+		if _, err := s.effectInsert(ctx, tx, src, e, false); err != nil {
+			return fmt.Errorf("store the message for its topic: %w", err)
+		}
+		// Due for the relay at once, not after the grace period a unit of work's effects get
+		// for their own dispatch: nothing else sends it.
+		if _, err := tx.ExecContext(ctx, s.d.Queries.EffectHandToRelay, src.Consumer, src.ID); err != nil {
+			return fmt.Errorf("hand the message to the relay: %w", s.wrap(err))
+		}
+		return nil
+	})
+}
+
+// DeadLetterDiscardAudited is DeadLetterDiscard with its audit entries written as
+// DeadLetterRetryAudited's.
+func (s *SQL) DeadLetterDiscardAudited(ctx context.Context, c outboxdriver.DeadLetterChange, audit func(key outboxdriver.Source) Audit) (int, error) {
+	if _, err := s.deadLetters(); err != nil {
+		return 0, err
+	}
+	return s.eachDeadLetter(ctx, c, outboxdriver.DeadLetterDiscarded, audit, nil)
+}
+
+// eachDeadLetter moves each dead letter of c in state dead to state, in a transaction of its
+// own with then (when not nil) and its audit entry, and returns how many it moved. Those not in
+// state dead are skipped: a retry or discard that ran twice changes nothing the second time.
+func (s *SQL) eachDeadLetter(ctx context.Context, c outboxdriver.DeadLetterChange, state outboxdriver.DeadLetterState,
+	audit func(outboxdriver.Source) Audit, then func(*sql.Tx, outboxdriver.Source) error) (int, error) {
+	keys := slices.Clone(c.Keys)
+	slices.SortFunc(keys, func(a, b outboxdriver.Source) int {
+		return cmp.Or(strings.Compare(a.Consumer, b.Consumer), strings.Compare(a.ID, b.ID))
+	})
+	keys = slices.Compact(keys)
+	changed := 0
+	for _, key := range keys {
+		ok, err := s.oneDeadLetter(ctx, c.Actor, state, key, audit, then)
+		if err != nil {
+			return changed, fmt.Errorf("dead letter %q of %q: %w", key.ID, key.Consumer, err)
+		}
+		if ok {
+			changed++
+		}
+	}
+	return changed, nil
+}
+
+func (s *SQL) oneDeadLetter(ctx context.Context, actor string, state outboxdriver.DeadLetterState, key outboxdriver.Source,
+	audit func(outboxdriver.Source) Audit, then func(*sql.Tx, outboxdriver.Source) error) (bool, error) {
+	tx, err := s.BeginTx(ctx, nil)
+	if err != nil {
+		return false, fmt.Errorf("begin: %w", err)
+	}
+	defer func() { _ = tx.Rollback() }()
+	// The mark comes first: it locks the row, so that two operators retrying the same dead letter
+	// at once hand it back once.
+	r, err := tx.ExecContext(ctx, s.d.DeadLetters.Mark, string(state), outboxdriver.StorableText(actor), key.Consumer, key.ID)
+	if err != nil {
+		return false, fmt.Errorf("mark %s: %w", state, s.wrap(err))
+	}
+	n, err := r.RowsAffected()
+	if err != nil {
+		return false, err
+	}
+	if n == 0 {
+		return false, nil
+	}
+	if then != nil {
+		if err := then(tx, key); err != nil {
+			return false, err
+		}
+	}
+	if audit != nil {
+		a := audit(key)
+		if err := s.writeAudit(ctx, tx, &a); err != nil {
+			return false, err
+		}
+	}
+	if err := tx.Commit(); err != nil {
+		return false, fmt.Errorf("commit: %w", s.wrap(err))
+	}
+	return true, nil
+}
+
+// DeadLetterCount implements outboxdriver.DeadLetterStore.
+func (s *SQL) DeadLetterCount(ctx context.Context) (int, error) {
+	q, err := s.deadLetters()
+	if err != nil {
+		return 0, err
+	}
+	var n int
+	if err := s.db.QueryRowContext(ctx, q.Count, outboxdriver.StatsCountCap).Scan(&n); err != nil {
+		if errors.Is(err, sql.ErrNoRows) {
+			return 0, nil
+		}
+		return 0, fmt.Errorf("count dead letters: %w", s.wrap(err))
+	}
+	return n, nil
+}

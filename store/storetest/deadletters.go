@@ -1,0 +1,167 @@
+package storetest
+
+import (
+	"bytes"
+	"context"
+	"maps"
+	"strings"
+	"time"
+
+	"github.com/watermill-outbox/outbox/outboxdriver"
+)
+
+// testDeadLetters: a dead letter is stored with everything needed to hand the message back, its
+// claim acks later copies, a retry hands it back once (claim and attempts reset, the message an
+// effect to its source topic with its own UUID), and a discard keeps it.
+func testDeadLetters(f *fixture) {
+	ds, ok := f.st.(outboxdriver.DeadLetterStore)
+	if !ok {
+		f.t.Skipf("%T keeps no dead letters", f.st)
+	}
+	src := f.src("dead")
+	payload := []byte("bytes \x00\xff of the message")
+	md := map[string]string{"k": "v", "nul": "a\x00b\xff"}
+	f.attempt(src, "first failure")
+	poison := &outboxdriver.Effect{Kind: outboxdriver.KindPublish, Topic: "poison", UUID: src.ID, Payload: payload,
+		Metadata: md, Source: src, OrderingKey: outboxdriver.DefaultOrderingKey(src)}
+	n, err := ds.DeadLetterInsert(f.ctx, outboxdriver.DeadLetter{Consumer: src.Consumer, MessageID: src.ID, SourceTopic: "orders",
+		Payload: payload, Metadata: md, Reason: "bad \x00 input", Permanent: true}, true, poison)
+	if err != nil || n != 2 {
+		f.t.Fatalf("DeadLetterInsert = %d, %v; want the second attempt counted", n, err)
+	}
+	if poison.StoreID == 0 {
+		f.t.Fatal("DeadLetterInsert left the StoreID of the poison copy unset")
+	}
+	// The claim is written with it: a copy delivered later is a duplicate, with the poison copy
+	// pending.
+	if !f.processed(src) {
+		f.t.Fatal("dead-lettered message not processed")
+	}
+	tx := f.begin()
+	if f.claim(tx, src) {
+		f.t.Fatal("claim of a dead-lettered message: want a duplicate")
+	}
+	_ = tx.Rollback()
+	if es := f.pending(src); len(es) != 1 || es[0].Topic != "poison" || es[0].UUID != src.ID {
+		f.t.Fatalf("pending effects of the dead-lettered message: %+v; want the poison copy", es)
+	}
+
+	other := f.src("other")
+	if n, err := ds.DeadLetterInsert(f.ctx, outboxdriver.DeadLetter{Consumer: other.Consumer, MessageID: other.ID,
+		Reason: "max attempts", Attempts: 5}, false, nil); err != nil || n != 5 {
+		f.t.Fatalf("DeadLetterInsert without counting = %d, %v; want 5", n, err)
+	}
+	list := func(filter outboxdriver.DeadLetterFilter) []outboxdriver.DeadLetter {
+		f.t.Helper()
+		dls, err := ds.DeadLetterList(f.ctx, filter)
+		if err != nil {
+			f.t.Fatalf("DeadLetterList(%+v): %v", filter, err)
+		}
+		return dls
+	}
+	dls := list(outboxdriver.DeadLetterFilter{State: outboxdriver.DeadLetterDead})
+	if len(dls) != 2 {
+		f.t.Fatalf("dead letters: %+v; want 2", dls)
+	}
+	d := dls[0]
+	if d.MessageID != src.ID || d.Consumer != src.Consumer || d.SourceTopic != "orders" || !bytes.Equal(d.Payload, payload) ||
+		!maps.Equal(d.Metadata, md) || !strings.HasPrefix(d.Reason, "bad") || d.Attempts != 2 || !d.Permanent ||
+		d.State != outboxdriver.DeadLetterDead || d.DeadAt.IsZero() || !d.ChangedAt.IsZero() {
+		f.t.Fatalf("dead letter read back as %+v", d)
+	}
+	if dls[1].MessageID != other.ID || dls[1].Permanent || dls[1].SourceTopic != "" {
+		f.t.Fatalf("second dead letter read back as %+v", dls[1])
+	}
+	if got := list(outboxdriver.DeadLetterFilter{Consumer: "nobody"}); len(got) != 0 {
+		f.t.Fatalf("dead letters of another consumer: %+v", got)
+	}
+	if got := list(outboxdriver.DeadLetterFilter{Limit: 1}); len(got) != 1 {
+		f.t.Fatalf("limit 1: %d dead letters", len(got))
+	}
+	if c, err := ds.DeadLetterCount(f.ctx); err != nil || c != 2 {
+		f.t.Fatalf("DeadLetterCount = %d, %v; want 2", c, err)
+	}
+	if s, err := f.st.Stats(f.ctx, outboxdriver.StatsParams{}); err != nil || s.DeadLetters != 2 {
+		f.t.Fatalf("Stats = %+v, %v; want 2 dead letters", s, err)
+	}
+
+	// A retry, twice: the second finds it retried already and changes nothing.
+	retrySrc := outboxdriver.Source{ID: "retry-of-dead"}
+	for i, want := range []int{1, 0} {
+		n, err := ds.DeadLetterRetry(f.ctx, outboxdriver.DeadLetterChange{Keys: []outboxdriver.Source{src}, Actor: "ops"},
+			func() outboxdriver.Source { return retrySrc })
+		if err != nil || n != want {
+			f.t.Fatalf("DeadLetterRetry #%d = %d, %v; want %d", i+1, n, err, want)
+		}
+	}
+	if f.processed(src) {
+		f.t.Fatal("retried dead letter: the claim is still there, the message would be acked as a duplicate")
+	}
+	if got := f.attempt(src, "after the retry"); got != 1 {
+		f.t.Fatalf("first attempt after the retry counted as %d; want its attempts reset", got)
+	}
+	es := f.pending(retrySrc)
+	if len(es) != 1 || es[0].Topic != "orders" || es[0].UUID != src.ID || !bytes.Equal(es[0].Payload, payload) || !maps.Equal(es[0].Metadata, md) {
+		f.t.Fatalf("effect of the retry: %+v; want the message to its source topic with its UUID", es)
+	}
+	// Handed to the relay at once: the operator who retried it does not wait for the grace period.
+	if got := f.relay(due, sent); len(got) != 1 || got[0].UUID != src.ID || got[0].Topic != "orders" {
+		f.t.Fatalf("relayed after the retry: %+v; want the retried message at once", got)
+	}
+	// One without a source topic cannot be retried: nothing changes.
+	if _, err := ds.DeadLetterRetry(f.ctx, outboxdriver.DeadLetterChange{Keys: []outboxdriver.Source{other}, Actor: "ops"},
+		func() outboxdriver.Source { return outboxdriver.Source{ID: "retry-of-other"} }); err == nil {
+		f.t.Fatal("retry of a dead letter without a source topic: want an error")
+	}
+	if len(f.pending(outboxdriver.Source{ID: "retry-of-other"})) != 0 || !f.processed(other) {
+		f.t.Fatal("failed retry changed something")
+	}
+	if n, err := ds.DeadLetterDiscard(f.ctx, outboxdriver.DeadLetterChange{Keys: []outboxdriver.Source{other}, Actor: "ops"}); err != nil || n != 1 {
+		f.t.Fatalf("DeadLetterDiscard = %d, %v; want 1", n, err)
+	}
+	if !f.processed(other) {
+		f.t.Fatal("discarded dead letter: the claim is gone, a copy would run the handler")
+	}
+	if c, err := ds.DeadLetterCount(f.ctx); err != nil || c != 0 {
+		f.t.Fatalf("DeadLetterCount after retry and discard = %d, %v; want 0", c, err)
+	}
+	if s, err := f.st.Stats(f.ctx, outboxdriver.StatsParams{}); err != nil || s.DeadLetters != 0 {
+		f.t.Fatalf("Stats after retry and discard = %+v, %v; want no dead letters", s, err)
+	}
+	dls = list(outboxdriver.DeadLetterFilter{})
+	if len(dls) != 2 || dls[0].State != outboxdriver.DeadLetterRetried || dls[0].Retries != 1 || dls[0].ChangedBy != "ops" ||
+		dls[0].ChangedAt.IsZero() || dls[1].State != outboxdriver.DeadLetterDiscarded || dls[1].Retries != 0 {
+		f.t.Fatalf("dead letters after retry and discard: %+v", dls)
+	}
+
+	// Dead again after its retry: the dead letter is replaced, its retries kept.
+	if n, err := ds.DeadLetterInsert(f.ctx, outboxdriver.DeadLetter{Consumer: src.Consumer, MessageID: src.ID,
+		Payload: payload, Metadata: md, Reason: "again"}, true, nil); err != nil || n != 2 {
+		f.t.Fatalf("DeadLetterInsert after the retry = %d, %v; want 2 attempts", n, err)
+	}
+	dls = list(outboxdriver.DeadLetterFilter{State: outboxdriver.DeadLetterDead})
+	if len(dls) != 1 || dls[0].Retries != 1 || dls[0].Reason != "again" || dls[0].SourceTopic != "orders" || dls[0].Permanent {
+		f.t.Fatalf("dead letter dead again: %+v", dls)
+	}
+	if !f.processed(src) {
+		f.t.Fatal("dead again: no claim")
+	}
+
+	// Cleanup deletes a dead letter retried or discarded more than Retention ago, never a dead one.
+	time.Sleep(20 * time.Millisecond)
+	p := outboxdriver.CleanupParams{Retention: 10 * time.Millisecond, EffectRetention: time.Hour, BatchSize: 10}
+	if cc, ok := f.st.(interface {
+		CleanupCount(context.Context, outboxdriver.CleanupParams) (outboxdriver.CleanupResult, error)
+	}); ok {
+		if dry, err := cc.CleanupCount(f.ctx, p); err != nil || dry.DeadLetters != 1 {
+			f.t.Fatalf("CleanupCount = %+v, %v; want the discarded dead letter", dry, err)
+		}
+	}
+	if res := f.cleanup(p); res.DeadLetters != 1 {
+		f.t.Fatalf("cleanup: %+v; want the discarded dead letter deleted", res)
+	}
+	dls = list(outboxdriver.DeadLetterFilter{})
+	if len(dls) != 1 || dls[0].MessageID != src.ID {
+		f.t.Fatalf("dead letters after the cleanup: %+v; want the dead one kept", dls)
+	}
+}
