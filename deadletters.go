@@ -77,8 +77,18 @@ func (o *Outbox) RetryDeadLetters(ctx context.Context, actor string, keys ...Sou
 	if err != nil {
 		return 0, err
 	}
-	n, err := dl.DeadLetterRetry(ctx, outboxdriver.DeadLetterChange{Keys: keys, Actor: actor},
-		func() Source { return Source{ID: newID()} })
+	// Two operators (or instances) retrying at once may deadlock on MySQL: the call runs again,
+	// which skips what the first run retried (a dead letter is retried once).
+	var n int
+	for try := 1; ; try++ {
+		var m int
+		m, err = dl.DeadLetterRetry(ctx, outboxdriver.DeadLetterChange{Keys: keys, Actor: actor},
+			func() Source { return Source{ID: newID()} })
+		n += m
+		if err == nil || try == 3 || !o.isRetryable(err) || ctx.Err() != nil {
+			break
+		}
+	}
 	if n > 0 {
 		o.wakeRelays(ctx)
 	}

@@ -69,7 +69,8 @@ func TestRollbackSentAsSQLThenPublishWritesNothingAndCounts(t *testing.T) {
 					t.Fatalf("delivery %d: want the message poisoned and acked, got %v", i, err)
 				}
 			}
-			mustEqual(t, "effect rows written", e.count(`SELECT count(*) FROM all_effects`), 0)
+			// The copy for the poison topic is an effect row of the dead letter's transaction.
+			mustEqual(t, "effect rows written", e.count(`SELECT count(*) FROM all_effects WHERE topic <> 'poison'`), 0)
 			mustEqual(t, "claims holding effects", e.count(`SELECT count(*) FROM outbox_processed WHERE effects IS NOT NULL`), 0)
 			mustEqual(t, "business rows", e.count(`SELECT count(*) FROM applied`), 0)
 			mustEqual(t, "poisoned", len(e.wire("poison")), 1)
@@ -158,4 +159,47 @@ func TestRollbackSentAsSQLThenDelayedEffects(t *testing.T) {
 	}
 	mustEqual(t, "delayed effects", e.count(`SELECT count(*) FROM outbox_delayed`), 1) // the other unit's, not cancelled
 	mustEqual(t, "attempts counted", e.count(`SELECT coalesce(sum(attempts), 0) FROM outbox_attempts`), 1)
+}
+
+// A copy of the message that claims and commits between the handler's ROLLBACK (sent as SQL) and
+// its next record: the record, in autocommit, must not find the copy's claim, or it writes an
+// effect of rolled-back work beside (or into) it, committed on its own. The claim it looks for is
+// the one its own transaction inserted (postgres.OwnClaim), not any claim of the message.
+func TestRollbackSentAsSQLThenACopyClaims(t *testing.T) {
+	for _, key := range []string{"", "own-key"} { // into the claim, or as a row
+		t.Run("key="+key, func(t *testing.T) {
+			e := newEnv(t)
+			msg := message.NewMessage(uuid.NewString(), nil)
+			var after error
+			err := handle(e.ob, copyOf(msg), func(m *message.Message) ([]*message.Message, error) {
+				ctx := m.Context()
+				if _, err := outbox.Tx(ctx).ExecContext(ctx, `ROLLBACK`); err != nil {
+					return nil, err
+				}
+				// A copy is delivered meanwhile and processed from start to finish.
+				if err := handle(e.ob, copyOf(msg), func(c *message.Message) ([]*message.Message, error) {
+					cctx := c.Context()
+					if _, err := outbox.Tx(cctx).ExecContext(cctx, `INSERT INTO applied (message_id) VALUES ($1)`, c.UUID); err != nil {
+						return nil, err
+					}
+					return nil, outbox.Publish(cctx, "out_a", message.NewMessage(uuid.NewString(), []byte("copy")))
+				}); err != nil {
+					return nil, err
+				}
+				e.ob.FlushMarks()
+				if key != "" {
+					ctx = outbox.WithOrderingKey(ctx, key)
+				}
+				after = outbox.Publish(ctx, "out_b", message.NewMessage(uuid.NewString(), []byte("after the rollback")))
+				return nil, after
+			})
+			if !errors.Is(after, outbox.ErrTxFinishedByHandler) || !errors.Is(err, outbox.ErrTxFinishedByHandler) {
+				t.Errorf("record after the ROLLBACK, with the copy's claim committed: %v (Handle: %v), want ErrTxFinishedByHandler", after, err)
+			}
+			mustEqual(t, "effects of the rolled-back delivery stored", e.count(`SELECT count(*) FROM all_effects WHERE topic = 'out_b'`)+
+				e.count(`SELECT count(*) FROM outbox_processed WHERE effects IS NOT NULL`), 0)
+			mustEqual(t, "business rows", e.count(`SELECT count(*) FROM applied`), 1)
+			mustEqual(t, "the copy's effect sent", len(e.wire("out_a")), 1)
+		})
+	}
 }

@@ -23,9 +23,10 @@ var campaignDatabase = &campaign.Database{
 	Wire: func(topic string) string {
 		return "SELECT uuid, payload FROM `watermill_" + topic + "` ORDER BY `offset`"
 	},
-	KillConnection: `KILL CONNECTION_ID()`,
-	Sleep:          `SELECT SLEEP($1)`,
-	ExpireKey:      "UPDATE `%sidempotency` SET expires_at = UTC_TIMESTAMP(6) - INTERVAL 1 SECOND WHERE scope = $1 AND `key` = $2",
+	KillConnection:        `KILL CONNECTION_ID()`,
+	Sleep:                 `SELECT SLEEP($1)`,
+	AnyClaimAfterRollback: true,
+	ExpireKey:             "UPDATE `%sidempotency` SET expires_at = UTC_TIMESTAMP(6) - INTERVAL 1 SECOND WHERE scope = $1 AND `key` = $2",
 	Unsupported: map[string]string{
 		"held-claim": "no inline effects, so no sweep whose look-back a late claim could fall behind",
 		"clock-step": "no inline effects, so no sweep watermark for a clock step to move",

@@ -165,20 +165,20 @@ func newInlineQueries(n store.Names) inlineQueries {
 		// (storedAt). The updated row's xmin is the subtransaction's when the write is made inside
 		// a savepoint.
 		record: `UPDATE ` + n.Processed + ` SET effects = $3, dispatched_at = clock_timestamp()
-			WHERE consumer = $1 AND message_id = $2 AND coalesce(length(effects), 0) = $4
+			WHERE consumer = $1 AND message_id = $2 AND coalesce(length(effects), 0) = $4 AND ` + OwnClaim + `
 			RETURNING xmin::text <> (txid_current() % 4294967296)::text`,
-		read: `SELECT effects FROM ` + n.Processed + ` WHERE consumer = $1 AND message_id = $2`,
+		read: `SELECT effects FROM ` + n.Processed + ` WHERE consumer = $1 AND message_id = $2 AND ` + OwnClaim,
 		// The rows are inserted in the order given (ids ascending: the relay's order within a
 		// key), and only if the claim was cleared, in the same statement: a handler that ended
 		// the transaction itself runs it alone, and it must not lose or double what the claim held.
 		spill: `WITH clr AS (UPDATE ` + n.Processed + ` SET effects = NULL
-				WHERE consumer = $2 AND message_id = $3 AND coalesce(length(effects), 0) = $4 RETURNING 1)
+				WHERE consumer = $2 AND message_id = $3 AND coalesce(length(effects), 0) = $4 AND ` + OwnClaim + ` RETURNING 1)
 			INSERT INTO ` + n.Effects + ` (source_consumer, source_id, seq, kind, topic, uuid, payload, metadata, ordering_key, created_at)
 			SELECT c, i, s, k, t, u, decode(pl, 'base64'), decode(md, 'base64'), ok, clock_timestamp()
 			FROM ` + effectsRecordset + ` WHERE EXISTS (SELECT FROM clr) ORDER BY n
 			RETURNING id, seq, xmin::text <> (txid_current() % 4294967296)::text`,
 		unspill: `WITH upd AS (UPDATE ` + n.Processed + ` SET effects = $3, dispatched_at = clock_timestamp()
-				WHERE consumer = $1 AND message_id = $2 AND coalesce(length(effects), 0) = $4 RETURNING 1)
+				WHERE consumer = $1 AND message_id = $2 AND coalesce(length(effects), 0) = $4 AND ` + OwnClaim + ` RETURNING 1)
 			DELETE FROM ` + n.Effects + ` e USING ` + ids("$5") + `
 			WHERE e.id = v.id AND EXISTS (SELECT FROM upd) RETURNING e.id`,
 	}

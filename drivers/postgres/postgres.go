@@ -291,12 +291,14 @@ func queries(n store.Names, deleteDispatched bool) store.Queries {
 		// finds them by it, and writing them then leaves every indexed column as it is. The claim
 		// it ran into also tells whether anything of it is still pending (settled): a duplicate
 		// whose effects went out then reads nothing more.
+		// The session remembers the claim's transaction ID (OwnClaim).
 		MessageClaim: `WITH ins AS (INSERT INTO ` + n.Processed + ` (consumer, message_id, dispatched_at, inline_xid) VALUES ($1, $2, now(), pg_current_xact_id()::text::bigint)
-				ON CONFLICT (consumer, message_id) DO NOTHING RETURNING 1),
+				ON CONFLICT (consumer, message_id) DO NOTHING RETURNING inline_xid),
 			seen AS (SELECT ` + claimAge + ` AS age, ` + settledColumn(n) + ` AS settled FROM ` + n.Processed + ` p
 				WHERE p.consumer = $1 AND p.message_id = $2 AND NOT EXISTS (SELECT 1 FROM ins))
 			SELECT c.claimed, s.age, s.settled
-			FROM (SELECT EXISTS (SELECT 1 FROM ins) AS claimed) c LEFT JOIN seen s ON true`,
+			FROM (SELECT EXISTS (SELECT 1 FROM ins) AS claimed) c LEFT JOIN seen s ON true
+			WHERE set_config('` + ownClaimSetting + `', coalesce((SELECT inline_xid::text FROM ins), ''), false) IS NOT NULL`,
 		MessageClaimReportsConcurrent: true,
 		MessageClaimReportsSettled:    true,
 		MessageIsProcessed:            `SELECT 1 FROM ` + n.Processed + ` WHERE consumer = $1 AND message_id = $2`,
@@ -324,7 +326,7 @@ func queries(n store.Names, deleteDispatched bool) store.Queries {
 			b.WriteString(` RETURNING id, seq, xmin::text <> (txid_current() % 4294967296)::text`)
 			return b.String()
 		},
-		// Only while the claim exists (outboxdriver.ClaimedEffectInserter): an uncorrelated
+		// Only while the unit's own claim exists (outboxdriver.ClaimedEffectInserter, OwnClaim): an uncorrelated
 		// sub-select, read once per statement, a look-up of the primary key. The casts give the
 		// parameters the types the columns give them in EffectInsert.
 		EffectInsertClaimed: func(count int) string {
@@ -339,7 +341,7 @@ func queries(n store.Names, deleteDispatched bool) store.Queries {
 				fmt.Fprintf(&b, "($%d::integer, $%d::text, $%d::text, $%d::text, $%d::bytea, $%d::bytea, $%d::text)", a, a+1, a+2, a+3, a+4, a+5, a+6)
 			}
 			b.WriteString(`) v (s, k, t, u, pl, md, ok)
-				WHERE EXISTS (SELECT FROM ` + n.Processed + ` WHERE consumer = $1 AND message_id = $2)
+				WHERE EXISTS (SELECT FROM ` + n.Processed + ` WHERE consumer = $1 AND message_id = $2 AND ` + OwnClaim + `)
 				RETURNING id, seq, xmin::text <> (txid_current() % 4294967296)::text`)
 			return b.String()
 		},
@@ -487,10 +489,10 @@ func queries(n store.Names, deleteDispatched bool) store.Queries {
 					a, a+1, a+2, a+3, a+4, a+5, a+6, d, d+1)
 			}
 			fmt.Fprintf(&b, `) v (s, k, t, u, pl, md, ok, d, ck)
-				WHERE EXISTS (SELECT FROM `+n.Processed+` WHERE consumer = $%d AND message_id = $%d)`, 3+9*count, 4+9*count)
+				WHERE EXISTS (SELECT FROM `+n.Processed+` WHERE consumer = $%d AND message_id = $%d AND `+OwnClaim+`)`, 3+9*count, 4+9*count)
 			return b.String()
 		},
-		DelayedCancelClaimed: `WITH c AS (SELECT EXISTS (SELECT FROM ` + n.Processed + ` WHERE consumer = $2 AND message_id = $3) AS claimed),
+		DelayedCancelClaimed: `WITH c AS (SELECT EXISTS (SELECT FROM ` + n.Processed + ` WHERE consumer = $2 AND message_id = $3 AND ` + OwnClaim + `) AS claimed),
 			d AS (DELETE FROM ` + n.Delayed + ` WHERE cancel_key = $1 AND (SELECT claimed FROM c) RETURNING 1)
 			SELECT (SELECT claimed FROM c), (SELECT count(*) FROM d)::int`,
 		// The moved effects are handed over (next_attempt_at set: no grace period) and count as
@@ -673,3 +675,20 @@ func Grants(schema, prefix, role string, operator bool) ([]string, error) {
 	}
 	return store.Grants(n, role, operator)
 }
+
+// ownClaimSetting is the session setting in which MessageClaim leaves the transaction ID of the
+// claim it inserted (empty when it inserted none).
+const ownClaimSetting = "outbox.claim_xid"
+
+// OwnClaim is the condition, on a claim row of the processed table, that it is the one the
+// session's unit of work inserted: the claim takes its transaction's ID (inline_xid) at its
+// insert, and MessageClaim leaves that ID in a session setting. The unit's writes of effects into
+// or beside its claim are guarded by it. A handler that ends the transaction with a ROLLBACK of
+// its own leaves the session in autocommit, and the setting, set in the rolled-back transaction,
+// goes back to what it was: a copy of the message that claimed after the rollback and committed
+// has a claim with the message's key, and without this a write would find it and commit on its
+// own, an effect of rolled-back work. After a COMMIT of its own the setting stays, and the unit's
+// later writes still find its committed claim (kept, as the handler's later business writes are).
+// Behind a transaction pooler such a write may reach a server connection whose setting is another
+// session's: it finds no claim and writes nothing (ErrTxFinishedByHandler).
+const OwnClaim = `inline_xid = nullif(current_setting('` + ownClaimSetting + `', true), '')::bigint`

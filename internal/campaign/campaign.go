@@ -145,6 +145,10 @@ type Database struct {
 	KillConnection string
 	// Sleep is a statement that sleeps $1 seconds.
 	Sleep string
+	// AnyClaimAfterRollback: after a handler's ROLLBACK sent as SQL, a record may find a claim of
+	// the message that a copy made meanwhile (the claim does not name its transaction), so the
+	// tx-by-sql deliveries run without a copy at the same moment (docs/guarantees.md).
+	AnyClaimAfterRollback bool
 	// ExpireKey moves the expiry of idempotency key $2 of scope $1 into the past, in the
 	// idempotency table whose name fmt.Sprintf(ExpireKey, prefix) gives.
 	ExpireKey string
