@@ -310,18 +310,44 @@ func queries(n store.Names, deleteDispatched bool) store.Queries {
 		// created_at is the time of the insert, not of the transaction's start: a duplicate judges
 		// by it whether the effects are young enough to be in their own dispatch right now. A row
 		// written inside a savepoint has the subtransaction's xid, not the transaction's own.
+		// The delayed effects of other sources with the inserted keys that are due and not moved
+		// yet are moved in the same statement, ahead of the new rows (handed over, as the relay's
+		// move does): a due delayed effect is never overtaken by an effect of its key recorded
+		// after it, even while no relay has moved it yet; the new rows then wait behind it. The
+		// move waits for a relay or a cancel that holds one (no SKIP LOCKED): skipped, it would
+		// be moved later and take an id behind the new rows. The delete runs, its waits included,
+		// before the sort returns a row, so every id is drawn after it, in the sorted order. The
+		// probe is one look-up of the delayed_key index per key, empty unless one is due.
 		EffectInsert: func(count int) string {
-			var b strings.Builder
-			b.WriteString(`INSERT INTO ` + n.Effects + ` (source_consumer, source_id, seq, kind, topic, uuid, payload, metadata, ordering_key, created_at) VALUES `)
+			var values, keys strings.Builder
 			for i := 0; i < count; i++ {
 				if i > 0 {
-					b.WriteString(", ")
+					values.WriteString(", ")
+					keys.WriteString(", ")
 				}
 				a := 3 + 7*i
-				fmt.Fprintf(&b, "($1, $2, $%d, $%d, $%d, $%d, $%d, $%d, $%d, clock_timestamp())", a, a+1, a+2, a+3, a+4, a+5, a+6)
+				fmt.Fprintf(&values, "(%d, $%d::integer, $%d::text, $%d::text, $%d::text, $%d::bytea, $%d::bytea, $%d::text)", i, a, a+1, a+2, a+3, a+4, a+5, a+6)
+				fmt.Fprintf(&keys, "$%d::text", a+6)
 			}
-			b.WriteString(` RETURNING id, seq, xmin::text <> (txid_current() % 4294967296)::text`)
-			return b.String()
+			return `WITH moved AS (DELETE FROM ` + n.Delayed + ` d WHERE d.id IN (SELECT w.id FROM ` + n.Delayed + ` w
+					WHERE w.ordering_key IN (` + keys.String() + `) AND w.due_at <= clock_timestamp()
+					  AND NOT (w.source_consumer = $1 AND w.source_id = $2)
+					  AND NOT EXISTS (SELECT 1 FROM ` + n.Processed + ` p
+						WHERE p.consumer = w.source_consumer AND p.message_id = w.source_id AND p.effects IS NOT NULL)
+					ORDER BY w.due_at, w.id FOR UPDATE OF w)
+				RETURNING d.*),
+			ins AS (INSERT INTO ` + n.Effects + ` (source_consumer, source_id, seq, kind, topic, uuid, payload, metadata, ordering_key,
+				created_at, next_attempt_at)
+			SELECT source_consumer, source_id, seq, kind, topic, uuid, payload, metadata, ordering_key, created_at, next_attempt_at
+			FROM (SELECT 0 AS o, due_at AS at, id AS i, source_consumer, source_id, seq, kind, topic, uuid, payload, metadata,
+					ordering_key, due_at AS created_at, now() AS next_attempt_at FROM moved
+				UNION ALL
+				SELECT 1, NULL, v.i, $1::text, $2::text, v.seq, v.kind, v.topic, v.uuid, v.payload, v.metadata, v.ordering_key,
+					clock_timestamp(), NULL
+				FROM (VALUES ` + values.String() + `) v (i, seq, kind, topic, uuid, payload, metadata, ordering_key)) r
+			ORDER BY o, at, i
+			RETURNING id, seq, source_consumer, source_id, xmin::text <> (txid_current() % 4294967296)::text AS nested)
+			SELECT id, seq, nested FROM ins WHERE source_consumer = $1 AND source_id = $2`
 		},
 		EffectExisting: `SELECT e.id FROM ` + ids("$1") + ` JOIN ` + n.Effects + ` e ON e.id = v.id`,
 		EffectListPending: `SELECT ` + effectColumns + ` FROM ` + n.Effects + ` e
