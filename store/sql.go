@@ -80,7 +80,13 @@ type Queries struct {
 	// transaction, for a dialect whose statements change one table: (limit) -> ids of the due
 	// ones; (ids) moves them; (ids) deletes them.
 	DelayedDue, DelayedMove, DelayedDelete string
-	DelayedNextDue                         string // -> ms until the earliest due time (negative when past), NULL when none
+	// DelayedDueOfKeys (consumer, id, keys as a JSON array) -> ids of the due delayed effects of
+	// other sources with one of the keys, in due order: an effect insert with a key of its own
+	// first moves them (DelayedMove, DelayedDelete) ahead of its rows, in its transaction. For a
+	// dialect whose insert cannot do it in its own statement; there a writer holds the database,
+	// so no relay moves them meanwhile.
+	DelayedDueOfKeys string
+	DelayedNextDue   string // -> ms until the earliest due time (negative when past), NULL when none
 	// DelayedStats (count cap) -> delayed not due, overdue, age of the oldest overdue ms; each
 	// count reads at most cap rows.
 	DelayedStats string
@@ -659,6 +665,9 @@ func (s *SQL) effectInsert(ctx context.Context, tx *sql.Tx, src outboxdriver.Sou
 	if s.d.Hooks.EffectInsert != nil {
 		return true, s.wrap(s.d.Hooks.EffectInsert(ctx, tx, src, effects))
 	}
+	if err := s.moveDueOfKeys(ctx, tx, src, effects); err != nil {
+		return false, fmt.Errorf("move the due delayed effects of the keys: %w", err)
+	}
 	args := EffectInsertArgs(src, effects)
 	bySeq := make(map[int]int, len(effects))
 	for i, e := range effects {
@@ -700,6 +709,39 @@ func (s *SQL) effectInsert(ctx context.Context, tx *sql.Tx, src outboxdriver.Sou
 		return false, fmt.Errorf("insert of %d effects returned %d rows", len(effects), n)
 	}
 	return inSavepoint, nil
+}
+
+// moveDueOfKeys moves the due delayed effects of other sources with the ordering keys of effects
+// ahead of them, with Queries.DelayedDueOfKeys. Effects of the source's default key only need
+// not look: no other source records with it.
+func (s *SQL) moveDueOfKeys(ctx context.Context, tx *sql.Tx, src outboxdriver.Source, effects []outboxdriver.Effect) error {
+	if s.d.Queries.DelayedDueOfKeys == "" {
+		return nil
+	}
+	def := outboxdriver.DefaultOrderingKey(src)
+	var keys []string
+	for _, e := range effects {
+		if e.OrderingKey != def && !slices.Contains(keys, e.OrderingKey) {
+			keys = append(keys, e.OrderingKey)
+		}
+	}
+	if len(keys) == 0 {
+		return nil
+	}
+	list, err := json.Marshal(keys)
+	if err != nil {
+		return err
+	}
+	due, err := s.delayedIDs(ctx, tx, s.d.Queries.DelayedDueOfKeys, src.Consumer, src.ID, string(list))
+	if err != nil || len(due) == 0 {
+		return err
+	}
+	in := idList(due)
+	if _, err := tx.ExecContext(ctx, s.d.Queries.DelayedMove, in); err != nil {
+		return s.wrap(err)
+	}
+	_, err = tx.ExecContext(ctx, s.d.Queries.DelayedDelete, in)
+	return s.wrap(err)
 }
 
 // EffectInsertArgs returns the arguments of Queries.EffectInsert(len(effects)) for effects of src.
