@@ -210,14 +210,15 @@ func (q queries) effectInsert(ctx context.Context, tx *sql.Tx, src outboxdriver.
 	// A due delayed effect of another source with one of the keys must not be overtaken by these
 	// effects. The read-back of the ids asks whether one is there (no round trip of its own);
 	// when one is, it is moved, and these rows, which took their ids before it, are inserted
-	// again behind it, without looking again: what became due since was not due when they were
-	// recorded.
+	// again behind it (and look again: one may have become due since, before their new time).
+	probe := true
 	for try := 0; ; try++ {
-		due, err := q.insertEffects(ctx, tx, src, effects, try == 0)
+		due, err := q.insertEffects(ctx, tx, src, effects, probe)
 		if err != nil || !due {
 			return err
 		}
-		if err := q.moveDueOfKeys(ctx, tx, src, effects); err != nil {
+		moved, err := q.moveDueOfKeys(ctx, tx, src, effects)
+		if err != nil {
 			return fmt.Errorf("move the due delayed effects of the keys: %w", err)
 		}
 		if _, err := tx.ExecContext(ctx, `DELETE FROM `+q.n.Effects+` WHERE id IN (`+idList(storeIDsOf(effects))+`)`); err != nil {
@@ -226,6 +227,9 @@ func (q queries) effectInsert(ctx context.Context, tx *sql.Tx, src outboxdriver.
 		for i := range effects {
 			effects[i].StoreID = 0
 		}
+		// Look again only after a move, once: the transaction's snapshot may still show what a
+		// relay moved meanwhile, which the move found gone.
+		probe = moved > 0 && try == 0
 	}
 }
 
@@ -324,31 +328,31 @@ func (q queries) insertEffects(ctx context.Context, tx *sql.Tx, src outboxdriver
 	return due, nil
 }
 
-// moveDueOfKeys moves, in tx, the due delayed effects of other sources with the keys of effects
+// moveDueOfKeys moves, in tx, and counts the due delayed effects of other sources with the keys of effects
 // into pending effects, as delayedPromote does. It waits for a transaction that holds one (a
 // relay's move, a cancel): skipped, it would be moved later, behind the effects to insert.
-func (q queries) moveDueOfKeys(ctx context.Context, tx *sql.Tx, src outboxdriver.Source, effects []outboxdriver.Effect) error {
+func (q queries) moveDueOfKeys(ctx context.Context, tx *sql.Tx, src outboxdriver.Source, effects []outboxdriver.Effect) (int, error) {
 	keys, list := keysOf(effects)
 	rows, err := tx.QueryContext(ctx, q.dueOfKeys(list)+` ORDER BY due_at, id FOR UPDATE`, append(keys, src.Consumer, src.ID)...)
 	if err != nil {
-		return err
+		return 0, err
 	}
 	var due []int64
 	for rows.Next() {
 		var id int64
 		if err := rows.Scan(&id); err != nil {
 			rows.Close()
-			return err
+			return 0, err
 		}
 		due = append(due, id)
 	}
 	if err := errors.Join(rows.Err(), rows.Close()); err != nil {
-		return err
+		return 0, err
 	}
 	if len(due) == 0 {
-		return nil // a relay moved them meanwhile: its ids are before the effects' next ones
+		return 0, nil // a relay moved them meanwhile: its ids are before the effects' next ones
 	}
-	return q.moveDelayed(ctx, tx, idList(due))
+	return len(due), q.moveDelayed(ctx, tx, idList(due))
 }
 
 // attemptRecord counts a failed attempt and reads the count back, in one short transaction.

@@ -317,7 +317,11 @@ func queries(n store.Names, deleteDispatched bool) store.Queries {
 		// move waits for a relay or a cancel that holds one (no SKIP LOCKED): skipped, it would
 		// be moved later and take an id behind the new rows. The delete runs, its waits included,
 		// before the sort returns a row, so every id is drawn after it, in the sorted order. The
-		// probe is one look-up of the delayed_key index per key, empty unless one is due.
+		// probe is one look-up of the delayed_key index per key, empty unless one is due. What is
+		// due is judged by the time the new rows are stored with (one clock reading). As in
+		// the relay's move, an effect on its source's key (the default, or a hashed one, which
+		// SQL cannot tell from it) waits while its claim holds effects inline: those are on the
+		// same key, recorded before it. A key of its own shares nothing with them.
 		EffectInsert: func(count int) string {
 			var values, keys strings.Builder
 			for i := 0; i < count; i++ {
@@ -329,11 +333,14 @@ func queries(n store.Names, deleteDispatched bool) store.Queries {
 				fmt.Fprintf(&values, "(%d, $%d::integer, $%d::text, $%d::text, $%d::text, $%d::bytea, $%d::bytea, $%d::text)", i, a, a+1, a+2, a+3, a+4, a+5, a+6)
 				fmt.Fprintf(&keys, "$%d::text", a+6)
 			}
-			return `WITH moved AS (DELETE FROM ` + n.Delayed + ` d WHERE d.id IN (SELECT w.id FROM ` + n.Delayed + ` w
-					WHERE w.ordering_key IN (` + keys.String() + `) AND w.due_at <= clock_timestamp()
+			return `WITH t AS MATERIALIZED (SELECT clock_timestamp() AS at),
+			moved AS (DELETE FROM ` + n.Delayed + ` d WHERE d.id IN (SELECT w.id FROM ` + n.Delayed + ` w
+					WHERE w.ordering_key IN (` + keys.String() + `) AND w.due_at <= (SELECT at FROM t)
 					  AND NOT (w.source_consumer = $1 AND w.source_id = $2)
-					  AND NOT EXISTS (SELECT 1 FROM ` + n.Processed + ` p
-						WHERE p.consumer = w.source_consumer AND p.message_id = w.source_id AND p.effects IS NOT NULL)
+					  AND (NOT (w.ordering_key = w.source_consumer || '/' || w.source_id
+							OR octet_length(w.source_consumer) + octet_length(w.source_id) >= ` + fmt.Sprint(outboxdriver.MaxOrderingKeyBytes) + `)
+						OR NOT EXISTS (SELECT 1 FROM ` + n.Processed + ` p
+						WHERE p.consumer = w.source_consumer AND p.message_id = w.source_id AND p.effects IS NOT NULL))
 					ORDER BY w.due_at, w.id FOR UPDATE OF w)
 				RETURNING d.*),
 			ins AS (INSERT INTO ` + n.Effects + ` (source_consumer, source_id, seq, kind, topic, uuid, payload, metadata, ordering_key,
@@ -343,7 +350,7 @@ func queries(n store.Names, deleteDispatched bool) store.Queries {
 					ordering_key, due_at AS created_at, now() AS next_attempt_at FROM moved
 				UNION ALL
 				SELECT 1, NULL, v.i, $1::text, $2::text, v.seq, v.kind, v.topic, v.uuid, v.payload, v.metadata, v.ordering_key,
-					clock_timestamp(), NULL
+					(SELECT at FROM t), NULL
 				FROM (VALUES ` + values.String() + `) v (i, seq, kind, topic, uuid, payload, metadata, ordering_key)) r
 			ORDER BY o, at, i
 			RETURNING id, seq, source_consumer, source_id, xmin::text <> (txid_current() % 4294967296)::text AS nested)

@@ -61,6 +61,7 @@ var Scenarios = map[string]string{
 	"slow-topic":  "every call for one topic takes 20-120 ms (within PublishTimeout), on every path",
 	"hung-topic":  "for the first 0.3-1.5 s of the run every call for one topic hangs until its context ends (PublishTimeout), on every path, while the other topic flows",
 	"delayed":     "the unit of work also records a delayed effect (due 0 to 600 ms after it is recorded, on the message's key), and a later unit of work on any instance cancels it around its due time, racing the relays",
+	"delayed-key": "with delayed: some delayed effects have an ordering key of their own, and once one is due (up to 10 ms after), mostly before a relay moved it, a unit of work on any instance records an effect with its key, which must reach the broker after it",
 }
 
 // Form is one way to build an instance of the framework.
@@ -289,6 +290,9 @@ func Run(t *testing.T, dsn string, o Options) {
 		if on[s] {
 			want = append(want, s)
 		}
+	}
+	if on["delayed"] && on["delayed-key"] {
+		want = append(want, "delayed-key followed")
 	}
 	if on["delayed"] {
 		// A cancel that won, and one that came too late.
