@@ -40,7 +40,11 @@ type Queries struct {
 	// EffectInsert returns the insert of n effects: (consumer, id) then per effect
 	// (seq, kind, topic, uuid, payload, metadata, ordering_key); it returns (id, seq, in
 	// savepoint) per effect.
-	EffectInsert      func(n int) string
+	EffectInsert func(n int) string
+	// EffectInsertKeyed, when set, is EffectInsert for effects of which one has an ordering key
+	// of its own (HasOwnKey): it also moves the due delayed effects of other sources with those
+	// keys ahead of the new rows (see outboxdriver.Store.EffectInsert).
+	EffectInsertKeyed func(n int) string
 	EffectExisting    string // (ids) -> id of the rows that exist
 	EffectListPending string // (consumer, id) -> effect columns, in seq order
 	// EffectMarkDispatched marks effects dispatched: (ids); with moveClaims it moves their
@@ -674,6 +678,9 @@ func (s *SQL) effectInsert(ctx context.Context, tx *sql.Tx, src outboxdriver.Sou
 		bySeq[e.Seq] = i
 	}
 	query := s.d.Queries.EffectInsert(len(effects))
+	if s.d.Queries.EffectInsertKeyed != nil && HasOwnKey(effects) {
+		query = s.d.Queries.EffectInsertKeyed(len(effects))
+	}
 	var rows *sql.Rows
 	var err error
 	if len(effects) > maxPreparedInsertRows {
@@ -709,6 +716,17 @@ func (s *SQL) effectInsert(ctx context.Context, tx *sql.Tx, src outboxdriver.Sou
 		return false, fmt.Errorf("insert of %d effects returned %d rows", len(effects), n)
 	}
 	return inSavepoint, nil
+}
+
+// HasOwnKey tells whether one of effects has an ordering key other than its source's default: a
+// key other sources may record with, delayed effects included.
+func HasOwnKey(effects []outboxdriver.Effect) bool {
+	for _, e := range effects {
+		if e.OrderingKey != outboxdriver.DefaultOrderingKey(e.Source) {
+			return true
+		}
+	}
+	return false
 }
 
 // moveDueOfKeys moves the due delayed effects of other sources with the ordering keys of effects

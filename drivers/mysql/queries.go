@@ -211,7 +211,7 @@ func (q queries) effectInsert(ctx context.Context, tx *sql.Tx, src outboxdriver.
 	// effects. The read-back of the ids asks whether one is there (no round trip of its own);
 	// when one is, it is moved, and these rows, which took their ids before it, are inserted
 	// again behind it (and look again: one may have become due since, before their new time).
-	probe := true
+	probe := store.HasOwnKey(effects) // the message's own key: no other source records with it
 	for try := 0; ; try++ {
 		due, err := q.insertEffects(ctx, tx, src, effects, probe)
 		if err != nil || !due {

@@ -19,7 +19,7 @@ func TestEffectInsertProbesDelayedByKey(t *testing.T) {
 		SELECT 'c', 'm' || g, now(), now(), CASE WHEN g % 10 = 0 THEN '\x01'::bytea END FROM generate_series(1, 20000) g`)
 	exec(`ANALYZE ` + n.Delayed)
 	exec(`ANALYZE ` + n.Processed)
-	insert := Queries(n, false).EffectInsert(2)
+	insert := Queries(n, false).EffectInsertKeyed(2)
 	for _, mode := range []string{"force_custom_plan", "force_generic_plan"} {
 		exec(`SET plan_cache_mode = ` + mode)
 		exec(`PREPARE plan_stmt(text, text, integer, text, text, text, bytea, bytea, text, integer, text, text, text, bytea, bytea, text) AS ` + insert)
