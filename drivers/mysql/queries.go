@@ -289,15 +289,21 @@ func (q queries) insertEffects(ctx context.Context, tx *sql.Tx, src outboxdriver
 	if err != nil {
 		return false, fmt.Errorf("id of the first inserted effect: %w", err)
 	}
+	// The probe also finds a due one that a relay moved since the insert (its snapshot may be
+	// taken after that): an effect of the keys from another source stored after these rows
+	// took their ids, and with a time no later than theirs, a moved one's due time.
 	dueCol, readArgs := "false", []any{}
 	if probe {
 		keys, list := keysOf(effects)
-		dueCol = `EXISTS (` + q.dueOfKeys(list) + `)`
+		dueCol = `EXISTS (` + q.dueOfKeys(list) + `) OR EXISTS (SELECT 1 FROM ` + q.n.Effects + ` b
+			WHERE b.ordering_key IN (` + list + `) AND b.dispatched_at IS NULL AND b.id > e.id AND b.created_at <= e.created_at
+			  AND NOT (b.source_consumer = ` + binary + ` AND b.source_id = ` + binary + `))`
+		readArgs = append(append(readArgs, keys...), src.Consumer, src.ID)
 		readArgs = append(append(readArgs, keys...), src.Consumer, src.ID)
 	}
 	readArgs = append(readArgs, src.Consumer, src.ID, first, len(effects))
-	rows, err := tx.QueryContext(ctx, `SELECT id, seq, `+dueCol+` FROM `+q.n.Effects+`
-		WHERE source_consumer = ? AND source_id = ? AND dispatched_at IS NULL AND id >= ? ORDER BY id LIMIT ?`,
+	rows, err := tx.QueryContext(ctx, `SELECT e.id, e.seq, `+dueCol+` FROM `+q.n.Effects+` e
+		WHERE e.source_consumer = ? AND e.source_id = ? AND e.dispatched_at IS NULL AND e.id >= ? ORDER BY e.id LIMIT ?`,
 		readArgs...)
 	if err != nil {
 		return false, fmt.Errorf("read the ids of the inserted effects: %w", err)
