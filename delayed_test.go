@@ -486,3 +486,73 @@ func TestDelayedEffectsRelayCrashesAtAndAfterTheDueTime(t *testing.T) {
 	mustEqual(t, "messages on out_a", len(e.wire("out_a")), 1)
 	mustEqual(t, "messages on out_b", len(e.wire("out_b")), 1)
 }
+
+// Once due, a delayed effect is never overtaken by an effect of its key committed after: the
+// later effect's fast path sees the due effect the relay has not moved yet and leaves its own
+// to the relay, behind it. The case: five keys, the relay running, each later effect
+// committed once its key's delayed one is due. The relay runs in another instance, which learns
+// of the delayed effects at its next poll (up to RelayInterval after their due time, which the
+// test makes longer than the test's wait, so that the effects are due and not moved yet).
+func TestDueDelayedEffectNotOvertaken(t *testing.T) {
+	e := newEnv(t)
+	runRelay(t, e.newOutbox(func(c *outbox.Config) { c.RelayInterval = 3 * time.Second }))
+	time.Sleep(500 * time.Millisecond) // past the relay's first passes: its next is its poll
+	const keys = 5
+	const delay = 300 * time.Millisecond
+	delayed := make(map[string]string) // key -> the delayed message's UUID
+	for i := range keys {
+		key := fmt.Sprintf("order-%d", i)
+		err := handle(e.ob, message.NewMessage(uuid.NewString(), nil), func(msg *message.Message) ([]*message.Message, error) {
+			ctx := outbox.WithOrderingKey(msg.Context(), key)
+			m := message.NewMessage(uuid.NewString(), []byte(key+" timed out"))
+			delayed[key] = m.UUID
+			return nil, outbox.Publish(outbox.WithDelay(ctx, delay), "out_a", m)
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	time.Sleep(delay + 10*time.Millisecond) // all due, by both clocks (the database's is the server's here)
+	// Committed together, as the later events of five orders would be: none waits for another's
+	// marks, which wake the relay.
+	later := make([]string, keys)
+	var wg sync.WaitGroup
+	errs := make(chan error, keys)
+	for i := range keys {
+		key := fmt.Sprintf("order-%d", i)
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			errs <- handle(e.ob, message.NewMessage(uuid.NewString(), nil), func(msg *message.Message) ([]*message.Message, error) {
+				ctx := outbox.WithOrderingKey(msg.Context(), key)
+				m := message.NewMessage(uuid.NewString(), []byte(key+" shipped"))
+				later[i] = m.UUID
+				return nil, outbox.Publish(ctx, "out_a", m)
+			})
+		}()
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	waitFor(t, "every effect sent", func() bool { return len(e.wire("out_a")) == 2*keys })
+	pos := make(map[string]int)
+	for i, c := range e.wireInOrder("out_a") {
+		if _, seen := pos[c.uuid]; !seen {
+			pos[c.uuid] = i
+		}
+	}
+	var overtaken []string
+	for i := range keys {
+		key := fmt.Sprintf("order-%d", i)
+		if pos[later[i]] < pos[delayed[key]] {
+			overtaken = append(overtaken, key)
+		}
+	}
+	if len(overtaken) > 0 {
+		t.Fatalf("due delayed effects overtaken by a later effect of their key on %d of %d keys: %v", len(overtaken), keys, overtaken)
+	}
+}

@@ -128,7 +128,11 @@ type Store interface {
 	// over statements as the database's limit of parameters requires). It returns true when some
 	// of them may have been written inside a savepoint (a subtransaction) that can still be rolled
 	// back on its own: the caller then asks EffectExisting before it commits. A store that cannot
-	// tell returns true.
+	// tell returns true. A DelayedStore moves, in tx and ahead of the new rows, the delayed
+	// effects of other sources with their ordering keys that are due and not moved yet (as
+	// DelayedPromote would, waiting for a transaction that holds one): a due delayed effect is
+	// never overtaken by an effect of its key recorded after it, which EffectKeyBlocked then holds
+	// back behind it.
 	EffectInsert(ctx context.Context, tx *sql.Tx, src Source, effects []Effect) (inSavepoint bool, err error)
 	// EffectExisting returns those of storeIDs whose rows exist in tx.
 	EffectExisting(ctx context.Context, tx *sql.Tx, storeIDs []int64) ([]int64, error)

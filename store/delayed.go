@@ -169,7 +169,12 @@ func (s *SQL) promoteInSteps(ctx context.Context, limit int) (int, error) {
 
 // delayedDue returns the ids of up to limit due delayed effects, in due order.
 func (s *SQL) delayedDue(ctx context.Context, q execer, limit int) ([]int64, error) {
-	rows, err := q.QueryContext(ctx, s.d.Queries.DelayedDue, limit)
+	return s.delayedIDs(ctx, q, s.d.Queries.DelayedDue, limit)
+}
+
+// delayedIDs returns the ids query returns.
+func (s *SQL) delayedIDs(ctx context.Context, q execer, query string, args ...any) ([]int64, error) {
+	rows, err := q.QueryContext(ctx, query, args...)
 	if err != nil {
 		return nil, s.wrap(err)
 	}

@@ -46,8 +46,13 @@ type Queries struct {
 	// in autocommit once user SQL rolled the transaction back
 	// (outboxdriver.ClaimedEffectInserter). Nil when the dialect has none (EffectInsert is used).
 	EffectInsertClaimed func(n int) string
-	EffectExisting      string // (ids) -> id of the rows that exist
-	EffectListPending   string // (consumer, id) -> effect columns, in seq order
+	// EffectInsertKeyed, when set, is EffectInsert for effects of which one has an ordering key
+	// of its own (HasOwnKey): it also moves the due delayed effects of other sources with those
+	// keys ahead of the new rows (see outboxdriver.Store.EffectInsert). claimed: guarded as
+	// EffectInsertClaimed is, nothing moved or inserted without the claim.
+	EffectInsertKeyed func(n int, claimed bool) string
+	EffectExisting    string // (ids) -> id of the rows that exist
+	EffectListPending string // (consumer, id) -> effect columns, in seq order
 	// EffectMarkDispatched marks effects dispatched: (ids); with moveClaims it moves their
 	// claims' dispatch time too. It locks the effect rows before the claim rows.
 	EffectMarkDispatched func(moveClaims bool) string
@@ -92,7 +97,13 @@ type Queries struct {
 	// transaction, for a dialect whose statements change one table: (limit) -> ids of the due
 	// ones; (ids) moves them; (ids) deletes them.
 	DelayedDue, DelayedMove, DelayedDelete string
-	DelayedNextDue                         string // -> ms until the earliest due time (negative when past), NULL when none
+	// DelayedDueOfKeys (consumer, id, keys as a JSON array) -> ids of the due delayed effects of
+	// other sources with one of the keys, in due order: an effect insert with a key of its own
+	// first moves them (DelayedMove, DelayedDelete) ahead of its rows, in its transaction. For a
+	// dialect whose insert cannot do it in its own statement; there a writer holds the database,
+	// so no relay moves them meanwhile.
+	DelayedDueOfKeys string
+	DelayedNextDue   string // -> ms until the earliest due time (negative when past), NULL when none
 	// DelayedStats (count cap) -> delayed not due, overdue, age of the oldest overdue ms; each
 	// count reads at most cap rows.
 	DelayedStats string
@@ -697,17 +708,22 @@ func (s *SQL) effectInsert(ctx context.Context, tx *sql.Tx, src outboxdriver.Sou
 	if s.d.Hooks.EffectInsert != nil {
 		return true, s.wrap(s.d.Hooks.EffectInsert(ctx, tx, src, effects))
 	}
-	insert := s.d.Queries.EffectInsert
 	guarded := claimed && s.d.Queries.EffectInsertClaimed != nil
-	if guarded {
-		insert = s.d.Queries.EffectInsertClaimed
+	if err := s.moveDueOfKeys(ctx, tx, src, effects); err != nil {
+		return false, fmt.Errorf("move the due delayed effects of the keys: %w", err)
 	}
 	args := EffectInsertArgs(src, effects)
 	bySeq := make(map[int]int, len(effects))
 	for i, e := range effects {
 		bySeq[e.Seq] = i
 	}
-	query := insert(len(effects))
+	query := s.d.Queries.EffectInsert(len(effects))
+	switch {
+	case s.d.Queries.EffectInsertKeyed != nil && HasOwnKey(effects):
+		query = s.d.Queries.EffectInsertKeyed(len(effects), guarded)
+	case guarded:
+		query = s.d.Queries.EffectInsertClaimed(len(effects))
+	}
 	var rows *sql.Rows
 	var err error
 	if len(effects) > maxPreparedInsertRows {
@@ -746,6 +762,50 @@ func (s *SQL) effectInsert(ctx context.Context, tx *sql.Tx, src outboxdriver.Sou
 		return false, fmt.Errorf("insert of %d effects returned %d rows", len(effects), n)
 	}
 	return inSavepoint, nil
+}
+
+// HasOwnKey tells whether one of effects has an ordering key other than its source's default: a
+// key other sources may record with, delayed effects included.
+func HasOwnKey(effects []outboxdriver.Effect) bool {
+	for _, e := range effects {
+		if e.OrderingKey != outboxdriver.DefaultOrderingKey(e.Source) {
+			return true
+		}
+	}
+	return false
+}
+
+// moveDueOfKeys moves the due delayed effects of other sources with the ordering keys of effects
+// ahead of them, with Queries.DelayedDueOfKeys. Effects of the source's default key only need
+// not look: no other source records with it.
+func (s *SQL) moveDueOfKeys(ctx context.Context, tx *sql.Tx, src outboxdriver.Source, effects []outboxdriver.Effect) error {
+	if s.d.Queries.DelayedDueOfKeys == "" {
+		return nil
+	}
+	def := outboxdriver.DefaultOrderingKey(src)
+	var keys []string
+	for _, e := range effects {
+		if e.OrderingKey != def && !slices.Contains(keys, e.OrderingKey) {
+			keys = append(keys, e.OrderingKey)
+		}
+	}
+	if len(keys) == 0 {
+		return nil
+	}
+	list, err := json.Marshal(keys)
+	if err != nil {
+		return err
+	}
+	due, err := s.delayedIDs(ctx, tx, s.d.Queries.DelayedDueOfKeys, src.Consumer, src.ID, string(list))
+	if err != nil || len(due) == 0 {
+		return err
+	}
+	in := idList(due)
+	if _, err := tx.ExecContext(ctx, s.d.Queries.DelayedMove, in); err != nil {
+		return s.wrap(err)
+	}
+	_, err = tx.ExecContext(ctx, s.d.Queries.DelayedDelete, in)
+	return s.wrap(err)
 }
 
 // EffectInsertArgs returns the arguments of Queries.EffectInsert(len(effects)) for effects of src.

@@ -40,6 +40,19 @@ func (q queries) delayedInsert(ctx context.Context, tx *sql.Tx, src outboxdriver
 	return err
 }
 
+// moveDelayed moves the delayed effects of the ids in (locked by tx) into pending effects, handed
+// over, with ids in due order.
+func (q queries) moveDelayed(ctx context.Context, tx *sql.Tx, in string) error {
+	if _, err := tx.ExecContext(ctx, `INSERT INTO `+q.n.Effects+` (source_consumer, source_id, seq, kind, topic, uuid, payload, metadata,
+			ordering_key, created_at, next_attempt_at)
+		SELECT source_consumer, source_id, seq, kind, topic, uuid, payload, metadata, ordering_key, due_at, `+now+`
+		FROM `+q.n.Delayed+` FORCE INDEX (PRIMARY) WHERE id IN (`+in+`) ORDER BY due_at, id`); err != nil {
+		return err
+	}
+	_, err := tx.ExecContext(ctx, `DELETE FROM `+q.n.Delayed+` WHERE id IN (`+in+`)`)
+	return err
+}
+
 // delayedPromote moves up to limit due delayed effects into the effects table, in one
 // transaction at READ COMMITTED (no gap locks: the inserts of new delayed effects never wait for
 // it). An idle pass is one read of the due index, outside any transaction. The due rows are
@@ -78,14 +91,7 @@ func (q queries) delayedPromote(ctx context.Context, db *sql.DB, limit int) (int
 	if len(list) == 0 {
 		return 0, nil
 	}
-	in := idList(list)
-	if _, err := tx.ExecContext(ctx, `INSERT INTO `+q.n.Effects+` (source_consumer, source_id, seq, kind, topic, uuid, payload, metadata,
-			ordering_key, created_at, next_attempt_at)
-		SELECT source_consumer, source_id, seq, kind, topic, uuid, payload, metadata, ordering_key, due_at, `+now+`
-		FROM `+q.n.Delayed+` FORCE INDEX (PRIMARY) WHERE id IN (`+in+`) ORDER BY due_at, id`); err != nil {
-		return 0, err
-	}
-	if _, err := tx.ExecContext(ctx, `DELETE FROM `+q.n.Delayed+` WHERE id IN (`+in+`)`); err != nil {
+	if err := q.moveDelayed(ctx, tx, idList(list)); err != nil {
 		return 0, err
 	}
 	if err := tx.Commit(); err != nil {

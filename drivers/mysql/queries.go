@@ -207,7 +207,7 @@ func (q queries) messageClaim(ctx context.Context, tx *sql.Tx, src outboxdriver.
 // read back, from the first one the insert generated (LAST_INSERT_ID, the least of its IDs) on,
 // among the rows of src, which no other transaction writes while tx holds the claim.
 func (q queries) effectInsert(ctx context.Context, tx *sql.Tx, src outboxdriver.Source, effects []outboxdriver.Effect) error {
-	return q.insertEffects(ctx, tx, src, effects, false)
+	return q.insertMoving(ctx, tx, src, effects, false)
 }
 
 // effectInsertClaimed is effectInsert for a unit of work that claimed src: the insert writes
@@ -215,17 +215,76 @@ func (q queries) effectInsert(ctx context.Context, tx *sql.Tx, src outboxdriver.
 // deadlock in its own statements, ends the transaction and leaves the session in autocommit,
 // where an insert would commit on its own, an effect without its business change.
 func (q queries) effectInsertClaimed(ctx context.Context, tx *sql.Tx, src outboxdriver.Source, effects []outboxdriver.Effect) error {
-	return q.insertEffects(ctx, tx, src, effects, true)
+	return q.insertMoving(ctx, tx, src, effects, true)
 }
 
-// insertEffects inserts effects of src, with claimed only while its claim exists: INSERT ...
-// SELECT, one row from DUAL (no derived table for the common record of one effect), or a union
-// of rows in seq order (the order of their ids).
-func (q queries) insertEffects(ctx context.Context, tx *sql.Tx, src outboxdriver.Source, effects []outboxdriver.Effect, claimed bool) error {
+// insertMoving inserts effects of src (claimed: only while its claim exists) behind the due
+// delayed effects of their keys.
+func (q queries) insertMoving(ctx context.Context, tx *sql.Tx, src outboxdriver.Source, effects []outboxdriver.Effect, claimed bool) error {
+	// A due delayed effect of another source with one of the keys must not be overtaken by these
+	// effects. The read-back of the ids asks whether one is there (no round trip of its own);
+	// when one is, it is moved, and these rows, which took their ids before it, are inserted
+	// again behind it (and look again: one may have become due since, before their new time).
+	probe := store.HasOwnKey(effects) // the message's own key: no other source records with it
+	for try := 0; ; try++ {
+		due, err := q.insertEffects(ctx, tx, src, effects, claimed, probe)
+		if err != nil || !due {
+			return err
+		}
+		moved, err := q.moveDueOfKeys(ctx, tx, src, effects)
+		if err != nil {
+			return fmt.Errorf("move the due delayed effects of the keys: %w", err)
+		}
+		if _, err := tx.ExecContext(ctx, `DELETE FROM `+q.n.Effects+` WHERE id IN (`+idList(storeIDsOf(effects))+`)`); err != nil {
+			return fmt.Errorf("delete the effects to insert them again: %w", err)
+		}
+		for i := range effects {
+			effects[i].StoreID = 0
+		}
+		// Look again only after a move, once: the transaction's snapshot may still show what a
+		// relay moved meanwhile, which the move found gone.
+		probe = moved > 0 && try == 0
+	}
+}
+
+// storeIDsOf returns the StoreIDs of effects.
+func storeIDsOf(effects []outboxdriver.Effect) []int64 {
+	out := make([]int64, len(effects))
+	for i, e := range effects {
+		out[i] = e.StoreID
+	}
+	return out
+}
+
+// keysOf returns the distinct ordering keys of effects, and the placeholders of a list of them.
+func keysOf(effects []outboxdriver.Effect) ([]any, string) {
+	var keys []any
+	seen := make(map[string]bool, 1)
+	for _, e := range effects {
+		if !seen[e.OrderingKey] {
+			seen[e.OrderingKey] = true
+			keys = append(keys, e.OrderingKey)
+		}
+	}
+	return keys, strings.TrimSuffix(strings.Repeat(binary+", ", len(keys)), ", ")
+}
+
+// dueOfKeys selects the delayed effects of other sources than the first two arguments' with one
+// of the keys listed after them that are due.
+func (q queries) dueOfKeys(list string) string {
+	return `SELECT id FROM ` + q.n.Delayed + ` WHERE ordering_key IN (` + list + `) AND due_at <= ` + now + `
+		AND NOT (source_consumer = ` + binary + ` AND source_id = ` + binary + `)`
+}
+
+// insertEffects inserts effects, sets their StoreIDs and, when probe is set, tells whether a due
+// delayed effect of another source with one of their keys waits to be moved.
+func (q queries) insertEffects(ctx context.Context, tx *sql.Tx, src outboxdriver.Source, effects []outboxdriver.Effect, claimed, probe bool) (bool, error) {
 	var b strings.Builder
 	b.WriteString(`INSERT INTO ` + q.n.Effects + ` (source_consumer, source_id, seq, kind, topic, uuid, payload, metadata, ordering_key, created_at) `)
 	args := make([]any, 0, 9*len(effects)+2)
 	bySeq := make(map[int]int, len(effects))
+	// Claimed: INSERT ... SELECT, one row from DUAL (no derived table for the common record of
+	// one effect), or a union of rows in seq order (the order of their ids).
 	switch {
 	case !claimed:
 		b.WriteString(`VALUES `)
@@ -266,47 +325,89 @@ func (q queries) insertEffects(ctx context.Context, tx *sql.Tx, src outboxdriver
 	}
 	r, err := tx.ExecContext(ctx, b.String(), args...)
 	if err != nil {
-		return err
+		return false, err
 	}
 	if claimed {
 		if n, err := r.RowsAffected(); err != nil {
-			return fmt.Errorf("rows of the inserted effects: %w", err)
+			return false, fmt.Errorf("rows of the inserted effects: %w", err)
 		} else if n == 0 {
-			return store.ErrClaimGone
+			return false, store.ErrClaimGone
 		}
 	}
 	first, err := r.LastInsertId()
 	if err != nil {
-		return fmt.Errorf("id of the first inserted effect: %w", err)
+		return false, fmt.Errorf("id of the first inserted effect: %w", err)
 	}
-	rows, err := tx.QueryContext(ctx, `SELECT id, seq FROM `+q.n.Effects+`
-		WHERE source_consumer = ? AND source_id = ? AND dispatched_at IS NULL AND id >= ? ORDER BY id LIMIT ?`,
-		src.Consumer, src.ID, first, len(effects))
+	// The probe also finds a due one that a relay moved since the insert (its snapshot may be
+	// taken after that): an effect of the keys from another source stored after these rows
+	// took their ids, and with a time no later than theirs, a moved one's due time.
+	dueCol, readArgs := "false", []any{}
+	if probe {
+		keys, list := keysOf(effects)
+		dueCol = `EXISTS (` + q.dueOfKeys(list) + `) OR EXISTS (SELECT 1 FROM ` + q.n.Effects + ` b
+			WHERE b.ordering_key IN (` + list + `) AND b.dispatched_at IS NULL AND b.id > e.id AND b.created_at <= e.created_at
+			  AND NOT (b.source_consumer = ` + binary + ` AND b.source_id = ` + binary + `))`
+		readArgs = append(append(readArgs, keys...), src.Consumer, src.ID)
+		readArgs = append(append(readArgs, keys...), src.Consumer, src.ID)
+	}
+	readArgs = append(readArgs, src.Consumer, src.ID, first, len(effects))
+	rows, err := tx.QueryContext(ctx, `SELECT e.id, e.seq, `+dueCol+` FROM `+q.n.Effects+` e
+		WHERE e.source_consumer = ? AND e.source_id = ? AND e.dispatched_at IS NULL AND e.id >= ? ORDER BY e.id LIMIT ?`,
+		readArgs...)
 	if err != nil {
-		return fmt.Errorf("read the ids of the inserted effects: %w", err)
+		return false, fmt.Errorf("read the ids of the inserted effects: %w", err)
 	}
 	defer rows.Close()
-	got := 0
+	got, due := 0, false
 	for rows.Next() {
 		var id int64
 		var seq int
-		if err := rows.Scan(&id, &seq); err != nil {
-			return err
+		var d bool
+		if err := rows.Scan(&id, &seq, &d); err != nil {
+			return false, err
 		}
 		i, ok := bySeq[seq]
 		if !ok || effects[i].StoreID != 0 {
-			return fmt.Errorf("effect %d of seq %d read back after an insert of other seqs", id, seq)
+			return false, fmt.Errorf("effect %d of seq %d read back after an insert of other seqs", id, seq)
 		}
 		effects[i].StoreID = id
+		due = due || d
 		got++
 	}
 	if err := rows.Err(); err != nil {
-		return err
+		return false, err
 	}
 	if got != len(effects) {
-		return fmt.Errorf("insert of %d effects: %d read back", len(effects), got)
+		return false, fmt.Errorf("insert of %d effects: %d read back", len(effects), got)
 	}
-	return nil
+	return due, nil
+}
+
+// moveDueOfKeys moves, in tx, and counts the due delayed effects of other sources with the keys of effects
+// into pending effects, as delayedPromote does. It waits for a transaction that holds one (a
+// relay's move, a cancel): skipped, it would be moved later, behind the effects to insert.
+func (q queries) moveDueOfKeys(ctx context.Context, tx *sql.Tx, src outboxdriver.Source, effects []outboxdriver.Effect) (int, error) {
+	keys, list := keysOf(effects)
+	rows, err := tx.QueryContext(ctx, q.dueOfKeys(list)+` ORDER BY due_at, id FOR UPDATE`, append(keys, src.Consumer, src.ID)...)
+	if err != nil {
+		return 0, err
+	}
+	var due []int64
+	for rows.Next() {
+		var id int64
+		if err := rows.Scan(&id); err != nil {
+			rows.Close()
+			return 0, err
+		}
+		due = append(due, id)
+	}
+	if err := errors.Join(rows.Err(), rows.Close()); err != nil {
+		return 0, err
+	}
+	if len(due) == 0 {
+		return 0, nil // a relay moved them meanwhile: its ids are before the effects' next ones
+	}
+	return len(due), q.moveDelayed(ctx, tx, idList(due))
 }
 
 // attemptRecord counts a failed attempt and reads the count back, in one short transaction.

@@ -2,16 +2,17 @@ package outboxpgx
 
 import (
 	"github.com/watermill-outbox/outbox/drivers/postgres"
+	"github.com/watermill-outbox/outbox/outboxdriver"
 	"github.com/watermill-outbox/outbox/store"
 )
 
 // queries are the statements the pgx driver runs itself; the others are the postgres driver's,
 // run through database/sql on the same pool.
 type queries struct {
-	claim     string           // pessimistic: (consumer, id) -> claimed, age of a committed claim found, whether it is settled
-	insert    func(int) string // the effect rows: see store.EffectInsertArgs
-	processed string           // (consumer, id) -> a row when processed
-	pending   string           // (consumer, id) -> the effect rows and inline effects of the source: see postgres.PendingQuery
+	claim     string                             // pessimistic: (consumer, id) -> claimed, age of a committed claim found, whether it is settled
+	insert    func([]outboxdriver.Effect) string // the effect rows (at most store.EffectInsertMaxRows): see store.EffectInsertArgs
+	processed string                             // (consumer, id) -> a row when processed
+	pending   string                             // (consumer, id) -> the effect rows and inline effects of the source: see postgres.PendingQuery
 
 	delayedInsert func(int) string // the delayed effects: see store.DelayedInsertArgs
 	delayedCancel string           // (cancel key)
@@ -25,8 +26,13 @@ type queries struct {
 func newQueries(n store.Names, deleteDispatched bool) queries {
 	pq := postgres.Queries(n, deleteDispatched)
 	return queries{
-		claim:     pq.MessageClaim,
-		insert:    pq.EffectInsert,
+		claim: pq.MessageClaim,
+		insert: func(effects []outboxdriver.Effect) string {
+			if store.HasOwnKey(effects) {
+				return pq.EffectInsertKeyed(len(effects), false) // the pgx unit refuses a transaction ended under it itself
+			}
+			return pq.EffectInsert(len(effects))
+		},
 		processed: pq.MessageIsProcessed,
 		pending:   postgres.PendingQuery(n),
 		keys:      store.Queries{KeyLock: pq.KeyLock, KeyClaim: pq.KeyClaim, KeyRead: pq.KeyRead, KeySave: pq.KeySave},

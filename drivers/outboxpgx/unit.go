@@ -371,7 +371,7 @@ func (*rolledBackError) Unwrap() error    { return pgx.ErrTxCommitRollback }
 // insert stores effects with the postgres driver's insert and sets their StoreIDs.
 func insert(ctx context.Context, q interface {
 	SendBatch(context.Context, *pgx.Batch) pgx.BatchResults
-}, insertSQL func(int) string, effects []outboxdriver.Effect) error {
+}, insertSQL func([]outboxdriver.Effect) string, effects []outboxdriver.Effect) error {
 	b := &pgx.Batch{}
 	queueInsert(b, insertSQL, effects)
 	br := q.SendBatch(ctx, b)
@@ -384,9 +384,9 @@ func insert(ctx context.Context, q interface {
 
 // queueInsert queues the inserts of effects, store.EffectInsertMaxRows to a statement (one
 // statement's bind parameters hold about 9,000), for scanInserted to read.
-func queueInsert(b *pgx.Batch, insertSQL func(int) string, effects []outboxdriver.Effect) {
+func queueInsert(b *pgx.Batch, insertSQL func([]outboxdriver.Effect) string, effects []outboxdriver.Effect) {
 	for chunk := range slices.Chunk(effects, store.EffectInsertMaxRows) {
-		b.Queue(insertSQL(len(chunk)), store.EffectInsertArgs(chunk[0].Source, chunk)...)
+		b.Queue(insertSQL(chunk), store.EffectInsertArgs(chunk[0].Source, chunk)...)
 	}
 }
 

@@ -234,7 +234,9 @@ func queries(n store.Names) store.Queries {
 				created_at, next_attempt_at)
 			SELECT source_consumer, source_id, seq, kind, topic, uuid, payload, metadata, ordering_key, due_at, ` + now + `
 			FROM ` + n.Delayed + ` WHERE id IN ` + ids("?1") + ` ORDER BY due_at, id`,
-		DelayedDelete:  `DELETE FROM ` + n.Delayed + ` WHERE id IN ` + ids("?1"),
+		DelayedDelete: `DELETE FROM ` + n.Delayed + ` WHERE id IN ` + ids("?1"),
+		DelayedDueOfKeys: `SELECT id FROM ` + n.Delayed + ` WHERE ordering_key IN (SELECT value FROM json_each(?3))
+			AND due_at <= ` + now + ` AND NOT (source_consumer = ?1 AND source_id = ?2) ORDER BY due_at, id`,
 		DelayedNextDue: `SELECT -` + msSince("min(due_at)") + ` FROM ` + n.Delayed,
 		DelayedStats: `WITH later AS (SELECT 1 FROM ` + n.Delayed + ` WHERE due_at > ` + now + ` LIMIT ?1),
 			overdue AS (SELECT due_at FROM ` + n.Delayed + ` WHERE due_at <= ` + now + ` ORDER BY due_at LIMIT ?1)

@@ -63,6 +63,7 @@ var Scenarios = map[string]string{
 	"tx-by-sql":   "the handler ends its transaction with a ROLLBACK sent as SQL, then publishes: nothing of the delivery may commit, and the attempt is the handler's doing",
 	"poison":      "some messages fail with a permanent error on every delivery: they are dead-lettered and acked, never applied, and kept with their payload and source topic; then some are fixed and retried from the dead letters (from two instances at once), and must be applied exactly once",
 	"delayed":     "the unit of work also records a delayed effect (due 0 to 600 ms after it is recorded, on the message's key), and a later unit of work on any instance cancels it around its due time, racing the relays",
+	"delayed-key": "with delayed: some delayed effects have an ordering key of their own, and once one is due (up to 10 ms after), mostly before a relay moved it, a unit of work on any instance records an effect with its key, which must reach the broker after it",
 }
 
 // Form is one way to build an instance of the framework.
@@ -295,6 +296,9 @@ func Run(t *testing.T, dsn string, o Options) {
 		if on[s] {
 			want = append(want, s)
 		}
+	}
+	if on["delayed"] && on["delayed-key"] {
+		want = append(want, "delayed-key followed")
 	}
 	if on["delayed"] {
 		// A cancel that won, and one that came too late.

@@ -269,16 +269,23 @@ func (c *run) check(specs []*spec, acked []atomic.Bool, rqs []*request) {
 		}
 	}
 
-	// Per-key order (the key of every effect here is its message): an effect never reaches the
-	// broker before one recorded before it by the same unit of work.
+	// Per-key order (the key of every effect here is its message, but a followed delayed
+	// effect's): an effect never reaches the broker before one recorded before it by the same
+	// unit of work.
 	c.pub.mu.Lock()
 	defer c.pub.mu.Unlock()
+	ownKey := map[string]bool{} // the payloads of the delayed effects with a key of their own
+	for _, sp := range specs {
+		if sp.follow {
+			ownKey[sp.id+"/delayed"] = true
+		}
+	}
 	for _, effects := range bySource {
 		slices.SortFunc(effects, func(a, b effect) int { return a.seq - b.seq })
 		prev, prevE := 0, effect{}
 		for _, e := range effects {
 			at, ok := c.pub.first[wireKey{e.topic, e.uuid}]
-			if !ok {
+			if !ok || ownKey[e.payload] {
 				continue
 			}
 			if at < prev {
@@ -287,6 +294,38 @@ func (c *run) check(specs []*spec, acked []atomic.Bool, rqs []*request) {
 			prev, prevE = at, e
 		}
 	}
+	// A delayed effect, once due, is never overtaken by an effect of its key recorded after.
+	for _, sp := range specs {
+		if !sp.follow || sp.followed.Load() == 0 {
+			continue
+		}
+		d, dok := byPayload[wireKey{c.topics[1], sp.id + "/delayed"}]
+		a, aok := byPayload[wireKey{c.topics[0], sp.id + "/after"}]
+		if !dok || !aok {
+			continue // cancelled, or the later unit did not commit
+		}
+		atD, okD := c.pub.first[wireKey{d.topic, d.uuid}]
+		atA, okA := c.pub.first[wireKey{a.topic, a.uuid}]
+		if okD && okA && atA < atD && c.storedAfter(a.uuid, d.uuid) {
+			fail("effect %v, recorded once the delayed effect %v of its key was due, reached the broker before it", a, d)
+		}
+	}
+}
+
+// storedAfter tells whether the effect with UUID a was stored after the effect with UUID b,
+// moved from the delayed effects, was due: by the database's clock, which decides what is due
+// (a moved effect is stored with its due time).
+func (c *run) storedAfter(a, b string) bool {
+	rows := c.prefix + `effects`
+	if c.database == postgresDatabase {
+		rows = `(SELECT uuid, created_at FROM ` + c.prefix + `effects UNION ALL SELECT uuid, created_at FROM ` + c.prefix + `dispatched)`
+	}
+	var after bool
+	if err := c.db.QueryRow(c.database.Bind(`SELECT (SELECT max(created_at) FROM `+rows+` x WHERE uuid = $1) >
+		(SELECT min(created_at) FROM `+rows+` y WHERE uuid = $2)`), a, b).Scan(&after); err != nil {
+		c.t.Fatal(err)
+	}
+	return after
 }
 
 // rerun tells two effects of two runs of one request, the second after its key expired: they

@@ -35,6 +35,15 @@ type spec struct {
 	// dead-lettered; retry: it is then fixed and retried from the dead letters.
 	poison, retry bool
 	broken        atomic.Bool
+	// follow: the delayed effect has an ordering key of its own, and once it is due (followAt
+	// after it was recorded, the delay plus up to 10 ms: mostly before a relay moved it) a unit
+	// of work on instance followProc records an effect with that key, which must reach the
+	// broker after it; followed is that unit's outcome: 1 committed, -1 unknown (it failed).
+	follow     bool
+	followProc int
+	followAt   time.Duration
+	followed   atomic.Int32
+	recordedAt atomic.Int64 // when the delayed effect was last recorded (UnixNano)
 }
 
 // bigEffects is more effects than one INSERT can carry: 7 bind parameters per effect, at most

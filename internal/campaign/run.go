@@ -225,6 +225,9 @@ func (c *run) do() bool {
 			sp.poison, sp.retry = true, retry
 			sp.broken.Store(true)
 		}
+		if follow, proc, after := r.IntN(2) == 0, r.IntN(instances), r.IntN(10); follow && sp.delay >= 0 && c.on["delayed-key"] {
+			sp.follow, sp.followProc, sp.followAt = true, proc, sp.delay+time.Duration(after)*time.Millisecond
+		}
 		s := schedule{msg: sp, concurrentAt: -1}
 		for range 16 {
 			pl := randomPlan(r, sp, c.on)
@@ -259,8 +262,9 @@ func (c *run) do() bool {
 		if sp.shared {
 			c.stats.reached("shared-uuid")
 		}
-		c.note("%s: shared UUID %v, big %v (in %d calls), delayed by %v (cancelled %v on instance %d at %v), poison %v (retried %v), concurrent copy at delivery %d, %d late; instances %v; plans %v",
-			sp.id[:8], sp.shared, sp.big, sp.bigCalls, sp.delay, sp.cancel, sp.cancelProc, sp.cancelAt, sp.poison, sp.retry, s.concurrentAt, s.late, s.procs[:4], s.plans[:4])
+		c.note("%s: shared UUID %v, big %v (in %d calls), delayed by %v (cancelled %v on instance %d at %v; followed on its key %v on instance %d at %v), poison %v (retried %v), concurrent copy at delivery %d, %d late; instances %v; plans %v",
+			sp.id[:8], sp.shared, sp.big, sp.bigCalls, sp.delay, sp.cancel, sp.cancelProc, sp.cancelAt, sp.follow, sp.followProc, sp.followAt,
+			sp.poison, sp.retry, s.concurrentAt, s.late, s.procs[:4], s.plans[:4])
 		scheds[i] = s
 	}
 	rqs := c.drawRequests(r)
@@ -342,6 +346,10 @@ func (c *run) do() bool {
 			if s.msg.cancel {
 				copies.Add(1)
 				go func() { defer copies.Done(); c.cancelDelayed(s.msg) }()
+			}
+			if s.msg.follow {
+				copies.Add(1)
+				go func() { defer copies.Done(); c.followDelayed(s.msg) }()
 			}
 			for d := 0; d < s.late; d++ {
 				// A late copy may find effects whose mark is not written yet and send them
@@ -524,12 +532,37 @@ func (c *run) handler(f Form) message.HandlerFunc {
 			return nil, err
 		}
 		// Last, so that on the message's key it follows every other effect, by its due time.
-		return nil, outbox.Publish(outbox.WithCancelKey(outbox.WithDelay(ctx, pl.msg.delay), c.cancelKey(pl.msg)), c.topics[1],
-			message.NewMessage(uuid.NewString(), []byte(m.UUID+"/delayed")))
+		dctx := outbox.WithCancelKey(outbox.WithDelay(ctx, pl.msg.delay), c.cancelKey(pl.msg))
+		if pl.msg.follow {
+			dctx = outbox.WithOrderingKey(dctx, c.followKey(pl.msg))
+		}
+		pl.msg.recordedAt.Store(time.Now().UnixNano())
+		return nil, outbox.Publish(dctx, c.topics[1], message.NewMessage(uuid.NewString(), []byte(m.UUID+"/delayed")))
 	}
 }
 
 func (c *run) cancelKey(sp *spec) string { return c.prefix + sp.id }
+
+func (c *run) followKey(sp *spec) string { return c.prefix + "order/" + sp.id }
+
+// followDelayed records, in a unit of work of its own, an effect with the ordering key of the
+// delayed effect of sp, followAt after the delayed one was recorded (at once when the message
+// was acked later): once it is due, and before or after a relay moved it.
+func (c *run) followDelayed(sp *spec) {
+	time.Sleep(time.Until(time.Unix(0, sp.recordedAt.Load()).Add(sp.followAt)))
+	err := c.procs[sp.followProc].InUnit(context.Background(), func(ctx context.Context) error {
+		return outbox.Publish(outbox.WithOrderingKey(ctx, c.followKey(sp)), c.topics[0],
+			message.NewMessage(uuid.NewString(), []byte(sp.id+"/after")))
+	})
+	if err != nil {
+		sp.followed.Store(-1)
+		c.note("%s: the unit after the delayed effect failed: %v", sp.id[:8], err)
+		return
+	}
+	sp.followed.Store(1)
+	c.stats.reached("delayed-key followed")
+	c.note("%s: an effect with the delayed effect's key recorded on instance %d", sp.id[:8], sp.followProc)
+}
 
 // cancelDelayed cancels the delayed effect of sp in a unit of work of its own, cancelAt after
 // the message was acked: around its due time, racing the relays that move it.

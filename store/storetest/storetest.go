@@ -148,6 +148,7 @@ func Run(t *testing.T, newHarness func(t *testing.T) Harness) {
 		{"Cleanup/AnotherProcessCleaning", testCleanupLocked},
 		{"Cleanup/AttemptCountedMeanwhile", testCleanupAttemptCounted},
 		{"Delayed/DueCancelAndOrder", testDelayed},
+		{"Delayed/DueNotOvertaken", testDelayedDueNotOvertaken},
 		{"KeyClaim/ReplayMismatchExpiryCleanup", testKeys},
 		{"KeyClaim/InFlight", testKeysInFlight},
 		{"KeyClaim/ConcurrentClaimsOneRuns", testKeysConcurrent},
@@ -2338,6 +2339,77 @@ func testDelayed(f *fixture) {
 	if s, err := f.st.Stats(f.ctx, outboxdriver.StatsParams{}); err != nil || s.Delayed != 0 {
 		f.t.Fatalf("Stats = %+v, %v; want none delayed", s, err)
 	}
+}
+
+// testDelayedDueNotOvertaken: an effect inserted with an ordering key once a delayed effect of
+// another source with that key is due, and before any relay moved it, goes behind it: the
+// insert moves the due one ahead of it (handed over, claimed at once), so that EffectKeyBlocked
+// holds the new effect back and the relay's claim sends the delayed one first. A delayed effect
+// of the key that is not due stays delayed, as does a due one of the inserting source (its unit's
+// own order is its record order), and an insert that rolls back leaves the due one delayed.
+func testDelayedDueNotOvertaken(f *fixture) {
+	ds, ok := f.st.(outboxdriver.DelayedStore)
+	if !ok {
+		f.t.Skip("the store keeps no delayed effects")
+	}
+	delay := func(src outboxdriver.Source, es []outboxdriver.Effect) {
+		f.t.Helper()
+		tx := f.begin()
+		defer func() { _ = tx.Rollback() }()
+		err := ds.DelayedInsert(f.ctx, tx, src, es)
+		if errors.Is(err, outboxdriver.ErrDelayedUnsupported) {
+			f.t.Skip("the store keeps no delayed effects")
+		}
+		if err != nil {
+			f.t.Fatalf("DelayedInsert: %v", err)
+		}
+		if err := tx.Commit(); err != nil {
+			f.t.Fatalf("commit: %v", err)
+		}
+	}
+	now := time.Now()
+	timeout := f.src("timeout")
+	due := f.effects(timeout, "order", 2)
+	due[0].DueAt = now.Add(-time.Second)
+	due[1].DueAt = now.Add(-time.Second)
+	delay(timeout, due)
+	reminder := f.src("reminder")
+	later := f.effects(reminder, "order", 1)
+	later[0].DueAt = now.Add(time.Hour)
+	delay(reminder, later)
+	shipped := f.src("shipped")
+	own := f.effects(shipped, "order", 2)
+	own[0].DueAt = now.Add(-time.Second)
+	delay(shipped, own[:1])
+
+	// Rolled back: the due ones stay delayed.
+	tx := f.begin()
+	if _, err := f.st.EffectInsert(f.ctx, tx, f.src("rolled-back"), f.effects(f.src("rolled-back"), "order", 1)); err != nil {
+		f.t.Fatalf("EffectInsert: %v", err)
+	}
+	_ = tx.Rollback()
+	if n := f.count("delayed"); n != 4 {
+		f.t.Fatalf("%d delayed effects after an insert that rolled back, want 4", n)
+	}
+
+	f.commit(shipped, false, own[1:])
+	if n := f.count("delayed"); n != 2 {
+		f.t.Fatalf("%d delayed effects after the insert, want 2 (the one not due, the inserting source's own)", n)
+	}
+	if !f.keyBlocked(shipped, "order") {
+		f.t.Fatal("EffectKeyBlocked: the effect inserted after the due delayed ones must wait behind them")
+	}
+	moved := f.pending(timeout)
+	if len(moved) != 2 || moved[0].StoreID >= own[1].StoreID || moved[1].StoreID >= own[1].StoreID || moved[0].StoreID >= moved[1].StoreID {
+		f.t.Fatalf("moved %v (%+v), want both, in their order, before the inserted effect %d", uuids(moved), moved, own[1].StoreID)
+	}
+	sameEffect(f.t, moved[0], due[0])
+	sameEffect(f.t, moved[1], due[1])
+	if err := f.st.EffectHandToRelay(f.ctx, shipped); err != nil {
+		f.t.Fatalf("EffectHandToRelay: %v", err)
+	}
+	params := outboxdriver.EffectClaimParams{Grace: time.Hour, Limit: 10, Lease: time.Minute}
+	wantUUIDs(f.t, "claimed (grace 1 h: what was moved or handed over), in key order", f.claimDue(f.st, params), due[0], due[1], own[1])
 }
 
 // keyTx is a transaction that claims an idempotency key, on a connection of its own when the
