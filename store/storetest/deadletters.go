@@ -165,3 +165,58 @@ func testDeadLetters(f *fixture) {
 		f.t.Fatalf("dead letters after the cleanup: %+v; want the dead one kept", dls)
 	}
 }
+
+// testDeadLettersCleanupDeadAgain: a cleanup that finds a dead letter retried long ago while the
+// message is being dead-lettered again (uncommitted) waits for it, and then leaves the new dead
+// letter alone. A cleanup that judged the row by the version it first saw would delete the dead
+// letter of a message that is dead now: its claim acks every later copy, and nothing would list
+// it or hand it back any more.
+func testDeadLettersCleanupDeadAgain(f *fixture) {
+	ds, ok := f.st.(outboxdriver.DeadLetterStore)
+	if !ok {
+		f.t.Skipf("%T keeps no dead letters", f.st)
+	}
+	if !f.h.Capabilities.RowLocks {
+		return // one writer at a time: a cleanup cannot run while the new dead letter is held
+	}
+	src := f.src("dead-again")
+	if _, err := ds.DeadLetterInsert(f.ctx, outboxdriver.DeadLetter{Consumer: src.Consumer, MessageID: src.ID, SourceTopic: "orders",
+		Payload: []byte("p"), Reason: "first"}, true, nil); err != nil {
+		f.t.Fatalf("DeadLetterInsert: %v", err)
+	}
+	if n, err := ds.DeadLetterRetry(f.ctx, outboxdriver.DeadLetterChange{Keys: []outboxdriver.Source{src}, Actor: "ops"},
+		func() outboxdriver.Source { return outboxdriver.Source{ID: "retry-of-dead-again"} }); err != nil || n != 1 {
+		f.t.Fatalf("DeadLetterRetry = %d, %v; want 1", n, err)
+	}
+	f.age("dead_letters", "changed_at", src, 2*time.Hour)
+
+	// What DeadLetterInsert writes when the retried message fails for good again, held
+	// uncommitted so that the cleanup reaches the row while it is locked.
+	tx := f.begin()
+	defer func() { _ = tx.Rollback() }()
+	if _, err := tx.ExecContext(f.ctx, `UPDATE `+f.h.Table("dead_letters")+` SET state = 'dead', changed_at = NULL,
+		changed_by = '', reason = 'again' WHERE consumer = '`+src.Consumer+`' AND message_id = '`+src.ID+`'`); err != nil {
+		f.t.Fatalf("dead-letter again: %v", err)
+	}
+	type result struct {
+		res outboxdriver.CleanupResult
+		err error
+	}
+	done := make(chan result, 1)
+	go func() {
+		res, err := f.st.Cleanup(f.ctx, outboxdriver.CleanupParams{Retention: time.Hour, EffectRetention: time.Hour, BatchSize: 10})
+		done <- result{res, err}
+	}()
+	f.waitUntil("cleanup to wait for the new dead letter", func() bool { return f.h.Blocked(f.t) })
+	if err := tx.Commit(); err != nil {
+		f.t.Fatalf("commit the new dead letter: %v", err)
+	}
+	r := receive(f, "cleanup after the new dead letter committed", done)
+	if r.err != nil || r.res.DeadLetters != 0 {
+		f.t.Fatalf("cleanup while the message was dead-lettered again: %+v, %v; want no dead letter deleted", r.res, r.err)
+	}
+	dls, err := ds.DeadLetterList(f.ctx, outboxdriver.DeadLetterFilter{State: outboxdriver.DeadLetterDead})
+	if err != nil || len(dls) != 1 || dls[0].MessageID != src.ID || dls[0].Reason != "again" || dls[0].Retries != 1 {
+		f.t.Fatalf("dead letters after the cleanup: %+v, %v; want the message dead again, its retry counted", dls, err)
+	}
+}
