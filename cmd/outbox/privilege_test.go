@@ -256,7 +256,7 @@ func TestLeastPrivilegedRoles(t *testing.T) {
 		t.Fatalf("Migrate as the application role (nothing to do): %v", err)
 	}
 	handle := func(id, payload string) error {
-		return ob.Handle(message.NewMessage(id, nil), outbox.HandleParams{Consumer: "billing", MessageID: id},
+		return ob.Handle(message.NewMessage(id, nil), outbox.HandleParams{Consumer: "billing", MessageID: id, Topic: "orders"},
 			func(msg *message.Message) ([]*message.Message, error) {
 				if payload == "bad input" {
 					return nil, errors.New("bad input")
@@ -274,8 +274,10 @@ func TestLeastPrivilegedRoles(t *testing.T) {
 	if err := handle("m-parked", "poison"); !errors.Is(err, outbox.ErrDispatchFailed) {
 		t.Fatalf("parking: %v", err)
 	}
-	if err := handle("m-poisoned", "bad input"); err != nil {
-		t.Fatalf("poisoning: %v", err)
+	for _, id := range []string{"m-poisoned", "m-dead-retried", "m-dead-discarded"} {
+		if err := handle(id, "bad input"); err != nil {
+			t.Fatalf("dead-lettering %s: %v", id, err)
+		}
 	}
 
 	logs.mu.Lock()
@@ -351,6 +353,10 @@ func TestLeastPrivilegedRoles(t *testing.T) {
 		{"failing", "list", "-consumer", "billing"},
 		{"lookup", "billing", "m-parked"},
 		{"replay", "billing", "m-poisoned"},
+		{"dead", "list"},
+		{"dead", "list", "-consumer", "billing", "-state", "dead"},
+		{"-o", "json", "dead", "groups"},
+		{"dead", "retry", "-dry-run", "billing", "m-dead-retried"},
 		{"migrate", "status"},
 		{"cleanup", "-dry-run"},
 		{"cleanup"},
@@ -365,11 +371,18 @@ func TestLeastPrivilegedRoles(t *testing.T) {
 	if _, err := owner.Exec(`UPDATE outbox_effects SET parked_at = now(), dispatched_at = NULL WHERE id = $1`, parkedID); err != nil {
 		t.Fatal(err)
 	}
-	if code, out, errOut := cliAs(opDSN, "parked", "discard", "-id", parkedID); code != 0 {
-		t.Errorf("parked discard as the operator's role: %d %s%s", code, out, errOut)
+	// The changes must change something: "nothing matched" would hide a refused statement.
+	for _, args := range [][]string{
+		{"parked", "discard", "-id", parkedID},
+		{"dead", "retry", "billing", "m-dead-retried"},
+		{"dead", "discard", "billing", "m-dead-discarded"},
+	} {
+		if code, out, errOut := cliAs(opDSN, args...); code != 0 {
+			t.Errorf("outbox %v as the operator's role: exit %d: %s%s", args, code, out, errOut)
+		}
 	}
 	code, out, _ := cliAs(opDSN, "status")
-	for _, action := range []string{"retry-parked", "replay-poisoned", "cleanup", "discard-parked"} {
+	for _, action := range []string{"retry-parked", "replay-poisoned", "cleanup", "discard-parked", "retry-dead-letter", "discard-dead-letter"} {
 		if code != 0 || !strings.Contains(out, action) {
 			t.Errorf("status as the operator's role: want %s among the recent changes: %d %s", action, code, out)
 		}
