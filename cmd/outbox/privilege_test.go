@@ -397,7 +397,7 @@ func TestLeastPrivilegedRoles(t *testing.T) {
 func TestRepairWithoutItsAuditEntryIsNotApplied(t *testing.T) {
 	f := newFixture(t)
 	if _, err := f.db.Exec(`CREATE ROLE noaudit LOGIN PASSWORD 'pw';
-		GRANT SELECT, INSERT, UPDATE, DELETE ON outbox_processed, outbox_effects, outbox_dispatched, outbox_attempts, outbox_stats, outbox_migrations TO noaudit;
+		GRANT SELECT, INSERT, UPDATE, DELETE ON outbox_processed, outbox_effects, outbox_dispatched, outbox_attempts, outbox_stats, outbox_migrations, outbox_dead_letters TO noaudit;
 		GRANT USAGE ON ALL SEQUENCES IN SCHEMA public TO noaudit;`); err != nil {
 		t.Fatal(err)
 	}
@@ -418,6 +418,13 @@ func TestRepairWithoutItsAuditEntryIsNotApplied(t *testing.T) {
 	var poisoned bool
 	if err := f.db.QueryRow(`SELECT poisoned FROM outbox_processed WHERE message_id = 'm-poisoned'`).Scan(&poisoned); err != nil || code != 1 || !poisoned {
 		t.Errorf("replay without the right to audit: exit %d (want 1), still poisoned %v (%v): %s%s", code, poisoned, err, out, errOut)
+	}
+	if !strings.Contains(errOut, "outbox_audit") {
+		t.Errorf("replay without the right to audit: want the audit table named as the cause: %s", errOut)
+	}
+	var state string
+	if err := f.db.QueryRow(`SELECT state FROM outbox_dead_letters WHERE message_id = 'm-poisoned'`).Scan(&state); err != nil || state != "dead" {
+		t.Errorf("replay without the right to audit: its dead letter is %q (%v), want it left dead", state, err)
 	}
 }
 

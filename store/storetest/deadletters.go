@@ -220,3 +220,43 @@ func testDeadLettersCleanupDeadAgain(f *fixture) {
 		f.t.Fatalf("dead letters after the cleanup: %+v, %v; want the message dead again, its retry counted", dls, err)
 	}
 }
+
+// testReplayDeadLetter: a replay of a dead-lettered message (its claim written poisoned by the
+// dead letter) settles its dead letter as retried in the same transaction: the message is
+// handed back by hand, so the dead letter is no longer listed or counted as dead, and a retry
+// from it afterwards hands nothing over a second time.
+func testReplayDeadLetter(f *fixture) {
+	ds, ok := f.st.(outboxdriver.DeadLetterStore)
+	if !ok {
+		f.t.Skipf("%T keeps no dead letters", f.st)
+	}
+	src := f.src("replayed-dead")
+	if _, err := ds.DeadLetterInsert(f.ctx, outboxdriver.DeadLetter{Consumer: src.Consumer, MessageID: src.ID, SourceTopic: "orders",
+		Payload: []byte("p"), Reason: "bad input", Permanent: true}, true, nil); err != nil {
+		f.t.Fatalf("DeadLetterInsert: %v", err)
+	}
+	if ok, err := f.st.MessageReplay(f.ctx, src); err != nil || !ok {
+		f.t.Fatalf("MessageReplay of a dead-lettered message = %v, %v; want true", ok, err)
+	}
+	if f.processed(src) {
+		f.t.Fatal("replayed dead-lettered message: its claim is still there")
+	}
+	if got := f.attempt(src, "after the replay"); got != 1 {
+		f.t.Fatalf("first attempt after the replay counted as %d; want its attempts reset", got)
+	}
+	dls, err := ds.DeadLetterList(f.ctx, outboxdriver.DeadLetterFilter{})
+	if err != nil || len(dls) != 1 || dls[0].State != outboxdriver.DeadLetterRetried || dls[0].Retries != 1 || dls[0].ChangedAt.IsZero() {
+		f.t.Fatalf("dead letter after the replay: %+v, %v; want it retried, its retry counted", dls, err)
+	}
+	if c, err := ds.DeadLetterCount(f.ctx); err != nil || c != 0 {
+		f.t.Fatalf("DeadLetterCount after the replay = %d, %v; want 0", c, err)
+	}
+	retrySrc := outboxdriver.Source{ID: "retry-of-replayed"}
+	if n, err := ds.DeadLetterRetry(f.ctx, outboxdriver.DeadLetterChange{Keys: []outboxdriver.Source{src}, Actor: "ops"},
+		func() outboxdriver.Source { return retrySrc }); err != nil || n != 0 {
+		f.t.Fatalf("DeadLetterRetry after the replay = %d, %v; want 0 (replayed already)", n, err)
+	}
+	if es := f.pending(retrySrc); len(es) != 0 {
+		f.t.Fatalf("retry after the replay recorded %+v; want the message handed over once", es)
+	}
+}

@@ -135,6 +135,7 @@ func Run(t *testing.T, newHarness func(t *testing.T) Harness) {
 		{"EffectClaimDue/LockedEarlierEffectHoldsItsKey", testClaimDueLockedEarlier},
 		{"EffectDiscard/RetentionCountsFromDiscard", testDiscardMovesClaim},
 		{"MessageReplay", testReplay},
+		{"MessageReplay/DeadLetter", testReplayDeadLetter},
 		{"DeadLetters", testDeadLetters},
 		{"DeadLetters/CleanupWhileDeadAgain", testDeadLettersCleanupDeadAgain},
 		{"EffectListParked", testListParked},
