@@ -272,7 +272,9 @@ func (o *Outbox) DiscardParked(ctx context.Context, storeIDs ...int64) (int, err
 // cause is fixed: it forgets its poisoned claim and its failed attempts, so that the next delivery
 // of the message to consumer runs the handler (a copy still in the broker, or the message put back
 // on its topic from the poison topic, with its ID unchanged). It reports whether the message was
-// poisoned; a message that was processed normally is left alone.
+// poisoned; a message that was processed normally is left alone. The dead letter of a message
+// dead-lettered, if still dead, is marked retried in the same transaction (with no actor), so
+// that it is no longer listed as dead and RetryDeadLetters does not hand it over again.
 func (o *Outbox) ReplayPoisoned(ctx context.Context, consumer, messageID string) (bool, error) {
 	src := Source{Consumer: consumer, ID: messageID}
 	if err := validateName(consumer); err != nil {

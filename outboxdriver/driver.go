@@ -119,7 +119,8 @@ type Store interface {
 	MessagePoison(ctx context.Context, src Source) error
 	// MessageReplay forgets that src was poisoned: it deletes its claim, if the claim is one that
 	// MessagePoison wrote, and its failed attempts, so that the next delivery runs the handler
-	// again. It tells whether a poisoned claim was found.
+	// again. It tells whether a poisoned claim was found. A DeadLetterStore marks the dead letter
+	// of src, if in state dead, retried in the same transaction, counting the retry.
 	MessageReplay(ctx context.Context, src Source) (bool, error)
 	// AttemptRecord durably counts a failed attempt of src and returns the count so far.
 	AttemptRecord(ctx context.Context, src Source, reason string) (int, error)

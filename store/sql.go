@@ -627,6 +627,19 @@ func (s *SQL) MessageReplayAudited(ctx context.Context, src outboxdriver.Source,
 		return false, fmt.Errorf("begin: %w", err)
 	}
 	defer func() { _ = tx.Rollback() }()
+	// A dead-lettered message replayed is handed back by hand: its dead letter (if still dead)
+	// is settled as retried with the claim, or it would still be listed as dead and a retry from
+	// it would hand the message over a second time. The dead letter is locked before the claim,
+	// as a retry does; when no poisoned claim is found the rollback undoes the mark.
+	if q := s.d.DeadLetters.Mark; q != "" {
+		actor := ""
+		if audit != nil {
+			actor = audit.Actor
+		}
+		if _, err := tx.ExecContext(ctx, q, string(outboxdriver.DeadLetterRetried), outboxdriver.StorableText(actor), src.Consumer, src.ID); err != nil {
+			return false, fmt.Errorf("mark the dead letter retried: %w", s.wrap(err))
+		}
+	}
 	r, err := tx.ExecContext(ctx, s.d.Queries.MessageReplay, src.Consumer, src.ID)
 	if err != nil {
 		return false, s.wrap(err)

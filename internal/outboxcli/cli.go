@@ -215,7 +215,7 @@ func root(d Database) *command {
 			}},
 		{name: "replay", args: "CONSUMER MESSAGE_ID", short: "let a poisoned message run its handler again on its next delivery", run: replay,
 			long: "Replay a poisoned message: its next delivery (put it back on its topic, ID unchanged) runs the\n" +
-				"handler again. Written to the audit table."},
+				"handler again. Its dead letter, if still dead, is marked retried with it. Written to the audit table."},
 		{name: "lookup", args: "CONSUMER MESSAGE_ID", short: "was a message processed, when, what did it send, what is pending", run: lookup,
 			long: "Look a message up: whether the consumer processed it (or poisoned it), when, its failed attempts,\n" +
 				"and its side effects with their state (dispatched ones while EffectRetention keeps them)."},

@@ -26,8 +26,8 @@ type Harness struct {
 	// Table returns the qualified, quoted name of the outbox table "processed", "effects",
 	// "attempts" or "migrations" of the stores Open returns.
 	Table func(name string) string
-	// Age moves the timestamp column of the rows of src in table ("processed", "effects" or
-	// "attempts") back by d; a NULL stays NULL. A zero src means every row of the table. The
+	// Age moves the timestamp column of the rows of src in table ("processed", "effects",
+	// "attempts" or "dead_letters") back by d; a NULL stays NULL. A zero src means every row of the table. The
 	// columns that hold a row's source are given by KeyColumns. ("effects", "dispatched_at") means
 	// the dispatched effects, wherever the dialect keeps them.
 	Age func(t testing.TB, table, column string, src outboxdriver.Source, d time.Duration)
@@ -135,7 +135,9 @@ func Run(t *testing.T, newHarness func(t *testing.T) Harness) {
 		{"EffectClaimDue/LockedEarlierEffectHoldsItsKey", testClaimDueLockedEarlier},
 		{"EffectDiscard/RetentionCountsFromDiscard", testDiscardMovesClaim},
 		{"MessageReplay", testReplay},
+		{"MessageReplay/DeadLetter", testReplayDeadLetter},
 		{"DeadLetters", testDeadLetters},
+		{"DeadLetters/CleanupWhileDeadAgain", testDeadLettersCleanupDeadAgain},
 		{"EffectListParked", testListParked},
 		{"EffectUnpark", testUnpark},
 		{"EffectDiscard", testDiscard},
