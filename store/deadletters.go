@@ -185,11 +185,11 @@ func (s *SQL) DeadLetterRetryAudited(ctx context.Context, c outboxdriver.DeadLet
 			return fmt.Errorf("read the dead letter: %w", s.wrap(err))
 		}
 		if len(topic) == 0 {
-			return fmt.Errorf("dead letter %q of %q: its source topic is unknown, it cannot be retried (discard it)", key.ID, key.Consumer)
+			return errors.New("its source topic is unknown, it cannot be retried (discard it)")
 		}
 		metadata, err := DecodeMetadata(md)
 		if err != nil {
-			return fmt.Errorf("dead letter %q of %q: metadata: %w", key.ID, key.Consumer, err)
+			return fmt.Errorf("metadata: %w", err)
 		}
 		if _, err := tx.ExecContext(ctx, s.d.Queries.MessageReplay, key.Consumer, key.ID); err != nil {
 			return fmt.Errorf("delete the poisoned claim: %w", s.wrap(err))
