@@ -571,6 +571,22 @@ func status(ctx context.Context, g *globals, c *command, args []string, out prin
 		fmt.Fprintf(w, "dead letters\t%d\t(outbox dead groups)\n", t.DeadLetters)
 		fmt.Fprintf(w, "retained IDs\t%d\t%s\n", t.Retained, map[bool]string{true: "(estimated)"}[t.Estimated])
 		fmt.Fprintf(w, "cleanup lag\t%s\t\n", t.CleanupLag.Round(time.Second))
+		if t.Tables != nil { // PostgreSQL's
+			if h := t.XminHold; h != nil {
+				fmt.Fprintf(w, "xmin held\t%s\t%d transactions, by %s\n", h.Age.Round(time.Second), h.Transactions, xminHolder(*h))
+			} else {
+				fmt.Fprintf(w, "xmin held\tnone\t\n")
+			}
+			var dead int64
+			var each []string
+			for _, tv := range t.Tables {
+				dead += tv.DeadTuples
+				if tv.DeadTuples > 0 {
+					each = append(each, fmt.Sprintf("%s %d", tv.Table, tv.DeadTuples))
+				}
+			}
+			fmt.Fprintf(w, "dead tuples\t%d\t%s\n", dead, strings.Join(each, ", "))
+		}
 		if s.LastDispatch.IsZero() {
 			fmt.Fprintf(w, "last dispatch\tnone in the last hour\t\n")
 		} else {
@@ -609,6 +625,28 @@ func status(ctx context.Context, g *globals, c *command, args []string, out prin
 			}
 		}
 	})
+}
+
+// xminHolder says who holds the xmin horizon, with what an operator needs to end it
+// (docs/operations.md, "A held xmin horizon").
+func xminHolder(h outboxdriver.XminHold) string {
+	switch h.Holder {
+	case outboxdriver.XminReplicationSlot:
+		return fmt.Sprintf("replication slot %s (%s)", clean(h.Name), clean(h.State))
+	case outboxdriver.XminPreparedTransaction:
+		return fmt.Sprintf("prepared transaction %s", clean(h.Name))
+	}
+	who := fmt.Sprintf("backend pid %d", h.PID)
+	var what []string
+	for _, s := range []string{h.ApplicationName, h.State} {
+		if s != "" {
+			what = append(what, clean(s))
+		}
+	}
+	if len(what) > 0 {
+		who += " (" + strings.Join(what, ", ") + ")"
+	}
+	return who
 }
 
 func orBoundary(consumer string) string {
