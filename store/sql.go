@@ -1435,7 +1435,8 @@ func (smp statsSample) stats(at time.Time) outboxdriver.Stats {
 // not read, has no time of its own: how long it has been held is carried from the stored
 // sample while the same xmin stays held, so that an alert on the age sees it too.
 func (s *SQL) sampleVacuum(ctx context.Context, smp *statsSample) error {
-	rows, err := s.db.QueryContext(ctx, s.d.Queries.VacuumSample)
+	// Prepared: planning the views it reads costs several times its execution.
+	rows, err := s.query(ctx, nil, s.d.Queries.VacuumSample)
 	if err != nil {
 		return fmt.Errorf("sample the xmin horizon and dead tuples: %w", s.wrap(err))
 	}

@@ -9,6 +9,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
+
+	"github.com/watermill-outbox/outbox"
 	"github.com/watermill-outbox/outbox/drivers/postgres"
 	"github.com/watermill-outbox/outbox/internal/pgtest"
 	"github.com/watermill-outbox/outbox/outboxdriver"
@@ -236,5 +239,75 @@ func TestStatsXminOfAnotherRoleAgesAcrossSamples(t *testing.T) {
 	second := sample()
 	if second.Age < first.Age+time.Second {
 		t.Errorf("held for %v, then %v 1.2 s later: want the age carried across samples", first.Age, second.Age)
+	}
+}
+
+// BenchmarkVacuumSample measures the statement the sample adds on PostgreSQL, with many dead
+// tuples held by an open snapshot: it reads the activity views and statistics, never a table,
+// so its cost does not grow with the tables.
+func BenchmarkVacuumSample(b *testing.B) {
+	ctx := context.Background()
+	dsn := pgtest.DSN(b)
+	db, err := sql.Open("postgres", dsn)
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() { _ = db.Close() })
+	pub := gochannel.NewGoChannel(gochannel.Config{}, nil)
+	b.Cleanup(func() { _ = pub.Close() })
+	ob, err := outbox.New(outbox.Config{DB: db, Driver: postgres.Driver{}, Publisher: pub})
+	if err != nil {
+		b.Fatal(err)
+	}
+	if err := ob.Migrate(ctx); err != nil {
+		b.Fatal(err)
+	}
+	names, err := store.NewNames("public", "outbox_")
+	if err != nil {
+		b.Fatal(err)
+	}
+	q := postgres.Queries(names, false).VacuumSample
+	tx, err := db.BeginTx(ctx, &sql.TxOptions{Isolation: sql.LevelRepeatableRead})
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer func() { _ = tx.Rollback() }()
+	if _, err := tx.Exec(`SELECT 1 FROM outbox_effects LIMIT 1`); err != nil {
+		b.Fatal(err)
+	}
+	if _, err := db.Exec(`INSERT INTO outbox_attempts (consumer, message_id, attempts, last_error)
+		SELECT 'c', 'm' || i, 1, '' FROM generate_series(1, 200000) i`); err != nil {
+		b.Fatal(err)
+	}
+	if _, err := db.Exec(`DELETE FROM outbox_attempts`); err != nil {
+		b.Fatal(err)
+	}
+	// Planned once per connection in the store (prepared), planned at each call otherwise.
+	st, err := db.PrepareContext(ctx, q)
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer func() { _ = st.Close() }()
+	for _, prepared := range []bool{true, false} {
+		b.Run(map[bool]string{true: "prepared", false: "unprepared"}[prepared], func(b *testing.B) {
+			for b.Loop() {
+				var rows *sql.Rows
+				if prepared {
+					rows, err = st.QueryContext(ctx)
+				} else {
+					rows, err = db.QueryContext(ctx, q)
+				}
+				if err != nil {
+					b.Fatal(err)
+				}
+				n := 0
+				for rows.Next() {
+					n++
+				}
+				if err := rows.Close(); err != nil || n != 7 {
+					b.Fatalf("%d rows, %v", n, err)
+				}
+			}
+		})
 	}
 }
