@@ -679,7 +679,9 @@ func queries(n store.Names, deleteDispatched bool) store.Queries {
 		// has no snapshot but holds its xid), a slot's xmin (a logical slot's catalog_xmin holds
 		// back the catalogs only), a prepared transaction. backend_xmin, backend_xid, pid and
 		// application_name are readable for every session; xact_start and state only for the
-		// role's own sessions, or with pg_read_all_stats. The dead tuples come from the
+		// role's own sessions, or with pg_read_all_stats. A VACUUM shows an xmin that holds
+		// nothing back (the server leaves vacuums out of the horizon): its pid, which
+		// pg_stat_progress_vacuum shows to every role, is left out. The dead tuples come from the
 		// statistics functions, by oid: no table is read.
 		VacuumSample: `WITH h AS (
 				SELECT 'backend' AS kind,
@@ -690,6 +692,7 @@ func queries(n store.Names, deleteDispatched bool) store.Queries {
 					pid, application_name AS app, state, backend_type AS name
 				FROM pg_stat_activity
 				WHERE pid <> pg_backend_pid() AND (backend_xmin IS NOT NULL OR backend_xid IS NOT NULL)
+				  AND pid NOT IN (SELECT pid FROM pg_stat_progress_vacuum)
 				  AND (datid IS NULL OR datid = (SELECT oid FROM pg_database WHERE datname = current_database()))
 				UNION ALL
 				SELECT 'replication_slot', xmin::text, age(xmin)::bigint, NULL, active_pid, NULL,

@@ -232,6 +232,9 @@ func TestStatsXminOfAnotherRoleAgesAcrossSamples(t *testing.T) {
 		return *s.XminHold
 	}
 	first := sample()
+	if first.State != "" {
+		t.Errorf("state %q of another role's session: want it unreadable without pg_read_all_stats", first.State)
+	}
 	if first.Transactions < 3 {
 		t.Errorf("held for %d transactions, want at least 3", first.Transactions)
 	}
