@@ -175,7 +175,9 @@ func root(d Database) *command {
 	return &command{name: "", subs: []*command{
 		{name: "status", short: "pending, parked, failing, retained, cleanup lag, last dispatch, recent changes", run: status,
 			long: "Status shows the pending, delayed and parked effects (per consumer and topic), the failing messages,\n" +
-				"the retained message IDs, the cleanup lag, the last dispatch and the latest audited changes."},
+				"the retained message IDs, the cleanup lag, the last dispatch and the latest audited changes; on\n" +
+				"PostgreSQL also what holds back the xmin horizon (a session, slot or prepared transaction) and the\n" +
+				"dead tuples of the outbox tables."},
 		{name: "parked", short: "parked effects: list, group, retry or discard them",
 			long: "Parked effects are the side effects the relay gave up sending.\n" + filters, subs: []*command{
 				{name: "parked list", short: "the parked effects, with their last error", run: parked,
