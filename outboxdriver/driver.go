@@ -12,6 +12,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"strings"
 	"time"
 	"unicode/utf8"
 )
@@ -307,6 +308,28 @@ type XminHold struct {
 	State           string
 	// Name is the slot's name, the prepared transaction's GID, or the backend's type.
 	Name string
+}
+
+// Who says who holds the horizon, with what an operator needs to end it: the backend's pid,
+// application and state, the slot's name, the prepared transaction's GID.
+func (h XminHold) Who() string {
+	switch h.Holder {
+	case XminReplicationSlot:
+		return fmt.Sprintf("replication slot %s (%s)", h.Name, h.State)
+	case XminPreparedTransaction:
+		return "prepared transaction " + h.Name
+	}
+	who := fmt.Sprintf("backend pid %d", h.PID)
+	var what []string
+	for _, s := range []string{h.ApplicationName, h.State} {
+		if s != "" {
+			what = append(what, s)
+		}
+	}
+	if len(what) > 0 {
+		who += " (" + strings.Join(what, ", ") + ")"
+	}
+	return who
 }
 
 // TableVacuum is one outbox table's dead row versions, as the database's statistics count them.

@@ -575,7 +575,7 @@ func status(ctx context.Context, g *globals, c *command, args []string, out prin
 		fmt.Fprintf(w, "cleanup lag\t%s\t\n", t.CleanupLag.Round(time.Second))
 		if t.Tables != nil { // PostgreSQL's
 			if h := t.XminHold; h != nil {
-				fmt.Fprintf(w, "xmin held\t%s\t%d transactions, by %s\n", h.Age.Round(time.Second), h.Transactions, xminHolder(*h))
+				fmt.Fprintf(w, "xmin held\t%s\t%d transactions, by %s\n", h.Age.Round(time.Second), h.Transactions, clean(h.Who()))
 			} else {
 				fmt.Fprintf(w, "xmin held\tnone\t\n")
 			}
@@ -627,28 +627,6 @@ func status(ctx context.Context, g *globals, c *command, args []string, out prin
 			}
 		}
 	})
-}
-
-// xminHolder says who holds the xmin horizon, with what an operator needs to end it
-// (docs/operations.md, "A held xmin horizon").
-func xminHolder(h outboxdriver.XminHold) string {
-	switch h.Holder {
-	case outboxdriver.XminReplicationSlot:
-		return fmt.Sprintf("replication slot %s (%s)", clean(h.Name), clean(h.State))
-	case outboxdriver.XminPreparedTransaction:
-		return fmt.Sprintf("prepared transaction %s", clean(h.Name))
-	}
-	who := fmt.Sprintf("backend pid %d", h.PID)
-	var what []string
-	for _, s := range []string{h.ApplicationName, h.State} {
-		if s != "" {
-			what = append(what, clean(s))
-		}
-	}
-	if len(what) > 0 {
-		who += " (" + strings.Join(what, ", ") + ")"
-	}
-	return who
 }
 
 func orBoundary(consumer string) string {
