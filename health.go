@@ -18,7 +18,8 @@ import (
 
 // Stats takes a sample of the outbox tables now: pending and parked side effects and the age of
 // the oldest of each, messages with failed attempts that are neither processed nor poisoned,
-// retained message IDs and the cleanup lag. Its cost is bounded whatever the size of the tables
+// retained message IDs and the cleanup lag; on PostgreSQL also what holds back the xmin horizon
+// and the dead tuples of the outbox tables. Its cost is bounded whatever the size of the tables
 // (counts above StatsCountCap are estimated). Run samples the same every StatsInterval, on one
 // instance at a time, for the metrics.
 func (o *Outbox) Stats(ctx context.Context) (Stats, error) {

@@ -52,6 +52,9 @@ const (
 	MetricEffectsDelayed    = "outbox.effects.delayed"      // gauge: delayed effects not yet due (no backlog)
 	MetricDelayedPromoted   = "outbox.effects.delayed.due"  // counter: delayed effects the relay made pending once due
 	MetricEffectsSpilled    = "outbox.effects.spilled"      // counter: units of work that moved the effects kept in their claim to rows
+	MetricXminHeldAge       = "outbox.db.xmin_held_age"     // gauge, s: how long the oldest holder of the xmin horizon has held it (PostgreSQL)
+	MetricXminHeldXacts     = "outbox.db.xmin_held_xacts"   // gauge: transactions begun since the xmin horizon held (PostgreSQL)
+	MetricTableDeadTuples   = "outbox.table.dead_tuples"    // gauge: dead row versions of an outbox table, by table (PostgreSQL)
 )
 
 // Attribute keys. Consumer and topic names are bounded by the application; message IDs are never
@@ -262,7 +265,10 @@ func newTelemetry(o *Outbox) (*telemetry, error) {
 	relayAge := gauge(MetricRelayLastRoundAge, "s", "Time since this process's relay last finished a round.")
 	uptime := gauge(MetricUptime, "s", "Time since this Outbox was created: its counters count from then.")
 	delayed := gauge(MetricEffectsDelayed, "{effect}", "Delayed side effects committed and not yet due: no backlog (once due they count as pending).")
-	t.gauges = []metric.Observable{pending, pendingAge, parked, parkedAge, failing, dead, retained, cleanupLag, statsAge, relayAge, uptime, delayed}
+	xminAge := gauge(MetricXminHeldAge, "s", "How long the oldest holder of the xmin horizon the service's role can see (a transaction, a replication slot, a prepared transaction) has held it: nothing deleted since can be vacuumed.")
+	xminXacts := gauge(MetricXminHeldXacts, "{transaction}", "Transactions begun since the oldest xmin horizon the service's role can see was held.")
+	deadTuples := gauge(MetricTableDeadTuples, "{row}", "Dead row versions of an outbox table not yet vacuumed, by table.")
+	t.gauges = []metric.Observable{pending, pendingAge, parked, parkedAge, failing, dead, retained, cleanupLag, statsAge, relayAge, uptime, delayed, xminAge, xminXacts, deadTuples}
 	tablesName := o.cfg.TablePrefix
 	if o.cfg.Schema != "" {
 		tablesName = o.cfg.Schema + "." + tablesName
@@ -290,6 +296,21 @@ func newTelemetry(o *Outbox) (*telemetry, error) {
 		obs.ObserveFloat64(cleanupLag, cleanupBehind.Seconds(), opt)
 		obs.ObserveFloat64(statsAge, age.Seconds(), opt)
 		obs.ObserveFloat64(delayed, float64(s.Delayed), opt)
+		if s.Tables != nil { // PostgreSQL's: the other databases have no such horizon
+			var held time.Duration
+			var xacts int64
+			if h := s.XminHold; h != nil {
+				held, xacts = h.Age, h.Transactions
+				if age > t.staleAfter { // a stall must not hold the age at a healthy value
+					held += age
+				}
+			}
+			obs.ObserveFloat64(xminAge, held.Seconds(), opt)
+			obs.ObserveFloat64(xminXacts, float64(xacts), opt)
+			for _, tv := range s.Tables {
+				obs.ObserveFloat64(deadTuples, float64(tv.DeadTuples), metric.WithAttributes(AttrTables.String(tablesName), AttrTable.String(tv.Table)))
+			}
+		}
 		return nil
 	}
 	t.meter = m

@@ -12,6 +12,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"strings"
 	"time"
 	"unicode/utf8"
 )
@@ -271,6 +272,76 @@ type Stats struct {
 	Delayed int64
 	// DeadLetters counts the dead letters still dead (see DeadLetterStore), up to StatsCountCap.
 	DeadLetters int64
+	// XminHold is what holds back the database's xmin horizon, the oldest transaction whose
+	// snapshot keeps VACUUM from removing the rows deleted after it (PostgreSQL only): nil when
+	// nothing the service's role can see holds it, and on other databases.
+	XminHold *XminHold
+	// Tables are the dead row versions of the outbox tables, from the database's statistics
+	// (PostgreSQL only; nil on other databases).
+	Tables []TableVacuum
+}
+
+// Holders of the xmin horizon (XminHold.Holder).
+const (
+	XminBackend             = "backend"              // a session: a long or idle-in-transaction one, or a standby's walsender
+	XminReplicationSlot     = "replication_slot"     // a replication slot's xmin (a standby's hot_standby_feedback)
+	XminPreparedTransaction = "prepared_transaction" // a prepared transaction never committed nor rolled back
+)
+
+// XminHold is the oldest holder of the xmin horizon that a Stats sample found.
+type XminHold struct {
+	// Holder is XminBackend, XminReplicationSlot or XminPreparedTransaction.
+	Holder string
+	// Xmin is the transaction ID held, as PostgreSQL prints it.
+	Xmin string
+	// Transactions is age(xmin): how many transactions began since. Always known.
+	Transactions int64
+	// Age is how long the horizon has been held: since the holder's transaction began (a
+	// backend whose row the role may read, a prepared transaction), or since the samples first
+	// found this xmin held (a slot, another role's backend), whichever is longer.
+	Age time.Duration
+	// PID is the backend's process (a slot's active walsender; 0 when none or prepared).
+	PID int
+	// ApplicationName and State are the backend's (State is empty when the role may not read
+	// it: another role's session without pg_read_all_stats); for a slot, State is active or
+	// inactive.
+	ApplicationName string
+	State           string
+	// Name is the slot's name, the prepared transaction's GID, or the backend's type.
+	Name string
+}
+
+// Who says who holds the horizon, with what an operator needs to end it: the backend's pid,
+// application and state, the slot's name, the prepared transaction's GID.
+func (h XminHold) Who() string {
+	switch h.Holder {
+	case XminReplicationSlot:
+		return fmt.Sprintf("replication slot %s (%s)", h.Name, h.State)
+	case XminPreparedTransaction:
+		return "prepared transaction " + h.Name
+	}
+	who := fmt.Sprintf("backend pid %d", h.PID)
+	var what []string
+	for _, s := range []string{h.ApplicationName, h.State} {
+		if s != "" {
+			what = append(what, s)
+		}
+	}
+	if len(what) > 0 {
+		who += " (" + strings.Join(what, ", ") + ")"
+	}
+	return who
+}
+
+// TableVacuum is one outbox table's dead row versions, as the database's statistics count them.
+type TableVacuum struct {
+	// Table is the table's name without prefix: effects, processed, dispatched, delayed,
+	// attempts, idempotency, dead_letters.
+	Table string
+	// DeadTuples are the row versions deleted or updated and not yet vacuumed.
+	DeadTuples int64
+	// LastAutovacuum is when autovacuum last finished on the table (zero: never).
+	LastAutovacuum time.Time
 }
 
 // DispatchMark is one source's effects that Store.EffectMarkDispatched marks dispatched.

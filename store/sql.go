@@ -152,6 +152,12 @@ type Queries struct {
 	StatsLease  string // (interval ms): takes the right to sample; affects one row if it was free
 	StatsWrite  string // (sample): stores a sample taken now
 	StatsRead   string // -> sample, its age in ms (no row before the first)
+	// VacuumSample -> one row per outbox table: its name without prefix, dead tuples, last
+	// autovacuum (NULL: never); and on every row the oldest holder of the xmin horizon (kind NULL
+	// when none): kind, xid as text, age in transactions, ms since its transaction began (NULL
+	// when unknown), pid, application name, state, name. It reads the server's statistics and
+	// activity only, never the tables. Empty when the dialect has no such horizon.
+	VacuumSample string
 
 	// AuditInsert (actor, action, target, detail, remote address) writes an entry of the audit table; empty when
 	// the dialect has none (then no audited change can be made).
@@ -1340,6 +1346,16 @@ type statsSample struct {
 	Estimated                                     bool
 	Delayed                                       int64
 	DeadLetters                                   int64
+	Xmin                                          *xminSample                `json:",omitempty"`
+	Tables                                        []outboxdriver.TableVacuum `json:",omitempty"`
+}
+
+// xminSample is an outboxdriver.XminHold as it is stored: its ages as of the sample.
+type xminSample struct {
+	outboxdriver.XminHold
+	// StartedMS is since the holder's transaction began (-1: unknown); SeenMS since the samples
+	// first found this xmin held.
+	StartedMS, SeenMS int64
 }
 
 // Stats implements outboxdriver.Store.
@@ -1370,6 +1386,11 @@ func (s *SQL) Stats(ctx context.Context, p outboxdriver.StatsParams) (outboxdriv
 		}
 	}
 	var smp statsSample
+	if q.VacuumSample != "" {
+		if err := s.sampleVacuum(ctx, &smp); err != nil {
+			return outboxdriver.Stats{}, err
+		}
+	}
 	err := s.db.QueryRowContext(ctx, q.StatsSample, outboxdriver.StatsCountCap, p.Retention.Milliseconds()).Scan(
 		&smp.Pending, &smp.OldestPendingMS, &smp.Parked, &smp.OldestParkedMS, &smp.Failing,
 		&smp.Retained, &smp.Estimated, &smp.CleanupLagMS)
@@ -1407,12 +1428,69 @@ func (s *SQL) Stats(ctx context.Context, p outboxdriver.StatsParams) (outboxdriv
 
 func (smp statsSample) stats(at time.Time) outboxdriver.Stats {
 	ms := func(n int64) time.Duration { return time.Duration(max(n, 0)) * time.Millisecond }
-	return outboxdriver.Stats{
+	st := outboxdriver.Stats{
 		Pending: smp.Pending, OldestPending: ms(smp.OldestPendingMS),
 		Parked: smp.Parked, OldestParked: ms(smp.OldestParkedMS),
 		Failing: smp.Failing, Retained: smp.Retained, Estimated: smp.Estimated,
 		CleanupLag: ms(smp.CleanupLagMS), SampledAt: at, Delayed: smp.Delayed, DeadLetters: smp.DeadLetters,
+		Tables: smp.Tables,
 	}
+	if x := smp.Xmin; x != nil {
+		h := x.XminHold
+		h.Age = ms(max(x.StartedMS, x.SeenMS))
+		st.XminHold = &h
+	}
+	return st
+}
+
+// sampleVacuum reads what holds back the xmin horizon and the dead tuples of the outbox tables
+// into smp. A slot's xmin, or a backend of another role whose transaction start the role may
+// not read, has no time of its own: how long it has been held is carried from the stored
+// sample while the same xmin stays held, so that an alert on the age sees it too.
+func (s *SQL) sampleVacuum(ctx context.Context, smp *statsSample) error {
+	// Prepared: planning the views it reads costs several times its execution.
+	rows, err := s.query(ctx, nil, s.d.Queries.VacuumSample)
+	if err != nil {
+		return fmt.Errorf("sample the xmin horizon and dead tuples: %w", s.wrap(err))
+	}
+	defer func() { _ = rows.Close() }()
+	smp.Tables = []outboxdriver.TableVacuum{}
+	for rows.Next() {
+		var t outboxdriver.TableVacuum
+		var vacuumed sql.NullTime
+		var kind, xid, app, state, name sql.NullString
+		var xacts, startedMS, pid sql.NullInt64
+		if err := rows.Scan(&t.Table, &t.DeadTuples, &vacuumed, &kind, &xid, &xacts, &startedMS, &pid, &app, &state, &name); err != nil {
+			return fmt.Errorf("sample the xmin horizon and dead tuples: %w", err)
+		}
+		t.LastAutovacuum = vacuumed.Time
+		smp.Tables = append(smp.Tables, t)
+		if kind.Valid && smp.Xmin == nil {
+			smp.Xmin = &xminSample{XminHold: outboxdriver.XminHold{
+				Holder: kind.String, Xmin: xid.String, Transactions: xacts.Int64, PID: int(pid.Int64),
+				ApplicationName: app.String, State: state.String, Name: name.String,
+			}, StartedMS: -1}
+			if startedMS.Valid {
+				smp.Xmin.StartedMS = startedMS.Int64
+			}
+		}
+	}
+	if err := rows.Err(); err != nil {
+		return fmt.Errorf("sample the xmin horizon and dead tuples: %w", s.wrap(err))
+	}
+	if smp.Xmin == nil {
+		return nil
+	}
+	var text sql.NullString
+	var ageMS sql.NullInt64
+	if err := s.db.QueryRowContext(ctx, s.d.Queries.StatsRead).Scan(&text, &ageMS); err != nil && !errors.Is(err, sql.ErrNoRows) {
+		return fmt.Errorf("read stats: %w", s.wrap(err))
+	}
+	var prev statsSample
+	if text.Valid && json.Unmarshal([]byte(text.String), &prev) == nil && prev.Xmin != nil && prev.Xmin.Xmin == smp.Xmin.Xmin {
+		smp.Xmin.SeenMS = prev.Xmin.SeenMS + max(ageMS.Int64, 0)
+	}
+	return nil
 }
 
 // QueryPrepared runs query in tx as a statement prepared per connection (as the store's hot

@@ -672,6 +672,46 @@ func queries(n store.Names, deleteDispatched bool) store.Queries {
 		StatsRead: `SELECT sample, (extract(epoch FROM now() - sampled_at) * 1000)::bigint FROM ` + n.Stats + `
 			WHERE id = 1 AND sample IS NOT NULL`,
 
+		// What holds back the xmin horizon, for the tables of this database: a backend of this
+		// database (on PostgreSQL 14 and later those of other databases do not hold back its
+		// tables; a walsender carrying a standby's hot_standby_feedback has no database), a
+		// backend's own xid counting as its xmin (a session idle in transaction after a write
+		// has no snapshot but holds its xid), a slot's xmin (a logical slot's catalog_xmin holds
+		// back the catalogs only), a prepared transaction. backend_xmin, backend_xid, pid and
+		// application_name are readable for every session; xact_start and state only for the
+		// role's own sessions, or with pg_read_all_stats. A VACUUM shows an xmin that holds
+		// nothing back (the server leaves vacuums out of the horizon): its pid, which
+		// pg_stat_progress_vacuum shows to every role, is left out. The dead tuples come from the
+		// statistics functions, by oid: no table is read.
+		VacuumSample: `WITH h AS (
+				SELECT 'backend' AS kind,
+					CASE WHEN backend_xid IS NOT NULL AND age(backend_xid) >= coalesce(age(backend_xmin), 0)
+						THEN backend_xid ELSE backend_xmin END::text AS xid,
+					greatest(age(backend_xid), age(backend_xmin))::bigint AS xacts,
+					(extract(epoch FROM now() - xact_start) * 1000)::bigint AS started_ms,
+					pid, application_name AS app, state, backend_type AS name
+				FROM pg_stat_activity
+				WHERE pid <> pg_backend_pid() AND (backend_xmin IS NOT NULL OR backend_xid IS NOT NULL)
+				  AND pid NOT IN (SELECT pid FROM pg_stat_progress_vacuum)
+				  AND (datid IS NULL OR datid = (SELECT oid FROM pg_database WHERE datname = current_database()))
+				UNION ALL
+				SELECT 'replication_slot', xmin::text, age(xmin)::bigint, NULL, active_pid, NULL,
+					CASE WHEN active THEN 'active' ELSE 'inactive' END, slot_name::text
+				FROM pg_replication_slots WHERE xmin IS NOT NULL
+				UNION ALL
+				SELECT 'prepared_transaction', transaction::text, age(transaction)::bigint,
+					(extract(epoch FROM now() - prepared) * 1000)::bigint, NULL, NULL, NULL, gid
+				FROM pg_prepared_xacts WHERE database = current_database()
+				ORDER BY 3 DESC LIMIT 1)
+			SELECT t.name, coalesce(pg_stat_get_dead_tuples(t.oid), 0), pg_stat_get_last_autovacuum_time(t.oid),
+				h.kind, h.xid, h.xacts, h.started_ms, h.pid, h.app, h.state, h.name
+			FROM (VALUES ('effects', '` + n.Effects + `'::regclass), ('processed', '` + n.Processed + `'::regclass),
+				('dispatched', '` + n.Dispatched + `'::regclass), ('delayed', '` + n.Delayed + `'::regclass),
+				('attempts', '` + n.Attempts + `'::regclass), ('idempotency', '` + n.Idempotency + `'::regclass),
+				('dead_letters', '` + n.DeadLetters + `'::regclass)) t(name, oid)
+			LEFT JOIN h ON true
+			ORDER BY t.name`,
+
 		AuditInsert: `INSERT INTO ` + n.Audit + ` (actor, action, target, detail, remote_addr) VALUES ($1, $2, $3, $4, $5)`,
 		RecordServiceConfig: `UPDATE ` + n.Stats + ` SET retention_ms = $1, effect_retention_ms = $2,
 			redelivery_horizon_ms = $3, config_at = now() WHERE id = 1`,

@@ -175,7 +175,9 @@ func root(d Database) *command {
 	return &command{name: "", subs: []*command{
 		{name: "status", short: "pending, parked, failing, retained, cleanup lag, last dispatch, recent changes", run: status,
 			long: "Status shows the pending, delayed and parked effects (per consumer and topic), the failing messages,\n" +
-				"the retained message IDs, the cleanup lag, the last dispatch and the latest audited changes."},
+				"the retained message IDs, the cleanup lag, the last dispatch and the latest audited changes; on\n" +
+				"PostgreSQL also what holds back the xmin horizon (a session, slot or prepared transaction) and the\n" +
+				"dead tuples of the outbox tables."},
 		{name: "parked", short: "parked effects: list, group, retry or discard them",
 			long: "Parked effects are the side effects the relay gave up sending.\n" + filters, subs: []*command{
 				{name: "parked list", short: "the parked effects, with their last error", run: parked,
@@ -571,6 +573,22 @@ func status(ctx context.Context, g *globals, c *command, args []string, out prin
 		fmt.Fprintf(w, "dead letters\t%d\t(outbox dead groups)\n", t.DeadLetters)
 		fmt.Fprintf(w, "retained IDs\t%d\t%s\n", t.Retained, map[bool]string{true: "(estimated)"}[t.Estimated])
 		fmt.Fprintf(w, "cleanup lag\t%s\t\n", t.CleanupLag.Round(time.Second))
+		if t.Tables != nil { // PostgreSQL's
+			if h := t.XminHold; h != nil {
+				fmt.Fprintf(w, "xmin held\t%s\t%d transactions, by %s\n", h.Age.Round(time.Second), h.Transactions, clean(h.Who()))
+			} else {
+				fmt.Fprintf(w, "xmin held\tnone\t\n")
+			}
+			var dead int64
+			var each []string
+			for _, tv := range t.Tables {
+				dead += tv.DeadTuples
+				if tv.DeadTuples > 0 {
+					each = append(each, fmt.Sprintf("%s %d", tv.Table, tv.DeadTuples))
+				}
+			}
+			fmt.Fprintf(w, "dead tuples\t%d\t%s\n", dead, strings.Join(each, ", "))
+		}
 		if s.LastDispatch.IsZero() {
 			fmt.Fprintf(w, "last dispatch\tnone in the last hour\t\n")
 		} else {
