@@ -47,11 +47,15 @@ func (o *Ops) DeadLetters(ctx context.Context, f outboxdriver.DeadLetterFilter) 
 // DeadLetterGroup counts the dead letters (in state dead) of one consumer whose reasons have one
 // Fingerprint; Reason is the first one's.
 type DeadLetterGroup struct {
-	Consumer string    `json:"consumer"`
-	Reason   string    `json:"reason"`
-	Count    int       `json:"count"`
-	Oldest   time.Time `json:"oldest"`
-	Newest   time.Time `json:"newest"`
+	Consumer    string    `json:"consumer"`
+	Reason      string    `json:"reason"`
+	Fingerprint string    `json:"fingerprint"`
+	Count       int       `json:"count"`
+	Oldest      time.Time `json:"oldest"`
+	Newest      time.Time `json:"newest"`
+	// Keys are its dead letters, so that an action on the group changes those it counted and
+	// not those that joined it since.
+	Keys []outboxdriver.Source `json:"-"`
 }
 
 // maxGrouped bounds the dead letters DeadLetterGroups reads.
@@ -74,10 +78,11 @@ func (o *Ops) DeadLetterGroups(ctx context.Context, consumer string) (groups []D
 		k := [2]string{d.Consumer, Fingerprint(d.Reason)}
 		g := byKey[k]
 		if g == nil {
-			g = &DeadLetterGroup{Consumer: d.Consumer, Reason: d.Reason, Oldest: d.DeadAt}
+			g = &DeadLetterGroup{Consumer: d.Consumer, Reason: d.Reason, Fingerprint: k[1], Oldest: d.DeadAt}
 			byKey[k] = g
 		}
 		g.Count++
+		g.Keys = append(g.Keys, outboxdriver.Source{Consumer: d.Consumer, ID: d.MessageID})
 		if d.DeadAt.Before(g.Oldest) {
 			g.Oldest = d.DeadAt
 		}
