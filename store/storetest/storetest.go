@@ -136,6 +136,7 @@ func Run(t *testing.T, newHarness func(t *testing.T) Harness) {
 		{"EffectDiscard/RetentionCountsFromDiscard", testDiscardMovesClaim},
 		{"MessageReplay", testReplay},
 		{"DeadLetters", testDeadLetters},
+		{"DeadLetterNow", testDeadLetterNow},
 		{"EffectListParked", testListParked},
 		{"EffectUnpark", testUnpark},
 		{"EffectDiscard", testDiscard},
