@@ -71,6 +71,9 @@ const (
 	// because handing a message back to its handler is not resending an effect.
 	ActionRetryDeadLetter   = "retry-dead-letter"
 	ActionDiscardDeadLetter = "discard-dead-letter"
+	// ActionDeadLetterNow dead-letters a failing message on its next delivery (outbox dead now);
+	// its target is in Consumers and MessageID.
+	ActionDeadLetterNow = "dead-letter-now"
 )
 
 // Action is what Authorize is asked about: an action and its target.
@@ -82,7 +85,7 @@ type Action struct {
 	StoreIDs  []int64
 	Consumers []string
 	Topics    []string
-	// MessageID is the message a replay is for.
+	// MessageID is the message a replay, or a dead-letter-now, is for.
 	MessageID string
 	// Messages are the dead letters (Source{Consumer, ID: message ID}) a dead-letter action
 	// changes, and Consumers theirs.
@@ -136,8 +139,8 @@ type console struct {
 }
 
 // New returns the console's handler. It serves "/" (the page), "/discard" (GET: the question
-// before a discard) and the POSTs "/retry", "/discard", "/replay", "/retry-dead" and
-// "/discard-dead" (dead letters); mount it under a prefix with http.StripPrefix.
+// before a discard) and the POSTs "/retry", "/discard", "/replay", "/retry-dead",
+// "/discard-dead" (dead letters) and "/dead-letter-now" (a failing message); mount it under a prefix with http.StripPrefix.
 func New(o *ops.Ops, opt Options) (http.Handler, error) {
 	if opt.Authenticate == nil && opt.BasicAuth == nil && !opt.AllowUnauthenticated {
 		return nil, errors.New("console: Options.Authenticate or BasicAuth is required (or set AllowUnauthenticated when the application authenticates in front of the console)")
@@ -184,6 +187,7 @@ func New(o *ops.Ops, opt Options) (http.Handler, error) {
 	mux.HandleFunc("POST /replay", c.action(ActionReplay))
 	mux.HandleFunc("POST /retry-dead", c.action(ActionRetryDeadLetter))
 	mux.HandleFunc("POST /discard-dead", c.action(ActionDiscardDeadLetter))
+	mux.HandleFunc("POST /dead-letter-now", c.action(ActionDeadLetterNow))
 	return c.secure(mux), nil
 }
 
@@ -294,6 +298,12 @@ type poisoned struct {
 	CanReplay bool
 }
 
+// failing is a failing message with whether the user may dead-letter it at once.
+type failing struct {
+	ops.Failing
+	CanDeadLetter bool
+}
+
 // deadGroup is a group of dead letters with what the user may do with all of it.
 type deadGroup struct {
 	ops.DeadLetterGroup
@@ -350,7 +360,7 @@ type view struct {
 	Groups      []group
 	Parked      []row
 	NextParked  template.URL
-	Failing     []ops.Failing
+	Failing     []failing
 	MoreFailing bool
 	Poisoned    []poisoned
 	MorePoison  bool
@@ -422,11 +432,16 @@ func (c *console) load(ctx context.Context, r *http.Request, v *view) error {
 		}
 		v.Groups = append(v.Groups, group{FailureGroup: g, CanRetry: c.may(r, target(in...).as(ActionRetry))})
 	}
-	if v.Failing, err = c.ops.FailingMessages(ctx, v.Filter.Consumer, n+1); err != nil {
+	fl, err := c.ops.FailingMessages(ctx, v.Filter.Consumer, n+1)
+	if err != nil {
 		return err
 	}
-	if len(v.Failing) > n {
-		v.Failing, v.MoreFailing = v.Failing[:n], true
+	if len(fl) > n {
+		fl, v.MoreFailing = fl[:n], true
+	}
+	for _, f := range fl {
+		v.Failing = append(v.Failing, failing{Failing: f,
+			CanDeadLetter: c.may(r, Action{Name: ActionDeadLetterNow, Consumers: []string{f.Consumer}, MessageID: f.MessageID})})
 	}
 	if err := c.loadDead(ctx, r, v); err != nil {
 		return err
@@ -672,6 +687,16 @@ func (c *console) action(action string) http.HandlerFunc {
 				n, err = c.ops.DiscardDeadLetters(ctx, keys, opt)
 				flash = fmt.Sprintf("%d dead letter(s) discarded", n)
 			}
+		case ActionDeadLetterNow:
+			consumer, id := r.PostForm.Get("consumer"), r.PostForm.Get("message_id")
+			if !c.may(r, Action{Name: ActionDeadLetterNow, Consumers: []string{consumer}, MessageID: id}) {
+				http.Error(w, "forbidden: not authorized to dead-letter "+consumer+"/"+id, http.StatusForbidden)
+				return
+			}
+			var ok bool
+			ok, err = c.ops.DeadLetterNow(ctx, outboxdriver.Source{Consumer: consumer, ID: id}, opt)
+			flash = fmt.Sprintf("dead-letter %s/%s: %v", consumer, id, map[bool]string{
+				true: "its next delivery stores it as a dead letter and acks it", false: "not a failing message"}[ok])
 		case ActionReplay:
 			consumer, id := r.PostForm.Get("consumer"), r.PostForm.Get("message_id")
 			if !c.may(r, Action{Name: ActionReplay, Consumers: []string{consumer}, MessageID: id}) {

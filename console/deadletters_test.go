@@ -117,3 +117,60 @@ func TestDeadLetterDiscardAsksAndIsAuthorized(t *testing.T) {
 		t.Errorf("audit: %q %v", actor, err)
 	}
 }
+
+// TestDeadLetterNowFromTheConsole: a failing message has a button that dead-letters it on its
+// next delivery, without running the handler again; the request is audited with the user.
+func TestDeadLetterNowFromTheConsole(t *testing.T) {
+	db := pgtest.DB(t)
+	ctx := context.Background()
+	ob, err := outbox.New(outbox.Config{DB: db, Driver: postgres.Driver{}, Publisher: refusing{}, RetryDelay: -1, MaxAttempts: 5})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := ob.Migrate(ctx); err != nil {
+		t.Fatal(err)
+	}
+	calls := 0
+	deliver := func() error {
+		return ob.Handle(message.NewMessage("m-7", []byte("order 7")), outbox.HandleParams{Consumer: "shipping", MessageID: "m-7", Topic: "orders"},
+			func(*message.Message) ([]*message.Message, error) {
+				calls++
+				return nil, errors.New("carrier API timeout")
+			})
+	}
+	if err := deliver(); err == nil {
+		t.Fatal("first delivery: want the handler's failure")
+	}
+	o, err := ops.ForOutbox(ob)
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := serve(t, o, console.Options{
+		Authenticate: func(*http.Request) (string, bool) { return "alice", true },
+		Authorize:    func(_ *http.Request, _ string, a console.Action) bool { return a.Name == console.ActionDeadLetterNow },
+	})
+	c := noRedirect()
+	_, body := get(t, c, srv.URL+"/outbox/")
+	if !strings.Contains(body, `class="dead-now"`) {
+		t.Fatalf("want a dead-letter button on the failing message:\n%s", body)
+	}
+	token := tokenOf.FindStringSubmatch(body)[1]
+	resp, _ := postForm(t, c, srv.URL+"/outbox/dead-letter-now", url.Values{"consumer": {"shipping"}, "message_id": {"m-7"}, "token": {token}})
+	if resp.StatusCode != http.StatusSeeOther {
+		t.Fatalf("dead-letter now: %d, want 303", resp.StatusCode)
+	}
+	_, body = get(t, c, srv.URL+"/outbox/"+strings.TrimPrefix(resp.Header.Get("Location"), "./"))
+	if !strings.Contains(body, "its next delivery stores it as a dead letter") {
+		t.Errorf("the notice after the request:\n%s", body)
+	}
+	if err := deliver(); err != nil || calls != 1 {
+		t.Fatalf("the next delivery: %v, %d handler calls; want it acked without running the handler again", err, calls)
+	}
+	var actor string
+	if err := db.QueryRow(`SELECT actor FROM outbox_audit WHERE action = 'dead-letter-now' AND target = 'shipping/m-7'`).Scan(&actor); err != nil || actor != "alice (console)" {
+		t.Errorf("audit: %q %v", actor, err)
+	}
+	if dead, err := ob.DeadLetters(ctx, outbox.DeadLetterFilter{State: outbox.DeadLetterDead}); err != nil || len(dead) != 1 || dead[0].MessageID != "m-7" {
+		t.Fatalf("dead letters: %+v %v", dead, err)
+	}
+}
