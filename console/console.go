@@ -321,6 +321,10 @@ type deadRow struct {
 type deadConfirm struct {
 	Keys                       []outboxdriver.Source
 	Consumer, MessageID, Group string
+	// Shown are the first PageSize of Keys, which the question lists (a group may count
+	// thousands), and More how many it leaves out.
+	Shown []outboxdriver.Source
+	More  int
 }
 
 // relay is the indicator of the relays' state.
@@ -675,7 +679,8 @@ func (c *console) action(action string) http.HandlerFunc {
 				return
 			}
 			if action == ActionDiscardDeadLetter && r.PostForm.Get("confirm") != "yes" {
-				sel.Keys = keys
+				sel.Keys, sel.Shown = keys, keys[:min(len(keys), c.opt.PageSize)]
+				sel.More = len(keys) - len(sel.Shown)
 				c.render(w, view{User: user, Token: c.token(user), ConfirmDead: &sel})
 				return
 			}
