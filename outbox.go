@@ -198,6 +198,13 @@ func (o *Outbox) Run(ctx context.Context) error {
 		wg.Add(1)
 		go func() { defer wg.Done(); o.runEvery(ctx, o.cfg.StatsInterval, nil, "stats sampling", o.sampleStats) }()
 	}
+	if o.cfg.Redrive.After > 0 && o.deadLetterStore() != nil {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			o.runEvery(ctx, min(o.cfg.Redrive.After, time.Minute), nil, "dead-letter redrive", o.redriveOnce)
+		}()
+	}
 	wg.Wait()
 	o.due.stop()
 	o.marks.wait() // a clean shutdown leaves no mark unwritten, so nothing is re-sent after it
