@@ -67,6 +67,9 @@ type Config struct {
 	// set (after MaxAttempts, or at once for a permanent error), and is otherwise nacked again on
 	// every delivery, forever.
 	DeadLetters DeadLetterPolicy
+	// Redrive retries dead letters on its own, for causes that pass (a downstream that comes
+	// back): off unless Redrive.After is set. See DeadLetterRedrive.
+	Redrive DeadLetterRedrive
 	// PoisonTopic, when set, receives a copy of every dead-lettered message, with the reason in
 	// its metadata (MetadataPoisonReason and the others): with DeadLetters stored, the copy is
 	// recorded in the dead letter's transaction and sent like a side effect; with DeadLettersOff,
@@ -277,6 +280,9 @@ func (c *Config) setDefaults() {
 	if c.MaxAttempts == 0 {
 		c.MaxAttempts = defaultMaxAttempts
 	}
+	if c.Redrive.After > 0 && c.Redrive.MaxRetries == 0 {
+		c.Redrive.MaxRetries = defaultRedriveRetries
+	}
 	if c.DuplicateWait == 0 {
 		c.DuplicateWait = defaultDuplicateWait
 	}
@@ -384,6 +390,12 @@ func (c Config) Validate() error {
 	default:
 		errs = append(errs, fmt.Errorf("DeadLetters must be %q or %q, not %q", DeadLettersStore, DeadLettersOff, c.DeadLetters))
 	}
+	if c.Redrive.After < 0 || c.Redrive.MaxRetries < 0 {
+		errs = append(errs, fmt.Errorf("Redrive: After (%s) and MaxRetries (%d) must not be negative", c.Redrive.After, c.Redrive.MaxRetries))
+	}
+	if c.Redrive.After > 0 && c.DeadLetters == DeadLettersOff {
+		errs = append(errs, errors.New("Redrive retries dead letters, which DeadLettersOff does not store: set one or the other"))
+	}
 	if c.PoisonTopic != "" {
 		if err := validateName(c.PoisonTopic); err != nil {
 			errs = append(errs, fmt.Errorf("PoisonTopic: %w", err))
@@ -415,6 +427,27 @@ const (
 	// nacked forever.
 	DeadLettersOff DeadLetterPolicy = "off"
 )
+
+// DeadLetterRedrive is a policy that retries dead letters on its own (Config.Redrive), as
+// Outbox.RetryDeadLetters does, by actor RedriveActor: each dead letter After it was stored, while
+// it was retried fewer than MaxRetries times in all (DeadLetter.Retries, which an operator's
+// retries count too); then it stays dead until an operator acts. Dead letters marked permanent
+// (no attempt can succeed) and those without a source topic are left to the operator. Every
+// Outbox.Run looks, every After (at most every minute), at the oldest 1,000 dead letters; when
+// several look at once, the retry of a dead letter another one retried a moment before changes
+// nothing.
+type DeadLetterRedrive struct {
+	// After is how long a dead letter waits before it is retried. Zero: no redrive (the
+	// default).
+	After time.Duration
+	// MaxRetries bounds the retries of a dead letter. Default, with After set: 3.
+	MaxRetries int
+}
+
+// RedriveActor is who the redrive policy retries dead letters as (DeadLetter.ChangedBy).
+const RedriveActor = "redrive policy"
+
+const defaultRedriveRetries = 3
 
 // isNilPointer reports whether v, a non-nil interface, holds a nil pointer, map, channel or func.
 func isNilPointer(v any) bool {

@@ -270,6 +270,12 @@ func (o *Outbox) handlerFailed(ctx context.Context, msg *message.Message, src So
 	}
 	fields = fields.Add(watermill.LogFields{"attempts": attempts, "max_attempts": o.cfg.MaxAttempts})
 	if attempts < o.cfg.MaxAttempts && !permanent {
+		o.failingHere.add(src)
+		// An operator may have asked while this attempt ran, or while the message was delivered
+		// to a process that had not seen it fail.
+		if done, err := o.deadLetterIfAsked(ctx, msg, src, fields); done {
+			return err
+		}
 		return counted(fmt.Errorf("attempt %d of %d: %w", attempts, o.cfg.MaxAttempts, herr), attempts)
 	}
 	if dl := o.deadLetterStore(); dl != nil {
@@ -288,6 +294,34 @@ func (o *Outbox) handlerFailed(ctx context.Context, msg *message.Message, src So
 	o.logger.Error("Message moved to the poison topic after repeated failures", herr,
 		fields.Add(watermill.LogFields{"poison_topic": o.cfg.PoisonTopic}))
 	return nil
+}
+
+// deadLetterIfAsked stores msg as a dead letter and acks it, instead of running its handler
+// (again), when an operator asked for it (outbox dead now: a mark on its attempt counter). done
+// tells whether it did, or failed to (err, a nack); otherwise the message goes on as usual, also
+// when the request cannot be read: the handler's attempt reads the database as well.
+func (o *Outbox) deadLetterIfAsked(ctx context.Context, msg *message.Message, src Source, fields watermill.LogFields) (done bool, err error) {
+	dl := o.deadLetterStore()
+	ds, ok := o.store.(outboxdriver.DeadLetterNowStore)
+	if dl == nil || !ok {
+		return false, nil
+	}
+	bctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), storeTimeout)
+	defer cancel()
+	req, err := ds.DeadLetterRequested(bctx, src)
+	if err != nil {
+		o.logger.Error("Reading whether an operator asked to dead-letter a failing message failed", err, fields)
+		return false, nil
+	}
+	if req.By == "" {
+		return false, nil
+	}
+	cause := fmt.Errorf("dead-lettered at once at the request of %s; its last error: %s", req.By, req.LastError)
+	err = o.deadLetter(bctx, ctx, dl, msg, src, cause, req.Attempts, false, false, fields.Add(watermill.LogFields{"requested_by": req.By}))
+	if errors.Is(err, errNoDeadLetters) {
+		return false, nil
+	}
+	return true, err
 }
 
 // errNoDeadLetters: the store keeps no dead letters after all; the message is handled as with

@@ -183,6 +183,11 @@ func (o *Outbox) handleOnce(msg *message.Message, src Source, p HandleParams, ne
 	// consumer path's throughput with an SDK installed); only the dispatch, which calls the broker,
 	// has a span of its own.
 	span := trace.SpanFromContext(parent)
+	if o.failingHere.contains(src) {
+		if done, err := o.deadLetterIfAsked(after, msg, src, fields); done {
+			return err
+		}
+	}
 	tx, claim, err := o.units.BeginUnit(txCtx, &src)
 	if err != nil {
 		if o.isRetryable(err) && !lastTry {

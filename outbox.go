@@ -48,6 +48,10 @@ type Outbox struct {
 	// failedHere holds the sources whose dispatch failed in this process lately: a redelivered
 	// copy of one of them never waits for an original that is known to have failed.
 	failedHere recentSources
+	// failingHere holds the messages whose handler failed in this process lately: only their
+	// deliveries look for an operator's request to dead-letter them at once (outbox dead now),
+	// so that the others pay no read for it.
+	failingHere recentSources
 	// relaysRunning counts the Run calls in progress; noRelayWarned lets the missing relay be
 	// reported once a minute.
 	relaysRunning atomic.Int32
@@ -103,6 +107,7 @@ func New(cfg Config) (*Outbox, error) {
 		o.units = us
 	}
 	o.failedHere.ttl = cfg.DuplicateWait + cfg.PublishTimeout + time.Minute
+	o.failingHere.ttl = time.Hour
 	o.marks = newMarker(o)
 	if o.tel, err = newTelemetry(o); err != nil {
 		return nil, fmt.Errorf("outbox: create instruments: %w", err)
@@ -192,6 +197,13 @@ func (o *Outbox) Run(ctx context.Context) error {
 	if o.cfg.StatsInterval > 0 {
 		wg.Add(1)
 		go func() { defer wg.Done(); o.runEvery(ctx, o.cfg.StatsInterval, nil, "stats sampling", o.sampleStats) }()
+	}
+	if o.cfg.Redrive.After > 0 && o.deadLetterStore() != nil {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			o.runEvery(ctx, min(o.cfg.Redrive.After, time.Minute), nil, "dead-letter redrive", o.redriveOnce)
+		}()
 	}
 	wg.Wait()
 	o.due.stop()

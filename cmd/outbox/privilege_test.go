@@ -342,6 +342,10 @@ func TestLeastPrivilegedRoles(t *testing.T) {
 	if _, err := owner.Exec(`UPDATE outbox_effects SET parked_at = now() - interval '2 hours' WHERE id = $1`, parkedID); err != nil {
 		t.Fatal(err)
 	}
+	// A message whose handler failed once, for dead now.
+	if _, err := owner.Exec(`INSERT INTO outbox_attempts (consumer, message_id, attempts, last_error) VALUES ('billing', 'm-failing', 1, 'carrier API timeout')`); err != nil {
+		t.Fatal(err)
+	}
 	// The operator's role runs every command of docs/operations.md.
 	for _, args := range [][]string{
 		{"status"},
@@ -351,6 +355,8 @@ func TestLeastPrivilegedRoles(t *testing.T) {
 		{"parked", "retry", "-error", "schema v2", "-dry-run"},
 		{"parked", "retry", "-error", "schema v2", "-batch", "200"},
 		{"failing", "list", "-consumer", "billing"},
+		{"dead", "now", "-dry-run", "billing", "m-failing"},
+		{"dead", "now", "billing", "m-failing"},
 		{"lookup", "billing", "m-parked"},
 		{"replay", "billing", "m-poisoned"},
 		{"dead", "list"},
@@ -382,7 +388,7 @@ func TestLeastPrivilegedRoles(t *testing.T) {
 		}
 	}
 	code, out, _ := cliAs(opDSN, "status")
-	for _, action := range []string{"retry-parked", "replay-poisoned", "cleanup", "discard-parked", "retry-dead-letter", "discard-dead-letter"} {
+	for _, action := range []string{"retry-parked", "replay-poisoned", "cleanup", "discard-parked", "retry-dead-letter", "discard-dead-letter", "dead-letter-now"} {
 		if code != 0 || !strings.Contains(out, action) {
 			t.Errorf("status as the operator's role: want %s among the recent changes: %d %s", action, code, out)
 		}

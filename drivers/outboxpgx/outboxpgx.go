@@ -171,7 +171,26 @@ var (
 	_ outboxdriver.ConfigRecorder  = (*pgxStore)(nil)
 	_ outboxdriver.WritableChecker = (*pgxStore)(nil)
 	_ outboxdriver.DeadLetterStore = (*pgxStore)(nil)
+
+	_ outboxdriver.DeadLetterNowStore = (*pgxStore)(nil)
 )
+
+// DeadLetterNow implements outboxdriver.DeadLetterNowStore through the postgres driver's store.
+func (s *pgxStore) DeadLetterNow(ctx context.Context, src outboxdriver.Source, actor string) (bool, error) {
+	if d, ok := s.postgresStore.(outboxdriver.DeadLetterNowStore); ok {
+		return d.DeadLetterNow(ctx, src, actor)
+	}
+	return false, outboxdriver.ErrDeadLetterNowUnsupported
+}
+
+// DeadLetterRequested implements outboxdriver.DeadLetterNowStore through the postgres driver's
+// store: the handler path of a pgx unit of work reads the requests as database/sql's does.
+func (s *pgxStore) DeadLetterRequested(ctx context.Context, src outboxdriver.Source) (outboxdriver.DeadLetterRequest, error) {
+	if d, ok := s.postgresStore.(outboxdriver.DeadLetterNowStore); ok {
+		return d.DeadLetterRequested(ctx, src)
+	}
+	return outboxdriver.DeadLetterRequest{}, nil
+}
 
 // RecordServiceConfig implements outboxdriver.ConfigRecorder through the postgres driver's store.
 func (s *pgxStore) RecordServiceConfig(ctx context.Context, c outboxdriver.ServiceConfig) error {

@@ -2,7 +2,8 @@ package postgres
 
 import "github.com/watermill-outbox/outbox/store"
 
-// deadLetterQueries are the statements of the dead letters (migration 018).
+// deadLetterQueries are the statements of the dead letters (migration 018) and of the requests to
+// dead-letter a failing message at once (migration 020).
 func deadLetterQueries(n store.Names) store.DeadLetterQueries {
 	since := func(t string) string { return `(extract(epoch FROM now() - ` + t + `) * 1000)::bigint` }
 	expired := `state <> 'dead' AND changed_at < now() - ($1 * interval '1 millisecond')`
@@ -36,5 +37,9 @@ func deadLetterQueries(n store.Names) store.DeadLetterQueries {
 		// where a match by its key alone would delete the message's new dead letter.
 		Cleanup:      `DELETE FROM ` + n.DeadLetters + ` WHERE (consumer, message_id) IN (` + cleanup + ` LIMIT $2) AND ` + expired,
 		CleanupCount: `SELECT count(*) FROM (` + cleanup + `) d`,
+		Now: `UPDATE ` + n.Attempts + ` SET dead_letter_by = $1 WHERE consumer = $2 AND message_id = $3
+			AND NOT EXISTS (SELECT 1 FROM ` + n.Processed + ` p WHERE p.consumer = $2 AND p.message_id = $3)`,
+		Requested: `SELECT attempts, last_error, coalesce(dead_letter_by, '') FROM ` + n.Attempts + ` WHERE consumer = $1 AND message_id = $2
+			AND NOT EXISTS (SELECT 1 FROM ` + n.Processed + ` p WHERE p.consumer = $1 AND p.message_id = $2)`,
 	}
 }

@@ -303,7 +303,8 @@ func msSince(t string) string {
 	return `CAST(round((julianday('now') - julianday(` + t + `)) * 86400000.0) AS INTEGER)`
 }
 
-// deadLetterQueries are the statements of the dead letters (migration 007).
+// deadLetterQueries are the statements of the dead letters (migration 007) and of the requests to
+// dead-letter a failing message at once (migration 009).
 func deadLetterQueries(n store.Names) store.DeadLetterQueries {
 	cleanupDead := `SELECT consumer, message_id FROM ` + n.DeadLetters + ` WHERE state <> 'dead' AND changed_at < ` + ago("?1")
 	return store.DeadLetterQueries{
@@ -331,5 +332,9 @@ func deadLetterQueries(n store.Names) store.DeadLetterQueries {
 		Cleanup: `DELETE FROM ` + n.DeadLetters + ` WHERE (consumer, message_id) IN (` + cleanupDead + ` LIMIT ?2)
 			AND changed_at < ` + ago("?1"),
 		CleanupCount: `SELECT count(*) FROM (` + cleanupDead + `)`,
+		Now: `UPDATE ` + n.Attempts + ` SET dead_letter_by = ?1 WHERE consumer = ?2 AND message_id = ?3
+			AND NOT EXISTS (SELECT 1 FROM ` + n.Processed + ` p WHERE p.consumer = ?2 AND p.message_id = ?3)`,
+		Requested: `SELECT attempts, last_error, coalesce(dead_letter_by, '') FROM ` + n.Attempts + ` WHERE consumer = ?1 AND message_id = ?2
+			AND NOT EXISTS (SELECT 1 FROM ` + n.Processed + ` p WHERE p.consumer = ?1 AND p.message_id = ?2)`,
 	}
 }

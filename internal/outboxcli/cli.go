@@ -214,6 +214,10 @@ func root(d Database) *command {
 				{name: "dead discard", args: "CONSUMER MESSAGE_ID", short: "give a dead letter up (kept; its copies are still acked)", run: dead,
 					long: "Discard a dead letter: it is kept, noted as discarded, and copies of the message are still acked.\n" +
 						"Written to the audit table."},
+				{name: "dead now", args: "CONSUMER MESSAGE_ID", short: "dead-letter a failing message on its next delivery", run: dead,
+					long: "Dead-letter a failing message (its handler failed, fewer than MaxAttempts times) at once: its\n" +
+						"next delivery stores it as a dead letter and acks it, without running the handler again (a\n" +
+						"delivery to a process that has not seen it fail runs it once more). Written to the audit table."},
 			}},
 		{name: "replay", args: "CONSUMER MESSAGE_ID", short: "let a poisoned message run its handler again on its next delivery", run: replay,
 			long: "Replay a poisoned message: its next delivery (put it back on its topic, ID unchanged) runs the\n" +
@@ -824,6 +828,31 @@ func failing(ctx context.Context, g *globals, c *command, args []string, out pri
 	})
 }
 
+// deadNow asks that a failing message be dead-lettered on its next delivery.
+func deadNow(ctx context.Context, g *globals, o *ops.Ops, key outboxdriver.Source, dryRun bool, out printer) error {
+	ok, err := o.DeadLetterNow(ctx, key, ops.RepairOptions{Actor: g.actor, DryRun: dryRun})
+	if err != nil {
+		return err
+	}
+	res := map[string]any{"action": "now", "consumer": key.Consumer, "message_id": key.ID, "changed": map[bool]int{true: 1}[ok], "dry_run": dryRun}
+	name := clean(key.Consumer) + "/" + clean(key.ID)
+	if !ok {
+		if out.json() {
+			if err := out.emit(res, nil); err != nil {
+				return err
+			}
+		}
+		return nothingMatched{name + " is not failing (no failed attempt counted, or processed or dead-lettered already): nothing to dead-letter"}
+	}
+	return out.emit(res, func(w *tabwriter.Writer) {
+		if dryRun {
+			fmt.Fprintf(w, "dry run: %s is failing; its next delivery would dead-letter it\n", name)
+			return
+		}
+		fmt.Fprintf(w, "%s: its next delivery stores it as a dead letter and acks it (outbox dead list)\n", name)
+	})
+}
+
 func dead(ctx context.Context, g *globals, c *command, args []string, out printer) error {
 	sub := strings.TrimPrefix(c.name, "dead ")
 	fs := g.flags(c)
@@ -849,6 +878,9 @@ func dead(ctx context.Context, g *globals, c *command, args []string, out printe
 		if _, err := g.parse(fs, c, args, 0); err != nil {
 			return err
 		}
+	case "now":
+		fs.BoolVar(&dryRun, "dry-run", false, "say whether the message is failing, change nothing")
+		want = 2
 	default:
 		fs.BoolVar(&dryRun, "dry-run", false, "say whether it is a dead letter, change nothing")
 		want = 2
@@ -893,6 +925,9 @@ func dead(ctx context.Context, g *globals, c *command, args []string, out printe
 		})
 	}
 	key := outboxdriver.Source{Consumer: pos[0], ID: pos[1]}
+	if sub == "now" {
+		return deadNow(ctx, g, o, key, dryRun, out)
+	}
 	repair := o.RetryDeadLetters
 	if sub == "discard" {
 		repair = o.DiscardDeadLetters

@@ -3,6 +3,7 @@ package storetest
 import (
 	"bytes"
 	"context"
+	"errors"
 	"maps"
 	"strings"
 	"time"
@@ -258,5 +259,43 @@ func testReplayDeadLetter(f *fixture) {
 	}
 	if es := f.pending(retrySrc); len(es) != 0 {
 		f.t.Fatalf("retry after the replay recorded %+v; want the message handed over once", es)
+	}
+}
+
+// testDeadLetterNow: an operator's request to dead-letter a failing message marks its attempt
+// counter with who asked, which the next delivery reads; a message without failed attempts, or
+// one that is processed (here: poisoned), cannot be asked for.
+func testDeadLetterNow(f *fixture) {
+	ds, ok := f.st.(outboxdriver.DeadLetterNowStore)
+	if !ok {
+		f.t.Skipf("%T cannot dead-letter a failing message at once", f.st)
+	}
+	src, never, done := f.src("failing"), f.src("never"), f.src("done")
+	f.attempt(src, "carrier API timeout")
+	f.attempt(src, "carrier API timeout again")
+	f.attempt(done, "first failure")
+	if err := f.st.MessagePoison(f.ctx, done); err != nil {
+		f.t.Fatal(err)
+	}
+	if r, err := ds.DeadLetterRequested(f.ctx, src); err != nil || r != (outboxdriver.DeadLetterRequest{Attempts: 2, LastError: "carrier API timeout again"}) {
+		f.t.Fatalf("DeadLetterRequested before the request = %+v, %v; want 2 attempts, the last error, nobody", r, err)
+	}
+	ok, err := ds.DeadLetterNow(f.ctx, src, "alice")
+	if errors.Is(err, outboxdriver.ErrDeadLetterNowUnsupported) {
+		f.t.Skipf("%T cannot dead-letter a failing message at once", f.st)
+	}
+	if err != nil || !ok {
+		f.t.Fatalf("DeadLetterNow of a failing message = %v, %v; want true", ok, err)
+	}
+	if r, err := ds.DeadLetterRequested(f.ctx, src); err != nil || r.By != "alice" || r.Attempts != 2 {
+		f.t.Fatalf("DeadLetterRequested after the request = %+v, %v; want alice's, 2 attempts", r, err)
+	}
+	for _, s := range []outboxdriver.Source{never, done} {
+		if ok, err := ds.DeadLetterNow(f.ctx, s, "alice"); err != nil || ok {
+			f.t.Errorf("DeadLetterNow of %s (not failing) = %v, %v; want false", s.ID, ok, err)
+		}
+		if r, err := ds.DeadLetterRequested(f.ctx, s); err != nil || r.By != "" {
+			f.t.Errorf("DeadLetterRequested of %s = %+v, %v; want no request", s.ID, r, err)
+		}
 	}
 }

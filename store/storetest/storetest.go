@@ -139,6 +139,7 @@ func Run(t *testing.T, newHarness func(t *testing.T) Harness) {
 		{"MessageReplay/DeadLetter", testReplayDeadLetter},
 		{"DeadLetters", testDeadLetters},
 		{"DeadLetters/CleanupWhileDeadAgain", testDeadLettersCleanupDeadAgain},
+		{"DeadLetterNow", testDeadLetterNow},
 		{"EffectListParked", testListParked},
 		{"EffectUnpark", testUnpark},
 		{"EffectDiscard", testDiscard},
