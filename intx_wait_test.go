@@ -52,6 +52,7 @@ func TestInTxWaitForAConnectionEndsWithTheCallersContext(t *testing.T) {
 	if !errors.Is(err, context.Canceled) || !strings.Contains(err.Error(), "database connection") || ran {
 		t.Errorf("InTx with the caller's context cancelled while waiting: %v (fn ran: %v); want an error wrapping context.Canceled that names the wait for a database connection", err, ran)
 	}
+	t.Logf("InTx returned %s after its context was cancelled: %v", took-100*time.Millisecond, err)
 	if took > 2*time.Second {
 		t.Errorf("InTx returned %s after it was called, %s after its context was cancelled; want at once", took, took-100*time.Millisecond)
 	}
