@@ -592,6 +592,18 @@ type ClaimedEffectInserter interface {
 	EffectInsertClaimed(ctx context.Context, tx *sql.Tx, src Source, effects []Effect) (inSavepoint bool, err error)
 }
 
+// BoundaryGuard is implemented by a Store whose guarded writes (ClaimedEffectInserter,
+// ClaimedDelayedStore) can also guard a unit of work without a claim (a boundary unit: InTx, its
+// Source without Consumer). A ROLLBACK or COMMIT sent through such a unit's *sql.Tx leaves the
+// connection in autocommit, where an unguarded write commits on its own: an effect sent although
+// its business change was rolled back. GuardBoundary marks tx, right after its BEGIN, with a mark
+// that ends with the transaction; the guarded writes of a source without Consumer then write
+// nothing once it is gone and return an error wrapping ErrClaimGone. guarded false: the Store
+// cannot (nothing was sent), and the unit's writes are the plain ones.
+type BoundaryGuard interface {
+	GuardBoundary(ctx context.Context, tx *sql.Tx) (guarded bool, err error)
+}
+
 // ClaimedDelayedStore is to DelayedStore what ClaimedEffectInserter is to EffectInsert: the
 // insert and the cancel of delayed effects of a unit of work that claimed a message, which do
 // nothing when the claim does not exist (user SQL rolled the transaction back) and return an

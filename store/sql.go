@@ -45,7 +45,13 @@ type Queries struct {
 	// inserts nothing (returns no row) when the claim does not exist, so that nothing is written
 	// in autocommit once user SQL rolled the transaction back
 	// (outboxdriver.ClaimedEffectInserter). Nil when the dialect has none (EffectInsert is used).
+	// With BoundaryMark, it (and every claimed variant below) also guards a boundary unit (consumer
+	// empty): nothing is written once the transaction that BoundaryMark marked has ended.
 	EffectInsertClaimed func(n int) string
+	// BoundaryMark marks the transaction of a boundary unit of work, at its begin, for the
+	// claimed variants of the writes (outboxdriver.BoundaryGuard): a mark that ends with its
+	// transaction. Empty when the dialect has none (a boundary unit's writes are not guarded).
+	BoundaryMark string
 	// EffectInsertKeyed, when set, is EffectInsert for effects of which one has an ordering key
 	// of its own (HasOwnKey): it also moves the due delayed effects of other sources with those
 	// keys ahead of the new rows (see outboxdriver.Store.EffectInsert). claimed: guarded as
@@ -709,6 +715,18 @@ func (s *SQL) effectInsertAll(ctx context.Context, tx *sql.Tx, src outboxdriver.
 		inSavepoint = inSavepoint || nested
 	}
 	return inSavepoint, nil
+}
+
+// GuardBoundary implements outboxdriver.BoundaryGuard with Queries.BoundaryMark; a dialect
+// without one sends nothing and reports the unit unguarded.
+func (s *SQL) GuardBoundary(ctx context.Context, tx *sql.Tx) (bool, error) {
+	if s.d.Queries.BoundaryMark == "" {
+		return false, nil
+	}
+	if _, err := tx.ExecContext(ctx, s.d.Queries.BoundaryMark); err != nil {
+		return false, s.wrap(err)
+	}
+	return true, nil
 }
 
 // ErrClaimGone is wrapped by a guarded insert (Queries.EffectInsertClaimed,
