@@ -105,6 +105,7 @@ func (o *Outbox) failures(effects []Effect, sent, failed int, err error, at time
 			out = append(out, outboxdriver.EffectFailure{StoreID: e.StoreID})
 			continue
 		}
+		o.recovery.failedCall(e)
 		counted := o.health.counts(e, hung(err), at)
 		attempts := e.Attempts
 		if counted {
