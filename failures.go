@@ -105,8 +105,13 @@ func (o *Outbox) failures(effects []Effect, sent, failed int, err error, at time
 			out = append(out, outboxdriver.EffectFailure{StoreID: e.StoreID})
 			continue
 		}
-		o.recovery.failedCall(e)
 		counted := o.health.counts(e, hung(err), at)
+		if !counted {
+			// Nothing reached the target since: it is down, and its effects back off until it
+			// takes a call again. A counted failure is the effect's own (a poison one), which
+			// the target's next success must not retry at once.
+			o.recovery.failedCall(e)
+		}
 		attempts := e.Attempts
 		if counted {
 			attempts++

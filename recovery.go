@@ -11,14 +11,18 @@ import (
 	"github.com/watermill-outbox/outbox/outboxdriver"
 )
 
-// recovery remembers the destinations whose calls failed in this process, so that the first call
-// one takes again makes the effects that back off for it due at once, rather than when their
-// retry time comes: up to five minutes after an outage ended (the backoff's cap). It is per
-// destination: the effects of one that is still down keep backing off.
+// recovery remembers the destinations that were down (a call failed while nothing reached them
+// since the effect's previous failure: an uncounted failure, see health.counts), so that the
+// first call one takes again makes the effects that back off for it due at once, rather than
+// when their retry time comes: up to five minutes after an outage ended (the backoff's cap). It
+// is per destination: the effects of one that is still down keep backing off. A poison effect's
+// counted failures do not mark its destination down, so that the successes of the other effects
+// to it do not retry it at once each time.
 //
-// A call that succeeds for an effect that had failed before (its failure may have been recorded
-// by another instance, or before a restart) counts too, at most once per retriedRecall for each
-// destination: when the backed-off effects go out, each of them would otherwise cost a look-up.
+// A call that succeeds for an effect that had failed while its target was down (Failures >
+// Attempts; the failure may have been recorded by another instance, or before a restart) counts
+// too, at most once per retriedRecall for each destination: when the backed-off effects go out,
+// each of them would otherwise cost a look-up.
 type recovery struct {
 	failing atomic.Int32 // len(failed): a successful call reads nothing else while nothing fails
 	mu      sync.Mutex
@@ -49,7 +53,7 @@ func destinationKey(e Effect) (string, destination) {
 	return destinationOf(e), destination{kind: e.Kind}
 }
 
-// failedCall notes that a call to e's destination failed.
+// failedCall notes that a call to e's destination failed while nothing reached it.
 func (r *recovery) failedCall(e Effect) {
 	key, d := destinationKey(e)
 	r.mu.Lock()
@@ -64,7 +68,7 @@ func (r *recovery) failedCall(e Effect) {
 }
 
 // succeededCall notes that a call to e's destination succeeded; retried tells whether an effect
-// of the call had failed before. It reports whether the destination's backed-off effects are to
+// of the call had failed while its target was down. It reports whether the destination's backed-off effects are to
 // be made due (take returns it then).
 func (r *recovery) succeededCall(e Effect, retried bool) bool {
 	if !retried && r.failing.Load() == 0 {

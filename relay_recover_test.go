@@ -14,16 +14,24 @@ import (
 	"github.com/watermill-outbox/outbox"
 )
 
-// downPublisher forwards to the real broker, refusing every call to the topics that are down.
+// downPublisher forwards to the real broker, refusing every call to the topics that are down and
+// every call with a message it refuses (by UUID).
 type downPublisher struct {
-	next message.Publisher
-	mu   sync.Mutex
-	down map[string]bool
+	next   message.Publisher
+	mu     sync.Mutex
+	down   map[string]bool
+	refuse map[string]bool
 }
 
 func (p *downPublisher) Publish(topic string, msgs ...*message.Message) error {
 	p.mu.Lock()
 	down := p.down[topic]
+	for _, m := range msgs {
+		if p.refuse[m.UUID] {
+			p.mu.Unlock()
+			return errors.New("broker refused the message: schema mismatch")
+		}
+	}
 	p.mu.Unlock()
 	if down {
 		return errors.New("broker unavailable")
@@ -137,4 +145,43 @@ func TestRelayRetriesWhatAnotherInstanceBackedOff(t *testing.T) {
 		time.Sleep(10 * time.Millisecond)
 	}
 	t.Logf("both effects went out %s after the instance started", time.Since(began).Round(time.Millisecond))
+}
+
+// TestRelayDoesNotRetryAPoisonEffectAtEachSuccess: the broker refuses one effect and takes
+// everything else to its topic. The messages that topic takes do not retry the refused effect at
+// once each time (its failures are its own, not an outage's): it keeps backing off.
+func TestRelayDoesNotRetryAPoisonEffectAtEachSuccess(t *testing.T) {
+	e := newEnv(t)
+	commitPending(t, e, "out_a", "poison", 1, 1)
+	poison := e.strings(`SELECT uuid FROM outbox_effects`)[0]
+	pub := &downPublisher{next: e.pub.next, down: map[string]bool{}, refuse: map[string]bool{poison: true}}
+	mustExec(t, e, `UPDATE outbox_effects SET failures = 7, failed_at = now(), next_attempt_at = now()`)
+	relay := e.newOutbox(func(c *outbox.Config) {
+		c.Publisher = pub
+		c.RelayGrace = time.Millisecond
+		c.RelayInterval = 50 * time.Millisecond
+	})
+	ctx, stop := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- relay.Run(ctx) }()
+	defer func() { stop(); <-done }()
+	backingOff := `SELECT count(*) FROM outbox_effects WHERE uuid = $1 AND next_attempt_at > now() + interval '30 seconds'`
+	waitFor(t, "the refused effect backing off", func() bool { return e.count(backingOff, poison) == 1 })
+
+	for i := 0; i < 5; i++ {
+		if err := relay.InTx(ctx, func(ctx context.Context, _ *sql.Tx) error {
+			return outbox.Publish(ctx, "out_a", message.NewMessage(uuid.NewString(), []byte("taken")))
+		}); err != nil {
+			t.Fatal(err)
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+	time.Sleep(500 * time.Millisecond) // a relay pass or more after the last one
+	mustEqual(t, "messages taken by out_a", len(e.wire("out_a")), 5)
+	// Its first failure here counted as an outage's (nothing had reached the broker yet), so the
+	// first message taken may retry it once; then it fails while the topic takes messages.
+	if n := e.count(`SELECT failures FROM outbox_effects WHERE uuid = $1`, poison); n > 9 {
+		t.Errorf("the refused effect failed %d times: retried at the successes of its topic, not after its backoff", n)
+	}
+	mustEqual(t, "the refused effect backing off", e.count(backingOff, poison), 1)
 }
