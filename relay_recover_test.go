@@ -167,6 +167,9 @@ func TestRelayDoesNotRetryAPoisonEffectAtEachSuccess(t *testing.T) {
 	defer func() { stop(); <-done }()
 	backingOff := `SELECT count(*) FROM outbox_effects WHERE uuid = $1 AND next_attempt_at > now() + interval '30 seconds'`
 	waitFor(t, "the refused effect backing off", func() bool { return e.count(backingOff, poison) == 1 })
+	// The process places the failure by the time the effect was read, to a few milliseconds:
+	// the first success is clearly after it.
+	time.Sleep(100 * time.Millisecond)
 
 	for i := 0; i < 5; i++ {
 		if err := relay.InTx(ctx, func(ctx context.Context, _ *sql.Tx) error {
