@@ -43,6 +43,9 @@ type Outbox struct {
 	claimSeesDelayed atomic.Bool
 	// health tells a poison effect from an outage (see health.counts).
 	health health
+	// recovery holds the destinations whose calls failed, so that the effects that back off for
+	// one become due once it takes a call again.
+	recovery recovery
 	// breakers holds the destinations the relay leaves alone for a while because their calls hung.
 	breakers breakers
 	// failedHere holds the sources whose dispatch failed in this process lately: a redelivered

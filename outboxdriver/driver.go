@@ -522,6 +522,20 @@ type UnitTx interface {
 	Rollback(ctx context.Context) error
 }
 
+// EffectRetrier is implemented by a Store that can end the backoff of one destination's effects
+// early. The relay backs a failed effect off for up to five minutes; once the destination takes a
+// message again, its effects that back off go out at the next relay round rather than when their
+// retry time comes.
+type EffectRetrier interface {
+	// EffectRetryNow makes due now up to limit undispatched, unparked effects of kind (and, for
+	// KindPublish, to topic) whose retry time was set by a recorded failure (an EffectFailure with
+	// a Reason) and has not come yet. An effect whose retry time was set since by a lease
+	// (EffectClaimDue) or a release (an EffectFailure without a Reason) is left alone: a leased
+	// effect may be in another relay's call, and making it due would let a second relay send it
+	// beside that call. It returns how many it made due.
+	EffectRetryNow(ctx context.Context, kind, topic string, limit int) (int, error)
+}
+
 // InlineStore is implemented by a Store whose tables may hold the effects of a unit of work
 // inline in its claim row until they are sent (written by the pgx driver's optimistic mode; read,
 // moved and marked by every PostgreSQL form): one row written per message instead of a claim and

@@ -68,6 +68,13 @@ type Queries struct {
 	EffectHandToRelay    string // (consumer, id)
 	EffectListParked     string // (limit) -> effect columns, last_error, parked_at, created_at
 	EffectUnpark         string // (store id)
+	// EffectBackedOff (kind, topic, limit) -> ids of up to limit effects of kind (for the publish
+	// kind "", to topic) that back off after a recorded failure: pending, not parked, their
+	// retry time the one EffectRecordFailure set and still ahead. A plain read that locks
+	// nothing. EffectRetryNow (ids) makes those of ids that still back off due now, and reports
+	// them as rows affected. Empty when the dialect has none (outboxdriver.EffectRetrier).
+	EffectBackedOff string
+	EffectRetryNow  string
 	// EffectDiscard (store id) marks a parked effect dispatched and moves its claim's dispatch
 	// time; it returns a row per effect it discarded.
 	EffectDiscard string
@@ -275,7 +282,10 @@ type poolerState struct {
 	check   sync.Mutex // serializes the checks
 }
 
-var _ outboxdriver.Store = (*SQL)(nil)
+var (
+	_ outboxdriver.Store         = (*SQL)(nil)
+	_ outboxdriver.EffectRetrier = (*SQL)(nil)
+)
 
 // New returns a Store. It reads the embedded migrations and does no database I/O.
 func New(db *sql.DB, names Names, d Dialect) (*SQL, error) {
@@ -1207,6 +1217,49 @@ func (s *SQL) EffectKeyBlocked(ctx context.Context, src outboxdriver.Source, key
 	var blocked bool
 	err := s.queryRow(ctx, nil, s.d.Queries.EffectKeyBlocked, []any{src.Consumer, src.ID, key}, &blocked)
 	return blocked, err
+}
+
+// EffectRetryNow implements outboxdriver.EffectRetrier. The effects are found first and made due
+// by their primary key after, the condition checked again on each row as it is written: a relay
+// that leased one meanwhile has set another retry time, and the row is left alone. The look-up
+// scans the pending effects (no index serves a topic): it runs once per destination that
+// recovers, not per effect.
+func (s *SQL) EffectRetryNow(ctx context.Context, kind, topic string, limit int) (int, error) {
+	if s.d.Queries.EffectBackedOff == "" {
+		return 0, nil
+	}
+	if kind != outboxdriver.KindPublish {
+		topic = ""
+	}
+	rows, err := s.db.QueryContext(ctx, s.d.Queries.EffectBackedOff, kind, topic, limit)
+	if err != nil {
+		return 0, fmt.Errorf("find effects backing off: %w", s.wrap(err))
+	}
+	var ids []int64
+	for rows.Next() {
+		var id int64
+		if err := rows.Scan(&id); err != nil {
+			rows.Close()
+			return 0, fmt.Errorf("find effects backing off: %w", err)
+		}
+		ids = append(ids, id)
+	}
+	if err := errors.Join(rows.Err(), rows.Close()); err != nil {
+		return 0, fmt.Errorf("find effects backing off: %w", s.wrap(err))
+	}
+	if len(ids) == 0 {
+		return 0, nil
+	}
+	slices.Sort(ids) // the one lock order: effect rows in ascending id order
+	res, err := s.db.ExecContext(ctx, s.d.Queries.EffectRetryNow, idList(ids))
+	if err != nil {
+		return 0, fmt.Errorf("retry %d effects now: %w", len(ids), s.wrap(err))
+	}
+	n, err := res.RowsAffected()
+	if err != nil {
+		return 0, fmt.Errorf("retry %d effects now: %w", len(ids), err)
+	}
+	return int(n), nil
 }
 
 // EffectHandToRelay implements outboxdriver.Store.

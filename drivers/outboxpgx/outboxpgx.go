@@ -166,13 +166,13 @@ type pgxStore struct {
 }
 
 var (
-	_ outboxdriver.UnitStore       = (*pgxStore)(nil)
-	_ outboxdriver.InlineStore     = (*pgxStore)(nil)
-	_ outboxdriver.ConfigRecorder  = (*pgxStore)(nil)
-	_ outboxdriver.WritableChecker = (*pgxStore)(nil)
-	_ outboxdriver.DeadLetterStore = (*pgxStore)(nil)
-
+	_ outboxdriver.UnitStore          = (*pgxStore)(nil)
+	_ outboxdriver.InlineStore        = (*pgxStore)(nil)
+	_ outboxdriver.ConfigRecorder     = (*pgxStore)(nil)
+	_ outboxdriver.WritableChecker    = (*pgxStore)(nil)
+	_ outboxdriver.DeadLetterStore    = (*pgxStore)(nil)
 	_ outboxdriver.DeadLetterNowStore = (*pgxStore)(nil)
+	_ outboxdriver.EffectRetrier      = (*pgxStore)(nil)
 )
 
 // DeadLetterNow implements outboxdriver.DeadLetterNowStore through the postgres driver's store.
@@ -198,6 +198,14 @@ func (s *pgxStore) RecordServiceConfig(ctx context.Context, c outboxdriver.Servi
 		return r.RecordServiceConfig(ctx, c)
 	}
 	return nil
+}
+
+// EffectRetryNow implements outboxdriver.EffectRetrier through the postgres driver's store.
+func (s *pgxStore) EffectRetryNow(ctx context.Context, kind, topic string, limit int) (int, error) {
+	if r, ok := s.postgresStore.(outboxdriver.EffectRetrier); ok {
+		return r.EffectRetryNow(ctx, kind, topic, limit)
+	}
+	return 0, nil
 }
 
 // CheckWritable implements outboxdriver.WritableChecker through the postgres driver's store.

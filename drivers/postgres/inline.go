@@ -130,7 +130,9 @@ func newInlineQueries(n store.Names) inlineQueries {
 				WHERE ` + claimsOf + ` AND p.effects IS NOT NULL FOR UPDATE OF p),
 			clr AS (UPDATE ` + n.Processed + ` p SET effects = NULL FROM old WHERE p.consumer = old.consumer AND p.message_id = old.message_id)
 			SELECT consumer, message_id, effects, age FROM old`,
-		leaseSource: `UPDATE ` + n.Effects + ` SET next_attempt_at = now() + $3 * interval '1 millisecond'
+		// The rows may back off (a failure's retry time, not yet come): the lease replaces it, and
+		// backoff_until goes with it, so that a recovery never takes the lease for a backoff.
+		leaseSource: `UPDATE ` + n.Effects + ` SET next_attempt_at = now() + $3 * interval '1 millisecond', backoff_until = NULL
 			WHERE source_consumer = $1 AND source_id = $2 AND dispatched_at IS NULL AND parked_at IS NULL`,
 		// The first statement of the sweep's transaction: its snapshot is taken before the one
 		// that reads the claims, so that every transaction below its xmin has ended by then (a

@@ -282,6 +282,7 @@ func queries(n store.Names, deleteDispatched bool) store.Queries {
 	// window's effects are still checked against all pending effects of their keys, parked ones
 	// included, which hold them back).
 	unparked := `dispatched_at IS NULL AND parked_at IS NULL`
+	backedOff := unparked + ` AND next_attempt_at = backoff_until AND next_attempt_at > now()`
 	return store.Queries{
 		// The claim's CTE and the SELECT see one snapshot, taken when the statement began: a
 		// conflicting claim the SELECT cannot see was committed while the INSERT waited for it, by
@@ -421,10 +422,18 @@ func queries(n store.Names, deleteDispatched bool) store.Queries {
 		// it) leaves a parked effect parked, since it was first parked.
 		EffectRecordFailure: `UPDATE ` + n.Effects + ` SET failures = failures + 1, failed_at = now(), last_error = $2,
 			attempts = attempts + CASE WHEN $3::boolean THEN 1 ELSE 0 END,
-			next_attempt_at = now() + ` + ms("$5") + `, parked_at = CASE WHEN $4::boolean THEN coalesce(parked_at, now()) ELSE parked_at END
+			next_attempt_at = now() + ` + ms("$5") + `, backoff_until = now() + ` + ms("$5") + `,
+			parked_at = CASE WHEN $4::boolean THEN coalesce(parked_at, now()) ELSE parked_at END
 			WHERE id = $1 AND dispatched_at IS NULL`,
 		EffectRelease: `UPDATE ` + n.Effects + ` e SET next_attempt_at = now() + ` + ms("$2") + ` FROM ` + ids("$1") + `
 			WHERE e.id = v.id AND e.dispatched_at IS NULL AND e.parked_at IS NULL`,
+		// An effect backs off while the retry time its last failure set is still its own: a lease
+		// is taken only once that time has passed, and ends after it; a release sets a time of
+		// its own too. The look-up scans the pending effects (no index on topic or kind): it runs
+		// once per destination that recovers.
+		EffectBackedOff: `SELECT id FROM ` + n.Effects + ` WHERE kind = $1 AND (kind <> '' OR topic = $2) AND ` + backedOff + ` LIMIT $3`,
+		EffectRetryNow: `UPDATE ` + n.Effects + ` e SET next_attempt_at = now() FROM ` + ids("$1") + `
+			WHERE e.id = v.id AND ` + backedOff,
 		EffectKeyBlocked: `SELECT EXISTS (SELECT 1 FROM ` + n.Effects + ` b
 			WHERE b.ordering_key = $3 AND b.dispatched_at IS NULL AND NOT (b.source_consumer = $1 AND b.source_id = $2)
 			  AND b.id < (SELECT min(id) FROM ` + n.Effects + `
