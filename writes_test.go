@@ -1,0 +1,144 @@
+package outbox_test
+
+import (
+	"context"
+	"database/sql"
+	"fmt"
+	"testing"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
+
+	"github.com/watermill-outbox/outbox"
+	"github.com/watermill-outbox/outbox/drivers/postgres"
+	"github.com/watermill-outbox/outbox/internal/pgtest"
+	"github.com/watermill-outbox/outbox/outboxtest"
+)
+
+// writesPerMessage is how many messages each form processes in TestWritesPerMessage.
+const writesPerMessage = 40
+
+// measureWrites runs each of n units of work through a fresh Outbox of the default
+// configuration on database/sql and returns what they wrote to each outbox table (and applied),
+// the background marks included. The Outbox's connections are closed before the counts are read
+// (a backend reports them at its exit), and the migration's writes are left out.
+func measureWrites(t *testing.T, n int, unit func(ctx context.Context, ob *outbox.Outbox, i int) error) map[string]pgtest.Writes {
+	t.Helper()
+	return measureWritesWith(t, n, nil, unit, nil)
+}
+
+// measureWritesWith is measureWrites on an Outbox whose configuration mutate changes (when not
+// nil), followed by then (when not nil), whose writes count too.
+func measureWritesWith(t *testing.T, n int, mutate func(*outbox.Config), unit func(ctx context.Context, ob *outbox.Outbox, i int) error,
+	then func(ctx context.Context, ob *outbox.Outbox, reader *sql.DB)) map[string]pgtest.Writes {
+	t.Helper()
+	ctx := context.Background()
+	dsn := pgtest.DSN(t)
+	open := func() (*sql.DB, *outbox.Outbox) {
+		db, err := sql.Open("postgres", dsn)
+		if err != nil {
+			t.Fatal(err)
+		}
+		cfg := outbox.Config{DB: db, Driver: postgres.Driver{}, Publisher: &outboxtest.Recorder{}, Logger: watermill.NopLogger{}}
+		if mutate != nil {
+			mutate(&cfg)
+		}
+		ob, err := outbox.New(cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return db, ob
+	}
+	reader, err := sql.Open("postgres", dsn)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer reader.Close()
+
+	db, ob := open()
+	if err := ob.Migrate(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := db.Exec(`CREATE TABLE applied (message_id text NOT NULL, note text)`); err != nil {
+		t.Fatal(err)
+	}
+	if err := ob.Close(); err != nil {
+		t.Fatal(err)
+	}
+	_ = db.Close()
+	before := pgtest.TableWrites(t, reader, "public")
+
+	db, ob = open()
+	for i := range n {
+		if err := unit(ctx, ob, i); err != nil {
+			t.Fatalf("unit %d: %v", i, err)
+		}
+	}
+	if then != nil {
+		then(ctx, ob, reader)
+	}
+	if err := ob.Close(); err != nil { // waits for the background marks
+		t.Fatal(err)
+	}
+	_ = db.Close()
+	got, names := pgtest.WritesSince(pgtest.TableWrites(t, reader, "public"), before)
+	for _, name := range names {
+		t.Logf("%-20s per unit: %s", name, got[name].Per(n))
+	}
+	return got
+}
+
+// atMost fails the test unless every count of got is at most n times the one of want.
+func atMost(t *testing.T, what string, got pgtest.Writes, n int, want pgtest.Writes) {
+	t.Helper()
+	if got.Inserts > want.Inserts*int64(n) || got.Updates > want.Updates*int64(n) ||
+		got.NonHOT() > want.NonHOT()*int64(n) || got.Deletes > want.Deletes*int64(n) {
+		t.Errorf("%s: %s per unit, want at most %s", what, got.Per(n), want.Per(1))
+	}
+}
+
+// TestWritesPerMessage counts the row versions a unit of work with two effects writes to the
+// outbox tables in each database/sql form, its mark included, on a real PostgreSQL: every update
+// and delete is a dead version that vacuum must remove and that a long transaction elsewhere keeps
+// (docs/benchmarks.md, "Writes per message"). The bounds are what the forms write today; a change
+// that writes more per message fails here.
+func TestWritesPerMessage(t *testing.T) {
+	publishTwo := func(ctx context.Context) error {
+		if err := outbox.Publish(ctx, "out_a", message.NewMessage(uuid.NewString(), []byte(`{"step":1}`))); err != nil {
+			return err
+		}
+		return outbox.Publish(ctx, "out_b", message.NewMessage(uuid.NewString(), []byte(`{"step":2}`)))
+	}
+
+	t.Run("database/sql", func(t *testing.T) {
+		// The effects are kept in the claim: its insert, one write per record, the mark.
+		got := measureWrites(t, writesPerMessage, func(_ context.Context, ob *outbox.Outbox, i int) error {
+			msg := message.NewMessage(fmt.Sprint("m-", i), nil)
+			return ob.Handle(msg, outbox.HandleParams{Consumer: "c1", MessageID: msg.UUID}, func(msg *message.Message) ([]*message.Message, error) {
+				ctx := msg.Context()
+				if _, err := outbox.Tx(ctx).ExecContext(ctx, `INSERT INTO applied (message_id) VALUES ($1)`, msg.UUID); err != nil {
+					return nil, err
+				}
+				return nil, publishTwo(ctx)
+			})
+		})
+		atMost(t, "claims", got["outbox_processed"], writesPerMessage, pgtest.Writes{Inserts: 1, Updates: 3, HOT: 3})
+		atMost(t, "effect rows", got["outbox_effects"], writesPerMessage, pgtest.Writes{})
+	})
+
+	t.Run("boundary", func(t *testing.T) {
+		// No claim: the effects are rows, deleted by the mark.
+		got := measureWrites(t, writesPerMessage, func(ctx context.Context, ob *outbox.Outbox, i int) error {
+			return ob.InTx(ctx, func(ctx context.Context, tx *sql.Tx) error {
+				if _, err := tx.ExecContext(ctx, `INSERT INTO applied (message_id) VALUES ($1)`, fmt.Sprint("b-", i)); err != nil {
+					return err
+				}
+				return publishTwo(ctx)
+			})
+		})
+		atMost(t, "claims", got["outbox_processed"], writesPerMessage, pgtest.Writes{})
+		atMost(t, "effect rows", got["outbox_effects"], writesPerMessage, pgtest.Writes{Inserts: 2, Deletes: 2})
+	})
+
+}
