@@ -3,8 +3,11 @@ package outbox_test
 import (
 	"context"
 	"database/sql"
+	"errors"
 	"fmt"
+	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -141,4 +144,48 @@ func TestWritesPerMessage(t *testing.T) {
 		atMost(t, "effect rows", got["outbox_effects"], writesPerMessage, pgtest.Writes{Inserts: 2, Deletes: 2})
 	})
 
+	t.Run("relay", func(t *testing.T) {
+		// Boundary units that crash after their commit leave their effects to the relay: each
+		// key's first effect is leased (an update), and the marks delete the rows.
+		crash := errors.New("crash after the commit")
+		var crashing atomic.Bool
+		crashing.Store(true)
+		got := measureWritesWith(t, writesPerMessage, func(c *outbox.Config) {
+			c.RelayGrace, c.RelayInterval = time.Millisecond, 20*time.Millisecond
+			c.Failpoint = func(_ context.Context, point string) error {
+				if point == outbox.FailpointAfterCommit && crashing.Load() {
+					return crash
+				}
+				return nil
+			}
+		}, func(ctx context.Context, ob *outbox.Outbox, i int) error {
+			err := ob.InTx(ctx, func(ctx context.Context, tx *sql.Tx) error {
+				if _, err := tx.ExecContext(ctx, `INSERT INTO applied (message_id) VALUES ($1)`, fmt.Sprint("r-", i)); err != nil {
+					return err
+				}
+				return publishTwo(ctx)
+			})
+			if !errors.Is(err, crash) {
+				return fmt.Errorf("want the crash, got %w", err)
+			}
+			return nil
+		}, func(ctx context.Context, ob *outbox.Outbox, reader *sql.DB) {
+			crashing.Store(false)
+			ctx, cancel := context.WithCancel(ctx)
+			done := make(chan error, 1)
+			go func() { done <- ob.Run(ctx) }()
+			waitFor(t, "the relay to send every effect", func() bool {
+				var n int
+				if err := reader.QueryRow(`SELECT count(*) FROM outbox_effects`).Scan(&n); err != nil {
+					t.Fatal(err)
+				}
+				return n == 0
+			})
+			cancel()
+			if err := <-done; err != nil && !errors.Is(err, context.Canceled) {
+				t.Fatal(err)
+			}
+		})
+		atMost(t, "effect rows", got["outbox_effects"], writesPerMessage, pgtest.Writes{Inserts: 2, Updates: 1, HOT: 1, Deletes: 2})
+	})
 }
