@@ -114,18 +114,20 @@ func TestWritesPerMessage(t *testing.T) {
 		return outbox.Publish(ctx, "out_b", message.NewMessage(uuid.NewString(), []byte(`{"step":2}`)))
 	}
 
+	consume := func(ob *outbox.Outbox, i int) error {
+		msg := message.NewMessage(fmt.Sprint("m-", i), nil)
+		return ob.Handle(msg, outbox.HandleParams{Consumer: "c1", MessageID: msg.UUID}, func(msg *message.Message) ([]*message.Message, error) {
+			ctx := msg.Context()
+			if _, err := outbox.Tx(ctx).ExecContext(ctx, `INSERT INTO applied (message_id) VALUES ($1)`, msg.UUID); err != nil {
+				return nil, err
+			}
+			return nil, publishTwo(ctx)
+		})
+	}
+
 	t.Run("database/sql", func(t *testing.T) {
 		// The effects are kept in the claim: its insert, one write per record, the mark.
-		got := measureWrites(t, writesPerMessage, func(_ context.Context, ob *outbox.Outbox, i int) error {
-			msg := message.NewMessage(fmt.Sprint("m-", i), nil)
-			return ob.Handle(msg, outbox.HandleParams{Consumer: "c1", MessageID: msg.UUID}, func(msg *message.Message) ([]*message.Message, error) {
-				ctx := msg.Context()
-				if _, err := outbox.Tx(ctx).ExecContext(ctx, `INSERT INTO applied (message_id) VALUES ($1)`, msg.UUID); err != nil {
-					return nil, err
-				}
-				return nil, publishTwo(ctx)
-			})
-		})
+		got := measureWrites(t, writesPerMessage, func(_ context.Context, ob *outbox.Outbox, i int) error { return consume(ob, i) })
 		atMost(t, "claims", got["outbox_processed"], writesPerMessage, pgtest.Writes{Inserts: 1, Updates: 3, HOT: 3})
 		atMost(t, "effect rows", got["outbox_effects"], writesPerMessage, pgtest.Writes{})
 	})
@@ -144,13 +146,15 @@ func TestWritesPerMessage(t *testing.T) {
 		atMost(t, "effect rows", got["outbox_effects"], writesPerMessage, pgtest.Writes{Inserts: 2, Deletes: 2})
 	})
 
-	t.Run("relay", func(t *testing.T) {
-		// Boundary units that crash after their commit leave their effects to the relay: each
-		// key's first effect is leased (an update), and the marks delete the rows.
-		crash := errors.New("crash after the commit")
+	// Units that crash after their commit leave their effects to the relay (a sweep moves the
+	// ones in claims to rows first): each key's first effect is leased (an update), and the
+	// relay's marks delete the rows.
+	crash := errors.New("crash after the commit")
+	leftBehind := func(unit func(ctx context.Context, ob *outbox.Outbox, i int) error) (
+		func(*outbox.Config), func(ctx context.Context, ob *outbox.Outbox, i int) error, func(ctx context.Context, ob *outbox.Outbox, reader *sql.DB)) {
 		var crashing atomic.Bool
 		crashing.Store(true)
-		got := measureWritesWith(t, writesPerMessage, func(c *outbox.Config) {
+		mutate := func(c *outbox.Config) {
 			c.RelayGrace, c.RelayInterval = time.Millisecond, 20*time.Millisecond
 			c.Failpoint = func(_ context.Context, point string) error {
 				if point == outbox.FailpointAfterCommit && crashing.Load() {
@@ -158,25 +162,22 @@ func TestWritesPerMessage(t *testing.T) {
 				}
 				return nil
 			}
-		}, func(ctx context.Context, ob *outbox.Outbox, i int) error {
-			err := ob.InTx(ctx, func(ctx context.Context, tx *sql.Tx) error {
-				if _, err := tx.ExecContext(ctx, `INSERT INTO applied (message_id) VALUES ($1)`, fmt.Sprint("r-", i)); err != nil {
-					return err
-				}
-				return publishTwo(ctx)
-			})
-			if !errors.Is(err, crash) {
+		}
+		crashed := func(ctx context.Context, ob *outbox.Outbox, i int) error {
+			if err := unit(ctx, ob, i); !errors.Is(err, crash) {
 				return fmt.Errorf("want the crash, got %w", err)
 			}
 			return nil
-		}, func(ctx context.Context, ob *outbox.Outbox, reader *sql.DB) {
+		}
+		drain := func(ctx context.Context, ob *outbox.Outbox, reader *sql.DB) {
 			crashing.Store(false)
 			ctx, cancel := context.WithCancel(ctx)
 			done := make(chan error, 1)
 			go func() { done <- ob.Run(ctx) }()
 			waitFor(t, "the relay to send every effect", func() bool {
 				var n int
-				if err := reader.QueryRow(`SELECT count(*) FROM outbox_effects`).Scan(&n); err != nil {
+				if err := reader.QueryRow(`SELECT (SELECT count(*) FROM outbox_effects)
+					+ (SELECT count(*) FROM outbox_processed WHERE effects IS NOT NULL)`).Scan(&n); err != nil {
 					t.Fatal(err)
 				}
 				return n == 0
@@ -185,7 +186,29 @@ func TestWritesPerMessage(t *testing.T) {
 			if err := <-done; err != nil && !errors.Is(err, context.Canceled) {
 				t.Fatal(err)
 			}
+		}
+		return mutate, crashed, drain
+	}
+
+	t.Run("boundary, left to the relay", func(t *testing.T) {
+		mutate, unit, drain := leftBehind(func(ctx context.Context, ob *outbox.Outbox, i int) error {
+			return ob.InTx(ctx, func(ctx context.Context, tx *sql.Tx) error {
+				if _, err := tx.ExecContext(ctx, `INSERT INTO applied (message_id) VALUES ($1)`, fmt.Sprint("r-", i)); err != nil {
+					return err
+				}
+				return publishTwo(ctx)
+			})
 		})
+		got := measureWritesWith(t, writesPerMessage, mutate, unit, drain)
 		atMost(t, "effect rows", got["outbox_effects"], writesPerMessage, pgtest.Writes{Inserts: 2, Updates: 1, HOT: 1, Deletes: 2})
+	})
+
+	t.Run("database/sql, left to the relay", func(t *testing.T) {
+		mutate, unit, drain := leftBehind(func(_ context.Context, ob *outbox.Outbox, i int) error {
+			return consume(ob, i)
+		})
+		got := measureWritesWith(t, writesPerMessage, mutate, unit, drain)
+		atMost(t, "claims", got["outbox_processed"], writesPerMessage, pgtest.Writes{Inserts: 1, Updates: 9, HOT: 9})
+		atMost(t, "effect rows", got["outbox_effects"], writesPerMessage, pgtest.Writes{Inserts: 2, Updates: 9, HOT: 9, Deletes: 2})
 	})
 }
