@@ -132,6 +132,25 @@ func TestWritesPerMessage(t *testing.T) {
 		atMost(t, "effect rows", got["outbox_effects"], writesPerMessage, pgtest.Writes{})
 	})
 
+	t.Run("database/sql, 600-byte effects", func(t *testing.T) {
+		// A claim holds three versions of itself at its commit (its insert and two records, the
+		// second with both effects: 1.3 KB), all of which must fit on its page for the records to be
+		// HOT updates; pruning then frees the space the older ones took.
+		payload := make([]byte, 600)
+		got := measureWrites(t, writesPerMessage, func(_ context.Context, ob *outbox.Outbox, i int) error {
+			msg := message.NewMessage(fmt.Sprint("m-", i), nil)
+			return ob.Handle(msg, outbox.HandleParams{Consumer: "c1", MessageID: msg.UUID}, func(msg *message.Message) ([]*message.Message, error) {
+				ctx := msg.Context()
+				if err := outbox.Publish(ctx, "out_a", message.NewMessage(uuid.NewString(), payload)); err != nil {
+					return nil, err
+				}
+				return nil, outbox.Publish(ctx, "out_b", message.NewMessage(uuid.NewString(), payload))
+			})
+		})
+		atMost(t, "claims", got["outbox_processed"], writesPerMessage, pgtest.Writes{Inserts: 1, Updates: 3, HOT: 3})
+		atMost(t, "effect rows", got["outbox_effects"], writesPerMessage, pgtest.Writes{})
+	})
+
 	t.Run("boundary", func(t *testing.T) {
 		// No claim: the effects are rows, deleted by the mark.
 		got := measureWrites(t, writesPerMessage, func(ctx context.Context, ob *outbox.Outbox, i int) error {
