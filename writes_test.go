@@ -151,6 +151,27 @@ func TestWritesPerMessage(t *testing.T) {
 		atMost(t, "effect rows", got["outbox_effects"], writesPerMessage, pgtest.Writes{})
 	})
 
+	t.Run("database/sql, late, in the claim and a row", func(t *testing.T) {
+		// A unit that takes longer than ClaimClockSlack moves its claim's dispatch time with its
+		// mark; one of its effects is in the claim, the other (a key of its own) a row.
+		got := measureWrites(t, 3, func(_ context.Context, ob *outbox.Outbox, i int) error {
+			msg := message.NewMessage(fmt.Sprint("m-", i), nil)
+			return ob.Handle(msg, outbox.HandleParams{Consumer: "c1", MessageID: msg.UUID}, func(msg *message.Message) ([]*message.Message, error) {
+				ctx := msg.Context()
+				if err := outbox.Publish(ctx, "out_a", message.NewMessage(uuid.NewString(), []byte(`{"step":1}`))); err != nil {
+					return nil, err
+				}
+				if err := outbox.Publish(outbox.WithOrderingKey(ctx, fmt.Sprint("k-", i)), "out_b", message.NewMessage(uuid.NewString(), []byte(`{"step":2}`))); err != nil {
+					return nil, err
+				}
+				time.Sleep(outbox.ClaimClockSlack + 100*time.Millisecond)
+				return nil, nil
+			})
+		})
+		atMost(t, "claims", got["outbox_processed"], 3, pgtest.Writes{Inserts: 1, Updates: 2, HOT: 2})
+		atMost(t, "effect rows", got["outbox_effects"], 3, pgtest.Writes{Inserts: 1, Deletes: 1})
+	})
+
 	t.Run("boundary", func(t *testing.T) {
 		// No claim: the effects are rows, deleted by the mark.
 		got := measureWrites(t, writesPerMessage, func(ctx context.Context, ob *outbox.Outbox, i int) error {

@@ -227,3 +227,53 @@ func TestInlineMarkHostileIDs(t *testing.T) {
 		})
 	}
 }
+
+// TestLateMarkWritesTheClaimOnce: the late mark (MoveClaim) of a unit that kept effects in its
+// claim and had others as rows (an ordering key of their own) moves the claim's dispatch time
+// and clears its effects in one update of the claim, not one for each kind.
+func TestLateMarkWritesTheClaimOnce(t *testing.T) {
+	db := pgtest.DB(t)
+	db.SetMaxOpenConns(1) // the store's statements and the counts on one backend, which reports them when asked
+	ctx := context.Background()
+	st, _ := openInline(t, db, true)
+	if err := st.Migrate(ctx); err != nil {
+		t.Fatal(err)
+	}
+	src := outboxdriver.Source{Consumer: "c", ID: "late"}
+	claimInline(t, db, src, time.Hour, false)
+	var id int64
+	if err := db.QueryRow(`INSERT INTO outbox_effects (source_consumer, source_id, seq, kind, topic, uuid, payload, metadata, ordering_key)
+		VALUES ('c', 'late', 3, 'message', 'out', 'late-3', '', '', 'own key') RETURNING id`).Scan(&id); err != nil {
+		t.Fatal(err)
+	}
+	updates := func() int64 {
+		t.Helper()
+		if _, err := db.Exec(`SELECT pg_stat_force_next_flush()`); err != nil {
+			t.Fatal(err)
+		}
+		var n int64
+		if err := db.QueryRow(`SELECT n_tup_upd FROM pg_stat_user_tables WHERE relname = 'outbox_processed'`).Scan(&n); err != nil {
+			t.Fatal(err)
+		}
+		return n
+	}
+	before := updates()
+	if err := st.EffectMarkDispatched(ctx, outboxdriver.DispatchMark{Source: src, StoreIDs: []int64{id}, Inline: true, MoveClaim: true}); err != nil {
+		t.Fatal(err)
+	}
+	if n := updates() - before; n != 1 {
+		t.Errorf("the late mark updated the claim %d times, want once", n)
+	}
+	var moved, cleared bool
+	if err := db.QueryRow(`SELECT dispatched_at > now() - interval '1 minute', effects IS NULL FROM outbox_processed
+		WHERE consumer = 'c' AND message_id = 'late'`).Scan(&moved, &cleared); err != nil {
+		t.Fatal(err)
+	}
+	if !moved || !cleared {
+		t.Errorf("after the late mark: dispatch time moved %v, effects cleared %v; want both", moved, cleared)
+	}
+	var left int
+	if err := db.QueryRow(`SELECT count(*) FROM outbox_effects`).Scan(&left); err != nil || left != 0 {
+		t.Fatalf("%d effect rows left after the mark (%v), want none", left, err)
+	}
+}
