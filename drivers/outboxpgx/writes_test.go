@@ -3,8 +3,11 @@ package outboxpgx_test
 import (
 	"context"
 	"database/sql"
+	"errors"
 	"fmt"
+	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
@@ -25,6 +28,14 @@ const writesPerMessage = 40
 // are read (a backend reports them at its exit), and the migration's writes are left out.
 func measureWrites(t *testing.T, n int, mode outboxpgx.Concurrency, unit func(ctx context.Context, ob *outbox.Outbox, i int) error) map[string]pgtest.Writes {
 	t.Helper()
+	return measureWritesWith(t, n, mode, nil, unit, nil)
+}
+
+// measureWritesWith is measureWrites on an Outbox whose configuration mutate changes (when not
+// nil), followed by then (when not nil), whose writes count too.
+func measureWritesWith(t *testing.T, n int, mode outboxpgx.Concurrency, mutate func(*outbox.Config),
+	unit func(ctx context.Context, ob *outbox.Outbox, i int) error, then func(ctx context.Context, ob *outbox.Outbox, reader *sql.DB)) map[string]pgtest.Writes {
+	t.Helper()
 	ctx := context.Background()
 	dsn := outboxtest.DSN(t)
 	reader, err := sql.Open("postgres", dsn)
@@ -38,7 +49,11 @@ func measureWrites(t *testing.T, n int, mode outboxpgx.Concurrency, unit func(ct
 			t.Fatal(err)
 		}
 		defer pool.Close()
-		ob, err := outboxpgx.New(pool, outbox.Config{Publisher: &outboxtest.Recorder{}}, outboxpgx.WithConcurrency(mode))
+		cfg := outbox.Config{Publisher: &outboxtest.Recorder{}}
+		if mutate != nil {
+			mutate(&cfg)
+		}
+		ob, err := outboxpgx.New(pool, cfg, outboxpgx.WithConcurrency(mode))
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -61,6 +76,9 @@ func measureWrites(t *testing.T, n int, mode outboxpgx.Concurrency, unit func(ct
 			if err := unit(ctx, ob, i); err != nil {
 				t.Fatalf("unit %d: %v", i, err)
 			}
+		}
+		if then != nil {
+			then(ctx, ob, reader)
 		}
 	})
 	got, names := pgtest.WritesSince(pgtest.TableWrites(t, reader, "public"), before)
@@ -118,5 +136,62 @@ func TestWritesPerMessage(t *testing.T) {
 		})
 		atMost(t, "claims", got["outbox_processed"], writesPerMessage, pgtest.Writes{})
 		atMost(t, "effect rows", got["outbox_effects"], writesPerMessage, pgtest.Writes{Inserts: 2, Deletes: 2})
+	})
+
+	t.Run("optimistic, left to the relay", func(t *testing.T) {
+		// Units that crash after their commit leave their effects in their claims: the relay's
+		// sweep moves them to rows (an update of the claim), leases each key's first (an update of
+		// a row), sends them and marks them (the rows deleted, the claim's dispatch time moved).
+		crash := errors.New("crash after the commit")
+		var crashing atomic.Bool
+		crashing.Store(true)
+		got := measureWritesWith(t, writesPerMessage, outboxpgx.Optimistic, func(c *outbox.Config) {
+			c.RelayGrace, c.RelayInterval = time.Millisecond, 20*time.Millisecond
+			c.Failpoint = func(_ context.Context, point string) error {
+				if point == outbox.FailpointAfterCommit && crashing.Load() {
+					return crash
+				}
+				return nil
+			}
+		}, func(ctx context.Context, ob *outbox.Outbox, i int) error {
+			if err := consume(ctx, ob, i); !errors.Is(err, crash) {
+				return fmt.Errorf("want the crash, got %w", err)
+			}
+			return nil
+		}, func(ctx context.Context, ob *outbox.Outbox, reader *sql.DB) {
+			crashing.Store(false)
+			ctx, cancel := context.WithCancel(ctx)
+			done := make(chan error, 1)
+			go func() { done <- ob.Run(ctx) }()
+			deadline := time.Now().Add(30 * time.Second)
+			for {
+				var n int
+				if err := reader.QueryRow(`SELECT (SELECT count(*) FROM outbox_effects)
+					+ (SELECT count(*) FROM outbox_processed WHERE effects IS NOT NULL)`).Scan(&n); err != nil {
+					t.Fatal(err)
+				}
+				if n == 0 {
+					break
+				}
+				if time.Now().After(deadline) {
+					t.Fatalf("%d effects still pending after 30 s", n)
+				}
+				time.Sleep(20 * time.Millisecond)
+			}
+			cancel()
+			if err := <-done; err != nil && !errors.Is(err, context.Canceled) {
+				t.Fatal(err)
+			}
+		})
+		// The sweep clears the claims of a page in one transaction, and a page filled with claims
+		// that hold their effects has no room for all of their new versions at once: 3 of the 80
+		// updates are not HOT.
+		claims := got["outbox_processed"]
+		atMost(t, "claims", pgtest.Writes{Inserts: claims.Inserts, Updates: claims.Updates, HOT: claims.Updates, Deletes: claims.Deletes},
+			writesPerMessage, pgtest.Writes{Inserts: 1, Updates: 2, HOT: 2})
+		if claims.NonHOT() > writesPerMessage/10 {
+			t.Errorf("claims: %s per unit, want at most 0.1 non-HOT updates", claims.Per(writesPerMessage))
+		}
+		atMost(t, "effect rows", got["outbox_effects"], writesPerMessage, pgtest.Writes{Inserts: 2, Updates: 1, HOT: 1, Deletes: 2})
 	})
 }
