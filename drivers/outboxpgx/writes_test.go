@@ -9,8 +9,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
-	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
@@ -106,10 +106,10 @@ func TestWritesPerMessage(t *testing.T) {
 		if _, err := tx.Exec(ctx, `INSERT INTO applied (message_id) VALUES ($1)`, id); err != nil {
 			return err
 		}
-		if err := outbox.Publish(ctx, "out_a", message.NewMessage(uuid.NewString(), []byte(`{"step":1}`))); err != nil {
+		if err := outbox.Publish(ctx, "out_a", message.NewMessage(watermill.NewUUID(), []byte(`{"step":1}`))); err != nil {
 			return err
 		}
-		return outbox.Publish(ctx, "out_b", message.NewMessage(uuid.NewString(), []byte(`{"step":2}`)))
+		return outbox.Publish(ctx, "out_b", message.NewMessage(watermill.NewUUID(), []byte(`{"step":2}`)))
 	}
 	consume := func(ctx context.Context, ob *outbox.Outbox, i int) error {
 		msg := message.NewMessage(fmt.Sprint("m-", i), nil)
