@@ -385,7 +385,7 @@ func (s *inline) EffectReadInline(ctx context.Context, tx *sql.Tx, src outboxdri
 // EffectMarkDispatched clears the inline effects of the marks with Inline (one HOT update per
 // claim, one statement per consumer) and marks the effect rows of the others. Claims whose
 // effects went out late (MoveClaim) get the time of the mark as their dispatch time, in the same
-// update.
+// update (the claim of a mark with rows as well as inline effects is written once).
 func (s *inline) EffectMarkDispatched(ctx context.Context, marks ...outboxdriver.DispatchMark) error {
 	var rows []outboxdriver.DispatchMark
 	var claims [2][]claimKey // sent in time, sent late
@@ -398,6 +398,12 @@ func (s *inline) EffectMarkDispatched(ctx context.Context, marks ...outboxdriver
 			claims[late] = append(claims[late], claimKey{m.Source.Consumer, m.Source.ID})
 		}
 		if len(m.StoreIDs) > 0 {
+			if m.Inline {
+				// The claim's own update below moves its dispatch time: the rows' mark moving it
+				// as well wrote the claim twice. Should the claim hold no effects any more (the
+				// sweep took them), its time stays, and the relay's mark of those moves it later.
+				m.MoveClaim = false
+			}
 			rows = append(rows, m)
 		}
 	}

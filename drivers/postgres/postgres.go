@@ -438,8 +438,10 @@ func queries(n store.Names, deleteDispatched bool) store.Queries {
 			WHERE b.ordering_key = $3 AND b.dispatched_at IS NULL AND NOT (b.source_consumer = $1 AND b.source_id = $2)
 			  AND b.id < (SELECT min(id) FROM ` + n.Effects + `
 				WHERE source_consumer = $1 AND source_id = $2 AND dispatched_at IS NULL))`,
-		EffectHandToRelay: `UPDATE ` + n.Effects + ` SET next_attempt_at = coalesce(next_attempt_at, now())
-			WHERE source_consumer = $1 AND source_id = $2 AND dispatched_at IS NULL`,
+		// Rows that have a retry time already keep it, and are not written again: an update that
+		// changes nothing still leaves a dead version of the row.
+		EffectHandToRelay: `UPDATE ` + n.Effects + ` SET next_attempt_at = now()
+			WHERE source_consumer = $1 AND source_id = $2 AND dispatched_at IS NULL AND next_attempt_at IS NULL`,
 		EffectListParked: `SELECT ` + effectColumns + `, last_error, parked_at, created_at FROM ` + n.Effects + ` e
 			WHERE parked_at IS NOT NULL AND dispatched_at IS NULL ORDER BY id LIMIT $1`,
 		EffectUnpark: `UPDATE ` + n.Effects + ` SET parked_at = NULL, next_attempt_at = now(), attempts = 0, failures = 0
