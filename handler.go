@@ -134,6 +134,10 @@ func (o *Outbox) handle(msg *message.Message, p HandleParams, next message.Handl
 			o.logger.Debug("Serialization failure or deadlock; running the unit of work again at once", fields.Add(watermill.LogFields{"try": try, "error": err.Error()}))
 			try++
 			continue
+		case errors.Is(err, ErrDatabaseUnreachable):
+			// It waited for the database up to HandlerTimeout already: nacked at once, and its
+			// redelivery waits for the same probe.
+			return err
 		case parent.Err() != nil || errors.Is(err, ErrFailpoint):
 			// A shutdown: waiting helps nothing. A failpoint stands for a crash, which does not
 			// wait either (a killed consumer's in-flight messages would otherwise each wait
@@ -183,7 +187,24 @@ func (o *Outbox) handleOnce(msg *message.Message, src Source, p HandleParams, ne
 	// consumer path's throughput with an SDK installed); only the dispatch, which calls the broker,
 	// has a span of its own.
 	span := trace.SpanFromContext(parent)
-	tx, claim, err := o.units.BeginUnit(txCtx, &src)
+	// While the database is unreachable the unit waits for it without a connection (one probe
+	// at a time tries), bounded by HandlerTimeout and the message's context; a begin that finds
+	// it unreachable waits the same, and begins again once it answers.
+	err := o.gate.wait(handlerCtx)
+	var (
+		tx    outboxdriver.UnitTx
+		claim outboxdriver.Claim
+	)
+	for err == nil {
+		tx, claim, err = o.units.BeginUnit(txCtx, &src)
+		if !o.gate.observe(err) {
+			break
+		}
+		err = o.gate.wait(handlerCtx)
+	}
+	if errors.Is(err, ErrDatabaseUnreachable) {
+		return fmt.Errorf("outbox: claim message %q for %q (not counted as a failed attempt): %w", src.ID, src.Consumer, err)
+	}
 	if err != nil {
 		if o.isRetryable(err) && !lastTry {
 			// Copies of the message met at their claims (MySQL: a deadlock between the waiters

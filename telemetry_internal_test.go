@@ -29,7 +29,7 @@ func observeGauges(t *testing.T, tel *telemetry) map[string]float64 {
 	t.Helper()
 	order := []string{MetricEffectsPending, MetricPendingOldestAge, MetricEffectsParked, MetricParkedOldestAge,
 		MetricMessagesFailing, MetricMessagesDead, MetricProcessedRetained, MetricCleanupLag, MetricStatsAge, MetricRelayLastRoundAge, MetricUptime,
-		MetricEffectsDelayed}
+		MetricEffectsDelayed, MetricDBUnreachableFor}
 	if len(order) != len(tel.gauges) {
 		t.Fatalf("%d gauges, the test knows %d", len(tel.gauges), len(order))
 	}
