@@ -90,8 +90,16 @@ func (o *Outbox) InUnit(ctx context.Context, fn func(ctx context.Context) error)
 	// A retry that waits for the unit holding its key (WaitInFlight) waits without a connection:
 	// it rolls back, waits, and begins again. Waiting in the store held a pooled connection per
 	// waiter for up to HandlerTimeout, so that a few retries of one key starved a small pool.
+	// While the database is unreachable the unit waits for it without a connection, as long as
+	// the caller and HandlerTimeout let it (see dbGate).
+	deadline, _ := txCtx.Deadline()
+	gateCtx, cancelGate := context.WithDeadline(ctx, deadline)
+	defer cancelGate()
 	for wait := keyPollFirst; ; wait = min(2*wait, keyPollMax) {
-		tx, _, err = o.units.BeginUnit(txCtx, nil)
+		if err = o.gate.wait(gateCtx); err == nil {
+			tx, _, err = o.units.BeginUnit(txCtx, nil)
+			o.gate.observe(err)
+		}
 		if err != nil {
 			tx = nil
 			outcome = OutcomeFailed

@@ -48,7 +48,7 @@ type dbGate struct {
 // dbProbeTimeout bounds one probe: a dial that hangs (a dropped SYN) is an unreachable database.
 const dbProbeTimeout = 5 * time.Second
 
-// dbOutage describes an outage under way.
+// dbOutage describes an outage under way; its String follows "the database is unreachable".
 type dbOutage struct {
 	Since    time.Time
 	Attempts int64
@@ -56,7 +56,7 @@ type dbOutage struct {
 }
 
 func (o dbOutage) String() string {
-	return fmt.Sprintf("database unreachable since %s (%s ago), %d connection attempts failed; last: %v",
+	return fmt.Sprintf("since %s (%s ago), %d connection attempts failed; last: %v",
 		o.Since.UTC().Format(time.RFC3339Nano), time.Since(o.Since).Round(time.Millisecond), o.Attempts, o.LastErr)
 }
 
@@ -113,7 +113,7 @@ func (g *dbGate) wait(ctx context.Context) error {
 			return nil
 		case <-ctx.Done():
 			if o, ok := g.outage(); ok {
-				return fmt.Errorf("%w: %s: %w", ErrDatabaseUnreachable, o, ctx.Err())
+				return fmt.Errorf("%w %s: %w", ErrDatabaseUnreachable, o, ctx.Err())
 			}
 			return nil
 		case <-timer.C:

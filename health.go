@@ -108,7 +108,7 @@ func (o *Outbox) Health(ctx context.Context) HealthReport {
 	if out, down := o.gate.outage(); down {
 		// The probe asks the database on its own schedule; a ping per check would be one more
 		// connection attempt in the storm the gate keeps away.
-		pingErr = fmt.Errorf("%w: %s", ErrDatabaseUnreachable, out)
+		pingErr = fmt.Errorf("%w %s", ErrDatabaseUnreachable, out)
 		dbErr = pingErr
 	} else if pingErr = o.db.PingContext(ctx); pingErr != nil {
 		o.gate.observe(pingErr)
