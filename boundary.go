@@ -63,6 +63,12 @@ func (o *Outbox) InUnit(ctx context.Context, fn func(ctx context.Context) error)
 	// Every unit counts by its outcome; a panic in fn (re-panicking) counts as rolled back.
 	outcome := OutcomeRolledBack
 	defer func() { o.tel.boundaryUnits.Add(ctx, 1, o.tel.attrs(AttrOutcome, outcome, "", "")) }()
+	// While the database is unreachable the unit waits for it without a connection, on a
+	// HandlerTimeout of its own and while ctx lasts (see dbGate).
+	if err := o.waitForDatabase(ctx); err != nil {
+		outcome = OutcomeFailed
+		return err
+	}
 	after := context.WithoutCancel(ctx)
 	txCtx, cancel := context.WithTimeout(after, o.cfg.HandlerTimeout)
 	defer cancel()
@@ -90,16 +96,9 @@ func (o *Outbox) InUnit(ctx context.Context, fn func(ctx context.Context) error)
 	// A retry that waits for the unit holding its key (WaitInFlight) waits without a connection:
 	// it rolls back, waits, and begins again. Waiting in the store held a pooled connection per
 	// waiter for up to HandlerTimeout, so that a few retries of one key starved a small pool.
-	// While the database is unreachable the unit waits for it without a connection, as long as
-	// the caller and HandlerTimeout let it (see dbGate).
-	deadline, _ := txCtx.Deadline()
-	gateCtx, cancelGate := context.WithDeadline(ctx, deadline)
-	defer cancelGate()
 	for wait := keyPollFirst; ; wait = min(2*wait, keyPollMax) {
-		if err = o.gate.wait(gateCtx); err == nil {
-			tx, _, err = o.units.BeginUnit(txCtx, nil)
-			o.gate.observe(err)
-		}
+		tx, _, err = o.units.BeginUnit(txCtx, nil)
+		o.gate.observe(err)
 		if err != nil {
 			tx = nil
 			outcome = OutcomeFailed

@@ -42,6 +42,7 @@ type dbGate struct {
 	delay     time.Duration // before the next probe, unjittered
 	nextProbe time.Time
 	probing   bool
+	probed    chan struct{} // closed when the probe under way ends
 	up        chan struct{} // closed when the outage ends
 }
 
@@ -93,15 +94,26 @@ func (g *dbGate) wait(ctx context.Context) error {
 			return nil
 		}
 		up, now := g.up, time.Now()
-		if !g.probing && !now.Before(g.nextProbe) {
-			g.probing = true
-			// Until the probe ends, the others wait as long as for a failed one.
-			g.nextProbe = now.Add(g.delay)
+		if ctx.Err() != nil {
 			g.mu.Unlock()
-			g.runProbe(ctx)
-			continue
+			return g.gaveUp(ctx)
 		}
+		if !g.probing && !now.Before(g.nextProbe) {
+			// The probe runs on its own, not on the waiter's context: a waiter that gives up
+			// does not cut it short (nor make it count as a failure), and one whose driver
+			// ignores contexts while it connects (lib/pq through sql.Open, a server that
+			// stalls) does not hold the waiter past its context. One runs at a time.
+			g.probing = true
+			g.probed = make(chan struct{})
+			go g.runProbe()
+		}
+		// While a probe is under way the waiters wait for its end, then for the next one it
+		// schedules.
+		var probed <-chan struct{}
 		d := max(g.nextProbe.Sub(now), time.Millisecond)
+		if g.probing {
+			probed, d = g.probed, dbProbeTimeout
+		}
 		g.mu.Unlock()
 		if timer == nil {
 			timer = time.NewTimer(d)
@@ -111,34 +123,46 @@ func (g *dbGate) wait(ctx context.Context) error {
 		select {
 		case <-up:
 			return nil
+		case <-probed:
 		case <-ctx.Done():
-			if o, ok := g.outage(); ok {
-				return fmt.Errorf("%w %s: %w", ErrDatabaseUnreachable, o, ctx.Err())
-			}
-			return nil
+			return g.gaveUp(ctx)
 		case <-timer.C:
 		}
 	}
 }
 
-func (g *dbGate) runProbe(ctx context.Context) {
-	pctx, cancel := context.WithTimeout(ctx, dbProbeTimeout)
-	err := g.probe(pctx)
-	cancel()
+// gaveUp returns the error of a wait that ctx ended.
+func (g *dbGate) gaveUp(ctx context.Context) error {
+	if o, ok := g.outage(); ok {
+		return fmt.Errorf("%w %s: %w", ErrDatabaseUnreachable, o, ctx.Err())
+	}
+	return nil
+}
+
+func (g *dbGate) runProbe() {
+	ctx, cancel := context.WithTimeout(context.Background(), dbProbeTimeout)
+	defer cancel()
+	res := make(chan error, 1)
+	go func() { res <- g.probe(ctx) }()
+	var err error
+	select {
+	case err = <-res:
+	case <-ctx.Done():
+		// A driver that ignores the context while it connects (lib/pq through sql.Open, without
+		// connect_timeout, on a server that stalls) returns when the network gives up: the
+		// probe counts as failed now and the next one opens a new connection, rather than the
+		// outage last as long as that one connection.
+		err = fmt.Errorf("no answer within %s: %w", dbProbeTimeout, ctx.Err())
+	}
 	if err == nil {
 		g.succeeded()
 		return
 	}
 	g.mu.Lock()
 	defer g.mu.Unlock()
-	g.probing = false
+	g.endProbe()
 	if g.since.IsZero() {
 		return // other work got through meanwhile
-	}
-	if ctx.Err() != nil {
-		// The waiter gave up, not the database: the next one probes at once.
-		g.nextProbe = time.Now()
-		return
 	}
 	g.attempts.Add(1)
 	g.inOutage++
@@ -197,10 +221,18 @@ func (g *dbGate) observe(err error) bool {
 	return true
 }
 
+// endProbe marks the probe under way, if any, ended. Called with g.mu held.
+func (g *dbGate) endProbe() {
+	if g.probing {
+		g.probing = false
+		close(g.probed)
+	}
+}
+
 func (g *dbGate) succeeded() {
 	g.mu.Lock()
 	defer g.mu.Unlock()
-	g.probing = false
+	g.endProbe()
 	if g.since.IsZero() {
 		return
 	}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"database/sql"
 	"encoding/binary"
+	"errors"
 	"io"
 	"net"
 	"net/url"
@@ -26,6 +27,7 @@ type dbProxy struct {
 	ln       net.Listener
 	target   string
 	down     atomic.Bool
+	hang     atomic.Bool  // while down: accept and never answer, as a server that stalls
 	attempts atomic.Int64 // connections opened while down
 	mu       sync.Mutex
 	conns    map[net.Conn]struct{}
@@ -61,6 +63,13 @@ func (p *dbProxy) serve() {
 		p.wg.Add(1)
 		if p.down.Load() {
 			p.attempts.Add(1)
+			if p.hang.Load() {
+				p.mu.Lock()
+				p.conns[c] = struct{}{}
+				p.mu.Unlock()
+				go func() { defer p.wg.Done(); _, _ = io.Copy(io.Discard, c) }()
+				continue
+			}
 			go func() { defer p.wg.Done(); refuseStartup(c) }()
 			continue
 		}
@@ -194,7 +203,9 @@ func TestUnreachableDatabaseIsProbedWithBackoff(t *testing.T) {
 					}
 					return
 				}
-				lastErr.Store(err.Error())
+				if outage.Load() {
+					lastErr.Store(err.Error())
+				}
 			}
 		}()
 	}
@@ -218,6 +229,9 @@ func TestUnreachableDatabaseIsProbedWithBackoff(t *testing.T) {
 	}
 
 	mustEqual(t, "messages acked during the outage", ackedInOutage.Load(), int32(0))
+	// Neither the outage nor the wait counts against a message: a unit that begins when the
+	// database answers has its whole HandlerTimeout.
+	mustEqual(t, "failed attempts counted", e.count(`SELECT count(*) FROM outbox_attempts`), 0)
 	// At most one probe at a time, 100 ms doubling: about five in 3 s, after the first failures
 	// of what was in flight (the consumers, the relay, the cleanup, the listener).
 	if attempts > consumers+12 {
@@ -253,6 +267,55 @@ func TestUnreachableDatabaseIsProbedWithBackoff(t *testing.T) {
 	if r := ob.Health(hctx); !checkOK(r, outbox.CheckDatabase) {
 		t.Errorf("Health after the outage: %+v", r)
 	}
+}
+
+// TestUnitGivesUpAProbeThatHangs: the database first refuses (the gate opens), then stalls, so
+// that each probe hangs until the unit of work that took its turn at it gives up. Each unit
+// still ends at its HandlerTimeout, nacked as unreachable; none goes on probing with its
+// context ended.
+func TestUnitGivesUpAProbeThatHangs(t *testing.T) {
+	e := newEnv(t)
+	u, err := url.Parse(e.dsn)
+	if err != nil || u.Host == "" {
+		t.Skipf("the test DSN is not a URL with a host (%v): the proxy needs one", err)
+	}
+	proxy := startDBProxy(t, u.Host)
+	u.Host = proxy.addr()
+	pdb, err := sql.Open("postgres", u.String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = pdb.Close() })
+	const timeout = 500 * time.Millisecond
+	ob := e.newOutbox(func(c *outbox.Config) {
+		c.DB = pdb
+		c.HandlerTimeout = timeout
+		c.ReconnectDelay = 10 * time.Millisecond
+	})
+	proxy.setDown(true)
+	msg := message.NewMessage(uuid.NewString(), nil)
+	if err := handle(ob, copyOf(msg), applyAndPublish(nil)); !errors.Is(err, outbox.ErrDatabaseUnreachable) {
+		t.Fatalf("a unit of work while the database refuses: %v, want ErrDatabaseUnreachable", err)
+	}
+	proxy.hang.Store(true)
+	for i := range 3 {
+		began := time.Now()
+		done := make(chan error, 1)
+		go func() { done <- handle(ob, copyOf(msg), applyAndPublish(nil)) }()
+		select {
+		case err := <-done:
+			if !errors.Is(err, outbox.ErrDatabaseUnreachable) || !strings.Contains(err.Error(), "unreachable since") {
+				t.Fatalf("delivery %d while the database stalls: %v, want ErrDatabaseUnreachable since a time", i, err)
+			}
+			t.Logf("delivery %d nacked after %s", i, time.Since(began).Round(time.Millisecond))
+		case <-time.After(10 * timeout):
+			t.Fatalf("delivery %d while the database stalls has not returned after %s (HandlerTimeout %s)", i, 10*timeout, timeout)
+		}
+	}
+	proxy.hang.Store(false)
+	proxy.setDown(false)
+	waitFor(t, "the message processed after the outage", func() bool { return handle(ob, copyOf(msg), applyAndPublish(nil)) == nil })
+	mustEqual(t, "business rows", e.count(`SELECT count(*) FROM applied WHERE message_id = $1`, msg.UUID), 1)
 }
 
 func checkOK(r outbox.HealthReport, name string) bool {
