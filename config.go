@@ -107,8 +107,10 @@ type Config struct {
 	// flight and the background loops wait, without a connection, for that probe, the first
 	// success closes the outage and wakes them all. The delay doubles after each failed probe up
 	// to ReconnectDelayMax, each spread over its upper half at random so that the instances of
-	// one outage do not probe in step. A unit of work waits until HandlerTimeout or its message's
-	// context ends, then is nacked with ErrDatabaseUnreachable (not counted as a failed attempt).
+	// one outage do not probe in step. A unit of work waits at most HandlerTimeout (a budget of its
+	// own: one that begins when the database answers has a whole HandlerTimeout for its work) and
+	// while its message's context lasts, then is nacked with ErrDatabaseUnreachable (not counted
+	// as a failed attempt).
 	// Default: 100 ms. Negative: no waiting, every unit of work and loop connects again itself
 	// (after RetryDelay), as many times a second as there are messages in flight.
 	ReconnectDelay time.Duration
