@@ -131,6 +131,9 @@ func (o *Outbox) handle(msg *message.Message, p HandleParams, next message.Handl
 			setOutcome(parent, OutcomeDispatchFailed)
 			return nil
 		case errors.Is(err, errWaitForDatabase):
+			if parent.Err() != nil {
+				return err
+			}
 			// Not a try: the next one begins once the database answers (waitForDatabase).
 			continue
 		case errors.Is(err, errRetryAtOnce):
