@@ -14,10 +14,11 @@ import (
 
 // dbGate holds back the work on one database while it is unreachable. Without it every unit of
 // work in flight, and every background loop, tries to connect again after each failure: in an
-// outage that is a storm of connection attempts (measured: 56 to 271 a second for one Outbox),
-// which also meets the database when it comes back. While the gate is open, work waits without
-// taking a connection for one probe at a time, spaced by an exponential backoff with jitter; the
-// first success, of a probe or of any work, closes the gate and wakes every waiter.
+// outage that is a storm of connection attempts, which also meets the database when it comes
+// back (measured: 252 in a 3 s outage of one Outbox with eight consumers; 7 to 17 with the
+// gate). While the gate is open, work waits without taking a connection for one probe at a time,
+// spaced by an exponential backoff with jitter; the first success, of a probe or of any work,
+// closes the gate and wakes every waiter.
 //
 // It knows nothing of an Outbox (a probe and two delays), so that the Outboxes of one database
 // can share one.
@@ -32,8 +33,7 @@ type dbGate struct {
 	// onAttempt counts a connection attempt that found the database unreachable.
 	onAttempt func()
 
-	down     atomic.Bool // an outage is under way: the fast path of every call
-	attempts atomic.Int64
+	down atomic.Bool // an outage is under way: the fast path of every call
 
 	mu        sync.Mutex
 	since     time.Time // when the outage began; zero: reachable
@@ -164,7 +164,6 @@ func (g *dbGate) runProbe() {
 	if g.since.IsZero() {
 		return // other work got through meanwhile
 	}
-	g.attempts.Add(1)
 	g.inOutage++
 	g.lastErr = err
 	if g.onAttempt != nil {
@@ -198,7 +197,6 @@ func (g *dbGate) observe(err error) bool {
 	if !g.unreachable(err) {
 		return false
 	}
-	g.attempts.Add(1)
 	if g.onAttempt != nil {
 		g.onAttempt()
 	}
