@@ -65,6 +65,12 @@ func (o *Outbox) InUnit(ctx context.Context, fn func(ctx context.Context) error)
 	// Every unit counts by its outcome; a panic in fn (re-panicking) counts as rolled back.
 	outcome := OutcomeRolledBack
 	defer func() { o.tel.boundaryUnits.Add(ctx, 1, o.tel.attrs(AttrOutcome, outcome, "", "")) }()
+	// While the database is unreachable the unit waits for it without a connection, on a
+	// HandlerTimeout of its own and while ctx lasts (see dbGate).
+	if err := o.waitForDatabase(ctx); err != nil {
+		outcome = OutcomeFailed
+		return err
+	}
 	after := context.WithoutCancel(ctx)
 	txCtx, cancel := context.WithTimeout(after, o.cfg.HandlerTimeout)
 	defer cancel()
@@ -199,6 +205,7 @@ func (o *Outbox) beginBoundary(ctx, txCtx context.Context) (tx outboxdriver.Unit
 	bound, end := context.WithCancel(txCtx)
 	stop := context.AfterFunc(ctx, end)
 	tx, _, err = o.units.BeginUnit(bound, nil)
+	o.gate.observe(err)
 	if !stop() {
 		// ctx ended before BEGIN returned: bound is cancelled, and a transaction begun on it is
 		// being rolled back (or will be, by the driver's watch).

@@ -104,6 +104,22 @@ type Config struct {
 	// which must not run inside the outbox middleware. Default: 0.
 	HandlerRetries int
 
+	// ReconnectDelay is how long the work on a database that became unreachable (a connection
+	// refused, a name not found, a dial that timed out, a server starting up, shutting down or
+	// with too many connections) waits before one probe connects again: the units of work in
+	// flight and the background loops wait, without a connection, for that probe, the first
+	// success closes the outage and wakes them all. The delay doubles after each failed probe up
+	// to ReconnectDelayMax, each spread over its upper half at random so that the instances of
+	// one outage do not probe in step. A unit of work waits at most HandlerTimeout (a budget of its
+	// own: one that begins when the database answers has a whole HandlerTimeout for its work) and
+	// while its message's context lasts, then is nacked with ErrDatabaseUnreachable (not counted
+	// as a failed attempt).
+	// Default: 100 ms. Negative: no waiting, every unit of work and loop connects again itself
+	// (after RetryDelay), as many times a second as there are messages in flight.
+	ReconnectDelay time.Duration
+	// ReconnectDelayMax bounds the growth of ReconnectDelay. Default: 30 seconds.
+	ReconnectDelayMax time.Duration
+
 	// DuplicateWait is how long a duplicate delivery that finds side effects committed less than
 	// this long ago waits for the process that committed them to send them, before sending what is
 	// still pending itself. It keeps concurrent copies from putting a second copy of every effect on
@@ -242,6 +258,9 @@ const (
 	defaultStatsInterval    = 15 * time.Second
 	defaultKeyRetention     = 24 * time.Hour
 
+	defaultReconnectDelay = 100 * time.Millisecond
+	reconnectDelayMax     = 30 * time.Second
+
 	// maxIDLength bounds message IDs and topics so that they index well.
 	maxIDLength = 255
 )
@@ -273,6 +292,12 @@ func (c *Config) setDefaults() {
 	}
 	if c.RetryDelayMax == 0 {
 		c.RetryDelayMax = defaultRetryDelayMax
+	}
+	if c.ReconnectDelay == 0 {
+		c.ReconnectDelay = defaultReconnectDelay
+	}
+	if c.ReconnectDelayMax == 0 {
+		c.ReconnectDelayMax = reconnectDelayMax
 	}
 	if c.RelayPauseFactor == 0 {
 		c.RelayPauseFactor = defaultRelayPauseFactor
@@ -343,7 +368,7 @@ func (c Config) Validate() error {
 		"Retention": c.Retention, "EffectRetention": c.EffectRetention, "CleanupInterval": c.CleanupInterval,
 		"CleanupPause":   c.CleanupPause,
 		"HandlerTimeout": c.HandlerTimeout, "PublishTimeout": c.PublishTimeout, "DuplicateWait": c.DuplicateWait,
-		"RetryDelayMax": c.RetryDelayMax,
+		"RetryDelayMax": c.RetryDelayMax, "ReconnectDelayMax": c.ReconnectDelayMax,
 		"RelayInterval": c.RelayInterval, "RelayGrace": c.RelayGrace,
 		"RedeliveryHorizon": c.RedeliveryHorizon, "HealthMaxPendingAge": c.HealthMaxPendingAge,
 		"IdempotencyRetention": c.IdempotencyRetention, "ClientRetryHorizon": c.ClientRetryHorizon,

@@ -87,7 +87,8 @@ const (
 )
 
 // Health checks, with reasons: the database answers and takes writes (a standby reached after a
-// failover does not), the schema is current, the relay is running
+// failover does not; while it is unreachable the check says since when and how many connection
+// attempts failed, without trying one more), the schema is current, the relay is running
 // in this process and finished a round recently, the notification listener is connected
 // (PostgreSQL), and the backlog and the parked effects are under the thresholds of Config
 // (HealthMaxPending, HealthMaxPendingAge, HealthMaxParked; checked only when set, against the
@@ -104,10 +105,15 @@ func (o *Outbox) Health(ctx context.Context) HealthReport {
 		}
 		r.Checks = append(r.Checks, c)
 	}
-	pingErr := o.db.PingContext(ctx)
-	dbErr := pingErr
-	if dbErr != nil {
-		dbErr = fmt.Errorf("ping (waited for a connection and an answer, at most 5s): %w", dbErr)
+	var pingErr, dbErr error
+	if out, down := o.gate.outage(); down {
+		// The probe asks the database on its own schedule; a ping per check would be one more
+		// connection attempt in the storm the gate keeps away.
+		pingErr = fmt.Errorf("%w %s", ErrDatabaseUnreachable, out)
+		dbErr = pingErr
+	} else if pingErr = o.db.PingContext(ctx); pingErr != nil {
+		o.gate.observe(pingErr)
+		dbErr = fmt.Errorf("ping (waited for a connection and an answer, at most 5s): %w", pingErr)
 	} else if w, ok := o.store.(outboxdriver.WritableChecker); ok {
 		// Reachable is not enough: a standby answers every read and refuses every unit of work.
 		dbErr = w.CheckWritable(ctx)

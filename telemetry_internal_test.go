@@ -36,7 +36,7 @@ func observeGauges(t *testing.T, tel *telemetry) map[string]float64 {
 	t.Helper()
 	order := []string{MetricEffectsPending, MetricPendingOldestAge, MetricEffectsParked, MetricParkedOldestAge,
 		MetricMessagesFailing, MetricMessagesDead, MetricProcessedRetained, MetricCleanupLag, MetricStatsAge, MetricRelayLastRoundAge, MetricUptime,
-		MetricEffectsDelayed, MetricXminHeldAge, MetricXminHeldXacts, MetricTableDeadTuples}
+		MetricEffectsDelayed, MetricXminHeldAge, MetricXminHeldXacts, MetricTableDeadTuples, MetricDBUnreachableFor}
 	if len(order) != len(tel.gauges) {
 		t.Fatalf("%d gauges, the test knows %d", len(tel.gauges), len(order))
 	}

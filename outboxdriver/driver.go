@@ -470,6 +470,16 @@ type RetryClassifier interface {
 	Retryable(err error) bool
 }
 
+// ReachabilityClassifier is implemented by a Store whose database says with errors of its own
+// (MySQL's error numbers) that it takes no connections now. The framework already tells a failed
+// dial and PostgreSQL's SQLSTATEs for it; while the database is unreachable, work on it waits for
+// one probe at a time instead of each connecting.
+type ReachabilityClassifier interface {
+	// Unreachable tells whether err means the database takes no connections now: too many
+	// connections, a server shutting down.
+	Unreachable(err error) bool
+}
+
 // WritableChecker is implemented by a Store that can tell whether the server it reaches takes
 // writes. After a failover a connection can land on a standby (a stale address, a DNS name not
 // yet moved): every unit of work then fails, and a readiness probe must say why.
