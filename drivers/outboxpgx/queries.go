@@ -16,6 +16,10 @@ type queries struct {
 
 	delayedInsert func(int) string // the delayed effects: see store.DelayedInsertArgs
 	delayedCancel string           // (cancel key)
+	// The same, which write only while the unit's own claim exists (pessimistic, after user SQL
+	// ended the transaction): + (consumer, id); the cancel returns (claimed, count).
+	delayedInsertClaimed func(int) string
+	delayedCancelClaimed string
 
 	lookup      string // optimistic: (consumer, id) -> age of the claim and whether it is settled, no row when there is none
 	claimInline string // optimistic: (consumer, id, inline effects or NULL): no ON CONFLICT
@@ -39,6 +43,9 @@ func newQueries(n store.Names, deleteDispatched bool) queries {
 
 		delayedInsert: pq.DelayedInsert,
 		delayedCancel: pq.DelayedCancel,
+
+		delayedInsertClaimed: pq.DelayedInsertClaimed,
+		delayedCancelClaimed: pq.DelayedCancelClaimed,
 
 		// A claim found also tells whether anything of it is still pending: a duplicate whose
 		// effects went out then reads nothing more.
