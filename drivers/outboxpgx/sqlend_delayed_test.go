@@ -103,3 +103,34 @@ func TestSQLEndedThenDelayedEffects(t *testing.T) {
 		}
 	}
 }
+
+// After a ROLLBACK sent as SQL a copy of the message claims it and commits before the handler
+// records a delayed effect: the pessimistic unit's record looks for the claim its own transaction
+// inserted, not any claim of the message, and writes nothing beside the copy's.
+func TestSQLRollbackThenACopyClaimsThenDelayed(t *testing.T) {
+	h := outboxtest.NewWith(t, form(outboxpgx.Pessimistic), outbox.Config{RelayInterval: time.Hour}, setup)
+	var after error
+	var copyRes outboxtest.Result
+	res := h.Run("c", message.NewMessage("m1", nil), consume(func(msg *message.Message) error {
+		ctx := msg.Context()
+		if _, err := outboxpgx.Tx(ctx).Exec(ctx, "ROLLBACK"); err != nil {
+			return err
+		}
+		copyRes = h.Run("c", message.NewMessage("m1", nil), consume(handler))
+		after = outbox.Publish(outbox.WithDelay(ctx, time.Hour), "out_b", message.NewMessage("after", nil))
+		return nil
+	}))
+	if copyRes.Err != nil || !copyRes.Committed {
+		t.Fatalf("the copy: %v, committed %v", copyRes.Err, copyRes.Committed)
+	}
+	if !errors.Is(after, outbox.ErrTxFinishedByHandler) || !errors.Is(res.Err, outbox.ErrTxFinishedByHandler) {
+		t.Errorf("the record after ROLLBACK returned %v, Handle %v; want ErrTxFinishedByHandler", after, res.Err)
+	}
+	var delayed int
+	if err := h.DB.QueryRow(`SELECT count(*) FROM outbox_delayed WHERE topic = 'out_b'`).Scan(&delayed); err != nil {
+		t.Fatal(err)
+	}
+	if delayed != 0 {
+		t.Errorf("%d delayed effects of the rolled-back attempt stored beside the copy's claim, want 0", delayed)
+	}
+}
