@@ -1,4 +1,4 @@
-// Package orm shows consumers that write through sqlx and GORM instead of plain database/sql
+// Package orm shows consumers that write through sqlx, GORM and bun instead of plain database/sql
 // (docs/orm.md). Each write goes through the unit of work's *sql.Tx (outbox.Tx): a write
 // through the ORM's own pool would commit on its own, stay when the unit rolls back, and be
 // made again when the message is redelivered.
@@ -14,6 +14,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jmoiron/sqlx"
 	"github.com/jmoiron/sqlx/reflectx"
+	"github.com/uptrace/bun"
 	"gorm.io/gorm"
 
 	"github.com/watermill-outbox/outbox"
@@ -97,6 +98,30 @@ func (g Gorm) Reserve(msg *message.Message) error {
 	ctx := msg.Context()
 	r := Reservation{OrderID: msg.UUID, SKU: string(msg.Payload)}
 	if err := InUnit(ctx, g.DB).Create(&r).Error; err != nil {
+		return fmt.Errorf("reserve %s: %w", r.SKU, err)
+	}
+	return outbox.Publish(ctx, ReservedTopic, message.NewMessage(watermill.NewUUID(), msg.Payload))
+}
+
+// BunReservation is Reservation for bun, which names the table in a field tag.
+type BunReservation struct {
+	bun.BaseModel `bun:"table:reservations"`
+	OrderID       string `bun:"order_id"`
+	SKU           string `bun:"sku"`
+}
+
+// Bun holds the *bun.DB the service opens once, on the same *sql.DB as the Outbox:
+//
+//	bdb := bun.NewDB(db, pgdialect.New())
+type Bun struct{ DB *bun.DB }
+
+// Reserve is a consumer (middleware.WrapConsumer) that writes through bun. Every query of bun
+// takes the connection it runs on (Conn: a *sql.DB, *sql.Conn or *sql.Tx); without Conn it runs
+// on the pool, outside the unit.
+func (b Bun) Reserve(msg *message.Message) error {
+	ctx := msg.Context()
+	r := BunReservation{OrderID: msg.UUID, SKU: string(msg.Payload)}
+	if _, err := b.DB.NewInsert().Conn(outbox.Tx(ctx)).Model(&r).Exec(ctx); err != nil {
 		return fmt.Errorf("reserve %s: %w", r.SKU, err)
 	}
 	return outbox.Publish(ctx, ReservedTopic, message.NewMessage(watermill.NewUUID(), msg.Payload))

@@ -13,6 +13,8 @@ import (
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 	"github.com/jmoiron/sqlx"
 	_ "github.com/lib/pq"
+	"github.com/uptrace/bun"
+	"github.com/uptrace/bun/dialect/pgdialect"
 	gormpostgres "gorm.io/driver/postgres"
 	"gorm.io/gorm"
 	"gorm.io/gorm/logger"
@@ -30,6 +32,7 @@ type env struct {
 	db       *sql.DB
 	ob       *outbox.Outbox
 	gorm     *gorm.DB
+	bun      *bun.DB
 	reserved <-chan *message.Message
 }
 
@@ -65,7 +68,9 @@ func setup(t *testing.T) env {
 	if err != nil {
 		t.Fatal(err)
 	}
-	return env{db: db, ob: ob, gorm: gdb, reserved: reserved}
+	// Not closed: closing a *bun.DB closes the *sql.DB under it, which the Cleanup above does.
+	bdb := bun.NewDB(db, pgdialect.New())
+	return env{db: db, ob: ob, gorm: gdb, bun: bdb, reserved: reserved}
 }
 
 func (e env) rows(t *testing.T, orderID string) int {
@@ -105,6 +110,7 @@ var handlers = []struct {
 }{
 	{"sqlx", func(env) message.NoPublishHandlerFunc { return orm.SqlxReserve }},
 	{"gorm", func(e env) message.NoPublishHandlerFunc { return orm.Gorm{DB: e.gorm}.Reserve }},
+	{"bun", func(e env) message.NoPublishHandlerFunc { return orm.Bun{DB: e.bun}.Reserve }},
 }
 
 // The ORM's write commits with the unit of work and its message is sent; a redelivered copy
@@ -170,6 +176,10 @@ func TestORMWriteOutsideTheUnitStays(t *testing.T) {
 		},
 		"gorm": func(msg *message.Message) error {
 			return e.gorm.WithContext(msg.Context()).Create(&orm.Reservation{OrderID: msg.UUID, SKU: string(msg.Payload)}).Error
+		},
+		"bun": func(msg *message.Message) error {
+			_, err := e.bun.NewInsert().Model(&orm.BunReservation{OrderID: msg.UUID, SKU: string(msg.Payload)}).Exec(msg.Context())
+			return err
 		},
 	}
 	for name, h := range cases {
