@@ -20,7 +20,7 @@ import (
 	"github.com/watermill-outbox/outbox"
 )
 
-// Reservation is a row of the reservations table, for both ORMs.
+// Reservation is a row of the reservations table, for sqlx and GORM.
 type Reservation struct {
 	OrderID string `db:"order_id" gorm:"column:order_id"`
 	SKU     string `db:"sku" gorm:"column:sku"`
@@ -38,8 +38,8 @@ const ReservedTopic = "stock.reserved"
 // SqlxTx returns the unit of work's *sql.Tx as an sqlx.ExtContext, for sqlx's package functions
 // (sqlx.NamedExecContext, sqlx.GetContext, sqlx.SelectContext). sqlx has no constructor of an
 // *sqlx.Tx from a *sql.Tx: one built as a literal has no driver name, so its bind type is
-// unknown and its named queries come out with placeholders PostgreSQL rejects; this adapter names the bind type
-// ($1, $2) that sqlx.Open("postgres", ...) would pick.
+// unknown and its named queries come out with placeholders PostgreSQL rejects; this adapter
+// names the bind type ($1, $2) that sqlx.Open("postgres", ...) would pick.
 func SqlxTx(ctx context.Context) sqlx.ExtContext {
 	return sqlxTx{&sqlx.Tx{Tx: outbox.Tx(ctx), Mapper: sqlxMapper}}
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"database/sql"
 	"errors"
+	"fmt"
 	"os"
 	"testing"
 	"time"
@@ -195,5 +196,43 @@ func TestORMWriteOutsideTheUnitStays(t *testing.T) {
 				t.Fatalf("two failed deliveries through the pool left %d rows; the test expects 2 (one per delivery)", n)
 			}
 		})
+	}
+}
+
+// The sqlx adapter's reads (GetContext, SelectContext) run in the unit too: they see the unit's
+// own write before COMMIT, which a read on the pool could not.
+func TestSqlxTxReadsInTheUnit(t *testing.T) {
+	e := setup(t)
+	h := middleware.WrapConsumer(e.ob, func(msg *message.Message) error {
+		if err := orm.SqlxReserve(msg); err != nil {
+			return err
+		}
+		ctx := msg.Context()
+		var r orm.Reservation
+		if err := sqlx.GetContext(ctx, orm.SqlxTx(ctx), &r, `SELECT order_id, sku FROM reservations WHERE order_id = $1`, msg.UUID); err != nil {
+			return fmt.Errorf("get: %w", err)
+		}
+		var all []orm.Reservation
+		if err := sqlx.SelectContext(ctx, orm.SqlxTx(ctx), &all, `SELECT order_id, sku FROM reservations WHERE sku = $1`, "sku-4"); err != nil {
+			return fmt.Errorf("select: %w", err)
+		}
+		if r.SKU != "sku-4" || len(all) != 1 || all[0].OrderID != msg.UUID {
+			return fmt.Errorf("in the unit: got %+v and %+v, want the unit's own row", r, all)
+		}
+		var onPool int
+		if err := e.db.QueryRowContext(ctx, `SELECT count(*) FROM reservations WHERE order_id = $1`, msg.UUID).Scan(&onPool); err != nil {
+			return fmt.Errorf("count on the pool: %w", err)
+		}
+		if onPool != 0 {
+			return fmt.Errorf("the pool sees %d rows before COMMIT, want 0", onPool)
+		}
+		return nil
+	}, middleware.WithConsumer("sqlx-reads"))
+	id := watermill.NewUUID()
+	if err := deliver(t, h, id, "sku-4"); err != nil {
+		t.Fatal(err)
+	}
+	if n := e.rows(t, id); n != 1 {
+		t.Fatalf("after commit: %d rows, want 1", n)
 	}
 }
