@@ -1,6 +1,8 @@
 package outboxpgx
 
 import (
+	"strings"
+
 	"github.com/watermill-outbox/outbox/drivers/postgres"
 	"github.com/watermill-outbox/outbox/outboxdriver"
 	"github.com/watermill-outbox/outbox/store"
@@ -9,9 +11,10 @@ import (
 // queries are the statements the pgx driver runs itself; the others are the postgres driver's,
 // run through database/sql on the same pool.
 type queries struct {
-	claim     string                             // pessimistic: (consumer, id) -> claimed, age of a committed claim found, whether it is settled
+	claim     string                             // pessimistic: (consumer, id) -> claimed, age of a committed claim found, whether it is settled, the claim's inline_xid
 	insert    func([]outboxdriver.Effect) string // the effect rows (at most store.EffectInsertMaxRows): see store.EffectInsertArgs
 	processed string                             // (consumer, id) -> a row when processed
+	ownClaim  string                             // (consumer, id, the claim's inline_xid) -> a row when the unit's own claim committed
 	pending   string                             // (consumer, id) -> the effect rows and inline effects of the source: see postgres.PendingQuery
 
 	delayedInsert func(int) string // the delayed effects: see store.DelayedInsertArgs
@@ -30,7 +33,7 @@ type queries struct {
 func newQueries(n store.Names, deleteDispatched bool) queries {
 	pq := postgres.Queries(n, deleteDispatched)
 	return queries{
-		claim: pq.MessageClaim,
+		claim: claimWithXID(pq.MessageClaim),
 		insert: func(effects []outboxdriver.Effect) string {
 			if store.HasOwnKey(effects) {
 				return pq.EffectInsertKeyed(len(effects), false) // the pgx unit refuses a transaction ended under it itself
@@ -38,6 +41,7 @@ func newQueries(n store.Names, deleteDispatched bool) queries {
 			return pq.EffectInsert(len(effects))
 		},
 		processed: pq.MessageIsProcessed,
+		ownClaim:  pq.MessageIsProcessed + ` AND inline_xid = $3`,
 		pending:   postgres.PendingQuery(n),
 		keys:      store.Queries{KeyLock: pq.KeyLock, KeyClaim: pq.KeyClaim, KeyRead: pq.KeyRead, KeySave: pq.KeySave},
 
@@ -58,4 +62,17 @@ func newQueries(n store.Names, deleteDispatched bool) queries {
 			VALUES ($1, $2, clock_timestamp(), clock_timestamp(), $3::bytea,
 				CASE WHEN $3::bytea IS NOT NULL THEN pg_current_xact_id()::text::bigint END)`,
 	}
+}
+
+// claimWithXID adds to the postgres driver's claim the transaction ID its insert gave the claim
+// (NULL when it inserted none), in the same statement: a handler that ends the transaction with
+// SQL leaves the unit to tell its own claim from a copy's, which claimed the message after a
+// ROLLBACK and has the same key, even once the connection is gone (HandlerTimeout), when the
+// session setting postgres.OwnClaim reads is out of reach.
+func claimWithXID(claim string) string {
+	const sel = `SELECT c.claimed, s.age, s.settled`
+	if strings.Count(claim, sel) != 1 {
+		panic("outboxpgx: the postgres driver's MessageClaim no longer ends in " + sel)
+	}
+	return strings.Replace(claim, sel, sel+`, (SELECT inline_xid FROM ins)`, 1)
 }
