@@ -419,7 +419,11 @@ func (e *Engine) run(ctx context.Context, t *task, started time.Time) {
 		}
 	}
 	if err != nil && ctx.Err() == nil {
-		m.logger.Error("outbox "+t.Name+" failed", err, watermill.LogFields{"member": m.Name})
+		var fields watermill.LogFields
+		if m.Name != "" {
+			fields = watermill.LogFields{"member": m.Name}
+		}
+		m.logger.Error("outbox "+t.Name+" failed", err, fields)
 	}
 	e.runs.Add(1)
 
