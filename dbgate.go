@@ -44,6 +44,9 @@ type dbGate struct {
 	probing   bool
 	probed    chan struct{} // closed when the probe under way ends
 	up        chan struct{} // closed when the outage ends
+	// wakes are called once when the probe under way or the outage ends: the callers of ready
+	// that do not block in wait (the engine's scheduler) learn of it so.
+	wakes []func()
 }
 
 // dbProbeTimeout bounds one probe: a dial that hangs (a dropped SYN) is an unreachable database.
@@ -98,15 +101,11 @@ func (g *dbGate) wait(ctx context.Context) error {
 			g.mu.Unlock()
 			return g.gaveUp(ctx)
 		}
-		if !g.probing && !now.Before(g.nextProbe) {
-			// The probe runs on its own, not on the waiter's context: a waiter that gives up
-			// does not cut it short (nor make it count as a failure), and one whose driver
-			// ignores contexts while it connects (lib/pq through sql.Open, a server that
-			// stalls) does not hold the waiter past its context. One runs at a time.
-			g.probing = true
-			g.probed = make(chan struct{})
-			go g.runProbe()
-		}
+		// The probe runs on its own, not on the waiter's context: a waiter that gives up does not
+		// cut it short (nor make it count as a failure), and one whose driver ignores contexts
+		// while it connects (lib/pq through sql.Open, a server that stalls) does not hold the
+		// waiter past its context. One runs at a time.
+		g.probeIfDue(now)
 		// While a probe is under way the waiters wait for its end, then for the next one it
 		// schedules.
 		var probed <-chan struct{}
@@ -129,6 +128,47 @@ func (g *dbGate) wait(ctx context.Context) error {
 		case <-timer.C:
 		}
 	}
+}
+
+// probeIfDue starts the probe if one is due and none is under way. Called with g.mu held.
+func (g *dbGate) probeIfDue(now time.Time) {
+	if !g.probing && !now.Before(g.nextProbe) {
+		g.probing = true
+		g.probed = make(chan struct{})
+		go g.runProbe()
+	}
+}
+
+// ready is wait for a caller that must not block (the engine's scheduler, for the work of many
+// databases): it reports whether the database is reachable. In an outage it starts the probe
+// when one is due, returns when to ask again, and has wake (when not nil) called once when the
+// probe under way or the outage ends first. wake must not block: it may be called with g.mu held.
+func (g *dbGate) ready(wake func()) (bool, time.Time) {
+	if g == nil || !g.down.Load() {
+		return true, time.Time{}
+	}
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if g.since.IsZero() {
+		return true, time.Time{}
+	}
+	now := time.Now()
+	g.probeIfDue(now)
+	if wake != nil {
+		g.wakes = append(g.wakes, wake)
+	}
+	if g.probing {
+		return false, now.Add(dbProbeTimeout)
+	}
+	return false, g.nextProbe
+}
+
+// wakeReady calls the wakes handed to ready. Called with g.mu held.
+func (g *dbGate) wakeReady() {
+	for _, w := range g.wakes {
+		w()
+	}
+	g.wakes = nil
 }
 
 // gaveUp returns the error of a wait that ctx ended.
@@ -224,6 +264,7 @@ func (g *dbGate) endProbe() {
 	if g.probing {
 		g.probing = false
 		close(g.probed)
+		g.wakeReady()
 	}
 }
 
@@ -238,6 +279,7 @@ func (g *dbGate) succeeded() {
 	g.since, g.inOutage, g.lastErr = time.Time{}, 0, nil
 	g.down.Store(false)
 	close(g.up)
+	g.wakeReady()
 	if g.onChange != nil {
 		g.onChange(since, n, nil)
 	}

@@ -14,6 +14,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 
+	"github.com/watermill-outbox/outbox/internal/engine"
 	"github.com/watermill-outbox/outbox/outboxdriver"
 )
 
@@ -34,7 +35,7 @@ type Outbox struct {
 	mu       sync.RWMutex
 	appliers map[string]Applier
 
-	kick  chan struct{} // wakes the relay
+	kick  engine.Wakeup // wakes the relay
 	due   dueTimer      // wakes the relay when a delayed effect is due
 	marks *marker
 	tel   *telemetry
@@ -110,7 +111,6 @@ func New(cfg Config) (*Outbox, error) {
 		pub:      cfg.Publisher,
 		logger:   cfg.Logger,
 		appliers: map[string]Applier{},
-		kick:     make(chan struct{}, 1),
 	}
 	o.due.kick = o.kickRelay
 	if gate != nil {
@@ -206,47 +206,57 @@ func (o *Outbox) Run(ctx context.Context) error {
 	} else {
 		defer stop()
 	}
+	// The periodic services run on an engine of their own, as its one member: the engine a Set
+	// of Outboxes shares is the same code with more members.
+	eng := engine.New(engine.Config{Logger: o.logger})
+	if _, err := eng.Add(o.engineMember()); err != nil {
+		return fmt.Errorf("outbox: run: %w", err)
+	}
+	if err := eng.Start(ctx); err != nil {
+		return fmt.Errorf("outbox: run: %w", err)
+	}
 	var wg sync.WaitGroup
-	wg.Add(3)
+	wg.Add(1)
 	go func() { defer wg.Done(); o.listen(ctx) }()
-	go func() { defer wg.Done(); o.runEvery(ctx, o.cfg.RelayInterval, o.kick, "relay", o.relayOnce) }()
-	go func() { defer wg.Done(); o.runEvery(ctx, o.cfg.CleanupInterval, nil, "cleanup", o.cleanupOnce) }()
-	if o.cfg.StatsInterval > 0 {
-		wg.Add(1)
-		go func() { defer wg.Done(); o.runEvery(ctx, o.cfg.StatsInterval, nil, "stats sampling", o.sampleStats) }()
-	}
-	if o.cfg.Redrive.After > 0 && o.deadLetterStore() != nil {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			o.runEvery(ctx, min(o.cfg.Redrive.After, time.Minute), nil, "dead-letter redrive", o.redriveOnce)
-		}()
-	}
+	<-ctx.Done()
+	// The runs in progress see ctx end and return, as the services' loops did: Run waits for
+	// them however long that takes, as it always did, so that no mark is queued after marks.wait.
+	_ = eng.Stop(context.WithoutCancel(ctx))
 	wg.Wait()
 	o.due.stop()
 	o.marks.wait() // a clean shutdown leaves no mark unwritten, so nothing is re-sent after it
 	return nil
 }
 
-func (o *Outbox) runEvery(ctx context.Context, every time.Duration, wake <-chan struct{}, name string, fn func(context.Context) error) {
-	t := time.NewTicker(every)
-	defer t.Stop()
-	for {
-		// In an outage the loop waits for the database, rather than fail against it every round.
-		if err := o.gate.wait(ctx); err == nil {
-			err := fn(ctx)
-			if !o.gate.observe(err) && err != nil && ctx.Err() == nil {
-				o.logger.Error("outbox "+name+" failed", err, nil)
-			}
-		}
-		select {
-		case <-ctx.Done():
-			return
-		case <-t.C:
-		case <-wake:
-		}
+// engineMember returns the Outbox's periodic services as a member of an engine: the relay (woken
+// by kickRelay), the retention cleanup, the statistics sampling and the dead-letter redrive, held
+// back by the database gate. Run hands it to an engine of its own; a Set hands those of its
+// Outboxes to one engine. The listener is not among them: it holds a connection of its own.
+func (o *Outbox) engineMember() engine.Member {
+	worked := func(fn func(context.Context) error) func(context.Context) (engine.Outcome, error) {
+		return func(ctx context.Context) (engine.Outcome, error) { return engine.Worked, fn(ctx) }
 	}
+	m := engine.Member{Logger: o.logger, Tasks: []engine.Task{
+		{Name: "relay", Every: o.cfg.RelayInterval, Wake: &o.kick, Run: worked(o.relayOnce)},
+		{Name: "cleanup", Every: o.cfg.CleanupInterval, Run: worked(o.cleanupOnce)},
+	}}
+	if o.cfg.StatsInterval > 0 {
+		m.Tasks = append(m.Tasks, engine.Task{Name: "stats sampling", Every: o.cfg.StatsInterval, Run: worked(o.sampleStats)})
+	}
+	if o.cfg.Redrive.After > 0 && o.deadLetterStore() != nil {
+		m.Tasks = append(m.Tasks, engine.Task{Name: "dead-letter redrive", Every: min(o.cfg.Redrive.After, time.Minute), Run: worked(o.redriveOnce)})
+	}
+	if o.gate != nil {
+		m.Gate = engineGate{o.gate}
+	}
+	return m
 }
+
+// engineGate is the database gate as the engine asks it.
+type engineGate struct{ g *dbGate }
+
+func (g engineGate) Ready(wake func()) (bool, time.Time) { return g.g.ready(wake) }
+func (g engineGate) Observe(err error) bool              { return g.g.observe(err) }
 
 func (o *Outbox) failpoint(ctx context.Context, point string) error {
 	if o.cfg.Failpoint == nil {
@@ -415,12 +425,7 @@ func (o *Outbox) handoffsInFlight() bool {
 }
 
 // kickRelay wakes this process's relay without waiting for RelayInterval.
-func (o *Outbox) kickRelay() {
-	select {
-	case o.kick <- struct{}{}:
-	default:
-	}
-}
+func (o *Outbox) kickRelay() { o.kick.Wake() }
 
 // oncePer lets one caller through per interval: for log lines that would otherwise repeat with
 // every message.

@@ -1,0 +1,499 @@
+// Package engine runs the periodic background work of one or more members (an Outbox each: its
+// relay rounds, cleanup, statistics sampling, dead-letter redrive) on one scheduler goroutine and
+// a bounded number of concurrent calls.
+//
+// A goroutine and a ticker per task and per member make the idle cost of a process linear in its
+// members, and let every member's work hit the databases at once. Here the work of all members
+// shares one budget: at most MaxConcurrent calls run at a time, the task due the longest goes
+// first (so a member with a slow task delays the others by one slot, never starves them), a
+// member whose database is unreachable is left alone until its gate opens, and a task that found
+// nothing to do may be run less and less often until something wakes it.
+package engine
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+)
+
+// DefaultMaxConcurrent is the number of background calls that run at once when Config leaves it
+// unset: an Outbox's four periodic services, each free to run while another does.
+const DefaultMaxConcurrent = 4
+
+// Outcome is what a run of a task found.
+type Outcome int
+
+const (
+	// Worked: the run did something (or cannot tell); the next run is Every after its start.
+	Worked Outcome = iota
+	// Idle: the run found nothing to do; a task with IdleMax waits longer before the next one.
+	Idle
+)
+
+// Task is one periodic piece of background work of a member.
+type Task struct {
+	// Name names the task in log lines ("relay", "cleanup").
+	Name string
+	// Every is the interval between the starts of two runs. A run that outlasts it is followed by
+	// the next at once, as by a ticker.
+	Every time.Duration
+	// IdleMax, when longer than Every, lets the interval double after each run that reports Idle,
+	// up to IdleMax; a run that worked, or a wake, brings it back to Every.
+	IdleMax time.Duration
+	// Wake, when set, runs the task at once when woken (or right after the run under way).
+	Wake *Wakeup
+	// Run is the work. Its context ends when the engine stops or the member is removed.
+	Run func(context.Context) (Outcome, error)
+}
+
+// Gate tells whether a member's database may be worked on (an Outbox's database gate).
+type Gate interface {
+	// Ready reports whether the member's tasks may run now. When they may not, it tells when to
+	// ask again (and may start a probe of the database); wake, when not nil, is called once when
+	// the answer may have changed before then. wake does not block, and may be called with the
+	// gate's locks held.
+	Ready(wake func()) (ok bool, again time.Time)
+	// Observe takes the outcome of a run, and reports whether err says that the database is
+	// unreachable (which the gate, not the log, reports).
+	Observe(err error) bool
+}
+
+// Member is the background work of one database.
+type Member struct {
+	// Name identifies the member in log lines.
+	Name string
+	// Gate, when not nil, holds the member's tasks back while its database is unreachable.
+	Gate Gate
+	// Logger receives the errors of the member's tasks; nil: the engine's.
+	Logger watermill.LoggerAdapter
+	Tasks  []Task
+}
+
+// Config configures an Engine.
+type Config struct {
+	// MaxConcurrent caps the task runs in progress at once, across all members.
+	// 0: DefaultMaxConcurrent.
+	MaxConcurrent int
+	Logger        watermill.LoggerAdapter
+}
+
+// Stats counts what an engine did since it was made.
+type Stats struct {
+	Runs   int64 // runs ended
+	Errors int64 // runs that returned an error or panicked
+	Panics int64
+}
+
+// ErrStopped is returned by Add to an engine that was stopped.
+var ErrStopped = errors.New("engine: stopped")
+
+// Engine schedules the tasks of its members. Its zero value is not usable: use New.
+type Engine struct {
+	max    int
+	logger watermill.LoggerAdapter
+
+	poke chan struct{} // wakes the scheduler: a run ended, a task was woken, a member came or went
+
+	mu       sync.Mutex
+	members  map[*member]struct{}
+	inflight int
+	ctx      context.Context // the runs' context; nil until Start
+	cancel   context.CancelFunc
+	started  bool
+	stopped  bool
+	done     chan struct{} // closed when the scheduler returned and no run is in progress
+	loopDone bool
+
+	runs, errs, panics atomic.Int64
+}
+
+type member struct {
+	Member
+	logger  watermill.LoggerAdapter
+	tasks   []*task
+	ctx     context.Context
+	cancel  context.CancelFunc
+	running int
+	removed bool
+	drained chan struct{} // closed when removed and no run of it is in progress
+	// watching: the gate holds a wake of ours, so that the scheduler does not hand it another.
+	watching atomic.Bool
+	// gateSeen, gateOK: the gate's answer in the scheduler's current pass.
+	gateSeen  uint64
+	gateOK    bool
+	gateAgain time.Time
+}
+
+type task struct {
+	Task
+	m        *member
+	due      time.Time
+	interval time.Duration
+	running  bool
+	woken    atomic.Bool
+	poke     func()
+}
+
+func (t *task) wake() {
+	t.woken.Store(true)
+	t.poke()
+}
+
+// New returns an engine; call Start to have it run the tasks of the members added.
+func New(cfg Config) *Engine {
+	if cfg.MaxConcurrent <= 0 {
+		cfg.MaxConcurrent = DefaultMaxConcurrent
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = watermill.NopLogger{}
+	}
+	return &Engine{
+		max:     cfg.MaxConcurrent,
+		logger:  cfg.Logger,
+		poke:    make(chan struct{}, 1),
+		members: map[*member]struct{}{},
+		done:    make(chan struct{}),
+	}
+}
+
+func (e *Engine) pokeScheduler() {
+	select {
+	case e.poke <- struct{}{}:
+	default:
+	}
+}
+
+// Stats returns the engine's counters.
+func (e *Engine) Stats() Stats {
+	return Stats{Runs: e.runs.Load(), Errors: e.errs.Load(), Panics: e.panics.Load()}
+}
+
+// Start starts the scheduler. The runs' contexts derive from ctx: when it ends, the scheduler
+// starts no more runs, and Stop waits for those in progress.
+func (e *Engine) Start(ctx context.Context) error {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.started || e.stopped {
+		return errors.New("engine: started twice, or after Stop")
+	}
+	e.started = true
+	e.ctx, e.cancel = context.WithCancel(ctx)
+	for m := range e.members {
+		m.ctx, m.cancel = context.WithCancel(e.ctx)
+	}
+	go e.loop(e.ctx)
+	return nil
+}
+
+// Stop ends the runs' context and waits until the scheduler returned and no run is in progress,
+// or ctx ends. An engine stopped is not started again.
+func (e *Engine) Stop(ctx context.Context) error {
+	e.mu.Lock()
+	e.stopped = true
+	started := e.started
+	if e.cancel != nil {
+		e.cancel()
+	}
+	e.mu.Unlock()
+	if !started {
+		return nil
+	}
+	select {
+	case <-e.done:
+		return nil
+	case <-ctx.Done():
+		return fmt.Errorf("engine: stop: runs still in progress: %w", ctx.Err())
+	}
+}
+
+// Handle is a member added to an engine.
+type Handle struct {
+	e *Engine
+	m *member
+}
+
+// Add adds a member; its tasks are first due at once.
+func (e *Engine) Add(mb Member) (*Handle, error) {
+	for _, t := range mb.Tasks {
+		if t.Every <= 0 || t.Run == nil {
+			return nil, fmt.Errorf("engine: member %q: task %q needs an interval and a func", mb.Name, t.Name)
+		}
+	}
+	m := &member{Member: mb, logger: mb.Logger, drained: make(chan struct{})}
+	if m.logger == nil {
+		m.logger = e.logger
+	}
+	now := time.Now()
+	for _, spec := range mb.Tasks {
+		t := &task{Task: spec, m: m, due: now, interval: spec.Every, poke: e.pokeScheduler}
+		m.tasks = append(m.tasks, t)
+	}
+	e.mu.Lock()
+	if e.stopped {
+		e.mu.Unlock()
+		return nil, ErrStopped
+	}
+	if e.ctx != nil {
+		m.ctx, m.cancel = context.WithCancel(e.ctx)
+	}
+	e.members[m] = struct{}{}
+	e.mu.Unlock()
+	for _, t := range m.tasks {
+		if t.Wake != nil {
+			t.Wake.attach(t)
+		}
+	}
+	e.pokeScheduler()
+	return &Handle{e: e, m: m}, nil
+}
+
+// Remove takes the member out: none of its tasks starts again, the context of those in progress
+// ends, and Remove waits for them to return, or for ctx to end.
+func (h *Handle) Remove(ctx context.Context) error {
+	e, m := h.e, h.m
+	for _, t := range m.tasks {
+		if t.Wake != nil {
+			t.Wake.detach(t)
+		}
+	}
+	e.mu.Lock()
+	if !m.removed {
+		m.removed = true
+		delete(e.members, m)
+		if m.cancel != nil {
+			m.cancel()
+		}
+		if m.running == 0 {
+			close(m.drained)
+		}
+	}
+	e.mu.Unlock()
+	select {
+	case <-m.drained:
+		return nil
+	case <-ctx.Done():
+		return fmt.Errorf("engine: remove member %q: a run still in progress: %w", m.Name, ctx.Err())
+	}
+}
+
+// loop is the scheduler: it starts the runs that are due, up to the cap, and sleeps until the
+// next is due or something pokes it.
+func (e *Engine) loop(ctx context.Context) {
+	timer := time.NewTimer(time.Hour)
+	defer timer.Stop()
+	var pass uint64
+	for {
+		pass++
+		next := e.dispatch(pass)
+		d := time.Hour
+		if !next.IsZero() {
+			d = max(time.Until(next), 0)
+		}
+		if !timer.Stop() {
+			select {
+			case <-timer.C:
+			default:
+			}
+		}
+		timer.Reset(d)
+		select {
+		case <-ctx.Done():
+			e.mu.Lock()
+			e.loopDone = true
+			e.closeDoneIfIdle()
+			e.mu.Unlock()
+			return
+		case <-e.poke:
+		case <-timer.C:
+		}
+	}
+}
+
+// closeDoneIfIdle closes done once the scheduler returned and no run is in progress. e.mu held.
+func (e *Engine) closeDoneIfIdle() {
+	if e.loopDone && e.inflight == 0 {
+		select {
+		case <-e.done:
+		default:
+			close(e.done)
+		}
+	}
+}
+
+// dispatch starts the runs that are due, earliest due first, while fewer than the cap are in
+// progress, and returns when the next one is due (zero: none is).
+func (e *Engine) dispatch(pass uint64) time.Time {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.ctx.Err() != nil {
+		return time.Time{}
+	}
+	now := time.Now()
+	for e.inflight < e.max {
+		var best *task
+		for m := range e.members {
+			for _, t := range m.tasks {
+				if t.running {
+					continue
+				}
+				if t.woken.Swap(false) {
+					t.due, t.interval = now, t.Every
+				}
+				if !t.due.After(now) && e.gateOpen(m, pass) && (best == nil || t.due.Before(best.due)) {
+					best = t
+				}
+			}
+		}
+		if best == nil {
+			break
+		}
+		e.start(best)
+	}
+	if e.inflight >= e.max {
+		return time.Time{} // a run that ends pokes the scheduler
+	}
+	// Nothing due can start: sleep until the next task is due, or the next gate may open.
+	var next time.Time
+	later := func(t time.Time) {
+		if !t.IsZero() && (next.IsZero() || t.Before(next)) {
+			next = t
+		}
+	}
+	for m := range e.members {
+		for _, t := range m.tasks {
+			switch {
+			case t.running:
+			case t.due.After(now):
+				later(t.due)
+			case m.Gate != nil && !m.gateOK:
+				later(m.gateAgain)
+			}
+		}
+	}
+	return next
+}
+
+// gateOpen asks the member's gate, once a pass, whether its tasks may run. e.mu held.
+func (e *Engine) gateOpen(m *member, pass uint64) bool {
+	if m.Gate == nil {
+		return true
+	}
+	if m.gateSeen != pass {
+		m.gateSeen = pass
+		var wake func()
+		if m.watching.CompareAndSwap(false, true) {
+			wake = func() {
+				m.watching.Store(false)
+				e.pokeScheduler()
+			}
+		}
+		m.gateOK, m.gateAgain = m.Gate.Ready(wake)
+		if wake != nil && m.gateOK {
+			// Not kept by a gate that is open: the next pass that finds it shut hands another.
+			m.watching.Store(false)
+		}
+	}
+	return m.gateOK
+}
+
+// start starts a run of t. e.mu held.
+func (e *Engine) start(t *task) {
+	t.running = true
+	t.m.running++
+	e.inflight++
+	started := time.Now()
+	go e.run(t.m.ctx, t, started)
+}
+
+func (e *Engine) run(ctx context.Context, t *task, started time.Time) {
+	out, err := e.call(ctx, t)
+	m := t.m
+	if m.Gate != nil {
+		if m.Gate.Observe(err) {
+			err = nil // the gate reports the outage
+		}
+	}
+	if err != nil && ctx.Err() == nil {
+		var fields watermill.LogFields
+		if m.Name != "" {
+			fields = watermill.LogFields{"member": m.Name}
+		}
+		m.logger.Error("outbox "+t.Name+" failed", err, fields)
+	}
+	e.runs.Add(1)
+
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if out == Idle && t.IdleMax > t.Every {
+		t.interval = min(2*t.interval, t.IdleMax)
+	} else {
+		t.interval = t.Every
+	}
+	// A run that outlasted its interval is followed by the next at once, as by a ticker, but
+	// due from its end: due from its start it would go before every task that fell due
+	// meanwhile, and a slow task would keep the slots to itself.
+	t.due = started.Add(t.interval)
+	if now := time.Now(); t.due.Before(now) {
+		t.due = now
+	}
+	t.running = false
+	m.running--
+	e.inflight--
+	if m.removed && m.running == 0 {
+		close(m.drained)
+	}
+	e.closeDoneIfIdle()
+	e.pokeScheduler()
+}
+
+// call runs the task, making a panic an error: one task's bug must not end every member's
+// background work.
+func (e *Engine) call(ctx context.Context, t *task) (out Outcome, err error) {
+	defer func() {
+		if r := recover(); r != nil {
+			e.panics.Add(1)
+			out, err = Worked, fmt.Errorf("panic: %v", r)
+		}
+		if err != nil {
+			e.errs.Add(1)
+		}
+	}()
+	return t.Run(ctx)
+}
+
+// Wakeup wakes a task at once, from outside the engine (an Outbox's commits wake its relay). It
+// may be woken before, while and after the task is on an engine; a wake with no task attached is
+// dropped, as the task's first run is at once anyway. Its zero value is ready to use.
+type Wakeup struct {
+	mu    sync.Mutex
+	tasks map[*task]struct{}
+}
+
+// Wake runs the tasks woken by w at once, or right after their runs under way. It does not block.
+func (w *Wakeup) Wake() {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	for t := range w.tasks {
+		t.wake()
+	}
+}
+
+func (w *Wakeup) attach(t *task) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.tasks == nil {
+		w.tasks = map[*task]struct{}{}
+	}
+	w.tasks[t] = struct{}{}
+}
+
+func (w *Wakeup) detach(t *task) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	delete(w.tasks, t)
+}

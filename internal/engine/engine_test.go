@@ -1,0 +1,399 @@
+package engine
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"go.uber.org/goleak"
+
+	"github.com/watermill-outbox/outbox/internal/logtest"
+)
+
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+
+// started starts e and stops it when the test ends, failing the test if a run outlives it.
+func started(t *testing.T, e *Engine) {
+	t.Helper()
+	if err := e.Start(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		if err := e.Stop(ctx); err != nil {
+			t.Error(err)
+		}
+	})
+}
+
+func add(t *testing.T, e *Engine, m Member) *Handle {
+	t.Helper()
+	h, err := e.Add(m)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return h
+}
+
+func waitFor(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(20 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+// counter counts the runs of one task.
+type counter struct{ n atomic.Int64 }
+
+func (c *counter) task(name string, every time.Duration) Task {
+	return Task{Name: name, Every: every, Run: func(context.Context) (Outcome, error) {
+		c.n.Add(1)
+		return Worked, nil
+	}}
+}
+
+// 50 members with 4 tasks each, all due all the time: never more than the cap run at once, the
+// cap is used, and every task of every member runs.
+func TestCapHoldsAcrossManyMembers(t *testing.T) {
+	const members, tasks, capacity = 50, 4, 3
+	e := New(Config{MaxConcurrent: capacity})
+	var inFlight, most atomic.Int64
+	runs := make([]atomic.Int64, members*tasks)
+	for i := range members {
+		m := Member{Name: fmt.Sprint("member", i)}
+		for j := range tasks {
+			n := &runs[i*tasks+j]
+			m.Tasks = append(m.Tasks, Task{Name: fmt.Sprint("task", j), Every: time.Millisecond,
+				Run: func(context.Context) (Outcome, error) {
+					cur := inFlight.Add(1)
+					defer inFlight.Add(-1)
+					for {
+						old := most.Load()
+						if cur <= old || most.CompareAndSwap(old, cur) {
+							break
+						}
+					}
+					time.Sleep(time.Millisecond)
+					n.Add(1)
+					return Worked, nil
+				}})
+		}
+		add(t, e, m)
+	}
+	started(t, e)
+	waitFor(t, "every task to run twice", func() bool {
+		for i := range runs {
+			if runs[i].Load() < 2 {
+				return false
+			}
+		}
+		return true
+	})
+	if got := most.Load(); got > capacity {
+		t.Fatalf("%d runs at once; the cap is %d", got, capacity)
+	} else if got < capacity {
+		t.Fatalf("at most %d runs at once with %d tasks always due; want the cap, %d, used", got, members*tasks, capacity)
+	}
+}
+
+// A member whose task takes long holds one slot at a time: with a cap of 1, the tasks of the
+// other members that fell due meanwhile run before it runs again.
+func TestSlowMemberDoesNotStarveOthers(t *testing.T) {
+	e := New(Config{MaxConcurrent: 1})
+	var slow atomic.Int64
+	add(t, e, Member{Name: "slow", Tasks: []Task{{Name: "slow", Every: time.Millisecond,
+		Run: func(ctx context.Context) (Outcome, error) {
+			slow.Add(1)
+			select {
+			case <-time.After(50 * time.Millisecond):
+			case <-ctx.Done():
+			}
+			return Worked, nil
+		}}}})
+	quick := make([]*counter, 4)
+	for i := range quick {
+		quick[i] = &counter{}
+		add(t, e, Member{Name: fmt.Sprint("quick", i), Tasks: []Task{quick[i].task("quick", 10*time.Millisecond)}})
+	}
+	started(t, e)
+	waitFor(t, "ten slow runs", func() bool { return slow.Load() >= 10 })
+	for i, c := range quick {
+		// Each slow run is followed by a run of every quick member (all due by then).
+		if n := c.n.Load(); n < 8 {
+			t.Errorf("member quick%d ran %d times during %d runs of the slow member; want about one per slow run", i, n, slow.Load())
+		}
+	}
+}
+
+// A task that finds nothing to do runs less and less often, up to IdleMax; a wake runs it at
+// once and brings its interval back to Every.
+func TestIdleBackoffGrowsAndWakeRunsAtOnce(t *testing.T) {
+	e := New(Config{})
+	var mu sync.Mutex
+	var at []time.Time
+	var idle atomic.Bool
+	idle.Store(true)
+	wake := &Wakeup{}
+	add(t, e, Member{Name: "m", Tasks: []Task{{Name: "relay", Every: 10 * time.Millisecond, IdleMax: 160 * time.Millisecond, Wake: wake,
+		Run: func(context.Context) (Outcome, error) {
+			mu.Lock()
+			at = append(at, time.Now())
+			mu.Unlock()
+			if idle.Load() {
+				return Idle, nil
+			}
+			return Worked, nil
+		}}}})
+	runs := func() []time.Time {
+		mu.Lock()
+		defer mu.Unlock()
+		return append([]time.Time(nil), at...)
+	}
+	started(t, e)
+	waitFor(t, "seven idle runs", func() bool { return len(runs()) >= 7 })
+	r := runs()
+	// The gaps double: 20, 40, 80, 160, 160 ms (the timer may fire late, never early).
+	for i, want := range []time.Duration{20, 40, 80, 160, 160} {
+		want *= time.Millisecond
+		if gap := r[i+2].Sub(r[i+1]); gap < want {
+			t.Fatalf("gap %d between idle runs: %s, want at least %s (runs at %v)", i+1, gap, want, r)
+		}
+	}
+	// The interval is at its cap: a wake runs the task long before its next turn.
+	time.Sleep(20 * time.Millisecond)
+	idle.Store(false)
+	before := len(runs())
+	woken := time.Now()
+	wake.Wake()
+	waitFor(t, "the woken run", func() bool { return len(runs()) > before })
+	if d := runs()[before].Sub(woken); d > 100*time.Millisecond {
+		t.Fatalf("the woken run started %s after the wake; want at once", d)
+	}
+	// It worked: the next runs are Every apart again.
+	waitFor(t, "three runs after the wake", func() bool { return len(runs()) >= before+3 })
+	if gap := runs()[before+2].Sub(runs()[before+1]); gap > 100*time.Millisecond {
+		t.Fatalf("%s between runs that worked; want about Every (10ms)", gap)
+	}
+}
+
+// fakeGate is a database gate that is shut until opened.
+type fakeGate struct {
+	mu      sync.Mutex
+	open    bool
+	asked   int
+	wake    func()
+	observe []error
+}
+
+func (g *fakeGate) Ready(wake func()) (bool, time.Time) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	g.asked++
+	if g.open {
+		return true, time.Time{}
+	}
+	if wake != nil {
+		g.wake = wake
+	}
+	return false, time.Now().Add(30 * time.Millisecond) // the next probe
+}
+
+func (g *fakeGate) Observe(err error) bool {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	g.observe = append(g.observe, err)
+	return errors.Is(err, errUnreachable)
+}
+
+func (g *fakeGate) setOpen() {
+	g.mu.Lock()
+	g.open = true
+	wake := g.wake
+	g.wake = nil
+	g.mu.Unlock()
+	if wake != nil {
+		wake()
+	}
+}
+
+var errUnreachable = errors.New("connection refused")
+
+// A member whose gate is shut is not run, while the others are; the gate is asked again when it
+// says (not in a busy loop); once it opens, its wake runs the member's due tasks at once.
+func TestShutGateHoldsTheMemberBack(t *testing.T) {
+	e := New(Config{MaxConcurrent: 1})
+	gate := &fakeGate{}
+	var down, up counter
+	add(t, e, Member{Name: "down", Gate: gate, Tasks: []Task{down.task("relay", time.Millisecond)}})
+	add(t, e, Member{Name: "up", Tasks: []Task{up.task("relay", 5*time.Millisecond)}})
+	started(t, e)
+	waitFor(t, "20 runs of the other member", func() bool { return up.n.Load() >= 20 })
+	time.Sleep(100 * time.Millisecond)
+	if n := down.n.Load(); n != 0 {
+		t.Fatalf("the member whose database is unreachable ran %d times", n)
+	}
+	gate.mu.Lock()
+	asked := gate.asked
+	gate.mu.Unlock()
+	// One pass per run of the other member, and one per probe (30 ms apart): not a busy loop.
+	if limit := 2*int(up.n.Load()) + 40; asked > limit {
+		t.Fatalf("the shut gate was asked %d times (the other member ran %d times); want the scheduler to wait for it", asked, up.n.Load())
+	}
+	gate.setOpen()
+	waitFor(t, "the member to run once its gate opened", func() bool { return down.n.Load() > 0 })
+}
+
+// An error that says the database is unreachable goes to the gate, not to the log; any other is
+// logged.
+func TestRunErrorsGoToTheGateOrTheLog(t *testing.T) {
+	logs := &logtest.Errors{}
+	e := New(Config{Logger: logs})
+	gate := &fakeGate{open: true}
+	var n atomic.Int64
+	add(t, e, Member{Name: "m", Gate: gate, Tasks: []Task{{Name: "relay", Every: time.Millisecond,
+		Run: func(context.Context) (Outcome, error) {
+			if n.Add(1)%2 == 1 {
+				return Worked, errUnreachable
+			}
+			return Worked, errors.New("deadlock detected")
+		}}}})
+	started(t, e)
+	waitFor(t, "four runs", func() bool { return n.Load() >= 4 })
+	if !logs.Contains("outbox relay failed: deadlock detected") {
+		t.Fatalf("the failure was not logged: %q", logs.Lines())
+	}
+	if logs.Contains(errUnreachable.Error()) {
+		t.Fatalf("an unreachable database was logged by the engine, which the gate reports: %q", logs.Lines())
+	}
+}
+
+// Stop waits for the run in progress (whose context it ended), and nothing outlives it.
+func TestStopWaitsForTheRunInProgress(t *testing.T) {
+	defer goleak.VerifyNone(t)
+	e := New(Config{})
+	inside, release := make(chan struct{}), make(chan struct{})
+	var returned atomic.Bool
+	add(t, e, Member{Name: "m", Tasks: []Task{{Name: "relay", Every: time.Hour,
+		Run: func(ctx context.Context) (Outcome, error) {
+			close(inside)
+			<-ctx.Done()
+			<-release // a call that takes its time to see its context end
+			returned.Store(true)
+			return Worked, ctx.Err()
+		}}}})
+	if err := e.Start(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	<-inside
+	short, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
+	defer cancel()
+	if err := e.Stop(short); !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("Stop with a run in progress and a short context: %v, want its deadline", err)
+	}
+	time.AfterFunc(50*time.Millisecond, func() { close(release) })
+	ctx, cancel2 := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel2()
+	if err := e.Stop(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if !returned.Load() {
+		t.Fatal("Stop returned before the run in progress")
+	}
+	if _, err := e.Add(Member{Name: "late"}); !errors.Is(err, ErrStopped) {
+		t.Fatalf("Add after Stop: %v, want ErrStopped", err)
+	}
+}
+
+// A task that panics is logged and counted as an error; the engine, and the task, go on.
+func TestPanicInATaskIsAnError(t *testing.T) {
+	logs := &logtest.Errors{}
+	e := New(Config{MaxConcurrent: 1, Logger: logs})
+	var panics atomic.Int64
+	var other counter
+	add(t, e, Member{Name: "buggy", Tasks: []Task{{Name: "stats sampling", Every: time.Millisecond,
+		Run: func(context.Context) (Outcome, error) {
+			panics.Add(1)
+			var m map[string]int
+			m["boom"]++ // a nil map: panics
+			return Worked, nil
+		}}}})
+	add(t, e, Member{Name: "fine", Tasks: []Task{other.task("relay", time.Millisecond)}})
+	started(t, e)
+	waitFor(t, "three panics and runs of the other member", func() bool { return panics.Load() >= 3 && other.n.Load() >= 3 })
+	st := e.Stats()
+	if st.Panics < 3 || st.Errors < st.Panics {
+		t.Fatalf("stats %+v after %d panics; want each counted as a panic and an error", st, panics.Load())
+	}
+	if !logs.Contains("outbox stats sampling failed: panic: assignment to entry in nil map") {
+		t.Fatalf("the panic was not logged: %q", logs.Lines())
+	}
+}
+
+// Members come and go while the engine runs: a member added is run at once; Remove ends the
+// context of its run in progress, waits for it, and none of its tasks runs again; its wake-up no
+// longer reaches the engine.
+func TestAddAndRemoveWhileRunning(t *testing.T) {
+	e := New(Config{MaxConcurrent: 2})
+	var first counter
+	add(t, e, Member{Name: "first", Tasks: []Task{first.task("relay", time.Millisecond)}})
+	started(t, e)
+	waitFor(t, "the first member to run", func() bool { return first.n.Load() > 0 })
+
+	inside := make(chan struct{}, 1)
+	var runs atomic.Int64
+	var returned atomic.Bool
+	wake := &Wakeup{}
+	h := add(t, e, Member{Name: "second", Tasks: []Task{{Name: "relay", Every: time.Hour, Wake: wake,
+		Run: func(ctx context.Context) (Outcome, error) {
+			runs.Add(1)
+			select {
+			case inside <- struct{}{}:
+			default:
+			}
+			<-ctx.Done()
+			time.Sleep(20 * time.Millisecond)
+			returned.Store(true)
+			return Worked, nil
+		}}}})
+	select {
+	case <-inside:
+	case <-time.After(10 * time.Second):
+		t.Fatal("a member added to a running engine was not run")
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := h.Remove(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if !returned.Load() {
+		t.Fatal("Remove returned before the member's run in progress")
+	}
+	wake.Wake()
+	before := first.n.Load()
+	waitFor(t, "the first member to go on", func() bool { return first.n.Load() > before+5 })
+	if n := runs.Load(); n != 1 {
+		t.Fatalf("the removed member ran %d times; want once, before its removal", n)
+	}
+}
+
+// A member added before Start is run when the engine starts.
+func TestMemberAddedBeforeStart(t *testing.T) {
+	e := New(Config{})
+	var c counter
+	add(t, e, Member{Name: "m", Tasks: []Task{c.task("cleanup", time.Hour)}})
+	time.Sleep(20 * time.Millisecond)
+	if c.n.Load() != 0 {
+		t.Fatal("a task ran before Start")
+	}
+	started(t, e)
+	waitFor(t, "the first run", func() bool { return c.n.Load() == 1 })
+}
