@@ -29,26 +29,38 @@ type refusalKey struct{}
 // middleware.New, it must be the innermost middleware; Wrap and WrapConsumer make it so, and
 // middleware.CheckRouter recognises it.
 func (s *Set) Middleware(opts ...middleware.Option) message.HandlerMiddleware {
-	return func(next message.HandlerFunc) message.HandlerFunc {
-		w := &wrapper{next: next, opts: opts}
-		w.refuse = append(append([]middleware.Option(nil), opts...), middleware.WithRefusal(func(msg *message.Message) error {
-			err, _ := msg.Context().Value(refusalKey{}).(error)
-			return err
-		}))
-		return func(msg *message.Message) ([]*message.Message, error) {
-			name, err := s.resolve(msg)
-			var m *member
-			if err == nil {
-				if m = s.enter(name); m == nil {
-					err = fmt.Errorf("%w: member %q is not in the Set", ErrUnresolved, name)
-				}
+	// A method value, not a closure: its name (tenant.(*setMiddleware).wrap-fm) is what
+	// middleware.CheckRouter recognises, and unlike a closure's it does not change when the
+	// compiler inlines Middleware into its caller.
+	return (&setMiddleware{set: s, opts: opts}).wrap
+}
+
+// setMiddleware is the Set's middleware with its options.
+type setMiddleware struct {
+	set  *Set
+	opts []middleware.Option
+}
+
+func (sm *setMiddleware) wrap(next message.HandlerFunc) message.HandlerFunc {
+	s := sm.set
+	w := &wrapper{next: next, opts: sm.opts}
+	w.refuse = append(append([]middleware.Option(nil), sm.opts...), middleware.WithRefusal(func(msg *message.Message) error {
+		err, _ := msg.Context().Value(refusalKey{}).(error)
+		return err
+	}))
+	return func(msg *message.Message) ([]*message.Message, error) {
+		name, err := s.resolve(msg)
+		var m *member
+		if err == nil {
+			if m = s.enter(name); m == nil {
+				err = fmt.Errorf("%w: member %q is not in the Set", ErrUnresolved, name)
 			}
-			if err != nil {
-				return nil, s.refuseMessage(w, msg, err)
-			}
-			defer m.leave()
-			return m.handler(w)(msg)
 		}
+		if err != nil {
+			return nil, s.refuseMessage(w, msg, err)
+		}
+		defer m.leave()
+		return m.handler(w)(msg)
 	}
 }
 
