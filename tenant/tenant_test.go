@@ -69,6 +69,25 @@ func newMember(t *testing.T, db *sql.DB, prefix string, pub message.Publisher) *
 	return ob
 }
 
+// newSet returns a Set of cfg (resolving the "tenant" metadata when cfg has no Resolver) with
+// members.
+func newSet(t *testing.T, cfg tenant.Config, members map[string]*outbox.Outbox) *tenant.Set {
+	t.Helper()
+	if cfg.Resolver == nil {
+		cfg.Resolver = tenant.FromMetadata("tenant")
+	}
+	set, err := tenant.New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for name, ob := range members {
+		if err := set.Add(name, ob); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return set
+}
+
 // shop is the business handler of the tests: one order row in the tenant's table, and one event.
 type shop struct {
 	table func(tenant string) string // the orders table of a tenant
@@ -214,16 +233,7 @@ func checkTenant(t *testing.T, db *sql.DB, table, tn string, ids []string, sh *s
 func TestSetTwoDatabasesInterleaved(t *testing.T) {
 	dbA, dbB := pgtest.DB(t), pgtest.DB(t)
 	w := newWire()
-	set, err := tenant.New(tenant.Config{Resolver: tenant.FromMetadata("tenant")})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := set.Add("a", newMember(t, dbA, "", w)); err != nil {
-		t.Fatal(err)
-	}
-	if err := set.Add("b", newMember(t, dbB, "", w)); err != nil {
-		t.Fatal(err)
-	}
+	set := newSet(t, tenant.Config{}, map[string]*outbox.Outbox{"a": newMember(t, dbA, "", w), "b": newMember(t, dbB, "", w)})
 	sh := newShop(func(string) string { return "orders" })
 	svc := startService(t, set, sh)
 
@@ -264,15 +274,7 @@ func TestSetTwoDatabasesInterleaved(t *testing.T) {
 func TestSetTablePrefixesOnOnePool(t *testing.T) {
 	db := pgtest.DB(t)
 	w := newWire()
-	set, err := tenant.New(tenant.Config{Resolver: tenant.FromMetadata("tenant")})
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, tn := range []string{"a", "b"} {
-		if err := set.Add(tn, newMember(t, db, tn+"_", w)); err != nil {
-			t.Fatal(err)
-		}
-	}
+	set := newSet(t, tenant.Config{}, map[string]*outbox.Outbox{"a": newMember(t, db, "a_", w), "b": newMember(t, db, "b_", w)})
 	sh := newShop(func(tn string) string { return tn + "_orders" })
 	svc := startService(t, set, sh)
 	var ids = map[string][]string{}
@@ -299,17 +301,12 @@ func TestSetTablePrefixesOnOnePool(t *testing.T) {
 	}
 }
 
-// call runs msg through h as the Router would, with a handler name for its consumer.
-func call(h message.NoPublishHandlerFunc, msg *message.Message) error {
-	return h(msg)
-}
-
 // Without an Unresolved member, a message the Set cannot route is nacked with an error that says
 // why, the handler does not run, nothing is stored, and it is counted.
 func TestSetUnresolvedNacked(t *testing.T) {
 	db := pgtest.DB(t)
 	w := newWire()
-	set, err := tenant.New(tenant.Config{Resolver: func(msg *message.Message) (string, error) {
+	set := newSet(t, tenant.Config{Resolver: func(msg *message.Message) (string, error) {
 		switch msg.Metadata.Get("resolver") {
 		case "fail":
 			return "", errors.New("no tenant in the key")
@@ -317,13 +314,7 @@ func TestSetUnresolvedNacked(t *testing.T) {
 			panic("bad key")
 		}
 		return tenant.FromMetadata("tenant")(msg)
-	}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := set.Add("a", newMember(t, db, "", w)); err != nil {
-		t.Fatal(err)
-	}
+	}}, map[string]*outbox.Outbox{"a": newMember(t, db, "", w)})
 	sh := newShop(func(string) string { return "orders" })
 	h := set.WrapConsumer(sh.handle, middleware.WithConsumer("shop"))
 	failing, panicking := tenantMsg("m-fail", "a"), tenantMsg("m-panic", "a")
@@ -338,7 +329,7 @@ func TestSetUnresolvedNacked(t *testing.T) {
 		{failing, "no tenant in the key"},
 		{panicking, "the Resolver panicked: bad key"},
 	} {
-		err := call(h, c.msg)
+		err := h(c.msg)
 		if !errors.Is(err, tenant.ErrUnresolved) || !strings.Contains(err.Error(), c.says) {
 			t.Errorf("%s: got %v, want ErrUnresolved saying %q", c.msg.UUID, err, c.says)
 		}
@@ -363,25 +354,19 @@ func TestSetUnresolvedNacked(t *testing.T) {
 func TestSetUnresolvedDeadLettered(t *testing.T) {
 	dbA, dbU := pgtest.DB(t), pgtest.DB(t)
 	w := newWire()
-	set, err := tenant.New(tenant.Config{Resolver: tenant.FromMetadata("tenant"), Unresolved: "unrouted"})
-	if err != nil {
-		t.Fatal(err)
-	}
+	set := newSet(t, tenant.Config{Unresolved: "unrouted"}, map[string]*outbox.Outbox{"a": newMember(t, dbA, "", w)})
 	unrouted := newMember(t, dbU, "", w)
-	if err := set.Add("a", newMember(t, dbA, "", w)); err != nil {
-		t.Fatal(err)
-	}
 	sh := newShop(func(string) string { return "orders" })
 	h := set.WrapConsumer(sh.handle, middleware.WithConsumer("shop"))
 	// Until the Unresolved member is in the Set, the message is nacked.
-	if err := call(h, tenantMsg("m-unknown", "zz")); !errors.Is(err, tenant.ErrUnresolved) {
+	if err := h(tenantMsg("m-unknown", "zz")); !errors.Is(err, tenant.ErrUnresolved) {
 		t.Fatalf("without the Unresolved member: got %v, want ErrUnresolved", err)
 	}
 	if err := set.Add("unrouted", unrouted); err != nil {
 		t.Fatal(err)
 	}
 	for range 2 { // the message and a copy
-		if err := call(h, tenantMsg("m-unknown", "zz")); err != nil {
+		if err := h(tenantMsg("m-unknown", "zz")); err != nil {
 			t.Fatalf("refusing in the Unresolved member: %v", err)
 		}
 	}
@@ -409,16 +394,8 @@ func TestSetUnresolvedDeadLettered(t *testing.T) {
 func TestSetAddWhileRunning(t *testing.T) {
 	dbA, dbC, dbU := pgtest.DB(t), pgtest.DB(t), pgtest.DB(t)
 	w := newWire()
-	set, err := tenant.New(tenant.Config{Resolver: tenant.FromMetadata("tenant"), Unresolved: "unrouted"})
-	if err != nil {
-		t.Fatal(err)
-	}
 	unrouted := newMember(t, dbU, "", w)
-	for name, ob := range map[string]*outbox.Outbox{"a": newMember(t, dbA, "", w), "unrouted": unrouted} {
-		if err := set.Add(name, ob); err != nil {
-			t.Fatal(err)
-		}
-	}
+	set := newSet(t, tenant.Config{Unresolved: "unrouted"}, map[string]*outbox.Outbox{"a": newMember(t, dbA, "", w), "unrouted": unrouted})
 	sh := newShop(func(string) string { return "orders" })
 	svc := startService(t, set, sh)
 	svc.send(t, tenantMsg("c-early", "c"), tenantMsg("a-1", "a"))
@@ -453,16 +430,8 @@ func TestSetAddWhileRunning(t *testing.T) {
 func TestSetRemoveWaitsForUnitInFlight(t *testing.T) {
 	dbA, dbB := pgtest.DB(t), pgtest.DB(t)
 	w := newWire()
-	set, err := tenant.New(tenant.Config{Resolver: tenant.FromMetadata("tenant")})
-	if err != nil {
-		t.Fatal(err)
-	}
 	a := newMember(t, dbA, "", w)
-	for name, ob := range map[string]*outbox.Outbox{"a": a, "b": newMember(t, dbB, "", w)} {
-		if err := set.Add(name, ob); err != nil {
-			t.Fatal(err)
-		}
-	}
+	set := newSet(t, tenant.Config{}, map[string]*outbox.Outbox{"a": a, "b": newMember(t, dbB, "", w)})
 	sh := newShop(func(string) string { return "orders" })
 	release := make(chan struct{})
 	sh.hold["a-slow"] = release
@@ -506,7 +475,7 @@ func TestSetRemoveWaitsForUnitInFlight(t *testing.T) {
 	if relayOK(a) {
 		t.Error("the removed member's relay still runs")
 	}
-	err = call(set.WrapConsumer(sh.handle, middleware.WithConsumer("shop")), tenantMsg("a-late", "a"))
+	err := set.WrapConsumer(sh.handle, middleware.WithConsumer("shop"))(tenantMsg("a-late", "a"))
 	if !errors.Is(err, tenant.ErrUnresolved) {
 		t.Errorf("a message of a removed member: got %v, want ErrUnresolved", err)
 	}
@@ -529,15 +498,7 @@ func TestSetRemoveWaitsForUnitInFlight(t *testing.T) {
 func TestSetHealthNamesMember(t *testing.T) {
 	dbA, dbB := pgtest.DB(t), pgtest.DB(t)
 	w := newWire()
-	set, err := tenant.New(tenant.Config{Resolver: tenant.FromMetadata("tenant")})
-	if err != nil {
-		t.Fatal(err)
-	}
-	for name, db := range map[string]*sql.DB{"a": dbA, "b": dbB} {
-		if err := set.Add(name, newMember(t, db, "", w)); err != nil {
-			t.Fatal(err)
-		}
-	}
+	set := newSet(t, tenant.Config{}, map[string]*outbox.Outbox{"a": newMember(t, dbA, "", w), "b": newMember(t, dbB, "", w)})
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() { done <- set.Run(ctx) }()
@@ -547,7 +508,7 @@ func TestSetHealthNamesMember(t *testing.T) {
 		t.Fatal(err)
 	}
 	r := set.Health(context.Background())
-	err = r.Err()
+	err := r.Err()
 	if r.Healthy || err == nil || !strings.Contains(err.Error(), "b/"+outbox.CheckSchema) || strings.Contains(err.Error(), "a/") {
 		t.Errorf("Health after b's schema was dropped: healthy %v, %v; want b/schema named, a not", r.Healthy, err)
 	}
@@ -558,17 +519,9 @@ func TestSetHealthNamesMember(t *testing.T) {
 func TestSetInTx(t *testing.T) {
 	dbA, dbB := pgtest.DB(t), pgtest.DB(t)
 	w := newWire()
-	set, err := tenant.New(tenant.Config{Resolver: tenant.FromMetadata("tenant")})
-	if err != nil {
-		t.Fatal(err)
-	}
-	for name, db := range map[string]*sql.DB{"a": dbA, "b": dbB} {
-		if err := set.Add(name, newMember(t, db, "", w)); err != nil {
-			t.Fatal(err)
-		}
-	}
+	set := newSet(t, tenant.Config{}, map[string]*outbox.Outbox{"a": newMember(t, dbA, "", w), "b": newMember(t, dbB, "", w)})
 	ctx := context.Background()
-	err = set.InTx(ctx, "b", func(ctx context.Context, tx *sql.Tx) error {
+	err := set.InTx(ctx, "b", func(ctx context.Context, tx *sql.Tx) error {
 		if _, err := tx.ExecContext(ctx, `INSERT INTO orders VALUES ('b-api', 'b')`); err != nil {
 			return err
 		}
@@ -593,18 +546,12 @@ func TestSetInTx(t *testing.T) {
 func TestSetConcurrentAddRemoveResolve(t *testing.T) {
 	db := pgtest.DB(t)
 	w := newWire()
-	set, err := tenant.New(tenant.Config{Resolver: tenant.FromMetadata("tenant")})
-	if err != nil {
-		t.Fatal(err)
-	}
 	names := []string{"t0", "t1", "t2"}
 	obs := map[string]*outbox.Outbox{}
 	for _, n := range names {
 		obs[n] = newMember(t, db, n+"_", w)
 	}
-	if err := set.Add("t0", obs["t0"]); err != nil {
-		t.Fatal(err)
-	}
+	set := newSet(t, tenant.Config{}, map[string]*outbox.Outbox{"t0": obs["t0"]})
 	sh := newShop(func(tn string) string { return tn + "_orders" })
 	h := set.WrapConsumer(sh.handle, middleware.WithConsumer("shop"))
 	ctx, cancel := context.WithCancel(context.Background())
@@ -651,7 +598,7 @@ func TestSetConcurrentAddRemoveResolve(t *testing.T) {
 			for i := range 25 {
 				tn := names[(g+i)%3]
 				id := fmt.Sprintf("%s-%d-%d", tn, g, i)
-				err := call(h, tenantMsg(id, tn))
+				err := h(tenantMsg(id, tn))
 				switch {
 				case err == nil:
 					mu.Lock()
