@@ -53,6 +53,19 @@ func FromMetadata(key string) Resolver {
 	}
 }
 
+// FromTopic resolves a message to the member that name gives for the topic it was received from
+// (a topic per tenant: "orders.acme" to "acme"). The topic is the one the Router subscribed the
+// handler to; outside a Router the message has none, and is refused.
+func FromTopic(name func(topic string) (string, error)) Resolver {
+	return func(msg *message.Message) (string, error) {
+		topic := message.SubscribeTopicFromCtx(msg.Context())
+		if topic == "" {
+			return "", errors.New("the message has no topic (it was not received through a Router)")
+		}
+		return name(topic)
+	}
+}
+
 // Config configures a Set.
 type Config struct {
 	// Resolver names the member of each incoming message. Required.

@@ -674,3 +674,49 @@ func TestSetCheckRouter(t *testing.T) {
 		t.Errorf("CheckRouter on the safe order = %v", err)
 	}
 }
+
+// FromTopic: a topic per tenant on one subscriber, each message on its topic's member; outside a
+// Router a message has no topic and is refused.
+func TestSetFromTopic(t *testing.T) {
+	dbA, dbB := pgtest.DB(t), pgtest.DB(t)
+	w := newWire()
+	set := newSet(t, tenant.Config{Resolver: tenant.FromTopic(func(topic string) (string, error) {
+		name, ok := strings.CutPrefix(topic, "orders.")
+		if !ok {
+			return "", fmt.Errorf("topic %q is no tenant's", topic)
+		}
+		return name, nil
+	})}, map[string]*outbox.Outbox{"a": newMember(t, dbA, "", w), "b": newMember(t, dbB, "", w)})
+	sh := newShop(func(string) string { return "orders" })
+	pubsub := gochannel.NewGoChannel(gochannel.Config{}, watermill.NopLogger{})
+	defer pubsub.Close()
+	router, err := message.NewRouter(message.RouterConfig{}, watermill.NopLogger{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, tn := range []string{"a", "b"} {
+		router.AddConsumerHandler("shop-"+tn, "orders."+tn, pubsub, set.WrapConsumer(sh.handle, middleware.WithConsumer("shop")))
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { defer close(done); _ = router.Run(ctx) }()
+	defer func() { cancel(); <-done }()
+	<-router.Running()
+	for i := range 6 {
+		tn := []string{"a", "b"}[i%2]
+		// The tenant metadata is what the shop stores as the order's tenant: here it says which
+		// topic the message went to, and the topic alone picks the member.
+		if err := pubsub.Publish("orders."+tn, tenantMsg(fmt.Sprintf("%s-%d", tn, i), tn)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	eventually(t, "every order is stored", func() bool {
+		return len(rows(t, dbA, "orders")) == 3 && len(rows(t, dbB, "orders")) == 3
+	})
+	checkTenant(t, dbA, "orders", "a", []string{"a-0", "a-2", "a-4"}, sh, w)
+	checkTenant(t, dbB, "orders", "b", []string{"b-1", "b-3", "b-5"}, sh, w)
+	err = set.WrapConsumer(sh.handle, middleware.WithConsumer("shop"))(tenantMsg("no-topic", "a"))
+	if !errors.Is(err, tenant.ErrUnresolved) || !strings.Contains(err.Error(), "no topic") {
+		t.Errorf("a message without a topic: got %v, want ErrUnresolved saying it has no topic", err)
+	}
+}
