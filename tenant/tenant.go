@@ -75,8 +75,8 @@ type Config struct {
 	// letters with the reason (or, as its Config says, sent to its PoisonTopic), and acked; an
 	// operator retries them from there (outbox dead retry) once their member exists. Empty, or
 	// while that member is not in the Set: such messages are nacked with an error wrapping
-	// ErrUnresolved that says why, so the broker redelivers them; wrap the handler in Watermill's
-	// PoisonQueue (outside the Set's middleware) to move them away instead.
+	// ErrUnresolved that says why, so the broker redelivers them; to move them away instead, add
+	// Watermill's PoisonQueueWithFilter for ErrUnresolved outside the Set's middleware.
 	Unresolved string
 	// Logger logs refused messages and members whose background work failed. Default: none.
 	Logger watermill.LoggerAdapter
