@@ -720,3 +720,53 @@ func TestSetFromTopic(t *testing.T) {
 		t.Errorf("a message without a topic: got %v, want ErrUnresolved saying it has no topic", err)
 	}
 }
+
+// Without an Unresolved member, Watermill's PoisonQueueWithFilter for ErrUnresolved outside the
+// Set's middleware moves an unroutable message to the poison topic (the order CheckRouter accepts),
+// and the tenant's messages still run on their member.
+func TestSetUnresolvedToPoisonQueue(t *testing.T) {
+	db := pgtest.DB(t)
+	w := newWire()
+	set := newSet(t, tenant.Config{}, map[string]*outbox.Outbox{"a": newMember(t, db, "", w)})
+	sh := newShop(func(string) string { return "orders" })
+	pubsub := gochannel.NewGoChannel(gochannel.Config{Persistent: true}, watermill.NopLogger{})
+	defer pubsub.Close()
+	poisoned, err := pubsub.Subscribe(context.Background(), "orders.poison")
+	if err != nil {
+		t.Fatal(err)
+	}
+	pq, err := wmw.PoisonQueueWithFilter(pubsub, "orders.poison", func(err error) bool { return errors.Is(err, tenant.ErrUnresolved) })
+	if err != nil {
+		t.Fatal(err)
+	}
+	router, err := message.NewRouter(message.RouterConfig{}, watermill.NopLogger{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	router.AddConsumerHandler("shop", "orders", pubsub, sh.handle).AddMiddleware(pq, set.Middleware())
+	if err := middleware.CheckRouter(router); err != nil {
+		t.Fatalf("CheckRouter: %v", err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { defer close(done); _ = router.Run(ctx) }()
+	defer func() { cancel(); <-done }()
+	<-router.Running()
+	if err := pubsub.Publish("orders", tenantMsg("zz-1", "zz"), tenantMsg("a-1", "a")); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case m := <-poisoned:
+		m.Ack()
+		if m.UUID != "zz-1" || !strings.Contains(m.Metadata.Get(wmw.ReasonForPoisonedKey), `member "zz" is not in the Set`) {
+			t.Errorf("poisoned %s, reason %q", m.UUID, m.Metadata.Get(wmw.ReasonForPoisonedKey))
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("the unroutable message never reached the poison topic")
+	}
+	eventually(t, "a's order is stored", func() bool { return len(rows(t, db, "orders")) == 1 })
+	checkTenant(t, db, "orders", "a", []string{"a-1"}, sh, w)
+	if n := sh.runsOf("zz-1"); n != 0 {
+		t.Errorf("the handler ran %d times for the unroutable message", n)
+	}
+}
