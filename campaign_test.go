@@ -8,7 +8,8 @@ import (
 )
 
 // TestFaultCampaign is the fault campaign (internal/campaign) on the database/sql form: three
-// instances on the same tables and consumer group. drivers/outboxpgx runs it on the pgx form and
+// instances on the same tables and consumer group, or three tenant.Sets of two members on two
+// databases. drivers/outboxpgx runs it on the pgx form and
 // on mixed deployments.
 //
 //	go test -run TestFaultCampaign . -args -campaign.runs=400      # longer (or OUTBOX_CAMPAIGN_RUNS)
@@ -23,8 +24,12 @@ func TestFaultCampaign(t *testing.T) {
 			// handler's savepoint, when it makes one, which a rollback undoes), and an instance
 			// that keeps none in the claim, on the same tables.
 			{Name: "database/sql spilling", Forms: []campaign.Form{campaign.SQLFormInline(500), campaign.SQLFormInline(1200), campaign.SQLFormInline(-1)}, Shuffle: true},
+			// Each instance a tenant.Set of two members on two databases, the messages of both
+			// tenants interleaved on the instances.
+			{Name: "database/sql tenants", Forms: []campaign.Form{campaign.SQLForm(), campaign.SQLForm(), campaign.SQLForm()}, Tenants: true},
 		},
-		Runs:   36,
-		Replay: "go test -race -run TestFaultCampaign . -args -campaign.seed=%d",
+		SecondDSN: pgtest.DSN(t),
+		Runs:      36,
+		Replay:    "go test -race -run TestFaultCampaign . -args -campaign.seed=%d",
 	})
 }

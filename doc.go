@@ -42,6 +42,8 @@
 // # Packages
 //
 //   - middleware: the Watermill HandlerMiddleware, and CheckRouter for unsafe middleware orders.
+//   - tenant: a Set of Outboxes, one per tenant or shard database (or table prefix), whose
+//     middleware runs each message on the member it resolves to.
 //   - drivers/postgres and drivers/sqlite: the databases (lib/pq or pgx's database/sql driver for
 //     PostgreSQL; an embedded SQLite for runs with nothing to set up).
 //   - drivers/outboxpgx (a module of its own): the pgx v5 form, for handlers that write through a

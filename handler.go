@@ -30,6 +30,11 @@ type HandleParams struct {
 	// Topic is the topic the message came from, for spans, and for its dead letter, which a
 	// retry publishes there again; empty if unknown (a Router's own topic is then used).
 	Topic string
+	// Refuse, when set, refuses the message for that reason before its unit of work: it is
+	// rejected like one whose ID cannot be read (dead letter, poison topic, or nack), with Refuse
+	// as the reason, and the handler does not run. A router of messages over several Outboxes
+	// (tenant.Set) refuses so, in a designated Outbox, those it cannot route.
+	Refuse error
 }
 
 // delivery is what one call of Handle observed, for its metrics and span.
@@ -114,6 +119,9 @@ func (o *Outbox) handle(msg *message.Message, p HandleParams, next message.Handl
 			ErrNestedUnitOfWork, p.Consumer, outer.src.Consumer)
 	}
 	src := Source{Consumer: p.Consumer, ID: p.MessageID}
+	if p.Refuse != nil {
+		return o.reject(parent, msg, src, p.Refuse, fields)
+	}
 	if p.MessageIDErr != nil {
 		return o.reject(parent, msg, src, fmt.Errorf("%w: %w", ErrInvalidMessageID, p.MessageIDErr), fields)
 	}

@@ -118,8 +118,11 @@ func funcName(fn reflect.Value) string {
 	return ""
 }
 
+// isOutbox reports whether name is an outbox middleware: New's, or a tenant.Set's, which runs New's
+// of the message's member (named by string: the tenant package imports this one).
 func isOutbox(name string) bool {
-	return strings.HasPrefix(name, "github.com/watermill-outbox/outbox/middleware.New.")
+	return strings.HasPrefix(name, "github.com/watermill-outbox/outbox/middleware.New.") ||
+		name == "github.com/watermill-outbox/outbox/tenant.(*setMiddleware).wrap-fm"
 }
 
 // watermillMiddleware names the Watermill middleware a function belongs to, or "".

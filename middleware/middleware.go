@@ -18,6 +18,7 @@ type Option func(*options)
 type options struct {
 	consumer  string
 	messageID func(*message.Message) (string, error)
+	refuse    func(*message.Message) error
 }
 
 // WithConsumer sets the consumer identity under which messages are deduplicated. Default: the
@@ -31,6 +32,14 @@ func WithConsumer(name string) Option {
 // the metadata.
 func WithMessageID(fn func(*message.Message) (string, error)) Option {
 	return func(o *options) { o.messageID = fn }
+}
+
+// WithRefusal sets a check that runs before each message's unit of work: a message for which fn
+// returns an error is refused with that error as the reason, like one whose ID cannot be read
+// (dead letter, PoisonTopic, or nack; see outbox.HandleParams.Refuse), and the handler does not
+// run. tenant.Set uses it for the messages it cannot route to a member.
+func WithRefusal(fn func(*message.Message) error) Option {
+	return func(o *options) { o.refuse = fn }
 }
 
 // New returns the middleware that runs each message of the wrapped handler as one outbox unit of
@@ -73,6 +82,9 @@ func New(ob *outbox.Outbox, opts ...Option) message.HandlerMiddleware {
 					p.MessageIDErr = fmt.Errorf("reading the message ID: %w", err)
 				}
 				p.MessageID = id
+			}
+			if cfg.refuse != nil {
+				p.Refuse = cfg.refuse(msg)
 			}
 			if acked(msg) {
 				// Refusing it would lose it: the broker already forgot it. Handle it, and say why a

@@ -1,8 +1,9 @@
 // Package campaign is the randomized fault campaign: many short runs, each a random schedule of
 // deliveries of a few messages to three instances (of one form, or of several forms on the same
-// tables and consumer group), with faults injected everywhere, checked effect by effect against the
-// guarantee at the end. The root module runs it on the database/sql form; drivers/outboxpgx on the
-// pgx form in both modes and on mixed deployments. Every run is replayable from its seed.
+// tables and consumer group; or three tenant.Sets of two members on two databases), with faults
+// injected everywhere, checked effect by effect against the guarantee at the end. The root module
+// runs it on the database/sql form; drivers/outboxpgx on the pgx form in both modes and on mixed
+// deployments. Every run is replayable from its seed.
 //
 //	go test -run TestFaultCampaign . -args -campaign.runs=400     # more runs (or OUTBOX_CAMPAIGN_RUNS)
 //	go test -run TestFaultCampaign . -args -campaign.seed=1234    # replay one run
@@ -178,6 +179,14 @@ type Deployment struct {
 	// Shuffle puts the instances in a random order each run, so that any form may get the first
 	// delivery, the copies and the drain.
 	Shuffle bool
+	// Tenants makes each instance a tenant.Set of two members of its form, the first on the
+	// campaign's database and the second on Options.SecondDSN (each with the run's tables there),
+	// and alternates the messages between the two tenants (metadata "tenant"): every delivery
+	// goes through the Set's middleware, the units after a delayed effect and its cancels through
+	// Set.Do, keyed requests to the first member through Set.Do, and Set.Run runs the relays.
+	// The poison scenario is off for it: a retried dead letter goes back to the topic the
+	// message came from, which the middleware learns from a Router only.
+	Tenants bool
 }
 
 // Options configure a campaign.
@@ -195,6 +204,8 @@ type Options struct {
 	Replay string
 	// Database is the database (nil: PostgreSQL).
 	Database *Database
+	// SecondDSN is a second fresh database, for the second members of Tenants deployments.
+	SecondDSN string
 }
 
 // Run runs the campaign on a fresh database dsn, each run on tables of its own.
@@ -251,6 +262,18 @@ func Run(t *testing.T, dsn string, o Options) {
 		t.Fatal(err)
 	}
 	defer db.Close()
+	dbs, dsns := []*sql.DB{db}, []string{dsn}
+	if slices.ContainsFunc(o.Deployments, func(d Deployment) bool { return d.Tenants }) {
+		if o.SecondDSN == "" {
+			t.Fatal("campaign: a Tenants deployment needs Options.SecondDSN")
+		}
+		db2, err := sql.Open(database.DriverName, o.SecondDSN)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer db2.Close()
+		dbs, dsns = append(dbs, db2), append(dsns, o.SecondDSN)
+	}
 	var off []string
 	for name := range Scenarios {
 		if !on[name] {
@@ -266,7 +289,12 @@ func Run(t *testing.T, dsn string, o Options) {
 	var failed []string
 	for i, seed := range seeds {
 		d := o.Deployments[seed%uint64(len(o.Deployments))]
-		c := &run{t: t, db: db, dsn: dsn, n: i, seed: seed, dep: d, on: on, stats: st, database: database}
+		c := &run{t: t, db: db, n: i, seed: seed, dep: d, on: on, stats: st, database: database, dbs: dbs[:1], dsns: dsns[:1]}
+		if d.Tenants {
+			c.dbs, c.dsns = dbs, dsns
+			c.on = maps.Clone(on)
+			c.on["poison"] = false
+		}
 		if !c.do() {
 			if !*flagAll {
 				t.Fatalf("fault campaign run %d (%s, seed %d) failed; replay it with: %s", i, d.Name, seed, fmt.Sprintf(o.Replay, seed))

@@ -1,6 +1,7 @@
 package campaign
 
 import (
+	"database/sql"
 	"fmt"
 	"slices"
 	"strings"
@@ -13,15 +14,17 @@ import (
 // pending returns how many committed effects are not sent yet: effect rows, claims still
 // holding inline effects, and delayed effects (all due within the drain).
 func (c *run) pending() int {
-	for _, ob := range c.procs {
-		ob.FlushMarks()
+	c.flushMarks()
+	n := 0
+	for _, db := range c.dbs {
+		var rows, inline, delayed int
+		if err := db.QueryRow(`SELECT (SELECT count(*) FROM `+c.prefix+`effects WHERE dispatched_at IS NULL), `+
+			c.inlineCount()+`, `+c.delayedCount()).Scan(&rows, &inline, &delayed); err != nil {
+			c.t.Fatal(err)
+		}
+		n += rows + inline + delayed
 	}
-	var rows, inline, delayed int
-	if err := c.db.QueryRow(`SELECT (SELECT count(*) FROM `+c.prefix+`effects WHERE dispatched_at IS NULL), `+
-		c.inlineCount()+`, `+c.delayedCount()).Scan(&rows, &inline, &delayed); err != nil {
-		c.t.Fatal(err)
-	}
-	return rows + inline + delayed
+	return n
 }
 
 // inlineCount is the SQL of the number of claims holding inline effects (none but on PostgreSQL).
@@ -62,9 +65,18 @@ func (e effect) String() string {
 	return fmt.Sprintf("(%s, seq %d, %s, %s, %q, %s)", e.source[:8], e.seq, e.topic, e.uuid, e.payload, e.where)
 }
 
-// committed reads every committed effect: pending rows, dispatched ones kept for EffectRetention,
-// delayed ones not moved yet, and inline ones still in their claims.
+// committed reads every committed effect, of every tenant: pending rows, dispatched ones kept
+// for EffectRetention, delayed ones not moved yet, and inline ones still in their claims.
 func (c *run) committed() []effect {
+	var out []effect
+	for _, db := range c.dbs {
+		out = append(out, c.committedIn(db)...)
+	}
+	return out
+}
+
+// committedIn reads the committed effects of one tenant's database.
+func (c *run) committedIn(db *sql.DB) []effect {
 	t := c.t
 	var out []effect
 	query := `SELECT source_consumer, source_id, seq, topic, uuid, payload, 'row' FROM ` + c.prefix + `effects`
@@ -74,7 +86,7 @@ func (c *run) committed() []effect {
 	if c.keepsDelayed() {
 		query += ` UNION ALL SELECT source_consumer, source_id, seq, topic, uuid, payload, 'delayed' FROM ` + c.prefix + `delayed`
 	}
-	rows, err := c.db.Query(query)
+	rows, err := db.Query(query)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -94,7 +106,7 @@ func (c *run) committed() []effect {
 	if c.database != postgresDatabase {
 		return out // no inline effects
 	}
-	rows, err = c.db.Query(`SELECT consumer, message_id, effects FROM ` + c.prefix + `processed WHERE effects IS NOT NULL`)
+	rows, err = db.Query(`SELECT consumer, message_id, effects FROM ` + c.prefix + `processed WHERE effects IS NOT NULL`)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -168,16 +180,20 @@ func (c *run) check(specs []*spec, acked []atomic.Bool, rqs []*request) {
 	}
 	if n := c.pending(); n > 0 {
 		var parked, inline int
-		if err := c.db.QueryRow(`SELECT (SELECT count(*) FROM `+c.prefix+`effects WHERE parked_at IS NOT NULL AND dispatched_at IS NULL), `+
-			c.inlineCount()).Scan(&parked, &inline); err != nil {
-			t.Fatal(err)
+		for _, db := range c.dbs {
+			var p, i int
+			if err := db.QueryRow(`SELECT (SELECT count(*) FROM `+c.prefix+`effects WHERE parked_at IS NOT NULL AND dispatched_at IS NULL), `+
+				c.inlineCount()).Scan(&p, &i); err != nil {
+				t.Fatal(err)
+			}
+			parked, inline = parked+p, inline+i
 		}
 		fail("%d effects still pending after the relays ran for %s (%d parked effect rows, %d claims holding inline effects)", n, drainFor, parked, inline)
 	}
 
 	for i, sp := range specs {
 		var n int
-		if err := c.db.QueryRow(c.database.Bind(`SELECT count(*) FROM `+c.applied+` WHERE message_id = $1`), sp.id).Scan(&n); err != nil {
+		if err := c.dbs[sp.tenant].QueryRow(c.database.Bind(`SELECT count(*) FROM `+c.applied+` WHERE message_id = $1`), sp.id).Scan(&n); err != nil {
 			t.Fatal(err)
 		}
 		if sp.poison && !sp.retry {
@@ -306,7 +322,7 @@ func (c *run) check(specs []*spec, acked []atomic.Bool, rqs []*request) {
 		}
 		atD, okD := c.pub.first[wireKey{d.topic, d.uuid}]
 		atA, okA := c.pub.first[wireKey{a.topic, a.uuid}]
-		if okD && okA && atA < atD && c.storedAfter(a.uuid, d.uuid) {
+		if okD && okA && atA < atD && c.storedAfter(c.dbs[sp.tenant], a.uuid, d.uuid) {
 			fail("effect %v, recorded once the delayed effect %v of its key was due, reached the broker before it", a, d)
 		}
 	}
@@ -314,14 +330,14 @@ func (c *run) check(specs []*spec, acked []atomic.Bool, rqs []*request) {
 
 // storedAfter tells whether the effect with UUID a was stored after the effect with UUID b,
 // moved from the delayed effects, was due: by the database's clock, which decides what is due
-// (a moved effect is stored with its due time).
-func (c *run) storedAfter(a, b string) bool {
+// (a moved effect is stored with its due time). Both are in db, their tenant's.
+func (c *run) storedAfter(db *sql.DB, a, b string) bool {
 	rows := c.prefix + `effects`
 	if c.database == postgresDatabase {
 		rows = `(SELECT uuid, created_at FROM ` + c.prefix + `effects UNION ALL SELECT uuid, created_at FROM ` + c.prefix + `dispatched)`
 	}
 	var after bool
-	if err := c.db.QueryRow(c.database.Bind(`SELECT (SELECT max(created_at) FROM `+rows+` x WHERE uuid = $1) >
+	if err := db.QueryRow(c.database.Bind(`SELECT (SELECT max(created_at) FROM `+rows+` x WHERE uuid = $1) >
 		(SELECT min(created_at) FROM `+rows+` y WHERE uuid = $2)`), a, b).Scan(&after); err != nil {
 		c.t.Fatal(err)
 	}

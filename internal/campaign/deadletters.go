@@ -39,7 +39,7 @@ func (c *run) retryDeadLetters(specs []*spec, acked []atomic.Bool) {
 				both.Add(1)
 				go func() {
 					defer both.Done()
-					n, err := c.procs[proc].RetryDeadLetters(context.Background(), "campaign", outbox.Source{Consumer: consumer, ID: sp.id})
+					n, err := c.members[proc][sp.tenant].RetryDeadLetters(context.Background(), "campaign", outbox.Source{Consumer: consumer, ID: sp.id})
 					if err != nil {
 						c.fail("retry of the dead letter of %s on instance %d: %v", sp.id, proc, err)
 					}
@@ -96,7 +96,7 @@ func (c *run) checkDeadLetters(specs []*spec, acked []atomic.Bool) {
 	for i, sp := range specs {
 		var state, topic string
 		var payload []byte
-		err := c.db.QueryRow(c.database.Bind(`SELECT state, source_topic, payload FROM `+c.prefix+`dead_letters WHERE consumer = $1 AND message_id = $2`),
+		err := c.dbs[sp.tenant].QueryRow(c.database.Bind(`SELECT state, source_topic, payload FROM `+c.prefix+`dead_letters WHERE consumer = $1 AND message_id = $2`),
 			consumer, sp.id).Scan(&state, &topic, &payload)
 		found := err == nil
 		if err != nil && !isNoRows(err) {

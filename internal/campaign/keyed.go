@@ -214,7 +214,7 @@ func (c *run) attempt(rq *request, proc int, pl *plan, wait bool) (err error) {
 	rq.mu.Lock()
 	gen := rq.gen
 	rq.mu.Unlock()
-	return c.procs[proc].InUnit(ctx, func(ctx context.Context) error {
+	return c.inUnit(ctx, proc, 0, func(ctx context.Context) error {
 		if err := f.Exec(ctx, c.database.Bind(`INSERT INTO `+c.applied+` (message_id) VALUES ($1)`), rq.id); err != nil {
 			return err
 		}

@@ -17,6 +17,7 @@ import (
 // spec is what the handler of one message does on every delivery.
 type spec struct {
 	id     string
+	tenant int  // its tenant in a Tenants deployment (run.dbs), else 0
 	shared bool // publishes one message (one UUID) to both topics
 	big    bool // records bigEffects effects more
 	// bigCalls: the big effects are recorded in one Publish call, or in several (each one
@@ -76,6 +77,8 @@ type plan struct {
 	copyTo    int           // the instance of the copy
 	startCopy func() func() // starts the copy of copyDuring and copyAfter; the func it returns waits for it
 	copyOnce  sync.Once     // one copy, even when the unit of work runs again within the delivery
+	// cancelMessage cancels the message's context (cancel: the handler calls it as it begins)
+	cancelMessage func()
 
 	mu        sync.Mutex
 	published int

@@ -18,6 +18,8 @@ import (
 	"github.com/google/uuid"
 
 	"github.com/watermill-outbox/outbox"
+	"github.com/watermill-outbox/outbox/middleware"
+	"github.com/watermill-outbox/outbox/tenant"
 )
 
 const (
@@ -37,7 +39,6 @@ const (
 type run struct {
 	t     *testing.T
 	db    *sql.DB // the test's view of the database, and the broker's
-	dsn   string
 	n     int
 	seed  uint64
 	dep   Deployment
@@ -52,7 +53,16 @@ type run struct {
 	inTopic string // the topic the messages come from, where a retried dead letter goes back to
 	applied string
 	forms   []Form
-	procs   []*outbox.Outbox
+	procs   []*outbox.Outbox // each instance's Outbox; of a Set, its first member's
+	// dbs and dsns are the databases of the tenants (one but for a Tenants deployment): each
+	// holds the run's outbox tables and business table; the broker's topics are on db (dbs[0]).
+	dbs  []*sql.DB
+	dsns []string
+	// members are each instance's Outboxes, by tenant; sets and wrapped, for a Tenants
+	// deployment, each instance's Set and the handler wrapped by its middleware.
+	members [][]*outbox.Outbox
+	sets    []*tenant.Set
+	wrapped []message.HandlerFunc
 	pub     *publisher
 	timeout time.Duration // HandlerTimeout
 
@@ -74,9 +84,9 @@ func (c *run) note(format string, args ...any) {
 	fmt.Fprintf(&c.log, format+"\n", args...)
 }
 
-// exec runs a statement of the test's own on the database.
-func (c *run) exec(query string, args ...any) int64 {
-	res, err := c.db.Exec(c.database.Bind(query), args...)
+// exec runs a statement of the test's own on the database of tenant k.
+func (c *run) exec(k int, query string, args ...any) int64 {
+	res, err := c.dbs[k].Exec(c.database.Bind(query), args...)
 	if err != nil {
 		c.fail("%s: %v", query, err)
 		return 0
@@ -94,8 +104,10 @@ func (c *run) do() bool {
 	c.topics = [2]string{fmt.Sprintf("campaign_%d_a", c.n), fmt.Sprintf("campaign_%d_b", c.n)}
 	c.inTopic = fmt.Sprintf("campaign_%d_in", c.n)
 	c.applied = c.prefix + "applied"
-	if _, err := c.db.Exec(`CREATE TABLE ` + c.applied + ` (message_id ` + c.database.IDType + ` NOT NULL)`); err != nil {
-		t.Fatal(err)
+	for _, db := range c.dbs {
+		if _, err := db.Exec(`CREATE TABLE ` + c.applied + ` (message_id ` + c.database.IDType + ` NOT NULL)`); err != nil {
+			t.Fatal(err)
+		}
 	}
 	schema := c.database.Broker
 	for _, topic := range append(c.topics[:], c.inTopic) {
@@ -181,16 +193,36 @@ func (c *run) do() bool {
 		Failpoint:        c.failpoint,
 	}
 	for _, f := range c.forms {
-		ob, closeFn, err := f.Open(c.dsn, cfg)
-		if err != nil {
-			t.Fatalf("open %s: %v", f.Name, err)
+		var members []*outbox.Outbox
+		for _, dsn := range c.dsns {
+			ob, closeFn, err := f.Open(dsn, cfg)
+			if err != nil {
+				t.Fatalf("open %s: %v", f.Name, err)
+			}
+			defer closeFn()
+			members = append(members, ob)
 		}
-		defer closeFn()
-		c.procs = append(c.procs, ob)
+		c.members = append(c.members, members)
+		c.procs = append(c.procs, members[0])
+		if c.dep.Tenants {
+			set, err := tenant.New(tenant.Config{Resolver: tenant.FromMetadata(tenantKey)})
+			if err != nil {
+				t.Fatal(err)
+			}
+			for k, ob := range members {
+				if err := set.Add(tenantName(k), ob); err != nil {
+					t.Fatal(err)
+				}
+			}
+			c.sets = append(c.sets, set)
+			c.wrapped = append(c.wrapped, set.Wrap(c.handler(f), middleware.WithConsumer(consumer)))
+		}
 	}
 	ctx := context.Background()
-	if err := c.procs[0].Migrate(ctx); err != nil {
-		t.Fatal(err)
+	for _, ob := range c.members[0] {
+		if err := ob.Migrate(ctx); err != nil {
+			t.Fatal(err)
+		}
 	}
 
 	// The schedule: each message is delivered until one delivery is acked (sometimes with a copy
@@ -206,6 +238,9 @@ func (c *run) do() bool {
 	scheds := make([]schedule, messages)
 	for i := range scheds {
 		sp := &spec{id: uuid.NewString(), shared: r.IntN(3) == 0 && c.on["shared-uuid"], big: i == bigAt, bigCalls: 1 + 9*r.IntN(2), delay: -1}
+		if c.dep.Tenants {
+			sp.tenant = i % len(c.dbs) // interleaved, and drawn from nothing: a seed's schedule is the same
+		}
 		switch i % 4 {
 		case 0:
 			// 35 characters, so that the next one's with a space fits the broker's UUID column
@@ -277,6 +312,10 @@ func (c *run) do() bool {
 	startRelays := func(which []int) {
 		for _, i := range which {
 			relays.Add(1)
+			if c.sets != nil {
+				go func() { defer relays.Done(); _ = c.sets[i].Run(runCtx) }()
+				continue
+			}
 			go func() { defer relays.Done(); _ = c.procs[i].Run(runCtx) }()
 		}
 	}
@@ -392,9 +431,7 @@ func (c *run) do() bool {
 	}
 	stopRelays()
 	relays.Wait()
-	for _, ob := range c.procs {
-		ob.FlushMarks()
-	}
+	c.flushMarks()
 	if c.pub.hungCalls.Load() > 0 {
 		c.stats.reached("hung-topic") // a call for the topic hung while the run went on
 	}
@@ -414,17 +451,38 @@ func (c *run) deliver(proc int, pl *plan) error {
 	// from another's.
 	m := message.NewMessage(pl.msg.id, []byte(pl.msg.id+"/in"))
 	m.SetContext(msgCtx)
-	h := c.handler(c.forms[proc])
-	if pl.cancel {
-		inner := h
-		h = func(m *message.Message) ([]*message.Message, error) {
-			cancel()
-			return inner(m)
-		}
+	pl.cancelMessage = cancel
+	var err error
+	if c.sets != nil {
+		m.Metadata.Set(tenantKey, tenantName(pl.msg.tenant))
+		_, err = c.wrapped[proc](m)
+	} else {
+		err = c.procs[proc].Handle(m, outbox.HandleParams{Consumer: consumer, MessageID: pl.msg.id, Topic: c.inTopic}, c.handler(c.forms[proc]))
 	}
-	err := c.procs[proc].Handle(m, outbox.HandleParams{Consumer: consumer, MessageID: pl.msg.id, Topic: c.inTopic}, h)
 	c.stats.add(err)
 	return err
+}
+
+// tenantKey is the metadata key that names a message's tenant in a Tenants deployment.
+const tenantKey = "tenant"
+
+func tenantName(k int) string { return fmt.Sprintf("t%d", k) }
+
+// inUnit runs fn as a unit of work of tenant k on instance proc: through its Set, if it is one.
+func (c *run) inUnit(ctx context.Context, proc, k int, fn func(ctx context.Context) error) error {
+	if c.sets != nil {
+		return c.sets[proc].Do(ctx, tenantName(k), func(ctx context.Context, ob *outbox.Outbox) error { return ob.InUnit(ctx, fn) })
+	}
+	return c.procs[proc].InUnit(ctx, fn)
+}
+
+// flushMarks writes the dispatched marks every Outbox of the run has queued.
+func (c *run) flushMarks() {
+	for _, members := range c.members {
+		for _, ob := range members {
+			ob.FlushMarks()
+		}
+	}
 }
 
 // handler is the consumer: one business write and the effects of the message's spec, with the
@@ -434,6 +492,9 @@ func (c *run) handler(f Form) message.HandlerFunc {
 	return func(m *message.Message) ([]*message.Message, error) {
 		ctx := m.Context()
 		pl := planOf(ctx)
+		if pl.cancel && pl.cancelMessage != nil {
+			pl.cancelMessage()
+		}
 		if err := f.Exec(ctx, c.database.Bind(`INSERT INTO `+c.applied+` (message_id) VALUES ($1)`), m.UUID); err != nil {
 			return nil, err
 		}
@@ -550,7 +611,7 @@ func (c *run) followKey(sp *spec) string { return c.prefix + "order/" + sp.id }
 // was acked later): once it is due, and before or after a relay moved it.
 func (c *run) followDelayed(sp *spec) {
 	time.Sleep(time.Until(time.Unix(0, sp.recordedAt.Load()).Add(sp.followAt)))
-	err := c.procs[sp.followProc].InUnit(context.Background(), func(ctx context.Context) error {
+	err := c.inUnit(context.Background(), sp.followProc, sp.tenant, func(ctx context.Context) error {
 		return outbox.Publish(outbox.WithOrderingKey(ctx, c.followKey(sp)), c.topics[0],
 			message.NewMessage(uuid.NewString(), []byte(sp.id+"/after")))
 	})
@@ -571,7 +632,7 @@ func (c *run) followDelayed(sp *spec) {
 func (c *run) cancelDelayed(sp *spec) {
 	time.Sleep(time.Until(time.Unix(0, sp.recordedAt.Load()).Add(sp.cancelAt)))
 	var n int
-	err := c.procs[sp.cancelProc].InUnit(context.Background(), func(ctx context.Context) error {
+	err := c.inUnit(context.Background(), sp.cancelProc, sp.tenant, func(ctx context.Context) error {
 		var err error
 		n, err = outbox.CancelDelayed(ctx, c.cancelKey(sp))
 		return err
@@ -613,13 +674,13 @@ func (c *run) wantEffects(sp *spec) []wireKey {
 func (c *run) afterCommit(_ context.Context, pl *plan) {
 	claim := ` WHERE consumer = $1 AND message_id = $2`
 	if pl.held {
-		if c.exec(`UPDATE `+c.prefix+`processed SET processed_at = processed_at - `+lookBack+`, dispatched_at = dispatched_at - `+lookBack+claim, consumer, pl.msg.id) > 0 {
+		if c.exec(pl.msg.tenant, `UPDATE `+c.prefix+`processed SET processed_at = processed_at - `+lookBack+`, dispatched_at = dispatched_at - `+lookBack+claim, consumer, pl.msg.id) > 0 {
 			c.stats.reached("held-claim")
 			c.note("%s: claim aged by %s after its commit", pl.msg.id[:8], lookBack)
 		}
 	}
 	if c.clockAhead.Load() {
-		c.exec(`UPDATE `+c.prefix+`processed SET processed_at = processed_at + `+clockStep+`, dispatched_at = dispatched_at + `+clockStep+claim, consumer, pl.msg.id)
+		c.exec(pl.msg.tenant, `UPDATE `+c.prefix+`processed SET processed_at = processed_at + `+clockStep+`, dispatched_at = dispatched_at + `+clockStep+claim, consumer, pl.msg.id)
 		c.stats.reached("clock-step")
 		if pl.crashAt == outbox.FailpointAfterCommit {
 			c.stats.reached("clock-step crash")
@@ -645,7 +706,9 @@ func (c *run) stepClock(at, d, grace time.Duration) {
 	c.note("the database clock runs %s ahead for %s", clockStep, d)
 	time.Sleep(d)
 	c.clockAhead.Store(false)
-	c.exec(`UPDATE `+c.prefix+`stats SET swept_to = greatest(coalesce(swept_to, '-infinity'), now() + `+clockStep+` - $1 * interval '1 millisecond') WHERE id = 1`,
-		grace.Milliseconds())
+	for k := range c.dbs {
+		c.exec(k, `UPDATE `+c.prefix+`stats SET swept_to = greatest(coalesce(swept_to, '-infinity'), now() + `+clockStep+` - $1 * interval '1 millisecond') WHERE id = 1`,
+			grace.Milliseconds())
+	}
 	c.note("the database clock stepped back")
 }

@@ -60,6 +60,7 @@ var knownImports = map[string]string{
 	"ops":         "github.com/watermill-outbox/outbox/ops",
 	"console":     "github.com/watermill-outbox/outbox/console",
 	"idempotency": "github.com/watermill-outbox/outbox/idempotency",
+	"tenant":      "github.com/watermill-outbox/outbox/tenant",
 	"sha256":      "crypto/sha256",
 	"watermill":   "github.com/ThreeDotsLabs/watermill",
 	"message":     "github.com/ThreeDotsLabs/watermill/message",

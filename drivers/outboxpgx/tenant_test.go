@@ -1,0 +1,137 @@
+package outboxpgx_test
+
+import (
+	"context"
+	"fmt"
+	"sync"
+	"testing"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/watermill-outbox/outbox"
+	"github.com/watermill-outbox/outbox/drivers/outboxpgx"
+	"github.com/watermill-outbox/outbox/internal/pgtest"
+	"github.com/watermill-outbox/outbox/middleware"
+	"github.com/watermill-outbox/outbox/outboxtest"
+	"github.com/watermill-outbox/outbox/tenant"
+)
+
+// A tenant.Set of pgx Outboxes, a database each: interleaved messages of both tenants and their
+// copies land once each in their tenant's database, in both modes, and Do runs a boundary unit of
+// work of the pgx form on a member.
+func TestTenantSetOfPgxMembers(t *testing.T) {
+	for name, mode := range map[string]outboxpgx.Concurrency{"pessimistic": outboxpgx.Pessimistic, "optimistic": outboxpgx.Optimistic} {
+		t.Run(name, func(t *testing.T) {
+			ctx := context.Background()
+			rec := &outboxtest.Recorder{}
+			set, err := tenant.New(tenant.Config{Resolver: tenant.FromMetadata("tenant")})
+			if err != nil {
+				t.Fatal(err)
+			}
+			pools := map[string]*pgxpool.Pool{}
+			for _, name := range []string{"a", "b"} {
+				pool := openPool(t, pgtest.DSN(t), 4, nil)
+				ob, err := outboxpgx.New(pool, outbox.Config{Publisher: rec}, outboxpgx.WithConcurrency(mode))
+				if err != nil {
+					t.Fatal(err)
+				}
+				t.Cleanup(func() { _ = ob.Close() })
+				if err := ob.Migrate(ctx); err != nil {
+					t.Fatal(err)
+				}
+				if _, err := pool.Exec(ctx, `CREATE TABLE orders (id text, tenant text)`); err != nil {
+					t.Fatal(err)
+				}
+				if err := set.Add(name, ob); err != nil {
+					t.Fatal(err)
+				}
+				pools[name] = pool
+			}
+			var mu sync.Mutex
+			runs := map[string]int{}
+			h := set.WrapConsumer(func(msg *message.Message) error {
+				mu.Lock()
+				runs[msg.UUID]++
+				mu.Unlock()
+				ctx := msg.Context()
+				if _, err := outboxpgx.Tx(ctx).Exec(ctx, `INSERT INTO orders VALUES ($1, $2)`, msg.UUID, msg.Metadata.Get("tenant")); err != nil {
+					return err
+				}
+				return outbox.Publish(ctx, "events", message.NewMessage("event-"+msg.UUID, nil))
+			}, middleware.WithConsumer("shop"))
+			var wg sync.WaitGroup
+			for i := range 16 {
+				wg.Add(1)
+				go func() {
+					defer wg.Done()
+					tn := []string{"a", "b"}[i%2]
+					id := fmt.Sprintf("%s-%d", tn, i/4) // each message twice: a copy at the same moment
+					msg := message.NewMessage(id, nil)
+					msg.Metadata.Set("tenant", tn)
+					if err := h(msg); err != nil {
+						t.Errorf("%s: %v", id, err)
+					}
+				}()
+			}
+			wg.Wait()
+			err = set.Do(ctx, "b", func(ctx context.Context, ob *outbox.Outbox) error {
+				return outboxpgx.InTx(ctx, ob, func(ctx context.Context, tx pgx.Tx) error {
+					if _, err := tx.Exec(ctx, `INSERT INTO orders VALUES ('b-api', 'b')`); err != nil {
+						return err
+					}
+					return outbox.Publish(ctx, "events", message.NewMessage("event-b-api", nil))
+				})
+			})
+			if err != nil {
+				t.Fatal(err)
+			}
+			want := map[string][]string{"a": {"a-0", "a-1", "a-2", "a-3"}, "b": {"b-0", "b-1", "b-2", "b-3", "b-api"}}
+			for tn, ids := range want {
+				got := map[string]int{}
+				rows, err := pools[tn].Query(ctx, `SELECT id, tenant FROM orders`)
+				if err != nil {
+					t.Fatal(err)
+				}
+				for rows.Next() {
+					var id, owner string
+					if err := rows.Scan(&id, &owner); err != nil {
+						t.Fatal(err)
+					}
+					if owner != tn {
+						t.Errorf("%s's database holds an order of %s: %s", tn, owner, id)
+					}
+					got[id]++
+				}
+				if err := rows.Err(); err != nil {
+					t.Fatal(err)
+				}
+				if len(got) != len(ids) {
+					t.Errorf("%s's database holds %v, want %v once each", tn, got, ids)
+				}
+				for _, id := range ids {
+					if got[id] != 1 {
+						t.Errorf("%s: order %s stored %d times", tn, id, got[id])
+					}
+					// Optimistic: a copy at the same moment runs the handler too, and rolls
+					// back at its claim.
+					if id != "b-api" && (runs[id] < 1 || mode == outboxpgx.Pessimistic && runs[id] != 1) {
+						t.Errorf("the handler ran %d times for %s", runs[id], id)
+					}
+				}
+			}
+			sent := map[string]bool{}
+			for _, s := range rec.All() {
+				sent[s.Message.UUID] = true
+			}
+			for _, ids := range want {
+				for _, id := range ids {
+					if !sent["event-"+id] {
+						t.Errorf("the event of %s did not go out", id)
+					}
+				}
+			}
+		})
+	}
+}

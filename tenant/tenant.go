@@ -1,0 +1,308 @@
+// Package tenant runs many Outboxes in one process as one Set: a database (or a schema, or a
+// TablePrefix on one pool) per tenant or per shard, each an *outbox.Outbox of its own, and a
+// Resolver that names the member of each incoming message. The Set's middleware picks the member
+// per message, so that the message's claim, its business writes and its side effects share the
+// member's transaction; InTx and Do run boundary units of work on a member; Run runs the
+// background work of every member, of those added later too; members are added and removed while
+// the process runs.
+//
+// A message must always resolve to the same member: its claim lives in that member's tables, and
+// a copy routed elsewhere would not find it (docs/scaling.md, step 3).
+package tenant
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"slices"
+	"sync"
+	"sync/atomic"
+	"unicode"
+	"unicode/utf8"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/watermill-outbox/outbox"
+)
+
+// Errors of the Set.
+var (
+	// ErrUnresolved is the reason a message is refused when the Set cannot name its member: the
+	// Resolver failed or found nothing, or the member it named is not in the Set.
+	ErrUnresolved = errors.New("tenant: message resolves to no member")
+	// ErrUnknownMember is returned by InTx and Do for a name that is not a member.
+	ErrUnknownMember = errors.New("tenant: no such member")
+	// ErrMemberExists is returned by Add for a name that is a member already.
+	ErrMemberExists = errors.New("tenant: member exists")
+)
+
+// Resolver names the member an incoming message belongs to. It must give the same name for every
+// copy of a message. An error, or an empty name, refuses the message (see Config.Unresolved).
+type Resolver func(*message.Message) (string, error)
+
+// FromMetadata resolves a message to the member named by its metadata value under key.
+func FromMetadata(key string) Resolver {
+	return func(msg *message.Message) (string, error) {
+		name := msg.Metadata.Get(key)
+		if name == "" {
+			return "", fmt.Errorf("the message has no metadata %q", key)
+		}
+		return name, nil
+	}
+}
+
+// FromTopic resolves a message to the member that name gives for the topic it was received from
+// (a topic per tenant: "orders.acme" to "acme"). The topic is the one the Router subscribed the
+// handler to; outside a Router the message has none, and is refused.
+func FromTopic(name func(topic string) (string, error)) Resolver {
+	return func(msg *message.Message) (string, error) {
+		topic := message.SubscribeTopicFromCtx(msg.Context())
+		if topic == "" {
+			return "", errors.New("the message has no topic (it was not received through a Router)")
+		}
+		return name(topic)
+	}
+}
+
+// Config configures a Set.
+type Config struct {
+	// Resolver names the member of each incoming message. Required.
+	Resolver Resolver
+	// Unresolved names the member that refuses the messages the Set cannot route: they are
+	// rejected in that member like a message whose ID cannot be read, so stored as its dead
+	// letters with the reason (or, as its Config says, sent to its PoisonTopic), and acked; an
+	// operator retries them from there (outbox dead retry) once their member exists. Empty, or
+	// while that member is not in the Set: such messages are nacked with an error wrapping
+	// ErrUnresolved that says why, so the broker redelivers them; to move them away instead, add
+	// Watermill's PoisonQueueWithFilter for ErrUnresolved outside the Set's middleware.
+	Unresolved string
+	// Logger logs refused messages and members whose background work failed. Default: none.
+	Logger watermill.LoggerAdapter
+}
+
+// Set is a set of Outboxes keyed by member name (a tenant or a shard). It is safe for concurrent
+// use.
+type Set struct {
+	cfg     Config
+	refused atomic.Int64
+
+	mu      sync.RWMutex
+	members map[string]*member
+	runCtx  context.Context // set while Run runs
+	runWG   sync.WaitGroup  // the members' background work started by start
+}
+
+// member is one Outbox of the Set, with its units in flight and its background work.
+type member struct {
+	name string
+	ob   *outbox.Outbox
+
+	mu      sync.Mutex
+	active  int           // units in flight
+	removed bool          // no new units
+	drained chan struct{} // closed once removed and no unit is in flight
+	stopRun func()        // stops the background work; nil while not running
+	wrapped map[*wrapper]message.HandlerFunc
+}
+
+// New returns an empty Set.
+func New(cfg Config) (*Set, error) {
+	if cfg.Resolver == nil {
+		return nil, errors.New("tenant: Config.Resolver is required")
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = watermill.NopLogger{}
+	}
+	return &Set{cfg: cfg, members: map[string]*member{}}, nil
+}
+
+// Add adds ob under name. While Run runs, the member's background work starts at once. The Set
+// neither migrates ob nor closes it: ob and its database are the caller's.
+func (s *Set) Add(name string, ob *outbox.Outbox) error {
+	if err := validName(name); err != nil {
+		return err
+	}
+	if ob == nil {
+		return fmt.Errorf("tenant: member %q: the Outbox is nil", name)
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if _, ok := s.members[name]; ok {
+		return fmt.Errorf("%w: %q", ErrMemberExists, name)
+	}
+	m := &member{name: name, ob: ob, drained: make(chan struct{}), wrapped: map[*wrapper]message.HandlerFunc{}}
+	s.members[name] = m
+	if s.runCtx != nil {
+		s.start(s.runCtx, m)
+	}
+	return nil
+}
+
+// Remove takes the member name out of the Set: its messages are refused from now on (as
+// unresolved), Remove waits for its units of work in flight (handled messages, InTx and Do), then
+// stops its background work and waits for that to return. When ctx ends first, the background
+// work is stopped all the same and Remove returns an error: the units still in flight finish on
+// their own (each is bounded by the member's HandlerTimeout). It does not close the Outbox.
+func (s *Set) Remove(ctx context.Context, name string) error {
+	s.mu.Lock()
+	m, ok := s.members[name]
+	delete(s.members, name)
+	s.mu.Unlock()
+	if !ok {
+		return fmt.Errorf("%w: %q", ErrUnknownMember, name)
+	}
+	m.mu.Lock()
+	m.removed = true
+	if m.active == 0 {
+		close(m.drained)
+	}
+	m.mu.Unlock()
+	var err error
+	select {
+	case <-m.drained:
+	case <-ctx.Done():
+		err = fmt.Errorf("tenant: removing member %q: units of work still in flight: %w", name, ctx.Err())
+	}
+	s.stop(m)
+	return err
+}
+
+// Member returns the Outbox of member name. A unit of work begun on it directly is not waited
+// for by Remove; prefer InTx or Do.
+func (s *Set) Member(name string) (*outbox.Outbox, bool) {
+	s.mu.RLock()
+	defer s.mu.RUnlock()
+	m, ok := s.members[name]
+	if !ok {
+		return nil, false
+	}
+	return m.ob, true
+}
+
+// Members returns the names of the members, sorted.
+func (s *Set) Members() []string {
+	s.mu.RLock()
+	defer s.mu.RUnlock()
+	names := make([]string, 0, len(s.members))
+	for n := range s.members {
+		names = append(names, n)
+	}
+	slices.Sort(names)
+	return names
+}
+
+// Refused returns how many messages the Set refused because it could not route them.
+func (s *Set) Refused() int64 { return s.refused.Load() }
+
+// InTx runs fn as a boundary unit of work of member name (outbox.Outbox.InTx): outbox.Publish
+// and Record with fn's ctx store their effects in the member's database. Remove waits for it.
+func (s *Set) InTx(ctx context.Context, name string, fn func(ctx context.Context, tx *sql.Tx) error) error {
+	return s.Do(ctx, name, func(ctx context.Context, ob *outbox.Outbox) error { return ob.InTx(ctx, fn) })
+}
+
+// Do runs fn with the Outbox of member name, which Remove does not take away until fn returns:
+// the pgx form's boundary, for example, is
+//
+//	set.Do(ctx, "acme", func(ctx context.Context, ob *outbox.Outbox) error { return outboxpgx.InTx(ctx, ob, fn) })
+func (s *Set) Do(ctx context.Context, name string, fn func(ctx context.Context, ob *outbox.Outbox) error) error {
+	m := s.enter(name)
+	if m == nil {
+		return fmt.Errorf("%w: %q", ErrUnknownMember, name)
+	}
+	defer m.leave()
+	return fn(ctx, m.ob)
+}
+
+// enter returns member name with one more unit in flight, or nil when it is not a member.
+func (s *Set) enter(name string) *member {
+	s.mu.RLock()
+	m := s.members[name]
+	s.mu.RUnlock()
+	if m == nil {
+		return nil
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.removed {
+		return nil
+	}
+	m.active++
+	return m
+}
+
+func (m *member) leave() {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	m.active--
+	if m.removed && m.active == 0 {
+		close(m.drained)
+	}
+}
+
+// Run runs the background work of every member until ctx ends, of members added meanwhile too; a
+// member removed meanwhile stops its own. It returns once every member's background work
+// returned. One Run at a time.
+func (s *Set) Run(ctx context.Context) error {
+	s.mu.Lock()
+	if s.runCtx != nil {
+		s.mu.Unlock()
+		return errors.New("tenant: the Set runs already")
+	}
+	s.runCtx = ctx
+	for _, m := range s.members {
+		s.start(ctx, m)
+	}
+	s.mu.Unlock()
+	<-ctx.Done()
+	s.mu.Lock()
+	s.runCtx = nil
+	s.mu.Unlock()
+	// Every member's background work runs on a context of ctx: it is ending already.
+	s.runWG.Wait()
+	return nil
+}
+
+// start runs m's background work on a context of ctx until stop. Members start and stop only
+// here and in stop, so that what runs a member's background work is one choice. Called with
+// s.mu held.
+func (s *Set) start(ctx context.Context, m *member) {
+	mctx, cancel := context.WithCancel(ctx)
+	done := make(chan struct{})
+	s.runWG.Add(1)
+	go func() {
+		defer s.runWG.Done()
+		defer close(done)
+		if err := m.ob.Run(mctx); err != nil {
+			s.cfg.Logger.Error("tenant: the background work of a member failed", err, watermill.LogFields{"member": m.name})
+		}
+	}()
+	m.mu.Lock()
+	m.stopRun = func() { cancel(); <-done }
+	m.mu.Unlock()
+}
+
+// stop stops m's background work, if it runs, and waits for it to return.
+func (s *Set) stop(m *member) {
+	m.mu.Lock()
+	stop := m.stopRun
+	m.stopRun = nil
+	m.mu.Unlock()
+	if stop != nil {
+		stop()
+	}
+}
+
+// validName accepts the names that read well in logs, metrics and health reports.
+func validName(name string) error {
+	if name == "" || len(name) > 200 || !utf8.ValidString(name) {
+		return fmt.Errorf("tenant: invalid member name %q: 1 to 200 bytes of UTF-8", name)
+	}
+	for _, r := range name {
+		if unicode.IsControl(r) || r == '/' {
+			return fmt.Errorf("tenant: invalid member name %q: no control characters or '/'", name)
+		}
+	}
+	return nil
+}
