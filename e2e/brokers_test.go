@@ -396,8 +396,8 @@ func testBroker(t *testing.T, kind string) {
 	}
 	r.Shuffle(len(sends)-orders, func(i, j int) { sends[orders+i], sends[orders+j] = sends[orders+j], sends[orders+i] })
 	// Poison messages with the default configuration, on the keys of the orders: three ahead of
-	// every order (on Redis Streams each consumer's first message, on Kafka the head of a
-	// partition), three among them, and one of them sent a second time. Half cannot be decoded
+	// every order (the first messages the consumers read; on Kafka, at the head of their
+	// partitions), three among them, and one of them sent a second time. Half cannot be decoded
 	// (a permanent error), half are refused by the handler every time after its write.
 	poison := make([]string, 6)
 	for i := range poison {
