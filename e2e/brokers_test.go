@@ -1,8 +1,10 @@
 package e2e
 
 import (
+	"bytes"
 	"context"
 	"database/sql"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"math/rand/v2"
@@ -147,6 +149,8 @@ func runConsumer() int {
 	cfg := outbox.Config{Publisher: pub, Logger: logger,
 		RelayInterval: 200 * time.Millisecond, RelayGrace: 2 * time.Second, PublishTimeout: 5 * time.Second,
 		RetryDelay: 50 * time.Millisecond, RetryDelayMax: time.Second}
+	// The control of the poison messages: with OUTBOX_E2E_DEAD_LETTERS=off the run must fail.
+	cfg.DeadLetters = outbox.DeadLetterPolicy(os.Getenv("OUTBOX_E2E_DEAD_LETTERS"))
 	// One Router per form, on the same tables and the same consumer group: copies of one order
 	// meet across forms and modes.
 	var ob *outbox.Outbox
@@ -195,8 +199,18 @@ func runConsumer() int {
 	}
 	r.AddConsumerHandler(consumer, ordersTopic, sub, func(msg *message.Message) error {
 		ctx := msg.Context()
+		var o order
+		if err := json.Unmarshal(msg.Payload, &o); err != nil {
+			// No attempt can decode it: dead-lettered at once, without running MaxAttempts times.
+			return outbox.Permanent(fmt.Errorf("decode order %s: %w", msg.UUID, err))
+		}
 		if err := write(ctx, `INSERT INTO reserved (order_id, instance) VALUES ($1, $2)`, msg.UUID, instance); err != nil {
 			return err
+		}
+		if o.SKU == unknownSKU {
+			// Written, then refused with an error the handler does not know to be permanent: the
+			// write is rolled back every time, and the message dead-lettered after MaxAttempts.
+			return fmt.Errorf("order %s: %w", msg.UUID, errUnknownSKU)
 		}
 		return outbox.Publish(ctx, stockTopic, message.NewMessage(uuid.NewString(), []byte(msg.UUID)))
 	}).AddMiddleware(middleware.New(ob))
@@ -208,6 +222,17 @@ func runConsumer() int {
 	}
 	return 0
 }
+
+// order is the payload of an order message; Key is its ordering key (on Kafka, its partition).
+type order struct {
+	Key string `json:"key"`
+	SKU string `json:"sku"`
+}
+
+// unknownSKU is the SKU of the orders the handler refuses every time.
+const unknownSKU = "no-such-sku"
+
+var errUnknownSKU = errors.New("no such SKU " + unknownSKU)
 
 // The forms of the framework the three consumer processes run: c1, the one the test kills with
 // SIGKILL, runs the pgx form whose effects are inline in the claim.
@@ -265,8 +290,9 @@ func (p *consumerProcess) stop(t *testing.T) {
 
 // TestRabbitMQ and TestRedisStreams run orders through three consumer processes over a real
 // broker, with duplicated deliveries, a consumer killed with SIGKILL, a broker restart and a
-// broker killed with SIGKILL, and check that each order was applied once and its effect
-// arrived, with one UUID.
+// broker killed with SIGKILL, and poison messages among the orders with the default config, and
+// check that each order was applied once and its effect arrived, with one UUID, and that each
+// poison message is one dead letter while the orders behind it went on.
 func TestRabbitMQ(t *testing.T)     { testBroker(t, brokertest.RabbitMQ) }
 func TestRedisStreams(t *testing.T) { testBroker(t, brokertest.Redis) }
 
@@ -353,10 +379,15 @@ func testBroker(t *testing.T, kind string) {
 	}
 
 	// The producer sends each order once and 30% of them a second time with the same UUID, and
-	// retries a send the broker refused (it is down for a while below).
+	// retries a send the broker refused (it is down for a while below). Each order has one of
+	// orderKeys ordering keys (on Kafka, its partition key, so that the orders of a key are read in
+	// order on one partition).
 	ids := make([]string, orders)
+	spec := map[string]sendSpec{}
 	for i := range ids {
 		ids[i] = uuid.NewString()
+		key := fmt.Sprintf("k%d", i%orderKeys)
+		spec[ids[i]] = sendSpec{key: key, payload: mustJSON(t, order{Key: key})}
 	}
 	sends := append([]string(nil), ids...)
 	r := rand.New(rand.NewPCG(1, 2))
@@ -364,6 +395,25 @@ func testBroker(t *testing.T, kind string) {
 		sends = append(sends, ids[i])
 	}
 	r.Shuffle(len(sends)-orders, func(i, j int) { sends[orders+i], sends[orders+j] = sends[orders+j], sends[orders+i] })
+	// Poison messages with the default configuration, on the keys of the orders: three ahead of
+	// every order (the first messages the consumers read; on Kafka, at the head of their
+	// partitions), three among them, and one of them sent a second time. Half cannot be decoded
+	// (a permanent error), half are refused by the handler every time after its write.
+	poison := make([]string, 6)
+	for i := range poison {
+		poison[i] = uuid.NewString()
+		key := fmt.Sprintf("k%d", (i*5)%orderKeys)
+		payload := []byte(`{"key":"` + key + `","sku":`) // cut short
+		if i%2 == 1 {
+			payload = mustJSON(t, order{Key: key, SKU: unknownSKU})
+		}
+		spec[poison[i]] = sendSpec{key: key, payload: payload}
+	}
+	sends = append(append([]string(nil), poison[:3]...), sends...)
+	for j, id := range append(poison[3:], poison[0]) {
+		at := (j + 1) * len(sends) / 5
+		sends = append(sends[:at], append([]string{id}, sends[at:]...)...)
+	}
 	var sent atomic.Int32
 	chaos := map[int]func(){
 		len(sends) / 5: func() {
@@ -393,7 +443,9 @@ func testBroker(t *testing.T, kind string) {
 			f()
 		}
 		for try := 0; ; try++ {
-			err := producer.Publish(ordersTopic, message.NewMessage(id, nil))
+			m := message.NewMessage(id, spec[id].payload)
+			m.Metadata.Set(outbox.MetadataOrderingKey, spec[id].key)
+			err := producer.Publish(ordersTopic, m)
 			if err == nil {
 				break
 			}
@@ -409,24 +461,29 @@ func testBroker(t *testing.T, kind string) {
 	}
 
 	// Wait until everything is through, or until nothing has moved for a minute.
-	last, lastMove := [3]int{}, time.Now()
+	last, lastMove := [4]int{}, time.Now()
 	for {
 		applied, reached, pending := count(t, db, `SELECT count(DISTINCT order_id) FROM reserved`), arrived.orders(), count(t, db, `SELECT count(*) FROM outbox_effects`)
-		if applied == orders && reached == orders && pending == 0 {
+		dead := count(t, db, `SELECT count(*) FROM outbox_dead_letters`)
+		if applied == orders && reached == orders && pending == 0 && dead >= len(poison) {
 			break
 		}
-		if now := [3]int{applied, reached, pending}; now != last {
+		if now := [4]int{applied, reached, pending, dead}; now != last {
 			last, lastMove = now, time.Now()
 		}
 		if time.Since(lastMove) > time.Minute {
-			t.Fatalf("stuck for a minute: %d of %d orders applied, effects of %d arrived, %d effects pending; %s",
-				applied, orders, reached, pending, missing(t, db, sends, arrived))
+			t.Fatalf("stuck for a minute: %d of %d orders applied, effects of %d arrived, %d effects pending, %d of %d poison messages dead-lettered; %s",
+				applied, orders, reached, pending, dead, len(poison), missing(t, db, sends, poison, arrived))
 		}
 		time.Sleep(200 * time.Millisecond)
 	}
 	time.Sleep(time.Second) // late copies
 
 	routertest.MustEqual(t, "business rows (an order applied twice?)", count(t, db, `SELECT count(*) FROM reserved`), orders)
+	checkPoison(t, ob, poison, spec, sends)
+	if p := arrived.orders() - orders; p != 0 {
+		t.Errorf("effects of %d messages arrived that are not orders (a poison message's rolled-back effect sent?)", p)
+	}
 	copies, multi := arrived.check(ids)
 	if len(multi) > 0 {
 		t.Errorf("orders whose effect arrived with more than one UUID: %d (first: %v)", len(multi), multi[:min(3, len(multi))])
@@ -452,6 +509,72 @@ func testBroker(t *testing.T, kind string) {
 	}
 	t.Logf("%s: %d orders (+%d duplicates) through 3 consumer processes (%v) in %s; applied per instance %v; %d copies of effects on the wire (same UUIDs)",
 		kind, orders, len(sends)-orders, forms, time.Since(start).Round(time.Millisecond), perInstance, copies)
+}
+
+// defaultMaxAttempts is Config.MaxAttempts's default, which the consumers keep.
+const defaultMaxAttempts = 5
+
+// orderKeys is the number of ordering keys of the orders.
+const orderKeys = 12
+
+// sendSpec is what the producer sends under a message UUID.
+type sendSpec struct {
+	key     string
+	payload []byte
+}
+
+func mustJSON(t *testing.T, v any) []byte {
+	t.Helper()
+	b, err := json.Marshal(v)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return b
+}
+
+// checkPoison checks that each poison message is one dead letter of the consumer, with what was
+// sent and why it failed, that no other message is one, and tells how many orders were sent
+// after a poison message with its key (the messages behind it, which were all applied).
+func checkPoison(t *testing.T, ob *outbox.Outbox, poison []string, spec map[string]sendSpec, sends []string) {
+	t.Helper()
+	dead, err := ob.DeadLetters(context.Background(), outbox.DeadLetterFilter{Limit: 1000})
+	if err != nil {
+		t.Fatal(err)
+	}
+	byID := map[string][]outbox.DeadLetter{}
+	for _, d := range dead {
+		byID[d.MessageID] = append(byID[d.MessageID], d)
+	}
+	routertest.MustEqual(t, "dead letters (a poison message dead-lettered twice, or an order dead-lettered?)", len(dead), len(poison))
+	for i, id := range poison {
+		ds := byID[id]
+		if len(ds) != 1 {
+			t.Errorf("poison message %s: %d dead letters, want 1", id, len(ds))
+			continue
+		}
+		d := ds[0]
+		permanent := i%2 == 0
+		want := "decode order"
+		if !permanent {
+			want = errUnknownSKU.Error()
+		}
+		if d.Consumer != consumer || d.SourceTopic != ordersTopic || !bytes.Equal(d.Payload, spec[id].payload) ||
+			!strings.Contains(d.Reason, want) || d.Permanent != permanent || d.State != outbox.DeadLetterDead ||
+			(!permanent && d.Attempts < defaultMaxAttempts) {
+			t.Errorf("poison message %s: dead letter consumer %q, topic %q, payload %q, reason %q, permanent %t, attempts %d, state %q; want %q, %q, %q, a reason with %q, permanent %t, state dead",
+				id, d.Consumer, d.SourceTopic, d.Payload, d.Reason, d.Permanent, d.Attempts, d.State, consumer, ordersTopic, spec[id].payload, want, permanent)
+		}
+	}
+	behind := map[string]bool{}
+	poisoned := map[string]bool{}
+	for _, id := range sends {
+		if _, isPoison := byID[id]; isPoison {
+			poisoned[spec[id].key] = true
+		} else if poisoned[spec[id].key] {
+			behind[id] = true
+		}
+	}
+	t.Logf("%d poison messages dead-lettered once each; %d orders sent after one on its key, all applied", len(poison), len(behind))
 }
 
 // arrivals records, per order, the UUIDs of the stock messages that arrived.
@@ -491,11 +614,15 @@ func (a *arrivals) check(ids []string) (copies int, multi []string) {
 	return copies, multi
 }
 
-// missing describes the orders not applied, or whose effect did not arrive: their positions in
-// the producer's sends (the chaos steps are at 1/5, 2/5 and 3/5 of them).
-func missing(t *testing.T, db *sql.DB, sends []string, arrived *arrivals) string {
+// missing describes the orders not applied, or whose effect did not arrive (poison messages left
+// out): their positions in the producer's sends (the chaos steps are at 1/5, 2/5 and 3/5 of them).
+func missing(t *testing.T, db *sql.DB, sends, poison []string, arrived *arrivals) string {
 	t.Helper()
 	applied := map[string]bool{}
+	seen := map[string]bool{}
+	for _, id := range poison {
+		seen[id] = true // never applied
+	}
 	rows, err := db.Query(`SELECT order_id FROM reserved`)
 	if err != nil {
 		t.Fatal(err)
@@ -513,7 +640,6 @@ func missing(t *testing.T, db *sql.DB, sends []string, arrived *arrivals) string
 		positions[id] = append(positions[id], i)
 	}
 	var out []string
-	seen := map[string]bool{}
 	for _, id := range sends {
 		if seen[id] {
 			continue

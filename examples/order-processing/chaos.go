@@ -29,12 +29,16 @@ import (
 //   - handlers fail at random after their business writes,
 //   - consumers crash at random steps of a message (outbox.Config.Failpoint), and the whole
 //     consumer side is killed and restarted now and then (a new Outbox, Router and subscribers),
+//   - malformed messages that no handler can decode reach the orders topic, ahead of and among
+//     the orders,
 //
 // and then reconciles what the database, the e-mail spool and the counters say: every order must
-// reach a final state, and no business effect may happen twice.
+// reach a final state, no business effect may happen twice, and each malformed message must be
+// one dead letter (outbox.Config.DeadLetters, on by default) without holding up the orders.
 
 type chaosConfig struct {
 	orders, clients              int
+	malformed                    int // undecodable messages sent to topicOrderPlaced
 	dupRate, failRate, crashRate float64
 	restartEvery                 time.Duration
 	seed                         uint64
@@ -89,11 +93,16 @@ type chaos struct {
 	// retries counts the orders a client sent again with its Idempotency-Key after a 201 (as if
 	// the response had been lost); retryNewOrder those for which it got another order.
 	retries, retryNewOrder atomic.Int64
+
+	// malformedPub sends the malformed messages straight to the broker (not through
+	// chaosPublisher: they are no events of the service); malformed holds their IDs and payloads.
+	malformedPub message.Publisher
+	malformed    map[string][]byte
 }
 
 func newChaos(cfg chaosConfig) *chaos {
 	c := &chaos{cfg: cfg, rng: rand.New(rand.NewPCG(cfg.seed, 0x0c4a05)), held: map[string][]*message.Message{},
-		sentIDs: map[string]bool{}, crashes: map[string]*atomic.Int64{}}
+		sentIDs: map[string]bool{}, crashes: map[string]*atomic.Int64{}, malformed: map[string][]byte{}}
 	for _, p := range failpoints {
 		c.crashes[p] = new(atomic.Int64)
 	}
@@ -266,11 +275,15 @@ type chaosReport struct {
 	StockUnaccounted                          int64
 	Lost, AppliedTwice                        int
 	Retries, RetryNewOrder                    int64
-	Took                                      time.Duration
+	// Malformed messages sent, those stored as one dead letter of the inventory consumer with
+	// their payload, and dead letters of anything else (an order given up on).
+	Malformed, MalformedDead, OtherDead int
+	Took                                time.Duration
 }
 
 func (r *chaosReport) ok() bool {
-	return r.Lost == 0 && r.AppliedTwice == 0 && r.StockUnaccounted == 0 && r.EventsPublished == r.EventsExpected && r.PaidAndCancelled == 0
+	return r.Lost == 0 && r.AppliedTwice == 0 && r.StockUnaccounted == 0 && r.EventsPublished == r.EventsExpected && r.PaidAndCancelled == 0 &&
+		r.MalformedDead == r.Malformed && r.OtherDead == 0
 }
 
 // runChaos runs the chaos mode in a fresh directory under cfg.dataDir and prints the
@@ -291,9 +304,15 @@ func runChaos(ctx context.Context, cfg config, out io.Writer) (*chaosReport, err
 	}
 	defer s.close()
 	s.tune = c.tune
-	fmt.Fprintf(out, "chaos run %s: %d orders, %d clients, %.0f%% duplicated, %.0f%% handler failures, "+
+	fmt.Fprintf(out, "chaos run %s: %d orders, %d malformed messages, %d clients, %.0f%% duplicated, %.0f%% handler failures, "+
 		"%.0f%% crash chance per step, restart every ~%s, seed %d\n%s\n\n",
-		runID, cfg.orders, cfg.clients, 100*cfg.dupRate, 100*cfg.failRate, 100*cfg.crashRate, cfg.restartEvery, cfg.seed, s.desc)
+		runID, cfg.orders, cfg.malformed, cfg.clients, 100*cfg.dupRate, 100*cfg.failRate, 100*cfg.crashRate, cfg.restartEvery, cfg.seed, s.desc)
+	if cfg.malformed > 0 {
+		if c.malformedPub, err = s.broker.Publisher(); err != nil {
+			return nil, err
+		}
+		defer func() { _ = c.malformedPub.Close() }()
+	}
 
 	// The API: its own Outbox, which never crashes, behind a real HTTP server.
 	apiOb, apiPub, err := s.newOutbox()
@@ -378,7 +397,7 @@ func runChaos(ctx context.Context, cfg config, out io.Writer) (*chaosReport, err
 		_ = side.stop()
 	} // else the consumers keep running for the fault (the deferred stop ends them)
 
-	rep, err := c.reconcile(ctx, s, customer, accepted, stock)
+	rep, err := c.reconcile(ctx, s, apiOb, customer, accepted, stock, start)
 	if err != nil {
 		return nil, err
 	}
@@ -680,18 +699,49 @@ func (c *chaos) placeOrders(ctx context.Context, baseURL, customer, plenty, scar
 			}
 		}()
 	}
+	var malformedErr error
+	sentMalformed := 0
 	for i := range c.cfg.orders {
+		// The first malformed message goes ahead of every order, the others among them.
+		for malformedErr == nil && sentMalformed < c.cfg.malformed && i >= sentMalformed*c.cfg.orders/c.cfg.malformed {
+			malformedErr = c.sendMalformed(sentMalformed)
+			sentMalformed++
+		}
 		select {
 		case jobs <- i:
 		case <-ctx.Done():
 		}
 	}
+	for malformedErr == nil && sentMalformed < c.cfg.malformed { // more of them than orders
+		malformedErr = c.sendMalformed(sentMalformed)
+		sentMalformed++
+	}
 	close(jobs)
 	wg.Wait()
+	if malformedErr != nil {
+		return ids, fmt.Errorf("send a malformed message: %w", malformedErr)
+	}
 	if len(errs) > 0 {
 		return ids, fmt.Errorf("%d orders not placed, the first: %w", len(errs), errs[0])
 	}
 	return ids, nil
+}
+
+// malformedPayloads are what the malformed messages carry, in turn: none decodes as OrderPlaced.
+var malformedPayloads = [][]byte{
+	[]byte(`{"order_id": "cut short`),
+	{0x00, 0xff, 0xfe, 0x01},
+	[]byte(`not json at all`),
+	[]byte(`{"quantity": "three"}`),
+}
+
+// sendMalformed sends the n-th malformed message to the orders topic.
+func (c *chaos) sendMalformed(n int) error {
+	msg := message.NewMessage(uuid.NewString(), malformedPayloads[n%len(malformedPayloads)])
+	c.mu.Lock()
+	c.malformed[msg.UUID] = msg.Payload
+	c.mu.Unlock()
+	return c.malformedPub.Publish(topicOrderPlaced, msg)
 }
 
 // postOrder places one order with an Idempotency-Key of its own (see postKeyed), when the
@@ -804,7 +854,7 @@ func (m *mailer) receipts() ([]string, error) {
 }
 
 // reconcile counts, from the database and the e-mail spool, what happened to this run's orders.
-func (c *chaos) reconcile(ctx context.Context, s *service, customer string, accepted []string, stock map[string]int64) (*chaosReport, error) {
+func (c *chaos) reconcile(ctx context.Context, s *service, ob *outbox.Outbox, customer string, accepted []string, stock map[string]int64, start time.Time) (*chaosReport, error) {
 	r := &chaosReport{
 		Placed: len(accepted), CopiesSent: c.sent.Load(), InjectedDuplicates: c.injectedDups.Load(),
 		Delivered: c.delivered.Load(), Duplicates: c.duplicates.Load(), Runs: c.runs.Load(), Failures: c.failures.Load(),
@@ -910,6 +960,25 @@ func (c *chaos) reconcile(ctx context.Context, s *service, customer string, acce
 		}
 		r.StockUnaccounted += d
 	}
+
+	// Dead letters: one per malformed message, of the consumer of the orders topic, with what was
+	// sent; none of anything else since the run started (a shared database may hold older ones).
+	dead, err := ob.DeadLetters(ctx, outbox.DeadLetterFilter{Limit: 100000})
+	if err != nil {
+		return nil, err
+	}
+	r.Malformed = len(c.malformed)
+	for _, d := range dead {
+		payload, malformed := c.malformed[d.MessageID]
+		switch {
+		case malformed && d.Consumer == "inventory" && d.SourceTopic == topicOrderPlaced && bytes.Equal(d.Payload, payload):
+			r.MalformedDead++
+		case malformed:
+			r.OtherDead++ // stored wrong, or by another consumer
+		case !d.DeadAt.Before(start):
+			r.OtherDead++
+		}
+	}
 	return r, nil
 }
 
@@ -954,7 +1023,7 @@ func (r *chaosReport) print(out io.Writer) {
 	row("copies sent to the broker", r.CopiesSent, fmt.Sprintf("incl. %d extra copies from the broker, and re-sends with the same ID", r.InjectedDuplicates))
 	row("copies delivered to handlers", r.Delivered, fmt.Sprintf("= handler runs + duplicates suppressed + %d that failed before the handler", r.Aborted))
 	row("duplicates suppressed", r.Duplicates, "copies acked without running the handler")
-	row("handler runs", r.Runs, fmt.Sprintf("%d failed on purpose after their writes, rolled back", r.Failures))
+	row("handler runs", r.Runs, fmt.Sprintf("%d failed on purpose after their writes, rolled back; malformed messages fail to decode", r.Failures))
 	row("consumer crashes", crashes+r.Restarts, fmt.Sprintf("%d kills and restarts; at a step: %s", r.Restarts, strings.Join(at, ", ")))
 	row("business effects applied", r.Decisions+r.Payments+r.Receipts+r.StatusRows, "")
 	row("stock reservations/rejections", r.Decisions, fmt.Sprintf("want %d", r.Final))
@@ -962,11 +1031,14 @@ func (r *chaosReport) print(out io.Writer) {
 	row("receipts e-mailed", r.Receipts, fmt.Sprintf("want %d (%d repeated sends skipped by the applier)", r.Paid, r.ReceiptRepeats))
 	row("order status changes", r.StatusRows, fmt.Sprintf("want %d", r.Final+r.Paid+r.Cancelled))
 	row("stock units unaccounted", r.StockUnaccounted, "must be 0")
+	row("malformed messages sent", r.Malformed, "undecodable, ahead of and among the orders")
+	row("dead letters of them", r.MalformedDead, fmt.Sprintf("want %d: one each, inventory's, with its payload", r.Malformed))
+	row("other dead letters", r.OtherDead, verdict(r.OtherDead))
 	row("paid and also cancelled", r.PaidAndCancelled, verdict(r.PaidAndCancelled))
 	row("lost", r.Lost, verdict(r.Lost))
 	row("applied twice", r.AppliedTwice, verdict(r.AppliedTwice))
 	if r.ok() {
-		fmt.Fprintln(out, "\nOK: every order final, every effect applied exactly once")
+		fmt.Fprintln(out, "\nOK: every order final, every effect applied exactly once, every malformed message a dead letter")
 	} else {
 		fmt.Fprintln(out, "\nFAILED: the numbers do not reconcile")
 	}

@@ -31,8 +31,9 @@ func testConfig(t *testing.T) config {
 
 // TestChaos runs the chaos mode with a small load on the embedded default and on PostgreSQL
 // (with the embedded NATS server, watermill-sql, RabbitMQ, Redis Streams and Kafka as the broker),
-// in the database/sql form and in the pgx form: every order must end paid or rejected, and no
-// business effect may happen twice.
+// in the database/sql form and in the pgx form: every order must end paid or rejected, no
+// business effect may happen twice, and each malformed message (3, the default) must be one dead
+// letter.
 func TestChaos(t *testing.T) {
 	cases := []struct {
 		name     string
@@ -88,6 +89,10 @@ func TestChaos(t *testing.T) {
 			}
 			if !rep.ok() {
 				t.Error("the numbers do not reconcile")
+			}
+			if rep.Malformed != cfg.malformed || cfg.malformed == 0 || rep.MalformedDead != rep.Malformed || rep.OtherDead != 0 {
+				t.Errorf("%d malformed messages sent (-malformed %d), %d of them dead letters, %d other dead letters: want all of them, and none",
+					rep.Malformed, cfg.malformed, rep.MalformedDead, rep.OtherDead)
 			}
 			if rep.Retries == 0 {
 				t.Errorf("no order was retried with its Idempotency-Key")

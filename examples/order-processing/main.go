@@ -142,6 +142,7 @@ func parseFlags(args []string) (config, error) {
 
 	fs.BoolVar(&cfg.chaos, "chaos", false, "run the load-and-chaos check instead of serving")
 	fs.IntVar(&cfg.orders, "orders", 1000, "chaos: orders to place")
+	fs.IntVar(&cfg.malformed, "malformed", 3, "chaos: undecodable messages sent to the orders topic, ahead of and among the orders; each must become a dead letter")
 	fs.IntVar(&cfg.clients, "clients", 8, "chaos: concurrent HTTP clients")
 	fs.Float64Var(&cfg.dupRate, "dup-rate", 0.1, "chaos: share of messages the broker delivers twice")
 	fs.Float64Var(&cfg.failRate, "fail-rate", 0.1, "chaos: share of handler runs that fail after their writes")
@@ -175,6 +176,8 @@ func parseFlags(args []string) (config, error) {
 		return cfg, errors.New("-nats-url is for -broker nats")
 	case cfg.afterDispatchFailure != string(outbox.DispatchFailureNack) && cfg.afterDispatchFailure != string(outbox.DispatchFailureAck):
 		return cfg, fmt.Errorf("-after-dispatch-failure must be nack or ack, not %q", cfg.afterDispatchFailure)
+	case cfg.malformed < 0:
+		return cfg, fmt.Errorf("-malformed must not be negative, not %d", cfg.malformed)
 	case cfg.relayMaxAttempts < 0:
 		return cfg, fmt.Errorf("-relay-max-attempts must not be negative, not %d", cfg.relayMaxAttempts)
 	}

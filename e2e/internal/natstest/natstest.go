@@ -102,7 +102,9 @@ func Publisher(t testing.TB, ns *server.Server, name string, logger watermill.Lo
 // Subscriber returns a subscriber of the JetStream durable consumer durable (one per topic it
 // subscribes to), on a connection of its own: every message delivered once to the durable, acked
 // explicitly, and delivered again when it was nacked (after 50 ms) or not acked within ackWait.
-func Subscriber(t testing.TB, ns *server.Server, durable string, ackWait time.Duration, logger watermill.LoggerAdapter) *wnats.Subscriber {
+// extra options come last, and override these (nats.MaxAckPending(1): one message at a time, in
+// order).
+func Subscriber(t testing.TB, ns *server.Server, durable string, ackWait time.Duration, logger watermill.LoggerAdapter, extra ...nats.SubOpt) *wnats.Subscriber {
 	t.Helper()
 	sub, err := wnats.NewSubscriberWithNatsConn(Conn(t, ns, durable), wnats.SubscriberSubscriptionConfig{
 		Unmarshaler:      &wnats.NATSMarshaler{},
@@ -114,7 +116,7 @@ func Subscriber(t testing.TB, ns *server.Server, durable string, ackWait time.Du
 		NakDelay:         wnats.NewStaticDelay(50 * time.Millisecond),
 		JetStream: wnats.JetStreamConfig{
 			DurablePrefix: durable,
-			SubscribeOptions: []nats.SubOpt{
+			SubscribeOptions: append([]nats.SubOpt{
 				// As in the example (examples/order-processing/broker.go): without ManualAck the
 				// client acks every message its callback returns from, also one the subscriber
 				// gave up on, and a failed delivery would never come back.
@@ -123,7 +125,7 @@ func Subscriber(t testing.TB, ns *server.Server, durable string, ackWait time.Du
 				nats.DeliverAll(),
 				nats.AckWait(ackWait),
 				nats.MaxAckPending(64),
-			},
+			}, extra...),
 		},
 	}, logger)
 	if err != nil {

@@ -126,7 +126,7 @@ scrape_configs:
 	if *fault != "" {
 		// Nothing else fails, so that what fires is the fault's.
 		args = append(args, "-fault", *fault, "-fault-after", faultAfter.String(),
-			"-fail-rate", "0", "-crash-rate", "0", "-dup-rate", "0", "-restart-every", "0")
+			"-fail-rate", "0", "-crash-rate", "0", "-dup-rate", "0", "-restart-every", "0", "-malformed", "0")
 	}
 	if *fault == "db-stall" {
 		pg, err := pgserver.Start(pgserver.Options{})
