@@ -18,7 +18,8 @@ type queries struct {
 	delayedInsert func(int) string // the delayed effects: see store.DelayedInsertArgs
 	delayedCancel string           // (cancel key)
 	// The same, which write only while the unit's own claim exists (pessimistic, after user SQL
-	// ended the transaction): + (consumer, id); the cancel returns (claimed, count).
+	// ended the transaction): + (consumer, id, the claim's inline_xid); the cancel returns
+	// (claimed, count).
 	delayedInsertClaimed func(int) string
 	delayedCancelClaimed string
 
@@ -46,8 +47,8 @@ func newQueries(n store.Names, deleteDispatched bool) queries {
 		delayedInsert: pq.DelayedInsert,
 		delayedCancel: pq.DelayedCancel,
 
-		delayedInsertClaimed: pq.DelayedInsertClaimed,
-		delayedCancelClaimed: pq.DelayedCancelClaimed,
+		delayedInsertClaimed: func(count int) string { return postgres.DelayedInsertOwnClaim(n, count) },
+		delayedCancelClaimed: postgres.DelayedCancelOwnClaim(n),
 
 		// A claim found also tells whether anything of it is still pending: a duplicate whose
 		// effects went out then reads nothing more.
