@@ -13,6 +13,7 @@ type queries struct {
 	insert    func([]outboxdriver.Effect) string // the effect rows (at most store.EffectInsertMaxRows): see store.EffectInsertArgs
 	processed string                             // (consumer, id) -> a row when processed
 	ownClaim  string                             // (consumer, id, the claim's inline_xid) -> a row when the unit's own claim committed
+	ownTx     string                             // (the claim's inline_xid) -> division_by_zero unless the transaction is the claim's
 	pending   string                             // (consumer, id) -> the effect rows and inline effects of the source: see postgres.PendingQuery
 
 	delayedInsert func(int) string // the delayed effects: see store.DelayedInsertArgs
@@ -41,8 +42,11 @@ func newQueries(n store.Names, deleteDispatched bool) queries {
 		},
 		processed: pq.MessageIsProcessed,
 		ownClaim:  pq.MessageIsProcessed + ` AND inline_xid = $3`,
-		pending:   postgres.PendingQuery(n),
-		keys:      store.Queries{KeyLock: pq.KeyLock, KeyClaim: pq.KeyClaim, KeyRead: pq.KeyRead, KeySave: pq.KeySave},
+		// An error, not a row, so that the COMMIT queued behind it is not run (the batch stops at
+		// the first error): pg_current_xact_id() is volatile, never folded at planning.
+		ownTx:   `SELECT 1 / (pg_current_xact_id()::text::bigint = $1::bigint)::int`,
+		pending: postgres.PendingQuery(n),
+		keys:    store.Queries{KeyLock: pq.KeyLock, KeyClaim: pq.KeyClaim, KeyRead: pq.KeyRead, KeySave: pq.KeySave},
 
 		delayedInsert: pq.DelayedInsert,
 		delayedCancel: pq.DelayedCancel,

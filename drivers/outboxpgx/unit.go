@@ -224,6 +224,13 @@ func (u *unit) Commit(ctx context.Context, effects []outboxdriver.Effect) error 
 		return u.finishedBySQL(ctx, u.conn, effects)
 	}
 	b := &pgx.Batch{}
+	if u.claimXID != 0 {
+		// The transaction open may not be the unit's: a handler that sent ROLLBACK and then BEGIN
+		// replaced it, and its claim, by one of its own, which this COMMIT would commit without
+		// the claim (the message acked, and applied again at its next delivery). Checked in the
+		// same round trip, ahead of the COMMIT it stops.
+		b.Queue(u.s.q.ownTx, u.claimXID)
+	}
 	rows := effects
 	if u.tentative {
 		// The claim, with the effects inline when none has an ordering key of its own (those
@@ -238,7 +245,12 @@ func (u *unit) Commit(ctx context.Context, effects []outboxdriver.Effect) error 
 	b.Queue("COMMIT")
 	br := c.SendBatch(ctx, b)
 	var err error
-	if u.tentative {
+	if u.claimXID != 0 {
+		if _, err = br.Exec(); isDivisionByZero(err) {
+			err = u.replacedError(err)
+		}
+	}
+	if err == nil && u.tentative {
 		if _, err = br.Exec(); err != nil && u.s.isClaimConflict(err) {
 			err = fmt.Errorf("%w: %w", outboxdriver.ErrClaimTaken, err)
 		}
@@ -302,6 +314,19 @@ func (u *unit) finishedBySQL(ctx context.Context, q querier, effects []outboxdri
 type querier interface {
 	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
 	SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults
+}
+
+// replacedError is the error of a unit of work whose transaction user code replaced with one of
+// its own (ROLLBACK, then BEGIN, sent as SQL): nothing of it is committed.
+func (u *unit) replacedError(err error) error {
+	return fmt.Errorf("%w: the transaction was rolled back and another begun by SQL sent through it (ROLLBACK, BEGIN); the claim is gone, and nothing was committed (%w): %w",
+		outbox.ErrTxFinishedByHandler, outboxdriver.ErrNotSent, err)
+}
+
+// isDivisionByZero tells the error of the queries.ownTx check that failed.
+func isDivisionByZero(err error) bool {
+	var pe *pgconn.PgError
+	return errors.As(err, &pe) && pe.Code == "22012"
 }
 
 // endedBySQLError is the error of a unit of work whose transaction user code ended with SQL.

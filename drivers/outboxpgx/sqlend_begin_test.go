@@ -1,0 +1,60 @@
+package outboxpgx_test
+
+import (
+	"errors"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/watermill-outbox/outbox"
+	"github.com/watermill-outbox/outbox/drivers/outboxpgx"
+	"github.com/watermill-outbox/outbox/outboxtest"
+)
+
+// sqlReopens are the ways a handler can replace the unit's transaction with one of its own.
+var sqlReopens = map[string][]string{"in one statement": {"ROLLBACK; BEGIN"}, "in two": {"ROLLBACK", "BEGIN"}}
+
+// A handler that sends ROLLBACK and then BEGIN through the unit's pgx.Tx replaces the unit's
+// transaction, and its claim with it, by one of its own. The framework's COMMIT must not commit
+// that transaction: the business writes made in it and the effects recorded before the ROLLBACK
+// would be committed, and the message acked, without the claim, which the next delivery of the
+// message would not find (applied twice), and with effects of rolled-back work.
+func TestSQLRollbackBeginThenReturn(t *testing.T) {
+	for rname, reopen := range sqlReopens {
+		t.Run(rname, func(t *testing.T) {
+			h := outboxtest.NewWith(t, form(outboxpgx.Pessimistic), outbox.Config{RelayInterval: time.Hour}, setup)
+			res := h.Run("c", message.NewMessage("m1", nil), consume(func(msg *message.Message) error {
+				ctx := msg.Context()
+				if err := handler(msg); err != nil { // a business row and an effect, rolled back
+					return err
+				}
+				for _, stmt := range reopen {
+					if _, err := outboxpgx.Tx(ctx).Exec(ctx, stmt); err != nil {
+						return err
+					}
+				}
+				_, err := outboxpgx.Tx(ctx).Exec(ctx, `INSERT INTO applied (message_id, note) VALUES ($1, 'after BEGIN')`, msg.UUID)
+				return err
+			}))
+			if !errors.Is(res.Err, outbox.ErrTxFinishedByHandler) || res.Committed || len(res.Sent) != 0 {
+				t.Errorf("Handle %v, committed %v, sent %d; want ErrTxFinishedByHandler, not processed, nothing sent", res.Err, res.Committed, len(res.Sent))
+			}
+			var applied, effects, claims int
+			if err := h.DB.QueryRow(`SELECT (SELECT count(*) FROM applied), (SELECT count(*) FROM outbox_effects),
+				(SELECT count(*) FROM outbox_processed)`).Scan(&applied, &effects, &claims); err != nil {
+				t.Fatal(err)
+			}
+			if applied != 0 || effects != 0 || claims != 0 {
+				t.Errorf("committed without a claim: %d business rows, %d effect rows, %d claims; want 0, 0, 0", applied, effects, claims)
+			}
+			// The message runs again, as after a ROLLBACK, and commits once.
+			if res := h.Run("c", message.NewMessage("m1", nil), consume(handler)); res.Err != nil || !res.Committed {
+				t.Fatalf("the redelivery: %v, committed %v", res.Err, res.Committed)
+			}
+			if n := count(t, h.DB, "m1"); n != 1 {
+				t.Errorf("%d business rows after the redelivery, want 1", n)
+			}
+		})
+	}
+}
