@@ -14,6 +14,8 @@ type queries struct {
 	processed string                             // (consumer, id) -> a row when processed
 	ownClaim  string                             // (consumer, id, the claim's inline_xid) -> a row when the unit's own claim committed
 	ownTx     string                             // (the claim's inline_xid) -> division_by_zero unless the transaction is the claim's
+	mark      string                             // marks the transaction of a unit without a claim at BEGIN (optimistic, boundary)
+	marked    string                             // -> division_by_zero unless the transaction is the one mark marked
 	pending   string                             // (consumer, id) -> the effect rows and inline effects of the source: see postgres.PendingQuery
 
 	delayedInsert func(int) string // the delayed effects: see store.DelayedInsertArgs
@@ -44,7 +46,11 @@ func newQueries(n store.Names, deleteDispatched bool) queries {
 		ownClaim:  pq.MessageIsProcessed + ` AND inline_xid = $3`,
 		// An error, not a row, so that the COMMIT queued behind it is not run (the batch stops at
 		// the first error): pg_current_xact_id() is volatile, never folded at planning.
-		ownTx:   `SELECT 1 / (pg_current_xact_id()::text::bigint = $1::bigint)::int`,
+		ownTx: `SELECT 1 / (pg_current_xact_id()::text::bigint = $1::bigint)::int`,
+		// A unit without a claim at BEGIN has no transaction ID to compare: its transaction
+		// carries a transaction-local setting instead (current_setting is stable, never folded).
+		mark:    pq.BoundaryMark,
+		marked:  `SELECT 1 / (` + postgres.Marked + `)::int`,
 		pending: postgres.PendingQuery(n),
 		keys:    store.Queries{KeyLock: pq.KeyLock, KeyClaim: pq.KeyClaim, KeyRead: pq.KeyRead, KeySave: pq.KeySave},
 

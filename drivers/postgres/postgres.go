@@ -847,6 +847,10 @@ const ownClaimSetting = "outbox.claim_xid"
 // ends, by COMMIT or ROLLBACK sent as SQL too.
 const boundarySetting = "outbox.boundary_tx"
 
+// Marked is the condition that the transaction open is the one BoundaryMark marked (of Queries):
+// false once user SQL ended it, also in a transaction user SQL began after it.
+const Marked = `coalesce(current_setting('` + boundarySetting + `', true), '') = 'on'`
+
 // ownUnit is the guard of the writes of a unit of work beside or into what it owns (consumer and
 // id: the SQL of its source's two columns). A unit that claimed a message finds its own claim
 // (OwnClaim). A boundary unit (no consumer) has none: it finds the mark BoundaryMark left in
@@ -855,7 +859,7 @@ const boundarySetting = "outbox.boundary_tx"
 // handler's own, would commit an effect apart from its business change. The CASE reads the claim
 // only for a consumer's unit and the setting only for a boundary's.
 func ownUnit(n store.Names, consumer, id string) string {
-	return `CASE WHEN ` + consumer + `::text = '' THEN coalesce(current_setting('` + boundarySetting + `', true), '') = 'on'
+	return `CASE WHEN ` + consumer + `::text = '' THEN ` + Marked + `
 		ELSE EXISTS (SELECT FROM ` + n.Processed + ` WHERE consumer = ` + consumer + ` AND message_id = ` + id + ` AND ` + OwnClaim + `) END`
 }
 
