@@ -104,3 +104,22 @@ func TestInTxRollbackBeginThenReturn(t *testing.T) {
 		})
 	}
 }
+
+// A statement of the handler failed and the handler went on: the transaction is aborted, and the
+// unit's COMMIT is answered with ROLLBACK, reported as pgx.ErrTxCommitRollback, also now that a
+// check of the transaction runs ahead of it (which the aborted transaction refuses first).
+func TestFailedStatementThenReturnIsCommitRollback(t *testing.T) {
+	for mname, mode := range modes {
+		t.Run(mname, func(t *testing.T) {
+			h := outboxtest.NewWith(t, form(mode), outbox.Config{RelayInterval: time.Hour}, setup)
+			res := h.Run("c", message.NewMessage("m1", nil), consume(func(msg *message.Message) error {
+				ctx := msg.Context()
+				_, _ = outboxpgx.Tx(ctx).Exec(ctx, `INSERT INTO no_such_table VALUES (1)`)
+				return nil
+			}))
+			if !errors.Is(res.Err, pgx.ErrTxCommitRollback) || res.Committed {
+				t.Errorf("Handle %v, committed %v; want pgx.ErrTxCommitRollback, not processed", res.Err, res.Committed)
+			}
+		})
+	}
+}

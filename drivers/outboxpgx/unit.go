@@ -263,8 +263,14 @@ func (u *unit) Commit(ctx context.Context, effects []outboxdriver.Effect) error 
 	br := c.SendBatch(ctx, b)
 	var err error
 	if checked {
-		if _, err = br.Exec(); isDivisionByZero(err) {
+		_, err = br.Exec()
+		switch code := pgErrorCode(err); code {
+		case "22012": // the check's own: another transaction
 			err = u.replacedError(err)
+		case "25P02":
+			// A statement of the handler failed and the handler went on: the check, first in
+			// the batch, is refused where the COMMIT would have been answered with ROLLBACK.
+			err = fmt.Errorf("%w: %w", errCommitRolledBack, err)
 		}
 	}
 	if err == nil && u.tentative {
@@ -340,10 +346,13 @@ func (u *unit) replacedError(err error) error {
 		outbox.ErrTxFinishedByHandler, outboxdriver.ErrNotSent, err)
 }
 
-// isDivisionByZero tells the error of the check that failed (queries.ownTx, queries.marked).
-func isDivisionByZero(err error) bool {
+// pgErrorCode is the SQLSTATE of err, empty when the server did not send it.
+func pgErrorCode(err error) string {
 	var pe *pgconn.PgError
-	return errors.As(err, &pe) && pe.Code == "22012"
+	if errors.As(err, &pe) {
+		return pe.Code
+	}
+	return ""
 }
 
 // endedBySQLError is the error of a unit of work whose transaction user code ended with SQL.
