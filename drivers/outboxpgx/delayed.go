@@ -8,6 +8,7 @@ import (
 	"slices"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/watermill-outbox/outbox"
@@ -76,13 +77,39 @@ func (u *unit) execer() execer {
 // a cancel would run in autocommit, committed on its own, whether the business change was rolled
 // back or not (and after a ROLLBACK once more at every delivery). The connection's status, from
 // the server's last ReadyForQuery, costs nothing to read. (Effects wait in memory for the COMMIT,
-// which looks itself.)
-func (u *unit) txEndedBySQL() bool {
+// which looks itself.) q is what a guarded write then runs on: the unit's connection, or the pool
+// once HandlerTimeout closed the connection of a transaction the handler had ended (a COMMIT it
+// sent committed the claim, and what it records after it belongs beside the claim, as its
+// ordinary effects are stored at the unit's COMMIT).
+func (u *unit) txEndedBySQL() (q guardedQuerier, ended bool) {
 	if u.joined != nil {
-		return false
+		return nil, false
 	}
-	c, err := u.tx.conn()
-	return err == nil && c.PgConn().TxStatus() == 'I'
+	if c, err := u.tx.conn(); err == nil {
+		return c, c.PgConn().TxStatus() == 'I'
+	}
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	// The handler's own statements read the status: expire closed the socket only.
+	if u.expired && !u.released && u.conn.Conn().PgConn().TxStatus() == 'I' {
+		return u.s.pool, true
+	}
+	return nil, false
+}
+
+// guardedQuerier is what the guarded delayed writes run on: a connection or the pool.
+type guardedQuerier interface {
+	execer
+	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
+}
+
+// guardedContext is the context of a guarded write: on the pool, once HandlerTimeout ended the
+// handler's context, a bounded one of its own, as the unit's COMMIT stores its effects then.
+func (u *unit) guardedContext(ctx context.Context, q guardedQuerier) (context.Context, context.CancelFunc) {
+	if q == guardedQuerier(u.s.pool) {
+		return context.WithTimeout(context.WithoutCancel(ctx), cleanupTimeout)
+	}
+	return ctx, func() {}
 }
 
 // claimedOnly tells whether a unit whose transaction was ended by SQL (txEndedBySQL) may still
@@ -106,17 +133,22 @@ func (u *unit) claimGoneError(what string) error {
 // effect must wait in the delayed table, where a later unit of work can cancel it, until due.
 // A savepoint rolled back takes its rows with it.
 func (u *unit) RecordDelayed(ctx context.Context, effects []outboxdriver.Effect) error {
-	guarded := u.txEndedBySQL()
+	q, guarded := u.txEndedBySQL()
 	if guarded && !u.claimedOnly() {
 		return u.endedBySQLError()
+	}
+	if guarded {
+		var cancel context.CancelFunc
+		ctx, cancel = u.guardedContext(ctx, q)
+		defer cancel()
 	}
 	now := time.Now()
 	for chunk := range slices.Chunk(effects, store.DelayedInsertMaxRows) {
 		if guarded {
-			// Finds the unit's own claim (postgres.OwnClaim) in the statement that writes: gone
-			// after a ROLLBACK, even when a copy claimed the message since.
-			args := append(store.DelayedInsertArgs(chunk[0].Source, chunk, now), u.src.Consumer, u.src.ID)
-			tag, err := u.tx.Exec(ctx, u.s.q.delayedInsertClaimed(len(chunk)), args...)
+			// Finds the claim the unit inserted (by its transaction ID) in the statement that
+			// writes: gone after a ROLLBACK, even when a copy claimed the message since.
+			args := append(store.DelayedInsertArgs(chunk[0].Source, chunk, now), u.src.Consumer, u.src.ID, u.claimXID)
+			tag, err := q.Exec(ctx, u.s.q.delayedInsertClaimed(len(chunk)), args...)
 			if err != nil {
 				return fmt.Errorf("store delayed effects: %w", wrap(err))
 			}
@@ -136,13 +168,15 @@ func (u *unit) RecordDelayed(ctx context.Context, effects []outboxdriver.Effect)
 // ended it, only a unit whose own claim is committed cancels (claimedOnly): in autocommit the
 // cancel would delete, on its own, delayed effects that other units committed.
 func (u *unit) CancelDelayed(ctx context.Context, key string) (int, error) {
-	if u.txEndedBySQL() {
+	if q, ended := u.txEndedBySQL(); ended {
 		if !u.claimedOnly() {
 			return 0, u.endedBySQLError()
 		}
+		ctx, cancel := u.guardedContext(ctx, q)
+		defer cancel()
 		var claimed bool
 		var n int
-		if err := u.tx.QueryRow(ctx, u.s.q.delayedCancelClaimed, key, u.src.Consumer, u.src.ID).Scan(&claimed, &n); err != nil {
+		if err := q.QueryRow(ctx, u.s.q.delayedCancelClaimed, key, u.src.Consumer, u.src.ID, u.claimXID).Scan(&claimed, &n); err != nil {
 			return 0, fmt.Errorf("cancel delayed effects: %w", wrap(err))
 		}
 		if !claimed {

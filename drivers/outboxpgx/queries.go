@@ -13,12 +13,16 @@ type queries struct {
 	insert    func([]outboxdriver.Effect) string // the effect rows (at most store.EffectInsertMaxRows): see store.EffectInsertArgs
 	processed string                             // (consumer, id) -> a row when processed
 	ownClaim  string                             // (consumer, id, the claim's inline_xid) -> a row when the unit's own claim committed
+	ownTx     string                             // (the claim's inline_xid) -> division_by_zero unless the transaction is the claim's
+	mark      string                             // marks the transaction of a unit without a claim at BEGIN (optimistic, boundary)
+	marked    string                             // -> division_by_zero unless the transaction is the one mark marked
 	pending   string                             // (consumer, id) -> the effect rows and inline effects of the source: see postgres.PendingQuery
 
 	delayedInsert func(int) string // the delayed effects: see store.DelayedInsertArgs
 	delayedCancel string           // (cancel key)
 	// The same, which write only while the unit's own claim exists (pessimistic, after user SQL
-	// ended the transaction): + (consumer, id); the cancel returns (claimed, count).
+	// ended the transaction): + (consumer, id, the claim's inline_xid); the cancel returns
+	// (claimed, count).
 	delayedInsertClaimed func(int) string
 	delayedCancelClaimed string
 
@@ -40,14 +44,21 @@ func newQueries(n store.Names, deleteDispatched bool) queries {
 		},
 		processed: pq.MessageIsProcessed,
 		ownClaim:  pq.MessageIsProcessed + ` AND inline_xid = $3`,
-		pending:   postgres.PendingQuery(n),
-		keys:      store.Queries{KeyLock: pq.KeyLock, KeyClaim: pq.KeyClaim, KeyRead: pq.KeyRead, KeySave: pq.KeySave},
+		// An error, not a row, so that the COMMIT queued behind it is not run (the batch stops at
+		// the first error): pg_current_xact_id() is volatile, never folded at planning.
+		ownTx: `SELECT 1 / (pg_current_xact_id()::text::bigint = $1::bigint)::int`,
+		// A unit without a claim at BEGIN has no transaction ID to compare: its transaction
+		// carries a transaction-local setting instead (current_setting is stable, never folded).
+		mark:    pq.BoundaryMark,
+		marked:  `SELECT 1 / (` + postgres.Marked + `)::int`,
+		pending: postgres.PendingQuery(n),
+		keys:    store.Queries{KeyLock: pq.KeyLock, KeyClaim: pq.KeyClaim, KeyRead: pq.KeyRead, KeySave: pq.KeySave},
 
 		delayedInsert: pq.DelayedInsert,
 		delayedCancel: pq.DelayedCancel,
 
-		delayedInsertClaimed: pq.DelayedInsertClaimed,
-		delayedCancelClaimed: pq.DelayedCancelClaimed,
+		delayedInsertClaimed: func(count int) string { return postgres.DelayedInsertOwnClaim(n, count) },
+		delayedCancelClaimed: postgres.DelayedCancelOwnClaim(n),
 
 		// A claim found also tells whether anything of it is still pending: a duplicate whose
 		// effects went out then reads nothing more.

@@ -134,3 +134,75 @@ func TestSQLRollbackThenACopyClaimsThenDelayed(t *testing.T) {
 		t.Errorf("%d delayed effects of the rolled-back attempt stored beside the copy's claim, want 0", delayed)
 	}
 }
+
+// After a COMMIT sent as SQL the pessimistic unit's claim is committed, and a delayed effect or a
+// cancel recorded after it is written beside it (TestSQLEndedThenDelayedEffects). The unit finds
+// its claim by the transaction ID the claim statement returned, not by a setting of the session:
+// a session whose settings changed since (RESET ALL, or behind a pooler in transaction mode
+// another server connection) still finds it. The same when the handler runs on past
+// HandlerTimeout, whose connection is closed: the pool is asked, as for the ordinary effects. A
+// record refused there would be lost for good: the redelivery is a duplicate, which runs no
+// handler.
+func TestSQLCommitThenDelayedFindsItsOwnClaim(t *testing.T) {
+	records := map[string]func(ctx context.Context) error{
+		"delayed": func(ctx context.Context) error {
+			return outbox.Publish(outbox.WithDelay(ctx, time.Hour), "out_b", message.NewMessage("after", nil))
+		},
+		"cancel": func(ctx context.Context) error {
+			_, err := outbox.CancelDelayed(ctx, "reminder-1")
+			return err
+		},
+	}
+	afterCommit := map[string]func(ctx context.Context) error{
+		"RESET ALL": func(ctx context.Context) error {
+			_, err := outboxpgx.Tx(ctx).Exec(ctx, "RESET ALL")
+			return err
+		},
+		"past HandlerTimeout": func(context.Context) error {
+			time.Sleep(time.Second) // ignores its context
+			return nil
+		},
+	}
+	for aname, then := range afterCommit {
+		for rname, rec := range records {
+			t.Run(aname+"/"+rname, func(t *testing.T) {
+				h := outboxtest.NewWith(t, form(outboxpgx.Pessimistic), outbox.Config{HandlerTimeout: 300 * time.Millisecond, RelayInterval: time.Hour}, setup)
+				if err := outboxpgx.InTx(context.Background(), h.Ob, func(ctx context.Context, _ pgx.Tx) error {
+					return outbox.Publish(outbox.WithCancelKey(outbox.WithDelay(ctx, time.Hour), "reminder-1"), "out_a", message.NewMessage("other", nil))
+				}); err != nil {
+					t.Fatal(err)
+				}
+				var after error
+				res := h.Run("c", message.NewMessage("m1", nil), consume(func(msg *message.Message) error {
+					ctx := msg.Context()
+					if err := handler(msg); err != nil {
+						return err
+					}
+					if _, err := outboxpgx.Tx(ctx).Exec(ctx, "COMMIT"); err != nil {
+						return err
+					}
+					if err := then(ctx); err != nil {
+						return err
+					}
+					after = rec(ctx)
+					return nil
+				}))
+				if after != nil || !errors.Is(res.Err, outbox.ErrTxFinishedByHandler) || !res.Committed {
+					t.Fatalf("the record after COMMIT returned %v; Handle %v, committed %v; want nil, ErrTxFinishedByHandler, true", after, res.Err, res.Committed)
+				}
+				var delayed, other int
+				if err := h.DB.QueryRow(`SELECT (SELECT count(*) FROM outbox_delayed WHERE topic = 'out_b'),
+					(SELECT count(*) FROM outbox_delayed WHERE cancel_key = 'reminder-1')`).Scan(&delayed, &other); err != nil {
+					t.Fatal(err)
+				}
+				wantDelayed, wantOther := 0, 0
+				if rname == "delayed" {
+					wantDelayed, wantOther = 1, 1
+				}
+				if delayed != wantDelayed || other != wantOther {
+					t.Errorf("%d delayed effects recorded after the COMMIT, the other unit's %d; want %d, %d", delayed, other, wantDelayed, wantOther)
+				}
+			})
+		}
+	}
+}

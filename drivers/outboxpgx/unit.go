@@ -38,6 +38,12 @@ func (s *pgxStore) BeginUnit(ctx context.Context, claim *outboxdriver.Source) (o
 		}
 		b.Queue(q, claim.Consumer, claim.ID)
 	}
+	// A unit whose transaction gets no ID at BEGIN marks it, for its COMMIT to tell it from one
+	// user SQL began after a ROLLBACK (see unit.Commit); pipelined, no round trip more.
+	marked := claim == nil || s.optimistic
+	if marked {
+		b.Queue(s.q.mark)
+	}
 	br := conn.SendBatch(ctx, b)
 	_, err = br.Exec()
 	if err != nil && postgres.IsReadOnlyAtBegin(err) {
@@ -49,6 +55,9 @@ func (s *pgxStore) BeginUnit(ctx context.Context, claim *outboxdriver.Source) (o
 	if err == nil && claim != nil {
 		c, xid, err = s.readClaim(br.QueryRow())
 	}
+	if err == nil && marked {
+		_, err = br.Exec()
+	}
 	if cerr := br.Close(); err == nil {
 		err = cerr
 	}
@@ -56,7 +65,7 @@ func (s *pgxStore) BeginUnit(ctx context.Context, claim *outboxdriver.Source) (o
 		abort(conn)
 		return nil, outboxdriver.Claim{}, fmt.Errorf("begin and claim: %w", wrap(err))
 	}
-	u := &unit{s: s, conn: conn, inner: br.Tx()}
+	u := &unit{s: s, conn: conn, inner: br.Tx(), marked: marked}
 	u.tx = &tx{u: u}
 	if claim != nil {
 		u.src, u.tentative = *claim, c.Tentative
@@ -138,6 +147,7 @@ type unit struct {
 	src       outboxdriver.Source // zero at the boundary (no claim)
 	tentative bool                // the claim of src is INSERTed at commit (optimistic)
 	claimXID  int64               // the inline_xid of the claim BeginUnit inserted (pessimistic)
+	marked    bool                // BeginUnit marked the transaction (queries.mark): it has no claimXID
 
 	mu        sync.Mutex
 	alive     []bool      // per recorded effect: false once a savepoint it was recorded in rolled back
@@ -224,6 +234,20 @@ func (u *unit) Commit(ctx context.Context, effects []outboxdriver.Effect) error 
 		return u.finishedBySQL(ctx, u.conn, effects)
 	}
 	b := &pgx.Batch{}
+	// The transaction open may not be the unit's: a handler that sent ROLLBACK and then BEGIN
+	// replaced it, and its claim, by one of its own, which this COMMIT would commit without the
+	// claim (the message acked, and applied again at its next delivery), or, without a claim yet,
+	// with the effects recorded before the ROLLBACK, whose business change is gone. Checked in the
+	// same round trip, ahead of the COMMIT it stops.
+	checked := true
+	switch {
+	case u.claimXID != 0:
+		b.Queue(u.s.q.ownTx, u.claimXID)
+	case u.marked:
+		b.Queue(u.s.q.marked)
+	default:
+		checked = false
+	}
 	rows := effects
 	if u.tentative {
 		// The claim, with the effects inline when none has an ordering key of its own (those
@@ -238,7 +262,18 @@ func (u *unit) Commit(ctx context.Context, effects []outboxdriver.Effect) error 
 	b.Queue("COMMIT")
 	br := c.SendBatch(ctx, b)
 	var err error
-	if u.tentative {
+	if checked {
+		_, err = br.Exec()
+		switch code := pgErrorCode(err); code {
+		case "22012": // the check's own: another transaction
+			err = u.replacedError(err)
+		case "25P02":
+			// A statement of the handler failed and the handler went on: the check, first in
+			// the batch, is refused where the COMMIT would have been answered with ROLLBACK.
+			err = fmt.Errorf("%w: %w", errCommitRolledBack, err)
+		}
+	}
+	if err == nil && u.tentative {
 		if _, err = br.Exec(); err != nil && u.s.isClaimConflict(err) {
 			err = fmt.Errorf("%w: %w", outboxdriver.ErrClaimTaken, err)
 		}
@@ -302,6 +337,22 @@ func (u *unit) finishedBySQL(ctx context.Context, q querier, effects []outboxdri
 type querier interface {
 	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
 	SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults
+}
+
+// replacedError is the error of a unit of work whose transaction user code replaced with one of
+// its own (ROLLBACK, then BEGIN, sent as SQL): nothing of it is committed.
+func (u *unit) replacedError(err error) error {
+	return fmt.Errorf("%w: the transaction was rolled back and another begun by SQL sent through it (ROLLBACK, BEGIN); nothing was committed (%w): %w",
+		outbox.ErrTxFinishedByHandler, outboxdriver.ErrNotSent, err)
+}
+
+// pgErrorCode is the SQLSTATE of err, empty when the server did not send it.
+func pgErrorCode(err error) string {
+	var pe *pgconn.PgError
+	if errors.As(err, &pe) {
+		return pe.Code
+	}
+	return ""
 }
 
 // endedBySQLError is the error of a unit of work whose transaction user code ended with SQL.

@@ -266,6 +266,56 @@ func messageClaim(n store.Names, withXID bool) string {
 // with it.
 func MessageClaimWithXID(n store.Names) string { return messageClaim(n, true) }
 
+// delayedInsertGuarded is DelayedInsert that inserts nothing unless guard holds (read once per
+// statement); the arguments of guard follow those of DelayedInsert.
+func delayedInsertGuarded(n store.Names, count int, guard string) string {
+	var b strings.Builder
+	b.WriteString(`INSERT INTO ` + n.Delayed + ` (source_consumer, source_id, seq, kind, topic, uuid, payload, metadata, ordering_key, due_at, cancel_key)
+				SELECT $1::text, $2::text, v.s, v.k, v.t, v.u, v.pl, v.md, v.ok, clock_timestamp() + (v.d * interval '1 millisecond'), v.ck FROM (VALUES `)
+	for i := 0; i < count; i++ {
+		if i > 0 {
+			b.WriteString(", ")
+		}
+		a := 3 + 7*i
+		d := 3 + 7*count + 2*i
+		fmt.Fprintf(&b, "($%d::integer, $%d::text, $%d::text, $%d::text, $%d::bytea, $%d::bytea, $%d::text, $%d::bigint, $%d::text)",
+			a, a+1, a+2, a+3, a+4, a+5, a+6, d, d+1)
+	}
+	b.WriteString(`) v (s, k, t, u, pl, md, ok, d, ck)
+				WHERE ` + guard)
+	return b.String()
+}
+
+// delayedCancelGuarded is DelayedCancel that deletes nothing unless guard holds, and returns
+// whether it held and how many it deleted.
+func delayedCancelGuarded(n store.Names, guard string) string {
+	return `WITH c AS (SELECT ` + guard + ` AS claimed),
+			d AS (DELETE FROM ` + n.Delayed + ` WHERE cancel_key = $1 AND (SELECT claimed FROM c) RETURNING 1)
+			SELECT (SELECT claimed FROM c), (SELECT count(*) FROM d)::int`
+}
+
+// claimOf is the condition that the claim of (consumer, id) with inline_xid xid exists: the
+// claim a unit inserted, named by the transaction ID MessageClaimWithXID returned.
+func claimOf(n store.Names, consumer, id, xid string) string {
+	return `EXISTS (SELECT FROM ` + n.Processed + ` WHERE consumer = ` + consumer + `::text AND message_id = ` + id + `::text AND inline_xid = ` + xid + `::bigint)`
+}
+
+// DelayedInsertOwnClaim is the DelayedInsertClaimed of Queries for a unit that knows the
+// transaction ID of its claim (MessageClaimWithXID): the arguments of DelayedInsert, then
+// consumer, id and that ID. It finds the claim by the ID, not by the session setting OwnClaim
+// reads, which a session may have lost (RESET ALL; another server connection behind a pooler in
+// transaction mode; a closed connection, when the unit asks the pool).
+func DelayedInsertOwnClaim(n store.Names, count int) string {
+	return delayedInsertGuarded(n, count, claimOf(n, fmt.Sprintf("$%d", 3+9*count), fmt.Sprintf("$%d", 4+9*count), fmt.Sprintf("$%d", 5+9*count)))
+}
+
+// DelayedCancelOwnClaim is DelayedCancelClaimed of Queries as DelayedInsertOwnClaim is
+// DelayedInsertClaimed: (cancel key, consumer, id, the claim's transaction ID) -> whether the
+// claim exists, how many it deleted.
+func DelayedCancelOwnClaim(n store.Names) string {
+	return delayedCancelGuarded(n, claimOf(n, "$2", "$3", "$4"))
+}
+
 func queries(n store.Names, deleteDispatched bool) store.Queries {
 	// notSkipped leaves out the ordering keys the relay asked the claim to skip ($7): those of
 	// the round it is sending, whose later effects wait behind that round's lease. Without it a
@@ -564,25 +614,9 @@ func queries(n store.Names, deleteDispatched bool) store.Queries {
 		// As EffectInsertClaimed: nothing without the claim (or the boundary's mark), which is
 		// read once per statement.
 		DelayedInsertClaimed: func(count int) string {
-			var b strings.Builder
-			b.WriteString(`INSERT INTO ` + n.Delayed + ` (source_consumer, source_id, seq, kind, topic, uuid, payload, metadata, ordering_key, due_at, cancel_key)
-				SELECT $1::text, $2::text, v.s, v.k, v.t, v.u, v.pl, v.md, v.ok, clock_timestamp() + (v.d * interval '1 millisecond'), v.ck FROM (VALUES `)
-			for i := 0; i < count; i++ {
-				if i > 0 {
-					b.WriteString(", ")
-				}
-				a := 3 + 7*i
-				d := 3 + 7*count + 2*i
-				fmt.Fprintf(&b, "($%d::integer, $%d::text, $%d::text, $%d::text, $%d::bytea, $%d::bytea, $%d::text, $%d::bigint, $%d::text)",
-					a, a+1, a+2, a+3, a+4, a+5, a+6, d, d+1)
-			}
-			b.WriteString(`) v (s, k, t, u, pl, md, ok, d, ck)
-				WHERE ` + ownUnit(n, fmt.Sprintf("$%d", 3+9*count), fmt.Sprintf("$%d", 4+9*count)))
-			return b.String()
+			return delayedInsertGuarded(n, count, ownUnit(n, fmt.Sprintf("$%d", 3+9*count), fmt.Sprintf("$%d", 4+9*count)))
 		},
-		DelayedCancelClaimed: `WITH c AS (SELECT ` + ownUnit(n, "$2", "$3") + ` AS claimed),
-			d AS (DELETE FROM ` + n.Delayed + ` WHERE cancel_key = $1 AND (SELECT claimed FROM c) RETURNING 1)
-			SELECT (SELECT claimed FROM c), (SELECT count(*) FROM d)::int`,
+		DelayedCancelClaimed: delayedCancelGuarded(n, ownUnit(n, "$2", "$3")),
 		// The moved effects are handed over (next_attempt_at set: no grace period) and count as
 		// stored at their due time, from which their backlog age and dispatch lag count. A row a
 		// cancel holds is skipped (it is gone, or due again at the next pass). Ids are drawn in
@@ -813,6 +847,10 @@ const ownClaimSetting = "outbox.claim_xid"
 // ends, by COMMIT or ROLLBACK sent as SQL too.
 const boundarySetting = "outbox.boundary_tx"
 
+// Marked is the condition that the transaction open is the one BoundaryMark marked (of Queries):
+// false once user SQL ended it, also in a transaction user SQL began after it.
+const Marked = `coalesce(current_setting('` + boundarySetting + `', true), '') = 'on'`
+
 // ownUnit is the guard of the writes of a unit of work beside or into what it owns (consumer and
 // id: the SQL of its source's two columns). A unit that claimed a message finds its own claim
 // (OwnClaim). A boundary unit (no consumer) has none: it finds the mark BoundaryMark left in
@@ -821,7 +859,7 @@ const boundarySetting = "outbox.boundary_tx"
 // handler's own, would commit an effect apart from its business change. The CASE reads the claim
 // only for a consumer's unit and the setting only for a boundary's.
 func ownUnit(n store.Names, consumer, id string) string {
-	return `CASE WHEN ` + consumer + `::text = '' THEN coalesce(current_setting('` + boundarySetting + `', true), '') = 'on'
+	return `CASE WHEN ` + consumer + `::text = '' THEN ` + Marked + `
 		ELSE EXISTS (SELECT FROM ` + n.Processed + ` WHERE consumer = ` + consumer + ` AND message_id = ` + id + ` AND ` + OwnClaim + `) END`
 }
 

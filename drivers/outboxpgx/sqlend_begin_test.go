@@ -1,0 +1,125 @@
+package outboxpgx_test
+
+import (
+	"context"
+	"errors"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5"
+
+	"github.com/watermill-outbox/outbox"
+	"github.com/watermill-outbox/outbox/drivers/outboxpgx"
+	"github.com/watermill-outbox/outbox/outboxtest"
+)
+
+// sqlReopens are the ways a handler can replace the unit's transaction with one of its own.
+var sqlReopens = map[string][]string{"in one statement": {"ROLLBACK; BEGIN"}, "in two": {"ROLLBACK", "BEGIN"}}
+
+// A handler that sends ROLLBACK and then BEGIN through the unit's pgx.Tx replaces the unit's
+// transaction, and its claim with it, by one of its own. The framework's COMMIT must not commit
+// that transaction: the business writes made in it and the effects recorded before the ROLLBACK
+// would be committed, and the message acked, without the claim, which the next delivery of the
+// message would not find (applied twice), and with effects of rolled-back work.
+//
+// In the optimistic mode the claim is inserted at the COMMIT, into the handler's transaction: the
+// message is processed once, but the effects recorded before the ROLLBACK are sent without their
+// business change.
+func TestSQLRollbackBeginThenReturn(t *testing.T) {
+	for mname, mode := range modes {
+		for rname, reopen := range sqlReopens {
+			t.Run(mname+"/"+rname, func(t *testing.T) {
+				h := outboxtest.NewWith(t, form(mode), outbox.Config{RelayInterval: time.Hour}, setup)
+				res := h.Run("c", message.NewMessage("m1", nil), consume(func(msg *message.Message) error {
+					ctx := msg.Context()
+					if err := handler(msg); err != nil { // a business row and an effect, rolled back
+						return err
+					}
+					for _, stmt := range reopen {
+						if _, err := outboxpgx.Tx(ctx).Exec(ctx, stmt); err != nil {
+							return err
+						}
+					}
+					_, err := outboxpgx.Tx(ctx).Exec(ctx, `INSERT INTO applied (message_id, note) VALUES ($1, 'after BEGIN')`, msg.UUID)
+					return err
+				}))
+				if !errors.Is(res.Err, outbox.ErrTxFinishedByHandler) || res.Committed || len(res.Sent) != 0 {
+					t.Errorf("Handle %v, committed %v, sent %d; want ErrTxFinishedByHandler, not processed, nothing sent", res.Err, res.Committed, len(res.Sent))
+				}
+				var applied, effects, claims int
+				if err := h.DB.QueryRow(`SELECT (SELECT count(*) FROM applied), (SELECT count(*) FROM outbox_effects),
+				(SELECT count(*) FROM outbox_processed)`).Scan(&applied, &effects, &claims); err != nil {
+					t.Fatal(err)
+				}
+				if applied != 0 || effects != 0 || claims != 0 {
+					t.Errorf("committed by the handler's transaction: %d business rows, %d effect rows, %d claims; want 0, 0, 0", applied, effects, claims)
+				}
+				// The message runs again, as after a ROLLBACK, and commits once.
+				if res := h.Run("c", message.NewMessage("m1", nil), consume(handler)); res.Err != nil || !res.Committed {
+					t.Fatalf("the redelivery: %v, committed %v", res.Err, res.Committed)
+				}
+				if n := count(t, h.DB, "m1"); n != 1 {
+					t.Errorf("%d business rows after the redelivery, want 1", n)
+				}
+			})
+		}
+	}
+}
+
+// The same in InTx: the unit's COMMIT committed fn's transaction, with the effect recorded before
+// the ROLLBACK, sent although its business write was rolled back, and InTx reported success.
+func TestInTxRollbackBeginThenReturn(t *testing.T) {
+	for rname, reopen := range sqlReopens {
+		t.Run(rname, func(t *testing.T) {
+			pool := openPool(t, outboxtest.DSN(t), 4, nil)
+			ctx := context.Background()
+			sent := &outboxtest.Recorder{}
+			ob := ready(t, pool, outbox.Config{Publisher: sent, RelayInterval: time.Hour})
+			err := outboxpgx.InTx(ctx, ob, func(ctx context.Context, tx pgx.Tx) error {
+				if _, err := tx.Exec(ctx, `INSERT INTO applied (message_id) VALUES ('business')`); err != nil {
+					return err
+				}
+				if err := outbox.Publish(ctx, "out_a", message.NewMessage("before", nil)); err != nil {
+					return err
+				}
+				for _, stmt := range reopen {
+					if _, err := tx.Exec(ctx, stmt); err != nil {
+						return err
+					}
+				}
+				_, err := tx.Exec(ctx, `INSERT INTO applied (message_id, note) VALUES ('business', 'after BEGIN')`)
+				return err
+			})
+			if !errors.Is(err, outbox.ErrTxFinishedByHandler) {
+				t.Errorf("InTx returned %v, want ErrTxFinishedByHandler", err)
+			}
+			var applied, effects int
+			if err := pool.QueryRow(ctx, `SELECT (SELECT count(*) FROM applied), (SELECT count(*) FROM outbox_effects)`).Scan(&applied, &effects); err != nil {
+				t.Fatal(err)
+			}
+			if applied != 0 || effects != 0 || len(sent.Messages("out_a")) != 0 {
+				t.Errorf("%d business rows, %d effect rows, %d sent; want 0, 0, 0", applied, effects, len(sent.Messages("out_a")))
+			}
+		})
+	}
+}
+
+// A statement of the handler failed and the handler went on: the transaction is aborted, and the
+// unit's COMMIT is answered with ROLLBACK, reported as pgx.ErrTxCommitRollback, also now that a
+// check of the transaction runs ahead of it (which the aborted transaction refuses first).
+func TestFailedStatementThenReturnIsCommitRollback(t *testing.T) {
+	for mname, mode := range modes {
+		t.Run(mname, func(t *testing.T) {
+			h := outboxtest.NewWith(t, form(mode), outbox.Config{RelayInterval: time.Hour}, setup)
+			res := h.Run("c", message.NewMessage("m1", nil), consume(func(msg *message.Message) error {
+				ctx := msg.Context()
+				_, _ = outboxpgx.Tx(ctx).Exec(ctx, `INSERT INTO no_such_table VALUES (1)`)
+				return nil
+			}))
+			if !errors.Is(res.Err, pgx.ErrTxCommitRollback) || res.Committed {
+				t.Errorf("Handle %v, committed %v; want pgx.ErrTxCommitRollback, not processed", res.Err, res.Committed)
+			}
+		})
+	}
+}
