@@ -139,8 +139,9 @@ func (d Driver) Open(db *sql.DB, opts outboxdriver.StoreOptions) (outboxdriver.S
 	if !ok {
 		return nil, fmt.Errorf("outboxpgx: the postgres driver's Store (%T) does not handle inline effects", base)
 	}
+	// The effect inserts follow the partition that the base Store's relay rotates to.
 	st := &pgxStore{postgresStore: pg, pool: d.Pool, names: names, optimistic: d.Concurrency == Optimistic,
-		q: newQueries(names, opts.DeleteDispatched)}
+		q: newQueries(names, opts.DeleteDispatched, pg.EffectsGeneration())}
 	if d.closeDB {
 		st.db = db
 	}
@@ -152,6 +153,7 @@ type postgresStore interface {
 	outboxdriver.Store
 	outboxdriver.InlineStore
 	outboxdriver.DeadLetterStore
+	EffectsGeneration() *postgres.Generation
 }
 
 // pgxStore is the postgres driver's Store whose units of work run on pgx, with their effects

@@ -219,7 +219,7 @@ func TestSweepReadsFromItsWatermark(t *testing.T) {
 // prepared statement keeps its plan while a backlog grows.
 func TestDuplicateClaimFindsPendingBySource(t *testing.T) {
 	db, _, n, exec := planTables(t, "dupplan_")
-	q := queries(n, true)
+	q := queries(n, true, new(Generation))
 	exec(`INSERT INTO ` + n.Processed + ` (consumer, message_id, processed_at, dispatched_at) VALUES ('c', 'dup', now(), now())`)
 	backlog := `INSERT INTO ` + n.Effects + ` (source_consumer, source_id, seq, kind, topic, uuid, payload, metadata, ordering_key, created_at)
 		SELECT 'c', 'm' || (g / 5), g % 5, 'publish', 't', gen_random_uuid()::text, '\x00', '\x00', 'k' || (g % 7), now()
