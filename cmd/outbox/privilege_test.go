@@ -88,9 +88,11 @@ func TestGrantsCoverEveryTable(t *testing.T) {
 		rows, err := owner.Query(`SELECT c.relname, c.relkind::text,
 				CASE WHEN c.relkind = 'S' THEN has_sequence_privilege($2, c.oid, 'USAGE')
 				     ELSE has_table_privilege($2, c.oid, 'SELECT') OR has_table_privilege($2, c.oid, 'INSERT') END,
-				c.relkind <> 'S' AND has_table_privilege($2, c.oid, 'TRUNCATE, REFERENCES, TRIGGER')
+				c.relkind <> 'S' AND (has_table_privilege($2, c.oid, 'REFERENCES, TRIGGER')
+					-- The relay empties the partitions of the effects table (migration 020).
+					OR c.relname NOT IN ($3 || 'effects_0', $3 || 'effects_1', $3 || 'effects_2') AND has_table_privilege($2, c.oid, 'TRUNCATE'))
 			FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
-			WHERE n.nspname = $1 AND c.relkind IN ('r', 'p', 'S') ORDER BY 1`, schema, role)
+			WHERE n.nspname = $1 AND c.relkind IN ('r', 'p', 'S') ORDER BY 1`, schema, role, prefix)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -110,7 +112,7 @@ func TestGrantsCoverEveryTable(t *testing.T) {
 				t.Errorf("%s.%s (relkind %s) is not granted to the application role", schema, name, kind)
 			}
 			if tooMuch {
-				t.Errorf("%s.%s: the application role may truncate it, or reference or trigger on it", schema, name)
+				t.Errorf("%s.%s: the application role may truncate it (other than a partition of the effects table), or reference or trigger on it", schema, name)
 			}
 		}
 		if err := errors.Join(rows.Err(), rows.Close()); err != nil {

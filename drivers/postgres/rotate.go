@@ -37,13 +37,12 @@ const effectColumnList = `id, source_consumer, source_id, seq, kind, topic, uuid
 
 // rotationQueries are the statements of the rotation.
 type rotationQueries struct {
-	probe  string    // (RotateEvery ms) -> current gen, whether the rotation is due, whether the current partition holds pages
-	switch_ string    // (next, current): no row changed when another instance rotated
-	size   [3]string // -> the size of the partition in bytes
-	lock   [3]string
-	count  [3]string    // (limit + 1) -> the rows in the partition, up to the limit + 1
-	move   [3][3]string // [from][to]: the rows of from into to, with their ids and state
-	empty  [3]string
+	probe   string // (RotateEvery ms) -> current gen, whether the rotation is due, whether the current partition holds pages
+	switch_ string // (next, current): no row changed when another instance rotated
+	lock    [3]string
+	count   [3]string    // (limit + 1) -> the rows in the partition, up to the limit + 1
+	move    [3][3]string // [from][to]: the rows of from into to, with their ids and state
+	empty   [3]string
 }
 
 func newRotationQueries(n store.Names) rotationQueries {
@@ -52,7 +51,6 @@ func newRotationQueries(n store.Names) rotationQueries {
 	for g := range 3 {
 		p := effectsPartition(n, g)
 		sizeOf += fmt.Sprintf(` WHEN %d THEN '%s'::regclass`, g, p)
-		q.size[g] = `SELECT pg_relation_size('` + p + `'::regclass)`
 		q.lock[g] = `LOCK TABLE ` + p + ` IN ACCESS EXCLUSIVE MODE`
 		q.count[g] = `SELECT count(*) FROM (SELECT 1 FROM ` + p + ` LIMIT $1) s`
 		q.empty[g] = `TRUNCATE ` + p
@@ -113,34 +111,32 @@ func (s *inline) rotate(ctx context.Context) error {
 		if n, err := res.RowsAffected(); err != nil || n == 0 {
 			return err
 		}
-		var size int64
-		if err := tx.QueryRowContext(ctx, s.rq.size[next]).Scan(&size); err != nil {
+		// Under the exclusive lock every transaction that wrote into the partition has ended
+		// (a writer whose generation is out of date): the move sees its rows. A writer that
+		// comes after waits for the commit, and its row lands in the partition that is then
+		// the current one.
+		if _, err := tx.ExecContext(ctx, s.rq.lock[next]); err != nil {
 			return err
 		}
-		if size > 0 {
-			// Under the exclusive lock every transaction that wrote into the partition has
-			// ended (a writer whose generation is out of date): the move sees its rows. A
-			// writer that comes after waits for the commit, and its row lands in the
-			// partition that is then the current one.
-			if _, err := tx.ExecContext(ctx, s.rq.lock[next]); err != nil {
+		var rows int
+		if err := tx.QueryRowContext(ctx, s.rq.count[next], rotateMoveLimit+1).Scan(&rows); err != nil {
+			return err
+		}
+		if rows > rotateMoveLimit {
+			return errRotationBacklog
+		}
+		if rows > 0 {
+			// The ids stay: the relay sends each ordering key's effects in id order.
+			if _, err := tx.ExecContext(ctx, s.rq.move[next][cur]); err != nil {
 				return err
 			}
-			var rows int
-			if err := tx.QueryRowContext(ctx, s.rq.count[next], rotateMoveLimit+1).Scan(&rows); err != nil {
-				return err
-			}
-			if rows > rotateMoveLimit {
-				return errRotationBacklog
-			}
-			if rows > 0 {
-				// The ids stay: the relay sends each ordering key's effects in id order.
-				if _, err := tx.ExecContext(ctx, s.rq.move[next][cur]); err != nil {
-					return err
-				}
-			}
-			if _, err := tx.ExecContext(ctx, s.rq.empty[next]); err != nil {
-				return err
-			}
+		}
+		// Even when the partition is empty: TRUNCATE also resets its statistics (never
+		// analyzed: the planner takes it for ten pages, not for none) and drops the cached
+		// plans that use it, so that no plan made while it was analyzed empty scans it whole
+		// once it is the current one and fills.
+		if _, err := tx.ExecContext(ctx, s.rq.empty[next]); err != nil {
+			return err
 		}
 		switched = true
 		return nil
