@@ -74,10 +74,10 @@ type inlineQueries struct {
 	sweepLeft   string // (watermark) -> the smallest inline_xid of the claims still holding effects
 	sweptTo     string // (watermark)
 
-	record  string // (consumer, id, inline effects, length of the inline effects now) -> written in a savepoint; no row: not written
-	read    string // (consumer, id) -> the inline effects, NULL when none; no row: no claim
+	record  string    // (consumer, id, inline effects, length of the inline effects now) -> written in a savepoint; no row: not written
+	read    string    // (consumer, id) -> the inline effects, NULL when none; no row: no claim
 	spill   [3]string // by partition: (effects as JSON, consumer, id, length of the inline effects now) -> id, seq, written in a savepoint; no row: not written
-	unspill string // (consumer, id, inline effects, length of the inline effects now, row ids) -> id of each row deleted; no row: not written
+	unspill string    // (consumer, id, inline effects, length of the inline effects now, row ids) -> id of each row deleted; no row: not written
 }
 
 // storedAt is when the inline effects of claim p were written: dispatched_at, which their write
