@@ -48,6 +48,7 @@ type inline struct {
 	rq           rotationQueries
 	gen          *Generation   // the current partition of the effects table, shared with the inserts
 	rotateEvery  time.Duration // Driver.RotateEvery, defaulted
+	rotateLock   time.Duration // rotateLockTimeout
 	lastRotate   atomic.Int64  // UnixNano of the last look at the rotation
 	backlogNoted atomic.Bool   // a rotation was put off for a backlog, and reported
 }

@@ -22,10 +22,10 @@ import (
 // and with it every statement on the effects table, while it copies them.
 const rotateMoveLimit = 10000
 
-// rotateLockTimeout bounds the wait for the exclusive lock of the partition to empty. Statements
-// on the effects table queue behind the lock request while it waits, so it is kept short; on a
-// timeout the rotation is tried again at the next turn.
-const rotateLockTimeout = "20ms"
+// rotateLockTimeout bounds the wait for the exclusive lock of the partition to empty (and for the
+// rotation row). Statements on the effects table queue behind the lock request while it waits,
+// so it is kept short; on a timeout the rotation is tried again at the next turn.
+const rotateLockTimeout = 20 * time.Millisecond
 
 // rotateTimeout bounds one look at the rotation, its emptying included.
 const rotateTimeout = 10 * time.Second
@@ -99,7 +99,7 @@ func (s *inline) rotate(ctx context.Context) error {
 	next := (cur + 1) % 3
 	switched := false
 	err := s.inTx(ctx, func(tx *sql.Tx) error {
-		if _, err := tx.ExecContext(ctx, `SET LOCAL lock_timeout = '`+rotateLockTimeout+`'`); err != nil {
+		if _, err := tx.ExecContext(ctx, fmt.Sprintf(`SET LOCAL lock_timeout = '%dms'`, s.rotateLock.Milliseconds())); err != nil {
 			return err
 		}
 		// The switch first: its row lock makes the instances that rotate at once take turns, and

@@ -179,3 +179,256 @@ func TestRotationFreesSentEffectsBehindAHeldHorizon(t *testing.T) {
 		t.Errorf("rotated: the first pending effect read %d buffers, want at most %d (the dead rows of two rounds; not rotated, of %d rounds: %d)", rotated, bound, rounds, single)
 	}
 }
+
+// rotateNow makes st look at the rotation now, as if RotateEvery had passed, and fails the test
+// on an error.
+func rotateNow(t *testing.T, st *inline) {
+	t.Helper()
+	time.Sleep(5 * time.Millisecond) // past RotateEvery (1 ms) since the last rotation
+	st.lastRotate.Store(0)
+	if err := st.rotate(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// effectRows returns every effect row of "rot_" but its partition, as JSON, in id order, and the
+// partition each is in.
+func effectRows(t *testing.T, db *sql.DB) ([]string, []int) {
+	t.Helper()
+	rows, err := db.Query(`SELECT (to_jsonb(e) - 'gen')::text, gen FROM rot_effects e ORDER BY id`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer rows.Close()
+	var out []string
+	var gens []int
+	for rows.Next() {
+		var s string
+		var g int
+		if err := rows.Scan(&s, &g); err != nil {
+			t.Fatal(err)
+		}
+		out, gens = append(out, s), append(gens, g)
+	}
+	if err := rows.Err(); err != nil {
+		t.Fatal(err)
+	}
+	return out, gens
+}
+
+// TestRotationMovesPendingEffectsWithTheirState: the effects still pending in the partition that
+// is emptied (parked, backing off after failures, leased by a claim, waiting behind those on
+// their key) are moved into the current one with their ids and every column as it was; the
+// relay then sends them in the order it would have.
+func TestRotationMovesPendingEffectsWithTheirState(t *testing.T) {
+	db := pgtest.DB(t)
+	ctx := context.Background()
+	st := rotationStore(t, db, time.Millisecond)
+	parked := record(t, st, db, "parked", "p", 1)[0]
+	backoff := record(t, st, db, "backoff", "b", 2)
+	leased := record(t, st, db, "leased", "l", 3)
+	if _, err := db.Exec(`UPDATE rot_effects SET parked_at = now(), attempts = 5, failures = 5, last_error = 'refused', failed_at = now()
+		WHERE id = $1`, parked); err != nil {
+		t.Fatal(err)
+	}
+	if err := st.EffectRecordFailures(ctx, outboxdriver.EffectFailure{StoreID: backoff[0], Reason: "down", Counted: true, RetryAfter: time.Hour}); err != nil {
+		t.Fatal(err)
+	}
+	c, err := st.EffectClaimDue(ctx, outboxdriver.EffectClaimParams{Limit: 100, MaxBytes: 1 << 20, Lease: time.Hour})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(c.Effects) != len(leased) || c.Effects[0].StoreID != leased[0] {
+		t.Fatalf("claimed %+v, want the leased unit's (%v)", c.Effects, leased)
+	}
+	before, gens := effectRows(t, db)
+	for i, g := range gens {
+		if g != 0 {
+			t.Fatalf("row %d in partition %d before any rotation", i, g)
+		}
+	}
+	// Rotations until partition 0 is emptied (into 2, the current one then), each with an effect
+	// written in the current partition (an idle one is not rotated).
+	for i := 0; ; i++ {
+		if i == 4 {
+			t.Fatal("partition 0 not emptied after 4 rotations")
+		}
+		record(t, st, db, fmt.Sprint("later", i), "later", 1)
+		prev := st.gen.Load()
+		rotateNow(t, st)
+		if prev == 2 && st.gen.Load() == 0 {
+			break
+		}
+	}
+	after, gens := effectRows(t, db)
+	if sizes := partitionSizes(t, db); sizes[0] != 0 {
+		t.Errorf("partition 0 holds %d bytes after it was emptied", sizes[0])
+	}
+	if len(after) < len(before) {
+		t.Fatalf("%d rows after the rotations, want the %d before and the later ones:\n%s", len(after), len(before), strings.Join(after, "\n"))
+	}
+	for i, row := range before {
+		if after[i] != row {
+			t.Errorf("moved row changed:\nbefore %s\nafter  %s", row, after[i])
+		}
+		if gens[i] != 2 {
+			t.Errorf("row %s in partition %d, want 2 (the current one when 0 was emptied)", row, gens[i])
+		}
+	}
+	// The relay sends them as before: the lease and the backoff end, the parked effect stays.
+	if _, err := db.Exec(`UPDATE rot_effects SET next_attempt_at = now() WHERE next_attempt_at IS NOT NULL`); err != nil {
+		t.Fatal(err)
+	}
+	c, err = st.EffectClaimDue(ctx, outboxdriver.EffectClaimParams{Limit: 100, MaxBytes: 1 << 20, Lease: time.Hour})
+	if err != nil {
+		t.Fatal(err)
+	}
+	byKey := map[string][]int64{}
+	for _, e := range c.Effects {
+		byKey[e.OrderingKey] = append(byKey[e.OrderingKey], e.StoreID)
+	}
+	if fmt.Sprint(byKey["l"]) != fmt.Sprint(leased) || fmt.Sprint(byKey["b"]) != fmt.Sprint(backoff) || len(byKey["p"]) != 0 {
+		t.Errorf("claimed after the move: %v, want l %v, b %v in id order and nothing of the parked key", byKey, leased, backoff)
+	}
+}
+
+// TestRotationKeepsTheRowsOfAWriterWithAnOldGeneration: a process whose generation is out of
+// date inserts into the partition being emptied. The emptying waits for its transaction (the
+// partition's exclusive lock) and moves its row, or, after its lock timeout, gives up and leaves
+// the partition as it is; no row is lost either way, and none is moved twice. Then many such
+// writers insert while the partitions rotate around them.
+func TestRotationKeepsTheRowsOfAWriterWithAnOldGeneration(t *testing.T) {
+	db := pgtest.DB(t)
+	ctx := context.Background()
+	st := rotationStore(t, db, time.Millisecond)
+	stale := rotationStore(t, db, -1) // never reads the generation: it writes into partition 0
+	record(t, st, db, "first", "f", 1)
+	rotateNow(t, st) // 0 -> 1
+	record(t, st, db, "second", "s", 1)
+	rotateNow(t, st) // 1 -> 2; next to empty: 0
+	record(t, st, db, "third", "t", 1)
+
+	// The writer's transaction is open while the rotation locks partition 0: with the usual
+	// lock timeout it gives up; with a longer one it waits, and moves the row once committed.
+	for _, wait := range []bool{false, true} {
+		src := outboxdriver.Source{Consumer: "unit", ID: fmt.Sprint("stale ", wait)}
+		tx, err := db.BeginTx(ctx, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := stale.EffectInsert(ctx, tx, src, []outboxdriver.Effect{{Source: src, Kind: outboxdriver.KindPublish,
+			Topic: "t", UUID: src.ID, Payload: []byte("p"), OrderingKey: "stale"}}); err != nil {
+			t.Fatal(err)
+		}
+		if !wait {
+			rotateNow(t, st)
+			if got := st.gen.Load(); got != 2 {
+				t.Fatalf("rotated to %d while a writer held partition 0", got)
+			}
+			if err := tx.Commit(); err != nil {
+				t.Fatal(err)
+			}
+			continue
+		}
+		st.rotateLock = 10 * time.Second
+		done := make(chan error, 1)
+		go func() {
+			time.Sleep(5 * time.Millisecond)
+			st.lastRotate.Store(0)
+			done <- st.rotate(ctx)
+		}()
+		// The rotation waits for the writer's lock.
+		deadline := time.Now().Add(10 * time.Second)
+		for {
+			var waiting bool
+			if err := db.QueryRow(`SELECT EXISTS (SELECT 1 FROM pg_locks l JOIN pg_class c ON c.oid = l.relation
+				WHERE c.relname = 'rot_effects_0' AND NOT l.granted)`).Scan(&waiting); err != nil {
+				t.Fatal(err)
+			}
+			if waiting {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatal("the rotation did not wait for the writer's lock")
+			}
+			time.Sleep(5 * time.Millisecond)
+		}
+		if err := tx.Commit(); err != nil {
+			t.Fatal(err)
+		}
+		if err := <-done; err != nil {
+			t.Fatal(err)
+		}
+		st.rotateLock = rotateLockTimeout
+	}
+	if got := st.gen.Load(); got != 0 {
+		t.Fatalf("generation %d after the writer committed, want 0", got)
+	}
+	rows, gens := effectRows(t, db)
+	if len(rows) != 5 {
+		t.Fatalf("%d rows, want the three recorded and the two of the writer:\n%s", len(rows), strings.Join(rows, "\n"))
+	}
+	for i, row := range rows {
+		if strings.Contains(row, "stale") && gens[i] != 2 {
+			t.Errorf("the writer's row %s is in partition %d, want 2 (moved)", row, gens[i])
+		}
+	}
+
+	// Writers that never learn the generation insert while the partitions rotate around them.
+	const writers, each = 4, 40
+	errs := make(chan error, writers)
+	for w := range writers {
+		go func() {
+			for i := range each {
+				src := outboxdriver.Source{Consumer: "unit", ID: fmt.Sprintf("w%d-%d", w, i)}
+				err := func() error {
+					tx, err := db.BeginTx(ctx, nil)
+					if err != nil {
+						return err
+					}
+					defer func() { _ = tx.Rollback() }()
+					if _, err := stale.EffectInsert(ctx, tx, src, []outboxdriver.Effect{{Source: src, Kind: outboxdriver.KindPublish,
+						Topic: "t", UUID: src.ID, Payload: []byte("p"), OrderingKey: src.ID}}); err != nil {
+						return err
+					}
+					return tx.Commit()
+				}()
+				if err != nil {
+					errs <- err
+					return
+				}
+			}
+			errs <- nil
+		}()
+	}
+	rotations := 0
+	for range writers {
+		for done := false; !done; {
+			select {
+			case err := <-errs:
+				if err != nil {
+					t.Fatal(err)
+				}
+				done = true
+			default:
+				before := st.gen.Load()
+				record(t, st, db, fmt.Sprint("r", rotations), "r", 1)
+				rotateNow(t, st)
+				if st.gen.Load() != before {
+					rotations++
+				}
+			}
+		}
+	}
+	var count, distinct int
+	if err := db.QueryRow(`SELECT count(*), count(DISTINCT id) FROM rot_effects WHERE source_id LIKE 'w%'`).Scan(&count, &distinct); err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("%d rotations while the writers wrote", rotations)
+	if count != writers*each || distinct != count {
+		t.Errorf("%d rows of the writers (%d distinct ids), want %d", count, distinct, writers*each)
+	}
+	if rotations < 3 {
+		t.Errorf("%d rotations while the writers wrote, want at least 3 (partition 0 emptied once)", rotations)
+	}
+}
