@@ -10,6 +10,7 @@ import (
 
 	"github.com/watermill-outbox/outbox/internal/pgtest"
 	"github.com/watermill-outbox/outbox/outboxdriver"
+	"github.com/watermill-outbox/outbox/store"
 )
 
 // rotationStore opens the postgres Store of prefix "rot_" on db with RotateEvery every, migrated.
@@ -430,5 +431,131 @@ func TestRotationKeepsTheRowsOfAWriterWithAnOldGeneration(t *testing.T) {
 	}
 	if rotations < 3 {
 		t.Errorf("%d rotations while the writers wrote, want at least 3 (partition 0 emptied once)", rotations)
+	}
+}
+
+// TestMigrationToRotatedEffectsKeepsPendingEffects: tables at migration 019 with effects pending
+// (due, parked, and a key's effects behind a failed one) are upgraded by 020: the effects stay,
+// with their ids, in partition 0, new ones get later ids, and the relay sends them all in order.
+func TestMigrationToRotatedEffectsKeepsPendingEffects(t *testing.T) {
+	db := pgtest.DB(t)
+	ctx := context.Background()
+	ms, err := Migrations("", "rot_")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if ms[len(ms)-1].Version != 20 {
+		t.Fatalf("the last migration is %d, want 20 (the rotation)", ms[len(ms)-1].Version)
+	}
+	n, err := namesOf("", "rot_")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := store.Migrate(ctx, db, migrateQueries(n), ms[:len(ms)-1]); err != nil {
+		t.Fatal(err)
+	}
+	var ids []int64
+	for i := range 6 {
+		var id int64
+		if err := db.QueryRow(`INSERT INTO rot_effects (source_consumer, source_id, seq, kind, topic, uuid, payload, metadata, ordering_key, created_at)
+			VALUES ('unit', 'old', $1::int, 'publish', 't', 'old-' || $1::int, '\x00', '', CASE WHEN $1::int < 4 THEN 'k' ELSE 'p' END, now() - interval '1 minute')
+			RETURNING id`, i).Scan(&id); err != nil {
+			t.Fatal(err)
+		}
+		ids = append(ids, id)
+	}
+	if _, err := db.Exec(`UPDATE rot_effects SET parked_at = now(), attempts = 3, last_error = 'refused' WHERE id = $1`, ids[5]); err != nil {
+		t.Fatal(err)
+	}
+	var kind string
+	if err := db.QueryRow(`SELECT relkind::text FROM pg_class WHERE relname = 'rot_effects'`).Scan(&kind); err != nil || kind != "r" {
+		t.Fatalf("at 019 the effects table is of relkind %q (%v), want a plain table", kind, err)
+	}
+
+	st := rotationStore(t, db, time.Millisecond) // Migrate applies 020
+	rows, gens := effectRows(t, db)
+	if len(rows) != len(ids) {
+		t.Fatalf("%d effects after the migration, want %d", len(rows), len(ids))
+	}
+	for i, g := range gens {
+		if g != 0 || !strings.Contains(rows[i], fmt.Sprintf(`"id": %d,`, ids[i])) {
+			t.Errorf("effect %d after the migration: %s in partition %d, want id %d in 0", i, rows[i], g, ids[i])
+		}
+	}
+	newer := record(t, st, db, "new", "k", 1)
+	if newer[0] <= ids[len(ids)-1] {
+		t.Errorf("an effect recorded after the migration has id %d, not after the old ones' (%d)", newer[0], ids[len(ids)-1])
+	}
+	var sent []int64
+	for after := int64(0); ; {
+		c, err := st.EffectClaimDue(ctx, outboxdriver.EffectClaimParams{Limit: 100, MaxBytes: 1 << 20, Lease: time.Minute, After: after})
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, e := range c.Effects {
+			sent = append(sent, e.StoreID)
+			if err := st.EffectMarkDispatched(ctx, outboxdriver.DispatchMark{Source: e.Source, StoreIDs: []int64{e.StoreID}}); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if len(c.Effects) == 0 && c.Next == 0 {
+			break
+		}
+		after = c.Next
+	}
+	if want := fmt.Sprint(append(append([]int64(nil), ids[:5]...), newer[0])); fmt.Sprint(sent) != want {
+		t.Errorf("sent %v, want %v (the parked one stays)", sent, want)
+	}
+	rows, _ = effectRows(t, db)
+	if len(rows) != 1 || !strings.Contains(rows[0], `"parked_at": "`) {
+		t.Errorf("left after sending: %v, want the parked effect", rows)
+	}
+}
+
+// TestRotatedEffectsNamesFitTheLongestPrefix: with the longest prefix allowed (40 bytes) every
+// name migration 020 creates fits PostgreSQL's 63 bytes (a longer one would be cut, and two cut
+// names could collide), and the rotation runs.
+func TestRotatedEffectsNamesFitTheLongestPrefix(t *testing.T) {
+	db := pgtest.DB(t)
+	prefix := strings.Repeat("p", 40)
+	st, err := Driver{RotateEvery: time.Millisecond}.Open(db, outboxdriver.StoreOptions{TablePrefix: prefix})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := st.Migrate(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	for _, name := range []string{"effects", "effects_0", "effects_1", "effects_2", "effects_rotation", "effects_rotation_one",
+		"effects_pending_source", "effects_pending_key", "effects_parked", "effects_due", "effects_gen",
+		"effects_0_pkey", "effects_0_source", "effects_0_key", "effects_0_parked", "effects_0_due", "effects_0_gen",
+		"effects_2_pkey", "effects_2_source", "effects_2_key", "effects_2_parked", "effects_2_due"} {
+		var found bool
+		if err := db.QueryRow(`SELECT EXISTS (SELECT 1 FROM pg_class WHERE relname = $1)
+			OR EXISTS (SELECT 1 FROM pg_proc WHERE proname = $1) OR EXISTS (SELECT 1 FROM pg_constraint WHERE conname = $1)`,
+			prefix+name).Scan(&found); err != nil {
+			t.Fatal(err)
+		}
+		if !found {
+			t.Errorf("%s%s (%d bytes) not found under its full name", prefix, name, len(prefix+name))
+		}
+	}
+	in := st.(*inline)
+	src := outboxdriver.Source{Consumer: "unit", ID: "long"}
+	for range 2 {
+		tx, err := db.Begin()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := in.EffectInsert(context.Background(), tx, src, []outboxdriver.Effect{{Source: src, Kind: outboxdriver.KindPublish,
+			Topic: "t", UUID: "u", Payload: []byte("p"), OrderingKey: "k"}}); err != nil {
+			t.Fatal(err)
+		}
+		if err := tx.Commit(); err != nil {
+			t.Fatal(err)
+		}
+		rotateNow(t, in)
+	}
+	if got := in.gen.Load(); got != 2 {
+		t.Errorf("generation %d after two rotations, want 2", got)
 	}
 }
