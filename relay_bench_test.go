@@ -132,7 +132,10 @@ func BenchmarkRelayDrain(b *testing.B) {
 				b.StopTimer()
 				e := newEnv(b, func(c *outbox.Config) { c.EffectRetention = 0 })
 				if ff := os.Getenv("FF"); ff != "" {
-					mustExec(b, e, `ALTER TABLE outbox_effects SET (fillfactor = `+ff+`)`)
+					// A partitioned table has no storage of its own: each partition is set.
+					for _, part := range []string{"outbox_effects_0", "outbox_effects_1", "outbox_effects_2"} {
+						mustExec(b, e, `ALTER TABLE `+part+` SET (fillfactor = `+ff+`)`)
+					}
 				}
 				backlog(b, e, n, keys)
 				pub := &latencyPublisher{nullPublisher: newNullPublisher()}
