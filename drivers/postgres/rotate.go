@@ -38,7 +38,7 @@ const effectColumnList = `id, source_consumer, source_id, seq, kind, topic, uuid
 // rotationQueries are the statements of the rotation.
 type rotationQueries struct {
 	probe   string // (RotateEvery ms) -> current gen, whether the rotation is due, whether the current partition holds pages
-	switch_ string // (next, current): no row changed when another instance rotated
+	advance string // (next, current): no row changed when another instance rotated
 	lock    [3]string
 	count   [3]string    // (limit + 1) -> the rows in the partition, up to the limit + 1
 	move    [3][3]string // [from][to]: the rows of from into to, with their ids and state
@@ -62,7 +62,7 @@ func newRotationQueries(n store.Names) rotationQueries {
 	sizeOf += ` END`
 	q.probe = `SELECT r.gen, r.rotated_at < now() - $1::bigint * interval '1 millisecond', pg_relation_size(` + sizeOf + `) > 0
 		FROM ` + rotationTable(n) + ` r`
-	q.switch_ = `UPDATE ` + rotationTable(n) + ` SET gen = $1, rotated_at = now() WHERE gen = $2`
+	q.advance = `UPDATE ` + rotationTable(n) + ` SET gen = $1, rotated_at = now() WHERE gen = $2`
 	return q
 }
 
@@ -104,7 +104,7 @@ func (s *inline) rotate(ctx context.Context) error {
 		}
 		// The switch first: its row lock makes the instances that rotate at once take turns, and
 		// the one that finds the generation changed does nothing.
-		res, err := tx.ExecContext(ctx, s.rq.switch_, next, cur)
+		res, err := tx.ExecContext(ctx, s.rq.advance, next, cur)
 		if err != nil {
 			return err
 		}

@@ -242,6 +242,15 @@ func TestRotationMovesPendingEffectsWithTheirState(t *testing.T) {
 	if len(c.Effects) != len(leased) || c.Effects[0].StoreID != leased[0] {
 		t.Fatalf("claimed %+v, want the leased unit's (%v)", c.Effects, leased)
 	}
+	// The move names the columns: one added to the table must be added to it.
+	var columns string
+	if err := db.QueryRow(`SELECT string_agg(column_name, ', ' ORDER BY ordinal_position) FROM information_schema.columns
+		WHERE table_name = 'rot_effects' AND column_name <> 'gen'`).Scan(&columns); err != nil {
+		t.Fatal(err)
+	}
+	if want := strings.Join(strings.Fields(effectColumnList), " "); columns != want {
+		t.Fatalf("the effects table's columns are %s; the rotation moves %s", columns, want)
+	}
 	before, gens := effectRows(t, db)
 	for i, g := range gens {
 		if g != 0 {
