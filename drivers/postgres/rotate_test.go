@@ -30,6 +30,15 @@ func rotationStore(t *testing.T, db *sql.DB, every time.Duration) *inline {
 // transaction of its own, on ordering key key, and returns their ids.
 func record(t *testing.T, st *inline, db *sql.DB, unit, key string, count int) []int64 {
 	t.Helper()
+	ids, err := recordUnit(st, db, unit, key, count)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return ids
+}
+
+// recordUnit is record, returning its error.
+func recordUnit(st *inline, db *sql.DB, unit, key string, count int) ([]int64, error) {
 	ctx := context.Background()
 	src := outboxdriver.Source{Consumer: "unit", ID: unit}
 	effects := make([]outboxdriver.Effect, count)
@@ -39,20 +48,20 @@ func record(t *testing.T, st *inline, db *sql.DB, unit, key string, count int) [
 	}
 	tx, err := db.BeginTx(ctx, nil)
 	if err != nil {
-		t.Fatal(err)
+		return nil, err
 	}
 	defer func() { _ = tx.Rollback() }()
 	if _, err := st.EffectInsert(ctx, tx, src, effects); err != nil {
-		t.Fatal(err)
+		return nil, err
 	}
 	if err := tx.Commit(); err != nil {
-		t.Fatal(err)
+		return nil, err
 	}
 	ids := make([]int64, count)
 	for i, e := range effects {
 		ids[i] = e.StoreID
 	}
-	return ids
+	return ids, nil
 }
 
 // sendAll claims and marks every due effect, as the relay does, and returns how many it sent.
