@@ -219,3 +219,30 @@ func BenchmarkStats(b *testing.B) {
 		}
 	}
 }
+
+// BenchmarkInTx is the boundary's hot path: a business write and one effect through InTx, sent
+// after the commit to the broker (publish) or to a publisher that drops it (discard: the
+// database's part alone).
+func BenchmarkInTx(b *testing.B) {
+	for _, name := range []string{"publish", "discard"} {
+		b.Run(name, func(b *testing.B) {
+			e := newEnv(b)
+			ob := e.ob
+			if name == "discard" {
+				ob = e.newOutbox(func(c *outbox.Config) { c.Publisher = nopPublisher{} })
+			}
+			ctx := context.Background()
+			b.ResetTimer()
+			for i := 0; i < b.N; i++ {
+				if err := ob.InTx(ctx, func(ctx context.Context, tx *sql.Tx) error {
+					if err := businessWrite(ctx, tx, uuid.NewString()); err != nil {
+						return err
+					}
+					return outbox.Publish(ctx, "out_a", message.NewMessage(uuid.NewString(), []byte(`{}`)))
+				}); err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
+	}
+}

@@ -20,7 +20,9 @@ import (
 // returned; if fn panics, the transaction rolls back, nothing is sent, and the panic goes on.
 // The transaction is not bound to ctx (a cancelled request cannot roll back a commit half way);
 // fn's statements run with ctx as the caller passes it. Config.HandlerTimeout bounds the
-// transaction (the wait for a connection included), as it bounds a handler's.
+// transaction (the wait for a connection included), as it bounds a handler's. The wait for a
+// connection also ends when ctx does: InTx then returns an error wrapping ctx's, and fn does not
+// run.
 func (o *Outbox) InTx(ctx context.Context, fn func(ctx context.Context, tx *sql.Tx) error) error {
 	return o.InUnit(ctx, func(ctx context.Context) error {
 		tx, ok := TxOK(ctx)
@@ -63,6 +65,12 @@ func (o *Outbox) InUnit(ctx context.Context, fn func(ctx context.Context) error)
 	// Every unit counts by its outcome; a panic in fn (re-panicking) counts as rolled back.
 	outcome := OutcomeRolledBack
 	defer func() { o.tel.boundaryUnits.Add(ctx, 1, o.tel.attrs(AttrOutcome, outcome, "", "")) }()
+	// While the database is unreachable the unit waits for it without a connection, on a
+	// HandlerTimeout of its own and while ctx lasts (see dbGate).
+	if err := o.waitForDatabase(ctx); err != nil {
+		outcome = OutcomeFailed
+		return err
+	}
 	after := context.WithoutCancel(ctx)
 	txCtx, cancel := context.WithTimeout(after, o.cfg.HandlerTimeout)
 	defer cancel()
@@ -75,13 +83,17 @@ func (o *Outbox) InUnit(ctx context.Context, fn func(ctx context.Context) error)
 		}
 	}
 	var tx outboxdriver.UnitTx
-	var release func() // wakes the retries of this process waiting for the key this unit holds
+	var endTx context.CancelFunc // ends the context tx is bound to, once tx has ended
+	var release func()           // wakes the retries of this process waiting for the key this unit holds
 	// A panic on the way (in fn, or in a store or driver step) rolls the transaction back before it
 	// goes on, so that the connection goes back to the pool, and with it, on MySQL, the session
 	// lock of a claimed key. On every other path the unit has ended by then: a no-op.
 	defer func() {
 		if tx != nil {
 			_ = tx.Rollback(after)
+		}
+		if endTx != nil {
+			endTx()
 		}
 		if release != nil {
 			release()
@@ -91,11 +103,14 @@ func (o *Outbox) InUnit(ctx context.Context, fn func(ctx context.Context) error)
 	// it rolls back, waits, and begins again. Waiting in the store held a pooled connection per
 	// waiter for up to HandlerTimeout, so that a few retries of one key starved a small pool.
 	for wait := keyPollFirst; ; wait = min(2*wait, keyPollMax) {
-		tx, _, err = o.units.BeginUnit(txCtx, nil)
+		if endTx != nil {
+			endTx() // the previous try's transaction has rolled back
+		}
+		tx, endTx, err = o.beginBoundary(ctx, txCtx)
 		if err != nil {
 			tx = nil
 			outcome = OutcomeFailed
-			return fmt.Errorf("outbox: %w", err)
+			return err
 		}
 		if key == nil {
 			break
@@ -176,6 +191,39 @@ func (o *Outbox) InUnit(ctx context.Context, fn func(ctx context.Context) error)
 		outcome = OutcomeDispatchFailed
 	}
 	return nil
+}
+
+// beginBoundary begins the transaction of a boundary unit. The transaction is bound to txCtx
+// (HandlerTimeout), never to the caller's ctx: database/sql rolls back a transaction whose context
+// ends, and a caller that goes away must not roll back a commit half way. But the wait for a
+// pooled connection, and BEGIN, end with ctx too: a caller that gave up (an HTTP client gone)
+// waited up to HandlerTimeout for a connection it would only give back. So BEGIN runs on a child
+// of txCtx that ctx cancels until BEGIN has returned; if ctx ended by then, the transaction
+// begun (if any) is rolled back and the caller's error returned. end cancels the child once the
+// transaction has ended.
+func (o *Outbox) beginBoundary(ctx, txCtx context.Context) (tx outboxdriver.UnitTx, end context.CancelFunc, err error) {
+	bound, end := context.WithCancel(txCtx)
+	stop := context.AfterFunc(ctx, end)
+	tx, _, err = o.units.BeginUnit(bound, nil)
+	o.gate.observe(err)
+	if !stop() {
+		// ctx ended before BEGIN returned: bound is cancelled, and a transaction begun on it is
+		// being rolled back (or will be, by the driver's watch).
+		if err == nil {
+			_ = tx.Rollback(context.WithoutCancel(ctx))
+		}
+		end()
+		cause := ctx.Err()
+		if c := context.Cause(ctx); c != nil && !errors.Is(c, cause) {
+			cause = fmt.Errorf("%w (%w)", cause, c)
+		}
+		return nil, nil, fmt.Errorf("outbox: InTx: the caller's context ended before the transaction began (waiting for a database connection, or BEGIN): %w", cause)
+	}
+	if err != nil {
+		end()
+		return nil, nil, fmt.Errorf("outbox: %w", err)
+	}
+	return tx, end, nil
 }
 
 // JoinTx attaches a unit of work to a transaction the caller owns: side effects recorded with the

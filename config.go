@@ -67,6 +67,9 @@ type Config struct {
 	// set (after MaxAttempts, or at once for a permanent error), and is otherwise nacked again on
 	// every delivery, forever.
 	DeadLetters DeadLetterPolicy
+	// Redrive retries dead letters on its own, for causes that pass (a downstream that comes
+	// back): off unless Redrive.After is set. See DeadLetterRedrive.
+	Redrive DeadLetterRedrive
 	// PoisonTopic, when set, receives a copy of every dead-lettered message, with the reason in
 	// its metadata (MetadataPoisonReason and the others): with DeadLetters stored, the copy is
 	// recorded in the dead letter's transaction and sent like a side effect; with DeadLettersOff,
@@ -100,6 +103,22 @@ type Config struct {
 	// MaxAttempts as a redelivery's would be. It takes the place of Watermill's Retry middleware,
 	// which must not run inside the outbox middleware. Default: 0.
 	HandlerRetries int
+
+	// ReconnectDelay is how long the work on a database that became unreachable (a connection
+	// refused, a name not found, a dial that timed out, a server starting up, shutting down or
+	// with too many connections) waits before one probe connects again: the units of work in
+	// flight and the background loops wait, without a connection, for that probe, the first
+	// success closes the outage and wakes them all. The delay doubles after each failed probe up
+	// to ReconnectDelayMax, each spread over its upper half at random so that the instances of
+	// one outage do not probe in step. A unit of work waits at most HandlerTimeout (a budget of its
+	// own: one that begins when the database answers has a whole HandlerTimeout for its work) and
+	// while its message's context lasts, then is nacked with ErrDatabaseUnreachable (not counted
+	// as a failed attempt).
+	// Default: 100 ms. Negative: no waiting, every unit of work and loop connects again itself
+	// (after RetryDelay), as many times a second as there are messages in flight.
+	ReconnectDelay time.Duration
+	// ReconnectDelayMax bounds the growth of ReconnectDelay. Default: 30 seconds.
+	ReconnectDelayMax time.Duration
 
 	// DuplicateWait is how long a duplicate delivery that finds side effects committed less than
 	// this long ago waits for the process that committed them to send them, before sending what is
@@ -239,6 +258,9 @@ const (
 	defaultStatsInterval    = 15 * time.Second
 	defaultKeyRetention     = 24 * time.Hour
 
+	defaultReconnectDelay = 100 * time.Millisecond
+	reconnectDelayMax     = 30 * time.Second
+
 	// maxIDLength bounds message IDs and topics so that they index well.
 	maxIDLength = 255
 )
@@ -271,11 +293,20 @@ func (c *Config) setDefaults() {
 	if c.RetryDelayMax == 0 {
 		c.RetryDelayMax = defaultRetryDelayMax
 	}
+	if c.ReconnectDelay == 0 {
+		c.ReconnectDelay = defaultReconnectDelay
+	}
+	if c.ReconnectDelayMax == 0 {
+		c.ReconnectDelayMax = reconnectDelayMax
+	}
 	if c.RelayPauseFactor == 0 {
 		c.RelayPauseFactor = defaultRelayPauseFactor
 	}
 	if c.MaxAttempts == 0 {
 		c.MaxAttempts = defaultMaxAttempts
+	}
+	if c.Redrive.After > 0 && c.Redrive.MaxRetries == 0 {
+		c.Redrive.MaxRetries = defaultRedriveRetries
 	}
 	if c.DuplicateWait == 0 {
 		c.DuplicateWait = defaultDuplicateWait
@@ -337,7 +368,7 @@ func (c Config) Validate() error {
 		"Retention": c.Retention, "EffectRetention": c.EffectRetention, "CleanupInterval": c.CleanupInterval,
 		"CleanupPause":   c.CleanupPause,
 		"HandlerTimeout": c.HandlerTimeout, "PublishTimeout": c.PublishTimeout, "DuplicateWait": c.DuplicateWait,
-		"RetryDelayMax": c.RetryDelayMax,
+		"RetryDelayMax": c.RetryDelayMax, "ReconnectDelayMax": c.ReconnectDelayMax,
 		"RelayInterval": c.RelayInterval, "RelayGrace": c.RelayGrace,
 		"RedeliveryHorizon": c.RedeliveryHorizon, "HealthMaxPendingAge": c.HealthMaxPendingAge,
 		"IdempotencyRetention": c.IdempotencyRetention, "ClientRetryHorizon": c.ClientRetryHorizon,
@@ -384,6 +415,12 @@ func (c Config) Validate() error {
 	default:
 		errs = append(errs, fmt.Errorf("DeadLetters must be %q or %q, not %q", DeadLettersStore, DeadLettersOff, c.DeadLetters))
 	}
+	if c.Redrive.After < 0 || c.Redrive.MaxRetries < 0 {
+		errs = append(errs, fmt.Errorf("Redrive: After (%s) and MaxRetries (%d) must not be negative", c.Redrive.After, c.Redrive.MaxRetries))
+	}
+	if c.Redrive.After > 0 && c.DeadLetters == DeadLettersOff {
+		errs = append(errs, errors.New("Redrive retries dead letters, which DeadLettersOff does not store: set one or the other"))
+	}
 	if c.PoisonTopic != "" {
 		if err := validateName(c.PoisonTopic); err != nil {
 			errs = append(errs, fmt.Errorf("PoisonTopic: %w", err))
@@ -415,6 +452,27 @@ const (
 	// nacked forever.
 	DeadLettersOff DeadLetterPolicy = "off"
 )
+
+// DeadLetterRedrive is a policy that retries dead letters on its own (Config.Redrive), as
+// Outbox.RetryDeadLetters does, by actor RedriveActor: each dead letter After it was stored, while
+// it was retried fewer than MaxRetries times in all (DeadLetter.Retries, which an operator's
+// retries count too); then it stays dead until an operator acts. Dead letters marked permanent
+// (no attempt can succeed) and those without a source topic are left to the operator. Every
+// Outbox.Run looks, every After (at most every minute), at the oldest 1,000 dead letters; when
+// several look at once, the retry of a dead letter another one retried a moment before changes
+// nothing.
+type DeadLetterRedrive struct {
+	// After is how long a dead letter waits before it is retried. Zero: no redrive (the
+	// default).
+	After time.Duration
+	// MaxRetries bounds the retries of a dead letter. Default, with After set: 3.
+	MaxRetries int
+}
+
+// RedriveActor is who the redrive policy retries dead letters as (DeadLetter.ChangedBy).
+const RedriveActor = "redrive policy"
+
+const defaultRedriveRetries = 3
 
 // isNilPointer reports whether v, a non-nil interface, holds a nil pointer, map, channel or func.
 func isNilPointer(v any) bool {

@@ -4,6 +4,9 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
 
 	"github.com/watermill-outbox/outbox/outboxdriver"
 )
@@ -118,3 +121,31 @@ const (
 	DeadLetterRetried   = outboxdriver.DeadLetterRetried
 	DeadLetterDiscarded = outboxdriver.DeadLetterDiscarded
 )
+
+// redriveWindow is how many of the oldest dead letters a pass of the redrive policy looks at.
+const redriveWindow = 1000
+
+// redriveOnce retries the dead letters the redrive policy (Config.Redrive) is due to retry.
+func (o *Outbox) redriveOnce(ctx context.Context) error {
+	dead, err := o.DeadLetters(ctx, DeadLetterFilter{State: DeadLetterDead, Limit: redriveWindow})
+	if err != nil {
+		return err
+	}
+	var keys []Source
+	for _, d := range dead {
+		if time.Since(d.DeadAt) < o.cfg.Redrive.After {
+			break // oldest first: the rest are younger still
+		}
+		if d.Retries < o.cfg.Redrive.MaxRetries && !d.Permanent && d.SourceTopic != "" {
+			keys = append(keys, Source{Consumer: d.Consumer, ID: d.MessageID})
+		}
+	}
+	if len(keys) == 0 {
+		return nil
+	}
+	n, err := o.RetryDeadLetters(ctx, RedriveActor, keys...)
+	if n > 0 {
+		o.logger.Info("Dead letters retried by the redrive policy", watermill.LogFields{"retried": n, "max_retries": o.cfg.Redrive.MaxRetries})
+	}
+	return err
+}

@@ -67,16 +67,41 @@ func (h *health) counts(e Effect, timedOut bool, at time.Time) bool {
 	if e.Failures > 0 {
 		since = e.SinceFailure
 	}
+	last := h.lastOK(e, timedOut)
+	return !last.IsZero() && last.After(at.Add(-max(since, 0)))
+}
+
+// lastOK returns when e's target last took a call: the Publisher (for a call that timed out, e's
+// topic), or e's applier.
+func (h *health) lastOK(e Effect, timedOut bool) time.Time {
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	last := h.publishOK
 	switch {
 	case e.Kind != KindPublish:
-		last = h.applierOK[e.Kind]
+		return h.applierOK[e.Kind]
 	case timedOut:
-		last = h.topicOK[e.Topic]
+		return h.topicOK[e.Topic]
 	}
-	return !last.IsZero() && last.After(at.Add(-max(since, 0)))
+	return h.publishOK
+}
+
+// down tells whether a failed dispatch of e at at found its target down: nothing reached it since
+// e's previous failure (or since e was stored). Unlike counts, it places that failure by the time
+// the effect was read (StoredAt + PendingFor, when the store set them) rather than by at: counts
+// leans toward an outage, which parks nothing, and would take a success just before the call for
+// one before the previous failure; down must not, or a poison effect retried at its topic's
+// recovery would mark the topic down again and be retried at its next success.
+func (h *health) down(e Effect, timedOut bool, at time.Time) bool {
+	since := e.PendingFor
+	if e.Failures > 0 {
+		since = e.SinceFailure
+	}
+	prev := at.Add(-max(since, 0))
+	if !e.StoredAt.IsZero() {
+		prev = e.StoredAt.Add(e.PendingFor - max(since, 0))
+	}
+	last := h.lastOK(e, timedOut)
+	return last.IsZero() || !last.After(prev)
 }
 
 // relayBackoff is the pause after the failures-th failed dispatch of an effect: none after the
@@ -106,6 +131,12 @@ func (o *Outbox) failures(effects []Effect, sent, failed int, err error, at time
 			continue
 		}
 		counted := o.health.counts(e, hung(err), at)
+		if !counted && o.health.down(e, hung(err), at) {
+			// Nothing reached the target since: it is down, and its effects back off until it
+			// takes a call again. A failure while the target takes other calls is the effect's
+			// own (a poison one), which the target's next success must not retry at once.
+			o.recovery.failedCall(e)
+		}
 		attempts := e.Attempts
 		if counted {
 			attempts++
@@ -270,6 +301,12 @@ func (o *Outbox) handlerFailed(ctx context.Context, msg *message.Message, src So
 	}
 	fields = fields.Add(watermill.LogFields{"attempts": attempts, "max_attempts": o.cfg.MaxAttempts})
 	if attempts < o.cfg.MaxAttempts && !permanent {
+		o.failingHere.add(src)
+		// An operator may have asked while this attempt ran, or while the message was delivered
+		// to a process that had not seen it fail.
+		if done, err := o.deadLetterIfAsked(ctx, msg, src, fields); done {
+			return err
+		}
 		return counted(fmt.Errorf("attempt %d of %d: %w", attempts, o.cfg.MaxAttempts, herr), attempts)
 	}
 	if dl := o.deadLetterStore(); dl != nil {
@@ -288,6 +325,34 @@ func (o *Outbox) handlerFailed(ctx context.Context, msg *message.Message, src So
 	o.logger.Error("Message moved to the poison topic after repeated failures", herr,
 		fields.Add(watermill.LogFields{"poison_topic": o.cfg.PoisonTopic}))
 	return nil
+}
+
+// deadLetterIfAsked stores msg as a dead letter and acks it, instead of running its handler
+// (again), when an operator asked for it (outbox dead now: a mark on its attempt counter). done
+// tells whether it did, or failed to (err, a nack); otherwise the message goes on as usual, also
+// when the request cannot be read: the handler's attempt reads the database as well.
+func (o *Outbox) deadLetterIfAsked(ctx context.Context, msg *message.Message, src Source, fields watermill.LogFields) (done bool, err error) {
+	dl := o.deadLetterStore()
+	ds, ok := o.store.(outboxdriver.DeadLetterNowStore)
+	if dl == nil || !ok {
+		return false, nil
+	}
+	bctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), storeTimeout)
+	defer cancel()
+	req, err := ds.DeadLetterRequested(bctx, src)
+	if err != nil {
+		o.logger.Error("Reading whether an operator asked to dead-letter a failing message failed", err, fields)
+		return false, nil
+	}
+	if req.By == "" {
+		return false, nil
+	}
+	cause := fmt.Errorf("dead-lettered at once at the request of %s; its last error: %s", req.By, req.LastError)
+	err = o.deadLetter(bctx, ctx, dl, msg, src, cause, req.Attempts, false, false, fields.Add(watermill.LogFields{"requested_by": req.By}))
+	if errors.Is(err, errNoDeadLetters) {
+		return false, nil
+	}
+	return true, err
 }
 
 // errNoDeadLetters: the store keeps no dead letters after all; the message is handled as with

@@ -130,10 +130,20 @@ func (o *Outbox) handle(msg *message.Message, p HandleParams, next message.Handl
 			// Committed, the failure recorded: the relay sends the effects, and the consumer goes on.
 			setOutcome(parent, OutcomeDispatchFailed)
 			return nil
+		case errors.Is(err, errWaitForDatabase):
+			if parent.Err() != nil {
+				return err
+			}
+			// Not a try: the next one begins once the database answers (waitForDatabase).
+			continue
 		case errors.Is(err, errRetryAtOnce):
 			o.logger.Debug("Serialization failure or deadlock; running the unit of work again at once", fields.Add(watermill.LogFields{"try": try, "error": err.Error()}))
 			try++
 			continue
+		case errors.Is(err, ErrDatabaseUnreachable):
+			// It waited for the database up to HandlerTimeout already: nacked at once, and its
+			// redelivery waits for the same probe.
+			return err
 		case parent.Err() != nil || errors.Is(err, ErrFailpoint):
 			// A shutdown: waiting helps nothing. A failpoint stands for a crash, which does not
 			// wait either (a killed consumer's in-flight messages would otherwise each wait
@@ -164,8 +174,27 @@ const maxImmediateRetries = 3
 // errRetryAtOnce asks Handle to run the unit of work again at once.
 var errRetryAtOnce = errors.New("retry at once")
 
+// errWaitForDatabase asks Handle to run the unit of work again once the database answers.
+var errWaitForDatabase = errors.New("the database is unreachable")
+
+// waitForDatabase waits while the database is unreachable (see dbGate), without a connection,
+// at most HandlerTimeout and while ctx lasts. The wait has a budget of its own, so that a unit
+// that begins when the database answers again has the whole HandlerTimeout for its work:
+// sharing one, units woken late in theirs timed out in their handlers and were counted failed.
+func (o *Outbox) waitForDatabase(ctx context.Context) error {
+	if _, down := o.gate.outage(); !down {
+		return nil
+	}
+	ctx, cancel := context.WithTimeout(ctx, o.cfg.HandlerTimeout)
+	defer cancel()
+	return o.gate.wait(ctx)
+}
+
 func (o *Outbox) handleOnce(msg *message.Message, src Source, p HandleParams, next message.HandlerFunc, lastTry bool, fields watermill.LogFields) error {
 	parent := msg.Context()
+	if err := o.waitForDatabase(parent); err != nil {
+		return fmt.Errorf("outbox: claim message %q for %q (not counted as a failed attempt): %w", src.ID, src.Consumer, err)
+	}
 	// The transaction lives in a context that neither the ack nor the subscriber's ack deadline can
 	// cancel, so that they cannot roll back a commit half way. HandlerTimeout bounds everything up
 	// to the commit: the wait for a connection, for a concurrent copy's claim, the handler (whose
@@ -183,7 +212,16 @@ func (o *Outbox) handleOnce(msg *message.Message, src Source, p HandleParams, ne
 	// consumer path's throughput with an SDK installed); only the dispatch, which calls the broker,
 	// has a span of its own.
 	span := trace.SpanFromContext(parent)
+	if o.failingHere.contains(src) {
+		if done, err := o.deadLetterIfAsked(after, msg, src, fields); done {
+			return err
+		}
+	}
 	tx, claim, err := o.units.BeginUnit(txCtx, &src)
+	if o.gate.observe(err) {
+		// The database is unreachable: Handle waits for it and runs the unit again.
+		return fmt.Errorf("%w: %w", errWaitForDatabase, err)
+	}
 	if err != nil {
 		if o.isRetryable(err) && !lastTry {
 			// Copies of the message met at their claims (MySQL: a deadlock between the waiters

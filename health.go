@@ -18,7 +18,8 @@ import (
 
 // Stats takes a sample of the outbox tables now: pending and parked side effects and the age of
 // the oldest of each, messages with failed attempts that are neither processed nor poisoned,
-// retained message IDs and the cleanup lag. Its cost is bounded whatever the size of the tables
+// retained message IDs and the cleanup lag; on PostgreSQL also what holds back the xmin horizon
+// and the dead tuples of the outbox tables. Its cost is bounded whatever the size of the tables
 // (counts above StatsCountCap are estimated). Run samples the same every StatsInterval, on one
 // instance at a time, for the metrics.
 func (o *Outbox) Stats(ctx context.Context) (Stats, error) {
@@ -86,7 +87,8 @@ const (
 )
 
 // Health checks, with reasons: the database answers and takes writes (a standby reached after a
-// failover does not), the schema is current, the relay is running
+// failover does not; while it is unreachable the check says since when and how many connection
+// attempts failed, without trying one more), the schema is current, the relay is running
 // in this process and finished a round recently, the notification listener is connected
 // (PostgreSQL), and the backlog and the parked effects are under the thresholds of Config
 // (HealthMaxPending, HealthMaxPendingAge, HealthMaxParked; checked only when set, against the
@@ -103,10 +105,15 @@ func (o *Outbox) Health(ctx context.Context) HealthReport {
 		}
 		r.Checks = append(r.Checks, c)
 	}
-	pingErr := o.db.PingContext(ctx)
-	dbErr := pingErr
-	if dbErr != nil {
-		dbErr = fmt.Errorf("ping (waited for a connection and an answer, at most 5s): %w", dbErr)
+	var pingErr, dbErr error
+	if out, down := o.gate.outage(); down {
+		// The probe asks the database on its own schedule; a ping per check would be one more
+		// connection attempt in the storm the gate keeps away.
+		pingErr = fmt.Errorf("%w %s", ErrDatabaseUnreachable, out)
+		dbErr = pingErr
+	} else if pingErr = o.db.PingContext(ctx); pingErr != nil {
+		o.gate.observe(pingErr)
+		dbErr = fmt.Errorf("ping (waited for a connection and an answer, at most 5s): %w", pingErr)
 	} else if w, ok := o.store.(outboxdriver.WritableChecker); ok {
 		// Reachable is not enough: a standby answers every read and refuses every unit of work.
 		dbErr = w.CheckWritable(ctx)

@@ -188,6 +188,7 @@ func (m *marker) write(batch []outboxdriver.DispatchMark) bool {
 	for try := 1; ; try++ {
 		err := m.o.store.EffectMarkDispatched(ctx, batch...)
 		if err == nil {
+			m.o.gate.observe(nil)
 			return true
 		}
 		fields := watermill.LogFields{"sources": len(batch), "first_source_id": batch[0].Source.ID, "try": try}
@@ -196,12 +197,21 @@ func (m *marker) write(batch []outboxdriver.DispatchMark) bool {
 			m.o.logger.Error("Marking side effects dispatched failed; they may be sent again", err, fields)
 			return false
 		}
+		d := pause
+		if m.o.gate.observe(err) {
+			d = 0 // the database is unreachable: the batch waits for the probe, as any other work
+		}
 		select {
 		case <-ctx.Done():
 			m.o.tel.markFailures.Add(context.Background(), 1)
 			m.o.logger.Error("Marking side effects dispatched failed; they may be sent again", err, fields)
 			return false
-		case <-time.After(pause):
+		case <-time.After(d):
+		}
+		if gerr := m.o.gate.wait(ctx); gerr != nil {
+			m.o.tel.markFailures.Add(context.Background(), 1)
+			m.o.logger.Error("Marking side effects dispatched failed; they may be sent again", gerr, fields)
+			return false
 		}
 		m.o.logger.Info("Marking side effects dispatched failed; retrying", fields.Add(watermill.LogFields{"error": err.Error()}))
 		pause = min(2*pause, time.Second)

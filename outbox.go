@@ -43,11 +43,18 @@ type Outbox struct {
 	claimSeesDelayed atomic.Bool
 	// health tells a poison effect from an outage (see health.counts).
 	health health
+	// recovery holds the destinations whose calls failed, so that the effects that back off for
+	// one become due once it takes a call again.
+	recovery recovery
 	// breakers holds the destinations the relay leaves alone for a while because their calls hung.
 	breakers breakers
 	// failedHere holds the sources whose dispatch failed in this process lately: a redelivered
 	// copy of one of them never waits for an original that is known to have failed.
 	failedHere recentSources
+	// failingHere holds the messages whose handler failed in this process lately: only their
+	// deliveries look for an operator's request to dead-letter them at once (outbox dead now),
+	// so that the others pay no read for it.
+	failingHere recentSources
 	// relaysRunning counts the Run calls in progress; noRelayWarned lets the missing relay be
 	// reported once a minute.
 	relaysRunning atomic.Int32
@@ -56,6 +63,9 @@ type Outbox struct {
 	// notification told, in another instance: until they are sent, each written mark wakes the
 	// relay, since effects handed over behind the marked ones may be free to go.
 	lastHandoff atomic.Int64
+	// gate holds work back while the database is unreachable (see dbGate); nil when
+	// ReconnectDelay is negative.
+	gate *dbGate
 	// keysHeld wakes the retries of this process that wait for a key a unit of this process holds.
 	keysHeld heldKeys
 }
@@ -67,6 +77,10 @@ func New(cfg Config) (*Outbox, error) {
 		return nil, fmt.Errorf("outbox: invalid config: %w", err)
 	}
 	logger, storeErrs := cfg.Logger, &oncePer{}
+	var gate *dbGate
+	if cfg.ReconnectDelay >= 0 {
+		gate = &dbGate{minDelay: cfg.ReconnectDelay, maxDelay: cfg.ReconnectDelayMax, probe: cfg.DB.PingContext}
+	}
 	var storeFailpoint func(context.Context, string) error
 	if fp := cfg.Failpoint; fp != nil {
 		storeFailpoint = func(ctx context.Context, point string) error {
@@ -79,6 +93,7 @@ func New(cfg Config) (*Outbox, error) {
 	st, err := cfg.Driver.Open(cfg.DB, outboxdriver.StoreOptions{
 		Schema: cfg.Schema, TablePrefix: cfg.TablePrefix, DeleteDispatched: cfg.EffectRetention == 0,
 		OnError: func(what string, err error) {
+			gate.observe(err)
 			if storeErrs.allow(time.Minute) { // it retries every relay round
 				logger.Error("outbox: "+what+" failed", err, nil)
 			}
@@ -98,11 +113,18 @@ func New(cfg Config) (*Outbox, error) {
 		kick:     make(chan struct{}, 1),
 	}
 	o.due.kick = o.kickRelay
+	if gate != nil {
+		o.gate = gate
+		gate.unreachable = o.unreachable
+		gate.onAttempt = func() { o.tel.dbUnreachable.Add(context.Background(), 1) }
+		gate.onChange = o.reachabilityChanged
+	}
 	o.units = sqlUnits{db: cfg.DB, store: st, spilled: func(ctx context.Context) { o.tel.spills.Add(ctx, 1) }}
 	if us, ok := st.(outboxdriver.UnitStore); ok {
 		o.units = us
 	}
 	o.failedHere.ttl = cfg.DuplicateWait + cfg.PublishTimeout + time.Minute
+	o.failingHere.ttl = time.Hour
 	o.marks = newMarker(o)
 	if o.tel, err = newTelemetry(o); err != nil {
 		return nil, fmt.Errorf("outbox: create instruments: %w", err)
@@ -193,6 +215,13 @@ func (o *Outbox) Run(ctx context.Context) error {
 		wg.Add(1)
 		go func() { defer wg.Done(); o.runEvery(ctx, o.cfg.StatsInterval, nil, "stats sampling", o.sampleStats) }()
 	}
+	if o.cfg.Redrive.After > 0 && o.deadLetterStore() != nil {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			o.runEvery(ctx, min(o.cfg.Redrive.After, time.Minute), nil, "dead-letter redrive", o.redriveOnce)
+		}()
+	}
 	wg.Wait()
 	o.due.stop()
 	o.marks.wait() // a clean shutdown leaves no mark unwritten, so nothing is re-sent after it
@@ -203,8 +232,12 @@ func (o *Outbox) runEvery(ctx context.Context, every time.Duration, wake <-chan 
 	t := time.NewTicker(every)
 	defer t.Stop()
 	for {
-		if err := fn(ctx); err != nil && ctx.Err() == nil {
-			o.logger.Error("outbox "+name+" failed", err, nil)
+		// In an outage the loop waits for the database, rather than fail against it every round.
+		if err := o.gate.wait(ctx); err == nil {
+			err := fn(ctx)
+			if !o.gate.observe(err) && err != nil && ctx.Err() == nil {
+				o.logger.Error("outbox "+name+" failed", err, nil)
+			}
 		}
 		select {
 		case <-ctx.Done():
@@ -272,7 +305,9 @@ func (o *Outbox) DiscardParked(ctx context.Context, storeIDs ...int64) (int, err
 // cause is fixed: it forgets its poisoned claim and its failed attempts, so that the next delivery
 // of the message to consumer runs the handler (a copy still in the broker, or the message put back
 // on its topic from the poison topic, with its ID unchanged). It reports whether the message was
-// poisoned; a message that was processed normally is left alone.
+// poisoned; a message that was processed normally is left alone. The dead letter of a message
+// dead-lettered, if still dead, is marked retried in the same transaction (with no actor), so
+// that it is no longer listed as dead and RetryDeadLetters does not hand it over again.
 func (o *Outbox) ReplayPoisoned(ctx context.Context, consumer, messageID string) (bool, error) {
 	src := Source{Consumer: consumer, ID: messageID}
 	if err := validateName(consumer); err != nil {
@@ -296,6 +331,9 @@ const listenDeafRetry = 30 * time.Second
 func (o *Outbox) listen(ctx context.Context) {
 	defer o.tel.listening.Store(false)
 	for ctx.Err() == nil {
+		if o.gate.wait(ctx) != nil {
+			return
+		}
 		connected := false
 		err := o.store.EffectListen(ctx, func() {
 			o.tel.listening.Store(true)
@@ -312,6 +350,7 @@ func (o *Outbox) listen(ctx context.Context) {
 			o.kickRelay()
 		})
 		o.tel.listening.Store(false)
+		o.gate.observe(err)
 		if errors.Is(err, outboxdriver.ErrListenUnsupported) {
 			o.tel.listenUnsupported.Store(true)
 			return
@@ -336,6 +375,27 @@ func (o *Outbox) listen(ctx context.Context) {
 			}
 		}
 	}
+}
+
+// unreachable tells a failure that means the database cannot be reached now: one the framework
+// knows (a failed dial, PostgreSQL's SQLSTATEs), or one the store says is.
+func (o *Outbox) unreachable(err error) bool {
+	if unreachable(err) {
+		return true
+	}
+	c, ok := o.store.(outboxdriver.ReachabilityClassifier)
+	return ok && c.Unreachable(err)
+}
+
+// reachabilityChanged logs an outage of the database when it begins and when it ends.
+func (o *Outbox) reachabilityChanged(since time.Time, attempts int64, err error) {
+	if err != nil {
+		o.logger.Error("The database is unreachable; work on it waits for one probe at a time, ReconnectDelay apart, doubling up to ReconnectDelayMax",
+			err, watermill.LogFields{"since": since})
+		return
+	}
+	o.logger.Info("The database is reachable again", watermill.LogFields{
+		"unreachable_for": time.Since(since).Round(time.Millisecond).String(), "failed_attempts": attempts})
 }
 
 // wakeRelays wakes this process's relay and, through the store, the relays of the other instances.

@@ -96,6 +96,9 @@ func (o *Outbox) relayOnce(ctx context.Context) (err error) {
 			}
 		}
 		busy = 0
+		// Destinations that took a call again since the last turn: the effects that back off
+		// for them are claimed by this turn, not when their retry time comes.
+		o.retryRecovered(ctx)
 		overlapping := fl != nil
 		var skip []string
 		if overlapping {

@@ -133,7 +133,7 @@ func BenchmarkRelayDrain(b *testing.B) {
 				e := newEnv(b, func(c *outbox.Config) { c.EffectRetention = 0 })
 				if ff := os.Getenv("FF"); ff != "" {
 					// A partitioned table has no storage of its own: each partition is set.
-					for _, part := range []string{"outbox_effects_0", "outbox_effects_1", "outbox_effects_2"} {
+					for _, part := range []string{"outbox_effects", "outbox_effects_1", "outbox_effects_2"} {
 						mustExec(b, e, `ALTER TABLE `+part+` SET (fillfactor = `+ff+`)`)
 					}
 				}

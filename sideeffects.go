@@ -443,6 +443,13 @@ func (o *Outbox) dispatch(ctx context.Context, path string, effects []Effect) (s
 			}
 		}
 		o.health.succeeded(e)
+		retried := false
+		for _, d := range effects[i:j] {
+			retried = retried || d.Failures > d.Attempts // it failed while its target was down
+		}
+		if o.recovery.succeededCall(e, retried) {
+			o.kickRelay() // its next turn makes the destination's backed-off effects due
+		}
 		if err := o.failpoint(ctx, FailpointAfterPublish); err != nil {
 			return j, 0, err
 		}

@@ -22,6 +22,10 @@ type (
 	DeadLetterFilter = outboxdriver.DeadLetterFilter
 	// Stats is a sample of the outbox tables (Outbox.Stats).
 	Stats = outboxdriver.Stats
+	// XminHold is what holds back PostgreSQL's xmin horizon (Stats.XminHold).
+	XminHold = outboxdriver.XminHold
+	// TableVacuum is one outbox table's dead row versions (Stats.Tables).
+	TableVacuum = outboxdriver.TableVacuum
 	// CleanupResult counts what a cleanup pass deleted (Outbox.Cleanup).
 	CleanupResult = outboxdriver.CleanupResult
 )

@@ -52,6 +52,13 @@ const (
 	MetricEffectsDelayed    = "outbox.effects.delayed"      // gauge: delayed effects not yet due (no backlog)
 	MetricDelayedPromoted   = "outbox.effects.delayed.due"  // counter: delayed effects the relay made pending once due
 	MetricEffectsSpilled    = "outbox.effects.spilled"      // counter: units of work that moved the effects kept in their claim to rows
+	MetricXminHeldAge       = "outbox.db.xmin_held_age"     // gauge, s: how long the oldest holder of the xmin horizon has held it (PostgreSQL)
+	MetricXminHeldXacts     = "outbox.db.xmin_held_xacts"   // gauge: transactions begun since the xmin horizon held (PostgreSQL)
+	MetricTableDeadTuples   = "outbox.table.dead_tuples"    // gauge: dead row versions of an outbox table, by table (PostgreSQL)
+	// MetricDBUnreachable counts the connection attempts that found the database unreachable;
+	// MetricDBUnreachableFor is how long it has been (0 while it is reachable).
+	MetricDBUnreachable    = "outbox.db.unreachable_attempts"
+	MetricDBUnreachableFor = "outbox.db.unreachable_for"
 )
 
 // Attribute keys. Consumer and topic names are bounded by the application; message IDs are never
@@ -152,6 +159,7 @@ type telemetry struct {
 	listenerDeaf     metric.Int64Counter
 	delayedPromoted  metric.Int64Counter
 	spills           metric.Int64Counter
+	dbUnreachable    metric.Int64Counter
 
 	attrSets sync.Map // attrKey -> metric.MeasurementOption
 
@@ -244,6 +252,7 @@ func newTelemetry(o *Outbox) (*telemetry, error) {
 	t.delayedPromoted = i64c(MetricDelayedPromoted, "{effect}", "Delayed side effects the relay made pending once due (then sent as any other).")
 	t.spills = i64c(MetricEffectsSpilled, "{unit}", "Units of work of the database/sql form on PostgreSQL that moved the side effects kept in their claim to effect rows, past the cost of rewriting them (record many messages in one Publish call).")
 	t.listenerDeaf = i64c(MetricListenerDeaf, "{listener}", "Relay listeners that LISTENed but did not receive a notification of their own (a pooler in transaction mode): the relay polls.")
+	t.dbUnreachable = i64c(MetricDBUnreachable, "{attempt}", "Connection attempts (of units of work, background statements and probes) that found the database unreachable: refused, not found, timed out, starting up, shutting down or full.")
 
 	gauge := func(name, unit, desc string) metric.Float64ObservableGauge {
 		g, err := m.Float64ObservableGauge(name, metric.WithUnit(unit), metric.WithDescription(desc))
@@ -262,7 +271,11 @@ func newTelemetry(o *Outbox) (*telemetry, error) {
 	relayAge := gauge(MetricRelayLastRoundAge, "s", "Time since this process's relay last finished a round.")
 	uptime := gauge(MetricUptime, "s", "Time since this Outbox was created: its counters count from then.")
 	delayed := gauge(MetricEffectsDelayed, "{effect}", "Delayed side effects committed and not yet due: no backlog (once due they count as pending).")
-	t.gauges = []metric.Observable{pending, pendingAge, parked, parkedAge, failing, dead, retained, cleanupLag, statsAge, relayAge, uptime, delayed}
+	xminAge := gauge(MetricXminHeldAge, "s", "How long the oldest holder of the xmin horizon the service's role can see (a transaction, a replication slot, a prepared transaction) has held it: nothing deleted since can be vacuumed.")
+	xminXacts := gauge(MetricXminHeldXacts, "{transaction}", "Transactions begun since the oldest xmin horizon the service's role can see was held.")
+	deadTuples := gauge(MetricTableDeadTuples, "{row}", "Dead row versions of an outbox table not yet vacuumed, by table.")
+	unreachableFor := gauge(MetricDBUnreachableFor, "s", "How long the database has been unreachable (0 while it is reachable): work on it waits for a probe meanwhile.")
+	t.gauges = []metric.Observable{pending, pendingAge, parked, parkedAge, failing, dead, retained, cleanupLag, statsAge, relayAge, uptime, delayed, xminAge, xminXacts, deadTuples, unreachableFor}
 	tablesName := o.cfg.TablePrefix
 	if o.cfg.Schema != "" {
 		tablesName = o.cfg.Schema + "." + tablesName
@@ -271,6 +284,11 @@ func newTelemetry(o *Outbox) (*telemetry, error) {
 	t.observe = func(_ context.Context, obs metric.Observer) error {
 		opt := metric.WithAttributeSet(tables)
 		obs.ObserveFloat64(uptime, time.Since(t.created).Seconds(), opt)
+		var down time.Duration
+		if out, ok := o.gate.outage(); ok {
+			down = time.Since(out.Since)
+		}
+		obs.ObserveFloat64(unreachableFor, down.Seconds(), opt)
 		if last := t.lastRelayRound.Load(); last != 0 {
 			obs.ObserveFloat64(relayAge, time.Since(time.Unix(0, last)).Seconds(), opt)
 		}
@@ -290,6 +308,21 @@ func newTelemetry(o *Outbox) (*telemetry, error) {
 		obs.ObserveFloat64(cleanupLag, cleanupBehind.Seconds(), opt)
 		obs.ObserveFloat64(statsAge, age.Seconds(), opt)
 		obs.ObserveFloat64(delayed, float64(s.Delayed), opt)
+		if s.Tables != nil { // PostgreSQL's: the other databases have no such horizon
+			var held time.Duration
+			var xacts int64
+			if h := s.XminHold; h != nil {
+				held, xacts = h.Age, h.Transactions
+				if age > t.staleAfter { // a stall must not hold the age at a healthy value
+					held += age
+				}
+			}
+			obs.ObserveFloat64(xminAge, held.Seconds(), opt)
+			obs.ObserveFloat64(xminXacts, float64(xacts), opt)
+			for _, tv := range s.Tables {
+				obs.ObserveFloat64(deadTuples, float64(tv.DeadTuples), metric.WithAttributes(AttrTables.String(tablesName), AttrTable.String(tv.Table)))
+			}
+		}
 		return nil
 	}
 	t.meter = m
@@ -302,7 +335,7 @@ func newTelemetry(o *Outbox) (*telemetry, error) {
 	// anything went wrong: the boundary's outcomes, cleanup's tables, and the dispatches of
 	// publishes on every path (appliers' kinds start when they are registered).
 	ctx := context.Background()
-	for _, c := range []metric.Int64Counter{t.relayRounds, t.relayErrors, t.cleanupBatches, t.markFailures, t.cleanupErrors, t.listenerDeaf, t.delayedPromoted, t.spills} {
+	for _, c := range []metric.Int64Counter{t.relayRounds, t.relayErrors, t.cleanupBatches, t.markFailures, t.cleanupErrors, t.listenerDeaf, t.delayedPromoted, t.spills, t.dbUnreachable} {
 		c.Add(ctx, 0)
 	}
 	for _, outcome := range []string{OutcomeCommitted, OutcomeDispatchFailed, OutcomeRolledBack, OutcomeFailed} {

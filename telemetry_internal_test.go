@@ -7,6 +7,8 @@ import (
 
 	"go.opentelemetry.io/otel/metric"
 	"go.opentelemetry.io/otel/metric/embedded"
+
+	"github.com/watermill-outbox/outbox/outboxdriver"
 )
 
 // gaugeRecorder is a metric.Observer that keeps the last value observed for each gauge.
@@ -16,8 +18,13 @@ type gaugeRecorder struct {
 	values map[string]float64
 }
 
-func (r *gaugeRecorder) ObserveFloat64(o metric.Float64Observable, v float64, _ ...metric.ObserveOption) {
-	r.values[r.names[o]] = v
+func (r *gaugeRecorder) ObserveFloat64(o metric.Float64Observable, v float64, opts ...metric.ObserveOption) {
+	name := r.names[o]
+	set := metric.NewObserveConfig(opts).Attributes()
+	if table, ok := set.Value(AttrTable); ok {
+		name += "{" + table.AsString() + "}"
+	}
+	r.values[name] = v
 }
 
 func (r *gaugeRecorder) ObserveInt64(o metric.Int64Observable, v int64, _ ...metric.ObserveOption) {
@@ -29,7 +36,7 @@ func observeGauges(t *testing.T, tel *telemetry) map[string]float64 {
 	t.Helper()
 	order := []string{MetricEffectsPending, MetricPendingOldestAge, MetricEffectsParked, MetricParkedOldestAge,
 		MetricMessagesFailing, MetricMessagesDead, MetricProcessedRetained, MetricCleanupLag, MetricStatsAge, MetricRelayLastRoundAge, MetricUptime,
-		MetricEffectsDelayed}
+		MetricEffectsDelayed, MetricXminHeldAge, MetricXminHeldXacts, MetricTableDeadTuples, MetricDBUnreachableFor}
 	if len(order) != len(tel.gauges) {
 		t.Fatalf("%d gauges, the test knows %d", len(tel.gauges), len(order))
 	}
@@ -56,6 +63,44 @@ func TestTelemetryDelayedEffectsApart(t *testing.T) {
 	}
 	if got[MetricMessagesDead] != 3 || got[MetricMessagesFailing] != 0 {
 		t.Errorf("gauges %v: want 3 dead letters, not counted as failing", got)
+	}
+}
+
+// On PostgreSQL the holder of the xmin horizon and the dead tuples of each table are reported;
+// with no holder the age is zero (not absent, so that an alert resolves); a stale sample's age
+// grows with it. On a database without such a horizon (no Tables) neither is reported.
+func TestTelemetryXminHeldAndDeadTuples(t *testing.T) {
+	tel, err := newTelemetry(&Outbox{cfg: Config{StatsInterval: 15 * time.Second}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	tel.setStats(Stats{SampledAt: time.Now(),
+		XminHold: &outboxdriver.XminHold{Holder: outboxdriver.XminBackend, Age: 11 * time.Minute, Transactions: 42_000, PID: 7},
+		Tables:   []outboxdriver.TableVacuum{{Table: "effects", DeadTuples: 1_234}, {Table: "processed", DeadTuples: 5}}})
+	got := observeGauges(t, tel)
+	if got[MetricXminHeldAge] != 660 || got[MetricXminHeldXacts] != 42_000 {
+		t.Errorf("gauges %v: want the horizon held 660 s, 42,000 transactions", got)
+	}
+	if got[MetricTableDeadTuples+"{effects}"] != 1_234 || got[MetricTableDeadTuples+"{processed}"] != 5 {
+		t.Errorf("gauges %v: want 1,234 dead tuples in effects and 5 in processed", got)
+	}
+
+	tel.setStats(Stats{SampledAt: time.Now(), Tables: []outboxdriver.TableVacuum{{Table: "effects"}}})
+	got = observeGauges(t, tel)
+	if a, ok := got[MetricXminHeldAge]; !ok || a != 0 {
+		t.Errorf("no holder: age %v (reported %v), want 0", a, ok)
+	}
+
+	tel.setStats(Stats{SampledAt: time.Now().Add(-10 * time.Minute), Tables: []outboxdriver.TableVacuum{},
+		XminHold: &outboxdriver.XminHold{Age: time.Minute}})
+	if a := observeGauges(t, tel)[MetricXminHeldAge]; a < 660 || a > 720 {
+		t.Errorf("stale sample: held %v s, want the sample's 60 s plus its 600 s age", a)
+	}
+
+	tel.setStats(Stats{SampledAt: time.Now(), Pending: 1})
+	got = observeGauges(t, tel)
+	if _, ok := got[MetricXminHeldAge]; ok {
+		t.Errorf("a database with no xmin horizon: gauges %v, want no xmin age", got)
 	}
 }
 

@@ -50,7 +50,13 @@ func (s sqlUnits) BeginUnit(ctx context.Context, claim *Source) (outboxdriver.Un
 			}
 			var tx *sql.Tx
 			if tx, err = conn.BeginTx(ctx, nil); err == nil {
-				return &sqlUnit{store: s.store, tx: tx, conn: conn}, outboxdriver.Claim{Claimed: true}, nil
+				u := &sqlUnit{store: s.store, tx: tx, conn: conn}
+				if err := u.guardBoundary(ctx); err != nil {
+					_ = tx.Rollback()
+					_ = conn.Close()
+					return nil, outboxdriver.Claim{}, err
+				}
+				return u, outboxdriver.Claim{Claimed: true}, nil
 			}
 			_ = conn.Close()
 			if ctx.Err() != nil {
@@ -69,6 +75,10 @@ func (s sqlUnits) BeginUnit(ctx context.Context, claim *Source) (outboxdriver.Un
 	}
 	u := &sqlUnit{store: s.store, tx: tx}
 	if claim == nil {
+		if err := u.guardBoundary(ctx); err != nil {
+			_ = tx.Rollback()
+			return nil, outboxdriver.Claim{}, err
+		}
 		return u, outboxdriver.Claim{Claimed: true}, nil
 	}
 	c, err := s.store.MessageClaim(ctx, tx, *claim)
@@ -76,12 +86,28 @@ func (s sqlUnits) BeginUnit(ctx context.Context, claim *Source) (outboxdriver.Un
 		_ = tx.Rollback()
 		return nil, outboxdriver.Claim{}, err
 	}
-	u.claimed, u.src = c.Claimed, *claim
+	u.guarded, u.src = c.Claimed, *claim
 	if r, ok := s.store.(outboxdriver.InlineRecorder); ok && c.Claimed {
 		u.inline = &inlineRecord{store: r, src: *claim, budget: r.InlineBudget()}
 		u.spilled = s.spilled
 	}
 	return u, c, nil
+}
+
+// guardBoundary marks the transaction of a boundary unit (no claim), when the store can, so that
+// its writes are guarded as a claimed unit's are: after a COMMIT or ROLLBACK sent through the
+// *sql.Tx, a write would commit on its own, in autocommit. One statement more per unit.
+func (u *sqlUnit) guardBoundary(ctx context.Context) error {
+	g, ok := u.store.(outboxdriver.BoundaryGuard)
+	if !ok {
+		return nil
+	}
+	guarded, err := g.GuardBoundary(ctx, u.tx)
+	if err != nil {
+		return fmt.Errorf("begin transaction: %w", err)
+	}
+	u.guarded = guarded
+	return nil
 }
 
 func (s sqlUnits) JoinUnit(tx any) (outboxdriver.UnitTx, error) {
@@ -99,11 +125,13 @@ type sqlUnit struct {
 	inline      *inlineRecord // the effects kept in the claim; nil when there is no claim or the store keeps none
 	moved       map[int]int64 // Seq -> row of the effects kept in the claim and then moved to rows (spilled)
 	spilled     func(ctx context.Context)
-	// claimed: the unit claimed a message, whose claim the store's writes can check
-	// (outboxdriver.ClaimedEffectInserter). ended: a record found the claim gone, rolled back by
-	// user SQL; nothing more is sent through the transaction.
-	claimed, ended bool
-	src            Source // of the claim, when claimed
+	// guarded: the store's writes can check that the unit's transaction is still open
+	// (outboxdriver.ClaimedEffectInserter): the unit claimed a message, whose claim they find, or
+	// it is a boundary unit whose transaction the store marked (outboxdriver.BoundaryGuard).
+	// ended: a record found the claim or the mark gone, ended by user SQL; nothing more is sent
+	// through the transaction.
+	guarded, ended bool
+	src            Source // of the claim, when it claimed one
 	// conn is the connection of tx when the store locks keys per session; keyed is the key
 	// claimed on it, whose lock is released once tx has ended.
 	conn  *sql.Conn
@@ -122,7 +150,9 @@ func (u *sqlUnit) Tx() any { return u.tx }
 // statement that writes (no round trip of its own); one that finds none reports
 // ErrTxFinishedByHandler, and the unit stores nothing more. After a COMMIT sent through it the
 // claim exists, committed, as do the business writes the handler makes after it: their effects
-// are stored with them, each in autocommit, and sent when the message is redelivered.
+// are stored with them, each in autocommit, and sent when the message is redelivered. A boundary
+// unit has no claim and no redelivery: its writes find the mark of its transaction
+// (outboxdriver.BoundaryGuard), which a COMMIT sent as SQL ends too.
 func (u *sqlUnit) Record(ctx context.Context, effects []Effect) error {
 	if u.ended {
 		return u.endedError()
@@ -140,7 +170,7 @@ func (u *sqlUnit) Record(ctx context.Context, effects []Effect) error {
 		}
 	}
 	insert := u.store.EffectInsert
-	if ci, ok := u.store.(outboxdriver.ClaimedEffectInserter); ok && u.claimed {
+	if ci, ok := u.store.(outboxdriver.ClaimedEffectInserter); ok && u.guarded {
 		insert = ci.EffectInsertClaimed
 	}
 	inSavepoint, err := insert(ctx, u.tx, effects[0].Source, effects)
@@ -152,8 +182,12 @@ func (u *sqlUnit) Record(ctx context.Context, effects []Effect) error {
 	return err
 }
 
-// endedError reports a unit whose transaction user SQL rolled back.
+// endedError reports a unit whose transaction user SQL ended.
 func (u *sqlUnit) endedError() error {
+	if u.src.Consumer == "" {
+		return fmt.Errorf("%w: the transaction was ended by SQL sent through it (COMMIT or ROLLBACK): nothing more is stored, nothing is sent (%w)",
+			ErrTxFinishedByHandler, outboxdriver.ErrTxDone)
+	}
 	return fmt.Errorf("%w: the transaction was rolled back by SQL sent through it (its claim is gone): nothing more is stored (%w)",
 		ErrTxFinishedByHandler, outboxdriver.ErrTxDone)
 }
@@ -492,7 +526,7 @@ func (u *sqlUnit) KeySave(ctx context.Context, scope, key string, result []byte)
 var _ outboxdriver.DelayedUnitTx = (*sqlUnit)(nil)
 
 // RecordDelayed stores delayed effects in the transaction, through the store's DelayedStore; for
-// a claimed unit only while its claim exists, as Record.
+// a guarded unit only while its claim (or boundary mark) exists, as Record.
 func (u *sqlUnit) RecordDelayed(ctx context.Context, effects []Effect) error {
 	ds, ok := u.store.(outboxdriver.DelayedStore)
 	if !ok {
@@ -501,7 +535,7 @@ func (u *sqlUnit) RecordDelayed(ctx context.Context, effects []Effect) error {
 	if u.ended {
 		return u.endedError()
 	}
-	if cs, ok := u.store.(outboxdriver.ClaimedDelayedStore); ok && u.claimed {
+	if cs, ok := u.store.(outboxdriver.ClaimedDelayedStore); ok && u.guarded {
 		err := cs.DelayedInsertClaimed(ctx, u.tx, effects[0].Source, effects)
 		if errors.Is(err, outboxdriver.ErrClaimGone) {
 			u.ended = true
@@ -513,7 +547,7 @@ func (u *sqlUnit) RecordDelayed(ctx context.Context, effects []Effect) error {
 }
 
 // CancelDelayed cancels delayed effects in the transaction, through the store's DelayedStore; for
-// a claimed unit only while its claim exists: in autocommit the cancel would delete effects that
+// a guarded unit only while its claim (or boundary mark) exists: in autocommit the cancel would delete effects that
 // other units committed, on its own.
 func (u *sqlUnit) CancelDelayed(ctx context.Context, key string) (int, error) {
 	ds, ok := u.store.(outboxdriver.DelayedStore)
@@ -523,7 +557,7 @@ func (u *sqlUnit) CancelDelayed(ctx context.Context, key string) (int, error) {
 	if u.ended {
 		return 0, u.endedError()
 	}
-	if cs, ok := u.store.(outboxdriver.ClaimedDelayedStore); ok && u.claimed {
+	if cs, ok := u.store.(outboxdriver.ClaimedDelayedStore); ok && u.guarded {
 		n, err := cs.DelayedCancelClaimed(ctx, u.tx, u.src, key)
 		if errors.Is(err, outboxdriver.ErrClaimGone) {
 			u.ended = true

@@ -56,7 +56,7 @@ func (c *protocolSQL) open(e *env) error {
 	if err := c.ob.Migrate(context.Background()); err != nil {
 		return err
 	}
-	n, err := store.NewNames("public", protocolSQLPrefix)
+	n, err := postgres.NewNames("public", protocolSQLPrefix)
 	if err != nil {
 		return err
 	}

@@ -1,6 +1,7 @@
 // Package console is an embeddable web console for the outbox: the status, the parked effects
-// grouped by failure, the failing and the poisoned messages, and buttons to retry, discard and
-// replay that go through package ops (the CLI's code), audited with the user's name.
+// grouped by failure, the failing and the poisoned messages, the dead letters grouped by consumer
+// and cause, and buttons to retry, discard and replay that go through package ops (the CLI's
+// code), audited with the user's name.
 //
 //	o, err := ops.ForOutbox(ob) // the tables the Outbox works on
 //	h, err := console.New(o, console.Options{
@@ -36,6 +37,7 @@ import (
 	"time"
 
 	"github.com/watermill-outbox/outbox/ops"
+	"github.com/watermill-outbox/outbox/outboxdriver"
 )
 
 //go:embed console.html
@@ -65,19 +67,29 @@ const (
 	ActionRetry   = "retry"
 	ActionDiscard = "discard"
 	ActionReplay  = "replay"
+	// ActionRetryDeadLetter and ActionDiscardDeadLetter change dead letters: names of their own,
+	// because handing a message back to its handler is not resending an effect.
+	ActionRetryDeadLetter   = "retry-dead-letter"
+	ActionDiscardDeadLetter = "discard-dead-letter"
+	// ActionDeadLetterNow dead-letters a failing message on its next delivery (outbox dead now);
+	// its target is in Consumers and MessageID.
+	ActionDeadLetterNow = "dead-letter-now"
 )
 
 // Action is what Authorize is asked about: an action and its target.
 type Action struct {
-	// Name is ActionRetry, ActionDiscard or ActionReplay.
+	// Name is one of the Action constants.
 	Name string
 	// StoreIDs are the parked effects a retry or a discard changes, and Consumers and Topics
 	// theirs (each once); for a replay, Consumers holds the message's consumer.
 	StoreIDs  []int64
 	Consumers []string
 	Topics    []string
-	// MessageID is the message a replay is for.
+	// MessageID is the message a replay, or a dead-letter-now, is for.
 	MessageID string
+	// Messages are the dead letters (Source{Consumer, ID: message ID}) a dead-letter action
+	// changes, and Consumers theirs.
+	Messages []outboxdriver.Source
 }
 
 // Options configure the console.
@@ -127,8 +139,8 @@ type console struct {
 }
 
 // New returns the console's handler. It serves "/" (the page), "/discard" (GET: the question
-// before a discard) and the POSTs "/retry", "/discard" and "/replay"; mount it under a prefix
-// with http.StripPrefix.
+// before a discard) and the POSTs "/retry", "/discard", "/replay", "/retry-dead",
+// "/discard-dead" (dead letters) and "/dead-letter-now" (a failing message); mount it under a prefix with http.StripPrefix.
 func New(o *ops.Ops, opt Options) (http.Handler, error) {
 	if opt.Authenticate == nil && opt.BasicAuth == nil && !opt.AllowUnauthenticated {
 		return nil, errors.New("console: Options.Authenticate or BasicAuth is required (or set AllowUnauthenticated when the application authenticates in front of the console)")
@@ -173,6 +185,9 @@ func New(o *ops.Ops, opt Options) (http.Handler, error) {
 	mux.HandleFunc("POST /retry", c.action(ActionRetry))
 	mux.HandleFunc("POST /discard", c.action(ActionDiscard))
 	mux.HandleFunc("POST /replay", c.action(ActionReplay))
+	mux.HandleFunc("POST /retry-dead", c.action(ActionRetryDeadLetter))
+	mux.HandleFunc("POST /discard-dead", c.action(ActionDiscardDeadLetter))
+	mux.HandleFunc("POST /dead-letter-now", c.action(ActionDeadLetterNow))
 	return c.secure(mux), nil
 }
 
@@ -283,6 +298,35 @@ type poisoned struct {
 	CanReplay bool
 }
 
+// failing is a failing message with whether the user may dead-letter it at once.
+type failing struct {
+	ops.Failing
+	CanDeadLetter bool
+}
+
+// deadGroup is a group of dead letters with what the user may do with all of it.
+type deadGroup struct {
+	ops.DeadLetterGroup
+	CanRetry, CanDiscard bool
+}
+
+// deadRow is a dead letter with what the user may do with it.
+type deadRow struct {
+	outboxdriver.DeadLetter
+	CanRetry, CanDiscard bool
+}
+
+// deadConfirm is the question before a discard of dead letters: which, and the form fields
+// that select them again.
+type deadConfirm struct {
+	Keys                       []outboxdriver.Source
+	Consumer, MessageID, Group string
+	// Shown are the first PageSize of Keys, which the question lists (a group may count
+	// thousands), and More how many it leaves out.
+	Shown []outboxdriver.Source
+	More  int
+}
+
 // relay is the indicator of the relays' state.
 type relay struct {
 	Level string // ok, warn, bad
@@ -320,7 +364,7 @@ type view struct {
 	Groups      []group
 	Parked      []row
 	NextParked  template.URL
-	Failing     []ops.Failing
+	Failing     []failing
 	MoreFailing bool
 	Poisoned    []poisoned
 	MorePoison  bool
@@ -328,6 +372,14 @@ type view struct {
 	Counted     []string     // the tiles that count the lists below rather than the sample
 	Confirm     []ops.Parked // the effects a discard would give up, asked about first
 	ConfirmIDs  string
+	// The dead letters: their groups (by consumer and cause), the oldest page of them, and
+	// whether the driver keeps none.
+	DeadGroups     []deadGroup
+	MoreDeadGroups bool
+	Dead           []deadRow
+	MoreDead       bool
+	NoDeadLetters  bool
+	ConfirmDead    *deadConfirm // the dead letters a discard would give up, asked about first
 }
 
 func (c *console) show(w http.ResponseWriter, r *http.Request) {
@@ -384,11 +436,19 @@ func (c *console) load(ctx context.Context, r *http.Request, v *view) error {
 		}
 		v.Groups = append(v.Groups, group{FailureGroup: g, CanRetry: c.may(r, target(in...).as(ActionRetry))})
 	}
-	if v.Failing, err = c.ops.FailingMessages(ctx, v.Filter.Consumer, n+1); err != nil {
+	fl, err := c.ops.FailingMessages(ctx, v.Filter.Consumer, n+1)
+	if err != nil {
 		return err
 	}
-	if len(v.Failing) > n {
-		v.Failing, v.MoreFailing = v.Failing[:n], true
+	if len(fl) > n {
+		fl, v.MoreFailing = fl[:n], true
+	}
+	for _, f := range fl {
+		v.Failing = append(v.Failing, failing{Failing: f,
+			CanDeadLetter: c.may(r, Action{Name: ActionDeadLetterNow, Consumers: []string{f.Consumer}, MessageID: f.MessageID})})
+	}
+	if err := c.loadDead(ctx, r, v); err != nil {
+		return err
 	}
 	c.countFromLists(v, v.NextParked != "")
 	list, err := c.ops.PoisonedMessages(ctx, v.Filter.Consumer, n+1)
@@ -405,10 +465,78 @@ func (c *console) load(ctx context.Context, r *http.Request, v *view) error {
 	return nil
 }
 
-// countFromLists replaces the sampled parked and failing counts with the lists the page read
-// just now, where those lists are whole (unfiltered, one page): a sample up to MaxSampleAge
-// old would otherwise still count an effect the list no longer shows (retried a moment ago), or
-// a message that has since succeeded or been poisoned.
+// loadDead reads the groups of dead letters and the oldest page of them (of the consumer the page
+// is filtered by).
+func (c *console) loadDead(ctx context.Context, r *http.Request, v *view) error {
+	groups, more, err := c.ops.DeadLetterGroups(ctx, v.Filter.Consumer)
+	if errors.Is(err, outboxdriver.ErrDeadLettersUnsupported) {
+		v.NoDeadLetters = true
+		return nil
+	}
+	if err != nil {
+		return err
+	}
+	v.MoreDeadGroups = more
+	for _, g := range groups {
+		t := deadTarget(g.Keys...)
+		v.DeadGroups = append(v.DeadGroups, deadGroup{DeadLetterGroup: g,
+			CanRetry: c.may(r, t.as(ActionRetryDeadLetter)), CanDiscard: c.may(r, t.as(ActionDiscardDeadLetter))})
+	}
+	n := c.opt.PageSize
+	dead, err := c.ops.DeadLetters(ctx, outboxdriver.DeadLetterFilter{Consumer: v.Filter.Consumer, State: outboxdriver.DeadLetterDead, Limit: n + 1})
+	if err != nil {
+		return err
+	}
+	if len(dead) > n {
+		dead, v.MoreDead = dead[:n], true
+	}
+	for _, d := range dead {
+		t := deadTarget(outboxdriver.Source{Consumer: d.Consumer, ID: d.MessageID})
+		v.Dead = append(v.Dead, deadRow{DeadLetter: d,
+			CanRetry: c.may(r, t.as(ActionRetryDeadLetter)), CanDiscard: c.may(r, t.as(ActionDiscardDeadLetter))})
+	}
+	return nil
+}
+
+// deadTarget is the target of an action on dead letters.
+func deadTarget(keys ...outboxdriver.Source) Action {
+	a := Action{Messages: keys}
+	for _, k := range keys {
+		if !slices.Contains(a.Consumers, k.Consumer) {
+			a.Consumers = append(a.Consumers, k.Consumer)
+		}
+	}
+	return a
+}
+
+// deadOf returns the dead letters (in state dead) a form selects: one (consumer and message_id)
+// or a group (consumer and group, the fingerprint of its reason), and the selection for a
+// question.
+func (c *console) deadOf(ctx context.Context, form url.Values) ([]outboxdriver.Source, deadConfirm, error) {
+	sel := deadConfirm{Consumer: form.Get("consumer"), MessageID: form.Get("message_id"), Group: form.Get("group")}
+	if sel.Consumer == "" || (sel.MessageID == "") == (sel.Group == "") {
+		return nil, sel, errors.New("bad request: a consumer and a message_id or a group")
+	}
+	if sel.MessageID != "" {
+		// The store's change tells whether it is dead: one that is not is left alone and not counted.
+		return []outboxdriver.Source{{Consumer: sel.Consumer, ID: sel.MessageID}}, sel, nil
+	}
+	groups, _, err := c.ops.DeadLetterGroups(ctx, sel.Consumer)
+	if err != nil {
+		return nil, sel, err
+	}
+	for _, g := range groups {
+		if g.Fingerprint == sel.Group {
+			return g.Keys, sel, nil
+		}
+	}
+	return nil, sel, nil
+}
+
+// countFromLists replaces the sampled parked, failing and dead-letter counts with the lists the
+// page read just now, where those lists are whole (unfiltered, one page): a sample up to
+// MaxSampleAge old would otherwise still count an effect the list no longer shows (retried a
+// moment ago), or a message that has since succeeded, been poisoned or dead-lettered.
 func (c *console) countFromLists(v *view, parkedPaged bool) {
 	t := &v.Overview.Totals
 	f := v.Filter
@@ -422,6 +550,10 @@ func (c *console) countFromLists(v *view, parkedPaged bool) {
 	if f.Consumer == "" && !v.MoreFailing {
 		t.Failing = int64(len(v.Failing))
 		v.Counted = append(v.Counted, "failing")
+	}
+	if f.Consumer == "" && !v.MoreDead && !v.NoDeadLetters {
+		t.DeadLetters = int64(len(v.Dead))
+		v.Counted = append(v.Counted, "dead letters")
 	}
 }
 
@@ -532,6 +664,44 @@ func (c *console) action(action string) http.HandlerFunc {
 		var flash string
 		var err error
 		switch action {
+		case ActionRetryDeadLetter, ActionDiscardDeadLetter:
+			keys, sel, derr := c.deadOf(ctx, r.PostForm)
+			if derr != nil {
+				http.Error(w, derr.Error(), http.StatusBadRequest)
+				return
+			}
+			if len(keys) == 0 {
+				flash = "no such dead letters (any more): nothing changed"
+				break
+			}
+			if !c.may(r, deadTarget(keys...).as(action)) {
+				http.Error(w, "forbidden: not authorized to "+action+" these dead letters", http.StatusForbidden)
+				return
+			}
+			if action == ActionDiscardDeadLetter && r.PostForm.Get("confirm") != "yes" {
+				sel.Keys, sel.Shown = keys, keys[:min(len(keys), c.opt.PageSize)]
+				sel.More = len(keys) - len(sel.Shown)
+				c.render(w, view{User: user, Token: c.token(user), ConfirmDead: &sel})
+				return
+			}
+			var n int
+			if action == ActionRetryDeadLetter {
+				n, err = c.ops.RetryDeadLetters(ctx, keys, opt)
+				flash = fmt.Sprintf("%d dead letter(s) retried: their consumers run them again", n)
+			} else {
+				n, err = c.ops.DiscardDeadLetters(ctx, keys, opt)
+				flash = fmt.Sprintf("%d dead letter(s) discarded", n)
+			}
+		case ActionDeadLetterNow:
+			consumer, id := r.PostForm.Get("consumer"), r.PostForm.Get("message_id")
+			if !c.may(r, Action{Name: ActionDeadLetterNow, Consumers: []string{consumer}, MessageID: id}) {
+				http.Error(w, "forbidden: not authorized to dead-letter "+consumer+"/"+id, http.StatusForbidden)
+				return
+			}
+			var ok bool
+			ok, err = c.ops.DeadLetterNow(ctx, outboxdriver.Source{Consumer: consumer, ID: id}, opt)
+			flash = fmt.Sprintf("dead-letter %s/%s: %v", consumer, id, map[bool]string{
+				true: "its next delivery stores it as a dead letter and acks it", false: "not a failing message"}[ok])
 		case ActionReplay:
 			consumer, id := r.PostForm.Get("consumer"), r.PostForm.Get("message_id")
 			if !c.may(r, Action{Name: ActionReplay, Consumers: []string{consumer}, MessageID: id}) {

@@ -47,11 +47,15 @@ func (o *Ops) DeadLetters(ctx context.Context, f outboxdriver.DeadLetterFilter) 
 // DeadLetterGroup counts the dead letters (in state dead) of one consumer whose reasons have one
 // Fingerprint; Reason is the first one's.
 type DeadLetterGroup struct {
-	Consumer string    `json:"consumer"`
-	Reason   string    `json:"reason"`
-	Count    int       `json:"count"`
-	Oldest   time.Time `json:"oldest"`
-	Newest   time.Time `json:"newest"`
+	Consumer    string    `json:"consumer"`
+	Reason      string    `json:"reason"`
+	Fingerprint string    `json:"fingerprint"`
+	Count       int       `json:"count"`
+	Oldest      time.Time `json:"oldest"`
+	Newest      time.Time `json:"newest"`
+	// Keys are its dead letters, so that an action on the group changes those it counted and
+	// not those that joined it since.
+	Keys []outboxdriver.Source `json:"-"`
 }
 
 // maxGrouped bounds the dead letters DeadLetterGroups reads.
@@ -74,10 +78,11 @@ func (o *Ops) DeadLetterGroups(ctx context.Context, consumer string) (groups []D
 		k := [2]string{d.Consumer, Fingerprint(d.Reason)}
 		g := byKey[k]
 		if g == nil {
-			g = &DeadLetterGroup{Consumer: d.Consumer, Reason: d.Reason, Oldest: d.DeadAt}
+			g = &DeadLetterGroup{Consumer: d.Consumer, Reason: d.Reason, Fingerprint: k[1], Oldest: d.DeadAt}
 			byKey[k] = g
 		}
 		g.Count++
+		g.Keys = append(g.Keys, outboxdriver.Source{Consumer: d.Consumer, ID: d.MessageID})
 		if d.DeadAt.Before(g.Oldest) {
 			g.Oldest = d.DeadAt
 		}
@@ -167,4 +172,41 @@ func (o *Ops) countDead(ctx context.Context, keys []outboxdriver.Source) (int, e
 		}
 	}
 	return n, nil
+}
+
+// deadLetterNowStore is a store built on store.SQL whose attempt counters carry requests to
+// dead-letter a failing message at once, written with their audit entries.
+type deadLetterNowStore interface {
+	outboxdriver.DeadLetterNowStore
+	DeadLetterNowAudited(ctx context.Context, src outboxdriver.Source, actor string, audit func() store.Audit) (bool, error)
+}
+
+// DeadLetterNow asks that a failing message, key (Source{Consumer, ID: message ID}: its handler
+// failed, and it is neither processed nor dead-lettered), be dead-lettered at once: its next
+// delivery stores it as a dead letter and acks it without running the handler again (one that
+// reaches a process that has not seen it fail runs the handler once more, and is dead-lettered
+// if that fails). The request is written with its audit entry; it reports whether the message
+// was failing (with DryRun, is).
+func (o *Ops) DeadLetterNow(ctx context.Context, key outboxdriver.Source, opt RepairOptions) (bool, error) {
+	ds, ok := o.st.(deadLetterNowStore)
+	if !ok {
+		return false, fmt.Errorf("ops: %w", outboxdriver.ErrDeadLetterNowUnsupported)
+	}
+	if strings.TrimSpace(opt.Actor) == "" {
+		return false, errors.New("ops: an actor is required for the audit table")
+	}
+	if opt.DryRun {
+		req, err := ds.DeadLetterRequested(ctx, key)
+		if err != nil {
+			return false, fmt.Errorf("ops: %w", err)
+		}
+		return req.Attempts > 0, nil
+	}
+	ok, err := ds.DeadLetterNowAudited(ctx, key, opt.Actor, func() store.Audit {
+		return auditEntry(opt.Actor, "dead-letter-now", key.Consumer+"/"+key.ID, "", opt.Remote)
+	})
+	if err != nil {
+		return false, fmt.Errorf("ops: dead-letter now: %w", err)
+	}
+	return ok, nil
 }

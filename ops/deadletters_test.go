@@ -78,3 +78,76 @@ func TestDeadLetterRepairsAreAudited(t *testing.T) {
 		t.Fatalf("dead letters left: %+v, %v", dead, err)
 	}
 }
+
+// TestReplayOfADeadLetterSettlesIt: replaying a dead-lettered message (the message put back on
+// its topic by hand) marks its dead letter retried by the actor, in the replay's transaction: it
+// is no longer listed as dead, a retry from it afterwards hands nothing over, and the next
+// delivery runs the handler once.
+func TestReplayOfADeadLetterSettlesIt(t *testing.T) {
+	db, closeDB := exampleDB()
+	defer closeDB()
+	ctx := context.Background()
+	ob, err := outbox.New(outbox.Config{DB: db, Driver: postgres.Driver{}, Publisher: &broker{}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ob.Close()
+	if err := ob.Migrate(ctx); err != nil {
+		t.Fatal(err)
+	}
+	runs := 0
+	fixed := false
+	handle := func() error {
+		return ob.Handle(message.NewMessage("m1", []byte("m1")), outbox.HandleParams{Consumer: "billing", MessageID: "m1", Topic: "orders"},
+			func(*message.Message) ([]*message.Message, error) {
+				runs++
+				if !fixed {
+					return nil, outbox.Permanent(errors.New("no customer 4711"))
+				}
+				return nil, nil
+			})
+	}
+	if err := handle(); err != nil {
+		t.Fatal(err)
+	}
+	o, err := ops.Open(db, "", "")
+	if err != nil {
+		t.Fatal(err)
+	}
+	m1 := outboxdriver.Source{Consumer: "billing", ID: "m1"}
+	dead := func() []outboxdriver.DeadLetter {
+		dls, err := o.DeadLetters(ctx, outboxdriver.DeadLetterFilter{Consumer: "billing"})
+		if err != nil || len(dls) != 1 {
+			t.Fatalf("dead letters: %+v, %v; want m1's", dls, err)
+		}
+		return dls
+	}
+	if ok, err := o.ReplayPoisoned(ctx, m1.Consumer, m1.ID, ops.RepairOptions{Actor: "alice", DryRun: true}); err != nil || !ok {
+		t.Fatalf("replay dry run: %v, %v", ok, err)
+	}
+	if d := dead()[0]; d.State != outboxdriver.DeadLetterDead {
+		t.Fatalf("the dry run changed the dead letter: %+v", d)
+	}
+	if ok, err := o.ReplayPoisoned(ctx, m1.Consumer, m1.ID, ops.RepairOptions{Actor: "alice"}); err != nil || !ok {
+		t.Fatalf("replay: %v, %v", ok, err)
+	}
+	if d := dead()[0]; d.State != outboxdriver.DeadLetterRetried || d.ChangedBy != "alice" || d.Retries != 1 {
+		t.Fatalf("dead letter after the replay: %+v; want retried by alice", d)
+	}
+	if n, err := o.RetryDeadLetters(ctx, []outboxdriver.Source{m1}, ops.RepairOptions{Actor: "bob"}); err != nil || n != 0 {
+		t.Fatalf("retry after the replay: %d, %v; want nothing handed over again", n, err)
+	}
+	fixed = true
+	for range 2 {
+		if err := handle(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if runs != 2 {
+		t.Fatalf("the handler ran %d times; want once when dead-lettered and once after the replay", runs)
+	}
+	var audited int
+	if err := db.QueryRow(`SELECT count(*) FROM outbox_audit WHERE actor = 'alice' AND action = 'replay-poisoned'`).Scan(&audited); err != nil || audited != 1 {
+		t.Fatalf("audit entries of the replay: %d, %v", audited, err)
+	}
+}

@@ -564,8 +564,9 @@ func (o *Ops) FailingMessages(ctx context.Context, consumer string, limit int) (
 }
 
 // ReplayPoisoned forgets the poisoned claim and the failed attempts of a message, so that its next
-// delivery runs the handler (see Outbox.ReplayPoisoned), and audits it in the same transaction.
-// It reports whether the message was poisoned; with DryRun it only looks.
+// delivery runs the handler (see Outbox.ReplayPoisoned), and audits it in the same transaction,
+// in which its dead letter, if still dead, is marked retried by opt.Actor. It reports whether
+// the message was poisoned; with DryRun it only looks.
 func (o *Ops) ReplayPoisoned(ctx context.Context, consumer, messageID string, opt RepairOptions) (bool, error) {
 	if strings.TrimSpace(opt.Actor) == "" {
 		return false, errors.New("ops: an actor is required for the audit table")

@@ -89,6 +89,32 @@ type DeadLetterStore interface {
 	DeadLetterCount(ctx context.Context) (int, error)
 }
 
+// DeadLetterRequest is what the attempt counter of a failing message says of an operator's request
+// to dead-letter it at once.
+type DeadLetterRequest struct {
+	// By is who asked; empty when nobody did.
+	By string
+	// Attempts and LastError are the counter's.
+	Attempts  int
+	LastError string
+}
+
+// DeadLetterNowStore is implemented by a DeadLetterStore whose attempt counters carry operators'
+// requests to dead-letter a failing message at once.
+type DeadLetterNowStore interface {
+	// DeadLetterNow marks the attempt counter of src, a message that failed and is not processed
+	// (nor dead-lettered), so that its next delivery stores it as a dead letter and acks it
+	// without running the handler; it reports whether there was such a counter.
+	DeadLetterNow(ctx context.Context, src Source, actor string) (bool, error)
+	// DeadLetterRequested reads the request on the attempt counter of src, a message not
+	// processed; By is empty when there is none (or no counter).
+	DeadLetterRequested(ctx context.Context, src Source) (DeadLetterRequest, error)
+}
+
+// ErrDeadLetterNowUnsupported is returned by DeadLetterNow of a Store whose dialect cannot mark
+// attempt counters.
+var ErrDeadLetterNowUnsupported = errors.New("outbox: the driver cannot dead-letter a failing message at once")
+
 // ErrDeadLettersUnsupported is returned by the dead-letter operations of a Store that keeps
 // none.
 var ErrDeadLettersUnsupported = errors.New("outbox: the driver keeps no dead letters")

@@ -12,6 +12,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"strings"
 	"time"
 	"unicode/utf8"
 )
@@ -119,7 +120,8 @@ type Store interface {
 	MessagePoison(ctx context.Context, src Source) error
 	// MessageReplay forgets that src was poisoned: it deletes its claim, if the claim is one that
 	// MessagePoison wrote, and its failed attempts, so that the next delivery runs the handler
-	// again. It tells whether a poisoned claim was found.
+	// again. It tells whether a poisoned claim was found. A DeadLetterStore marks the dead letter
+	// of src, if in state dead, retried in the same transaction, counting the retry.
 	MessageReplay(ctx context.Context, src Source) (bool, error)
 	// AttemptRecord durably counts a failed attempt of src and returns the count so far.
 	AttemptRecord(ctx context.Context, src Source, reason string) (int, error)
@@ -270,6 +272,76 @@ type Stats struct {
 	Delayed int64
 	// DeadLetters counts the dead letters still dead (see DeadLetterStore), up to StatsCountCap.
 	DeadLetters int64
+	// XminHold is what holds back the database's xmin horizon, the oldest transaction whose
+	// snapshot keeps VACUUM from removing the rows deleted after it (PostgreSQL only): nil when
+	// nothing the service's role can see holds it, and on other databases.
+	XminHold *XminHold
+	// Tables are the dead row versions of the outbox tables, from the database's statistics
+	// (PostgreSQL only; nil on other databases).
+	Tables []TableVacuum
+}
+
+// Holders of the xmin horizon (XminHold.Holder).
+const (
+	XminBackend             = "backend"              // a session: a long or idle-in-transaction one, or a standby's walsender
+	XminReplicationSlot     = "replication_slot"     // a replication slot's xmin (a standby's hot_standby_feedback)
+	XminPreparedTransaction = "prepared_transaction" // a prepared transaction never committed nor rolled back
+)
+
+// XminHold is the oldest holder of the xmin horizon that a Stats sample found.
+type XminHold struct {
+	// Holder is XminBackend, XminReplicationSlot or XminPreparedTransaction.
+	Holder string
+	// Xmin is the transaction ID held, as PostgreSQL prints it.
+	Xmin string
+	// Transactions is age(xmin): how many transactions began since. Always known.
+	Transactions int64
+	// Age is how long the horizon has been held: since the holder's transaction began (a
+	// backend whose row the role may read, a prepared transaction), or since the samples first
+	// found this xmin held (a slot, another role's backend), whichever is longer.
+	Age time.Duration
+	// PID is the backend's process (a slot's active walsender; 0 when none or prepared).
+	PID int
+	// ApplicationName and State are the backend's (State is empty when the role may not read
+	// it: another role's session without pg_read_all_stats); for a slot, State is active or
+	// inactive.
+	ApplicationName string
+	State           string
+	// Name is the slot's name, the prepared transaction's GID, or the backend's type.
+	Name string
+}
+
+// Who says who holds the horizon, with what an operator needs to end it: the backend's pid,
+// application and state, the slot's name, the prepared transaction's GID.
+func (h XminHold) Who() string {
+	switch h.Holder {
+	case XminReplicationSlot:
+		return fmt.Sprintf("replication slot %s (%s)", h.Name, h.State)
+	case XminPreparedTransaction:
+		return "prepared transaction " + h.Name
+	}
+	who := fmt.Sprintf("backend pid %d", h.PID)
+	var what []string
+	for _, s := range []string{h.ApplicationName, h.State} {
+		if s != "" {
+			what = append(what, s)
+		}
+	}
+	if len(what) > 0 {
+		who += " (" + strings.Join(what, ", ") + ")"
+	}
+	return who
+}
+
+// TableVacuum is one outbox table's dead row versions, as the database's statistics count them.
+type TableVacuum struct {
+	// Table is the table's name without prefix: effects, processed, dispatched, delayed,
+	// attempts, idempotency, dead_letters.
+	Table string
+	// DeadTuples are the row versions deleted or updated and not yet vacuumed.
+	DeadTuples int64
+	// LastAutovacuum is when autovacuum last finished on the table (zero: never).
+	LastAutovacuum time.Time
 }
 
 // DispatchMark is one source's effects that Store.EffectMarkDispatched marks dispatched.
@@ -398,6 +470,16 @@ type RetryClassifier interface {
 	Retryable(err error) bool
 }
 
+// ReachabilityClassifier is implemented by a Store whose database says with errors of its own
+// (MySQL's error numbers) that it takes no connections now. The framework already tells a failed
+// dial and PostgreSQL's SQLSTATEs for it; while the database is unreachable, work on it waits for
+// one probe at a time instead of each connecting.
+type ReachabilityClassifier interface {
+	// Unreachable tells whether err means the database takes no connections now: too many
+	// connections, a server shutting down.
+	Unreachable(err error) bool
+}
+
 // WritableChecker is implemented by a Store that can tell whether the server it reaches takes
 // writes. After a failover a connection can land on a standby (a stale address, a DNS name not
 // yet moved): every unit of work then fails, and a readiness probe must say why.
@@ -448,6 +530,20 @@ type UnitTx interface {
 	Commit(ctx context.Context, effects []Effect) error
 	// Rollback rolls the transaction back; ErrTxDone if it was finished already.
 	Rollback(ctx context.Context) error
+}
+
+// EffectRetrier is implemented by a Store that can end the backoff of one destination's effects
+// early. The relay backs a failed effect off for up to five minutes; once the destination takes a
+// message again, its effects that back off go out at the next relay round rather than when their
+// retry time comes.
+type EffectRetrier interface {
+	// EffectRetryNow makes due now up to limit undispatched, unparked effects of kind (and, for
+	// KindPublish, to topic) whose retry time was set by a recorded failure (an EffectFailure with
+	// a Reason) and has not come yet. An effect whose retry time was set since by a lease
+	// (EffectClaimDue) or a release (an EffectFailure without a Reason) is left alone: a leased
+	// effect may be in another relay's call, and making it due would let a second relay send it
+	// beside that call. It returns how many it made due.
+	EffectRetryNow(ctx context.Context, kind, topic string, limit int) (int, error)
 }
 
 // InlineStore is implemented by a Store whose tables may hold the effects of a unit of work
@@ -518,6 +614,18 @@ var ErrClaimGone = fmt.Errorf("the claim is gone (the transaction was rolled bac
 // handler's later writes: its effects are stored with them, as the business writes are.)
 type ClaimedEffectInserter interface {
 	EffectInsertClaimed(ctx context.Context, tx *sql.Tx, src Source, effects []Effect) (inSavepoint bool, err error)
+}
+
+// BoundaryGuard is implemented by a Store whose guarded writes (ClaimedEffectInserter,
+// ClaimedDelayedStore) can also guard a unit of work without a claim (a boundary unit: InTx, its
+// Source without Consumer). A ROLLBACK or COMMIT sent through such a unit's *sql.Tx leaves the
+// connection in autocommit, where an unguarded write commits on its own: an effect sent although
+// its business change was rolled back. GuardBoundary marks tx, right after its BEGIN, with a mark
+// that ends with the transaction; the guarded writes of a source without Consumer then write
+// nothing once it is gone and return an error wrapping ErrClaimGone. guarded false: the Store
+// cannot (nothing was sent), and the unit's writes are the plain ones.
+type BoundaryGuard interface {
+	GuardBoundary(ctx context.Context, tx *sql.Tx) (guarded bool, err error)
 }
 
 // ClaimedDelayedStore is to DelayedStore what ClaimedEffectInserter is to EffectInsert: the

@@ -38,6 +38,11 @@ type DeadLetterQueries struct {
 	// Cleanup (retention ms, limit) deletes up to limit dead letters retried or discarded more
 	// than retention ago; CleanupCount (retention ms) counts them for the dry run.
 	Cleanup, CleanupCount string
+	// Now (actor, consumer, id) marks the attempt counter of a message that is not processed
+	// (nor dead-lettered, whose claim is poisoned) as to be dead-lettered at once, by actor; rows
+	// affected. Requested (consumer, id) -> attempts, last error, who asked ('' when nobody) of
+	// such a counter. Empty when the dialect cannot (outboxdriver.ErrDeadLetterNowUnsupported).
+	Now, Requested string
 }
 
 func (s *SQL) deadLetters() (DeadLetterQueries, error) {
@@ -185,11 +190,11 @@ func (s *SQL) DeadLetterRetryAudited(ctx context.Context, c outboxdriver.DeadLet
 			return fmt.Errorf("read the dead letter: %w", s.wrap(err))
 		}
 		if len(topic) == 0 {
-			return fmt.Errorf("dead letter %q of %q: its source topic is unknown, it cannot be retried (discard it)", key.ID, key.Consumer)
+			return errors.New("its source topic is unknown, it cannot be retried (discard it)")
 		}
 		metadata, err := DecodeMetadata(md)
 		if err != nil {
-			return fmt.Errorf("dead letter %q of %q: metadata: %w", key.ID, key.Consumer, err)
+			return fmt.Errorf("metadata: %w", err)
 		}
 		if _, err := tx.ExecContext(ctx, s.d.Queries.MessageReplay, key.Consumer, key.ID); err != nil {
 			return fmt.Errorf("delete the poisoned claim: %w", s.wrap(err))
@@ -281,6 +286,62 @@ func (s *SQL) oneDeadLetter(ctx context.Context, actor string, state outboxdrive
 		return false, fmt.Errorf("commit: %w", s.wrap(err))
 	}
 	return true, nil
+}
+
+var _ outboxdriver.DeadLetterNowStore = (*SQL)(nil)
+
+// DeadLetterNow implements outboxdriver.DeadLetterNowStore.
+func (s *SQL) DeadLetterNow(ctx context.Context, src outboxdriver.Source, actor string) (bool, error) {
+	return s.DeadLetterNowAudited(ctx, src, actor, nil)
+}
+
+// DeadLetterNowAudited is DeadLetterNow that writes the entry audit returns (when audit is not
+// nil) in the transaction of the request.
+func (s *SQL) DeadLetterNowAudited(ctx context.Context, src outboxdriver.Source, actor string, audit func() Audit) (bool, error) {
+	q := s.d.DeadLetters
+	if q.Now == "" {
+		return false, outboxdriver.ErrDeadLetterNowUnsupported
+	}
+	tx, err := s.BeginTx(ctx, nil)
+	if err != nil {
+		return false, fmt.Errorf("begin: %w", err)
+	}
+	defer func() { _ = tx.Rollback() }()
+	r, err := tx.ExecContext(ctx, q.Now, outboxdriver.StorableText(actor), src.Consumer, src.ID)
+	if err != nil {
+		return false, fmt.Errorf("mark the attempts of %q of %q: %w", src.ID, src.Consumer, s.wrap(err))
+	}
+	n, err := r.RowsAffected()
+	if err != nil || n == 0 {
+		return false, err
+	}
+	if audit != nil {
+		a := audit()
+		if err := s.writeAudit(ctx, tx, &a); err != nil {
+			return false, err
+		}
+	}
+	if err := tx.Commit(); err != nil {
+		return false, fmt.Errorf("commit: %w", s.wrap(err))
+	}
+	return true, nil
+}
+
+// DeadLetterRequested implements outboxdriver.DeadLetterNowStore.
+func (s *SQL) DeadLetterRequested(ctx context.Context, src outboxdriver.Source) (outboxdriver.DeadLetterRequest, error) {
+	var r outboxdriver.DeadLetterRequest
+	q := s.d.DeadLetters
+	if q.Requested == "" {
+		return r, nil // nobody can have asked
+	}
+	err := s.db.QueryRowContext(ctx, q.Requested, src.Consumer, src.ID).Scan(&r.Attempts, &r.LastError, &r.By)
+	if errors.Is(err, sql.ErrNoRows) {
+		return r, nil
+	}
+	if err != nil {
+		return r, fmt.Errorf("read the attempts of %q of %q: %w", src.ID, src.Consumer, s.wrap(err))
+	}
+	return r, nil
 }
 
 // DeadLetterCount implements outboxdriver.DeadLetterStore.

@@ -45,7 +45,13 @@ type Queries struct {
 	// inserts nothing (returns no row) when the claim does not exist, so that nothing is written
 	// in autocommit once user SQL rolled the transaction back
 	// (outboxdriver.ClaimedEffectInserter). Nil when the dialect has none (EffectInsert is used).
+	// With BoundaryMark, it (and every claimed variant below) also guards a boundary unit (consumer
+	// empty): nothing is written once the transaction that BoundaryMark marked has ended.
 	EffectInsertClaimed func(n int) string
+	// BoundaryMark marks the transaction of a boundary unit of work, at its begin, for the
+	// claimed variants of the writes (outboxdriver.BoundaryGuard): a mark that ends with its
+	// transaction. Empty when the dialect has none (a boundary unit's writes are not guarded).
+	BoundaryMark string
 	// EffectInsertKeyed, when set, is EffectInsert for effects of which one has an ordering key
 	// of its own (HasOwnKey): it also moves the due delayed effects of other sources with those
 	// keys ahead of the new rows (see outboxdriver.Store.EffectInsert). claimed: guarded as
@@ -62,6 +68,13 @@ type Queries struct {
 	EffectHandToRelay    string // (consumer, id)
 	EffectListParked     string // (limit) -> effect columns, last_error, parked_at, created_at
 	EffectUnpark         string // (store id)
+	// EffectBackedOff (kind, topic, limit) -> ids of up to limit effects of kind (for the publish
+	// kind "", to topic) that back off after a recorded failure: pending, not parked, their
+	// retry time the one EffectRecordFailure set and still ahead. A plain read that locks
+	// nothing. EffectRetryNow (ids) makes those of ids that still back off due now, and reports
+	// them as rows affected. Empty when the dialect has none (outboxdriver.EffectRetrier).
+	EffectBackedOff string
+	EffectRetryNow  string
 	// EffectDiscard (store id) marks a parked effect dispatched and moves its claim's dispatch
 	// time; it returns a row per effect it discarded.
 	EffectDiscard string
@@ -152,6 +165,12 @@ type Queries struct {
 	StatsLease  string // (interval ms): takes the right to sample; affects one row if it was free
 	StatsWrite  string // (sample): stores a sample taken now
 	StatsRead   string // -> sample, its age in ms (no row before the first)
+	// VacuumSample -> one row per outbox table: its name without prefix, dead tuples, last
+	// autovacuum (NULL: never); and on every row the oldest holder of the xmin horizon (kind NULL
+	// when none): kind, xid as text, age in transactions, ms since its transaction began (NULL
+	// when unknown), pid, application name, state, name. It reads the server's statistics and
+	// activity only, never the tables. Empty when the dialect has no such horizon.
+	VacuumSample string
 
 	// AuditInsert (actor, action, target, detail, remote address) writes an entry of the audit table; empty when
 	// the dialect has none (then no audited change can be made).
@@ -263,7 +282,10 @@ type poolerState struct {
 	check   sync.Mutex // serializes the checks
 }
 
-var _ outboxdriver.Store = (*SQL)(nil)
+var (
+	_ outboxdriver.Store         = (*SQL)(nil)
+	_ outboxdriver.EffectRetrier = (*SQL)(nil)
+)
 
 // New returns a Store. It reads the embedded migrations and does no database I/O.
 func New(db *sql.DB, names Names, d Dialect) (*SQL, error) {
@@ -627,6 +649,19 @@ func (s *SQL) MessageReplayAudited(ctx context.Context, src outboxdriver.Source,
 		return false, fmt.Errorf("begin: %w", err)
 	}
 	defer func() { _ = tx.Rollback() }()
+	// A dead-lettered message replayed is handed back by hand: its dead letter (if still dead)
+	// is settled as retried with the claim, or it would still be listed as dead and a retry from
+	// it would hand the message over a second time. The dead letter is locked before the claim,
+	// as a retry does; when no poisoned claim is found the rollback undoes the mark.
+	if q := s.d.DeadLetters.Mark; q != "" {
+		actor := ""
+		if audit != nil {
+			actor = audit.Actor
+		}
+		if _, err := tx.ExecContext(ctx, q, string(outboxdriver.DeadLetterRetried), outboxdriver.StorableText(actor), src.Consumer, src.ID); err != nil {
+			return false, fmt.Errorf("mark the dead letter retried: %w", s.wrap(err))
+		}
+	}
 	r, err := tx.ExecContext(ctx, s.d.Queries.MessageReplay, src.Consumer, src.ID)
 	if err != nil {
 		return false, s.wrap(err)
@@ -690,6 +725,18 @@ func (s *SQL) effectInsertAll(ctx context.Context, tx *sql.Tx, src outboxdriver.
 		inSavepoint = inSavepoint || nested
 	}
 	return inSavepoint, nil
+}
+
+// GuardBoundary implements outboxdriver.BoundaryGuard with Queries.BoundaryMark; a dialect
+// without one sends nothing and reports the unit unguarded.
+func (s *SQL) GuardBoundary(ctx context.Context, tx *sql.Tx) (bool, error) {
+	if s.d.Queries.BoundaryMark == "" {
+		return false, nil
+	}
+	if _, err := tx.ExecContext(ctx, s.d.Queries.BoundaryMark); err != nil {
+		return false, s.wrap(err)
+	}
+	return true, nil
 }
 
 // ErrClaimGone is wrapped by a guarded insert (Queries.EffectInsertClaimed,
@@ -1172,6 +1219,49 @@ func (s *SQL) EffectKeyBlocked(ctx context.Context, src outboxdriver.Source, key
 	return blocked, err
 }
 
+// EffectRetryNow implements outboxdriver.EffectRetrier. The effects are found first and made due
+// by their primary key after, the condition checked again on each row as it is written: a relay
+// that leased one meanwhile has set another retry time, and the row is left alone. The look-up
+// scans the pending effects (no index serves a topic): it runs once per destination that
+// recovers, not per effect.
+func (s *SQL) EffectRetryNow(ctx context.Context, kind, topic string, limit int) (int, error) {
+	if s.d.Queries.EffectBackedOff == "" {
+		return 0, nil
+	}
+	if kind != outboxdriver.KindPublish {
+		topic = ""
+	}
+	rows, err := s.db.QueryContext(ctx, s.d.Queries.EffectBackedOff, kind, topic, limit)
+	if err != nil {
+		return 0, fmt.Errorf("find effects backing off: %w", s.wrap(err))
+	}
+	var ids []int64
+	for rows.Next() {
+		var id int64
+		if err := rows.Scan(&id); err != nil {
+			rows.Close()
+			return 0, fmt.Errorf("find effects backing off: %w", err)
+		}
+		ids = append(ids, id)
+	}
+	if err := errors.Join(rows.Err(), rows.Close()); err != nil {
+		return 0, fmt.Errorf("find effects backing off: %w", s.wrap(err))
+	}
+	if len(ids) == 0 {
+		return 0, nil
+	}
+	slices.Sort(ids) // the one lock order: effect rows in ascending id order
+	res, err := s.db.ExecContext(ctx, s.d.Queries.EffectRetryNow, idList(ids))
+	if err != nil {
+		return 0, fmt.Errorf("retry %d effects now: %w", len(ids), s.wrap(err))
+	}
+	n, err := res.RowsAffected()
+	if err != nil {
+		return 0, fmt.Errorf("retry %d effects now: %w", len(ids), err)
+	}
+	return int(n), nil
+}
+
 // EffectHandToRelay implements outboxdriver.Store.
 func (s *SQL) EffectHandToRelay(ctx context.Context, src outboxdriver.Source) error {
 	_, err := s.db.ExecContext(ctx, s.d.Queries.EffectHandToRelay, src.Consumer, src.ID)
@@ -1327,6 +1417,16 @@ type statsSample struct {
 	Estimated                                     bool
 	Delayed                                       int64
 	DeadLetters                                   int64
+	Xmin                                          *xminSample                `json:",omitempty"`
+	Tables                                        []outboxdriver.TableVacuum `json:",omitempty"`
+}
+
+// xminSample is an outboxdriver.XminHold as it is stored: its ages as of the sample.
+type xminSample struct {
+	outboxdriver.XminHold
+	// StartedMS is since the holder's transaction began (-1: unknown); SeenMS since the samples
+	// first found this xmin held.
+	StartedMS, SeenMS int64
 }
 
 // Stats implements outboxdriver.Store.
@@ -1357,6 +1457,11 @@ func (s *SQL) Stats(ctx context.Context, p outboxdriver.StatsParams) (outboxdriv
 		}
 	}
 	var smp statsSample
+	if q.VacuumSample != "" {
+		if err := s.sampleVacuum(ctx, &smp); err != nil {
+			return outboxdriver.Stats{}, err
+		}
+	}
 	err := s.db.QueryRowContext(ctx, q.StatsSample, outboxdriver.StatsCountCap, p.Retention.Milliseconds()).Scan(
 		&smp.Pending, &smp.OldestPendingMS, &smp.Parked, &smp.OldestParkedMS, &smp.Failing,
 		&smp.Retained, &smp.Estimated, &smp.CleanupLagMS)
@@ -1394,12 +1499,69 @@ func (s *SQL) Stats(ctx context.Context, p outboxdriver.StatsParams) (outboxdriv
 
 func (smp statsSample) stats(at time.Time) outboxdriver.Stats {
 	ms := func(n int64) time.Duration { return time.Duration(max(n, 0)) * time.Millisecond }
-	return outboxdriver.Stats{
+	st := outboxdriver.Stats{
 		Pending: smp.Pending, OldestPending: ms(smp.OldestPendingMS),
 		Parked: smp.Parked, OldestParked: ms(smp.OldestParkedMS),
 		Failing: smp.Failing, Retained: smp.Retained, Estimated: smp.Estimated,
 		CleanupLag: ms(smp.CleanupLagMS), SampledAt: at, Delayed: smp.Delayed, DeadLetters: smp.DeadLetters,
+		Tables: smp.Tables,
 	}
+	if x := smp.Xmin; x != nil {
+		h := x.XminHold
+		h.Age = ms(max(x.StartedMS, x.SeenMS))
+		st.XminHold = &h
+	}
+	return st
+}
+
+// sampleVacuum reads what holds back the xmin horizon and the dead tuples of the outbox tables
+// into smp. A slot's xmin, or a backend of another role whose transaction start the role may
+// not read, has no time of its own: how long it has been held is carried from the stored
+// sample while the same xmin stays held, so that an alert on the age sees it too.
+func (s *SQL) sampleVacuum(ctx context.Context, smp *statsSample) error {
+	// Prepared: planning the views it reads costs several times its execution.
+	rows, err := s.query(ctx, nil, s.d.Queries.VacuumSample)
+	if err != nil {
+		return fmt.Errorf("sample the xmin horizon and dead tuples: %w", s.wrap(err))
+	}
+	defer func() { _ = rows.Close() }()
+	smp.Tables = []outboxdriver.TableVacuum{}
+	for rows.Next() {
+		var t outboxdriver.TableVacuum
+		var vacuumed sql.NullTime
+		var kind, xid, app, state, name sql.NullString
+		var xacts, startedMS, pid sql.NullInt64
+		if err := rows.Scan(&t.Table, &t.DeadTuples, &vacuumed, &kind, &xid, &xacts, &startedMS, &pid, &app, &state, &name); err != nil {
+			return fmt.Errorf("sample the xmin horizon and dead tuples: %w", err)
+		}
+		t.LastAutovacuum = vacuumed.Time
+		smp.Tables = append(smp.Tables, t)
+		if kind.Valid && smp.Xmin == nil {
+			smp.Xmin = &xminSample{XminHold: outboxdriver.XminHold{
+				Holder: kind.String, Xmin: xid.String, Transactions: xacts.Int64, PID: int(pid.Int64),
+				ApplicationName: app.String, State: state.String, Name: name.String,
+			}, StartedMS: -1}
+			if startedMS.Valid {
+				smp.Xmin.StartedMS = startedMS.Int64
+			}
+		}
+	}
+	if err := rows.Err(); err != nil {
+		return fmt.Errorf("sample the xmin horizon and dead tuples: %w", s.wrap(err))
+	}
+	if smp.Xmin == nil {
+		return nil
+	}
+	var text sql.NullString
+	var ageMS sql.NullInt64
+	if err := s.db.QueryRowContext(ctx, s.d.Queries.StatsRead).Scan(&text, &ageMS); err != nil && !errors.Is(err, sql.ErrNoRows) {
+		return fmt.Errorf("read stats: %w", s.wrap(err))
+	}
+	var prev statsSample
+	if text.Valid && json.Unmarshal([]byte(text.String), &prev) == nil && prev.Xmin != nil && prev.Xmin.Xmin == smp.Xmin.Xmin {
+		smp.Xmin.SeenMS = prev.Xmin.SeenMS + max(ageMS.Int64, 0)
+	}
+	return nil
 }
 
 // QueryPrepared runs query in tx as a statement prepared per connection (as the store's hot

@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"database/sql"
 	"errors"
 	"strings"
 	"testing"
@@ -63,5 +64,34 @@ func TestDeadLetterCommands(t *testing.T) {
 	var n int
 	if err := f.db.QueryRowContext(context.Background(), `SELECT count(*) FROM outbox_audit WHERE action IN ('retry-dead-letter', 'discard-dead-letter')`).Scan(&n); err != nil || n != 2 {
 		t.Fatalf("audit entries: %d, %v", n, err)
+	}
+}
+
+// TestDeadNowCommand: `outbox dead now` asks that a failing message be dead-lettered on its next
+// delivery (a dry run changes nothing); a message that is not failing matches nothing (exit 1).
+func TestDeadNowCommand(t *testing.T) {
+	f := newFixture(t)
+	ctx := context.Background()
+	if _, err := f.db.ExecContext(ctx, `INSERT INTO outbox_attempts (consumer, message_id, attempts, last_error) VALUES ('shipping', 'm-slow', 2, 'carrier API timeout')`); err != nil {
+		t.Fatal(err)
+	}
+	requested := func() string {
+		var by sql.NullString
+		if err := f.db.QueryRowContext(ctx, `SELECT dead_letter_by FROM outbox_attempts WHERE consumer = 'shipping' AND message_id = 'm-slow'`).Scan(&by); err != nil {
+			t.Fatal(err)
+		}
+		return by.String
+	}
+	if code, out := f.cli(t, "dead", "now", "-dry-run", "shipping", "m-slow"); code != 0 || !strings.Contains(out, "dry run") || requested() != "" {
+		t.Fatalf("dead now -dry-run: exit %d, requested by %q: %s", code, requested(), out)
+	}
+	if code, out := f.cli(t, "dead", "now", "-actor", "alice", "shipping", "m-slow"); code != 0 || !strings.Contains(out, "next delivery") || requested() != "alice" {
+		t.Fatalf("dead now: exit %d, requested by %q: %s", code, requested(), out)
+	}
+	if code, out := f.cli(t, "dead", "now", "shipping", "m-unknown"); code != 1 || !strings.Contains(out, "not failing") {
+		t.Fatalf("dead now of a message that is not failing: exit %d: %s", code, out)
+	}
+	if code, _ := f.cli(t, "dead", "now", "shipping"); code != 2 {
+		t.Fatalf("dead now without a message ID: exit %d, want 2", code)
 	}
 }

@@ -89,8 +89,8 @@ func TestGrantsCoverEveryTable(t *testing.T) {
 				CASE WHEN c.relkind = 'S' THEN has_sequence_privilege($2, c.oid, 'USAGE')
 				     ELSE has_table_privilege($2, c.oid, 'SELECT') OR has_table_privilege($2, c.oid, 'INSERT') END,
 				c.relkind <> 'S' AND (has_table_privilege($2, c.oid, 'REFERENCES, TRIGGER')
-					-- The relay empties the partitions of the effects table (migration 020).
-					OR c.relname NOT IN ($3 || 'effects_0', $3 || 'effects_1', $3 || 'effects_2') AND has_table_privilege($2, c.oid, 'TRUNCATE'))
+					-- The relay empties the partitions of the effects table (migration 023).
+					OR c.relname NOT IN ($3 || 'effects', $3 || 'effects_1', $3 || 'effects_2') AND has_table_privilege($2, c.oid, 'TRUNCATE'))
 			FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
 			WHERE n.nspname = $1 AND c.relkind IN ('r', 'p', 'S') ORDER BY 1`, schema, role, prefix)
 		if err != nil {
@@ -258,7 +258,7 @@ func TestLeastPrivilegedRoles(t *testing.T) {
 		t.Fatalf("Migrate as the application role (nothing to do): %v", err)
 	}
 	handle := func(id, payload string) error {
-		return ob.Handle(message.NewMessage(id, nil), outbox.HandleParams{Consumer: "billing", MessageID: id},
+		return ob.Handle(message.NewMessage(id, nil), outbox.HandleParams{Consumer: "billing", MessageID: id, Topic: "orders"},
 			func(msg *message.Message) ([]*message.Message, error) {
 				if payload == "bad input" {
 					return nil, errors.New("bad input")
@@ -276,8 +276,10 @@ func TestLeastPrivilegedRoles(t *testing.T) {
 	if err := handle("m-parked", "poison"); !errors.Is(err, outbox.ErrDispatchFailed) {
 		t.Fatalf("parking: %v", err)
 	}
-	if err := handle("m-poisoned", "bad input"); err != nil {
-		t.Fatalf("poisoning: %v", err)
+	for _, id := range []string{"m-poisoned", "m-dead-retried", "m-dead-discarded"} {
+		if err := handle(id, "bad input"); err != nil {
+			t.Fatalf("dead-lettering %s: %v", id, err)
+		}
 	}
 
 	logs.mu.Lock()
@@ -342,6 +344,10 @@ func TestLeastPrivilegedRoles(t *testing.T) {
 	if _, err := owner.Exec(`UPDATE outbox_effects SET parked_at = now() - interval '2 hours' WHERE id = $1`, parkedID); err != nil {
 		t.Fatal(err)
 	}
+	// A message whose handler failed once, for dead now.
+	if _, err := owner.Exec(`INSERT INTO outbox_attempts (consumer, message_id, attempts, last_error) VALUES ('billing', 'm-failing', 1, 'carrier API timeout')`); err != nil {
+		t.Fatal(err)
+	}
 	// The operator's role runs every command of docs/operations.md.
 	for _, args := range [][]string{
 		{"status"},
@@ -351,8 +357,14 @@ func TestLeastPrivilegedRoles(t *testing.T) {
 		{"parked", "retry", "-error", "schema v2", "-dry-run"},
 		{"parked", "retry", "-error", "schema v2", "-batch", "200"},
 		{"failing", "list", "-consumer", "billing"},
+		{"dead", "now", "-dry-run", "billing", "m-failing"},
+		{"dead", "now", "billing", "m-failing"},
 		{"lookup", "billing", "m-parked"},
 		{"replay", "billing", "m-poisoned"},
+		{"dead", "list"},
+		{"dead", "list", "-consumer", "billing", "-state", "dead"},
+		{"-o", "json", "dead", "groups"},
+		{"dead", "retry", "-dry-run", "billing", "m-dead-retried"},
 		{"migrate", "status"},
 		{"cleanup", "-dry-run"},
 		{"cleanup"},
@@ -367,11 +379,18 @@ func TestLeastPrivilegedRoles(t *testing.T) {
 	if _, err := owner.Exec(`UPDATE outbox_effects SET parked_at = now(), dispatched_at = NULL WHERE id = $1`, parkedID); err != nil {
 		t.Fatal(err)
 	}
-	if code, out, errOut := cliAs(opDSN, "parked", "discard", "-id", parkedID); code != 0 {
-		t.Errorf("parked discard as the operator's role: %d %s%s", code, out, errOut)
+	// The changes must change something: "nothing matched" would hide a refused statement.
+	for _, args := range [][]string{
+		{"parked", "discard", "-id", parkedID},
+		{"dead", "retry", "billing", "m-dead-retried"},
+		{"dead", "discard", "billing", "m-dead-discarded"},
+	} {
+		if code, out, errOut := cliAs(opDSN, args...); code != 0 {
+			t.Errorf("outbox %v as the operator's role: exit %d: %s%s", args, code, out, errOut)
+		}
 	}
 	code, out, _ := cliAs(opDSN, "status")
-	for _, action := range []string{"retry-parked", "replay-poisoned", "cleanup", "discard-parked"} {
+	for _, action := range []string{"retry-parked", "replay-poisoned", "cleanup", "discard-parked", "retry-dead-letter", "discard-dead-letter", "dead-letter-now"} {
 		if code != 0 || !strings.Contains(out, action) {
 			t.Errorf("status as the operator's role: want %s among the recent changes: %d %s", action, code, out)
 		}
@@ -386,7 +405,7 @@ func TestLeastPrivilegedRoles(t *testing.T) {
 func TestRepairWithoutItsAuditEntryIsNotApplied(t *testing.T) {
 	f := newFixture(t)
 	if _, err := f.db.Exec(`CREATE ROLE noaudit LOGIN PASSWORD 'pw';
-		GRANT SELECT, INSERT, UPDATE, DELETE ON outbox_processed, outbox_effects, outbox_dispatched, outbox_attempts, outbox_stats, outbox_migrations TO noaudit;
+		GRANT SELECT, INSERT, UPDATE, DELETE ON outbox_processed, outbox_effects, outbox_dispatched, outbox_attempts, outbox_stats, outbox_migrations, outbox_dead_letters TO noaudit;
 		GRANT USAGE ON ALL SEQUENCES IN SCHEMA public TO noaudit;`); err != nil {
 		t.Fatal(err)
 	}
@@ -407,6 +426,13 @@ func TestRepairWithoutItsAuditEntryIsNotApplied(t *testing.T) {
 	var poisoned bool
 	if err := f.db.QueryRow(`SELECT poisoned FROM outbox_processed WHERE message_id = 'm-poisoned'`).Scan(&poisoned); err != nil || code != 1 || !poisoned {
 		t.Errorf("replay without the right to audit: exit %d (want 1), still poisoned %v (%v): %s%s", code, poisoned, err, out, errOut)
+	}
+	if !strings.Contains(errOut, "outbox_audit") {
+		t.Errorf("replay without the right to audit: want the audit table named as the cause: %s", errOut)
+	}
+	var state string
+	if err := f.db.QueryRow(`SELECT state FROM outbox_dead_letters WHERE message_id = 'm-poisoned'`).Scan(&state); err != nil || state != "dead" {
+		t.Errorf("replay without the right to audit: its dead letter is %q (%v), want it left dead", state, err)
 	}
 }
 

@@ -2,7 +2,8 @@ package mysql
 
 import "github.com/watermill-outbox/outbox/store"
 
-// deadLetters are the statements of the dead letters (migration 005). A parameter used twice is
+// deadLetters are the statements of the dead letters (migration 005) and of the requests to
+// dead-letter a failing message at once (migration 007). A parameter used twice is
 // named once in a derived row, as the arguments are positional.
 func (q queries) deadLetters() store.DeadLetterQueries {
 	n := q.n
@@ -36,5 +37,13 @@ func (q queries) deadLetters() store.DeadLetterQueries {
 		Count:        `SELECT count(*) FROM (SELECT 1 FROM ` + n.DeadLetters + ` WHERE state = 'dead' LIMIT ?) d`,
 		Cleanup:      `DELETE FROM ` + n.DeadLetters + ` WHERE ` + cleanup + ` LIMIT ?`,
 		CleanupCount: `SELECT count(*) FROM ` + n.DeadLetters + ` WHERE ` + cleanup,
+		Now: `UPDATE ` + n.Attempts + ` a JOIN (SELECT ? AS actor, ? AS consumer, ? AS message_id) r
+				ON a.consumer = r.consumer AND a.message_id = r.message_id
+			SET a.dead_letter_by = r.actor
+			WHERE NOT EXISTS (SELECT 1 FROM ` + n.Processed + ` p WHERE p.consumer = r.consumer AND p.message_id = r.message_id)`,
+		Requested: `SELECT a.attempts, a.last_error, coalesce(a.dead_letter_by, '')
+			FROM ` + n.Attempts + ` a JOIN (SELECT ? AS consumer, ? AS message_id) r
+				ON a.consumer = r.consumer AND a.message_id = r.message_id
+			WHERE NOT EXISTS (SELECT 1 FROM ` + n.Processed + ` p WHERE p.consumer = r.consumer AND p.message_id = r.message_id)`,
 	}
 }

@@ -456,6 +456,25 @@ func TestIsReadOnly(t *testing.T) {
 	}
 }
 
+// TestIsUnreachable: the server's refusals of a connection (too many, for the server or the user;
+// a shutdown in progress) make the Outbox wait for its probe; a statement's own errors do not.
+func TestIsUnreachable(t *testing.T) {
+	for _, c := range []struct {
+		err  *gomysql.MySQLError
+		want bool
+	}{
+		{&gomysql.MySQLError{Number: 1040, Message: "Too many connections"}, true},
+		{&gomysql.MySQLError{Number: 1203, Message: "User app already has more than 'max_user_connections' active connections"}, true},
+		{&gomysql.MySQLError{Number: 1053, Message: "Server shutdown in progress"}, true},
+		{&gomysql.MySQLError{Number: 1213, Message: "Deadlock found when trying to get lock; try restarting transaction"}, false},
+		{&gomysql.MySQLError{Number: 1146, Message: "Table 'app.outbox_processed' doesn't exist"}, false},
+	} {
+		if got := mysql.IsUnreachable(fmt.Errorf("wrapped: %w", c.err)); got != c.want {
+			t.Errorf("IsUnreachable(%d %q) = %v, want %v", c.err.Number, c.err.Message, got, c.want)
+		}
+	}
+}
+
 // panickingKeys is the MySQL store with a claim that panics once, after taking the key's lock, when
 // armed: a bug in a store or driver step of a keyed unit, outside the application's fn.
 type panickingKeys struct {

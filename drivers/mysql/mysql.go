@@ -117,6 +117,11 @@ var _ outboxdriver.RetryClassifier = (*mysqlStore)(nil)
 // Retryable implements outboxdriver.RetryClassifier.
 func (*mysqlStore) Retryable(err error) bool { return IsRetryable(err) }
 
+var _ outboxdriver.ReachabilityClassifier = (*mysqlStore)(nil)
+
+// Unreachable implements outboxdriver.ReachabilityClassifier.
+func (*mysqlStore) Unreachable(err error) bool { return IsUnreachable(err) }
+
 var _ outboxdriver.WritableChecker = (*mysqlStore)(nil)
 
 // CheckWritable implements outboxdriver.WritableChecker: a server started --read-only (a replica;
@@ -155,6 +160,13 @@ func (s *mysqlStore) CheckWritable(ctx context.Context) error {
 func IsRetryable(err error) bool {
 	var e *gomysql.MySQLError
 	return errors.As(err, &e) && (e.Number == 1213 || e.Number == 1205)
+}
+
+// IsUnreachable tells whether err means the server takes no connections now: too many
+// connections (1040, or for the user: 1203) or a server shutting down (1053).
+func IsUnreachable(err error) bool {
+	var e *gomysql.MySQLError
+	return errors.As(err, &e) && (e.Number == 1040 || e.Number == 1203 || e.Number == 1053)
 }
 
 // IsUndefinedTable tells whether err is MySQL's "table doesn't exist" (1146) or "unknown

@@ -60,6 +60,7 @@ func (q queries) store() store.Queries {
 	cleanupEffects := `dispatched_at < ` + ago("?")
 	cleanupAttempts := `last_failed_at < ` + ago("?")
 	cleanupKeys := `expires_at < ` + ago("?")
+	backedOff := `e.dispatched_at IS NULL AND e.parked_at IS NULL AND e.next_attempt_at = e.backoff_until AND e.next_attempt_at > ` + now
 	return store.Queries{
 		// The claim is a hook (messageClaim); Queries.MessageClaim is not used.
 		MessageClaimReportsConcurrent: true,
@@ -76,7 +77,7 @@ func (q queries) store() store.Queries {
 		EffectRecordFailure: `UPDATE ` + n.Effects + ` e JOIN (SELECT ? AS id, ? AS reason, ? AS counted, ? AS park, ? AS delay_ms) a ON e.id = a.id
 			SET e.failures = e.failures + 1, e.failed_at = ` + now + `, e.last_error = a.reason,
 			e.attempts = e.attempts + CASE WHEN a.counted THEN 1 ELSE 0 END,
-			e.next_attempt_at = ` + fromNow("a.delay_ms") + `,
+			e.next_attempt_at = ` + fromNow("a.delay_ms") + `, e.backoff_until = ` + fromNow("a.delay_ms") + `,
 			e.parked_at = CASE WHEN a.park THEN coalesce(e.parked_at, ` + now + `) ELSE e.parked_at END
 			WHERE e.dispatched_at IS NULL`,
 		// FORCE INDEX: a primary key lookup per ID even in a small table, where a scan would lock
@@ -84,6 +85,14 @@ func (q queries) store() store.Queries {
 		EffectRelease: `UPDATE ` + ids("?") + ` JOIN ` + n.Effects + ` e FORCE INDEX (PRIMARY) ON e.id = v.id
 			SET e.next_attempt_at = ` + fromNow("?") + `
 			WHERE e.dispatched_at IS NULL AND e.parked_at IS NULL`,
+		// As on PostgreSQL: backing off while the retry time of the last failure is still the
+		// effect's own and ahead. The look-up is a consistent read, which locks nothing; the update
+		// goes by primary key (FORCE INDEX: a scan would lock every row it reads) and checks each
+		// row again on its newest version.
+		EffectBackedOff: `SELECT e.id FROM ` + n.Effects + ` e WHERE e.kind = ` + text + ` AND (e.kind <> '' OR e.topic = ` + binary + `)
+			AND ` + backedOff + ` LIMIT ?`,
+		EffectRetryNow: `UPDATE ` + ids("?") + ` JOIN ` + n.Effects + ` e FORCE INDEX (PRIMARY) ON e.id = v.id
+			SET e.next_attempt_at = ` + now + ` WHERE ` + backedOff,
 		EffectKeyBlocked: `SELECT EXISTS (SELECT 1 FROM (SELECT ` + binary + ` AS c, ` + binary + ` AS i, ` + binary + ` AS k) a
 			JOIN ` + n.Effects + ` b ON b.ordering_key = a.k
 			WHERE b.dispatched_at IS NULL AND NOT (b.source_consumer = a.c AND b.source_id = a.i)

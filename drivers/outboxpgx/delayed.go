@@ -70,11 +70,27 @@ func (u *unit) execer() execer {
 	return u.tx
 }
 
+// boundaryEndedBySQL tells a boundary unit (InTx: no claim) whose transaction fn ended with
+// COMMIT or ROLLBACK sent through its pgx.Tx: the connection is in no transaction, and a delayed
+// insert or a cancel would run in autocommit, committed on its own, whether the business change
+// was rolled back or not. The connection's status, from the server's last ReadyForQuery, costs
+// nothing to read. (Effects wait in memory for the COMMIT, which looks itself.)
+func (u *unit) boundaryEndedBySQL() bool {
+	if u.joined != nil || u.src.Consumer != "" {
+		return false
+	}
+	c, err := u.tx.conn()
+	return err == nil && c.PgConn().TxStatus() == 'I'
+}
+
 // RecordDelayed stores delayed effects in the transaction at once, in rows of their own in both
 // modes: the optimistic mode's inline effects are the ones sent after commit, and a delayed
 // effect must wait in the delayed table, where a later unit of work can cancel it, until due.
 // A savepoint rolled back takes its rows with it.
 func (u *unit) RecordDelayed(ctx context.Context, effects []outboxdriver.Effect) error {
+	if u.boundaryEndedBySQL() {
+		return u.endedBySQLError()
+	}
 	now := time.Now()
 	for chunk := range slices.Chunk(effects, store.DelayedInsertMaxRows) {
 		if _, err := u.execer().Exec(ctx, u.s.q.delayedInsert(len(chunk)), store.DelayedInsertArgs(chunk[0].Source, chunk, now)...); err != nil {
@@ -86,6 +102,9 @@ func (u *unit) RecordDelayed(ctx context.Context, effects []outboxdriver.Effect)
 
 // CancelDelayed deletes the delayed effects with cancel key key in the transaction.
 func (u *unit) CancelDelayed(ctx context.Context, key string) (int, error) {
+	if u.boundaryEndedBySQL() {
+		return 0, u.endedBySQLError()
+	}
 	tag, err := u.execer().Exec(ctx, u.s.q.delayedCancel, key)
 	if err != nil {
 		return 0, fmt.Errorf("cancel delayed effects: %w", wrap(err))

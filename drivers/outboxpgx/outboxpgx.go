@@ -124,7 +124,7 @@ func (d Driver) Open(db *sql.DB, opts outboxdriver.StoreOptions) (outboxdriver.S
 	if schema == "" {
 		schema = postgres.DefaultSchema
 	}
-	names, err := store.NewNames(schema, opts.TablePrefix)
+	names, err := postgres.NewNames(schema, opts.TablePrefix)
 	if err != nil {
 		return nil, err
 	}
@@ -168,12 +168,31 @@ type pgxStore struct {
 }
 
 var (
-	_ outboxdriver.UnitStore       = (*pgxStore)(nil)
-	_ outboxdriver.InlineStore     = (*pgxStore)(nil)
-	_ outboxdriver.ConfigRecorder  = (*pgxStore)(nil)
-	_ outboxdriver.WritableChecker = (*pgxStore)(nil)
-	_ outboxdriver.DeadLetterStore = (*pgxStore)(nil)
+	_ outboxdriver.UnitStore          = (*pgxStore)(nil)
+	_ outboxdriver.InlineStore        = (*pgxStore)(nil)
+	_ outboxdriver.ConfigRecorder     = (*pgxStore)(nil)
+	_ outboxdriver.WritableChecker    = (*pgxStore)(nil)
+	_ outboxdriver.DeadLetterStore    = (*pgxStore)(nil)
+	_ outboxdriver.DeadLetterNowStore = (*pgxStore)(nil)
+	_ outboxdriver.EffectRetrier      = (*pgxStore)(nil)
 )
+
+// DeadLetterNow implements outboxdriver.DeadLetterNowStore through the postgres driver's store.
+func (s *pgxStore) DeadLetterNow(ctx context.Context, src outboxdriver.Source, actor string) (bool, error) {
+	if d, ok := s.postgresStore.(outboxdriver.DeadLetterNowStore); ok {
+		return d.DeadLetterNow(ctx, src, actor)
+	}
+	return false, outboxdriver.ErrDeadLetterNowUnsupported
+}
+
+// DeadLetterRequested implements outboxdriver.DeadLetterNowStore through the postgres driver's
+// store: the handler path of a pgx unit of work reads the requests as database/sql's does.
+func (s *pgxStore) DeadLetterRequested(ctx context.Context, src outboxdriver.Source) (outboxdriver.DeadLetterRequest, error) {
+	if d, ok := s.postgresStore.(outboxdriver.DeadLetterNowStore); ok {
+		return d.DeadLetterRequested(ctx, src)
+	}
+	return outboxdriver.DeadLetterRequest{}, nil
+}
 
 // RecordServiceConfig implements outboxdriver.ConfigRecorder through the postgres driver's store.
 func (s *pgxStore) RecordServiceConfig(ctx context.Context, c outboxdriver.ServiceConfig) error {
@@ -181,6 +200,14 @@ func (s *pgxStore) RecordServiceConfig(ctx context.Context, c outboxdriver.Servi
 		return r.RecordServiceConfig(ctx, c)
 	}
 	return nil
+}
+
+// EffectRetryNow implements outboxdriver.EffectRetrier through the postgres driver's store.
+func (s *pgxStore) EffectRetryNow(ctx context.Context, kind, topic string, limit int) (int, error) {
+	if r, ok := s.postgresStore.(outboxdriver.EffectRetrier); ok {
+		return r.EffectRetryNow(ctx, kind, topic, limit)
+	}
+	return 0, nil
 }
 
 // CheckWritable implements outboxdriver.WritableChecker through the postgres driver's store.

@@ -2,10 +2,12 @@ package postgres
 
 import "github.com/watermill-outbox/outbox/store"
 
-// deadLetterQueries are the statements of the dead letters (migration 018).
+// deadLetterQueries are the statements of the dead letters (migration 018) and of the requests to
+// dead-letter a failing message at once (migration 020).
 func deadLetterQueries(n store.Names) store.DeadLetterQueries {
 	since := func(t string) string { return `(extract(epoch FROM now() - ` + t + `) * 1000)::bigint` }
-	cleanup := `SELECT consumer, message_id FROM ` + n.DeadLetters + ` WHERE state <> 'dead' AND changed_at < now() - ($1 * interval '1 millisecond')`
+	expired := `state <> 'dead' AND changed_at < now() - ($1 * interval '1 millisecond')`
+	cleanup := `SELECT consumer, message_id FROM ` + n.DeadLetters + ` WHERE ` + expired
 	return store.DeadLetterQueries{
 		Attempt: `INSERT INTO ` + n.Attempts + ` AS a (consumer, message_id, attempts, last_error) VALUES ($1, $2, 1, $3)
 			ON CONFLICT (consumer, message_id) DO UPDATE
@@ -28,9 +30,16 @@ func deadLetterQueries(n store.Names) store.DeadLetterQueries {
 		Mark: `UPDATE ` + n.DeadLetters + ` SET state = $1, changed_at = now(), changed_by = $2,
 				retries = retries + CASE WHEN $1 = 'retried' THEN 1 ELSE 0 END
 			WHERE consumer = $3 AND message_id = $4 AND state = 'dead'`,
-		Read:         `SELECT source_topic, payload, metadata FROM ` + n.DeadLetters + ` WHERE consumer = $1 AND message_id = $2`,
-		Count:        `SELECT count(*) FROM (SELECT 1 FROM ` + n.DeadLetters + ` WHERE state = 'dead' LIMIT $1) d`,
-		Cleanup:      `DELETE FROM ` + n.DeadLetters + ` WHERE (consumer, message_id) IN (` + cleanup + ` LIMIT $2)`,
+		Read:  `SELECT source_topic, payload, metadata FROM ` + n.DeadLetters + ` WHERE consumer = $1 AND message_id = $2`,
+		Count: `SELECT count(*) FROM (SELECT 1 FROM ` + n.DeadLetters + ` WHERE state = 'dead' LIMIT $1) d`,
+		// The DELETE repeats its subquery's condition on its own row: a dead letter dead again
+		// (or changed) while the DELETE waited for it is judged by the version it then finds,
+		// where a match by its key alone would delete the message's new dead letter.
+		Cleanup:      `DELETE FROM ` + n.DeadLetters + ` WHERE (consumer, message_id) IN (` + cleanup + ` LIMIT $2) AND ` + expired,
 		CleanupCount: `SELECT count(*) FROM (` + cleanup + `) d`,
+		Now: `UPDATE ` + n.Attempts + ` SET dead_letter_by = $1 WHERE consumer = $2 AND message_id = $3
+			AND NOT EXISTS (SELECT 1 FROM ` + n.Processed + ` p WHERE p.consumer = $2 AND p.message_id = $3)`,
+		Requested: `SELECT attempts, last_error, coalesce(dead_letter_by, '') FROM ` + n.Attempts + ` WHERE consumer = $1 AND message_id = $2
+			AND NOT EXISTS (SELECT 1 FROM ` + n.Processed + ` p WHERE p.consumer = $1 AND p.message_id = $2)`,
 	}
 }

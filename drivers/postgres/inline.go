@@ -122,7 +122,7 @@ func newInlineQueries(n store.Names) inlineQueries {
 			FROM ` + effectsRecordset + ` ORDER BY n`,
 		archive: `INSERT INTO ` + n.Dispatched + ` (id, source_consumer, source_id, seq, kind, topic, uuid, payload, metadata, ordering_key,
 				created_at, dispatched_at, attempts, failures)
-			SELECT nextval(pg_get_serial_sequence('` + n.Effects + `', 'id')), c, i, s, k, t, u, decode(pl, 'base64'), decode(md, 'base64'), ok,
+			SELECT nextval(pg_get_serial_sequence('` + effectsPartition(n, 0) + `', 'id')), c, i, s, k, t, u, decode(pl, 'base64'), decode(md, 'base64'), ok,
 				now() - a * interval '1 millisecond', now(), 0, 0
 			FROM ` + effectsRecordset + ` ORDER BY n`,
 		clear: `UPDATE ` + n.Processed + ` p SET effects = NULL WHERE ` + claimsOf,
@@ -137,7 +137,9 @@ func newInlineQueries(n store.Names) inlineQueries {
 				WHERE ` + claimsOf + ` AND p.effects IS NOT NULL FOR UPDATE OF p),
 			clr AS (UPDATE ` + n.Processed + ` p SET effects = NULL FROM old WHERE p.consumer = old.consumer AND p.message_id = old.message_id)
 			SELECT consumer, message_id, effects, age FROM old`,
-		leaseSource: `UPDATE ` + n.Effects + ` SET next_attempt_at = now() + $3 * interval '1 millisecond'
+		// The rows may back off (a failure's retry time, not yet come): the lease replaces it, and
+		// backoff_until goes with it, so that a recovery never takes the lease for a backoff.
+		leaseSource: `UPDATE ` + n.Effects + ` SET next_attempt_at = now() + $3 * interval '1 millisecond', backoff_until = NULL
 			WHERE source_consumer = $1 AND source_id = $2 AND dispatched_at IS NULL AND parked_at IS NULL`,
 		// The first statement of the sweep's transaction: its snapshot is taken before the one
 		// that reads the claims, so that every transaction below its xmin has ended by then (a
@@ -396,7 +398,7 @@ func (s *inline) EffectReadInline(ctx context.Context, tx *sql.Tx, src outboxdri
 // EffectMarkDispatched clears the inline effects of the marks with Inline (one HOT update per
 // claim, one statement per consumer) and marks the effect rows of the others. Claims whose
 // effects went out late (MoveClaim) get the time of the mark as their dispatch time, in the same
-// update.
+// update (the claim of a mark with rows as well as inline effects is written once).
 func (s *inline) EffectMarkDispatched(ctx context.Context, marks ...outboxdriver.DispatchMark) error {
 	var rows []outboxdriver.DispatchMark
 	var claims [2][]claimKey // sent in time, sent late
@@ -409,6 +411,12 @@ func (s *inline) EffectMarkDispatched(ctx context.Context, marks ...outboxdriver
 			claims[late] = append(claims[late], claimKey{m.Source.Consumer, m.Source.ID})
 		}
 		if len(m.StoreIDs) > 0 {
+			if m.Inline {
+				// The claim's own update below moves its dispatch time: the rows' mark moving it
+				// as well wrote the claim twice. Should the claim hold no effects any more (the
+				// sweep took them), its time stays, and the relay's mark of those moves it later.
+				m.MoveClaim = false
+			}
 			rows = append(rows, m)
 		}
 	}

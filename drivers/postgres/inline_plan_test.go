@@ -252,7 +252,7 @@ func TestDuplicateClaimFindsPendingBySource(t *testing.T) {
 				// statistics and drops the plans made with them.
 				emptyScanned := state.name == "a backlog, analyzed" &&
 					!strings.Contains(strings.NewReplacer("Seq Scan on dupplan_effects_1", "", "Seq Scan on dupplan_effects_2", "").Replace(text), "Seq Scan on dupplan_effects")
-				if !strings.Contains(text, "dupplan_effects_0_source") || strings.Contains(text, "Seq Scan on dupplan_effects") && !emptyScanned {
+				if !strings.Contains(text, "dupplan_effects_pending_source") || strings.Contains(text, "Seq Scan on dupplan_effects") && !emptyScanned {
 					t.Errorf("%s (%s, %s): the duplicate's pending effects are not read by their source:\n%s", name, mode, state.name, text)
 				}
 				if top := buffersRe.FindStringSubmatch(text); top != nil && atoi(top[1])+atoi(top[2]) > 50 {

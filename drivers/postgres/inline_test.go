@@ -227,3 +227,88 @@ func TestInlineMarkHostileIDs(t *testing.T) {
 		})
 	}
 }
+
+// tableUpdates returns the updates counted so far on table; db has one connection, on which
+// the statements counted ran (a backend reports its counts when asked to, at its next idle).
+func tableUpdates(t *testing.T, db *sql.DB, table string) int64 {
+	t.Helper()
+	if _, err := db.Exec(`SELECT pg_stat_force_next_flush()`); err != nil {
+		t.Fatal(err)
+	}
+	var n int64
+	if err := db.QueryRow(`SELECT n_tup_upd FROM pg_stat_user_tables WHERE relname = $1`, table).Scan(&n); err != nil {
+		t.Fatal(err)
+	}
+	return n
+}
+
+// TestHandToRelayWritesOnlyWhatItChanges: effects handed to the relay once are not written again
+// when they are handed over again (a redelivered copy of a unit whose ordering key is held up):
+// the update would change nothing but leave a dead version of each row.
+func TestHandToRelayWritesOnlyWhatItChanges(t *testing.T) {
+	db := pgtest.DB(t)
+	db.SetMaxOpenConns(1)
+	ctx := context.Background()
+	st, _ := openInline(t, db, true)
+	if err := st.Migrate(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := db.Exec(`INSERT INTO outbox_effects (source_consumer, source_id, seq, kind, topic, uuid, payload, metadata, ordering_key)
+		VALUES ('c', 'held', 1, 'message', 'out', 'held-1', '', '', 'k'), ('c', 'held', 2, 'message', 'out', 'held-2', '', '', 'k')`); err != nil {
+		t.Fatal(err)
+	}
+	src := outboxdriver.Source{Consumer: "c", ID: "held"}
+	for i, want := range []int64{2, 0} {
+		before := tableUpdates(t, db, "outbox_effects")
+		if err := st.EffectHandToRelay(ctx, src); err != nil {
+			t.Fatal(err)
+		}
+		if n := tableUpdates(t, db, "outbox_effects") - before; n != want {
+			t.Errorf("hand-over %d updated %d effect rows, want %d", i+1, n, want)
+		}
+	}
+	var due int
+	if err := db.QueryRow(`SELECT count(*) FROM outbox_effects WHERE next_attempt_at <= now()`).Scan(&due); err != nil || due != 2 {
+		t.Fatalf("%d effects due after the hand-overs (%v), want 2", due, err)
+	}
+}
+
+// TestLateMarkWritesTheClaimOnce: the late mark (MoveClaim) of a unit that kept effects in its
+// claim and had others as rows (an ordering key of their own) moves the claim's dispatch time
+// and clears its effects in one update of the claim, not one for each kind.
+func TestLateMarkWritesTheClaimOnce(t *testing.T) {
+	db := pgtest.DB(t)
+	db.SetMaxOpenConns(1) // the store's statements and the counts on one backend, which reports them when asked
+	ctx := context.Background()
+	st, _ := openInline(t, db, true)
+	if err := st.Migrate(ctx); err != nil {
+		t.Fatal(err)
+	}
+	src := outboxdriver.Source{Consumer: "c", ID: "late"}
+	claimInline(t, db, src, time.Hour, false)
+	var id int64
+	if err := db.QueryRow(`INSERT INTO outbox_effects (source_consumer, source_id, seq, kind, topic, uuid, payload, metadata, ordering_key)
+		VALUES ('c', 'late', 3, 'message', 'out', 'late-3', '', '', 'own key') RETURNING id`).Scan(&id); err != nil {
+		t.Fatal(err)
+	}
+	updates := func() int64 { return tableUpdates(t, db, "outbox_processed") }
+	before := updates()
+	if err := st.EffectMarkDispatched(ctx, outboxdriver.DispatchMark{Source: src, StoreIDs: []int64{id}, Inline: true, MoveClaim: true}); err != nil {
+		t.Fatal(err)
+	}
+	if n := updates() - before; n != 1 {
+		t.Errorf("the late mark updated the claim %d times, want once", n)
+	}
+	var moved, cleared bool
+	if err := db.QueryRow(`SELECT dispatched_at > now() - interval '1 minute', effects IS NULL FROM outbox_processed
+		WHERE consumer = 'c' AND message_id = 'late'`).Scan(&moved, &cleared); err != nil {
+		t.Fatal(err)
+	}
+	if !moved || !cleared {
+		t.Errorf("after the late mark: dispatch time moved %v, effects cleared %v; want both", moved, cleared)
+	}
+	var left int
+	if err := db.QueryRow(`SELECT count(*) FROM outbox_effects`).Scan(&left); err != nil || left != 0 {
+		t.Fatalf("%d effect rows left after the mark (%v), want none", left, err)
+	}
+}

@@ -71,7 +71,7 @@ func TestMigrateIsIdempotentAndSafeConcurrently(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	// The partitions of the effects table and its rotation (migration 020) besides.
+	// The partitions of the effects table and its rotation (migration 023) besides.
 	if want := len(names.Tables()) + 4; n != want {
 		t.Fatalf("tables in billing: %d, want %d", n, want)
 	}

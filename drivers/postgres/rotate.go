@@ -33,7 +33,7 @@ const rotateTimeout = 10 * time.Second
 // effectColumnList are the columns of an effect row but gen, which the partition a moved row
 // lands in sets (its default).
 const effectColumnList = `id, source_consumer, source_id, seq, kind, topic, uuid, payload, metadata, ordering_key,
-	created_at, dispatched_at, attempts, last_error, next_attempt_at, parked_at, failures, failed_at`
+	created_at, dispatched_at, attempts, last_error, next_attempt_at, parked_at, failures, failed_at, backoff_until`
 
 // rotationQueries are the statements of the rotation.
 type rotationQueries struct {

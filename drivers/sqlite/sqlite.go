@@ -120,6 +120,7 @@ const effectColumns = `id, source_consumer, source_id, seq, kind, topic, uuid, p
 func ids(arg string) string { return `(SELECT value FROM json_each('[' || ` + arg + ` || ']'))` }
 
 func queries(n store.Names) store.Queries {
+	backedOff := `dispatched_at IS NULL AND parked_at IS NULL AND next_attempt_at = backoff_until AND next_attempt_at > ` + now
 	// What cleanup deletes (retention ms as ?1), shared by its batches and its dry run.
 	cleanupClaims := `SELECT consumer, message_id FROM ` + n.Processed + ` p
 			WHERE processed_at < ` + ago("?1") + ` AND dispatched_at < ` + ago("?1") + `
@@ -170,10 +171,15 @@ func queries(n store.Names) store.Queries {
 		},
 		EffectRecordFailure: `UPDATE ` + n.Effects + ` SET failures = failures + 1, failed_at = ` + now + `, last_error = ?2,
 			attempts = attempts + CASE WHEN ?3 THEN 1 ELSE 0 END,
-			next_attempt_at = ` + fromNow("?5") + `, parked_at = CASE WHEN ?4 THEN coalesce(parked_at, ` + now + `) ELSE parked_at END
+			next_attempt_at = ` + fromNow("?5") + `, backoff_until = ` + fromNow("?5") + `,
+			parked_at = CASE WHEN ?4 THEN coalesce(parked_at, ` + now + `) ELSE parked_at END
 			WHERE id = ?1 AND dispatched_at IS NULL`,
 		EffectRelease: `UPDATE ` + n.Effects + ` SET next_attempt_at = ` + fromNow("?2") + `
 			WHERE id IN ` + ids("?1") + ` AND dispatched_at IS NULL AND parked_at IS NULL`,
+		// As on PostgreSQL: backing off while the retry time of the last failure is still the
+		// effect's own and ahead.
+		EffectBackedOff: `SELECT id FROM ` + n.Effects + ` WHERE kind = ?1 AND (kind <> '' OR topic = ?2) AND ` + backedOff + ` LIMIT ?3`,
+		EffectRetryNow:  `UPDATE ` + n.Effects + ` SET next_attempt_at = ` + now + ` WHERE id IN ` + ids("?1") + ` AND ` + backedOff,
 		EffectKeyBlocked: `SELECT EXISTS (SELECT 1 FROM ` + n.Effects + ` b
 			WHERE b.ordering_key = ?3 AND b.dispatched_at IS NULL AND NOT (b.source_consumer = ?1 AND b.source_id = ?2)
 			  AND b.id < (SELECT min(id) FROM ` + n.Effects + `
@@ -303,7 +309,8 @@ func msSince(t string) string {
 	return `CAST(round((julianday('now') - julianday(` + t + `)) * 86400000.0) AS INTEGER)`
 }
 
-// deadLetterQueries are the statements of the dead letters (migration 007).
+// deadLetterQueries are the statements of the dead letters (migration 007) and of the requests to
+// dead-letter a failing message at once (migration 009).
 func deadLetterQueries(n store.Names) store.DeadLetterQueries {
 	cleanupDead := `SELECT consumer, message_id FROM ` + n.DeadLetters + ` WHERE state <> 'dead' AND changed_at < ` + ago("?1")
 	return store.DeadLetterQueries{
@@ -331,5 +338,9 @@ func deadLetterQueries(n store.Names) store.DeadLetterQueries {
 		Cleanup: `DELETE FROM ` + n.DeadLetters + ` WHERE (consumer, message_id) IN (` + cleanupDead + ` LIMIT ?2)
 			AND changed_at < ` + ago("?1"),
 		CleanupCount: `SELECT count(*) FROM (` + cleanupDead + `)`,
+		Now: `UPDATE ` + n.Attempts + ` SET dead_letter_by = ?1 WHERE consumer = ?2 AND message_id = ?3
+			AND NOT EXISTS (SELECT 1 FROM ` + n.Processed + ` p WHERE p.consumer = ?2 AND p.message_id = ?3)`,
+		Requested: `SELECT attempts, last_error, coalesce(dead_letter_by, '') FROM ` + n.Attempts + ` WHERE consumer = ?1 AND message_id = ?2
+			AND NOT EXISTS (SELECT 1 FROM ` + n.Processed + ` p WHERE p.consumer = ?1 AND p.message_id = ?2)`,
 	}
 }

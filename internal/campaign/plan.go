@@ -25,7 +25,8 @@ type spec struct {
 	// delay, when not negative, is the delay of one more effect, recorded last.
 	delay time.Duration
 	// cancel: after the message is acked, a unit of work on instance cancelProc cancels the
-	// delayed effect cancelAt after the ack (around its due time); cancelled is what it
+	// delayed effect cancelAt after it was recorded (its delay, from 300 ms before to 150 ms
+	// after: around its due time); cancelled is what it
 	// reported: 1 cancelled, 0 too late, -1 unknown (it failed).
 	cancel     bool
 	cancelProc int

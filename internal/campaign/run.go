@@ -216,7 +216,7 @@ func (c *run) do() bool {
 			// on every driver (IDs, and the cancel keys made of them, compare byte for byte).
 			sp.id = scheds[i-1].msg.id + " "
 		}
-		if delayed, delay, cancel, proc, jitter := r.IntN(2) == 0, r.IntN(600), r.IntN(2) == 0, r.IntN(instances), r.IntN(300)-150; delayed && c.on["delayed"] {
+		if delayed, delay, cancel, proc, jitter := r.IntN(2) == 0, r.IntN(600), r.IntN(2) == 0, r.IntN(instances), r.IntN(450)-300; delayed && c.on["delayed"] {
 			sp.delay = time.Duration(delay) * time.Millisecond
 			sp.cancel, sp.cancelProc, sp.cancelAt = cancel, proc, max(sp.delay+time.Duration(jitter)*time.Millisecond, 0)
 			c.stats.reached("delayed")
@@ -565,9 +565,11 @@ func (c *run) followDelayed(sp *spec) {
 }
 
 // cancelDelayed cancels the delayed effect of sp in a unit of work of its own, cancelAt after
-// the message was acked: around its due time, racing the relays that move it.
+// the effect was recorded (at once when the message was acked later): around its due time,
+// racing the relays that move it. Timed from the record, not the ack, so that a slow ack (a
+// crash, a redelivery, the race detector) does not make every cancel come too late.
 func (c *run) cancelDelayed(sp *spec) {
-	time.Sleep(sp.cancelAt)
+	time.Sleep(time.Until(time.Unix(0, sp.recordedAt.Load()).Add(sp.cancelAt)))
 	var n int
 	err := c.procs[sp.cancelProc].InUnit(context.Background(), func(ctx context.Context) error {
 		var err error

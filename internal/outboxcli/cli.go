@@ -175,7 +175,9 @@ func root(d Database) *command {
 	return &command{name: "", subs: []*command{
 		{name: "status", short: "pending, parked, failing, retained, cleanup lag, last dispatch, recent changes", run: status,
 			long: "Status shows the pending, delayed and parked effects (per consumer and topic), the failing messages,\n" +
-				"the retained message IDs, the cleanup lag, the last dispatch and the latest audited changes."},
+				"the retained message IDs, the cleanup lag, the last dispatch and the latest audited changes; on\n" +
+				"PostgreSQL also what holds back the xmin horizon (a session, slot or prepared transaction) and the\n" +
+				"dead tuples of the outbox tables."},
 		{name: "parked", short: "parked effects: list, group, retry or discard them",
 			long: "Parked effects are the side effects the relay gave up sending.\n" + filters, subs: []*command{
 				{name: "parked list", short: "the parked effects, with their last error", run: parked,
@@ -212,10 +214,14 @@ func root(d Database) *command {
 				{name: "dead discard", args: "CONSUMER MESSAGE_ID", short: "give a dead letter up (kept; its copies are still acked)", run: dead,
 					long: "Discard a dead letter: it is kept, noted as discarded, and copies of the message are still acked.\n" +
 						"Written to the audit table."},
+				{name: "dead now", args: "CONSUMER MESSAGE_ID", short: "dead-letter a failing message on its next delivery", run: dead,
+					long: "Dead-letter a failing message (its handler failed, fewer than MaxAttempts times) at once: its\n" +
+						"next delivery stores it as a dead letter and acks it, without running the handler again (a\n" +
+						"delivery to a process that has not seen it fail runs it once more). Written to the audit table."},
 			}},
 		{name: "replay", args: "CONSUMER MESSAGE_ID", short: "let a poisoned message run its handler again on its next delivery", run: replay,
 			long: "Replay a poisoned message: its next delivery (put it back on its topic, ID unchanged) runs the\n" +
-				"handler again. Written to the audit table."},
+				"handler again. Its dead letter, if still dead, is marked retried with it. Written to the audit table."},
 		{name: "lookup", args: "CONSUMER MESSAGE_ID", short: "was a message processed, when, what did it send, what is pending", run: lookup,
 			long: "Look a message up: whether the consumer processed it (or poisoned it), when, its failed attempts,\n" +
 				"and its side effects with their state (dispatched ones while EffectRetention keeps them)."},
@@ -571,6 +577,22 @@ func status(ctx context.Context, g *globals, c *command, args []string, out prin
 		fmt.Fprintf(w, "dead letters\t%d\t(outbox dead groups)\n", t.DeadLetters)
 		fmt.Fprintf(w, "retained IDs\t%d\t%s\n", t.Retained, map[bool]string{true: "(estimated)"}[t.Estimated])
 		fmt.Fprintf(w, "cleanup lag\t%s\t\n", t.CleanupLag.Round(time.Second))
+		if t.Tables != nil { // PostgreSQL's
+			if h := t.XminHold; h != nil {
+				fmt.Fprintf(w, "xmin held\t%s\t%d transactions, by %s\n", h.Age.Round(time.Second), h.Transactions, clean(h.Who()))
+			} else {
+				fmt.Fprintf(w, "xmin held\tnone\t\n")
+			}
+			var dead int64
+			var each []string
+			for _, tv := range t.Tables {
+				dead += tv.DeadTuples
+				if tv.DeadTuples > 0 {
+					each = append(each, fmt.Sprintf("%s %d", tv.Table, tv.DeadTuples))
+				}
+			}
+			fmt.Fprintf(w, "dead tuples\t%d\t%s\n", dead, strings.Join(each, ", "))
+		}
 		if s.LastDispatch.IsZero() {
 			fmt.Fprintf(w, "last dispatch\tnone in the last hour\t\n")
 		} else {
@@ -806,6 +828,31 @@ func failing(ctx context.Context, g *globals, c *command, args []string, out pri
 	})
 }
 
+// deadNow asks that a failing message be dead-lettered on its next delivery.
+func deadNow(ctx context.Context, g *globals, o *ops.Ops, key outboxdriver.Source, dryRun bool, out printer) error {
+	ok, err := o.DeadLetterNow(ctx, key, ops.RepairOptions{Actor: g.actor, DryRun: dryRun})
+	if err != nil {
+		return err
+	}
+	res := map[string]any{"action": "now", "consumer": key.Consumer, "message_id": key.ID, "changed": map[bool]int{true: 1}[ok], "dry_run": dryRun}
+	name := clean(key.Consumer) + "/" + clean(key.ID)
+	if !ok {
+		if out.json() {
+			if err := out.emit(res, nil); err != nil {
+				return err
+			}
+		}
+		return nothingMatched{name + " is not failing (no failed attempt counted, or processed or dead-lettered already): nothing to dead-letter"}
+	}
+	return out.emit(res, func(w *tabwriter.Writer) {
+		if dryRun {
+			fmt.Fprintf(w, "dry run: %s is failing; its next delivery would dead-letter it\n", name)
+			return
+		}
+		fmt.Fprintf(w, "%s: its next delivery stores it as a dead letter and acks it (outbox dead list)\n", name)
+	})
+}
+
 func dead(ctx context.Context, g *globals, c *command, args []string, out printer) error {
 	sub := strings.TrimPrefix(c.name, "dead ")
 	fs := g.flags(c)
@@ -831,6 +878,9 @@ func dead(ctx context.Context, g *globals, c *command, args []string, out printe
 		if _, err := g.parse(fs, c, args, 0); err != nil {
 			return err
 		}
+	case "now":
+		fs.BoolVar(&dryRun, "dry-run", false, "say whether the message is failing, change nothing")
+		want = 2
 	default:
 		fs.BoolVar(&dryRun, "dry-run", false, "say whether it is a dead letter, change nothing")
 		want = 2
@@ -875,6 +925,9 @@ func dead(ctx context.Context, g *globals, c *command, args []string, out printe
 		})
 	}
 	key := outboxdriver.Source{Consumer: pos[0], ID: pos[1]}
+	if sub == "now" {
+		return deadNow(ctx, g, o, key, dryRun, out)
+	}
 	repair := o.RetryDeadLetters
 	if sub == "discard" {
 		repair = o.DiscardDeadLetters

@@ -3,6 +3,7 @@ package storetest
 import (
 	"bytes"
 	"context"
+	"errors"
 	"maps"
 	"strings"
 	"time"
@@ -163,5 +164,138 @@ func testDeadLetters(f *fixture) {
 	dls = list(outboxdriver.DeadLetterFilter{})
 	if len(dls) != 1 || dls[0].MessageID != src.ID {
 		f.t.Fatalf("dead letters after the cleanup: %+v; want the dead one kept", dls)
+	}
+}
+
+// testDeadLettersCleanupDeadAgain: a cleanup that finds a dead letter retried long ago while the
+// message is being dead-lettered again (uncommitted) waits for it, and then leaves the new dead
+// letter alone. A cleanup that judged the row by the version it first saw would delete the dead
+// letter of a message that is dead now: its claim acks every later copy, and nothing would list
+// it or hand it back any more.
+func testDeadLettersCleanupDeadAgain(f *fixture) {
+	ds, ok := f.st.(outboxdriver.DeadLetterStore)
+	if !ok {
+		f.t.Skipf("%T keeps no dead letters", f.st)
+	}
+	if !f.h.Capabilities.RowLocks {
+		return // one writer at a time: a cleanup cannot run while the new dead letter is held
+	}
+	src := f.src("dead-again")
+	if _, err := ds.DeadLetterInsert(f.ctx, outboxdriver.DeadLetter{Consumer: src.Consumer, MessageID: src.ID, SourceTopic: "orders",
+		Payload: []byte("p"), Reason: "first"}, true, nil); err != nil {
+		f.t.Fatalf("DeadLetterInsert: %v", err)
+	}
+	if n, err := ds.DeadLetterRetry(f.ctx, outboxdriver.DeadLetterChange{Keys: []outboxdriver.Source{src}, Actor: "ops"},
+		func() outboxdriver.Source { return outboxdriver.Source{ID: "retry-of-dead-again"} }); err != nil || n != 1 {
+		f.t.Fatalf("DeadLetterRetry = %d, %v; want 1", n, err)
+	}
+	f.age("dead_letters", "changed_at", src, 2*time.Hour)
+
+	// What DeadLetterInsert writes when the retried message fails for good again, held
+	// uncommitted so that the cleanup reaches the row while it is locked.
+	tx := f.begin()
+	defer func() { _ = tx.Rollback() }()
+	if _, err := tx.ExecContext(f.ctx, `UPDATE `+f.h.Table("dead_letters")+` SET state = 'dead', changed_at = NULL,
+		changed_by = '', reason = 'again' WHERE consumer = '`+src.Consumer+`' AND message_id = '`+src.ID+`'`); err != nil {
+		f.t.Fatalf("dead-letter again: %v", err)
+	}
+	type result struct {
+		res outboxdriver.CleanupResult
+		err error
+	}
+	done := make(chan result, 1)
+	go func() {
+		res, err := f.st.Cleanup(f.ctx, outboxdriver.CleanupParams{Retention: time.Hour, EffectRetention: time.Hour, BatchSize: 10})
+		done <- result{res, err}
+	}()
+	f.waitUntil("cleanup to wait for the new dead letter", func() bool { return f.h.Blocked(f.t) })
+	if err := tx.Commit(); err != nil {
+		f.t.Fatalf("commit the new dead letter: %v", err)
+	}
+	r := receive(f, "cleanup after the new dead letter committed", done)
+	if r.err != nil || r.res.DeadLetters != 0 {
+		f.t.Fatalf("cleanup while the message was dead-lettered again: %+v, %v; want no dead letter deleted", r.res, r.err)
+	}
+	dls, err := ds.DeadLetterList(f.ctx, outboxdriver.DeadLetterFilter{State: outboxdriver.DeadLetterDead})
+	if err != nil || len(dls) != 1 || dls[0].MessageID != src.ID || dls[0].Reason != "again" || dls[0].Retries != 1 {
+		f.t.Fatalf("dead letters after the cleanup: %+v, %v; want the message dead again, its retry counted", dls, err)
+	}
+}
+
+// testReplayDeadLetter: a replay of a dead-lettered message (its claim written poisoned by the
+// dead letter) settles its dead letter as retried in the same transaction: the message is
+// handed back by hand, so the dead letter is no longer listed or counted as dead, and a retry
+// from it afterwards hands nothing over a second time.
+func testReplayDeadLetter(f *fixture) {
+	ds, ok := f.st.(outboxdriver.DeadLetterStore)
+	if !ok {
+		f.t.Skipf("%T keeps no dead letters", f.st)
+	}
+	src := f.src("replayed-dead")
+	if _, err := ds.DeadLetterInsert(f.ctx, outboxdriver.DeadLetter{Consumer: src.Consumer, MessageID: src.ID, SourceTopic: "orders",
+		Payload: []byte("p"), Reason: "bad input", Permanent: true}, true, nil); err != nil {
+		f.t.Fatalf("DeadLetterInsert: %v", err)
+	}
+	if ok, err := f.st.MessageReplay(f.ctx, src); err != nil || !ok {
+		f.t.Fatalf("MessageReplay of a dead-lettered message = %v, %v; want true", ok, err)
+	}
+	if f.processed(src) {
+		f.t.Fatal("replayed dead-lettered message: its claim is still there")
+	}
+	if got := f.attempt(src, "after the replay"); got != 1 {
+		f.t.Fatalf("first attempt after the replay counted as %d; want its attempts reset", got)
+	}
+	dls, err := ds.DeadLetterList(f.ctx, outboxdriver.DeadLetterFilter{})
+	if err != nil || len(dls) != 1 || dls[0].State != outboxdriver.DeadLetterRetried || dls[0].Retries != 1 || dls[0].ChangedAt.IsZero() {
+		f.t.Fatalf("dead letter after the replay: %+v, %v; want it retried, its retry counted", dls, err)
+	}
+	if c, err := ds.DeadLetterCount(f.ctx); err != nil || c != 0 {
+		f.t.Fatalf("DeadLetterCount after the replay = %d, %v; want 0", c, err)
+	}
+	retrySrc := outboxdriver.Source{ID: "retry-of-replayed"}
+	if n, err := ds.DeadLetterRetry(f.ctx, outboxdriver.DeadLetterChange{Keys: []outboxdriver.Source{src}, Actor: "ops"},
+		func() outboxdriver.Source { return retrySrc }); err != nil || n != 0 {
+		f.t.Fatalf("DeadLetterRetry after the replay = %d, %v; want 0 (replayed already)", n, err)
+	}
+	if es := f.pending(retrySrc); len(es) != 0 {
+		f.t.Fatalf("retry after the replay recorded %+v; want the message handed over once", es)
+	}
+}
+
+// testDeadLetterNow: an operator's request to dead-letter a failing message marks its attempt
+// counter with who asked, which the next delivery reads; a message without failed attempts, or
+// one that is processed (here: poisoned), cannot be asked for.
+func testDeadLetterNow(f *fixture) {
+	ds, ok := f.st.(outboxdriver.DeadLetterNowStore)
+	if !ok {
+		f.t.Skipf("%T cannot dead-letter a failing message at once", f.st)
+	}
+	src, never, done := f.src("failing"), f.src("never"), f.src("done")
+	f.attempt(src, "carrier API timeout")
+	f.attempt(src, "carrier API timeout again")
+	f.attempt(done, "first failure")
+	if err := f.st.MessagePoison(f.ctx, done); err != nil {
+		f.t.Fatal(err)
+	}
+	if r, err := ds.DeadLetterRequested(f.ctx, src); err != nil || r != (outboxdriver.DeadLetterRequest{Attempts: 2, LastError: "carrier API timeout again"}) {
+		f.t.Fatalf("DeadLetterRequested before the request = %+v, %v; want 2 attempts, the last error, nobody", r, err)
+	}
+	ok, err := ds.DeadLetterNow(f.ctx, src, "alice")
+	if errors.Is(err, outboxdriver.ErrDeadLetterNowUnsupported) {
+		f.t.Skipf("%T cannot dead-letter a failing message at once", f.st)
+	}
+	if err != nil || !ok {
+		f.t.Fatalf("DeadLetterNow of a failing message = %v, %v; want true", ok, err)
+	}
+	if r, err := ds.DeadLetterRequested(f.ctx, src); err != nil || r.By != "alice" || r.Attempts != 2 {
+		f.t.Fatalf("DeadLetterRequested after the request = %+v, %v; want alice's, 2 attempts", r, err)
+	}
+	for _, s := range []outboxdriver.Source{never, done} {
+		if ok, err := ds.DeadLetterNow(f.ctx, s, "alice"); err != nil || ok {
+			f.t.Errorf("DeadLetterNow of %s (not failing) = %v, %v; want false", s.ID, ok, err)
+		}
+		if r, err := ds.DeadLetterRequested(f.ctx, s); err != nil || r.By != "" {
+			f.t.Errorf("DeadLetterRequested of %s = %+v, %v; want no request", s.ID, r, err)
+		}
 	}
 }

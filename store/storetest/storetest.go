@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"maps"
+	"reflect"
 	"slices"
 	"strings"
 	"sync"
@@ -26,8 +27,8 @@ type Harness struct {
 	// Table returns the qualified, quoted name of the outbox table "processed", "effects",
 	// "attempts" or "migrations" of the stores Open returns.
 	Table func(name string) string
-	// Age moves the timestamp column of the rows of src in table ("processed", "effects" or
-	// "attempts") back by d; a NULL stays NULL. A zero src means every row of the table. The
+	// Age moves the timestamp column of the rows of src in table ("processed", "effects",
+	// "attempts" or "dead_letters") back by d; a NULL stays NULL. A zero src means every row of the table. The
 	// columns that hold a row's source are given by KeyColumns. ("effects", "dispatched_at") means
 	// the dispatched effects, wherever the dialect keeps them.
 	Age func(t testing.TB, table, column string, src outboxdriver.Source, d time.Duration)
@@ -118,6 +119,7 @@ func Run(t *testing.T, newHarness func(t *testing.T) Harness) {
 		{"EffectRecordFailures/Release", testRecordFailuresRelease},
 		{"EffectRecordFailures/ParkedStaysParked", testRecordFailuresKeepParked},
 		{"EffectHandToRelay", testHandToRelay},
+		{"EffectRetryNow", testRetryNow},
 		{"EffectKeyBlocked", testKeyBlocked},
 		{"EffectClaimDue/Grace", testRelayGrace},
 		{"EffectClaimDue/Limit", testRelayLimit},
@@ -135,7 +137,10 @@ func Run(t *testing.T, newHarness func(t *testing.T) Harness) {
 		{"EffectClaimDue/LockedEarlierEffectHoldsItsKey", testClaimDueLockedEarlier},
 		{"EffectDiscard/RetentionCountsFromDiscard", testDiscardMovesClaim},
 		{"MessageReplay", testReplay},
+		{"MessageReplay/DeadLetter", testReplayDeadLetter},
 		{"DeadLetters", testDeadLetters},
+		{"DeadLetters/CleanupWhileDeadAgain", testDeadLettersCleanupDeadAgain},
+		{"DeadLetterNow", testDeadLetterNow},
 		{"EffectListParked", testListParked},
 		{"EffectUnpark", testUnpark},
 		{"EffectDiscard", testDiscard},
@@ -1221,6 +1226,77 @@ func testRecordFailuresRelease(f *fixture) {
 	}
 }
 
+// testRetryNow: once a destination takes messages again, the effects that back off after a
+// failure to it become due at once: to that topic (or applier) only, up to the limit, and never
+// one whose retry time a lease or a release set since, failures or not (a leased one may be in
+// another relay's call), nor a parked one.
+func testRetryNow(f *fixture) {
+	r, ok := f.st.(outboxdriver.EffectRetrier)
+	if !ok {
+		f.t.Skipf("%T cannot end a backoff early", f.st)
+	}
+	// Each effect has a key of its own, so that none waits behind another.
+	one := func(name, kind, topic string) outboxdriver.Effect {
+		src := f.src(name)
+		es := f.effects(src, name, 1)
+		es[0].Kind, es[0].Topic = kind, topic
+		f.commit(src, true, es)
+		return es[0]
+	}
+	backedOff := []outboxdriver.Effect{one("a1", outboxdriver.KindPublish, "a"), one("a2", outboxdriver.KindPublish, "a"),
+		one("a3", outboxdriver.KindPublish, "a")}
+	leased := one("leased", outboxdriver.KindPublish, "a")
+	released := one("released", outboxdriver.KindPublish, "a")
+	parked := one("parked", outboxdriver.KindPublish, "a")
+	otherTopic := one("b", outboxdriver.KindPublish, "b")
+	applier := one("x", "refund", "")
+	otherApplier := one("y", "charge", "")
+	f.age("effects", "created_at", outboxdriver.Source{}, 2*time.Hour)
+
+	all := append(slices.Clone(backedOff), parked, otherTopic, applier, otherApplier)
+	f.recordFailures(failures(all, "broker down", time.Hour)...)
+	f.recordFailures(outboxdriver.EffectFailure{StoreID: parked.StoreID, Reason: "refused", Counted: true, Park: true, RetryAfter: time.Hour})
+	// The leased and the released effect failed before (due again at once) and were claimed
+	// since: the retry time of one is the lease's, of the other the release's (a round that did
+	// not try it).
+	f.recordFailures(failures([]outboxdriver.Effect{leased, released}, "broker down", 0)...)
+	wantSet(f.t, "claim of the effects to lease", f.claimDue(f.st, outboxdriver.EffectClaimParams{Grace: time.Hour, Limit: 100, Lease: time.Hour}),
+		leased, released)
+	f.recordFailures(outboxdriver.EffectFailure{StoreID: released.StoreID, RetryAfter: time.Hour})
+	if got := f.relay(due, sent); len(got) != 0 {
+		f.t.Fatalf("claimed while everything backs off or is leased: %v", uuids(got))
+	}
+
+	retry := func(kind, topic string, limit int) int {
+		f.t.Helper()
+		n, err := r.EffectRetryNow(f.ctx, kind, topic, limit)
+		if err != nil {
+			f.t.Fatalf("EffectRetryNow(%q, %q): %v", kind, topic, err)
+		}
+		return n
+	}
+	if n := retry(outboxdriver.KindPublish, "a", 2); n != 2 {
+		f.t.Fatalf("EffectRetryNow(topic a, limit 2) made %d due, want 2", n)
+	}
+	if n := retry(outboxdriver.KindPublish, "a", 100); n != 1 {
+		f.t.Fatalf("EffectRetryNow(topic a) made %d more due, want the third backing off only", n)
+	}
+	wantSet(f.t, "claim after topic a recovered", f.relay(due, sent), backedOff...)
+	if n := retry(outboxdriver.KindPublish, "a", 100); n != 0 {
+		f.t.Fatalf("EffectRetryNow(topic a) again made %d due: the leased, the released or the parked one", n)
+	}
+	if n := retry("refund", "", 100); n != 1 {
+		f.t.Fatalf("EffectRetryNow(applier refund) made %d due, want 1", n)
+	}
+	wantSet(f.t, "claim after the applier recovered", f.relay(due, sent), applier)
+	if got := f.relay(due, sent); len(got) != 0 {
+		f.t.Fatalf("claimed what still backs off, is leased, released or parked: %v", uuids(got))
+	}
+	// The others are due when their own time comes, as before.
+	f.age("effects", "next_attempt_at", outboxdriver.Source{}, 2*time.Hour)
+	wantSet(f.t, "claim once every retry time passed", f.relay(due, sent), leased, released, otherTopic, otherApplier)
+}
+
 func testHandToRelay(f *fixture) {
 	src, fresh := f.src("m1"), f.src("m2")
 	es := f.effects(src, "k1", 2)
@@ -2153,7 +2229,7 @@ func (f *fixture) stats(p outboxdriver.StatsParams) outboxdriver.Stats {
 
 func testStatsSample(f *fixture) {
 	const day = 24 * time.Hour
-	if s := f.stats(outboxdriver.StatsParams{Retention: 7 * day}); s != (outboxdriver.Stats{SampledAt: s.SampledAt}) || time.Since(s.SampledAt) > time.Minute {
+	if s := f.stats(outboxdriver.StatsParams{Retention: 7 * day}); !reflect.DeepEqual(s, outboxdriver.Stats{SampledAt: s.SampledAt, XminHold: s.XminHold, Tables: s.Tables}) || time.Since(s.SampledAt) > time.Minute {
 		f.t.Fatalf("stats of empty tables: %+v, want zeros sampled now", s)
 	}
 	f.parkThree() // three parked effects, and one pending behind the first (aged two hours)

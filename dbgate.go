@@ -1,0 +1,268 @@
+package outbox
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"net"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"time"
+)
+
+// dbGate holds back the work on one database while it is unreachable. Without it every unit of
+// work in flight, and every background loop, tries to connect again after each failure: in an
+// outage that is a storm of connection attempts, which also meets the database when it comes
+// back (measured: 252 in a 3 s outage of one Outbox with eight consumers; 7 to 17 with the
+// gate). While the gate is open, work waits without taking a connection for one probe at a time,
+// spaced by an exponential backoff with jitter; the first success, of a probe or of any work,
+// closes the gate and wakes every waiter.
+//
+// It knows nothing of an Outbox (a probe and two delays), so that the Outboxes of one database
+// can share one.
+type dbGate struct {
+	probe func(context.Context) error
+	// unreachable tells a failure that means the database cannot be reached.
+	unreachable func(error) bool
+	minDelay    time.Duration
+	maxDelay    time.Duration
+	// onChange reports an outage that begins (err set) or ends (err nil).
+	onChange func(since time.Time, attempts int64, err error)
+	// onAttempt counts a connection attempt that found the database unreachable.
+	onAttempt func()
+
+	down atomic.Bool // an outage is under way: the fast path of every call
+
+	mu        sync.Mutex
+	since     time.Time // when the outage began; zero: reachable
+	inOutage  int64     // attempts that failed since then
+	lastErr   error
+	delay     time.Duration // before the next probe, unjittered
+	nextProbe time.Time
+	probing   bool
+	probed    chan struct{} // closed when the probe under way ends
+	up        chan struct{} // closed when the outage ends
+}
+
+// dbProbeTimeout bounds one probe: a dial that hangs (a dropped SYN) is an unreachable database.
+const dbProbeTimeout = 5 * time.Second
+
+// dbOutage describes an outage under way; its String follows "the database is unreachable".
+type dbOutage struct {
+	Since    time.Time
+	Attempts int64
+	LastErr  error
+}
+
+func (o dbOutage) String() string {
+	return fmt.Sprintf("since %s (%s ago), %d connection attempts failed; last: %v",
+		o.Since.UTC().Format(time.RFC3339Nano), time.Since(o.Since).Round(time.Millisecond), o.Attempts, o.LastErr)
+}
+
+// outage returns the outage under way, if any.
+func (g *dbGate) outage() (dbOutage, bool) {
+	if g == nil || !g.down.Load() {
+		return dbOutage{}, false
+	}
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if g.since.IsZero() {
+		return dbOutage{}, false
+	}
+	return dbOutage{Since: g.since, Attempts: g.inOutage, LastErr: g.lastErr}, true
+}
+
+// wait returns at once while the database is reachable. In an outage it waits until the outage
+// ends, taking its turn at the probe when one is due; it returns an error wrapping
+// ErrDatabaseUnreachable and ctx's error if ctx ends first.
+func (g *dbGate) wait(ctx context.Context) error {
+	if g == nil || !g.down.Load() {
+		return nil
+	}
+	var timer *time.Timer
+	defer func() {
+		if timer != nil {
+			timer.Stop()
+		}
+	}()
+	for {
+		g.mu.Lock()
+		if g.since.IsZero() {
+			g.mu.Unlock()
+			return nil
+		}
+		up, now := g.up, time.Now()
+		if ctx.Err() != nil {
+			g.mu.Unlock()
+			return g.gaveUp(ctx)
+		}
+		if !g.probing && !now.Before(g.nextProbe) {
+			// The probe runs on its own, not on the waiter's context: a waiter that gives up
+			// does not cut it short (nor make it count as a failure), and one whose driver
+			// ignores contexts while it connects (lib/pq through sql.Open, a server that
+			// stalls) does not hold the waiter past its context. One runs at a time.
+			g.probing = true
+			g.probed = make(chan struct{})
+			go g.runProbe()
+		}
+		// While a probe is under way the waiters wait for its end, then for the next one it
+		// schedules.
+		var probed <-chan struct{}
+		d := max(g.nextProbe.Sub(now), time.Millisecond)
+		if g.probing {
+			probed, d = g.probed, dbProbeTimeout
+		}
+		g.mu.Unlock()
+		if timer == nil {
+			timer = time.NewTimer(d)
+		} else {
+			timer.Reset(d)
+		}
+		select {
+		case <-up:
+			return nil
+		case <-probed:
+		case <-ctx.Done():
+			return g.gaveUp(ctx)
+		case <-timer.C:
+		}
+	}
+}
+
+// gaveUp returns the error of a wait that ctx ended.
+func (g *dbGate) gaveUp(ctx context.Context) error {
+	if o, ok := g.outage(); ok {
+		return fmt.Errorf("%w %s: %w", ErrDatabaseUnreachable, o, ctx.Err())
+	}
+	return nil
+}
+
+func (g *dbGate) runProbe() {
+	ctx, cancel := context.WithTimeout(context.Background(), dbProbeTimeout)
+	defer cancel()
+	res := make(chan error, 1)
+	go func() { res <- g.probe(ctx) }()
+	var err error
+	select {
+	case err = <-res:
+	case <-ctx.Done():
+		// A driver that ignores the context while it connects (lib/pq through sql.Open, without
+		// connect_timeout, on a server that stalls) returns when the network gives up: the
+		// probe counts as failed now and the next one opens a new connection, rather than the
+		// outage last as long as that one connection.
+		err = fmt.Errorf("no answer within %s: %w", dbProbeTimeout, ctx.Err())
+	}
+	if err == nil {
+		g.succeeded()
+		return
+	}
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	g.endProbe()
+	if g.since.IsZero() {
+		return // other work got through meanwhile
+	}
+	g.inOutage++
+	g.lastErr = err
+	if g.onAttempt != nil {
+		g.onAttempt()
+	}
+	g.delay = min(2*g.delay, g.maxDelay)
+	g.nextProbe = time.Now().Add(jitter(g.delay))
+}
+
+// jitter spreads d over [d/2, d], so that the processes of one outage do not probe in step.
+func jitter(d time.Duration) time.Duration {
+	if d <= 1 {
+		return d
+	}
+	return d/2 + rand.N(d/2+1)
+}
+
+// observe takes the outcome of work on the database: a success ends an outage, a failure that
+// says the database is unreachable begins one (or counts toward it). It reports whether err is
+// such a failure.
+func (g *dbGate) observe(err error) bool {
+	if g == nil {
+		return false
+	}
+	if err == nil {
+		if g.down.Load() {
+			g.succeeded()
+		}
+		return false
+	}
+	if !g.unreachable(err) {
+		return false
+	}
+	if g.onAttempt != nil {
+		g.onAttempt()
+	}
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	g.lastErr = err
+	g.inOutage++
+	if !g.since.IsZero() {
+		return true
+	}
+	now := time.Now()
+	g.since, g.inOutage = now, 1
+	g.delay = g.minDelay
+	g.nextProbe = now.Add(jitter(g.delay))
+	g.up = make(chan struct{})
+	g.down.Store(true)
+	if g.onChange != nil {
+		g.onChange(now, 1, err)
+	}
+	return true
+}
+
+// endProbe marks the probe under way, if any, ended. Called with g.mu held.
+func (g *dbGate) endProbe() {
+	if g.probing {
+		g.probing = false
+		close(g.probed)
+	}
+}
+
+func (g *dbGate) succeeded() {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	g.endProbe()
+	if g.since.IsZero() {
+		return
+	}
+	since, n := g.since, g.inOutage
+	g.since, g.inOutage, g.lastErr = time.Time{}, 0, nil
+	g.down.Store(false)
+	close(g.up)
+	if g.onChange != nil {
+		g.onChange(since, n, nil)
+	}
+}
+
+// unreachable tells an error that says the database cannot be reached now, whatever the
+// statement: no connection could be made (refused, no route, name not found, a dial that timed
+// out), or the server takes none (starting up, shutting down, too many connections). An error on
+// a connection already made (reset, terminated) is not one: it fails the work it broke, and the
+// next connection tells whether the database is gone.
+func unreachable(err error) bool {
+	switch sqlState(err) {
+	case "57P03", // cannot_connect_now: starting up, shutting down, in recovery
+		"53300", // too_many_connections
+		"08001", // sqlclient_unable_to_establish_sqlconnection
+		"08004": // sqlserver_rejected_establishment_of_sqlconnection
+		return true
+	}
+	var op *net.OpError
+	if errors.As(err, &op) && op.Op == "dial" {
+		return true
+	}
+	var dns *net.DNSError
+	if errors.As(err, &dns) {
+		return true
+	}
+	return errors.Is(err, syscall.ECONNREFUSED) || errors.Is(err, syscall.EHOSTUNREACH) || errors.Is(err, syscall.ENETUNREACH)
+}

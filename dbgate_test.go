@@ -1,0 +1,328 @@
+package outbox_test
+
+import (
+	"context"
+	"database/sql"
+	"encoding/binary"
+	"errors"
+	"io"
+	"net"
+	"net/url"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
+
+	"github.com/watermill-outbox/outbox"
+)
+
+// dbProxy stands between an Outbox and PostgreSQL. While down it closes the connections it
+// carried and answers every new one as a server that is starting up does (57P03), counting
+// them: each is a connection attempt the clients made during the outage.
+type dbProxy struct {
+	ln       net.Listener
+	target   string
+	down     atomic.Bool
+	hang     atomic.Bool  // while down: accept and never answer, as a server that stalls
+	attempts atomic.Int64 // connections opened while down
+	mu       sync.Mutex
+	conns    map[net.Conn]struct{}
+	wg       sync.WaitGroup
+}
+
+func startDBProxy(t testing.TB, target string) *dbProxy {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := &dbProxy{ln: ln, target: target, conns: map[net.Conn]struct{}{}}
+	p.wg.Add(1)
+	go p.serve()
+	t.Cleanup(func() {
+		_ = ln.Close()
+		p.closeAll()
+		p.wg.Wait()
+	})
+	return p
+}
+
+func (p *dbProxy) addr() string { return p.ln.Addr().String() }
+
+func (p *dbProxy) serve() {
+	defer p.wg.Done()
+	for {
+		c, err := p.ln.Accept()
+		if err != nil {
+			return
+		}
+		p.wg.Add(1)
+		if p.down.Load() {
+			p.attempts.Add(1)
+			if p.hang.Load() {
+				p.mu.Lock()
+				p.conns[c] = struct{}{}
+				p.mu.Unlock()
+				go func() { defer p.wg.Done(); _, _ = io.Copy(io.Discard, c) }()
+				continue
+			}
+			go func() { defer p.wg.Done(); refuseStartup(c) }()
+			continue
+		}
+		go func() { defer p.wg.Done(); p.pipe(c) }()
+	}
+}
+
+// refuseStartup reads the client's startup packets and answers with PostgreSQL's FATAL 57P03.
+func refuseStartup(c net.Conn) {
+	defer c.Close()
+	_ = c.SetDeadline(time.Now().Add(5 * time.Second))
+	for {
+		var hdr [8]byte
+		if _, err := io.ReadFull(c, hdr[:]); err != nil {
+			return
+		}
+		n := int(binary.BigEndian.Uint32(hdr[:4]))
+		if n < 8 || n > 1<<16 {
+			return
+		}
+		if _, err := io.CopyN(io.Discard, c, int64(n-8)); err != nil {
+			return
+		}
+		if code := binary.BigEndian.Uint32(hdr[4:]); code == 80877103 || code == 80877104 { // SSL, GSSENC
+			if _, err := c.Write([]byte{'N'}); err != nil {
+				return
+			}
+			continue
+		}
+		break
+	}
+	var body []byte
+	for _, f := range []string{"SFATAL", "VFATAL", "C57P03", "Mthe database system is starting up"} {
+		body = append(append(body, f...), 0)
+	}
+	body = append(body, 0)
+	msg := append([]byte{'E', 0, 0, 0, 0}, body...)
+	binary.BigEndian.PutUint32(msg[1:], uint32(4+len(body)))
+	_, _ = c.Write(msg)
+}
+
+func (p *dbProxy) pipe(c net.Conn) {
+	s, err := net.Dial("tcp", p.target)
+	if err != nil {
+		_ = c.Close()
+		return
+	}
+	p.mu.Lock()
+	p.conns[c], p.conns[s] = struct{}{}, struct{}{}
+	p.mu.Unlock()
+	done := make(chan struct{}, 2)
+	go func() { _, _ = io.Copy(s, c); done <- struct{}{} }()
+	go func() { _, _ = io.Copy(c, s); done <- struct{}{} }()
+	<-done
+	_ = c.Close()
+	_ = s.Close()
+	<-done
+	p.mu.Lock()
+	delete(p.conns, c)
+	delete(p.conns, s)
+	p.mu.Unlock()
+}
+
+func (p *dbProxy) closeAll() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for c := range p.conns {
+		_ = c.Close()
+	}
+}
+
+// setDown starts (the connections carried so far break) or ends an outage.
+func (p *dbProxy) setDown(down bool) {
+	p.down.Store(down)
+	if down {
+		p.closeAll()
+	}
+}
+
+// TestUnreachableDatabaseIsProbedWithBackoff takes the database away from one Outbox for 3 s
+// while eight consumers have a message in flight each and redeliver it at once on every nack,
+// as a Router does. The in-flight messages wait for one probe at a time instead of each trying
+// to connect every RetryDelay, nothing is acked meanwhile, Health says since when the database
+// is unreachable, and after the outage every message is processed exactly once.
+func TestUnreachableDatabaseIsProbedWithBackoff(t *testing.T) {
+	e := newEnv(t)
+	u, err := url.Parse(e.dsn)
+	if err != nil || u.Host == "" {
+		t.Skipf("the test DSN is not a URL with a host (%v): the proxy needs one", err)
+	}
+	proxy := startDBProxy(t, u.Host)
+	u.Host = proxy.addr()
+	pdb, err := sql.Open("postgres", u.String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = pdb.Close() })
+	// A short HandlerTimeout: the messages are nacked during the outage, after waiting that long.
+	ob := e.newOutbox(func(c *outbox.Config) { c.DB = pdb; c.HandlerTimeout = time.Second })
+	ctx, cancel := context.WithCancel(context.Background())
+	ran := make(chan struct{})
+	go func() { defer close(ran); _ = ob.Run(ctx) }()
+	defer func() { cancel(); <-ran }()
+
+	// Before the outage: the pool holds connections, which the outage breaks.
+	var calls atomic.Int32
+	first := message.NewMessage(uuid.NewString(), nil)
+	if err := handle(ob, first, applyAndPublish(&calls)); err != nil {
+		t.Fatal(err)
+	}
+
+	proxy.setDown(true)
+	var outage atomic.Bool
+	outage.Store(true)
+	const consumers = 8
+	var ackedInOutage atomic.Int32
+	var lastErr atomic.Value
+	var wg sync.WaitGroup
+	ids := make([]string, consumers)
+	for i := range consumers {
+		msg := message.NewMessage(uuid.NewString(), nil)
+		ids[i] = msg.UUID
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for ctx.Err() == nil {
+				err := handle(ob, copyOf(msg), applyAndPublish(&calls))
+				if err == nil {
+					if outage.Load() {
+						ackedInOutage.Add(1)
+					}
+					return
+				}
+				if outage.Load() {
+					lastErr.Store(err.Error())
+				}
+			}
+		}()
+	}
+	time.Sleep(time.Second)
+	early := proxy.attempts.Load()
+	time.Sleep(2 * time.Second)
+	attempts := proxy.attempts.Load()
+	hctx, hcancel := context.WithTimeout(context.Background(), 10*time.Second)
+	report := ob.Health(hctx)
+	hcancel()
+	outage.Store(false)
+	proxy.setDown(false)
+	t.Logf("connection attempts during 3 s of outage: %d (%d in the first second); a nack: %v", attempts, early, lastErr.Load())
+
+	waited := make(chan struct{})
+	go func() { wg.Wait(); close(waited) }()
+	select {
+	case <-waited:
+	case <-time.After(30 * time.Second):
+		t.Fatalf("messages not processed 30 s after the outage; last error: %v", lastErr.Load())
+	}
+
+	mustEqual(t, "messages acked during the outage", ackedInOutage.Load(), int32(0))
+	// Neither the outage nor the wait counts against a message: a unit that begins when the
+	// database answers has its whole HandlerTimeout.
+	mustEqual(t, "failed attempts counted", e.count(`SELECT count(*) FROM outbox_attempts`), 0)
+	// At most one probe at a time, 100 ms doubling: about five in 3 s, after the first failures
+	// of what was in flight (the consumers, the relay, the cleanup, the listener).
+	if attempts > consumers+12 {
+		t.Errorf("%d connection attempts during 3 s of outage, want at most %d", attempts, consumers+12)
+	}
+	if late := attempts - early; late > 4 {
+		t.Errorf("%d connection attempts in the last 2 s of the outage, want at most 4 (a probe with exponential backoff)", late)
+	}
+	var dbCheck outbox.HealthCheck
+	for _, c := range report.Checks {
+		if c.Name == outbox.CheckDatabase {
+			dbCheck = c
+		}
+	}
+	if dbCheck.OK || !strings.Contains(dbCheck.Reason, "unreachable since") || !strings.Contains(dbCheck.Reason, "attempts") {
+		t.Errorf("Health's database check during the outage: %+v; want it to say since when it is unreachable and how many attempts", dbCheck)
+	}
+	if msg, ok := lastErr.Load().(string); !ok || !strings.Contains(msg, "unreachable since") {
+		t.Errorf("the nack of a message during the outage: %v; want it to say the database is unreachable since when", lastErr.Load())
+	}
+
+	for _, id := range append(ids, first.UUID) {
+		mustEqual(t, "business rows of "+id, e.count(`SELECT count(*) FROM applied WHERE message_id = $1`, id), 1)
+	}
+	waitFor(t, "the effects sent", func() bool { return e.pendingEffects() == 0 })
+	wire := e.wire("out_a")
+	mustEqual(t, "messages on out_a", len(wire), consumers+1)
+	for id, n := range wire {
+		mustEqual(t, "copies of "+id, n, 1)
+	}
+	hctx, hcancel = context.WithTimeout(context.Background(), 10*time.Second)
+	defer hcancel()
+	if r := ob.Health(hctx); !checkOK(r, outbox.CheckDatabase) {
+		t.Errorf("Health after the outage: %+v", r)
+	}
+}
+
+// TestUnitGivesUpAProbeThatHangs: the database first refuses (the gate opens), then stalls, so
+// that each probe hangs until the unit of work that took its turn at it gives up. Each unit
+// still ends at its HandlerTimeout, nacked as unreachable; none goes on probing with its
+// context ended.
+func TestUnitGivesUpAProbeThatHangs(t *testing.T) {
+	e := newEnv(t)
+	u, err := url.Parse(e.dsn)
+	if err != nil || u.Host == "" {
+		t.Skipf("the test DSN is not a URL with a host (%v): the proxy needs one", err)
+	}
+	proxy := startDBProxy(t, u.Host)
+	u.Host = proxy.addr()
+	pdb, err := sql.Open("postgres", u.String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = pdb.Close() })
+	const timeout = 500 * time.Millisecond
+	ob := e.newOutbox(func(c *outbox.Config) {
+		c.DB = pdb
+		c.HandlerTimeout = timeout
+		c.ReconnectDelay = 10 * time.Millisecond
+	})
+	proxy.setDown(true)
+	msg := message.NewMessage(uuid.NewString(), nil)
+	if err := handle(ob, copyOf(msg), applyAndPublish(nil)); !errors.Is(err, outbox.ErrDatabaseUnreachable) {
+		t.Fatalf("a unit of work while the database refuses: %v, want ErrDatabaseUnreachable", err)
+	}
+	proxy.hang.Store(true)
+	for i := range 3 {
+		began := time.Now()
+		done := make(chan error, 1)
+		go func() { done <- handle(ob, copyOf(msg), applyAndPublish(nil)) }()
+		select {
+		case err := <-done:
+			if !errors.Is(err, outbox.ErrDatabaseUnreachable) || !strings.Contains(err.Error(), "unreachable since") {
+				t.Fatalf("delivery %d while the database stalls: %v, want ErrDatabaseUnreachable since a time", i, err)
+			}
+			t.Logf("delivery %d nacked after %s", i, time.Since(began).Round(time.Millisecond))
+		case <-time.After(10 * timeout):
+			t.Fatalf("delivery %d while the database stalls has not returned after %s (HandlerTimeout %s)", i, 10*timeout, timeout)
+		}
+	}
+	proxy.hang.Store(false)
+	proxy.setDown(false)
+	waitFor(t, "the message processed after the outage", func() bool { return handle(ob, copyOf(msg), applyAndPublish(nil)) == nil })
+	mustEqual(t, "business rows", e.count(`SELECT count(*) FROM applied WHERE message_id = $1`, msg.UUID), 1)
+}
+
+func checkOK(r outbox.HealthReport, name string) bool {
+	for _, c := range r.Checks {
+		if c.Name == name {
+			return c.OK
+		}
+	}
+	return false
+}

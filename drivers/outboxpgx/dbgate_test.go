@@ -1,0 +1,133 @@
+package outboxpgx_test
+
+import (
+	"context"
+	"net"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/watermill-outbox/outbox"
+	"github.com/watermill-outbox/outbox/outboxtest"
+)
+
+// TestUnreachableDatabaseIsProbedWithBackoff is the root module's test of the same name on the pgx
+// form: the pool's dials are refused for 3 s, its connections dropped, while eight consumers have
+// a message in flight each and redeliver it at once on every nack. The pool dials about once per
+// probe, not once per message per RetryDelay; nothing is acked meanwhile, and every message is
+// processed exactly once after.
+func TestUnreachableDatabaseIsProbedWithBackoff(t *testing.T) {
+	dsn := outboxtest.DSN(t)
+	pc, err := pgxpool.ParseConfig(dsn)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pc.MaxConns = 8
+	var down atomic.Bool
+	var dials atomic.Int64 // dials refused
+	pc.ConnConfig.DialFunc = func(ctx context.Context, network, addr string) (net.Conn, error) {
+		if down.Load() {
+			dials.Add(1)
+			return nil, &net.OpError{Op: "dial", Net: network, Err: syscall.ECONNREFUSED}
+		}
+		var d net.Dialer
+		return d.DialContext(ctx, network, addr)
+	}
+	pool, err := pgxpool.NewWithConfig(context.Background(), pc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	rec := &outboxtest.Recorder{}
+	ob := ready(t, pool, outbox.Config{Publisher: rec, HandlerTimeout: time.Second})
+	ctx, cancel := context.WithCancel(context.Background())
+	ran := make(chan struct{})
+	go func() { defer close(ran); _ = ob.Run(ctx) }()
+	defer func() { cancel(); <-ran }()
+	h := func(msg *message.Message) ([]*message.Message, error) { return nil, handler(msg) }
+	deliver := func(id string) error {
+		return ob.Handle(message.NewMessage(id, nil), outbox.HandleParams{Consumer: "c1", MessageID: id}, h)
+	}
+	first := uuid.NewString()
+	if err := deliver(first); err != nil {
+		t.Fatal(err)
+	}
+
+	down.Store(true)
+	pool.Reset() // the outage breaks the connections the pool holds
+	var outage atomic.Bool
+	outage.Store(true)
+	const consumers = 8
+	var ackedInOutage atomic.Int32
+	var lastErr atomic.Value
+	var wg sync.WaitGroup
+	ids := make([]string, consumers)
+	for i := range consumers {
+		ids[i] = uuid.NewString()
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for ctx.Err() == nil {
+				err := deliver(ids[i])
+				if err == nil {
+					if outage.Load() {
+						ackedInOutage.Add(1)
+					}
+					return
+				}
+				lastErr.Store(err.Error())
+			}
+		}()
+	}
+	time.Sleep(time.Second)
+	early := dials.Load()
+	time.Sleep(2 * time.Second)
+	attempts := dials.Load()
+	r := ob.Health(context.Background())
+	outage.Store(false)
+	down.Store(false)
+	t.Logf("dials during 3 s of outage: %d (%d in the first second); a nack: %v", attempts, early, lastErr.Load())
+
+	waited := make(chan struct{})
+	go func() { wg.Wait(); close(waited) }()
+	select {
+	case <-waited:
+	case <-time.After(30 * time.Second):
+		t.Fatalf("messages not processed 30 s after the outage; last error: %v", lastErr.Load())
+	}
+	if n := ackedInOutage.Load(); n != 0 {
+		t.Errorf("%d messages acked during the outage", n)
+	}
+	if attempts > consumers+12 {
+		t.Errorf("%d dials during 3 s of outage, want at most %d", attempts, consumers+12)
+	}
+	if late := attempts - early; late > 4 {
+		t.Errorf("%d dials in the last 2 s of the outage, want at most 4 (a probe with exponential backoff)", late)
+	}
+	if r.Checks[0].Name != outbox.CheckDatabase || r.Checks[0].OK || !strings.Contains(r.Checks[0].Reason, "unreachable since") {
+		t.Errorf("Health during the outage: %+v, want the database reported unreachable since a time", r.Checks[0])
+	}
+	db := ob.Config().DB
+	sent := map[string]int{}
+	for _, m := range rec.Messages("out") {
+		sent[m.UUID]++
+	}
+	for _, id := range append(ids, first) {
+		if n := count(t, db, id); n != 1 {
+			t.Errorf("message %s applied %d times, want once", id, n)
+		}
+		if n := sent["out-"+id]; n != 1 {
+			t.Errorf("effect of %s sent %d times, want once", id, n)
+		}
+	}
+	if r := ob.Health(context.Background()); !r.Checks[0].OK {
+		t.Errorf("Health after the outage: %+v", r.Checks[0])
+	}
+}
