@@ -170,7 +170,7 @@ func Queries(names store.Names, deleteDispatched bool, gen *Generation) store.Qu
 }
 
 // Generation is the partition of the effects table that new effects go to, as this process last
-// read it (migration 020): the relay reads it at most every RotateEvery/2, and switches it when
+// read it (migration 023): the relay reads it at most every RotateEvery/2, and switches it when
 // it rotates. The inserts that return xmin (PostgreSQL allows no system column in the RETURNING
 // of a partitioned table) name that partition. One that is out of date costs nothing but time:
 // a row in any partition is a pending effect, read through the parent, and the partition is
@@ -858,7 +858,7 @@ func Grants(schema, prefix, role string, operator bool) ([]string, error) {
 		return nil, err
 	}
 	r, _ := store.QuoteRole(role) // checked by store.Grants
-	// The partitions of the effects table (migration 020): the inserts that return xmin name
+	// The partitions of the effects table (migration 023): the inserts that return xmin name
 	// them, and the relay's rotation moves what is pending in the oldest and truncates it, then
 	// switches the current one.
 	for gen := range 3 {

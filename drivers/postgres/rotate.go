@@ -10,7 +10,7 @@ import (
 	"github.com/watermill-outbox/outbox/store"
 )
 
-// The effects table is partitioned by generation (migration 020), one partition current: new
+// The effects table is partitioned by generation (migration 023), one partition current: new
 // effects go to it. The relay rotates: it empties the oldest partition (the one after the
 // current, modulo 3), moving what is still pending there into the current one, and makes it the
 // current one. TRUNCATE frees the rows and index entries of the sent effects whatever holds the
