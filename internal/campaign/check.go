@@ -17,11 +17,20 @@ func (c *run) pending() int {
 		ob.FlushMarks()
 	}
 	var rows, inline, delayed int
-	if err := c.db.QueryRow(`SELECT (SELECT count(*) FROM `+c.prefix+`effects WHERE dispatched_at IS NULL), `+
+	if err := c.db.QueryRow(`SELECT (SELECT count(*) FROM `+c.effectsTable()+` WHERE dispatched_at IS NULL), `+
 		c.inlineCount()+`, `+c.delayedCount()).Scan(&rows, &inline, &delayed); err != nil {
 		c.t.Fatal(err)
 	}
 	return rows + inline + delayed
+}
+
+// effectsTable is the table the effect rows are read through: on PostgreSQL the partitioned
+// parent (migration 023), whose partition 0 alone is named effects.
+func (c *run) effectsTable() string {
+	if c.database == postgresDatabase {
+		return c.prefix + "effects_all"
+	}
+	return c.prefix + "effects"
 }
 
 // inlineCount is the SQL of the number of claims holding inline effects (none but on PostgreSQL).
@@ -67,7 +76,7 @@ func (e effect) String() string {
 func (c *run) committed() []effect {
 	t := c.t
 	var out []effect
-	query := `SELECT source_consumer, source_id, seq, topic, uuid, payload, 'row' FROM ` + c.prefix + `effects`
+	query := `SELECT source_consumer, source_id, seq, topic, uuid, payload, 'row' FROM ` + c.effectsTable()
 	if c.database == postgresDatabase {
 		query += ` UNION ALL SELECT source_consumer, source_id, seq, topic, uuid, payload, 'dispatched' FROM ` + c.prefix + `dispatched`
 	}
@@ -168,7 +177,7 @@ func (c *run) check(specs []*spec, acked []atomic.Bool, rqs []*request) {
 	}
 	if n := c.pending(); n > 0 {
 		var parked, inline int
-		if err := c.db.QueryRow(`SELECT (SELECT count(*) FROM `+c.prefix+`effects WHERE parked_at IS NOT NULL AND dispatched_at IS NULL), `+
+		if err := c.db.QueryRow(`SELECT (SELECT count(*) FROM `+c.effectsTable()+` WHERE parked_at IS NOT NULL AND dispatched_at IS NULL), `+
 			c.inlineCount()).Scan(&parked, &inline); err != nil {
 			t.Fatal(err)
 		}
@@ -316,9 +325,9 @@ func (c *run) check(specs []*spec, acked []atomic.Bool, rqs []*request) {
 // moved from the delayed effects, was due: by the database's clock, which decides what is due
 // (a moved effect is stored with its due time).
 func (c *run) storedAfter(a, b string) bool {
-	rows := c.prefix + `effects`
+	rows := c.effectsTable()
 	if c.database == postgresDatabase {
-		rows = `(SELECT uuid, created_at FROM ` + c.prefix + `effects UNION ALL SELECT uuid, created_at FROM ` + c.prefix + `dispatched)`
+		rows = `(SELECT uuid, created_at FROM ` + c.effectsTable() + ` UNION ALL SELECT uuid, created_at FROM ` + c.prefix + `dispatched)`
 	}
 	var after bool
 	if err := c.db.QueryRow(c.database.Bind(`SELECT (SELECT max(created_at) FROM `+rows+` x WHERE uuid = $1) >
