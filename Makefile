@@ -7,7 +7,8 @@
 # floor of every other module.
 # Modules: the library (this directory) requires only what its packages import, plus what its
 # own tests need that is light (watermill-sql, goleak); tests that need NATS, pgx, SQLite, an
-# OpenTelemetry SDK or a broker client live in e2e/, the example in examples/order-processing/,
+# OpenTelemetry SDK or a broker client live in e2e/, the example (and its sqlx, GORM and bun consumers,
+# examples/order-processing/orm) in examples/order-processing/,
 # the benchmark in bench/, the pgx driver in drivers/outboxpgx/, the MySQL driver in
 # drivers/mysql/ (its tests need MariaDB's server binaries: apt-get install mariadb-server), each
 # its own module. They require

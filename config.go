@@ -460,7 +460,8 @@ const (
 // (no attempt can succeed) and those without a source topic are left to the operator. Every
 // Outbox.Run looks, every After (at most every minute), at the oldest 1,000 dead letters; when
 // several look at once, the retry of a dead letter another one retried a moment before changes
-// nothing.
+// nothing, and the limit is checked by the statement that retries it, so that they retry a dead
+// letter at most MaxRetries times in all. An operator's retry is not bound by it.
 type DeadLetterRedrive struct {
 	// After is how long a dead letter waits before it is retried. Zero: no redrive (the
 	// default).

@@ -76,6 +76,10 @@ func (o *Outbox) DeadLetters(ctx context.Context, f DeadLetterFilter) ([]DeadLet
 // message; other consumers of the topic that processed it find their claims and ack it. It
 // returns how many it retried: those not dead (retried or discarded already) are left alone.
 func (o *Outbox) RetryDeadLetters(ctx context.Context, actor string, keys ...Source) (int, error) {
+	return o.retryDeadLetters(ctx, outboxdriver.DeadLetterChange{Keys: keys, Actor: actor})
+}
+
+func (o *Outbox) retryDeadLetters(ctx context.Context, c outboxdriver.DeadLetterChange) (int, error) {
 	dl, err := o.deadLetterOps()
 	if err != nil {
 		return 0, err
@@ -85,7 +89,7 @@ func (o *Outbox) RetryDeadLetters(ctx context.Context, actor string, keys ...Sou
 	var n int
 	for try := 1; ; try++ {
 		var m int
-		m, err = dl.DeadLetterRetry(ctx, outboxdriver.DeadLetterChange{Keys: keys, Actor: actor},
+		m, err = dl.DeadLetterRetry(ctx, c,
 			func() Source { return Source{ID: newID()} })
 		n += m
 		if err == nil || try == 3 || !o.isRetryable(err) || ctx.Err() != nil {
@@ -143,7 +147,9 @@ func (o *Outbox) redriveOnce(ctx context.Context) error {
 	if len(keys) == 0 {
 		return nil
 	}
-	n, err := o.RetryDeadLetters(ctx, RedriveActor, keys...)
+	// The limit goes to the store too: the count read above may be stale by the time of the
+	// retry (another instance retried it, and it died again since).
+	n, err := o.retryDeadLetters(ctx, outboxdriver.DeadLetterChange{Keys: keys, Actor: RedriveActor, MaxRetries: o.cfg.Redrive.MaxRetries})
 	if n > 0 {
 		o.logger.Info("Dead letters retried by the redrive policy", watermill.LogFields{"retried": n, "max_retries": o.cfg.Redrive.MaxRetries})
 	}

@@ -59,9 +59,12 @@ func TestRelayRetriesARecoveredDestinationAtOnce(t *testing.T) {
 	// Seven failures so far (of an outage before this process started), and handed to the relay.
 	mustExec(t, e, `UPDATE outbox_effects SET failures = 7, failed_at = now(), next_attempt_at = now()`)
 
+	// The backed-off effects have a retry time, which the relay goes by, not the grace period;
+	// the grace keeps the relay off the effect InTx sends itself below (a relay that took it
+	// before InTx's mark was written would send it a second time, as documented).
 	relay := e.newOutbox(func(c *outbox.Config) {
 		c.Publisher = pub
-		c.RelayGrace = time.Millisecond
+		c.RelayGrace = time.Minute
 		c.RelayInterval = 50 * time.Millisecond
 	})
 	ctx, stop := context.WithCancel(context.Background())
@@ -92,7 +95,7 @@ func TestRelayRetriesARecoveredDestinationAtOnce(t *testing.T) {
 	t.Logf("the backed-off effects of out_a went out %s after it took a message again", time.Since(began).Round(time.Millisecond))
 	for id, n := range e.wire("out_a") {
 		if n != 1 {
-			t.Errorf("effect %s went out %d times", id, n)
+			t.Errorf("effect %s went out %d times (the one InTx sent: %s)", id, n, first)
 		}
 	}
 	if n := len(e.wire("out_b")); n != 0 {
@@ -158,7 +161,7 @@ func TestRelayDoesNotRetryAPoisonEffectAtEachSuccess(t *testing.T) {
 	mustExec(t, e, `UPDATE outbox_effects SET failures = 7, failed_at = now(), next_attempt_at = now()`)
 	relay := e.newOutbox(func(c *outbox.Config) {
 		c.Publisher = pub
-		c.RelayGrace = time.Millisecond
+		c.RelayGrace = time.Minute // see TestRelayRetriesARecoveredDestinationAtOnce
 		c.RelayInterval = 50 * time.Millisecond
 	})
 	ctx, stop := context.WithCancel(context.Background())

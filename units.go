@@ -466,13 +466,19 @@ func (u *sqlUnit) Rollback(ctx context.Context) error {
 	return err
 }
 
-// endedBySQL tells a COMMIT or ROLLBACK that the client refused before sending it because the
-// transaction had been ended by SQL sent through it (lib/pq: "pq: unexpected transaction status
-// idle", from the server's last ReadyForQuery) from one lost in flight: it wraps ErrTxDone, as
-// database/sql's own refusal of a finished *sql.Tx, so that it counts as the handler's doing
-// rather than an unknown outcome.
+// endedBySQL tells a COMMIT or ROLLBACK refused because the transaction had been ended by SQL
+// sent through it from one lost in flight: by the client before sending it (lib/pq: "pq:
+// unexpected transaction status idle", from the server's last ReadyForQuery), or by SQLite, in
+// process, which never loses one ("cannot commit - no transaction is active"). It wraps
+// ErrTxDone, as database/sql's own refusal of a finished *sql.Tx, so that it counts as the
+// handler's doing rather than an unknown outcome.
 func endedBySQL(err error) error {
-	if err != nil && strings.HasPrefix(err.Error(), "pq: unexpected transaction status") {
+	if err == nil {
+		return nil
+	}
+	if msg := err.Error(); strings.HasPrefix(msg, "pq: unexpected transaction status") ||
+		strings.Contains(msg, "cannot commit - no transaction is active") ||
+		strings.Contains(msg, "cannot rollback - no transaction is active") {
 		return fmt.Errorf("%w: the transaction was ended by SQL sent through it (COMMIT or ROLLBACK); the client refused to end it again: %w",
 			ErrTxFinishedByHandler, errors.Join(outboxdriver.ErrTxDone, err))
 	}

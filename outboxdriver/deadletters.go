@@ -59,6 +59,11 @@ type DeadLetterChange struct {
 	Keys []Source
 	// Actor is who changed them; it is stored with each.
 	Actor string
+	// MaxRetries, when above 0, leaves alone a retried dead letter that was retried that many
+	// times already. The count is checked by the statement that moves the dead letter, so that
+	// two processes retrying on a count each read before the other's retry (the redrive policy
+	// of two instances) cannot retry it more often in all. 0: no limit (an operator's retry).
+	MaxRetries int
 }
 
 // DeadLetterStore is implemented by a Store that keeps dead letters.
@@ -79,7 +84,8 @@ type DeadLetterStore interface {
 	// to its source topic, with its message ID as UUID, its payload and metadata) of source src
 	// (a source of its own per retry, given by newSource), due for the relay at once (as after
 	// EffectHandToRelay), so that the relay sends it. It returns
-	// how many it retried; those not found dead are left alone.
+	// how many it retried; those not found dead, or retried c.MaxRetries times already, are
+	// left alone.
 	DeadLetterRetry(ctx context.Context, c DeadLetterChange, newSource func() Source) (int, error)
 	// DeadLetterDiscard marks dead letters (in state dead) discarded, each in one transaction
 	// with its audit; it returns how many it changed. They are kept, and the message's claim

@@ -6,6 +6,7 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"math"
 	"slices"
 	"strings"
 	"time"
@@ -28,8 +29,9 @@ type DeadLetterQueries struct {
 	// reason, attempts, permanent, ms since dead, state, ms since changed (NULL allowed), changed
 	// by, retries; oldest first.
 	List string
-	// Mark (state, actor, consumer, id) moves a dead letter in state dead to state, counting a
-	// retry when state is retried; rows affected.
+	// Mark (state, actor, consumer, id, retry limit) moves a dead letter in state dead that was
+	// retried fewer times than the limit to state, counting a retry when state is retried; rows
+	// affected.
 	Mark string
 	// Read (consumer, id) -> source topic, payload, metadata.
 	Read string
@@ -238,9 +240,13 @@ func (s *SQL) eachDeadLetter(ctx context.Context, c outboxdriver.DeadLetterChang
 		return cmp.Or(strings.Compare(a.Consumer, b.Consumer), strings.Compare(a.ID, b.ID))
 	})
 	keys = slices.Compact(keys)
+	limit := noRetryLimit
+	if c.MaxRetries > 0 && state == outboxdriver.DeadLetterRetried {
+		limit = c.MaxRetries
+	}
 	changed := 0
 	for _, key := range keys {
-		ok, err := s.oneDeadLetter(ctx, c.Actor, state, key, audit, then)
+		ok, err := s.oneDeadLetter(ctx, c.Actor, state, limit, key, audit, then)
 		if err != nil {
 			return changed, fmt.Errorf("dead letter %q of %q: %w", key.ID, key.Consumer, err)
 		}
@@ -251,7 +257,10 @@ func (s *SQL) eachDeadLetter(ctx context.Context, c outboxdriver.DeadLetterChang
 	return changed, nil
 }
 
-func (s *SQL) oneDeadLetter(ctx context.Context, actor string, state outboxdriver.DeadLetterState, key outboxdriver.Source,
+// noRetryLimit is the retry limit of Mark when there is none (an operator's retry, a discard).
+const noRetryLimit = math.MaxInt32
+
+func (s *SQL) oneDeadLetter(ctx context.Context, actor string, state outboxdriver.DeadLetterState, limit int, key outboxdriver.Source,
 	audit func(outboxdriver.Source) Audit, then func(*sql.Tx, outboxdriver.Source) error) (bool, error) {
 	tx, err := s.BeginTx(ctx, nil)
 	if err != nil {
@@ -259,8 +268,9 @@ func (s *SQL) oneDeadLetter(ctx context.Context, actor string, state outboxdrive
 	}
 	defer func() { _ = tx.Rollback() }()
 	// The mark comes first: it locks the row, so that two operators retrying the same dead letter
-	// at once hand it back once.
-	r, err := tx.ExecContext(ctx, s.d.DeadLetters.Mark, string(state), outboxdriver.StorableText(actor), key.Consumer, key.ID)
+	// at once hand it back once. It checks the retry limit on the row it moves: a redriver that
+	// read the count before another's retry (and the message's death since) retries nothing.
+	r, err := tx.ExecContext(ctx, s.d.DeadLetters.Mark, string(state), outboxdriver.StorableText(actor), key.Consumer, key.ID, limit)
 	if err != nil {
 		return false, fmt.Errorf("mark %s: %w", state, s.wrap(err))
 	}

@@ -658,7 +658,7 @@ func (s *SQL) MessageReplayAudited(ctx context.Context, src outboxdriver.Source,
 		if audit != nil {
 			actor = audit.Actor
 		}
-		if _, err := tx.ExecContext(ctx, q, string(outboxdriver.DeadLetterRetried), outboxdriver.StorableText(actor), src.Consumer, src.ID); err != nil {
+		if _, err := tx.ExecContext(ctx, q, string(outboxdriver.DeadLetterRetried), outboxdriver.StorableText(actor), src.Consumer, src.ID, noRetryLimit); err != nil {
 			return false, fmt.Errorf("mark the dead letter retried: %w", s.wrap(err))
 		}
 	}

@@ -28,11 +28,11 @@ func (q queries) deadLetters() store.DeadLetterQueries {
 				ON (f.consumer = '' OR d.consumer = f.consumer) AND (f.state = '' OR d.state = f.state)
 			ORDER BY d.dead_at, d.consumer, d.message_id LIMIT ?`,
 		// MySQL assigns left to right: the retry is counted before the state changes.
-		Mark: `UPDATE ` + n.DeadLetters + ` d JOIN (SELECT ? AS state, ? AS actor, ? AS consumer, ? AS message_id) a
+		Mark: `UPDATE ` + n.DeadLetters + ` d JOIN (SELECT ? AS state, ? AS actor, ? AS consumer, ? AS message_id, ? AS max_retries) a
 				ON d.consumer = a.consumer AND d.message_id = a.message_id
 			SET d.retries = d.retries + CASE WHEN a.state = 'retried' THEN 1 ELSE 0 END,
 				d.state = a.state, d.changed_at = ` + now + `, d.changed_by = a.actor
-			WHERE d.state = 'dead'`,
+			WHERE d.state = 'dead' AND d.retries < a.max_retries`,
 		Read:         `SELECT source_topic, payload, metadata FROM ` + n.DeadLetters + ` WHERE consumer = ? AND message_id = ?`,
 		Count:        `SELECT count(*) FROM (SELECT 1 FROM ` + n.DeadLetters + ` WHERE state = 'dead' LIMIT ?) d`,
 		Cleanup:      `DELETE FROM ` + n.DeadLetters + ` WHERE ` + cleanup + ` LIMIT ?`,

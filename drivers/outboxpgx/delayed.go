@@ -10,6 +10,7 @@ import (
 
 	"github.com/jackc/pgx/v5/pgconn"
 
+	"github.com/watermill-outbox/outbox"
 	"github.com/watermill-outbox/outbox/outboxdriver"
 	"github.com/watermill-outbox/outbox/store"
 )
@@ -70,17 +71,34 @@ func (u *unit) execer() execer {
 	return u.tx
 }
 
-// boundaryEndedBySQL tells a boundary unit (InTx: no claim) whose transaction fn ended with
-// COMMIT or ROLLBACK sent through its pgx.Tx: the connection is in no transaction, and a delayed
-// insert or a cancel would run in autocommit, committed on its own, whether the business change
-// was rolled back or not. The connection's status, from the server's last ReadyForQuery, costs
-// nothing to read. (Effects wait in memory for the COMMIT, which looks itself.)
-func (u *unit) boundaryEndedBySQL() bool {
-	if u.joined != nil || u.src.Consumer != "" {
+// txEndedBySQL tells a unit the framework began whose transaction user code ended with COMMIT or
+// ROLLBACK sent through its pgx.Tx: the connection is in no transaction, and a delayed insert or
+// a cancel would run in autocommit, committed on its own, whether the business change was rolled
+// back or not (and after a ROLLBACK once more at every delivery). The connection's status, from
+// the server's last ReadyForQuery, costs nothing to read. (Effects wait in memory for the COMMIT,
+// which looks itself.)
+func (u *unit) txEndedBySQL() bool {
+	if u.joined != nil {
 		return false
 	}
 	c, err := u.tx.conn()
 	return err == nil && c.PgConn().TxStatus() == 'I'
+}
+
+// claimedOnly tells whether a unit whose transaction was ended by SQL (txEndedBySQL) may still
+// write, guarded by its claim: only a pessimistic consumer's unit has one in the database, which
+// a COMMIT sent as SQL committed with the handler's writes, as database/sql's form keeps it. A
+// boundary unit cannot tell that COMMIT from a ROLLBACK, and an optimistic unit's claim would be
+// written at the framework's commit, which never comes (the message runs again): both refuse.
+func (u *unit) claimedOnly() bool {
+	return u.src.Consumer != "" && !u.tentative
+}
+
+// claimGoneError is the error of a write that found no claim of its unit: user SQL rolled the
+// transaction back (as the database/sql form reports it).
+func (u *unit) claimGoneError(what string) error {
+	return fmt.Errorf("%s: %w: the transaction was rolled back by SQL sent through it (its claim is gone): nothing more is stored (%w)",
+		what, outbox.ErrTxFinishedByHandler, outboxdriver.ErrClaimGone)
 }
 
 // RecordDelayed stores delayed effects in the transaction at once, in rows of their own in both
@@ -88,11 +106,25 @@ func (u *unit) boundaryEndedBySQL() bool {
 // effect must wait in the delayed table, where a later unit of work can cancel it, until due.
 // A savepoint rolled back takes its rows with it.
 func (u *unit) RecordDelayed(ctx context.Context, effects []outboxdriver.Effect) error {
-	if u.boundaryEndedBySQL() {
+	guarded := u.txEndedBySQL()
+	if guarded && !u.claimedOnly() {
 		return u.endedBySQLError()
 	}
 	now := time.Now()
 	for chunk := range slices.Chunk(effects, store.DelayedInsertMaxRows) {
+		if guarded {
+			// Finds the unit's own claim (postgres.OwnClaim) in the statement that writes: gone
+			// after a ROLLBACK, even when a copy claimed the message since.
+			args := append(store.DelayedInsertArgs(chunk[0].Source, chunk, now), u.src.Consumer, u.src.ID)
+			tag, err := u.tx.Exec(ctx, u.s.q.delayedInsertClaimed(len(chunk)), args...)
+			if err != nil {
+				return fmt.Errorf("store delayed effects: %w", wrap(err))
+			}
+			if tag.RowsAffected() == 0 {
+				return u.claimGoneError("store delayed effects")
+			}
+			continue
+		}
 		if _, err := u.execer().Exec(ctx, u.s.q.delayedInsert(len(chunk)), store.DelayedInsertArgs(chunk[0].Source, chunk, now)...); err != nil {
 			return fmt.Errorf("store delayed effects: %w", wrap(err))
 		}
@@ -100,10 +132,23 @@ func (u *unit) RecordDelayed(ctx context.Context, effects []outboxdriver.Effect)
 	return nil
 }
 
-// CancelDelayed deletes the delayed effects with cancel key key in the transaction.
+// CancelDelayed deletes the delayed effects with cancel key key in the transaction. Once user SQL
+// ended it, only a unit whose own claim is committed cancels (claimedOnly): in autocommit the
+// cancel would delete, on its own, delayed effects that other units committed.
 func (u *unit) CancelDelayed(ctx context.Context, key string) (int, error) {
-	if u.boundaryEndedBySQL() {
-		return 0, u.endedBySQLError()
+	if u.txEndedBySQL() {
+		if !u.claimedOnly() {
+			return 0, u.endedBySQLError()
+		}
+		var claimed bool
+		var n int
+		if err := u.tx.QueryRow(ctx, u.s.q.delayedCancelClaimed, key, u.src.Consumer, u.src.ID).Scan(&claimed, &n); err != nil {
+			return 0, fmt.Errorf("cancel delayed effects: %w", wrap(err))
+		}
+		if !claimed {
+			return 0, u.claimGoneError("cancel delayed effects")
+		}
+		return n, nil
 	}
 	tag, err := u.execer().Exec(ctx, u.s.q.delayedCancel, key)
 	if err != nil {

@@ -9,13 +9,18 @@ import (
 // queries are the statements the pgx driver runs itself; the others are the postgres driver's,
 // run through database/sql on the same pool.
 type queries struct {
-	claim     string                             // pessimistic: (consumer, id) -> claimed, age of a committed claim found, whether it is settled
+	claim     string                             // pessimistic: (consumer, id) -> claimed, age of a committed claim found, whether it is settled, the claim's inline_xid
 	insert    func([]outboxdriver.Effect) string // the effect rows (at most store.EffectInsertMaxRows): see store.EffectInsertArgs
 	processed string                             // (consumer, id) -> a row when processed
+	ownClaim  string                             // (consumer, id, the claim's inline_xid) -> a row when the unit's own claim committed
 	pending   string                             // (consumer, id) -> the effect rows and inline effects of the source: see postgres.PendingQuery
 
 	delayedInsert func(int) string // the delayed effects: see store.DelayedInsertArgs
 	delayedCancel string           // (cancel key)
+	// The same, which write only while the unit's own claim exists (pessimistic, after user SQL
+	// ended the transaction): + (consumer, id); the cancel returns (claimed, count).
+	delayedInsertClaimed func(int) string
+	delayedCancelClaimed string
 
 	lookup      string // optimistic: (consumer, id) -> age of the claim and whether it is settled, no row when there is none
 	claimInline string // optimistic: (consumer, id, inline effects or NULL): no ON CONFLICT
@@ -26,7 +31,7 @@ type queries struct {
 func newQueries(n store.Names, deleteDispatched bool, gen *postgres.Generation) queries {
 	pq := postgres.Queries(n, deleteDispatched, gen)
 	return queries{
-		claim: pq.MessageClaim,
+		claim: postgres.MessageClaimWithXID(n),
 		insert: func(effects []outboxdriver.Effect) string {
 			if store.HasOwnKey(effects) {
 				return pq.EffectInsertKeyed(len(effects), false) // the pgx unit refuses a transaction ended under it itself
@@ -34,11 +39,15 @@ func newQueries(n store.Names, deleteDispatched bool, gen *postgres.Generation) 
 			return pq.EffectInsert(len(effects))
 		},
 		processed: pq.MessageIsProcessed,
+		ownClaim:  pq.MessageIsProcessed + ` AND inline_xid = $3`,
 		pending:   postgres.PendingQuery(n),
 		keys:      store.Queries{KeyLock: pq.KeyLock, KeyClaim: pq.KeyClaim, KeyRead: pq.KeyRead, KeySave: pq.KeySave},
 
 		delayedInsert: pq.DelayedInsert,
 		delayedCancel: pq.DelayedCancel,
+
+		delayedInsertClaimed: pq.DelayedInsertClaimed,
+		delayedCancelClaimed: pq.DelayedCancelClaimed,
 
 		// A claim found also tells whether anything of it is still pending: a duplicate whose
 		// effects went out then reads nothing more.

@@ -45,8 +45,9 @@ func (s *pgxStore) BeginUnit(ctx context.Context, claim *outboxdriver.Source) (o
 		err = fmt.Errorf("%w (a standby? the connection must reach the primary): %w", outboxdriver.ErrReadOnly, err)
 	}
 	c := outboxdriver.Claim{Claimed: true}
+	var xid *int64
 	if err == nil && claim != nil {
-		c, err = s.readClaim(br.QueryRow())
+		c, xid, err = s.readClaim(br.QueryRow())
 	}
 	if cerr := br.Close(); err == nil {
 		err = cerr
@@ -59,6 +60,9 @@ func (s *pgxStore) BeginUnit(ctx context.Context, claim *outboxdriver.Source) (o
 	u.tx = &tx{u: u}
 	if claim != nil {
 		u.src, u.tentative = *claim, c.Tentative
+		if xid != nil {
+			u.claimXID = *xid
+		}
 	}
 	u.mu.Lock()
 	u.stopWatch = context.AfterFunc(ctx, u.expire)
@@ -66,29 +70,30 @@ func (s *pgxStore) BeginUnit(ctx context.Context, claim *outboxdriver.Source) (o
 	return u, c, nil
 }
 
-// readClaim reads the outcome of the claim (pessimistic) or of its look-up (optimistic).
-func (s *pgxStore) readClaim(row pgx.Row) (outboxdriver.Claim, error) {
-	var ms *int64
+// readClaim reads the outcome of the claim (pessimistic), with the transaction ID the claim
+// inserted carries (nil when none was inserted), or of its look-up (optimistic).
+func (s *pgxStore) readClaim(row pgx.Row) (outboxdriver.Claim, *int64, error) {
+	var ms, xid *int64
 	var settled *bool
 	if s.optimistic {
 		switch err := row.Scan(&ms, &settled); {
 		case errors.Is(err, pgx.ErrNoRows):
-			return outboxdriver.Claim{Claimed: true, Tentative: true}, nil
+			return outboxdriver.Claim{Claimed: true, Tentative: true}, nil, nil
 		case err != nil:
-			return outboxdriver.Claim{}, err
+			return outboxdriver.Claim{}, nil, err
 		}
-		return outboxdriver.Claim{Age: time.Duration(*ms) * time.Millisecond, Settled: settled != nil && *settled}, nil
+		return outboxdriver.Claim{Age: time.Duration(*ms) * time.Millisecond, Settled: settled != nil && *settled}, nil, nil
 	}
 	var claimed bool
-	if err := row.Scan(&claimed, &ms, &settled); err != nil {
-		return outboxdriver.Claim{}, err
+	if err := row.Scan(&claimed, &ms, &settled, &xid); err != nil {
+		return outboxdriver.Claim{}, nil, err
 	}
 	c := outboxdriver.Claim{Claimed: claimed, Concurrent: !claimed && ms == nil}
 	if ms != nil {
 		c.Age = time.Duration(*ms) * time.Millisecond
 		c.Settled = !claimed && settled != nil && *settled
 	}
-	return c, nil
+	return c, xid, nil
 }
 
 // JoinUnit wraps a pgx.Tx the caller owns.
@@ -132,6 +137,7 @@ type unit struct {
 	tx        *tx                 // what user code gets, when not joined
 	src       outboxdriver.Source // zero at the boundary (no claim)
 	tentative bool                // the claim of src is INSERTed at commit (optimistic)
+	claimXID  int64               // the inline_xid of the claim BeginUnit inserted (pessimistic)
 
 	mu        sync.Mutex
 	alive     []bool      // per recorded effect: false once a savepoint it was recorded in rolled back
@@ -268,13 +274,19 @@ func (u *unit) Commit(ctx context.Context, effects []outboxdriver.Effect) error 
 // reports ErrTxFinishedByHandler and ErrTxDone. In the optimistic mode the claim was not written
 // yet: the message fails and runs again, which applies what the handler committed twice. Never
 // end the transaction with SQL. q is the unit's connection, or the pool once that is gone.
+//
+// The claim looked for is the one the unit inserted (by its transaction ID, claimXID), not any
+// claim of the message: after a ROLLBACK a copy may have claimed the message and committed, and
+// storing the effects beside its claim would send effects of rolled-back work. The ID is the
+// unit's own, so the check holds on the pool as on the connection, where the session setting
+// postgres.OwnClaim reads would be gone.
 func (u *unit) finishedBySQL(ctx context.Context, q querier, effects []outboxdriver.Effect) error {
 	err := u.endedBySQLError()
 	if u.src.Consumer == "" || u.tentative || len(effects) == 0 {
 		return err // no claim in the transaction: nothing tells what it committed
 	}
 	var one int
-	switch qerr := q.QueryRow(ctx, u.s.q.processed, u.src.Consumer, u.src.ID).Scan(&one); {
+	switch qerr := q.QueryRow(ctx, u.s.q.ownClaim, u.src.Consumer, u.src.ID, u.claimXID).Scan(&one); {
 	case errors.Is(qerr, pgx.ErrNoRows):
 		return err
 	case qerr != nil:

@@ -497,3 +497,42 @@ func TestSQLRollbackThenPublish(t *testing.T) {
 		})
 	}
 }
+
+// TestSQLRollbackThenACopyClaimsThenPublish: after a ROLLBACK sent as SQL a copy of the message
+// claims it and commits before the handler records an ordinary effect and returns. The unit's
+// COMMIT finds the transaction ended and stores the effects only beside the claim its own
+// transaction inserted, which the ROLLBACK took away: the copy's claim, with the same key, must
+// not count for it, or the effect of rolled-back work is sent beside the copy's own. The same
+// when the handler runs on past HandlerTimeout and the pool is asked instead of the connection.
+func TestSQLRollbackThenACopyClaimsThenPublish(t *testing.T) {
+	for name, sleep := range map[string]time.Duration{"in time": 0, "past HandlerTimeout": time.Second} {
+		t.Run(name, func(t *testing.T) {
+			h := outboxtest.NewWith(t, form(outboxpgx.Pessimistic), outbox.Config{HandlerTimeout: 300 * time.Millisecond, RelayInterval: time.Hour}, setup)
+			var after error
+			var copyRes outboxtest.Result
+			res := h.Run("c", message.NewMessage("m1", nil), consume(func(msg *message.Message) error {
+				ctx := msg.Context()
+				if _, err := outboxpgx.Tx(ctx).Exec(ctx, "ROLLBACK"); err != nil {
+					return err
+				}
+				copyRes = h.Run("c", message.NewMessage("m1", nil), consume(handler))
+				after = outbox.Publish(ctx, "out_b", message.NewMessage("after", nil))
+				time.Sleep(sleep) // ignores its context
+				return nil
+			}))
+			if copyRes.Err != nil || !copyRes.Committed {
+				t.Fatalf("the copy: %v, committed %v", copyRes.Err, copyRes.Committed)
+			}
+			if after != nil || !errors.Is(res.Err, outbox.ErrTxFinishedByHandler) {
+				t.Errorf("the record after ROLLBACK returned %v, Handle %v; want nil (kept in memory) and ErrTxFinishedByHandler", after, res.Err)
+			}
+			var escaped, applied int
+			if err := h.DB.QueryRow(`SELECT (SELECT count(*) FROM outbox_effects WHERE topic = 'out_b'), (SELECT count(*) FROM applied)`).Scan(&escaped, &applied); err != nil {
+				t.Fatal(err)
+			}
+			if escaped != 0 || applied != 1 {
+				t.Errorf("%d effect rows of the rolled-back attempt stored beside the copy's claim, %d business rows; want 0 and 1 (the copy's)", escaped, applied)
+			}
+		})
+	}
+}

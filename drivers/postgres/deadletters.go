@@ -29,7 +29,7 @@ func deadLetterQueries(n store.Names) store.DeadLetterQueries {
 			ORDER BY dead_at, consumer, message_id LIMIT $3`,
 		Mark: `UPDATE ` + n.DeadLetters + ` SET state = $1, changed_at = now(), changed_by = $2,
 				retries = retries + CASE WHEN $1 = 'retried' THEN 1 ELSE 0 END
-			WHERE consumer = $3 AND message_id = $4 AND state = 'dead'`,
+			WHERE consumer = $3 AND message_id = $4 AND state = 'dead' AND retries < $5`,
 		Read:  `SELECT source_topic, payload, metadata FROM ` + n.DeadLetters + ` WHERE consumer = $1 AND message_id = $2`,
 		Count: `SELECT count(*) FROM (SELECT 1 FROM ` + n.DeadLetters + ` WHERE state = 'dead' LIMIT $1) d`,
 		// The DELETE repeats its subquery's condition on its own row: a dead letter dead again

@@ -304,6 +304,29 @@ func selfDue(ms func(string) string) string {
 			  AND (e.next_attempt_at IS NULL OR e.next_attempt_at <= now())`
 }
 
+// messageClaim is Queries.MessageClaim; withXID: each row also carries the transaction ID the
+// insert gave the claim (NULL when it inserted none), for MessageClaimWithXID.
+func messageClaim(n store.Names, withXID bool) string {
+	xid := ""
+	if withXID {
+		xid = `, (SELECT inline_xid FROM ins)`
+	}
+	return `WITH ins AS (INSERT INTO ` + n.Processed + ` (consumer, message_id, dispatched_at, inline_xid) VALUES ($1, $2, now(), pg_current_xact_id()::text::bigint)
+				ON CONFLICT (consumer, message_id) DO NOTHING RETURNING inline_xid),
+			seen AS (SELECT ` + claimAge + ` AS age, ` + settledColumn(n) + ` AS settled FROM ` + n.Processed + ` p
+				WHERE p.consumer = $1 AND p.message_id = $2 AND NOT EXISTS (SELECT 1 FROM ins))
+			SELECT c.claimed, s.age, s.settled` + xid + `
+			FROM (SELECT EXISTS (SELECT 1 FROM ins) AS claimed) c LEFT JOIN seen s ON true
+			WHERE set_config('` + ownClaimSetting + `', coalesce((SELECT inline_xid::text FROM ins), ''), false) IS NOT NULL`
+}
+
+// MessageClaimWithXID is the claim statement of Queries (same parameters and columns) with one
+// column more: the transaction ID its insert gave the claim, NULL when it inserted none. A unit
+// whose handler ended the transaction with SQL tells its own claim from a copy's by it (the claim
+// with that inline_xid), also once its connection is gone and the session setting OwnClaim reads
+// with it.
+func MessageClaimWithXID(n store.Names) string { return messageClaim(n, true) }
+
 func queries(n store.Names, deleteDispatched bool, gen *Generation) store.Queries {
 	// The inserts that return xmin name the current partition (see Generation).
 	current := func() string { return effectsPartition(n, gen.Load()) }
@@ -356,13 +379,7 @@ func queries(n store.Names, deleteDispatched bool, gen *Generation) store.Querie
 		// it ran into also tells whether anything of it is still pending (settled): a duplicate
 		// whose effects went out then reads nothing more.
 		// The session remembers the claim's transaction ID (OwnClaim).
-		MessageClaim: `WITH ins AS (INSERT INTO ` + n.Processed + ` (consumer, message_id, dispatched_at, inline_xid) VALUES ($1, $2, now(), pg_current_xact_id()::text::bigint)
-				ON CONFLICT (consumer, message_id) DO NOTHING RETURNING inline_xid),
-			seen AS (SELECT ` + claimAge + ` AS age, ` + settledColumn(n) + ` AS settled FROM ` + n.Processed + ` p
-				WHERE p.consumer = $1 AND p.message_id = $2 AND NOT EXISTS (SELECT 1 FROM ins))
-			SELECT c.claimed, s.age, s.settled
-			FROM (SELECT EXISTS (SELECT 1 FROM ins) AS claimed) c LEFT JOIN seen s ON true
-			WHERE set_config('` + ownClaimSetting + `', coalesce((SELECT inline_xid::text FROM ins), ''), false) IS NOT NULL`,
+		MessageClaim:                  messageClaim(n, false),
 		MessageClaimReportsConcurrent: true,
 		MessageClaimReportsSettled:    true,
 		MessageIsProcessed:            `SELECT 1 FROM ` + n.Processed + ` WHERE consumer = $1 AND message_id = $2`,

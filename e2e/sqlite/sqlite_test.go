@@ -531,3 +531,45 @@ func TestKeyedInTx(t *testing.T) {
 		t.Fatalf("key reused with another request: %v", err)
 	}
 }
+
+// A unit whose transaction the application ended with SQL sent through it: SQLite then refuses
+// the framework's COMMIT ("cannot commit - no transaction is active"), which is the handler's
+// doing, known, and must be reported as ErrTxFinishedByHandler, never as a COMMIT lost in flight
+// (ErrCommitOutcomeUnknown), for InTx as for a consumer's unit.
+func TestTxEndedBySQLIsTheHandlersDoing(t *testing.T) {
+	for _, stmt := range []string{"ROLLBACK", "COMMIT"} {
+		t.Run(stmt, func(t *testing.T) {
+			e := newEnv(t)
+			ob := e.newOutbox()
+			ctx := context.Background()
+			end := func(ctx context.Context, tx *sql.Tx, id string) error {
+				if _, err := tx.ExecContext(ctx, `INSERT INTO reserved (message_id) VALUES (?)`, id); err != nil {
+					return err
+				}
+				_, err := tx.ExecContext(ctx, stmt)
+				return err
+			}
+			err := ob.InTx(ctx, func(ctx context.Context, tx *sql.Tx) error { return end(ctx, tx, "intx") })
+			if !errors.Is(err, outbox.ErrTxFinishedByHandler) || errors.Is(err, outbox.ErrCommitOutcomeUnknown) {
+				t.Errorf("InTx whose fn sent %s: %v; want ErrTxFinishedByHandler, not ErrCommitOutcomeUnknown", stmt, err)
+			}
+			msg := message.NewMessage(uuid.NewString(), nil)
+			hctx, cancel := context.WithTimeout(ctx, waitMax)
+			defer cancel()
+			msg.SetContext(hctx)
+			err = ob.Handle(msg, outbox.HandleParams{Consumer: consumer, MessageID: msg.UUID}, func(m *message.Message) ([]*message.Message, error) {
+				return nil, end(m.Context(), outbox.Tx(m.Context()), m.UUID)
+			})
+			if !errors.Is(err, outbox.ErrTxFinishedByHandler) || errors.Is(err, outbox.ErrCommitOutcomeUnknown) {
+				t.Errorf("Handle whose handler sent %s: %v; want ErrTxFinishedByHandler, not ErrCommitOutcomeUnknown", stmt, err)
+			}
+			want := 0
+			if stmt == "COMMIT" {
+				want = 2 // what the application committed stays committed
+			}
+			if n := e.count(`SELECT count(*) FROM reserved`); n != want {
+				t.Errorf("business rows after %s: %d, want %d", stmt, n, want)
+			}
+		})
+	}
+}

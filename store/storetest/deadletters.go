@@ -299,3 +299,70 @@ func testDeadLetterNow(f *fixture) {
 		}
 	}
 }
+
+// testDeadLettersMaxRetriesStale: two redrivers with a limit of one retry both read the dead
+// letter at no retries; the first retries it and the message dies again before the second
+// acts. The second's retry, decided on the count it read, must find the limit reached: a check
+// of the count apart from the retry would hand the message back a second time. An operator's
+// retry (no limit) still goes through.
+func testDeadLettersMaxRetriesStale(f *fixture) {
+	ds, ok := f.st.(outboxdriver.DeadLetterStore)
+	if !ok {
+		f.t.Skipf("%T keeps no dead letters", f.st)
+	}
+	src := f.src("redrive-stale")
+	die := func(reason string) {
+		f.t.Helper()
+		if _, err := ds.DeadLetterInsert(f.ctx, outboxdriver.DeadLetter{Consumer: src.Consumer, MessageID: src.ID, SourceTopic: "orders",
+			Payload: []byte("p"), Reason: reason}, true, nil); err != nil {
+			f.t.Fatalf("DeadLetterInsert (%s): %v", reason, err)
+		}
+	}
+	retry := func(max int, id string) int {
+		f.t.Helper()
+		n, err := ds.DeadLetterRetry(f.ctx, outboxdriver.DeadLetterChange{Keys: []outboxdriver.Source{src}, Actor: "redrive", MaxRetries: max},
+			func() outboxdriver.Source { return outboxdriver.Source{ID: id} })
+		if err != nil {
+			f.t.Fatalf("DeadLetterRetry (max %d): %v", max, err)
+		}
+		return n
+	}
+	state := func() (outboxdriver.DeadLetterState, int) {
+		f.t.Helper()
+		dls, err := ds.DeadLetterList(f.ctx, outboxdriver.DeadLetterFilter{Consumer: src.Consumer, Limit: 1000})
+		if err != nil {
+			f.t.Fatalf("DeadLetterList: %v", err)
+		}
+		for _, d := range dls {
+			if d.MessageID == src.ID {
+				return d.State, d.Retries
+			}
+		}
+		f.t.Fatal("dead letter not listed")
+		return "", 0
+	}
+	die("first")
+	if n := retry(1, "redrive-stale-1"); n != 1 {
+		f.t.Fatalf("first redriver's retry = %d; want 1", n)
+	}
+	die("again")
+	if n := retry(1, "redrive-stale-2"); n != 0 {
+		st, r := state()
+		f.t.Fatalf("second redriver's retry (limit 1, already retried once) = %d, dead letter %s with %d retries; want it left dead", n, st, r)
+	}
+	if st, r := state(); st != outboxdriver.DeadLetterDead || r != 1 {
+		f.t.Fatalf("dead letter after the refused retry: %s, %d retries; want dead, 1", st, r)
+	}
+	if len(f.pending(outboxdriver.Source{ID: "redrive-stale-2"})) != 0 {
+		f.t.Fatal("refused retry stored the message for its topic")
+	}
+	if !f.processed(src) {
+		f.t.Fatal("refused retry deleted the poisoned claim")
+	}
+	if n := retry(0, "redrive-stale-3"); n != 1 {
+		f.t.Fatalf("operator's retry (no limit) = %d; want 1", n)
+	}
+	if st, r := state(); st != outboxdriver.DeadLetterRetried || r != 2 {
+		f.t.Fatalf("dead letter after the operator's retry: %s, %d retries; want retried, 2", st, r)
+	}
+}

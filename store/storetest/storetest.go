@@ -140,6 +140,7 @@ func Run(t *testing.T, newHarness func(t *testing.T) Harness) {
 		{"MessageReplay/DeadLetter", testReplayDeadLetter},
 		{"DeadLetters", testDeadLetters},
 		{"DeadLetters/CleanupWhileDeadAgain", testDeadLettersCleanupDeadAgain},
+		{"DeadLetters/MaxRetriesOnAStaleCount", testDeadLettersMaxRetriesStale},
 		{"DeadLetterNow", testDeadLetterNow},
 		{"EffectListParked", testListParked},
 		{"EffectUnpark", testUnpark},
