@@ -411,7 +411,7 @@ func testBroker(t *testing.T, kind string) {
 	// Wait until everything is through, or until nothing has moved for a minute.
 	last, lastMove := [3]int{}, time.Now()
 	for {
-		applied, reached, pending := count(t, db, `SELECT count(DISTINCT order_id) FROM reserved`), arrived.orders(), count(t, db, `SELECT count(*) FROM outbox_effects`)
+		applied, reached, pending := count(t, db, `SELECT count(DISTINCT order_id) FROM reserved`), arrived.orders(), count(t, db, `SELECT count(*) FROM outbox_effects_all`)
 		if applied == orders && reached == orders && pending == 0 {
 			break
 		}
@@ -534,6 +534,7 @@ func missing(t *testing.T, db *sql.DB, sends []string, arrived *arrivals) string
 
 func count(t *testing.T, db *sql.DB, query string) int {
 	t.Helper()
+	pgtest.CheckEffectsParent(t, query)
 	var n int
 	if err := db.QueryRow(query).Scan(&n); err != nil {
 		t.Fatalf("%s: %v", query, err)

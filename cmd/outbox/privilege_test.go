@@ -296,7 +296,7 @@ func TestLeastPrivilegedRoles(t *testing.T) {
 		var sampled, recorded bool
 		var left int
 		if err := owner.QueryRow(`SELECT sampled_at IS NOT NULL, retention_ms IS NOT NULL,
-			(SELECT count(*) FROM outbox_effects WHERE parked_at IS NULL) FROM outbox_stats`).Scan(&sampled, &recorded, &left); err != nil {
+			(SELECT count(*) FROM outbox_effects_all WHERE parked_at IS NULL) FROM outbox_stats`).Scan(&sampled, &recorded, &left); err != nil {
 			t.Fatal(err)
 		}
 		if left == 0 && sampled && recorded {
@@ -315,7 +315,7 @@ func TestLeastPrivilegedRoles(t *testing.T) {
 	}
 
 	var parkedID string
-	if err := owner.QueryRow(`SELECT id::text FROM outbox_effects WHERE parked_at IS NOT NULL`).Scan(&parkedID); err != nil {
+	if err := owner.QueryRow(`SELECT id::text FROM outbox_effects_all WHERE parked_at IS NOT NULL`).Scan(&parkedID); err != nil {
 		t.Fatal(err)
 	}
 	audits := func() int {
@@ -341,7 +341,7 @@ func TestLeastPrivilegedRoles(t *testing.T) {
 	if n := audits(); n != 1 {
 		t.Fatalf("after the application role's retry: %d audit rows, want 1", n)
 	}
-	if _, err := owner.Exec(`UPDATE outbox_effects SET parked_at = now() - interval '2 hours' WHERE id = $1`, parkedID); err != nil {
+	if _, err := owner.Exec(`UPDATE outbox_effects_all SET parked_at = now() - interval '2 hours' WHERE id = $1`, parkedID); err != nil {
 		t.Fatal(err)
 	}
 	// A message whose handler failed once, for dead now.
@@ -376,7 +376,7 @@ func TestLeastPrivilegedRoles(t *testing.T) {
 			t.Errorf("outbox %v as the operator's role: exit %d: %s%s", args, code, out, errOut)
 		}
 	}
-	if _, err := owner.Exec(`UPDATE outbox_effects SET parked_at = now(), dispatched_at = NULL WHERE id = $1`, parkedID); err != nil {
+	if _, err := owner.Exec(`UPDATE outbox_effects_all SET parked_at = now(), dispatched_at = NULL WHERE id = $1`, parkedID); err != nil {
 		t.Fatal(err)
 	}
 	// The changes must change something: "nothing matched" would hide a refused statement.
@@ -405,7 +405,7 @@ func TestLeastPrivilegedRoles(t *testing.T) {
 func TestRepairWithoutItsAuditEntryIsNotApplied(t *testing.T) {
 	f := newFixture(t)
 	if _, err := f.db.Exec(`CREATE ROLE noaudit LOGIN PASSWORD 'pw';
-		GRANT SELECT, INSERT, UPDATE, DELETE ON outbox_processed, outbox_effects, outbox_dispatched, outbox_attempts, outbox_stats, outbox_migrations, outbox_dead_letters TO noaudit;
+		GRANT SELECT, INSERT, UPDATE, DELETE ON outbox_processed, outbox_effects_all, outbox_dispatched, outbox_attempts, outbox_stats, outbox_migrations, outbox_dead_letters TO noaudit;
 		GRANT USAGE ON ALL SEQUENCES IN SCHEMA public TO noaudit;`); err != nil {
 		t.Fatal(err)
 	}
@@ -413,7 +413,7 @@ func TestRepairWithoutItsAuditEntryIsNotApplied(t *testing.T) {
 	u.User = url.UserPassword("noaudit", "pw")
 	parked := func() int {
 		var n int
-		if err := f.db.QueryRow(`SELECT count(*) FROM outbox_effects WHERE parked_at IS NOT NULL`).Scan(&n); err != nil {
+		if err := f.db.QueryRow(`SELECT count(*) FROM outbox_effects_all WHERE parked_at IS NOT NULL`).Scan(&n); err != nil {
 			t.Fatal(err)
 		}
 		return n

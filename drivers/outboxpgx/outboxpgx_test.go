@@ -703,7 +703,7 @@ func TestInlineEffectsLeftBehind(t *testing.T) {
 	}
 	pending := func() (inline, rows int) {
 		if err := pool.QueryRow(ctx, `SELECT (SELECT count(*) FROM outbox_processed WHERE effects IS NOT NULL),
-			(SELECT count(*) FROM outbox_effects)`).Scan(&inline, &rows); err != nil {
+			(SELECT count(*) FROM outbox_effects_all)`).Scan(&inline, &rows); err != nil {
 			t.Fatal(err)
 		}
 		return inline, rows
@@ -741,7 +741,7 @@ func TestInlineEffectsLeftBehind(t *testing.T) {
 		t.Fatalf("after the failed dispatch: %d claims with inline effects, %d effect rows; want 1 (crashed), 1 (failed, moved)", i, r)
 	}
 	var failures int
-	if err := pool.QueryRow(ctx, `SELECT failures FROM outbox_effects WHERE source_id = 'failed'`).Scan(&failures); err != nil || failures != 1 {
+	if err := pool.QueryRow(ctx, `SELECT failures FROM outbox_effects_all WHERE source_id = 'failed'`).Scan(&failures); err != nil || failures != 1 {
 		t.Fatalf("the failure recorded on the moved row: %d (%v)", failures, err)
 	}
 	rec.Fail(nil)
@@ -1029,7 +1029,7 @@ func TestDispatchFailsAndTheMoveFailsToo(t *testing.T) {
 		}})
 	state := func() (inline, rows int) {
 		if err := pool.QueryRow(ctx, `SELECT (SELECT count(*) FROM outbox_processed WHERE effects IS NOT NULL),
-			(SELECT count(*) FROM outbox_effects)`).Scan(&inline, &rows); err != nil {
+			(SELECT count(*) FROM outbox_effects_all)`).Scan(&inline, &rows); err != nil {
 			t.Fatal(err)
 		}
 		return inline, rows

@@ -70,7 +70,7 @@ func holdXmin(t *testing.T, db *sql.DB, app string) (pid int, end func()) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := tx.QueryRowContext(ctx, `SELECT pg_backend_pid() FROM (SELECT count(*) FROM outbox_effects) e`).Scan(&pid); err != nil {
+	if err := tx.QueryRowContext(ctx, `SELECT pg_backend_pid() FROM (SELECT count(*) FROM outbox_effects_all) e`).Scan(&pid); err != nil {
 		t.Fatal(err)
 	}
 	ended := false
@@ -147,7 +147,7 @@ func TestStatsReportXminHolderAndDeadTuples(t *testing.T) {
 	}
 	// Effects in two partitions of the effects table (migration 023), deleted through the parent:
 	// the sample sums the partitions' dead rows (the parent counts none itself).
-	for _, part := range []string{"outbox_effects", "outbox_effects_1"} {
+	for _, part := range []string{"outbox_effects /* partition 0 */", "outbox_effects_1"} {
 		if _, err := conn.ExecContext(ctx, `INSERT INTO `+part+` (source_consumer, source_id, seq, kind, topic, uuid, payload, metadata, ordering_key, created_at)
 			SELECT 'c', 'm' || i, 0, 'publish', 't', 'u' || i, '\x00', '', 'k', now() FROM generate_series(1, 100) i`); err != nil {
 			t.Fatal(err)
@@ -285,7 +285,7 @@ func BenchmarkVacuumSample(b *testing.B) {
 		b.Fatal(err)
 	}
 	defer func() { _ = tx.Rollback() }()
-	if _, err := tx.Exec(`SELECT 1 FROM outbox_effects LIMIT 1`); err != nil {
+	if _, err := tx.Exec(`SELECT 1 FROM outbox_effects_all LIMIT 1`); err != nil {
 		b.Fatal(err)
 	}
 	if _, err := db.Exec(`INSERT INTO outbox_attempts (consumer, message_id, attempts, last_error)
