@@ -32,6 +32,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -72,6 +73,10 @@ func WithConcurrency(c Concurrency) Option { return func(d *Driver) { d.Concurre
 // mode).
 func WithListenDSN(dsn string) Option { return func(d *Driver) { d.ListenDSN = dsn } }
 
+// WithRotateEvery sets Driver.RotateEvery (postgres.Driver.RotateEvery: how often the relay
+// rotates the partitions of the effects table).
+func WithRotateEvery(every time.Duration) Option { return func(d *Driver) { d.RotateEvery = every } }
+
 // New returns an Outbox on pool: cfg.DB and cfg.Driver are set from it (cfg.DB becomes a
 // database/sql handle on the same pool, for the operator tools; leave both unset). Close the
 // Outbox when done with it (the pool stays open).
@@ -106,6 +111,9 @@ type Driver struct {
 	// a LISTEN there succeeds, but its notifications never arrive. Default: "" (a connection
 	// taken out of the pool).
 	ListenDSN string
+	// RotateEvery is postgres.Driver.RotateEvery: how long a partition of the effects table stays
+	// the one new effects go to. Default 0: postgres.DefaultRotateEvery; negative: never rotates.
+	RotateEvery time.Duration
 
 	closeDB bool // the Store's Close closes the DB (New opened it)
 }
@@ -131,7 +139,7 @@ func (d Driver) Open(db *sql.DB, opts outboxdriver.StoreOptions) (outboxdriver.S
 	// Everything off the hot path (the relay, marks, cleanup, stats, the operator tools) runs the
 	// postgres driver's statements through database/sql on the same pool; pgx caches their
 	// prepared statements per connection, so database/sql need not prepare them.
-	base, err := postgres.Driver{DisablePreparedStatements: true, Listener: d.listen}.Open(db, opts)
+	base, err := postgres.Driver{DisablePreparedStatements: true, Listener: d.listen, RotateEvery: d.RotateEvery}.Open(db, opts)
 	if err != nil {
 		return nil, err
 	}
