@@ -15,14 +15,22 @@ import (
 
 // TestMeasureClaimBehindAHeldHorizon measures the relay's claim and mark while a session holds
 // the xmin horizon, rotated and not: units at the boundary record 400 effects/s and a relay loop
-// claims and marks them every 50 ms. Set OUTBOX_MEASURE_HOLD to the length of the hold (say
-// 2m); it is skipped otherwise.
+// claims and marks them every 50 ms. Rotated, it also runs with units of work that read the
+// effects table (as a consumer's unit does) and stay open 10 or 50 ms, 8 at a time: each holds a
+// lock on every partition until it ends, and the rotation's TRUNCATE waits 20 ms at most for its
+// exclusive lock; it reports how many rotations happened and the longest time without one. Set
+// OUTBOX_MEASURE_HOLD to the length of the hold (say 2m); it is skipped otherwise.
 func TestMeasureClaimBehindAHeldHorizon(t *testing.T) {
 	hold, err := time.ParseDuration(os.Getenv("OUTBOX_MEASURE_HOLD"))
 	if err != nil {
 		t.Skip("OUTBOX_MEASURE_HOLD not set")
 	}
-	for _, every := range []time.Duration{DefaultRotateEvery, -1} {
+	type config struct {
+		every   time.Duration
+		readFor time.Duration // how long each reading unit stays open; 0: none
+	}
+	for _, c := range []config{{DefaultRotateEvery, 0}, {DefaultRotateEvery, 10 * time.Millisecond}, {DefaultRotateEvery, 50 * time.Millisecond}, {-1, 0}} {
+		every := c.every
 		db := pgtest.DB(t)
 		st := rotationStore(t, db, every)
 		ctx, cancel := context.WithTimeout(context.Background(), hold)
@@ -53,6 +61,26 @@ func TestMeasureClaimBehindAHeldHorizon(t *testing.T) {
 			}
 			done <- nil
 		}()
+		readers := make(chan error, 8)
+		for r := 0; r < 8 && c.readFor > 0; r++ {
+			go func() {
+				for u := 0; ctx.Err() == nil; u++ {
+					tx, err := db.BeginTx(ctx, nil)
+					if err == nil {
+						var n int
+						err = tx.QueryRowContext(ctx, `SELECT count(*) FROM (SELECT 1 FROM rot_effects_all WHERE ordering_key = $1 AND dispatched_at IS NULL LIMIT 1) s`, fmt.Sprint("k", u%32)).Scan(&n)
+						time.Sleep(c.readFor)
+						_ = tx.Rollback()
+					}
+					if err != nil && ctx.Err() == nil {
+						readers <- err
+						return
+					}
+				}
+				readers <- nil
+			}()
+		}
+		rotations, lastGen, lastRotation, longestWithout := 0, 0, time.Now(), time.Duration(0)
 		type sample struct{ claim, mark time.Duration }
 		var first, last []sample
 		start := time.Now()
@@ -81,6 +109,14 @@ func TestMeasureClaimBehindAHeldHorizon(t *testing.T) {
 				}
 			}
 			s := sample{t1.Sub(t0), time.Since(t1)}
+			var gen int
+			if err := db.QueryRow(`SELECT gen FROM rot_effects_rotation`).Scan(&gen); err != nil {
+				t.Fatal(err)
+			}
+			if gen != lastGen {
+				rotations, lastGen, lastRotation = rotations+1, gen, time.Now()
+			}
+			longestWithout = max(longestWithout, time.Since(lastRotation))
 			switch el := time.Since(start); {
 			case el > 5*time.Second && el < 25*time.Second:
 				first = append(first, s)
@@ -90,6 +126,11 @@ func TestMeasureClaimBehindAHeldHorizon(t *testing.T) {
 		}
 		if err := <-done; err != nil {
 			t.Fatal(err)
+		}
+		for r := 0; r < 8 && c.readFor > 0; r++ {
+			if err := <-readers; err != nil {
+				t.Fatal(err)
+			}
 		}
 		cancel()
 		_ = htx.Rollback()
@@ -107,7 +148,7 @@ func TestMeasureClaimBehindAHeldHorizon(t *testing.T) {
 		}
 		claim := func(s sample) time.Duration { return s.claim }
 		mark := func(s sample) time.Duration { return s.mark }
-		t.Logf("RotateEvery %s, hold %s: median claim %s -> %s, mark %s -> %s (first 5-25 s, last 20 s); first pending look-up %d buffers",
-			every, hold, med(first, claim), med(last, claim), med(first, mark), med(last, mark), firstPendingBuffers(t, db))
+		t.Logf("RotateEvery %s, reading units open %s, hold %s: median claim %s -> %s, mark %s -> %s (first 5-25 s, last 20 s); first pending look-up %d buffers; %d rotations, longest without one %s",
+			every, c.readFor, hold, med(first, claim), med(last, claim), med(first, mark), med(last, mark), firstPendingBuffers(t, db), rotations, longestWithout.Round(time.Second))
 	}
 }
