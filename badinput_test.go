@@ -335,7 +335,7 @@ func TestLongMessageIDsGetAStorableDefaultOrderingKey(t *testing.T) {
 			t.Fatalf("message ID of %d bytes: want the dispatch to fail (the broker is down), got %v", len(id), err)
 		}
 		var key string
-		if err := e.db.QueryRow(`SELECT ordering_key FROM outbox_effects WHERE source_id = $1`, id).Scan(&key); err != nil {
+		if err := e.db.QueryRow(`SELECT ordering_key FROM outbox_effects_all WHERE source_id = $1`, id).Scan(&key); err != nil {
 			t.Fatal(err)
 		}
 		want := outbox.DefaultOrderingKey(outbox.Source{Consumer: "billing", ID: id})

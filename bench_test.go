@@ -107,7 +107,7 @@ func BenchmarkHandleDuplicate(b *testing.B) {
 // batches of 1 and 16, leaving the claim alone as on the fast path, and moving it as after a late
 // dispatch) against one prepared statement that marks a source and commits durably.
 func BenchmarkMark(b *testing.B) {
-	const durable = `WITH e AS (DELETE FROM outbox_effects
+	const durable = `WITH e AS (DELETE FROM outbox_effects_all
 			WHERE source_consumer = $1 AND source_id = $2 AND dispatched_at IS NULL)
 		UPDATE outbox_processed SET dispatched_at = now() WHERE consumer = $1 AND message_id = $2`
 	for _, v := range []struct {
@@ -196,12 +196,12 @@ func BenchmarkStats(b *testing.B) {
 		b.Fatal(err)
 	}
 	for i := 0; i < 1000; i++ {
-		if _, err := e.db.Exec(`INSERT INTO outbox_effects (source_consumer, source_id, seq, kind, topic, uuid, payload, metadata, ordering_key)
+		if _, err := e.db.Exec(`INSERT INTO outbox_effects_all (source_consumer, source_id, seq, kind, topic, uuid, payload, metadata, ordering_key)
 			VALUES ('bench', 'p' || $1::text, 0, '', 't', $1::text, '', '', 'k' || $1::text)`, i); err != nil {
 			b.Fatal(err)
 		}
 	}
-	for _, table := range []string{"outbox_processed", "outbox_effects"} {
+	for _, table := range []string{"outbox_processed", "outbox_effects_all"} {
 		if _, err := e.db.Exec(`VACUUM ANALYZE ` + table); err != nil {
 			b.Fatal(err)
 		}

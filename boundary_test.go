@@ -380,7 +380,7 @@ func TestBoundaryCrashBetweenCommitAndDispatch(t *testing.T) {
 	mustEqual(t, "business rows committed", e.count(`SELECT count(*) FROM applied WHERE message_id = $1`, msg.UUID), 1)
 	mustEqual(t, "pending effects", e.pendingEffects(), 1)
 	var storedUUID string
-	if err := e.db.QueryRow(`SELECT uuid FROM outbox_effects WHERE dispatched_at IS NULL`).Scan(&storedUUID); err != nil {
+	if err := e.db.QueryRow(`SELECT uuid FROM outbox_effects_all WHERE dispatched_at IS NULL`).Scan(&storedUUID); err != nil {
 		t.Fatal(err)
 	}
 	mustEqual(t, "stored UUID", storedUUID, msg.UUID)
@@ -429,17 +429,17 @@ func TestBrokerDownThenUpKeepsPerKeyOrder(t *testing.T) {
 	mustEqual(t, "pending effects", e.pendingEffects(), 60)
 	// Each effect is due for the relay: either its own fast path failed (attempt recorded, retry
 	// scheduled) or it was handed to the relay behind an earlier pending effect with its key.
-	mustEqual(t, "effects handed to the relay", e.count(`SELECT count(*) FROM outbox_effects WHERE next_attempt_at IS NOT NULL`), 60)
-	mustEqual(t, "parked effects", e.count(`SELECT count(*) FROM outbox_effects WHERE parked_at IS NOT NULL`), 0)
+	mustEqual(t, "effects handed to the relay", e.count(`SELECT count(*) FROM outbox_effects_all WHERE next_attempt_at IS NOT NULL`), 60)
+	mustEqual(t, "parked effects", e.count(`SELECT count(*) FROM outbox_effects_all WHERE parked_at IS NOT NULL`), 0)
 
 	stop := startRun(t, e.ob)
 	// The fast path recorded one failure; wait until the relay has failed too. Nothing reached
 	// the broker meanwhile: an outage, so no failure counts toward parking.
 	waitFor(t, "a failed relay attempt", func() bool {
-		return e.count(`SELECT count(*) FROM outbox_effects WHERE failures >= 2`) > 0
+		return e.count(`SELECT count(*) FROM outbox_effects_all WHERE failures >= 2`) > 0
 	})
-	failedRounds := e.count(`SELECT coalesce(max(failures), 0) FROM outbox_effects`)
-	mustEqual(t, "failures counted toward parking during the outage", e.count(`SELECT coalesce(max(attempts), 0) FROM outbox_effects`), 0)
+	failedRounds := e.count(`SELECT coalesce(max(failures), 0) FROM outbox_effects_all`)
+	mustEqual(t, "failures counted toward parking during the outage", e.count(`SELECT coalesce(max(attempts), 0) FROM outbox_effects_all`), 0)
 	mustEqual(t, "messages on the wire while the broker is down", len(e.wire("out_a")), 0)
 	e.pub.failAll.Store(false)
 
@@ -456,7 +456,7 @@ func TestBrokerDownThenUpKeepsPerKeyOrder(t *testing.T) {
 			t.Errorf("message %s: first copy on the wire %+v, want payload %q", id, c, p)
 		}
 	}
-	mustEqual(t, "parked effects", e.count(`SELECT count(*) FROM outbox_effects WHERE parked_at IS NOT NULL`), 0)
+	mustEqual(t, "parked effects", e.count(`SELECT count(*) FROM outbox_effects_all WHERE parked_at IS NOT NULL`), 0)
 	checkKeyOrder(t, first, want)
 }
 

@@ -13,6 +13,7 @@ import (
 	"github.com/google/uuid"
 
 	"github.com/watermill-outbox/outbox"
+	"github.com/watermill-outbox/outbox/internal/pgtest"
 	"github.com/watermill-outbox/outbox/outboxdriver"
 )
 
@@ -182,7 +183,7 @@ func TestRetentionCountsFromDispatchAndCleanupIsBounded(t *testing.T) {
 	mustExec(t, e, `UPDATE outbox_dispatched SET dispatched_at = now() - interval '2 hours'`)
 	// m35..m39 were processed long ago but one of their effects is still undispatched.
 	mustExec(t, e, `WITH back AS (DELETE FROM outbox_dispatched WHERE seq = 1 AND source_id BETWEEN 'm35' AND 'm39' RETURNING *)
-		INSERT INTO outbox_effects (id, source_consumer, source_id, seq, kind, topic, uuid, payload, metadata, ordering_key, created_at, attempts, failures, last_error)
+		INSERT INTO outbox_effects_all (id, source_consumer, source_id, seq, kind, topic, uuid, payload, metadata, ordering_key, created_at, attempts, failures, last_error)
 		SELECT id, source_consumer, source_id, seq, kind, topic, uuid, payload, metadata, ordering_key, created_at, attempts, failures, last_error FROM back`)
 
 	res, err := e.ob.Store().Cleanup(ctx, outboxdriver.CleanupParams{Retention: 7 * 24 * time.Hour, EffectRetention: time.Hour, BatchSize: 10})
@@ -214,6 +215,7 @@ func TestRetentionCountsFromDispatchAndCleanupIsBounded(t *testing.T) {
 
 func mustExec(t testing.TB, e *env, query string, args ...any) {
 	t.Helper()
+	pgtest.CheckEffectsParent(t, query)
 	e.flush()
 	if _, err := e.db.Exec(query, args...); err != nil {
 		t.Fatalf("%s: %v", query, err)
@@ -264,7 +266,7 @@ func TestRelayParksWhatCannotBeSentAndKeepsOtherKeysFlowing(t *testing.T) {
 	ctx := context.Background()
 	st := e.ob.Store()
 	poisonFirst := e.storedEffects("c1", poisonMsg.UUID)[0]
-	mustExec(t, e, `UPDATE outbox_effects SET next_attempt_at = now()`) // skip the backoff of the failed fast path
+	mustExec(t, e, `UPDATE outbox_effects_all SET next_attempt_at = now()`) // skip the backoff of the failed fast path
 	// A relay round by hand, through the store: claim, dispatch, mark and record.
 	round := func() {
 		claim, err := st.EffectClaimDue(ctx, outboxdriver.EffectClaimParams{Limit: 100, Lease: time.Minute})
@@ -296,16 +298,16 @@ func TestRelayParksWhatCannotBeSentAndKeepsOtherKeysFlowing(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	for i := 0; e.count(`SELECT count(*) FROM outbox_effects WHERE parked_at IS NOT NULL`) == 0 ||
-		e.count(`SELECT count(*) FROM outbox_effects WHERE dispatched_at IS NULL AND source_id = $1`, goodMsg.UUID) > 0; i++ {
+	for i := 0; e.count(`SELECT count(*) FROM outbox_effects_all WHERE parked_at IS NOT NULL`) == 0 ||
+		e.count(`SELECT count(*) FROM outbox_effects_all WHERE dispatched_at IS NULL AND source_id = $1`, goodMsg.UUID) > 0; i++ {
 		if i == 50 {
 			t.Fatal("the relay did not park the poison effect or send the others")
 		}
 		round()
 	}
-	mustEqual(t, "parked", e.count(`SELECT count(*) FROM outbox_effects WHERE parked_at IS NOT NULL`), 1)
-	mustEqual(t, "attempts of the parked effect", e.count(`SELECT attempts FROM outbox_effects WHERE uuid = $1`, poisonFirst), 3)
-	mustEqual(t, "last error kept", e.count(`SELECT count(*) FROM outbox_effects WHERE uuid = $1 AND last_error = 'rejected'`, poisonFirst), 1)
+	mustEqual(t, "parked", e.count(`SELECT count(*) FROM outbox_effects_all WHERE parked_at IS NOT NULL`), 1)
+	mustEqual(t, "attempts of the parked effect", e.count(`SELECT attempts FROM outbox_effects_all WHERE uuid = $1`, poisonFirst), 3)
+	mustEqual(t, "last error kept", e.count(`SELECT count(*) FROM outbox_effects_all WHERE uuid = $1 AND last_error = 'rejected'`, poisonFirst), 1)
 	// The other key flowed; the poison's own later effect waits behind it.
 	for _, id := range e.storedEffects("c1", goodMsg.UUID) {
 		mustEqual(t, "good effect sent", e.wire("out_a")[id]+e.wire("out_b")[id], 1)

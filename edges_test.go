@@ -131,7 +131,7 @@ func TestDiscardParkedMovesTheRetentionClock(t *testing.T) {
 	}
 	e.pub.failAll.Store(false)
 	// The relay parked the effects (as after RelayMaxAttempts); the message was processed long ago.
-	mustExec(t, e, `UPDATE outbox_effects SET parked_at = now(), attempts = 10, next_attempt_at = now()`)
+	mustExec(t, e, `UPDATE outbox_effects_all SET parked_at = now(), attempts = 10, next_attempt_at = now()`)
 	mustExec(t, e, `UPDATE outbox_processed SET processed_at = processed_at - interval '2 hours', dispatched_at = dispatched_at - interval '2 hours'`)
 	parked, err := e.ob.ParkedEffects(context.Background(), 10)
 	if err != nil {
@@ -436,7 +436,7 @@ func TestDuplicateWaitIsBoundedWhenTheClockStepsBack(t *testing.T) {
 	if err := handle(e.ob, copyOf(msg), func(m *message.Message) ([]*message.Message, error) {
 		out, err := applyAndPublish(nil)(m)
 		if err == nil {
-			_, err = outbox.Tx(m.Context()).Exec(`UPDATE outbox_effects SET created_at = now() + interval '1 hour'`)
+			_, err = outbox.Tx(m.Context()).Exec(`UPDATE outbox_effects_all SET created_at = now() + interval '1 hour'`)
 		}
 		if err == nil {
 			err = errors.New("fail after the effects were stored")
@@ -450,7 +450,7 @@ func TestDuplicateWaitIsBoundedWhenTheClockStepsBack(t *testing.T) {
 	if err := handle(crashing, copyOf(msg), func(m *message.Message) ([]*message.Message, error) {
 		out, err := applyAndPublish(nil)(m)
 		if err == nil {
-			_, err = outbox.Tx(m.Context()).Exec(`UPDATE outbox_effects SET created_at = now() + interval '1 hour'`)
+			_, err = outbox.Tx(m.Context()).Exec(`UPDATE outbox_effects_all SET created_at = now() + interval '1 hour'`)
 		}
 		return out, err
 	}); !errors.Is(err, outbox.ErrFailpoint) {
@@ -475,7 +475,7 @@ func TestMarkTakesLocksInTheRelaysOrder(t *testing.T) {
 	e.pub.failAll.Store(false)
 	ids := e.storedEffects("c1", msg.UUID)
 	var storeIDs []int64
-	rows, err := e.db.Query(`SELECT id FROM outbox_effects ORDER BY id`)
+	rows, err := e.db.Query(`SELECT id FROM outbox_effects_all ORDER BY id`)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -494,7 +494,7 @@ func TestMarkTakesLocksInTheRelaysOrder(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer func() { _ = tx.Rollback() }()
-	if _, err := tx.Exec(`SELECT 1 FROM outbox_effects WHERE id = $1 FOR UPDATE`, storeIDs[0]); err != nil {
+	if _, err := tx.Exec(`SELECT 1 FROM outbox_effects_all WHERE id = $1 FOR UPDATE`, storeIDs[0]); err != nil {
 		t.Fatal(err)
 	}
 	markErr := make(chan error, 1)
@@ -530,7 +530,7 @@ func TestFailedMarkBatchIsRetried(t *testing.T) {
 			END IF;
 			RETURN OLD;
 		END $$`)
-	mustExec(t, e, `CREATE TRIGGER fail_marks BEFORE DELETE ON outbox_effects FOR EACH ROW EXECUTE FUNCTION fail_marks()`)
+	mustExec(t, e, `CREATE TRIGGER fail_marks BEFORE DELETE ON outbox_effects_all FOR EACH ROW EXECUTE FUNCTION fail_marks()`)
 	for i := 0; i < 5; i++ {
 		if err := handle(e.ob, message.NewMessage(uuid.NewString(), nil), applyAndPublish(nil)); err != nil {
 			t.Fatal(err)
@@ -814,7 +814,7 @@ func TestLockedEarlierEffectIsNotOvertaken(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer func() { _ = tx.Rollback() }()
-	if _, err := tx.Exec(`SELECT 1 FROM outbox_effects WHERE uuid = $1 FOR UPDATE`, ids[0]); err != nil {
+	if _, err := tx.Exec(`SELECT 1 FROM outbox_effects_all WHERE uuid = $1 FOR UPDATE`, ids[0]); err != nil {
 		t.Fatal(err)
 	}
 	stop := startRun(t, e.ob)
@@ -848,12 +848,12 @@ func TestBrokerOutageParksNothing(t *testing.T) {
 	stop := startRun(t, e.ob)
 	// Backoff from 1 s: within 4 s the relay retries each effect at least twice.
 	waitWithin(t, 20*time.Second, "failed relay retries", func() bool {
-		return e.count(`SELECT count(*) FROM outbox_effects WHERE last_error IS NOT NULL AND next_attempt_at > created_at + interval '2 seconds'`) == 3
+		return e.count(`SELECT count(*) FROM outbox_effects_all WHERE last_error IS NOT NULL AND next_attempt_at > created_at + interval '2 seconds'`) == 3
 	})
 	time.Sleep(2 * time.Second)
-	mustEqual(t, "effects parked during the outage", e.count(`SELECT count(*) FROM outbox_effects WHERE parked_at IS NOT NULL`), 0)
+	mustEqual(t, "effects parked during the outage", e.count(`SELECT count(*) FROM outbox_effects_all WHERE parked_at IS NOT NULL`), 0)
 	e.pub.failAll.Store(false)
-	mustExec(t, e, `UPDATE outbox_effects SET next_attempt_at = now()`)
+	mustExec(t, e, `UPDATE outbox_effects_all SET next_attempt_at = now()`)
 	waitFor(t, "the backlog after the outage", func() bool { return e.pendingEffects() == 0 })
 	stop()
 	mustEqual(t, "messages on the wire", len(e.wire("out_a")), 3)

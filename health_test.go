@@ -297,14 +297,14 @@ func TestHealthReportsAFailingRelay(t *testing.T) {
 		c := relayCheck()
 		return c.OK, c.Reason
 	})
-	if _, err := e.db.Exec(`ALTER TABLE outbox_effects RENAME TO outbox_effects_away`); err != nil {
+	if _, err := e.db.Exec(`ALTER TABLE outbox_effects_all RENAME TO outbox_effects_away`); err != nil {
 		t.Fatal(err)
 	}
 	routertest.WaitUntil(t, "the relay reported failing with its error", func() (bool, string) {
 		c := relayCheck()
-		return !c.OK && strings.Contains(c.Reason, "failing") && strings.Contains(c.Reason, "outbox_effects"), c.Reason
+		return !c.OK && strings.Contains(c.Reason, "failing") && strings.Contains(c.Reason, "outbox_effects_all"), c.Reason
 	})
-	if _, err := e.db.Exec(`ALTER TABLE outbox_effects_away RENAME TO outbox_effects`); err != nil {
+	if _, err := e.db.Exec(`ALTER TABLE outbox_effects_away RENAME TO outbox_effects_all`); err != nil {
 		t.Fatal(err)
 	}
 	routertest.WaitUntil(t, "the relay healthy again", func() (bool, string) {

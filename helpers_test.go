@@ -101,11 +101,11 @@ func newEnv(t testing.TB, mutate ...func(*outbox.Config)) *env {
 	if _, err := db.Exec(`CREATE TABLE applied (message_id text NOT NULL, note text)`); err != nil {
 		t.Fatal(err)
 	}
-	// Every effect row, pending (outbox_effects) or dispatched and kept for EffectRetention
+	// Every effect row, pending (outbox_effects_all) or dispatched and kept for EffectRetention
 	// (outbox_dispatched), for the tests that read what was committed.
 	if _, err := db.Exec(`CREATE VIEW all_effects AS
 		SELECT id, source_consumer, source_id, seq, kind, topic, uuid, payload, metadata, ordering_key, created_at,
-			dispatched_at, attempts, failures, last_error, next_attempt_at, parked_at FROM outbox_effects
+			dispatched_at, attempts, failures, last_error, next_attempt_at, parked_at FROM outbox_effects_all
 		UNION ALL
 		SELECT id, source_consumer, source_id, seq, kind, topic, uuid, payload, metadata, ordering_key, created_at,
 			dispatched_at, attempts, failures, last_error, NULL, NULL FROM outbox_dispatched`); err != nil {
@@ -146,6 +146,7 @@ func (e *env) newOutbox(mutate ...func(*outbox.Config)) *outbox.Outbox {
 
 func (e *env) count(query string, args ...any) int {
 	e.t.Helper()
+	pgtest.CheckEffectsParent(e.t, query)
 	e.flush()
 	var n int
 	if err := e.db.QueryRow(query, args...).Scan(&n); err != nil {
@@ -186,6 +187,7 @@ func (e *env) storedEffects(consumer, id string) []string {
 // strings returns the one text column of the rows of query.
 func (e *env) strings(query string, args ...any) []string {
 	e.t.Helper()
+	pgtest.CheckEffectsParent(e.t, query)
 	rows, err := e.db.Query(query, args...)
 	if err != nil {
 		e.t.Fatal(err)
@@ -206,7 +208,7 @@ func (e *env) strings(query string, args ...any) []string {
 }
 
 func (e *env) pendingEffects() int {
-	return e.count(`SELECT count(*) FROM outbox_effects WHERE dispatched_at IS NULL`)
+	return e.count(`SELECT count(*) FROM outbox_effects_all WHERE dispatched_at IS NULL`)
 }
 
 // applyAndPublish is the handler of most tests: one business write and two side effects.

@@ -383,7 +383,7 @@ func TestDerivedUUIDsEqualAcrossRerun(t *testing.T) {
 	}
 	lose := func() {
 		e.flush()
-		for _, q := range []string{`DELETE FROM applied`, `DELETE FROM outbox_effects`, `DELETE FROM outbox_dispatched`,
+		for _, q := range []string{`DELETE FROM applied`, `DELETE FROM outbox_effects_all`, `DELETE FROM outbox_dispatched`,
 			`DELETE FROM outbox_idempotency`, `DELETE FROM outbox_processed`} {
 			if _, err := e.db.Exec(q); err != nil {
 				t.Fatal(err)
@@ -474,7 +474,7 @@ func TestRecordedEffectUUIDsEqualAcrossRerun(t *testing.T) {
 	}
 	lose := func() { // a restore to before the commit
 		e.flush()
-		for _, q := range []string{`DELETE FROM outbox_effects`, `DELETE FROM outbox_dispatched`, `DELETE FROM outbox_idempotency`, `DELETE FROM outbox_processed`} {
+		for _, q := range []string{`DELETE FROM outbox_effects_all`, `DELETE FROM outbox_dispatched`, `DELETE FROM outbox_idempotency`, `DELETE FROM outbox_processed`} {
 			if _, err := e.db.Exec(q); err != nil {
 				t.Fatal(err)
 			}

@@ -86,7 +86,7 @@ func TestInlineEffectsOfTheDatabaseSQLForm(t *testing.T) {
 		t.Fatal("dispatch through a failing publisher reported success")
 	}
 	// A failed dispatch moves inline effects to rows (each is then retried and parked on its own).
-	mustEqual(t, "effect rows after the failed dispatch", e.count(`SELECT count(*) FROM outbox_effects`), 2)
+	mustEqual(t, "effect rows after the failed dispatch", e.count(`SELECT count(*) FROM outbox_effects_all`), 2)
 	if got := e.storedEffects("c1", msg.UUID); !slices.Equal(got, []string{a, c}) {
 		t.Fatalf("committed effects %v, want %v (the one in the rolled-back savepoint left out)", got, []string{a, c})
 	}
@@ -115,7 +115,7 @@ func TestInlineEffectsOfTheDatabaseSQLForm(t *testing.T) {
 	if !slices.Equal(held, []string{a, c}) {
 		t.Fatalf("the claim held %v before the commit, want %v", held, []string{a, c})
 	}
-	mustEqual(t, "effect rows", e.count(`SELECT count(*) FROM outbox_effects`), 0)
+	mustEqual(t, "effect rows", e.count(`SELECT count(*) FROM outbox_effects_all`), 0)
 	mustEqual(t, "claims still holding effects after the mark", e.count(`SELECT count(*) FROM outbox_processed WHERE effects IS NOT NULL`), 0)
 	if got := e.sent("out_a"); !slices.Equal(got[2:], []string{a, c}) {
 		t.Fatalf("sent %v, want %v after the first two", got, []string{a, c})
@@ -252,7 +252,7 @@ func TestBoundaryEffectsAreRows(t *testing.T) {
 	}); err != nil {
 		t.Fatal(err)
 	}
-	mustEqual(t, "effect rows of a boundary unit", e.count(`SELECT count(*) FROM outbox_effects`), 1)
+	mustEqual(t, "effect rows of a boundary unit", e.count(`SELECT count(*) FROM outbox_effects_all`), 1)
 	mustEqual(t, "claims", e.count(`SELECT count(*) FROM outbox_processed`), 0)
 }
 
@@ -280,7 +280,7 @@ func TestRefusedEffectAfterASuccessIsParked(t *testing.T) {
 	}); err == nil {
 		t.Fatal("a refused effect reported success")
 	}
-	mustEqual(t, "parked effects", e.count(`SELECT count(*) FROM outbox_effects WHERE parked_at IS NOT NULL AND topic = 'out_b'`), 1)
+	mustEqual(t, "parked effects", e.count(`SELECT count(*) FROM outbox_effects_all WHERE parked_at IS NOT NULL AND topic = 'out_b'`), 1)
 	mustEqual(t, "sent", len(e.sent("out_a")), 1)
 }
 
@@ -309,7 +309,7 @@ func TestOneAtATimeRecordsSpillToRows(t *testing.T) {
 		if err := tx.QueryRowContext(ctx, `SELECT coalesce(length(effects), 0) FROM outbox_processed WHERE consumer = 'c1' AND message_id = $1`, msg.UUID).Scan(&claimBytes); err != nil {
 			return nil, err
 		}
-		return nil, tx.QueryRowContext(ctx, `SELECT count(*) FROM outbox_effects WHERE source_id = $1`, msg.UUID).Scan(&rows)
+		return nil, tx.QueryRowContext(ctx, `SELECT count(*) FROM outbox_effects_all WHERE source_id = $1`, msg.UUID).Scan(&rows)
 	}
 	msg := message.NewMessage(uuid.NewString(), nil)
 	if err := handle(e.ob, msg, h); err != nil {
@@ -322,7 +322,7 @@ func TestOneAtATimeRecordsSpillToRows(t *testing.T) {
 	if got := e.sent("out_a"); !slices.Equal(got, ids) {
 		t.Fatalf("sent %d effects, not the %d recorded in their order", len(got), n)
 	}
-	mustEqual(t, "pending effects after the dispatch", e.count(`SELECT count(*) FROM outbox_effects`), 0)
+	mustEqual(t, "pending effects after the dispatch", e.count(`SELECT count(*) FROM outbox_effects_all`), 0)
 
 	// Redelivered after a failed dispatch: the rows, in order.
 	e.pub.failAll.Store(true)
@@ -385,7 +385,7 @@ func TestSpillsThroughSavepoints(t *testing.T) {
 					}
 					if step == "c" {
 						var rows int
-						if err := tx.QueryRowContext(ctx, `SELECT count(*) FROM outbox_effects WHERE source_id = $1`, msg.UUID).Scan(&rows); err != nil {
+						if err := tx.QueryRowContext(ctx, `SELECT count(*) FROM outbox_effects_all WHERE source_id = $1`, msg.UUID).Scan(&rows); err != nil {
 							return nil, err
 						}
 						spilled = rows == 3 && len(e.inlineHeldBy(msg)) == 0
@@ -414,7 +414,7 @@ func TestSpillsThroughSavepoints(t *testing.T) {
 			if got := labels(e.sent("out_a")); !slices.Equal(got, tc.want) {
 				t.Fatalf("sent %v, want %v", got, tc.want)
 			}
-			mustEqual(t, "effect rows left", e.count(`SELECT count(*) FROM outbox_effects`), 0)
+			mustEqual(t, "effect rows left", e.count(`SELECT count(*) FROM outbox_effects_all`), 0)
 			mustEqual(t, "claims holding effects", e.count(`SELECT count(*) FROM outbox_processed WHERE effects IS NOT NULL`), 0)
 
 			// Crashed after the commit: what committed, in order, in one place (rows or the

@@ -205,10 +205,10 @@ func TestRelayFailpoints(t *testing.T) {
 	waitFor(t, "a relay round to crash after its lease", func() bool { return hits(outbox.FailpointAfterRelayClaim) > 0 })
 	stop()
 	mustEqual(t, "messages on the wire after a crash after the lease", len(e.wire("out_a")), 0)
-	mustEqual(t, "leased effects", e.count(`SELECT count(*) FROM outbox_effects WHERE next_attempt_at > now()`), 1)
+	mustEqual(t, "leased effects", e.count(`SELECT count(*) FROM outbox_effects_all WHERE next_attempt_at > now()`), 1)
 
 	// The lease runs out; a crash after the round's mark leaves what it sent marked, once on the wire.
-	if _, err := e.db.Exec(`UPDATE outbox_effects SET next_attempt_at = now()`); err != nil {
+	if _, err := e.db.Exec(`UPDATE outbox_effects_all SET next_attempt_at = now()`); err != nil {
 		t.Fatal(err)
 	}
 	crashAt.Store(outbox.FailpointAfterRelayMark)

@@ -31,7 +31,7 @@ func TestLostMarkIsSentAgainSoon(t *testing.T) {
 	mustEqual(t, "effects stored", len(effects), 2)
 	// The effects as a new primary holds them when their mark never reached it: pending again.
 	res, err := e.db.Exec(`WITH d AS (DELETE FROM outbox_dispatched WHERE source_consumer = 'c1' AND source_id = $1 RETURNING *)
-		INSERT INTO outbox_effects (id, source_consumer, source_id, seq, kind, topic, uuid, payload, metadata, ordering_key, created_at)
+		INSERT INTO outbox_effects_all (id, source_consumer, source_id, seq, kind, topic, uuid, payload, metadata, ordering_key, created_at)
 		SELECT id, source_consumer, source_id, seq, kind, topic, uuid, payload, metadata, ordering_key, created_at FROM d`, msg.UUID)
 	if err != nil {
 		t.Fatal(err)
@@ -56,7 +56,7 @@ func TestLostMarkIsSentAgainSoon(t *testing.T) {
 	for e.pendingEffects() > 0 {
 		if time.Since(lost) > bound {
 			var leased string
-			if err := e.db.QueryRow(`SELECT coalesce(max(next_attempt_at - now())::text, 'not leased') FROM outbox_effects`).Scan(&leased); err != nil {
+			if err := e.db.QueryRow(`SELECT coalesce(max(next_attempt_at - now())::text, 'not leased') FROM outbox_effects_all`).Scan(&leased); err != nil {
 				t.Fatal(err)
 			}
 			t.Fatalf("the effects whose mark was lost are still pending %s later: %d pending, due in %s", bound, e.pendingEffects(), leased)
@@ -87,7 +87,7 @@ func TestSurvivingLeaseEndsByTheNewPrimarysClock(t *testing.T) {
 	// leased for 90 s from a time 90 s behind the new primary's clock. Their ordering keys
 	// differ, so that neither waits behind the other.
 	res, err := e.db.Exec(`WITH d AS (DELETE FROM outbox_dispatched WHERE source_consumer = 'c1' AND source_id = $1 RETURNING *)
-		INSERT INTO outbox_effects (id, source_consumer, source_id, seq, kind, topic, uuid, payload, metadata, ordering_key, created_at, next_attempt_at)
+		INSERT INTO outbox_effects_all (id, source_consumer, source_id, seq, kind, topic, uuid, payload, metadata, ordering_key, created_at, next_attempt_at)
 		SELECT id, source_consumer, source_id, seq, kind, topic, uuid, payload, metadata, ordering_key || '-' || seq, created_at,
 			CASE seq WHEN 0 THEN now() + interval '60 seconds' ELSE (now() - interval '90 seconds') + interval '90 seconds' END FROM d`, msg.UUID)
 	if err != nil {

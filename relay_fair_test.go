@@ -108,7 +108,7 @@ func TestRelayHungTopicDoesNotStallOthers(t *testing.T) {
 	}
 	checkKeyOrder(t, firstCopies(e.wireInOrder("out_b")), want)
 	mustEqual(t, "A effects on the wire", len(e.wire("out_a")), 0)
-	mustEqual(t, "A effects pending", e.count(`SELECT count(*) FROM outbox_effects WHERE topic = 'out_a' AND dispatched_at IS NULL`), 200)
+	mustEqual(t, "A effects pending", e.count(`SELECT count(*) FROM outbox_effects_all WHERE topic = 'out_a' AND dispatched_at IS NULL`), 200)
 }
 
 func (p *hungTopicPublisher) hungCalls() int {
@@ -136,7 +136,7 @@ func (p *leaseCheckingPublisher) Publish(_ string, msgs ...*message.Message) err
 	}
 	id := msgs[0].UUID
 	var failures int
-	err := p.db.QueryRow(`SELECT failures FROM outbox_effects WHERE uuid = $1`, id).Scan(&failures)
+	err := p.db.QueryRow(`SELECT failures FROM outbox_effects_all WHERE uuid = $1`, id).Scan(&failures)
 	p.mu.Lock()
 	switch {
 	case err != nil:
@@ -233,7 +233,7 @@ func TestRelayClaimTakesFreshKeysBehindABacklog(t *testing.T) {
 			}
 		}
 		mustEqual(t, "key "+key+": pending effects up to its last claimed one",
-			e.count(`SELECT count(*) FROM outbox_effects WHERE ordering_key = $1 AND dispatched_at IS NULL AND id <= $2`, key, id), claimed)
+			e.count(`SELECT count(*) FROM outbox_effects_all WHERE ordering_key = $1 AND dispatched_at IS NULL AND id <= $2`, key, id), claimed)
 	}
 }
 
@@ -249,8 +249,8 @@ func TestRelayClaimSkipsKeysOfARoundInFlight(t *testing.T) {
 	commitPending(t, e, "out_a", "a", 20, 1)
 	commitPending(t, e, "out_a", "b", 20, 20)
 	time.Sleep(10 * time.Millisecond)
-	mustExec(t, e, `UPDATE outbox_effects SET next_attempt_at = now() + interval '1 minute'
-		WHERE id = (SELECT min(id) FROM outbox_effects WHERE ordering_key = 'a-0')`)
+	mustExec(t, e, `UPDATE outbox_effects_all SET next_attempt_at = now() + interval '1 minute'
+		WHERE id = (SELECT min(id) FROM outbox_effects_all WHERE ordering_key = 'a-0')`)
 	claim, err := e.ob.Store().EffectClaimDue(context.Background(), outboxdriver.EffectClaimParams{
 		Grace: time.Millisecond, Limit: 10, Lease: time.Minute, Skip: []string{"a-0", "x,y\"z"},
 	})
@@ -294,18 +294,18 @@ func TestRelayHungTopicParksNothing(t *testing.T) {
 	// B flows meanwhile: an effect every 50 ms, sent by the same relay.
 	b := 0
 	for deadline := time.Now().Add(30 * time.Second); ; {
-		if e.count(`SELECT count(*) FROM outbox_effects WHERE topic = 'out_a' AND (failures >= 3 OR parked_at IS NOT NULL)`) > 0 {
+		if e.count(`SELECT count(*) FROM outbox_effects_all WHERE topic = 'out_a' AND (failures >= 3 OR parked_at IS NOT NULL)`) > 0 {
 			break
 		}
 		if time.Now().After(deadline) {
 			t.Fatalf("A's effect failed %d times in 30 s: the test tests too little",
-				e.count(`SELECT failures FROM outbox_effects WHERE topic = 'out_a'`))
+				e.count(`SELECT failures FROM outbox_effects_all WHERE topic = 'out_a'`))
 		}
 		commitPending(t, e, "out_b", fmt.Sprintf("b%d", b), 1, 1)
 		b++
 		time.Sleep(50 * time.Millisecond)
 	}
 	waitFor(t, "B's effects sent", func() bool { return len(e.wire("out_b")) == b })
-	mustEqual(t, "A's effect parked", e.count(`SELECT count(*) FROM outbox_effects WHERE topic = 'out_a' AND parked_at IS NOT NULL`), 0)
-	mustEqual(t, "A's effect pending", e.count(`SELECT count(*) FROM outbox_effects WHERE topic = 'out_a' AND dispatched_at IS NULL`), 1)
+	mustEqual(t, "A's effect parked", e.count(`SELECT count(*) FROM outbox_effects_all WHERE topic = 'out_a' AND parked_at IS NOT NULL`), 0)
+	mustEqual(t, "A's effect pending", e.count(`SELECT count(*) FROM outbox_effects_all WHERE topic = 'out_a' AND dispatched_at IS NULL`), 1)
 }

@@ -34,7 +34,7 @@ func commitKey(t *testing.T, e *env, k string) (first, second string) {
 	// Each row is as old as its statement: on a loaded machine the second may still be within
 	// the relays' grace when the first is past it, and a round would take the first alone.
 	waitFor(t, "both effects to pass the relays' grace", func() bool {
-		return e.count(`SELECT count(*) FROM outbox_effects WHERE created_at < now() - $1 * interval '1 millisecond'`,
+		return e.count(`SELECT count(*) FROM outbox_effects_all WHERE created_at < now() - $1 * interval '1 millisecond'`,
 			relayGrace.Milliseconds()) == 2
 	})
 	return first, second
@@ -45,7 +45,7 @@ func (e *env) leasedFor(id string) time.Duration {
 	e.t.Helper()
 	var ms float64
 	if err := e.db.QueryRow(`SELECT coalesce(extract(epoch FROM next_attempt_at - now()) * 1000, 0)
-		FROM outbox_effects WHERE uuid = $1`, id).Scan(&ms); err != nil {
+		FROM outbox_effects_all WHERE uuid = $1`, id).Scan(&ms); err != nil {
 		e.t.Fatal(err)
 	}
 	return time.Duration(ms) * time.Millisecond
@@ -128,7 +128,7 @@ func TestRelayFailureRecordKeepsAnotherRelaysLease(t *testing.T) {
 				return nil
 			}
 			hookRan = true
-			if err := e.db.QueryRow(`SELECT failures FROM outbox_effects WHERE uuid = $1`, second).Scan(&recorded); err != nil {
+			if err := e.db.QueryRow(`SELECT failures FROM outbox_effects_all WHERE uuid = $1`, second).Scan(&recorded); err != nil {
 				return err
 			}
 			// The other relay claims what is due now and calls its Publisher with it.

@@ -36,7 +36,7 @@ func TestRelayLogLinesCarryTheCause(t *testing.T) {
 	deadline := time.Now().Add(20 * time.Second)
 	for {
 		var parked bool
-		if err := e.db.QueryRow(`SELECT EXISTS (SELECT 1 FROM outbox_effects WHERE topic = 'out_b' AND parked_at IS NOT NULL)`).Scan(&parked); err != nil {
+		if err := e.db.QueryRow(`SELECT EXISTS (SELECT 1 FROM outbox_effects_all WHERE topic = 'out_b' AND parked_at IS NOT NULL)`).Scan(&parked); err != nil {
 			t.Fatal(err)
 		}
 		if parked {
@@ -48,7 +48,7 @@ func TestRelayLogLinesCarryTheCause(t *testing.T) {
 		// A failure counts toward parking only while something else reaches the broker: send
 		// another effect, and make the refused one due again rather than wait out its backoff.
 		commitPending(t, e, "out_a", "more", 1, 1)
-		mustExec(t, e, `UPDATE outbox_effects SET next_attempt_at = now() WHERE topic = 'out_b'`)
+		mustExec(t, e, `UPDATE outbox_effects_all SET next_attempt_at = now() WHERE topic = 'out_b'`)
 		time.Sleep(100 * time.Millisecond)
 	}
 	halt() // the captured lines are read once nothing logs any more

@@ -57,16 +57,16 @@ func (s *countingStore) EffectClaimDue(ctx context.Context, p outboxdriver.Effec
 // not parked, every idle pass walked all parked effects: 11 claims here, 550 for a million.)
 func TestRelayIdlePassSkipsParkedEffects(t *testing.T) {
 	e := newEnv(t)
-	mustExec(t, e, `INSERT INTO outbox_effects (source_consumer, source_id, seq, kind, topic, uuid, payload, metadata,
+	mustExec(t, e, `INSERT INTO outbox_effects_all (source_consumer, source_id, seq, kind, topic, uuid, payload, metadata,
 			ordering_key, created_at, attempts, failures, failed_at, last_error, parked_at)
 		SELECT '', 'parked-' || g, 0, '', 'out_a', gen_random_uuid()::text, 'x'::bytea, ''::bytea,
 			'parked-' || g, now() - interval '1 hour', 10, 10, now(), 'broken', now()
 		FROM generate_series(1, 20000) g`)
-	mustExec(t, e, `ANALYZE outbox_effects`)
+	mustExec(t, e, `ANALYZE outbox_effects_all`)
 	commitPending(t, e, "out_a", "parked", 1, 2) // key parked-0: no parked effect
 	commitPending(t, e, "out_a", "parked", 2, 2) // the second one on parked-1: behind a parked effect
 	var blocked string
-	if err := e.db.QueryRow(`SELECT uuid FROM outbox_effects WHERE ordering_key = 'parked-1' AND parked_at IS NULL`).Scan(&blocked); err != nil {
+	if err := e.db.QueryRow(`SELECT uuid FROM outbox_effects_all WHERE ordering_key = 'parked-1' AND parked_at IS NULL`).Scan(&blocked); err != nil {
 		t.Fatal(err)
 	}
 

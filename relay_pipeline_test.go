@@ -68,8 +68,8 @@ func TestRelayNextRoundLeavesAFailingKeyAlone(t *testing.T) {
 	commitPending(t, e, "out_a", "k", 1, 1)   // k-0 again, with its payload set below
 	commitPending(t, e, "out_a", "p", 40, 40) // the rounds after, beyond the first claim's window
 	// The second effect of k-0 carries its own payload, so that the wire tells the two apart.
-	mustExec(t, e, `UPDATE outbox_effects SET payload = 'k-0 2'::bytea
-		WHERE id = (SELECT max(id) FROM outbox_effects WHERE ordering_key = 'k-0')`)
+	mustExec(t, e, `UPDATE outbox_effects_all SET payload = 'k-0 2'::bytea
+		WHERE id = (SELECT max(id) FROM outbox_effects_all WHERE ordering_key = 'k-0')`)
 
 	d := &claimCounter{}
 	pub := &failFirstPublisher{fail: "k-0 1"}

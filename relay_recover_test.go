@@ -57,7 +57,7 @@ func TestRelayRetriesARecoveredDestinationAtOnce(t *testing.T) {
 	commitPending(t, e, "out_a", "a", 2, 2)
 	commitPending(t, e, "out_b", "b", 1, 1)
 	// Seven failures so far (of an outage before this process started), and handed to the relay.
-	mustExec(t, e, `UPDATE outbox_effects SET failures = 7, failed_at = now(), next_attempt_at = now()`)
+	mustExec(t, e, `UPDATE outbox_effects_all SET failures = 7, failed_at = now(), next_attempt_at = now()`)
 
 	// The backed-off effects have a retry time, which the relay goes by, not the grace period;
 	// the grace keeps the relay off the effect InTx sends itself below (a relay that took it
@@ -71,7 +71,7 @@ func TestRelayRetriesARecoveredDestinationAtOnce(t *testing.T) {
 	done := make(chan error, 1)
 	go func() { done <- relay.Run(ctx) }()
 	defer func() { stop(); <-done }()
-	backingOff := `SELECT count(*) FROM outbox_effects WHERE topic = $1 AND failures = 8 AND next_attempt_at > now() + interval '30 seconds'`
+	backingOff := `SELECT count(*) FROM outbox_effects_all WHERE topic = $1 AND failures = 8 AND next_attempt_at > now() + interval '30 seconds'`
 	waitFor(t, "the eighth failure of every effect", func() bool {
 		return e.count(backingOff, "out_a") == 2 && e.count(backingOff, "out_b") == 1
 	})
@@ -88,7 +88,7 @@ func TestRelayRetriesARecoveredDestinationAtOnce(t *testing.T) {
 	for len(e.wire("out_a")) < 3 {
 		if time.Now().After(deadline) {
 			t.Fatalf("10 s after out_a took a message again, %d of its 2 backed-off effects were sent (pending to out_a: %d)",
-				len(e.wire("out_a"))-1, e.count(`SELECT count(*) FROM outbox_effects WHERE topic = 'out_a'`))
+				len(e.wire("out_a"))-1, e.count(`SELECT count(*) FROM outbox_effects_all WHERE topic = 'out_a'`))
 		}
 		time.Sleep(10 * time.Millisecond)
 	}
@@ -112,7 +112,7 @@ func TestRelayRetriesWhatAnotherInstanceBackedOff(t *testing.T) {
 	e := newEnv(t)
 	down := &downPublisher{next: e.pub.next, down: map[string]bool{"out_a": true}}
 	commitPending(t, e, "out_a", "a", 2, 2)
-	mustExec(t, e, `UPDATE outbox_effects SET failed_at = now(), next_attempt_at = now(),
+	mustExec(t, e, `UPDATE outbox_effects_all SET failed_at = now(), next_attempt_at = now(),
 		failures = CASE WHEN ordering_key = 'a-0' THEN 7 ELSE 0 END`)
 	first := e.newOutbox(func(c *outbox.Config) {
 		c.Publisher = down
@@ -123,9 +123,9 @@ func TestRelayRetriesWhatAnotherInstanceBackedOff(t *testing.T) {
 	done := make(chan error, 1)
 	go func() { done <- first.Run(ctx) }()
 	waitFor(t, "the long backoff of a-0 and the short one of a-1", func() bool {
-		return e.count(`SELECT count(*) FROM outbox_effects WHERE ordering_key = 'a-0' AND failures = 8
+		return e.count(`SELECT count(*) FROM outbox_effects_all WHERE ordering_key = 'a-0' AND failures = 8
 				AND next_attempt_at > now() + interval '30 seconds'`) == 1 &&
-			e.count(`SELECT count(*) FROM outbox_effects WHERE ordering_key = 'a-1' AND failures >= 2`) == 1
+			e.count(`SELECT count(*) FROM outbox_effects_all WHERE ordering_key = 'a-1' AND failures >= 2`) == 1
 	})
 	stop()
 	if err := <-done; err != nil {
@@ -156,9 +156,9 @@ func TestRelayRetriesWhatAnotherInstanceBackedOff(t *testing.T) {
 func TestRelayDoesNotRetryAPoisonEffectAtEachSuccess(t *testing.T) {
 	e := newEnv(t)
 	commitPending(t, e, "out_a", "poison", 1, 1)
-	poison := e.strings(`SELECT uuid FROM outbox_effects`)[0]
+	poison := e.strings(`SELECT uuid FROM outbox_effects_all`)[0]
 	pub := &downPublisher{next: e.pub.next, down: map[string]bool{}, refuse: map[string]bool{poison: true}}
-	mustExec(t, e, `UPDATE outbox_effects SET failures = 7, failed_at = now(), next_attempt_at = now()`)
+	mustExec(t, e, `UPDATE outbox_effects_all SET failures = 7, failed_at = now(), next_attempt_at = now()`)
 	relay := e.newOutbox(func(c *outbox.Config) {
 		c.Publisher = pub
 		c.RelayGrace = time.Minute // see TestRelayRetriesARecoveredDestinationAtOnce
@@ -168,7 +168,7 @@ func TestRelayDoesNotRetryAPoisonEffectAtEachSuccess(t *testing.T) {
 	done := make(chan error, 1)
 	go func() { done <- relay.Run(ctx) }()
 	defer func() { stop(); <-done }()
-	backingOff := `SELECT count(*) FROM outbox_effects WHERE uuid = $1 AND next_attempt_at > now() + interval '30 seconds'`
+	backingOff := `SELECT count(*) FROM outbox_effects_all WHERE uuid = $1 AND next_attempt_at > now() + interval '30 seconds'`
 	waitFor(t, "the refused effect backing off", func() bool { return e.count(backingOff, poison) == 1 })
 	// The process places the failure by the time the effect was read, to a few milliseconds:
 	// the first success is clearly after it.
@@ -186,7 +186,7 @@ func TestRelayDoesNotRetryAPoisonEffectAtEachSuccess(t *testing.T) {
 	mustEqual(t, "messages taken by out_a", len(e.wire("out_a")), 5)
 	// Its first failure here counted as an outage's (nothing had reached the broker yet), so the
 	// first message taken may retry it once; then it fails while the topic takes messages.
-	if n := e.count(`SELECT failures FROM outbox_effects WHERE uuid = $1`, poison); n > 9 {
+	if n := e.count(`SELECT failures FROM outbox_effects_all WHERE uuid = $1`, poison); n > 9 {
 		t.Errorf("the refused effect failed %d times: retried at the successes of its topic, not after its backoff", n)
 	}
 	mustEqual(t, "the refused effect backing off", e.count(backingOff, poison), 1)

@@ -36,8 +36,8 @@ func TestTenThousandEffectsInOneUnit(t *testing.T) {
 	}
 	h.Ob.FlushMarks()
 	var stored, pending int
-	if err := h.DB.QueryRow(`SELECT (SELECT count(*) FROM outbox_effects WHERE source_id = $1) + (SELECT count(*) FROM outbox_dispatched WHERE source_id = $1),
-		(SELECT count(*) FROM outbox_effects WHERE dispatched_at IS NULL)`, msg.UUID).Scan(&stored, &pending); err != nil {
+	if err := h.DB.QueryRow(`SELECT (SELECT count(*) FROM outbox_effects_all WHERE source_id = $1) + (SELECT count(*) FROM outbox_dispatched WHERE source_id = $1),
+		(SELECT count(*) FROM outbox_effects_all WHERE dispatched_at IS NULL)`, msg.UUID).Scan(&stored, &pending); err != nil {
 		t.Fatal(err)
 	}
 	mustEqual(t, "effects stored", stored, manyEffects)

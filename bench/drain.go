@@ -299,7 +299,7 @@ func (d *drainEnv) outboxBacklog(ctx context.Context, prefix string) error {
 	if err := <-errs; err != nil {
 		return err
 	}
-	_, err = d.admin.ExecContext(ctx, `CREATE TABLE `+prefix+`backlog AS SELECT source_consumer, source_id, seq, kind, topic, uuid, payload, metadata, ordering_key, id FROM `+prefix+`effects`)
+	_, err = d.admin.ExecContext(ctx, `CREATE TABLE `+prefix+`backlog AS SELECT source_consumer, source_id, seq, kind, topic, uuid, payload, metadata, ordering_key, id FROM `+prefix+`effects_all`)
 	return err
 }
 
@@ -307,8 +307,8 @@ func (d *drainEnv) outboxBacklog(ctx context.Context, prefix string) error {
 // they were recorded in), and checkpoints.
 func (d *drainEnv) restoreBacklog(ctx context.Context, prefix string) error {
 	for _, q := range []string{
-		`DELETE FROM ` + prefix + `effects WHERE dispatched_at IS NULL`,
-		`INSERT INTO ` + prefix + `effects (source_consumer, source_id, seq, kind, topic, uuid, payload, metadata, ordering_key, created_at)
+		`DELETE FROM ` + prefix + `effects_all WHERE dispatched_at IS NULL`,
+		`INSERT INTO ` + prefix + `effects_all (source_consumer, source_id, seq, kind, topic, uuid, payload, metadata, ordering_key, created_at)
 			SELECT source_consumer, source_id, seq, kind, topic, uuid, payload, metadata, ordering_key, now() - interval '1 minute'
 			FROM ` + prefix + `backlog ORDER BY id`,
 		`CHECKPOINT`,
@@ -327,7 +327,7 @@ func (d *drainEnv) outboxDrain(ctx context.Context, prefix string, n int, pause 
 		return 0, nil, wire, err
 	}
 	pub = newDrainPublisher(true)
-	if err := pub.expectStoreOrder(ctx, d.admin, prefix+"effects"); err != nil {
+	if err := pub.expectStoreOrder(ctx, d.admin, prefix+"effects_all"); err != nil {
 		return 0, nil, wire, err
 	}
 	wc := &wireCounters{}
@@ -358,7 +358,7 @@ func (d *drainEnv) outboxDrain(ctx context.Context, prefix string, n int, pause 
 	// Let the relays write the marks of their last round before they are stopped.
 	var pending int
 	for deadline := time.Now().Add(10 * time.Second); err == nil; time.Sleep(5 * time.Millisecond) {
-		if err = d.admin.QueryRowContext(ctx, `SELECT count(*) FROM `+prefix+`effects WHERE dispatched_at IS NULL`).Scan(&pending); err != nil || pending == 0 || time.Now().After(deadline) {
+		if err = d.admin.QueryRowContext(ctx, `SELECT count(*) FROM `+prefix+`effects_all WHERE dispatched_at IS NULL`).Scan(&pending); err != nil || pending == 0 || time.Now().After(deadline) {
 			break
 		}
 	}
@@ -369,7 +369,7 @@ func (d *drainEnv) outboxDrain(ctx context.Context, prefix string, n int, pause 
 	}
 	if pending > 0 {
 		var state string
-		_ = d.admin.QueryRowContext(ctx, `SELECT string_agg(DISTINCT format('failures=%s attempts=%s next=%s err=%s', failures, attempts, next_attempt_at > now(), left(last_error, 80)), '; ') FROM `+prefix+`effects WHERE dispatched_at IS NULL`).Scan(&state)
+		_ = d.admin.QueryRowContext(ctx, `SELECT string_agg(DISTINCT format('failures=%s attempts=%s next=%s err=%s', failures, attempts, next_attempt_at > now(), left(last_error, 80)), '; ') FROM `+prefix+`effects_all WHERE dispatched_at IS NULL`).Scan(&state)
 		return 0, nil, wire, fmt.Errorf("%d effects still pending after the drain (%d published, %d of them copies): %s", pending, pub.n.Load(), pub.copies, state)
 	}
 	return float64(d.cfg.Effects) / took.Seconds(), pub, wc.snapshot().sub(w0), nil
@@ -675,7 +675,7 @@ func runDrain(cfg drainConfig, dsn, docsDir, resultsPath string) error {
 	if err := d.outboxBacklog(ctx, "drainfull_"); err != nil {
 		return err
 	}
-	if _, err := admin.ExecContext(ctx, `DELETE FROM drainfull_effects`); err != nil {
+	if _, err := admin.ExecContext(ctx, `DELETE FROM drainfull_effects_all`); err != nil {
 		return err
 	}
 	if err := d.prefillDrain(ctx, "drainfull_", cfg.Filler); err != nil {
@@ -746,7 +746,7 @@ func (d *drainEnv) consumerDuringDrain(ctx context.Context, rep *drainReport) er
 				}
 				// Twice the backlog (the same effects once more, as new rows), so that the drain
 				// outlasts the consumer run.
-				if _, err := d.admin.ExecContext(ctx, `INSERT INTO drain_effects (source_consumer, source_id, seq, kind, topic, uuid, payload, metadata, ordering_key, created_at)
+				if _, err := d.admin.ExecContext(ctx, `INSERT INTO drain_effects_all (source_consumer, source_id, seq, kind, topic, uuid, payload, metadata, ordering_key, created_at)
 					SELECT source_consumer, source_id || '-2', seq, kind, topic, uuid || '-2', payload, metadata, ordering_key, now() - interval '1 minute' FROM drain_backlog ORDER BY id`); err != nil {
 					return err
 				}
@@ -788,7 +788,7 @@ func (d *drainEnv) consumerDuringDrain(ctx context.Context, rep *drainReport) er
 // outboxDrainNoRestore drains what is in the tables of prefix with n instances.
 func (d *drainEnv) outboxDrainNoRestore(ctx context.Context, prefix string, n int, pause float64) (float64, *drainPublisher, wireSnapshot, error) {
 	var pending int
-	if err := d.admin.QueryRowContext(ctx, `SELECT count(*) FROM `+prefix+`effects WHERE dispatched_at IS NULL`).Scan(&pending); err != nil {
+	if err := d.admin.QueryRowContext(ctx, `SELECT count(*) FROM `+prefix+`effects_all WHERE dispatched_at IS NULL`).Scan(&pending); err != nil {
 		return 0, nil, wireSnapshot{}, err
 	}
 	cfg := d.cfg

@@ -57,7 +57,7 @@ func newProtocolPgx(e *env) (contender, error) {
 		return nil, err
 	}
 	b.db = ob.Config().DB
-	n, err := store.NewNames("public", protocolPrefix)
+	n, err := postgres.NewNames("public", protocolPrefix)
 	if err != nil {
 		_ = ob.Close()
 		pool.Close()

@@ -56,13 +56,13 @@ func (c *protocolSQL) open(e *env) error {
 	if err := c.ob.Migrate(context.Background()); err != nil {
 		return err
 	}
-	n, err := store.NewNames("public", protocolSQLPrefix)
+	n, err := postgres.NewNames("public", protocolSQLPrefix)
 	if err != nil {
 		return err
 	}
 	// The framework's statements, as pg_stat_statements shows them (the postgres driver's claim,
 	// its write of inline effects into the claim, its mark).
-	if c.claim, err = c.db.Prepare(postgres.Queries(n, true).MessageClaim); err != nil {
+	if c.claim, err = c.db.Prepare(postgres.Queries(n, true, nil).MessageClaim); err != nil {
 		return err
 	}
 	if c.record, err = c.db.Prepare(postgres.InlineRecord(n)); err != nil {

@@ -184,13 +184,13 @@ func TestActionsNeedTheTokenAndAreAudited(t *testing.T) {
 		t.Errorf("discard, not authorized: %d, want 403", code)
 	}
 	var parked int
-	if err := db.QueryRow(`SELECT count(*) FROM outbox_effects WHERE parked_at IS NOT NULL`).Scan(&parked); err != nil || parked != 1 {
+	if err := db.QueryRow(`SELECT count(*) FROM outbox_effects_all WHERE parked_at IS NOT NULL`).Scan(&parked); err != nil || parked != 1 {
 		t.Fatalf("after refused actions: %d parked (%v), want 1", parked, err)
 	}
 	if code := post("retry", url.Values{"ids": {id}, "token": {token}}, map[string]string{"Sec-Fetch-Site": "same-origin"}); code != http.StatusSeeOther {
 		t.Fatalf("retry: %d, want 303", code)
 	}
-	if err := db.QueryRow(`SELECT count(*) FROM outbox_effects WHERE parked_at IS NOT NULL`).Scan(&parked); err != nil || parked != 0 {
+	if err := db.QueryRow(`SELECT count(*) FROM outbox_effects_all WHERE parked_at IS NOT NULL`).Scan(&parked); err != nil || parked != 0 {
 		t.Fatalf("after retry: %d parked (%v), want 0", parked, err)
 	}
 	var actor string
@@ -203,7 +203,7 @@ func TestActionsNeedTheTokenAndAreAudited(t *testing.T) {
 // text, never as markup.
 func TestErrorTextIsEscaped(t *testing.T) {
 	o, db, _ := parkedEnv(t)
-	if _, err := db.Exec(`UPDATE outbox_effects SET last_error = '<script>alert(1)</script><img src=x onerror=alert(2)>' WHERE parked_at IS NOT NULL`); err != nil {
+	if _, err := db.Exec(`UPDATE outbox_effects_all SET last_error = '<script>alert(1)</script><img src=x onerror=alert(2)>' WHERE parked_at IS NOT NULL`); err != nil {
 		t.Fatal(err)
 	}
 	srv := serve(t, o, console.Options{AllowUnauthenticated: true})

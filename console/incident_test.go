@@ -59,7 +59,7 @@ func TestPageCountsComeFromTheSample(t *testing.T) {
 // Outbox.Run, so no relay) are shown as such.
 func TestPendingWithoutARelayIsFlagged(t *testing.T) {
 	o, db, _ := parkedEnv(t)
-	if _, err := db.Exec(`UPDATE outbox_effects SET parked_at = NULL WHERE parked_at IS NOT NULL`); err != nil {
+	if _, err := db.Exec(`UPDATE outbox_effects_all SET parked_at = NULL WHERE parked_at IS NOT NULL`); err != nil {
 		t.Fatal(err)
 	}
 	srv := serve(t, o, console.Options{AllowUnauthenticated: true})
@@ -102,12 +102,12 @@ func TestDiscardAsksFirst(t *testing.T) {
 	_, body := get(t, c, srv.URL+"/outbox/")
 	token := tokenOf.FindStringSubmatch(body)[1]
 	var id string
-	if err := db.QueryRow(`SELECT id::text FROM outbox_effects WHERE parked_at IS NOT NULL`).Scan(&id); err != nil {
+	if err := db.QueryRow(`SELECT id::text FROM outbox_effects_all WHERE parked_at IS NOT NULL`).Scan(&id); err != nil {
 		t.Fatal(err)
 	}
 	parked := func() int {
 		var n int
-		if err := db.QueryRow(`SELECT count(*) FROM outbox_effects WHERE parked_at IS NOT NULL AND dispatched_at IS NULL`).Scan(&n); err != nil {
+		if err := db.QueryRow(`SELECT count(*) FROM outbox_effects_all WHERE parked_at IS NOT NULL AND dispatched_at IS NULL`).Scan(&n); err != nil {
 			t.Fatal(err)
 		}
 		return n
@@ -170,7 +170,7 @@ func TestAuthorizeSeesTheTarget(t *testing.T) {
 	}
 	token := tokenOf.FindStringSubmatch(body)[1]
 	ids := map[string]string{}
-	rows, err := db.Query(`SELECT source_consumer, id::text FROM outbox_effects WHERE parked_at IS NOT NULL`)
+	rows, err := db.Query(`SELECT source_consumer, id::text FROM outbox_effects_all WHERE parked_at IS NOT NULL`)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -88,7 +88,7 @@ func TestConsoleRunsAsTheApplicationRole(t *testing.T) {
 	}
 	resp.Body.Close()
 	var parked, audited int
-	if err := owner.QueryRow(`SELECT (SELECT count(*) FROM outbox_effects WHERE parked_at IS NOT NULL),
+	if err := owner.QueryRow(`SELECT (SELECT count(*) FROM outbox_effects_all WHERE parked_at IS NOT NULL),
 		(SELECT count(*) FROM outbox_audit WHERE action = 'retry-parked' AND actor = 'alice (console)')`).Scan(&parked, &audited); err != nil {
 		t.Fatal(err)
 	}

@@ -463,7 +463,7 @@ func testBroker(t *testing.T, kind string) {
 	// Wait until everything is through, or until nothing has moved for a minute.
 	last, lastMove := [4]int{}, time.Now()
 	for {
-		applied, reached, pending := count(t, db, `SELECT count(DISTINCT order_id) FROM reserved`), arrived.orders(), count(t, db, `SELECT count(*) FROM outbox_effects`)
+		applied, reached, pending := count(t, db, `SELECT count(DISTINCT order_id) FROM reserved`), arrived.orders(), count(t, db, `SELECT count(*) FROM outbox_effects_all`)
 		dead := count(t, db, `SELECT count(*) FROM outbox_dead_letters`)
 		if applied == orders && reached == orders && pending == 0 && dead >= len(poison) {
 			break
@@ -660,6 +660,7 @@ func missing(t *testing.T, db *sql.DB, sends, poison []string, arrived *arrivals
 
 func count(t *testing.T, db *sql.DB, query string) int {
 	t.Helper()
+	pgtest.CheckEffectsParent(t, query)
 	var n int
 	if err := db.QueryRow(query).Scan(&n); err != nil {
 		t.Fatalf("%s: %v", query, err)

@@ -198,7 +198,7 @@ func runKafkaOrder(t *testing.T, marshaler kafka.MarshalerUnmarshaler) (inversio
 	routertest.Produce(t, commands, 30, func(m *message.Message) error { return producer.Publish(commandsTopic, m) })
 	routertest.WaitUntil(t, "every command applied and every event dispatched", func() (bool, string) {
 		applied := count(t, db, `SELECT coalesce(sum(version), 0) FROM accounts`)
-		pending := count(t, db, `SELECT count(*) FROM outbox_effects`)
+		pending := count(t, db, `SELECT count(*) FROM outbox_effects_all`)
 		return applied == commands && pending == 0, fmt.Sprintf("%d of %d commands applied, %d effects pending", applied, commands, pending)
 	})
 

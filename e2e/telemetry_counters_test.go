@@ -158,7 +158,7 @@ func TestTelemetryCleanupAndRelayMarkFailures(t *testing.T) {
 		t.Errorf("%s not reported at zero before the first pass (%d)", outbox.MetricCleanupErrors, n)
 	}
 	var processed, effects string
-	if err := e.db.QueryRow(`SELECT to_regclass('outbox_processed')::text, to_regclass('outbox_effects')::text`).Scan(&processed, &effects); err != nil {
+	if err := e.db.QueryRow(`SELECT to_regclass('outbox_processed')::text, to_regclass('outbox_effects_all')::text`).Scan(&processed, &effects); err != nil {
 		t.Fatalf("the outbox tables (default prefix): %v", err)
 	}
 
@@ -275,7 +275,7 @@ func TestTelemetryBoundaryStalledUnitsFail(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer func() { _ = lock.Rollback() }()
-	if _, err := lock.Exec(`LOCK TABLE outbox_effects IN ACCESS EXCLUSIVE MODE`); err != nil {
+	if _, err := lock.Exec(`LOCK TABLE outbox_effects_all IN ACCESS EXCLUSIVE MODE`); err != nil {
 		t.Fatal(err)
 	}
 	publish := func(ctx context.Context, tx *sql.Tx) error {

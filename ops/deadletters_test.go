@@ -71,7 +71,7 @@ func TestDeadLetterRepairsAreAudited(t *testing.T) {
 		t.Fatalf("audit entries: %d, want the retry's and the discard's", n)
 	}
 	var pending int
-	if err := db.QueryRow(`SELECT count(*) FROM outbox_effects WHERE topic = 'orders' AND uuid = 'm1' AND dispatched_at IS NULL`).Scan(&pending); err != nil || pending != 1 {
+	if err := db.QueryRow(`SELECT count(*) FROM outbox_effects_all WHERE topic = 'orders' AND uuid = 'm1' AND dispatched_at IS NULL`).Scan(&pending); err != nil || pending != 1 {
 		t.Fatalf("the retried message as a pending effect: %d, %v", pending, err)
 	}
 	if dead, err := o.DeadLetters(ctx, outboxdriver.DeadLetterFilter{State: outboxdriver.DeadLetterDead}); err != nil || len(dead) != 1 || dead[0].MessageID != "m2" {

@@ -285,7 +285,7 @@ func (h *Harness) committedEffects(consumer, id string) []Effect {
 	if schema == "" {
 		schema = postgres.DefaultSchema
 	}
-	n, err := store.NewNames(schema, cfg.TablePrefix)
+	n, err := postgres.NewNames(schema, cfg.TablePrefix)
 	if err != nil {
 		h.t.Fatalf("outboxtest: %v", err)
 	}
@@ -602,7 +602,7 @@ func (h *Harness) waitDelayed(ctx context.Context, consumer, id string) error {
 	var query string
 	switch {
 	case h.database == nil:
-		n, err := store.NewNames(cmp.Or(cfg.Schema, postgres.DefaultSchema), cfg.TablePrefix)
+		n, err := postgres.NewNames(cmp.Or(cfg.Schema, postgres.DefaultSchema), cfg.TablePrefix)
 		if err != nil {
 			return err
 		}

@@ -229,3 +229,32 @@ func TestCrashMatrixSpillingUnits(t *testing.T) {
 		t.Fatal("no unit moved its effects to rows at its third record: the matrix did not cover a spill")
 	}
 }
+
+// The matrix with PostgreSQL's effects table rotating every 50 ms (postgres.Driver.RotateEvery,
+// 10 s by default, longer than a scenario): the relay moves what is pending and truncates
+// partitions while copies, crashes and the later delivery run. At least one scenario must have
+// rotated, or the matrix did not cover a rotation.
+func TestCrashMatrixRotatingEffects(t *testing.T) {
+	var rotated atomic.Int32
+	open := func(t testing.TB, dsn string, cfg outbox.Config) (*outbox.Outbox, error) {
+		db, err := sql.Open("postgres", dsn)
+		if err != nil {
+			return nil, err
+		}
+		t.Cleanup(func() { _ = db.Close() })
+		t.Cleanup(func() {
+			var gen int
+			if err := db.QueryRow(`SELECT gen FROM outbox_effects_rotation`).Scan(&gen); err == nil && gen != 0 {
+				rotated.Add(1)
+			}
+		})
+		cfg.DB, cfg.Driver = db, postgres.Driver{RotateEvery: 50 * time.Millisecond}
+		return outbox.New(cfg)
+	}
+	CrashMatrix{Consumer: "reserve", Handler: reserveWithTimeout, Messages: orders(), Setup: setupOrders, Applied: applied, Open: open,
+		Config: outbox.Config{RelayInterval: 20 * time.Millisecond}}.Run(t)
+	if rotated.Load() == 0 {
+		t.Fatal("no scenario rotated the effects table: the matrix did not cover a rotation")
+	}
+	t.Logf("%d scenarios ended with another partition current", rotated.Load())
+}

@@ -118,7 +118,7 @@ func TestRepairsNeedASelectionAndSayWhenCut(t *testing.T) {
 	}
 	parked := func() int {
 		var n int
-		if err := f.db.QueryRow(`SELECT count(*) FROM outbox_effects WHERE parked_at IS NOT NULL`).Scan(&n); err != nil {
+		if err := f.db.QueryRow(`SELECT count(*) FROM outbox_effects_all WHERE parked_at IS NOT NULL`).Scan(&n); err != nil {
 			t.Fatal(err)
 		}
 		return n
@@ -167,7 +167,7 @@ func TestOutputIsSafeAndConsistent(t *testing.T) {
 		VALUES ('billing', E'evil\x1b]0;pwned\x07', 2, E'boom\x1b[2J\u009b31m')`); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := f.db.Exec(`UPDATE outbox_effects SET topic = E'inv\x1b[8moices', last_error = E'refused\x1b[1A\r' WHERE parked_at IS NOT NULL`); err != nil {
+	if _, err := f.db.Exec(`UPDATE outbox_effects_all SET topic = E'inv\x1b[8moices', last_error = E'refused\x1b[1A\r' WHERE parked_at IS NOT NULL`); err != nil {
 		t.Fatal(err)
 	}
 	if code, out := f.cli(t, "-actor", "eve\x1b[31m", "replay", "billing", "m-poisoned"); code != 0 {

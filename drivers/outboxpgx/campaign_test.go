@@ -27,7 +27,7 @@ func campaignForm(name string, mode outboxpgx.Concurrency) campaign.Form {
 			if err != nil {
 				return nil, nil, err
 			}
-			ob, err := outboxpgx.New(pool, cfg, outboxpgx.WithConcurrency(mode))
+			ob, err := outboxpgx.New(pool, cfg, outboxpgx.WithConcurrency(mode), outboxpgx.WithRotateEvery(campaign.RotateEvery))
 			if err != nil {
 				pool.Close()
 				return nil, nil, err

@@ -46,7 +46,7 @@ func TestSweepFailpoints(t *testing.T) {
 	state := func() (inline, rows int, sweptTo int64) {
 		t.Helper()
 		if err := pool.QueryRow(ctx, `SELECT (SELECT count(*) FROM outbox_processed WHERE effects IS NOT NULL),
-			(SELECT count(*) FROM outbox_effects), (SELECT coalesce(swept_xid, 0) FROM outbox_stats)`).Scan(&inline, &rows, &sweptTo); err != nil {
+			(SELECT count(*) FROM outbox_effects_all), (SELECT coalesce(swept_xid, 0) FROM outbox_stats)`).Scan(&inline, &rows, &sweptTo); err != nil {
 			t.Fatal(err)
 		}
 		return inline, rows, sweptTo

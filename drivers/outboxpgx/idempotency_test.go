@@ -159,7 +159,7 @@ func TestKeyedInTxCrashThenRetry(t *testing.T) {
 				runRelay(t, restarted)
 				waitUntil(t, 20*time.Second, "every effect sent", func() bool {
 					var pending int
-					if err := pool.QueryRow(ctx, `SELECT (SELECT count(*) FROM outbox_effects) + (SELECT count(*) FROM outbox_processed WHERE effects IS NOT NULL)`).Scan(&pending); err != nil {
+					if err := pool.QueryRow(ctx, `SELECT (SELECT count(*) FROM outbox_effects_all) + (SELECT count(*) FROM outbox_processed WHERE effects IS NOT NULL)`).Scan(&pending); err != nil {
 						t.Fatal(err)
 					}
 					return pending == 0

@@ -83,7 +83,7 @@ func waitUntil(t *testing.T, timeout time.Duration, what string, cond func() boo
 func inlineLeft(t *testing.T, pool *pgxpool.Pool) (claims, rows int) {
 	t.Helper()
 	if err := pool.QueryRow(context.Background(), `SELECT (SELECT count(*) FROM outbox_processed WHERE effects IS NOT NULL),
-		(SELECT count(*) FROM outbox_effects)`).Scan(&claims, &rows); err != nil {
+		(SELECT count(*) FROM outbox_effects_all)`).Scan(&claims, &rows); err != nil {
 		t.Fatal(err)
 	}
 	return claims, rows

@@ -65,7 +65,7 @@ func TestInTxEndedBySQLThenRecordWritesNothing(t *testing.T) {
 					t.Errorf("InTx returned %v, want ErrTxFinishedByHandler", err)
 				}
 				var effects, delayed, other int
-				if err := pool.QueryRow(ctx, `SELECT (SELECT count(*) FROM outbox_effects WHERE topic = 'out_b'),
+				if err := pool.QueryRow(ctx, `SELECT (SELECT count(*) FROM outbox_effects_all WHERE topic = 'out_b'),
 					(SELECT count(*) FROM outbox_delayed WHERE topic = 'out_b'),
 					(SELECT count(*) FROM outbox_delayed WHERE cancel_key = 'reminder-1')`).Scan(&effects, &delayed, &other); err != nil {
 					t.Fatal(err)

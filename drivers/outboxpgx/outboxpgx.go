@@ -32,6 +32,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -72,6 +73,10 @@ func WithConcurrency(c Concurrency) Option { return func(d *Driver) { d.Concurre
 // mode).
 func WithListenDSN(dsn string) Option { return func(d *Driver) { d.ListenDSN = dsn } }
 
+// WithRotateEvery sets Driver.RotateEvery (postgres.Driver.RotateEvery: how often the relay
+// rotates the partitions of the effects table).
+func WithRotateEvery(every time.Duration) Option { return func(d *Driver) { d.RotateEvery = every } }
+
 // New returns an Outbox on pool: cfg.DB and cfg.Driver are set from it (cfg.DB becomes a
 // database/sql handle on the same pool, for the operator tools; leave both unset). Close the
 // Outbox when done with it (the pool stays open).
@@ -106,6 +111,9 @@ type Driver struct {
 	// a LISTEN there succeeds, but its notifications never arrive. Default: "" (a connection
 	// taken out of the pool).
 	ListenDSN string
+	// RotateEvery is postgres.Driver.RotateEvery: how long a partition of the effects table stays
+	// the one new effects go to. Default 0: postgres.DefaultRotateEvery; negative: never rotates.
+	RotateEvery time.Duration
 
 	closeDB bool // the Store's Close closes the DB (New opened it)
 }
@@ -124,14 +132,14 @@ func (d Driver) Open(db *sql.DB, opts outboxdriver.StoreOptions) (outboxdriver.S
 	if schema == "" {
 		schema = postgres.DefaultSchema
 	}
-	names, err := store.NewNames(schema, opts.TablePrefix)
+	names, err := postgres.NewNames(schema, opts.TablePrefix)
 	if err != nil {
 		return nil, err
 	}
 	// Everything off the hot path (the relay, marks, cleanup, stats, the operator tools) runs the
 	// postgres driver's statements through database/sql on the same pool; pgx caches their
 	// prepared statements per connection, so database/sql need not prepare them.
-	base, err := postgres.Driver{DisablePreparedStatements: true, Listener: d.listen}.Open(db, opts)
+	base, err := postgres.Driver{DisablePreparedStatements: true, Listener: d.listen, RotateEvery: d.RotateEvery}.Open(db, opts)
 	if err != nil {
 		return nil, err
 	}
@@ -139,8 +147,9 @@ func (d Driver) Open(db *sql.DB, opts outboxdriver.StoreOptions) (outboxdriver.S
 	if !ok {
 		return nil, fmt.Errorf("outboxpgx: the postgres driver's Store (%T) does not handle inline effects", base)
 	}
+	// The effect inserts follow the partition that the base Store's relay rotates to.
 	st := &pgxStore{postgresStore: pg, pool: d.Pool, names: names, optimistic: d.Concurrency == Optimistic,
-		q: newQueries(names, opts.DeleteDispatched)}
+		q: newQueries(names, opts.DeleteDispatched, pg.EffectsGeneration())}
 	if d.closeDB {
 		st.db = db
 	}
@@ -152,6 +161,7 @@ type postgresStore interface {
 	outboxdriver.Store
 	outboxdriver.InlineStore
 	outboxdriver.DeadLetterStore
+	EffectsGeneration() *postgres.Generation
 }
 
 // pgxStore is the postgres driver's Store whose units of work run on pgx, with their effects

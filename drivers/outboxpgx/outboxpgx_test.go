@@ -165,6 +165,32 @@ func TestCrashMatrix(t *testing.T) {
 
 func crashMatrix(t *testing.T, open outboxtest.Opener) { crashMatrixOf(t, open, handler) }
 
+// The matrix with PostgreSQL's effects table rotating every 50 ms (10 s by default, longer than
+// a scenario), in each mode: the relay moves what is pending and truncates partitions while
+// copies, crashes and the later delivery run. At least one scenario must have rotated.
+func TestCrashMatrixRotatingEffects(t *testing.T) {
+	for name, mode := range modes {
+		t.Run(name, func(t *testing.T) {
+			var rotated atomic.Int32
+			open := func(t testing.TB, dsn string, cfg outbox.Config) (*outbox.Outbox, error) {
+				pool := openPool(t, dsn, 8, nil)
+				t.Cleanup(func() {
+					var gen int
+					if err := pool.QueryRow(context.Background(), `SELECT gen FROM outbox_effects_rotation`).Scan(&gen); err == nil && gen != 0 {
+						rotated.Add(1)
+					}
+				})
+				return newOutbox(t, pool, cfg, outboxpgx.WithConcurrency(mode), outboxpgx.WithRotateEvery(50*time.Millisecond))
+			}
+			crashMatrix(t, open)
+			if rotated.Load() == 0 {
+				t.Fatal("no scenario rotated the effects table: the matrix did not cover a rotation")
+			}
+			t.Logf("%d scenarios ended with another partition current", rotated.Load())
+		})
+	}
+}
+
 // TestCrashMatrixOneMessageTwoTopics: a handler that publishes one message (one UUID) to two
 // topics. A crash after the first topic's publish must not leave the second topic's copy
 // marked sent and never sent.
@@ -703,7 +729,7 @@ func TestInlineEffectsLeftBehind(t *testing.T) {
 	}
 	pending := func() (inline, rows int) {
 		if err := pool.QueryRow(ctx, `SELECT (SELECT count(*) FROM outbox_processed WHERE effects IS NOT NULL),
-			(SELECT count(*) FROM outbox_effects)`).Scan(&inline, &rows); err != nil {
+			(SELECT count(*) FROM outbox_effects_all)`).Scan(&inline, &rows); err != nil {
 			t.Fatal(err)
 		}
 		return inline, rows
@@ -741,7 +767,7 @@ func TestInlineEffectsLeftBehind(t *testing.T) {
 		t.Fatalf("after the failed dispatch: %d claims with inline effects, %d effect rows; want 1 (crashed), 1 (failed, moved)", i, r)
 	}
 	var failures int
-	if err := pool.QueryRow(ctx, `SELECT failures FROM outbox_effects WHERE source_id = 'failed'`).Scan(&failures); err != nil || failures != 1 {
+	if err := pool.QueryRow(ctx, `SELECT failures FROM outbox_effects_all WHERE source_id = 'failed'`).Scan(&failures); err != nil || failures != 1 {
 		t.Fatalf("the failure recorded on the moved row: %d (%v)", failures, err)
 	}
 	rec.Fail(nil)
@@ -1029,7 +1055,7 @@ func TestDispatchFailsAndTheMoveFailsToo(t *testing.T) {
 		}})
 	state := func() (inline, rows int) {
 		if err := pool.QueryRow(ctx, `SELECT (SELECT count(*) FROM outbox_processed WHERE effects IS NOT NULL),
-			(SELECT count(*) FROM outbox_effects)`).Scan(&inline, &rows); err != nil {
+			(SELECT count(*) FROM outbox_effects_all)`).Scan(&inline, &rows); err != nil {
 			t.Fatal(err)
 		}
 		return inline, rows

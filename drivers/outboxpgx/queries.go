@@ -32,8 +32,8 @@ type queries struct {
 	keys store.Queries // the postgres driver's statements of idempotency keys (KeyLock, KeyClaim, KeyRead, KeySave)
 }
 
-func newQueries(n store.Names, deleteDispatched bool) queries {
-	pq := postgres.Queries(n, deleteDispatched)
+func newQueries(n store.Names, deleteDispatched bool, gen *postgres.Generation) queries {
+	pq := postgres.Queries(n, deleteDispatched, gen)
 	return queries{
 		claim: postgres.MessageClaimWithXID(n),
 		insert: func(effects []outboxdriver.Effect) string {

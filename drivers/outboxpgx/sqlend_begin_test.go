@@ -48,7 +48,7 @@ func TestSQLRollbackBeginThenReturn(t *testing.T) {
 					t.Errorf("Handle %v, committed %v, sent %d; want ErrTxFinishedByHandler, not processed, nothing sent", res.Err, res.Committed, len(res.Sent))
 				}
 				var applied, effects, claims int
-				if err := h.DB.QueryRow(`SELECT (SELECT count(*) FROM applied), (SELECT count(*) FROM outbox_effects),
+				if err := h.DB.QueryRow(`SELECT (SELECT count(*) FROM applied), (SELECT count(*) FROM outbox_effects_all),
 				(SELECT count(*) FROM outbox_processed)`).Scan(&applied, &effects, &claims); err != nil {
 					t.Fatal(err)
 				}
@@ -95,7 +95,7 @@ func TestInTxRollbackBeginThenReturn(t *testing.T) {
 				t.Errorf("InTx returned %v, want ErrTxFinishedByHandler", err)
 			}
 			var applied, effects int
-			if err := pool.QueryRow(ctx, `SELECT (SELECT count(*) FROM applied), (SELECT count(*) FROM outbox_effects)`).Scan(&applied, &effects); err != nil {
+			if err := pool.QueryRow(ctx, `SELECT (SELECT count(*) FROM applied), (SELECT count(*) FROM outbox_effects_all)`).Scan(&applied, &effects); err != nil {
 				t.Fatal(err)
 			}
 			if applied != 0 || effects != 0 || len(sent.Messages("out_a")) != 0 {

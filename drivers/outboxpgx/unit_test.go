@@ -60,7 +60,7 @@ func TestTenThousandEffectsInOneUnit(t *testing.T) {
 				t.Fatal(err)
 			}
 			var stored int
-			if err := h.DB.QueryRow(`SELECT (SELECT count(*) FROM outbox_effects WHERE source_id = 'm1')
+			if err := h.DB.QueryRow(`SELECT (SELECT count(*) FROM outbox_effects_all WHERE source_id = 'm1')
 				+ (SELECT count(*) FROM outbox_dispatched WHERE source_id = 'm1')`).Scan(&stored); err != nil {
 				t.Fatal(err)
 			}
@@ -78,7 +78,7 @@ func TestTenThousandEffectsInOneUnit(t *testing.T) {
 				t.Errorf("redelivery: err %v, sent %d more", err, len(h.Pub.All())-manyEffects)
 			}
 			var pending int
-			if err := h.DB.QueryRow(`SELECT (SELECT count(*) FROM outbox_effects WHERE dispatched_at IS NULL)
+			if err := h.DB.QueryRow(`SELECT (SELECT count(*) FROM outbox_effects_all WHERE dispatched_at IS NULL)
 				+ (SELECT count(*) FROM outbox_processed WHERE effects IS NOT NULL)`).Scan(&pending); err != nil || pending != 0 {
 				t.Errorf("%d effects pending (%v)", pending, err)
 			}
@@ -447,7 +447,7 @@ func TestLongMessageIDsPublishOnEveryForm(t *testing.T) {
 				}
 			} else {
 				var key string
-				if err := pool.QueryRow(ctx, `SELECT ordering_key FROM outbox_effects WHERE source_id = $1`, id).Scan(&key); err != nil {
+				if err := pool.QueryRow(ctx, `SELECT ordering_key FROM outbox_effects_all WHERE source_id = $1`, id).Scan(&key); err != nil {
 					t.Fatal(err)
 				}
 				if want := outbox.DefaultOrderingKey(outbox.Source{Consumer: "billing", ID: id}); key != want {
@@ -488,7 +488,7 @@ func TestSQLRollbackThenPublish(t *testing.T) {
 				t.Errorf("committed %v, effects %d, sent %d, applied %d; want nothing", res.Committed, len(res.Effects), len(res.Sent), count(t, h.DB, "m1"))
 			}
 			var effects, attempts int
-			if err := h.DB.QueryRow(`SELECT (SELECT count(*) FROM outbox_effects), (SELECT coalesce(sum(attempts), 0) FROM outbox_attempts)`).Scan(&effects, &attempts); err != nil {
+			if err := h.DB.QueryRow(`SELECT (SELECT count(*) FROM outbox_effects_all), (SELECT coalesce(sum(attempts), 0) FROM outbox_attempts)`).Scan(&effects, &attempts); err != nil {
 				t.Fatal(err)
 			}
 			if effects != 0 || attempts != 1 {
@@ -527,7 +527,7 @@ func TestSQLRollbackThenACopyClaimsThenPublish(t *testing.T) {
 				t.Errorf("the record after ROLLBACK returned %v, Handle %v; want nil (kept in memory) and ErrTxFinishedByHandler", after, res.Err)
 			}
 			var escaped, applied int
-			if err := h.DB.QueryRow(`SELECT (SELECT count(*) FROM outbox_effects WHERE topic = 'out_b'), (SELECT count(*) FROM applied)`).Scan(&escaped, &applied); err != nil {
+			if err := h.DB.QueryRow(`SELECT (SELECT count(*) FROM outbox_effects_all WHERE topic = 'out_b'), (SELECT count(*) FROM applied)`).Scan(&escaped, &applied); err != nil {
 				t.Fatal(err)
 			}
 			if escaped != 0 || applied != 1 {

@@ -122,20 +122,20 @@ func TestWritesPerMessage(t *testing.T) {
 		// The claim is written at COMMIT with the effects in it; the mark clears them.
 		got := measureWrites(t, writesPerMessage, outboxpgx.Optimistic, consume)
 		atMost(t, "claims", got["outbox_processed"], writesPerMessage, pgtest.Writes{Inserts: 1, Updates: 1, HOT: 1})
-		atMost(t, "effect rows", got["outbox_effects"], writesPerMessage, pgtest.Writes{})
+		atMost(t, "effect rows", got["outbox_effects_all"], writesPerMessage, pgtest.Writes{})
 	})
 	t.Run("pessimistic", func(t *testing.T) {
 		// The claim is written at BEGIN, the effects as rows at COMMIT; the mark deletes them.
 		got := measureWrites(t, writesPerMessage, outboxpgx.Pessimistic, consume)
 		atMost(t, "claims", got["outbox_processed"], writesPerMessage, pgtest.Writes{Inserts: 1})
-		atMost(t, "effect rows", got["outbox_effects"], writesPerMessage, pgtest.Writes{Inserts: 2, Deletes: 2})
+		atMost(t, "effect rows", got["outbox_effects_all"], writesPerMessage, pgtest.Writes{Inserts: 2, Deletes: 2})
 	})
 	t.Run("boundary", func(t *testing.T) {
 		got := measureWrites(t, writesPerMessage, outboxpgx.Optimistic, func(ctx context.Context, ob *outbox.Outbox, i int) error {
 			return outboxpgx.InTx(ctx, ob, func(ctx context.Context, tx pgx.Tx) error { return record(ctx, tx, fmt.Sprint("b-", i)) })
 		})
 		atMost(t, "claims", got["outbox_processed"], writesPerMessage, pgtest.Writes{})
-		atMost(t, "effect rows", got["outbox_effects"], writesPerMessage, pgtest.Writes{Inserts: 2, Deletes: 2})
+		atMost(t, "effect rows", got["outbox_effects_all"], writesPerMessage, pgtest.Writes{Inserts: 2, Deletes: 2})
 	})
 
 	t.Run("optimistic, left to the relay", func(t *testing.T) {
@@ -166,7 +166,7 @@ func TestWritesPerMessage(t *testing.T) {
 			deadline := time.Now().Add(30 * time.Second)
 			for {
 				var n int
-				if err := reader.QueryRow(`SELECT (SELECT count(*) FROM outbox_effects)
+				if err := reader.QueryRow(`SELECT (SELECT count(*) FROM outbox_effects_all)
 					+ (SELECT count(*) FROM outbox_processed WHERE effects IS NOT NULL)`).Scan(&n); err != nil {
 					t.Fatal(err)
 				}
@@ -192,6 +192,6 @@ func TestWritesPerMessage(t *testing.T) {
 		if claims.NonHOT() > writesPerMessage/10 {
 			t.Errorf("claims: %s per unit, want at most 0.1 non-HOT updates", claims.Per(writesPerMessage))
 		}
-		atMost(t, "effect rows", got["outbox_effects"], writesPerMessage, pgtest.Writes{Inserts: 2, Updates: 1, HOT: 1, Deletes: 2})
+		atMost(t, "effect rows", got["outbox_effects_all"], writesPerMessage, pgtest.Writes{Inserts: 2, Updates: 1, HOT: 1, Deletes: 2})
 	})
 }

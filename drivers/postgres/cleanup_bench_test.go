@@ -28,7 +28,7 @@ func BenchmarkCleanupThroughRetention(b *testing.B) {
 				exec(`DROP INDEX IF EXISTS ` + prefix + `processed_time`)
 				exec(`CREATE INDEX IF NOT EXISTS ` + prefix + `processed_processed_at ON ` + n.Processed + ` USING brin (processed_at)`)
 			}
-			q := queries(n, false)
+			q := queries(n, false, new(Generation))
 			// Claim g was processed and dispatched at base + g seconds.
 			base := time.Date(2025, 1, 1, 0, 0, 0, 0, time.UTC)
 			total := 0

@@ -19,7 +19,7 @@ import (
 // its first page until it had found its thousand.
 func TestCleanupReadsWhatItDeletes(t *testing.T) {
 	db, _, n, exec := planTables(t, "cleanplan_")
-	q := queries(n, false)
+	q := queries(n, false, new(Generation))
 	const limit = 1000
 	retention := strconv.Itoa(24 * 3600 * 1000) // a day, in ms
 	claims := func(from, to int, age string) { insertClaims(n.Processed, exec, from, to, age) }
@@ -122,7 +122,7 @@ func TestCleanupReadsWhatItDeletes(t *testing.T) {
 // the BRIN index led to, every StatsInterval: the table from its first page.
 func TestStatsSampleReadsTheOldestExpired(t *testing.T) {
 	db, _, n, exec := planTables(t, "statsplan_")
-	q := queries(n, false)
+	q := queries(n, false, new(Generation))
 	throughRetention(n.Processed, exec)
 	retention := strconv.Itoa(24 * 3600 * 1000)
 	var plan []string

@@ -23,7 +23,7 @@ func TestEffectInsertProbesDelayedByKey(t *testing.T) {
 		mode    string
 		claimed bool
 	}{{"force_custom_plan", false}, {"force_generic_plan", false}, {"force_custom_plan", true}, {"force_generic_plan", true}} {
-		mode, insert := c.mode, Queries(n, false).EffectInsertKeyed(2, c.claimed)
+		mode, insert := c.mode, Queries(n, false, nil).EffectInsertKeyed(2, c.claimed)
 		exec(`SET plan_cache_mode = ` + mode)
 		exec(`PREPARE plan_stmt(text, text, integer, text, text, text, bytea, bytea, text, integer, text, text, text, bytea, bytea, text) AS ` + insert)
 		plan := queryLines(t, db, `EXPLAIN EXECUTE plan_stmt('c', 'x', 0, 'publish', 't', 'u1', '', '', 'k7', 1, 'publish', 't', 'u2', '', '', 'k8')`)

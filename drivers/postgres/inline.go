@@ -44,6 +44,13 @@ type inline struct {
 	budget           int                                           // InlineBudget (Driver.MaxInlineBytes)
 
 	lastSweep atomic.Int64 // UnixNano of the last sweep of inline effects left behind
+
+	rq           rotationQueries
+	gen          *Generation   // the current partition of the effects table, shared with the inserts
+	rotateEvery  time.Duration // Driver.RotateEvery, defaulted
+	rotateLock   time.Duration // rotateLockTimeout
+	lastRotate   atomic.Int64  // UnixNano of the last look at the rotation
+	backlogNoted atomic.Bool   // a rotation was put off for a backlog, and reported
 }
 
 var _ outboxdriver.InlineRecorder = (*inline)(nil)
@@ -68,10 +75,10 @@ type inlineQueries struct {
 	sweepLeft   string // (watermark) -> the smallest inline_xid of the claims still holding effects
 	sweptTo     string // (watermark)
 
-	record  string // (consumer, id, inline effects, length of the inline effects now) -> written in a savepoint; no row: not written
-	read    string // (consumer, id) -> the inline effects, NULL when none; no row: no claim
-	spill   string // (effects as JSON, consumer, id, length of the inline effects now) -> id, seq, written in a savepoint; no row: not written
-	unspill string // (consumer, id, inline effects, length of the inline effects now, row ids) -> id of each row deleted; no row: not written
+	record  string    // (consumer, id, inline effects, length of the inline effects now) -> written in a savepoint; no row: not written
+	read    string    // (consumer, id) -> the inline effects, NULL when none; no row: no claim
+	spill   [3]string // by partition: (effects as JSON, consumer, id, length of the inline effects now) -> id, seq, written in a savepoint; no row: not written
+	unspill string    // (consumer, id, inline effects, length of the inline effects now, row ids) -> id of each row deleted; no row: not written
 }
 
 // storedAt is when the inline effects of claim p were written: dispatched_at, which their write
@@ -115,7 +122,7 @@ func newInlineQueries(n store.Names) inlineQueries {
 			FROM ` + effectsRecordset + ` ORDER BY n`,
 		archive: `INSERT INTO ` + n.Dispatched + ` (id, source_consumer, source_id, seq, kind, topic, uuid, payload, metadata, ordering_key,
 				created_at, dispatched_at, attempts, failures)
-			SELECT nextval(pg_get_serial_sequence('` + n.Effects + `', 'id')), c, i, s, k, t, u, decode(pl, 'base64'), decode(md, 'base64'), ok,
+			SELECT nextval(pg_get_serial_sequence('` + effectsPartition(n, 0) + `', 'id')), c, i, s, k, t, u, decode(pl, 'base64'), decode(md, 'base64'), ok,
 				now() - a * interval '1 millisecond', now(), 0, 0
 			FROM ` + effectsRecordset + ` ORDER BY n`,
 		clear: `UPDATE ` + n.Processed + ` p SET effects = NULL WHERE ` + claimsOf,
@@ -173,17 +180,23 @@ func newInlineQueries(n store.Names) inlineQueries {
 		// The rows are inserted in the order given (ids ascending: the relay's order within a
 		// key), and only if the claim was cleared, in the same statement: a handler that ended
 		// the transaction itself runs it alone, and it must not lose or double what the claim held.
-		spill: `WITH clr AS (UPDATE ` + n.Processed + ` SET effects = NULL
-				WHERE consumer = $2 AND message_id = $3 AND coalesce(length(effects), 0) = $4 AND ` + OwnClaim + ` RETURNING 1)
-			INSERT INTO ` + n.Effects + ` (source_consumer, source_id, seq, kind, topic, uuid, payload, metadata, ordering_key, created_at)
-			SELECT c, i, s, k, t, u, decode(pl, 'base64'), decode(md, 'base64'), ok, clock_timestamp()
-			FROM ` + effectsRecordset + ` WHERE EXISTS (SELECT FROM clr) ORDER BY n
-			RETURNING id, seq, xmin::text <> (txid_current() % 4294967296)::text`,
+		// It names the current partition: it returns xmin (see Generation).
+		spill: [3]string{spill(n, 0), spill(n, 1), spill(n, 2)},
 		unspill: `WITH upd AS (UPDATE ` + n.Processed + ` SET effects = $3, dispatched_at = clock_timestamp()
 				WHERE consumer = $1 AND message_id = $2 AND coalesce(length(effects), 0) = $4 AND ` + OwnClaim + ` RETURNING 1)
 			DELETE FROM ` + n.Effects + ` e USING ` + ids("$5") + `
 			WHERE e.id = v.id AND EXISTS (SELECT FROM upd) RETURNING e.id`,
 	}
+}
+
+// spill is inlineQueries.spill into partition gen of the effects table.
+func spill(n store.Names, gen int) string {
+	return `WITH clr AS (UPDATE ` + n.Processed + ` SET effects = NULL
+				WHERE consumer = $2 AND message_id = $3 AND coalesce(length(effects), 0) = $4 AND ` + OwnClaim + ` RETURNING 1)
+			INSERT INTO ` + effectsPartition(n, gen) + ` (source_consumer, source_id, seq, kind, topic, uuid, payload, metadata, ordering_key, created_at)
+			SELECT c, i, s, k, t, u, decode(pl, 'base64'), decode(md, 'base64'), ok, clock_timestamp()
+			FROM ` + effectsRecordset + ` WHERE EXISTS (SELECT FROM clr) ORDER BY n
+			RETURNING id, seq, xmin::text <> (txid_current() % 4294967296)::text`
 }
 
 // InlineRecord returns the statement (consumer $1, id $2, the encoded effects $3, the length of
@@ -311,7 +324,7 @@ func (s *inline) EffectSpillInline(ctx context.Context, tx *sql.Tx, src outboxdr
 	if err != nil {
 		return false, false, err
 	}
-	rows, err := s.SQL.QueryPrepared(ctx, tx, s.q.spill, arg, src.Consumer, src.ID, prev)
+	rows, err := s.SQL.QueryPrepared(ctx, tx, s.q.spill[s.gen.Load()], arg, src.Consumer, src.ID, prev)
 	if err != nil {
 		return false, false, fmt.Errorf("move side effects from the claim to rows: %w", wrapErr(s.SQL, err))
 	}
@@ -461,13 +474,18 @@ func (s *inline) markInline(ctx context.Context, claims []claimKey, late bool) e
 
 // EffectClaimDue first moves the inline effects left behind (a crash between commit and mark, a
 // dispatch that failed before they could be moved) into effect rows, at most every quarter of
-// the grace period, and then claims.
+// the grace period, rotates the partitions of the effects table when due (rotate), and then
+// claims.
 func (s *inline) EffectClaimDue(ctx context.Context, p outboxdriver.EffectClaimParams) (outboxdriver.EffectClaim, error) {
 	if p.After == 0 {
 		// A failed sweep must not stop the relay from sending the effect rows: it is reported,
 		// and the next one tries again from where the last one got to.
 		if err := s.sweep(ctx, p.Grace); err != nil && ctx.Err() == nil && s.onError != nil {
 			s.onError("moving inline effects left behind to the relay", err)
+		}
+		// Likewise a failed rotation: the partitions then grow as the single table did.
+		if err := s.rotate(ctx); err != nil && ctx.Err() == nil && s.onError != nil {
+			s.onError("rotating the partitions of the effects table", err)
 		}
 	}
 	return s.SQL.EffectClaimDue(ctx, p)

@@ -219,7 +219,7 @@ func TestSweepReadsFromItsWatermark(t *testing.T) {
 // prepared statement keeps its plan while a backlog grows.
 func TestDuplicateClaimFindsPendingBySource(t *testing.T) {
 	db, _, n, exec := planTables(t, "dupplan_")
-	q := queries(n, true)
+	q := queries(n, true, new(Generation))
 	exec(`INSERT INTO ` + n.Processed + ` (consumer, message_id, processed_at, dispatched_at) VALUES ('c', 'dup', now(), now())`)
 	backlog := `INSERT INTO ` + n.Effects + ` (source_consumer, source_id, seq, kind, topic, uuid, payload, metadata, ordering_key, created_at)
 		SELECT 'c', 'm' || (g / 5), g % 5, 'publish', 't', gen_random_uuid()::text, '\x00', '\x00', 'k' || (g % 7), now()
@@ -246,7 +246,13 @@ func TestDuplicateClaimFindsPendingBySource(t *testing.T) {
 				_ = tx.Rollback()
 				exec(`DEALLOCATE dup_stmt`)
 				text := strings.Join(plan, "\n")
-				if !strings.Contains(text, "dupplan_effects_pending_source") || strings.Contains(text, "Seq Scan on dupplan_effects") {
+				// The rows are in partition 0; the others are empty. Analyzed empty (the third
+				// state), a partition costs nothing to read whole and may be: the rotation
+				// truncates a partition before it becomes the current one, which resets its
+				// statistics and drops the plans made with them.
+				emptyScanned := state.name == "a backlog, analyzed" &&
+					!strings.Contains(strings.NewReplacer("Seq Scan on dupplan_effects_1", "", "Seq Scan on dupplan_effects_2", "").Replace(text), "Seq Scan on dupplan_effects")
+				if !strings.Contains(text, "dupplan_effects_pending_source") || strings.Contains(text, "Seq Scan on dupplan_effects") && !emptyScanned {
 					t.Errorf("%s (%s, %s): the duplicate's pending effects are not read by their source:\n%s", name, mode, state.name, text)
 				}
 				if top := buffersRe.FindStringSubmatch(text); top != nil && atoi(top[1])+atoi(top[2]) > 50 {

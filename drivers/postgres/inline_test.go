@@ -228,15 +228,17 @@ func TestInlineMarkHostileIDs(t *testing.T) {
 	}
 }
 
-// tableUpdates returns the updates counted so far on table; db has one connection, on which
-// the statements counted ran (a backend reports its counts when asked to, at its next idle).
+// tableUpdates returns the updates counted so far on table, summed over its partitions (a
+// partitioned table counts none itself); db has one connection, on which the statements counted
+// ran (a backend reports its counts when asked to, at its next idle).
 func tableUpdates(t *testing.T, db *sql.DB, table string) int64 {
 	t.Helper()
 	if _, err := db.Exec(`SELECT pg_stat_force_next_flush()`); err != nil {
 		t.Fatal(err)
 	}
 	var n int64
-	if err := db.QueryRow(`SELECT n_tup_upd FROM pg_stat_user_tables WHERE relname = $1`, table).Scan(&n); err != nil {
+	if err := db.QueryRow(`SELECT coalesce(sum(n_tup_upd), 0) FROM pg_stat_user_tables
+		WHERE relid = $1::regclass OR relid IN (SELECT relid FROM pg_partition_tree($1::regclass))`, table).Scan(&n); err != nil {
 		t.Fatal(err)
 	}
 	return n
@@ -253,22 +255,22 @@ func TestHandToRelayWritesOnlyWhatItChanges(t *testing.T) {
 	if err := st.Migrate(ctx); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := db.Exec(`INSERT INTO outbox_effects (source_consumer, source_id, seq, kind, topic, uuid, payload, metadata, ordering_key)
+	if _, err := db.Exec(`INSERT INTO outbox_effects_all (source_consumer, source_id, seq, kind, topic, uuid, payload, metadata, ordering_key)
 		VALUES ('c', 'held', 1, 'message', 'out', 'held-1', '', '', 'k'), ('c', 'held', 2, 'message', 'out', 'held-2', '', '', 'k')`); err != nil {
 		t.Fatal(err)
 	}
 	src := outboxdriver.Source{Consumer: "c", ID: "held"}
 	for i, want := range []int64{2, 0} {
-		before := tableUpdates(t, db, "outbox_effects")
+		before := tableUpdates(t, db, "outbox_effects_all")
 		if err := st.EffectHandToRelay(ctx, src); err != nil {
 			t.Fatal(err)
 		}
-		if n := tableUpdates(t, db, "outbox_effects") - before; n != want {
+		if n := tableUpdates(t, db, "outbox_effects_all") - before; n != want {
 			t.Errorf("hand-over %d updated %d effect rows, want %d", i+1, n, want)
 		}
 	}
 	var due int
-	if err := db.QueryRow(`SELECT count(*) FROM outbox_effects WHERE next_attempt_at <= now()`).Scan(&due); err != nil || due != 2 {
+	if err := db.QueryRow(`SELECT count(*) FROM outbox_effects_all WHERE next_attempt_at <= now()`).Scan(&due); err != nil || due != 2 {
 		t.Fatalf("%d effects due after the hand-overs (%v), want 2", due, err)
 	}
 }
@@ -287,7 +289,7 @@ func TestLateMarkWritesTheClaimOnce(t *testing.T) {
 	src := outboxdriver.Source{Consumer: "c", ID: "late"}
 	claimInline(t, db, src, time.Hour, false)
 	var id int64
-	if err := db.QueryRow(`INSERT INTO outbox_effects (source_consumer, source_id, seq, kind, topic, uuid, payload, metadata, ordering_key)
+	if err := db.QueryRow(`INSERT INTO outbox_effects_all (source_consumer, source_id, seq, kind, topic, uuid, payload, metadata, ordering_key)
 		VALUES ('c', 'late', 3, 'message', 'out', 'late-3', '', '', 'own key') RETURNING id`).Scan(&id); err != nil {
 		t.Fatal(err)
 	}
@@ -308,7 +310,7 @@ func TestLateMarkWritesTheClaimOnce(t *testing.T) {
 		t.Errorf("after the late mark: dispatch time moved %v, effects cleared %v; want both", moved, cleared)
 	}
 	var left int
-	if err := db.QueryRow(`SELECT count(*) FROM outbox_effects`).Scan(&left); err != nil || left != 0 {
+	if err := db.QueryRow(`SELECT count(*) FROM outbox_effects_all`).Scan(&left); err != nil || left != 0 {
 		t.Fatalf("%d effect rows left after the mark (%v), want none", left, err)
 	}
 }

@@ -8,6 +8,8 @@ import (
 	"fmt"
 	"io/fs"
 	"strings"
+	"sync/atomic"
+	"time"
 
 	"github.com/watermill-outbox/outbox/outboxdriver"
 	"github.com/watermill-outbox/outbox/store"
@@ -54,7 +56,20 @@ type Driver struct {
 	// every later record of the unit are rows. Default 0: DefaultMaxInlineBytes. Negative:
 	// every effect is a row. The pgx driver writes a claim once, at COMMIT, and does not use it.
 	MaxInlineBytes int
+
+	// RotateEvery is how long a partition of the effects table stays the one new effects go to
+	// before the relay empties the oldest and makes it the current one (docs/operations.md,
+	// "Rotation of the effects table"): the sent rows of a partition are freed by TRUNCATE, not
+	// by VACUUM, so that a transaction or a replication slot that holds the xmin horizon back
+	// does not leave the relay's claims walking every row sent since. The relay looks at most
+	// every RotateEvery/2. Default 0: DefaultRotateEvery. Negative: never rotates (the current
+	// partition keeps every effect, as the single table did).
+	RotateEvery time.Duration
 }
+
+// DefaultRotateEvery is the default of Driver.RotateEvery. Behind a held xmin horizon the claims
+// walk the dead rows of at most the two newest partitions: some 2*RotateEvery of traffic.
+const DefaultRotateEvery = 10 * time.Second
 
 // DefaultMaxInlineBytes is the default of Driver.MaxInlineBytes. The cost rule decides where
 // records one at a time move to rows (after three of 300-byte messages, six of 50-byte ones);
@@ -71,7 +86,7 @@ func (d Driver) Open(db *sql.DB, opts outboxdriver.StoreOptions) (outboxdriver.S
 	if schema == "" {
 		schema = DefaultSchema
 	}
-	names, err := store.NewNames(schema, opts.TablePrefix)
+	names, err := NewNames(schema, opts.TablePrefix)
 	if err != nil {
 		return nil, err
 	}
@@ -79,8 +94,9 @@ func (d Driver) Open(db *sql.DB, opts outboxdriver.StoreOptions) (outboxdriver.S
 	if err != nil {
 		return nil, fmt.Errorf("postgres migrations: %w", err)
 	}
+	gen := new(Generation)
 	dialect := store.Dialect{
-		Queries:           queries(names, opts.DeleteDispatched),
+		Queries:           queries(names, opts.DeleteDispatched, gen),
 		Migrate:           migrateQueries(names),
 		Migrations:        migrations,
 		IsUndefinedTable:  IsUndefinedTable,
@@ -103,8 +119,13 @@ func (d Driver) Open(db *sql.DB, opts outboxdriver.StoreOptions) (outboxdriver.S
 	if err != nil {
 		return nil, err
 	}
+	rotateEvery := d.RotateEvery
+	if rotateEvery == 0 {
+		rotateEvery = DefaultRotateEvery
+	}
 	return &inline{SQL: st, db: db, q: newInlineQueries(names), deleteDispatched: opts.DeleteDispatched, onError: opts.OnError,
-		failpoint: opts.Failpoint, budget: inlineBudget(d.MaxInlineBytes)}, nil
+		failpoint: opts.Failpoint, budget: inlineBudget(d.MaxInlineBytes), rq: newRotationQueries(names), gen: gen, rotateEvery: rotateEvery,
+		rotateLock: rotateLockTimeout}, nil
 }
 
 // inlineBudget is InlineBudget for Driver.MaxInlineBytes.
@@ -135,11 +156,51 @@ func Migrations(schema, prefix string) ([]store.Migration, error) {
 	return store.LoadMigrations(migrations, names)
 }
 
-// Queries returns the statements of the tables named by names (see store.NewNames), for a driver
+// Queries returns the statements of the tables named by names (see NewNames), for a driver
 // that runs some of them on a connection type of its own (the pgx driver runs the claim and the
-// effect insert in its pipelines). deleteDispatched is StoreOptions.DeleteDispatched.
-func Queries(names store.Names, deleteDispatched bool) store.Queries {
-	return queries(names, deleteDispatched)
+// effect insert in its pipelines). deleteDispatched is StoreOptions.DeleteDispatched. The
+// effect inserts go to the partition gen names (see Generation): pass the Generation of the
+// Store these statements run beside (EffectsGeneration), so that both follow the rotations its
+// relay makes; nil: partition 0 until such a Store's relay reads the current one.
+func Queries(names store.Names, deleteDispatched bool, gen *Generation) store.Queries {
+	if gen == nil {
+		gen = new(Generation)
+	}
+	return queries(names, deleteDispatched, gen)
+}
+
+// Generation is the partition of the effects table that new effects go to, as this process last
+// read it (migration 023): the relay reads it at most every RotateEvery/2, and switches it when
+// it rotates. The inserts that return xmin (PostgreSQL allows no system column in the RETURNING
+// of a partitioned table) name that partition. One that is out of date costs nothing but time:
+// a row in any partition is a pending effect, read through the parent, and the partition is
+// emptied later, its pending rows moved (see rotate). Safe for concurrent use.
+type Generation struct{ v atomic.Int32 }
+
+// Load returns the partition number, 0 to 2.
+func (g *Generation) Load() int { return int(g.v.Load()) }
+
+func (g *Generation) store(v int) { g.v.Store(int32(v)) }
+
+// effectsPartition is the quoted name of partition gen of the effects table: 0 is the table of
+// the versions before migration 023, under its name, so that their statements keep working.
+func effectsPartition(n store.Names, gen int) string {
+	if gen == 0 {
+		return `"` + n.Schema + `"."` + n.Prefix + `effects"`
+	}
+	return `"` + n.Schema + `"."` + n.Prefix + `effects_` + fmt.Sprint(gen) + `"`
+}
+
+// NewNames returns the names of the PostgreSQL tables of schema and prefix (see store.NewNames):
+// Effects is the partitioned parent of the effects table (migration 023), through which every
+// statement but the inserts that return xmin reads, updates and deletes.
+func NewNames(schema, prefix string) (store.Names, error) {
+	n, err := store.NewNames(schema, prefix)
+	if err != nil {
+		return n, err
+	}
+	n.Effects = `"` + schema + `"."` + prefix + `effects_all"`
+	return n, nil
 }
 
 // IsUndefinedTable tells whether err is PostgreSQL's undefined_table or invalid_schema_name, from
@@ -316,7 +377,9 @@ func DelayedCancelOwnClaim(n store.Names) string {
 	return delayedCancelGuarded(n, claimOf(n, "$2", "$3", "$4"))
 }
 
-func queries(n store.Names, deleteDispatched bool) store.Queries {
+func queries(n store.Names, deleteDispatched bool, gen *Generation) store.Queries {
+	// The inserts that return xmin name the current partition (see Generation).
+	current := func() string { return effectsPartition(n, gen.Load()) }
 	// notSkipped leaves out the ordering keys the relay asked the claim to skip ($7): those of
 	// the round it is sending, whose later effects wait behind that round's lease. Without it a
 	// claim made while a round sends spends its limit on them and takes nothing from them.
@@ -383,7 +446,7 @@ func queries(n store.Names, deleteDispatched bool) store.Queries {
 		// written inside a savepoint has the subtransaction's xid, not the transaction's own.
 		EffectInsert: func(count int) string {
 			var b strings.Builder
-			b.WriteString(`INSERT INTO ` + n.Effects + ` (source_consumer, source_id, seq, kind, topic, uuid, payload, metadata, ordering_key, created_at) VALUES `)
+			b.WriteString(`INSERT INTO ` + current() + ` (source_consumer, source_id, seq, kind, topic, uuid, payload, metadata, ordering_key, created_at) VALUES `)
 			for i := 0; i < count; i++ {
 				if i > 0 {
 					b.WriteString(", ")
@@ -400,7 +463,7 @@ func queries(n store.Names, deleteDispatched bool) store.Queries {
 		// casts give the parameters the types the columns give them in EffectInsert.
 		EffectInsertClaimed: func(count int) string {
 			var b strings.Builder
-			b.WriteString(`INSERT INTO ` + n.Effects + ` (source_consumer, source_id, seq, kind, topic, uuid, payload, metadata, ordering_key, created_at)
+			b.WriteString(`INSERT INTO ` + current() + ` (source_consumer, source_id, seq, kind, topic, uuid, payload, metadata, ordering_key, created_at)
 				SELECT $1::text, $2::text, v.s, v.k, v.t, v.u, v.pl, v.md, v.ok, clock_timestamp() FROM (VALUES `)
 			for i := 0; i < count; i++ {
 				if i > 0 {
@@ -461,7 +524,7 @@ func queries(n store.Names, deleteDispatched bool) store.Queries {
 					` + guard + `
 					ORDER BY w.due_at, w.id FOR UPDATE OF w)
 				RETURNING d.*),
-			ins AS (INSERT INTO ` + n.Effects + ` (source_consumer, source_id, seq, kind, topic, uuid, payload, metadata, ordering_key,
+			ins AS (INSERT INTO ` + current() + ` (source_consumer, source_id, seq, kind, topic, uuid, payload, metadata, ordering_key,
 				created_at, next_attempt_at)
 			SELECT source_consumer, source_id, seq, kind, topic, uuid, payload, metadata, ordering_key, created_at, next_attempt_at
 			FROM (SELECT 0 AS o, due_at AS at, id AS i, source_consumer, source_id, seq, kind, topic, uuid, payload, metadata,
@@ -710,7 +773,8 @@ func queries(n store.Names, deleteDispatched bool) store.Queries {
 		// through the index on processed_at; none when it keeps up).
 		StatsSample: `WITH est AS MATERIALIZED (
 				SELECT greatest((SELECT reltuples FROM pg_class WHERE oid = '` + n.Processed + `'::regclass), 0)::bigint AS processed,
-					greatest((SELECT reltuples FROM pg_class WHERE oid = '` + n.Effects + `'::regclass), 0)::bigint AS effects),
+					(SELECT coalesce(sum(greatest(c.reltuples, 0)), 0) FROM pg_partition_tree('` + n.Effects + `'::regclass) t
+						JOIN pg_class c ON c.oid = t.relid WHERE t.isleaf)::bigint AS effects),
 			pending AS MATERIALIZED (SELECT e.id, e.created_at FROM ` + n.Effects + ` e
 				WHERE e.dispatched_at IS NULL AND e.parked_at IS NULL ORDER BY e.id LIMIT $1),
 			parked AS MATERIALIZED (SELECT e.id, e.created_at FROM ` + n.Effects + ` e
@@ -771,12 +835,17 @@ func queries(n store.Names, deleteDispatched bool) store.Queries {
 					(extract(epoch FROM now() - prepared) * 1000)::bigint, NULL, NULL, NULL, gid
 				FROM pg_prepared_xacts WHERE database = current_database()
 				ORDER BY 3 DESC LIMIT 1)
-			SELECT t.name, coalesce(pg_stat_get_dead_tuples(t.oid), 0), pg_stat_get_last_autovacuum_time(t.oid),
+			SELECT t.name, coalesce(p.dead, pg_stat_get_dead_tuples(t.oid), 0), coalesce(p.vacuumed, pg_stat_get_last_autovacuum_time(t.oid)),
 				h.kind, h.xid, h.xacts, h.started_ms, h.pid, h.app, h.state, h.name
 			FROM (VALUES ('effects', '` + n.Effects + `'::regclass), ('processed', '` + n.Processed + `'::regclass),
 				('dispatched', '` + n.Dispatched + `'::regclass), ('delayed', '` + n.Delayed + `'::regclass),
 				('attempts', '` + n.Attempts + `'::regclass), ('idempotency', '` + n.Idempotency + `'::regclass),
 				('dead_letters', '` + n.DeadLetters + `'::regclass)) t(name, oid)
+			-- A partitioned table (effects, migration 023) counts nothing itself: its partitions'
+			-- dead tuples are summed, and the latest of their autovacuums taken.
+			LEFT JOIN LATERAL (SELECT sum(pg_stat_get_dead_tuples(l.relid)) AS dead,
+					max(pg_stat_get_last_autovacuum_time(l.relid)) AS vacuumed
+				FROM pg_partition_tree(t.oid) l WHERE l.isleaf HAVING count(*) > 0) p ON true
 			LEFT JOIN h ON true
 			ORDER BY t.name`,
 
@@ -791,7 +860,7 @@ func namesOf(schema, prefix string) (store.Names, error) {
 	if schema == "" {
 		schema = DefaultSchema
 	}
-	return store.NewNames(schema, prefix)
+	return NewNames(schema, prefix)
 }
 
 // MigrationScript returns every migration for schema (empty: DefaultSchema) and prefix as one SQL
@@ -835,7 +904,23 @@ func Grants(schema, prefix, role string, operator bool) ([]string, error) {
 	if err != nil {
 		return nil, err
 	}
-	return store.Grants(n, role, operator)
+	out, err := store.Grants(n, role, operator)
+	if err != nil {
+		return nil, err
+	}
+	r, _ := store.QuoteRole(role) // checked by store.Grants
+	// The partitions of the effects table (migration 023): the inserts that return xmin name
+	// them, and the relay's rotation moves what is pending in the oldest and truncates it, then
+	// switches the current one.
+	for gen := range 3 {
+		out = append(out, "GRANT SELECT, INSERT, UPDATE, DELETE, TRUNCATE ON TABLE "+effectsPartition(n, gen)+" TO "+r)
+	}
+	return append(out, "GRANT SELECT, UPDATE ON TABLE "+rotationTable(n)+" TO "+r), nil
+}
+
+// rotationTable is the quoted name of the table of the current partition of the effects table.
+func rotationTable(n store.Names) string {
+	return `"` + n.Schema + `"."` + n.Prefix + `effects_rotation"`
 }
 
 // ownClaimSetting is the session setting in which MessageClaim leaves the transaction ID of the

@@ -23,9 +23,12 @@ func TestEffectRetryNowOnABacklog(t *testing.T) {
 			CASE WHEN g % 50 = 0 THEN now() + interval '1 minute' END
 		FROM generate_series(1, 100000) g`)
 	exec(`ANALYZE ` + n.Effects)
-	q := Queries(n, false)
+	q := Queries(n, false, nil)
 	plan := strings.Join(queryLines(t, db, `EXPLAIN `+strings.ReplaceAll(q.EffectRetryNow, "$1", "'1,2,3'")), "\n")
-	if !strings.Contains(plan, "Index Cond: (id = v.id)") || strings.Contains(plan, "Seq Scan on retry_effects") {
+	// The rows are in partition 0; partitions 1 and 2, empty and never analyzed, may be read
+	// whole (no page).
+	others := strings.NewReplacer("Seq Scan on retry_effects_1", "", "Seq Scan on retry_effects_2", "").Replace(plan)
+	if !strings.Contains(plan, "Index Cond: (id = v.id)") || strings.Contains(others, "Seq Scan on retry_effects") {
 		t.Errorf("EffectRetryNow does not update by primary key:\n%s", plan)
 	}
 	r := st.(outboxdriver.EffectRetrier)

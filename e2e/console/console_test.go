@@ -199,7 +199,7 @@ func TestConsoleInABrowser(t *testing.T) {
 	}
 	stillParked := func() int {
 		var n int
-		if err := db.QueryRow(`SELECT count(*) FROM outbox_effects WHERE uuid = $1 AND parked_at IS NOT NULL AND dispatched_at IS NULL`, parked[1]).Scan(&n); err != nil {
+		if err := db.QueryRow(`SELECT count(*) FROM outbox_effects_all WHERE uuid = $1 AND parked_at IS NOT NULL AND dispatched_at IS NULL`, parked[1]).Scan(&n); err != nil {
 			t.Fatal(err)
 		}
 		return n
@@ -325,6 +325,7 @@ func TestConsoleAfterARepairInABrowser(t *testing.T) {
 	first.FlushMarks()
 	waitFor := func(what, query string) {
 		t.Helper()
+		pgtest.CheckEffectsParent(t, query)
 		deadline := time.Now().Add(30 * time.Second)
 		for {
 			var ok bool
@@ -340,7 +341,7 @@ func TestConsoleAfterARepairInABrowser(t *testing.T) {
 	firstCtx, stopFirst := context.WithCancel(ctx)
 	firstDone := make(chan error, 1)
 	go func() { firstDone <- first.Run(firstCtx) }()
-	waitFor("the relay parks the 3 invoices", `SELECT count(*) = 3 FROM outbox_effects WHERE parked_at IS NOT NULL`)
+	waitFor("the relay parks the 3 invoices", `SELECT count(*) = 3 FROM outbox_effects_all WHERE parked_at IS NOT NULL`)
 	stopFirst()
 	<-firstDone
 

@@ -37,6 +37,7 @@ import (
 	"github.com/watermill-outbox/outbox/e2e/internal/natstest"
 	"github.com/watermill-outbox/outbox/internal/logtest"
 	"github.com/watermill-outbox/outbox/internal/pgserver"
+	"github.com/watermill-outbox/outbox/internal/pgtest"
 	"github.com/watermill-outbox/outbox/internal/routertest"
 	"github.com/watermill-outbox/outbox/middleware"
 	"github.com/watermill-outbox/outbox/outboxdriver"
@@ -228,7 +229,7 @@ func runFailover(t *testing.T, synchronous bool) result {
 		routertest.RunRouter(t, r)
 	}
 	mustExec(t, admin, `CREATE VIEW all_effects AS
-		SELECT source_consumer, source_id, topic, uuid FROM outbox_effects
+		SELECT source_consumer, source_id, topic, uuid FROM outbox_effects_all
 		UNION ALL SELECT source_consumer, source_id, topic, uuid FROM outbox_dispatched`)
 
 	// Downstream: every effect that reaches the broker, by topic, order and UUID.
@@ -347,7 +348,7 @@ func runFailover(t *testing.T, synchronous bool) result {
 			}
 		}
 		var pending int
-		if err := db.QueryRow(`SELECT count(*) FROM outbox_effects WHERE dispatched_at IS NULL`).Scan(&pending); err != nil || pending > 0 {
+		if err := db.QueryRow(`SELECT count(*) FROM outbox_effects_all WHERE dispatched_at IS NULL`).Scan(&pending); err != nil || pending > 0 {
 			stable = 0
 			if time.Since(lastDump) > 5*time.Second {
 				lastDump = time.Now()
@@ -450,7 +451,7 @@ func pendingRows(db *sql.DB) string {
 	rows, err := db.Query(`SELECT id, source_consumer, source_id, attempts, failures, coalesce(last_error, ''),
 			coalesce(to_char(failed_at, 'HH24:MI:SS.MS'), '-'), coalesce(to_char(next_attempt_at, 'HH24:MI:SS.MS'), '-'),
 			coalesce(to_char(parked_at, 'HH24:MI:SS.MS'), '-'), to_char(created_at, 'HH24:MI:SS.MS'), to_char(clock_timestamp(), 'HH24:MI:SS.MS')
-		FROM outbox_effects WHERE dispatched_at IS NULL ORDER BY id LIMIT 5`)
+		FROM outbox_effects_all WHERE dispatched_at IS NULL ORDER BY id LIMIT 5`)
 	if err != nil {
 		return err.Error()
 	}
@@ -560,6 +561,7 @@ func openDB(t *testing.T, dsn string) *sql.DB {
 
 func mustExec(t *testing.T, db *sql.DB, q string) {
 	t.Helper()
+	pgtest.CheckEffectsParent(t, q)
 	if _, err := db.Exec(q); err != nil {
 		t.Fatalf("%s: %v", q, err)
 	}

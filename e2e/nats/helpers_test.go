@@ -32,7 +32,7 @@ func newEnv(t *testing.T) *env {
 	}
 	// Every effect row, pending or dispatched and kept for EffectRetention.
 	if _, err := e.db.Exec(`CREATE VIEW all_effects AS
-		SELECT source_consumer, source_id, topic, uuid FROM outbox_effects
+		SELECT source_consumer, source_id, topic, uuid FROM outbox_effects_all
 		UNION ALL SELECT source_consumer, source_id, topic, uuid FROM outbox_dispatched`); err != nil {
 		t.Fatal(err)
 	}
@@ -58,6 +58,7 @@ func (e *env) newOutbox(mutate ...func(*outbox.Config)) *outbox.Outbox {
 // count runs a counting query after the Outboxes wrote their queued marks.
 func (e *env) count(query string, args ...any) int {
 	e.t.Helper()
+	pgtest.CheckEffectsParent(e.t, query)
 	for _, ob := range e.obs {
 		ob.FlushMarks()
 	}
@@ -69,7 +70,7 @@ func (e *env) count(query string, args ...any) int {
 }
 
 func (e *env) pendingEffects() int {
-	return e.count(`SELECT count(*) FROM outbox_effects WHERE dispatched_at IS NULL`)
+	return e.count(`SELECT count(*) FROM outbox_effects_all WHERE dispatched_at IS NULL`)
 }
 
 type publisherFunc func(topic string, msgs ...*message.Message) error

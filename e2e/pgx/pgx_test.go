@@ -71,7 +71,7 @@ func TestPgxStdlib(t *testing.T) {
 	if err := db.QueryRow(`SELECT count(*) FROM applied`).Scan(&n); err != nil {
 		t.Fatal(err)
 	}
-	if err := db.QueryRow(`SELECT count(*) FROM outbox_effects WHERE dispatched_at IS NULL`).Scan(&pending); err != nil {
+	if err := db.QueryRow(`SELECT count(*) FROM outbox_effects_all WHERE dispatched_at IS NULL`).Scan(&pending); err != nil {
 		t.Fatal(err)
 	}
 	if calls != 1 || n != 1 || pending != 0 {

@@ -60,7 +60,7 @@ type chaosConfig struct {
 const (
 	faultBrokerDown  = "broker-down"  // the embedded NATS server shuts down
 	faultRefuseTopic = "refuse-topic" // the broker refuses every publish to topicStockReserved
-	faultDBStall     = "db-stall"     // a side transaction holds outbox_effects locked (PostgreSQL)
+	faultDBStall     = "db-stall"     // a side transaction holds outbox_effects_all locked (PostgreSQL)
 )
 
 var faults = []string{faultBrokerDown, faultRefuseTopic, faultDBStall}
@@ -494,11 +494,11 @@ func (c *chaos) startFault(ctx context.Context, s *service) error {
 		}
 		tx, err := conn.BeginTx(ctx, nil)
 		if err == nil {
-			_, err = tx.ExecContext(ctx, `LOCK TABLE outbox_effects IN ACCESS EXCLUSIVE MODE`)
+			_, err = tx.ExecContext(ctx, `LOCK TABLE outbox_effects_all IN ACCESS EXCLUSIVE MODE`)
 		}
 		if err != nil {
 			_ = conn.Close()
-			return fmt.Errorf("lock outbox_effects: %w", err)
+			return fmt.Errorf("lock outbox_effects_all: %w", err)
 		}
 		go func() {
 			<-ctx.Done()
@@ -817,7 +817,7 @@ func countOrderStates(ctx context.Context, db *sql.DB, customer string) (placed,
 // every copy acked, and every paid order has its receipt.
 func settled(ctx context.Context, s *service, customer string) (bool, string, error) {
 	var pending int
-	if err := s.db.QueryRowContext(ctx, `SELECT count(*) FROM outbox_effects WHERE dispatched_at IS NULL`).Scan(&pending); err != nil {
+	if err := s.db.QueryRowContext(ctx, `SELECT count(*) FROM outbox_effects_all WHERE dispatched_at IS NULL`).Scan(&pending); err != nil {
 		return false, "", err
 	}
 	if pending > 0 {

@@ -79,14 +79,21 @@ type Form struct {
 	Savepoint func(ctx context.Context) (rollback func() error, err error)
 }
 
+// RotateEvery is the PostgreSQL forms' postgres.Driver.RotateEvery: a few rotations of the
+// effects table in every run (a run lasts some seconds; the default, 10 s, would rotate once at
+// most), so that the moves and truncations race the faults and the other forms' statements.
+const RotateEvery = time.Second
+
 // SQLForm is the database/sql form (lib/pq, drivers/postgres).
-func SQLForm() Form { return DatabaseSQLForm("database/sql", "postgres", postgres.Driver{}, 0) }
+func SQLForm() Form {
+	return DatabaseSQLForm("database/sql", "postgres", postgres.Driver{RotateEvery: RotateEvery}, 0)
+}
 
 // SQLFormInline is the database/sql form with postgres.Driver.MaxInlineBytes maxBytes: with a
 // few hundred bytes, units move the effects kept in their claim to rows (spill) after one, two
 // or three of the handler's records, some inside its savepoint; negative, they keep none.
 func SQLFormInline(maxBytes int) Form {
-	return DatabaseSQLForm(fmt.Sprintf("database/sql inline %d", maxBytes), "postgres", postgres.Driver{MaxInlineBytes: maxBytes}, 0)
+	return DatabaseSQLForm(fmt.Sprintf("database/sql inline %d", maxBytes), "postgres", postgres.Driver{MaxInlineBytes: maxBytes, RotateEvery: RotateEvery}, 0)
 }
 
 // DatabaseSQLForm is a database/sql form on any store driver: name names it in reports; sqlDriver

@@ -18,13 +18,22 @@ func (c *run) pending() int {
 	n := 0
 	for _, db := range c.dbs {
 		var rows, inline, delayed int
-		if err := db.QueryRow(`SELECT (SELECT count(*) FROM `+c.prefix+`effects WHERE dispatched_at IS NULL), `+
+		if err := db.QueryRow(`SELECT (SELECT count(*) FROM `+c.effectsTable()+` WHERE dispatched_at IS NULL), `+
 			c.inlineCount()+`, `+c.delayedCount()).Scan(&rows, &inline, &delayed); err != nil {
 			c.t.Fatal(err)
 		}
 		n += rows + inline + delayed
 	}
 	return n
+}
+
+// effectsTable is the table the effect rows are read through: on PostgreSQL the partitioned
+// parent (migration 023), whose partition 0 alone is named effects.
+func (c *run) effectsTable() string {
+	if c.database == postgresDatabase {
+		return c.prefix + "effects_all"
+	}
+	return c.prefix + "effects"
 }
 
 // inlineCount is the SQL of the number of claims holding inline effects (none but on PostgreSQL).
@@ -79,7 +88,7 @@ func (c *run) committed() []effect {
 func (c *run) committedIn(db *sql.DB) []effect {
 	t := c.t
 	var out []effect
-	query := `SELECT source_consumer, source_id, seq, topic, uuid, payload, 'row' FROM ` + c.prefix + `effects`
+	query := `SELECT source_consumer, source_id, seq, topic, uuid, payload, 'row' FROM ` + c.effectsTable()
 	if c.database == postgresDatabase {
 		query += ` UNION ALL SELECT source_consumer, source_id, seq, topic, uuid, payload, 'dispatched' FROM ` + c.prefix + `dispatched`
 	}
@@ -182,7 +191,7 @@ func (c *run) check(specs []*spec, acked []atomic.Bool, rqs []*request) {
 		var parked, inline int
 		for _, db := range c.dbs {
 			var p, i int
-			if err := db.QueryRow(`SELECT (SELECT count(*) FROM `+c.prefix+`effects WHERE parked_at IS NOT NULL AND dispatched_at IS NULL), `+
+			if err := db.QueryRow(`SELECT (SELECT count(*) FROM `+c.effectsTable()+` WHERE parked_at IS NOT NULL AND dispatched_at IS NULL), `+
 				c.inlineCount()).Scan(&p, &i); err != nil {
 				t.Fatal(err)
 			}
@@ -332,9 +341,9 @@ func (c *run) check(specs []*spec, acked []atomic.Bool, rqs []*request) {
 // moved from the delayed effects, was due: by the database's clock, which decides what is due
 // (a moved effect is stored with its due time). Both are in db, their tenant's.
 func (c *run) storedAfter(db *sql.DB, a, b string) bool {
-	rows := c.prefix + `effects`
+	rows := c.effectsTable()
 	if c.database == postgresDatabase {
-		rows = `(SELECT uuid, created_at FROM ` + c.prefix + `effects UNION ALL SELECT uuid, created_at FROM ` + c.prefix + `dispatched)`
+		rows = `(SELECT uuid, created_at FROM ` + c.effectsTable() + ` UNION ALL SELECT uuid, created_at FROM ` + c.prefix + `dispatched)`
 	}
 	var after bool
 	if err := db.QueryRow(c.database.Bind(`SELECT (SELECT max(created_at) FROM `+rows+` x WHERE uuid = $1) >

@@ -4,4 +4,13 @@
 -- lease ends after the retry time it was claimed past, so never equal) is left alone. A nullable
 -- column without a default: the table is not rewritten.
 SET LOCAL lock_timeout = '10s';
-ALTER TABLE "{{schema}}"."{{prefix}}effects" ADD COLUMN IF NOT EXISTS backoff_until timestamptz;
+-- Checked first rather than with ADD COLUMN IF NOT EXISTS: a script that applies every migration
+-- again (migrate sql) finds the effects table a partition after 023, and a partition refuses
+-- ADD COLUMN even when the column exists.
+DO $$
+BEGIN
+IF NOT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = '"{{schema}}"."{{prefix}}effects"'::regclass
+    AND attname = 'backoff_until' AND NOT attisdropped) THEN
+    ALTER TABLE "{{schema}}"."{{prefix}}effects" ADD COLUMN backoff_until timestamptz;
+END IF;
+END $$;

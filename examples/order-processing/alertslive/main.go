@@ -8,7 +8,7 @@
 // With -fault, the service keeps taking an order a second after its report, the fault is injected
 // a minute later and held for -hold before the kill: broker-down (the embedded NATS server shuts
 // down), refuse-topic (the broker refuses one topic), db-stall (a side transaction holds the
-// outbox_effects table locked; the run then uses a private PostgreSQL). The kill itself is the
+// outbox_effects_all table (every partition) locked; the run then uses a private PostgreSQL). The kill itself is the
 // dead-service fault, at the end of every run. -fast divides every `for:` of a copy of the rules by
 // 10, for a quick look; the report says so.
 package main

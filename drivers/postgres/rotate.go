@@ -1,0 +1,168 @@
+package postgres
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/watermill-outbox/outbox/store"
+)
+
+// The effects table is partitioned by generation (migration 023), one partition current: new
+// effects go to it. The relay rotates: it empties the oldest partition (the one after the
+// current, modulo 3), moving what is still pending there into the current one, and makes it the
+// current one. TRUNCATE frees the rows and index entries of the sent effects whatever holds the
+// xmin horizon back, where DELETE and VACUUM could not: behind a held horizon the claims walk the
+// dead entries of the two newest partitions only, not every one since the hold began.
+
+// rotateMoveLimit bounds the pending rows an emptying moves (parked, backing off, a backlog):
+// more, and it puts the rotation off, since the move would hold the partition's exclusive lock,
+// and with it every statement on the effects table, while it copies them.
+const rotateMoveLimit = 10000
+
+// rotateLockTimeout bounds the wait for the exclusive lock of the partition to empty (and for the
+// rotation row). Statements on the effects table queue behind the lock request while it waits,
+// so it is kept short; on a timeout the rotation is tried again at the next turn.
+const rotateLockTimeout = 20 * time.Millisecond
+
+// rotateTimeout bounds one look at the rotation, its emptying included.
+const rotateTimeout = 10 * time.Second
+
+// effectColumnList are the columns of an effect row but gen, which the partition a moved row
+// lands in sets (its default).
+const effectColumnList = `id, source_consumer, source_id, seq, kind, topic, uuid, payload, metadata, ordering_key,
+	created_at, dispatched_at, attempts, last_error, next_attempt_at, parked_at, failures, failed_at, backoff_until`
+
+// rotationQueries are the statements of the rotation.
+type rotationQueries struct {
+	probe   string // (RotateEvery ms) -> current gen, whether the rotation is due, whether the current partition holds pages
+	advance string // (next, current): no row changed when another instance rotated
+	lock    [3]string
+	count   [3]string    // (limit + 1) -> the rows in the partition, up to the limit + 1
+	move    [3][3]string // [from][to]: the rows of from into to, with their ids and state
+	empty   [3]string
+}
+
+func newRotationQueries(n store.Names) rotationQueries {
+	var q rotationQueries
+	sizeOf := `CASE r.gen`
+	for g := range 3 {
+		p := effectsPartition(n, g)
+		sizeOf += fmt.Sprintf(` WHEN %d THEN '%s'::regclass`, g, p)
+		q.lock[g] = `LOCK TABLE ` + p + ` IN ACCESS EXCLUSIVE MODE`
+		q.count[g] = `SELECT count(*) FROM (SELECT 1 FROM ` + p + ` LIMIT $1) s`
+		q.empty[g] = `TRUNCATE ` + p
+		for to := range 3 {
+			q.move[g][to] = `WITH m AS (DELETE FROM ` + p + ` RETURNING ` + effectColumnList + `)
+				INSERT INTO ` + effectsPartition(n, to) + ` (` + effectColumnList + `) SELECT ` + effectColumnList + ` FROM m`
+		}
+	}
+	sizeOf += ` END`
+	q.probe = `SELECT r.gen, r.rotated_at < now() - $1::bigint * interval '1 millisecond', pg_relation_size(` + sizeOf + `) > 0
+		FROM ` + rotationTable(n) + ` r`
+	q.advance = `UPDATE ` + rotationTable(n) + ` SET gen = $1, rotated_at = now() WHERE gen = $2`
+	return q
+}
+
+// EffectsGeneration returns the current partition of the effects table as this Store last read
+// it, for statements run beside the Store that insert effects (Queries).
+func (s *inline) EffectsGeneration() *Generation { return s.gen }
+
+// rotate reads the current partition, at most every RotateEvery/2, and, when it has held effects
+// for RotateEvery, empties the next one and makes it current. An idle database (nothing written
+// to the current partition since it became current) rotates nothing and writes nothing.
+func (s *inline) rotate(ctx context.Context) error {
+	every := s.rotateEvery
+	if every < 0 {
+		return nil
+	}
+	last := s.lastRotate.Load()
+	if time.Since(time.Unix(0, last)) < every/2 || !s.lastRotate.CompareAndSwap(last, time.Now().UnixNano()) {
+		return nil
+	}
+	ctx, cancel := context.WithTimeout(ctx, rotateTimeout)
+	defer cancel()
+	var cur int
+	var due, used bool
+	if err := s.db.QueryRowContext(ctx, s.rq.probe, every.Milliseconds()).Scan(&cur, &due, &used); err != nil {
+		return fmt.Errorf("read the current partition: %w", wrapErr(s.SQL, err))
+	}
+	if cur < 0 || cur > 2 {
+		return fmt.Errorf("current partition of the effects table: %d, want 0 to 2", cur)
+	}
+	s.gen.store(cur)
+	if !due || !used {
+		return nil
+	}
+	next := (cur + 1) % 3
+	switched := false
+	err := s.inTx(ctx, func(tx *sql.Tx) error {
+		if _, err := tx.ExecContext(ctx, fmt.Sprintf(`SET LOCAL lock_timeout = '%dms'`, s.rotateLock.Milliseconds())); err != nil {
+			return err
+		}
+		// The switch first: its row lock makes the instances that rotate at once take turns, and
+		// the one that finds the generation changed does nothing.
+		res, err := tx.ExecContext(ctx, s.rq.advance, next, cur)
+		if err != nil {
+			return err
+		}
+		if n, err := res.RowsAffected(); err != nil || n == 0 {
+			return err
+		}
+		// Under the exclusive lock every transaction that wrote into the partition has ended
+		// (a writer whose generation is out of date): the move sees its rows. A writer that
+		// comes after waits for the commit, and its row lands in the partition that is then
+		// the current one.
+		if _, err := tx.ExecContext(ctx, s.rq.lock[next]); err != nil {
+			return err
+		}
+		var rows int
+		if err := tx.QueryRowContext(ctx, s.rq.count[next], rotateMoveLimit+1).Scan(&rows); err != nil {
+			return err
+		}
+		if rows > rotateMoveLimit {
+			return errRotationBacklog
+		}
+		if rows > 0 {
+			// The ids stay: the relay sends each ordering key's effects in id order.
+			if _, err := tx.ExecContext(ctx, s.rq.move[next][cur]); err != nil {
+				return err
+			}
+		}
+		// Even when the partition is empty: TRUNCATE also resets its statistics (never
+		// analyzed: the planner takes it for ten pages, not for none) and drops the cached
+		// plans that use it, so that no plan made while it was analyzed empty scans it whole
+		// once it is the current one and fills.
+		if _, err := tx.ExecContext(ctx, s.rq.empty[next]); err != nil {
+			return err
+		}
+		switched = true
+		return nil
+	})
+	switch {
+	case errors.Is(err, errRotationBacklog):
+		if !s.backlogNoted.Swap(true) {
+			return fmt.Errorf("partition %d of the effects table holds more than %d pending effects: not rotated until they are sent", next, rotateMoveLimit)
+		}
+		return nil
+	case isLockTimeout(err):
+		return nil // tried again at the next turn
+	case err != nil:
+		return fmt.Errorf("rotate to partition %d: %w", next, wrapErr(s.SQL, err))
+	}
+	if switched {
+		s.backlogNoted.Store(false)
+		s.gen.store(next)
+	}
+	return nil
+}
+
+var errRotationBacklog = errors.New("rotation put off: backlog")
+
+// isLockTimeout tells whether err is PostgreSQL's lock_not_available (lock_timeout).
+func isLockTimeout(err error) bool {
+	var e interface{ SQLState() string }
+	return errors.As(err, &e) && e.SQLState() == "55P03"
+}
