@@ -16,6 +16,10 @@ import (
 //	go test -run TestFaultCampaign . -args -campaign.seed=1234     # replay one run
 //	go test -run TestFaultCampaign . -args -campaign.off=copy-after # without a scenario
 func TestFaultCampaign(t *testing.T) {
+	// It has a database of its own (pgtest.DSN) and changes nothing outside it, so it runs beside
+	// the package's other parallel tests, which spend their half minute waiting for a relay lease
+	// to end: the package takes the campaign's time, not the campaign's and theirs.
+	t.Parallel()
 	campaign.Run(t, pgtest.DSN(t), campaign.Options{
 		Deployments: []campaign.Deployment{
 			{Name: "database/sql", Forms: []campaign.Form{campaign.SQLForm(), campaign.SQLForm(), campaign.SQLForm()}},

@@ -162,6 +162,8 @@ func TestRelayRoundEndsWithinItsLease(t *testing.T) {
 	if testing.Short() {
 		t.Skip("runs past one relay lease (30 s)")
 	}
+	// Its database is its own (newEnv): the 31 s it waits pass beside the fault campaign.
+	t.Parallel()
 	e := newEnv(t)
 	commitPending(t, e, "out_a", "k", 400, 400)
 	pub := &leaseCheckingPublisher{db: e.db, release: make(chan struct{}), calls: map[string]int{}}
