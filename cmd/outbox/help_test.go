@@ -20,7 +20,8 @@ func noDSN(args ...string) (int, string, string) {
 // The commands and subcommands, each with its own help.
 var commands = []string{
 	"status", "parked", "parked list", "parked groups", "parked retry", "parked discard",
-	"failing", "failing list", "replay", "lookup",
+	"failing", "failing list", "dead", "dead list", "dead groups", "dead retry", "dead discard", "dead now",
+	"replay", "lookup",
 	"migrate", "migrate up", "migrate status", "migrate sql", "migrate grants", "cleanup", "help",
 }
 
