@@ -1,6 +1,7 @@
 package main
 
 import (
+	"encoding/json"
 	"os"
 	"regexp"
 	"strings"
@@ -37,5 +38,47 @@ func TestAlertTextsNameCommands(t *testing.T) {
 	// consumer: it must name the command that moves the message aside at once.
 	if !strings.Contains(text, "`outbox dead now") {
 		t.Errorf("no alert names `outbox dead now`, which dead-letters a failing message at once")
+	}
+}
+
+// Item: the dashboard's panels told the reader to run Outbox.RetryParked or
+// Outbox.ReplayPoisoned, and showed no dead letters, although failing messages end there by
+// default. Its descriptions name commands, as the alerts do, and it shows the dead letters
+// waiting and the messages dead-lettered.
+func TestDashboardNamesCommandsAndShowsDeadLetters(t *testing.T) {
+	raw, err := os.ReadFile("../../deploy/grafana/outbox-dashboard.json")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var dash struct {
+		Panels []struct {
+			Title, Description string
+			Targets            []struct{ Expr string }
+		}
+	}
+	if err := json.Unmarshal(raw, &dash); err != nil {
+		t.Fatal(err)
+	}
+	method := regexp.MustCompile(`\b(?:Outbox|ops)\.([A-Z]\w*)`)
+	var gauge, outcome bool
+	for _, p := range dash.Panels {
+		for _, m := range method.FindAllStringSubmatch(p.Description, -1) {
+			if m[1] != "Run" {
+				t.Errorf("panel %q names the Go method %s instead of a command", p.Title, m[0])
+			}
+		}
+		for _, c := range regexp.MustCompile("`outbox((?: [a-z]+)+)").FindAllStringSubmatch(p.Description, -1) {
+			words := strings.Fields(c[1])
+			if code, out, _ := noDSN(append(words, "-h")...); code != 0 || !strings.Contains(out, "usage: outbox "+strings.Join(words, " ")) {
+				t.Errorf("panel %q names `outbox %s`, which is no command", p.Title, c[1])
+			}
+		}
+		for _, q := range p.Targets {
+			gauge = gauge || strings.Contains(q.Expr, "outbox_messages_dead{")
+			outcome = outcome || strings.Contains(q.Expr, "dead_lettered")
+		}
+	}
+	if !gauge || !outcome {
+		t.Errorf("the dashboard shows the dead letters waiting: %v, the messages dead-lettered: %v; want both", gauge, outcome)
 	}
 }
