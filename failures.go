@@ -406,7 +406,7 @@ func (o *Outbox) deadLetter(ctx, outcomeCtx context.Context, dl outboxdriver.Dea
 	}
 	setOutcome(outcomeCtx, OutcomeDeadLettered)
 	fields = fields.Add(watermill.LogFields{"attempts": n, "permanent": permanent})
-	o.logger.Error("Message dead-lettered and acked; see Outbox.DeadLetters", cause, fields)
+	o.logger.Error("Message dead-lettered and acked; nothing processes it until an operator retries it: `outbox dead list` (or the web console) shows it, `outbox dead retry CONSUMER MESSAGE_ID` hands it back", cause, fields)
 	if poison != nil {
 		poison.StoredAt = time.Now()
 		if err := o.dispatchAndMark(ctx, PathCommit, src, []Effect{*poison}, time.Time{}, fields); err != nil {

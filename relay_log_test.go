@@ -2,12 +2,15 @@ package outbox_test
 
 import (
 	"context"
+	"errors"
 	"strings"
 	"sync"
 	"testing"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
 
 	"github.com/watermill-outbox/outbox"
 )
@@ -75,5 +78,37 @@ func TestRelayLogLinesCarryTheCause(t *testing.T) {
 	}
 	if failed == 0 || parked == 0 {
 		t.Fatalf("%d failed dispatches and %d parked effects logged, want both", failed, parked)
+	}
+}
+
+// TestDeadLetterLogLineNamesTheCommand: the log line of a dead-lettered message carries the
+// handler's error as its error and tells the operator what to run (outbox dead list, or the
+// console), not a Go method of the service's code.
+func TestDeadLetterLogLineNamesTheCommand(t *testing.T) {
+	e := newEnv(t)
+	logs := watermill.NewCaptureLogger()
+	ob := e.newOutbox(func(c *outbox.Config) { c.Logger = logs })
+	msg := message.NewMessage(uuid.NewString(), []byte("{"))
+	err := ob.Handle(msg, outbox.HandleParams{Consumer: "c1", MessageID: msg.UUID, Topic: "orders.in"}, func(*message.Message) ([]*message.Message, error) {
+		return nil, outbox.Permanent(errors.New("cannot parse the order"))
+	})
+	if err != nil {
+		t.Fatalf("a permanent failure: want the message dead-lettered and acked, got %v", err)
+	}
+	var lines int
+	for _, m := range logs.Captured()[watermill.ErrorLogLevel] {
+		if !strings.Contains(m.Msg, "dead-lettered") {
+			continue
+		}
+		lines++
+		if m.Err == nil || !strings.Contains(m.Err.Error(), "cannot parse the order") {
+			t.Errorf("dead letter logged with err %v, want the handler's error", m.Err)
+		}
+		if !strings.Contains(m.Msg, "outbox dead list") || strings.Contains(m.Msg, "Outbox.") {
+			t.Errorf("dead letter logged as %q: want it to name the command that lists them (outbox dead list), not a Go method", m.Msg)
+		}
+	}
+	if lines != 1 {
+		t.Fatalf("%d log lines of a dead-lettered message, want 1", lines)
 	}
 }

@@ -619,7 +619,8 @@ func (o *Ops) PoisonedMessages(ctx context.Context, consumer string, limit int) 
 	return out, closeRows(rows)
 }
 
-// Lookup is everything the tables know of one message of one consumer.
+// Lookup is everything the tables know of one message of one consumer. DispatchedAt is when its
+// last effect left the pending ones, sent or discarded (zero while one is pending or parked).
 type Lookup struct {
 	Consumer     string         `json:"consumer"`
 	MessageID    string         `json:"message_id"`
@@ -638,11 +639,17 @@ type LookupEffect struct {
 	Kind         string    `json:"kind"`
 	Topic        string    `json:"topic"`
 	UUID         string    `json:"uuid"`
-	State        string    `json:"state"` // pending, parked, dispatched
+	State        string    `json:"state"` // pending, parked, dispatched, discarded
 	CreatedAt    time.Time `json:"created_at"`
 	DispatchedAt time.Time `json:"dispatched_at,omitzero"`
+	DiscardedAt  time.Time `json:"discarded_at,omitzero"`
 	LastError    string    `json:"last_error,omitempty"`
 }
+
+// discardedNote ends the last error of a discarded effect: the stores keep it beside the
+// dispatched ones, with the discard's time as its dispatch time, and this is all that tells it
+// from an effect that was sent.
+const discardedNote = " (discarded)"
 
 // Lookup tells whether consumer processed messageID, when, what it sent and what is pending.
 // Dispatched effects show only while they are kept (Config.EffectRetention).
@@ -670,6 +677,10 @@ func (o *Ops) Lookup(ctx context.Context, consumer, messageID string) (Lookup, e
 			return l, err
 		}
 		e.DispatchedAt = at.Time
+		if msg, ok := strings.CutSuffix(e.LastError, discardedNote); ok && e.State == "dispatched" {
+			e.State, e.LastError = "discarded", msg
+			e.DiscardedAt, e.DispatchedAt = e.DispatchedAt, time.Time{}
+		}
 		l.Effects = append(l.Effects, e)
 	}
 	if err := closeRows(rows); err != nil {

@@ -4,9 +4,13 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
 	"strings"
 	"testing"
 
+	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/watermill-outbox/outbox"
 	"github.com/watermill-outbox/outbox/ops"
 )
 
@@ -20,7 +24,8 @@ func noDSN(args ...string) (int, string, string) {
 // The commands and subcommands, each with its own help.
 var commands = []string{
 	"status", "parked", "parked list", "parked groups", "parked retry", "parked discard",
-	"failing", "failing list", "replay", "lookup",
+	"failing", "failing list", "dead", "dead list", "dead groups", "dead retry", "dead discard", "dead now",
+	"replay", "lookup",
 	"migrate", "migrate up", "migrate status", "migrate sql", "migrate grants", "cleanup", "help",
 }
 
@@ -181,5 +186,39 @@ func TestLookupOfAnUnsentEffect(t *testing.T) {
 	code, out = f.cli(t, "lookup", "billing", "m-ok")
 	if code != 0 || !strings.Contains(out, "last dispatch") {
 		t.Errorf("lookup of a message whose effects went out: exit %d: %s", code, out)
+	}
+}
+
+// Item: lookup showed "last dispatch" for an effect never sent. A discarded effect is kept beside
+// the dispatched ones, with the discard's time as its dispatch time, so lookup listed it as
+// dispatched and, when it was the message's only effect, printed its discard as a dispatch.
+func TestLookupOfADiscardedEffect(t *testing.T) {
+	f := newFixture(t)
+	err := f.ob.Handle(message.NewMessage("m-refused", nil), outbox.HandleParams{Consumer: "billing", MessageID: "m-refused"},
+		func(msg *message.Message) ([]*message.Message, error) {
+			return nil, outbox.Publish(msg.Context(), "refunds", message.NewMessage("", []byte("poison")))
+		})
+	if !errors.Is(err, outbox.ErrDispatchFailed) {
+		t.Fatalf("dispatch: %v", err)
+	}
+	// One refusal parks an effect only while something else reaches the broker; this one is
+	// parked as the relay would after more of them.
+	if _, err := f.db.Exec(`UPDATE outbox_effects_all SET parked_at = now() WHERE topic = 'refunds'`); err != nil {
+		t.Fatal(err)
+	}
+	var ch ops.Change
+	f.jsonOf(t, &ch, "parked", "discard", "-topic", "refunds")
+	if ch.Changed != 1 {
+		t.Fatalf("discard: %+v", ch)
+	}
+	code, out := f.cli(t, "lookup", "billing", "m-refused")
+	if code != 0 || strings.Contains(out, "last dispatch") || strings.Contains(out, "dispatched") || !strings.Contains(out, "discarded") {
+		t.Errorf("lookup of a message whose only effect was discarded: exit %d, want it discarded and no dispatch:\n%s", code, out)
+	}
+	var l ops.Lookup
+	f.jsonOf(t, &l, "lookup", "billing", "m-refused")
+	if len(l.Effects) != 1 || l.Effects[0].State != "discarded" || !l.Effects[0].DispatchedAt.IsZero() ||
+		l.Effects[0].DiscardedAt.IsZero() || !strings.Contains(l.Effects[0].LastError, "schema v2 required") || strings.Contains(l.Effects[0].LastError, "(discarded)") {
+		t.Errorf("lookup -o json of the discarded effect: %+v", l.Effects)
 	}
 }

@@ -284,7 +284,7 @@ func TestOpsRepairsAreGuardedDryRunnableAndAudited(t *testing.T) {
 		t.Errorf("discard: %+v, %v", ch, err)
 	}
 	l, err := f.o.Lookup(ctx, "billing", "m2")
-	if err != nil || len(l.Effects) != 1 || l.Effects[0].State != "dispatched" || l.Effects[0].DispatchedAt.IsZero() || !strings.Contains(l.Effects[0].LastError, "discarded") {
+	if err != nil || len(l.Effects) != 1 || l.Effects[0].State != "discarded" || !l.Effects[0].DispatchedAt.IsZero() || l.Effects[0].DiscardedAt.IsZero() {
 		t.Errorf("m2 after the discard: %+v, %v", l, err)
 	}
 

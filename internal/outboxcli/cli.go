@@ -1024,8 +1024,28 @@ func lookup(ctx context.Context, g *globals, c *command, args []string, out prin
 			// The claim has no dispatch time until its last effect is sent.
 			fmt.Fprintf(w, "%s: processed at %s, its effects not all dispatched yet\n", name, l.ProcessedAt.Format(time.RFC3339Nano))
 		case l.Processed:
-			fmt.Fprintf(w, "%s: processed at %s, last dispatch %s\n", name,
-				l.ProcessedAt.Format(time.RFC3339Nano), l.DispatchedAt.Format(time.RFC3339Nano))
+			// The claim's time is also moved by a discard, and is the commit's for a message
+			// that sent nothing: a dispatch is named only from an effect that was sent.
+			var sent time.Time
+			discarded := false
+			for _, e := range l.Effects {
+				if e.DispatchedAt.After(sent) {
+					sent = e.DispatchedAt
+				}
+				discarded = discarded || e.State == "discarded"
+			}
+			switch {
+			case !sent.IsZero():
+				fmt.Fprintf(w, "%s: processed at %s, last dispatch %s\n", name,
+					l.ProcessedAt.Format(time.RFC3339Nano), sent.Format(time.RFC3339Nano))
+			case discarded:
+				fmt.Fprintf(w, "%s: processed at %s, nothing sent: its effects were discarded (last at %s)\n", name,
+					l.ProcessedAt.Format(time.RFC3339Nano), l.DispatchedAt.Format(time.RFC3339Nano))
+			default:
+				// No effect, or the sent ones deleted after the service's EffectRetention.
+				fmt.Fprintf(w, "%s: processed at %s, nothing pending since %s\n", name,
+					l.ProcessedAt.Format(time.RFC3339Nano), l.DispatchedAt.Format(time.RFC3339Nano))
+			}
 		default:
 			fmt.Fprintf(w, "%s: not processed (or forgotten after Retention)\n", name)
 		}

@@ -1,4 +1,4 @@
-// Package orm shows consumers that write through sqlx, GORM and bun instead of plain database/sql
+// Package orm shows consumers that write through sqlx, GORM, bun and ent instead of plain database/sql
 // (docs/orm.md). Each write goes through the unit of work's *sql.Tx (outbox.Tx): a write
 // through the ORM's own pool would commit on its own, stay when the unit rolls back, and be
 // made again when the message is redelivered.
@@ -10,6 +10,8 @@ import (
 	"fmt"
 	"strings"
 
+	"entgo.io/ent/dialect"
+	entsql "entgo.io/ent/dialect/sql"
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jmoiron/sqlx"
@@ -18,6 +20,7 @@ import (
 	"gorm.io/gorm"
 
 	"github.com/watermill-outbox/outbox"
+	"github.com/watermill-outbox/outbox/examples/order-processing/orm/ent"
 )
 
 // Reservation is a row of the reservations table, for sqlx and GORM.
@@ -123,6 +126,24 @@ func (b Bun) Reserve(msg *message.Message) error {
 	r := BunReservation{OrderID: msg.UUID, SKU: string(msg.Payload)}
 	if _, err := b.DB.NewInsert().Conn(outbox.Tx(ctx)).Model(&r).Exec(ctx); err != nil {
 		return fmt.Errorf("reserve %s: %w", r.SKU, err)
+	}
+	return outbox.Publish(ctx, ReservedTopic, message.NewMessage(watermill.NewUUID(), msg.Payload))
+}
+
+// EntClient returns an ent client whose statements run in the unit of work of ctx: its driver's
+// connection is the unit's *sql.Tx. A client is cheap to make per message. Its Tx method cannot
+// be used in it (the unit is the transaction), and a client opened on the pool (ent.Open, or
+// entsql.OpenDB) would commit each write on its own, outside the unit.
+func EntClient(ctx context.Context) *ent.Client {
+	return ent.NewClient(ent.Driver(entsql.NewDriver(dialect.Postgres, entsql.Conn{ExecQuerier: outbox.Tx(ctx)})))
+}
+
+// EntReserve is a consumer (middleware.WrapConsumer) that writes through ent.
+func EntReserve(msg *message.Message) error {
+	ctx := msg.Context()
+	sku := string(msg.Payload)
+	if _, err := EntClient(ctx).Reservation.Create().SetID(msg.UUID).SetSku(sku).Save(ctx); err != nil {
+		return fmt.Errorf("reserve %s: %w", sku, err)
 	}
 	return outbox.Publish(ctx, ReservedTopic, message.NewMessage(watermill.NewUUID(), msg.Payload))
 }

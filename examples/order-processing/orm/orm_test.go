@@ -9,6 +9,8 @@ import (
 	"testing"
 	"time"
 
+	"entgo.io/ent/dialect"
+	entsql "entgo.io/ent/dialect/sql"
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
@@ -23,6 +25,7 @@ import (
 	"github.com/watermill-outbox/outbox"
 	"github.com/watermill-outbox/outbox/drivers/postgres"
 	"github.com/watermill-outbox/outbox/examples/order-processing/orm"
+	"github.com/watermill-outbox/outbox/examples/order-processing/orm/ent"
 	"github.com/watermill-outbox/outbox/internal/pgtest"
 	"github.com/watermill-outbox/outbox/middleware"
 )
@@ -112,6 +115,7 @@ var handlers = []struct {
 	{"sqlx", func(env) message.NoPublishHandlerFunc { return orm.SqlxReserve }},
 	{"gorm", func(e env) message.NoPublishHandlerFunc { return orm.Gorm{DB: e.gorm}.Reserve }},
 	{"bun", func(e env) message.NoPublishHandlerFunc { return orm.Bun{DB: e.bun}.Reserve }},
+	{"ent", func(env) message.NoPublishHandlerFunc { return orm.EntReserve }},
 }
 
 // The ORM's write commits with the unit of work and its message is sent; a redelivered copy
@@ -180,6 +184,11 @@ func TestORMWriteOutsideTheUnitStays(t *testing.T) {
 		},
 		"bun": func(msg *message.Message) error {
 			_, err := e.bun.NewInsert().Model(&orm.BunReservation{OrderID: msg.UUID, SKU: string(msg.Payload)}).Exec(msg.Context())
+			return err
+		},
+		"ent": func(msg *message.Message) error {
+			_, err := ent.NewClient(ent.Driver(entsql.OpenDB(dialect.Postgres, e.db))).Reservation.Create().
+				SetID(msg.UUID).SetSku(string(msg.Payload)).Save(msg.Context())
 			return err
 		},
 	}
