@@ -333,7 +333,7 @@ func Run(t *testing.T, dsn string, o Options) {
 		want = append(want, "delayed cancelled", "delayed too late to cancel")
 	}
 	if on["keyed"] {
-		want = append(want, "keyed replayed", "keyed expired and retaken")
+		want = append(want, "keyed replayed", "keyed expired and retaken", "keyed expired, retaken, commit outcome lost")
 	}
 	if on["poison"] {
 		want = append(want, "dead-lettered", "dead letter retried")
