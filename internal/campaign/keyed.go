@@ -194,6 +194,7 @@ func (c *run) expire(rq *request) {
 	// committed: a crash after COMMIT, or a HandlerTimeout that ended during COMMIT.
 	if failed > 0 && retaken-replayed == 1 {
 		c.stats.reached("keyed expired, retaken, commit outcome lost")
+		c.note("request %s: the retry after its key expired replayed after %d failed attempts: one of them committed", rq.id[:10], failed)
 	}
 	if retaken-replayed > min(failed, 1) {
 		c.fail("request %s: the retry after its key expired replayed %d times after %d failed attempts", rq.id, retaken-replayed, failed)
