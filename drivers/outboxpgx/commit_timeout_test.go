@@ -61,8 +61,8 @@ func TestInUnitCommitAnsweredAfterHandlerTimeout(t *testing.T) {
 
 	// pgx prepares the statements of the COMMIT's batch on first use, in a round trip of its own:
 	// a unit before warms the connection, so that the answer held back is the COMMIT's.
-	unit := func(id string, arm bool) error {
-		return ob.InUnit(context.Background(), func(ctx context.Context) error {
+	unit := func(ctx context.Context, id string, arm bool) error {
+		return ob.InUnit(ctx, func(ctx context.Context) error {
 			if _, err := outboxpgx.Tx(ctx).Exec(ctx, `INSERT INTO applied (message_id) VALUES ($1)`, id); err != nil {
 				return err
 			}
@@ -70,10 +70,10 @@ func TestInUnitCommitAnsweredAfterHandlerTimeout(t *testing.T) {
 			return nil
 		})
 	}
-	if err := unit("warm-up", false); err != nil {
+	if err := unit(context.Background(), "warm-up", false); err != nil {
 		t.Fatal(err)
 	}
-	err = unit("late-commit", true)
+	err = unit(context.Background(), "late-commit", true)
 	var n int
 	if qerr := pool.QueryRow(context.Background(), `SELECT count(*) FROM applied WHERE message_id = 'late-commit'`).Scan(&n); qerr != nil {
 		t.Fatal(qerr)
@@ -83,5 +83,24 @@ func TestInUnitCommitAnsweredAfterHandlerTimeout(t *testing.T) {
 	}
 	if !errors.Is(err, outbox.ErrCommitOutcomeUnknown) {
 		t.Fatalf("InUnit = %v after the server committed; want ErrCommitOutcomeUnknown", err)
+	}
+
+	// A keyed unit the same way (on a new connection, warmed again): its retry finds out, and
+	// replays the committed run.
+	keyed := func(key string) context.Context {
+		return outbox.WithIdempotencyKey(context.Background(), "late", key)
+	}
+	if err := unit(keyed("k0"), "keyed-warm-up", false); err != nil {
+		t.Fatal(err)
+	}
+	if err := unit(keyed("k1"), "keyed-late", true); !errors.Is(err, outbox.ErrCommitOutcomeUnknown) {
+		t.Fatalf("keyed InUnit = %v with its COMMIT answered late; want ErrCommitOutcomeUnknown", err)
+	}
+	retry := keyed("k1")
+	if err := unit(retry, "keyed-late", false); err != nil {
+		t.Fatal(err)
+	}
+	if _, replayed := outbox.IdempotencyResult(retry); !replayed {
+		t.Fatal("the retry ran the keyed unit again after its COMMIT had taken effect")
 	}
 }
