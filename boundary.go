@@ -163,6 +163,10 @@ func (o *Outbox) InUnit(ctx context.Context, fn func(ctx context.Context) error)
 	}
 	if err := tx.Commit(txCtx, effects); err != nil {
 		switch {
+		case errors.Is(err, ErrCommitOutcomeUnknown):
+			// The driver sent COMMIT and lost its answer to HandlerTimeout (pgx): it may have
+			// taken effect, so it is no timed-out rollback, though its error is the deadline's.
+			return err
 		case txCtx.Err() != nil && (errors.Is(err, sql.ErrTxDone) || errors.Is(err, context.DeadlineExceeded)):
 			return timedOut(err, o.cfg.HandlerTimeout)
 		case errors.Is(err, sql.ErrTxDone):

@@ -84,8 +84,9 @@ var (
 	// KeyedUnitTx), and by JoinUnit for a context with a key (a joined transaction was begun
 	// before the key could be claimed in it).
 	ErrIdempotencyUnsupported = outboxdriver.ErrKeysUnsupported
-	// ErrCommitOutcomeUnknown means the COMMIT failed in flight (the connection was lost): the
-	// message may or may not have been processed. It is nacked without counting an attempt; the
+	// ErrCommitOutcomeUnknown means the COMMIT failed in flight (the connection was lost, or on
+	// pgx HandlerTimeout ended before its answer came back): the message may or may not have
+	// been processed. It is nacked without counting an attempt; the
 	// redelivery finds out. InTx returns it too: the unit may or may not have committed, and only
 	// a keyed unit's retry can find out (it gets the stored result, or runs).
 	ErrCommitOutcomeUnknown = errors.New("outbox: commit outcome unknown (connection lost during COMMIT)")

@@ -296,6 +296,11 @@ func (u *unit) Commit(ctx context.Context, effects []outboxdriver.Effect) error 
 			// pgx wrote nothing (a Rows the handler left open keeps the connection busy): the
 			// transaction rolled back for sure, which is a failed attempt, not an unknown outcome.
 			err = fmt.Errorf("%w: %w", outboxdriver.ErrNotSent, err)
+		} else if ctx.Err() != nil && pgErrorCode(err) == "" && !errors.Is(err, errCommitRolledBack) {
+			// HandlerTimeout ended after the batch, COMMIT included, went out and before its
+			// answer came back: the server may well have committed. Not a timed-out rollback,
+			// which a caller would take as leave to run the unit again.
+			err = fmt.Errorf("%w: the unit's context (HandlerTimeout) ended while COMMIT was in flight: %w", outbox.ErrCommitOutcomeUnknown, err)
 		}
 		return wrap(err)
 	}

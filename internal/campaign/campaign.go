@@ -58,7 +58,7 @@ var Scenarios = map[string]string{
 	"held-claim":  "a unit holds its transaction open while the relays sweep, its claim becomes visible later than the sweep's look-back behind its timestamp (simulated), and it crashes after commit",
 	"clock-step":  "the database clock runs 10 minutes ahead for a moment and steps back (simulated on the claims and the sweep's watermark)",
 	"relay-one":   "the final drain runs on one instance chosen at random, not on all",
-	"keyed":       "client requests with an idempotency key are retried through keyed boundary units of work (some attempts at once, waiting or not), with the deliveries' faults; two callers send each key; some keys expire and are retaken by a retry while a cleanup runs",
+	"keyed":       "client requests with an idempotency key are retried through keyed boundary units of work (some attempts at once, waiting or not), with the deliveries' faults; two callers send each key; some keys expire and are retaken by a retry while a cleanup runs, whose first attempt may crash after its COMMIT",
 	"slow-topic":  "every call for one topic takes 20-120 ms (within PublishTimeout), on every path",
 	"hung-topic":  "for the first 0.3-1.5 s of the run every call for one topic hangs until its context ends (PublishTimeout), on every path, while the other topic flows",
 	"tx-by-sql":   "the handler ends its transaction with a ROLLBACK sent as SQL, then publishes: nothing of the delivery may commit, and the attempt is the handler's doing",
@@ -340,7 +340,7 @@ func Run(t *testing.T, dsn string, o Options) {
 		want = append(want, "delayed cancelled", "delayed too late to cancel")
 	}
 	if on["keyed"] {
-		want = append(want, "keyed replayed", "keyed expired and retaken")
+		want = append(want, "keyed replayed", "keyed expired and retaken", "keyed expired, retaken, commit outcome lost")
 	}
 	if on["poison"] {
 		want = append(want, "dead-lettered", "dead letter retried")

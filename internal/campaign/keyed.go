@@ -34,7 +34,11 @@ type request struct {
 	// expire: after its late retries the key expires, and a retry takes it over while a cleanup
 	// runs on another instance; the request is then run a second time (gen 1), and a retry after
 	// that must replay the second run's response, not run a third time.
-	expire   bool
+	expire bool
+	// lost: the first attempt of the retry after the key expired commits and then fails (a crash
+	// after COMMIT, as when HandlerTimeout ends while COMMIT is on the wire), so that the client
+	// does not know it ran: its next attempt replays the second run's response.
+	lost     bool
 	mu       sync.Mutex
 	gen      int // the run of the request that attempts now belong to
 	done     bool
@@ -68,11 +72,16 @@ func (c *run) drawRequests(r *rand.Rand) []*request {
 		rq.expire = r.IntN(3) == 0
 		out = append(out, rq)
 	}
+	// Drawn after the rest, so that the schedules of seeds drawn before it stay as they were.
+	for _, rq := range out {
+		rq.lost = r.IntN(2) == 0
+	}
 	if !c.on["keyed"] {
 		return nil
 	}
 	for _, rq := range out {
-		c.note("request %s (%s, key %s): %d effects, attempt pair at %d, %d late; instances %v; plans %v", rq.id[:10], rq.caller, rq.key[:10], rq.effects, rq.pairAt, rq.late, rq.procs[:4], rq.plans[:4])
+		c.note("request %s (%s, key %s): %d effects, attempt pair at %d, %d late, expires %v (retry's commit lost %v); instances %v; plans %v",
+			rq.id[:10], rq.caller, rq.key[:10], rq.effects, rq.pairAt, rq.late, rq.expire, rq.lost, rq.procs[:4], rq.plans[:4])
 	}
 	return out
 }
@@ -103,23 +112,30 @@ func (c *run) send(rq *request) {
 		return
 	}
 	for d := 0; d < rq.late; d++ {
-		c.retry(rq, rq.procs[d], "late retry")
+		c.retry(rq, rq.procs[d], "late retry", nil)
 	}
 	if rq.expire && c.database.ExpireKey != "" {
 		c.expire(rq)
 	}
 }
 
-// retry sends rq again on instance proc until an attempt returns nil.
-func (c *run) retry(rq *request, proc int, what string) {
+// retry sends rq again on instance proc until an attempt returns nil, the first attempt with the
+// faults of first (nil: none). It returns how many attempts failed before: one of them may have
+// committed (its commit's outcome lost to a timeout or a crash), and the next then replays.
+func (c *run) retry(rq *request, proc int, what string, first *plan) (failed int) {
 	for try := 0; ; try++ {
-		err := c.attempt(rq, proc, &plan{}, true)
-		if err == nil {
-			return
+		pl := &plan{}
+		if try == 0 && first != nil {
+			pl = first
 		}
+		err := c.attempt(rq, proc, pl, true)
+		if err == nil {
+			return try
+		}
+		c.note("%s of request %s: attempt %d on instance %d: %v", what, rq.id[:10], try, proc, err)
 		if try == 8 {
 			c.fail("%s of request %s: %v", what, rq.id, err)
-			return
+			return try + 1
 		}
 	}
 }
@@ -163,14 +179,31 @@ func (c *run) expire(rq *request) {
 			c.fail("cleanup while request %s's key expired: %v", rq.id, err)
 		}
 	}()
-	c.retry(rq, proc, "retry after the key expired")
+	var first *plan
+	if rq.lost {
+		first = &plan{crashAt: outbox.FailpointAfterCommit}
+	}
+	failed := c.retry(rq, proc, "retry after the key expired", first)
 	wg.Wait()
 	c.stats.reached("keyed expired and retaken")
-	c.retry(rq, (proc+2)%instances, "retry after the key was retaken")
+	rq.mu.Lock()
+	retaken := rq.replayed
+	rq.mu.Unlock()
+	// That it ran the request again, rather than replaying the first run, is checked on the
+	// business table (checkRequests). An attempt after a failed one replays when the failed one
+	// committed: a crash after COMMIT, or a HandlerTimeout that ended during COMMIT.
+	if failed > 0 && retaken-replayed == 1 {
+		c.stats.reached("keyed expired, retaken, commit outcome lost")
+		c.note("request %s: the retry after its key expired replayed after %d failed attempts: one of them committed", rq.id[:10], failed)
+	}
+	if retaken-replayed > min(failed, 1) {
+		c.fail("request %s: the retry after its key expired replayed %d times after %d failed attempts", rq.id, retaken-replayed, failed)
+	}
+	c.retry(rq, (proc+2)%instances, "retry after the key was retaken", nil)
 	rq.mu.Lock()
 	defer rq.mu.Unlock()
-	if rq.replayed != replayed+1 {
-		c.fail("request %s: the retry after its expired key was retaken ran again (%d replays before, %d after)", rq.id, replayed, rq.replayed)
+	if rq.replayed != retaken+1 {
+		c.fail("request %s: the retry after its expired key was retaken ran again (%d replays before, %d after)", rq.id, retaken, rq.replayed)
 	}
 }
 
