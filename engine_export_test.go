@@ -19,8 +19,7 @@ type SharedEngine struct {
 func StartSharedEngine(ctx context.Context, maxConcurrent int, obs ...*Outbox) (*SharedEngine, error) {
 	s := &SharedEngine{eng: engine.New(engine.Config{MaxConcurrent: maxConcurrent}), obs: obs}
 	for i, o := range obs {
-		m := o.engineMember()
-		m.Name = fmt.Sprint("member", i)
+		m := o.engineMember(fmt.Sprint("member", i), 0)
 		h, err := s.eng.Add(m)
 		if err != nil {
 			return nil, err
