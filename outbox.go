@@ -56,8 +56,8 @@ type Outbox struct {
 	// deliveries look for an operator's request to dead-letter them at once (outbox dead now),
 	// so that the others pay no read for it.
 	failingHere recentSources
-	// relaysRunning counts the Run calls in progress; noRelayWarned lets the missing relay be
-	// reported once a minute.
+	// relaysRunning counts the Run calls (and engines joined) in progress; noRelayWarned lets the
+	// missing relay be reported once a minute.
 	relaysRunning atomic.Int32
 	noRelayWarned oncePer
 	// lastHandoff is when (UnixNano) effects were last left to the relays, here or, as far as a
