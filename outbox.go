@@ -226,7 +226,8 @@ func (o *Outbox) Run(ctx context.Context) error {
 // the driver has a ListenDSN), and on leave the due timer stopped and the marks queued written.
 // With idleMax longer than RelayInterval, a relay pass that found nothing to send doubles the
 // wait before the next, up to idleMax; a commit of this process, a notification or a delayed
-// effect falling due wakes it at once. leave takes the member off eng and waits for its runs in
+// effect falling due wakes it at once. The statistics sampling backs off likewise while a sample
+// finds nothing waiting, and the cleanup up to ten CleanupIntervals while it deletes nothing. leave takes the member off eng and waits for its runs in
 // progress, which see their context end, however long that takes, as Run does: so that no mark
 // is queued after the marks were written.
 func (o *Outbox) JoinEngine(ctx context.Context, eng *engine.Engine, name string, idleMax time.Duration) (leave func() error, err error) {
@@ -275,18 +276,23 @@ func (o *Outbox) startServices(ctx context.Context) (stop func()) {
 // by kickRelay), the retention cleanup, the statistics sampling and the dead-letter redrive, held
 // back by the database gate. Run hands it to an engine of its own; a Set hands those of its
 // Outboxes to one engine. The listener is not among them: it holds a connection of its own.
-// idleMax, when longer than RelayInterval, backs an idle relay off (see JoinEngine); Run passes
-// 0, as effects committed by another process without LISTEN would wait up to idleMax.
+// idleMax, when positive, backs idle services off (see JoinEngine); Run passes 0, as effects
+// committed by another process without LISTEN would wait up to idleMax.
 func (o *Outbox) engineMember(name string, idleMax time.Duration) engine.Member {
 	worked := func(fn func(context.Context) error) func(context.Context) (engine.Outcome, error) {
 		return func(ctx context.Context) (engine.Outcome, error) { return engine.Worked, fn(ctx) }
 	}
 	m := engine.Member{Name: name, Logger: o.logger, Tasks: []engine.Task{
-		{Name: "relay", Every: o.cfg.RelayInterval, IdleMax: idleMax, Wake: &o.kick, Run: o.relayPass},
-		{Name: "cleanup", Every: o.cfg.CleanupInterval, Run: worked(o.cleanupOnce)},
+		{Name: "relay", Every: o.cfg.RelayInterval, IdleMax: idleMax, Wake: &o.kick, Run: outcome(o.relayOnce)},
+		{Name: "cleanup", Every: o.cfg.CleanupInterval, Run: outcome(o.cleanupOnce)},
 	}}
+	if idleMax > 0 {
+		// Rows expire only Retention after work: an idle member's cleanup finding nothing may
+		// wait up to ten intervals, and its statistics, unchanged without work, up to idleMax.
+		m.Tasks[1].IdleMax = idleCleanupIntervals * o.cfg.CleanupInterval
+	}
 	if o.cfg.StatsInterval > 0 {
-		m.Tasks = append(m.Tasks, engine.Task{Name: "stats sampling", Every: o.cfg.StatsInterval, Run: worked(o.sampleStats)})
+		m.Tasks = append(m.Tasks, engine.Task{Name: "stats sampling", Every: o.cfg.StatsInterval, IdleMax: idleMax, Run: outcome(o.sampleStats)})
 	}
 	if o.cfg.Redrive.After > 0 && o.deadLetterStore() != nil {
 		m.Tasks = append(m.Tasks, engine.Task{Name: "dead-letter redrive", Every: min(o.cfg.Redrive.After, time.Minute), Run: worked(o.redriveOnce)})
@@ -297,13 +303,18 @@ func (o *Outbox) engineMember(name string, idleMax time.Duration) engine.Member 
 	return m
 }
 
-// relayPass runs a relay pass and tells the engine whether it found anything to send.
-func (o *Outbox) relayPass(ctx context.Context) (engine.Outcome, error) {
-	idle, err := o.relayOnce(ctx)
-	if idle && err == nil {
-		return engine.Idle, nil
+// idleCleanupIntervals bounds the backoff of an idle member's cleanup, in CleanupIntervals.
+const idleCleanupIntervals = 10
+
+// outcome tells the engine whether a run of a periodic service found anything to do.
+func outcome(fn func(context.Context) (idle bool, err error)) func(context.Context) (engine.Outcome, error) {
+	return func(ctx context.Context) (engine.Outcome, error) {
+		idle, err := fn(ctx)
+		if idle && err == nil {
+			return engine.Idle, nil
+		}
+		return engine.Worked, err
 	}
-	return engine.Worked, err
 }
 
 // engineGate is the database gate as the engine asks it.

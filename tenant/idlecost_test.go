@@ -25,7 +25,9 @@ import (
 //
 //	OUTBOX_IDLE_COST=200 go test -count=1 -run TestIdleCost -v ./tenant/
 //
-// OUTBOX_IDLE_WINDOW sets the window in seconds (default 30).
+// OUTBOX_IDLE_WINDOW sets the window in seconds (default 30), OUTBOX_IDLE_WARMUP the wait before
+// it (default 5), OUTBOX_IDLE_STATS the members' StatsInterval in seconds (negative: none),
+// OUTBOX_IDLE_ROUNDS the rounds (default 2), OUTBOX_IDLE_SET_ONLY=1 skips Outbox.Run per member.
 func TestIdleCost(t *testing.T) {
 	n, _ := strconv.Atoi(os.Getenv("OUTBOX_IDLE_COST"))
 	if n <= 0 {
@@ -34,6 +36,18 @@ func TestIdleCost(t *testing.T) {
 	window := 30 * time.Second
 	if s, _ := strconv.Atoi(os.Getenv("OUTBOX_IDLE_WINDOW")); s > 0 {
 		window = time.Duration(s) * time.Second
+	}
+	warmup := 5 * time.Second
+	if s, _ := strconv.Atoi(os.Getenv("OUTBOX_IDLE_WARMUP")); s > 0 {
+		warmup = time.Duration(s) * time.Second
+	}
+	var stats time.Duration
+	if s, _ := strconv.Atoi(os.Getenv("OUTBOX_IDLE_STATS")); s != 0 {
+		stats = time.Duration(s) * time.Second
+	}
+	rounds := 2
+	if s, _ := strconv.Atoi(os.Getenv("OUTBOX_IDLE_ROUNDS")); s > 0 {
+		rounds = s
 	}
 	db := pgtest.DB(t)
 	var dbname string
@@ -50,7 +64,7 @@ func TestIdleCost(t *testing.T) {
 	w := newWire()
 	obs := make([]*outbox.Outbox, n)
 	for i := range obs {
-		ob, err := outbox.New(outbox.Config{DB: db, Driver: postgres.Driver{}, Publisher: w, TablePrefix: fmt.Sprintf("t%d_", i)})
+		ob, err := outbox.New(outbox.Config{DB: db, Driver: postgres.Driver{}, Publisher: w, TablePrefix: fmt.Sprintf("t%d_", i), StatsInterval: stats})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -101,13 +115,16 @@ func TestIdleCost(t *testing.T) {
 			return func() { <-done }
 		}},
 	}
-	for round := range 2 {
+	if os.Getenv("OUTBOX_IDLE_SET_ONLY") != "" {
+		modes = modes[1:]
+	}
+	for round := range rounds {
 		for _, m := range modes {
 			runtime.GC()
 			base := runtime.NumGoroutine()
 			ctx, cancel := context.WithCancel(context.Background())
 			wait := m.start(ctx)
-			time.Sleep(5 * time.Second) // past the first passes of every service
+			time.Sleep(warmup) // past the first passes of every service
 			goroutines := runtime.NumGoroutine() - base
 			x0, s0 := counters()
 			begin := time.Now()
@@ -123,8 +140,8 @@ func TestIdleCost(t *testing.T) {
 			secs := time.Since(begin).Seconds()
 			cancel()
 			wait()
-			t.Logf("round %d, %d idle tenants, %s: goroutines %d, server connections mean %.0f peak %d, new connections %.1f/s, transactions %.1f/s",
-				round, n, m.name, goroutines, float64(sum)/float64(samples), peak, float64(s1-s0)/secs, float64(x1-x0)/secs)
+			t.Logf("round %d, %d idle tenants, %s, StatsInterval %v, window %v after %v: goroutines %d, server connections mean %.0f peak %d, new connections %.1f/s, transactions %.1f/s",
+				round, n, m.name, obs[0].Config().StatsInterval, window, warmup, goroutines, float64(sum)/float64(samples), peak, float64(s1-s0)/secs, float64(x1-x0)/secs)
 			time.Sleep(2 * time.Second)
 		}
 	}
