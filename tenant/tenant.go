@@ -88,15 +88,17 @@ type Config struct {
 	MaxConcurrent int
 	// IdleMax is the longest wait between two relay passes of a member whose passes find nothing
 	// to send: the wait doubles from its RelayInterval after each such pass, up to IdleMax. A
-	// commit of this process (InTx, a handled message) or a notification wakes the member's relay
-	// at once; effects committed by another process that does not notify (no ListenDSN) wait up
-	// to IdleMax. Default: DefaultIdleMax; a negative value polls every RelayInterval.
+	// commit of this process that leaves work to the relay, a delayed effect falling due or a
+	// notification wakes the member's relay at once; effects committed by another process that
+	// does not notify (no ListenDSN) wait up to IdleMax. The member's statistics sampling backs
+	// off likewise while it finds nothing waiting, and its cleanup, while it deletes nothing, up
+	// to ten CleanupIntervals. Default: DefaultIdleMax; negative: no backoff.
 	IdleMax time.Duration
 }
 
 // Defaults of Config.
 const (
-	DefaultMaxConcurrent = 4
+	DefaultMaxConcurrent = 4 // a member's four services can still run side by side
 	DefaultIdleMax       = 30 * time.Second
 )
 
