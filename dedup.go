@@ -247,7 +247,7 @@ func (o *Outbox) Cleanup(ctx context.Context) (CleanupResult, error) {
 	return res, nil
 }
 
-func (o *Outbox) cleanupOnce(ctx context.Context) error {
+func (o *Outbox) cleanupOnce(ctx context.Context) (idle bool, err error) {
 	// The operators' cleanup (cmd/outbox) refuses to forget IDs sooner than this service would;
 	// it reads what is recorded here. Not recorded, it asks for -retention: nothing is lost.
 	if r, ok := o.store.(outboxdriver.ConfigRecorder); ok {
@@ -261,7 +261,7 @@ func (o *Outbox) cleanupOnce(ctx context.Context) error {
 		if ctx.Err() == nil {
 			o.tel.cleanupErrors.Add(ctx, 1)
 		}
-		return err
+		return false, err
 	}
 	if res.Batches > 0 {
 		o.tel.cleanupBatches.Add(ctx, int64(res.Batches))
@@ -276,5 +276,6 @@ func (o *Outbox) cleanupOnce(ctx context.Context) error {
 			"claims": res.Claims, "effects": res.Effects, "attempts": res.Attempts, "idempotency_keys": res.Keys,
 		})
 	}
-	return nil
+	// Deleting nothing: an idle member's cleanup may wait longer, as nothing expires there.
+	return res.Claims+res.Effects+res.Attempts+res.Keys+res.DeadLetters == 0 && !res.Skipped, nil
 }

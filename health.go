@@ -32,17 +32,20 @@ func (o *Outbox) Stats(ctx context.Context) (Stats, error) {
 
 // sampleStats refreshes the sample the gauges report: taken here if no other instance took one
 // within StatsInterval, read from the database otherwise.
-func (o *Outbox) sampleStats(ctx context.Context) error {
+// It reports idle when the sample found nothing waiting (no pending, parked, delayed or failing
+// work, no dead letter, no cleanup lag): the gauges of an idle member change only when work comes.
+func (o *Outbox) sampleStats(ctx context.Context) (idle bool, err error) {
 	ctx, cancel := context.WithTimeout(ctx, storeTimeout)
 	defer cancel()
 	s, err := o.store.Stats(ctx, outboxdriver.StatsParams{Interval: o.cfg.StatsInterval, Retention: o.cfg.Retention})
 	if err != nil {
-		return err
+		return false, err
 	}
-	if !s.SampledAt.IsZero() {
-		o.tel.setStats(s)
+	if s.SampledAt.IsZero() {
+		return false, nil
 	}
-	return nil
+	o.tel.setStats(s)
+	return s.Pending == 0 && s.Parked == 0 && s.Delayed == 0 && s.Failing == 0 && s.DeadLetters == 0 && s.CleanupLag == 0, nil
 }
 
 // HealthCheck is one check of a HealthReport.

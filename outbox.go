@@ -56,8 +56,8 @@ type Outbox struct {
 	// deliveries look for an operator's request to dead-letter them at once (outbox dead now),
 	// so that the others pay no read for it.
 	failingHere recentSources
-	// relaysRunning counts the Run calls in progress; noRelayWarned lets the missing relay be
-	// reported once a minute.
+	// relaysRunning counts the Run calls (and engines joined) in progress; noRelayWarned lets the
+	// missing relay be reported once a minute.
 	relaysRunning atomic.Int32
 	noRelayWarned oncePer
 	// lastHandoff is when (UnixNano) effects were last left to the relays, here or, as far as a
@@ -199,49 +199,100 @@ func (o *Outbox) applier(name string) (Applier, bool) {
 // retention cleanup. Run it in every instance; cleanup runs on one instance at a time. It returns
 // nil when ctx is cancelled, after the dispatched marks queued so far were written.
 func (o *Outbox) Run(ctx context.Context) error {
-	o.relaysRunning.Add(1)
-	defer o.relaysRunning.Add(-1)
-	if stop, err := o.tel.registerGauges(); err != nil {
-		o.logger.Error("Registering the outbox gauges failed; they are not reported", err, nil)
-	} else {
-		defer stop()
-	}
+	stop := o.startServices(ctx)
 	// The periodic services run on an engine of their own, as its one member: the engine a Set
-	// of Outboxes shares is the same code with more members.
+	// of Outboxes shares is the same code with more members (JoinEngine).
 	eng := engine.New(engine.Config{Logger: o.logger})
-	if _, err := eng.Add(o.engineMember()); err != nil {
+	if _, err := eng.Add(o.engineMember("", 0)); err != nil {
+		stop()
 		return fmt.Errorf("outbox: run: %w", err)
 	}
 	if err := eng.Start(ctx); err != nil {
+		stop()
 		return fmt.Errorf("outbox: run: %w", err)
 	}
-	var wg sync.WaitGroup
-	wg.Add(1)
-	go func() { defer wg.Done(); o.listen(ctx) }()
 	<-ctx.Done()
 	// The runs in progress see ctx end and return, as the services' loops did: Run waits for
 	// them however long that takes, as it always did, so that no mark is queued after marks.wait.
 	_ = eng.Stop(context.WithoutCancel(ctx))
-	wg.Wait()
-	o.due.stop()
-	o.marks.wait() // a clean shutdown leaves no mark unwritten, so nothing is re-sent after it
+	stop()
 	return nil
+}
+
+// JoinEngine runs the Outbox's background work as member name of eng, an engine shared with
+// other Outboxes, until leave is called: the seam through which package tenant's Set runs its
+// members on one engine (eng is of an internal package, so no caller outside this module can
+// make one). What Run does besides its engine is done here too: the gauges, the listener (when
+// the driver has a ListenDSN), and on leave the due timer stopped and the marks queued written.
+// With idleMax longer than RelayInterval, a relay pass that found nothing to send doubles the
+// wait before the next, up to idleMax; a commit of this process, a notification or a delayed
+// effect falling due wakes it at once. The statistics sampling backs off likewise while a sample
+// finds nothing waiting, and the cleanup up to ten CleanupIntervals while it deletes nothing. leave takes the member off eng and waits for its runs in
+// progress, which see their context end, however long that takes, as Run does: so that no mark
+// is queued after the marks were written.
+func (o *Outbox) JoinEngine(ctx context.Context, eng *engine.Engine, name string, idleMax time.Duration) (leave func() error, err error) {
+	stop := o.startServices(ctx)
+	h, err := eng.Add(o.engineMember(name, idleMax))
+	if err != nil {
+		stop()
+		return nil, fmt.Errorf("outbox: join engine: %w", err)
+	}
+	return func() error {
+		err := h.Remove(context.WithoutCancel(ctx))
+		stop()
+		if err != nil {
+			return fmt.Errorf("outbox: leave engine: %w", err)
+		}
+		return nil
+	}, nil
+}
+
+// startServices starts what runs beside the Outbox's engine tasks (the gauges, the listener) and
+// returns stop, which ends them and, once the engine tasks returned, writes the marks queued.
+// Run and JoinEngine both call it: one life cycle for one Outbox and a Set's members.
+func (o *Outbox) startServices(ctx context.Context) (stop func()) {
+	o.relaysRunning.Add(1)
+	stopGauges := func() {}
+	if st, err := o.tel.registerGauges(); err != nil {
+		o.logger.Error("Registering the outbox gauges failed; they are not reported", err, nil)
+	} else {
+		stopGauges = st
+	}
+	lctx, cancel := context.WithCancel(ctx)
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() { defer wg.Done(); o.listen(lctx) }()
+	return func() {
+		cancel()
+		wg.Wait()
+		o.due.stop()
+		o.marks.wait() // a clean shutdown leaves no mark unwritten, so nothing is re-sent after it
+		stopGauges()
+		o.relaysRunning.Add(-1)
+	}
 }
 
 // engineMember returns the Outbox's periodic services as a member of an engine: the relay (woken
 // by kickRelay), the retention cleanup, the statistics sampling and the dead-letter redrive, held
 // back by the database gate. Run hands it to an engine of its own; a Set hands those of its
 // Outboxes to one engine. The listener is not among them: it holds a connection of its own.
-func (o *Outbox) engineMember() engine.Member {
+// idleMax, when positive, backs idle services off (see JoinEngine); Run passes 0, as effects
+// committed by another process without LISTEN would wait up to idleMax.
+func (o *Outbox) engineMember(name string, idleMax time.Duration) engine.Member {
 	worked := func(fn func(context.Context) error) func(context.Context) (engine.Outcome, error) {
 		return func(ctx context.Context) (engine.Outcome, error) { return engine.Worked, fn(ctx) }
 	}
-	m := engine.Member{Logger: o.logger, Tasks: []engine.Task{
-		{Name: "relay", Every: o.cfg.RelayInterval, Wake: &o.kick, Run: worked(o.relayOnce)},
-		{Name: "cleanup", Every: o.cfg.CleanupInterval, Run: worked(o.cleanupOnce)},
+	m := engine.Member{Name: name, Logger: o.logger, Tasks: []engine.Task{
+		{Name: "relay", Every: o.cfg.RelayInterval, IdleMax: idleMax, Wake: &o.kick, Run: outcome(o.relayOnce)},
+		{Name: "cleanup", Every: o.cfg.CleanupInterval, Run: outcome(o.cleanupOnce)},
 	}}
+	if idleMax > 0 {
+		// Rows expire only Retention after work: an idle member's cleanup finding nothing may
+		// wait up to ten intervals, and its statistics, unchanged without work, up to idleMax.
+		m.Tasks[1].IdleMax = idleCleanupIntervals * o.cfg.CleanupInterval
+	}
 	if o.cfg.StatsInterval > 0 {
-		m.Tasks = append(m.Tasks, engine.Task{Name: "stats sampling", Every: o.cfg.StatsInterval, Run: worked(o.sampleStats)})
+		m.Tasks = append(m.Tasks, engine.Task{Name: "stats sampling", Every: o.cfg.StatsInterval, IdleMax: idleMax, Run: outcome(o.sampleStats)})
 	}
 	if o.cfg.Redrive.After > 0 && o.deadLetterStore() != nil {
 		m.Tasks = append(m.Tasks, engine.Task{Name: "dead-letter redrive", Every: min(o.cfg.Redrive.After, time.Minute), Run: worked(o.redriveOnce)})
@@ -250,6 +301,20 @@ func (o *Outbox) engineMember() engine.Member {
 		m.Gate = engineGate{o.gate}
 	}
 	return m
+}
+
+// idleCleanupIntervals bounds the backoff of an idle member's cleanup, in CleanupIntervals.
+const idleCleanupIntervals = 10
+
+// outcome tells the engine whether a run of a periodic service found anything to do.
+func outcome(fn func(context.Context) (idle bool, err error)) func(context.Context) (engine.Outcome, error) {
+	return func(ctx context.Context) (engine.Outcome, error) {
+		idle, err := fn(ctx)
+		if idle && err == nil {
+			return engine.Idle, nil
+		}
+		return engine.Worked, err
+	}
 }
 
 // engineGate is the database gate as the engine asks it.

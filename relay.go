@@ -38,10 +38,13 @@ func (o *Outbox) relayBudget() time.Duration { return o.relayLease() / 2 }
 // behind a leased one (see EffectClaimDue) until the round's outcome is written; the claim is
 // told to skip those keys, so that it does not spend its limit on them. Every claim is
 // made after the outcome of every round but the one sending was written, so that it never finds
-// a key half marked, nor a failed effect before its retry time is written.
-func (o *Outbox) relayOnce(ctx context.Context) (err error) {
+// a key half marked, nor a failed effect before its retry time is written. It reports idle when
+// the pass found nothing to send and moved no delayed effect, so that the engine may poll an idle
+// member less often.
+func (o *Outbox) relayOnce(ctx context.Context) (idle bool, err error) {
+	worked := false
 	if !o.claimSeesDelayed.Load() {
-		o.promoteDelayed(ctx) // delayed effects that are due become pending ones first
+		worked = o.promoteDelayed(ctx) > 0 // delayed effects that are due become pending ones first
 	}
 	var (
 		after   int64
@@ -82,7 +85,7 @@ func (o *Outbox) relayOnce(ctx context.Context) (err error) {
 			f := fl
 			fl = nil
 			if err := land(f); err != nil {
-				return err
+				return false, err
 			}
 		}
 		// The pause leaves the database and the CPUs to the consumers for as long as the relay
@@ -118,7 +121,7 @@ func (o *Outbox) relayOnce(ctx context.Context) (err error) {
 			if ctx.Err() == nil {
 				o.relayClaimFailed(err)
 			}
-			return err
+			return false, err
 		}
 		o.relayClaimed()
 		claimed = time.Since(began)
@@ -140,9 +143,10 @@ func (o *Outbox) relayOnce(ctx context.Context) (err error) {
 		}
 		o.tel.lastRelayRound.Store(time.Now().UnixNano())
 		n := len(claim.Effects)
+		worked = worked || n > 0 || promoted
 		if n > 0 {
 			if err := o.failpoint(ctx, FailpointAfterRelayClaim); err != nil {
-				return err
+				return false, err
 			}
 			o.tel.relayRounds.Add(ctx, 1)
 			o.tel.relayEffects.Record(ctx, int64(n))
@@ -163,7 +167,7 @@ func (o *Outbox) relayOnce(ctx context.Context) (err error) {
 		if prev != nil {
 			t := time.Now()
 			if err := o.relayLand(prev); err != nil {
-				return err
+				return false, err
 			}
 			busy += time.Since(t)
 		}
@@ -184,7 +188,7 @@ func (o *Outbox) relayOnce(ctx context.Context) (err error) {
 		case promoted:
 			next = 0 // delayed effects became pending: claim them
 		default:
-			return nil
+			return !worked, nil
 		}
 		if overlapping && claim.Next > 0 {
 			// A claim made while a round was sending left the effects of its window that wait
@@ -196,7 +200,7 @@ func (o *Outbox) relayOnce(ctx context.Context) (err error) {
 			after, ahead = next, next
 		}
 	}
-	return nil
+	return false, nil
 }
 
 // errNotTried is the outcome of an effect that a relay round did not try: it waited behind a

@@ -18,6 +18,7 @@ import (
 	"slices"
 	"sync"
 	"sync/atomic"
+	"time"
 	"unicode"
 	"unicode/utf8"
 
@@ -25,6 +26,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/watermill-outbox/outbox"
+	"github.com/watermill-outbox/outbox/internal/engine"
 )
 
 // Errors of the Set.
@@ -80,7 +82,25 @@ type Config struct {
 	Unresolved string
 	// Logger logs refused messages and members whose background work failed. Default: none.
 	Logger watermill.LoggerAdapter
+	// MaxConcurrent caps the background calls (relay passes, cleanups, statistics samples,
+	// redrives) of all members that run at once, so the connections they hold: Run runs every
+	// member's background work on one scheduler. Default: DefaultMaxConcurrent.
+	MaxConcurrent int
+	// IdleMax is the longest wait between two relay passes of a member whose passes find nothing
+	// to send: the wait doubles from its RelayInterval after each such pass, up to IdleMax. A
+	// commit of this process that leaves work to the relay, a delayed effect falling due or a
+	// notification wakes the member's relay at once; effects committed by another process that
+	// does not notify (no ListenDSN) wait up to IdleMax. The member's statistics sampling backs
+	// off likewise while it finds nothing waiting, and its cleanup, while it deletes nothing, up
+	// to ten CleanupIntervals. Default: DefaultIdleMax; negative: no backoff.
+	IdleMax time.Duration
 }
+
+// Defaults of Config.
+const (
+	DefaultMaxConcurrent = 4 // a member's four services can still run side by side
+	DefaultIdleMax       = 30 * time.Second
+)
 
 // Set is a set of Outboxes keyed by member name (a tenant or a shard). It is safe for concurrent
 // use.
@@ -91,6 +111,7 @@ type Set struct {
 	mu      sync.RWMutex
 	members map[string]*member
 	runCtx  context.Context // set while Run runs
+	eng     *engine.Engine  // the scheduler of every member's background work, while Run runs
 	runWG   sync.WaitGroup  // the members' background work started by start
 }
 
@@ -114,6 +135,12 @@ func New(cfg Config) (*Set, error) {
 	}
 	if cfg.Logger == nil {
 		cfg.Logger = watermill.NopLogger{}
+	}
+	if cfg.MaxConcurrent <= 0 {
+		cfg.MaxConcurrent = DefaultMaxConcurrent
+	}
+	if cfg.IdleMax == 0 {
+		cfg.IdleMax = DefaultIdleMax
 	}
 	return &Set{cfg: cfg, members: map[string]*member{}}, nil
 }
@@ -242,44 +269,63 @@ func (m *member) leave() {
 }
 
 // Run runs the background work of every member until ctx ends, of members added meanwhile too; a
-// member removed meanwhile stops its own. It returns once every member's background work
-// returned. One Run at a time.
+// member removed meanwhile stops its own. The periodic work of all members (relay passes,
+// cleanup, statistics, redrive) runs on one scheduler goroutine, at most MaxConcurrent calls at a
+// time; a member's listener, when its driver has a ListenDSN, is a goroutine and a connection of
+// its own. It returns once every member's background work returned and its marks were written.
+// One Run at a time.
 func (s *Set) Run(ctx context.Context) error {
 	s.mu.Lock()
 	if s.runCtx != nil {
 		s.mu.Unlock()
 		return errors.New("tenant: the Set runs already")
 	}
-	s.runCtx = ctx
+	eng := engine.New(engine.Config{MaxConcurrent: s.cfg.MaxConcurrent, Logger: s.cfg.Logger})
+	if err := eng.Start(ctx); err != nil {
+		s.mu.Unlock()
+		return fmt.Errorf("tenant: run: %w", err)
+	}
+	s.runCtx, s.eng = ctx, eng
 	for _, m := range s.members {
 		s.start(ctx, m)
 	}
 	s.mu.Unlock()
 	<-ctx.Done()
 	s.mu.Lock()
-	s.runCtx = nil
+	s.runCtx, s.eng = nil, nil
+	running := make([]*member, 0, len(s.members))
+	for _, m := range s.members {
+		running = append(running, m)
+	}
 	s.mu.Unlock()
-	// Every member's background work runs on a context of ctx: it is ending already.
+	// The runs see ctx end and return; each member then writes its marks. A member being
+	// removed meanwhile is stopped by Remove, which runWG waits for.
+	for _, m := range running {
+		s.stop(m)
+	}
 	s.runWG.Wait()
+	_ = eng.Stop(context.WithoutCancel(ctx))
 	return nil
 }
 
-// start runs m's background work on a context of ctx until stop. Members start and stop only
+// start puts m's background work on the Set's engine until stop. Members start and stop only
 // here and in stop, so that what runs a member's background work is one choice. Called with
-// s.mu held.
+// s.mu held, while Run runs.
 func (s *Set) start(ctx context.Context, m *member) {
-	mctx, cancel := context.WithCancel(ctx)
-	done := make(chan struct{})
+	idleMax := max(s.cfg.IdleMax, 0)
+	leave, err := m.ob.JoinEngine(ctx, s.eng, m.name, idleMax)
+	if err != nil {
+		s.cfg.Logger.Error("tenant: the background work of a member did not start", err, watermill.LogFields{"member": m.name})
+		return
+	}
 	s.runWG.Add(1)
-	go func() {
-		defer s.runWG.Done()
-		defer close(done)
-		if err := m.ob.Run(mctx); err != nil {
-			s.cfg.Logger.Error("tenant: the background work of a member failed", err, watermill.LogFields{"member": m.name})
-		}
-	}()
 	m.mu.Lock()
-	m.stopRun = func() { cancel(); <-done }
+	m.stopRun = func() {
+		defer s.runWG.Done()
+		if err := leave(); err != nil {
+			s.cfg.Logger.Error("tenant: stopping the background work of a member failed", err, watermill.LogFields{"member": m.name})
+		}
+	}
 	m.mu.Unlock()
 }
 

@@ -1,0 +1,206 @@
+package tenant_test
+
+import (
+	"context"
+	"database/sql"
+	"fmt"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"go.uber.org/goleak"
+
+	"github.com/watermill-outbox/outbox"
+	"github.com/watermill-outbox/outbox/drivers/postgres"
+	"github.com/watermill-outbox/outbox/internal/pgtest"
+	"github.com/watermill-outbox/outbox/outboxdriver"
+	"github.com/watermill-outbox/outbox/tenant"
+)
+
+// passCounter counts the relay passes of a member: a pass begins with a claim from the front.
+type passCounter struct {
+	postgres.Driver
+	mu     sync.Mutex
+	passes int
+}
+
+func (d *passCounter) Open(db *sql.DB, opts outboxdriver.StoreOptions) (outboxdriver.Store, error) {
+	st, err := d.Driver.Open(db, opts)
+	if err != nil {
+		return nil, err
+	}
+	ds, _ := st.(outboxdriver.DelayedStore)
+	return &countingStore{Store: st, DelayedStore: ds, d: d}, nil
+}
+
+func (d *passCounter) count() int {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return d.passes
+}
+
+// countingStore keeps the delayed effects of the store it wraps, whose due times wake the relay.
+type countingStore struct {
+	outboxdriver.Store
+	outboxdriver.DelayedStore
+	d *passCounter
+}
+
+func (s *countingStore) EffectClaimDue(ctx context.Context, p outboxdriver.EffectClaimParams) (outboxdriver.EffectClaim, error) {
+	if p.After == 0 {
+		s.d.mu.Lock()
+		s.d.passes++
+		s.d.mu.Unlock()
+	}
+	return s.Store.EffectClaimDue(ctx, p)
+}
+
+// publishDelayed commits one effect due in 200 ms on member name, which only the member's relay
+// sends (woken by its due time): so it shows that the member's background work runs.
+func publishDelayed(t *testing.T, set *tenant.Set, name string) string {
+	t.Helper()
+	id := fmt.Sprintf("%s-delayed-%d", name, time.Now().UnixNano())
+	if err := set.InTx(context.Background(), name, func(ctx context.Context, _ *sql.Tx) error {
+		return outbox.Publish(outbox.WithDelay(ctx, 200*time.Millisecond), "events", message.NewMessage(id, nil))
+	}); err != nil {
+		t.Fatal(err)
+	}
+	return id
+}
+
+// Three members on one engine that runs one call at a time all relay; a member added while the
+// Set runs relays; a removed member's relay stops, Remove returning once its work returned; at
+// shutdown every member's marks are written (nothing is pending that went out) and no goroutine
+// of the Set is left.
+func TestSetRunsMembersOnOneEngine(t *testing.T) {
+	db := pgtest.DB(t)
+	w := newWire()
+	obs := map[string]*outbox.Outbox{}
+	for _, n := range []string{"m0", "m1", "m2", "m3"} {
+		obs[n] = newMember(t, db, n+"_", w)
+	}
+	set := newSet(t, tenant.Config{MaxConcurrent: 1}, map[string]*outbox.Outbox{"m0": obs["m0"], "m1": obs["m1"], "m2": obs["m2"]})
+	defer goleak.VerifyNone(t, goleak.IgnoreCurrent())
+
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	done := make(chan error, 1)
+	go func() { done <- set.Run(ctx) }()
+
+	var ids []string
+	for _, n := range []string{"m0", "m1", "m2"} {
+		ids = append(ids, publishDelayed(t, set, n))
+	}
+	eventually(t, "every member's delayed effect sent", func() bool {
+		for _, id := range ids {
+			if w.count(id) != 1 {
+				return false
+			}
+		}
+		return true
+	})
+
+	if err := set.Add("m3", obs["m3"]); err != nil {
+		t.Fatal(err)
+	}
+	added := publishDelayed(t, set, "m3")
+	eventually(t, "the added member's delayed effect sent", func() bool { return w.count(added) == 1 })
+
+	rctx, rcancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer rcancel()
+	if err := set.Remove(rctx, "m1"); err != nil {
+		t.Fatal(err)
+	}
+	// Committed on the removed member's Outbox directly: nothing runs its relay any more.
+	gone := fmt.Sprintf("m1-gone-%d", time.Now().UnixNano())
+	if err := obs["m1"].InTx(context.Background(), func(ctx context.Context, _ *sql.Tx) error {
+		return outbox.Publish(outbox.WithDelay(ctx, 100*time.Millisecond), "events", message.NewMessage(gone, nil))
+	}); err != nil {
+		t.Fatal(err)
+	}
+	kept := publishDelayed(t, set, "m2")
+	eventually(t, "a remaining member's effect sent", func() bool { return w.count(kept) == 1 })
+	time.Sleep(500 * time.Millisecond)
+	if w.count(gone) != 0 {
+		t.Fatal("the removed member still relays")
+	}
+
+	// Effects sent inline at the last moment: their marks are written by the time Run returns.
+	var inline []string
+	for i := range 20 {
+		n := []string{"m0", "m2", "m3"}[i%3]
+		id := fmt.Sprintf("%s-inline-%d", n, i)
+		inline = append(inline, id)
+		if err := set.InTx(context.Background(), n, func(ctx context.Context, _ *sql.Tx) error {
+			return outbox.Publish(ctx, "events", message.NewMessage(id, nil))
+		}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	cancel()
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Fatal(err)
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("Run did not return")
+	}
+	for _, id := range inline {
+		if w.count(id) != 1 {
+			t.Errorf("%s went out %d times", id, w.count(id))
+		}
+	}
+	for _, n := range []string{"m0", "m2", "m3"} {
+		st, err := obs[n].Stats(context.Background())
+		if err != nil {
+			t.Fatal(err)
+		}
+		if st.Pending != 0 || st.Delayed != 0 {
+			t.Errorf("%s after Run returned: %d pending, %d delayed; want every mark written", n, st.Pending, st.Delayed)
+		}
+	}
+}
+
+// An idle member's relay is polled at growing intervals up to IdleMax, not every RelayInterval;
+// a commit of the process (here a delayed effect falling due) wakes it at once.
+func TestSetIdleMemberBacksOff(t *testing.T) {
+	db := pgtest.DB(t)
+	w := newWire()
+	d := &passCounter{}
+	ob, err := outbox.New(outbox.Config{DB: db, Driver: d, Publisher: w, RelayInterval: 20 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := ob.Migrate(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = ob.Close() })
+	set := newSet(t, tenant.Config{IdleMax: time.Second}, map[string]*outbox.Outbox{"a": ob})
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- set.Run(ctx) }()
+	defer func() { cancel(); <-done }()
+
+	time.Sleep(1500 * time.Millisecond) // 20, 40, ... 640 ms, then every second
+	before := d.count()
+	time.Sleep(2 * time.Second)
+	// Every RelayInterval would be 100 passes; backed off to IdleMax, 2 or 3.
+	if n := d.count() - before; n > 4 {
+		t.Fatalf("an idle member's relay ran %d passes in 2 s, want at most 4 (IdleMax 1 s)", n)
+	}
+
+	time.Sleep(300 * time.Millisecond)
+	start := time.Now()
+	id := fmt.Sprintf("wake-%d", start.UnixNano())
+	if err := set.InTx(context.Background(), "a", func(ctx context.Context, _ *sql.Tx) error {
+		return outbox.Publish(outbox.WithDelay(ctx, 50*time.Millisecond), "events", message.NewMessage(id, nil))
+	}); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, "the delayed effect sent", func() bool { return w.count(id) == 1 })
+	if took := time.Since(start); took > 500*time.Millisecond {
+		t.Errorf("the effect due in 50 ms went out after %v: its due time did not wake the idle relay", took)
+	}
+}

@@ -1,0 +1,151 @@
+package tenant_test
+
+import (
+	"context"
+	"database/sql"
+	"fmt"
+	"os"
+	"runtime"
+	"strconv"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/watermill-outbox/outbox"
+	"github.com/watermill-outbox/outbox/drivers/postgres"
+	"github.com/watermill-outbox/outbox/internal/pgtest"
+	"github.com/watermill-outbox/outbox/tenant"
+)
+
+// TestIdleCost measures what N idle tenants cost on one PostgreSQL, a schema (TablePrefix) per
+// tenant on one default pool, with default Outbox settings: each member's own Outbox.Run against
+// the Set's one engine, interleaved. It prints the goroutines the background work adds, the server
+// connections of the database (mean and peak, sampled every second), the new connections and the
+// transactions per second over the window. Run it on its own:
+//
+//	OUTBOX_IDLE_COST=200 go test -count=1 -run TestIdleCost -v ./tenant/
+//
+// OUTBOX_IDLE_WINDOW sets the window in seconds (default 30), OUTBOX_IDLE_WARMUP the wait before
+// it (default 5), OUTBOX_IDLE_STATS the members' StatsInterval in seconds (negative: none),
+// OUTBOX_IDLE_ROUNDS the rounds (default 2), OUTBOX_IDLE_SET_ONLY=1 skips Outbox.Run per member.
+func TestIdleCost(t *testing.T) {
+	n, _ := strconv.Atoi(os.Getenv("OUTBOX_IDLE_COST"))
+	if n <= 0 {
+		t.Skip("set OUTBOX_IDLE_COST to the number of tenants to measure")
+	}
+	window := 30 * time.Second
+	if s, _ := strconv.Atoi(os.Getenv("OUTBOX_IDLE_WINDOW")); s > 0 {
+		window = time.Duration(s) * time.Second
+	}
+	warmup := 5 * time.Second
+	if s, _ := strconv.Atoi(os.Getenv("OUTBOX_IDLE_WARMUP")); s > 0 {
+		warmup = time.Duration(s) * time.Second
+	}
+	var stats time.Duration
+	if s, _ := strconv.Atoi(os.Getenv("OUTBOX_IDLE_STATS")); s != 0 {
+		stats = time.Duration(s) * time.Second
+	}
+	rounds := 2
+	if s, _ := strconv.Atoi(os.Getenv("OUTBOX_IDLE_ROUNDS")); s > 0 {
+		rounds = s
+	}
+	db := pgtest.DB(t)
+	var dbname string
+	if err := db.QueryRow(`SELECT current_database()`).Scan(&dbname); err != nil {
+		t.Fatal(err)
+	}
+	admin, err := sql.Open("postgres", pgtest.AdminDSN(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer admin.Close()
+	admin.SetMaxOpenConns(1)
+
+	w := newWire()
+	obs := make([]*outbox.Outbox, n)
+	for i := range obs {
+		ob, err := outbox.New(outbox.Config{DB: db, Driver: postgres.Driver{}, Publisher: w, TablePrefix: fmt.Sprintf("t%d_", i), StatsInterval: stats})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := ob.Migrate(context.Background()); err != nil {
+			t.Fatal(err)
+		}
+		obs[i] = ob
+	}
+
+	counters := func() (xacts, sessions int64) {
+		if err := admin.QueryRow(`SELECT xact_commit + xact_rollback, sessions FROM pg_stat_database WHERE datname = $1`, dbname).Scan(&xacts, &sessions); err != nil {
+			t.Fatal(err)
+		}
+		return xacts, sessions
+	}
+	conns := func() int {
+		var c int
+		if err := admin.QueryRow(`SELECT count(*) FROM pg_stat_activity WHERE datname = $1 AND backend_type = 'client backend'`, dbname).Scan(&c); err != nil {
+			t.Fatal(err)
+		}
+		return c
+	}
+
+	modes := []struct {
+		name  string
+		start func(ctx context.Context) (wait func())
+	}{
+		{"Outbox.Run per member", func(ctx context.Context) func() {
+			var wg sync.WaitGroup
+			for _, ob := range obs {
+				wg.Add(1)
+				go func() { defer wg.Done(); _ = ob.Run(ctx) }()
+			}
+			return wg.Wait
+		}},
+		{"Set.Run, one engine", func(ctx context.Context) func() {
+			set, err := tenant.New(tenant.Config{Resolver: tenant.FromMetadata("tenant")})
+			if err != nil {
+				t.Fatal(err)
+			}
+			for i, ob := range obs {
+				if err := set.Add(fmt.Sprint("t", i), ob); err != nil {
+					t.Fatal(err)
+				}
+			}
+			done := make(chan struct{})
+			go func() { defer close(done); _ = set.Run(ctx) }()
+			return func() { <-done }
+		}},
+	}
+	if os.Getenv("OUTBOX_IDLE_SET_ONLY") != "" {
+		modes = modes[1:]
+	}
+	for round := range rounds {
+		for _, m := range modes {
+			runtime.GC()
+			base := runtime.NumGoroutine()
+			ctx, cancel := context.WithCancel(context.Background())
+			wait := m.start(ctx)
+			time.Sleep(warmup) // past the first passes of every service
+			goroutines := runtime.NumGoroutine() - base
+			x0, s0 := counters()
+			begin := time.Now()
+			var sum, peak, samples int
+			for time.Since(begin) < window {
+				time.Sleep(time.Second)
+				c := conns()
+				sum += c
+				peak = max(peak, c)
+				samples++
+			}
+			x1, s1 := counters()
+			secs := time.Since(begin).Seconds()
+			cancel()
+			wait()
+			t.Logf("round %d, %d idle tenants, %s, StatsInterval %v, window %v after %v: goroutines %d, server connections mean %.0f peak %d, new connections %.1f/s, transactions %.1f/s",
+				round, n, m.name, obs[0].Config().StatsInterval, window, warmup, goroutines, float64(sum)/float64(samples), peak, float64(s1-s0)/secs, float64(x1-x0)/secs)
+			time.Sleep(2 * time.Second)
+		}
+	}
+	for _, ob := range obs {
+		_ = ob.Close()
+	}
+}
