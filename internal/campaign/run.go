@@ -29,6 +29,8 @@ const (
 	// drainFor bounds the final drain by the relays: effects that a redelivery leased and sent,
 	// and whose mark a crash lost, wait for the lease to end (2*PublishTimeout + 30 s).
 	drainFor = 45 * time.Second
+	// relayInterval is every instance's RelayInterval.
+	relayInterval = 50 * time.Millisecond
 	// lookBack is more than the sweep of inline effects looks behind where it got to (a minute).
 	lookBack = "interval '2 minutes'"
 	// clockStep is how far ahead the database clock runs in the clock-step scenario.
@@ -188,7 +190,7 @@ func (c *run) do() bool {
 		PublishTimeout:   publishTimeout,
 		DuplicateWait:    100 * time.Millisecond,
 		RelayGrace:       200 * time.Millisecond,
-		RelayInterval:    50 * time.Millisecond,
+		RelayInterval:    relayInterval,
 		StatsInterval:    -1,
 		Failpoint:        c.failpoint,
 	}
@@ -205,7 +207,12 @@ func (c *run) do() bool {
 		c.members = append(c.members, members)
 		c.procs = append(c.procs, members[0])
 		if c.dep.Tenants {
-			set, err := tenant.New(tenant.Config{Resolver: tenant.FromMetadata(tenantKey)})
+			// The members' relays back off while idle, up to IdleMax: 30 s by default, which an
+			// effect committed by another instance (no in-process wake), leased by a crashed one or
+			// backing off may wait on top, past the drain's bound (3 effects of a run were still
+			// pending after 45 s). The campaign checks what is sent, not how soon: a short IdleMax
+			// keeps the backoff and its wakes in play within the drain.
+			set, err := tenant.New(tenant.Config{Resolver: tenant.FromMetadata(tenantKey), IdleMax: 8 * relayInterval})
 			if err != nil {
 				t.Fatal(err)
 			}
