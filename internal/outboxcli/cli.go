@@ -1026,15 +1026,20 @@ func lookup(ctx context.Context, g *globals, c *command, args []string, out prin
 		case l.Processed:
 			// The claim's time is also moved by a discard, and is the commit's for a message
 			// that sent nothing: a dispatch is named only from an effect that was sent.
+			// A store may set the claim's time at the commit (MySQL): a pending effect is named
+			// from the effects.
 			var sent time.Time
-			discarded := false
+			discarded, pending := false, false
 			for _, e := range l.Effects {
 				if e.DispatchedAt.After(sent) {
 					sent = e.DispatchedAt
 				}
 				discarded = discarded || e.State == "discarded"
+				pending = pending || e.State == "pending" || e.State == "parked"
 			}
 			switch {
+			case pending:
+				fmt.Fprintf(w, "%s: processed at %s, its effects not all dispatched yet\n", name, l.ProcessedAt.Format(time.RFC3339Nano))
 			case !sent.IsZero():
 				fmt.Fprintf(w, "%s: processed at %s, last dispatch %s\n", name,
 					l.ProcessedAt.Format(time.RFC3339Nano), sent.Format(time.RFC3339Nano))

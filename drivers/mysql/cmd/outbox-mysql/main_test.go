@@ -170,7 +170,7 @@ func TestCommandsOnMySQL(t *testing.T) {
 	if code != 0 || json.Unmarshal([]byte(out), &rep) != nil || !rep.DryRun || rep.Claims != 1 || rep.Effects != 1 {
 		t.Errorf("cleanup dry run: exit %d: %s%s; want the claim and the effect of m2", code, out, errOut)
 	}
-	if code, out, _ := cli(t, dsn, "lookup", "billing", "m2"); code != 0 || !strings.Contains(out, "dispatched") {
+	if code, out, _ := cli(t, dsn, "lookup", "billing", "m2"); code != 0 || !strings.Contains(out, "discarded") {
 		t.Errorf("m2 after the dry run: exit %d: %s; want kept", code, out)
 	}
 	if code, out, errOut := cli(t, dsn, "cleanup", "-retention", "1ms", "-effect-retention", "1ms", "-force"); code != 0 || !strings.Contains(out, "deleted 1 claims, 1 dispatched effects") {
