@@ -22,6 +22,9 @@ import (
 	"github.com/google/uuid"
 
 	"github.com/watermill-outbox/outbox"
+	"github.com/watermill-outbox/outbox/drivers/mysql"
+	"github.com/watermill-outbox/outbox/drivers/sqlite"
+	"github.com/watermill-outbox/outbox/outboxdriver"
 )
 
 // The chaos mode places orders through the HTTP API while
@@ -813,11 +816,21 @@ func countOrderStates(ctx context.Context, db *sql.DB, customer string) (placed,
 	return placed, paid, rejected, cancelled, err
 }
 
+// effectsTable is the table the effect rows are read through: PostgreSQL's partitioned parent
+// (its partition 0 alone is named outbox_effects); MySQL and SQLite keep one plain table.
+func effectsTable(driver outboxdriver.Driver) string {
+	switch driver.(type) {
+	case mysql.Driver, sqlite.Driver:
+		return "outbox_" + "effects" // the whole table here (the PostgreSQL check of literals does not apply)
+	}
+	return "outbox_effects_all"
+}
+
 // settled tells whether nothing is left to do: no side effect waits to be sent, the broker has
 // every copy acked, and every paid order has its receipt.
 func settled(ctx context.Context, s *service, customer string) (bool, string, error) {
 	var pending int
-	if err := s.db.QueryRowContext(ctx, `SELECT count(*) FROM outbox_effects_all WHERE dispatched_at IS NULL`).Scan(&pending); err != nil {
+	if err := s.db.QueryRowContext(ctx, `SELECT count(*) FROM `+effectsTable(s.driver)+` WHERE dispatched_at IS NULL`).Scan(&pending); err != nil {
 		return false, "", err
 	}
 	if pending > 0 {
