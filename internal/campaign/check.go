@@ -187,6 +187,9 @@ func (c *run) check(specs []*spec, acked []atomic.Bool, rqs []*request) {
 			c.fail("(further failures of this run not shown)")
 		}
 	}
+	if *flagLog {
+		c.describePending()
+	}
 	if n := c.pending(); n > 0 {
 		var parked, inline int
 		for _, db := range c.dbs {
@@ -198,6 +201,7 @@ func (c *run) check(specs []*spec, acked []atomic.Bool, rqs []*request) {
 			parked, inline = parked+p, inline+i
 		}
 		fail("%d effects still pending after the relays ran for %s (%d parked effect rows, %d claims holding inline effects)", n, drainFor, parked, inline)
+		c.describePending()
 	}
 
 	for i, sp := range specs {
@@ -367,4 +371,38 @@ func rerun(rqs []*request, a, b effect) bool {
 		}
 	}
 	return false
+}
+
+// describePending notes what is still pending after the drain, row by row (at most 20 of each
+// kind per database): where an effect stopped is what a failed drain's replay has to find.
+func (c *run) describePending() {
+	queries := []string{`SELECT 'effect row ' || source_id || ' seq ' || seq || ': attempts ' || attempts || ', failures ' || failures ||
+			', created ' || (clock_timestamp() - created_at) || ' ago, next attempt in ' || coalesce((next_attempt_at - clock_timestamp())::text, 'null') ||
+			', backoff until ' || coalesce(backoff_until::text, 'null') || ', parked ' || coalesce(parked_at::text, 'no')
+		FROM ` + c.effectsTable() + ` WHERE dispatched_at IS NULL ORDER BY id LIMIT 20`}
+	if c.database == postgresDatabase {
+		queries = append(queries, `SELECT 'claim ' || p.consumer || ' ' || p.message_id || ' holding ' || length(p.effects) || ' bytes of inline effects: inline_xid ' ||
+				coalesce(p.inline_xid::text, 'null') || ' (swept to xid ' || coalesce(st.swept_xid::text, 'null') || ', now at ' || txid_current() || '), processed ' ||
+				(clock_timestamp() - p.processed_at) || ' ago, dispatched_at ' || coalesce((clock_timestamp() - p.dispatched_at)::text || ' ago', 'null') ||
+				', effects ' || encode(substring(p.effects from 1 for 300), 'escape')
+			FROM `+c.prefix+`processed p, `+c.prefix+`stats st WHERE st.id = 1 AND p.effects IS NOT NULL LIMIT 20`)
+	}
+	for k, db := range c.dbs {
+		for _, q := range queries {
+			rows, err := db.Query(q)
+			if err != nil {
+				c.note("describing what is pending in database %d: %v", k, err)
+				continue
+			}
+			for rows.Next() {
+				var line string
+				if err := rows.Scan(&line); err != nil {
+					c.note("describing what is pending in database %d: %v", k, err)
+					break
+				}
+				c.note("pending in database %d: %s", k, line)
+			}
+			rows.Close()
+		}
+	}
 }
