@@ -392,3 +392,17 @@ func TestMetadataCountsWithinTheSizeLimit(t *testing.T) {
 	}
 	mustEqual(t, "copied", e.count(`SELECT count(*) FROM watermill_out_a WHERE metadata->>'correlation_id' = 'corr-1'`), 1)
 }
+
+// A member name becomes a label value: one a metric backend would mangle is refused at New, with
+// the field named, not carried into every series.
+func TestMemberNamesAreValidated(t *testing.T) {
+	for _, bad := range []string{"\xff\xfe", "a\x00b", strings.Repeat("m", 256)} {
+		err := outbox.Config{Member: bad}.Validate()
+		if err == nil || !strings.Contains(err.Error(), "Member") {
+			t.Errorf("Member %q: %v, want an error naming Member", bad, err)
+		}
+	}
+	if err := (outbox.Config{Member: strings.Repeat("m", 255)}).Validate(); err != nil && strings.Contains(err.Error(), "Member") {
+		t.Errorf("a 255-byte Member refused: %v", err)
+	}
+}

@@ -8,7 +8,9 @@ import (
 	"fmt"
 	"math"
 	"reflect"
+	"strings"
 	"time"
+	"unicode/utf8"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -178,6 +180,12 @@ type Config struct {
 	// otel.GetTracerProvider), which do nothing until the application installs an SDK.
 	MeterProvider  metric.MeterProvider
 	TracerProvider trace.TracerProvider
+	// Member names this Outbox in its metrics (attribute outbox.member) when it is one of many
+	// in a process, a database per tenant or per shard, so that each has series of its own:
+	// outbox.tables alone ("public.outbox_") is the same for every database. Keep the names a
+	// bounded set (tenants, shards), never a per-message value. A tenant.Set names each member
+	// it runs after its member name when Member is empty. Default: none (no attribute).
+	Member string
 	// StatsInterval is how often the gauges that come from the database (pending and parked side
 	// effects, failing messages, retained IDs, cleanup lag; see Outbox.Stats) are sampled. One
 	// instance at a time takes the sample, at a bounded cost; every instance reports the newest.
@@ -364,6 +372,11 @@ func (c Config) Validate() error {
 		// the first dispatch, in the relay, far from the mistake.
 		errs = append(errs, fmt.Errorf("Publisher is a nil %T (declared but never assigned?)", c.Publisher))
 	}
+	if c.Member != "" {
+		if err := validMember(c.Member); err != nil {
+			errs = append(errs, fmt.Errorf("Member: %w", err))
+		}
+	}
 	for name, d := range map[string]time.Duration{
 		"Retention": c.Retention, "EffectRetention": c.EffectRetention, "CleanupInterval": c.CleanupInterval,
 		"CleanupPause":   c.CleanupPause,
@@ -482,4 +495,18 @@ func isNilPointer(v any) bool {
 		return rv.IsNil()
 	}
 	return false
+}
+
+// validMember checks a member name for a metric attribute: what a metric backend takes as a
+// label value without loss, and short enough to stay one.
+func validMember(name string) error {
+	switch {
+	case len(name) > 255:
+		return fmt.Errorf("%d bytes, at most 255", len(name))
+	case !utf8.ValidString(name):
+		return errors.New("not valid UTF-8")
+	case strings.ContainsRune(name, 0):
+		return errors.New("contains NUL")
+	}
+	return nil
 }

@@ -7,8 +7,6 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
-	"go.opentelemetry.io/otel/attribute"
-	"go.opentelemetry.io/otel/metric"
 
 	"github.com/watermill-outbox/outbox/outboxdriver"
 )
@@ -259,15 +257,15 @@ func (o *Outbox) cleanupOnce(ctx context.Context) (idle bool, err error) {
 	res, err := o.Cleanup(ctx)
 	if err != nil {
 		if ctx.Err() == nil {
-			o.tel.cleanupErrors.Add(ctx, 1)
+			o.tel.cleanupErrors.Add(ctx, 1, o.tel.own())
 		}
 		return false, err
 	}
 	if res.Batches > 0 {
-		o.tel.cleanupBatches.Add(ctx, int64(res.Batches))
+		o.tel.cleanupBatches.Add(ctx, int64(res.Batches), o.tel.own())
 		for table, n := range map[string]int64{"processed": res.Claims, "dispatched": res.Effects, "attempts": res.Attempts, "idempotency": res.Keys, "dead_letters": res.DeadLetters} {
 			if n > 0 {
-				o.tel.cleanupDeleted.Add(ctx, n, metric.WithAttributeSet(attribute.NewSet(AttrTable.String(table))))
+				o.tel.cleanupDeleted.Add(ctx, n, o.tel.attrs(AttrTable, table, "", ""))
 			}
 		}
 	}

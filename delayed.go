@@ -93,14 +93,14 @@ func (o *Outbox) promoteDelayed(ctx context.Context) int {
 		moved, next, waiting, err := ds.DelayedPromote(ctx, promoteBatch)
 		if err != nil {
 			if !errors.Is(err, context.Canceled) {
-				o.tel.relayErrors.Add(ctx, 1)
+				o.tel.relayErrors.Add(ctx, 1, o.tel.own())
 				o.logger.Error("Moving due delayed side effects failed; the relay tries again at its next pass", err, nil)
 			}
 			return total
 		}
 		total += moved
 		if moved > 0 {
-			o.tel.delayedPromoted.Add(ctx, int64(moved))
+			o.tel.delayedPromoted.Add(ctx, int64(moved), o.tel.own())
 		}
 		if moved == promoteBatch {
 			continue

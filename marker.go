@@ -193,7 +193,7 @@ func (m *marker) write(batch []outboxdriver.DispatchMark) bool {
 		}
 		fields := watermill.LogFields{"sources": len(batch), "first_source_id": batch[0].Source.ID, "try": try}
 		if permanent(err) {
-			m.o.tel.markFailures.Add(ctx, 1)
+			m.o.tel.markFailures.Add(ctx, 1, m.o.tel.own())
 			m.o.logger.Error("Marking side effects dispatched failed; they may be sent again", err, fields)
 			return false
 		}
@@ -203,13 +203,13 @@ func (m *marker) write(batch []outboxdriver.DispatchMark) bool {
 		}
 		select {
 		case <-ctx.Done():
-			m.o.tel.markFailures.Add(context.Background(), 1)
+			m.o.tel.markFailures.Add(context.Background(), 1, m.o.tel.own())
 			m.o.logger.Error("Marking side effects dispatched failed; they may be sent again", err, fields)
 			return false
 		case <-time.After(d):
 		}
 		if gerr := m.o.gate.wait(ctx); gerr != nil {
-			m.o.tel.markFailures.Add(context.Background(), 1)
+			m.o.tel.markFailures.Add(context.Background(), 1, m.o.tel.own())
 			m.o.logger.Error("Marking side effects dispatched failed; they may be sent again", gerr, fields)
 			return false
 		}

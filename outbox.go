@@ -116,10 +116,10 @@ func New(cfg Config) (*Outbox, error) {
 	if gate != nil {
 		o.gate = gate
 		gate.unreachable = o.unreachable
-		gate.onAttempt = func() { o.tel.dbUnreachable.Add(context.Background(), 1) }
+		gate.onAttempt = func() { o.tel.dbUnreachable.Add(context.Background(), 1, o.tel.own()) }
 		gate.onChange = o.reachabilityChanged
 	}
-	o.units = sqlUnits{db: cfg.DB, store: st, spilled: func(ctx context.Context) { o.tel.spills.Add(ctx, 1) }}
+	o.units = sqlUnits{db: cfg.DB, store: st, spilled: func(ctx context.Context) { o.tel.spills.Add(ctx, 1, o.tel.own()) }}
 	if us, ok := st.(outboxdriver.UnitStore); ok {
 		o.units = us
 	}
@@ -223,7 +223,8 @@ func (o *Outbox) Run(ctx context.Context) error {
 // other Outboxes, until leave is called: the seam through which package tenant's Set runs its
 // members on one engine (eng is of an internal package, so no caller outside this module can
 // make one). What Run does besides its engine is done here too: the gauges, the listener (when
-// the driver has a ListenDSN), and on leave the due timer stopped and the marks queued written.
+// the driver has a ListenDSN), the metrics named after the member (unless Config.Member named
+// them), and on leave the due timer stopped and the marks queued written.
 // With idleMax longer than RelayInterval, a relay pass that found nothing to send doubles the
 // wait before the next, up to idleMax; a commit of this process, a notification or a delayed
 // effect falling due wakes it at once. The statistics sampling backs off likewise while a sample
@@ -231,6 +232,7 @@ func (o *Outbox) Run(ctx context.Context) error {
 // progress, which see their context end, however long that takes, as Run does: so that no mark
 // is queued after the marks were written.
 func (o *Outbox) JoinEngine(ctx context.Context, eng *engine.Engine, name string, idleMax time.Duration) (leave func() error, err error) {
+	o.tel.nameMember(name)
 	stop := o.startServices(ctx)
 	h, err := eng.Add(o.engineMember(name, idleMax))
 	if err != nil {
@@ -436,7 +438,7 @@ func (o *Outbox) listen(ctx context.Context) {
 				retry = listenDeafRetry
 				reason := err.Error()
 				o.tel.listenDeaf.Store(&reason)
-				o.tel.listenerDeaf.Add(ctx, 1)
+				o.tel.listenerDeaf.Add(ctx, 1, o.tel.own())
 				if o.tel.deafWarned.allow(10 * time.Minute) {
 					o.logger.Error("The relay's listener receives no notifications; the relay polls every RelayInterval, "+
 						"and other instances' failed dispatches wait for its next round", err, nil)

@@ -117,7 +117,7 @@ func (o *Outbox) relayOnce(ctx context.Context) (idle bool, err error) {
 			Skip:     skip,
 		})
 		if err != nil {
-			o.tel.relayErrors.Add(ctx, 1)
+			o.tel.relayErrors.Add(ctx, 1, o.tel.own())
 			if ctx.Err() == nil {
 				o.relayClaimFailed(err)
 			}
@@ -148,8 +148,8 @@ func (o *Outbox) relayOnce(ctx context.Context) (idle bool, err error) {
 			if err := o.failpoint(ctx, FailpointAfterRelayClaim); err != nil {
 				return false, err
 			}
-			o.tel.relayRounds.Add(ctx, 1)
-			o.tel.relayEffects.Record(ctx, int64(n))
+			o.tel.relayRounds.Add(ctx, 1, o.tel.own())
+			o.tel.relayEffects.Record(ctx, int64(n), o.tel.own())
 		}
 		// The round that was sending ends its calls; the claimed one starts sending, and the
 		// outcome of the one before is written meanwhile.

@@ -74,6 +74,10 @@ const (
 	// AttrTables names the outbox tables ("schema.prefix") a gauge was sampled from, so that
 	// Outboxes of different tables can share one MeterProvider.
 	AttrTables = attribute.Key("outbox.tables")
+	// AttrMember names the Outbox (Config.Member, or its tenant.Set member name) on every metric
+	// it reports, so that Outboxes of several databases with the same tables can share one
+	// MeterProvider. Absent when the Outbox has no member name.
+	AttrMember = attribute.Key("outbox.member")
 )
 
 // Outcomes of a unit of work (AttrOutcome).
@@ -115,24 +119,56 @@ func kindName(kind string) string {
 	return kind
 }
 
-// attrKey identifies a cached attribute set of one or two attributes.
+// attrKey identifies a cached attribute set of the member and one or two attributes.
 type attrKey struct {
-	k1, v1, k2, v2 string
+	member, k1, v1, k2, v2 string
 }
 
-// attrs returns the measurement option of the attributes k1=v1 and, unless k2 is empty, k2=v2,
-// built once: their values are consumer names, outcomes, paths and kinds, a bounded set.
+// attrs returns the measurement option of the attributes k1=v1 (unless k1 is empty) and k2=v2
+// (unless k2 is empty), with the Outbox's member name when it has one, built once: their values
+// are member and consumer names, outcomes, paths, kinds and tables, a bounded set.
 func (t *telemetry) attrs(k1 attribute.Key, v1 string, k2 attribute.Key, v2 string) metric.MeasurementOption {
-	key := attrKey{string(k1), v1, string(k2), v2}
+	member := t.memberName()
+	key := attrKey{member, string(k1), v1, string(k2), v2}
 	if opt, ok := t.attrSets.Load(key); ok {
 		return opt.(metric.MeasurementOption)
 	}
-	kvs := []attribute.KeyValue{k1.String(v1)}
+	kvs := make([]attribute.KeyValue, 0, 3)
+	if member != "" {
+		kvs = append(kvs, AttrMember.String(member))
+	}
+	if k1 != "" {
+		kvs = append(kvs, k1.String(v1))
+	}
 	if k2 != "" {
 		kvs = append(kvs, k2.String(v2))
 	}
 	opt, _ := t.attrSets.LoadOrStore(key, metric.WithAttributeSet(attribute.NewSet(kvs...)))
 	return opt.(metric.MeasurementOption)
+}
+
+// own is the measurement option of a metric with no attribute of its own: the member name alone.
+func (t *telemetry) own() metric.MeasurementOption { return t.attrs("", "", "", "") }
+
+// memberName is the member name the metrics carry ("" for none).
+func (t *telemetry) memberName() string {
+	if m := t.member.Load(); m != nil {
+		return *m
+	}
+	return ""
+}
+
+// nameMember names the Outbox's metrics after member from now on, when Config.Member named
+// none, and starts its counters at zero under that name.
+func (t *telemetry) nameMember(member string) {
+	if member == "" || !t.member.CompareAndSwap(nil, &member) {
+		return
+	}
+	t.startCounters(context.Background())
+	t.consumers.Range(func(c, _ any) bool {
+		t.startConsumerCounters(context.Background(), c.(string))
+		return true
+	})
 }
 
 // telemetry holds the framework's instruments. With the default (global, no-op until the
@@ -162,6 +198,11 @@ type telemetry struct {
 	dbUnreachable    metric.Int64Counter
 
 	attrSets sync.Map // attrKey -> metric.MeasurementOption
+	// member is the name on every metric (AttrMember): Config.Member, else the name a
+	// tenant.Set runs the Outbox under (nameMember), set once; nil: none.
+	member atomic.Pointer[string]
+	// kinds are the effect kinds whose dispatch counters were started at zero (startKind).
+	kinds sync.Map
 
 	// The gauges are observed only while Run runs (it samples what they report): Run registers
 	// observe for them and unregisters it when it returns, so that an Outbox that stopped
@@ -280,9 +321,8 @@ func newTelemetry(o *Outbox) (*telemetry, error) {
 	if o.cfg.Schema != "" {
 		tablesName = o.cfg.Schema + "." + tablesName
 	}
-	tables := attribute.NewSet(AttrTables.String(tablesName))
 	t.observe = func(_ context.Context, obs metric.Observer) error {
-		opt := metric.WithAttributeSet(tables)
+		opt := t.attrs(AttrTables, tablesName, "", "")
 		obs.ObserveFloat64(uptime, time.Since(t.created).Seconds(), opt)
 		var down time.Duration
 		if out, ok := o.gate.outage(); ok {
@@ -320,7 +360,7 @@ func newTelemetry(o *Outbox) (*telemetry, error) {
 			obs.ObserveFloat64(xminAge, held.Seconds(), opt)
 			obs.ObserveFloat64(xminXacts, float64(xacts), opt)
 			for _, tv := range s.Tables {
-				obs.ObserveFloat64(deadTuples, float64(tv.DeadTuples), metric.WithAttributes(AttrTables.String(tablesName), AttrTable.String(tv.Table)))
+				obs.ObserveFloat64(deadTuples, float64(tv.DeadTuples), t.attrs(AttrTables, tablesName, AttrTable, tv.Table))
 			}
 		}
 		return nil
@@ -334,9 +374,19 @@ func newTelemetry(o *Outbox) (*telemetry, error) {
 	// The same holds for the series with attributes that the dashboard and the alerts read before
 	// anything went wrong: the boundary's outcomes, cleanup's tables, and the dispatches of
 	// publishes on every path (appliers' kinds start when they are registered).
-	ctx := context.Background()
+	if o.cfg.Member != "" {
+		t.member.Store(&o.cfg.Member)
+	}
+	t.startCounters(context.Background())
+	t.startKind(context.Background(), kindName(KindPublish))
+	return t, nil
+}
+
+// startCounters starts the counters read before anything went wrong at zero, under the member
+// name the metrics carry now.
+func (t *telemetry) startCounters(ctx context.Context) {
 	for _, c := range []metric.Int64Counter{t.relayRounds, t.relayErrors, t.cleanupBatches, t.markFailures, t.cleanupErrors, t.listenerDeaf, t.delayedPromoted, t.spills, t.dbUnreachable} {
-		c.Add(ctx, 0)
+		c.Add(ctx, 0, t.own())
 	}
 	for _, outcome := range []string{OutcomeCommitted, OutcomeDispatchFailed, OutcomeRolledBack, OutcomeFailed} {
 		t.boundaryUnits.Add(ctx, 0, t.attrs(AttrOutcome, outcome, "", ""))
@@ -344,8 +394,10 @@ func newTelemetry(o *Outbox) (*telemetry, error) {
 	for _, table := range []string{"processed", "dispatched", "attempts"} {
 		t.cleanupDeleted.Add(ctx, 0, t.attrs(AttrTable, table, "", ""))
 	}
-	t.startKind(ctx, kindName(KindPublish))
-	return t, nil
+	t.kinds.Range(func(k, _ any) bool {
+		t.startKindCounters(ctx, k.(string))
+		return true
+	})
 }
 
 // staleAfter is the age past which a database sample taken every interval is stale: three
@@ -379,6 +431,11 @@ func (t *telemetry) aged(s Stats, age time.Duration) (oldestPending, oldestParke
 // startKind starts the dispatch counters of effect kind at zero on every path, so that a
 // dispatch failure of a kind shows (and can be alerted on) from its first.
 func (t *telemetry) startKind(ctx context.Context, kind string) {
+	t.kinds.Store(kind, true)
+	t.startKindCounters(ctx, kind)
+}
+
+func (t *telemetry) startKindCounters(ctx context.Context, kind string) {
 	for _, path := range []string{PathCommit, PathRedelivery, PathRelay} {
 		set := t.attrs(AttrPath, path, AttrKind, kind)
 		t.dispatched.Add(ctx, 0, set)
@@ -404,6 +461,10 @@ func (t *telemetry) startConsumer(ctx context.Context, consumer string) {
 	if _, seen := t.consumers.LoadOrStore(consumer, true); seen {
 		return
 	}
+	t.startConsumerCounters(ctx, consumer)
+}
+
+func (t *telemetry) startConsumerCounters(ctx context.Context, consumer string) {
 	for _, outcome := range []string{OutcomeProcessed, OutcomeDuplicate, OutcomeFailed, OutcomeDispatchFailed, OutcomePoisoned, OutcomeRejected, OutcomeDeadLettered} {
 		t.handled.Add(ctx, 0, t.attrs(AttrConsumer, consumer, AttrOutcome, outcome))
 	}

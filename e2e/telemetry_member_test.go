@@ -1,0 +1,111 @@
+package e2e
+
+import (
+	"context"
+	"database/sql"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
+	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
+	"go.opentelemetry.io/otel/sdk/metric/metricdata"
+
+	"github.com/watermill-outbox/outbox"
+	"github.com/watermill-outbox/outbox/drivers/postgres"
+	"github.com/watermill-outbox/outbox/internal/pgtest"
+	"github.com/watermill-outbox/outbox/tenant"
+)
+
+// Outboxes of two tenant databases with the same tables, on one MeterProvider, report series of
+// their own: a tenant.Set names each member's metrics after it (outbox.member), and
+// Config.Member names a plain Outbox's. Without the member, both databases' counters and gauges
+// were one series ("public.outbox_" for both).
+func TestMetricsCarryTheMember(t *testing.T) {
+	ctx := context.Background()
+	reader := sdkmetric.NewManualReader()
+	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
+	t.Cleanup(func() { _ = mp.Shutdown(context.Background()) })
+	ch := gochannel.NewGoChannel(gochannel.Config{}, watermill.NopLogger{})
+	t.Cleanup(func() { _ = ch.Close() })
+	newOutbox := func(member string) *outbox.Outbox {
+		db := pgtest.DB(t)
+		t.Cleanup(func() { _ = db.Close() })
+		ob, err := outbox.New(outbox.Config{DB: db, Driver: postgres.Driver{}, Publisher: ch, MeterProvider: mp,
+			Member: member, StatsInterval: 100 * time.Millisecond})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := ob.Migrate(ctx); err != nil {
+			t.Fatal(err)
+		}
+		return ob
+	}
+	set, err := tenant.New(tenant.Config{Resolver: tenant.FromMetadata("tenant")})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, name := range []string{"acme", "globex"} {
+		if err := set.Add(name, newOutbox("")); err != nil {
+			t.Fatal(err)
+		}
+	}
+	plain := newOutbox("initech")
+	runCtx, stop := context.WithCancel(ctx)
+	done := make(chan error, 1)
+	go func() { done <- set.Run(runCtx) }()
+	t.Cleanup(func() {
+		stop()
+		select {
+		case <-done:
+		case <-time.After(time.Minute):
+			t.Error("Set.Run did not return within a minute of its cancellation")
+		}
+	})
+	commit := func(name string, n int) {
+		for range n {
+			err := set.InTx(ctx, name, func(ctx context.Context, tx *sql.Tx) error {
+				return outbox.Publish(ctx, "member.events", outbox.NewMessage(ctx, []byte(name)))
+			})
+			if err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	commit("acme", 2)
+	commit("globex", 3)
+	if err := plain.InTx(ctx, func(ctx context.Context, tx *sql.Tx) error { return nil }); err != nil {
+		t.Fatal(err)
+	}
+
+	committed := func(rm metricdata.ResourceMetrics, member string) int64 {
+		return sumInt(t, rm, outbox.MetricBoundaryUnits, map[string]string{"outbox.member": member, "outbox.outcome": outbox.OutcomeCommitted})
+	}
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		rm := func() metricdata.ResourceMetrics {
+			var rm metricdata.ResourceMetrics
+			if err := reader.Collect(ctx, &rm); err != nil {
+				t.Fatal(err)
+			}
+			return rm
+		}()
+		uptime := map[string]bool{}
+		if g, ok := find(rm, outbox.MetricUptime).(metricdata.Gauge[float64]); ok {
+			for _, p := range g.DataPoints {
+				if v, ok := p.Attributes.Value("outbox.member"); ok {
+					uptime[v.AsString()] = true
+				}
+			}
+		}
+		a, g, i := committed(rm, "acme"), committed(rm, "globex"), committed(rm, "initech")
+		if a == 2 && g == 3 && i == 1 && uptime["acme"] && uptime["globex"] {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("boundary units committed by member: acme %d (want 2), globex %d (want 3), initech %d (want 1); uptime gauges of members %v (want acme and globex)",
+				a, g, i, uptime)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
