@@ -11,7 +11,8 @@
 //	outbox help [COMMAND [SUBCOMMAND]]
 //
 // Global flags, before or after the command: -dsn (default $OUTBOX_DSN, then $DATABASE_URL; lib/pq
-// format), -schema, -prefix, -o text|json, -actor (default $USER), -timeout. `outbox COMMAND -h`
+// format), -members FILE and -member NAME (the databases of a tenant.Set: status shows them all,
+// every other command needs -member), -schema, -prefix, -o text|json, -actor (default $USER), -timeout. `outbox COMMAND -h`
 // prints the help of a command, with its flags and their defaults, and needs no database. Exit
 // status: 0 done; 1 failed, or nothing matched; 2 a mistake in the command line. Every change
 // (retry, discard, replay, cleanup) is written to the audit table with the actor; status shows

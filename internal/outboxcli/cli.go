@@ -16,7 +16,8 @@
 //	outbox help [COMMAND [SUBCOMMAND]]
 //
 // Global flags, before or after the command: -dsn (default $OUTBOX_DSN, then $DATABASE_URL; in the
-// Database's format), -schema, -prefix, -o text|json, -actor (default $USER), -timeout. Each
+// Database's format), -members FILE and -member NAME (the member databases of a tenant.Set), -schema,
+// -prefix, -o text|json, -actor (default $USER), -timeout. Each
 // command and group has its own help (-h, --help or `outbox help COMMAND`: stdout, exit status 0,
 // no database needed), with the defaults of its flags. Exit status: 0 done (an empty list too);
 // 1 failed, or nothing matched what the command names (a selection to repair, a message to replay
@@ -35,6 +36,7 @@ import (
 	"fmt"
 	"io"
 	"net/url"
+	"os"
 	"os/user"
 	"slices"
 	"strconv"
@@ -127,15 +129,15 @@ func Run(ctx context.Context, d Database, args []string, stdout, stderr io.Write
 		fmt.Fprint(stdout, hr.text)
 		return 0
 	case errors.As(err, &ue):
-		fmt.Fprintf(stderr, "outbox: %s\n%s", clean(d.RedactDSN(ue.msg, g.dsn)), g.help)
+		fmt.Fprintf(stderr, "outbox: %s\n%s", clean(g.redact(ue.msg)), g.help)
 		return 2
 	case d.IsUndefinedTable(err):
 		// The raw "relation does not exist" does not say what to do about it.
 		fmt.Fprintf(stderr, "outbox: %v\noutbox: the outbox tables are not in this database under these -schema and -prefix: "+
-			"run `outbox migrate up` (with the same -schema and -prefix), or point -dsn, -schema, -prefix at the service's tables\n", clean(d.RedactDSN(err.Error(), g.dsn)))
+			"run `outbox migrate up` (with the same -schema and -prefix), or point -dsn, -schema, -prefix at the service's tables\n", clean(g.redact(err.Error())))
 		return 1
 	default:
-		fmt.Fprintf(stderr, "outbox: %s\n", clean(d.RedactDSN(err.Error(), g.dsn)))
+		fmt.Fprintf(stderr, "outbox: %s\n", clean(g.redact(err.Error())))
 		return 1
 	}
 }
@@ -278,6 +280,11 @@ type globals struct {
 	top                                *flag.FlagSet
 	dsn, schema, prefix, output, actor string
 	timeout                            time.Duration
+	// membersFile and member: -members names the databases of a process's members (a tenant or
+	// shard each) in a file of "NAME DSN" lines; -member picks one of them. members is the file
+	// read, in its order.
+	membersFile, member string
+	members             []memberDSN
 	// help is the help of the command being parsed, printed with a mistake in its command line.
 	help   string
 	sqlDB  *sql.DB
@@ -296,6 +303,8 @@ func newGlobals(d Database, getenv func(string) string) *globals {
 	fs.StringVar(&g.output, "o", "text", "output: text or json")
 	fs.StringVar(&g.actor, "actor", "", "who makes the change, for the audit table (default $USER, then the OS user)")
 	fs.DurationVar(&g.timeout, "timeout", time.Minute, "bound of the whole command")
+	fs.StringVar(&g.membersFile, "members", "", "`FILE` naming the databases of the members of a service (a tenant or shard each, a tenant.Set), a \"NAME DSN\" line each: status shows them all, -member picks one (default $OUTBOX_MEMBERS)")
+	fs.StringVar(&g.member, "member", "", "the `NAME` in -members of the database to act on")
 	g.top = fs
 	return g
 }
@@ -388,7 +397,10 @@ func (g *globals) parse(fs *flag.FlagSet, c *command, args []string, want int) (
 	if g.output != "text" && g.output != "json" {
 		return nil, usageError{fmt.Sprintf("-o %q: want text or json", g.output)}
 	}
-	if g.dsn == "" {
+	if err := g.pickMember(c); err != nil {
+		return nil, err
+	}
+	if g.dsn == "" && g.membersFile == "" {
 		if g.dsn = g.getenv("OUTBOX_DSN"); g.dsn == "" {
 			g.dsn = g.getenv("DATABASE_URL")
 		}
@@ -401,6 +413,92 @@ func (g *globals) parse(fs *flag.FlagSet, c *command, args []string, want int) (
 		}
 	}
 	return pos, nil
+}
+
+// memberDSN is a line of the -members file.
+type memberDSN struct{ name, dsn string }
+
+// pickMember reads the -members file (default $OUTBOX_MEMBERS) and, with -member, takes that
+// member's DSN as -dsn. Without -member, only status acts on every member: a repair or a lookup
+// names the one database it acts on.
+func (g *globals) pickMember(c *command) error {
+	if g.membersFile == "" {
+		g.membersFile = g.getenv("OUTBOX_MEMBERS")
+	}
+	if g.membersFile == "" {
+		if g.member != "" {
+			return usageError{"-member " + strconv.Quote(g.member) + ": no -members file names the members"}
+		}
+		return nil
+	}
+	if g.dsn != "" {
+		return usageError{"-dsn and -members: give one (-member picks a database of -members)"}
+	}
+	members, err := readMembers(g.membersFile)
+	if err != nil {
+		return usageError{err.Error()}
+	}
+	g.members = members
+	if g.member == "" {
+		if c.run != nil && c.name != "status" && c.name != "help" {
+			return usageError{fmt.Sprintf("%s: -members names %d databases: pick one with -member NAME (only status shows them all)", c.name, len(members))}
+		}
+		return nil
+	}
+	for _, m := range members {
+		if m.name == g.member {
+			g.dsn = m.dsn
+			return nil
+		}
+	}
+	names := make([]string, len(members))
+	for i, m := range members {
+		names[i] = m.name
+	}
+	return usageError{fmt.Sprintf("-member %q is not in %s (members: %s)", g.member, g.membersFile, strings.Join(names, ", "))}
+}
+
+// readMembers reads a -members file: a "NAME DSN" line per member (blank lines and lines
+// starting with # are skipped). The names are unique.
+func readMembers(path string) ([]memberDSN, error) {
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return nil, fmt.Errorf("-members: %w", err)
+	}
+	var out []memberDSN
+	seen := map[string]int{}
+	for i, line := range strings.Split(string(data), "\n") {
+		line = strings.TrimSpace(line)
+		if line == "" || strings.HasPrefix(line, "#") {
+			continue
+		}
+		name, dsn, ok := strings.Cut(line, " ")
+		dsn = strings.TrimSpace(dsn)
+		if !ok || dsn == "" {
+			return nil, fmt.Errorf("-members %s, line %d: want NAME DSN", path, i+1)
+		}
+		if !utf8.ValidString(name) || strings.ContainsFunc(name, unsafeRune) {
+			return nil, fmt.Errorf("-members %s, line %d: the name is not printable text", path, i+1)
+		}
+		if prev, dup := seen[name]; dup {
+			return nil, fmt.Errorf("-members %s, line %d: member %q is on line %d already", path, i+1, name, prev)
+		}
+		seen[name] = i + 1
+		out = append(out, memberDSN{name, dsn})
+	}
+	if len(out) == 0 {
+		return nil, fmt.Errorf("-members %s: no member in it", path)
+	}
+	return out, nil
+}
+
+// redact takes the password of every DSN the command line named out of text.
+func (g *globals) redact(text string) string {
+	text = g.db.RedactDSN(text, g.dsn)
+	for _, m := range g.members {
+		text = g.db.RedactDSN(text, m.dsn)
+	}
+	return text
 }
 
 // connect opens the database and checks that it answers, within -timeout, which bounds the
@@ -550,87 +648,157 @@ func status(ctx context.Context, g *globals, c *command, args []string, out prin
 	if _, err := g.parse(fs, c, args, 0); err != nil {
 		return err
 	}
+	if len(g.members) > 0 && g.member == "" {
+		return statusOfMembers(ctx, g, *retention, out)
+	}
 	ctx, o, err := g.connect(ctx)
 	if err != nil {
 		return err
 	}
-	if *retention <= 0 {
-		c, err := o.ServiceConfig(ctx)
-		if err != nil {
-			return err
-		}
-		*retention = ops.DefaultRetention
-		if c.Retention > 0 {
-			*retention = c.Retention
-		}
-	}
-	s, err := o.Status(ctx, *retention)
+	s, err := statusOf(ctx, o, *retention)
 	if err != nil {
 		return err
 	}
-	return out.emit(s, func(w *tabwriter.Writer) {
-		t := s.Totals
-		fmt.Fprintf(w, "pending\t%d\toldest %s\n", t.Pending, t.OldestPending.Round(time.Millisecond))
-		fmt.Fprintf(w, "delayed\t%d\tnot due yet (no backlog)\n", t.Delayed)
-		fmt.Fprintf(w, "parked\t%d\toldest %s\n", t.Parked, t.OldestParked.Round(time.Millisecond))
-		fmt.Fprintf(w, "failing messages\t%d\t\n", t.Failing)
-		fmt.Fprintf(w, "dead letters\t%d\t(outbox dead groups)\n", t.DeadLetters)
-		fmt.Fprintf(w, "retained IDs\t%d\t%s\n", t.Retained, map[bool]string{true: "(estimated)"}[t.Estimated])
-		fmt.Fprintf(w, "cleanup lag\t%s\t\n", t.CleanupLag.Round(time.Second))
-		if t.Tables != nil { // PostgreSQL's
-			if h := t.XminHold; h != nil {
-				fmt.Fprintf(w, "xmin held\t%s\t%d transactions, by %s\n", h.Age.Round(time.Second), h.Transactions, clean(h.Who()))
-			} else {
-				fmt.Fprintf(w, "xmin held\tnone\t\n")
+	return out.emit(s, func(w *tabwriter.Writer) { printStatus(w, s) })
+}
+
+// memberStatus is the status of one member of -members (JSON: an array of them).
+type memberStatus struct {
+	Member string      `json:"member"`
+	Status *ops.Status `json:"status,omitempty"`
+	Error  string      `json:"error,omitempty"`
+}
+
+// statusOfMembers shows the status of every member of -members, one after the other, each
+// within -timeout: a member that cannot be read is reported as such (exit status 1), and the
+// others are shown all the same.
+func statusOfMembers(ctx context.Context, g *globals, retention time.Duration, out printer) error {
+	all := make([]memberStatus, 0, len(g.members))
+	failed := 0
+	for _, m := range g.members {
+		ms := memberStatus{Member: m.name}
+		s, err := func() (*ops.Status, error) {
+			mg := *g
+			mg.dsn, mg.sqlDB, mg.cancel = m.dsn, nil, nil
+			defer mg.close()
+			ctx, o, err := mg.connect(ctx)
+			if err != nil {
+				return nil, err
 			}
-			var dead int64
-			var each []string
-			for _, tv := range t.Tables {
-				dead += tv.DeadTuples
-				if tv.DeadTuples > 0 {
-					each = append(each, fmt.Sprintf("%s %d", tv.Table, tv.DeadTuples))
-				}
-			}
-			fmt.Fprintf(w, "dead tuples\t%d\t%s\n", dead, strings.Join(each, ", "))
-		}
-		if s.LastDispatch.IsZero() {
-			fmt.Fprintf(w, "last dispatch\tnone in the last hour\t\n")
+			return statusOf(ctx, o, retention)
+		}()
+		if err != nil {
+			failed++
+			ms.Error = clean(g.redact(err.Error()))
 		} else {
-			fmt.Fprintf(w, "last dispatch\t%s ago\t\n", time.Since(s.LastDispatch).Round(time.Second))
+			ms.Status = s
 		}
-		if len(s.Groups) > 0 {
-			fmt.Fprintf(w, "\nCONSUMER\tTOPIC\tPENDING\tOLDEST\tPARKED\n")
-			for _, g := range s.Groups {
-				fmt.Fprintf(w, "%s\t%s\t%d\t%s\t%d\n", orBoundary(g.Consumer), clean(g.Topic), g.Pending, g.OldestPending.Round(time.Millisecond), g.Parked)
+		all = append(all, ms)
+	}
+	if err := out.emit(all, func(w *tabwriter.Writer) {
+		for i, ms := range all {
+			if i > 0 {
+				fmt.Fprintln(w)
+			}
+			fmt.Fprintf(w, "== member %s\t\t\n", clean(ms.Member))
+			if ms.Status == nil {
+				fmt.Fprintf(w, "error\t%s\t\n", ms.Error)
+				continue
+			}
+			printStatus(w, ms.Status)
+		}
+	}); err != nil {
+		return err
+	}
+	if failed > 0 {
+		return fmt.Errorf("status: %d of %d members could not be read", failed, len(all))
+	}
+	return nil
+}
+
+// statusOf reads the status of the database of o, with retention, or the one the service
+// recorded (else the default) when it is zero.
+func statusOf(ctx context.Context, o *ops.Ops, retention time.Duration) (*ops.Status, error) {
+	if retention <= 0 {
+		c, err := o.ServiceConfig(ctx)
+		if err != nil {
+			return nil, err
+		}
+		retention = ops.DefaultRetention
+		if c.Retention > 0 {
+			retention = c.Retention
+		}
+	}
+	s, err := o.Status(ctx, retention)
+	if err != nil {
+		return nil, err
+	}
+	return &s, nil
+}
+
+// printStatus prints s as status does in text.
+func printStatus(w *tabwriter.Writer, s *ops.Status) {
+	t := s.Totals
+	fmt.Fprintf(w, "pending\t%d\toldest %s\n", t.Pending, t.OldestPending.Round(time.Millisecond))
+	fmt.Fprintf(w, "delayed\t%d\tnot due yet (no backlog)\n", t.Delayed)
+	fmt.Fprintf(w, "parked\t%d\toldest %s\n", t.Parked, t.OldestParked.Round(time.Millisecond))
+	fmt.Fprintf(w, "failing messages\t%d\t\n", t.Failing)
+	fmt.Fprintf(w, "dead letters\t%d\t(outbox dead groups)\n", t.DeadLetters)
+	fmt.Fprintf(w, "retained IDs\t%d\t%s\n", t.Retained, map[bool]string{true: "(estimated)"}[t.Estimated])
+	fmt.Fprintf(w, "cleanup lag\t%s\t\n", t.CleanupLag.Round(time.Second))
+	if t.Tables != nil { // PostgreSQL's
+		if h := t.XminHold; h != nil {
+			fmt.Fprintf(w, "xmin held\t%s\t%d transactions, by %s\n", h.Age.Round(time.Second), h.Transactions, clean(h.Who()))
+		} else {
+			fmt.Fprintf(w, "xmin held\tnone\t\n")
+		}
+		var dead int64
+		var each []string
+		for _, tv := range t.Tables {
+			dead += tv.DeadTuples
+			if tv.DeadTuples > 0 {
+				each = append(each, fmt.Sprintf("%s %d", tv.Table, tv.DeadTuples))
 			}
 		}
-		if len(s.Failing) > 0 {
-			fmt.Fprintf(w, "\nCONSUMER\tFAILING MESSAGES\tATTEMPTS\t\t\n")
-			for _, f := range s.Failing {
-				fmt.Fprintf(w, "%s\t%d\t%d\t\t\n", clean(f.Consumer), f.Messages, f.Attempts)
-			}
+		fmt.Fprintf(w, "dead tuples\t%d\t%s\n", dead, strings.Join(each, ", "))
+	}
+	if s.LastDispatch.IsZero() {
+		fmt.Fprintf(w, "last dispatch\tnone in the last hour\t\n")
+	} else {
+		fmt.Fprintf(w, "last dispatch\t%s ago\t\n", time.Since(s.LastDispatch).Round(time.Second))
+	}
+	if len(s.Groups) > 0 {
+		fmt.Fprintf(w, "\nCONSUMER\tTOPIC\tPENDING\tOLDEST\tPARKED\n")
+		for _, g := range s.Groups {
+			fmt.Fprintf(w, "%s\t%s\t%d\t%s\t%d\n", orBoundary(g.Consumer), clean(g.Topic), g.Pending, g.OldestPending.Round(time.Millisecond), g.Parked)
 		}
-		if len(s.Retained) > 0 {
-			fmt.Fprintf(w, "\nCONSUMER\tRETAINED IDS\t\t\t\n")
-			for c, n := range s.Retained {
-				fmt.Fprintf(w, "%s\t%d\t\t\t\n", clean(c), n)
-			}
+	}
+	if len(s.Failing) > 0 {
+		fmt.Fprintf(w, "\nCONSUMER\tFAILING MESSAGES\tATTEMPTS\t\t\n")
+		for _, f := range s.Failing {
+			fmt.Fprintf(w, "%s\t%d\t%d\t\t\n", clean(f.Consumer), f.Messages, f.Attempts)
 		}
-		switch {
-		case s.AuditUnreadable:
-			fmt.Fprintf(w, "\nrecent changes\tnot readable by this role (it may only append to the audit table)\t\t\t\n")
-		case len(s.Audit) > 0:
-			fmt.Fprintf(w, "\nRECENT CHANGES\t\t\t\t\n")
-			for _, a := range s.Audit {
-				who := clean(a.Actor)
-				if a.Role != "" { // the role and addresses the database and the console recorded
-					who += " [" + strings.Join(slices.DeleteFunc([]string{clean(a.Role), clean(a.ClientAddr), clean(a.Remote)},
-						func(s string) bool { return s == "" }), " ") + "]"
-				}
-				fmt.Fprintf(w, "%s\t%s\t%s\t%s\t%s\n", a.At.Format(time.RFC3339), who, clean(a.Action), clean(a.Target), clean(a.Detail))
-			}
+	}
+	if len(s.Retained) > 0 {
+		fmt.Fprintf(w, "\nCONSUMER\tRETAINED IDS\t\t\t\n")
+		for c, n := range s.Retained {
+			fmt.Fprintf(w, "%s\t%d\t\t\t\n", clean(c), n)
 		}
-	})
+	}
+	switch {
+	case s.AuditUnreadable:
+		fmt.Fprintf(w, "\nrecent changes\tnot readable by this role (it may only append to the audit table)\t\t\t\n")
+	case len(s.Audit) > 0:
+		fmt.Fprintf(w, "\nRECENT CHANGES\t\t\t\t\n")
+		for _, a := range s.Audit {
+			who := clean(a.Actor)
+			if a.Role != "" { // the role and addresses the database and the console recorded
+				who += " [" + strings.Join(slices.DeleteFunc([]string{clean(a.Role), clean(a.ClientAddr), clean(a.Remote)},
+					func(s string) bool { return s == "" }), " ") + "]"
+			}
+			fmt.Fprintf(w, "%s\t%s\t%s\t%s\t%s\n", a.At.Format(time.RFC3339), who, clean(a.Action), clean(a.Target), clean(a.Detail))
+		}
+	}
 }
 
 func orBoundary(consumer string) string {

@@ -1,0 +1,126 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"net/url"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/watermill-outbox/outbox/internal/pgtest"
+)
+
+// A service of several member databases (a tenant.Set) is inspected through one -members file:
+// status shows every member, a member that cannot be read is named and the others still shown,
+// -member picks one database for any command, and a repair never runs on all of them at once.
+func TestMembersFile(t *testing.T) {
+	acme := newFixture(t) // two parked effects, a failing and a poisoned message
+	globex := pgtest.DSN(t)
+	if code, out := acme.cli(t, "-dsn", globex, "migrate", "up"); code != 0 {
+		t.Fatalf("migrate globex: exit %d: %s", code, out)
+	}
+	down, err := url.Parse(globex)
+	if err != nil {
+		t.Fatal(err)
+	}
+	down.User = url.UserPassword("nobody", "s3cret-pw")
+	down.Path = "/no_such_database"
+	file := filepath.Join(t.TempDir(), "members")
+	content := "# the tenants of the order service\nacme " + acme.dsn + "\n\nglobex " + globex + "\ninitech " + down.String() + "\n"
+	if err := os.WriteFile(file, []byte(content), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	cli := func(args ...string) (int, string, string) {
+		var out, errOut bytes.Buffer
+		env := map[string]string{"USER": "alice"}
+		code := run(context.Background(), args, &out, &errOut, func(k string) string { return env[k] })
+		return code, out.String(), errOut.String()
+	}
+
+	code, out, errOut := cli("-members", file, "status")
+	if code != 1 || !strings.Contains(errOut, "1 of 3 members could not be read") {
+		t.Errorf("status of all members: exit %d (want 1: initech cannot be read), stderr %q", code, errOut)
+	}
+	for _, want := range []string{"== member acme", "== member globex", "== member initech", "parked            2"} {
+		if !strings.Contains(strings.Join(strings.Fields(out), " "), strings.Join(strings.Fields(want), " ")) {
+			t.Errorf("status of all members lacks %q:\n%s", want, out)
+		}
+	}
+	if strings.Contains(out+errOut, "s3cret-pw") {
+		t.Errorf("a member's password was printed:\n%s%s", out, errOut)
+	}
+
+	code, out, errOut = cli("-members", file, "-o", "json", "status")
+	var all []struct {
+		Member string `json:"member"`
+		Status *struct {
+			Totals struct {
+				Parked int `json:"parked"`
+			} `json:"totals"`
+		} `json:"status"`
+		Error string `json:"error"`
+	}
+	if err := json.Unmarshal([]byte(out), &all); err != nil || code != 1 {
+		t.Fatalf("status -o json: exit %d, %v: %s%s", code, err, out, errOut)
+	}
+	if len(all) != 3 || all[0].Member != "acme" || all[0].Status == nil || all[1].Status == nil || all[2].Error == "" {
+		t.Fatalf("status -o json of the members: %+v", all)
+	}
+	if p0, p1 := all[0].Status.Totals.Parked, all[1].Status.Totals.Parked; p0 != 2 || p1 != 0 {
+		t.Errorf("parked effects by member: acme %d (want 2), globex %d (want 0)", p0, p1)
+	}
+
+	// -member picks one database, for a list and for a repair alike.
+	code, out, errOut = cli("-members", file, "-member", "acme", "parked", "list")
+	if code != 0 || strings.Count(out, "billing") != 2 {
+		t.Errorf("parked list -member acme: exit %d: %s%s", code, out, errOut)
+	}
+	if code, out, errOut = cli("-members", file, "-member", "globex", "parked", "retry", "-all"); code != 1 || !strings.Contains(errOut, "nothing matched") {
+		t.Errorf("parked retry -all -member globex: exit %d (want 1, nothing parked there): %s%s", code, out, errOut)
+	}
+
+	// A repair never runs on every member at once, nor a lookup on a database left to guess.
+	for _, args := range [][]string{{"parked", "retry", "-all"}, {"lookup", "billing", "m-ok"}, {"cleanup", "-dry-run"}} {
+		code, out, errOut := cli(append([]string{"-members", file}, args...)...)
+		if code != 2 || !strings.Contains(errOut, "pick one with -member") {
+			t.Errorf("%v with -members and no -member: exit %d (want 2, pick one): %s%s", args, code, out, errOut)
+		}
+	}
+	if n := acme.parkedCount(t); n != 2 {
+		t.Errorf("after the refused repairs, acme has %d parked effects, want 2", n)
+	}
+
+	// Mistakes in the file or the flags are usage errors that say what is wrong.
+	dup := filepath.Join(t.TempDir(), "dup")
+	if err := os.WriteFile(dup, []byte("a "+globex+"\na "+globex+"\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"-members", file, "-member", "hooli", "status"}, `-member "hooli" is not in`},
+		{[]string{"-members", dup, "status"}, `member "a" is on line 1 already`},
+		{[]string{"-members", file, "-dsn", globex, "status"}, "-dsn and -members: give one"},
+		{[]string{"-member", "acme", "-dsn", globex, "status"}, "no -members file"},
+		{[]string{"-members", filepath.Join(t.TempDir(), "missing"), "status"}, "-members"},
+	} {
+		code, out, errOut := cli(c.args...)
+		if code != 2 || !strings.Contains(errOut, c.want) {
+			t.Errorf("%v: exit %d, stderr %q; want 2 and %q (stdout %q)", c.args, code, errOut, c.want, out)
+		}
+	}
+}
+
+// parkedCount is the number of parked effects in the fixture's database.
+func (f *fixture) parkedCount(t *testing.T) int {
+	t.Helper()
+	var n int
+	if err := f.db.QueryRow(`SELECT count(*) FROM outbox_effects_all WHERE parked_at IS NOT NULL AND dispatched_at IS NULL`).Scan(&n); err != nil {
+		t.Fatal(err)
+	}
+	return n
+}
