@@ -4,9 +4,11 @@ import (
 	"context"
 	"database/sql"
 	"fmt"
+	"net/url"
 	"os"
 	"runtime"
 	"strconv"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -27,7 +29,9 @@ import (
 //
 // OUTBOX_IDLE_WINDOW sets the window in seconds (default 30), OUTBOX_IDLE_WARMUP the wait before
 // it (default 5), OUTBOX_IDLE_STATS the members' StatsInterval in seconds (negative: none),
-// OUTBOX_IDLE_ROUNDS the rounds (default 2), OUTBOX_IDLE_SET_ONLY=1 skips Outbox.Run per member.
+// OUTBOX_IDLE_ROUNDS the rounds (default 2), OUTBOX_IDLE_SET_ONLY=1 skips Outbox.Run per member,
+// OUTBOX_IDLE_DBS=1 gives each tenant a database and a pool of its own instead of a schema, and
+// OUTBOX_IDLE_POOL_IDLE the idle connections each of those pools keeps (SetMaxIdleConns; default 2).
 func TestIdleCost(t *testing.T) {
 	n, _ := strconv.Atoi(os.Getenv("OUTBOX_IDLE_COST"))
 	if n <= 0 {
@@ -63,8 +67,40 @@ func TestIdleCost(t *testing.T) {
 
 	w := newWire()
 	obs := make([]*outbox.Outbox, n)
+	// The databases measured: the test's, with a schema (TablePrefix) per tenant, or with
+	// OUTBOX_IDLE_DBS=1 a database per tenant, each with a pool of its own (database/sql's
+	// defaults, as a service opens them) and the default tables.
+	dbnames := []string{dbname}
+	perDB := os.Getenv("OUTBOX_IDLE_DBS") != ""
+	if perDB {
+		dbnames = dbnames[:0]
+	}
 	for i := range obs {
-		ob, err := outbox.New(outbox.Config{DB: db, Driver: postgres.Driver{}, Publisher: w, TablePrefix: fmt.Sprintf("t%d_", i), StatsInterval: stats})
+		cfg := outbox.Config{DB: db, Driver: postgres.Driver{}, Publisher: w, TablePrefix: fmt.Sprintf("t%d_", i), StatsInterval: stats}
+		if perDB {
+			name := fmt.Sprintf("%s_t%d", dbname, i)
+			if _, err := admin.Exec(`CREATE DATABASE ` + name); err != nil {
+				t.Fatal(err)
+			}
+			dsn, err := withDatabase(pgtest.AdminDSN(t), name)
+			if err != nil {
+				t.Fatal(err)
+			}
+			tdb, err := sql.Open("postgres", dsn)
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() {
+				_ = tdb.Close()
+				_, _ = admin.Exec(`DROP DATABASE IF EXISTS ` + name + ` WITH (FORCE)`)
+			})
+			if k, err := strconv.Atoi(os.Getenv("OUTBOX_IDLE_POOL_IDLE")); err == nil {
+				tdb.SetMaxIdleConns(k)
+			}
+			cfg.DB, cfg.TablePrefix = tdb, ""
+			dbnames = append(dbnames, name)
+		}
+		ob, err := outbox.New(cfg)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -73,16 +109,17 @@ func TestIdleCost(t *testing.T) {
 		}
 		obs[i] = ob
 	}
+	names := "{" + strings.Join(dbnames, ",") + "}"
 
 	counters := func() (xacts, sessions int64) {
-		if err := admin.QueryRow(`SELECT xact_commit + xact_rollback, sessions FROM pg_stat_database WHERE datname = $1`, dbname).Scan(&xacts, &sessions); err != nil {
+		if err := admin.QueryRow(`SELECT sum(xact_commit + xact_rollback), sum(sessions) FROM pg_stat_database WHERE datname = ANY ($1::text[])`, names).Scan(&xacts, &sessions); err != nil {
 			t.Fatal(err)
 		}
 		return xacts, sessions
 	}
 	conns := func() int {
 		var c int
-		if err := admin.QueryRow(`SELECT count(*) FROM pg_stat_activity WHERE datname = $1 AND backend_type = 'client backend'`, dbname).Scan(&c); err != nil {
+		if err := admin.QueryRow(`SELECT count(*) FROM pg_stat_activity WHERE datname = ANY ($1::text[]) AND backend_type = 'client backend'`, names).Scan(&c); err != nil {
 			t.Fatal(err)
 		}
 		return c
@@ -140,12 +177,26 @@ func TestIdleCost(t *testing.T) {
 			secs := time.Since(begin).Seconds()
 			cancel()
 			wait()
-			t.Logf("round %d, %d idle tenants, %s, StatsInterval %v, window %v after %v: goroutines %d, server connections mean %.0f peak %d, new connections %.1f/s, transactions %.1f/s",
-				round, n, m.name, obs[0].Config().StatsInterval, window, warmup, goroutines, float64(sum)/float64(samples), peak, float64(s1-s0)/secs, float64(x1-x0)/secs)
+			layout := "a schema each, one pool"
+			if perDB {
+				layout = "a database and a pool each"
+			}
+			t.Logf("round %d, %d idle tenants (%s), %s, StatsInterval %v, window %v after %v: goroutines %d, server connections mean %.0f peak %d, new connections %.1f/s, transactions %.1f/s",
+				round, n, layout, m.name, obs[0].Config().StatsInterval, window, warmup, goroutines, float64(sum)/float64(samples), peak, float64(s1-s0)/secs, float64(x1-x0)/secs)
 			time.Sleep(2 * time.Second)
 		}
 	}
 	for _, ob := range obs {
 		_ = ob.Close()
 	}
+}
+
+// withDatabase is dsn (a URL) with its database replaced by name.
+func withDatabase(dsn, name string) (string, error) {
+	u, err := url.Parse(dsn)
+	if err != nil || u.Host == "" {
+		return "", fmt.Errorf("the admin DSN is not a URL with a host (%v): a database per tenant needs one", err)
+	}
+	u.Path = "/" + name
+	return u.String(), nil
 }
