@@ -159,7 +159,11 @@ func main() {
 		if *results == "" {
 			*results = "results-xmin.json"
 		}
-		if err := runXmin(xminPresets(*only), *dsn, *results); err != nil {
+		run := func() error { return runXmin(xminPresets(*only), *dsn, *results) }
+		if *render != "" {
+			run = func() error { return renderXmin(*render) }
+		}
+		if err := run(); err != nil {
 			fmt.Fprintln(os.Stderr, "error:", err)
 			os.Exit(1)
 		}

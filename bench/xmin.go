@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"database/sql"
+	"encoding/json"
 	"errors"
 	"flag"
 	"fmt"
@@ -237,6 +238,20 @@ func runXmin(cfg xminConfig, dsn, resultsPath string) error {
 	return writeResults(resultsPath, rep)
 }
 
+// renderXmin prints the table of a saved run (-mode xmin -render results-xmin.json).
+func renderXmin(path string) error {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return err
+	}
+	var r xminReport
+	if err := json.Unmarshal(b, &r); err != nil {
+		return fmt.Errorf("%s: %w", path, err)
+	}
+	printXmin(os.Stdout, &r)
+	return nil
+}
+
 // xminLoad offers deliveries at a fixed rate to at most inFlight handlers at once, and records
 // each handled one in the current window. When every handler is busy the next delivery waits:
 // the offered load is then not met, which the window's throughput shows.
@@ -406,20 +421,16 @@ func (e *env) xminContender(ctx context.Context, cfg xminConfig, name string) (x
 		return res, fmt.Errorf("holding xmin: %w", err)
 	}
 	logf("%s: a session holds the xmin horizon for %s", name, cfg.Hold)
-	begin()
-	early := cfg.Hold * 3 / 4
-	if err := sleep(early); err != nil {
-		return res, err
-	}
-	if err := end("hold, first 3/4"); err != nil {
-		return res, err
-	}
-	begin()
-	if err := sleep(cfg.Hold - early); err != nil {
-		return res, err
-	}
-	if err := end("hold, last 1/4"); err != nil {
-		return res, err
+	// The hold is measured by quarters: the last one is compared with the baseline, and the four
+	// tell a cost that grows with the hold's length from one that levels off.
+	for q := 1; q <= 4; q++ {
+		begin()
+		if err := sleep(cfg.Hold*time.Duration(q)/4 - cfg.Hold*time.Duration(q-1)/4); err != nil {
+			return res, err
+		}
+		if err := end(fmt.Sprintf("hold q%d", q)); err != nil {
+			return res, err
+		}
 	}
 	if err := htx.Rollback(); err != nil {
 		return res, fmt.Errorf("releasing the hold: %w", err)
@@ -577,6 +588,9 @@ func xminSizes(w xminWindow) (outboxBytes, business int64) {
 	return outboxBytes, business
 }
 
+// xminLast is the window compared with the baseline: the last quarter of the hold.
+const xminLast = "hold q4"
+
 func (r xminResult) window(name string) (xminWindow, bool) {
 	for _, w := range r.Windows {
 		if w.Name == name {
@@ -612,7 +626,7 @@ func printXmin(out io.Writer, r *xminReport) {
 		line := "| " + label + " |"
 		for _, res := range r.Results {
 			b, ok1 := res.window("baseline")
-			h, ok2 := res.window("hold, last 1/4")
+			h, ok2 := res.window(xminLast)
 			if !ok1 || !ok2 {
 				line += " - |"
 				continue
@@ -671,10 +685,38 @@ func printXmin(out io.Writer, r *xminReport) {
 		})
 	}
 	fmt.Fprintln(out)
+	// Each class by quarter of the hold: a cost that levels off or one that keeps growing.
+	for _, res := range r.Results {
+		fmt.Fprintf(out, "%s, blocks per call (mean ms) in the baseline | hold q1 q2 q3 q4:\n", res.Contender)
+		for _, cl := range xminClassNames() {
+			line := fmt.Sprintf("  %-14s", cl)
+			for _, wn := range []string{"baseline", "hold q1", "hold q2", "hold q3", "hold q4", "after"} {
+				w, ok := res.window(wn)
+				if !ok {
+					continue
+				}
+				if wn == "hold q1" || wn == "after" {
+					line += " |"
+				}
+				if s, ok := w.Classes[cl]; ok {
+					line += fmt.Sprintf(" %.0f (%.2f)", s.blocksPerCall(), s.meanMs())
+				} else {
+					line += " -"
+				}
+			}
+			fmt.Fprintln(out, line)
+		}
+		line := "  server CPU, µs/msg, per window:"
+		for _, w := range res.Windows {
+			line += fmt.Sprintf(" %.0f", w.ServerCPUus)
+		}
+		fmt.Fprintln(out, line)
+	}
+	fmt.Fprintln(out)
 	// The tables that grew most, per contender.
 	for _, res := range r.Results {
 		b, ok1 := res.window("baseline")
-		h, ok2 := res.window("hold, last 1/4")
+		h, ok2 := res.window(xminLast)
 		if !ok1 || !ok2 {
 			continue
 		}
