@@ -6,7 +6,7 @@
 //	go run . -mode quick          # < 2 minutes, reduced sizes (see docs/benchmarks.md)
 //	go run . -mode full           # the full sizes
 //	go run . -render results.json # re-render the docs from a saved run, without running
-//	go run . -mode xmin           # the held-xmin run (bench/xmin.go; about 25 minutes per contender)
+//	go run . -mode xmin           # the held-xmin run (bench/xmin.go; 12.5 minutes per contender)
 //
 // It starts its own PostgreSQL from the local binaries (apt-get install postgresql) unless -dsn or
 // OUTBOX_BENCH_DSN names one (a superuser DSN; the database "outbox_bench" is dropped and created),

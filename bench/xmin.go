@@ -87,7 +87,7 @@ var xminControl = regexp.MustCompile(`(?i)^\s*(BEGIN|START|COMMIT|END|ROLLBACK|S
 // xminStmt is one statement's counts over a window.
 type xminStmt struct {
 	Class    string  `json:",omitempty"`
-	Query    string  // its first 400 characters
+	Query    string  // its first 240 characters
 	Calls    int64   //
 	TotalMs  float64 // total execution time
 	Blocks   int64   // shared blocks hit + read
@@ -514,7 +514,7 @@ func (e *env) xminWindow(ctx context.Context, name string, load *xminLoad, elaps
 			w.Classes[s.Class] = cs
 		}
 		s.Query = strings.Join(strings.Fields(s.Query), " ")
-		s.Query = s.Query[:min(len(s.Query), 400)]
+		s.Query = s.Query[:min(len(s.Query), 240)]
 		if s.Calls > 0 {
 			s.MeanMs, s.BlocksPC = s.TotalMs/float64(s.Calls), float64(s.Blocks)/float64(s.Calls)
 		}
@@ -527,7 +527,7 @@ func (e *env) xminWindow(ctx context.Context, name string, load *xminLoad, elaps
 	if n > 0 {
 		w.ExecUs = execMs * 1000 / float64(n)
 	}
-	w.Statements = w.Statements[:min(len(w.Statements), 25)]
+	w.Statements = w.Statements[:min(len(w.Statements), 12)]
 
 	// Partitions are tables of their own (relkind r); the partitioned parents hold nothing.
 	trows, err := e.admin.QueryContext(ctx, `SELECT c.relname, pg_table_size(c.oid), pg_indexes_size(c.oid), coalesce(s.n_dead_tup, 0)
