@@ -608,14 +608,18 @@ func newFrameworkDSN(e *env, boundary bool, prefix, dsn, suffix string) (*framew
 		return nil, err
 	}
 	c := &framework{base: b, boundary: boundary, prefix: prefix}
-	c.ob, err = outbox.New(outbox.Config{
+	cfg := outbox.Config{
 		DB:          b.db,
 		Driver:      postgres.Driver{},
 		Publisher:   e.pub,
 		TablePrefix: prefix,
 		RelayGrace:  e.relayGrace(),
 		Failpoint:   c.failpoint,
-	})
+	}
+	if e.tune != nil {
+		e.tune(&cfg)
+	}
+	c.ob, err = outbox.New(cfg)
 	if err != nil {
 		return nil, err
 	}

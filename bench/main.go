@@ -6,6 +6,7 @@
 //	go run . -mode quick          # < 2 minutes, reduced sizes (see docs/benchmarks.md)
 //	go run . -mode full           # the full sizes
 //	go run . -render results.json # re-render the docs from a saved run, without running
+//	go run . -mode xmin           # the held-xmin run (bench/xmin.go; 12.5 minutes per contender)
 //
 // It starts its own PostgreSQL from the local binaries (apt-get install postgresql) unless -dsn or
 // OUTBOX_BENCH_DSN names one (a superuser DSN; the database "outbox_bench" is dropped and created),
@@ -94,7 +95,7 @@ func presets(mode string) (config, error) {
 }
 
 func main() {
-	mode := flag.String("mode", "quick", "quick (reduced sizes, under 2 minutes) or full (the full sizes)")
+	mode := flag.String("mode", "quick", "quick (reduced sizes, under 2 minutes), full (the full sizes) or xmin (the held-xmin run, bench/xmin.go)")
 	dsn := flag.String("dsn", os.Getenv("OUTBOX_BENCH_DSN"), "PostgreSQL superuser DSN to use instead of starting a server (env OUTBOX_BENCH_DSN)")
 	n := flag.Int("n", 0, "deliveries per contender and concurrency (default: the mode's)")
 	reps := flag.Int("reps", 0, "interleaved repetitions (default: the mode's)")
@@ -154,6 +155,20 @@ func main() {
 		}()
 	}
 
+	if *mode == "xmin" {
+		if *results == "" {
+			*results = "results-xmin.json"
+		}
+		run := func() error { return runXmin(xminPresets(*only), *dsn, *results) }
+		if *render != "" {
+			run = func() error { return renderXmin(*render) }
+		}
+		if err := run(); err != nil {
+			fmt.Fprintln(os.Stderr, "error:", err)
+			os.Exit(1)
+		}
+		return
+	}
 	if *drain {
 		cfg, err := drainPresets(*mode)
 		if err == nil {

@@ -96,12 +96,16 @@ func newFrameworkPgxDSN(e *env, prefix string, mode outboxpgx.Concurrency, dsn, 
 	}
 	_ = b.db.Close() // outboxpgx.New opens its own view of the pool
 	c := &framework{base: b, prefix: prefix, pool: pool, pessimistic: mode == outboxpgx.Pessimistic}
-	c.ob, err = outboxpgx.New(pool, outbox.Config{
+	cfg := outbox.Config{
 		Publisher:   e.pub,
 		TablePrefix: prefix,
 		RelayGrace:  e.relayGrace(),
 		Failpoint:   c.failpoint,
-	}, append([]outboxpgx.Option{outboxpgx.WithConcurrency(mode)}, opts...)...)
+	}
+	if e.tune != nil {
+		e.tune(&cfg)
+	}
+	c.ob, err = outboxpgx.New(pool, cfg, append([]outboxpgx.Option{outboxpgx.WithConcurrency(mode)}, opts...)...)
 	if err != nil {
 		pool.Close()
 		return nil, err

@@ -17,6 +17,8 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
+
+	"github.com/watermill-outbox/outbox"
 )
 
 // env is what every contender shares: one database, one broker.
@@ -36,6 +38,9 @@ type env struct {
 	// defaultGrace: the framework's contenders keep the default RelayGrace (the scaling run,
 	// which crashes nothing), not the 2 s that keeps the crash checks short.
 	defaultGrace bool
+	// tune adjusts the framework's contenders' Config before outbox.New (the held-xmin run sets
+	// Retention and CleanupInterval); nil leaves it as built.
+	tune func(*outbox.Config)
 
 	lastRecord *runRecord // the recorder of the last run with runOpts.keepSrc
 
