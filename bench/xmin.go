@@ -22,6 +22,7 @@ import (
 	"github.com/google/uuid"
 
 	"github.com/watermill-outbox/outbox"
+	"github.com/watermill-outbox/outbox/drivers/postgres"
 )
 
 // The held-xmin run (-mode xmin): a fixed offered load through one contender at a time, Run going
@@ -43,6 +44,7 @@ var (
 	xminInFlightFlag  = flag.Int("xmin-inflight", 8, "-mode xmin: most messages in flight")
 	xminRetentionFlag = flag.Duration("xmin-retention", 2*time.Minute, "-mode xmin: the framework's Retention (claims older than this are deleted by cleanup during the run)")
 	xminCleanupFlag   = flag.Duration("xmin-cleanup-interval", 20*time.Second, "-mode xmin: the framework's CleanupInterval")
+	xminRotateFlag    = flag.Duration("xmin-rotate-every", 0, "-mode xmin: postgres.Driver.RotateEvery of the database/sql contenders (0: the driver's default)")
 )
 
 // xminContenders are the contenders of the held-xmin run by default: the boundary path, the pgx
@@ -54,6 +56,7 @@ type xminConfig struct {
 	Warmup, Baseline, Hold, After time.Duration
 	Rate, InFlight                int
 	Retention, CleanupInterval    time.Duration
+	RotateEvery                   time.Duration `json:",omitempty"` // of the database/sql contenders; 0: the driver's default
 	Contenders                    []string
 }
 
@@ -169,7 +172,7 @@ type xminReport struct {
 func xminPresets(only string) xminConfig {
 	cfg := xminConfig{Warmup: *xminWarmupFlag, Baseline: *xminBaselineFlag, Hold: *xminHoldFlag, After: *xminAfterFlag,
 		Rate: *xminRateFlag, InFlight: *xminInFlightFlag, Retention: *xminRetentionFlag, CleanupInterval: *xminCleanupFlag,
-		Contenders: xminContenders}
+		RotateEvery: *xminRotateFlag, Contenders: xminContenders}
 	if only != "" {
 		cfg.Contenders = strings.Split(only, ",")
 	}
@@ -177,8 +180,12 @@ func xminPresets(only string) xminConfig {
 }
 
 func (cfg xminConfig) command() string {
-	return fmt.Sprintf("cd bench && go run . -mode xmin -xmin-warmup %s -xmin-baseline %s -xmin-hold %s -xmin-after %s -xmin-rate %d -xmin-inflight %d -xmin-retention %s -contenders %s",
-		cfg.Warmup, cfg.Baseline, cfg.Hold, cfg.After, cfg.Rate, cfg.InFlight, cfg.Retention, strings.Join(cfg.Contenders, ","))
+	rotate := ""
+	if cfg.RotateEvery != 0 {
+		rotate = " -xmin-rotate-every " + cfg.RotateEvery.String()
+	}
+	return fmt.Sprintf("cd bench && go run . -mode xmin -xmin-warmup %s -xmin-baseline %s -xmin-hold %s -xmin-after %s -xmin-rate %d -xmin-inflight %d -xmin-retention %s%s -contenders %s",
+		cfg.Warmup, cfg.Baseline, cfg.Hold, cfg.After, cfg.Rate, cfg.InFlight, cfg.Retention, rotate, strings.Join(cfg.Contenders, ","))
 }
 
 // runXmin runs the held-xmin benchmark on every contender of cfg, one after the other on one
@@ -213,6 +220,10 @@ func runXmin(cfg xminConfig, dsn, resultsPath string) error {
 		tune: func(c *outbox.Config) {
 			c.Retention = cfg.Retention
 			c.CleanupInterval = cfg.CleanupInterval
+			if d, ok := c.Driver.(postgres.Driver); ok && cfg.RotateEvery != 0 {
+				d.RotateEvery = cfg.RotateEvery
+				c.Driver = d
+			}
 		}}
 	rep.CPUFrom = "pg_stat_statements total_exec_time (the server's processes are not readable in /proc)"
 	if _, ok := e.serverCPUNow(ctx); ok {
