@@ -357,6 +357,7 @@ func (c *run) do() bool {
 		go func() { defer down.Done(); c.takeDown() }()
 	}
 
+	began := time.Now()
 	acked := make([]atomic.Bool, messages)
 	var wg sync.WaitGroup
 	for i, s := range scheds {
@@ -455,10 +456,14 @@ func (c *run) do() bool {
 		specs[i] = s.msg
 	}
 	c.retryDeadLetters(specs, acked)
-	deadline := time.Now().Add(drainFor)
+	drainBegan := time.Now()
+	deadline := drainBegan.Add(drainFor)
 	for c.pending() > 0 && time.Now().Before(deadline) {
 		time.Sleep(50 * time.Millisecond)
 	}
+	// How long the drain took says which effects waited on what (a lease, a backoff): a run that
+	// passes may still have been slow.
+	c.note("deliveries took %s, the drain %s", drainBegan.Sub(began).Round(time.Millisecond), time.Since(drainBegan).Round(time.Millisecond))
 	stopRelays()
 	relays.Wait()
 	c.flushMarks()
