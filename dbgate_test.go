@@ -3,10 +3,7 @@ package outbox_test
 import (
 	"context"
 	"database/sql"
-	"encoding/binary"
 	"errors"
-	"io"
-	"net"
 	"net/url"
 	"strings"
 	"sync"
@@ -18,135 +15,19 @@ import (
 	"github.com/google/uuid"
 
 	"github.com/watermill-outbox/outbox"
+	"github.com/watermill-outbox/outbox/internal/pgproxy"
 )
 
-// dbProxy stands between an Outbox and PostgreSQL. While down it closes the connections it
-// carried and answers every new one as a server that is starting up does (57P03), counting
-// them: each is a connection attempt the clients made during the outage.
-type dbProxy struct {
-	ln       net.Listener
-	target   string
-	down     atomic.Bool
-	hang     atomic.Bool  // while down: accept and never answer, as a server that stalls
-	attempts atomic.Int64 // connections opened while down
-	mu       sync.Mutex
-	conns    map[net.Conn]struct{}
-	wg       sync.WaitGroup
-}
-
-func startDBProxy(t testing.TB, target string) *dbProxy {
+// startDBProxy starts a proxy (internal/pgproxy) in front of the server at target, closed when
+// the test ends.
+func startDBProxy(t testing.TB, target string) *pgproxy.Proxy {
 	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	p, err := pgproxy.Start(target)
 	if err != nil {
 		t.Fatal(err)
 	}
-	p := &dbProxy{ln: ln, target: target, conns: map[net.Conn]struct{}{}}
-	p.wg.Add(1)
-	go p.serve()
-	t.Cleanup(func() {
-		_ = ln.Close()
-		p.closeAll()
-		p.wg.Wait()
-	})
+	t.Cleanup(func() { _ = p.Close() })
 	return p
-}
-
-func (p *dbProxy) addr() string { return p.ln.Addr().String() }
-
-func (p *dbProxy) serve() {
-	defer p.wg.Done()
-	for {
-		c, err := p.ln.Accept()
-		if err != nil {
-			return
-		}
-		p.wg.Add(1)
-		if p.down.Load() {
-			p.attempts.Add(1)
-			if p.hang.Load() {
-				p.mu.Lock()
-				p.conns[c] = struct{}{}
-				p.mu.Unlock()
-				go func() { defer p.wg.Done(); _, _ = io.Copy(io.Discard, c) }()
-				continue
-			}
-			go func() { defer p.wg.Done(); refuseStartup(c) }()
-			continue
-		}
-		go func() { defer p.wg.Done(); p.pipe(c) }()
-	}
-}
-
-// refuseStartup reads the client's startup packets and answers with PostgreSQL's FATAL 57P03.
-func refuseStartup(c net.Conn) {
-	defer c.Close()
-	_ = c.SetDeadline(time.Now().Add(5 * time.Second))
-	for {
-		var hdr [8]byte
-		if _, err := io.ReadFull(c, hdr[:]); err != nil {
-			return
-		}
-		n := int(binary.BigEndian.Uint32(hdr[:4]))
-		if n < 8 || n > 1<<16 {
-			return
-		}
-		if _, err := io.CopyN(io.Discard, c, int64(n-8)); err != nil {
-			return
-		}
-		if code := binary.BigEndian.Uint32(hdr[4:]); code == 80877103 || code == 80877104 { // SSL, GSSENC
-			if _, err := c.Write([]byte{'N'}); err != nil {
-				return
-			}
-			continue
-		}
-		break
-	}
-	var body []byte
-	for _, f := range []string{"SFATAL", "VFATAL", "C57P03", "Mthe database system is starting up"} {
-		body = append(append(body, f...), 0)
-	}
-	body = append(body, 0)
-	msg := append([]byte{'E', 0, 0, 0, 0}, body...)
-	binary.BigEndian.PutUint32(msg[1:], uint32(4+len(body)))
-	_, _ = c.Write(msg)
-}
-
-func (p *dbProxy) pipe(c net.Conn) {
-	s, err := net.Dial("tcp", p.target)
-	if err != nil {
-		_ = c.Close()
-		return
-	}
-	p.mu.Lock()
-	p.conns[c], p.conns[s] = struct{}{}, struct{}{}
-	p.mu.Unlock()
-	done := make(chan struct{}, 2)
-	go func() { _, _ = io.Copy(s, c); done <- struct{}{} }()
-	go func() { _, _ = io.Copy(c, s); done <- struct{}{} }()
-	<-done
-	_ = c.Close()
-	_ = s.Close()
-	<-done
-	p.mu.Lock()
-	delete(p.conns, c)
-	delete(p.conns, s)
-	p.mu.Unlock()
-}
-
-func (p *dbProxy) closeAll() {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	for c := range p.conns {
-		_ = c.Close()
-	}
-}
-
-// setDown starts (the connections carried so far break) or ends an outage.
-func (p *dbProxy) setDown(down bool) {
-	p.down.Store(down)
-	if down {
-		p.closeAll()
-	}
 }
 
 // TestUnreachableDatabaseIsProbedWithBackoff takes the database away from one Outbox for 3 s
@@ -161,7 +42,7 @@ func TestUnreachableDatabaseIsProbedWithBackoff(t *testing.T) {
 		t.Skipf("the test DSN is not a URL with a host (%v): the proxy needs one", err)
 	}
 	proxy := startDBProxy(t, u.Host)
-	u.Host = proxy.addr()
+	u.Host = proxy.Addr()
 	pdb, err := sql.Open("postgres", u.String())
 	if err != nil {
 		t.Fatal(err)
@@ -181,7 +62,7 @@ func TestUnreachableDatabaseIsProbedWithBackoff(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	proxy.setDown(true)
+	proxy.SetDown(true)
 	var outage atomic.Bool
 	outage.Store(true)
 	const consumers = 8
@@ -210,14 +91,14 @@ func TestUnreachableDatabaseIsProbedWithBackoff(t *testing.T) {
 		}()
 	}
 	time.Sleep(time.Second)
-	early := proxy.attempts.Load()
+	early := proxy.Attempts()
 	time.Sleep(2 * time.Second)
-	attempts := proxy.attempts.Load()
+	attempts := proxy.Attempts()
 	hctx, hcancel := context.WithTimeout(context.Background(), 10*time.Second)
 	report := ob.Health(hctx)
 	hcancel()
 	outage.Store(false)
-	proxy.setDown(false)
+	proxy.SetDown(false)
 	t.Logf("connection attempts during 3 s of outage: %d (%d in the first second); a nack: %v", attempts, early, lastErr.Load())
 
 	waited := make(chan struct{})
@@ -280,7 +161,7 @@ func TestUnitGivesUpAProbeThatHangs(t *testing.T) {
 		t.Skipf("the test DSN is not a URL with a host (%v): the proxy needs one", err)
 	}
 	proxy := startDBProxy(t, u.Host)
-	u.Host = proxy.addr()
+	u.Host = proxy.Addr()
 	pdb, err := sql.Open("postgres", u.String())
 	if err != nil {
 		t.Fatal(err)
@@ -292,12 +173,12 @@ func TestUnitGivesUpAProbeThatHangs(t *testing.T) {
 		c.HandlerTimeout = timeout
 		c.ReconnectDelay = 10 * time.Millisecond
 	})
-	proxy.setDown(true)
+	proxy.SetDown(true)
 	msg := message.NewMessage(uuid.NewString(), nil)
 	if err := handle(ob, copyOf(msg), applyAndPublish(nil)); !errors.Is(err, outbox.ErrDatabaseUnreachable) {
 		t.Fatalf("a unit of work while the database refuses: %v, want ErrDatabaseUnreachable", err)
 	}
-	proxy.hang.Store(true)
+	proxy.SetHang(true)
 	for i := range 3 {
 		began := time.Now()
 		done := make(chan error, 1)
@@ -312,8 +193,8 @@ func TestUnitGivesUpAProbeThatHangs(t *testing.T) {
 			t.Fatalf("delivery %d while the database stalls has not returned after %s (HandlerTimeout %s)", i, 10*timeout, timeout)
 		}
 	}
-	proxy.hang.Store(false)
-	proxy.setDown(false)
+	proxy.SetHang(false)
+	proxy.SetDown(false)
 	waitFor(t, "the message processed after the outage", func() bool { return handle(ob, copyOf(msg), applyAndPublish(nil)) == nil })
 	mustEqual(t, "business rows", e.count(`SELECT count(*) FROM applied WHERE message_id = $1`, msg.UUID), 1)
 }

@@ -18,6 +18,7 @@ import (
 	"github.com/google/uuid"
 
 	"github.com/watermill-outbox/outbox"
+	"github.com/watermill-outbox/outbox/internal/pgproxy"
 	"github.com/watermill-outbox/outbox/middleware"
 	"github.com/watermill-outbox/outbox/tenant"
 )
@@ -67,6 +68,12 @@ type run struct {
 	wrapped []message.HandlerFunc
 	pub     *publisher
 	timeout time.Duration // HandlerTimeout
+	// proxy, in a Tenants deployment with member-down on, stands between the members of tenant
+	// downMember and its database; proxied is that database's DSN through it. outage is the
+	// run's outage, if it has one.
+	proxy   *pgproxy.Proxy
+	proxied string
+	outage  *outage
 
 	clockAhead atomic.Bool // claims committed now are stamped clockStep ahead
 	failed     atomic.Bool
@@ -165,6 +172,7 @@ func (c *run) do() bool {
 		c.pub.hungTopic, c.pub.hungUntil = c.topics[topic], time.Now().Add(time.Duration(d)*time.Millisecond)
 		c.note("every call for %s hangs for the first %d ms", c.pub.hungTopic, d)
 	}
+	c.outage = c.drawOutage(r)
 	var names []string
 	for i, f := range c.forms {
 		names = append(names, fmt.Sprintf("%d=%s", i, f.Name))
@@ -196,8 +204,16 @@ func (c *run) do() bool {
 	}
 	for _, f := range c.forms {
 		var members []*outbox.Outbox
-		for _, dsn := range c.dsns {
-			ob, closeFn, err := f.Open(dsn, cfg)
+		for k, dsn := range c.dsns {
+			mcfg := cfg
+			if k == downMember && c.proxy != nil {
+				dsn, mcfg.Failpoint = c.proxied, c.memberFailpoint
+				// After an outage the work waits for the next probe: one at most 400 ms away, not
+				// up to 30 s, so that the down member's messages get through within the broker's
+				// redeliveries and its effects within the drain.
+				mcfg.ReconnectDelayMax = 400 * time.Millisecond
+			}
+			ob, closeFn, err := f.Open(dsn, mcfg)
 			if err != nil {
 				t.Fatalf("open %s: %v", f.Name, err)
 			}
@@ -335,6 +351,13 @@ func (c *run) do() bool {
 		go func() { defer clock.Done(); c.stepClock(clockAt, clockFor, cfg.RelayGrace) }()
 	}
 
+	var down sync.WaitGroup
+	if c.outage != nil {
+		down.Add(1)
+		go func() { defer down.Done(); c.takeDown() }()
+	}
+
+	began := time.Now()
 	acked := make([]atomic.Bool, messages)
 	var wg sync.WaitGroup
 	for i, s := range scheds {
@@ -421,6 +444,7 @@ func (c *run) do() bool {
 	}
 	wg.Wait()
 	clock.Wait()
+	down.Wait()
 
 	// The relays send whatever is left.
 	stopRelays()
@@ -432,10 +456,14 @@ func (c *run) do() bool {
 		specs[i] = s.msg
 	}
 	c.retryDeadLetters(specs, acked)
-	deadline := time.Now().Add(drainFor)
+	drainBegan := time.Now()
+	deadline := drainBegan.Add(drainFor)
 	for c.pending() > 0 && time.Now().Before(deadline) {
 		time.Sleep(50 * time.Millisecond)
 	}
+	// How long the drain took says which effects waited on what (a lease, a backoff): a run that
+	// passes may still have been slow.
+	c.note("deliveries took %s, the drain %s", drainBegan.Sub(began).Round(time.Millisecond), time.Since(drainBegan).Round(time.Millisecond))
 	stopRelays()
 	relays.Wait()
 	c.flushMarks()
