@@ -15,7 +15,8 @@ import (
 // current, modulo 3), moving what is still pending there into the current one, and makes it the
 // current one. TRUNCATE frees the rows and index entries of the sent effects whatever holds the
 // xmin horizon back, where DELETE and VACUUM could not: behind a held horizon the claims walk the
-// dead entries of the two newest partitions only, not every one since the hold began.
+// dead entries of the three partitions (some 3*RotateEvery of traffic), not every one since the
+// hold began.
 
 // rotateMoveLimit bounds the pending rows an emptying moves (parked, backing off, a backlog):
 // more, and it puts the rotation off, since the move would hold the partition's exclusive lock,
