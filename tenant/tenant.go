@@ -38,6 +38,9 @@ var (
 	ErrUnknownMember = errors.New("tenant: no such member")
 	// ErrMemberExists is returned by Add for a name that is a member already.
 	ErrMemberExists = errors.New("tenant: member exists")
+	// ErrUnresolvedMember is returned by Remove for the Unresolved member: without it, the
+	// messages the Set cannot route would be nacked and redelivered for ever.
+	ErrUnresolvedMember = errors.New("tenant: the Unresolved member stays in the Set")
 )
 
 // Resolver names the member an incoming message belongs to. It must give the same name for every
@@ -75,11 +78,17 @@ type Config struct {
 	// Unresolved names the member that refuses the messages the Set cannot route: they are
 	// rejected in that member like a message whose ID cannot be read, so stored as its dead
 	// letters with the reason (or, as its Config says, sent to its PoisonTopic), and acked; an
-	// operator retries them from there (outbox dead retry) once their member exists. Empty, or
-	// while that member is not in the Set: such messages are nacked with an error wrapping
-	// ErrUnresolved that says why, so the broker redelivers them; to move them away instead, add
-	// Watermill's PoisonQueueWithFilter for ErrUnresolved outside the Set's middleware.
+	// operator retries them from there (outbox dead retry) once their member exists. Required
+	// unless NackUnresolved: a message nacked for ever would freeze its consumer. Run refuses to
+	// start while that member is not in the Set, and Remove refuses to take it out; before Run,
+	// such messages are nacked with an error wrapping ErrUnresolved.
 	Unresolved string
+	// NackUnresolved opts out of Unresolved: the messages the Set cannot route are nacked with an
+	// error wrapping ErrUnresolved that says why, and the broker redelivers them. Set it only
+	// when your router moves them away itself: a poison queue for ErrUnresolved outside the
+	// Set's middleware (Watermill's PoisonQueueWithFilter). Without one, each such message is
+	// redelivered for ever, and holds up its consumer.
+	NackUnresolved bool
 	// Logger logs refused messages and members whose background work failed. Default: none.
 	Logger watermill.LoggerAdapter
 	// MaxConcurrent caps the background calls (relay passes, cleanups, statistics samples,
@@ -133,6 +142,18 @@ func New(cfg Config) (*Set, error) {
 	if cfg.Resolver == nil {
 		return nil, errors.New("tenant: Config.Resolver is required")
 	}
+	switch {
+	case cfg.Unresolved == "" && !cfg.NackUnresolved:
+		return nil, errors.New("tenant: Config.Unresolved is required: name the member that dead-letters the messages " +
+			"the Set cannot route (nacked, they would be redelivered for ever), or set NackUnresolved if your router " +
+			"has a poison queue for ErrUnresolved")
+	case cfg.Unresolved != "" && cfg.NackUnresolved:
+		return nil, errors.New("tenant: Config.Unresolved and NackUnresolved exclude each other")
+	case cfg.Unresolved != "":
+		if err := validName(cfg.Unresolved); err != nil {
+			return nil, fmt.Errorf("tenant: Config.Unresolved: %w", err)
+		}
+	}
 	if cfg.Logger == nil {
 		cfg.Logger = watermill.NopLogger{}
 	}
@@ -171,8 +192,12 @@ func (s *Set) Add(name string, ob *outbox.Outbox) error {
 // unresolved), Remove waits for its units of work in flight (handled messages, InTx and Do), then
 // stops its background work and waits for that to return. When ctx ends first, the background
 // work is stopped all the same and Remove returns an error: the units still in flight finish on
-// their own (each is bounded by the member's HandlerTimeout). It does not close the Outbox.
+// their own (each is bounded by the member's HandlerTimeout). It does not close the Outbox. The
+// Unresolved member is not removed (ErrUnresolvedMember).
 func (s *Set) Remove(ctx context.Context, name string) error {
+	if name == s.cfg.Unresolved {
+		return fmt.Errorf("%w: %q: the messages the Set cannot route are refused there", ErrUnresolvedMember, name)
+	}
 	s.mu.Lock()
 	m, ok := s.members[name]
 	delete(s.members, name)
@@ -273,12 +298,17 @@ func (m *member) leave() {
 // cleanup, statistics, redrive) runs on one scheduler goroutine, at most MaxConcurrent calls at a
 // time; a member's listener, when its driver has a ListenDSN, is a goroutine and a connection of
 // its own. It returns once every member's background work returned and its marks were written.
-// One Run at a time.
+// One Run at a time. It returns an error at once when the Unresolved member is not in the Set.
 func (s *Set) Run(ctx context.Context) error {
 	s.mu.Lock()
 	if s.runCtx != nil {
 		s.mu.Unlock()
 		return errors.New("tenant: the Set runs already")
+	}
+	if u := s.cfg.Unresolved; u != "" && s.members[u] == nil {
+		s.mu.Unlock()
+		return fmt.Errorf("tenant: run: the Unresolved member %q is not in the Set: add it first, "+
+			"or the messages the Set cannot route are nacked and redelivered for ever", u)
 	}
 	eng := engine.New(engine.Config{MaxConcurrent: s.cfg.MaxConcurrent, Logger: s.cfg.Logger})
 	if err := eng.Start(ctx); err != nil {

@@ -70,12 +70,14 @@ func newMember(t *testing.T, db *sql.DB, prefix string, pub message.Publisher) *
 }
 
 // newSet returns a Set of cfg (resolving the "tenant" metadata when cfg has no Resolver) with
-// members.
+// members. A cfg without Unresolved nacks what the Set cannot route: the tests either route
+// every message or look at the nack.
 func newSet(t *testing.T, cfg tenant.Config, members map[string]*outbox.Outbox) *tenant.Set {
 	t.Helper()
 	if cfg.Resolver == nil {
 		cfg.Resolver = tenant.FromMetadata("tenant")
 	}
+	cfg.NackUnresolved = cfg.Unresolved == ""
 	set, err := tenant.New(cfg)
 	if err != nil {
 		t.Fatal(err)
@@ -647,7 +649,7 @@ func TestSetConcurrentAddRemoveResolve(t *testing.T) {
 
 // CheckRouter sees the Set's middleware as the outbox middleware: Retry inside it is reported.
 func TestSetCheckRouter(t *testing.T) {
-	set, err := tenant.New(tenant.Config{Resolver: tenant.FromMetadata("tenant")})
+	set, err := tenant.New(tenant.Config{Resolver: tenant.FromMetadata("tenant"), NackUnresolved: true})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -768,5 +770,46 @@ func TestSetUnresolvedToPoisonQueue(t *testing.T) {
 	checkTenant(t, db, "orders", "a", []string{"a-1"}, sh, w)
 	if n := sh.runsOf("zz-1"); n != 0 {
 		t.Errorf("the handler ran %d times for the unroutable message", n)
+	}
+}
+
+// By default a Set has a member to refuse unroutable messages in: without one they would be
+// nacked and redelivered for ever, freezing their consumer. New refuses a Config without
+// Unresolved unless NackUnresolved says the router moves them away itself, Run refuses to start
+// without the Unresolved member, and Remove refuses to take it out.
+func TestSetUnresolvedRequired(t *testing.T) {
+	if _, err := tenant.New(tenant.Config{Resolver: tenant.FromMetadata("tenant")}); err == nil || !strings.Contains(err.Error(), "NackUnresolved") {
+		t.Errorf("New without Unresolved = %v, want an error that names NackUnresolved", err)
+	}
+	if _, err := tenant.New(tenant.Config{Resolver: tenant.FromMetadata("tenant"), Unresolved: "unrouted", NackUnresolved: true}); err == nil {
+		t.Error("New with Unresolved and NackUnresolved: no error")
+	}
+	if _, err := tenant.New(tenant.Config{Resolver: tenant.FromMetadata("tenant"), NackUnresolved: true}); err != nil {
+		t.Errorf("New with NackUnresolved: %v", err)
+	}
+
+	dbA, dbU := pgtest.DB(t), pgtest.DB(t)
+	w := newWire()
+	set := newSet(t, tenant.Config{Unresolved: "unrouted"}, map[string]*outbox.Outbox{"a": newMember(t, dbA, "", w)})
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	if err := set.Run(ctx); err == nil || !strings.Contains(err.Error(), `"unrouted"`) {
+		t.Errorf("Run without the Unresolved member = %v, want an error that names it", err)
+	}
+	if err := set.Add("unrouted", newMember(t, dbU, "", w)); err != nil {
+		t.Fatal(err)
+	}
+	if err := set.Remove(ctx, "unrouted"); !errors.Is(err, tenant.ErrUnresolvedMember) {
+		t.Errorf("Remove of the Unresolved member = %v, want ErrUnresolvedMember", err)
+	}
+	if _, ok := set.Member("unrouted"); !ok {
+		t.Error("the Unresolved member was removed")
+	}
+	runCtx, stop := context.WithCancel(ctx)
+	done := make(chan error, 1)
+	go func() { done <- set.Run(runCtx) }()
+	stop()
+	if err := <-done; err != nil {
+		t.Errorf("Run with the Unresolved member = %v", err)
 	}
 }

@@ -212,7 +212,8 @@ func (c *run) do() bool {
 			// backing off may wait on top, past the drain's bound (3 effects of a run were still
 			// pending after 45 s). The campaign checks what is sent, not how soon: a short IdleMax
 			// keeps the backoff and its wakes in play within the drain.
-			set, err := tenant.New(tenant.Config{Resolver: tenant.FromMetadata(tenantKey), IdleMax: 8 * relayInterval})
+			// Every message of the campaign names its member: none is nacked as unresolved.
+			set, err := tenant.New(tenant.Config{Resolver: tenant.FromMetadata(tenantKey), NackUnresolved: true, IdleMax: 8 * relayInterval})
 			if err != nil {
 				t.Fatal(err)
 			}
