@@ -133,7 +133,7 @@ type member struct {
 	active  int           // units in flight
 	removed bool          // no new units
 	drained chan struct{} // closed once removed and no unit is in flight
-	stopRun func()        // stops the background work; nil while not running
+	stopRun func() error  // stops the background work; nil while not running
 	wrapped map[*wrapper]message.HandlerFunc
 }
 
@@ -217,7 +217,9 @@ func (s *Set) Remove(ctx context.Context, name string) error {
 	case <-ctx.Done():
 		err = fmt.Errorf("tenant: removing member %q: units of work still in flight: %w", name, ctx.Err())
 	}
-	s.stop(m)
+	if serr := s.stop(m); serr != nil {
+		err = errors.Join(err, fmt.Errorf("tenant: removing member %q: %w", name, serr))
+	}
 	return err
 }
 
@@ -297,8 +299,9 @@ func (m *member) leave() {
 // member removed meanwhile stops its own. The periodic work of all members (relay passes,
 // cleanup, statistics, redrive) runs on one scheduler goroutine, at most MaxConcurrent calls at a
 // time; a member's listener, when its driver has a ListenDSN, is a goroutine and a connection of
-// its own. It returns once every member's background work returned and its marks were written.
-// One Run at a time. It returns an error at once when the Unresolved member is not in the Set.
+// its own. It returns once every member's background work returned and its marks were written,
+// or, for a member whose background call ignores its context, once its ShutdownTimeout passed:
+// then with an error that names the member and what it waited for. One Run at a time. It returns an error at once when the Unresolved member is not in the Set.
 func (s *Set) Run(ctx context.Context) error {
 	s.mu.Lock()
 	if s.runCtx != nil {
@@ -330,11 +333,24 @@ func (s *Set) Run(ctx context.Context) error {
 	s.mu.Unlock()
 	// The runs see ctx end and return; each member then writes its marks. A member being
 	// removed meanwhile is stopped by Remove, which runWG waits for.
+	var errs []error
 	for _, m := range running {
-		s.stop(m)
+		if err := s.stop(m); err != nil {
+			errs = append(errs, fmt.Errorf("member %q: %w", m.name, err))
+		}
 	}
 	s.runWG.Wait()
-	_ = eng.Stop(context.WithoutCancel(ctx))
+	// Every member left the engine, each within its ShutdownTimeout: a run still in progress
+	// ignores its context and was reported, so the engine is not waited for again.
+	ectx, cancel := context.WithCancel(context.WithoutCancel(ctx))
+	if len(errs) > 0 {
+		cancel()
+	}
+	defer cancel()
+	_ = eng.Stop(ectx)
+	if len(errs) > 0 {
+		return fmt.Errorf("tenant: run: %w", errors.Join(errs...))
+	}
 	return nil
 }
 
@@ -350,24 +366,28 @@ func (s *Set) start(ctx context.Context, m *member) {
 	}
 	s.runWG.Add(1)
 	m.mu.Lock()
-	m.stopRun = func() {
+	m.stopRun = func() error {
 		defer s.runWG.Done()
-		if err := leave(); err != nil {
+		err := leave()
+		if err != nil {
 			s.cfg.Logger.Error("tenant: stopping the background work of a member failed", err, watermill.LogFields{"member": m.name})
 		}
+		return err
 	}
 	m.mu.Unlock()
 }
 
-// stop stops m's background work, if it runs, and waits for it to return.
-func (s *Set) stop(m *member) {
+// stop stops m's background work, if it runs, and waits for it to return, up to the member's
+// ShutdownTimeout.
+func (s *Set) stop(m *member) error {
 	m.mu.Lock()
 	stop := m.stopRun
 	m.stopRun = nil
 	m.mu.Unlock()
 	if stop != nil {
-		stop()
+		return stop()
 	}
+	return nil
 }
 
 // validName accepts the names that read well in logs, metrics and health reports.

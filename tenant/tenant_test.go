@@ -5,6 +5,7 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"net"
 	"os"
 	"strings"
 	"sync"
@@ -811,5 +812,86 @@ func TestSetUnresolvedRequired(t *testing.T) {
 	stop()
 	if err := <-done; err != nil {
 		t.Errorf("Run with the Unresolved member = %v", err)
+	}
+}
+
+// The Set's Run returns within a member's ShutdownTimeout even while that member's background call
+// ignores its context (its database accepts connections and never answers, and lib/pq waits while
+// it connects), with an error that names the member; the other members stop as usual.
+func TestSetRunShutdownIsBounded(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var mu sync.Mutex
+	var conns []net.Conn
+	accepted := make(chan struct{}, 1)
+	acceptDone := make(chan struct{})
+	go func() {
+		defer close(acceptDone)
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			mu.Lock()
+			conns = append(conns, c)
+			mu.Unlock()
+			select {
+			case accepted <- struct{}{}:
+			default:
+			}
+		}
+	}()
+	stalledDB, err := sql.Open("postgres", "postgres://outbox@"+ln.Addr().String()+"/outbox?sslmode=disable")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		_ = ln.Close()
+		<-acceptDone
+		mu.Lock()
+		for _, c := range conns {
+			_ = c.Close()
+		}
+		mu.Unlock()
+		_ = stalledDB.Close()
+	})
+	w := newWire()
+	stalled, err := outbox.New(outbox.Config{DB: stalledDB, Driver: postgres.Driver{}, Publisher: w, ShutdownTimeout: time.Second, StatsInterval: -1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	set := newSet(t, tenant.Config{Unresolved: "unrouted"}, map[string]*outbox.Outbox{
+		"unrouted": newMember(t, pgtest.DB(t), "", w), "stalled": stalled})
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- set.Run(ctx) }()
+	select {
+	case <-accepted:
+	case <-time.After(30 * time.Second):
+		t.Fatal("the stalled member's background work never connected")
+	}
+	cancel()
+	cancelled := time.Now()
+	select {
+	case err := <-done:
+		took := time.Since(cancelled)
+		t.Logf("Run returned %s after its context ended: %v", took.Round(time.Millisecond), err)
+		if took > 5*time.Second {
+			t.Errorf("Run returned %s after its context ended, want about the member's ShutdownTimeout (1 s)", took.Round(time.Millisecond))
+		}
+		if err == nil || !strings.Contains(err.Error(), `member "stalled"`) || !strings.Contains(err.Error(), "ShutdownTimeout") {
+			t.Errorf("Run = %v, want an error that names the stalled member and ShutdownTimeout", err)
+		}
+	case <-time.After(20 * time.Second):
+		_ = ln.Close()
+		mu.Lock()
+		for _, c := range conns {
+			_ = c.Close()
+		}
+		mu.Unlock()
+		<-done
+		t.Fatal("Run did not return within 20 s of its context's end while a member's background call was stuck")
 	}
 }

@@ -14,6 +14,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -101,6 +103,7 @@ type Engine struct {
 
 	mu       sync.Mutex
 	members  map[*member]struct{}
+	draining map[*member]struct{} // removed, with runs still in progress
 	inflight int
 	ctx      context.Context // the runs' context; nil until Start
 	cancel   context.CancelFunc
@@ -153,11 +156,12 @@ func New(cfg Config) *Engine {
 		cfg.Logger = watermill.NopLogger{}
 	}
 	return &Engine{
-		max:     cfg.MaxConcurrent,
-		logger:  cfg.Logger,
-		poke:    make(chan struct{}, 1),
-		members: map[*member]struct{}{},
-		done:    make(chan struct{}),
+		max:      cfg.MaxConcurrent,
+		logger:   cfg.Logger,
+		poke:     make(chan struct{}, 1),
+		members:  map[*member]struct{}{},
+		draining: map[*member]struct{}{},
+		done:     make(chan struct{}),
 	}
 }
 
@@ -207,8 +211,37 @@ func (e *Engine) Stop(ctx context.Context) error {
 	case <-e.done:
 		return nil
 	case <-ctx.Done():
-		return fmt.Errorf("engine: stop: runs still in progress: %w", ctx.Err())
+		e.mu.Lock()
+		var running []string
+		for m := range e.members {
+			running = append(running, m.runningNames()...)
+		}
+		for m := range e.draining {
+			running = append(running, m.runningNames()...)
+		}
+		e.mu.Unlock()
+		slices.Sort(running)
+		return fmt.Errorf("engine: stop: runs still in progress (%s): %w", strings.Join(running, ", "), ctx.Err())
 	}
+}
+
+// runningNames names the runs of m in progress, for an error that says what was waited for.
+// e.mu held.
+func (m *member) runningNames() []string {
+	var names []string
+	for _, t := range m.tasks {
+		if t.running {
+			names = append(names, m.taskName(t))
+		}
+	}
+	return names
+}
+
+func (m *member) taskName(t *task) string {
+	if m.Name == "" {
+		return t.Name
+	}
+	return fmt.Sprintf("%s of member %q", t.Name, m.Name)
 }
 
 // Handle is a member added to an engine.
@@ -270,6 +303,8 @@ func (h *Handle) Remove(ctx context.Context) error {
 		}
 		if m.running == 0 {
 			close(m.drained)
+		} else {
+			e.draining[m] = struct{}{}
 		}
 	}
 	e.mu.Unlock()
@@ -277,7 +312,10 @@ func (h *Handle) Remove(ctx context.Context) error {
 	case <-m.drained:
 		return nil
 	case <-ctx.Done():
-		return fmt.Errorf("engine: remove member %q: a run still in progress: %w", m.Name, ctx.Err())
+		e.mu.Lock()
+		running := m.runningNames()
+		e.mu.Unlock()
+		return fmt.Errorf("engine: remove member %q: runs still in progress (%s): %w", m.Name, strings.Join(running, ", "), ctx.Err())
 	}
 }
 
@@ -446,6 +484,7 @@ func (e *Engine) run(ctx context.Context, t *task, started time.Time) {
 	e.inflight--
 	if m.removed && m.running == 0 {
 		close(m.drained)
+		delete(e.draining, m)
 	}
 	e.closeDoneIfIdle()
 	e.pokeScheduler()

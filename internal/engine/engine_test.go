@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -399,4 +400,38 @@ func TestMemberAddedBeforeStart(t *testing.T) {
 	}
 	started(t, e)
 	waitFor(t, "the first run", func() bool { return c.n.Load() == 1 })
+}
+
+// A run that ignores its context keeps Remove and Stop waiting only until their own contexts
+// end, and their errors name the runs they waited for.
+func TestStopNamesTheRunsItWaitsFor(t *testing.T) {
+	e := New(Config{})
+	entered, release := make(chan struct{}), make(chan struct{})
+	stuck := Task{Name: "relay", Every: time.Hour, Run: func(context.Context) (Outcome, error) {
+		close(entered)
+		<-release // ignores its context
+		return Worked, nil
+	}}
+	h := add(t, e, Member{Name: "acme", Tasks: []Task{stuck}})
+	if err := e.Start(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	<-entered
+	short := func() context.Context {
+		ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
+		t.Cleanup(cancel)
+		return ctx
+	}
+	if err := h.Remove(short()); err == nil || !strings.Contains(err.Error(), `relay of member "acme"`) || !errors.Is(err, context.DeadlineExceeded) {
+		t.Errorf("Remove = %v, want the stuck run named", err)
+	}
+	if err := e.Stop(short()); err == nil || !strings.Contains(err.Error(), `relay of member "acme"`) {
+		t.Errorf("Stop = %v, want the stuck run of the removed member named", err)
+	}
+	close(release)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := e.Stop(ctx); err != nil {
+		t.Errorf("Stop once the run returned: %v", err)
+	}
 }
