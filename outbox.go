@@ -321,7 +321,7 @@ func (o *Outbox) engineMember(name string, idleMax time.Duration) engine.Member 
 		return func(ctx context.Context) (engine.Outcome, error) { return engine.Worked, fn(ctx) }
 	}
 	m := engine.Member{Name: name, Logger: o.logger, Tasks: []engine.Task{
-		{Name: "relay", Every: o.cfg.RelayInterval, IdleMax: idleMax, Wake: &o.kick, Run: outcome(o.relayOnce)},
+		{Name: "relay", Every: o.cfg.RelayInterval, IdleMax: idleMax, Wake: &o.kick, Run: o.relayTask},
 		{Name: "cleanup", Every: o.cfg.CleanupInterval, Run: outcome(o.cleanupOnce)},
 	}}
 	if idleMax > 0 {
@@ -353,6 +353,20 @@ func outcome(fn func(context.Context) (idle bool, err error)) func(context.Conte
 		}
 		return engine.Worked, err
 	}
+}
+
+// relayTask is a relay pass as the engine runs it: an idle pass that knows when a pending effect
+// falls due (a lease or a backoff that ends) has the next pass then at the latest, however far
+// the member backed off, since no wake-up comes for it.
+func (o *Outbox) relayTask(ctx context.Context) (engine.Outcome, error) {
+	idle, dueBy, err := o.relayOnce(ctx)
+	switch {
+	case err != nil || !idle:
+		return engine.Worked, err
+	case !dueBy.IsZero():
+		return engine.IdleUntil(dueBy), nil
+	}
+	return engine.Idle, nil
 }
 
 // engineGate is the database gate as the engine asks it.

@@ -27,15 +27,23 @@ import (
 // unset: an Outbox's four periodic services, each free to run while another does.
 const DefaultMaxConcurrent = 4
 
-// Outcome is what a run of a task found.
-type Outcome int
+// Outcome is what a run of a task found: Worked, Idle, or IdleUntil a time.
+type Outcome struct {
+	idle  bool
+	dueBy time.Time // when not zero: something falls due then, without a wake
+}
 
-const (
+var (
 	// Worked: the run did something (or cannot tell); the next run is Every after its start.
-	Worked Outcome = iota
+	Worked = Outcome{}
 	// Idle: the run found nothing to do; a task with IdleMax waits longer before the next one.
-	Idle
+	Idle = Outcome{idle: true}
 )
+
+// IdleUntil is Idle for a run that found nothing to do now but knows that something falls due at
+// t by itself (a lease or a backoff that ends): the next run is no later than t, nor earlier than
+// Every after this one's start, however far the task backed off.
+func IdleUntil(t time.Time) Outcome { return Outcome{idle: true, dueBy: t} }
 
 // Task is one periodic piece of background work of a member.
 type Task struct {
@@ -467,7 +475,7 @@ func (e *Engine) run(ctx context.Context, t *task, started time.Time) {
 
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	if out == Idle && t.IdleMax > t.Every {
+	if out.idle && t.IdleMax > t.Every {
 		t.interval = min(2*t.interval, t.IdleMax)
 	} else {
 		t.interval = t.Every
@@ -476,6 +484,14 @@ func (e *Engine) run(ctx context.Context, t *task, started time.Time) {
 	// due from its end: due from its start it would go before every task that fell due
 	// meanwhile, and a slow task would keep the slots to itself.
 	t.due = started.Add(t.interval)
+	if !out.dueBy.IsZero() && out.dueBy.Before(t.due) {
+		// Not before Every: a due time that the run's own clock or a lock keeps from being
+		// met would otherwise have the task run back to back.
+		t.due = out.dueBy
+		if floor := started.Add(t.Every); t.due.Before(floor) {
+			t.due = floor
+		}
+	}
 	if now := time.Now(); t.due.Before(now) {
 		t.due = now
 	}
