@@ -81,7 +81,7 @@ func TestMeasureIdleClaim(t *testing.T) {
 	}
 	measure("nothing pending")
 	record(t, st, db, "u", "k", 500)
-	if _, err := db.Exec(`UPDATE `+names.Effects+` SET next_attempt_at = now() + interval '1 hour'`); err != nil {
+	if _, err := db.Exec(`UPDATE ` + names.Effects + ` SET next_attempt_at = now() + interval '1 hour'`); err != nil {
 		t.Fatal(err)
 	}
 	measure("500 effects leased")
