@@ -99,7 +99,9 @@ type Config struct {
 	// to send: the wait doubles from its RelayInterval after each such pass, up to IdleMax. A
 	// commit of this process that leaves work to the relay, a delayed effect falling due or a
 	// notification wakes the member's relay at once; effects committed by another process that
-	// does not notify (no ListenDSN) wait up to IdleMax. The member's statistics sampling backs
+	// does not notify (no ListenDSN) wait up to IdleMax. On PostgreSQL a pass that sees effects
+	// leased (by a relay that crashed) or backing off has the next pass when the first of them
+	// falls due, whatever the backoff. The member's statistics sampling backs
 	// off likewise while it finds nothing waiting, and its cleanup, while it deletes nothing, up
 	// to ten CleanupIntervals. Default: DefaultIdleMax; negative: no backoff.
 	IdleMax time.Duration
