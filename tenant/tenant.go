@@ -16,6 +16,7 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -335,12 +336,25 @@ func (s *Set) Run(ctx context.Context) error {
 	s.mu.Unlock()
 	// The runs see ctx end and return; each member then writes its marks. A member being
 	// removed meanwhile is stopped by Remove, which runWG waits for.
-	var errs []error
+	// At once, not one after another: a member whose background call ignores its context holds
+	// its own stop for its ShutdownTimeout, not every member's after it.
+	var (
+		errMu sync.Mutex
+		errs  []error
+		wg    sync.WaitGroup
+	)
 	for _, m := range running {
-		if err := s.stop(m); err != nil {
-			errs = append(errs, fmt.Errorf("member %q: %w", m.name, err))
-		}
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if err := s.stop(m); err != nil {
+				errMu.Lock()
+				errs = append(errs, fmt.Errorf("member %q: %w", m.name, err))
+				errMu.Unlock()
+			}
+		}()
 	}
+	wg.Wait()
 	s.runWG.Wait()
 	// Every member left the engine, each within its ShutdownTimeout: a run still in progress
 	// ignores its context and was reported, so the engine is not waited for again.
@@ -351,6 +365,7 @@ func (s *Set) Run(ctx context.Context) error {
 	defer cancel()
 	_ = eng.Stop(ectx)
 	if len(errs) > 0 {
+		slices.SortFunc(errs, func(a, b error) int { return strings.Compare(a.Error(), b.Error()) })
 		return fmt.Errorf("tenant: run: %w", errors.Join(errs...))
 	}
 	return nil
