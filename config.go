@@ -136,6 +136,15 @@ type Config struct {
 	// PublishTimeout bounds one call of Publisher.Publish and one call of an applier (whose
 	// context carries the deadline). Default: 30 seconds.
 	PublishTimeout time.Duration
+	// ShutdownTimeout bounds how long Run (and a tenant.Set, per member it stops) waits, once
+	// its context ended, for the background calls in progress to return and the dispatched marks
+	// queued to be written; then it returns an error that names what it waited for. The calls
+	// all take the shutdown's context and the marks are bounded by a timeout of their own, so
+	// reaching it means a call ignores its context (a driver stuck connecting to a server that
+	// does not answer). What such a call leaves unwritten is safe: its effects are sent again,
+	// with the same UUIDs, when their lease ends. Default: PublishTimeout + 30 seconds (a round's
+	// outcome is written within 30 seconds).
+	ShutdownTimeout time.Duration
 	// MaxPayloadBytes is the largest side effect accepted: its payload and its metadata (keys and
 	// values, with what the framework adds) together. Default: 16 MiB.
 	MaxPayloadBytes int
@@ -328,6 +337,9 @@ func (c *Config) setDefaults() {
 	if c.PublishTimeout == 0 {
 		c.PublishTimeout = defaultPublishTimeout
 	}
+	if c.ShutdownTimeout == 0 {
+		c.ShutdownTimeout = c.PublishTimeout + markTimeout
+	}
 	if c.MaxPayloadBytes == 0 {
 		c.MaxPayloadBytes = defaultMaxPayloadBytes
 	}
@@ -381,7 +393,8 @@ func (c Config) Validate() error {
 		"Retention": c.Retention, "EffectRetention": c.EffectRetention, "CleanupInterval": c.CleanupInterval,
 		"CleanupPause":   c.CleanupPause,
 		"HandlerTimeout": c.HandlerTimeout, "PublishTimeout": c.PublishTimeout, "DuplicateWait": c.DuplicateWait,
-		"RetryDelayMax": c.RetryDelayMax, "ReconnectDelayMax": c.ReconnectDelayMax,
+		"ShutdownTimeout": c.ShutdownTimeout,
+		"RetryDelayMax":   c.RetryDelayMax, "ReconnectDelayMax": c.ReconnectDelayMax,
 		"RelayInterval": c.RelayInterval, "RelayGrace": c.RelayGrace,
 		"RedeliveryHorizon": c.RedeliveryHorizon, "HealthMaxPendingAge": c.HealthMaxPendingAge,
 		"IdempotencyRetention": c.IdempotencyRetention, "ClientRetryHorizon": c.ClientRetryHorizon,

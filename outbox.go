@@ -197,7 +197,8 @@ func (o *Outbox) applier(name string) (Applier, bool) {
 // Run runs the background work until ctx is cancelled: the relay that dispatches side effects left
 // undispatched (after a crash, a broker outage, or a message that was never redelivered), and the
 // retention cleanup. Run it in every instance; cleanup runs on one instance at a time. It returns
-// nil when ctx is cancelled, after the dispatched marks queued so far were written.
+// nil when ctx is cancelled, after the dispatched marks queued so far were written, or an error
+// after ShutdownTimeout when a background call ignores its context and keeps it from returning.
 func (o *Outbox) Run(ctx context.Context) error {
 	stop := o.startServices(ctx)
 	// The periodic services run on an engine of their own, as its one member: the engine a Set
@@ -212,11 +213,50 @@ func (o *Outbox) Run(ctx context.Context) error {
 		return fmt.Errorf("outbox: run: %w", err)
 	}
 	<-ctx.Done()
-	// The runs in progress see ctx end and return, as the services' loops did: Run waits for
-	// them however long that takes, as it always did, so that no mark is queued after marks.wait.
-	_ = eng.Stop(context.WithoutCancel(ctx))
-	stop()
+	if err := o.shutdown(ctx, eng.Stop, stop); err != nil {
+		return fmt.Errorf("outbox: run: %w", err)
+	}
 	return nil
+}
+
+// shutdown waits, up to ShutdownTimeout, for the engine's runs in progress to return (leave) and
+// then for the services beside them to stop and the marks queued to be written (stop), in that
+// order, so that no mark is queued after the marks were written. A run that ignores its context
+// keeps the rest waiting in the background, and shutdown returns an error naming what it waited
+// for: stop then runs once that run returns, if the process lives that long. What the run leaves
+// unwritten is safe: its effects stay leased, and are sent again with the same UUIDs when the
+// lease ends (at-least-once, the ID stable).
+func (o *Outbox) shutdown(ctx context.Context, leave func(context.Context) error, stop func()) error {
+	timeout := o.cfg.ShutdownTimeout
+	sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), timeout)
+	defer cancel()
+	left := make(chan error, 1)
+	stopped := make(chan struct{})
+	go func() {
+		defer close(stopped)
+		err := leave(sctx)
+		left <- err
+		if err != nil {
+			_ = leave(context.WithoutCancel(ctx))
+		}
+		stop()
+	}()
+	// leave returns by sctx's deadline, naming the runs it still waits for.
+	if err := <-left; err != nil {
+		return fmt.Errorf("gave up after ShutdownTimeout (%s) waiting for the background work to return: %w", timeout, err)
+	}
+	select {
+	case <-stopped:
+		return nil
+	case <-sctx.Done():
+		select {
+		case <-stopped:
+			return nil
+		default:
+		}
+		return fmt.Errorf("gave up after ShutdownTimeout (%s) waiting for the listener to stop and the dispatched marks queued to be written: %w",
+			timeout, sctx.Err())
+	}
 }
 
 // JoinEngine runs the Outbox's background work as member name of eng, an engine shared with
@@ -228,9 +268,9 @@ func (o *Outbox) Run(ctx context.Context) error {
 // With idleMax longer than RelayInterval, a relay pass that found nothing to send doubles the
 // wait before the next, up to idleMax; a commit of this process, a notification or a delayed
 // effect falling due wakes it at once. The statistics sampling backs off likewise while a sample
-// finds nothing waiting, and the cleanup up to ten CleanupIntervals while it deletes nothing. leave takes the member off eng and waits for its runs in
-// progress, which see their context end, however long that takes, as Run does: so that no mark
-// is queued after the marks were written.
+// finds nothing waiting, and the cleanup up to ten CleanupIntervals while it deletes nothing.
+// leave takes the member off eng and waits for its runs in progress, which see their context
+// end, and then for the marks queued, up to ShutdownTimeout, as Run does (see shutdown).
 func (o *Outbox) JoinEngine(ctx context.Context, eng *engine.Engine, name string, idleMax time.Duration) (leave func() error, err error) {
 	o.tel.nameMember(name)
 	stop := o.startServices(ctx)
@@ -240,9 +280,7 @@ func (o *Outbox) JoinEngine(ctx context.Context, eng *engine.Engine, name string
 		return nil, fmt.Errorf("outbox: join engine: %w", err)
 	}
 	return func() error {
-		err := h.Remove(context.WithoutCancel(ctx))
-		stop()
-		if err != nil {
+		if err := o.shutdown(ctx, h.Remove, stop); err != nil {
 			return fmt.Errorf("outbox: leave engine: %w", err)
 		}
 		return nil
@@ -285,7 +323,7 @@ func (o *Outbox) engineMember(name string, idleMax time.Duration) engine.Member 
 		return func(ctx context.Context) (engine.Outcome, error) { return engine.Worked, fn(ctx) }
 	}
 	m := engine.Member{Name: name, Logger: o.logger, Tasks: []engine.Task{
-		{Name: "relay", Every: o.cfg.RelayInterval, IdleMax: idleMax, Wake: &o.kick, Run: outcome(o.relayOnce)},
+		{Name: "relay", Every: o.cfg.RelayInterval, IdleMax: idleMax, Wake: &o.kick, Run: o.relayTask},
 		{Name: "cleanup", Every: o.cfg.CleanupInterval, Run: outcome(o.cleanupOnce)},
 	}}
 	if idleMax > 0 {
@@ -317,6 +355,20 @@ func outcome(fn func(context.Context) (idle bool, err error)) func(context.Conte
 		}
 		return engine.Worked, err
 	}
+}
+
+// relayTask is a relay pass as the engine runs it: an idle pass that knows when a pending effect
+// falls due (a lease or a backoff that ends) has the next pass then at the latest, however far
+// the member backed off, since no wake-up comes for it.
+func (o *Outbox) relayTask(ctx context.Context) (engine.Outcome, error) {
+	idle, dueBy, err := o.relayOnce(ctx)
+	switch {
+	case err != nil || !idle:
+		return engine.Worked, err
+	case !dueBy.IsZero():
+		return engine.IdleUntil(dueBy), nil
+	}
+	return engine.Idle, nil
 }
 
 // engineGate is the database gate as the engine asks it.

@@ -40,8 +40,11 @@ func (o *Outbox) relayBudget() time.Duration { return o.relayLease() / 2 }
 // made after the outcome of every round but the one sending was written, so that it never finds
 // a key half marked, nor a failed effect before its retry time is written. It reports idle when
 // the pass found nothing to send and moved no delayed effect, so that the engine may poll an idle
-// member less often.
-func (o *Outbox) relayOnce(ctx context.Context) (idle bool, err error) {
+// member less often, and then, when the store can tell (EffectClaim.Pending), dueBy: when the
+// earliest pending effect that is not due yet falls due by itself (a lease of a relay that
+// crashed ends, a backoff ends), which nothing would wake the relay for; zero when none is
+// pending or the store cannot tell.
+func (o *Outbox) relayOnce(ctx context.Context) (idle bool, dueBy time.Time, err error) {
 	worked := false
 	if !o.claimSeesDelayed.Load() {
 		worked = o.promoteDelayed(ctx) > 0 // delayed effects that are due become pending ones first
@@ -65,6 +68,7 @@ func (o *Outbox) relayOnce(ctx context.Context) (idle bool, err error) {
 		}
 	}()
 	var busy time.Duration // how long the last turn took besides its claim, for the pause
+	pendingKnown := true   // every claim of the pass that took nothing told when its window falls due
 	stuckDelayed := false  // a move of due delayed effects in this pass moved none
 	// land waits for the calls of f to end and writes its outcome; the wait and the writing count
 	// toward the pause, less the time the calls waited for calls that hung.
@@ -85,7 +89,7 @@ func (o *Outbox) relayOnce(ctx context.Context) (idle bool, err error) {
 			f := fl
 			fl = nil
 			if err := land(f); err != nil {
-				return false, err
+				return false, time.Time{}, err
 			}
 		}
 		// The pause leaves the database and the CPUs to the consumers for as long as the relay
@@ -121,7 +125,7 @@ func (o *Outbox) relayOnce(ctx context.Context) (idle bool, err error) {
 			if ctx.Err() == nil {
 				o.relayClaimFailed(err)
 			}
-			return false, err
+			return false, time.Time{}, err
 		}
 		o.relayClaimed()
 		claimed = time.Since(began)
@@ -143,10 +147,20 @@ func (o *Outbox) relayOnce(ctx context.Context) (idle bool, err error) {
 		}
 		o.tel.lastRelayRound.Store(time.Now().UnixNano())
 		n := len(claim.Effects)
+		if n == 0 {
+			switch p := claim.Pending; {
+			case p == nil:
+				pendingKnown = false
+			case p.Waiting:
+				if at := time.Now().Add(p.In); dueBy.IsZero() || at.Before(dueBy) {
+					dueBy = at
+				}
+			}
+		}
 		worked = worked || n > 0 || promoted
 		if n > 0 {
 			if err := o.failpoint(ctx, FailpointAfterRelayClaim); err != nil {
-				return false, err
+				return false, time.Time{}, err
 			}
 			o.tel.relayRounds.Add(ctx, 1, o.tel.own())
 			o.tel.relayEffects.Record(ctx, int64(n), o.tel.own())
@@ -167,7 +181,7 @@ func (o *Outbox) relayOnce(ctx context.Context) (idle bool, err error) {
 		if prev != nil {
 			t := time.Now()
 			if err := o.relayLand(prev); err != nil {
-				return false, err
+				return false, time.Time{}, err
 			}
 			busy += time.Since(t)
 		}
@@ -188,7 +202,10 @@ func (o *Outbox) relayOnce(ctx context.Context) (idle bool, err error) {
 		case promoted:
 			next = 0 // delayed effects became pending: claim them
 		default:
-			return !worked, nil
+			if worked || !pendingKnown {
+				return !worked, time.Time{}, nil
+			}
+			return true, dueBy, nil
 		}
 		if overlapping && claim.Next > 0 {
 			// A claim made while a round was sending left the effects of its window that wait
@@ -200,7 +217,7 @@ func (o *Outbox) relayOnce(ctx context.Context) (idle bool, err error) {
 			after, ahead = next, next
 		}
 	}
-	return false, nil
+	return false, time.Time{}, nil
 }
 
 // errNotTried is the outcome of an effect that a relay round did not try: it waited behind a

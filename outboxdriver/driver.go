@@ -412,6 +412,18 @@ type EffectClaim struct {
 	// Delayed, when not nil, is when the earliest delayed effect is due, read with the claim: the
 	// relay then moves delayed effects (DelayedStore.DelayedPromote) only when one is due.
 	Delayed *DelayedDue
+	// Pending, when not nil, is when the earliest effect of the claim's window that is not due
+	// yet falls due by itself (its lease or backoff ends, or its grace period), read with a claim
+	// that took nothing: an idle relay, which may be backed off, then looks again no later than
+	// that. Effects due already but not taken (they wait behind an earlier effect of their key)
+	// and parked ones do not count. Nil: the store cannot tell (a relay backs off as it would).
+	Pending *PendingDue
+}
+
+// PendingDue is when the earliest pending effect that is not due yet falls due, as a store read it.
+type PendingDue struct {
+	Waiting bool          // some pending effect is not due yet
+	In      time.Duration // until the earliest falls due
 }
 
 // DelayedDue is when the earliest delayed effect is due, as a store read it.

@@ -89,6 +89,10 @@ type Queries struct {
 	// EffectClaimDueDelayed: (windowed) every row ends with the ms until the earliest due time of
 	// the delayed effects (negative when past, NULL when none): EffectClaim.Delayed.
 	EffectClaimDueDelayed bool
+	// EffectClaimDuePending: (windowed) every row ends, after the delayed column when there is
+	// one, with the ms until the earliest effect of the window that is not due yet falls due
+	// (NULL when none; read only on the row of a claim that took nothing): EffectClaim.Pending.
+	EffectClaimDuePending bool
 
 	// DelayedInsert returns the insert of n delayed effects: the arguments of EffectInsert, then
 	// per effect (delay ms from now, cancel key or NULL). Empty when the dialect keeps none.
@@ -1039,9 +1043,12 @@ func (s *SQL) EffectClaimDue(ctx context.Context, p outboxdriver.EffectClaimPara
 			var more bool
 			var e outboxdriver.Effect
 			extra := []any{&next, &more}
-			var dueMS sql.NullInt64
+			var dueMS, pendingMS sql.NullInt64
 			if s.d.Queries.EffectClaimDueDelayed {
 				extra = append(extra, &dueMS)
+			}
+			if s.d.Queries.EffectClaimDuePending {
+				extra = append(extra, &pendingMS)
 			}
 			if err = ScanEffect(rows, &e, extra...); err != nil {
 				break
@@ -1054,6 +1061,8 @@ func (s *SQL) EffectClaimDue(ctx context.Context, p outboxdriver.EffectClaimPara
 			}
 			if e.StoreID != 0 {
 				claim.Effects = append(claim.Effects, e)
+			} else if s.d.Queries.EffectClaimDuePending {
+				claim.Pending = &outboxdriver.PendingDue{Waiting: pendingMS.Valid, In: time.Duration(pendingMS.Int64) * time.Millisecond}
 			}
 		}
 		if err == nil {

@@ -3,6 +3,7 @@ package tenant_test
 import (
 	"context"
 	"database/sql"
+	"errors"
 	"fmt"
 	"sync"
 	"testing"
@@ -202,5 +203,63 @@ func TestSetIdleMemberBacksOff(t *testing.T) {
 	eventually(t, "the delayed effect sent", func() bool { return w.count(id) == 1 })
 	if took := time.Since(start); took > 500*time.Millisecond {
 		t.Errorf("the effect due in 50 ms went out after %v: its due time did not wake the idle relay", took)
+	}
+}
+
+// An idle member's relay looks again when a lease ends: an effect leased by a relay of another
+// process that crashed (its lease ends in 3 s here) is sent soon after its lease ends, not up to
+// IdleMax later. The member's relay backs off from 200 ms (passes at 0, 0.4, 1.2, 2.8 and 6 s
+// after the start, then every 12.8 s), and every pass before the lease ends finds nothing due.
+func TestSetIdleRelayWakesAtLeaseEnd(t *testing.T) {
+	db := pgtest.DB(t)
+	w := newWire()
+	ob, err := outbox.New(outbox.Config{DB: db, Driver: postgres.Driver{}, Publisher: w, RelayInterval: 200 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := ob.Migrate(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = ob.Close() })
+	// The other process: it commits an effect, crashes before sending it, and a relay of it
+	// leases the effect and crashes too.
+	crashing, err := outbox.New(outbox.Config{DB: db, Driver: postgres.Driver{}, Publisher: w,
+		Failpoint: func(_ context.Context, point string) error {
+			if point == outbox.FailpointAfterCommit {
+				return errors.New("crash")
+			}
+			return nil
+		}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = crashing.Close() })
+	id := fmt.Sprintf("leased-%d", time.Now().UnixNano())
+	if err := crashing.InTx(context.Background(), func(ctx context.Context, _ *sql.Tx) error {
+		return outbox.Publish(ctx, "events", message.NewMessage(id, nil))
+	}); !errors.Is(err, outbox.ErrFailpoint) {
+		t.Fatalf("InTx with a crash after its commit: %v", err)
+	}
+	const lease = 3 * time.Second
+	var leftMS float64
+	if err := db.QueryRow(`UPDATE outbox_effects SET next_attempt_at = now() + $1 * interval '1 millisecond' WHERE uuid = $2
+		RETURNING extract(epoch FROM next_attempt_at - now()) * 1000`, lease.Milliseconds(), id).Scan(&leftMS); err != nil {
+		t.Fatal(err)
+	}
+	leaseEnd := time.Now().Add(time.Duration(leftMS) * time.Millisecond)
+
+	set := newSet(t, tenant.Config{IdleMax: 20 * time.Second}, map[string]*outbox.Outbox{"a": ob})
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- set.Run(ctx) }()
+	defer func() { cancel(); <-done }()
+	deadline := time.Now().Add(30 * time.Second)
+	for w.count(id) == 0 && time.Now().Before(deadline) {
+		time.Sleep(10 * time.Millisecond)
+	}
+	late := time.Since(leaseEnd)
+	t.Logf("sent %s after its lease ended", late.Round(time.Millisecond))
+	if w.count(id) == 0 || late > time.Second {
+		t.Errorf("the effect went out %s after its lease ended (sent: %d), want within 1 s (IdleMax 20 s)", late.Round(time.Millisecond), w.count(id))
 	}
 }

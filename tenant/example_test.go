@@ -37,7 +37,8 @@ func exampleTenantDB() (*sql.DB, func()) {
 }
 
 // A database per tenant: one Outbox per tenant database in a Set, whose middleware runs each
-// message in the database of the tenant its metadata names. A tenant that signs up later is added
+// message in the database of the tenant its metadata names, and a member of its own where the
+// messages that name no tenant of the Set are dead-lettered. A tenant that signs up later is added
 // while the service runs.
 func Example() {
 	ctx, cancel := context.WithCancel(context.Background())
@@ -47,7 +48,7 @@ func Example() {
 	events := gochannel.NewGoChannel(gochannel.Config{Persistent: true}, watermill.NopLogger{})
 	defer events.Close()
 
-	set, err := tenant.New(tenant.Config{Resolver: tenant.FromMetadata("tenant")})
+	set, err := tenant.New(tenant.Config{Resolver: tenant.FromMetadata("tenant"), Unresolved: "unrouted"})
 	if err != nil {
 		panic(err)
 	}
@@ -74,6 +75,7 @@ func Example() {
 		}
 		dbs[name] = db
 	}
+	addTenant("unrouted") // Run refuses to start without it
 	addTenant("acme")
 
 	router, err := message.NewRouter(message.RouterConfig{}, watermill.NopLogger{})

@@ -16,6 +16,7 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -38,6 +39,9 @@ var (
 	ErrUnknownMember = errors.New("tenant: no such member")
 	// ErrMemberExists is returned by Add for a name that is a member already.
 	ErrMemberExists = errors.New("tenant: member exists")
+	// ErrUnresolvedMember is returned by Remove for the Unresolved member: without it, the
+	// messages the Set cannot route would be nacked and redelivered for ever.
+	ErrUnresolvedMember = errors.New("tenant: the Unresolved member stays in the Set")
 )
 
 // Resolver names the member an incoming message belongs to. It must give the same name for every
@@ -75,11 +79,17 @@ type Config struct {
 	// Unresolved names the member that refuses the messages the Set cannot route: they are
 	// rejected in that member like a message whose ID cannot be read, so stored as its dead
 	// letters with the reason (or, as its Config says, sent to its PoisonTopic), and acked; an
-	// operator retries them from there (outbox dead retry) once their member exists. Empty, or
-	// while that member is not in the Set: such messages are nacked with an error wrapping
-	// ErrUnresolved that says why, so the broker redelivers them; to move them away instead, add
-	// Watermill's PoisonQueueWithFilter for ErrUnresolved outside the Set's middleware.
+	// operator retries them from there (outbox dead retry) once their member exists. Required
+	// unless NackUnresolved: a message nacked for ever would freeze its consumer. Run refuses to
+	// start while that member is not in the Set, and Remove refuses to take it out; before Run,
+	// such messages are nacked with an error wrapping ErrUnresolved.
 	Unresolved string
+	// NackUnresolved opts out of Unresolved: the messages the Set cannot route are nacked with an
+	// error wrapping ErrUnresolved that says why, and the broker redelivers them. Set it only
+	// when your router moves them away itself: a poison queue for ErrUnresolved outside the
+	// Set's middleware (Watermill's PoisonQueueWithFilter). Without one, each such message is
+	// redelivered for ever, and holds up its consumer.
+	NackUnresolved bool
 	// Logger logs refused messages and members whose background work failed. Default: none.
 	Logger watermill.LoggerAdapter
 	// MaxConcurrent caps the background calls (relay passes, cleanups, statistics samples,
@@ -90,7 +100,9 @@ type Config struct {
 	// to send: the wait doubles from its RelayInterval after each such pass, up to IdleMax. A
 	// commit of this process that leaves work to the relay, a delayed effect falling due or a
 	// notification wakes the member's relay at once; effects committed by another process that
-	// does not notify (no ListenDSN) wait up to IdleMax. The member's statistics sampling backs
+	// does not notify (no ListenDSN) wait up to IdleMax. On PostgreSQL a pass that sees effects
+	// leased (by a relay that crashed) or backing off has the next pass when the first of them
+	// falls due, whatever the backoff. The member's statistics sampling backs
 	// off likewise while it finds nothing waiting, and its cleanup, while it deletes nothing, up
 	// to ten CleanupIntervals. Default: DefaultIdleMax; negative: no backoff.
 	IdleMax time.Duration
@@ -124,7 +136,7 @@ type member struct {
 	active  int           // units in flight
 	removed bool          // no new units
 	drained chan struct{} // closed once removed and no unit is in flight
-	stopRun func()        // stops the background work; nil while not running
+	stopRun func() error  // stops the background work; nil while not running
 	wrapped map[*wrapper]message.HandlerFunc
 }
 
@@ -132,6 +144,18 @@ type member struct {
 func New(cfg Config) (*Set, error) {
 	if cfg.Resolver == nil {
 		return nil, errors.New("tenant: Config.Resolver is required")
+	}
+	switch {
+	case cfg.Unresolved == "" && !cfg.NackUnresolved:
+		return nil, errors.New("tenant: Config.Unresolved is required: name the member that dead-letters the messages " +
+			"the Set cannot route (nacked, they would be redelivered for ever), or set NackUnresolved if your router " +
+			"has a poison queue for ErrUnresolved")
+	case cfg.Unresolved != "" && cfg.NackUnresolved:
+		return nil, errors.New("tenant: Config.Unresolved and NackUnresolved exclude each other")
+	case cfg.Unresolved != "":
+		if err := validName(cfg.Unresolved); err != nil {
+			return nil, fmt.Errorf("tenant: Config.Unresolved: %w", err)
+		}
 	}
 	if cfg.Logger == nil {
 		cfg.Logger = watermill.NopLogger{}
@@ -171,8 +195,12 @@ func (s *Set) Add(name string, ob *outbox.Outbox) error {
 // unresolved), Remove waits for its units of work in flight (handled messages, InTx and Do), then
 // stops its background work and waits for that to return. When ctx ends first, the background
 // work is stopped all the same and Remove returns an error: the units still in flight finish on
-// their own (each is bounded by the member's HandlerTimeout). It does not close the Outbox.
+// their own (each is bounded by the member's HandlerTimeout). It does not close the Outbox. The
+// Unresolved member is not removed (ErrUnresolvedMember).
 func (s *Set) Remove(ctx context.Context, name string) error {
+	if name == s.cfg.Unresolved {
+		return fmt.Errorf("%w: %q: the messages the Set cannot route are refused there", ErrUnresolvedMember, name)
+	}
 	s.mu.Lock()
 	m, ok := s.members[name]
 	delete(s.members, name)
@@ -192,7 +220,9 @@ func (s *Set) Remove(ctx context.Context, name string) error {
 	case <-ctx.Done():
 		err = fmt.Errorf("tenant: removing member %q: units of work still in flight: %w", name, ctx.Err())
 	}
-	s.stop(m)
+	if serr := s.stop(m); serr != nil {
+		err = errors.Join(err, fmt.Errorf("tenant: removing member %q: %w", name, serr))
+	}
 	return err
 }
 
@@ -272,13 +302,19 @@ func (m *member) leave() {
 // member removed meanwhile stops its own. The periodic work of all members (relay passes,
 // cleanup, statistics, redrive) runs on one scheduler goroutine, at most MaxConcurrent calls at a
 // time; a member's listener, when its driver has a ListenDSN, is a goroutine and a connection of
-// its own. It returns once every member's background work returned and its marks were written.
-// One Run at a time.
+// its own. It returns once every member's background work returned and its marks were written,
+// or, for a member whose background call ignores its context, once its ShutdownTimeout passed:
+// then with an error that names the member and what it waited for. One Run at a time. It returns an error at once when the Unresolved member is not in the Set.
 func (s *Set) Run(ctx context.Context) error {
 	s.mu.Lock()
 	if s.runCtx != nil {
 		s.mu.Unlock()
 		return errors.New("tenant: the Set runs already")
+	}
+	if u := s.cfg.Unresolved; u != "" && s.members[u] == nil {
+		s.mu.Unlock()
+		return fmt.Errorf("tenant: run: the Unresolved member %q is not in the Set: add it first, "+
+			"or the messages the Set cannot route are nacked and redelivered for ever", u)
 	}
 	eng := engine.New(engine.Config{MaxConcurrent: s.cfg.MaxConcurrent, Logger: s.cfg.Logger})
 	if err := eng.Start(ctx); err != nil {
@@ -300,11 +336,38 @@ func (s *Set) Run(ctx context.Context) error {
 	s.mu.Unlock()
 	// The runs see ctx end and return; each member then writes its marks. A member being
 	// removed meanwhile is stopped by Remove, which runWG waits for.
+	// At once, not one after another: a member whose background call ignores its context holds
+	// its own stop for its ShutdownTimeout, not every member's after it.
+	var (
+		errMu sync.Mutex
+		errs  []error
+		wg    sync.WaitGroup
+	)
 	for _, m := range running {
-		s.stop(m)
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if err := s.stop(m); err != nil {
+				errMu.Lock()
+				errs = append(errs, fmt.Errorf("member %q: %w", m.name, err))
+				errMu.Unlock()
+			}
+		}()
 	}
+	wg.Wait()
 	s.runWG.Wait()
-	_ = eng.Stop(context.WithoutCancel(ctx))
+	// Every member left the engine, each within its ShutdownTimeout: a run still in progress
+	// ignores its context and was reported, so the engine is not waited for again.
+	ectx, cancel := context.WithCancel(context.WithoutCancel(ctx))
+	if len(errs) > 0 {
+		cancel()
+	}
+	defer cancel()
+	_ = eng.Stop(ectx)
+	if len(errs) > 0 {
+		slices.SortFunc(errs, func(a, b error) int { return strings.Compare(a.Error(), b.Error()) })
+		return fmt.Errorf("tenant: run: %w", errors.Join(errs...))
+	}
 	return nil
 }
 
@@ -320,24 +383,28 @@ func (s *Set) start(ctx context.Context, m *member) {
 	}
 	s.runWG.Add(1)
 	m.mu.Lock()
-	m.stopRun = func() {
+	m.stopRun = func() error {
 		defer s.runWG.Done()
-		if err := leave(); err != nil {
+		err := leave()
+		if err != nil {
 			s.cfg.Logger.Error("tenant: stopping the background work of a member failed", err, watermill.LogFields{"member": m.name})
 		}
+		return err
 	}
 	m.mu.Unlock()
 }
 
-// stop stops m's background work, if it runs, and waits for it to return.
-func (s *Set) stop(m *member) {
+// stop stops m's background work, if it runs, and waits for it to return, up to the member's
+// ShutdownTimeout.
+func (s *Set) stop(m *member) error {
 	m.mu.Lock()
 	stop := m.stopRun
 	m.stopRun = nil
 	m.mu.Unlock()
 	if stop != nil {
-		stop()
+		return stop()
 	}
+	return nil
 }
 
 // validName accepts the names that read well in logs, metrics and health reports.

@@ -5,6 +5,7 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"net"
 	"os"
 	"strings"
 	"sync"
@@ -70,12 +71,14 @@ func newMember(t *testing.T, db *sql.DB, prefix string, pub message.Publisher) *
 }
 
 // newSet returns a Set of cfg (resolving the "tenant" metadata when cfg has no Resolver) with
-// members.
+// members. A cfg without Unresolved nacks what the Set cannot route: the tests either route
+// every message or look at the nack.
 func newSet(t *testing.T, cfg tenant.Config, members map[string]*outbox.Outbox) *tenant.Set {
 	t.Helper()
 	if cfg.Resolver == nil {
 		cfg.Resolver = tenant.FromMetadata("tenant")
 	}
+	cfg.NackUnresolved = cfg.Unresolved == ""
 	set, err := tenant.New(cfg)
 	if err != nil {
 		t.Fatal(err)
@@ -647,7 +650,7 @@ func TestSetConcurrentAddRemoveResolve(t *testing.T) {
 
 // CheckRouter sees the Set's middleware as the outbox middleware: Retry inside it is reported.
 func TestSetCheckRouter(t *testing.T) {
-	set, err := tenant.New(tenant.Config{Resolver: tenant.FromMetadata("tenant")})
+	set, err := tenant.New(tenant.Config{Resolver: tenant.FromMetadata("tenant"), NackUnresolved: true})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -768,5 +771,136 @@ func TestSetUnresolvedToPoisonQueue(t *testing.T) {
 	checkTenant(t, db, "orders", "a", []string{"a-1"}, sh, w)
 	if n := sh.runsOf("zz-1"); n != 0 {
 		t.Errorf("the handler ran %d times for the unroutable message", n)
+	}
+}
+
+// By default a Set has a member to refuse unroutable messages in: without one they would be
+// nacked and redelivered for ever, freezing their consumer. New refuses a Config without
+// Unresolved unless NackUnresolved says the router moves them away itself, Run refuses to start
+// without the Unresolved member, and Remove refuses to take it out.
+func TestSetUnresolvedRequired(t *testing.T) {
+	if _, err := tenant.New(tenant.Config{Resolver: tenant.FromMetadata("tenant")}); err == nil || !strings.Contains(err.Error(), "NackUnresolved") {
+		t.Errorf("New without Unresolved = %v, want an error that names NackUnresolved", err)
+	}
+	if _, err := tenant.New(tenant.Config{Resolver: tenant.FromMetadata("tenant"), Unresolved: "unrouted", NackUnresolved: true}); err == nil {
+		t.Error("New with Unresolved and NackUnresolved: no error")
+	}
+	if _, err := tenant.New(tenant.Config{Resolver: tenant.FromMetadata("tenant"), NackUnresolved: true}); err != nil {
+		t.Errorf("New with NackUnresolved: %v", err)
+	}
+
+	dbA, dbU := pgtest.DB(t), pgtest.DB(t)
+	w := newWire()
+	set := newSet(t, tenant.Config{Unresolved: "unrouted"}, map[string]*outbox.Outbox{"a": newMember(t, dbA, "", w)})
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	if err := set.Run(ctx); err == nil || !strings.Contains(err.Error(), `"unrouted"`) {
+		t.Errorf("Run without the Unresolved member = %v, want an error that names it", err)
+	}
+	if err := set.Add("unrouted", newMember(t, dbU, "", w)); err != nil {
+		t.Fatal(err)
+	}
+	if err := set.Remove(ctx, "unrouted"); !errors.Is(err, tenant.ErrUnresolvedMember) {
+		t.Errorf("Remove of the Unresolved member = %v, want ErrUnresolvedMember", err)
+	}
+	if _, ok := set.Member("unrouted"); !ok {
+		t.Error("the Unresolved member was removed")
+	}
+	runCtx, stop := context.WithCancel(ctx)
+	done := make(chan error, 1)
+	go func() { done <- set.Run(runCtx) }()
+	stop()
+	if err := <-done; err != nil {
+		t.Errorf("Run with the Unresolved member = %v", err)
+	}
+}
+
+// The Set's Run returns within a member's ShutdownTimeout even while that member's background call
+// ignores its context (its database accepts connections and never answers, and lib/pq waits while
+// it connects), with an error that names the member; the other members stop as usual. Two such
+// members cost one ShutdownTimeout (2 s), not one each.
+func TestSetRunShutdownIsBounded(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var mu sync.Mutex
+	var conns []net.Conn
+	accepted := make(chan struct{}, 8)
+	acceptDone := make(chan struct{})
+	go func() {
+		defer close(acceptDone)
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			mu.Lock()
+			conns = append(conns, c)
+			mu.Unlock()
+			select {
+			case accepted <- struct{}{}:
+			default:
+			}
+		}
+	}()
+	stalledDB, err := sql.Open("postgres", "postgres://outbox@"+ln.Addr().String()+"/outbox?sslmode=disable")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		_ = ln.Close()
+		<-acceptDone
+		mu.Lock()
+		for _, c := range conns {
+			_ = c.Close()
+		}
+		mu.Unlock()
+		_ = stalledDB.Close()
+	})
+	w := newWire()
+	members := map[string]*outbox.Outbox{"unrouted": newMember(t, pgtest.DB(t), "", w)}
+	for _, name := range []string{"stalled", "stalled2"} {
+		ob, err := outbox.New(outbox.Config{DB: stalledDB, Driver: postgres.Driver{}, Publisher: w, TablePrefix: name + "_",
+			ShutdownTimeout: 2 * time.Second, StatsInterval: -1})
+		if err != nil {
+			t.Fatal(err)
+		}
+		members[name] = ob
+	}
+	set := newSet(t, tenant.Config{Unresolved: "unrouted"}, members)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- set.Run(ctx) }()
+	// Each stalled member has two tasks (relay, cleanup): a third connection is of the second.
+	for range 3 {
+		select {
+		case <-accepted:
+		case <-time.After(30 * time.Second):
+			t.Fatal("the stalled members' background work never connected")
+		}
+	}
+	cancel()
+	cancelled := time.Now()
+	select {
+	case err := <-done:
+		took := time.Since(cancelled)
+		t.Logf("Run returned %s after its context ended: %v", took.Round(time.Millisecond), err)
+		if took > 3500*time.Millisecond {
+			t.Errorf("Run returned %s after its context ended, want about the members' ShutdownTimeout (2 s)", took.Round(time.Millisecond))
+		}
+		if err == nil || !strings.Contains(err.Error(), `member "stalled"`) || !strings.Contains(err.Error(), `member "stalled2"`) ||
+			!strings.Contains(err.Error(), "ShutdownTimeout") {
+			t.Errorf("Run = %v, want an error that names both stalled members and ShutdownTimeout", err)
+		}
+	case <-time.After(20 * time.Second):
+		_ = ln.Close()
+		mu.Lock()
+		for _, c := range conns {
+			_ = c.Close()
+		}
+		mu.Unlock()
+		<-done
+		t.Fatal("Run did not return within 20 s of its context's end while a member's background call was stuck")
 	}
 }

@@ -26,7 +26,7 @@ func TestTenantSetOfPgxMembers(t *testing.T) {
 		t.Run(name, func(t *testing.T) {
 			ctx := context.Background()
 			rec := &outboxtest.Recorder{}
-			set, err := tenant.New(tenant.Config{Resolver: tenant.FromMetadata("tenant")})
+			set, err := tenant.New(tenant.Config{Resolver: tenant.FromMetadata("tenant"), NackUnresolved: true}) // every message names its member
 			if err != nil {
 				t.Fatal(err)
 			}

@@ -611,6 +611,12 @@ func queries(n store.Names, deleteDispatched bool, gen *Generation) store.Querie
 		// commits asynchronously) only lets an effect be sent again. Every row also carries the
 		// ms until the earliest delayed effect is due (by the index on due_at), so that a relay
 		// pass moves delayed effects only when one is due: an idle pass is this one statement.
+		// The row of a claim that took nothing carries, besides, the ms until the earliest effect
+		// of the first window that is not due yet falls due by itself (a lease or a backoff that
+		// ends, a grace period), so that an idle relay that backs off looks again then rather
+		// than up to its cap later. It reads the rows of the window again (by effects_due, the
+		// rows the candidates were looked for in), only when nothing was claimed: in an idle
+		// member's window, none or a few.
 		EffectClaimDue: `WITH bounds AS MATERIALIZED (
 				SELECT lo + $6 AS hi, EXISTS (SELECT 1 FROM ` + n.Effects + ` WHERE ` + unparked + ` AND id > lo + $6) AS more, lo,
 					greatest(lo + $6, last - $6) AS tail_lo, last
@@ -655,12 +661,17 @@ func queries(n store.Names, deleteDispatched bool, gen *Generation) store.Querie
 				ORDER BY d.due_at, d.id LIMIT 1),
 			lease AS (UPDATE ` + n.Effects + ` e SET next_attempt_at = now() + ` + ms("$4") + `
 				FROM (SELECT min(id) AS id FROM claimed GROUP BY ordering_key) f WHERE e.id = f.id)
-			SELECT ` + effectColumns + `, bounds.hi, bounds.more, (SELECT ms FROM due) FROM claimed JOIN ` + n.Effects + ` e USING (id), bounds
+			SELECT ` + effectColumns + `, bounds.hi, bounds.more, (SELECT ms FROM due), NULL::bigint FROM claimed JOIN ` + n.Effects + ` e USING (id), bounds
 			UNION ALL
-			SELECT 0, '', '', 0, '', '', '', ''::bytea, ''::bytea, '', 0, 0::bigint, 0, 0::bigint, false, bounds.hi, bounds.more, (SELECT ms FROM due)
+			SELECT 0, '', '', 0, '', '', '', ''::bytea, ''::bytea, '', 0, 0::bigint, 0, 0::bigint, false, bounds.hi, bounds.more, (SELECT ms FROM due),
+				(SELECT (extract(epoch FROM min(p.at) - now()) * 1000)::bigint
+				FROM (SELECT coalesce(e.next_attempt_at, e.created_at + ` + ms("$1") + `) AS at FROM ` + n.Effects + ` e
+					WHERE e.id > bounds.lo AND e.id <= bounds.hi AND e.dispatched_at IS NULL AND e.parked_at IS NULL) p
+				WHERE p.at > now())
 			FROM bounds WHERE NOT EXISTS (SELECT 1 FROM claimed)`,
 		EffectClaimDueWindowed: true,
 		EffectClaimDueDelayed:  true,
+		EffectClaimDuePending:  true,
 
 		// A delayed effect's due time is its delay from the insert by the database's clock, the
 		// clock the relay compares it with.

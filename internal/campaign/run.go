@@ -224,11 +224,13 @@ func (c *run) do() bool {
 		c.procs = append(c.procs, members[0])
 		if c.dep.Tenants {
 			// The members' relays back off while idle, up to IdleMax: 30 s by default, which an
-			// effect committed by another instance (no in-process wake), leased by a crashed one or
-			// backing off may wait on top, past the drain's bound (3 effects of a run were still
-			// pending after 45 s). The campaign checks what is sent, not how soon: a short IdleMax
+			// effect committed by another instance (no in-process wake) after a member's last pass,
+			// or kept in a claim until a pass moves it, may wait on top, past the drain's bound (3
+			// effects of a run were still pending after 45 s, before a pass learned when leases
+			// and backoffs end). The campaign checks what is sent, not how soon: a short IdleMax
 			// keeps the backoff and its wakes in play within the drain.
-			set, err := tenant.New(tenant.Config{Resolver: tenant.FromMetadata(tenantKey), IdleMax: 8 * relayInterval})
+			// Every message of the campaign names its member: none is nacked as unresolved.
+			set, err := tenant.New(tenant.Config{Resolver: tenant.FromMetadata(tenantKey), NackUnresolved: true, IdleMax: 8 * relayInterval})
 			if err != nil {
 				t.Fatal(err)
 			}

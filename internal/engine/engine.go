@@ -14,6 +14,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -25,15 +27,23 @@ import (
 // unset: an Outbox's four periodic services, each free to run while another does.
 const DefaultMaxConcurrent = 4
 
-// Outcome is what a run of a task found.
-type Outcome int
+// Outcome is what a run of a task found: Worked, Idle, or IdleUntil a time.
+type Outcome struct {
+	idle  bool
+	dueBy time.Time // when not zero: something falls due then, without a wake
+}
 
-const (
+var (
 	// Worked: the run did something (or cannot tell); the next run is Every after its start.
-	Worked Outcome = iota
+	Worked = Outcome{}
 	// Idle: the run found nothing to do; a task with IdleMax waits longer before the next one.
-	Idle
+	Idle = Outcome{idle: true}
 )
+
+// IdleUntil is Idle for a run that found nothing to do now but knows that something falls due at
+// t by itself (a lease or a backoff that ends): the next run is no later than t, nor earlier than
+// Every after this one's start, however far the task backed off.
+func IdleUntil(t time.Time) Outcome { return Outcome{idle: true, dueBy: t} }
 
 // Task is one periodic piece of background work of a member.
 type Task struct {
@@ -101,6 +111,7 @@ type Engine struct {
 
 	mu       sync.Mutex
 	members  map[*member]struct{}
+	draining map[*member]struct{} // removed, with runs still in progress
 	inflight int
 	ctx      context.Context // the runs' context; nil until Start
 	cancel   context.CancelFunc
@@ -153,11 +164,12 @@ func New(cfg Config) *Engine {
 		cfg.Logger = watermill.NopLogger{}
 	}
 	return &Engine{
-		max:     cfg.MaxConcurrent,
-		logger:  cfg.Logger,
-		poke:    make(chan struct{}, 1),
-		members: map[*member]struct{}{},
-		done:    make(chan struct{}),
+		max:      cfg.MaxConcurrent,
+		logger:   cfg.Logger,
+		poke:     make(chan struct{}, 1),
+		members:  map[*member]struct{}{},
+		draining: map[*member]struct{}{},
+		done:     make(chan struct{}),
 	}
 }
 
@@ -207,8 +219,37 @@ func (e *Engine) Stop(ctx context.Context) error {
 	case <-e.done:
 		return nil
 	case <-ctx.Done():
-		return fmt.Errorf("engine: stop: runs still in progress: %w", ctx.Err())
+		e.mu.Lock()
+		var running []string
+		for m := range e.members {
+			running = append(running, m.runningNames()...)
+		}
+		for m := range e.draining {
+			running = append(running, m.runningNames()...)
+		}
+		e.mu.Unlock()
+		slices.Sort(running)
+		return fmt.Errorf("engine: stop: runs still in progress (%s): %w", strings.Join(running, ", "), ctx.Err())
 	}
+}
+
+// runningNames names the runs of m in progress, for an error that says what was waited for.
+// e.mu held.
+func (m *member) runningNames() []string {
+	var names []string
+	for _, t := range m.tasks {
+		if t.running {
+			names = append(names, m.taskName(t))
+		}
+	}
+	return names
+}
+
+func (m *member) taskName(t *task) string {
+	if m.Name == "" {
+		return t.Name
+	}
+	return fmt.Sprintf("%s of member %q", t.Name, m.Name)
 }
 
 // Handle is a member added to an engine.
@@ -270,6 +311,8 @@ func (h *Handle) Remove(ctx context.Context) error {
 		}
 		if m.running == 0 {
 			close(m.drained)
+		} else {
+			e.draining[m] = struct{}{}
 		}
 	}
 	e.mu.Unlock()
@@ -277,7 +320,10 @@ func (h *Handle) Remove(ctx context.Context) error {
 	case <-m.drained:
 		return nil
 	case <-ctx.Done():
-		return fmt.Errorf("engine: remove member %q: a run still in progress: %w", m.Name, ctx.Err())
+		e.mu.Lock()
+		running := m.runningNames()
+		e.mu.Unlock()
+		return fmt.Errorf("engine: remove member %q: runs still in progress (%s): %w", m.Name, strings.Join(running, ", "), ctx.Err())
 	}
 }
 
@@ -429,7 +475,7 @@ func (e *Engine) run(ctx context.Context, t *task, started time.Time) {
 
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	if out == Idle && t.IdleMax > t.Every {
+	if out.idle && t.IdleMax > t.Every {
 		t.interval = min(2*t.interval, t.IdleMax)
 	} else {
 		t.interval = t.Every
@@ -438,6 +484,14 @@ func (e *Engine) run(ctx context.Context, t *task, started time.Time) {
 	// due from its end: due from its start it would go before every task that fell due
 	// meanwhile, and a slow task would keep the slots to itself.
 	t.due = started.Add(t.interval)
+	if !out.dueBy.IsZero() && out.dueBy.Before(t.due) {
+		// Not before Every: a due time that the run's own clock or a lock keeps from being
+		// met would otherwise have the task run back to back.
+		t.due = out.dueBy
+		if floor := started.Add(t.Every); t.due.Before(floor) {
+			t.due = floor
+		}
+	}
 	if now := time.Now(); t.due.Before(now) {
 		t.due = now
 	}
@@ -446,6 +500,7 @@ func (e *Engine) run(ctx context.Context, t *task, started time.Time) {
 	e.inflight--
 	if m.removed && m.running == 0 {
 		close(m.drained)
+		delete(e.draining, m)
 	}
 	e.closeDoneIfIdle()
 	e.pokeScheduler()

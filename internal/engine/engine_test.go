@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -399,4 +400,76 @@ func TestMemberAddedBeforeStart(t *testing.T) {
 	}
 	started(t, e)
 	waitFor(t, "the first run", func() bool { return c.n.Load() == 1 })
+}
+
+// A run that ignores its context keeps Remove and Stop waiting only until their own contexts
+// end, and their errors name the runs they waited for.
+func TestStopNamesTheRunsItWaitsFor(t *testing.T) {
+	e := New(Config{})
+	entered, release := make(chan struct{}), make(chan struct{})
+	stuck := Task{Name: "relay", Every: time.Hour, Run: func(context.Context) (Outcome, error) {
+		close(entered)
+		<-release // ignores its context
+		return Worked, nil
+	}}
+	h := add(t, e, Member{Name: "acme", Tasks: []Task{stuck}})
+	if err := e.Start(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	<-entered
+	short := func() context.Context {
+		ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
+		t.Cleanup(cancel)
+		return ctx
+	}
+	if err := h.Remove(short()); err == nil || !strings.Contains(err.Error(), `relay of member "acme"`) || !errors.Is(err, context.DeadlineExceeded) {
+		t.Errorf("Remove = %v, want the stuck run named", err)
+	}
+	if err := e.Stop(short()); err == nil || !strings.Contains(err.Error(), `relay of member "acme"`) {
+		t.Errorf("Stop = %v, want the stuck run of the removed member named", err)
+	}
+	close(release)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := e.Stop(ctx); err != nil {
+		t.Errorf("Stop once the run returned: %v", err)
+	}
+}
+
+// A run that reports IdleUntil a time is followed by the next no later than that time, however
+// far the task backed off, and no sooner than Every after its start: a due time already past
+// does not make the task run back to back.
+func TestIdleUntilBringsTheNextRunForward(t *testing.T) {
+	e := New(Config{})
+	var mu sync.Mutex
+	var at []time.Time
+	add(t, e, Member{Name: "m", Tasks: []Task{{Name: "relay", Every: 50 * time.Millisecond, IdleMax: time.Hour,
+		Run: func(context.Context) (Outcome, error) {
+			mu.Lock()
+			defer mu.Unlock()
+			now := time.Now()
+			at = append(at, now)
+			switch len(at) {
+			case 6: // backed off to 3.2 s by now: something falls due in 300 ms
+				return IdleUntil(now.Add(300 * time.Millisecond)), nil
+			case 7: // a due time already past
+				return IdleUntil(now.Add(-time.Second)), nil
+			}
+			return Idle, nil
+		}}}})
+	runs := func() []time.Time {
+		mu.Lock()
+		defer mu.Unlock()
+		return append([]time.Time(nil), at...)
+	}
+	started(t, e)
+	// Idle runs 100, 200, 400, 800 and 1,600 ms apart; then the sixth and seventh.
+	waitFor(t, "eight runs", func() bool { return len(runs()) >= 8 })
+	r := runs()
+	if gap := r[6].Sub(r[5]); gap > 450*time.Millisecond || gap < 290*time.Millisecond {
+		t.Errorf("the run after IdleUntil 300 ms came %s after the one before, want about 300 ms, not the backoff's 3.2 s (runs at %v)", gap, r)
+	}
+	if gap := r[7].Sub(r[6]); gap < 40*time.Millisecond || gap > time.Second {
+		t.Errorf("the run after IdleUntil a past time came %s after the one before, want Every (50 ms): not at once, nor backed off", gap)
+	}
 }

@@ -131,6 +131,7 @@ func Run(t *testing.T, newHarness func(t *testing.T) Harness) {
 		{"EffectClaimDue/MarksTheClaim", testRelayMarksClaim},
 		{"EffectClaimDue/Instances", testRelayInstances},
 		{"EffectClaimDue/Lease", testClaimDueLease},
+		{"EffectClaimDue/PendingFallsDue", testClaimDuePending},
 		{"EffectClaimDue/OutcomeWaitsBehindTheLease", testClaimDueOutcomeBehindLease},
 		{"EffectClaimDue/MaxBytes", testClaimDueMaxBytes},
 		{"EffectClaimDue/BeyondABlockedPrefix", testClaimDueBeyondABlockedPrefix},
@@ -1628,6 +1629,47 @@ func testClaimDueLease(f *fixture) {
 	}
 	f.age("effects", "next_attempt_at", a, 2*time.Hour) // the lease ran out
 	wantUUIDs(f.t, "claim after the lease ran out", f.relay(due, sent), ea[0], eb[0])
+}
+
+// testClaimDuePending: a claim that takes nothing says when the earliest pending effect that is
+// not due yet falls due by itself (EffectClaim.Pending): a lease's end, or the end of a grace
+// period, whichever comes first; an effect due by itself that waits behind a leased one of its
+// key does not count (it falls due with that one). A store that cannot tell says nothing.
+func testClaimDuePending(f *fixture) {
+	p := outboxdriver.EffectClaimParams{Grace: time.Hour, Limit: 10, Lease: 2 * time.Hour}
+	pending := func(what string) *outboxdriver.PendingDue {
+		f.t.Helper()
+		c, err := f.st.EffectClaimDue(f.ctx, p)
+		if err != nil {
+			f.t.Fatalf("EffectClaimDue: %v", err)
+		}
+		if len(c.Effects) > 0 {
+			f.t.Fatalf("%s: claimed %v, want nothing", what, uuids(c.Effects))
+		}
+		return c.Pending
+	}
+	near := func(what string, got *outboxdriver.PendingDue, want time.Duration) {
+		f.t.Helper()
+		if got == nil || !got.Waiting || got.In > want || got.In < want-5*time.Minute {
+			f.t.Fatalf("%s: Pending = %+v, want an effect falling due in about %s", what, got, want)
+		}
+	}
+	if got := pending("nothing pending"); got == nil {
+		f.t.Skip("the store does not tell when pending effects fall due")
+	} else if got.Waiting {
+		f.t.Fatalf("nothing pending: Pending = %+v, want none waiting", got)
+	}
+	a, b := f.src("a"), f.src("b")
+	ea, eb := f.effects(a, "k", 1), f.effects(b, "k", 1)
+	f.commit(a, true, ea)
+	f.commit(b, true, eb)
+	f.age("effects", "created_at", outboxdriver.Source{}, 3*time.Hour)
+	wantUUIDs(f.t, "the first claim", f.claimDue(f.st, p), ea[0], eb[0])
+	// a is leased for two hours; b, due by itself, waits behind it.
+	near("a leased", pending("a leased"), 2*time.Hour)
+	c := f.src("c")
+	f.commit(c, true, f.effects(c, "j", 1))
+	near("c in its grace period", pending("c in its grace period"), time.Hour)
 }
 
 // testClaimDueOutcomeBehindLease: the framework's relay writes a round's outcome in two steps,
