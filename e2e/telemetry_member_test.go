@@ -41,7 +41,7 @@ func TestMetricsCarryTheMember(t *testing.T) {
 		}
 		return ob
 	}
-	set, err := tenant.New(tenant.Config{Resolver: tenant.FromMetadata("tenant")})
+	set, err := tenant.New(tenant.Config{Resolver: tenant.FromMetadata("tenant"), NackUnresolved: true}) // no message comes in
 	if err != nil {
 		t.Fatal(err)
 	}

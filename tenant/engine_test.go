@@ -242,7 +242,7 @@ func TestSetIdleRelayWakesAtLeaseEnd(t *testing.T) {
 	}
 	const lease = 3 * time.Second
 	var leftMS float64
-	if err := db.QueryRow(`UPDATE outbox_effects SET next_attempt_at = now() + $1 * interval '1 millisecond' WHERE uuid = $2
+	if err := db.QueryRow(`UPDATE outbox_effects_all SET next_attempt_at = now() + $1 * interval '1 millisecond' WHERE uuid = $2
 		RETURNING extract(epoch FROM next_attempt_at - now()) * 1000`, lease.Milliseconds(), id).Scan(&leftMS); err != nil {
 		t.Fatal(err)
 	}
