@@ -29,7 +29,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
-	_ "github.com/lib/pq"
+	"github.com/lib/pq"
 
 	"github.com/watermill-outbox/outbox"
 	"github.com/watermill-outbox/outbox/drivers/postgres"
@@ -49,16 +49,17 @@ func main() {
 	batch := flag.Int("batch", 0, "RelayBatchSize (0: the library's default)")
 	pause := flag.Float64("pause", 0, "RelayPauseFactor (0: the library's default)")
 	cpuprofile := flag.String("cpuprofile", "", "write a CPU profile of the drains (not of the backlog's build) to this file")
+	reuse := flag.Bool("reuse", false, "keep the database and a copy of the backlog after the run, and restore the backlog from that copy when it is there instead of building it again (a drain every few seconds: more alternations in the same time)")
 	analyze := flag.Bool("analyze", false, "VACUUM ANALYZE the database after the backlog is built (default: leave it to autovacuum, as a real backlog is)")
 	pgss := flag.Bool("pgss", false, "print the statements that took most of the server's time during each drain (needs pg_stat_statements loaded)")
 	flag.Parse()
-	if err := run(*dsn, *label, *instances, *effects, *keys, *reps, *perMessage, *concurrency, *batch, *pause, *cpuprofile, *analyze, *pgss); err != nil {
+	if err := run(*dsn, *label, *instances, *effects, *keys, *reps, *perMessage, *concurrency, *batch, *pause, *cpuprofile, *reuse, *analyze, *pgss); err != nil {
 		fmt.Fprintln(os.Stderr, "relaydrain:", err)
 		os.Exit(1)
 	}
 }
 
-func run(dsn, label string, instances, effects, keys, reps int, perMessage time.Duration, concurrency, batch int, pause float64, cpuprofile string, analyze, pgss bool) error {
+func run(dsn, label string, instances, effects, keys, reps int, perMessage time.Duration, concurrency, batch int, pause float64, cpuprofile string, reuse, analyze, pgss bool) error {
 	ctx := context.Background()
 	admin, err := sql.Open("postgres", dsn)
 	if err != nil {
@@ -79,15 +80,23 @@ func run(dsn, label string, instances, effects, keys, reps int, perMessage time.
 		defer prof.Close()
 	}
 	for rep := 0; rep < reps; rep++ {
-		for _, q := range []string{`DROP DATABASE IF EXISTS ` + dbname + ` WITH (FORCE)`, `CREATE DATABASE ` + dbname} {
-			if _, err := admin.ExecContext(ctx, q); err != nil {
-				return err
-			}
-		}
 		d := drain{dsn: u.String(), instances: instances, effects: effects, keys: keys, perMessage: perMessage,
 			concurrency: concurrency, batch: batch, pause: pause, analyze: analyze, pgss: pgss}
-		if err := d.backlog(ctx); err != nil {
-			return fmt.Errorf("backlog: %w", err)
+		restored := false
+		if reuse {
+			if restored, err = d.restore(ctx); err != nil {
+				return fmt.Errorf("restore: %w", err)
+			}
+		}
+		if !restored {
+			for _, q := range []string{`DROP DATABASE IF EXISTS ` + dbname + ` WITH (FORCE)`, `CREATE DATABASE ` + dbname} {
+				if _, err := admin.ExecContext(ctx, q); err != nil {
+					return err
+				}
+			}
+			if err := d.backlog(ctx); err != nil {
+				return fmt.Errorf("backlog: %w", err)
+			}
 		}
 		if prof != nil && rep == 0 {
 			if err := pprof.StartCPUProfile(prof); err != nil {
@@ -103,8 +112,62 @@ func run(dsn, label string, instances, effects, keys, reps int, perMessage time.
 		}
 		fmt.Printf("%s instances=%d per_message=%s effects/s=%.0f\n", label, instances, perMessage, rate)
 	}
+	if reuse {
+		return nil
+	}
 	_, err = admin.ExecContext(ctx, `DROP DATABASE IF EXISTS `+dbname+` WITH (FORCE)`)
 	return err
+}
+
+// restore puts the backlog a run with -reuse kept back in place, as new rows whose store IDs
+// follow the order they were recorded in, after a VACUUM that clears what the last drain left.
+// It returns false when there is no copy to restore.
+func (d *drain) restore(ctx context.Context) (bool, error) {
+	db, err := sql.Open("postgres", d.dsn)
+	if err != nil {
+		return false, err
+	}
+	defer db.Close()
+	var kept sql.NullString
+	if err := db.QueryRowContext(ctx, `SELECT to_regclass('relaydrain_backlog')::text`).Scan(&kept); err != nil {
+		var pqErr *pq.Error
+		if errors.As(err, &pqErr) && pqErr.Code == "3D000" {
+			return false, nil // no database yet
+		}
+		return false, err
+	}
+	if !kept.Valid {
+		return false, nil
+	}
+	if err := d.findEffects(ctx, db); err != nil {
+		return false, err
+	}
+	const cols = `source_consumer, source_id, seq, kind, topic, uuid, payload, metadata, ordering_key`
+	for _, q := range []string{
+		`DELETE FROM ` + d.effectsView + ` WHERE dispatched_at IS NULL`,
+		`VACUUM`,
+		`INSERT INTO ` + d.effectsView + ` (` + cols + `, created_at) SELECT ` + cols + `, now() - interval '1 minute' FROM relaydrain_backlog ORDER BY id`,
+		`CHECKPOINT`,
+	} {
+		if _, err := db.ExecContext(ctx, q); err != nil {
+			return false, err
+		}
+	}
+	return true, nil
+}
+
+// findEffects names the effects table as the relay reads it: a partitioned parent since
+// migration 023.
+func (d *drain) findEffects(ctx context.Context, db *sql.DB) error {
+	var parent sql.NullString
+	if err := db.QueryRowContext(ctx, `SELECT to_regclass('outbox_effects_all')::text`).Scan(&parent); err != nil {
+		return err
+	}
+	d.effectsView = "outbox_effects"
+	if parent.Valid {
+		d.effectsView = parent.String
+	}
+	return nil
 }
 
 type drain struct {
@@ -150,14 +213,8 @@ func (d *drain) backlog(ctx context.Context) error {
 	if err := ob.Migrate(ctx); err != nil {
 		return err
 	}
-	// The effects table as the relay reads it: a partitioned parent since migration 023.
-	var parent sql.NullString
-	if err := db.QueryRowContext(ctx, `SELECT to_regclass('outbox_effects_all')::text`).Scan(&parent); err != nil {
+	if err := d.findEffects(ctx, db); err != nil {
 		return err
-	}
-	d.effectsView = "outbox_effects"
-	if parent.Valid {
-		d.effectsView = parent.String
 	}
 	const perTx = 10
 	var next atomic.Int64
@@ -192,6 +249,9 @@ func (d *drain) backlog(ctx context.Context) error {
 	wg.Wait()
 	close(errs)
 	if err := <-errs; err != nil {
+		return err
+	}
+	if _, err := db.ExecContext(ctx, `CREATE TABLE relaydrain_backlog AS SELECT source_consumer, source_id, seq, kind, topic, uuid, payload, metadata, ordering_key, id FROM `+d.effectsView); err != nil {
 		return err
 	}
 	if d.analyze {
