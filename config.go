@@ -158,11 +158,15 @@ type Config struct {
 	// docs/operations.md, "Sizing the relay". Default: 16.
 	RelayConcurrency int
 	// RelayPauseFactor makes a relay that is draining a backlog pause, before each claim, for
-	// this many times as long as it took to write the outcome of its last round, so that it leaves
-	// the database and the CPUs to the consumers between its statements. The time its calls take
-	// is not counted (they wait on the destination, not on the database), and the calls of the
-	// round that is sending go on during the pause: a slow destination is not drained more slowly
-	// for it. Default: 1 (what it costs in drain speed is in docs/benchmarks.md). Negative: no
+	// this many times as long as its last turn took besides its claim: writing the outcome of a
+	// round and, when the round's calls took less than half as long as a claim (a fast
+	// destination: the calls cost this process's CPU more than they wait), waiting for them, less
+	// the time they waited for calls that did not return within PublishTimeout. The calls of a
+	// round that takes longer are sent while the relay claims the next one and are not counted
+	// (they wait on the destination, not on the database or the CPUs), and they go on during the
+	// pause: a slow destination is not drained more slowly for it. So a relay draining a backlog
+	// leaves the database and the CPUs to the consumers for about factor times what it used of
+	// them. Default: 1 (what it costs in drain speed is in docs/benchmarks.md). Negative: no
 	// pause, the fastest drain.
 	RelayPauseFactor float64
 	// RelayMaxAttempts is how many failed dispatches of one side effect, on any path, park it.

@@ -64,16 +64,18 @@ func (o *Outbox) relayOnce(ctx context.Context) (idle bool, err error) {
 			}
 		}
 	}()
-	var busy time.Duration // how long the last turn wrote outcomes, for the pause
+	var busy time.Duration // how long the last turn took besides its claim, for the pause
 	stuckDelayed := false  // a move of due delayed effects in this pass moved none
-	// land waits for the calls of f to end and writes its outcome; the writing counts toward the
-	// pause, the wait does not: the calls wait on the destination, not on the database or the
-	// CPUs the pause leaves to the consumers (counted, they halved the drain to a destination that
-	// takes 1 ms per message, and a destination's latency set how hard the relay held back).
+	// land waits for the calls of f to end and writes its outcome; the wait and the writing count
+	// toward the pause, less the time the calls waited for calls that hung. It lands rounds whose
+	// calls took less than half a claim, which cost this process's CPU more than they wait on
+	// the destination.
 	land := func(f *relayFlight) error {
+		t := time.Now()
 		f.wait()
 		sent = f.took
-		t := time.Now()
+		busy += max(time.Since(t)-f.stalled, 0)
+		t = time.Now()
 		err := o.relayLand(f)
 		busy += time.Since(t)
 		return err
@@ -89,8 +91,9 @@ func (o *Outbox) relayOnce(ctx context.Context) (idle bool, err error) {
 			}
 		}
 		// The pause leaves the database and the CPUs to the consumers for as long as the relay
-		// wrote outcomes in its last turn (a claim costs about as much whatever it finds, and
-		// the calls wait on the destination). The round that is sending goes on meanwhile.
+		// used them in its last turn, besides its claim (as when the rounds did not overlap: a
+		// claim costs about as much whatever it finds), and not for the destination's time. The
+		// round that is sending goes on meanwhile.
 		if f := o.cfg.RelayPauseFactor; f > 0 && busy > 0 {
 			select {
 			case <-ctx.Done():
@@ -155,6 +158,10 @@ func (o *Outbox) relayOnce(ctx context.Context) (idle bool, err error) {
 		prev := fl
 		fl = nil
 		if prev != nil {
+			// Not counted toward the pause: rounds overlap when their calls take at least half
+			// as long as a claim, and then the calls wait on the destination. Counted, the pause
+			// lasted about as long as the calls and halved the drain to a destination that takes
+			// 1 ms per message.
 			prev.wait()
 			sent = prev.took
 		}
@@ -226,6 +233,7 @@ type relayFlight struct {
 	span    trace.Span
 	done    chan struct{} // closed when every call of the round has ended
 	errs    []error       // the outcome of each effect, once done
+	stalled time.Duration // how long it waited for calls that hung, once done
 	took    time.Duration // how long its calls took, once done
 	// leaseEnd is when the lease the claim took ends, by this process's clock (counted from
 	// before the claim, so a little early).
@@ -254,7 +262,7 @@ func (o *Outbox) relayLaunch(ctx context.Context, claimed []Effect, deadline tim
 	go func() {
 		defer close(f.done)
 		began := time.Now()
-		f.errs = o.relayDispatch(cctx, effects, deadline)
+		f.errs, f.stalled = o.relayDispatch(cctx, effects, deadline)
 		f.took = time.Since(began)
 	}()
 	return f
@@ -390,6 +398,15 @@ type relayRun struct {
 	deadline time.Time
 	effects  []Effect
 	errs     []error
+
+	mu         sync.Mutex
+	lastReturn time.Time // when the last call that did not hang returned
+}
+
+func (r *relayRun) returned() {
+	r.mu.Lock()
+	r.lastReturn = time.Now()
+	r.mu.Unlock()
 }
 
 // relayDispatch sends effects on up to RelayConcurrency lanes at a time. Each ordering key is on
@@ -401,11 +418,13 @@ type relayRun struct {
 // have reached the broker), and none starts after it or after ctx is done. A destination whose
 // call hangs until its timeout is not tried again in this round (nor for a while after it, see
 // breakers), so that it holds up each lane for one timeout at most, not for each of its keys.
-// It returns the outcome of each effect.
-func (o *Outbox) relayDispatch(ctx context.Context, effects []Effect, deadline time.Time) []error {
+// It returns the outcome of each effect and how long the round waited, after its last call that
+// did not hang returned, for calls that hung.
+func (o *Outbox) relayDispatch(ctx context.Context, effects []Effect, deadline time.Time) ([]error, time.Duration) {
+	began := time.Now()
 	rctx, cancel := context.WithDeadline(ctx, deadline)
 	defer cancel()
-	r := &relayRun{ctx: rctx, parent: ctx, deadline: deadline, effects: effects, errs: make([]error, len(effects))}
+	r := &relayRun{ctx: rctx, parent: ctx, deadline: deadline, effects: effects, errs: make([]error, len(effects)), lastReturn: began}
 	lanes := relayLanes(effects, max(o.cfg.RelayConcurrency, 1))
 	if len(lanes) == 1 {
 		o.relayLane(r, lanes[0])
@@ -417,7 +436,7 @@ func (o *Outbox) relayDispatch(ctx context.Context, effects []Effect, deadline t
 		}
 		wg.Wait()
 	}
-	return r.errs
+	return r.errs, max(time.Since(r.lastReturn), 0)
 }
 
 // relayLanes spreads the ordering keys of effects over at most n lanes, each key (in the order
@@ -491,6 +510,7 @@ func (o *Outbox) relayLane(r *relayRun, at []int) {
 		}
 		switch {
 		case err == nil:
+			r.returned()
 			o.breakers.succeeded(dest)
 		case r.parent.Err() != nil || n == 0:
 			// A shutdown (or a failpoint after a call), not a failure of the effects. The call a
@@ -513,8 +533,10 @@ func (o *Outbox) relayLane(r *relayRun, at []int) {
 		case q-p-sent > 1:
 			// One Publish call failed for several effects: send them one by one, so that only the
 			// culprit is charged and effects of other keys still go out.
+			r.returned()
 			o.relayEach(r, es[p+sent:q], at[p+sent:q], failed)
 		default:
+			r.returned()
 			o.relayFailed(es[p+sent], err)
 			fail(p+sent, q, err)
 		}
@@ -533,6 +555,7 @@ func (o *Outbox) relayEach(r *relayRun, es []Effect, at []int, failed map[string
 		_, n, err := o.dispatch(r.ctx, PathRelay, es[k:k+1])
 		switch {
 		case err == nil:
+			r.returned()
 			// A call that returned: the destination answers again (a half-open breaker's probe may
 			// have been the batch call that brought the round here).
 			o.breakers.succeeded(destinationOf(e))
@@ -543,7 +566,9 @@ func (o *Outbox) relayEach(r *relayRun, es []Effect, at []int, failed map[string
 		case r.parent.Err() != nil || n == 0:
 			r.errs[at[k]] = errNotTried
 			continue
-		case hung(err) && time.Now().Before(r.deadline):
+		case !hung(err):
+			r.returned()
+		case time.Now().Before(r.deadline):
 			o.breakers.hung(destinationOf(e), o.logger, err)
 		}
 		o.relayFailed(e, err)

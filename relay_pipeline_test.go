@@ -152,10 +152,11 @@ func (p *slowPayloadPublisher) log() []string {
 }
 
 // TestRelayPauseLeavesOutTheWaitForCalls: RelayPauseFactor paces a draining relay by what it
-// spends on the database, not by how long its destination takes. One round's call takes a second;
-// with a factor of 100 the relay paused 100 s before its next claim when the pause counted the
-// wait for that call, and the key's second effect waited that long. It counts the round's outcome
-// (a statement of a few milliseconds) instead.
+// spends on the database and the CPUs, not by how long its destination takes. One round's call
+// takes a second, so the relay claims the next round while it sends; with a factor of 100 it
+// paused 100 s before its next claim when the pause counted its wait for that call, and the key's
+// second effect waited that long. It counts the round's outcome (a statement of a few
+// milliseconds) instead.
 func TestRelayPauseLeavesOutTheWaitForCalls(t *testing.T) {
 	e := newEnv(t)
 	commitPending(t, e, "out_a", "k", 2, 1) // "k-0 1", then "k-0 2"
