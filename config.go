@@ -158,16 +158,14 @@ type Config struct {
 	// docs/operations.md, "Sizing the relay". Default: 16.
 	RelayConcurrency int
 	// RelayPauseFactor makes a relay that is draining a backlog pause, before each claim, for
-	// this many times as long as its last turn took besides its claim: writing the outcome of a
-	// round and, when the round's calls took less than half as long as a claim (a fast
-	// destination: the calls cost this process's CPU more than they wait), waiting for them, less
-	// the time they waited for calls that did not return within PublishTimeout. The calls of a
-	// round that takes longer are sent while the relay claims the next one and are not counted
-	// (they wait on the destination, not on the database or the CPUs), and they go on during the
-	// pause: a slow destination is not drained more slowly for it. So a relay draining a backlog
-	// leaves the database and the CPUs to the consumers for about factor times what it used of
-	// them. Default: 1 (what it costs in drain speed is in docs/benchmarks.md). Negative: no
-	// pause, the fastest drain.
+	// this many times as long as its last turn took besides its claim: waiting for the calls of a
+	// round (less the time they waited for calls that did not return within PublishTimeout,
+	// which used neither the database nor the CPUs) and writing its outcome. The calls of a round
+	// that run while the relay claims the next one are not counted (they mostly wait on the
+	// destination), and they go on during the pause. So a relay draining a backlog keeps to about
+	// 1/(1+factor) of its time and leaves the database and the CPUs to the consumers. Default: 1
+	// (what it costs in drain speed is in docs/benchmarks.md). Negative: no pause, the fastest
+	// drain.
 	RelayPauseFactor float64
 	// RelayMaxAttempts is how many failed dispatches of one side effect, on any path, park it.
 	// Only failures while the target is otherwise healthy count (something else reached the

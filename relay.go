@@ -67,9 +67,7 @@ func (o *Outbox) relayOnce(ctx context.Context) (idle bool, err error) {
 	var busy time.Duration // how long the last turn took besides its claim, for the pause
 	stuckDelayed := false  // a move of due delayed effects in this pass moved none
 	// land waits for the calls of f to end and writes its outcome; the wait and the writing count
-	// toward the pause, less the time the calls waited for calls that hung. It lands rounds whose
-	// calls took less than half a claim, which cost this process's CPU more than they wait on
-	// the destination.
+	// toward the pause, less the time the calls waited for calls that hung.
 	land := func(f *relayFlight) error {
 		t := time.Now()
 		f.wait()
@@ -92,8 +90,8 @@ func (o *Outbox) relayOnce(ctx context.Context) (idle bool, err error) {
 		}
 		// The pause leaves the database and the CPUs to the consumers for as long as the relay
 		// used them in its last turn, besides its claim (as when the rounds did not overlap: a
-		// claim costs about as much whatever it finds), and not for the destination's time. The
-		// round that is sending goes on meanwhile.
+		// claim costs about as much whatever it finds). The round that is sending goes on
+		// meanwhile.
 		if f := o.cfg.RelayPauseFactor; f > 0 && busy > 0 {
 			select {
 			case <-ctx.Done():
@@ -158,12 +156,10 @@ func (o *Outbox) relayOnce(ctx context.Context) (idle bool, err error) {
 		prev := fl
 		fl = nil
 		if prev != nil {
-			// Not counted toward the pause: rounds overlap when their calls take at least half
-			// as long as a claim, and then the calls wait on the destination. Counted, the pause
-			// lasted about as long as the calls and halved the drain to a destination that takes
-			// 1 ms per message.
+			t := time.Now()
 			prev.wait()
 			sent = prev.took
+			busy += max(time.Since(t)-prev.stalled, 0)
 		}
 		if n > 0 {
 			fl = o.relayLaunch(ctx, claim.Effects, began.Add(o.relayBudget()))

@@ -3,7 +3,6 @@ package outbox_test
 import (
 	"context"
 	"errors"
-	"fmt"
 	"slices"
 	"sync"
 	"testing"
@@ -119,61 +118,4 @@ func countOf(s []string, v string) int {
 		}
 	}
 	return n
-}
-
-// slowPayloadPublisher takes slow for each call that carries the payload slow, and records the
-// payloads of every call, in the order the calls returned.
-type slowPayloadPublisher struct {
-	slow  string
-	takes time.Duration
-
-	mu   sync.Mutex
-	sent []string
-}
-
-func (p *slowPayloadPublisher) Publish(_ string, msgs ...*message.Message) error {
-	if slices.ContainsFunc(msgs, func(m *message.Message) bool { return string(m.Payload) == p.slow }) {
-		time.Sleep(p.takes)
-	}
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	for _, m := range msgs {
-		p.sent = append(p.sent, string(m.Payload))
-	}
-	return nil
-}
-
-func (p *slowPayloadPublisher) Close() error { return nil }
-
-func (p *slowPayloadPublisher) log() []string {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	return slices.Clone(p.sent)
-}
-
-// TestRelayPauseLeavesOutTheWaitForCalls: RelayPauseFactor paces a draining relay by what it
-// spends on the database and the CPUs, not by how long its destination takes. One round's call
-// takes a second, so the relay claims the next round while it sends; with a factor of 100 it
-// paused 100 s before its next claim when the pause counted its wait for that call, and the key's
-// second effect waited that long. It counts the round's outcome (a statement of a few
-// milliseconds) instead.
-func TestRelayPauseLeavesOutTheWaitForCalls(t *testing.T) {
-	e := newEnv(t)
-	commitPending(t, e, "out_a", "k", 2, 1) // "k-0 1", then "k-0 2"
-	pub := &slowPayloadPublisher{slow: "k-0 1", takes: time.Second}
-	relay := e.newOutbox(func(c *outbox.Config) {
-		c.Publisher = pub
-		c.RelayGrace = time.Millisecond
-		c.RelayInterval = 20 * time.Millisecond
-		c.RelayBatchSize = 1 // a round per effect: the second effect is claimed after the first one's pause
-		c.RelayPauseFactor = 100
-	})
-	ctx, stop := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- relay.Run(ctx) }()
-	defer func() { stop(); <-done }()
-	waitFor(t, "k-0's second effect sent (the relay paused for 100 times its wait for the first one's call)", func() bool {
-		return slices.Contains(pub.log(), "k-0 2")
-	})
-	mustEqual(t, "calls in order", fmt.Sprint(pub.log()), "[k-0 1 k-0 2]")
 }
