@@ -152,12 +152,16 @@ func newInlineQueries(n store.Names) inlineQueries {
 		// of messages that recorded no effect, claims from before inline_xid, statistics taken
 		// before the claims with effects came: a large table is analyzed again only once a tenth
 		// of it has changed) the planner has no correlation to cost the index with and chose to
-		// read every claim, twice per sweep.
+		// read every claim, twice per sweep. JIT is off in it: with sequential scans off every
+		// plan costs above jit_above_cost, and the effects the sweep inserts through the
+		// partitioned parent take their partition from a function (effects_gen, migration 023)
+		// whose query was then compiled at every row, some 11 ms each: a claim of 9,400 effects
+		// outlasted the sweep's bound at every try, and the claims behind it with it.
 		sweepBegin: `SELECT pg_try_advisory_xact_lock(` + fmt.Sprint(lockClass) + `, ` + lockKey(n, "sweep") + `),
 				pg_snapshot_xmin(s)::text::bigint, pg_snapshot_xmax(s)::text::bigint, st.swept_xid
 			FROM pg_current_snapshot() s, ` + n.Stats + ` st
 			WHERE st.id = 1 AND set_config('plan_cache_mode', 'force_custom_plan', true) IS NOT NULL
-			  AND set_config('enable_seqscan', 'off', true) IS NOT NULL AND ` + asyncCommit,
+			  AND set_config('enable_seqscan', 'off', true) IS NOT NULL AND set_config('jit', 'off', true) IS NOT NULL AND ` + asyncCommit,
 		// Grace decides when a claim's effects are taken from it, never whether: a claim whose
 		// time is in the future (another server's clock) counts as old. Moved effects count as at
 		// least grace old, so that the relay takes them at once.

@@ -4,9 +4,11 @@ import (
 	"bytes"
 	"context"
 	"database/sql"
+	"errors"
 	"fmt"
 	"maps"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -312,5 +314,65 @@ func TestLateMarkWritesTheClaimOnce(t *testing.T) {
 	var left int
 	if err := db.QueryRow(`SELECT count(*) FROM outbox_effects_all`).Scan(&left); err != nil || left != 0 {
 		t.Fatalf("%d effect rows left after the mark (%v), want none", left, err)
+	}
+}
+
+// TestSweepMovesABigClaimLeftBehind: a claim holding the effects of a big unit (9,400, as the
+// fault campaign's) left behind by a crash is moved to effect rows by the relay's sweep, which
+// reports no error. The sweep turns sequential scans off for its look-up of the claims, and the
+// rows it inserts through the effects table's parent take their partition from a function per row
+// (migration 023): on a server with JIT, each call was compiled, some 11 ms a row, so that the
+// sweep of this claim outlasted its 30 s bound at every try, and with it every claim behind it
+// stayed in its claim (the campaign's drain ended with it pending).
+func TestSweepMovesABigClaimLeftBehind(t *testing.T) {
+	db := pgtest.DB(t)
+	ctx := context.Background()
+	var errs []error
+	var mu sync.Mutex
+	st, err := postgres.Driver{}.Open(db, outboxdriver.StoreOptions{TablePrefix: "outbox_", DeleteDispatched: true,
+		OnError: func(what string, err error) {
+			mu.Lock()
+			defer mu.Unlock()
+			errs = append(errs, fmt.Errorf("%s: %w", what, err))
+		}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := st.Migrate(ctx); err != nil {
+		t.Fatal(err)
+	}
+	var jit bool
+	if err := db.QueryRow(`SELECT pg_jit_available()`).Scan(&jit); err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("JIT available on this server: %v", jit)
+	src := outboxdriver.Source{Consumer: "c", ID: "big"}
+	const n = 9400
+	effects := make([]outboxdriver.Effect, n)
+	for i := range effects {
+		effects[i] = outboxdriver.Effect{Seq: i + 1, Topic: "out", UUID: fmt.Sprintf("big-%d", i), Payload: bytes.Repeat([]byte{'p'}, 100),
+			Metadata: map[string]string{"k": "v"}, OrderingKey: "c/big", Source: src}
+	}
+	if _, err := db.Exec(`INSERT INTO outbox_processed (consumer, message_id, processed_at, dispatched_at, effects, inline_xid)
+		VALUES ($1, $2, now() - interval '1 hour', now() - interval '1 hour', $3, pg_current_xact_id()::text::bigint)`,
+		src.Consumer, src.ID, store.EncodeEffects(effects)); err != nil {
+		t.Fatal(err)
+	}
+	claim, err := st.EffectClaimDue(ctx, outboxdriver.EffectClaimParams{Grace: time.Second, Limit: 10, Lease: time.Minute})
+	if err != nil {
+		t.Fatal(err)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if len(errs) > 0 {
+		t.Errorf("the sweep reported: %v", errors.Join(errs...))
+	}
+	var rows, inline int
+	if err := db.QueryRow(`SELECT (SELECT count(*) FROM outbox_effects_all WHERE source_id = 'big'),
+		(SELECT count(*) FROM outbox_processed WHERE effects IS NOT NULL)`).Scan(&rows, &inline); err != nil {
+		t.Fatal(err)
+	}
+	if rows != n || inline != 0 || len(claim.Effects) == 0 {
+		t.Fatalf("after the sweep: %d effect rows (want %d), %d claims still holding effects (want 0), %d claimed", rows, n, inline, len(claim.Effects))
 	}
 }

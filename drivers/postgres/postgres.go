@@ -734,7 +734,9 @@ func queries(n store.Names, deleteDispatched bool, gen *Generation) store.Querie
 		// is left to the next cleanup. Found through a BRIN index (before migration 016), each
 		// batch read the page ranges earlier batches had emptied, and the whole table once new
 		// claims had filled freed pages; deleted by a join on the key, each read the table again.
-		CleanupFromBegin: `SELECT ` + asyncCommitSetting + `, set_config('enable_seqscan', 'off', true), set_config('enable_bitmapscan', 'off', true)`,
+		// JIT off too: with sequential scans off every plan costs above jit_above_cost, and
+		// compiling a batch's statements costs more than running them.
+		CleanupFromBegin: `SELECT ` + asyncCommitSetting + `, set_config('enable_seqscan', 'off', true), set_config('enable_bitmapscan', 'off', true), set_config('jit', 'off', true)`,
 		CleanupClaimsFrom: `WITH d AS (DELETE FROM ` + n.Processed + ` WHERE ctid = ANY (ARRAY(SELECT p.ctid FROM ` + n.Processed + ` p
 				WHERE ` + cleanupClaimsWhere + ` AND p.processed_at >= coalesce($3::timestamptz, '-infinity')
 				ORDER BY p.processed_at LIMIT $2)) RETURNING processed_at)
