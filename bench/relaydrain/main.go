@@ -163,7 +163,7 @@ func (d *drain) findEffects(ctx context.Context, db *sql.DB) error {
 	if err := db.QueryRowContext(ctx, `SELECT to_regclass('outbox_effects_all')::text`).Scan(&parent); err != nil {
 		return err
 	}
-	d.effectsView = "outbox_effects"
+	d.effectsView = "/* partition 0 */ outbox_effects" // a library from before migration 023: the one table
 	if parent.Valid {
 		d.effectsView = parent.String
 	}
