@@ -1124,6 +1124,32 @@ func TestFailpointDoesNotBackOff(t *testing.T) {
 	})
 }
 
+// A failpoint stands for a crash wherever it stops the unit of work: one after the handler (which
+// a killed consumer reaches for every message in flight) is not a failed attempt, since a dead
+// process records nothing; counted, a message in flight at MaxAttempts kills was dead-lettered
+// though it never failed (the example's chaos run with Redis, whose order never finished).
+func TestFailpointAfterHandlerIsNotAFailedAttempt(t *testing.T) {
+	e := newEnv(t, func(c *outbox.Config) {
+		c.MaxAttempts = 2
+		c.RetryDelay = time.Millisecond
+		c.Failpoint = func(_ context.Context, point string) error {
+			if point == outbox.FailpointAfterHandler {
+				return errors.New("crash")
+			}
+			return nil
+		}
+	})
+	msg := message.NewMessage(uuid.NewString(), nil)
+	for i := 0; i < 4; i++ {
+		if err := handle(e.ob, copyOf(msg), applyAndPublish(nil)); !errors.Is(err, outbox.ErrFailpoint) {
+			t.Fatalf("delivery %d: Handle = %v, want ErrFailpoint", i+1, err)
+		}
+	}
+	mustEqual(t, "attempts counted", e.count(`SELECT count(*) FROM outbox_attempts WHERE message_id = $1`, msg.UUID), 0)
+	mustEqual(t, "dead letters", e.count(`SELECT count(*) FROM outbox_dead_letters WHERE message_id = $1`, msg.UUID), 0)
+	mustEqual(t, "business rows", e.count(`SELECT count(*) FROM applied`), 0)
+}
+
 // HandlerRetries runs a failed unit of work again in the same delivery, each time in a new
 // transaction and counted, so that Watermill's Retry middleware (which must not run inside the
 // outbox middleware) is not needed.

@@ -272,6 +272,11 @@ func (o *Outbox) handleOnce(msg *message.Message, src Source, p HandleParams, ne
 	if err != nil {
 		rbErr := tx.Rollback(after)
 		switch {
+		case errors.Is(err, ErrFailpoint):
+			// A simulated crash: a dead process records nothing, so this is not a failed attempt
+			// (a killed consumer's messages in flight would otherwise be counted, and at
+			// MaxAttempts kills dead-lettered, though they never failed).
+			return err
 		case errors.Is(err, ErrUnsafeMiddlewareOrder):
 			// A wiring error found while the handler ran: nothing it wrote may commit, and the
 			// message is not to blame.

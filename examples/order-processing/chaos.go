@@ -281,7 +281,10 @@ type chaosReport struct {
 	// Malformed messages sent, those stored as one dead letter of the inventory consumer with
 	// their payload, and dead letters of anything else (an order given up on).
 	Malformed, MalformedDead, OtherDead int
-	Took                                time.Duration
+	// OtherDeadLetters says what each of the other dead letters was: its consumer, topic,
+	// attempts and reason.
+	OtherDeadLetters []string
+	Took             time.Duration
 }
 
 func (r *chaosReport) ok() bool {
@@ -986,10 +989,10 @@ func (c *chaos) reconcile(ctx context.Context, s *service, ob *outbox.Outbox, cu
 		switch {
 		case malformed && d.Consumer == "inventory" && d.SourceTopic == topicOrderPlaced && bytes.Equal(d.Payload, payload):
 			r.MalformedDead++
-		case malformed:
-			r.OtherDead++ // stored wrong, or by another consumer
-		case !d.DeadAt.Before(start):
+		case malformed, !d.DeadAt.Before(start): // stored wrong or by another consumer; or an order given up on
 			r.OtherDead++
+			r.OtherDeadLetters = append(r.OtherDeadLetters, fmt.Sprintf("%s of %s from %q (malformed: %t), %d attempts, permanent %t: %s",
+				d.MessageID, d.Consumer, d.SourceTopic, malformed, d.Attempts, d.Permanent, d.Reason))
 		}
 	}
 	return r, nil
@@ -1047,6 +1050,9 @@ func (r *chaosReport) print(out io.Writer) {
 	row("malformed messages sent", r.Malformed, "undecodable, ahead of and among the orders")
 	row("dead letters of them", r.MalformedDead, fmt.Sprintf("want %d: one each, inventory's, with its payload", r.Malformed))
 	row("other dead letters", r.OtherDead, verdict(r.OtherDead))
+	for _, d := range r.OtherDeadLetters {
+		fmt.Fprintf(out, "      %s\n", d)
+	}
 	row("paid and also cancelled", r.PaidAndCancelled, verdict(r.PaidAndCancelled))
 	row("lost", r.Lost, verdict(r.Lost))
 	row("applied twice", r.AppliedTwice, verdict(r.AppliedTwice))
