@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"slices"
+	"sync"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -226,6 +227,44 @@ func (o *Outbox) awaitDispatch(ctx context.Context, src Source, wait time.Durati
 // Run does every CleanupInterval: for deployments that schedule cleanup themselves. It returns
 // at once, with Skipped set, while another instance is cleaning.
 func (o *Outbox) Cleanup(ctx context.Context) (CleanupResult, error) {
+	return o.cleanup(ctx, nil)
+}
+
+// cleanupFullEvery is how often the cleanup service runs from the start of the tables it walks in
+// order, rather than from where its run before ended: every tenth run. In between, a run does not
+// walk again what the runs before it deleted, which stays in the indexes as dead entries while a
+// long transaction holds the xmin horizon back (measured, a 3-minute hold at 400 msg/s: a batch of
+// the claims' cleanup went from 4,085 to 19,608 blocks); the run from the start takes what expired
+// behind the others (a claim whose effects went out late), at most ten CleanupIntervals late.
+const cleanupFullEvery = 10
+
+// cleanupResume is where the cleanup service's runs got to (outboxdriver.CleanupParams.Resume).
+type cleanupResume struct {
+	mu   sync.Mutex
+	at   outboxdriver.CleanupResume
+	runs int
+}
+
+// next returns where the next run begins: nil (from the start) every cleanupFullEvery runs.
+func (r *cleanupResume) next() *outboxdriver.CleanupResume {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.runs++
+	if r.runs%cleanupFullEvery == 1 {
+		r.at = outboxdriver.CleanupResume{}
+	}
+	at := r.at
+	return &at
+}
+
+// done records where a run got to.
+func (r *cleanupResume) done(at *outboxdriver.CleanupResume) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.at = *at
+}
+
+func (o *Outbox) cleanup(ctx context.Context, resume *outboxdriver.CleanupResume) (CleanupResult, error) {
 	// By default each pause lasts at least twice the batch before it (CleanupPauseFactor):
 	// cleanup takes at most a third of one connection's time, and heavier batches (a larger
 	// table, a busier server) space themselves out, while an idle database is cleaned at full
@@ -238,6 +277,7 @@ func (o *Outbox) Cleanup(ctx context.Context) (CleanupResult, error) {
 		BatchSize:           o.cfg.CleanupBatchSize,
 		PauseBetweenBatches: o.cfg.CleanupPause,
 		PauseFactor:         max(0, o.cfg.CleanupPauseFactor),
+		Resume:              resume,
 	})
 	if err != nil {
 		return res, fmt.Errorf("outbox: cleanup: %w", err)
@@ -254,7 +294,9 @@ func (o *Outbox) cleanupOnce(ctx context.Context) (idle bool, err error) {
 			o.logger.Error("Recording the retention for the operators' tools failed", err, nil)
 		}
 	}
-	res, err := o.Cleanup(ctx)
+	resume := o.cleanupAt.next()
+	res, err := o.cleanup(ctx, resume)
+	o.cleanupAt.done(resume) // as far as it got, whatever stopped it
 	if err != nil {
 		if ctx.Err() == nil {
 			o.tel.cleanupErrors.Add(ctx, 1, o.tel.own())

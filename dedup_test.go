@@ -213,6 +213,53 @@ func TestRetentionCountsFromDispatchAndCleanupIsBounded(t *testing.T) {
 	}
 }
 
+// A cleanup run with Resume begins where the run before it ended, past the claims that run
+// deleted (which stay as dead index entries while the xmin horizon is held back), and leaves
+// behind it what expired there since; a run from the start takes that.
+func TestCleanupResumesWhereItLeftOff(t *testing.T) {
+	e := newEnv(t)
+	ctx := context.Background()
+	for i := 0; i < 12; i++ {
+		if err := handle(e.ob, message.NewMessage(fmt.Sprintf("m%02d", i), nil), applyAndPublish(nil)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// m00..m09 expired, processed in that order; m10 and m11 processed before them, their
+	// effects sent only a day ago.
+	mustExec(t, e, `UPDATE outbox_processed SET processed_at = now() - interval '30 days' + substr(message_id, 2)::int * interval '1 second',
+		dispatched_at = now() - interval '8 days' WHERE message_id < 'm10'`)
+	mustExec(t, e, `UPDATE outbox_processed SET processed_at = now() - interval '40 days', dispatched_at = now() - interval '1 day' WHERE message_id >= 'm10'`)
+	params := func(resume *outboxdriver.CleanupResume) outboxdriver.CleanupParams {
+		return outboxdriver.CleanupParams{Retention: 7 * 24 * time.Hour, EffectRetention: time.Hour, BatchSize: 4, Resume: resume}
+	}
+	var resume outboxdriver.CleanupResume
+	res, err := e.ob.Store().Cleanup(ctx, params(&resume))
+	if err != nil {
+		t.Fatal(err)
+	}
+	mustEqual(t, "claims deleted by the first run", res.Claims, int64(10))
+	var newest time.Time
+	if err := e.db.QueryRow(`SELECT now() - interval '30 days' + interval '9 seconds'`).Scan(&newest); err != nil {
+		t.Fatal(err)
+	}
+	if d := resume.Claims.Sub(newest); d < -time.Second || d > time.Second {
+		t.Fatalf("the run ended at %v, want the newest deleted claim's processed_at, %v", resume.Claims, newest)
+	}
+
+	mustExec(t, e, `UPDATE outbox_processed SET dispatched_at = now() - interval '8 days' WHERE message_id >= 'm10'`)
+	res, err = e.ob.Store().Cleanup(ctx, params(&resume))
+	if err != nil {
+		t.Fatal(err)
+	}
+	mustEqual(t, "claims deleted by a run resumed past them", res.Claims, int64(0))
+	res, err = e.ob.Store().Cleanup(ctx, params(nil))
+	if err != nil {
+		t.Fatal(err)
+	}
+	mustEqual(t, "claims deleted by a run from the start", res.Claims, int64(2))
+	mustEqual(t, "claims left", e.count(`SELECT count(*) FROM outbox_processed`), 0)
+}
+
 func mustExec(t testing.TB, e *env, query string, args ...any) {
 	t.Helper()
 	pgtest.CheckEffectsParent(t, query)

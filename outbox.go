@@ -25,12 +25,13 @@ type Applier func(ctx context.Context, e Effect) error
 // Outbox is the framework's entry point: it owns the configuration, the store and the appliers.
 // It is safe for concurrent use.
 type Outbox struct {
-	cfg    Config
-	db     *sql.DB
-	store  outboxdriver.Store
-	units  outboxdriver.UnitStore // begins the transactions of units of work
-	pub    message.Publisher
-	logger watermill.LoggerAdapter
+	cfg       Config
+	cleanupAt cleanupResume // where the cleanup service's runs got to
+	db        *sql.DB
+	store     outboxdriver.Store
+	units     outboxdriver.UnitStore // begins the transactions of units of work
+	pub       message.Publisher
+	logger    watermill.LoggerAdapter
 
 	mu       sync.RWMutex
 	appliers map[string]Applier

@@ -443,6 +443,20 @@ type CleanupParams struct {
 	PauseFactor float64
 	// Progress, if set, is called after each batch with the totals so far.
 	Progress func(CleanupResult)
+	// Resume, when not nil, is where a run of a store that walks a table in order (PostgreSQL's
+	// claims and dispatched archive, by their times) begins, and where it leaves off: a run that
+	// begins where the last one ended does not walk again the rows that one deleted, which stay
+	// as dead index entries while a long transaction holds the xmin horizon back. It misses the
+	// rows behind its start that expired since (a claim whose effects were sent late): a run
+	// without Resume, from the start, takes those.
+	Resume *CleanupResume
+}
+
+// CleanupResume is where the runs of a cleanup got to (CleanupParams.Resume). Its zero value
+// begins at the start.
+type CleanupResume struct {
+	Claims  time.Time // the newest processed_at of the claims deleted
+	Effects time.Time // the newest dispatched_at of the archived effects deleted
 }
 
 // CleanupResult counts what Store.Cleanup deleted.

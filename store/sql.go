@@ -1086,25 +1086,33 @@ func (s *SQL) Cleanup(ctx context.Context, p outboxdriver.CleanupParams) (outbox
 		}
 		return cleanupStep{query: query}
 	}
+	var resumeClaims, resumeEffects *time.Time
+	if p.Resume != nil {
+		resumeClaims, resumeEffects = &p.Resume.Claims, &p.Resume.Effects
+	}
 	steps := []struct {
 		cleanupStep
 		retention time.Duration
 		count     *int64
+		resume    *time.Time // where the step of the run before got to, and this one gets to
 	}{
-		{step(q.CleanupClaims, q.CleanupClaimsFrom), p.Retention, &res.Claims},
-		{step(q.CleanupEffects, q.CleanupEffectsFrom), p.EffectRetention, &res.Effects},
-		{step(q.CleanupAttempts, ""), p.Retention, &res.Attempts},
+		{step(q.CleanupClaims, q.CleanupClaimsFrom), p.Retention, &res.Claims, resumeClaims},
+		{step(q.CleanupEffects, q.CleanupEffectsFrom), p.EffectRetention, &res.Effects, resumeEffects},
+		{step(q.CleanupAttempts, ""), p.Retention, &res.Attempts, nil},
 		// A key carries its own expiry, written at its claim: nothing to pass.
-		{step(q.CleanupKeys, ""), 0, &res.Keys},
+		{step(q.CleanupKeys, ""), 0, &res.Keys, nil},
 		// Kept as long as the claims: what an operator did with a message stays readable while
 		// its ID is remembered.
-		{step(s.d.DeadLetters.Cleanup, ""), p.Retention, &res.DeadLetters},
+		{step(s.d.DeadLetters.Cleanup, ""), p.Retention, &res.DeadLetters, nil},
 	}
 	for _, st := range steps {
 		if st.query == "" {
 			continue
 		}
 		var from sql.NullTime // where the step's batch before got to
+		if st.from && st.resume != nil && !st.resume.IsZero() {
+			from = sql.NullTime{Time: *st.resume, Valid: true}
+		}
 		for {
 			began := time.Now()
 			n, locked, err := s.cleanupBatch(ctx, st.cleanupStep, st.retention, p.BatchSize, &from)
@@ -1120,6 +1128,9 @@ func (s *SQL) Cleanup(ctx context.Context, p outboxdriver.CleanupParams) (outbox
 			res.Batches++
 			if p.Progress != nil {
 				p.Progress(res)
+			}
+			if st.from && st.resume != nil && from.Valid {
+				*st.resume = from.Time
 			}
 			if n < int64(p.BatchSize) {
 				break
