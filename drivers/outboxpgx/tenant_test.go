@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
@@ -13,6 +14,7 @@ import (
 	"github.com/watermill-outbox/outbox"
 	"github.com/watermill-outbox/outbox/drivers/outboxpgx"
 	"github.com/watermill-outbox/outbox/internal/pgtest"
+	"github.com/watermill-outbox/outbox/internal/settest"
 	"github.com/watermill-outbox/outbox/middleware"
 	"github.com/watermill-outbox/outbox/outboxtest"
 	"github.com/watermill-outbox/outbox/tenant"
@@ -132,6 +134,71 @@ func TestTenantSetOfPgxMembers(t *testing.T) {
 					}
 				}
 			}
+		})
+	}
+}
+
+// The crash matrix over a Set of pgx members (internal/settest), in both modes: two tenants with a
+// database each, or a TablePrefix each on one pool, one of them crashing at every step.
+func TestTenantSetCrashMatrix(t *testing.T) {
+	for name, mode := range map[string]outboxpgx.Concurrency{"pessimistic": outboxpgx.Pessimistic, "optimistic": outboxpgx.Optimistic} {
+		t.Run(name, func(t *testing.T) {
+			member := func(t *testing.T, pool *pgxpool.Pool, prefix string, pub message.Publisher, fp func(context.Context, string) error) settest.Member {
+				ctx := context.Background()
+				ob, err := outboxpgx.New(pool, outbox.Config{Publisher: pub, TablePrefix: prefix, RelayInterval: 50 * time.Millisecond,
+					RetryDelay: time.Millisecond, Failpoint: fp}, outboxpgx.WithConcurrency(mode))
+				if err != nil {
+					t.Fatal(err)
+				}
+				t.Cleanup(func() { _ = ob.Close() })
+				if err := ob.Migrate(ctx); err != nil {
+					t.Fatal(err)
+				}
+				table := prefix + "orders"
+				if _, err := pool.Exec(ctx, `CREATE TABLE `+table+` (id text, tenant text)`); err != nil {
+					t.Fatal(err)
+				}
+				return settest.Member{
+					Ob: ob,
+					Insert: func(ctx context.Context, id, tn string) error {
+						_, err := outboxpgx.Tx(ctx).Exec(ctx, `INSERT INTO `+table+` VALUES ($1, $2)`, id, tn)
+						return err
+					},
+					Orders: func(ctx context.Context) (map[string][]string, error) {
+						rows, err := pool.Query(ctx, `SELECT id, tenant FROM `+table)
+						if err != nil {
+							return nil, err
+						}
+						defer rows.Close()
+						got := map[string][]string{}
+						for rows.Next() {
+							var id, tn string
+							if err := rows.Scan(&id, &tn); err != nil {
+								return nil, err
+							}
+							got[id] = append(got[id], tn)
+						}
+						return got, rows.Err()
+					},
+				}
+			}
+			var mu sync.Mutex
+			shared := map[*testing.T]*pgxpool.Pool{} // the schemas layout's one pool per scenario
+			settest.CrashMatrix(t, map[string]settest.NewMember{
+				"databases": func(t *testing.T, _ string, pub message.Publisher, fp func(context.Context, string) error) settest.Member {
+					return member(t, openPool(t, pgtest.DSN(t), 8, nil), "", pub, fp)
+				},
+				"schemas": func(t *testing.T, name string, pub message.Publisher, fp func(context.Context, string) error) settest.Member {
+					mu.Lock()
+					pool := shared[t]
+					if pool == nil {
+						pool = openPool(t, pgtest.DSN(t), 8, nil)
+						shared[t] = pool
+					}
+					mu.Unlock()
+					return member(t, pool, name+"_", pub, fp)
+				},
+			}, mode == outboxpgx.Pessimistic)
 		})
 	}
 }
