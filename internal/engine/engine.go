@@ -153,6 +153,7 @@ type Engine struct {
 	started  bool
 	stopped  bool
 	done     chan struct{} // closed when the scheduler returned and no call is out
+	loopExit chan struct{} // closed when the scheduler returned
 	loopDone bool
 
 	runs, errs, panics, abandoned atomic.Int64
@@ -216,6 +217,7 @@ func New(cfg Config) *Engine {
 		members:  map[*member]struct{}{},
 		draining: map[*member]struct{}{},
 		done:     make(chan struct{}),
+		loopExit: make(chan struct{}),
 	}
 }
 
@@ -261,6 +263,15 @@ func (e *Engine) Stop(ctx context.Context) error {
 	e.mu.Unlock()
 	if !started {
 		return nil
+	}
+	// Not bounded by ctx: the scheduler returns as soon as it sees its context end, holding
+	// nothing that a call could keep, and a Stop that returns leaves no goroutine of the engine's
+	// but the calls still out.
+	<-e.loopExit
+	select {
+	case <-e.done:
+		return nil
+	default:
 	}
 	select {
 	case <-e.done:
@@ -384,6 +395,7 @@ func (h *Handle) Remove(ctx context.Context) error {
 // loop is the scheduler: it starts the runs that are due, up to the cap, and sleeps until the
 // next is due or something pokes it.
 func (e *Engine) loop(ctx context.Context) {
+	defer close(e.loopExit)
 	timer := time.NewTimer(time.Hour)
 	defer timer.Stop()
 	var pass uint64
@@ -561,7 +573,7 @@ func (e *Engine) run(mctx context.Context, t *task, seq uint64, started time.Tim
 		t.due = now
 	}
 	if !t.abandoned {
-		e.inflight--
+		e.inflight-- // else abandon frees the slot (or has)
 	}
 	t.running, t.abandoned = false, false
 	m.running--
@@ -583,17 +595,21 @@ func (e *Engine) abandon(t *task, seq uint64, started time.Time) {
 		e.mu.Unlock()
 		return
 	}
-	t.abandoned = true
-	e.inflight--
+	t.abandoned = true // from now on, the slot is freed here, not by the run
 	e.mu.Unlock()
 	e.abandoned.Add(1)
-	e.pokeScheduler()
 	m := t.m
 	took := time.Since(started).Round(time.Millisecond)
 	err := fmt.Errorf("%w: %s has not returned %s after it began (bound %s)", ErrNoAnswer, m.taskName(t), took, t.Timeout)
+	// The gate is told before the slot is freed, so that the slot goes to another member, not
+	// to the next task of this one.
 	if m.Gate != nil {
 		m.Gate.Observe(err)
 	}
+	e.mu.Lock()
+	e.inflight--
+	e.mu.Unlock()
+	e.pokeScheduler()
 	fields := watermill.LogFields{"task": t.Name, "running_for": took.String(), "timeout": t.Timeout.String()}
 	if m.Name != "" {
 		fields["member"] = m.Name
