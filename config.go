@@ -145,6 +145,19 @@ type Config struct {
 	// with the same UUIDs, when their lease ends. Default: PublishTimeout + 30 seconds (a round's
 	// outcome is written within 30 seconds).
 	ShutdownTimeout time.Duration
+	// BackgroundTimeout bounds one run of a background service (a relay pass, a cleanup, a
+	// dead-letter redrive; a statistics sample is bounded by 30 seconds, or by this when shorter):
+	// its context carries the deadline. A relay pass starts no round after half of it, and the
+	// next pass goes on at once, so a healthy pass never meets it; a cleanup that meets it goes
+	// on at its next run. A run that has not returned a few seconds after its deadline (a driver
+	// that ignores its context while it connects to a server that accepts connections and never
+	// answers: lib/pq without connect_timeout) is abandoned: its share of the background work
+	// goes to the other services, and to the other members of a tenant.Set; the database is
+	// taken for unreachable (logged, and Health says since when) and probed, each probe bounded,
+	// until it answers; the service runs again once the abandoned call returns.
+	// Default: 2 x PublishTimeout + 210 seconds (4.5 minutes): a relay round's claim, its calls
+	// and the writes of its outcome, twice.
+	BackgroundTimeout time.Duration
 	// MaxPayloadBytes is the largest side effect accepted: its payload and its metadata (keys and
 	// values, with what the framework adds) together. Default: 16 MiB.
 	MaxPayloadBytes int
@@ -340,6 +353,13 @@ func (c *Config) setDefaults() {
 	if c.ShutdownTimeout == 0 {
 		c.ShutdownTimeout = c.PublishTimeout + markTimeout
 	}
+	if c.BackgroundTimeout == 0 {
+		// A relay pass past half its bound starts no round; what it may still do is a round:
+		// its claim (a statement, storeTimeout), its calls (up to relayBudget from before its
+		// claim) and the writes of its outcome and the previous round's (markTimeout each).
+		relayBudget := relayLeaseFor(c.PublishTimeout) / 2 // as Outbox.relayBudget
+		c.BackgroundTimeout = 2 * (storeTimeout + relayBudget + 2*markTimeout)
+	}
 	if c.MaxPayloadBytes == 0 {
 		c.MaxPayloadBytes = defaultMaxPayloadBytes
 	}
@@ -393,8 +413,8 @@ func (c Config) Validate() error {
 		"Retention": c.Retention, "EffectRetention": c.EffectRetention, "CleanupInterval": c.CleanupInterval,
 		"CleanupPause":   c.CleanupPause,
 		"HandlerTimeout": c.HandlerTimeout, "PublishTimeout": c.PublishTimeout, "DuplicateWait": c.DuplicateWait,
-		"ShutdownTimeout": c.ShutdownTimeout,
-		"RetryDelayMax":   c.RetryDelayMax, "ReconnectDelayMax": c.ReconnectDelayMax,
+		"ShutdownTimeout": c.ShutdownTimeout, "BackgroundTimeout": c.BackgroundTimeout,
+		"RetryDelayMax": c.RetryDelayMax, "ReconnectDelayMax": c.ReconnectDelayMax,
 		"RelayInterval": c.RelayInterval, "RelayGrace": c.RelayGrace,
 		"RedeliveryHorizon": c.RedeliveryHorizon, "HealthMaxPendingAge": c.HealthMaxPendingAge,
 		"IdempotencyRetention": c.IdempotencyRetention, "ClientRetryHorizon": c.ClientRetryHorizon,

@@ -237,6 +237,13 @@ func (g *dbGate) observe(err error) bool {
 	if !g.unreachable(err) {
 		return false
 	}
+	g.failed(err)
+	return true
+}
+
+// failed records err, a failure that says the database is unreachable: it begins an outage, or
+// counts toward the one under way.
+func (g *dbGate) failed(err error) {
 	if g.onAttempt != nil {
 		g.onAttempt()
 	}
@@ -245,7 +252,7 @@ func (g *dbGate) observe(err error) bool {
 	g.lastErr = err
 	g.inOutage++
 	if !g.since.IsZero() {
-		return true
+		return
 	}
 	now := time.Now()
 	g.since, g.inOutage = now, 1
@@ -256,7 +263,6 @@ func (g *dbGate) observe(err error) bool {
 	if g.onChange != nil {
 		g.onChange(now, 1, err)
 	}
-	return true
 }
 
 // endProbe marks the probe under way, if any, ended. Called with g.mu held.

@@ -323,9 +323,10 @@ func (o *Outbox) engineMember(name string, idleMax time.Duration) engine.Member 
 	worked := func(fn func(context.Context) error) func(context.Context) (engine.Outcome, error) {
 		return func(ctx context.Context) (engine.Outcome, error) { return engine.Worked, fn(ctx) }
 	}
+	bound := o.cfg.BackgroundTimeout
 	m := engine.Member{Name: name, Logger: o.logger, Tasks: []engine.Task{
-		{Name: "relay", Every: o.cfg.RelayInterval, IdleMax: idleMax, Wake: &o.kick, Run: o.relayTask},
-		{Name: "cleanup", Every: o.cfg.CleanupInterval, Run: outcome(o.cleanupOnce)},
+		{Name: "relay", Every: o.cfg.RelayInterval, IdleMax: idleMax, Wake: &o.kick, Timeout: bound, Run: o.relayTask},
+		{Name: "cleanup", Every: o.cfg.CleanupInterval, Timeout: bound, Run: outcome(o.cleanupOnce)},
 	}}
 	if idleMax > 0 {
 		// Rows expire only Retention after work: an idle member's cleanup finding nothing may
@@ -333,10 +334,13 @@ func (o *Outbox) engineMember(name string, idleMax time.Duration) engine.Member 
 		m.Tasks[1].IdleMax = idleCleanupIntervals * o.cfg.CleanupInterval
 	}
 	if o.cfg.StatsInterval > 0 {
-		m.Tasks = append(m.Tasks, engine.Task{Name: "stats sampling", Every: o.cfg.StatsInterval, IdleMax: idleMax, Run: outcome(o.sampleStats)})
+		// A sample is one statement, bounded by storeTimeout itself.
+		m.Tasks = append(m.Tasks, engine.Task{Name: "stats sampling", Every: o.cfg.StatsInterval, IdleMax: idleMax,
+			Timeout: min(bound, storeTimeout), Run: outcome(o.sampleStats)})
 	}
 	if o.cfg.Redrive.After > 0 && o.deadLetterStore() != nil {
-		m.Tasks = append(m.Tasks, engine.Task{Name: "dead-letter redrive", Every: min(o.cfg.Redrive.After, time.Minute), Run: worked(o.redriveOnce)})
+		m.Tasks = append(m.Tasks, engine.Task{Name: "dead-letter redrive", Every: min(o.cfg.Redrive.After, time.Minute),
+			Timeout: bound, Run: worked(o.redriveOnce)})
 	}
 	if o.gate != nil {
 		m.Gate = engineGate{o.gate}
@@ -362,8 +366,11 @@ func outcome(fn func(context.Context) (idle bool, err error)) func(context.Conte
 // falls due (a lease or a backoff that ends) has the next pass then at the latest, however far
 // the member backed off, since no wake-up comes for it.
 func (o *Outbox) relayTask(ctx context.Context) (engine.Outcome, error) {
+	began := time.Now()
 	idle, dueBy, err := o.relayOnce(ctx)
 	switch {
+	case err == nil && !idle && passHalfOver(ctx, began):
+		return engine.More, nil // a pass cut short at half its bound: the next one goes on at once
 	case err != nil || !idle:
 		return engine.Worked, err
 	case !dueBy.IsZero():
@@ -376,7 +383,17 @@ func (o *Outbox) relayTask(ctx context.Context) (engine.Outcome, error) {
 type engineGate struct{ g *dbGate }
 
 func (g engineGate) Ready(wake func()) (bool, time.Time) { return g.g.ready(wake) }
-func (g engineGate) Observe(err error) bool              { return g.g.observe(err) }
+
+// Observe takes the abandonment of a run (engine.ErrNoAnswer) as a failed connection attempt: a
+// database that accepts connections and never answers is unreachable, though no error says so,
+// and the gate holds the member's work back and probes it, each probe bounded, until it answers.
+func (g engineGate) Observe(err error) bool {
+	if errors.Is(err, engine.ErrNoAnswer) {
+		g.g.failed(err)
+		return true
+	}
+	return g.g.observe(err)
+}
 
 func (o *Outbox) failpoint(ctx context.Context, point string) error {
 	if o.cfg.Failpoint == nil {

@@ -17,7 +17,11 @@ import (
 // relayLease is how long the relay reserves the effects of one round: long enough to publish
 // them (a round ends its calls after half of it, see relayBudget), short enough that the effects
 // of an instance that died mid-round are soon taken over by another.
-func (o *Outbox) relayLease() time.Duration { return 2*o.cfg.PublishTimeout + 30*time.Second }
+func (o *Outbox) relayLease() time.Duration { return relayLeaseFor(o.cfg.PublishTimeout) }
+
+func relayLeaseFor(publishTimeout time.Duration) time.Duration {
+	return 2*publishTimeout + 30*time.Second
+}
 
 // relayBudget is how long a round may spend on its Publish and applier calls, counted from
 // before its claim: half the lease, so that the outcome is written (markTimeout at most, usually
@@ -67,6 +71,12 @@ func (o *Outbox) relayOnce(ctx context.Context) (idle bool, dueBy time.Time, err
 			}
 		}
 	}()
+	// A pass bounded by its context's deadline (the engine's, see Config.BackgroundTimeout)
+	// starts no turn after half of it: the turn under way and the outcome of the round still
+	// sending fit in the other half, so that a healthy pass, a backlog drained at any length,
+	// never meets its deadline; the next pass goes on at once.
+	stop, bounded := passStop(ctx, time.Now())
+	overHalf := func() bool { return bounded && !time.Now().Before(stop) }
 	var busy time.Duration // how long the last turn took besides its claim, for the pause
 	pendingKnown := true   // every claim of the pass that took nothing told when its window falls due
 	stuckDelayed := false  // a move of due delayed effects in this pass moved none
@@ -83,6 +93,9 @@ func (o *Outbox) relayOnce(ctx context.Context) (idle bool, dueBy time.Time, err
 		return err
 	}
 	for ctx.Err() == nil {
+		if overHalf() {
+			return false, time.Time{}, nil
+		}
 		if fl != nil && sent >= 0 && 2*sent < claimed {
 			// Claiming while the round sends gains little when its calls take much less time
 			// than a claim, and costs some: the next claim looks at this one's window again.
@@ -97,9 +110,16 @@ func (o *Outbox) relayOnce(ctx context.Context) (idle bool, dueBy time.Time, err
 		// claim costs about as much whatever it finds). The round that is sending goes on
 		// meanwhile.
 		if f := o.cfg.RelayPauseFactor; f > 0 && busy > 0 {
+			d := time.Duration(f * float64(busy))
+			if bounded {
+				d = min(d, time.Until(stop))
+			}
 			select {
 			case <-ctx.Done():
-			case <-time.After(time.Duration(f * float64(busy))):
+			case <-time.After(d):
+			}
+			if overHalf() {
+				return false, time.Time{}, nil
 			}
 		}
 		busy = 0
@@ -218,6 +238,23 @@ func (o *Outbox) relayOnce(ctx context.Context) (idle bool, dueBy time.Time, err
 		}
 	}
 	return false, time.Time{}, nil
+}
+
+// passStop returns when a pass that began at began, on a context with a deadline, starts no more
+// turns: half way to the deadline. bounded is false for a context without one.
+func passStop(ctx context.Context, began time.Time) (stop time.Time, bounded bool) {
+	deadline, ok := ctx.Deadline()
+	if !ok {
+		return time.Time{}, false
+	}
+	return began.Add(deadline.Sub(began) / 2), true
+}
+
+// passHalfOver tells whether a pass that began at began on ctx is past half its bound, so may have
+// been cut short there.
+func passHalfOver(ctx context.Context, began time.Time) bool {
+	stop, ok := passStop(ctx, began)
+	return ok && !time.Now().Before(stop)
 }
 
 // errNotTried is the outcome of an effect that a relay round did not try: it waited behind a

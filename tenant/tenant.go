@@ -356,13 +356,11 @@ func (s *Set) Run(ctx context.Context) error {
 	}
 	wg.Wait()
 	s.runWG.Wait()
-	// Every member left the engine, each within its ShutdownTimeout: a run still in progress
-	// ignores its context and was reported, so the engine is not waited for again.
+	// Every member left the engine, each within its ShutdownTimeout, and so did those removed
+	// meanwhile: a call still out (one that ignores its context, abandoned or not) was reported
+	// by its member's stop, so the engine's calls are not waited for again, only its scheduler.
 	ectx, cancel := context.WithCancel(context.WithoutCancel(ctx))
-	if len(errs) > 0 {
-		cancel()
-	}
-	defer cancel()
+	cancel()
 	_ = eng.Stop(ectx)
 	if len(errs) > 0 {
 		slices.SortFunc(errs, func(a, b error) int { return strings.Compare(a.Error(), b.Error()) })

@@ -8,6 +8,12 @@
 // first (so a member with a slow task delays the others by one slot, never starves them), a
 // member whose database is unreachable is left alone until its gate opens, and a task that found
 // nothing to do may be run less and less often until something wakes it.
+//
+// Every run is bounded (Task.Timeout): a run that has not returned some grace after its deadline
+// (a driver that ignores its context while it connects to a server that accepts and never
+// answers) is abandoned. Its slot goes to the other members' tasks, and its member's gate is told
+// that the database does not answer; the task is not started again until the abandoned call
+// returns, so that a stalled member costs at most one goroutine per task.
 package engine
 
 import (
@@ -27,15 +33,33 @@ import (
 // unset: an Outbox's four periodic services, each free to run while another does.
 const DefaultMaxConcurrent = 4
 
+// DefaultTimeout bounds a run of a task that leaves Task.Timeout unset.
+const DefaultTimeout = 5 * time.Minute
+
+// DefaultAbandonGrace is how long after its deadline a run that has not returned is abandoned,
+// when Config leaves AbandonGrace unset: a call that honours its context returns within
+// milliseconds of its deadline, and one that writes its outcome after it (with a context of its
+// own) within seconds.
+const DefaultAbandonGrace = 5 * time.Second
+
+// ErrNoAnswer is the error a member's gate observes when a run of the member's task was
+// abandoned: the call has not returned within its bound and its grace, which a database that
+// accepts connections and never answers does to a driver that ignores its context.
+var ErrNoAnswer = errors.New("the database did not answer within the bound of the run")
+
 // Outcome is what a run of a task found: Worked, Idle, or IdleUntil a time.
 type Outcome struct {
 	idle  bool
+	more  bool
 	dueBy time.Time // when not zero: something falls due then, without a wake
 }
 
 var (
 	// Worked: the run did something (or cannot tell); the next run is Every after its start.
 	Worked = Outcome{}
+	// More: the run stopped short of its work, to stay within its bound (Task.Timeout); the
+	// next run is due at once.
+	More = Outcome{more: true}
 	// Idle: the run found nothing to do; a task with IdleMax waits longer before the next one.
 	Idle = Outcome{idle: true}
 )
@@ -57,7 +81,12 @@ type Task struct {
 	IdleMax time.Duration
 	// Wake, when set, runs the task at once when woken (or right after the run under way).
 	Wake *Wakeup
-	// Run is the work. Its context ends when the engine stops or the member is removed.
+	// Timeout bounds a run: its context carries the deadline Timeout after its start. A run that
+	// has not returned AbandonGrace after it is abandoned (see Engine). Pick a bound that a
+	// healthy run never reaches. 0: DefaultTimeout.
+	Timeout time.Duration
+	// Run is the work. Its context ends at its deadline, when the engine stops, or when the
+	// member is removed.
 	Run func(context.Context) (Outcome, error)
 }
 
@@ -86,17 +115,21 @@ type Member struct {
 
 // Config configures an Engine.
 type Config struct {
-	// MaxConcurrent caps the task runs in progress at once, across all members.
-	// 0: DefaultMaxConcurrent.
+	// MaxConcurrent caps the task runs in progress at once, across all members; an abandoned
+	// run no longer counts. 0: DefaultMaxConcurrent.
 	MaxConcurrent int
-	Logger        watermill.LoggerAdapter
+	// AbandonGrace is how long after its deadline a run that has not returned is abandoned.
+	// 0: DefaultAbandonGrace.
+	AbandonGrace time.Duration
+	Logger       watermill.LoggerAdapter
 }
 
 // Stats counts what an engine did since it was made.
 type Stats struct {
-	Runs   int64 // runs ended
-	Errors int64 // runs that returned an error or panicked
-	Panics int64
+	Runs      int64 // runs ended
+	Errors    int64 // runs that returned an error or panicked
+	Panics    int64
+	Abandoned int64 // runs abandoned for not returning within their bound
 }
 
 // ErrStopped is returned by Add to an engine that was stopped.
@@ -105,6 +138,7 @@ var ErrStopped = errors.New("engine: stopped")
 // Engine schedules the tasks of its members. Its zero value is not usable: use New.
 type Engine struct {
 	max    int
+	grace  time.Duration
 	logger watermill.LoggerAdapter
 
 	poke chan struct{} // wakes the scheduler: a run ended, a task was woken, a member came or went
@@ -112,15 +146,17 @@ type Engine struct {
 	mu       sync.Mutex
 	members  map[*member]struct{}
 	draining map[*member]struct{} // removed, with runs still in progress
-	inflight int
-	ctx      context.Context // the runs' context; nil until Start
+	inflight int                  // runs holding a slot: in progress and not abandoned
+	calls    int                  // runs whose call has not returned, abandoned ones too
+	ctx      context.Context      // the runs' context; nil until Start
 	cancel   context.CancelFunc
 	started  bool
 	stopped  bool
-	done     chan struct{} // closed when the scheduler returned and no run is in progress
+	done     chan struct{} // closed when the scheduler returned and no call is out
+	loopExit chan struct{} // closed when the scheduler returned
 	loopDone bool
 
-	runs, errs, panics atomic.Int64
+	runs, errs, panics, abandoned atomic.Int64
 }
 
 type member struct {
@@ -146,8 +182,15 @@ type task struct {
 	due      time.Time
 	interval time.Duration
 	running  bool
-	woken    atomic.Bool
-	poke     func()
+	// seq numbers the runs, so that the abandonment of a run that returned meanwhile is not
+	// taken for one of the next run.
+	seq       uint64
+	startedAt time.Time
+	// abandoned: the run in progress was abandoned; the task stays running until its call
+	// returns, so that at most one abandoned call per task is out.
+	abandoned bool
+	woken     atomic.Bool
+	poke      func()
 }
 
 func (t *task) wake() {
@@ -160,16 +203,21 @@ func New(cfg Config) *Engine {
 	if cfg.MaxConcurrent <= 0 {
 		cfg.MaxConcurrent = DefaultMaxConcurrent
 	}
+	if cfg.AbandonGrace <= 0 {
+		cfg.AbandonGrace = DefaultAbandonGrace
+	}
 	if cfg.Logger == nil {
 		cfg.Logger = watermill.NopLogger{}
 	}
 	return &Engine{
 		max:      cfg.MaxConcurrent,
+		grace:    cfg.AbandonGrace,
 		logger:   cfg.Logger,
 		poke:     make(chan struct{}, 1),
 		members:  map[*member]struct{}{},
 		draining: map[*member]struct{}{},
 		done:     make(chan struct{}),
+		loopExit: make(chan struct{}),
 	}
 }
 
@@ -182,7 +230,7 @@ func (e *Engine) pokeScheduler() {
 
 // Stats returns the engine's counters.
 func (e *Engine) Stats() Stats {
-	return Stats{Runs: e.runs.Load(), Errors: e.errs.Load(), Panics: e.panics.Load()}
+	return Stats{Runs: e.runs.Load(), Errors: e.errs.Load(), Panics: e.panics.Load(), Abandoned: e.abandoned.Load()}
 }
 
 // Start starts the scheduler. The runs' contexts derive from ctx: when it ends, the scheduler
@@ -202,8 +250,9 @@ func (e *Engine) Start(ctx context.Context) error {
 	return nil
 }
 
-// Stop ends the runs' context and waits until the scheduler returned and no run is in progress,
-// or ctx ends. An engine stopped is not started again.
+// Stop ends the runs' context and waits until the scheduler returned and no call is out, abandoned
+// ones too, or ctx ends: then the error names the runs still out, and which were abandoned. An
+// engine stopped is not started again.
 func (e *Engine) Stop(ctx context.Context) error {
 	e.mu.Lock()
 	e.stopped = true
@@ -214,6 +263,15 @@ func (e *Engine) Stop(ctx context.Context) error {
 	e.mu.Unlock()
 	if !started {
 		return nil
+	}
+	// Not bounded by ctx: the scheduler returns as soon as it sees its context end, holding
+	// nothing that a call could keep, and a Stop that returns leaves no goroutine of the engine's
+	// but the calls still out.
+	<-e.loopExit
+	select {
+	case <-e.done:
+		return nil
+	default:
 	}
 	select {
 	case <-e.done:
@@ -238,7 +296,10 @@ func (e *Engine) Stop(ctx context.Context) error {
 func (m *member) runningNames() []string {
 	var names []string
 	for _, t := range m.tasks {
-		if t.running {
+		switch {
+		case t.abandoned:
+			names = append(names, fmt.Sprintf("%s, abandoned, out for %s", m.taskName(t), time.Since(t.startedAt).Round(time.Millisecond)))
+		case t.running:
 			names = append(names, m.taskName(t))
 		}
 	}
@@ -261,8 +322,8 @@ type Handle struct {
 // Add adds a member; its tasks are first due at once.
 func (e *Engine) Add(mb Member) (*Handle, error) {
 	for _, t := range mb.Tasks {
-		if t.Every <= 0 || t.Run == nil {
-			return nil, fmt.Errorf("engine: member %q: task %q needs an interval and a func", mb.Name, t.Name)
+		if t.Every <= 0 || t.Run == nil || t.Timeout < 0 {
+			return nil, fmt.Errorf("engine: member %q: task %q needs an interval, a func and no negative timeout", mb.Name, t.Name)
 		}
 	}
 	m := &member{Member: mb, logger: mb.Logger, drained: make(chan struct{})}
@@ -271,6 +332,9 @@ func (e *Engine) Add(mb Member) (*Handle, error) {
 	}
 	now := time.Now()
 	for _, spec := range mb.Tasks {
+		if spec.Timeout == 0 {
+			spec.Timeout = DefaultTimeout
+		}
 		t := &task{Task: spec, m: m, due: now, interval: spec.Every, poke: e.pokeScheduler}
 		m.tasks = append(m.tasks, t)
 	}
@@ -294,7 +358,8 @@ func (e *Engine) Add(mb Member) (*Handle, error) {
 }
 
 // Remove takes the member out: none of its tasks starts again, the context of those in progress
-// ends, and Remove waits for them to return, or for ctx to end.
+// ends, and Remove waits for them to return, abandoned ones too, or for ctx to end: then the error
+// names the runs still out.
 func (h *Handle) Remove(ctx context.Context) error {
 	e, m := h.e, h.m
 	for _, t := range m.tasks {
@@ -330,6 +395,7 @@ func (h *Handle) Remove(ctx context.Context) error {
 // loop is the scheduler: it starts the runs that are due, up to the cap, and sleeps until the
 // next is due or something pokes it.
 func (e *Engine) loop(ctx context.Context) {
+	defer close(e.loopExit)
 	timer := time.NewTimer(time.Hour)
 	defer timer.Stop()
 	var pass uint64
@@ -360,9 +426,9 @@ func (e *Engine) loop(ctx context.Context) {
 	}
 }
 
-// closeDoneIfIdle closes done once the scheduler returned and no run is in progress. e.mu held.
+// closeDoneIfIdle closes done once the scheduler returned and no call is out. e.mu held.
 func (e *Engine) closeDoneIfIdle() {
-	if e.loopDone && e.inflight == 0 {
+	if e.loopDone && e.calls == 0 {
 		select {
 		case <-e.done:
 		default:
@@ -450,31 +516,42 @@ func (e *Engine) gateOpen(m *member, pass uint64) bool {
 // start starts a run of t. e.mu held.
 func (e *Engine) start(t *task) {
 	t.running = true
+	t.seq++
+	t.startedAt = time.Now()
 	t.m.running++
 	e.inflight++
-	started := time.Now()
-	go e.run(t.m.ctx, t, started)
+	e.calls++
+	go e.run(t.m.ctx, t, t.seq, t.startedAt)
 }
 
-func (e *Engine) run(ctx context.Context, t *task, started time.Time) {
+func (e *Engine) run(mctx context.Context, t *task, seq uint64, started time.Time) {
+	ctx, cancel := context.WithDeadline(mctx, started.Add(t.Timeout))
+	defer cancel()
+	// A timer, not a goroutine that waits for the call: a run that returns in time costs none.
+	abandon := time.AfterFunc(time.Until(started.Add(t.Timeout+e.grace)), func() { e.abandon(t, seq, started) })
 	out, err := e.call(ctx, t)
+	abandon.Stop()
 	m := t.m
 	if m.Gate != nil {
 		if m.Gate.Observe(err) {
 			err = nil // the gate reports the outage
 		}
 	}
+	fields := watermill.LogFields{"task": t.Name}
+	if m.Name != "" {
+		fields["member"] = m.Name
+	}
 	if err != nil && ctx.Err() == nil {
-		var fields watermill.LogFields
-		if m.Name != "" {
-			fields = watermill.LogFields{"member": m.Name}
-		}
 		m.logger.Error("outbox "+t.Name+" failed", err, fields)
 	}
 	e.runs.Add(1)
 
 	e.mu.Lock()
 	defer e.mu.Unlock()
+	if t.abandoned {
+		m.logger.Info("outbox "+t.Name+" returned after it was abandoned", fields.Add(watermill.LogFields{
+			"took": time.Since(started).Round(time.Millisecond).String(), "err": fmt.Sprint(err)}))
+	}
 	if out.idle && t.IdleMax > t.Every {
 		t.interval = min(2*t.interval, t.IdleMax)
 	} else {
@@ -492,18 +569,52 @@ func (e *Engine) run(ctx context.Context, t *task, started time.Time) {
 			t.due = floor
 		}
 	}
-	if now := time.Now(); t.due.Before(now) {
+	if now := time.Now(); t.due.Before(now) || out.more {
 		t.due = now
 	}
-	t.running = false
+	if !t.abandoned {
+		e.inflight-- // else abandon frees the slot (or has)
+	}
+	t.running, t.abandoned = false, false
 	m.running--
-	e.inflight--
+	e.calls--
 	if m.removed && m.running == 0 {
 		close(m.drained)
 		delete(e.draining, m)
 	}
 	e.closeDoneIfIdle()
 	e.pokeScheduler()
+}
+
+// abandon gives up waiting for run seq of t, started at started, if its call is still out: its slot
+// goes to other tasks, and its member's gate is told that the database did not answer. The task
+// stays running, so that it is not started again before the call returns.
+func (e *Engine) abandon(t *task, seq uint64, started time.Time) {
+	e.mu.Lock()
+	if !t.running || t.seq != seq || t.abandoned {
+		e.mu.Unlock()
+		return
+	}
+	t.abandoned = true // from now on, the slot is freed here, not by the run
+	e.mu.Unlock()
+	e.abandoned.Add(1)
+	m := t.m
+	took := time.Since(started).Round(time.Millisecond)
+	err := fmt.Errorf("%w: %s has not returned %s after it began (bound %s)", ErrNoAnswer, m.taskName(t), took, t.Timeout)
+	// The gate is told before the slot is freed, so that the slot goes to another member, not
+	// to the next task of this one.
+	if m.Gate != nil {
+		m.Gate.Observe(err)
+	}
+	e.mu.Lock()
+	e.inflight--
+	e.mu.Unlock()
+	e.pokeScheduler()
+	fields := watermill.LogFields{"task": t.Name, "running_for": took.String(), "timeout": t.Timeout.String()}
+	if m.Name != "" {
+		fields["member"] = m.Name
+	}
+	m.logger.Error("outbox "+t.Name+" abandoned: no answer within its bound; its slot goes to other work", err, fields)
 }
 
 // call runs the task, making a panic an error: one task's bug must not end every member's

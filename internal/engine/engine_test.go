@@ -473,3 +473,139 @@ func TestIdleUntilBringsTheNextRunForward(t *testing.T) {
 		t.Errorf("the run after IdleUntil a past time came %s after the one before, want Every (50 ms): not at once, nor backed off", gap)
 	}
 }
+
+// stalledTasks returns n tasks that each block, ignoring their context, until release is closed
+// (a driver connecting to a server that accepts and never answers), and counts their calls and
+// the most calls of one task out at once.
+type stalledTasks struct {
+	release     chan struct{}
+	calls       []atomic.Int64
+	out, mostIn atomic.Int64
+}
+
+func newStalled(n int) *stalledTasks {
+	return &stalledTasks{release: make(chan struct{}), calls: make([]atomic.Int64, n)}
+}
+
+func (s *stalledTasks) tasks(every, timeout time.Duration) []Task {
+	var ts []Task
+	for i := range s.calls {
+		ts = append(ts, Task{Name: fmt.Sprint("task", i), Every: every, Timeout: timeout,
+			Run: func(context.Context) (Outcome, error) {
+				s.calls[i].Add(1)
+				cur := s.out.Add(1)
+				defer s.out.Add(-1)
+				for {
+					old := s.mostIn.Load()
+					if cur <= old || s.mostIn.CompareAndSwap(old, cur) {
+						break
+					}
+				}
+				<-s.release
+				return Worked, nil
+			}})
+	}
+	return ts
+}
+
+// A member whose tasks all block ignoring their context, more of them than the cap: each run is
+// abandoned once its bound and the grace passed, so that the other member's task keeps running
+// on schedule. Each stalled task has one call out at most (it is not started again while its call
+// is out), the member's gate and the log are told which task did not answer and for how long,
+// and once the calls return the tasks run again as usual.
+func TestStalledRunsAreAbandoned(t *testing.T) {
+	logs := &logtest.Errors{}
+	const timeout, grace = 100 * time.Millisecond, 50 * time.Millisecond
+	e := New(Config{MaxConcurrent: 2, AbandonGrace: grace, Logger: logs})
+	stalled := newStalled(3)
+	gate := &fakeGate{open: true}
+	add(t, e, Member{Name: "stalled", Gate: gate, Tasks: stalled.tasks(10*time.Millisecond, timeout)})
+	healthy := &counter{}
+	add(t, e, Member{Name: "healthy", Tasks: []Task{healthy.task("relay", 20*time.Millisecond)}})
+	started(t, e)
+	defer func() {
+		select {
+		case <-stalled.release:
+		default:
+			close(stalled.release)
+		}
+	}()
+
+	// The stalled runs hold the two slots for at most timeout+grace, then the third one does.
+	time.Sleep(2*(timeout+grace) + 200*time.Millisecond)
+	before := healthy.n.Load()
+	time.Sleep(time.Second)
+	// Every 20 ms: about 50 runs in a second.
+	if n := healthy.n.Load() - before; n < 25 {
+		t.Fatalf("the healthy member's task ran %d times in 1 s beside a stalled member (every 20 ms: about 50)", n)
+	}
+	for i := range stalled.calls {
+		if n := stalled.calls[i].Load(); n != 1 {
+			t.Errorf("stalled task%d was called %d times while its first call was out, want 1", i, n)
+		}
+	}
+	if got := e.Stats().Abandoned; got != 3 {
+		t.Errorf("%d runs abandoned, want 3", got)
+	}
+	gate.mu.Lock()
+	var told int
+	for _, err := range gate.observe {
+		if errors.Is(err, ErrNoAnswer) {
+			told++
+		}
+	}
+	gate.mu.Unlock()
+	if told != 3 {
+		t.Errorf("the gate observed %d ErrNoAnswer, want one per abandoned run (3)", told)
+	}
+	if !logs.Contains(`task0 of member "stalled" has not returned`) || !logs.Contains("(bound 100ms)") {
+		t.Errorf("no log line names the abandoned task, its member and how long it ran: %q", logs.Lines())
+	}
+
+	close(stalled.release)
+	waitFor(t, "the stalled tasks to run again once their calls returned", func() bool {
+		for i := range stalled.calls {
+			if stalled.calls[i].Load() < 3 {
+				return false
+			}
+		}
+		return true
+	})
+	if n := stalled.mostIn.Load(); n != 3 {
+		t.Errorf("at most %d stalled calls out at once, want 3 (one per task)", n)
+	}
+}
+
+// Stop and Remove wait for an abandoned call only as long as their contexts allow, and their
+// errors name it as abandoned and say for how long it has been out.
+func TestStopNamesAbandonedRuns(t *testing.T) {
+	e := New(Config{AbandonGrace: 10 * time.Millisecond})
+	stalled := newStalled(1)
+	h := add(t, e, Member{Name: "acme", Tasks: stalled.tasks(time.Hour, 20*time.Millisecond)})
+	if err := e.Start(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "the run abandoned", func() bool { return e.Stats().Abandoned == 1 })
+	short := func() context.Context {
+		ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
+		t.Cleanup(cancel)
+		return ctx
+	}
+	began := time.Now()
+	if err := h.Remove(short()); err == nil || !strings.Contains(err.Error(), `task0 of member "acme", abandoned, out for`) ||
+		!errors.Is(err, context.DeadlineExceeded) {
+		t.Errorf("Remove = %v, want the abandoned run named", err)
+	}
+	if err := e.Stop(short()); err == nil || !strings.Contains(err.Error(), `task0 of member "acme", abandoned`) {
+		t.Errorf("Stop = %v, want the abandoned run of the removed member named", err)
+	}
+	if took := time.Since(began); took > 2*time.Second {
+		t.Errorf("Remove and Stop with 200 ms each took %s", took)
+	}
+	close(stalled.release)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := e.Stop(ctx); err != nil {
+		t.Errorf("Stop once the abandoned call returned: %v", err)
+	}
+}
