@@ -25,20 +25,29 @@ func TestTenants(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	testTenants(t, cfg, func(name string) *sql.DB {
+	open := func(name string) *sql.DB {
 		db, err := sql.Open("sqlite", sqlite.DSN(filepath.Join(dir, "orders-"+name+".db")))
 		if err != nil {
 			t.Fatal(err)
 		}
 		return db
-	})
+	}
+	testTenants(t, cfg, open)
+	// The unresolved member's database has the outbox's tables only: no order can land there.
+	db := open(unresolvedMember)
+	defer db.Close()
+	var n int
+	if err := db.QueryRow(`SELECT count(*) FROM sqlite_master WHERE name = 'orders'`).Scan(&n); err != nil || n != 0 {
+		t.Errorf("an orders table in the unresolved member's database: %d, %v", n, err)
+	}
 }
 
 // TestTenantsOnPostgres is TestTenants with -postgres: the service creates a database per tenant
-// on the server of the DSN.
+// on the server of the DSN, and the broker (-broker postgres) keeps its tables in the DSN's own
+// database.
 func TestTenantsOnPostgres(t *testing.T) {
 	dsn := pgtest.DSN(t)
-	cfg, err := parseFlags([]string{"-data", t.TempDir(), "-addr", "127.0.0.1:0", "-postgres", dsn, "-tenants", "acme,globex"})
+	cfg, err := parseFlags([]string{"-data", t.TempDir(), "-addr", "127.0.0.1:0", "-postgres", dsn, "-broker", "postgres", "-tenants", "acme,globex"})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -59,7 +68,7 @@ func TestTenantsOnPostgres(t *testing.T) {
 		}
 		_ = admin.Close()
 	})
-	testTenants(t, cfg, func(name string) *sql.DB {
+	open := func(name string) *sql.DB {
 		c := base.Clone()
 		c.Database = base.Database + "_" + name
 		conn, err := pq.NewConnectorConfig(c)
@@ -67,7 +76,17 @@ func TestTenantsOnPostgres(t *testing.T) {
 			t.Fatal(err)
 		}
 		return sql.OpenDB(conn)
-	})
+	}
+	testTenants(t, cfg, open)
+	// Neither the DSN's own database nor the unresolved member's has an orders table.
+	unresolved := open(unresolvedMember)
+	defer unresolved.Close()
+	for name, db := range map[string]*sql.DB{"the DSN's": admin, "the unresolved member's": unresolved} {
+		var none bool
+		if err := db.QueryRow(`SELECT to_regclass('orders') IS NULL`).Scan(&none); err != nil || !none {
+			t.Errorf("an orders table in %s database: %v", name, err)
+		}
+	}
 }
 
 // testTenants places orders for two tenants through the HTTP API, refuses requests that name no
