@@ -110,7 +110,9 @@ func (s *service) openTenants(ctx context.Context, cfg config) (string, error) {
 		if err != nil {
 			return "", fmt.Errorf("-postgres: %w", err)
 		}
-		if s.db, err = openPostgres(ctx, base); err != nil {
+		// 32 connections as the single database has (openDatabase): with -broker postgres, every
+		// consumer's subscriber polls on this one.
+		if s.db, err = openPostgres(ctx, base, 32); err != nil {
 			return "", err
 		}
 		var dbname string
@@ -123,7 +125,9 @@ func (s *service) openTenants(ctx context.Context, cfg config) (string, error) {
 			if err := createDatabase(ctx, s.db, c.Database); err != nil {
 				return nil, err
 			}
-			return openPostgres(ctx, c)
+			// Fewer than the single database's 32: each tenant's pool keeps its idle
+			// connections open, and the Set runs at most four background calls at once.
+			return openPostgres(ctx, c, 8)
 		}
 		desc = fmt.Sprintf("PostgreSQL, a database per tenant: %s_{%s}", dbname, strings.Join(names, ","))
 	}
@@ -162,17 +166,15 @@ func openSQLite(ctx context.Context, path string) (*sql.DB, error) {
 	return db, nil
 }
 
-// openPostgres opens the database of c.
-func openPostgres(ctx context.Context, c pq.Config) (*sql.DB, error) {
+// openPostgres opens the database of c with a pool of at most conns connections.
+func openPostgres(ctx context.Context, c pq.Config, conns int) (*sql.DB, error) {
 	conn, err := pq.NewConnectorConfig(c)
 	if err != nil {
 		return nil, err
 	}
 	db := sql.OpenDB(conn)
-	// A pool per tenant database: each keeps its idle connections open, so fewer than the one
-	// database's 32 (openDatabase).
-	db.SetMaxOpenConns(8)
-	db.SetMaxIdleConns(8)
+	db.SetMaxOpenConns(conns)
+	db.SetMaxIdleConns(conns)
 	if err := pingDB(ctx, db); err != nil {
 		return nil, fmt.Errorf("connect to PostgreSQL database %s: %w", c.Database, err)
 	}

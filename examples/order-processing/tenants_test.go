@@ -11,6 +11,9 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
 	"github.com/lib/pq"
 
 	"github.com/watermill-outbox/outbox/drivers/sqlite"
@@ -81,6 +84,40 @@ func TestTenantsOnPostgres(t *testing.T) {
 	// Neither the DSN's own database nor the unresolved member's has an orders table.
 	unresolved := open(unresolvedMember)
 	defer unresolved.Close()
+
+	// Messages that name no tenant of the service, sent to the broker (its tables are in the
+	// DSN's database), end as dead letters of the unresolved member, with the reason.
+	pub, err := (&sqlBroker{db: admin, logger: watermill.NopLogger{}}).Publisher()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pub.Close()
+	placed := []byte(`{"order_id":"o-1","customer":"ada@example.com","sku":"espresso-beans","quantity":1,"amount_cents":1890}`)
+	untagged, stranger := message.NewMessage(uuid.NewString(), placed), message.NewMessage(uuid.NewString(), placed)
+	stranger.Metadata.Set(metadataTenant, "initech")
+	if err := pub.Publish(topicOrderPlaced, untagged, stranger); err != nil {
+		t.Fatal(err)
+	}
+	waitUntil(t, "two dead letters in the unresolved member", func() (bool, string) {
+		rows, err := unresolved.Query(`SELECT message_id, consumer, reason FROM outbox_dead_letters ORDER BY dead_at`)
+		if err != nil {
+			return false, err.Error()
+		}
+		defer rows.Close()
+		var got []string
+		for rows.Next() {
+			var id, consumer, reason string
+			if err := rows.Scan(&id, &consumer, &reason); err != nil {
+				t.Fatal(err)
+			}
+			if consumer != "inventory" || !strings.Contains(reason, "resolves to no member") ||
+				(id != untagged.UUID && id != stranger.UUID) {
+				t.Fatalf("dead letter %s of %s: %q", id, consumer, reason)
+			}
+			got = append(got, id)
+		}
+		return len(got) == 2, fmt.Sprintf("dead letters %v", got)
+	})
 	for name, db := range map[string]*sql.DB{"the DSN's": admin, "the unresolved member's": unresolved} {
 		var none bool
 		if err := db.QueryRow(`SELECT to_regclass('orders') IS NULL`).Scan(&none); err != nil || !none {
