@@ -22,6 +22,7 @@ import (
 	"github.com/watermill-outbox/outbox"
 	"github.com/watermill-outbox/outbox/console"
 	"github.com/watermill-outbox/outbox/ops"
+	"github.com/watermill-outbox/outbox/tenant"
 )
 
 // api is the HTTP API: POST /orders places an order, GET /orders/{id} shows it, GET /metrics
@@ -32,6 +33,11 @@ type api struct {
 	metrics http.Handler // nil: no /metrics
 	health  http.Handler // nil: no /healthz
 	console http.Handler // nil: no /outbox/
+
+	// set, with -tenants, runs the units of work on its member named member (whose Outbox is
+	// ob, and whose database db); nil: on ob.
+	set    *tenant.Set
+	member string
 }
 
 func (a *api) routes() http.Handler {
@@ -136,7 +142,7 @@ func (a *api) placeOrder(w http.ResponseWriter, r *http.Request) {
 		ID: watermill.NewUUID(), Customer: req.Customer, SKU: req.SKU, Quantity: req.Quantity,
 		Status: "pending", CreatedAt: now, UpdatedAt: now, History: []HistoryEntry{},
 	}
-	err = inUnit(ctx, a.ob, func(ctx context.Context, tx unitTx) error {
+	err = a.inUnit(ctx, func(ctx context.Context, tx unitTx) error {
 		var price int64
 		err := tx.QueryRowContext(ctx, `SELECT price_cents FROM products WHERE sku = $1`, req.SKU).Scan(&price)
 		if errors.Is(err, sql.ErrNoRows) {
@@ -197,6 +203,17 @@ func (a *api) placeOrder(w http.ResponseWriter, r *http.Request) {
 	}
 	w.Header().Set("Location", "/orders/"+order.ID)
 	writeJSON(w, http.StatusCreated, order)
+}
+
+// inUnit runs fn in a unit of work at the boundary: on the tenant's member of the Set (which
+// Set.Remove waits for), its messages marked with the tenant so that the consumers' Set resolves
+// them; without tenants, on ob.
+func (a *api) inUnit(ctx context.Context, fn func(ctx context.Context, tx unitTx) error) error {
+	if a.set == nil {
+		return inUnit(ctx, a.ob, fn)
+	}
+	ctx = outbox.WithMetadata(ctx, metadataTenant, a.member)
+	return a.set.Do(ctx, a.member, func(ctx context.Context, ob *outbox.Outbox) error { return inUnit(ctx, ob, fn) })
 }
 
 func (a *api) getOrder(w http.ResponseWriter, r *http.Request) {

@@ -38,6 +38,7 @@ import (
 	"github.com/watermill-outbox/outbox/drivers/postgres"
 	"github.com/watermill-outbox/outbox/middleware"
 	"github.com/watermill-outbox/outbox/outboxdriver"
+	"github.com/watermill-outbox/outbox/tenant"
 )
 
 // config is what the flags and environment variables set.
@@ -59,6 +60,10 @@ type config struct {
 	afterDispatchFailure string
 	// relayMaxAttempts is outbox.Config.RelayMaxAttempts; 0: the default (10).
 	relayMaxAttempts int
+
+	// tenants, from -tenants: a database per tenant and one tenant.Set over their Outboxes
+	// (tenants.go); empty: one database.
+	tenants []string
 
 	// paymentTimeout is how long a reserved order waits for its payment; 0: the default.
 	paymentTimeout time.Duration
@@ -140,6 +145,9 @@ func parseFlags(args []string) (config, error) {
 		"how long a reserved order waits for its payment before it is cancelled and its stock released (0: %s, %s with -chaos)",
 		defaultPaymentWindow, defaultChaosPaymentWindow))
 
+	tenants := fs.String("tenants", env("ORDERS_TENANTS", ""),
+		"comma-separated tenant names, e.g. acme,globex: a database per tenant (SQLite or PostgreSQL), picked per request by the X-Tenant header; empty: one database (ORDERS_TENANTS)")
+
 	fs.BoolVar(&cfg.chaos, "chaos", false, "run the load-and-chaos check instead of serving")
 	fs.IntVar(&cfg.orders, "orders", 1000, "chaos: orders to place")
 	fs.IntVar(&cfg.malformed, "malformed", 3, "chaos: undecodable messages sent to the orders topic, ahead of and among the orders; each must become a dead letter")
@@ -155,6 +163,13 @@ func parseFlags(args []string) (config, error) {
 	fs.StringVar(&cfg.fault, "fault", "", "chaos: a fault to inject during the linger, while an order a second is placed: "+strings.Join(faults, ", "))
 	fs.DurationVar(&cfg.faultAfter, "fault-after", time.Minute, "chaos: when the -fault is injected, from the start of the linger")
 	if err := fs.Parse(args); err != nil {
+		return cfg, err
+	}
+	var err error
+	if cfg.tenants, err = parseTenants(*tenants); err != nil {
+		return cfg, err
+	}
+	if err := checkTenants(cfg); err != nil {
 		return cfg, err
 	}
 	switch {
@@ -220,6 +235,11 @@ type service struct {
 	afterDispatchFailure outbox.DispatchFailurePolicy
 	relayMaxAttempts     int
 
+	// tenantDBs and set, with -tenants: the members' databases and their Set (tenants.go). db is
+	// then the database of the -postgres DSN, or nil on SQLite, and holds no orders.
+	tenantDBs []tenantDB
+	set       *tenant.Set
+
 	// tune, when set, adjusts every outbox configuration (the chaos mode injects faults with it).
 	tune func(*outbox.Config)
 }
@@ -248,7 +268,13 @@ func openService(ctx context.Context, cfg config, ackWait time.Duration) (_ *ser
 		return nil, err
 	}
 	var dbDesc string
-	if s.db, s.pool, s.driver, dbDesc, err = openDatabase(ctx, cfg); err != nil {
+	if len(cfg.tenants) > 0 {
+		// A database per tenant, each with the business tables (tenants.go).
+		if dbDesc, err = s.openTenants(ctx, cfg); err != nil {
+			s.close()
+			return nil, err
+		}
+	} else if s.db, s.pool, s.driver, dbDesc, err = openDatabase(ctx, cfg); err != nil {
 		_ = s.meters.Shutdown(context.Background())
 		return nil, err
 	}
@@ -257,8 +283,10 @@ func openService(ctx context.Context, cfg config, ackWait time.Duration) (_ *ser
 			s.close()
 		}
 	}()
-	if err := createSchema(ctx, s.db, s.driver); err != nil {
-		return nil, err
+	if len(cfg.tenants) == 0 {
+		if err := createSchema(ctx, s.db, s.driver); err != nil {
+			return nil, err
+		}
 	}
 	brokerDesc := "embedded NATS JetStream in " + filepath.Join(cfg.dataDir, "nats")
 	switch {
@@ -291,7 +319,12 @@ func (s *service) close() {
 	if s.broker != nil {
 		_ = s.broker.Close()
 	}
-	_ = s.db.Close()
+	if s.db != nil {
+		_ = s.db.Close()
+	}
+	for _, t := range s.tenantDBs {
+		_ = t.db.Close()
+	}
 	if s.pool != nil {
 		s.pool.Close()
 	}
@@ -336,7 +369,8 @@ func (s *service) newOutbox(tune ...func(*outbox.Config)) (*outbox.Outbox, messa
 }
 
 // startConsumers runs every consumer on a new Router until stop is called. Each handler
-// is wrapped in the outbox middleware: its writes, the claim "this consumer processed this
+// is wrapped in the outbox middleware (of ob, or with -tenants of s.set, which runs each message
+// on its tenant's member): its writes, the claim "this consumer processed this
 // message" and the events it publishes commit in one transaction, and a redelivered copy skips the
 // handler. wrap, when set, decorates the handlers and adds outer middleware (the chaos mode).
 // running reports whether the Router still runs, for the readiness probe: the outbox's own checks
@@ -359,7 +393,14 @@ func startConsumers(ctx context.Context, s *service, ob *outbox.Outbox, wrap *ch
 		}
 		// WrapConsumer: the unit of work around the handler function itself, innermost whatever
 		// middleware the Router gets.
-		h := router.AddConsumerHandler(c.name, c.topic, sub, middleware.WrapConsumer(ob, handle))
+		var wrapped message.NoPublishHandlerFunc
+		if s.set != nil {
+			// -tenants: the Set runs each message on the member its metadata names.
+			wrapped = s.set.WrapConsumer(withTenant(handle))
+		} else {
+			wrapped = middleware.WrapConsumer(ob, handle)
+		}
+		h := router.AddConsumerHandler(c.name, c.topic, sub, wrapped)
 		if wrap != nil {
 			h.AddMiddleware(wrap.countDeliveries)
 		}
@@ -395,6 +436,9 @@ func startConsumers(ctx context.Context, s *service, ob *outbox.Outbox, wrap *ch
 
 // serve runs the service until ctx ends. ready, when set, receives the HTTP address once it listens.
 func serve(ctx context.Context, cfg config, out io.Writer, ready func(addr string)) error {
+	if len(cfg.tenants) > 0 {
+		return serveTenants(ctx, cfg, out, ready)
+	}
 	s, err := openService(ctx, cfg, 30*time.Second)
 	if err != nil {
 		return err
