@@ -48,7 +48,7 @@ func Example() {
 	events := gochannel.NewGoChannel(gochannel.Config{Persistent: true}, watermill.NopLogger{})
 	defer events.Close()
 
-	set, err := tenant.New(tenant.Config{Resolver: tenant.FromMetadata("tenant"), Unresolved: "unrouted"})
+	set, err := tenant.New(tenant.Config{Metadata: "tenant", Unresolved: "unrouted"})
 	if err != nil {
 		panic(err)
 	}

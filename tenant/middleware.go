@@ -51,7 +51,12 @@ func (sm *setMiddleware) wrap(next message.HandlerFunc) message.HandlerFunc {
 	return func(msg *message.Message) ([]*message.Message, error) {
 		name, err := s.resolve(msg)
 		var m *member
-		if err == nil {
+		switch {
+		case err != nil:
+		case name == s.cfg.Unresolved:
+			// Not a tenant: it keeps what the Set refuses, and a message naming it is refused too.
+			err = fmt.Errorf("%w: the message names the Unresolved member %q", ErrUnresolved, name)
+		default:
 			if m = s.enter(name); m == nil {
 				err = fmt.Errorf("%w: member %q is not in the Set", ErrUnresolved, name)
 			}
@@ -60,6 +65,9 @@ func (sm *setMiddleware) wrap(next message.HandlerFunc) message.HandlerFunc {
 			return nil, s.refuseMessage(w, msg, err)
 		}
 		defer m.leave()
+		parent := msg.Context()
+		msg.SetContext(s.stamp(parent, name))
+		defer msg.SetContext(parent)
 		return m.handler(w)(msg)
 	}
 }

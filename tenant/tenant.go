@@ -74,8 +74,16 @@ func FromTopic(name func(topic string) (string, error)) Resolver {
 
 // Config configures a Set.
 type Config struct {
-	// Resolver names the member of each incoming message. Required.
+	// Resolver names the member of each incoming message. Resolver or Metadata is required.
 	Resolver Resolver
+	// Metadata is the metadata key that carries the member's name on the messages of the Set.
+	// Without a Resolver, a message resolves by it (as with FromMetadata(Metadata)). And every
+	// message published in a member's unit of work (a handled message's, or one of InTx or Do:
+	// outbox.Publish, and the messages a handler returns) carries it, set to the member's name,
+	// unless the message sets it itself: the events a tenant's handler publishes resolve to the
+	// same tenant where they are consumed, through this Set or another. With FromMetadata and no
+	// Metadata, the events go without it, and their consumers refuse them as unresolved.
+	Metadata string
 	// Unresolved names the member that refuses the messages the Set cannot route: they are
 	// rejected in that member like a message whose ID cannot be read, so stored as its dead
 	// letters with the reason (or, as its Config says, sent to its PoisonTopic), and acked; an
@@ -143,7 +151,10 @@ type member struct {
 // New returns an empty Set.
 func New(cfg Config) (*Set, error) {
 	if cfg.Resolver == nil {
-		return nil, errors.New("tenant: Config.Resolver is required")
+		if cfg.Metadata == "" {
+			return nil, errors.New("tenant: Config.Resolver or Config.Metadata is required")
+		}
+		cfg.Resolver = FromMetadata(cfg.Metadata)
 	}
 	switch {
 	case cfg.Unresolved == "" && !cfg.NackUnresolved:
@@ -269,7 +280,15 @@ func (s *Set) Do(ctx context.Context, name string, fn func(ctx context.Context, 
 		return fmt.Errorf("%w: %q", ErrUnknownMember, name)
 	}
 	defer m.leave()
-	return fn(ctx, m.ob)
+	return fn(s.stamp(ctx, name), m.ob)
+}
+
+// stamp is ctx in which the messages published carry the member's name under Config.Metadata.
+func (s *Set) stamp(ctx context.Context, name string) context.Context {
+	if s.cfg.Metadata == "" {
+		return ctx
+	}
+	return outbox.WithMetadata(ctx, s.cfg.Metadata, name)
 }
 
 // enter returns member name with one more unit in flight, or nil when it is not a member.

@@ -206,13 +206,12 @@ func (a *api) placeOrder(w http.ResponseWriter, r *http.Request) {
 }
 
 // inUnit runs fn in a unit of work at the boundary: on the tenant's member of the Set (which
-// Set.Remove waits for), its messages marked with the tenant so that the consumers' Set resolves
-// them; without tenants, on ob.
+// Set.Remove waits for, and which marks its messages with the tenant, so that the consumers' Set
+// resolves them); without tenants, on ob.
 func (a *api) inUnit(ctx context.Context, fn func(ctx context.Context, tx unitTx) error) error {
 	if a.set == nil {
 		return inUnit(ctx, a.ob, fn)
 	}
-	ctx = outbox.WithMetadata(ctx, metadataTenant, a.member)
 	return a.set.Do(ctx, a.member, func(ctx context.Context, ob *outbox.Outbox) error { return inUnit(ctx, ob, fn) })
 }
 

@@ -396,7 +396,7 @@ func startConsumers(ctx context.Context, s *service, ob *outbox.Outbox, wrap *ch
 		var wrapped message.NoPublishHandlerFunc
 		if s.set != nil {
 			// -tenants: the Set runs each message on the member its metadata names.
-			wrapped = s.set.WrapConsumer(withTenant(handle))
+			wrapped = s.set.WrapConsumer(handle)
 		} else {
 			wrapped = middleware.WrapConsumer(ob, handle)
 		}

@@ -15,7 +15,6 @@ import (
 	"sync"
 	"time"
 
-	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/lib/pq"
 
 	"github.com/watermill-outbox/outbox"
@@ -33,7 +32,7 @@ import (
 // "unresolved", which has a database of its own too.
 
 const (
-	// metadataTenant is the metadata key that names a message's tenant (tenant.FromMetadata).
+	// metadataTenant is the metadata key that names a message's tenant (tenant.Config.Metadata).
 	metadataTenant = "tenant"
 	// headerTenant is the request header that names the tenant at the API.
 	headerTenant = "X-Tenant"
@@ -215,18 +214,6 @@ func createDatabase(ctx context.Context, db *sql.DB, name string) error {
 	return nil
 }
 
-// withTenant makes every message that h publishes carry the tenant of the message it handles:
-// the framework copies the correlation ID and the trace context onto them, not the tenant, and
-// without it the consumers of those messages could not resolve their member.
-func withTenant(h message.NoPublishHandlerFunc) message.NoPublishHandlerFunc {
-	return func(msg *message.Message) error {
-		parent := msg.Context()
-		msg.SetContext(outbox.WithMetadata(parent, metadataTenant, msg.Metadata.Get(metadataTenant)))
-		defer msg.SetContext(parent)
-		return h(msg)
-	}
-}
-
 // tenantAPI serves the API of every tenant: the X-Tenant header picks the tenant's api, whose
 // database holds its orders and whose units of work run on its member of the Set.
 type tenantAPI struct {
@@ -295,7 +282,9 @@ func serveTenants(ctx context.Context, cfg config, out io.Writer, ready func(add
 	}
 	defer s.close()
 
-	set, err := tenant.New(tenant.Config{Resolver: tenant.FromMetadata(metadataTenant), Unresolved: unresolvedMember, Logger: s.logger})
+	// Metadata: a message resolves by its "tenant", and what a member's units of work publish
+	// (its consumers' events, the API's OrderPlaced) carries the member's name under it.
+	set, err := tenant.New(tenant.Config{Metadata: metadataTenant, Unresolved: unresolvedMember, Logger: s.logger})
 	if err != nil {
 		return err
 	}
