@@ -237,7 +237,8 @@ type Config struct {
 
 	// Failpoint, when set, is called at each named step of a unit of work, a relay round and the
 	// relay's sweep of inline effects (see the Failpoint* constants, and docs/protocol.md for the steps); a
-	// non-nil error aborts the unit of work, round or sweep there as a crash would. For tests.
+	// non-nil error aborts the unit of work, round or sweep there as a crash would (a unit of work
+	// so aborted is not counted as a failed attempt: a dead process records nothing). For tests.
 	Failpoint func(ctx context.Context, point string) error
 }
 
