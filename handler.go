@@ -190,12 +190,38 @@ var errWaitForDatabase = errors.New("the database is unreachable")
 // that begins when the database answers again has the whole HandlerTimeout for its work:
 // sharing one, units woken late in theirs timed out in their handlers and were counted failed.
 func (o *Outbox) waitForDatabase(ctx context.Context) error {
-	if _, down := o.gate.outage(); !down {
+	if !o.gate.holding() {
 		return nil
 	}
 	ctx, cancel := context.WithTimeout(ctx, o.cfg.HandlerTimeout)
 	defer cancel()
 	return o.gate.wait(ctx)
+}
+
+// beginStall is how long a unit's BEGIN (a connection, BEGIN, the claim) goes unanswered before
+// the gate suspects that the database stalls (see dbGate.suspect). Longer than BEGIN takes on a
+// database that answers; short enough that the units beginning meanwhile, each with a connection
+// that hangs, are few.
+const beginStall = 500 * time.Millisecond
+
+// beginUnit begins a unit of work watched by the gate: a BEGIN unanswered for beginStall, or
+// one that its context's deadline ended, has the gate probe the database while the units after
+// it wait. A driver that ignores contexts while it connects (lib/pq) returns from a stalled
+// server only when the network gives up: without the watch every unit and InTx call meanwhile
+// opened one more such connection.
+func (o *Outbox) beginUnit(ctx context.Context, src *Source) (outboxdriver.UnitTx, outboxdriver.Claim, error) {
+	if o.gate == nil {
+		return o.units.BeginUnit(ctx, src)
+	}
+	watch := time.AfterFunc(beginStall, func() {
+		o.gate.suspect(fmt.Errorf("BEGIN had no answer within %s", beginStall))
+	})
+	tx, claim, err := o.units.BeginUnit(ctx, src)
+	watch.Stop()
+	if err != nil && errors.Is(err, context.DeadlineExceeded) {
+		o.gate.suspect(err)
+	}
+	return tx, claim, err
 }
 
 func (o *Outbox) handleOnce(msg *message.Message, src Source, p HandleParams, next message.HandlerFunc, lastTry bool, fields watermill.LogFields) error {
@@ -225,7 +251,7 @@ func (o *Outbox) handleOnce(msg *message.Message, src Source, p HandleParams, ne
 			return err
 		}
 	}
-	tx, claim, err := o.units.BeginUnit(txCtx, &src)
+	tx, claim, err := o.beginUnit(txCtx, &src)
 	if o.gate.observe(err) {
 		// The database is unreachable: Handle waits for it and runs the unit again.
 		return fmt.Errorf("%w: %w", errWaitForDatabase, err)
