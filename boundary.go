@@ -234,7 +234,7 @@ func (o *Outbox) beginBoundary(ctx, txCtx context.Context) (tx outboxdriver.Unit
 	}
 	if err != nil {
 		end()
-		if unreachable {
+		if unreachable || (errors.Is(err, context.DeadlineExceeded) && o.gate.holding()) {
 			return nil, nil, fmt.Errorf("%w: %w", ErrDatabaseUnreachable, err)
 		}
 		return nil, nil, fmt.Errorf("outbox: %w", err)

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"runtime/debug"
+	"sync"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -208,7 +209,9 @@ const beginStall = 500 * time.Millisecond
 // one that its context's deadline ended, has the gate probe the database while the units after
 // it wait. A driver that ignores contexts while it connects (lib/pq) returns from a stalled
 // server only when the network gives up: without the watch every unit and InTx call meanwhile
-// opened one more such connection.
+// opened one more such connection. The unit does not wait past its context for such a driver
+// either: its consumer would be held for the whole outage, with the other members' messages
+// behind it. The BEGIN left behind rolls back whatever it began.
 func (o *Outbox) beginUnit(ctx context.Context, src *Source) (outboxdriver.UnitTx, outboxdriver.Claim, error) {
 	if o.gate == nil {
 		return o.units.BeginUnit(ctx, src)
@@ -216,12 +219,42 @@ func (o *Outbox) beginUnit(ctx context.Context, src *Source) (outboxdriver.UnitT
 	watch := time.AfterFunc(beginStall, func() {
 		o.gate.suspect(fmt.Errorf("BEGIN had no answer within %s", beginStall))
 	})
-	tx, claim, err := o.units.BeginUnit(ctx, src)
-	watch.Stop()
-	if err != nil && errors.Is(err, context.DeadlineExceeded) {
-		o.gate.suspect(err)
+	defer watch.Stop()
+	type begun struct {
+		tx    outboxdriver.UnitTx
+		claim outboxdriver.Claim
+		err   error
 	}
-	return tx, claim, err
+	res := make(chan begun, 1)
+	var mu sync.Mutex
+	gaveUp := false
+	go func() {
+		tx, claim, err := o.units.BeginUnit(ctx, src)
+		mu.Lock()
+		defer mu.Unlock()
+		if !gaveUp {
+			res <- begun{tx, claim, err}
+		} else if err == nil {
+			_ = tx.Rollback(context.WithoutCancel(ctx))
+		}
+	}()
+	var r begun
+	select {
+	case r = <-res:
+	case <-ctx.Done():
+		mu.Lock()
+		select {
+		case r = <-res: // it returned meanwhile
+		default:
+			gaveUp = true
+			r = begun{err: fmt.Errorf("begin transaction: no answer before the context ended: %w", ctx.Err())}
+		}
+		mu.Unlock()
+	}
+	if r.err != nil && errors.Is(r.err, context.DeadlineExceeded) {
+		o.gate.suspect(r.err)
+	}
+	return r.tx, r.claim, r.err
 }
 
 func (o *Outbox) handleOnce(msg *message.Message, src Source, p HandleParams, next message.HandlerFunc, lastTry bool, fields watermill.LogFields) error {
@@ -255,6 +288,11 @@ func (o *Outbox) handleOnce(msg *message.Message, src Source, p HandleParams, ne
 	if o.gate.observe(err) {
 		// The database is unreachable: Handle waits for it and runs the unit again.
 		return fmt.Errorf("%w: %w", errWaitForDatabase, err)
+	}
+	if err != nil && txCtx.Err() != nil && o.gate.holding() {
+		// BEGIN had no answer until HandlerTimeout, and the gate suspects the database: nacked
+		// at once, as after a wait in the gate.
+		return fmt.Errorf("outbox: claim message %q for %q (not counted as a failed attempt): %w: %w", src.ID, src.Consumer, ErrDatabaseUnreachable, err)
 	}
 	if err != nil {
 		if o.isRetryable(err) && !lastTry {

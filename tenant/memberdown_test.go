@@ -304,8 +304,11 @@ func memberDown(t *testing.T, useSet, hang bool) {
 		t.Errorf("%d connection attempts in the second half of the outage, want at most %d", late, limit)
 	}
 	mustZero(t, "messages of the down member acked during the outage", ackedDownInOutage.Load())
-	if useSet && ackedAInOutage.Load() == 0 {
-		t.Errorf("no message of the other member was processed during the outage")
+	// Its messages share the consumers with the down member's, each of which holds one for up
+	// to HandlerTimeout (1 s): an eighth of those sent meanwhile at least, not only the handful
+	// in flight when the outage began (8, when a BEGIN that hangs held its consumer throughout).
+	if sentA := int64(outage / (40 * time.Millisecond)); useSet && ackedAInOutage.Load() < sentA/8 {
+		t.Errorf("%d messages of the other member processed during the outage, of %d sent; want at least %d", ackedAInOutage.Load(), sentA, sentA/8)
 	}
 	// A call whose connection the outage cut fails with it ("the next connection tells"); no
 	// call waits out its context unaware of the outage.
