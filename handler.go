@@ -289,9 +289,10 @@ func (o *Outbox) handleOnce(msg *message.Message, src Source, p HandleParams, ne
 		// The database is unreachable: Handle waits for it and runs the unit again.
 		return fmt.Errorf("%w: %w", errWaitForDatabase, err)
 	}
-	if err != nil && txCtx.Err() != nil && o.gate.holding() {
-		// BEGIN had no answer until HandlerTimeout, and the gate suspects the database: nacked
-		// at once, as after a wait in the gate.
+	if _, down := o.gate.outage(); err != nil && txCtx.Err() != nil && down {
+		// BEGIN had no answer until HandlerTimeout, and the database is found unreachable:
+		// nacked at once, as after a wait in the gate. A suspicion is not enough: a claim that
+		// waited for a copy's is suspected too, until the probe answers.
 		return fmt.Errorf("outbox: claim message %q for %q (not counted as a failed attempt): %w: %w", src.ID, src.Consumer, ErrDatabaseUnreachable, err)
 	}
 	if err != nil {
