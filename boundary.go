@@ -208,9 +208,14 @@ func (o *Outbox) InUnit(ctx context.Context, fn func(ctx context.Context) error)
 func (o *Outbox) beginBoundary(ctx, txCtx context.Context) (tx outboxdriver.UnitTx, end context.CancelFunc, err error) {
 	bound, end := context.WithCancel(txCtx)
 	stop := context.AfterFunc(ctx, end)
-	tx, _, err = o.units.BeginUnit(bound, nil)
-	o.gate.observe(err)
+	tx, _, err = o.beginUnit(bound, nil)
+	unreachable := o.gate.observe(err)
 	if !stop() {
+		if errors.Is(ctx.Err(), context.DeadlineExceeded) && err != nil {
+			// The caller's deadline, shorter than beginStall, ended BEGIN (cancelling bound):
+			// as telling as the stall itself.
+			o.gate.suspect(fmt.Errorf("BEGIN had no answer within the caller's deadline: %w", ctx.Err()))
+		}
 		// ctx ended before BEGIN returned: bound is cancelled, and a transaction begun on it is
 		// being rolled back (or will be, by the driver's watch).
 		if err == nil {
@@ -221,10 +226,17 @@ func (o *Outbox) beginBoundary(ctx, txCtx context.Context) (tx outboxdriver.Unit
 		if c := context.Cause(ctx); c != nil && !errors.Is(c, cause) {
 			cause = fmt.Errorf("%w (%w)", cause, c)
 		}
+		if o.gate.holding() {
+			// It waited for a database that does not answer: what the caller can tell apart.
+			cause = fmt.Errorf("%w: %w", ErrDatabaseUnreachable, cause)
+		}
 		return nil, nil, fmt.Errorf("outbox: InTx: the caller's context ended before the transaction began (waiting for a database connection, or BEGIN): %w", cause)
 	}
 	if err != nil {
 		end()
+		if unreachable || (errors.Is(err, context.DeadlineExceeded) && o.gate.holding()) {
+			return nil, nil, fmt.Errorf("%w: %w", ErrDatabaseUnreachable, err)
+		}
 		return nil, nil, fmt.Errorf("outbox: %w", err)
 	}
 	return tx, end, nil

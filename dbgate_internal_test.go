@@ -3,6 +3,7 @@ package outbox
 import (
 	"context"
 	"errors"
+	"fmt"
 	"sync/atomic"
 	"syscall"
 	"testing"
@@ -71,4 +72,60 @@ func waitForGate(t *testing.T, g *dbGate, wake func(), woken chan struct{}) {
 		}
 	}
 	t.Fatal(errors.New("the gate did not open"))
+}
+
+// A suspicion holds work back at once and probes at once; it is reported as an outage, from
+// when it was suspected, only when the probe fails, and a probe that succeeds ends it unreported.
+func TestGateSuspicionIsConfirmedByTheProbe(t *testing.T) {
+	var fail atomic.Bool
+	probed := make(chan struct{}, 8)
+	var changes []string
+	var changed atomic.Int32
+	g := &dbGate{minDelay: time.Hour, maxDelay: time.Hour, unreachable: unreachable,
+		probe: func(context.Context) error {
+			defer func() { probed <- struct{}{} }()
+			if fail.Load() {
+				return errors.New("no answer")
+			}
+			return nil
+		},
+		onChange: func(_ time.Time, _ int64, err error) {
+			changed.Add(1)
+			changes = append(changes, fmt.Sprint(err))
+		}}
+
+	g.suspect(errors.New("BEGIN had no answer"))
+	if !g.holding() {
+		t.Fatal("a suspicion does not hold work back")
+	}
+	if _, down := g.outage(); down {
+		t.Fatal("a suspicion is reported as an outage before its probe failed")
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	if err := g.wait(ctx); err != nil {
+		t.Fatalf("wait on a suspicion that the probe (due at once, not ReconnectDelay later) clears: %v", err)
+	}
+	if g.holding() || changed.Load() != 0 {
+		t.Fatalf("after a probe that succeeded: holding %v, %d changes reported (%v); want neither", g.holding(), changed.Load(), changes)
+	}
+
+	fail.Store(true)
+	began := time.Now()
+	g.suspect(errors.New("BEGIN had no answer"))
+	<-probed
+	<-probed
+	waitUntil := time.Now().Add(5 * time.Second)
+	for changed.Load() == 0 && time.Now().Before(waitUntil) {
+		time.Sleep(time.Millisecond)
+	}
+	out, down := g.outage()
+	if !down || out.Since.Before(began) || changed.Load() != 1 {
+		t.Fatalf("after a probe that failed: outage %+v (%v), %d changes reported; want one outage since the suspicion", out, down, changed.Load())
+	}
+	short, cancelShort := context.WithTimeout(context.Background(), 20*time.Millisecond)
+	defer cancelShort()
+	if err := g.wait(short); !errors.Is(err, ErrDatabaseUnreachable) {
+		t.Fatalf("wait in the confirmed outage: %v, want ErrDatabaseUnreachable", err)
+	}
 }

@@ -38,7 +38,8 @@ var (
 	// PoisonQueueWithFilter that sits outside the outbox middleware).
 	// ErrDatabaseUnreachable means a unit of work waited for the database, unreachable since the
 	// time the error names, until its context or HandlerTimeout ended: nothing of it ran, and the
-	// message is nacked without counting a failed attempt.
+	// message is nacked without counting a failed attempt. InTx also returns it at once when its
+	// BEGIN finds the database unreachable (the first failure of an outage).
 	ErrDatabaseUnreachable = errors.New("outbox: the database is unreachable")
 	ErrDispatchFailed      = errors.New("outbox: side effects committed but not all dispatched (kept, will be retried)")
 	// ErrEffectPanicked wraps a panic of the Publisher or of an applier; it counts as a failed dispatch.

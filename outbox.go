@@ -119,6 +119,13 @@ func New(cfg Config) (*Outbox, error) {
 		gate.unreachable = o.unreachable
 		gate.onAttempt = func() { o.tel.dbUnreachable.Add(context.Background(), 1, o.tel.own()) }
 		gate.onChange = o.reachabilityChanged
+		gate.poolFull = func() bool {
+			ps := cfg.DB.Stats()
+			return ps.MaxOpenConnections > 0 && ps.OpenConnections >= ps.MaxOpenConnections
+		}
+		if pr, ok := st.(outboxdriver.PoolReporter); ok {
+			gate.poolFull = pr.PoolFull
+		}
 	}
 	o.units = sqlUnits{db: cfg.DB, store: st, spilled: func(ctx context.Context) { o.tel.spills.Add(ctx, 1, o.tel.own()) }}
 	if us, ok := st.(outboxdriver.UnitStore); ok {

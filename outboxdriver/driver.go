@@ -506,6 +506,15 @@ type ReachabilityClassifier interface {
 	Unreachable(err error) bool
 }
 
+// PoolReporter is implemented by a Store whose units of work take their connections from a pool
+// of its own, not from Config.DB's (the pgx form's pgxpool). A unit slow to begin has the
+// framework probe the database, suspecting a server that stalls; while every connection of the
+// pool is taken, the unit waits for the pool, not the database, and no probe is made.
+type PoolReporter interface {
+	// PoolFull tells whether every connection the pool may hold is taken or being opened.
+	PoolFull() bool
+}
+
 // WritableChecker is implemented by a Store that can tell whether the server it reaches takes
 // writes. After a failover a connection can land on a standby (a stale address, a DNS name not
 // yet moved): every unit of work then fails, and a readiness probe must say why.

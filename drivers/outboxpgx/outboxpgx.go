@@ -166,6 +166,13 @@ type postgresStore interface {
 
 // pgxStore is the postgres driver's Store whose units of work run on pgx, with their effects
 // inline in the claim in the optimistic mode.
+// PoolFull implements outboxdriver.PoolReporter: a unit slow to begin while the pool is full
+// waits for a connection of it, not for the database.
+func (s *pgxStore) PoolFull() bool {
+	st := s.pool.Stat()
+	return st.AcquiredConns()+st.ConstructingConns() >= st.MaxConns()
+}
+
 type pgxStore struct {
 	postgresStore
 	db         *sql.DB // closed with the Store, when New opened it

@@ -1,0 +1,338 @@
+package tenant_test
+
+import (
+	"context"
+	"database/sql"
+	"database/sql/driver"
+	"errors"
+	"fmt"
+	"os"
+	"runtime"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/lib/pq"
+
+	"github.com/watermill-outbox/outbox"
+	"github.com/watermill-outbox/outbox/drivers/postgres"
+	"github.com/watermill-outbox/outbox/internal/pgproxy"
+	"github.com/watermill-outbox/outbox/internal/pgtest"
+	"github.com/watermill-outbox/outbox/middleware"
+	"github.com/watermill-outbox/outbox/tenant"
+)
+
+// dialCounter is a driver.Connector that counts, while armed, the connections opened through it
+// by the frame that asked for them: where the attempts that meet an outage come from.
+type dialCounter struct {
+	driver.Connector
+	armed atomic.Bool
+	mu    sync.Mutex
+	by    map[string]int
+}
+
+func (c *dialCounter) Connect(ctx context.Context) (driver.Conn, error) {
+	if c.armed.Load() {
+		c.mu.Lock()
+		c.by[dialCaller()]++
+		c.mu.Unlock()
+	}
+	return c.Connector.Connect(ctx)
+}
+
+// dialCaller names the first frame of the framework (or of the test) above database/sql.
+func dialCaller() string {
+	pcs := make([]uintptr, 64)
+	frames := runtime.CallersFrames(pcs[:runtime.Callers(3, pcs)])
+	var first string
+	for {
+		f, more := frames.Next()
+		fn := f.Function
+		if first == "" && !strings.HasPrefix(fn, "database/sql") && !strings.HasPrefix(fn, "runtime") {
+			first = fn
+		}
+		if strings.Contains(fn, "watermill-outbox/outbox") && !strings.Contains(fn, "drivers/postgres") {
+			return strings.TrimPrefix(fn, "github.com/watermill-outbox/outbox")
+		}
+		if !more {
+			return first
+		}
+	}
+}
+
+func (c *dialCounter) breakdown() string {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	keys := make([]string, 0, len(c.by))
+	for k := range c.by {
+		keys = append(keys, k)
+	}
+	slices.SortFunc(keys, func(a, b string) int { return c.by[b] - c.by[a] })
+	var sb strings.Builder
+	for _, k := range keys {
+		fmt.Fprintf(&sb, "\n\t%4d %s", c.by[k], k)
+	}
+	return sb.String()
+}
+
+// memberDownOutage is how long the database is down in TestMemberDownConnectionAttempts:
+// OUTBOX_OUTAGE_SECONDS, 4 s by default (docs/scaling.md has a run of 15 s).
+func memberDownOutage() time.Duration {
+	if s, _ := strconv.Atoi(os.Getenv("OUTBOX_OUTAGE_SECONDS")); s > 0 {
+		return time.Duration(s) * time.Second
+	}
+	return 4 * time.Second
+}
+
+// TestMemberDownConnectionAttempts takes the database of one member of two away (through
+// pgproxy) while eight consumers work on the messages of both, interleaved, redelivering a
+// nacked message after the others queued (as a broker does), and a REST endpoint calls InTx on
+// the down member every 100 ms; likewise for a single Outbox. While down, the only connections
+// the database meets are the gate's probes after the first burst of what was in flight: at most
+// one a second, nothing of the down member acked, the other member's messages processed; after
+// it every message is processed once.
+func TestMemberDownConnectionAttempts(t *testing.T) {
+	for _, set := range []bool{true, false} {
+		for _, hang := range []bool{false, true} {
+			name := map[bool]string{true: "Set", false: "Outbox"}[set] + map[bool]string{false: "/refused", true: "/hanging"}[hang]
+			t.Run(name, func(t *testing.T) { memberDown(t, set, hang) })
+		}
+	}
+}
+
+func memberDown(t *testing.T, useSet, hang bool) {
+	outage := memberDownOutage()
+	dbA := pgtest.DB(t)
+	proxy, dsnB, err := pgproxy.StartFor(pgtest.DSN(t))
+	if err != nil {
+		t.Skipf("no proxy: %v", err)
+	}
+	t.Cleanup(func() { _ = proxy.Close() })
+	conn, err := pq.NewConnector(dsnB)
+	if err != nil {
+		t.Fatal(err)
+	}
+	dials := &dialCounter{Connector: conn, by: map[string]int{}}
+	dbB := sql.OpenDB(dials)
+	t.Cleanup(func() { _ = dbB.Close() })
+
+	w := newWire()
+	// A HandlerTimeout of 1 s: a message of the down member waits that long for its database,
+	// then is nacked and goes back to the queue, behind the other member's.
+	member := func(db *sql.DB, pfx string) *outbox.Outbox {
+		ob, err := outbox.New(outbox.Config{DB: db, Driver: postgres.Driver{}, Publisher: w, TablePrefix: pfx,
+			RelayInterval: 50 * time.Millisecond, HandlerTimeout: time.Second})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := ob.Migrate(context.Background()); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := db.Exec(`CREATE TABLE ` + pfx + `orders (id text, tenant text)`); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = ob.Close() })
+		return ob
+	}
+	obB := member(dbB, "")
+	sh := newShop(func(string) string { return "orders" })
+	var handler func(*message.Message) error
+	var inTx func(ctx context.Context, fn func(context.Context, *sql.Tx) error) error
+	ctx, cancel := context.WithCancel(context.Background())
+	var bg sync.WaitGroup
+	defer func() { cancel(); bg.Wait() }()
+	tenants := []string{"b"}
+	if useSet {
+		tenants = []string{"a", "b"}
+		set := newSet(t, tenant.Config{}, map[string]*outbox.Outbox{"a": member(dbA, ""), "b": obB})
+		handler = set.WrapConsumer(sh.handle, middleware.WithConsumer("shop"))
+		inTx = func(ctx context.Context, fn func(context.Context, *sql.Tx) error) error {
+			return set.InTx(ctx, "b", fn)
+		}
+		bg.Add(1)
+		go func() { defer bg.Done(); _ = set.Run(ctx) }()
+	} else {
+		handler = func(msg *message.Message) error {
+			return obB.Handle(msg, outbox.HandleParams{Consumer: "shop", MessageID: msg.UUID}, func(msg *message.Message) ([]*message.Message, error) {
+				return nil, sh.handle(msg)
+			})
+		}
+		inTx = obB.InTx
+		bg.Add(1)
+		go func() { defer bg.Done(); _ = obB.Run(ctx) }()
+	}
+
+	// The consumers: eight handlers on one queue; a nacked message goes back at its end.
+	var down atomic.Bool
+	var ackedDownInOutage, ackedAInOutage, nacks atomic.Int64
+	var lastNack atomic.Value
+	queue := make(chan *message.Message, 10000)
+	var sent []string
+	var pending sync.WaitGroup
+	for range 8 {
+		bg.Add(1)
+		go func() {
+			defer bg.Done()
+			for {
+				var msg *message.Message
+				select {
+				case <-ctx.Done():
+					return
+				case msg = <-queue:
+				}
+				c := msg.Copy()
+				c.SetContext(ctx)
+				err := handler(c)
+				tn := msg.Metadata.Get("tenant")
+				switch {
+				case err == nil && down.Load() && tn == "b":
+					ackedDownInOutage.Add(1)
+				case err == nil && down.Load():
+					ackedAInOutage.Add(1)
+				}
+				if err != nil {
+					nacks.Add(1)
+					lastNack.Store(err.Error())
+					queue <- msg
+					continue
+				}
+				pending.Done()
+			}
+		}()
+	}
+	produce := func(n int) {
+		for range n {
+			for _, tn := range tenants {
+				id := fmt.Sprintf("%s-%d", tn, len(sent))
+				sent = append(sent, id)
+				pending.Add(1)
+				queue <- tenantMsg(id, tn)
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+	}
+	produce(10)
+	for deadline := time.Now().Add(30 * time.Second); len(rows(t, dbB, "orders")) == 0; time.Sleep(10 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("no message processed in 30 s; last nack: %v", lastNack.Load())
+		}
+	}
+
+	// The REST endpoint: a call every 100 ms, each on a request context of 2 s.
+	var restOK, restUnreachable, restStalled, restOther atomic.Int64
+	var restOtherErr atomic.Value
+	rest := func() {
+		rctx, rcancel := context.WithTimeout(ctx, 2*time.Second)
+		defer rcancel()
+		err := inTx(rctx, func(ctx context.Context, tx *sql.Tx) error {
+			_, err := tx.ExecContext(ctx, `SELECT 1`)
+			return err
+		})
+		switch {
+		case err == nil:
+			restOK.Add(1)
+		case errors.Is(err, outbox.ErrDatabaseUnreachable):
+			restUnreachable.Add(1)
+		case errors.Is(err, context.DeadlineExceeded):
+			restStalled.Add(1)
+			restOtherErr.Store(err.Error())
+		default:
+			restOther.Add(1)
+			restOtherErr.Store(err.Error())
+		}
+	}
+	restStop := make(chan struct{})
+	var restWG sync.WaitGroup
+	restWG.Add(1)
+	go func() {
+		defer restWG.Done()
+		tick := time.NewTicker(100 * time.Millisecond)
+		defer tick.Stop()
+		for {
+			select {
+			case <-restStop:
+				return
+			case <-tick.C:
+				restWG.Add(1)
+				go func() { defer restWG.Done(); rest() }()
+			}
+		}
+	}()
+
+	time.Sleep(300 * time.Millisecond)
+	proxy.SetHang(hang)
+	down.Store(true)
+	dials.armed.Store(true)
+	proxy.SetDown(true)
+	began := time.Now()
+	produce(int(outage / (20 * time.Millisecond) / 2))
+	time.Sleep(time.Until(began.Add(outage / 2)))
+	mid := proxy.Attempts()
+	time.Sleep(time.Until(began.Add(outage)))
+	attempts := proxy.Attempts()
+	dials.armed.Store(false)
+	down.Store(false)
+	proxy.SetDown(false)
+	proxy.SetHang(false)
+	t.Logf("%s outage: %d connection attempts (%d in its first half), %.1f a second; opened by:%s",
+		outage, attempts, mid, float64(attempts)/outage.Seconds(), dials.breakdown())
+	t.Logf("during it: %d nacks (last: %v), %d messages of the other member acked; InTx calls (from before it to after it): %d ok, %d unreachable, %d ended by their deadline, %d other (%v)",
+		nacks.Load(), lastNack.Load(), ackedAInOutage.Load(), restOK.Load(), restUnreachable.Load(), restStalled.Load(), restOther.Load(), restOtherErr.Load())
+
+	produce(10)
+	close(restStop)
+	restWG.Wait()
+	done := make(chan struct{})
+	go func() { pending.Wait(); close(done) }()
+	select {
+	case <-done:
+	case <-time.After(60 * time.Second):
+		t.Fatalf("messages not all processed 60 s after the outage; last nack: %v", lastNack.Load())
+	}
+
+	// A first burst of what was in flight when it began (eight units, the InTx calls of the
+	// first beginStall, the relay), then the probes: at most one a second.
+	if attempts > 20 {
+		t.Errorf("%d connection attempts met the %s outage, want at most 20", attempts, outage)
+	}
+	if late, limit := attempts-mid, int64(1+outage/time.Second/2); late > limit {
+		t.Errorf("%d connection attempts in the second half of the outage, want at most %d", late, limit)
+	}
+	mustZero(t, "messages of the down member acked during the outage", ackedDownInOutage.Load())
+	// Its messages share the consumers with the down member's, each of which holds one for up
+	// to HandlerTimeout (1 s): an eighth of those sent meanwhile at least, not only the handful
+	// in flight when the outage began (8, when a BEGIN that hangs held its consumer throughout).
+	if sentA := int64(outage / (40 * time.Millisecond)); useSet && ackedAInOutage.Load() < sentA/8 {
+		t.Errorf("%d messages of the other member processed during the outage, of %d sent; want at least %d", ackedAInOutage.Load(), sentA, sentA/8)
+	}
+	// A call whose connection the outage cut fails with it ("the next connection tells"); no
+	// call waits out its context unaware of the outage.
+	if n := restStalled.Load(); n > 0 {
+		t.Errorf("%d InTx calls ended by their deadline without ErrDatabaseUnreachable: %v", n, restOtherErr.Load())
+	}
+	if n := restOther.Load(); n > 3 {
+		t.Errorf("%d InTx calls failed otherwise than ErrDatabaseUnreachable, want at most the 3 whose connections were cut: %v", n, restOtherErr.Load())
+	}
+	for _, tn := range tenants {
+		var ids []string
+		for _, id := range sent {
+			if strings.HasPrefix(id, tn+"-") {
+				ids = append(ids, id)
+			}
+		}
+		db := map[string]*sql.DB{"a": dbA, "b": dbB}[tn]
+		checkTenant(t, db, "orders", tn, ids, sh, w)
+	}
+}
+
+func mustZero(t *testing.T, what string, n int64) {
+	t.Helper()
+	if n != 0 {
+		t.Errorf("%s: %d, want 0", what, n)
+	}
+}
