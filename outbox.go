@@ -39,6 +39,12 @@ type Outbox struct {
 	due   dueTimer      // wakes the relay when a delayed effect is due
 	marks *marker
 	tel   *telemetry
+	// busy ends the backoff of the statistics sampling: a commit, a notification, a relay pass
+	// that sent something. Its gauges then change, and are sampled every StatsInterval again.
+	busy engine.Wakeup
+	// statsPrev is the previous sample's Retained: only sampleStats, which the engine never runs
+	// twice at once, touches it.
+	statsPrev int64
 	// claimSeesDelayed: the store's claim reads when the next delayed effect is due
 	// (EffectClaim.Delayed), so a relay pass moves delayed effects only when one is due.
 	claimSeesDelayed atomic.Bool
@@ -328,11 +334,16 @@ func (o *Outbox) engineMember(name string, idleMax time.Duration) engine.Member 
 	}}
 	if idleMax > 0 {
 		// Rows expire only Retention after work: an idle member's cleanup finding nothing may
-		// wait up to ten intervals, and its statistics, unchanged without work, up to idleMax.
+		// wait up to ten intervals.
 		m.Tasks[1].IdleMax = idleCleanupIntervals * o.cfg.CleanupInterval
 	}
 	if o.cfg.StatsInterval > 0 {
-		m.Tasks = append(m.Tasks, engine.Task{Name: "stats sampling", Every: o.cfg.StatsInterval, IdleMax: idleMax, Run: outcome(o.sampleStats)})
+		// Its statistics, unchanged without work, are sampled less and less often too, up to
+		// statsIdleMax: with hundreds of idle members the samples were most of the statements of
+		// the process. Work in this process (busy) brings the sampling back to StatsInterval.
+		statsIdle := statsIdleMax(o.cfg.StatsInterval, idleMax)
+		o.tel.setStatsIdleMax(statsIdle)
+		m.Tasks = append(m.Tasks, engine.Task{Name: "stats sampling", Every: o.cfg.StatsInterval, IdleMax: statsIdle, Resume: &o.busy, Run: outcome(o.sampleStats)})
 	}
 	if o.cfg.Redrive.After > 0 && o.deadLetterStore() != nil {
 		m.Tasks = append(m.Tasks, engine.Task{Name: "dead-letter redrive", Every: min(o.cfg.Redrive.After, time.Minute), Run: worked(o.redriveOnce)})
@@ -345,6 +356,20 @@ func (o *Outbox) engineMember(name string, idleMax time.Duration) engine.Member 
 
 // idleCleanupIntervals bounds the backoff of an idle member's cleanup, in CleanupIntervals.
 const idleCleanupIntervals = 10
+
+// statsIdleCap bounds the backoff of an idle member's statistics sampling: half of the threshold
+// of the OutboxStatsStale alert (300 s), so that the sample age of an idle member never nears it.
+const statsIdleCap = 150 * time.Second
+
+// statsIdleMax is how far an idle member's statistics sampling backs off with idleMax (0: not at
+// all): up to ten StatsIntervals, at most statsIdleCap, and never less than idleMax (what it
+// was before, and what the relay backs off to).
+func statsIdleMax(interval, idleMax time.Duration) time.Duration {
+	if idleMax <= 0 {
+		return 0
+	}
+	return max(idleMax, min(idleCleanupIntervals*interval, statsIdleCap))
+}
 
 // outcome tells the engine whether a run of a periodic service found anything to do.
 func outcome(fn func(context.Context) (idle bool, err error)) func(context.Context) (engine.Outcome, error) {
@@ -362,6 +387,9 @@ func outcome(fn func(context.Context) (idle bool, err error)) func(context.Conte
 // the member backed off, since no wake-up comes for it.
 func (o *Outbox) relayTask(ctx context.Context) (engine.Outcome, error) {
 	idle, dueBy, err := o.relayOnce(ctx)
+	if err == nil && !idle {
+		o.busy.Wake() // effects were sent or moved: the gauges change
+	}
 	switch {
 	case err != nil || !idle:
 		return engine.Worked, err
@@ -544,7 +572,11 @@ func (o *Outbox) handoffsInFlight() bool {
 }
 
 // kickRelay wakes this process's relay without waiting for RelayInterval.
-func (o *Outbox) kickRelay() { o.kick.Wake() }
+// It also ends the backoff of the statistics sampling: what wakes the relay is work.
+func (o *Outbox) kickRelay() {
+	o.kick.Wake()
+	o.busy.Wake()
+}
 
 // oncePer lets one caller through per interval: for log lines that would otherwise repeat with
 // every message.
