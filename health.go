@@ -181,9 +181,11 @@ func (o *Outbox) Health(ctx context.Context) HealthReport {
 	return r
 }
 
-// healthStats returns the newest sample if it is recent (two StatsIntervals), or takes one.
+// healthStats returns the newest sample if it is recent (two StatsIntervals, and for an idle
+// member of a Set the longest wait for its next sample on top), or takes one: a probe every few
+// seconds must not sample each idle member that the sampling left alone.
 func (o *Outbox) healthStats(ctx context.Context, dbErr error) (Stats, error) {
-	if s := o.tel.lastStats(); s != nil && o.cfg.StatsInterval > 0 && time.Since(s.SampledAt) < 2*o.cfg.StatsInterval {
+	if s := o.tel.lastStats(); s != nil && o.cfg.StatsInterval > 0 && time.Since(s.SampledAt) < o.tel.idleGrace(2*o.cfg.StatsInterval) {
 		return *s, nil
 	}
 	if dbErr != nil {

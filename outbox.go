@@ -273,8 +273,9 @@ func (o *Outbox) shutdown(ctx context.Context, leave func(context.Context) error
 // them), and on leave the due timer stopped and the marks queued written.
 // With idleMax longer than RelayInterval, a relay pass that found nothing to send doubles the
 // wait before the next, up to idleMax; a commit of this process, a notification or a delayed
-// effect falling due wakes it at once. The statistics sampling backs off likewise while a sample
-// finds nothing waiting, and the cleanup up to ten CleanupIntervals while it deletes nothing.
+// effect falling due wakes it at once. The statistics sampling backs off while a sample finds
+// nothing waiting and nothing changed, up to statsIdleMax, until work in this process resumes it;
+// the cleanup up to ten CleanupIntervals while it deletes nothing.
 // leave takes the member off eng and waits for its runs in progress, which see their context
 // end, and then for the marks queued, up to ShutdownTimeout, as Run does (see shutdown).
 func (o *Outbox) JoinEngine(ctx context.Context, eng *engine.Engine, name string, idleMax time.Duration) (leave func() error, err error) {

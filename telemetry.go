@@ -508,13 +508,16 @@ func (t *telemetry) setStatsIdleMax(d time.Duration) {
 
 // staleAge is the age past which the last sample is stale: staleAfter, and for an idle sample
 // the longest wait for the next one on top of it.
-func (t *telemetry) staleAge() time.Duration {
+func (t *telemetry) staleAge() time.Duration { return t.idleGrace(t.staleAfter) }
+
+// idleGrace is d, plus the longest wait for the next sample when the last one was idle.
+func (t *telemetry) idleGrace(d time.Duration) time.Duration {
 	t.statsMu.Lock()
 	defer t.statsMu.Unlock()
 	if t.statsIdle {
-		return t.staleAfter + t.statsIdleMax
+		return d + t.statsIdleMax
 	}
-	return t.staleAfter
+	return d
 }
 
 // metadataCarrier reads and writes the W3C trace context in message metadata.
