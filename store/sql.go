@@ -1511,7 +1511,11 @@ func (s *SQL) statsLease(ctx context.Context, interval time.Duration) (leased bo
 	if q.StatsLeaseRead != "" {
 		var text sql.NullString
 		var ageMS sql.NullInt64
-		if err := s.db.QueryRowContext(ctx, q.StatsLeaseRead, interval.Milliseconds()).Scan(&leased, &text, &ageMS); err != nil {
+		err := s.db.QueryRowContext(ctx, q.StatsLeaseRead, interval.Milliseconds()).Scan(&leased, &text, &ageMS)
+		if errors.Is(err, sql.ErrNoRows) {
+			return false, nil, nil // no stats row: nothing to lease, as StatsLease finds
+		}
+		if err != nil {
 			return false, nil, fmt.Errorf("stats lease: %w", s.wrap(err))
 		}
 		stored, err = parseStored(text, ageMS)
