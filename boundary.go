@@ -64,7 +64,11 @@ func (o *Outbox) InUnit(ctx context.Context, fn func(ctx context.Context) error)
 	defer func() { endSpan(span, err) }()
 	// Every unit counts by its outcome; a panic in fn (re-panicking) counts as rolled back.
 	outcome := OutcomeRolledBack
-	defer func() { o.tel.boundaryUnits.Add(ctx, 1, o.tel.attrs(AttrOutcome, outcome, "", "")) }()
+	// Either way the member is in use: its statistics sampling keeps its pace (see busy).
+	defer func() {
+		o.tel.boundaryUnits.Add(ctx, 1, o.tel.attrs(AttrOutcome, outcome, "", ""))
+		o.busy.Wake()
+	}()
 	// While the database is unreachable the unit waits for it without a connection, on a
 	// HandlerTimeout of its own and while ctx lasts (see dbGate).
 	if err := o.waitForDatabase(ctx); err != nil {

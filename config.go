@@ -211,6 +211,8 @@ type Config struct {
 	// StatsInterval is how often the gauges that come from the database (pending and parked side
 	// effects, failing messages, retained IDs, cleanup lag; see Outbox.Stats) are sampled. One
 	// instance at a time takes the sample, at a bounded cost; every instance reports the newest.
+	// A member of a tenant.Set whose samples find nothing waiting and nothing changed is sampled
+	// less and less often, up to ten intervals (at most 150 s), until it works again.
 	// Default: 15 seconds. Negative: no sampling (those gauges are not reported).
 	StatsInterval time.Duration
 	// RedeliveryHorizon is how long after a message was first delivered the broker may still

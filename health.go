@@ -33,20 +33,31 @@ func (o *Outbox) Stats(ctx context.Context) (Stats, error) {
 // sampleStats refreshes the sample the gauges report: taken here if no other instance took one
 // within StatsInterval, read from the database otherwise.
 // It reports idle when the sample found nothing waiting (no pending, parked, delayed or failing
-// work, no dead letter, no cleanup lag): the gauges of an idle member change only when work comes.
+// work, no dead letter, no cleanup lag), nothing changed since the sample before (the retained
+// IDs) and no xmin horizon held for long: the gauges of such a member change only when work
+// comes, and the alert on the horizon needs its age while it is held.
 func (o *Outbox) sampleStats(ctx context.Context) (idle bool, err error) {
 	ctx, cancel := context.WithTimeout(ctx, storeTimeout)
 	defer cancel()
 	s, err := o.store.Stats(ctx, outboxdriver.StatsParams{Interval: o.cfg.StatsInterval, Retention: o.cfg.Retention})
 	if err != nil {
+		o.tel.statsFailed()
 		return false, err
 	}
 	if s.SampledAt.IsZero() {
 		return false, nil
 	}
-	o.tel.setStats(s)
-	return s.Pending == 0 && s.Parked == 0 && s.Delayed == 0 && s.Failing == 0 && s.DeadLetters == 0 && s.CleanupLag == 0, nil
+	prev := o.statsPrev
+	o.statsPrev = s.Retained
+	idle = s.Pending == 0 && s.Parked == 0 && s.Delayed == 0 && s.Failing == 0 && s.DeadLetters == 0 && s.CleanupLag == 0 &&
+		s.Retained == prev && (s.XminHold == nil || s.XminHold.Age < xminHeldLong)
+	o.tel.setSample(s, idle)
+	return idle, nil
 }
+
+// xminHeldLong is the age of a held xmin horizon past which a sample is not idle: an idle
+// member's samples, minutes apart, would make the OutboxXminHeld alert (600 s) late by as much.
+const xminHeldLong = time.Minute
 
 // HealthCheck is one check of a HealthReport.
 type HealthCheck struct {
@@ -170,9 +181,11 @@ func (o *Outbox) Health(ctx context.Context) HealthReport {
 	return r
 }
 
-// healthStats returns the newest sample if it is recent (two StatsIntervals), or takes one.
+// healthStats returns the newest sample if it is recent (two StatsIntervals, and for an idle
+// member of a Set the longest wait for its next sample on top), or takes one: a probe every few
+// seconds must not sample each idle member that the sampling left alone.
 func (o *Outbox) healthStats(ctx context.Context, dbErr error) (Stats, error) {
-	if s := o.tel.lastStats(); s != nil && o.cfg.StatsInterval > 0 && time.Since(s.SampledAt) < 2*o.cfg.StatsInterval {
+	if s := o.tel.lastStats(); s != nil && o.cfg.StatsInterval > 0 && time.Since(s.SampledAt) < o.tel.idleGrace(2*o.cfg.StatsInterval) {
 		return *s, nil
 	}
 	if dbErr != nil {

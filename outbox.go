@@ -40,6 +40,12 @@ type Outbox struct {
 	due   dueTimer      // wakes the relay when a delayed effect is due
 	marks *marker
 	tel   *telemetry
+	// busy ends the backoff of the statistics sampling: a commit, a notification, a relay pass
+	// that sent something. Its gauges then change, and are sampled every StatsInterval again.
+	busy engine.Wakeup
+	// statsPrev is the previous sample's Retained: only sampleStats, which the engine never runs
+	// twice at once, touches it.
+	statsPrev int64
 	// claimSeesDelayed: the store's claim reads when the next delayed effect is due
 	// (EffectClaim.Delayed), so a relay pass moves delayed effects only when one is due.
 	claimSeesDelayed atomic.Bool
@@ -275,8 +281,9 @@ func (o *Outbox) shutdown(ctx context.Context, leave func(context.Context) error
 // them), and on leave the due timer stopped and the marks queued written.
 // With idleMax longer than RelayInterval, a relay pass that found nothing to send doubles the
 // wait before the next, up to idleMax; a commit of this process, a notification or a delayed
-// effect falling due wakes it at once. The statistics sampling backs off likewise while a sample
-// finds nothing waiting, and the cleanup up to ten CleanupIntervals while it deletes nothing.
+// effect falling due wakes it at once. The statistics sampling backs off while a sample finds
+// nothing waiting and nothing changed, up to statsIdleMax, until work in this process resumes it;
+// the cleanup up to ten CleanupIntervals while it deletes nothing.
 // leave takes the member off eng and waits for its runs in progress, which see their context
 // end, and then for the marks queued, up to ShutdownTimeout, as Run does (see shutdown).
 func (o *Outbox) JoinEngine(ctx context.Context, eng *engine.Engine, name string, idleMax time.Duration) (leave func() error, err error) {
@@ -337,12 +344,17 @@ func (o *Outbox) engineMember(name string, idleMax time.Duration) engine.Member 
 	}}
 	if idleMax > 0 {
 		// Rows expire only Retention after work: an idle member's cleanup finding nothing may
-		// wait up to ten intervals, and its statistics, unchanged without work, up to idleMax.
+		// wait up to ten intervals.
 		m.Tasks[1].IdleMax = idleCleanupIntervals * o.cfg.CleanupInterval
 	}
 	if o.cfg.StatsInterval > 0 {
-		// A sample is one statement, bounded by storeTimeout itself.
-		m.Tasks = append(m.Tasks, engine.Task{Name: "stats sampling", Every: o.cfg.StatsInterval, IdleMax: idleMax,
+		// Its statistics, unchanged without work, are sampled less and less often too, up to
+		// statsIdleMax: with hundreds of idle members the samples were most of the statements of
+		// the process. Work in this process (busy) brings the sampling back to StatsInterval. A
+		// sample is a few statements, each bounded by storeTimeout.
+		statsIdle := statsIdleMax(o.cfg.StatsInterval, idleMax)
+		o.tel.setStatsIdleMax(statsIdle)
+		m.Tasks = append(m.Tasks, engine.Task{Name: "stats sampling", Every: o.cfg.StatsInterval, IdleMax: statsIdle, Resume: &o.busy,
 			Timeout: min(bound, storeTimeout), Run: outcome(o.sampleStats)})
 	}
 	if o.cfg.Redrive.After > 0 && o.deadLetterStore() != nil {
@@ -357,6 +369,20 @@ func (o *Outbox) engineMember(name string, idleMax time.Duration) engine.Member 
 
 // idleCleanupIntervals bounds the backoff of an idle member's cleanup, in CleanupIntervals.
 const idleCleanupIntervals = 10
+
+// statsIdleCap bounds the backoff of an idle member's statistics sampling: half of the threshold
+// of the OutboxStatsStale alert (300 s), so that the sample age of an idle member never nears it.
+const statsIdleCap = 150 * time.Second
+
+// statsIdleMax is how far an idle member's statistics sampling backs off with idleMax (0: not at
+// all): up to ten StatsIntervals, at most statsIdleCap, and never less than idleMax (what it
+// was before, and what the relay backs off to).
+func statsIdleMax(interval, idleMax time.Duration) time.Duration {
+	if idleMax <= 0 {
+		return 0
+	}
+	return max(idleMax, min(idleCleanupIntervals*interval, statsIdleCap))
+}
 
 // outcome tells the engine whether a run of a periodic service found anything to do.
 func outcome(fn func(context.Context) (idle bool, err error)) func(context.Context) (engine.Outcome, error) {
@@ -375,6 +401,9 @@ func outcome(fn func(context.Context) (idle bool, err error)) func(context.Conte
 func (o *Outbox) relayTask(ctx context.Context) (engine.Outcome, error) {
 	began := time.Now()
 	idle, dueBy, err := o.relayOnce(ctx)
+	if err == nil && !idle {
+		o.busy.Wake() // effects were sent or moved: the gauges change
+	}
 	switch {
 	case err == nil && !idle && passHalfOver(ctx, began):
 		return engine.More, nil // a pass cut short at half its bound: the next one goes on at once
@@ -569,7 +598,11 @@ func (o *Outbox) handoffsInFlight() bool {
 }
 
 // kickRelay wakes this process's relay without waiting for RelayInterval.
-func (o *Outbox) kickRelay() { o.kick.Wake() }
+// It also ends the backoff of the statistics sampling: what wakes the relay is work.
+func (o *Outbox) kickRelay() {
+	o.kick.Wake()
+	o.busy.Wake()
+}
 
 // oncePer lets one caller through per interval: for log lines that would otherwise repeat with
 // every message.

@@ -236,6 +236,11 @@ type telemetry struct {
 	// staleAfter is the age past which the database sample is stale: the age gauges then add
 	// the time since the sample (see observe).
 	staleAfter time.Duration
+	// statsIdleMax is how far the sampling backs off while its samples are idle (0: not at all),
+	// and statsIdle whether the last one was (statsMu): the next sample of an idle member may
+	// come statsIdleMax after it, so that sample is stale only staleAfter later than that.
+	statsIdleMax time.Duration
+	statsIdle    bool
 }
 
 // Bucket boundaries, in seconds.
@@ -353,7 +358,7 @@ func newTelemetry(o *Outbox) (*telemetry, error) {
 			var xacts int64
 			if h := s.XminHold; h != nil {
 				held, xacts = h.Age, h.Transactions
-				if age > t.staleAfter { // a stall must not hold the age at a healthy value
+				if age > t.staleAge() { // a stall must not hold the age at a healthy value
 					held += age
 				}
 			}
@@ -415,7 +420,7 @@ func staleAfter(interval time.Duration) time.Duration {
 // parked age and the cleanup lag, when not zero, age with time too.
 func (t *telemetry) aged(s Stats, age time.Duration) (oldestPending, oldestParked, cleanupLag time.Duration) {
 	oldestPending, oldestParked, cleanupLag = s.OldestPending, s.OldestParked, s.CleanupLag
-	if age <= t.staleAfter {
+	if age <= t.staleAge() {
 		return
 	}
 	oldestPending = max(oldestPending+age, age)
@@ -477,10 +482,42 @@ func (t *telemetry) lastStats() *Stats {
 	return t.stats
 }
 
-func (t *telemetry) setStats(s Stats) {
+func (t *telemetry) setStats(s Stats) { t.setSample(s, false) }
+
+// setSample stores sample s, and whether it was idle (the sampling then backs off).
+func (t *telemetry) setSample(s Stats, idle bool) {
 	t.statsMu.Lock()
 	defer t.statsMu.Unlock()
 	t.stats = &s
+	t.statsIdle = idle
+}
+
+// statsFailed notes a sample that failed: the sampling no longer backs off, and the last sample
+// is stale staleAfter after it was taken, as when it was not idle.
+func (t *telemetry) statsFailed() {
+	t.statsMu.Lock()
+	defer t.statsMu.Unlock()
+	t.statsIdle = false
+}
+
+func (t *telemetry) setStatsIdleMax(d time.Duration) {
+	t.statsMu.Lock()
+	defer t.statsMu.Unlock()
+	t.statsIdleMax = d
+}
+
+// staleAge is the age past which the last sample is stale: staleAfter, and for an idle sample
+// the longest wait for the next one on top of it.
+func (t *telemetry) staleAge() time.Duration { return t.idleGrace(t.staleAfter) }
+
+// idleGrace is d, plus the longest wait for the next sample when the last one was idle.
+func (t *telemetry) idleGrace(d time.Duration) time.Duration {
+	t.statsMu.Lock()
+	defer t.statsMu.Unlock()
+	if t.statsIdle {
+		return d + t.statsIdleMax
+	}
+	return d
 }
 
 // metadataCarrier reads and writes the W3C trace context in message metadata.

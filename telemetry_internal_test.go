@@ -154,3 +154,36 @@ func TestTelemetryStaleSampleAges(t *testing.T) {
 		t.Errorf("stats age %v s, want the sample's age", a)
 	}
 }
+
+// An idle member's sampling backs off (up to statsIdleMax): its last sample, minutes old, is not
+// stale while the next is not yet due, so its gauges do not age an empty backlog. A sample that
+// fails ends that: the sample is then stale staleAfter after it was taken, as any other.
+func TestTelemetryIdleSampleStaleLater(t *testing.T) {
+	tel, err := newTelemetry(&Outbox{cfg: Config{StatsInterval: 15 * time.Second}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	tel.setStatsIdleMax(statsIdleMax(15*time.Second, 30*time.Second))
+	tel.setSample(Stats{SampledAt: time.Now().Add(-140 * time.Second)}, true)
+	if a := observeGauges(t, tel)[MetricPendingOldestAge]; a != 0 {
+		t.Errorf("idle sample 140 s old, next due up to 150 s after it: oldest pending age %v s, want 0", a)
+	}
+	tel.statsFailed()
+	if a := observeGauges(t, tel)[MetricPendingOldestAge]; a < 140 {
+		t.Errorf("idle sample 140 s old, and the sample after it failed: oldest pending age %v s, want its age (140 s)", a)
+	}
+	tel.setSample(Stats{SampledAt: time.Now().Add(-240 * time.Second)}, true)
+	if a := observeGauges(t, tel)[MetricPendingOldestAge]; a < 240 {
+		t.Errorf("idle sample 240 s old, past the backoff (150 s) and a minute: oldest pending age %v s, want its age", a)
+	}
+	tel.setSample(Stats{SampledAt: time.Now().Add(-100 * time.Second)}, false)
+	if a := observeGauges(t, tel)[MetricPendingOldestAge]; a < 100 {
+		t.Errorf("a sample that found work, 100 s old: oldest pending age %v s, want its age (stale after a minute)", a)
+	}
+	if d := statsIdleMax(15*time.Second, 0); d != 0 {
+		t.Errorf("statsIdleMax without a backoff: %v, want 0", d)
+	}
+	if d := statsIdleMax(time.Minute, 30*time.Second); d != statsIdleCap {
+		t.Errorf("statsIdleMax(1m, 30s) = %v, want the cap %v (ten minutes would trip OutboxStatsStale)", d, statsIdleCap)
+	}
+}

@@ -169,12 +169,21 @@ type Queries struct {
 	StatsLease  string // (interval ms): takes the right to sample; affects one row if it was free
 	StatsWrite  string // (sample): stores a sample taken now
 	StatsRead   string // -> sample, its age in ms (no row before the first)
-	// VacuumSample -> one row per outbox table: its name without prefix, dead tuples, last
-	// autovacuum (NULL: never); and on every row the oldest holder of the xmin horizon (kind NULL
-	// when none): kind, xid as text, age in transactions, ms since its transaction began (NULL
-	// when unknown), pid, application name, state, name. It reads the server's statistics and
-	// activity only, never the tables. Empty when the dialect has no such horizon.
-	VacuumSample string
+	// StatsLeaseRead (interval ms), when set, is StatsLease and StatsRead in one statement ->
+	// whether the lease was taken, the sample stored (NULL before the first), its age in ms.
+	StatsLeaseRead string
+	// StatsSampleFull (count cap, retention ms), when set, is the sample in one statement ->
+	// StatsSample's columns, then DelayedStats's, the dead letters (as DeadLetters.Count), and
+	// the outbox tables' dead tuples as a JSON array of {table, dead, vacuumed_ms} (vacuumed_ms
+	// NULL: never), read from the server's statistics, never from the tables. Empty: the
+	// statements of their own, and no dead tuples.
+	StatsSampleFull string
+	// XminSample -> the oldest holder of the database's xmin horizon, no row when none: kind, xid
+	// as text, age in transactions, ms since its transaction began (NULL when unknown), pid,
+	// application name, state, name. It reads the server's activity only, and names no outbox
+	// table: the stores on one pool share one sample (xminShare). Empty when the dialect has no
+	// such horizon.
+	XminSample string
 
 	// AuditInsert (actor, action, target, detail, remote address) writes an entry of the audit table; empty when
 	// the dialect has none (then no audited change can be made).
@@ -273,6 +282,7 @@ type SQL struct {
 	closed    bool
 
 	pool poolerState
+	xmin *xminShare // the pool's xmin horizon sample; nil when the dialect has none
 }
 
 // poolerState is what Dialect.Pooler found; the check runs once, again after it could not ask.
@@ -297,7 +307,11 @@ func New(db *sql.DB, names Names, d Dialect) (*SQL, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &SQL{db: db, d: d, names: names, migrations: ms, stmts: map[string]*sql.Stmt{}, preparing: map[string]bool{}}, nil
+	s := &SQL{db: db, d: d, names: names, migrations: ms, stmts: map[string]*sql.Stmt{}, preparing: map[string]bool{}}
+	if d.Queries.XminSample != "" {
+		s.xmin = shareXmin(db)
+	}
+	return s, nil
 }
 
 // Names returns the table names.
@@ -307,6 +321,9 @@ func (s *SQL) Names() Names { return s.names }
 func (s *SQL) Close() error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	if !s.closed && s.xmin != nil {
+		unshareXmin(s.db)
+	}
 	s.closed = true
 	s.pool.mu.Lock()
 	s.pool.running = true // no background check starts after Close
@@ -1452,57 +1469,28 @@ type xminSample struct {
 // Stats implements outboxdriver.Store.
 func (s *SQL) Stats(ctx context.Context, p outboxdriver.StatsParams) (outboxdriver.Stats, error) {
 	q := s.d.Queries
+	var prev *storedSample // the sample stored before this one, when the lease read it
 	if p.Interval > 0 {
-		r, err := s.db.ExecContext(ctx, q.StatsLease, p.Interval.Milliseconds())
+		leased, stored, err := s.statsLease(ctx, p.Interval)
 		if err != nil {
-			return outboxdriver.Stats{}, fmt.Errorf("stats lease: %w", s.wrap(err))
-		}
-		if n, err := r.RowsAffected(); err != nil {
-			return outboxdriver.Stats{}, fmt.Errorf("stats lease: %w", err)
-		} else if n == 0 {
-			// Another process samples: read what it stored last.
-			var text string
-			var ageMS int64
-			if err := s.db.QueryRowContext(ctx, q.StatsRead).Scan(&text, &ageMS); err != nil && !errors.Is(err, sql.ErrNoRows) {
-				return outboxdriver.Stats{}, fmt.Errorf("read stats: %w", s.wrap(err))
-			}
-			if text == "" {
-				return outboxdriver.Stats{}, nil // none taken yet
-			}
-			var smp statsSample
-			if err := json.Unmarshal([]byte(text), &smp); err != nil {
-				return outboxdriver.Stats{}, fmt.Errorf("read stats: %w", err)
-			}
-			return smp.stats(time.Now().Add(-time.Duration(ageMS) * time.Millisecond)), nil
-		}
-	}
-	var smp statsSample
-	if q.VacuumSample != "" {
-		if err := s.sampleVacuum(ctx, &smp); err != nil {
 			return outboxdriver.Stats{}, err
 		}
-	}
-	err := s.db.QueryRowContext(ctx, q.StatsSample, outboxdriver.StatsCountCap, p.Retention.Milliseconds()).Scan(
-		&smp.Pending, &smp.OldestPendingMS, &smp.Parked, &smp.OldestParkedMS, &smp.Failing,
-		&smp.Retained, &smp.Estimated, &smp.CleanupLagMS)
-	if err != nil {
-		return outboxdriver.Stats{}, fmt.Errorf("sample stats: %w", s.wrap(err))
-	}
-	if q.DelayedStats != "" {
-		var overdue, overdueMS int64
-		if err := s.db.QueryRowContext(ctx, q.DelayedStats, outboxdriver.StatsCountCap).Scan(&smp.Delayed, &overdue, &overdueMS); err != nil {
-			return outboxdriver.Stats{}, fmt.Errorf("sample delayed effects: %w", s.wrap(err))
+		if !leased {
+			// Another process samples: what it stored last.
+			if stored == nil {
+				return outboxdriver.Stats{}, nil // none taken yet
+			}
+			return stored.smp.stats(time.Now().Add(-stored.age)), nil
 		}
-		// A delayed effect past its due time that no relay has moved is late like a pending one.
-		if overdue > 0 {
-			smp.Pending += overdue
-			smp.OldestPendingMS = max(smp.OldestPendingMS, overdueMS)
-		}
-		smp.Estimated = smp.Estimated || smp.Delayed >= outboxdriver.StatsCountCap
+		prev = stored
 	}
-	if s.d.DeadLetters.Count != "" {
-		if err := s.db.QueryRowContext(ctx, s.d.DeadLetters.Count, outboxdriver.StatsCountCap).Scan(&smp.DeadLetters); err != nil {
-			return outboxdriver.Stats{}, fmt.Errorf("count dead letters: %w", s.wrap(err))
+	var smp statsSample
+	if err := s.sampleCounts(ctx, p, &smp); err != nil {
+		return outboxdriver.Stats{}, err
+	}
+	if q.XminSample != "" {
+		if err := s.sampleXmin(ctx, p.Interval, &smp, prev); err != nil {
+			return outboxdriver.Stats{}, err
 		}
 	}
 	if p.Interval > 0 {
@@ -1515,6 +1503,134 @@ func (s *SQL) Stats(ctx context.Context, p outboxdriver.StatsParams) (outboxdriv
 		}
 	}
 	return smp.stats(time.Now()), nil
+}
+
+// errStoredSample: the sample stored cannot be parsed.
+var errStoredSample = errors.New("the stored sample cannot be parsed")
+
+// storedSample is a sample as read from the stats row, with its age.
+type storedSample struct {
+	smp statsSample
+	age time.Duration
+}
+
+// statsLease takes the right to sample for interval, and returns the sample stored when it read
+// it: always when it was not taken (nil before the first sample), and when the dialect reads it
+// in the same statement (StatsLeaseRead) otherwise.
+func (s *SQL) statsLease(ctx context.Context, interval time.Duration) (leased bool, stored *storedSample, err error) {
+	q := s.d.Queries
+	if q.StatsLeaseRead != "" {
+		var text sql.NullString
+		var ageMS sql.NullInt64
+		err := s.db.QueryRowContext(ctx, q.StatsLeaseRead, interval.Milliseconds()).Scan(&leased, &text, &ageMS)
+		if errors.Is(err, sql.ErrNoRows) {
+			return false, nil, nil // no stats row: nothing to lease, as StatsLease finds
+		}
+		if err != nil {
+			return false, nil, fmt.Errorf("stats lease: %w", s.wrap(err))
+		}
+		stored, err = parseStored(text, ageMS)
+		if err != nil && !leased {
+			return false, nil, err
+		}
+		return leased, stored, nil // a sample it could not parse is only carried on from
+	}
+	r, err := s.db.ExecContext(ctx, q.StatsLease, interval.Milliseconds())
+	if err != nil {
+		return false, nil, fmt.Errorf("stats lease: %w", s.wrap(err))
+	}
+	if n, err := r.RowsAffected(); err != nil {
+		return false, nil, fmt.Errorf("stats lease: %w", err)
+	} else if n > 0 {
+		return true, nil, nil
+	}
+	stored, err = s.readStored(ctx)
+	return false, stored, err
+}
+
+// readStored reads the sample stored (nil before the first).
+func (s *SQL) readStored(ctx context.Context) (*storedSample, error) {
+	var text sql.NullString
+	var ageMS sql.NullInt64
+	if err := s.db.QueryRowContext(ctx, s.d.Queries.StatsRead).Scan(&text, &ageMS); err != nil && !errors.Is(err, sql.ErrNoRows) {
+		return nil, fmt.Errorf("read stats: %w", s.wrap(err))
+	}
+	return parseStored(text, ageMS)
+}
+
+func parseStored(text sql.NullString, ageMS sql.NullInt64) (*storedSample, error) {
+	if !text.Valid || text.String == "" {
+		return nil, nil
+	}
+	var smp statsSample
+	if err := json.Unmarshal([]byte(text.String), &smp); err != nil {
+		return nil, fmt.Errorf("read stats: %w: %w", errStoredSample, err)
+	}
+	return &storedSample{smp: smp, age: time.Duration(max(ageMS.Int64, 0)) * time.Millisecond}, nil
+}
+
+// sampleCounts takes the counts of a sample into smp: in one statement where the dialect has
+// one (StatsSampleFull), in one for each part otherwise.
+func (s *SQL) sampleCounts(ctx context.Context, p outboxdriver.StatsParams, smp *statsSample) error {
+	q := s.d.Queries
+	var overdue, overdueMS int64
+	if q.StatsSampleFull != "" {
+		var tables sql.NullString
+		err := s.db.QueryRowContext(ctx, q.StatsSampleFull, outboxdriver.StatsCountCap, p.Retention.Milliseconds()).Scan(
+			&smp.Pending, &smp.OldestPendingMS, &smp.Parked, &smp.OldestParkedMS, &smp.Failing,
+			&smp.Retained, &smp.Estimated, &smp.CleanupLagMS, &smp.Delayed, &overdue, &overdueMS, &smp.DeadLetters, &tables)
+		if err != nil {
+			return fmt.Errorf("sample stats: %w", s.wrap(err))
+		}
+		var tv []struct {
+			Table      string
+			Dead       int64
+			VacuumedMS *int64 `json:"vacuumed_ms"`
+		}
+		if tables.Valid {
+			if err := json.Unmarshal([]byte(tables.String), &tv); err != nil {
+				return fmt.Errorf("sample dead tuples: %w", err)
+			}
+		}
+		smp.Tables = make([]outboxdriver.TableVacuum, 0, len(tv))
+		for _, t := range tv {
+			v := outboxdriver.TableVacuum{Table: t.Table, DeadTuples: t.Dead}
+			if t.VacuumedMS != nil {
+				v.LastAutovacuum = time.UnixMilli(*t.VacuumedMS)
+			}
+			smp.Tables = append(smp.Tables, v)
+		}
+		smp.addOverdue(overdue, overdueMS)
+		return nil
+	}
+	err := s.db.QueryRowContext(ctx, q.StatsSample, outboxdriver.StatsCountCap, p.Retention.Milliseconds()).Scan(
+		&smp.Pending, &smp.OldestPendingMS, &smp.Parked, &smp.OldestParkedMS, &smp.Failing,
+		&smp.Retained, &smp.Estimated, &smp.CleanupLagMS)
+	if err != nil {
+		return fmt.Errorf("sample stats: %w", s.wrap(err))
+	}
+	if q.DelayedStats != "" {
+		if err := s.db.QueryRowContext(ctx, q.DelayedStats, outboxdriver.StatsCountCap).Scan(&smp.Delayed, &overdue, &overdueMS); err != nil {
+			return fmt.Errorf("sample delayed effects: %w", s.wrap(err))
+		}
+		smp.addOverdue(overdue, overdueMS)
+	}
+	if s.d.DeadLetters.Count != "" {
+		if err := s.db.QueryRowContext(ctx, s.d.DeadLetters.Count, outboxdriver.StatsCountCap).Scan(&smp.DeadLetters); err != nil {
+			return fmt.Errorf("count dead letters: %w", s.wrap(err))
+		}
+	}
+	return nil
+}
+
+// addOverdue counts the delayed effects past their due time, which no relay has moved: late like
+// pending ones.
+func (smp *statsSample) addOverdue(overdue, overdueMS int64) {
+	if overdue > 0 {
+		smp.Pending += overdue
+		smp.OldestPendingMS = max(smp.OldestPendingMS, overdueMS)
+	}
+	smp.Estimated = smp.Estimated || smp.Delayed >= outboxdriver.StatsCountCap
 }
 
 func (smp statsSample) stats(at time.Time) outboxdriver.Stats {
@@ -1534,54 +1650,109 @@ func (smp statsSample) stats(at time.Time) outboxdriver.Stats {
 	return st
 }
 
-// sampleVacuum reads what holds back the xmin horizon and the dead tuples of the outbox tables
-// into smp. A slot's xmin, or a backend of another role whose transaction start the role may
-// not read, has no time of its own: how long it has been held is carried from the stored
-// sample while the same xmin stays held, so that an alert on the age sees it too.
-func (s *SQL) sampleVacuum(ctx context.Context, smp *statsSample) error {
-	// Prepared: planning the views it reads costs several times its execution.
-	rows, err := s.query(ctx, nil, s.d.Queries.VacuumSample)
-	if err != nil {
-		return fmt.Errorf("sample the xmin horizon and dead tuples: %w", s.wrap(err))
+// xminShare is the newest sample of the xmin horizon of one pool's database, which every store
+// on the pool reads (XminSample names no table): a process with the Outboxes of 200 tenants on
+// one pool asks the server once per StatsInterval, not 200 times.
+type xminShare struct {
+	sem  chan struct{} // held by the store that samples, so that the others wait for its sample
+	refs int           // stores open on the pool (xminShares.mu)
+	at   time.Time     // when hold was sampled; zero: never
+	hold *xminSample   // nil: nothing held
+}
+
+var xminShares = struct {
+	mu sync.Mutex
+	m  map[*sql.DB]*xminShare
+}{m: map[*sql.DB]*xminShare{}}
+
+// shareXmin returns the xmin share of db, counting one more store on it.
+func shareXmin(db *sql.DB) *xminShare {
+	xminShares.mu.Lock()
+	defer xminShares.mu.Unlock()
+	sh := xminShares.m[db]
+	if sh == nil {
+		sh = &xminShare{sem: make(chan struct{}, 1)}
+		xminShares.m[db] = sh
 	}
-	defer func() { _ = rows.Close() }()
-	smp.Tables = []outboxdriver.TableVacuum{}
-	for rows.Next() {
-		var t outboxdriver.TableVacuum
-		var vacuumed sql.NullTime
-		var kind, xid, app, state, name sql.NullString
-		var xacts, startedMS, pid sql.NullInt64
-		if err := rows.Scan(&t.Table, &t.DeadTuples, &vacuumed, &kind, &xid, &xacts, &startedMS, &pid, &app, &state, &name); err != nil {
-			return fmt.Errorf("sample the xmin horizon and dead tuples: %w", err)
+	sh.refs++
+	return sh
+}
+
+// unshareXmin counts one store less on db, forgetting its share with the last.
+func unshareXmin(db *sql.DB) {
+	xminShares.mu.Lock()
+	defer xminShares.mu.Unlock()
+	if sh := xminShares.m[db]; sh != nil {
+		if sh.refs--; sh.refs <= 0 {
+			delete(xminShares.m, db)
 		}
-		t.LastAutovacuum = vacuumed.Time
-		smp.Tables = append(smp.Tables, t)
-		if kind.Valid && smp.Xmin == nil {
-			smp.Xmin = &xminSample{XminHold: outboxdriver.XminHold{
-				Holder: kind.String, Xmin: xid.String, Transactions: xacts.Int64, PID: int(pid.Int64),
-				ApplicationName: app.String, State: state.String, Name: name.String,
-			}, StartedMS: -1}
-			if startedMS.Valid {
-				smp.Xmin.StartedMS = startedMS.Int64
-			}
+	}
+}
+
+// sampleXmin reads what holds back the xmin horizon into smp: the pool's shared sample when
+// another store took it within interval, a new one otherwise (always when interval is 0: a
+// sample asked for now). A slot's xmin, or a backend of another role whose transaction start
+// the role may not read, has no time of its own: how long it has been held is carried from the
+// stored sample (prev, or read now) while the same xmin stays held, so that an alert on the age
+// sees it too.
+func (s *SQL) sampleXmin(ctx context.Context, interval time.Duration, smp *statsSample, prev *storedSample) error {
+	sh := s.xmin
+	select {
+	case sh.sem <- struct{}{}:
+	case <-ctx.Done():
+		return fmt.Errorf("sample the xmin horizon: waiting for the pool's sample: %w", ctx.Err())
+	}
+	hold, at := sh.hold, sh.at
+	if interval <= 0 || at.IsZero() || time.Since(at) >= interval {
+		var err error
+		if hold, err = s.queryXmin(ctx); err != nil {
+			<-sh.sem
+			return err
 		}
+		at = time.Now()
+		sh.hold, sh.at = hold, at
 	}
-	if err := rows.Err(); err != nil {
-		return fmt.Errorf("sample the xmin horizon and dead tuples: %w", s.wrap(err))
-	}
-	if smp.Xmin == nil {
+	<-sh.sem
+	if hold == nil {
 		return nil
 	}
-	var text sql.NullString
-	var ageMS sql.NullInt64
-	if err := s.db.QueryRowContext(ctx, s.d.Queries.StatsRead).Scan(&text, &ageMS); err != nil && !errors.Is(err, sql.ErrNoRows) {
-		return fmt.Errorf("read stats: %w", s.wrap(err))
+	h := *hold // the share's is not changed: other stores read it
+	if h.StartedMS >= 0 {
+		h.StartedMS += time.Since(at).Milliseconds()
 	}
-	var prev statsSample
-	if text.Valid && json.Unmarshal([]byte(text.String), &prev) == nil && prev.Xmin != nil && prev.Xmin.Xmin == smp.Xmin.Xmin {
-		smp.Xmin.SeenMS = prev.Xmin.SeenMS + max(ageMS.Int64, 0)
+	smp.Xmin = &h
+	if prev == nil {
+		var err error
+		if prev, err = s.readStored(ctx); err != nil && !errors.Is(err, errStoredSample) {
+			return err
+		} // a sample it cannot parse is not carried on from
+	}
+	if prev != nil && prev.smp.Xmin != nil && prev.smp.Xmin.Xmin == h.Xmin {
+		h.SeenMS = prev.smp.Xmin.SeenMS + prev.age.Milliseconds()
 	}
 	return nil
+}
+
+// queryXmin reads the oldest holder of the database's xmin horizon (nil: none).
+func (s *SQL) queryXmin(ctx context.Context) (*xminSample, error) {
+	var kind, xid, app, state, name sql.NullString
+	var xacts, startedMS, pid sql.NullInt64
+	// Prepared: planning the views it reads costs several times its execution.
+	err := s.queryRow(ctx, nil, s.d.Queries.XminSample, nil, &kind, &xid, &xacts, &startedMS, &pid, &app, &state, &name)
+	if errors.Is(err, sql.ErrNoRows) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, fmt.Errorf("sample the xmin horizon: %w", s.wrap(err))
+	}
+	h := &xminSample{XminHold: outboxdriver.XminHold{
+		Holder: kind.String, Xmin: xid.String, Transactions: xacts.Int64, PID: int(pid.Int64),
+		ApplicationName: app.String, State: state.String, Name: name.String,
+	}, StartedMS: -1}
+	if startedMS.Valid {
+		h.StartedMS = startedMS.Int64
+	}
+	return h, nil
 }
 
 // QueryPrepared runs query in tx as a statement prepared per connection (as the store's hot

@@ -263,3 +263,104 @@ func TestSetIdleRelayWakesAtLeaseEnd(t *testing.T) {
 		t.Errorf("the effect went out %s after its lease ended (sent: %d), want within 1 s (IdleMax 20 s)", late.Round(time.Millisecond), w.count(id))
 	}
 }
+
+// sampleCounter counts the statistics samples of a member and keeps the last one.
+type sampleCounter struct {
+	postgres.Driver
+	mu      sync.Mutex
+	samples []outboxdriver.Stats
+}
+
+func (d *sampleCounter) Open(db *sql.DB, opts outboxdriver.StoreOptions) (outboxdriver.Store, error) {
+	st, err := d.Driver.Open(db, opts)
+	if err != nil {
+		return nil, err
+	}
+	ds, _ := st.(outboxdriver.DelayedStore)
+	return &sampleStore{Store: st, DelayedStore: ds, d: d}, nil
+}
+
+// since returns the samples taken after t.
+func (d *sampleCounter) since(t time.Time) []outboxdriver.Stats {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	var out []outboxdriver.Stats
+	for _, s := range d.samples {
+		if s.SampledAt.After(t) {
+			out = append(out, s)
+		}
+	}
+	return out
+}
+
+type sampleStore struct {
+	outboxdriver.Store
+	outboxdriver.DelayedStore
+	d *sampleCounter
+}
+
+func (s *sampleStore) Stats(ctx context.Context, p outboxdriver.StatsParams) (outboxdriver.Stats, error) {
+	st, err := s.Store.Stats(ctx, p)
+	if err == nil && p.Interval > 0 {
+		s.d.mu.Lock()
+		s.d.samples = append(s.d.samples, st)
+		s.d.mu.Unlock()
+	}
+	return st, err
+}
+
+// An idle member's statistics sampling backs off past IdleMax, up to ten StatsIntervals: nothing
+// changes in its tables. A commit of the process brings it back to StatsInterval at once, so
+// that its gauges show the change one interval later, not a backed-off one.
+func TestSetIdleMemberSamplesRarely(t *testing.T) {
+	db := pgtest.DB(t)
+	w := newWire()
+	d := &sampleCounter{}
+	const every = 200 * time.Millisecond
+	ob, err := outbox.New(outbox.Config{DB: db, Driver: d, Publisher: w, TablePrefix: "s_", StatsInterval: every})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := ob.Migrate(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = ob.Close() })
+	// IdleMax 400 ms: the relay backs off to it, the sampling to ten StatsIntervals (2 s).
+	set := newSet(t, tenant.Config{IdleMax: 2 * every}, map[string]*outbox.Outbox{"a": ob})
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- set.Run(ctx) }()
+	defer func() { cancel(); <-done }()
+
+	// Samples at 0, 0.4, 1.2, 2.8, 4.8 s, then every 2 s.
+	time.Sleep(5 * time.Second)
+	from := time.Now()
+	time.Sleep(4 * time.Second)
+	if n := len(d.since(from)); n > 3 {
+		t.Fatalf("an idle member was sampled %d times in 4 s; want 2 (every ten StatsIntervals, 2 s), not every IdleMax (400 ms: 10)", n)
+	}
+
+	committed := time.Now()
+	if err := set.InTx(context.Background(), "a", func(ctx context.Context, _ *sql.Tx) error {
+		return outbox.Publish(outbox.WithDelay(ctx, time.Hour), "events", message.NewMessage(fmt.Sprint("later-", committed.UnixNano()), nil))
+	}); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, "a sample that shows the delayed effect", func() bool {
+		for _, s := range d.since(committed) {
+			if s.Delayed == 1 {
+				return true
+			}
+		}
+		return false
+	})
+	if took := time.Since(committed); took > 4*every {
+		t.Errorf("the delayed effect showed in a sample %s after its commit; want within about StatsInterval (200 ms), not the backoff's 2 s", took)
+	}
+	// Something waits now: every StatsInterval again.
+	from = time.Now()
+	time.Sleep(2 * time.Second)
+	if n := len(d.since(from)); n < 6 {
+		t.Errorf("%d samples in 2 s of a member with a delayed effect waiting; want about 10 (StatsInterval 200 ms)", n)
+	}
+}

@@ -110,9 +110,12 @@ type Config struct {
 	// notification wakes the member's relay at once; effects committed by another process that
 	// does not notify (no ListenDSN) wait up to IdleMax. On PostgreSQL a pass that sees effects
 	// leased (by a relay that crashed) or backing off has the next pass when the first of them
-	// falls due, whatever the backoff. The member's statistics sampling backs
-	// off likewise while it finds nothing waiting, and its cleanup, while it deletes nothing, up
-	// to ten CleanupIntervals. Default: DefaultIdleMax; negative: no backoff.
+	// falls due, whatever the backoff. The member's statistics sampling backs off while it finds
+	// nothing waiting and nothing changed, further: up to ten StatsIntervals, at most 150 s (half
+	// of the OutboxStatsStale alert's threshold), or IdleMax if longer; a commit, a message
+	// handled, a notification or a relay pass that sent something brings it back to
+	// StatsInterval. Its cleanup backs off, while it deletes nothing, up to ten
+	// CleanupIntervals. Default: DefaultIdleMax; negative: no backoff.
 	IdleMax time.Duration
 }
 

@@ -424,7 +424,7 @@ func queries(n store.Names, deleteDispatched bool, gen *Generation) store.Querie
 	// included, which hold them back).
 	unparked := `dispatched_at IS NULL AND parked_at IS NULL`
 	backedOff := unparked + ` AND next_attempt_at = backoff_until AND next_attempt_at > now()`
-	return store.Queries{
+	q := store.Queries{
 		// The claim's CTE and the SELECT see one snapshot, taken when the statement began: a
 		// conflicting claim the SELECT cannot see was committed while the INSERT waited for it, by
 		// a copy processed at the same moment. The look-up runs only when the INSERT claimed
@@ -822,19 +822,17 @@ func queries(n store.Names, deleteDispatched bool, gen *Generation) store.Querie
 		StatsRead: `SELECT sample, (extract(epoch FROM now() - sampled_at) * 1000)::bigint FROM ` + n.Stats + `
 			WHERE id = 1 AND sample IS NOT NULL`,
 
-		// What holds back the xmin horizon, for the tables of this database: a backend of this
-		// database (on PostgreSQL 14 and later those of other databases do not hold back its
-		// tables; a walsender carrying a standby's hot_standby_feedback has no database), a
-		// backend's own xid counting as its xmin (a session idle in transaction after a write
-		// has no snapshot but holds its xid), a slot's xmin (a logical slot's catalog_xmin holds
-		// back the catalogs only), a prepared transaction. backend_xmin, backend_xid, pid and
-		// application_name are readable for every session; xact_start and state only for the
-		// role's own sessions, or with pg_read_all_stats. A VACUUM shows an xmin that holds
-		// nothing back (the server leaves vacuums out of the horizon): its pid, which
-		// pg_stat_progress_vacuum shows to every role, is left out. The dead tuples come from the
-		// statistics functions, by oid: no table is read.
-		VacuumSample: `WITH h AS (
-				SELECT 'backend' AS kind,
+		// What holds back the xmin horizon of this database: a backend of this database (on
+		// PostgreSQL 14 and later those of other databases do not hold back its tables; a
+		// walsender carrying a standby's hot_standby_feedback has no database), a backend's own
+		// xid counting as its xmin (a session idle in transaction after a write has no snapshot
+		// but holds its xid), a slot's xmin (a logical slot's catalog_xmin holds back the catalogs
+		// only), a prepared transaction. backend_xmin, backend_xid, pid and application_name are
+		// readable for every session; xact_start and state only for the role's own sessions, or
+		// with pg_read_all_stats. A VACUUM shows an xmin that holds nothing back (the server
+		// leaves vacuums out of the horizon): its pid, which pg_stat_progress_vacuum shows to
+		// every role, is left out. It names no outbox table: the Outboxes of one pool share it.
+		XminSample: `SELECT 'backend' AS kind,
 					CASE WHEN backend_xid IS NOT NULL AND age(backend_xid) >= coalesce(age(backend_xmin), 0)
 						THEN backend_xid ELSE backend_xmin END::text AS xid,
 					greatest(age(backend_xid), age(backend_xmin))::bigint AS xacts,
@@ -852,9 +850,24 @@ func queries(n store.Names, deleteDispatched bool, gen *Generation) store.Querie
 				SELECT 'prepared_transaction', transaction::text, age(transaction)::bigint,
 					(extract(epoch FROM now() - prepared) * 1000)::bigint, NULL, NULL, NULL, gid
 				FROM pg_prepared_xacts WHERE database = current_database()
-				ORDER BY 3 DESC LIMIT 1)
-			SELECT t.name, coalesce(p.dead, pg_stat_get_dead_tuples(t.oid), 0), coalesce(p.vacuumed, pg_stat_get_last_autovacuum_time(t.oid)),
-				h.kind, h.xid, h.xacts, h.started_ms, h.pid, h.app, h.state, h.name
+				ORDER BY 3 DESC LIMIT 1`,
+		// The lease and the sample stored, in one statement: the sample is the one before the
+		// lease (a lease changes leased_at only), which the xmin horizon's age carries on from.
+		StatsLeaseRead: `WITH l AS (UPDATE ` + n.Stats + ` SET leased_at = now() WHERE id = 1 AND leased_at < now() - ` + ms("$1") + ` RETURNING 1)
+			SELECT EXISTS (SELECT 1 FROM l), sample, (extract(epoch FROM now() - sampled_at) * 1000)::bigint
+			FROM ` + n.Stats + ` WHERE id = 1`,
+
+		AuditInsert: `INSERT INTO ` + n.Audit + ` (actor, action, target, detail, remote_addr) VALUES ($1, $2, $3, $4, $5)`,
+		RecordServiceConfig: `UPDATE ` + n.Stats + ` SET retention_ms = $1, effect_retention_ms = $2,
+			redelivery_horizon_ms = $3, config_at = now() WHERE id = 1`,
+	}
+	// A sample in one statement (each round trip of an idle member's sample is a transaction
+	// of the server's, two with lib/pq's parameters): StatsSample, DelayedStats, the dead
+	// letters counted as DeadLetters.Count does, and the outbox tables' dead tuples and last
+	// autovacuums as JSON, from the statistics functions, by oid (no table is read).
+	q.StatsSampleFull = `SELECT s.*, d.*, (SELECT count(*) FROM (SELECT 1 FROM ` + n.DeadLetters + ` WHERE state = 'dead' LIMIT $1) dl),
+			(SELECT json_agg(json_build_object('table', t.name, 'dead', coalesce(p.dead, pg_stat_get_dead_tuples(t.oid), 0),
+				'vacuumed_ms', (extract(epoch FROM coalesce(p.vacuumed, pg_stat_get_last_autovacuum_time(t.oid))) * 1000)::bigint) ORDER BY t.name)
 			FROM (VALUES ('effects', '` + n.Effects + `'::regclass), ('processed', '` + n.Processed + `'::regclass),
 				('dispatched', '` + n.Dispatched + `'::regclass), ('delayed', '` + n.Delayed + `'::regclass),
 				('attempts', '` + n.Attempts + `'::regclass), ('idempotency', '` + n.Idempotency + `'::regclass),
@@ -863,14 +876,9 @@ func queries(n store.Names, deleteDispatched bool, gen *Generation) store.Querie
 			-- dead tuples are summed, and the latest of their autovacuums taken.
 			LEFT JOIN LATERAL (SELECT sum(pg_stat_get_dead_tuples(l.relid)) AS dead,
 					max(pg_stat_get_last_autovacuum_time(l.relid)) AS vacuumed
-				FROM pg_partition_tree(t.oid) l WHERE l.isleaf HAVING count(*) > 0) p ON true
-			LEFT JOIN h ON true
-			ORDER BY t.name`,
-
-		AuditInsert: `INSERT INTO ` + n.Audit + ` (actor, action, target, detail, remote_addr) VALUES ($1, $2, $3, $4, $5)`,
-		RecordServiceConfig: `UPDATE ` + n.Stats + ` SET retention_ms = $1, effect_retention_ms = $2,
-			redelivery_horizon_ms = $3, config_at = now() WHERE id = 1`,
-	}
+				FROM pg_partition_tree(t.oid) l WHERE l.isleaf HAVING count(*) > 0) p ON true)
+		FROM (` + q.StatsSample + `) s, (` + q.DelayedStats + `) d`
+	return q
 }
 
 // namesOf returns the validated names of schema (empty: DefaultSchema) and prefix.

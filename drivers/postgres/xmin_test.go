@@ -5,6 +5,7 @@ import (
 	"crypto/rand"
 	"database/sql"
 	"encoding/hex"
+	"io"
 	"net/url"
 	"testing"
 	"time"
@@ -255,10 +256,10 @@ func TestStatsXminOfAnotherRoleAgesAcrossSamples(t *testing.T) {
 	}
 }
 
-// BenchmarkVacuumSample measures the statement the sample adds on PostgreSQL, with many dead
-// tuples held by an open snapshot: it reads the activity views and statistics, never a table,
-// so its cost does not grow with the tables.
-func BenchmarkVacuumSample(b *testing.B) {
+// BenchmarkXminSample measures the statement that samples the xmin horizon on PostgreSQL (once
+// per pool and StatsInterval), with many dead tuples held by an open snapshot: it reads the
+// activity views, never a table, so its cost does not grow with the tables.
+func BenchmarkXminSample(b *testing.B) {
 	ctx := context.Background()
 	dsn := pgtest.DSN(b)
 	db, err := sql.Open("postgres", dsn)
@@ -279,7 +280,7 @@ func BenchmarkVacuumSample(b *testing.B) {
 	if err != nil {
 		b.Fatal(err)
 	}
-	q := postgres.Queries(names, false, nil).VacuumSample
+	q := postgres.Queries(names, false, nil).XminSample
 	tx, err := db.BeginTx(ctx, &sql.TxOptions{Isolation: sql.LevelRepeatableRead})
 	if err != nil {
 		b.Fatal(err)
@@ -322,5 +323,62 @@ func BenchmarkVacuumSample(b *testing.B) {
 				}
 			}
 		})
+	}
+}
+
+// The xmin horizon is one per database, not per outbox: the stores of one pool (the Outboxes of
+// tenants with a schema or prefix each) share one sample of it per interval. A store sampling
+// within the interval of another's sample reports the holder that one found, aged by the time
+// since; once the interval has passed, a sample asks the server again.
+func TestStatsXminSharedByThePool(t *testing.T) {
+	ctx := context.Background()
+	db := pgtest.DB(t)
+	stores := map[string]outboxdriver.Store{}
+	for _, prefix := range []string{"outbox_", "a_", "b_", "c_"} {
+		ob, err := newOutbox(t, db, "", prefix)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := ob.Migrate(ctx); err != nil {
+			t.Fatal(err)
+		}
+		st, err := postgres.Driver{}.Open(db, outboxdriver.StoreOptions{TablePrefix: prefix})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = st.(io.Closer).Close() })
+		stores[prefix] = st
+	}
+	sample := func(prefix string, interval time.Duration) outboxdriver.Stats {
+		t.Helper()
+		s, err := stores[prefix].Stats(ctx, outboxdriver.StatsParams{Interval: interval, Retention: time.Hour})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if s.SampledAt.IsZero() {
+			t.Fatalf("%s: no sample taken (the lease of its own stats row was free)", prefix)
+		}
+		return s
+	}
+	pid, end := holdXmin(t, db, "shared-holder")
+	first := sample("a_", time.Minute)
+	if first.XminHold == nil || first.XminHold.PID != pid {
+		t.Fatalf("holder %+v, want backend %d", first.XminHold, pid)
+	}
+	end()
+	time.Sleep(300 * time.Millisecond)
+	second := sample("b_", time.Minute)
+	if second.XminHold == nil || second.XminHold.PID != pid {
+		t.Fatalf("another store of the pool within the interval: holder %+v, want the pool's sample (backend %d), not one of its own", second.XminHold, pid)
+	}
+	if second.XminHold.Age < first.XminHold.Age+300*time.Millisecond {
+		t.Errorf("the shared holder's age: %v, then %v 300 ms later; want it aged by the time since the pool's sample", first.XminHold.Age, second.XminHold.Age)
+	}
+	if len(second.Tables) != 7 {
+		t.Errorf("tables %+v, want the 7 outbox tables of the store's own prefix", second.Tables)
+	}
+	third := sample("c_", 100*time.Millisecond)
+	if h := third.XminHold; h != nil && h.PID == pid {
+		t.Errorf("a sample past the interval of the pool's sample still reports the ended session %d: %+v", pid, *h)
 	}
 }

@@ -85,6 +85,10 @@ type Task struct {
 	// has not returned AbandonGrace after it is abandoned (see Engine). Pick a bound that a
 	// healthy run never reaches. 0: DefaultTimeout.
 	Timeout time.Duration
+	// Resume, when set, ends the task's idle backoff when woken, without running it at once: its
+	// next run is at most Every after the start of its last. For work that should keep its pace
+	// while the member is busy (the statistics sampling) but must not run once per wake-up.
+	Resume *Wakeup
 	// Run is the work. Its context ends at its deadline, when the engine stops, or when the
 	// member is removed.
 	Run func(context.Context) (Outcome, error)
@@ -178,10 +182,11 @@ type member struct {
 
 type task struct {
 	Task
-	m        *member
-	due      time.Time
-	interval time.Duration
-	running  bool
+	m         *member
+	due       time.Time
+	interval  time.Duration
+	lastStart time.Time
+	running   bool
 	// seq numbers the runs, so that the abandonment of a run that returned meanwhile is not
 	// taken for one of the next run.
 	seq       uint64
@@ -190,12 +195,21 @@ type task struct {
 	// returns, so that at most one abandoned call per task is out.
 	abandoned bool
 	woken     atomic.Bool
+	resumed   atomic.Bool
 	poke      func()
 }
 
 func (t *task) wake() {
 	t.woken.Store(true)
 	t.poke()
+}
+
+// resume ends the task's backoff at the scheduler's next pass. Only the first of a burst of
+// calls pokes the scheduler: a busy member resumes its sampling at every commit.
+func (t *task) resume() {
+	if !t.resumed.Swap(true) {
+		t.poke()
+	}
 }
 
 // New returns an engine; call Start to have it run the tasks of the members added.
@@ -350,7 +364,10 @@ func (e *Engine) Add(mb Member) (*Handle, error) {
 	e.mu.Unlock()
 	for _, t := range m.tasks {
 		if t.Wake != nil {
-			t.Wake.attach(t)
+			t.Wake.attach(t, t.wake)
+		}
+		if t.Resume != nil {
+			t.Resume.attach(t, t.resume)
 		}
 	}
 	e.pokeScheduler()
@@ -365,6 +382,9 @@ func (h *Handle) Remove(ctx context.Context) error {
 	for _, t := range m.tasks {
 		if t.Wake != nil {
 			t.Wake.detach(t)
+		}
+		if t.Resume != nil {
+			t.Resume.detach(t)
 		}
 	}
 	e.mu.Lock()
@@ -456,6 +476,12 @@ func (e *Engine) dispatch(pass uint64) time.Time {
 				if t.woken.Swap(false) {
 					t.due, t.interval = now, t.Every
 				}
+				if t.resumed.Swap(false) && t.interval > t.Every {
+					t.interval = t.Every
+					if d := t.lastStart.Add(t.Every); d.Before(t.due) {
+						t.due = d
+					}
+				}
 				if !t.due.After(now) && e.gateOpen(m, pass) && (best == nil || t.due.Before(best.due)) {
 					best = t
 				}
@@ -521,6 +547,7 @@ func (e *Engine) start(t *task) {
 	t.m.running++
 	e.inflight++
 	e.calls++
+	t.lastStart = t.startedAt
 	go e.run(t.m.ctx, t, t.seq, t.startedAt)
 }
 
@@ -637,25 +664,26 @@ func (e *Engine) call(ctx context.Context, t *task) (out Outcome, err error) {
 // dropped, as the task's first run is at once anyway. Its zero value is ready to use.
 type Wakeup struct {
 	mu    sync.Mutex
-	tasks map[*task]struct{}
+	tasks map[*task]func() // what a wake does to the task: run it (Task.Wake) or resume it (Task.Resume)
 }
 
-// Wake runs the tasks woken by w at once, or right after their runs under way. It does not block.
+// Wake runs the tasks that have w as their Wake at once, or right after their runs under way, and
+// ends the backoff of those that have it as their Resume. It does not block.
 func (w *Wakeup) Wake() {
 	w.mu.Lock()
 	defer w.mu.Unlock()
-	for t := range w.tasks {
-		t.wake()
+	for _, fn := range w.tasks {
+		fn()
 	}
 }
 
-func (w *Wakeup) attach(t *task) {
+func (w *Wakeup) attach(t *task, fn func()) {
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	if w.tasks == nil {
-		w.tasks = map[*task]struct{}{}
+		w.tasks = map[*task]func(){}
 	}
-	w.tasks[t] = struct{}{}
+	w.tasks[t] = fn
 }
 
 func (w *Wakeup) detach(t *task) {

@@ -609,3 +609,49 @@ func TestStopNamesAbandonedRuns(t *testing.T) {
 		t.Errorf("Stop once the abandoned call returned: %v", err)
 	}
 }
+
+// Resume ends a task's backoff without running it at once: a member that comes back to work has
+// its sampling at its normal pace again, and a burst of resumes (one per commit) does not run it
+// once per resume.
+func TestResumeEndsBackoffWithoutRunningAtOnce(t *testing.T) {
+	e := New(Config{})
+	var mu sync.Mutex
+	var at []time.Time
+	resume := &Wakeup{}
+	const every = 100 * time.Millisecond
+	add(t, e, Member{Name: "m", Tasks: []Task{{Name: "stats sampling", Every: every, IdleMax: time.Hour, Resume: resume,
+		Run: func(context.Context) (Outcome, error) {
+			mu.Lock()
+			at = append(at, time.Now())
+			mu.Unlock()
+			return Idle, nil
+		}}}})
+	runs := func() []time.Time {
+		mu.Lock()
+		defer mu.Unlock()
+		return append([]time.Time(nil), at...)
+	}
+	started(t, e)
+	// Idle runs at 0, 200 ms, 600 ms, then 1.4 s: wait for the third and resume 50 ms after it,
+	// at once and then again and again for 300 ms.
+	waitFor(t, "three idle runs", func() bool { return len(runs()) >= 3 })
+	third := runs()[2]
+	time.Sleep(time.Until(third.Add(50 * time.Millisecond)))
+	end := time.Now().Add(300 * time.Millisecond)
+	for time.Now().Before(end) {
+		resume.Wake()
+		time.Sleep(time.Millisecond)
+	}
+	r := runs()
+	if len(r) < 4 {
+		t.Fatalf("no run within 350 ms of the last (which backed off to 800 ms) after resumes; want one Every (100 ms) after it (runs at %v)", r)
+	}
+	if gap := r[3].Sub(third); gap < every*3/4 || gap > 300*time.Millisecond {
+		t.Errorf("the run after the resume came %s after the one before; want about Every (100 ms), not at once nor the backoff's 800 ms", gap)
+	}
+	// Three runs at most in the 350 ms of resumes (at about 100, 200, 300 ms after the third):
+	// resumed, the task runs at Every, not once per resume.
+	if n := len(r) - 3; n > 4 {
+		t.Errorf("%d runs during 300 ms of resumes every millisecond; want about three (Every is 100 ms)", n)
+	}
+}
