@@ -257,6 +257,13 @@ func (r *cleanupResume) next() *outboxdriver.CleanupResume {
 	return &at
 }
 
+// claims is where the runs got to in the claims (zero: nowhere yet).
+func (r *cleanupResume) claims() time.Time {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.at.Claims
+}
+
 // done records where a run got to.
 func (r *cleanupResume) done(at *outboxdriver.CleanupResume) {
 	r.mu.Lock()

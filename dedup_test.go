@@ -260,6 +260,48 @@ func TestCleanupResumesWhereItLeftOff(t *testing.T) {
 	mustEqual(t, "claims left", e.count(`SELECT count(*) FROM outbox_processed`), 0)
 }
 
+// The stats sample looks for the cleanup lag from where the cleanup service got to
+// (StatsParams.CleanupFrom), not through the claims deleted before it; without it, from the start.
+func TestStatsCleanupLagFromTheCleanupsPosition(t *testing.T) {
+	e := newEnv(t)
+	ctx := context.Background()
+	for i := 0; i < 4; i++ {
+		if err := handle(e.ob, message.NewMessage(fmt.Sprintf("m%02d", i), nil), applyAndPublish(nil)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// m00, m01 processed 40 days ago, m02, m03 30 days ago; all sent 8 days ago (Retention 7 days).
+	mustExec(t, e, `UPDATE outbox_processed SET processed_at = now() - CASE WHEN message_id < 'm02' THEN interval '40 days' ELSE interval '30 days' END,
+		dispatched_at = now() - interval '8 days'`)
+	var from time.Time
+	if err := e.db.QueryRow(`SELECT now() - interval '35 days'`).Scan(&from); err != nil {
+		t.Fatal(err)
+	}
+	lag := func(p outboxdriver.StatsParams) time.Duration {
+		t.Helper()
+		p.Retention = 7 * 24 * time.Hour
+		s, err := e.ob.Store().Stats(ctx, p)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return s.CleanupLag
+	}
+	// The lag is how long the oldest expired claim has waited past its retention: a day, by its dispatch.
+	if l := lag(outboxdriver.StatsParams{}); l < 23*time.Hour || l > 25*time.Hour {
+		t.Errorf("cleanup lag from the start: %v, want a day", l)
+	}
+	if l := lag(outboxdriver.StatsParams{CleanupFrom: from}); l < 23*time.Hour || l > 25*time.Hour {
+		t.Errorf("cleanup lag from the cleanup's position: %v, want a day (m02, m03 are after it)", l)
+	}
+	mustExec(t, e, `UPDATE outbox_processed SET dispatched_at = now() - interval '9 days' WHERE message_id < 'm02'`)
+	if l := lag(outboxdriver.StatsParams{}); l < 47*time.Hour || l > 49*time.Hour {
+		t.Errorf("cleanup lag from the start: %v, want two days (m00, m01)", l)
+	}
+	if l := lag(outboxdriver.StatsParams{CleanupFrom: from}); l < 23*time.Hour || l > 25*time.Hour {
+		t.Errorf("cleanup lag from the cleanup's position: %v, want a day: m00 and m01 are behind it", l)
+	}
+}
+
 func mustExec(t testing.TB, e *env, query string, args ...any) {
 	t.Helper()
 	pgtest.CheckEffectsParent(t, query)

@@ -39,7 +39,8 @@ func (o *Outbox) Stats(ctx context.Context) (Stats, error) {
 func (o *Outbox) sampleStats(ctx context.Context) (idle bool, err error) {
 	ctx, cancel := context.WithTimeout(ctx, storeTimeout)
 	defer cancel()
-	s, err := o.store.Stats(ctx, outboxdriver.StatsParams{Interval: o.cfg.StatsInterval, Retention: o.cfg.Retention})
+	s, err := o.store.Stats(ctx, outboxdriver.StatsParams{Interval: o.cfg.StatsInterval, Retention: o.cfg.Retention,
+		CleanupFrom: o.cleanupAt.claims()})
 	if err != nil {
 		o.tel.statsFailed()
 		return false, err

@@ -244,6 +244,10 @@ type StatsParams struct {
 	Interval time.Duration
 	// Retention is Config.Retention, for the cleanup lag.
 	Retention time.Duration
+	// CleanupFrom, when not zero, is where the cleanup service's runs got to in the claims
+	// (CleanupResume.Claims): a store that can looks for the cleanup lag from there, not through
+	// the claims cleanup deleted before it.
+	CleanupFrom time.Time
 }
 
 // Stats is a sample of the outbox tables (Outbox.Stats).

@@ -172,7 +172,8 @@ type Queries struct {
 	// StatsLeaseRead (interval ms), when set, is StatsLease and StatsRead in one statement ->
 	// whether the lease was taken, the sample stored (NULL before the first), its age in ms.
 	StatsLeaseRead string
-	// StatsSampleFull (count cap, retention ms), when set, is the sample in one statement ->
+	// StatsSampleFull (count cap, retention ms, cleanup from: StatsParams.CleanupFrom, NULL when
+	// zero), when set, is the sample in one statement ->
 	// StatsSample's columns, then DelayedStats's, the dead letters (as DeadLetters.Count), and
 	// the outbox tables' dead tuples as a JSON array of {table, dead, vacuumed_ms} (vacuumed_ms
 	// NULL: never), read from the server's statistics, never from the tables. Empty: the
@@ -1576,7 +1577,8 @@ func (s *SQL) sampleCounts(ctx context.Context, p outboxdriver.StatsParams, smp 
 	var overdue, overdueMS int64
 	if q.StatsSampleFull != "" {
 		var tables sql.NullString
-		err := s.db.QueryRowContext(ctx, q.StatsSampleFull, outboxdriver.StatsCountCap, p.Retention.Milliseconds()).Scan(
+		from := sql.NullTime{Time: p.CleanupFrom, Valid: !p.CleanupFrom.IsZero()}
+		err := s.db.QueryRowContext(ctx, q.StatsSampleFull, outboxdriver.StatsCountCap, p.Retention.Milliseconds(), from).Scan(
 			&smp.Pending, &smp.OldestPendingMS, &smp.Parked, &smp.OldestParkedMS, &smp.Failing,
 			&smp.Retained, &smp.Estimated, &smp.CleanupLagMS, &smp.Delayed, &overdue, &overdueMS, &smp.DeadLetters, &tables)
 		if err != nil {

@@ -788,7 +788,10 @@ func queries(n store.Names, deleteDispatched bool, gen *Generation) store.Querie
 		// one is counted, reading at most $1 rows through an index (and estimated if it reaches
 		// $1 after all). So a sample costs the same at 10M retained IDs as at 100,000. The
 		// cleanup lag looks at the oldest thousand expired claims that cleanup may delete (found
-		// through the index on processed_at; none when it keeps up).
+		// through the index on processed_at; none when it keeps up), from where the cleanup
+		// service's runs got to (StatsSampleFull's $3; NULL: the start): below it are the claims
+		// cleanup deleted, which stay as dead index entries while the xmin horizon is held back,
+		// and the sample walked them all (57,498 blocks a sample after a 3-minute hold).
 		StatsSample: `WITH est AS MATERIALIZED (
 				SELECT greatest((SELECT reltuples FROM pg_class WHERE oid = '` + n.Processed + `'::regclass), 0)::bigint AS processed,
 					(SELECT coalesce(sum(greatest(c.reltuples, 0)), 0) FROM pg_partition_tree('` + n.Effects + `'::regclass) t
@@ -804,6 +807,7 @@ func queries(n store.Names, deleteDispatched bool, gen *Generation) store.Querie
 				est.processed >= $1 AS estimated FROM est),
 			expired AS (SELECT p.dispatched_at FROM ` + n.Processed + ` p
 				WHERE p.processed_at < now() - ` + ms("$2") + ` AND p.dispatched_at < now() - ` + ms("$2") + ` AND p.effects IS NULL
+				  AND p.processed_at >= coalesce(` + statsCleanupFrom + `, '-infinity')
 				  AND NOT EXISTS (SELECT 1 FROM ` + n.Effects + ` e
 					WHERE e.source_consumer = p.consumer AND e.source_id = p.message_id AND e.dispatched_at IS NULL)
 				ORDER BY p.processed_at LIMIT 1000),
@@ -877,9 +881,14 @@ func queries(n store.Names, deleteDispatched bool, gen *Generation) store.Querie
 			LEFT JOIN LATERAL (SELECT sum(pg_stat_get_dead_tuples(l.relid)) AS dead,
 					max(pg_stat_get_last_autovacuum_time(l.relid)) AS vacuumed
 				FROM pg_partition_tree(t.oid) l WHERE l.isleaf HAVING count(*) > 0) p ON true)
-		FROM (` + q.StatsSample + `) s, (` + q.DelayedStats + `) d`
+		FROM (` + strings.ReplaceAll(q.StatsSample, statsCleanupFrom, "$3::timestamptz") + `) s, (` + q.DelayedStats + `) d`
+	q.StatsSample = strings.ReplaceAll(q.StatsSample, statsCleanupFrom, "NULL::timestamptz")
 	return q
 }
+
+// statsCleanupFrom stands in StatsSample for where the cleanup lag's look-up begins: the third
+// parameter of StatsSampleFull, NULL in StatsSample (which takes two).
+const statsCleanupFrom = "{{cleanup_from}}"
 
 // namesOf returns the validated names of schema (empty: DefaultSchema) and prefix.
 func namesOf(schema, prefix string) (store.Names, error) {
