@@ -163,6 +163,24 @@ logfile = %s
 	}
 }
 
+// Exited reports whether the PgBouncer process has exited.
+func (b *Bouncer) Exited() bool {
+	select {
+	case <-b.done:
+		return true
+	default:
+		return false
+	}
+}
+
+// Status says whether PgBouncer runs, and if it exited, how, with the end of its log.
+func (b *Bouncer) Status() string {
+	if !b.Exited() {
+		return fmt.Sprintf("PgBouncer (pid %d) is running", b.cmd.Process.Pid)
+	}
+	return fmt.Sprintf("PgBouncer (pid %d) exited (%v); its log ends: %s", b.cmd.Process.Pid, b.cmd.ProcessState, b.LogTail())
+}
+
 // Addr is the host:port PgBouncer listens on.
 func (b *Bouncer) Addr() string { return net.JoinHostPort("127.0.0.1", strconv.Itoa(b.port)) }
 

@@ -16,6 +16,20 @@ const (
 	PoolSession     = pgbouncer.Session
 )
 
+// PoolerStatus says whether the PgBouncer in mode started by PoolerDSN runs, and if it exited,
+// with the end of its log: for the failure of a test behind it.
+func PoolerStatus(t testing.TB, mode string) string {
+	t.Helper()
+	e := current(t)
+	mu.Lock()
+	defer mu.Unlock()
+	b, ok := e.bouncers[mode]
+	if !ok {
+		return "no PgBouncer in " + mode + " mode was started"
+	}
+	return b.Status()
+}
+
 // PoolerDSN returns DSN(t) (a fresh database) and the same database reached through a PgBouncer
 // in mode (PoolTransaction or PoolSession) on loopback, with 20 server connections per database in
 // transaction mode and 100 in session mode (one per client connection). One PgBouncer
@@ -29,7 +43,7 @@ func PoolerDSN(t testing.TB, mode string) (direct, pooled string) {
 	if err != nil || u.Host == "" {
 		t.Fatalf("pgtest: PoolerDSN needs a postgres:// URL (the built-in server, or %s as a URL): %v", EnvDSN, err)
 	}
-	b, err := e.bouncer(u, mode)
+	b, err := e.bouncer(t, u, mode)
 	if err != nil {
 		t.Fatalf("pgtest: %v", err)
 	}
@@ -37,11 +51,18 @@ func PoolerDSN(t testing.TB, mode string) (direct, pooled string) {
 	return direct, u.String()
 }
 
-func (e *environment) bouncer(u *url.URL, mode string) (*pgbouncer.Bouncer, error) {
+func (e *environment) bouncer(t testing.TB, u *url.URL, mode string) (*pgbouncer.Bouncer, error) {
 	mu.Lock()
 	defer mu.Unlock()
 	if b, ok := e.bouncers[mode]; ok {
-		return b, nil
+		if !b.Exited() {
+			return b, nil
+		}
+		// It died under an earlier test (which failed for it): said here, and replaced, so that
+		// the tests after it run behind a live one.
+		t.Logf("pgtest: the PgBouncer in %s mode had exited, starting another: %s", mode, b.Status())
+		_ = b.Stop()
+		delete(e.bouncers, mode)
 	}
 	user := "postgres"
 	if u.User != nil {

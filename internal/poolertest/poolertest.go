@@ -64,10 +64,21 @@ func WithoutParam(t testing.TB, dsn, key string) string {
 	return u.String()
 }
 
+// logPoolerIfFailed says, when t fails, whether the PgBouncer it ran behind still runs (one that
+// died mid-test fails every connection after it: "conn closed", then "connection refused").
+func logPoolerIfFailed(t *testing.T, mode string) {
+	t.Cleanup(func() {
+		if t.Failed() {
+			t.Log(pgtest.PoolerStatus(t, mode))
+		}
+	})
+}
+
 // Refused checks that, behind a pooler in transaction mode, the form without its setting is
 // refused at Migrate with an error that names the setting, and works with it.
 func Refused(t *testing.T, form Form) {
 	_, pooled := pgtest.PoolerDSN(t, pgtest.PoolTransaction)
+	logPoolerIfFailed(t, pgtest.PoolTransaction)
 	ob, err := form.Open(t, pooled, "", outbox.Config{Publisher: &publisher{}})
 	if err != nil {
 		t.Fatal(err)
@@ -102,6 +113,7 @@ var orderMessages = []string{"", "-2", "-3"}
 
 func Run(t *testing.T, form Form, mode string) {
 	direct, pooled := pgtest.PoolerDSN(t, mode)
+	logPoolerIfFailed(t, mode)
 	if mode == pgtest.PoolTransaction {
 		pooled = WithParam(t, pooled, form.Setting)
 	}
