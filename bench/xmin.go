@@ -77,7 +77,8 @@ var xminClasses = []xminClass{
 	// (cleared: the database/sql consumer path).
 	{"mark", regexp.MustCompile(`(?is)^\s*WITH m AS \(DELETE FROM \S*_effects_all"? e\b|^\s*UPDATE \S*_processed"? p SET effects = NULL`)},
 	{"cleanup batch", regexp.MustCompile(`(?is)^\s*WITH d AS \(DELETE FROM|^\s*DELETE FROM \S*_attempts\b`)},
-	{"stats sample", regexp.MustCompile(`(?is)^\s*WITH est AS MATERIALIZED`)},
+	// The sample in one statement (StatsSampleFull) wraps StatsSample.
+	{"stats sample", regexp.MustCompile(`(?is)^\s*(WITH est AS MATERIALIZED|SELECT s\.\*, d\.\*)`)},
 	// The sweep of inline effects left in claims (drivers/postgres/inline.go).
 	{"sweep", regexp.MustCompile(`(?is)swept_xid|p\.inline_xid >= \$1|SET inline_xid = NULL|SELECT min\(inline_xid\)`)},
 }

@@ -21,6 +21,7 @@ func TestXminClassesMatchTheDriversStatements(t *testing.T) {
 		{q.CleanupClaimsFrom, "cleanup batch"},
 		{q.CleanupEffectsFrom, "cleanup batch"},
 		{q.StatsSample, "stats sample"},
+		{q.StatsSampleFull, "stats sample"},
 		{q.MessageClaim, ""},
 		{`TRUNCATE "public"."intx_effects_1"`, "rotation"},
 		{`SELECT r.gen, r.rotated_at < now() FROM "public"."intx_effects_rotation" r`, "rotation"},
