@@ -506,16 +506,7 @@ func serve(ctx context.Context, cfg config, out io.Writer, ready func(addr strin
 		ready(addr)
 	}
 
-	select {
-	case <-ctx.Done():
-	case err := <-served:
-		return err
-	}
-	shutdownCtx, done := context.WithTimeout(context.Background(), 10*time.Second)
-	defer done()
-	err = srv.Shutdown(shutdownCtx)
-	<-served
-	return err
+	return serveUntil(ctx, srv, served)
 }
 
 // redactURL hides the password of a URL for printing.
@@ -525,4 +516,18 @@ func redactURL(s string) string {
 		return "(unparsable URL)"
 	}
 	return u.Redacted()
+}
+
+// serveUntil waits until ctx ends or the server fails (served), and then shuts the server down.
+func serveUntil(ctx context.Context, srv *http.Server, served chan error) error {
+	select {
+	case <-ctx.Done():
+	case err := <-served:
+		return err
+	}
+	shutdownCtx, done := context.WithTimeout(context.Background(), 10*time.Second)
+	defer done()
+	err := srv.Shutdown(shutdownCtx)
+	<-served
+	return err
 }

@@ -361,16 +361,7 @@ func serveTenants(ctx context.Context, cfg config, out io.Writer, ready func(add
 		ready(addr)
 	}
 
-	select {
-	case <-ctx.Done():
-	case err := <-served:
-		return err
-	}
-	shutdownCtx, done := context.WithTimeout(context.Background(), 10*time.Second)
-	defer done()
-	err = srv.Shutdown(shutdownCtx)
-	<-served
-	return err
+	return serveUntil(ctx, srv, served)
 }
 
 // printTenantsProgress is printProgress for every tenant: a line per tenant whose numbers changed.
