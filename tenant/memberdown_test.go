@@ -326,6 +326,12 @@ func memberDown(t *testing.T, useSet, hang bool) {
 			}
 		}
 		db := map[string]*sql.DB{"a": dbA, "b": dbB}[tn]
+		if tn == "b" {
+			// A unit of the down member in flight as the outage began may have run its handler
+			// and lost its connection before COMMIT: rolled back, and run again once back.
+			checkTenantRows(t, db, "orders", tn, ids, w)
+			continue
+		}
 		checkTenant(t, db, "orders", tn, ids, sh, w)
 	}
 }
