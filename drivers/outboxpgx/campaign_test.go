@@ -50,7 +50,8 @@ func campaignForm(name string, mode outboxpgx.Concurrency) campaign.Form {
 
 // TestFaultCampaign is the fault campaign (internal/campaign) on the pgx form in each mode, and on
 // deployments that mix the database/sql form and both modes of the pgx form on the same tables
-// and consumer group. Runs take turns: optimistic, pessimistic, mixed.
+// and consumer group, alone and as the members of a tenant.Set. Runs take turns: optimistic,
+// pessimistic, mixed, mixed spilling, mixed tenants.
 //
 //	go test -run TestFaultCampaign . -args -campaign.runs=400      # longer (or OUTBOX_CAMPAIGN_RUNS)
 //	go test -run TestFaultCampaign . -args -campaign.seed=1234     # replay one run
@@ -65,8 +66,13 @@ func TestFaultCampaign(t *testing.T) {
 			{Name: "mixed", Forms: []campaign.Form{campaign.SQLForm(), opt, pess}, Shuffle: true},
 			// The database/sql form moving its claims' effects to rows at the fourth record.
 			{Name: "mixed spilling", Forms: []campaign.Form{campaign.SQLFormInline(1200), opt, pess}, Shuffle: true},
+			// Each instance a tenant.Set of two members of its form on two databases (the second
+			// one down for a while in half the runs), the three forms mixed on the same tables
+			// and the messages of both tenants interleaved on the instances.
+			{Name: "mixed tenants", Forms: []campaign.Form{campaign.SQLForm(), opt, pess}, Shuffle: true, Tenants: true},
 		},
-		Runs:   32,
-		Replay: "cd drivers/outboxpgx && go test -race -run TestFaultCampaign . -args -campaign.seed=%d",
+		SecondDSN: outboxtest.DSN(t),
+		Runs:      40,
+		Replay:    "cd drivers/outboxpgx && go test -race -run TestFaultCampaign . -args -campaign.seed=%d",
 	})
 }
