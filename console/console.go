@@ -16,6 +16,10 @@
 // Authenticate (or BasicAuth) unless the application opts in with AllowUnauthenticated (because
 // its own authentication sits in front of it). Its counts come from the sampled stats and every
 // list is paged, so that a page costs the same whatever the backlog.
+//
+// NewMembers serves the members of a tenant.Set (a database, schema or table prefix each): a page
+// lists every member with its relays, counts and health, and each member has the pages and the
+// actions above, picked by the query parameter member, acting on that member's tables only.
 package console
 
 import (
@@ -34,8 +38,12 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
+	"unicode"
+	"unicode/utf8"
 
+	"github.com/watermill-outbox/outbox"
 	"github.com/watermill-outbox/outbox/ops"
 	"github.com/watermill-outbox/outbox/outboxdriver"
 )
@@ -90,6 +98,8 @@ type Action struct {
 	// Messages are the dead letters (Source{Consumer, ID: message ID}) a dead-letter action
 	// changes, and Consumers theirs.
 	Messages []outboxdriver.Source
+	// Member is the member whose tables the action changes (NewMembers); "" with New.
+	Member string
 }
 
 // Options configure the console.
@@ -132,16 +142,81 @@ type Options struct {
 	PageSize int
 }
 
-type console struct {
-	ops *ops.Ops
-	opt Options
-	key []byte // signs the CSRF tokens and the flash notices
+// Member is a member of a tenant.Set for NewMembers: the Ops of its tables under its name.
+type Member struct {
+	// Name names the member in the pages, in their addresses (?member=NAME) and in the audit
+	// entries of its changes: 1 to 200 bytes of UTF-8 without control characters or '/', as a
+	// tenant.Set accepts.
+	Name string
+	// Ops reads and repairs the member's tables (ops.ForOutbox of its Outbox).
+	Ops *ops.Ops
+	// Health, if set, is the member's health on the page of members (the Health method of its
+	// Outbox). Nil: that page says whether the member's tables could be read.
+	Health func(ctx context.Context) outbox.HealthReport
 }
+
+type console struct {
+	// members by name, and their names in the order given. New's one member is named "": its
+	// page is the console's root, and its addresses carry no member.
+	members map[string]*Member
+	names   []string
+	opt     Options
+	key     []byte // signs the CSRF tokens and the flash notices
+}
+
+// several tells whether the console serves named members (NewMembers): its root lists them.
+func (c *console) several() bool { return c.names[0] != "" }
 
 // New returns the console's handler. It serves "/" (the page), "/discard" (GET: the question
 // before a discard) and the POSTs "/retry", "/discard", "/replay", "/retry-dead",
 // "/discard-dead" (dead letters) and "/dead-letter-now" (a failing message); mount it under a prefix with http.StripPrefix.
 func New(o *ops.Ops, opt Options) (http.Handler, error) {
+	if o == nil {
+		return nil, errors.New("console: New with nil Ops")
+	}
+	return newConsole([]Member{{Ops: o}}, opt)
+}
+
+// NewMembers returns the handler of a console of several members: "/" lists them, and every
+// page and action of New's is served for the member its query parameter member names
+// ("/?member=acme", "/retry?member=acme"), on that member's tables only; a name that is not a
+// member is answered with 404. Authorize is told the member (Action.Member), and the audit
+// entries of a member's changes name it.
+func NewMembers(members []Member, opt Options) (http.Handler, error) {
+	if len(members) == 0 {
+		return nil, errors.New("console: NewMembers without members")
+	}
+	seen := map[string]bool{}
+	for _, m := range members {
+		if err := validName(m.Name); err != nil {
+			return nil, err
+		}
+		if m.Ops == nil {
+			return nil, fmt.Errorf("console: member %q has no Ops", m.Name)
+		}
+		if seen[m.Name] {
+			return nil, fmt.Errorf("console: member %q is named twice", m.Name)
+		}
+		seen[m.Name] = true
+	}
+	return newConsole(members, opt)
+}
+
+// validName accepts the names a tenant.Set accepts. They reach the pages and their addresses
+// (escaped there) and the audit entries, never a statement.
+func validName(name string) error {
+	if name == "" || len(name) > 200 || !utf8.ValidString(name) {
+		return fmt.Errorf("console: invalid member name %q: 1 to 200 bytes of UTF-8", name)
+	}
+	for _, r := range name {
+		if unicode.IsControl(r) || r == '/' {
+			return fmt.Errorf("console: invalid member name %q: no control characters or '/'", name)
+		}
+	}
+	return nil
+}
+
+func newConsole(members []Member, opt Options) (http.Handler, error) {
 	if opt.Authenticate == nil && opt.BasicAuth == nil && !opt.AllowUnauthenticated {
 		return nil, errors.New("console: Options.Authenticate or BasicAuth is required (or set AllowUnauthenticated when the application authenticates in front of the console)")
 	}
@@ -172,7 +247,11 @@ func New(o *ops.Ops, opt Options) (http.Handler, error) {
 	if opt.PageSize <= 0 {
 		opt.PageSize = 50
 	}
-	c := &console{ops: o, opt: opt, key: opt.Key}
+	c := &console{members: map[string]*Member{}, opt: opt, key: opt.Key}
+	for _, m := range members {
+		c.members[m.Name] = &m
+		c.names = append(c.names, m.Name)
+	}
 	if c.key == nil {
 		c.key = make([]byte, 32)
 		if _, err := rand.Read(c.key); err != nil {
@@ -181,14 +260,51 @@ func New(o *ops.Ops, opt Options) (http.Handler, error) {
 	}
 	mux := http.NewServeMux()
 	mux.HandleFunc("GET /{$}", c.show)
-	mux.HandleFunc("GET /discard", c.confirmDiscard)
-	mux.HandleFunc("POST /retry", c.action(ActionRetry))
-	mux.HandleFunc("POST /discard", c.action(ActionDiscard))
-	mux.HandleFunc("POST /replay", c.action(ActionReplay))
-	mux.HandleFunc("POST /retry-dead", c.action(ActionRetryDeadLetter))
-	mux.HandleFunc("POST /discard-dead", c.action(ActionDiscardDeadLetter))
-	mux.HandleFunc("POST /dead-letter-now", c.action(ActionDeadLetterNow))
+	mux.HandleFunc("GET /discard", c.scoped(c.confirmDiscard))
+	mux.HandleFunc("POST /retry", c.scoped(c.action(ActionRetry)))
+	mux.HandleFunc("POST /discard", c.scoped(c.action(ActionDiscard)))
+	mux.HandleFunc("POST /replay", c.scoped(c.action(ActionReplay)))
+	mux.HandleFunc("POST /retry-dead", c.scoped(c.action(ActionRetryDeadLetter)))
+	mux.HandleFunc("POST /discard-dead", c.scoped(c.action(ActionDiscardDeadLetter)))
+	mux.HandleFunc("POST /dead-letter-now", c.scoped(c.action(ActionDeadLetterNow)))
 	return c.secure(mux), nil
+}
+
+// scoped runs h for the member the request's query names (the URL's, for a POST too: the form
+// cannot name another), or answers 404.
+func (c *console) scoped(h func(http.ResponseWriter, *http.Request, *Member)) http.HandlerFunc {
+	return func(w http.ResponseWriter, r *http.Request) {
+		name := r.URL.Query().Get("member")
+		m, ok := c.members[name]
+		if !ok {
+			http.Error(w, fmt.Sprintf("not found: no member %q", name), http.StatusNotFound)
+			return
+		}
+		h(w, r, m)
+	}
+}
+
+// memberQuery is the query of an address of member m's with q: "" when both are empty,
+// otherwise "?" and q with member=NAME (New's member carries none).
+func memberQuery(m *Member, q url.Values) string {
+	if m.Name != "" {
+		if q == nil {
+			q = url.Values{}
+		}
+		q.Set("member", m.Name)
+	}
+	if len(q) == 0 {
+		return ""
+	}
+	return "?" + q.Encode()
+}
+
+// actor is who the audit entry of a change names: the user, through the console, and the member.
+func actor(user string, m *Member) string {
+	if m.Name == "" {
+		return user + " (console)"
+	}
+	return user + " (console, member " + m.Name + ")"
 }
 
 type userKey struct{}
@@ -276,7 +392,8 @@ func (c *console) flashText(user, param string) string {
 	return string(b)
 }
 
-func (c *console) may(r *http.Request, a Action) bool {
+func (c *console) may(r *http.Request, m *Member, a Action) bool {
+	a.Member = m.Name
 	return c.opt.Authorize != nil && c.opt.Authorize(r, userOf(r), a)
 }
 
@@ -339,7 +456,7 @@ type filter struct {
 	After                  int64
 }
 
-func (f filter) query(after int64) template.URL {
+func (f filter) query(m *Member, after int64) template.URL {
 	q := url.Values{}
 	for k, v := range map[string]string{"consumer": f.Consumer, "topic": f.Topic, "error": f.Error} {
 		if v != "" {
@@ -349,12 +466,32 @@ func (f filter) query(after int64) template.URL {
 	if after > 0 {
 		q.Set("after", strconv.FormatInt(after, 10))
 	}
-	return template.URL("./?" + q.Encode())
+	return template.URL("./" + memberQuery(m, q))
+}
+
+// memberRow is a member on the page of members.
+type memberRow struct {
+	Name     string
+	Link     template.URL
+	Error    string // the member's tables could not be read
+	Totals   outboxdriver.Stats
+	Relay    relay
+	Healthy  bool
+	Health   string
+	Sampled  time.Duration // age of the stored sample, negative: none
 }
 
 type view struct {
-	User        string
-	Token       string
+	User  string
+	Token string
+	// Member is the member the page is of ("" with New), Several whether the console has named
+	// members (a link back to their list), Home the address of the member's page and Query the
+	// query every address of the member's carries ("?member=NAME", or "").
+	Member      string
+	Several     bool
+	Home        template.URL
+	Query       template.URL
+	Members     []memberRow // the page of members
 	ReadOnly    bool
 	Flash       string
 	Error       string
@@ -382,20 +519,89 @@ type view struct {
 	ConfirmDead    *deadConfirm // the dead letters a discard would give up, asked about first
 }
 
+// newView is the view of a page of member m's.
+func (c *console) newView(r *http.Request, m *Member) view {
+	user := userOf(r)
+	return view{User: user, Token: c.token(user), Member: m.Name, Several: c.several(),
+		Home: template.URL("./" + memberQuery(m, nil)), Query: template.URL(memberQuery(m, nil)),
+		ReadOnly: c.opt.Authorize == nil, PageSize: c.opt.PageSize}
+}
+
+// show serves the root: the page of the member the query names, or with NewMembers and no
+// member named, the page of members.
 func (c *console) show(w http.ResponseWriter, r *http.Request) {
+	if c.several() && !r.URL.Query().Has("member") {
+		c.showMembers(w, r)
+		return
+	}
+	c.scoped(c.showMember)(w, r)
+}
+
+func (c *console) showMember(w http.ResponseWriter, r *http.Request, m *Member) {
 	ctx, cancel := context.WithTimeout(r.Context(), c.opt.Timeout)
 	defer cancel()
 	q := r.URL.Query()
-	user := userOf(r)
-	v := view{User: user, Token: c.token(user), ReadOnly: c.opt.Authorize == nil, Flash: c.flashText(user, q.Get("flash")),
-		PageSize: c.opt.PageSize, Filter: filter{Consumer: q.Get("consumer"), Topic: q.Get("topic"), Error: q.Get("error")}}
+	v := c.newView(r, m)
+	v.Flash = c.flashText(v.User, q.Get("flash"))
+	v.Filter = filter{Consumer: q.Get("consumer"), Topic: q.Get("topic"), Error: q.Get("error")}
 	v.Filter.After, _ = strconv.ParseInt(q.Get("after"), 10, 64)
-	err := c.load(ctx, r, &v)
+	err := c.load(ctx, r, m, &v)
 	if err != nil {
 		w.WriteHeader(http.StatusServiceUnavailable)
 		v.Error = err.Error()
 	}
 	c.render(w, v)
+}
+
+// membersAtOnce bounds the members the page of members reads at once.
+const membersAtOnce = 4
+
+// showMembers serves the page of members: each one's sampled counts, relays and health, read a
+// few at a time within the request's Timeout, so that a member that is down or slow costs the
+// page no more than the Timeout and the others are shown whatever it does.
+func (c *console) showMembers(w http.ResponseWriter, r *http.Request) {
+	ctx, cancel := context.WithTimeout(r.Context(), c.opt.Timeout)
+	defer cancel()
+	v := view{User: userOf(r), Several: true, Home: "./", ReadOnly: c.opt.Authorize == nil,
+		Members: make([]memberRow, len(c.names))}
+	sem := make(chan struct{}, membersAtOnce)
+	var wg sync.WaitGroup
+	for i, name := range c.names {
+		m := c.members[name]
+		v.Members[i] = memberRow{Name: name, Link: template.URL("./" + memberQuery(m, nil)), Sampled: -1}
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			select {
+			case sem <- struct{}{}:
+				defer func() { <-sem }()
+			case <-ctx.Done():
+				v.Members[i].Error = fmt.Sprintf("not read: %v", ctx.Err())
+				return
+			}
+			c.readMember(ctx, m, &v.Members[i])
+		}()
+	}
+	wg.Wait()
+	c.render(w, v)
+}
+
+// readMember reads a member's line of the page of members.
+func (c *console) readMember(ctx context.Context, m *Member, row *memberRow) {
+	o, err := m.Ops.Overview(ctx, ops.OverviewParams{Retention: c.opt.Retention, MaxAge: c.opt.MaxSampleAge, CountsOnly: true})
+	if err != nil {
+		row.Error, row.Health = err.Error(), "the tables could not be read"
+	} else {
+		row.Totals, row.Sampled, row.Relay = o.Totals, o.ServiceSampled, c.relayState(o)
+		row.Healthy, row.Health = true, "the tables were read"
+	}
+	if m.Health != nil {
+		rep := m.Health(ctx)
+		row.Healthy, row.Health = rep.Healthy, "healthy"
+		if err := rep.Err(); err != nil {
+			row.Health = err.Error()
+		}
+	}
 }
 
 func (c *console) render(w http.ResponseWriter, v view) {
@@ -404,28 +610,28 @@ func (c *console) render(w http.ResponseWriter, v view) {
 }
 
 // load reads what the page shows: the sampled counts, and a page of each list.
-func (c *console) load(ctx context.Context, r *http.Request, v *view) error {
+func (c *console) load(ctx context.Context, r *http.Request, m *Member, v *view) error {
 	var err error
 	// The page after an action counts afresh: the stored sample predates the change.
-	if v.Overview, err = c.ops.Overview(ctx, ops.OverviewParams{Retention: c.opt.Retention, MaxAge: c.opt.MaxSampleAge,
+	if v.Overview, err = m.Ops.Overview(ctx, ops.OverviewParams{Retention: c.opt.Retention, MaxAge: c.opt.MaxSampleAge,
 		Fresh: v.Flash != ""}); err != nil {
 		return err
 	}
 	v.Relay = c.relayState(v.Overview)
 	n := c.opt.PageSize
-	parked, err := c.ops.ParkedEffects(ctx, ops.ParkedFilter{Consumer: v.Filter.Consumer, Topic: v.Filter.Topic,
+	parked, err := m.Ops.ParkedEffects(ctx, ops.ParkedFilter{Consumer: v.Filter.Consumer, Topic: v.Filter.Topic,
 		ErrorContains: v.Filter.Error, AfterID: v.Filter.After, Limit: n + 1})
 	if err != nil {
 		return err
 	}
 	if len(parked) > n {
 		parked = parked[:n]
-		v.NextParked = v.Filter.query(parked[n-1].StoreID)
+		v.NextParked = v.Filter.query(m, parked[n-1].StoreID)
 	}
 	for _, p := range parked {
 		t := target(p)
 		v.Parked = append(v.Parked, row{Parked: p,
-			CanRetry: c.may(r, t.as(ActionRetry)), CanDiscard: c.may(r, t.as(ActionDiscard))})
+			CanRetry: c.may(r, m, t.as(ActionRetry)), CanDiscard: c.may(r, m, t.as(ActionDiscard))})
 	}
 	for _, g := range ops.GroupByFingerprint(parked) {
 		var in []ops.Parked
@@ -434,9 +640,9 @@ func (c *console) load(ctx context.Context, r *http.Request, v *view) error {
 				in = append(in, p)
 			}
 		}
-		v.Groups = append(v.Groups, group{FailureGroup: g, CanRetry: c.may(r, target(in...).as(ActionRetry))})
+		v.Groups = append(v.Groups, group{FailureGroup: g, CanRetry: c.may(r, m, target(in...).as(ActionRetry))})
 	}
-	fl, err := c.ops.FailingMessages(ctx, v.Filter.Consumer, n+1)
+	fl, err := m.Ops.FailingMessages(ctx, v.Filter.Consumer, n+1)
 	if err != nil {
 		return err
 	}
@@ -445,13 +651,13 @@ func (c *console) load(ctx context.Context, r *http.Request, v *view) error {
 	}
 	for _, f := range fl {
 		v.Failing = append(v.Failing, failing{Failing: f,
-			CanDeadLetter: c.may(r, Action{Name: ActionDeadLetterNow, Consumers: []string{f.Consumer}, MessageID: f.MessageID})})
+			CanDeadLetter: c.may(r, m, Action{Name: ActionDeadLetterNow, Consumers: []string{f.Consumer}, MessageID: f.MessageID})})
 	}
-	if err := c.loadDead(ctx, r, v); err != nil {
+	if err := c.loadDead(ctx, r, m, v); err != nil {
 		return err
 	}
 	c.countFromLists(v, v.NextParked != "")
-	list, err := c.ops.PoisonedMessages(ctx, v.Filter.Consumer, n+1)
+	list, err := m.Ops.PoisonedMessages(ctx, v.Filter.Consumer, n+1)
 	if err != nil {
 		return err
 	}
@@ -460,15 +666,15 @@ func (c *console) load(ctx context.Context, r *http.Request, v *view) error {
 	}
 	for _, p := range list {
 		v.Poisoned = append(v.Poisoned, poisoned{Poisoned: p,
-			CanReplay: c.may(r, Action{Name: ActionReplay, Consumers: []string{p.Consumer}, MessageID: p.MessageID})})
+			CanReplay: c.may(r, m, Action{Name: ActionReplay, Consumers: []string{p.Consumer}, MessageID: p.MessageID})})
 	}
 	return nil
 }
 
 // loadDead reads the groups of dead letters and the oldest page of them (of the consumer the page
 // is filtered by).
-func (c *console) loadDead(ctx context.Context, r *http.Request, v *view) error {
-	groups, more, err := c.ops.DeadLetterGroups(ctx, v.Filter.Consumer)
+func (c *console) loadDead(ctx context.Context, r *http.Request, m *Member, v *view) error {
+	groups, more, err := m.Ops.DeadLetterGroups(ctx, v.Filter.Consumer)
 	if errors.Is(err, outboxdriver.ErrDeadLettersUnsupported) {
 		v.NoDeadLetters = true
 		return nil
@@ -480,10 +686,10 @@ func (c *console) loadDead(ctx context.Context, r *http.Request, v *view) error 
 	for _, g := range groups {
 		t := deadTarget(g.Keys...)
 		v.DeadGroups = append(v.DeadGroups, deadGroup{DeadLetterGroup: g,
-			CanRetry: c.may(r, t.as(ActionRetryDeadLetter)), CanDiscard: c.may(r, t.as(ActionDiscardDeadLetter))})
+			CanRetry: c.may(r, m, t.as(ActionRetryDeadLetter)), CanDiscard: c.may(r, m, t.as(ActionDiscardDeadLetter))})
 	}
 	n := c.opt.PageSize
-	dead, err := c.ops.DeadLetters(ctx, outboxdriver.DeadLetterFilter{Consumer: v.Filter.Consumer, State: outboxdriver.DeadLetterDead, Limit: n + 1})
+	dead, err := m.Ops.DeadLetters(ctx, outboxdriver.DeadLetterFilter{Consumer: v.Filter.Consumer, State: outboxdriver.DeadLetterDead, Limit: n + 1})
 	if err != nil {
 		return err
 	}
@@ -493,7 +699,7 @@ func (c *console) loadDead(ctx context.Context, r *http.Request, v *view) error 
 	for _, d := range dead {
 		t := deadTarget(outboxdriver.Source{Consumer: d.Consumer, ID: d.MessageID})
 		v.Dead = append(v.Dead, deadRow{DeadLetter: d,
-			CanRetry: c.may(r, t.as(ActionRetryDeadLetter)), CanDiscard: c.may(r, t.as(ActionDiscardDeadLetter))})
+			CanRetry: c.may(r, m, t.as(ActionRetryDeadLetter)), CanDiscard: c.may(r, m, t.as(ActionDiscardDeadLetter))})
 	}
 	return nil
 }
@@ -512,7 +718,7 @@ func deadTarget(keys ...outboxdriver.Source) Action {
 // deadOf returns the dead letters (in state dead) a form selects: one (consumer and message_id)
 // or a group (consumer and group, the fingerprint of its reason), and the selection for a
 // question.
-func (c *console) deadOf(ctx context.Context, form url.Values) ([]outboxdriver.Source, deadConfirm, error) {
+func (c *console) deadOf(ctx context.Context, m *Member, form url.Values) ([]outboxdriver.Source, deadConfirm, error) {
 	sel := deadConfirm{Consumer: form.Get("consumer"), MessageID: form.Get("message_id"), Group: form.Get("group")}
 	if sel.Consumer == "" || (sel.MessageID == "") == (sel.Group == "") {
 		return nil, sel, errors.New("bad request: a consumer and a message_id or a group")
@@ -521,7 +727,7 @@ func (c *console) deadOf(ctx context.Context, form url.Values) ([]outboxdriver.S
 		// The store's change tells whether it is dead: one that is not is left alone and not counted.
 		return []outboxdriver.Source{{Consumer: sel.Consumer, ID: sel.MessageID}}, sel, nil
 	}
-	groups, _, err := c.ops.DeadLetterGroups(ctx, sel.Consumer)
+	groups, _, err := m.Ops.DeadLetterGroups(ctx, sel.Consumer)
 	if err != nil {
 		return nil, sel, err
 	}
@@ -595,7 +801,7 @@ func target(effects ...ops.Parked) Action {
 func (a Action) as(name string) Action { a.Name = name; return a }
 
 // parkedOf returns the parked effects of the store IDs in s ("1,2,3"), or an error for the user.
-func (c *console) parkedOf(ctx context.Context, s string) ([]ops.Parked, error) {
+func (c *console) parkedOf(ctx context.Context, m *Member, s string) ([]ops.Parked, error) {
 	var ids []int64
 	for _, part := range strings.Split(s, ",") {
 		id, err := strconv.ParseInt(strings.TrimSpace(part), 10, 64)
@@ -607,18 +813,18 @@ func (c *console) parkedOf(ctx context.Context, s string) ([]ops.Parked, error) 
 	if len(ids) > ops.DefaultLimit {
 		return nil, fmt.Errorf("bad request: %d store IDs, at most %d at once", len(ids), ops.DefaultLimit)
 	}
-	return c.ops.ParkedEffects(ctx, ops.ParkedFilter{IDs: ids, Limit: len(ids)})
+	return m.Ops.ParkedEffects(ctx, ops.ParkedFilter{IDs: ids, Limit: len(ids)})
 }
 
 // confirmDiscard asks before a discard: it shows the effects and a button that discards them.
-func (c *console) confirmDiscard(w http.ResponseWriter, r *http.Request) {
+func (c *console) confirmDiscard(w http.ResponseWriter, r *http.Request, m *Member) {
 	ctx, cancel := context.WithTimeout(r.Context(), c.opt.Timeout)
 	defer cancel()
-	c.askDiscard(ctx, w, r, r.URL.Query().Get("ids"))
+	c.askDiscard(ctx, w, r, m, r.URL.Query().Get("ids"))
 }
 
-func (c *console) askDiscard(ctx context.Context, w http.ResponseWriter, r *http.Request, ids string) {
-	parked, err := c.parkedOf(ctx, ids)
+func (c *console) askDiscard(ctx context.Context, w http.ResponseWriter, r *http.Request, m *Member, ids string) {
+	parked, err := c.parkedOf(ctx, m, ids)
 	if err != nil {
 		http.Error(w, err.Error(), http.StatusBadRequest)
 		return
@@ -627,19 +833,20 @@ func (c *console) askDiscard(ctx context.Context, w http.ResponseWriter, r *http
 		http.Error(w, "none of these effects is parked (any more)", http.StatusNotFound)
 		return
 	}
-	if !c.may(r, target(parked...).as(ActionDiscard)) {
+	if !c.may(r, m, target(parked...).as(ActionDiscard)) {
 		http.Error(w, "forbidden: not authorized to discard these effects", http.StatusForbidden)
 		return
 	}
-	user := userOf(r)
-	c.render(w, view{User: user, Token: c.token(user), Confirm: parked, ConfirmIDs: idList(target(parked...).StoreIDs)})
+	v := c.newView(r, m)
+	v.Confirm, v.ConfirmIDs = parked, idList(target(parked...).StoreIDs)
+	c.render(w, v)
 }
 
 // action handles a POST: the request must not come from another site, the token must be valid,
 // the user must be authorized for the action on its target; a discard must be confirmed. Then
 // the change goes through ops, audited with the user's name and address.
-func (c *console) action(action string) http.HandlerFunc {
-	return func(w http.ResponseWriter, r *http.Request) {
+func (c *console) action(action string) func(http.ResponseWriter, *http.Request, *Member) {
+	return func(w http.ResponseWriter, r *http.Request, m *Member) {
 		if c.opt.Authorize == nil {
 			http.Error(w, "forbidden: the console is read-only", http.StatusForbidden)
 			return
@@ -660,12 +867,12 @@ func (c *console) action(action string) http.HandlerFunc {
 		}
 		ctx, cancel := context.WithTimeout(r.Context(), c.opt.Timeout)
 		defer cancel()
-		opt := ops.RepairOptions{Actor: user + " (console)", Remote: r.RemoteAddr}
+		opt := ops.RepairOptions{Actor: actor(user, m), Remote: r.RemoteAddr}
 		var flash string
 		var err error
 		switch action {
 		case ActionRetryDeadLetter, ActionDiscardDeadLetter:
-			keys, sel, derr := c.deadOf(ctx, r.PostForm)
+			keys, sel, derr := c.deadOf(ctx, m, r.PostForm)
 			if derr != nil {
 				http.Error(w, derr.Error(), http.StatusBadRequest)
 				return
@@ -674,46 +881,48 @@ func (c *console) action(action string) http.HandlerFunc {
 				flash = "no such dead letters (any more): nothing changed"
 				break
 			}
-			if !c.may(r, deadTarget(keys...).as(action)) {
+			if !c.may(r, m, deadTarget(keys...).as(action)) {
 				http.Error(w, "forbidden: not authorized to "+action+" these dead letters", http.StatusForbidden)
 				return
 			}
 			if action == ActionDiscardDeadLetter && r.PostForm.Get("confirm") != "yes" {
 				sel.Keys, sel.Shown = keys, keys[:min(len(keys), c.opt.PageSize)]
 				sel.More = len(keys) - len(sel.Shown)
-				c.render(w, view{User: user, Token: c.token(user), ConfirmDead: &sel})
+				v := c.newView(r, m)
+				v.ConfirmDead = &sel
+				c.render(w, v)
 				return
 			}
 			var n int
 			if action == ActionRetryDeadLetter {
-				n, err = c.ops.RetryDeadLetters(ctx, keys, opt)
+				n, err = m.Ops.RetryDeadLetters(ctx, keys, opt)
 				flash = fmt.Sprintf("%d dead letter(s) retried: their consumers run them again", n)
 			} else {
-				n, err = c.ops.DiscardDeadLetters(ctx, keys, opt)
+				n, err = m.Ops.DiscardDeadLetters(ctx, keys, opt)
 				flash = fmt.Sprintf("%d dead letter(s) discarded", n)
 			}
 		case ActionDeadLetterNow:
 			consumer, id := r.PostForm.Get("consumer"), r.PostForm.Get("message_id")
-			if !c.may(r, Action{Name: ActionDeadLetterNow, Consumers: []string{consumer}, MessageID: id}) {
+			if !c.may(r, m, Action{Name: ActionDeadLetterNow, Consumers: []string{consumer}, MessageID: id}) {
 				http.Error(w, "forbidden: not authorized to dead-letter "+consumer+"/"+id, http.StatusForbidden)
 				return
 			}
 			var ok bool
-			ok, err = c.ops.DeadLetterNow(ctx, outboxdriver.Source{Consumer: consumer, ID: id}, opt)
+			ok, err = m.Ops.DeadLetterNow(ctx, outboxdriver.Source{Consumer: consumer, ID: id}, opt)
 			flash = fmt.Sprintf("dead-letter %s/%s: %v", consumer, id, map[bool]string{
 				true: "its next delivery stores it as a dead letter and acks it", false: "not a failing message"}[ok])
 		case ActionReplay:
 			consumer, id := r.PostForm.Get("consumer"), r.PostForm.Get("message_id")
-			if !c.may(r, Action{Name: ActionReplay, Consumers: []string{consumer}, MessageID: id}) {
+			if !c.may(r, m, Action{Name: ActionReplay, Consumers: []string{consumer}, MessageID: id}) {
 				http.Error(w, "forbidden: not authorized to replay "+consumer+"/"+id, http.StatusForbidden)
 				return
 			}
 			var ok bool
-			ok, err = c.ops.ReplayPoisoned(ctx, consumer, id, opt)
+			ok, err = m.Ops.ReplayPoisoned(ctx, consumer, id, opt)
 			flash = fmt.Sprintf("replay %s/%s: %v", consumer, id, map[bool]string{
 				true: "its next delivery runs the handler", false: "not a poisoned message"}[ok])
 		default:
-			parked, perr := c.parkedOf(ctx, r.PostForm.Get("ids"))
+			parked, perr := c.parkedOf(ctx, m, r.PostForm.Get("ids"))
 			if perr != nil {
 				http.Error(w, perr.Error(), http.StatusBadRequest)
 				return
@@ -723,17 +932,17 @@ func (c *console) action(action string) http.HandlerFunc {
 				flash = "none of these effects is parked (any more): nothing changed"
 				break
 			}
-			if !c.may(r, t) {
+			if !c.may(r, m, t) {
 				http.Error(w, "forbidden: not authorized to "+action+" these effects", http.StatusForbidden)
 				return
 			}
 			if action == ActionDiscard && r.PostForm.Get("confirm") != "yes" {
-				c.askDiscard(ctx, w, r, idList(t.StoreIDs))
+				c.askDiscard(ctx, w, r, m, idList(t.StoreIDs))
 				return
 			}
-			repair := c.ops.RetryParked
+			repair := m.Ops.RetryParked
 			if action == ActionDiscard {
-				repair = c.ops.DiscardParked
+				repair = m.Ops.DiscardParked
 			}
 			var ch ops.Change
 			ch, err = repair(ctx, ops.ParkedFilter{IDs: t.StoreIDs, Limit: len(t.StoreIDs)}, opt)
@@ -745,7 +954,7 @@ func (c *console) action(action string) http.HandlerFunc {
 			return
 		}
 		// A relative Location: the browser resolves it against the prefix the console is mounted under.
-		w.Header().Set("Location", "./?flash="+url.QueryEscape(c.flash(user, flash)))
+		w.Header().Set("Location", "./"+memberQuery(m, url.Values{"flash": {c.flash(user, flash)}}))
 		w.WriteHeader(http.StatusSeeOther)
 	}
 }

@@ -1,0 +1,195 @@
+package console_test
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"html"
+	"net/http"
+	"net/http/httptest"
+	"net/url"
+	"regexp"
+	"strings"
+	"sync"
+	"testing"
+
+	"github.com/watermill-outbox/outbox"
+	"github.com/watermill-outbox/outbox/console"
+	"github.com/watermill-outbox/outbox/ops"
+)
+
+// serveMembers serves a console of members under /outbox/.
+func serveMembers(t *testing.T, members []console.Member, opt console.Options) *httptest.Server {
+	t.Helper()
+	h, err := console.NewMembers(members, opt)
+	if err != nil {
+		t.Fatal(err)
+	}
+	mux := http.NewServeMux()
+	mux.Handle("/outbox/", http.StripPrefix("/outbox", h))
+	srv := httptest.NewServer(mux)
+	t.Cleanup(srv.Close)
+	return srv
+}
+
+// memberLine is the line of member name on the page of members.
+func memberLine(body, name string) string {
+	return regexp.MustCompile(`(?s)<tr data-member="` + regexp.QuoteMeta(html.EscapeString(name)) + `">.*?</tr>`).FindString(body)
+}
+
+func parkedCount(t *testing.T, db *sql.DB) int {
+	t.Helper()
+	var n int
+	if err := db.QueryRow(`SELECT count(*) FROM outbox_effects_all WHERE parked_at IS NOT NULL`).Scan(&n); err != nil {
+		t.Fatal(err)
+	}
+	return n
+}
+
+// TestMembersPage: two members in two databases, a parked effect in one. The page of members
+// shows it under that member only, with each member's health; a member's name is escaped in the
+// page and in its link, which leads to that member's page; a name that is not a member is 404 on
+// every address; New's console knows no member names.
+func TestMembersPage(t *testing.T) {
+	// A name with what HTML and a query string give meaning to: the console must escape it.
+	const odd = `a&b <i>"x"`
+	withParked, _, uuids := parkedBy(t, "billing")
+	empty, _, _ := parkedBy(t)
+	srv := serveMembers(t, []console.Member{
+		{Name: odd, Ops: withParked},
+		{Name: "globex", Ops: empty, Health: func(context.Context) outbox.HealthReport {
+			return outbox.HealthReport{Checks: []outbox.HealthCheck{{Name: "database", Reason: "unreachable since 12:00"}}}
+		}},
+	}, console.Options{AllowUnauthenticated: true})
+	c := srv.Client()
+	code, body := get(t, c, srv.URL+"/outbox/")
+	if code != http.StatusOK || strings.Contains(body, "<i>") {
+		t.Fatalf("page of members: %d, want 200 and the name escaped:\n%s", code, body)
+	}
+	a, g := memberLine(body, odd), memberLine(body, "globex")
+	if !strings.Contains(a, `class="n parked bad">1<`) || !strings.Contains(g, `class="n parked ">0<`) {
+		t.Errorf("the parked effect, want it under %q only:\n%s\n%s", odd, a, g)
+	}
+	if !strings.Contains(a, `class="health ok">the tables were read<`) || !strings.Contains(g, `class="health bad">outbox: unhealthy: database: unreachable since 12:00<`) {
+		t.Errorf("health, want the first read and the second's own report:\n%s\n%s", a, g)
+	}
+	if strings.Contains(body, uuids[0]) {
+		t.Errorf("the page of members lists effects:\n%s", body)
+	}
+	link := regexp.MustCompile(`<a href="([^"]+)">`).FindStringSubmatch(a)
+	if link == nil {
+		t.Fatalf("no link to the member:\n%s", a)
+	}
+	u, err := url.Parse(srv.URL + "/outbox/")
+	if err != nil {
+		t.Fatal(err)
+	}
+	ref, err := url.Parse(html.UnescapeString(link[1]))
+	if err != nil {
+		t.Fatal(err)
+	}
+	code, body = get(t, c, u.ResolveReference(ref).String())
+	if code != http.StatusOK || !strings.Contains(body, uuids[0]) || !strings.Contains(body, `<span id="member">a&amp;b &lt;i&gt;&#34;x&#34;</span>`) {
+		t.Fatalf("the member's page through its link %s: %d, want its parked effect and its name, escaped:\n%s", link[1], code, body)
+	}
+
+	for _, path := range []string{"/outbox/?member=initech", "/outbox/?member=", "/outbox/discard?ids=1&member=%3Cscript%3E", "/outbox/discard?ids=1"} {
+		if code, body := get(t, c, srv.URL+path); code != http.StatusNotFound || !strings.Contains(body, "no member") {
+			t.Errorf("GET %s: %d %q, want 404", path, code, body)
+		}
+	}
+	resp, _ := postForm(t, c, srv.URL+"/outbox/retry?member=initech", url.Values{"ids": {"1"}})
+	if resp.StatusCode != http.StatusNotFound {
+		t.Errorf("POST retry of no member: %d, want 404", resp.StatusCode)
+	}
+	one := serve(t, withParked, console.Options{AllowUnauthenticated: true})
+	if code, _ := get(t, c, one.URL+"/outbox/?member=globex"); code != http.StatusNotFound {
+		t.Errorf("New's console, a member named: %d, want 404", code)
+	}
+
+	for _, bad := range []string{"", "a/b", "a\nb", string([]byte{0xff})} {
+		if _, err := console.NewMembers([]console.Member{{Name: bad, Ops: empty}}, console.Options{AllowUnauthenticated: true}); err == nil {
+			t.Errorf("NewMembers with member %q: want an error", bad)
+		}
+	}
+	if _, err := console.NewMembers([]console.Member{{Name: "x", Ops: empty}, {Name: "x", Ops: withParked}}, console.Options{AllowUnauthenticated: true}); err == nil {
+		t.Error("NewMembers with a name twice: want an error")
+	}
+}
+
+// twoParked returns two members, a and b, in two databases with a parked effect each (the same
+// store ID in both), and their databases.
+func twoParked(t *testing.T) (a, b *ops.Ops, dbA, dbB *sql.DB) {
+	a, dbA, _ = parkedBy(t, "billing")
+	b, dbB, _ = parkedBy(t, "billing")
+	return a, b, dbA, dbB
+}
+
+// TestMemberActionsActOnTheirMember: a discard with ?member=a changes a's database only (the
+// other holds an effect with the same store ID), is asked of Authorize for member a, and is
+// audited in a's database with the member's name; every form and link of a's page carries the
+// member, and so does the redirect after the action.
+func TestMemberActionsActOnTheirMember(t *testing.T) {
+	a, b, dbA, dbB := twoParked(t)
+	var mu sync.Mutex
+	var asked []console.Action
+	srv := serveMembers(t, []console.Member{{Name: "a", Ops: a}, {Name: "b", Ops: b}}, console.Options{
+		Authenticate: func(*http.Request) (string, bool) { return "alice", true },
+		Authorize: func(_ *http.Request, _ string, act console.Action) bool {
+			mu.Lock()
+			defer mu.Unlock()
+			asked = append(asked, act)
+			return true
+		},
+	})
+	c := noRedirect()
+	_, body := get(t, c, srv.URL+"/outbox/?member=a")
+	posts := regexp.MustCompile(`method="post" action="([^"]*)"`).FindAllStringSubmatch(body, -1)
+	if len(posts) == 0 {
+		t.Fatalf("a's page: no forms:\n%s", body)
+	}
+	for _, p := range posts {
+		if !strings.HasSuffix(p[1], "?member=a") {
+			t.Errorf("a form of a's page posts to %q, without the member", p[1])
+		}
+	}
+	if n := strings.Count(body, `method="get" action="discard">`); n == 0 || n != strings.Count(body, `method="get" action="discard"><input type="hidden" name="member" value="a">`) {
+		t.Errorf("a's discard questions: %d, want each with the member:\n%s", n, body)
+	}
+	if !strings.Contains(body, `<a href="./?member=a">all</a>`) || !strings.Contains(body, `<a href="./" id="all-members">`) {
+		t.Errorf("a's page: want its links to carry the member, and one to the page of members:\n%s", body)
+	}
+	token, id := tokenOf.FindStringSubmatch(body)[1], idRe.FindStringSubmatch(body)[1]
+	if _, bodyB := get(t, c, srv.URL+"/outbox/?member=b"); idRe.FindStringSubmatch(bodyB)[1] != id {
+		t.Fatalf("b's parked effect has another store ID than a's %s: the test needs the same", id)
+	}
+	mu.Lock()
+	asked = nil // b's page asked about b's buttons
+	mu.Unlock()
+
+	resp, _ := postForm(t, c, srv.URL+"/outbox/discard?member=a", url.Values{"ids": {id}, "token": {token}, "confirm": {"yes"}})
+	if resp.StatusCode != http.StatusSeeOther || !strings.HasPrefix(resp.Header.Get("Location"), "./?") ||
+		!strings.Contains(resp.Header.Get("Location"), "member=a") {
+		t.Fatalf("discard of a: %d to %q, want 303 to a's page", resp.StatusCode, resp.Header.Get("Location"))
+	}
+	if pa, pb := parkedCount(t, dbA), parkedCount(t, dbB); pa != 0 || pb != 1 {
+		t.Fatalf("after a discard of a's effect %s: %d parked in a, %d in b; want 0 and 1", id, pa, pb)
+	}
+	var actor string
+	if err := dbA.QueryRow(`SELECT actor FROM outbox_audit WHERE action = 'discard-parked'`).Scan(&actor); err != nil || actor != "alice (console, member a)" {
+		t.Errorf("a's audit entry: %q %v, want alice (console, member a)", actor, err)
+	}
+	if err := dbB.QueryRow(`SELECT actor FROM outbox_audit`).Scan(&actor); !errors.Is(err, sql.ErrNoRows) {
+		t.Errorf("b's audit table: %q %v, want no entry", actor, err)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if len(asked) == 0 {
+		t.Error("Authorize was not asked about the discard")
+	}
+	for _, act := range asked {
+		if act.Member != "a" {
+			t.Errorf("Authorize was asked about %+v, want member a only", act)
+		}
+	}
+}
