@@ -471,14 +471,14 @@ func (f filter) query(m *Member, after int64) template.URL {
 
 // memberRow is a member on the page of members.
 type memberRow struct {
-	Name     string
-	Link     template.URL
-	Error    string // the member's tables could not be read
-	Totals   outboxdriver.Stats
-	Relay    relay
-	Healthy  bool
-	Health   string
-	Sampled  time.Duration // age of the stored sample, negative: none
+	Name    string
+	Link    template.URL
+	Error   string // the member's tables could not be read
+	Totals  outboxdriver.Stats
+	Relay   relay
+	Healthy bool
+	Health  string
+	Sampled time.Duration // age of the stored sample, negative: none
 }
 
 type view struct {
