@@ -353,17 +353,28 @@ func (c *console) sign(parts ...string) string {
 	return base64.RawURLEncoding.EncodeToString(m.Sum(nil))
 }
 
-// token is a CSRF token of user, valid until its expiry: the expiry and an HMAC of both under
-// the key, so that any instance with the key checks it.
-func (c *console) token(user string) string {
-	exp := strconv.FormatInt(time.Now().Add(c.opt.TokenTTL).Unix(), 10)
-	return exp + "." + c.sign("csrf", user, exp)
+// signFor signs parts for member m: New's member signs them alone, as before members were
+// known (the tokens of running instances stay valid across an upgrade), a named member with its
+// name, so that what the console signed for one member is refused on another.
+func (c *console) signFor(m *Member, parts ...string) string {
+	if m.Name != "" {
+		parts = append(parts, "member", m.Name)
+	}
+	return c.sign(parts...)
 }
 
-// tokenErr tells why tok is not a valid token of user, or nil.
-func (c *console) tokenErr(user, tok string) error {
+// token is a CSRF token of user for member m's pages, valid until its expiry: the expiry and an
+// HMAC of the three under the key, so that any instance with the key checks it, and no other
+// member's actions take it.
+func (c *console) token(user string, m *Member) string {
+	exp := strconv.FormatInt(time.Now().Add(c.opt.TokenTTL).Unix(), 10)
+	return exp + "." + c.signFor(m, "csrf", user, exp)
+}
+
+// tokenErr tells why tok is not a valid token of user for member m, or nil.
+func (c *console) tokenErr(user string, m *Member, tok string) error {
 	exp, sig, ok := strings.Cut(tok, ".")
-	if !ok || subtle.ConstantTimeCompare([]byte(sig), []byte(c.sign("csrf", user, exp))) != 1 {
+	if !ok || subtle.ConstantTimeCompare([]byte(sig), []byte(c.signFor(m, "csrf", user, exp))) != 1 {
 		return errors.New("forbidden: missing or wrong CSRF token (reload the page)")
 	}
 	if at, err := strconv.ParseInt(exp, 10, 64); err != nil || time.Now().Unix() > at {
@@ -372,21 +383,22 @@ func (c *console) tokenErr(user, tok string) error {
 	return nil
 }
 
-// flash is the query parameter that carries a notice for user after an action: its text and a
-// signature, so that a link cannot make the console show a notice it did not write.
-func (c *console) flash(user, text string) string {
-	return base64.RawURLEncoding.EncodeToString([]byte(text)) + "." + c.sign("flash", user, text)
+// flash is the query parameter that carries a notice for user after an action on member m: its
+// text and a signature, so that a link cannot make the console show a notice it did not write,
+// nor one member's page the notice of another's change.
+func (c *console) flash(user string, m *Member, text string) string {
+	return base64.RawURLEncoding.EncodeToString([]byte(text)) + "." + c.signFor(m, "flash", user, text)
 }
 
-// flashText returns the notice of a flash parameter for user, or "" if it is not one the
-// console signed for them.
-func (c *console) flashText(user, param string) string {
+// flashText returns the notice of a flash parameter for user on member m's page, or "" if it is
+// not one the console signed for them there.
+func (c *console) flashText(user string, m *Member, param string) string {
 	enc, sig, ok := strings.Cut(param, ".")
 	if !ok {
 		return ""
 	}
 	b, err := base64.RawURLEncoding.DecodeString(enc)
-	if err != nil || subtle.ConstantTimeCompare([]byte(sig), []byte(c.sign("flash", user, string(b)))) != 1 {
+	if err != nil || subtle.ConstantTimeCompare([]byte(sig), []byte(c.signFor(m, "flash", user, string(b)))) != 1 {
 		return ""
 	}
 	return string(b)
@@ -522,7 +534,7 @@ type view struct {
 // newView is the view of a page of member m's.
 func (c *console) newView(r *http.Request, m *Member) view {
 	user := userOf(r)
-	return view{User: user, Token: c.token(user), Member: m.Name, Several: c.several(),
+	return view{User: user, Token: c.token(user, m), Member: m.Name, Several: c.several(),
 		Home: template.URL("./" + memberQuery(m, nil)), Query: template.URL(memberQuery(m, nil)),
 		ReadOnly: c.opt.Authorize == nil, PageSize: c.opt.PageSize}
 }
@@ -542,7 +554,7 @@ func (c *console) showMember(w http.ResponseWriter, r *http.Request, m *Member) 
 	defer cancel()
 	q := r.URL.Query()
 	v := c.newView(r, m)
-	v.Flash = c.flashText(v.User, q.Get("flash"))
+	v.Flash = c.flashText(v.User, m, q.Get("flash"))
 	v.Filter = filter{Consumer: q.Get("consumer"), Topic: q.Get("topic"), Error: q.Get("error")}
 	v.Filter.After, _ = strconv.ParseInt(q.Get("after"), 10, 64)
 	err := c.load(ctx, r, m, &v)
@@ -861,7 +873,7 @@ func (c *console) action(action string) func(http.ResponseWriter, *http.Request,
 			return
 		}
 		user := userOf(r)
-		if err := c.tokenErr(user, r.PostForm.Get("token")); err != nil {
+		if err := c.tokenErr(user, m, r.PostForm.Get("token")); err != nil {
 			http.Error(w, err.Error(), http.StatusForbidden)
 			return
 		}
@@ -954,7 +966,7 @@ func (c *console) action(action string) func(http.ResponseWriter, *http.Request,
 			return
 		}
 		// A relative Location: the browser resolves it against the prefix the console is mounted under.
-		w.Header().Set("Location", "./"+memberQuery(m, url.Values{"flash": {c.flash(user, flash)}}))
+		w.Header().Set("Location", "./"+memberQuery(m, url.Values{"flash": {c.flash(user, m, flash)}}))
 		w.WriteHeader(http.StatusSeeOther)
 	}
 }

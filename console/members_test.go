@@ -193,3 +193,45 @@ func TestMemberActionsActOnTheirMember(t *testing.T) {
 		}
 	}
 }
+
+// TestMemberTokenDoesNotCrossMembers: the token of a's confirmation of a discard does not
+// authorize the same discard on b (the same store ID names another effect there), and the notice
+// a's action led to is not shown on b's page.
+func TestMemberTokenDoesNotCrossMembers(t *testing.T) {
+	a, b, dbA, dbB := twoParked(t)
+	srv := serveMembers(t, []console.Member{{Name: "a", Ops: a}, {Name: "b", Ops: b}}, console.Options{
+		Authenticate: func(*http.Request) (string, bool) { return "alice", true },
+		Authorize:    func(*http.Request, string, console.Action) bool { return true },
+	})
+	c := noRedirect()
+	_, body := get(t, c, srv.URL+"/outbox/?member=a")
+	id := idRe.FindStringSubmatch(body)[1]
+	code, body := get(t, c, srv.URL+"/outbox/discard?member=a&ids="+id)
+	if code != http.StatusOK || !strings.Contains(body, `id="confirm-discard"`) {
+		t.Fatalf("a's question before the discard: %d\n%s", code, body)
+	}
+	token := tokenOf.FindStringSubmatch(body)[1]
+	resp, _ := postForm(t, c, srv.URL+"/outbox/discard?member=b", url.Values{"ids": {id}, "token": {token}, "confirm": {"yes"}})
+	if resp.StatusCode != http.StatusForbidden {
+		t.Errorf("b's discard with the token of a's question: %d, want 403", resp.StatusCode)
+	}
+	if pa, pb := parkedCount(t, dbA), parkedCount(t, dbB); pa != 1 || pb != 1 {
+		t.Fatalf("after a discard on b with a's token: %d parked in a, %d in b; want 1 and 1", pa, pb)
+	}
+
+	resp, _ = postForm(t, c, srv.URL+"/outbox/discard?member=a", url.Values{"ids": {id}, "token": {token}, "confirm": {"yes"}})
+	loc, err := url.Parse(resp.Header.Get("Location"))
+	if resp.StatusCode != http.StatusSeeOther || err != nil || loc.Query().Get("flash") == "" {
+		t.Fatalf("a's discard with a's token: %d to %q, want 303 with a notice", resp.StatusCode, resp.Header.Get("Location"))
+	}
+	if pa, pb := parkedCount(t, dbA), parkedCount(t, dbB); pa != 0 || pb != 1 {
+		t.Fatalf("after a's discard: %d parked in a, %d in b; want 0 and 1", pa, pb)
+	}
+	notice := url.Values{"flash": {loc.Query().Get("flash")}}
+	if _, body := get(t, c, srv.URL+"/outbox/?member=a&"+notice.Encode()); !strings.Contains(body, `id="flash">1 parked effect(s) discarded<`) {
+		t.Errorf("a's page after a's discard: want the notice:\n%s", body)
+	}
+	if _, body := get(t, c, srv.URL+"/outbox/?member=b&"+notice.Encode()); strings.Contains(body, `id="flash"`) {
+		t.Errorf("b's page with the notice of a's discard: want none:\n%s", body)
+	}
+}
