@@ -269,8 +269,29 @@ func writeError(w http.ResponseWriter, status int, msg string) {
 // is set, and lets the operator retry, discard and replay. It returns what to tell the user, with
 // ADDR standing for the listen address.
 func (a *api) mountConsole(cfg config) (string, error) {
-	if cfg.postgres == "" && cfg.mysql == "" {
+	opt, note, err := consoleOptions(cfg)
+	if err != nil {
+		return "", err
+	}
+	if note == "" {
 		return "(needs PostgreSQL or MySQL: start with -postgres DSN or -mysql DSN)", nil
+	}
+	o, err := ops.ForOutbox(a.ob)
+	if err != nil {
+		return "", err
+	}
+	if a.console, err = console.New(o, opt); err != nil {
+		return "", err
+	}
+	return note, nil
+}
+
+// consoleOptions returns the console's options (HTTP Basic as user "operator", who may retry,
+// discard and replay) and the address to tell the user, or no address when the console needs a
+// database this service does not run on.
+func consoleOptions(cfg config) (console.Options, string, error) {
+	if cfg.postgres == "" && cfg.mysql == "" {
+		return console.Options{}, "", nil
 	}
 	password := cfg.consolePassword
 	// The operator's own password is never printed (the banner may end up in a log); a
@@ -279,24 +300,16 @@ func (a *api) mountConsole(cfg config) (string, error) {
 	if password == "" {
 		b := make([]byte, 12)
 		if _, err := rand.Read(b); err != nil {
-			return "", err
+			return console.Options{}, "", err
 		}
 		password = hex.EncodeToString(b)
 		note = "http://operator:" + password + "@ADDR/outbox/"
 	}
-	o, err := ops.ForOutbox(a.ob)
-	if err != nil {
-		return "", err
-	}
-	a.console, err = console.New(o, console.Options{
+	return console.Options{
 		// The console answers a request without the credentials with a challenge: the browser asks.
 		BasicAuth: func(user, pass string) bool {
 			return user == "operator" && subtle.ConstantTimeCompare([]byte(pass), []byte(password)) == 1
 		},
 		Authorize: func(_ *http.Request, user string, _ console.Action) bool { return user == "operator" },
-	})
-	if err != nil {
-		return "", err
-	}
-	return note, nil
+	}, note, nil
 }

@@ -18,8 +18,10 @@ import (
 	"github.com/lib/pq"
 
 	"github.com/watermill-outbox/outbox"
+	"github.com/watermill-outbox/outbox/console"
 	"github.com/watermill-outbox/outbox/drivers/postgres"
 	"github.com/watermill-outbox/outbox/drivers/sqlite"
+	"github.com/watermill-outbox/outbox/ops"
 	"github.com/watermill-outbox/outbox/outboxdriver"
 	"github.com/watermill-outbox/outbox/tenant"
 )
@@ -220,6 +222,7 @@ type tenantAPI struct {
 	apis    map[string]*api
 	metrics http.Handler
 	health  http.Handler
+	console http.Handler // nil: no /outbox/
 }
 
 func (t *tenantAPI) routes() http.Handler {
@@ -228,7 +231,38 @@ func (t *tenantAPI) routes() http.Handler {
 	mux.HandleFunc("GET /orders/{id}", t.forTenant((*api).getOrder))
 	mux.Handle("GET /metrics", t.metrics)
 	mux.Handle("GET /healthz", t.health)
+	if t.console != nil {
+		mux.Handle("/outbox/", http.StripPrefix("/outbox", t.console))
+	}
 	return mux
+}
+
+// tenantsConsole returns the web console of every member (console.NewMembers: a page of members,
+// and each member's page and repairs on its own database), the unresolved member's too, whose
+// dead letters are the messages of unknown tenants, and what to tell the user, with ADDR standing
+// for the listen address. On SQLite it returns none (package ops has no SQLite statements).
+func tenantsConsole(cfg config, dbs []tenantDB, obs map[string]*outbox.Outbox) (http.Handler, string, error) {
+	if cfg.postgres == "" {
+		return nil, "(needs PostgreSQL: start with -postgres DSN)", nil
+	}
+	opt, note, err := consoleOptions(cfg)
+	if err != nil {
+		return nil, "", err
+	}
+	members := make([]console.Member, 0, len(dbs))
+	for _, d := range dbs {
+		ob := obs[d.name]
+		o, err := ops.ForOutbox(ob)
+		if err != nil {
+			return nil, "", fmt.Errorf("tenant %s: %w", d.name, err)
+		}
+		members = append(members, console.Member{Name: d.name, Ops: o, Health: ob.Health})
+	}
+	h, err := console.NewMembers(members, opt)
+	if err != nil {
+		return nil, "", err
+	}
+	return h, note, nil
 }
 
 // forTenant runs h with the api of the request's tenant; a request that names none, or one that
@@ -335,6 +369,10 @@ func serveTenants(ctx context.Context, cfg config, out io.Writer, ready func(add
 		return err
 	}
 	ta := &tenantAPI{apis: map[string]*api{}, metrics: s.metrics, health: tenantsHealth(set, consumersRunning)}
+	var consoleNote string
+	if ta.console, consoleNote, err = tenantsConsole(cfg, s.tenantDBs, obs); err != nil {
+		return err
+	}
 	for _, t := range s.tenantDBs {
 		if t.name != unresolvedMember {
 			ta.apis[t.name] = &api{db: t.db, ob: obs[t.name], set: set, member: t.name}
@@ -354,7 +392,8 @@ func serveTenants(ctx context.Context, cfg config, out io.Writer, ready func(add
 	fmt.Fprint(out, feats.notes())
 	fmt.Fprintf(out, "Metrics per tenant (Prometheus):\n  curl -s http://%s/metrics | grep outbox_member=\n", addr)
 	fmt.Fprintf(out, "Readiness probe (200 or 503):\n  curl -s http://%s/healthz\n", addr)
-	fmt.Fprint(out, "Web console: not mounted with -tenants\n\nCtrl-C stops.\n\n")
+	fmt.Fprintf(out, "Web console (the tenants; a tenant's page: /outbox/?member=%s):\n  %s\n\nCtrl-C stops.\n\n",
+		first, strings.ReplaceAll(consoleNote, "ADDR", addr))
 	wg.Add(1)
 	go func() { defer wg.Done(); printTenantsProgress(runCtx, out, s.tenantDBs, obs) }()
 	if ready != nil {

@@ -50,7 +50,8 @@ func TestTenants(t *testing.T) {
 // database.
 func TestTenantsOnPostgres(t *testing.T) {
 	dsn := pgtest.DSN(t)
-	cfg, err := parseFlags([]string{"-data", t.TempDir(), "-addr", "127.0.0.1:0", "-postgres", dsn, "-broker", "postgres", "-tenants", "acme,globex"})
+	cfg, err := parseFlags([]string{"-data", t.TempDir(), "-addr", "127.0.0.1:0", "-postgres", dsn, "-broker", "postgres", "-tenants", "acme,globex",
+		"-console-password", "s3cret"})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -80,7 +81,7 @@ func TestTenantsOnPostgres(t *testing.T) {
 		}
 		return sql.OpenDB(conn)
 	}
-	testTenants(t, cfg, open)
+	service, client := testTenants(t, cfg, open)
 	// Neither the DSN's own database nor the unresolved member's has an orders table.
 	unresolved := open(unresolvedMember)
 	defer unresolved.Close()
@@ -118,6 +119,8 @@ func TestTenantsOnPostgres(t *testing.T) {
 		}
 		return len(got) == 2, fmt.Sprintf("dead letters %v", got)
 	})
+	checkTenantsConsole(t, service, client, stranger.UUID)
+
 	for name, db := range map[string]*sql.DB{"the DSN's": admin, "the unresolved member's": unresolved} {
 		var none bool
 		if err := db.QueryRow(`SELECT to_regclass('orders') IS NULL`).Scan(&none); err != nil || !none {
@@ -130,9 +133,10 @@ func TestTenantsOnPostgres(t *testing.T) {
 // tenant of the service, waits until the orders are final, and checks in each tenant's database
 // (opened by open) that its orders are there, the other tenant's are not, and every effect
 // happened once.
-func testTenants(t *testing.T, cfg config, open func(tenant string) *sql.DB) {
+// It returns the service's address and a client.
+func testTenants(t *testing.T, cfg config, open func(tenant string) *sql.DB) (base string, client *http.Client) {
 	out := &syncBuffer{}
-	base, client := startService(t, cfg, out)
+	base, client = startService(t, cfg, out)
 
 	do := func(method, path, tenant, body string) (int, Order) {
 		t.Helper()
@@ -292,6 +296,7 @@ func testTenants(t *testing.T, cfg config, open func(tenant string) *sql.DB) {
 		return strings.Contains(s, "acme: orders placed 2  paid 1  rejected 1") &&
 			strings.Contains(s, "globex: orders placed 2  paid 2  rejected 0"), "printed:\n" + s
 	})
+	return base, client
 }
 
 // TestTenantsFlags: -tenants names are checked before they reach a file name or SQL, and the
@@ -326,5 +331,51 @@ func TestTenantsFlags(t *testing.T) {
 	t.Setenv("ORDERS_TENANTS", "acme,globex")
 	if cfg, err := parseFlags(nil); err != nil || strings.Join(cfg.tenants, ",") != "acme,globex" {
 		t.Errorf("ORDERS_TENANTS: %q, %v", cfg.tenants, err)
+	}
+}
+
+// checkTenantsConsole: with -tenants the console at /outbox/ (behind the operator's password)
+// lists every member, and each member's page shows its own database: the dead letter of a message
+// for an unknown tenant (deadID) on the unresolved member's page, not on acme's; a name that is
+// not a member is 404.
+func checkTenantsConsole(t *testing.T, base string, client *http.Client, deadID string) {
+	t.Helper()
+	get := func(path string, auth bool) (int, string) {
+		t.Helper()
+		req, _ := http.NewRequest(http.MethodGet, base+path, nil)
+		if auth {
+			req.SetBasicAuth("operator", "s3cret")
+		}
+		resp, err := client.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		var b bytes.Buffer
+		_, _ = b.ReadFrom(resp.Body)
+		return resp.StatusCode, b.String()
+	}
+	if code, _ := get("/outbox/", false); code != http.StatusUnauthorized {
+		t.Errorf("the console without the password: %d, want 401", code)
+	}
+	code, body := get("/outbox/", true)
+	if code != http.StatusOK {
+		t.Fatalf("the page of members: %d\n%s", code, body)
+	}
+	for _, name := range []string{"acme", "globex", unresolvedMember} {
+		if !strings.Contains(body, `<tr data-member="`+name+`"><td><a href="./?member=`+name+`">`) {
+			t.Errorf("the page of members does not list %s:\n%s", name, body)
+		}
+	}
+	code, body = get("/outbox/?member="+unresolvedMember, true)
+	if code != http.StatusOK || !strings.Contains(body, `data-dead="`+deadID+`"`) {
+		t.Errorf("the unresolved member's page: %d, want the dead letter %s:\n%s", code, deadID, body)
+	}
+	code, body = get("/outbox/?member=acme", true)
+	if code != http.StatusOK || strings.Contains(body, deadID) || !strings.Contains(body, "No dead letters.") {
+		t.Errorf("acme's page: %d, want no dead letter:\n%s", code, body)
+	}
+	if code, _ := get("/outbox/?member=initech", true); code != http.StatusNotFound {
+		t.Errorf("the page of a tenant the service does not serve: %d, want 404", code)
 	}
 }
