@@ -38,7 +38,6 @@ import (
 	"slices"
 	"strconv"
 	"strings"
-	"sync"
 	"time"
 	"unicode"
 	"unicode/utf8"
@@ -576,30 +575,46 @@ func (c *console) showMembers(w http.ResponseWriter, r *http.Request) {
 	defer cancel()
 	v := view{User: userOf(r), Several: true, Home: "./", ReadOnly: c.opt.Authorize == nil,
 		Members: make([]memberRow, len(c.names))}
+	type read struct {
+		i   int
+		row memberRow
+	}
+	// Buffered for every member: a read that outlives the page ends without a reader.
+	reads := make(chan read, len(c.names))
 	sem := make(chan struct{}, membersAtOnce)
-	var wg sync.WaitGroup
 	for i, name := range c.names {
 		m := c.members[name]
-		v.Members[i] = memberRow{Name: name, Link: template.URL("./" + memberQuery(m, nil)), Sampled: -1}
-		wg.Add(1)
+		row := memberRow{Name: name, Link: template.URL("./" + memberQuery(m, nil)), Sampled: -1,
+			Health: "unknown", Error: fmt.Sprintf("not read within the console's Timeout (%v)", c.opt.Timeout)}
+		v.Members[i] = row
 		go func() {
-			defer wg.Done()
 			select {
 			case sem <- struct{}{}:
-				defer func() { <-sem }()
+				c.readMember(ctx, m, &row)
+				<-sem
 			case <-ctx.Done():
-				v.Members[i].Error = fmt.Sprintf("not read: %v", ctx.Err())
-				return
 			}
-			c.readMember(ctx, m, &v.Members[i])
+			reads <- read{i, row}
 		}()
 	}
-	wg.Wait()
+	// Not past the deadline, even for a read that is still under way: a driver may not watch the
+	// context while it connects (lib/pq, to a server that accepts and never answers, without
+	// connect_timeout), and the page is for the incidents where a member is in that state.
+	for range c.names {
+		select {
+		case rd := <-reads:
+			v.Members[rd.i] = rd.row
+		case <-ctx.Done():
+			c.render(w, v)
+			return
+		}
+	}
 	c.render(w, v)
 }
 
 // readMember reads a member's line of the page of members.
 func (c *console) readMember(ctx context.Context, m *Member, row *memberRow) {
+	row.Error = ""
 	o, err := m.Ops.Overview(ctx, ops.OverviewParams{Retention: c.opt.Retention, MaxAge: c.opt.MaxSampleAge, CountsOnly: true})
 	if err != nil {
 		row.Error, row.Health = err.Error(), "the tables could not be read"

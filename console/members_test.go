@@ -5,6 +5,7 @@ import (
 	"database/sql"
 	"errors"
 	"html"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"net/url"
@@ -12,6 +13,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/watermill-outbox/outbox"
 	"github.com/watermill-outbox/outbox/console"
@@ -233,5 +235,74 @@ func TestMemberTokenDoesNotCrossMembers(t *testing.T) {
 	}
 	if _, body := get(t, c, srv.URL+"/outbox/?member=b&"+notice.Encode()); strings.Contains(body, `id="flash"`) {
 		t.Errorf("b's page with the notice of a's discard: want none:\n%s", body)
+	}
+}
+
+// TestMembersPageWithAMemberDown: one member's server refuses connections, another's accepts
+// them and never answers (lib/pq does not give up on it when the context ends, without
+// connect_timeout). The page of members answers within about Timeout, shows the member that is up
+// with its counts and each of the others with why it could not be read.
+func TestMembersPageWithAMemberDown(t *testing.T) {
+	up, _, _ := parkedBy(t, "billing")
+	refused, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	refusedAddr := refused.Addr().String()
+	refused.Close() // nothing listens there any more: connections are refused
+	silent, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var held sync.WaitGroup
+	accepted := make(chan net.Conn, 16)
+	held.Add(1)
+	go func() {
+		defer held.Done()
+		for {
+			conn, err := silent.Accept()
+			if err != nil {
+				return
+			}
+			accepted <- conn // held open, never answered
+		}
+	}()
+	t.Cleanup(func() {
+		silent.Close()
+		held.Wait()
+		close(accepted)
+		for conn := range accepted {
+			conn.Close()
+		}
+	})
+	openAt := func(addr string) *ops.Ops {
+		db, err := sql.Open("postgres", "postgres://u@"+addr+"/x?sslmode=disable")
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = db.Close() })
+		o, err := ops.Open(db, "", "")
+		if err != nil {
+			t.Fatal(err)
+		}
+		return o
+	}
+	const timeout = time.Second
+	srv := serveMembers(t, []console.Member{
+		{Name: "refused", Ops: openAt(refusedAddr)}, {Name: "silent", Ops: openAt(silent.Addr().String())}, {Name: "up", Ops: up},
+	}, console.Options{AllowUnauthenticated: true, Timeout: timeout})
+	start := time.Now()
+	code, body := get(t, &http.Client{Timeout: 20 * timeout}, srv.URL+"/outbox/")
+	if took := time.Since(start); took > 5*timeout {
+		t.Errorf("the page of members took %v with Timeout %v", took, timeout)
+	}
+	if code != http.StatusOK || !strings.Contains(memberLine(body, "up"), `class="n parked bad">1<`) {
+		t.Fatalf("page of members: %d, want 200 and the member that is up with its parked effect:\n%s", code, body)
+	}
+	for _, name := range []string{"refused", "silent"} {
+		if line := memberLine(body, name); !strings.Contains(line, `class="health bad">`) ||
+			!strings.Contains(line, `class="error" colspan="7">The tables could not be read: `) {
+			t.Errorf("member %s: want why its tables could not be read:\n%s", name, line)
+		}
 	}
 }
