@@ -116,8 +116,8 @@ type Options struct {
 	// for an application whose own authentication sits in front of the handler.
 	AllowUnauthenticated bool
 	// Authorize tells whether user may perform a.Name on its target (the parked effects, their
-	// consumers and topics, or the message to replay), so that permissions may be per consumer
-	// or per tenant. It is asked for every row the page shows a button for, and again for the
+	// consumers and topics, or the message to replay, and with NewMembers the member), so that
+	// permissions may be per consumer or per tenant. It is asked for every row the page shows a button for, and again for the
 	// target of every action. Nil: the console is read-only.
 	Authorize func(r *http.Request, user string, a Action) bool
 	// Key signs the anti-forgery tokens and the notices shown after an action. Instances behind

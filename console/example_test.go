@@ -17,6 +17,7 @@ import (
 	"github.com/watermill-outbox/outbox/drivers/postgres"
 	"github.com/watermill-outbox/outbox/internal/pgtest"
 	"github.com/watermill-outbox/outbox/ops"
+	"github.com/watermill-outbox/outbox/tenant"
 )
 
 // The console mounted under /outbox/ of the service's own mux, behind the service's
@@ -72,4 +73,63 @@ func ExampleNew() {
 	// Output:
 	// user "alice": 200, the page names the parked effects: true
 	// user "": 401, the page names the parked effects: false
+}
+
+// The console of a tenant.Set: its root lists the members, and ?member=NAME picks one, whose
+// page and repairs are on that member's database only.
+func ExampleNewMembers() {
+	set, err := tenant.New(tenant.Config{Metadata: "tenant", Unresolved: "unresolved"})
+	if err != nil {
+		panic(err)
+	}
+	for _, name := range []string{"acme", "globex", "unresolved"} {
+		dsn, drop, err := pgtest.Database() // the member's database; here a fresh one for the example
+		if err != nil {
+			panic(err)
+		}
+		defer drop()
+		db, err := sql.Open("postgres", dsn)
+		if err != nil {
+			panic(err)
+		}
+		defer db.Close()
+		ob, err := outbox.New(outbox.Config{DB: db, Driver: postgres.Driver{}, Publisher: gochannel.NewGoChannel(gochannel.Config{}, watermill.NopLogger{})})
+		if err != nil {
+			panic(err)
+		}
+		if err := ob.Migrate(context.Background()); err != nil {
+			panic(err)
+		}
+		if err := set.Add(name, ob); err != nil {
+			panic(err)
+		}
+	}
+
+	var members []console.Member
+	for _, name := range set.Members() {
+		ob, _ := set.Member(name)
+		o, err := ops.ForOutbox(ob)
+		if err != nil {
+			panic(err)
+		}
+		members = append(members, console.Member{Name: name, Ops: o, Health: ob.Health})
+	}
+	h, err := console.NewMembers(members, console.Options{
+		Authenticate: func(r *http.Request) (string, bool) { return "alice", true }, // the service's own check
+		Authorize: func(r *http.Request, user string, a console.Action) bool {
+			return user == "alice" && a.Member != "globex" // per tenant
+		},
+	})
+	if err != nil {
+		panic(err)
+	}
+	for _, path := range []string{"/", "/?member=acme", "/?member=initech"} {
+		rec := httptest.NewRecorder()
+		h.ServeHTTP(rec, httptest.NewRequest(http.MethodGet, path, nil))
+		fmt.Printf("%s: %d, lists the members: %v\n", path, rec.Code, strings.Contains(rec.Body.String(), `id="members"`))
+	}
+	// Output:
+	// /: 200, lists the members: true
+	// /?member=acme: 200, lists the members: false
+	// /?member=initech: 404, lists the members: false
 }
