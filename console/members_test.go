@@ -18,6 +18,7 @@ import (
 	"github.com/watermill-outbox/outbox"
 	"github.com/watermill-outbox/outbox/console"
 	"github.com/watermill-outbox/outbox/ops"
+	"github.com/watermill-outbox/outbox/outboxdriver"
 )
 
 // serveMembers serves a console of members under /outbox/.
@@ -304,5 +305,39 @@ func TestMembersPageWithAMemberDown(t *testing.T) {
 			!strings.Contains(line, `class="error" colspan="7">The tables could not be read: `) {
 			t.Errorf("member %s: want why its tables could not be read:\n%s", name, line)
 		}
+	}
+}
+
+// TestMemberDeadLetterDiscardAsksOnItsMember: the question before a discard of a member's dead
+// letter names the member, posts to that member, and its confirmation discards the dead letter
+// of that member's database only (the other holds one of the same consumer and message ID).
+func TestMemberDeadLetterDiscardAsksOnItsMember(t *testing.T) {
+	key := outboxdriver.Source{Consumer: "billing", ID: "m1"}
+	a, _, dbA := deadEnv(t, key)
+	b, _, dbB := deadEnv(t, key)
+	srv := serveMembers(t, []console.Member{{Name: "a", Ops: a}, {Name: "b", Ops: b}}, console.Options{
+		Authenticate: func(*http.Request) (string, bool) { return "alice", true },
+		Authorize:    func(*http.Request, string, console.Action) bool { return true },
+	})
+	c := noRedirect()
+	_, body := get(t, c, srv.URL+"/outbox/?member=b")
+	resp, body := postForm(t, c, srv.URL+"/outbox/discard-dead?member=b", url.Values{"consumer": {"billing"}, "message_id": {"m1"}, "token": {tokenOf.FindStringSubmatch(body)[1]}})
+	if resp.StatusCode != http.StatusOK || !strings.Contains(body, `<span id="member">b</span>`) ||
+		!strings.Contains(body, `<form method="post" action="discard-dead?member=b">`) || !strings.Contains(body, `<a href="./?member=b">cancel</a>`) {
+		t.Fatalf("the question before b's discard: %d, want it to name b, post to b and go back to b:\n%s", resp.StatusCode, body)
+	}
+	resp, _ = postForm(t, c, srv.URL+"/outbox/discard-dead?member=b", url.Values{"consumer": {"billing"}, "message_id": {"m1"}, "confirm": {"yes"}, "token": {tokenOf.FindStringSubmatch(body)[1]}})
+	if resp.StatusCode != http.StatusSeeOther {
+		t.Fatalf("b's confirmed discard: %d, want 303", resp.StatusCode)
+	}
+	state := func(db *sql.DB) string {
+		var s string
+		if err := db.QueryRow(`SELECT state FROM outbox_dead_letters WHERE consumer = 'billing' AND message_id = 'm1'`).Scan(&s); err != nil {
+			t.Fatal(err)
+		}
+		return s
+	}
+	if sa, sb := state(dbA), state(dbB); sa != "dead" || sb == "dead" {
+		t.Errorf("after b's discard: a's dead letter %s, b's %s; want a's still dead, b's discarded", sa, sb)
 	}
 }
