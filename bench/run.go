@@ -19,6 +19,7 @@ import (
 	"github.com/google/uuid"
 
 	"github.com/watermill-outbox/outbox"
+	"github.com/watermill-outbox/outbox/internal/proccpu"
 )
 
 // env is what every contender shares: one database, one broker.
@@ -54,14 +55,14 @@ type env struct {
 func (e *env) serverCPUNow(ctx context.Context) (time.Duration, bool) {
 	if e.postmaster == 0 {
 		e.postmaster = -1
-		if pm, err := postmasterPID(ctx, e.admin); err == nil {
+		if pm, err := proccpu.Postmaster(ctx, e.admin); err == nil {
 			e.postmaster = pm
 		}
 	}
 	if e.postmaster < 0 {
 		return 0, false
 	}
-	d, err := serverCPU(e.postmaster)
+	d, err := proccpu.Server(e.postmaster)
 	return d, err == nil
 }
 
@@ -214,7 +215,7 @@ func (e *env) run(ctx context.Context, c contender, ds []delivery, opts runOpts)
 	runtime.ReadMemStats(&ms)
 	heapBefore, mallocs0 := ms.HeapAlloc, ms.Mallocs
 	cpu0, cpuOK := e.serverCPUNow(ctx)
-	self0 := selfCPU()
+	self0 := proccpu.Self()
 	lsn0, err := e.walLSN(ctx)
 	if err != nil {
 		return res, err
@@ -410,7 +411,7 @@ func (e *env) run(ctx context.Context, c contender, ds []delivery, opts runOpts)
 		}
 	}
 	res.Wire = c.counters().snapshot().sub(wire0)
-	res.ClientCPU = selfCPU() - self0
+	res.ClientCPU = proccpu.Self() - self0
 	res.ServerCPU = -1
 	if cpu1, ok := e.serverCPUNow(ctx); ok && cpuOK {
 		res.ServerCPU = cpu1 - cpu0

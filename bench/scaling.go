@@ -3,7 +3,6 @@ package main
 import (
 	"bufio"
 	"context"
-	"database/sql"
 	"encoding/json"
 	"errors"
 	"flag"
@@ -22,6 +21,7 @@ import (
 	"time"
 
 	"github.com/watermill-outbox/outbox/drivers/outboxpgx"
+	"github.com/watermill-outbox/outbox/internal/proccpu"
 )
 
 // The scaling run (-scaling): 1, 2, 4 and 8 consumer processes against one PostgreSQL, each
@@ -224,7 +224,7 @@ func runScaling(cfg scalingConfig, dsn, docsDir, resultsPath string) error {
 			return err
 		}
 	}
-	postmaster, err := postmasterPID(ctx, admin)
+	postmaster, err := proccpu.Postmaster(ctx, admin)
 	if err != nil {
 		rep.Notes = append(rep.Notes, fmt.Sprintf("server CPU not measured: %v", err))
 		logf("server CPU not measured: %v", err)
@@ -472,9 +472,9 @@ func (e *env) scalingStep(ctx context.Context, self, dsn string, cfg scalingConf
 	if _, err := e.admin.ExecContext(ctx, "CHECKPOINT"); err != nil {
 		return res, err
 	}
-	if idle0, err := serverCPU(postmaster); err == nil {
+	if idle0, err := proccpu.Server(postmaster); err == nil {
 		time.Sleep(idleWindow)
-		if idle1, err := serverCPU(postmaster); err == nil {
+		if idle1, err := proccpu.Server(postmaster); err == nil {
 			res.idleCPU = idle1 - idle0
 		}
 	}
@@ -482,7 +482,7 @@ func (e *env) scalingStep(ctx context.Context, self, dsn string, cfg scalingConf
 	if err != nil {
 		return res, err
 	}
-	cpu0, cpuErr := serverCPU(postmaster)
+	cpu0, cpuErr := proccpu.Server(postmaster)
 	for _, w := range ws {
 		if _, err := io.WriteString(w.stdin, "go\n"); err != nil {
 			return res, err
@@ -527,7 +527,7 @@ func (e *env) scalingStep(ctx context.Context, self, dsn string, cfg scalingConf
 	// Every worker has stopped its relay and background marks before its result, and keeps its
 	// connections until stdin closes: the numbers hold their work, not the backends' exits.
 	if cpuErr == nil {
-		cpu1, err := serverCPU(postmaster)
+		cpu1, err := proccpu.Server(postmaster)
 		if err == nil {
 			res.serverCPU = cpu1 - cpu0
 		}
@@ -635,7 +635,7 @@ func scalingWorker(dsn, name string, tables, n, conc int, seed uint64) error {
 	case <-time.After(2 * time.Minute):
 		return errors.New("no go signal within 2 minutes")
 	}
-	cpu0 := selfCPU()
+	cpu0 := proccpu.Self()
 	t0 := time.Now()
 	lat, errs, err := consume(ds)
 	elapsed := time.Since(t0)
@@ -647,7 +647,7 @@ func scalingWorker(dsn, name string, tables, n, conc int, seed uint64) error {
 			return err
 		}
 	}
-	cpu1 := selfCPU()
+	cpu1 := proccpu.Self()
 	if err != nil {
 		return err
 	}
@@ -661,95 +661,6 @@ func scalingWorker(dsn, name string, tables, n, conc int, seed uint64) error {
 	case <-time.After(2 * time.Minute):
 	}
 	return nil
-}
-
-// selfCPU is this process's user + system CPU time.
-func selfCPU() time.Duration {
-	var ru syscall.Rusage
-	if err := syscall.Getrusage(syscall.RUSAGE_SELF, &ru); err != nil {
-		return 0
-	}
-	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
-}
-
-// postmasterPID finds the server's postmaster: the parent of this session's backend, which must
-// run on this machine (/proc).
-func postmasterPID(ctx context.Context, db *sql.DB) (int, error) {
-	conn, err := db.Conn(ctx)
-	if err != nil {
-		return 0, err
-	}
-	defer conn.Close()
-	var backend int
-	if err := conn.QueryRowContext(ctx, `SELECT pg_backend_pid()`).Scan(&backend); err != nil {
-		return 0, err
-	}
-	st, err := procStat(backend)
-	if err != nil {
-		return 0, fmt.Errorf("the server's processes are not on this machine (/proc/%d: %w)", backend, err)
-	}
-	return st.ppid, nil
-}
-
-type procStatus struct {
-	ppid                         int
-	utime, stime, cutime, cstime int64 // clock ticks
-}
-
-func procStat(pid int) (procStatus, error) {
-	b, err := os.ReadFile(filepath.Join("/proc", strconv.Itoa(pid), "stat"))
-	if err != nil {
-		return procStatus{}, err
-	}
-	s := string(b)
-	i := strings.LastIndexByte(s, ')')
-	if i < 0 {
-		return procStatus{}, fmt.Errorf("/proc/%d/stat: unexpected format", pid)
-	}
-	f := strings.Fields(s[i+1:]) // f[0] is field 3 (state)
-	if len(f) < 15 {
-		return procStatus{}, fmt.Errorf("/proc/%d/stat: unexpected format", pid)
-	}
-	var st procStatus
-	st.ppid, _ = strconv.Atoi(f[1])
-	st.utime, _ = strconv.ParseInt(f[11], 10, 64)
-	st.stime, _ = strconv.ParseInt(f[12], 10, 64)
-	st.cutime, _ = strconv.ParseInt(f[13], 10, 64)
-	st.cstime, _ = strconv.ParseInt(f[14], 10, 64)
-	return st, nil
-}
-
-// clockTick is USER_HZ, the unit of /proc/<pid>/stat's times: 100 on Linux's common platforms.
-const clockTick = 10 * time.Millisecond
-
-// serverCPU is the CPU time of the server: the postmaster's own and its reaped children's, and
-// every live child's (backends, background processes). A backend that exits between two calls
-// moves from the second term to the first, so differences count it once.
-func serverCPU(postmaster int) (time.Duration, error) {
-	if postmaster <= 0 {
-		return 0, errors.New("no postmaster")
-	}
-	pm, err := procStat(postmaster)
-	if err != nil {
-		return 0, err
-	}
-	ticks := pm.utime + pm.stime + pm.cutime + pm.cstime
-	entries, err := os.ReadDir("/proc")
-	if err != nil {
-		return 0, err
-	}
-	for _, en := range entries {
-		pid, err := strconv.Atoi(en.Name())
-		if err != nil || pid == postmaster {
-			continue
-		}
-		st, err := procStat(pid)
-		if err != nil || st.ppid != postmaster {
-			continue
-		}
-		ticks += st.utime + st.stime
-	}
-	return time.Duration(ticks) * clockTick, nil
 }
 
 // printScaling writes the scaling table on out.
