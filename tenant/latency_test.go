@@ -5,9 +5,13 @@ import (
 	"database/sql"
 	"fmt"
 	"os"
+	"path/filepath"
+	"runtime/pprof"
 	"slices"
 	"strconv"
+	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -17,6 +21,7 @@ import (
 	"github.com/watermill-outbox/outbox/drivers/postgres"
 	"github.com/watermill-outbox/outbox/internal/pgproxy"
 	"github.com/watermill-outbox/outbox/internal/pgtest"
+	"github.com/watermill-outbox/outbox/internal/proccpu"
 	"github.com/watermill-outbox/outbox/middleware"
 	"github.com/watermill-outbox/outbox/tenant"
 )
@@ -27,6 +32,7 @@ type latencySet struct {
 	set   *tenant.Set
 	h     message.NoPublishHandlerFunc
 	names []string
+	dbs   []string       // the tenants' databases, for their counters in pg_stat_database
 	proxy *pgproxy.Proxy // in front of the last tenant's database, when asked for
 }
 
@@ -44,6 +50,7 @@ func newLatencySet(t *testing.T, admin *sql.DB, base string, n, idle int, proxie
 			t.Fatal(err)
 		}
 		t.Cleanup(func() { _, _ = admin.Exec(`DROP DATABASE IF EXISTS ` + name + ` WITH (FORCE)`) })
+		ls.dbs = append(ls.dbs, name)
 		dsn, err := withDatabase(pgtest.AdminDSN(t), name)
 		if err != nil {
 			t.Fatal(err)
@@ -119,6 +126,120 @@ func (ls *latencySet) offer(rate int, d time.Duration, names []string, tag strin
 	return times, failed
 }
 
+// saturate runs inFlight senders, each handing the next message (to the tenants in turn) as soon
+// as its last one returned, for d, and returns how many succeeded and failed.
+func (ls *latencySet) saturate(inFlight int, d time.Duration, tag string) (done, failed int) {
+	var next, ok, bad atomic.Int64
+	var wg sync.WaitGroup
+	end := time.Now().Add(d)
+	for range inFlight {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for time.Now().Before(end) {
+				i := next.Add(1)
+				name := ls.names[int(i)%len(ls.names)]
+				msg := message.NewMessage(fmt.Sprintf("%s-%s-%d", tag, name, i), nil)
+				msg.Metadata.Set("tenant", name)
+				if err := ls.h(msg); err != nil {
+					bad.Add(1)
+					continue
+				}
+				ok.Add(1)
+			}
+		}()
+	}
+	wg.Wait()
+	return int(ok.Load()), int(bad.Load())
+}
+
+// cost is what a window cost: this process's CPU time, the server's (-1: not on this machine)
+// and the transactions of the measured tenants' databases.
+type cost struct {
+	wall, client, server time.Duration
+	xacts                int64
+}
+
+// costMeter reads the counters a cost is the difference of.
+type costMeter struct {
+	t          *testing.T
+	admin      *sql.DB
+	postmaster int // 0: the server is not on this machine
+}
+
+func (cm *costMeter) read(dbs []string) cost {
+	c := cost{wall: time.Duration(time.Now().UnixNano()), client: proccpu.Self(), server: -1}
+	if cm.postmaster > 0 {
+		if d, err := proccpu.Server(cm.postmaster); err == nil {
+			c.server = d
+		}
+	}
+	if dbs != nil {
+		if err := cm.admin.QueryRow(`SELECT coalesce(sum(xact_commit + xact_rollback), 0) FROM pg_stat_database WHERE datname = ANY ($1::text[])`,
+			"{"+strings.Join(dbs, ",")+"}").Scan(&c.xacts); err != nil {
+			cm.t.Fatal(err)
+		}
+	}
+	return c
+}
+
+func (c cost) sub(b cost) cost {
+	d := cost{wall: c.wall - b.wall, client: c.client - b.client, server: -1, xacts: c.xacts - b.xacts}
+	if c.server >= 0 && b.server >= 0 {
+		d.server = c.server - b.server
+	}
+	return d
+}
+
+// statsSettle is how long the round waits before it reads the transactions of its databases: a
+// backend reports its counters to pg_stat_database at most once a second, once idle.
+const statsSettle = 3 * time.Second
+
+// measure runs load (which returns the messages that succeeded) and returns its cost: the CPU
+// times over the load, the transactions of the databases dbs (nil: none) until statsSettle after it.
+func (cm *costMeter) measure(dbs []string, load func() int) (c cost, msgs int) {
+	x0 := cm.read(dbs)
+	msgs = load()
+	c = cm.read(nil).sub(x0)
+	if dbs != nil {
+		time.Sleep(statsSettle)
+		c.xacts = cm.read(dbs).xacts - x0.xacts
+	}
+	return c, msgs
+}
+
+// perMsg is c per message: client and server CPU in microseconds (server -1: not measured), and
+// transactions. With idle (a window of the same process without load; nil: none) the CPU of that
+// window is taken off in proportion to the wall time, and idleXacts (the Set's transactions a
+// second in that window) off the transactions over the wall time and statsSettle: both Sets run
+// all along, and their background without load is not the messages' cost.
+func (c cost) perMsg(msgs int, idle *cost, idleXacts float64) (client, server, xacts float64) {
+	n := float64(max(msgs, 1))
+	cl, sv, x := float64(c.client), float64(c.server), float64(c.xacts)
+	if idle != nil {
+		f := float64(c.wall) / float64(idle.wall)
+		cl -= f * float64(idle.client)
+		if c.server >= 0 && idle.server >= 0 {
+			sv -= f * float64(idle.server)
+		}
+		x -= idleXacts * (c.wall + statsSettle).Seconds()
+	}
+	server = -1
+	if c.server >= 0 {
+		server = sv / 1e3 / n
+	}
+	return cl / 1e3 / n, server, x / n
+}
+
+func median(v []float64) float64 {
+	if len(v) == 0 {
+		return 0
+	}
+	s := slices.Clone(v)
+	slices.Sort(s)
+	return s[len(s)/2]
+}
+
 func percentile(ts []time.Duration, p float64) time.Duration {
 	if len(ts) == 0 {
 		return 0
@@ -137,7 +258,14 @@ func percentile(ts []time.Duration, p float64) time.Duration {
 // database and a pool each, one idle connection per pool), both running (set.Run), and offers 50 messages a second (each an INSERT
 // and an event, through set.WrapConsumer) to one, then the other, in alternating rounds
 // (OUTBOX_TENANT_ROUNDS, default 3, of OUTBOX_TENANT_WINDOW seconds, default 20), and prints the
-// p50/p99 of each round and their ratio. With OUTBOX_TENANT_DOWN=S it then takes the last of 10
+// p50/p99 of each round and their ratio. It prints the cost per message of each round and its
+// ratio too: this process's CPU (getrusage), the server's (every PostgreSQL process's, /proc) and
+// the transactions of the Set's databases (pg_stat_database), each less what a window of the same
+// length without load cost before the round (both Sets' background, which runs all along). With
+// OUTBOX_TENANT_SATURATE=S it then offers each Set as much as OUTBOX_TENANT_INFLIGHT (default 8)
+// messages in flight take, for S seconds in alternating rounds, and prints the throughputs' ratio;
+// with OUTBOX_TENANT_PROFILE=dir it writes a CPU profile of one more round of each Set there
+// (one.pprof, many.pprof). With OUTBOX_TENANT_DOWN=S it then takes the last of 10
 // tenants down for S seconds (its database refusing connections, as a server starting up does,
 // through a proxy that counts the connection attempts), the load going on for all ten, and
 // compares the other nine tenants' p99 with a window of the same length without the outage.
@@ -182,17 +310,95 @@ func TestTenantLatency(t *testing.T) {
 	// Warm up: every member's pool connected, its statements prepared, its engine passes begun.
 	one.offer(rate, 5*time.Second, nil, "warm")
 	many.offer(rate, max(5*time.Second, time.Duration(n)*time.Second/rate*2), nil, "warm")
+	cm := &costMeter{t: t, admin: admin}
+	pctx, pcancel := context.WithTimeout(context.Background(), 10*time.Second)
+	if pm, err := proccpu.Postmaster(pctx, admin); err == nil {
+		cm.postmaster = pm
+	} else {
+		t.Logf("the server's CPU is not measured: %v", err)
+	}
+	pcancel()
 	var ratios []float64
+	var clientR, serverR, xactR, clientGrossR, serverGrossR, xactGrossR []float64
 	for r := range rounds {
-		a, fa := one.offer(rate, window, nil, fmt.Sprint("r", r))
-		b, fb := many.offer(rate, window, nil, fmt.Sprint("r", r))
+		// Both Sets run all along: a window without load measures their background, taken off
+		// the CPU of the loaded windows so that what is left is the messages' own.
+		ox0, mx0 := cm.read(one.dbs).xacts, cm.read(many.dbs).xacts
+		idle, _ := cm.measure(nil, func() int { time.Sleep(window); return 0 })
+		oIdleX := float64(cm.read(one.dbs).xacts-ox0) / idle.wall.Seconds()
+		mIdleX := float64(cm.read(many.dbs).xacts-mx0) / idle.wall.Seconds()
+		var a, b []time.Duration
+		var fa, fb int
+		ca, na := cm.measure(one.dbs, func() int { a, fa = one.offer(rate, window, nil, fmt.Sprint("r", r)); return len(a) })
+		cb, nb := cm.measure(many.dbs, func() int { b, fb = many.offer(rate, window, nil, fmt.Sprint("r", r)); return len(b) })
 		ratio := float64(percentile(b, 0.99)) / float64(percentile(a, 0.99))
 		ratios = append(ratios, ratio)
 		t.Logf("round %d, %d msg/s for %v: 1 tenant p50 %v p99 %v (%d failed); %d tenant databases p50 %v p99 %v (%d failed); p99 ratio %.2f",
 			r, rate, window, percentile(a, 0.5), percentile(a, 0.99), fa, n, percentile(b, 0.5), percentile(b, 0.99), fb, ratio)
+		acl, asv, ax := ca.perMsg(na, &idle, oIdleX)
+		bcl, bsv, bx := cb.perMsg(nb, &idle, mIdleX)
+		agcl, agsv, agx := ca.perMsg(na, nil, 0)
+		bgcl, bgsv, bgx := cb.perMsg(nb, nil, 0)
+		clientR, serverR, xactR = append(clientR, bcl/acl), append(serverR, bsv/asv), append(xactR, bx/ax)
+		clientGrossR, serverGrossR, xactGrossR = append(clientGrossR, bgcl/agcl), append(serverGrossR, bgsv/agsv), append(xactGrossR, bgx/agx)
+		t.Logf("round %d, per message (less the idle window's %.0f ms/s client CPU, %.0f ms/s server CPU, %.1f/%.1f transactions/s of 1/%d tenants; gross in brackets): "+
+			"1 tenant client %.0f (%.0f) us, server %.0f (%.0f) us, %.2f (%.2f) transactions; "+
+			"%d tenant databases client %.0f (%.0f) us, server %.0f (%.0f) us, %.2f (%.2f) transactions; "+
+			"ratios client %.2f (%.2f), server %.2f (%.2f), transactions %.2f (%.2f)",
+			r, float64(idle.client)/float64(idle.wall)*1e3, float64(idle.server)/float64(idle.wall)*1e3, oIdleX, mIdleX, n,
+			acl, agcl, asv, agsv, ax, agx, n, bcl, bgcl, bsv, bgsv, bx, bgx,
+			bcl/acl, bgcl/agcl, bsv/asv, bgsv/agsv, bx/ax, bgx/agx)
 	}
-	slices.Sort(ratios)
-	t.Logf("%d tenant databases vs 1: p99 ratio, median of %d rounds: %.2f", n, rounds, ratios[len(ratios)/2])
+	t.Logf("%d tenant databases vs 1: p99 ratio, median of %d rounds: %.2f", n, rounds, median(ratios))
+	t.Logf("%d tenant databases vs 1, per message, median of %d rounds: client CPU %.2f (gross %.2f), server CPU %.2f (gross %.2f), transactions %.2f (gross %.2f)",
+		n, rounds, median(clientR), median(clientGrossR), median(serverR), median(serverGrossR), median(xactR), median(xactGrossR))
+
+	if sat, _ := strconv.Atoi(os.Getenv("OUTBOX_TENANT_SATURATE")); sat > 0 {
+		inFlight := 8
+		if k, _ := strconv.Atoi(os.Getenv("OUTBOX_TENANT_INFLIGHT")); k > 0 {
+			inFlight = k
+		}
+		d := time.Duration(sat) * time.Second
+		var tputR, clR, svR, xR []float64
+		for r := range rounds {
+			var da, db, fa, fb int
+			ca, _ := cm.measure(one.dbs, func() int { da, fa = one.saturate(inFlight, d, fmt.Sprint("s", r)); return da })
+			cb, _ := cm.measure(many.dbs, func() int { db, fb = many.saturate(inFlight, d, fmt.Sprint("s", r)); return db })
+			ta, tb := float64(da)/ca.wall.Seconds(), float64(db)/cb.wall.Seconds()
+			acl, asv, ax := ca.perMsg(da, nil, 0)
+			bcl, bsv, bx := cb.perMsg(db, nil, 0)
+			tputR, clR, svR, xR = append(tputR, tb/ta), append(clR, bcl/acl), append(svR, bsv/asv), append(xR, bx/ax)
+			t.Logf("saturating round %d, %d in flight for %v: 1 tenant %.0f msg/s (%d failed), client %.0f us, server %.0f us, %.2f transactions a message; "+
+				"%d tenant databases %.0f msg/s (%d failed), client %.0f us, server %.0f us, %.2f transactions; ratios throughput %.2f, client %.2f, server %.2f, transactions %.2f",
+				r, inFlight, d, ta, fa, acl, asv, ax, n, tb, fb, bcl, bsv, bx, tb/ta, bcl/acl, bsv/asv, bx/ax)
+		}
+		t.Logf("saturating, %d tenant databases vs 1, median of %d rounds: throughput %.2f, client CPU %.2f, server CPU %.2f, transactions %.2f a message",
+			n, rounds, median(tputR), median(clR), median(svR), median(xR))
+	}
+
+	// A CPU profile of this process in one more round of each Set, apart from the measured
+	// rounds (profiling costs CPU of its own): where the many tenants' messages spend more.
+	if dir := os.Getenv("OUTBOX_TENANT_PROFILE"); dir != "" {
+		for _, p := range []struct {
+			name string
+			ls   *latencySet
+		}{{"one", one}, {"many", many}} {
+			f, err := os.Create(filepath.Join(dir, p.name+".pprof"))
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := pprof.StartCPUProfile(f); err != nil {
+				_ = f.Close()
+				t.Fatalf("profile (not with go test -cpuprofile): %v", err)
+			}
+			p.ls.offer(rate, window, nil, "prof")
+			pprof.StopCPUProfile()
+			if err := f.Close(); err != nil {
+				t.Fatal(err)
+			}
+		}
+		t.Logf("CPU profiles of a round of each: %s/one.pprof, %s/many.pprof", dir, dir)
+	}
 	stopOne()
 	stopMany()
 
