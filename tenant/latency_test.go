@@ -153,11 +153,13 @@ func (ls *latencySet) saturate(inFlight int, d time.Duration, tag string) (done,
 	return int(ok.Load()), int(bad.Load())
 }
 
-// cost is what a window cost: this process's CPU time, the server's (-1: not on this machine)
-// and the transactions of the measured tenants' databases.
+// cost is what a window cost: this process's CPU time; the server's, all of it and that of the
+// measured Set's connections (-1: the server is not on this machine); and the measured Set's
+// transactions and new connections.
 type cost struct {
-	wall, client, server time.Duration
-	xacts                int64
+	wall, client, server, own time.Duration
+	xacts, sessions           int64
+	gone                      int // the Set's backends that exited during the window: their time is not in own
 }
 
 // costMeter reads the counters a cost is the difference of.
@@ -167,68 +169,95 @@ type costMeter struct {
 	postmaster int // 0: the server is not on this machine
 }
 
-func (cm *costMeter) read(dbs []string) cost {
-	c := cost{wall: time.Duration(time.Now().UnixNano()), client: proccpu.Self(), server: -1}
-	if cm.postmaster > 0 {
-		if d, err := proccpu.Server(cm.postmaster); err == nil {
-			c.server = d
-		}
+// counters reads the transactions and sessions of dbs (pg_stat_database).
+func (cm *costMeter) counters(dbs []string) (xacts, sessions int64) {
+	if err := cm.admin.QueryRow(`SELECT coalesce(sum(xact_commit + xact_rollback), 0), coalesce(sum(sessions), 0) FROM pg_stat_database WHERE datname = ANY ($1::text[])`,
+		"{"+strings.Join(dbs, ",")+"}").Scan(&xacts, &sessions); err != nil {
+		cm.t.Fatal(err)
 	}
-	if dbs != nil {
-		if err := cm.admin.QueryRow(`SELECT coalesce(sum(xact_commit + xact_rollback), 0) FROM pg_stat_database WHERE datname = ANY ($1::text[])`,
-			"{"+strings.Join(dbs, ",")+"}").Scan(&c.xacts); err != nil {
-			cm.t.Fatal(err)
-		}
-	}
-	return c
+	return xacts, sessions
 }
 
-func (c cost) sub(b cost) cost {
-	d := cost{wall: c.wall - b.wall, client: c.client - b.client, server: -1, xacts: c.xacts - b.xacts}
-	if c.server >= 0 && b.server >= 0 {
-		d.server = c.server - b.server
+// backends returns the CPU time so far of each client backend of dbs: the server's work for the
+// Set's connections, told apart from the other Set's and from the server's own (autovacuum
+// visits every database, and with 201 of them that is no small part).
+func (cm *costMeter) backends(dbs []string) map[int]time.Duration {
+	if cm.postmaster <= 0 {
+		return nil
 	}
-	return d
+	rows, err := cm.admin.Query(`SELECT pid FROM pg_stat_activity WHERE datname = ANY ($1::text[]) AND backend_type = 'client backend'`,
+		"{"+strings.Join(dbs, ",")+"}")
+	if err != nil {
+		cm.t.Fatal(err)
+	}
+	defer rows.Close()
+	cpu := map[int]time.Duration{}
+	for rows.Next() {
+		var pid int
+		if err := rows.Scan(&pid); err != nil {
+			cm.t.Fatal(err)
+		}
+		if d, err := proccpu.Process(pid); err == nil {
+			cpu[pid] = d
+		}
+	}
+	if err := rows.Err(); err != nil {
+		cm.t.Fatal(err)
+	}
+	return cpu
+}
+
+func (cm *costMeter) serverCPU() time.Duration {
+	if cm.postmaster > 0 {
+		if d, err := proccpu.Server(cm.postmaster); err == nil {
+			return d
+		}
+	}
+	return -1
 }
 
 // statsSettle is how long the round waits before it reads the transactions of its databases: a
 // backend reports its counters to pg_stat_database at most once a second, once idle.
 const statsSettle = 3 * time.Second
 
-// measure runs load (which returns the messages that succeeded) and returns its cost: the CPU
-// times over the load, the transactions of the databases dbs (nil: none) until statsSettle after it.
+// measure runs load (which returns the messages that succeeded) against the Set whose databases
+// are dbs and returns its cost: the CPU times over the load, the transactions and sessions until
+// statsSettle after it.
 func (cm *costMeter) measure(dbs []string, load func() int) (c cost, msgs int) {
-	x0 := cm.read(dbs)
+	x0, s0 := cm.counters(dbs)
+	b0 := cm.backends(dbs)
+	start, cl0, sv0 := time.Now(), proccpu.Self(), cm.serverCPU()
 	msgs = load()
-	c = cm.read(nil).sub(x0)
-	if dbs != nil {
-		time.Sleep(statsSettle)
-		c.xacts = cm.read(dbs).xacts - x0.xacts
+	c.wall, c.client, c.server = time.Since(start), proccpu.Self()-cl0, cm.serverCPU()
+	b1 := cm.backends(dbs)
+	if c.server < 0 || sv0 < 0 {
+		c.server, c.own = -1, -1
+	} else {
+		c.server -= sv0
+		for pid, d := range b1 {
+			c.own += d - b0[pid] // a backend new to the window counts from its start
+		}
+		for pid := range b0 {
+			if _, ok := b1[pid]; !ok {
+				c.gone++
+			}
+		}
 	}
+	time.Sleep(statsSettle)
+	x1, s1 := cm.counters(dbs)
+	c.xacts, c.sessions = x1-x0, s1-s0
 	return c, msgs
 }
 
-// perMsg is c per message: client and server CPU in microseconds (server -1: not measured), and
-// transactions. With idle (a window of the same process without load; nil: none) the CPU of that
-// window is taken off in proportion to the wall time, and idleXacts (the Set's transactions a
-// second in that window) off the transactions over the wall time and statsSettle: both Sets run
-// all along, and their background without load is not the messages' cost.
-func (c cost) perMsg(msgs int, idle *cost, idleXacts float64) (client, server, xacts float64) {
+// perMsg is c per message: client, server and own (the Set's connections') CPU in microseconds
+// (-1: not measured), transactions and new connections.
+func (c cost) perMsg(msgs int) (client, server, own, xacts, conns float64) {
 	n := float64(max(msgs, 1))
-	cl, sv, x := float64(c.client), float64(c.server), float64(c.xacts)
-	if idle != nil {
-		f := float64(c.wall) / float64(idle.wall)
-		cl -= f * float64(idle.client)
-		if c.server >= 0 && idle.server >= 0 {
-			sv -= f * float64(idle.server)
-		}
-		x -= idleXacts * (c.wall + statsSettle).Seconds()
-	}
-	server = -1
+	server, own = -1, -1
 	if c.server >= 0 {
-		server = sv / 1e3 / n
+		server, own = float64(c.server)/1e3/n, float64(c.own)/1e3/n
 	}
-	return cl / 1e3 / n, server, x / n
+	return float64(c.client) / 1e3 / n, server, own, float64(c.xacts) / n, float64(c.sessions) / n
 }
 
 func median(v []float64) float64 {
@@ -259,9 +288,10 @@ func percentile(ts []time.Duration, p float64) time.Duration {
 // and an event, through set.WrapConsumer) to one, then the other, in alternating rounds
 // (OUTBOX_TENANT_ROUNDS, default 3, of OUTBOX_TENANT_WINDOW seconds, default 20), and prints the
 // p50/p99 of each round and their ratio. It prints the cost per message of each round and its
-// ratio too: this process's CPU (getrusage), the server's (every PostgreSQL process's, /proc) and
-// the transactions of the Set's databases (pg_stat_database), each less what a window of the same
-// length without load cost before the round (both Sets' background, which runs all along). With
+// ratio too: this process's CPU (getrusage), the server's (every PostgreSQL process's, /proc, and
+// that of the measured Set's own connections alone: the other Set's background and autovacuum
+// run all along) and the transactions and new connections of the Set's databases
+// (pg_stat_database). With
 // OUTBOX_TENANT_SATURATE=S it then offers each Set as much as OUTBOX_TENANT_INFLIGHT (default 8)
 // messages in flight take, for S seconds in alternating rounds, and prints the throughputs' ratio;
 // with OUTBOX_TENANT_PROFILE=dir it writes a CPU profile of one more round of each Set there
@@ -310,6 +340,10 @@ func TestTenantLatency(t *testing.T) {
 	// Warm up: every member's pool connected, its statements prepared, its engine passes begun.
 	one.offer(rate, 5*time.Second, nil, "warm")
 	many.offer(rate, max(5*time.Second, time.Duration(n)*time.Second/rate*2), nil, "warm")
+	// And settled: the first runs of every member's background tasks, all due at Run's start,
+	// and the server's first autovacuum visits of the new databases, are no round's cost (in a
+	// first run a window without load right after the warm-up cost 4-7 times the later ones).
+	time.Sleep(30 * time.Second)
 	cm := &costMeter{t: t, admin: admin}
 	pctx, pcancel := context.WithTimeout(context.Background(), 10*time.Second)
 	if pm, err := proccpu.Postmaster(pctx, admin); err == nil {
@@ -319,14 +353,8 @@ func TestTenantLatency(t *testing.T) {
 	}
 	pcancel()
 	var ratios []float64
-	var clientR, serverR, xactR, clientGrossR, serverGrossR, xactGrossR []float64
+	var clientR, serverR, ownR, xactR []float64
 	for r := range rounds {
-		// Both Sets run all along: a window without load measures their background, taken off
-		// the CPU of the loaded windows so that what is left is the messages' own.
-		ox0, mx0 := cm.read(one.dbs).xacts, cm.read(many.dbs).xacts
-		idle, _ := cm.measure(nil, func() int { time.Sleep(window); return 0 })
-		oIdleX := float64(cm.read(one.dbs).xacts-ox0) / idle.wall.Seconds()
-		mIdleX := float64(cm.read(many.dbs).xacts-mx0) / idle.wall.Seconds()
 		var a, b []time.Duration
 		var fa, fb int
 		ca, na := cm.measure(one.dbs, func() int { a, fa = one.offer(rate, window, nil, fmt.Sprint("r", r)); return len(a) })
@@ -335,23 +363,17 @@ func TestTenantLatency(t *testing.T) {
 		ratios = append(ratios, ratio)
 		t.Logf("round %d, %d msg/s for %v: 1 tenant p50 %v p99 %v (%d failed); %d tenant databases p50 %v p99 %v (%d failed); p99 ratio %.2f",
 			r, rate, window, percentile(a, 0.5), percentile(a, 0.99), fa, n, percentile(b, 0.5), percentile(b, 0.99), fb, ratio)
-		acl, asv, ax := ca.perMsg(na, &idle, oIdleX)
-		bcl, bsv, bx := cb.perMsg(nb, &idle, mIdleX)
-		agcl, agsv, agx := ca.perMsg(na, nil, 0)
-		bgcl, bgsv, bgx := cb.perMsg(nb, nil, 0)
-		clientR, serverR, xactR = append(clientR, bcl/acl), append(serverR, bsv/asv), append(xactR, bx/ax)
-		clientGrossR, serverGrossR, xactGrossR = append(clientGrossR, bgcl/agcl), append(serverGrossR, bgsv/agsv), append(xactGrossR, bgx/agx)
-		t.Logf("round %d, per message (less the idle window's %.0f ms/s client CPU, %.0f ms/s server CPU, %.1f/%.1f transactions/s of 1/%d tenants; gross in brackets): "+
-			"1 tenant client %.0f (%.0f) us, server %.0f (%.0f) us, %.2f (%.2f) transactions; "+
-			"%d tenant databases client %.0f (%.0f) us, server %.0f (%.0f) us, %.2f (%.2f) transactions; "+
-			"ratios client %.2f (%.2f), server %.2f (%.2f), transactions %.2f (%.2f)",
-			r, float64(idle.client)/float64(idle.wall)*1e3, float64(idle.server)/float64(idle.wall)*1e3, oIdleX, mIdleX, n,
-			acl, agcl, asv, agsv, ax, agx, n, bcl, bgcl, bsv, bgsv, bx, bgx,
-			bcl/acl, bgcl/agcl, bsv/asv, bgsv/agsv, bx/ax, bgx/agx)
+		acl, asv, aown, ax, acn := ca.perMsg(na)
+		bcl, bsv, bown, bx, bcn := cb.perMsg(nb)
+		clientR, serverR, ownR, xactR = append(clientR, bcl/acl), append(serverR, bsv/asv), append(ownR, bown/aown), append(xactR, bx/ax)
+		t.Logf("round %d, per message: 1 tenant client CPU %.0f us, server CPU %.0f us (its connections' %.0f us, %d exited), %.2f transactions, %.3f new connections; "+
+			"%d tenant databases client CPU %.0f us, server CPU %.0f us (their connections' %.0f us, %d exited), %.2f transactions, %.3f new connections; "+
+			"ratios client %.2f, server %.2f (connections' %.2f), transactions %.2f",
+			r, acl, asv, aown, ca.gone, ax, acn, n, bcl, bsv, bown, cb.gone, bx, bcn, bcl/acl, bsv/asv, bown/aown, bx/ax)
 	}
 	t.Logf("%d tenant databases vs 1: p99 ratio, median of %d rounds: %.2f", n, rounds, median(ratios))
-	t.Logf("%d tenant databases vs 1, per message, median of %d rounds: client CPU %.2f (gross %.2f), server CPU %.2f (gross %.2f), transactions %.2f (gross %.2f)",
-		n, rounds, median(clientR), median(clientGrossR), median(serverR), median(serverGrossR), median(xactR), median(xactGrossR))
+	t.Logf("%d tenant databases vs 1, per message, median of %d rounds: client CPU %.2f, server CPU %.2f (the Sets' connections' %.2f), transactions %.2f",
+		n, rounds, median(clientR), median(serverR), median(ownR), median(xactR))
 
 	if sat, _ := strconv.Atoi(os.Getenv("OUTBOX_TENANT_SATURATE")); sat > 0 {
 		inFlight := 8
@@ -359,21 +381,21 @@ func TestTenantLatency(t *testing.T) {
 			inFlight = k
 		}
 		d := time.Duration(sat) * time.Second
-		var tputR, clR, svR, xR []float64
+		var tputR, clR, svR, ownR, xR []float64
 		for r := range rounds {
 			var da, db, fa, fb int
 			ca, _ := cm.measure(one.dbs, func() int { da, fa = one.saturate(inFlight, d, fmt.Sprint("s", r)); return da })
 			cb, _ := cm.measure(many.dbs, func() int { db, fb = many.saturate(inFlight, d, fmt.Sprint("s", r)); return db })
 			ta, tb := float64(da)/ca.wall.Seconds(), float64(db)/cb.wall.Seconds()
-			acl, asv, ax := ca.perMsg(da, nil, 0)
-			bcl, bsv, bx := cb.perMsg(db, nil, 0)
-			tputR, clR, svR, xR = append(tputR, tb/ta), append(clR, bcl/acl), append(svR, bsv/asv), append(xR, bx/ax)
-			t.Logf("saturating round %d, %d in flight for %v: 1 tenant %.0f msg/s (%d failed), client %.0f us, server %.0f us, %.2f transactions a message; "+
-				"%d tenant databases %.0f msg/s (%d failed), client %.0f us, server %.0f us, %.2f transactions; ratios throughput %.2f, client %.2f, server %.2f, transactions %.2f",
-				r, inFlight, d, ta, fa, acl, asv, ax, n, tb, fb, bcl, bsv, bx, tb/ta, bcl/acl, bsv/asv, bx/ax)
+			acl, asv, aown, ax, acn := ca.perMsg(da)
+			bcl, bsv, bown, bx, bcn := cb.perMsg(db)
+			tputR, clR, svR, ownR, xR = append(tputR, tb/ta), append(clR, bcl/acl), append(svR, bsv/asv), append(ownR, bown/aown), append(xR, bx/ax)
+			t.Logf("saturating round %d, %d in flight for %v: 1 tenant %.0f msg/s (%d failed), client %.0f us, server %.0f us (connections' %.0f), %.2f transactions, %.3f new connections a message; "+
+				"%d tenant databases %.0f msg/s (%d failed), client %.0f us, server %.0f us (connections' %.0f), %.2f transactions, %.3f new connections; ratios throughput %.2f, client %.2f, server %.2f (connections' %.2f), transactions %.2f",
+				r, inFlight, d, ta, fa, acl, asv, aown, ax, acn, n, tb, fb, bcl, bsv, bown, bx, bcn, tb/ta, bcl/acl, bsv/asv, bown/aown, bx/ax)
 		}
-		t.Logf("saturating, %d tenant databases vs 1, median of %d rounds: throughput %.2f, client CPU %.2f, server CPU %.2f, transactions %.2f a message",
-			n, rounds, median(tputR), median(clR), median(svR), median(xR))
+		t.Logf("saturating, %d tenant databases vs 1, median of %d rounds: throughput %.2f, client CPU %.2f, server CPU %.2f (connections' %.2f), transactions %.2f a message",
+			n, rounds, median(tputR), median(clR), median(svR), median(ownR), median(xR))
 	}
 
 	// A CPU profile of this process in one more round of each Set, apart from the measured

@@ -78,6 +78,17 @@ func Server(postmaster int) (time.Duration, error) {
 	return time.Duration(ticks) * ClockTick, nil
 }
 
+// Process is the user + system CPU time of process pid so far (of its threads, not of its
+// reaped children): with a backend's pid from pg_stat_activity, the server's time for one
+// connection.
+func Process(pid int) (time.Duration, error) {
+	st, err := stat(pid)
+	if err != nil {
+		return 0, fmt.Errorf("proccpu: %w", err)
+	}
+	return time.Duration(st.utime+st.stime) * ClockTick, nil
+}
+
 type procStatus struct {
 	ppid                         int
 	utime, stime, cutime, cstime int64 // clock ticks

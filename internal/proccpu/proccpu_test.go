@@ -31,9 +31,22 @@ func TestServer(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	var backend int
+	if err := conn.QueryRowContext(ctx, `SELECT pg_backend_pid()`).Scan(&backend); err != nil {
+		t.Fatal(err)
+	}
+	own, err := proccpu.Process(backend)
+	if err != nil {
+		t.Fatal(err)
+	}
 	var n int64
 	if err := conn.QueryRowContext(ctx, `SELECT count(*) FROM generate_series(1, 5000000)`).Scan(&n); err != nil {
 		t.Fatal(err)
+	}
+	if ownAfter, err := proccpu.Process(backend); err != nil {
+		t.Fatal(err)
+	} else if d := ownAfter - own; d < 100*time.Millisecond {
+		t.Errorf("the backend's CPU grew by %v over a query of 5M rows; want at least 100ms", d)
 	}
 	// End the backend that did the work: its time must move to the postmaster's reaped children.
 	if err := conn.Raw(func(any) error { return driver.ErrBadConn }); err == nil {
