@@ -68,7 +68,11 @@ func newLatencySet(t *testing.T, admin *sql.DB, base string, n, idle int, proxie
 		db.SetMaxIdleConns(idle)
 		db.SetConnMaxIdleTime(5 * time.Minute)
 		t.Cleanup(func() { _ = db.Close() })
-		ob, err := outbox.New(outbox.Config{DB: db, Driver: postgres.Driver{}, Publisher: w, HandlerTimeout: 20 * time.Second})
+		cfg := outbox.Config{DB: db, Driver: postgres.Driver{}, Publisher: w, HandlerTimeout: 20 * time.Second}
+		if s, err := strconv.Atoi(os.Getenv("OUTBOX_TENANT_STATS_INTERVAL")); err == nil {
+			cfg.StatsInterval = time.Duration(s) * time.Second // negative: no sampling
+		}
+		ob, err := outbox.New(cfg)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -295,7 +299,8 @@ func percentile(ts []time.Duration, p float64) time.Duration {
 // OUTBOX_TENANT_SATURATE=S it then offers each Set as much as OUTBOX_TENANT_INFLIGHT (default 8)
 // messages in flight take, for S seconds in alternating rounds, and prints the throughputs' ratio;
 // with OUTBOX_TENANT_PROFILE=dir it writes a CPU profile of one more round of each Set there
-// (one.pprof, many.pprof). With OUTBOX_TENANT_DOWN=S it then takes the last of 10
+// (one.pprof, many.pprof). OUTBOX_TENANT_STATS_INTERVAL sets every member's StatsInterval in
+// seconds (-1: no statistics sampling). With OUTBOX_TENANT_DOWN=S it then takes the last of 10
 // tenants down for S seconds (its database refusing connections, as a server starting up does,
 // through a proxy that counts the connection attempts), the load going on for all ten, and
 // compares the other nine tenants' p99 with a window of the same length without the outage.
