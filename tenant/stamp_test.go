@@ -5,7 +5,9 @@ import (
 	"database/sql"
 	"testing"
 
+	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 
 	"github.com/watermill-outbox/outbox"
 	"github.com/watermill-outbox/outbox/internal/pgtest"
@@ -94,6 +96,74 @@ func TestSetMetadataFollowsTheEvents(t *testing.T) {
 	for _, s := range rec.All() {
 		if s.Message.UUID == "event-c-1" && s.Message.Metadata.Get("tenant") != "" {
 			t.Errorf("event-c-1 carries tenant %q without Config.Metadata", s.Message.Metadata.Get("tenant"))
+		}
+	}
+}
+
+// The messages a handler returns (the message.HandlerFunc form, through Wrap or the Set's
+// Middleware on a Router handler) are stored as the member's effects to the handler's publish
+// topic, and carry the member's name under Config.Metadata like those of outbox.Publish; one
+// that sets the key itself keeps its own.
+func TestSetMetadataOnReturnedMessages(t *testing.T) {
+	db := pgtest.DB(t)
+	rec := &outboxtest.Recorder{}
+	set := newSet(t, tenant.Config{Metadata: "tenant"}, map[string]*outbox.Outbox{
+		"a": newMember(t, db, "a_", rec), "b": newMember(t, db, "b_", rec)})
+	reply := func(tag string) message.HandlerFunc {
+		return func(msg *message.Message) ([]*message.Message, error) {
+			own := message.NewMessage(tag+"-own-"+msg.UUID, nil)
+			own.Metadata.Set("tenant", "elsewhere")
+			return []*message.Message{message.NewMessage(tag+"-"+msg.UUID, nil), own}, nil
+		}
+	}
+	in := gochannel.NewGoChannel(gochannel.Config{OutputChannelBuffer: 16}, watermill.NopLogger{})
+	router, err := message.NewRouter(message.RouterConfig{}, watermill.NopLogger{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	router.AddHandler("wrapped", "orders", in, "replies", in, set.Wrap(reply("wrap")))
+	router.AddHandler("middleware", "orders", in, "replies", in, reply("mw")).AddMiddleware(set.Middleware())
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { defer close(done); _ = router.Run(ctx) }()
+	t.Cleanup(func() {
+		cancel()
+		<-done
+		_ = in.Close()
+	})
+	<-router.Running()
+	if err := in.Publish("orders", tenantMsg("a-1", "a"), tenantMsg("b-1", "b")); err != nil {
+		t.Fatal(err)
+	}
+	want := map[string]string{}
+	for _, tag := range []string{"wrap", "mw"} {
+		for _, tn := range []string{"a", "b"} {
+			want[tag+"-"+tn+"-1"] = tn
+			want[tag+"-own-"+tn+"-1"] = "elsewhere"
+		}
+	}
+	got := map[string]string{}
+	eventually(t, "every returned message went out", func() bool {
+		for _, s := range rec.All() {
+			if s.Topic == "replies" {
+				got[s.Message.UUID] = s.Message.Metadata.Get("tenant")
+			}
+		}
+		return len(got) >= len(want)
+	})
+	for uuid, tn := range want {
+		if got[uuid] != tn {
+			t.Errorf("%s went out with tenant %q, want %q", uuid, got[uuid], tn)
+		}
+	}
+	// Each in its member's tables: a's replies are a's effects, not b's.
+	for _, tn := range []string{"a", "b"} {
+		var n int
+		if err := db.QueryRow(`SELECT count(*) FROM `+tn+`_processed WHERE message_id = $1`, tn+"-1").Scan(&n); err != nil {
+			t.Fatal(err)
+		}
+		if n != 2 {
+			t.Errorf("%s's claims of %s-1: %d, want one per handler", tn, tn, n)
 		}
 	}
 }
