@@ -202,3 +202,56 @@ func TestTenantSetCrashMatrix(t *testing.T) {
 		})
 	}
 }
+
+// The pgx form's boundary on a member (set.Do with outboxpgx.InTx) stamps the member's name under
+// Config.Metadata on what it publishes, as the database/sql form's InTx does; a message that sets
+// the key itself keeps its own.
+func TestTenantSetStampsPgxInTx(t *testing.T) {
+	for name, mode := range map[string]outboxpgx.Concurrency{"pessimistic": outboxpgx.Pessimistic, "optimistic": outboxpgx.Optimistic} {
+		t.Run(name, func(t *testing.T) {
+			ctx := context.Background()
+			rec := &outboxtest.Recorder{}
+			set, err := tenant.New(tenant.Config{Metadata: "tenant", NackUnresolved: true})
+			if err != nil {
+				t.Fatal(err)
+			}
+			for _, tn := range []string{"a", "b"} {
+				ob, err := outboxpgx.New(openPool(t, pgtest.DSN(t), 4, nil), outbox.Config{Publisher: rec}, outboxpgx.WithConcurrency(mode))
+				if err != nil {
+					t.Fatal(err)
+				}
+				t.Cleanup(func() { _ = ob.Close() })
+				if err := ob.Migrate(ctx); err != nil {
+					t.Fatal(err)
+				}
+				if err := set.Add(tn, ob); err != nil {
+					t.Fatal(err)
+				}
+			}
+			for _, tn := range []string{"a", "b"} {
+				err := set.Do(ctx, tn, func(ctx context.Context, ob *outbox.Outbox) error {
+					return outboxpgx.InTx(ctx, ob, func(ctx context.Context, _ pgx.Tx) error {
+						own := message.NewMessage(tn+"-own", nil)
+						own.Metadata.Set("tenant", "elsewhere")
+						return outbox.Publish(ctx, "events", message.NewMessage(tn+"-api", nil), own)
+					})
+				})
+				if err != nil {
+					t.Fatalf("%s: %v", tn, err)
+				}
+			}
+			want := map[string]string{"a-api": "a", "b-api": "b", "a-own": "elsewhere", "b-own": "elsewhere"}
+			got := map[string]string{}
+			for _, s := range rec.All() {
+				got[s.Message.UUID] = s.Message.Metadata.Get("tenant")
+			}
+			for uuid, tn := range want {
+				if v, ok := got[uuid]; !ok {
+					t.Errorf("%s did not go out", uuid)
+				} else if v != tn {
+					t.Errorf("%s went out with tenant %q, want %q", uuid, v, tn)
+				}
+			}
+		})
+	}
+}
