@@ -264,27 +264,42 @@ func (tr *setTraffic) run(t *testing.T, set *tenant.Set) func() {
 			if !send(batch...) {
 				return
 			}
-			// Keyed boundary units beside the subscriber, with the same keys in every member,
-			// each sent twice: the second replays.
+			// Keyed boundary units beside the subscriber, with the same key in every member: each
+			// member's first runs inside the previous member's, while that one holds the key,
+			// and must not be told that the key is in flight; then each again, which replays.
 			if i%3 == 1 {
-				for _, m := range tr.members {
-					w := want[m.name]
-					key := fmt.Sprintf("%sreq-%d", trafficMark, i)
-					uuid := fmt.Sprintf("%s%s/api-%d", trafficMark, m.name, i)
-					for range 2 {
-						// Not feedCtx: a unit cut by the end of the feed would leave its outcome unknown.
-						err := set.InTx(outbox.WithIdempotencyKey(ctx, trafficMark+"api", key), m.name, func(ctx context.Context, tx *sql.Tx) error {
-							if _, err := tx.ExecContext(ctx, `INSERT INTO `+m.table("orders")+` VALUES ($1, $2)`, key, m.name); err != nil {
-								return err
-							}
-							return outbox.Publish(ctx, "events", message.NewMessage(uuid, nil))
-						})
-						if err != nil {
-							feedErr = fmt.Errorf("keyed unit %s of %s: %w", key, m.name, err)
-							return
-						}
+				key := fmt.Sprintf("%sreq-%d", trafficMark, i)
+				var keyed func(k int) error
+				keyed = func(k int) error {
+					if k == len(tr.members) {
+						return nil
 					}
+					m := tr.members[k]
+					uuid := fmt.Sprintf("%s%s/api-%d", trafficMark, m.name, i)
+					// Not feedCtx: a unit cut by the end of the feed would leave its outcome unknown.
+					err := set.InTx(outbox.WithIdempotencyKey(ctx, trafficMark+"api", key), m.name, func(uctx context.Context, tx *sql.Tx) error {
+						if _, err := tx.ExecContext(uctx, `INSERT INTO `+m.table("orders")+` VALUES ($1, $2)`, key, m.name); err != nil {
+							return err
+						}
+						if err := outbox.Publish(uctx, "events", message.NewMessage(uuid, nil)); err != nil {
+							return err
+						}
+						return keyed(k + 1)
+					})
+					if err != nil {
+						return fmt.Errorf("keyed unit %s of %s: %w", key, m.name, err)
+					}
+					w := want[m.name]
 					w.orders[key], w.keys[key], w.events[uuid] = true, true, true
+					return nil
+				}
+				err := keyed(0)
+				for k := 0; err == nil && k < len(tr.members); k++ {
+					err = keyed(k) // replays: its effects are not sent again
+				}
+				if err != nil {
+					feedErr = err
+					return
 				}
 			}
 			select {
