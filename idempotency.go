@@ -168,8 +168,10 @@ func (o *Outbox) claimKey(ctx context.Context, tx outboxdriver.UnitTx, k *keyed)
 	c, err := kt.KeyClaim(ctx, outboxdriver.KeyClaimParams{Scope: k.scope, Key: k.key, Fingerprint: k.fingerprint,
 		Retention: o.cfg.IdempotencyRetention})
 	switch {
+	case errors.Is(err, ErrIdempotencyInFlight):
+		return false, err // its text names the framework, the scope and the key already
 	case err != nil:
-		return false, fmt.Errorf("outbox: %w", err)
+		return false, fmt.Errorf("outbox: claim idempotency key %q (scope %q): %w", k.key, k.scope, err)
 	case c.Claimed:
 		return true, nil
 	case string(c.Fingerprint) != string(k.fingerprint):

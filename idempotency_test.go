@@ -73,6 +73,9 @@ func TestKeyedInTxConcurrentRetriesRunOnce(t *testing.T) {
 					defer mu.Unlock()
 					switch {
 					case errors.Is(err, outbox.ErrIdempotencyInFlight):
+						if strings.Contains(err.Error(), "outbox: outbox:") {
+							t.Errorf("the in-flight error repeats its prefix: %v", err)
+						}
 						inFlight++
 						return
 					case err != nil:
