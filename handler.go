@@ -6,7 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"runtime/debug"
-	"sync"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -200,62 +199,19 @@ func (o *Outbox) waitForDatabase(ctx context.Context) error {
 	return o.gate.wait(ctx)
 }
 
-// beginStall is how long a unit's BEGIN (a connection, BEGIN, the claim) goes unanswered before
-// the gate suspects that the database stalls (see dbGate.suspect). Longer than BEGIN takes on a
-// database that answers; short enough that the units beginning meanwhile, each with a connection
-// that hangs, are few.
-const beginStall = 500 * time.Millisecond
-
-// beginUnit begins a unit of work watched by the gate: a BEGIN unanswered for beginStall, or
-// one that its context's deadline ended, has the gate probe the database while the units after
-// it wait. A driver that ignores contexts while it connects (lib/pq) returns from a stalled
-// server only when the network gives up: without the watch every unit and InTx call meanwhile
-// opened one more such connection. The unit does not wait past its context for such a driver
-// either: its consumer would be held for the whole outage, with the other members' messages
-// behind it. The BEGIN left behind rolls back whatever it began.
+// beginUnit begins a unit of work. The opening of a connection and BEGIN are watched for the gate
+// where they run (beginWatch; a UnitStore's dials through outboxdriver.DialWatcher): their stall
+// has the gate probe the database while the units after them wait. A DialWatcher's BeginUnit
+// that its context's deadline ended is suspected too: on a pooled connection, which no watch
+// covers, a server that stalls is told by that deadline (the pgx form honours it). Its BEGIN and
+// claim are one round trip, so a claim that waited the whole HandlerTimeout for a copy's costs a
+// ping as well.
 func (o *Outbox) beginUnit(ctx context.Context, src *Source) (outboxdriver.UnitTx, outboxdriver.Claim, error) {
-	if o.gate == nil {
-		return o.units.BeginUnit(ctx, src)
+	tx, claim, err := o.units.BeginUnit(ctx, src)
+	if _, dials := o.units.(outboxdriver.DialWatcher); dials && err != nil && errors.Is(err, context.DeadlineExceeded) {
+		o.gate.suspect(err)
 	}
-	watch := time.AfterFunc(beginStall, func() {
-		o.gate.suspect(fmt.Errorf("BEGIN had no answer within %s", beginStall))
-	})
-	defer watch.Stop()
-	type begun struct {
-		tx    outboxdriver.UnitTx
-		claim outboxdriver.Claim
-		err   error
-	}
-	res := make(chan begun, 1)
-	var mu sync.Mutex
-	gaveUp := false
-	go func() {
-		tx, claim, err := o.units.BeginUnit(ctx, src)
-		mu.Lock()
-		defer mu.Unlock()
-		if !gaveUp {
-			res <- begun{tx, claim, err}
-		} else if err == nil {
-			_ = tx.Rollback(context.WithoutCancel(ctx))
-		}
-	}()
-	var r begun
-	select {
-	case r = <-res:
-	case <-ctx.Done():
-		mu.Lock()
-		select {
-		case r = <-res: // it returned meanwhile
-		default:
-			gaveUp = true
-			r = begun{err: fmt.Errorf("begin transaction: no answer before the context ended: %w", ctx.Err())}
-		}
-		mu.Unlock()
-	}
-	if r.err != nil && errors.Is(r.err, context.DeadlineExceeded) {
-		o.gate.suspect(r.err)
-	}
-	return r.tx, r.claim, r.err
+	return tx, claim, err
 }
 
 func (o *Outbox) handleOnce(msg *message.Message, src Source, p HandleParams, next message.HandlerFunc, lastTry bool, fields watermill.LogFields) error {
@@ -292,8 +248,8 @@ func (o *Outbox) handleOnce(msg *message.Message, src Source, p HandleParams, ne
 	}
 	if _, down := o.gate.outage(); err != nil && txCtx.Err() != nil && down {
 		// BEGIN had no answer until HandlerTimeout, and the database is found unreachable:
-		// nacked at once, as after a wait in the gate. A suspicion is not enough: a claim that
-		// waited for a copy's is suspected too, until the probe answers.
+		// nacked at once, as after a wait in the gate. A suspicion is not enough: a pooled
+		// connection that was only slow is suspected too, until the probe answers.
 		return fmt.Errorf("outbox: claim message %q for %q (not counted as a failed attempt): %w: %w", src.ID, src.Consumer, ErrDatabaseUnreachable, err)
 	}
 	if err != nil {

@@ -133,9 +133,20 @@ func New(cfg Config) (*Outbox, error) {
 			gate.poolFull = pr.PoolFull
 		}
 	}
-	o.units = sqlUnits{db: cfg.DB, store: st, spilled: func(ctx context.Context) { o.tel.spills.Add(ctx, 1, o.tel.own()) }}
+	o.units = sqlUnits{db: cfg.DB, store: st, spilled: func(ctx context.Context) { o.tel.spills.Add(ctx, 1, o.tel.own()) },
+		watch: newBeginWatch(gate, cfg.DB)}
 	if us, ok := st.(outboxdriver.UnitStore); ok {
 		o.units = us
+		if dw, ok := st.(outboxdriver.DialWatcher); ok && gate != nil {
+			dw.WatchDials(func() func() {
+				t := time.AfterFunc(beginStall, func() {
+					gate.suspect(fmt.Errorf("a new connection had no answer within %s", beginStall))
+				})
+				return func() { t.Stop() }
+			})
+		} else if gate != nil {
+			o.units = watchedUnits{UnitStore: us, watch: &beginWatch{gate: gate, db: cfg.DB, blind: true}}
+		}
 	}
 	o.failedHere.ttl = cfg.DuplicateWait + cfg.PublishTimeout + time.Minute
 	o.failingHere.ttl = time.Hour

@@ -20,6 +20,9 @@ type sqlUnits struct {
 	db      *sql.DB
 	store   outboxdriver.Store
 	spilled func(ctx context.Context) // counts a unit that moved its claim's effects to rows
+	// watch watches the connection and BEGIN of each unit for the gate (nil without one); the
+	// claim after them is not watched (see beginStall).
+	watch *beginWatch
 }
 
 var _ outboxdriver.UnitStore = sqlUnits{}
@@ -41,37 +44,51 @@ func (s sqlUnits) BeginUnit(ctx context.Context, claim *Source) (outboxdriver.Un
 		// database/sql's BeginTx takes another connection when the first turns out dead; a
 		// reserved one does not, so BEGIN, which changes nothing, is sent again on a fresh
 		// connection (the dead one is discarded with the driver's error).
-		var err error
-		for try := 1; try <= beginTries; try++ {
-			var conn *sql.Conn
-			conn, err = s.db.Conn(ctx)
-			if err != nil {
-				return nil, outboxdriver.Claim{}, fmt.Errorf("begin transaction (waiting for a database connection, at most HandlerTimeout): %w", err)
-			}
-			var tx *sql.Tx
-			if tx, err = conn.BeginTx(ctx, nil); err == nil {
-				u := &sqlUnit{store: s.store, tx: tx, conn: conn}
-				if err := u.guardBoundary(ctx); err != nil {
-					_ = tx.Rollback()
-					_ = conn.Close()
-					return nil, outboxdriver.Claim{}, err
+		u, err := watchBegin(ctx, s.watch, func(ctx context.Context) (*sqlUnit, error) {
+			var err error
+			for try := 1; try <= beginTries; try++ {
+				var conn *sql.Conn
+				conn, err = s.db.Conn(ctx)
+				if err != nil {
+					return nil, fmt.Errorf("begin transaction (waiting for a database connection, at most HandlerTimeout): %w", err)
 				}
-				return u, outboxdriver.Claim{Claimed: true}, nil
+				var tx *sql.Tx
+				if tx, err = conn.BeginTx(ctx, nil); err == nil {
+					return &sqlUnit{store: s.store, tx: tx, conn: conn}, nil
+				}
+				_ = conn.Close()
+				if ctx.Err() != nil {
+					break
+				}
 			}
-			_ = conn.Close()
-			if ctx.Err() != nil {
-				break
-			}
+			return nil, fmt.Errorf("begin transaction: %w", err)
+		}, func(u *sqlUnit) {
+			_ = u.tx.Rollback()
+			_ = u.conn.Close()
+		})
+		if err != nil {
+			return nil, outboxdriver.Claim{}, err
 		}
-		return nil, outboxdriver.Claim{}, fmt.Errorf("begin transaction: %w", err)
+		if err := u.guardBoundary(ctx); err != nil {
+			_ = u.tx.Rollback()
+			_ = u.conn.Close()
+			return nil, outboxdriver.Claim{}, err
+		}
+		return u, outboxdriver.Claim{Claimed: true}, nil
 	}
 	begin := s.db.BeginTx
 	if b, ok := s.store.(txBeginner); ok {
 		begin = b.BeginTx
 	}
-	tx, err := begin(ctx, nil)
+	tx, err := watchBegin(ctx, s.watch, func(ctx context.Context) (*sql.Tx, error) {
+		tx, err := begin(ctx, nil)
+		if err != nil {
+			return nil, fmt.Errorf("begin transaction (waiting for a database connection, at most HandlerTimeout): %w", err)
+		}
+		return tx, nil
+	}, func(tx *sql.Tx) { _ = tx.Rollback() })
 	if err != nil {
-		return nil, outboxdriver.Claim{}, fmt.Errorf("begin transaction (waiting for a database connection, at most HandlerTimeout): %w", err)
+		return nil, outboxdriver.Claim{}, err
 	}
 	u := &sqlUnit{store: s.store, tx: tx}
 	if claim == nil {

@@ -519,6 +519,20 @@ type PoolReporter interface {
 	PoolFull() bool
 }
 
+// DialWatcher is implemented by a UnitStore whose BeginUnit returns at its context's end whatever
+// the database does (while it connects, too: the pgx form), and that can tell when a unit has to
+// open a connection. A server that takes connections and answers none fails nothing: the
+// framework watches each connection being opened, and one without an answer for a while has it
+// probe the database while the units after it wait, without a connection. A unit on a pooled
+// connection is not watched (a stall meets it at its deadline), nor is its claim, which may wait
+// for a copy being handled elsewhere.
+type DialWatcher interface {
+	// WatchDials hands the store watch, called before BeginUnit waits for a connection that the
+	// pool has to open (none idle), and whose returned end is called once it has one or failed.
+	// It is called once, before any unit begins.
+	WatchDials(watch func() (end func()))
+}
+
 // WritableChecker is implemented by a Store that can tell whether the server it reaches takes
 // writes. After a failover a connection can land on a standby (a stale address, a DNS name not
 // yet moved): every unit of work then fails, and a readiness probe must say why.

@@ -180,7 +180,15 @@ type pgxStore struct {
 	names      store.Names
 	optimistic bool
 	q          queries
+	// watchDial is the framework's watch of a connection being opened (WatchDials); nil when
+	// the Outbox has no gate.
+	watchDial func() (end func())
 }
+
+// WatchDials implements outboxdriver.DialWatcher: pgx honours the context while it connects and
+// on a pooled connection, so a unit needs no goroutine to leave a server that stalls; only the
+// opening of a connection is watched, never a claim's wait for a copy's.
+func (s *pgxStore) WatchDials(watch func() (end func())) { s.watchDial = watch }
 
 var (
 	_ outboxdriver.UnitStore          = (*pgxStore)(nil)
@@ -190,6 +198,7 @@ var (
 	_ outboxdriver.DeadLetterStore    = (*pgxStore)(nil)
 	_ outboxdriver.DeadLetterNowStore = (*pgxStore)(nil)
 	_ outboxdriver.EffectRetrier      = (*pgxStore)(nil)
+	_ outboxdriver.DialWatcher        = (*pgxStore)(nil)
 )
 
 // DeadLetterNow implements outboxdriver.DeadLetterNowStore through the postgres driver's store.

@@ -25,7 +25,14 @@ const cleanupTimeout = 5 * time.Second
 // BeginUnit acquires a connection and sends BEGIN and the claim (pessimistic) or its look-up
 // (optimistic) in one round trip.
 func (s *pgxStore) BeginUnit(ctx context.Context, claim *outboxdriver.Source) (outboxdriver.UnitTx, outboxdriver.Claim, error) {
+	var end func()
+	if s.watchDial != nil && s.pool.Stat().IdleConns() == 0 {
+		end = s.watchDial() // Acquire opens a connection (or waits for the full pool's)
+	}
 	conn, err := s.pool.Acquire(ctx)
+	if end != nil {
+		end()
+	}
 	if err != nil {
 		return nil, outboxdriver.Claim{}, fmt.Errorf("acquire a connection from the pool (at most HandlerTimeout): %w", err)
 	}

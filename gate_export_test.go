@@ -1,0 +1,44 @@
+package outbox
+
+import (
+	"context"
+	"sync"
+	"sync/atomic"
+	"time"
+)
+
+// WatchGate counts the probes of ob's database gate, and tells whether the gate held ob's work
+// back at any time (sampled every millisecond), until the returned stop is called. Call it before
+// ob does any work.
+func WatchGate(ob *Outbox) (stop func() (probes int64, held bool)) {
+	var n atomic.Int64
+	var held atomic.Bool
+	probe := ob.gate.probe
+	ob.gate.probe = func(ctx context.Context) error {
+		n.Add(1)
+		return probe(ctx)
+	}
+	done := make(chan struct{})
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		tick := time.NewTicker(time.Millisecond)
+		defer tick.Stop()
+		for {
+			if ob.gate.holding() {
+				held.Store(true)
+			}
+			select {
+			case <-done:
+				return
+			case <-tick.C:
+			}
+		}
+	}()
+	return func() (int64, bool) {
+		close(done)
+		wg.Wait()
+		return n.Load(), held.Load()
+	}
+}
