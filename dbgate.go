@@ -83,6 +83,23 @@ func (g *dbGate) outage() (dbOutage, bool) {
 	return dbOutage{Since: g.since, Attempts: g.inOutage, LastErr: g.lastErr}, true
 }
 
+// suspicion reports whether the gate holds work back on a suspicion (see suspect), with the
+// channel closed when its probe ends (nil when none is under way).
+func (g *dbGate) suspicion() (<-chan struct{}, bool) {
+	if g == nil || !g.down.Load() {
+		return nil, false
+	}
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if !g.suspected {
+		return nil, false
+	}
+	if !g.probing {
+		return nil, true
+	}
+	return g.probed, true
+}
+
 // holding tells whether work waits in wait: during an outage, and while a suspicion is probed.
 func (g *dbGate) holding() bool { return g != nil && g.down.Load() }
 

@@ -2,6 +2,7 @@ package outbox
 
 import (
 	"context"
+	"errors"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -41,4 +42,11 @@ func WatchGate(ob *Outbox) (stop func() (probes int64, held bool)) {
 		wg.Wait()
 		return n.Load(), held.Load()
 	}
+}
+
+// SuspectStall has ob's gate suspect a stall, as after a connection without an answer, with
+// probe as the gate's probe from now on.
+func SuspectStall(ob *Outbox, probe func(context.Context) error) {
+	ob.gate.probe = probe
+	ob.gate.suspect(errors.New("a connection had no answer (test)"))
 }

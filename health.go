@@ -121,10 +121,22 @@ func (o *Outbox) Health(ctx context.Context) HealthReport {
 		r.Checks = append(r.Checks, c)
 	}
 	var pingErr, dbErr error
+	if probed, ok := o.gate.suspicion(); ok && probed != nil {
+		// A connection had no answer and the probe asks whether the database does: a ping now
+		// could open one more connection that hangs, past the check's bound (lib/pq ignores the
+		// context while it connects). The check takes the probe's answer instead.
+		select {
+		case <-probed:
+		case <-ctx.Done():
+		}
+	}
 	if out, down := o.gate.outage(); down {
 		// The probe asks the database on its own schedule; a ping per check would be one more
 		// connection attempt in the storm the gate keeps away.
 		pingErr = fmt.Errorf("%w %s", ErrDatabaseUnreachable, out)
+		dbErr = pingErr
+	} else if _, suspected := o.gate.suspicion(); suspected && ctx.Err() != nil {
+		pingErr = fmt.Errorf("no answer: a connection had none, and the probe under way none within the check's bound: %w", ctx.Err())
 		dbErr = pingErr
 	} else if pingErr = o.db.PingContext(ctx); pingErr != nil {
 		o.gate.observe(pingErr)
