@@ -313,8 +313,9 @@ func (g *dbGate) failed(err error) {
 // answers none (stalled, or a dropped link) fails nothing, and each unit of work would open one
 // more connection that hangs (measured: 12 a second with eight consumers and an InTx caller
 // every 100 ms, against one a second refused). A failed probe confirms the outage; a success, of
-// the probe or of any work, ends the wait, unreported: a pool that is only busy, or a claim
-// waiting for a copy's, costs the units that begin meanwhile a ping's time. A full pool is no
+// the probe or of any work, ends the wait, unreported: a pool that is only busy costs the units
+// that begin meanwhile a ping's time. A claim waiting for a copy's is no suspicion: only the
+// connection and BEGIN are watched (beginWatch, outboxdriver.DialWatcher). A full pool is no
 // suspicion: the unit waited for a connection of it, and so would the probe.
 func (g *dbGate) suspect(err error) {
 	if g == nil || g.down.Load() || (g.poolFull != nil && g.poolFull()) {

@@ -103,7 +103,8 @@ const (
 
 // Health checks, with reasons: the database answers and takes writes (a standby reached after a
 // failover does not; while it is unreachable the check says since when and how many connection
-// attempts failed, without trying one more), the schema is current, the relay is running
+// attempts failed, without trying one more, and while a stall is suspected it takes the answer
+// of the gate's probe), the schema is current, the relay is running
 // in this process and finished a round recently, the notification listener is connected
 // (PostgreSQL), and the backlog and the parked effects are under the thresholds of Config
 // (HealthMaxPending, HealthMaxPendingAge, HealthMaxParked; checked only when set, against the
