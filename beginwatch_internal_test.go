@@ -1,0 +1,51 @@
+package outbox
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/watermill-outbox/outbox/internal/pgtest"
+)
+
+// BenchmarkBeginWatch is the watch's own cost on a unit's path, around a BEGIN that returns at
+// once: "goroutine" is what every unit paid before (a goroutine, a timer, a channel and a mutex,
+// over BEGIN and the claim), and still pays on lib/pq; "pooled" is a unit on a pooled
+// connection with a driver that honours its context (a look at the pool's counters);
+// "dial" arms the timer alone, as a unit that opens a connection does.
+func BenchmarkBeginWatch(b *testing.B) {
+	db := pgtest.DB(b)
+	if err := db.Ping(); err != nil { // one idle connection
+		b.Fatal(err)
+	}
+	gate := &dbGate{minDelay: time.Hour, maxDelay: time.Hour, unreachable: unreachable, probe: db.PingContext}
+	begin := func(context.Context) (int, error) { return 1, nil }
+	ctx := context.Background()
+	for _, c := range []struct {
+		name string
+		w    *beginWatch
+	}{
+		{"none", nil},
+		{"goroutine", &beginWatch{gate: gate, db: db, blind: true}},
+		{"pooled", &beginWatch{gate: gate, db: db}},
+	} {
+		b.Run(c.name, func(b *testing.B) {
+			b.ReportAllocs()
+			for range b.N {
+				if _, err := watchBegin(ctx, c.w, begin, func(int) {}); err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
+	}
+	b.Run("dial", func(b *testing.B) {
+		b.ReportAllocs()
+		for range b.N {
+			t := time.AfterFunc(beginStall, func() {})
+			if _, err := begin(ctx); err != nil {
+				b.Fatal(err)
+			}
+			t.Stop()
+		}
+	})
+}
