@@ -93,6 +93,14 @@ type Queries struct {
 	// one, with the ms until the earliest effect of the window that is not due yet falls due
 	// (NULL when none; read only on the row of a claim that took nothing): EffectClaim.Pending.
 	EffectClaimDuePending bool
+	// EffectClaimDueFloor: (windowed) the claim takes an eighth argument, the floor: it looks
+	// for pending effects above it only (no unparked pending effect lies at or below it), and
+	// every row ends, after the columns above, with (found, snapshot xmin, snapshot xmax, last
+	// id): whether an unparked pending effect lies above the floor (the window then starts
+	// just before the first), the xmin and xmax of the statement's snapshot
+	// (pg_snapshot_xmin, pg_snapshot_xmax) and the last id the effects' sequence handed out
+	// (0 when none). The store keeps the floor (claimFloor).
+	EffectClaimDueFloor bool
 
 	// DelayedInsert returns the insert of n delayed effects: the arguments of EffectInsert, then
 	// per effect (delay ms from now, cancel key or NULL). Empty when the dialect keeps none.
@@ -284,6 +292,8 @@ type SQL struct {
 
 	pool poolerState
 	xmin *xminShare // the pool's xmin horizon sample; nil when the dialect has none
+
+	floor claimFloor // where the relay's claims from the front start (Queries.EffectClaimDueFloor)
 }
 
 // poolerState is what Dialect.Pooler found; the check runs once, again after it could not ask.
@@ -1047,6 +1057,12 @@ func (s *SQL) EffectClaimDue(ctx context.Context, p outboxdriver.EffectClaimPara
 		}
 		args = append(args, string(skip))
 	}
+	var look floorLook
+	floored := s.d.Queries.EffectClaimDueWindowed && s.d.Queries.EffectClaimDueFloor
+	if floored {
+		look = s.floor.start(time.Now(), p.After == 0)
+		args = append(args, look.floor)
+	}
 	rows, err := s.db.QueryContext(ctx, s.d.Queries.EffectClaimDue, args...)
 	if err != nil {
 		return outboxdriver.EffectClaim{}, fmt.Errorf("claim due effects: %w", s.wrap(err))
@@ -1068,9 +1084,13 @@ func (s *SQL) EffectClaimDue(ctx context.Context, p outboxdriver.EffectClaimPara
 			if s.d.Queries.EffectClaimDuePending {
 				extra = append(extra, &pendingMS)
 			}
+			if floored {
+				extra = append(extra, &look.found, &look.xmin, &look.xmax, &look.seqLast)
+			}
 			if err = ScanEffect(rows, &e, extra...); err != nil {
 				break
 			}
+			look.seen, look.lo = true, next-window
 			if more {
 				claim.Next = next
 			}
@@ -1089,6 +1109,9 @@ func (s *SQL) EffectClaimDue(ctx context.Context, p outboxdriver.EffectClaimPara
 	}
 	if err != nil {
 		return outboxdriver.EffectClaim{}, fmt.Errorf("claim due effects: %w", s.wrap(err))
+	}
+	if floored && p.After == 0 && look.seen {
+		s.floor.end(look)
 	}
 	slices.SortFunc(claim.Effects, func(a, b outboxdriver.Effect) int { return cmp.Compare(a.StoreID, b.StoreID) })
 	return claim, nil
@@ -1365,7 +1388,7 @@ type Audit struct {
 // nil; it is told how many effects changed) in the transaction of the change, so that no change
 // is made without its entry.
 func (s *SQL) EffectUnparkAudited(ctx context.Context, ids []int64, audit func(changed int) Audit) (int, error) {
-	return s.eachID(ctx, ids, audit, func(tx *sql.Tx, id int64) (int, error) {
+	n, err := s.eachID(ctx, ids, audit, func(tx *sql.Tx, id int64) (int, error) {
 		r, err := tx.ExecContext(ctx, s.d.Queries.EffectUnpark, id)
 		if err != nil {
 			return 0, s.wrap(err)
@@ -1373,6 +1396,13 @@ func (s *SQL) EffectUnparkAudited(ctx context.Context, ids []int64, audit func(c
 		n, err := r.RowsAffected()
 		return int(n), err
 	})
+	// Pending again, and perhaps below where the relay's claims now look: once the change has
+	// committed (a claim whose snapshot predates it must not move the floor past them), even
+	// after an error, which may hide a commit.
+	if len(ids) > 0 {
+		s.floor.lower(slices.Min(ids))
+	}
+	return n, err
 }
 
 // EffectDiscardAudited is EffectDiscard with its audit entry written as EffectUnparkAudited's.

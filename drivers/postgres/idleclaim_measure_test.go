@@ -40,7 +40,7 @@ func TestMeasureIdleClaim(t *testing.T) {
 	}
 	without := withPending[:from] + "NULL::bigint" + withPending[to:]
 	p := outboxdriver.EffectClaimParams{Grace: 10 * time.Second, Limit: 500, Lease: time.Hour}
-	args := []any{p.Grace.Milliseconds(), p.Limit, int64(1 << 40), p.Lease.Milliseconds(), int64(0), int64(p.Limit * 4), "[]"}
+	args := []any{p.Grace.Milliseconds(), p.Limit, int64(1 << 40), p.Lease.Milliseconds(), int64(0), int64(p.Limit * 4), "[]", int64(0)}
 	// The server's execution time (EXPLAIN ANALYZE, without per-node timing): the round trip
 	// and the client's scheduling on a loaded machine would drown the difference.
 	claim := func(q string) time.Duration {

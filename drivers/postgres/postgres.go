@@ -423,6 +423,8 @@ func queries(n store.Names, deleteDispatched bool, gen *Generation) store.Querie
 	// window's effects are still checked against all pending effects of their keys, parked ones
 	// included, which hold them back).
 	unparked := `dispatched_at IS NULL AND parked_at IS NULL`
+	// What the store keeps its claims' floor by (store.Queries.EffectClaimDueFloor).
+	floorColumns := `bounds.found, bounds.snap_xmin, bounds.snap_xmax, bounds.seq_last`
 	backedOff := unparked + ` AND next_attempt_at = backoff_until AND next_attempt_at > now()`
 	q := store.Queries{
 		// The claim's CTE and the SELECT see one snapshot, taken when the statement began: a
@@ -619,10 +621,16 @@ func queries(n store.Names, deleteDispatched bool, gen *Generation) store.Querie
 		// member's window, none or a few.
 		EffectClaimDue: `WITH bounds AS MATERIALIZED (
 				SELECT lo + $6 AS hi, EXISTS (SELECT 1 FROM ` + n.Effects + ` WHERE ` + unparked + ` AND id > lo + $6) AS more, lo,
-					greatest(lo + $6, last - $6) AS tail_lo, last
-				FROM (SELECT CASE WHEN $5 > 0 THEN $5
-					ELSE coalesce((SELECT min(id) FROM ` + n.Effects + ` WHERE ` + unparked + `), 0) - 1 END AS lo,
-					coalesce((SELECT max(id) FROM ` + n.Effects + ` WHERE ` + unparked + `), 0) AS last) l
+					greatest(lo + $6, last - $6) AS tail_lo, last, found,
+					pg_snapshot_xmin(pg_current_snapshot())::text::bigint AS snap_xmin,
+					pg_snapshot_xmax(pg_current_snapshot())::text::bigint AS snap_xmax,
+					coalesce(pg_sequence_last_value(pg_get_serial_sequence('` + effectsPartition(n, 0) + `', 'id')::regclass), 0) AS seq_last
+				FROM (SELECT CASE WHEN $5 > 0 THEN $5 ELSE coalesce(f.first, $8) END AS lo,
+					CASE WHEN $5 > 0 THEN false ELSE f.first IS NOT NULL END AS found, f.last
+					FROM (SELECT (SELECT min(id) - 1 FROM ` + n.Effects + ` WHERE ` + unparked + ` AND id > $8) AS first,
+						coalesce((SELECT max(id) FROM ` + n.Effects + ` WHERE ` + unparked + ` AND id > $8), 0) AS last
+						OFFSET 0) f
+					OFFSET 0) l
 				WHERE ` + asyncCommit + `),
 			tail AS MATERIALIZED (
 				SELECT e.id, e.ordering_key, e.topic, octet_length(e.payload) + octet_length(e.metadata) AS size
@@ -661,17 +669,19 @@ func queries(n store.Names, deleteDispatched bool, gen *Generation) store.Querie
 				ORDER BY d.due_at, d.id LIMIT 1),
 			lease AS (UPDATE ` + n.Effects + ` e SET next_attempt_at = now() + ` + ms("$4") + `
 				FROM (SELECT min(id) AS id FROM claimed GROUP BY ordering_key) f WHERE e.id = f.id)
-			SELECT ` + effectColumns + `, bounds.hi, bounds.more, (SELECT ms FROM due), NULL::bigint FROM claimed JOIN ` + n.Effects + ` e USING (id), bounds
+			SELECT ` + effectColumns + `, bounds.hi, bounds.more, (SELECT ms FROM due), NULL::bigint, ` + floorColumns + `
+			FROM claimed JOIN ` + n.Effects + ` e USING (id), bounds
 			UNION ALL
 			SELECT 0, '', '', 0, '', '', '', ''::bytea, ''::bytea, '', 0, 0::bigint, 0, 0::bigint, false, bounds.hi, bounds.more, (SELECT ms FROM due),
 				(SELECT (extract(epoch FROM min(p.at) - now()) * 1000)::bigint
 				FROM (SELECT coalesce(e.next_attempt_at, e.created_at + ` + ms("$1") + `) AS at FROM ` + n.Effects + ` e
 					WHERE e.id > bounds.lo AND e.id <= bounds.hi AND e.dispatched_at IS NULL AND e.parked_at IS NULL) p
-				WHERE p.at > now())
+				WHERE p.at > now()), ` + floorColumns + `
 			FROM bounds WHERE NOT EXISTS (SELECT 1 FROM claimed)`,
 		EffectClaimDueWindowed: true,
 		EffectClaimDueDelayed:  true,
 		EffectClaimDuePending:  true,
+		EffectClaimDueFloor:    true,
 
 		// A delayed effect's due time is its delay from the insert by the database's clock, the
 		// clock the relay compares it with.
