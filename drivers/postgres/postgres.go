@@ -591,8 +591,14 @@ func queries(n store.Names, deleteDispatched bool, gen *Generation) store.Querie
 			SELECT 1 FROM m`,
 
 		// A claim looks at a window of ids from the first pending effect that is not parked (or
-		// after $5), so that its cost stays that of the window whatever the backlog (parked effects
-		// included), and whatever the planner believes of a table whose statistics predate the
+		// after $5), looked for above the floor $8 that the store keeps (store.claimFloor): behind
+		// a held xmin horizon the index entries of sent effects stay, and a look-up from the start
+		// walked every one of them. The last pending effect is looked for above the floor too, and
+		// only when some effect is pending there; whether one lies beyond the window follows from
+		// it. None pending there: the window is empty (its rows would be the dead ones). Each look-up runs once (OFFSET 0: pulled up, the subquery ran once per use of lo).
+		// Every row ends with what the store moves the floor by (the snapshot's xmin and xmax, the
+		// sequence's last id). The window keeps the claim's cost that of the window whatever the
+		// backlog (parked effects included), and whatever the planner believes of a table whose statistics predate the
 		// backlog; and at a second window of the same width that ends at the last pending effect
 		// that is not parked, for the keys that have nothing pending before it,
 		// so that what was committed behind a backlog (of another topic, another key) waits one
@@ -620,17 +626,17 @@ func queries(n store.Names, deleteDispatched bool, gen *Generation) store.Querie
 		// rows the candidates were looked for in), only when nothing was claimed: in an idle
 		// member's window, none or a few.
 		EffectClaimDue: `WITH bounds AS MATERIALIZED (
-				SELECT lo + $6 AS hi, EXISTS (SELECT 1 FROM ` + n.Effects + ` WHERE ` + unparked + ` AND id > lo + $6) AS more, lo,
-					greatest(lo + $6, last - $6) AS tail_lo, last, found,
+				SELECT hi, last > hi AS more, lo, greatest(hi, last - $6) AS tail_lo, last, found,
 					pg_snapshot_xmin(pg_current_snapshot())::text::bigint AS snap_xmin,
 					pg_snapshot_xmax(pg_current_snapshot())::text::bigint AS snap_xmax,
 					coalesce(pg_sequence_last_value(pg_get_serial_sequence('` + effectsPartition(n, 0) + `', 'id')::regclass), 0) AS seq_last
-				FROM (SELECT CASE WHEN $5 > 0 THEN $5 ELSE coalesce(f.first, $8) END AS lo,
-					CASE WHEN $5 > 0 THEN false ELSE f.first IS NOT NULL END AS found, f.last
-					FROM (SELECT (SELECT min(id) - 1 FROM ` + n.Effects + ` WHERE ` + unparked + ` AND id > $8) AS first,
-						coalesce((SELECT max(id) FROM ` + n.Effects + ` WHERE ` + unparked + ` AND id > $8), 0) AS last
+				FROM (SELECT CASE WHEN $5 > 0 THEN $5 ELSE coalesce(f.first, $8) END AS lo, f.first IS NOT NULL AS found,
+					CASE WHEN $5 = 0 AND f.first IS NULL THEN 0
+						ELSE coalesce((SELECT max(id) FROM ` + n.Effects + ` WHERE ` + unparked + ` AND id > $8), 0) END AS last
+					FROM (SELECT CASE WHEN $5 > 0 THEN NULL
+						ELSE (SELECT min(id) - 1 FROM ` + n.Effects + ` WHERE ` + unparked + ` AND id > $8) END AS first
 						OFFSET 0) f
-					OFFSET 0) l
+					OFFSET 0) l, LATERAL (SELECT CASE WHEN $5 = 0 AND NOT found THEN lo ELSE lo + $6 END AS hi) h
 				WHERE ` + asyncCommit + `),
 			tail AS MATERIALIZED (
 				SELECT e.id, e.ordering_key, e.topic, octet_length(e.payload) + octet_length(e.metadata) AS size
