@@ -1,0 +1,71 @@
+package store
+
+import (
+	"testing"
+	"time"
+)
+
+// The floor's bookkeeping over a sequence of claims (the statements' side is tested against
+// PostgreSQL in drivers/postgres, claimfloor_test.go): a finding becomes the floor only once a
+// later claim's snapshot xmin has passed the finding's snapshot xmax; a rescan that finds an
+// effect below the floor lowers it; a claim begun before the floor was lowered changes nothing.
+func TestClaimFloorBookkeeping(t *testing.T) {
+	now := time.Now()
+	var f claimFloor
+	claim := func(front bool, found bool, lo, xmin, xmax, seqLast int64) floorLook {
+		l := f.start(now, front)
+		l.seen, l.found, l.lo, l.xmin, l.xmax, l.seqLast = true, found, lo, xmin, xmax, seqLast
+		return l
+	}
+	if l := f.start(now, true); l.floor != 0 {
+		t.Fatalf("first claim from floor %d, want 0", l.floor)
+	}
+	now = now.Add(time.Second)
+	f.end(claim(true, true, 99, 1000, 1005, 150))
+	if f.floor != 0 {
+		t.Fatalf("floor %d at once from a finding: want it to wait for the transactions running then", f.floor)
+	}
+	// A transaction that was running at xid 1003 is still running: xmin 1003 < 1005.
+	f.end(claim(true, true, 120, 1003, 1010, 160))
+	if f.floor != 0 {
+		t.Fatalf("floor %d while a transaction running at the finding still runs", f.floor)
+	}
+	// It has ended, and what it committed (id 100) is pending: the floor goes to the first
+	// finding, 99, and no further than this claim's, which sees the late effect.
+	f.end(claim(true, true, 99, 1006, 1012, 170))
+	if f.floor != 99 {
+		t.Fatalf("floor %d, want 99 (below the late effect 100)", f.floor)
+	}
+	// Nothing pending above the floor: the candidate is what the sequence had handed out before
+	// the claim began (170, read by the claim before).
+	f.end(claim(true, false, 99, 1013, 1014, 180))
+	f.end(claim(true, false, 99, 1014, 1015, 190))
+	if f.floor != 170 {
+		t.Fatalf("floor %d, want 170: the sequence's last id as the claim before this one's read it", f.floor)
+	}
+	// A claim after an id (within a pass) starts from the floor and moves nothing.
+	if l := f.start(now, false); l.floor != 170 {
+		t.Fatalf("claim after an id from floor %d, want 170", l.floor)
+	}
+	// A claim under way while an effect is unparked: its finding is dropped.
+	stale := claim(true, false, 170, 1016, 1017, 200)
+	f.lower(42)
+	f.end(stale)
+	if f.floor != 41 || f.hasCand {
+		t.Fatalf("floor %d (candidate %v) after an unpark of 42 and a claim begun before it: want 41, none", f.floor, f.hasCand)
+	}
+	// The rescan, a minute on: from the start, and a finding below the floor lowers it.
+	f.floor = 300
+	now = now.Add(claimFloorRescan)
+	l := claim(true, true, 250, 1020, 1021, 400)
+	if l.floor != 0 {
+		t.Fatalf("rescan from floor %d, want 0", l.floor)
+	}
+	f.end(l)
+	if f.floor != 250 {
+		t.Fatalf("floor %d after a rescan found an effect at 251: want 250", f.floor)
+	}
+	if l := f.start(now, true); l.floor != 250 {
+		t.Fatalf("the claim after the rescan from floor %d, want 250", l.floor)
+	}
+}
