@@ -23,10 +23,11 @@ const claimFloorRescan = time.Minute
 //
 // An id below what a claim saw may still turn up: ids come from a sequence at INSERT, and a
 // transaction that took id 100 may commit after id 200 was seen and sent. A claim's finding is
-// therefore a candidate; the floor moves to it only once every transaction that was running
-// when the candidate was read has ended (the snapshot xmin of a later claim has reached the
-// candidate's snapshot xmax): every id at or below the candidate was handed out before that
-// snapshot, to a transaction that has committed, and is seen by the later claim, or rolled back.
+// therefore a candidate; the floor moves to it only once every transaction that may hold an id
+// at or below it, unseen, has ended (the snapshot xmin of a later claim has reached the
+// candidate's xmax: the claim's snapshot xmax, or its own transaction ID when the candidate is
+// the sequence's last id, read after the snapshot): such a transaction has committed, and the
+// later claim sees what it wrote, or rolled back.
 // A read-only session that holds the horizon has no transaction ID and does not hold the floor
 // back; a writing one does, for as long as it runs, and the claims then cost what they did
 // without a floor. Lowering the floor is always safe.
@@ -34,9 +35,8 @@ type claimFloor struct {
 	mu       sync.Mutex
 	floor    int64
 	cand     int64 // the candidate floor, when hasCand
-	candXmax int64 // the snapshot xmax of the claim that read it
+	candXmax int64 // every transaction that may hold an id at or below it has a lesser ID
 	hasCand  bool
-	last     int64 // the last id the sequence had handed out, as a claim that has ended read it
 	// epoch changes whenever the floor is lowered: a claim begun before then does not move it,
 	// nor propose a candidate, from a snapshot that may predate the change.
 	epoch    uint64
@@ -45,15 +45,15 @@ type claimFloor struct {
 
 // floorLook is one claim's use of the floor: what it started from, then what it found.
 type floorLook struct {
-	floor    int64  // the floor it was given
-	epoch    uint64 // claimFloor.epoch when it began
-	prevLast int64  // claimFloor.last when it began: handed out before its snapshot
+	floor int64  // the floor it was given
+	epoch uint64 // claimFloor.epoch when it began
 	// read by the claim:
-	seen       bool  // a row came back
-	found      bool  // an unparked pending effect lies above floor
-	lo         int64 // where its window started: the first such effect's id less one
-	xmin, xmax int64 // of its snapshot
-	seqLast    int64 // the sequence's last id, read after its snapshot was taken
+	seen    bool  // a row came back
+	found   bool  // an unparked pending effect lies above floor
+	lo      int64 // where its window started: the first such effect's id less one
+	xmin    int64 // of its snapshot
+	xmax    int64 // above every transaction that may hold an id it did not see at or below its finding
+	seqLast int64 // the sequence's last id, read after its snapshot was taken
 }
 
 // start returns the floor a claim starts from; a claim from the front (not after an id) starts
@@ -61,7 +61,7 @@ type floorLook struct {
 func (f *claimFloor) start(now time.Time, front bool) floorLook {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	l := floorLook{floor: f.floor, epoch: f.epoch, prevLast: f.last}
+	l := floorLook{floor: f.floor, epoch: f.epoch}
 	if front && !now.Before(f.rescanAt) {
 		l.floor = 0
 		f.rescanAt = now.Add(claimFloorRescan)
@@ -83,23 +83,23 @@ func (f *claimFloor) end(l floorLook) {
 		f.epoch++
 		f.hasCand = false
 	}
-	// Every id at or below c was handed out before the claim's snapshot, and none of those it
-	// sees is pending: the first pending one above the floor less one, or, none pending, what
-	// the sequence had handed out before the claim began.
-	c := l.prevLast
+	// No id at or below c that the claim sees is pending: the first pending one above the floor
+	// less one, or, none pending, the last the sequence had handed out (read after the
+	// snapshot: an id it could not see is held by a transaction below l.xmax, the claim's own
+	// transaction ID, taken after that read).
+	c := l.seqLast
 	if l.found {
 		c = l.lo
 	}
 	if f.hasCand && l.xmin >= f.candXmax {
-		// Every transaction running when the candidate was read has ended, and this claim saw
-		// what they committed: c is no greater than any of it that is pending.
+		// Every transaction that may have held an id below the candidate has ended, and this
+		// claim saw what they committed: c is no greater than any of it that is pending.
 		f.floor = max(f.floor, min(f.cand, c))
 		f.hasCand = false
 	}
 	if !f.hasCand && c > f.floor {
 		f.cand, f.candXmax, f.hasCand = c, l.xmax, true
 	}
-	f.last = max(f.last, l.seqLast)
 }
 
 // lower moves the floor below id (an effect unparked: pending again, below where the claims

@@ -36,19 +36,22 @@ func TestClaimFloorBookkeeping(t *testing.T) {
 	if f.floor != 99 {
 		t.Fatalf("floor %d, want 99 (below the late effect 100)", f.floor)
 	}
-	// Nothing pending above the floor: the candidate is what the sequence had handed out before
-	// the claim began (170, read by the claim before).
+	// Nothing pending above the floor: the candidate is the sequence's last id as the claim
+	// read it, and it waits for the transactions below the claim's own ID (1014).
 	f.end(claim(true, false, 99, 1013, 1014, 180))
+	if f.floor != 99 {
+		t.Fatalf("floor %d, want 99 until a later claim", f.floor)
+	}
 	f.end(claim(true, false, 99, 1014, 1015, 190))
-	if f.floor != 170 {
-		t.Fatalf("floor %d, want 170: the sequence's last id as the claim before this one's read it", f.floor)
+	if f.floor != 180 {
+		t.Fatalf("floor %d, want 180: the sequence's last id as the claim before read it", f.floor)
 	}
 	// A claim after an id (within a pass) starts from the floor and moves nothing.
-	if l := f.start(now, false); l.floor != 170 {
-		t.Fatalf("claim after an id from floor %d, want 170", l.floor)
+	if l := f.start(now, false); l.floor != 180 {
+		t.Fatalf("claim after an id from floor %d, want 180", l.floor)
 	}
 	// A claim under way while an effect is unparked: its finding is dropped.
-	stale := claim(true, false, 170, 1016, 1017, 200)
+	stale := claim(true, false, 180, 1016, 1017, 200)
 	f.lower(42)
 	f.end(stale)
 	if f.floor != 41 || f.hasCand {

@@ -95,11 +95,13 @@ type Queries struct {
 	EffectClaimDuePending bool
 	// EffectClaimDueFloor: (windowed) the claim takes an eighth argument, the floor: it looks
 	// for pending effects above it only (no unparked pending effect lies at or below it), and
-	// every row ends, after the columns above, with (found, snapshot xmin, snapshot xmax, last
+	// every row ends, after the columns above, with (found, snapshot xmin, candidate xmax, last
 	// id): whether an unparked pending effect lies above the floor (the window then starts
-	// just before the first), the xmin and xmax of the statement's snapshot
-	// (pg_snapshot_xmin, pg_snapshot_xmax) and the last id the effects' sequence handed out
-	// (0 when none). The store keeps the floor (claimFloor).
+	// just before the first), the xmin of the statement's snapshot (pg_snapshot_xmin), a
+	// transaction ID above that of every transaction that may hold an id the claim could not
+	// see, at or below its finding (the first pending id less one, or, none found, the last
+	// id), and the last id the effects' sequence handed out, read after the snapshot (0 when
+	// none). The store keeps the floor (claimFloor).
 	EffectClaimDueFloor bool
 
 	// DelayedInsert returns the insert of n delayed effects: the arguments of EffectInsert, then

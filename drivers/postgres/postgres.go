@@ -424,7 +424,7 @@ func queries(n store.Names, deleteDispatched bool, gen *Generation) store.Querie
 	// included, which hold them back).
 	unparked := `dispatched_at IS NULL AND parked_at IS NULL`
 	// What the store keeps its claims' floor by (store.Queries.EffectClaimDueFloor).
-	floorColumns := `bounds.found, bounds.snap_xmin, bounds.snap_xmax, bounds.seq_last`
+	floorColumns := `bounds.found, bounds.snap_xmin, bounds.cand_xmax, bounds.seq_last`
 	backedOff := unparked + ` AND next_attempt_at = backoff_until AND next_attempt_at > now()`
 	q := store.Queries{
 		// The claim's CTE and the SELECT see one snapshot, taken when the statement began: a
@@ -596,8 +596,12 @@ func queries(n store.Names, deleteDispatched bool, gen *Generation) store.Querie
 		// walked every one of them. The last pending effect is looked for above the floor too, and
 		// only when some effect is pending there; whether one lies beyond the window follows from
 		// it. None pending there: the window is empty (its rows would be the dead ones). Each look-up runs once (OFFSET 0: pulled up, the subquery ran once per use of lo).
-		// Every row ends with what the store moves the floor by (the snapshot's xmin and xmax, the
-		// sequence's last id). The window keeps the claim's cost that of the window whatever the
+		// Every row ends with what the store moves the floor by: the snapshot's xmin; the
+		// sequence's last id, read after the snapshot; and an xid above every transaction that
+		// may hold an id the claim did not see below its finding (the snapshot's xmax when it
+		// found a pending effect; else, when ids were handed out above the floor, its own, taken
+		// after the sequence was read, so that the floor can follow the sequence with nothing
+		// pending). The window keeps the claim's cost that of the window whatever the
 		// backlog (parked effects included), and whatever the planner believes of a table whose statistics predate the
 		// backlog; and at a second window of the same width that ends at the last pending effect
 		// that is not parked, for the keys that have nothing pending before it,
@@ -628,15 +632,18 @@ func queries(n store.Names, deleteDispatched bool, gen *Generation) store.Querie
 		EffectClaimDue: `WITH bounds AS MATERIALIZED (
 				SELECT hi, last > hi AS more, lo, greatest(hi, last - $6) AS tail_lo, last, found,
 					pg_snapshot_xmin(pg_current_snapshot())::text::bigint AS snap_xmin,
-					pg_snapshot_xmax(pg_current_snapshot())::text::bigint AS snap_xmax,
-					coalesce(pg_sequence_last_value(pg_get_serial_sequence('` + effectsPartition(n, 0) + `', 'id')::regclass), 0) AS seq_last
+					CASE WHEN found OR $5 > 0 OR s.seq_last <= $8 THEN pg_snapshot_xmax(pg_current_snapshot())::text::bigint
+						ELSE pg_current_xact_id()::text::bigint END AS cand_xmax,
+					s.seq_last
 				FROM (SELECT CASE WHEN $5 > 0 THEN $5 ELSE coalesce(f.first, $8) END AS lo, f.first IS NOT NULL AS found,
 					CASE WHEN $5 = 0 AND f.first IS NULL THEN 0
 						ELSE coalesce((SELECT max(id) FROM ` + n.Effects + ` WHERE ` + unparked + ` AND id > $8), 0) END AS last
 					FROM (SELECT CASE WHEN $5 > 0 THEN NULL
 						ELSE (SELECT min(id) - 1 FROM ` + n.Effects + ` WHERE ` + unparked + ` AND id > $8) END AS first
 						OFFSET 0) f
-					OFFSET 0) l, LATERAL (SELECT CASE WHEN $5 = 0 AND NOT found THEN lo ELSE lo + $6 END AS hi) h
+					OFFSET 0) l, LATERAL (SELECT CASE WHEN $5 = 0 AND NOT found THEN lo ELSE lo + $6 END AS hi) h,
+					(SELECT coalesce(pg_sequence_last_value(pg_get_serial_sequence('` + effectsPartition(n, 0) + `', 'id')::regclass), 0) AS seq_last
+					OFFSET 0) s
 				WHERE ` + asyncCommit + `),
 			tail AS MATERIALIZED (
 				SELECT e.id, e.ordering_key, e.topic, octet_length(e.payload) + octet_length(e.metadata) AS size
