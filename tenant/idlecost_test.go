@@ -15,15 +15,17 @@ import (
 
 	"github.com/watermill-outbox/outbox"
 	"github.com/watermill-outbox/outbox/drivers/postgres"
-	"github.com/watermill-outbox/outbox/internal/pgtest"
+	"github.com/watermill-outbox/outbox/internal/pgserver"
 	"github.com/watermill-outbox/outbox/tenant"
 )
 
 // TestIdleCost measures what N idle tenants cost on one PostgreSQL, a schema (TablePrefix) per
 // tenant on one default pool, with default Outbox settings: each member's own Outbox.Run against
 // the Set's one engine, interleaved. It prints the goroutines the background work adds, the server
-// connections of the database (mean and peak, sampled every second), the new connections and the
-// transactions per second over the window. Run it on its own:
+// connections of the database (mean and peak, sampled every second), the new connections, the
+// transactions (pg_stat_database) and the statements (pg_stat_statements' calls, BEGIN, COMMIT,
+// ROLLBACK and SET counted apart) per second over the window, and the most frequent statements.
+// It starts a PostgreSQL server of its own, which loads pg_stat_statements. Run it on its own:
 //
 //	OUTBOX_IDLE_COST=200 go test -count=1 -run TestIdleCost -v ./tenant/
 //
@@ -53,17 +55,40 @@ func TestIdleCost(t *testing.T) {
 	if s, _ := strconv.Atoi(os.Getenv("OUTBOX_IDLE_ROUNDS")); s > 0 {
 		rounds = s
 	}
-	db := pgtest.DB(t)
-	var dbname string
-	if err := db.QueryRow(`SELECT current_database()`).Scan(&dbname); err != nil {
+	// A server of the test's own: pg_stat_statements counts the statements, and it loads only at
+	// the server's start (the shared test server does not). track_utility counts BEGIN, COMMIT and
+	// SET apart from the statements; max holds every tenant's statements (each names its own
+	// tables) without evicting any during the window.
+	srv, err := pgserver.Start(pgserver.Options{Settings: []string{
+		"shared_preload_libraries=pg_stat_statements", "pg_stat_statements.track_utility=on", "pg_stat_statements.max=20000",
+	}})
+	if err != nil {
 		t.Fatal(err)
 	}
-	admin, err := sql.Open("postgres", pgtest.AdminDSN(t))
+	t.Cleanup(func() {
+		if err := srv.Stop(); err != nil {
+			t.Error(err)
+		}
+	})
+	adminDSN := srv.DSN("postgres")
+	admin, err := sql.Open("postgres", adminDSN)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer admin.Close()
 	admin.SetMaxOpenConns(1)
+	const dbname = "idlecost"
+	if _, err := admin.Exec(`CREATE DATABASE ` + dbname); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := admin.Exec(`CREATE EXTENSION pg_stat_statements`); err != nil {
+		t.Fatal(err)
+	}
+	db, err := sql.Open("postgres", srv.DSN(dbname))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = db.Close() })
 
 	w := newWire()
 	obs := make([]*outbox.Outbox, n)
@@ -82,7 +107,7 @@ func TestIdleCost(t *testing.T) {
 			if _, err := admin.Exec(`CREATE DATABASE ` + name); err != nil {
 				t.Fatal(err)
 			}
-			dsn, err := withDatabase(pgtest.AdminDSN(t), name)
+			dsn, err := withDatabase(adminDSN, name)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -125,6 +150,39 @@ func TestIdleCost(t *testing.T) {
 		return c
 	}
 
+	// statements are pg_stat_statements' calls in the measured databases since the last reset:
+	// transaction control (BEGIN, COMMIT, ROLLBACK, SET) apart from the rest, and the rest by
+	// statement, the tenants' table prefixes taken out, most calls first.
+	type stmt struct {
+		query string
+		calls int64
+	}
+	statements := func() (control, other int64, top []stmt) {
+		rows, err := admin.Query(`SELECT regexp_replace(query, '\mt[0-9]+_', 't_', 'g'), sum(calls)::bigint
+			FROM pg_stat_statements WHERE dbid IN (SELECT oid FROM pg_database WHERE datname = ANY ($1::text[]))
+			GROUP BY 1 ORDER BY 2 DESC`, names)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer rows.Close()
+		for rows.Next() {
+			var st stmt
+			if err := rows.Scan(&st.query, &st.calls); err != nil {
+				t.Fatal(err)
+			}
+			if isControl(st.query) {
+				control += st.calls
+			} else {
+				other += st.calls
+			}
+			top = append(top, st)
+		}
+		if err := rows.Err(); err != nil {
+			t.Fatal(err)
+		}
+		return control, other, top
+	}
+
 	modes := []struct {
 		name  string
 		start func(ctx context.Context) (wait func())
@@ -163,6 +221,9 @@ func TestIdleCost(t *testing.T) {
 			wait := m.start(ctx)
 			time.Sleep(warmup) // past the first passes of every service
 			goroutines := runtime.NumGoroutine() - base
+			if _, err := admin.Exec(`SELECT pg_stat_statements_reset()`); err != nil {
+				t.Fatal(err)
+			}
 			x0, s0 := counters()
 			begin := time.Now()
 			var sum, peak, samples int
@@ -174,6 +235,7 @@ func TestIdleCost(t *testing.T) {
 				samples++
 			}
 			x1, s1 := counters()
+			control, other, top := statements()
 			secs := time.Since(begin).Seconds()
 			cancel()
 			wait()
@@ -181,14 +243,32 @@ func TestIdleCost(t *testing.T) {
 			if perDB {
 				layout = "a database and a pool each"
 			}
-			t.Logf("round %d, %d idle tenants (%s), %s, StatsInterval %v, window %v after %v: goroutines %d, server connections mean %.0f peak %d, new connections %.1f/s, transactions %.1f/s",
-				round, n, layout, m.name, obs[0].Config().StatsInterval, window, warmup, goroutines, float64(sum)/float64(samples), peak, float64(s1-s0)/secs, float64(x1-x0)/secs)
+			t.Logf("round %d, %d idle tenants (%s), %s, StatsInterval %v, window %v after %v: goroutines %d, server connections mean %.0f peak %d, new connections %.1f/s, transactions %.1f/s, statements %.1f/s (and %.1f/s BEGIN, COMMIT, ROLLBACK, SET)",
+				round, n, layout, m.name, obs[0].Config().StatsInterval, window, warmup, goroutines, float64(sum)/float64(samples), peak, float64(s1-s0)/secs, float64(x1-x0)/secs,
+				float64(other)/secs, float64(control)/secs)
+			for _, st := range top[:min(len(top), 15)] {
+				t.Logf("  %6.2f/s  %s", float64(st.calls)/secs, strings.Join(strings.Fields(st.query), " "))
+			}
 			time.Sleep(2 * time.Second)
 		}
 	}
 	for _, ob := range obs {
 		_ = ob.Close()
 	}
+}
+
+// isControl tells whether query, as pg_stat_statements shows it, is transaction control or a
+// session setting rather than a statement that reads or writes.
+func isControl(query string) bool {
+	f := strings.Fields(strings.ToUpper(query))
+	if len(f) == 0 {
+		return false
+	}
+	switch f[0] {
+	case "BEGIN", "START", "COMMIT", "END", "ROLLBACK", "SET", "RESET", "SAVEPOINT", "RELEASE":
+		return true
+	}
+	return false
 }
 
 // withDatabase is dsn (a URL) with its database replaced by name.

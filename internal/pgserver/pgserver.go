@@ -49,6 +49,9 @@ type Options struct {
 	// read-only until Promote). The connection string's application_name is the standby's name
 	// for synchronous_standby_names. Only with DataDir empty.
 	StandbyOf string
+	// Settings are server settings (name=value) added to the command line, for a server of a
+	// test's own, e.g. shared_preload_libraries=pg_stat_statements, which can only be set at start.
+	Settings []string
 }
 
 // Server is a running private PostgreSQL server. Its methods are safe for concurrent use.
@@ -194,6 +197,9 @@ func Start(opts Options) (_ *Server, err error) {
 		logBefore := s.logSize()
 		serverOpts := fmt.Sprintf("-p %d -k %s -c listen_addresses=127.0.0.1 -c max_connections=300 -c fsync=on -c shared_buffers=128MB",
 			s.port, shellQuote(s.sockDir))
+		for _, kv := range opts.Settings {
+			serverOpts += " -c " + shellQuote(kv)
+		}
 		start := s.command(filepath.Join(binDir, "pg_ctl"), "-w", "-t", strconv.Itoa(int(startTimeout/time.Second)),
 			"-D", s.dataDir, "-l", s.logFile, "-o", serverOpts, "start")
 		out, startErr := start.CombinedOutput()
