@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"slices"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -43,7 +44,12 @@ type inline struct {
 	failpoint        func(ctx context.Context, point string) error // StoreOptions.Failpoint, or nil
 	budget           int                                           // InlineBudget (Driver.MaxInlineBytes)
 
-	lastSweep atomic.Int64 // UnixNano of the last sweep of inline effects left behind
+	lastSweep atomic.Int64 // UnixNano of the last turn of the sweep of inline effects left behind
+
+	sweepMu     sync.Mutex
+	sweptWrites int64     // claimWrites read before the last sweep that ran
+	sweptClean  bool      // that sweep read claimWrites first and left no claim holding inline effects at or above its watermark
+	sweptAt     time.Time // when it began
 
 	rq           rotationQueries
 	gen          *Generation   // the current partition of the effects table, shared with the inserts
@@ -479,21 +485,55 @@ func (s *inline) markInline(ctx context.Context, claims []claimKey, late bool) e
 // EffectClaimDue first moves the inline effects left behind (a crash between commit and mark, a
 // dispatch that failed before they could be moved) into effect rows, at most every quarter of
 // the grace period, rotates the partitions of the effects table when due (rotate), and then
-// claims.
+// claims (housekeep).
 func (s *inline) EffectClaimDue(ctx context.Context, p outboxdriver.EffectClaimParams) (outboxdriver.EffectClaim, error) {
 	if p.After == 0 {
-		// A failed sweep must not stop the relay from sending the effect rows: it is reported,
-		// and the next one tries again from where the last one got to.
-		if err := s.sweep(ctx, p.Grace); err != nil && ctx.Err() == nil && s.onError != nil {
-			s.onError("moving inline effects left behind to the relay", err)
-		}
-		// Likewise a failed rotation: the partitions then grow as the single table did.
-		if err := s.rotate(ctx); err != nil && ctx.Err() == nil && s.onError != nil {
-			s.onError("rotating the partitions of the effects table", err)
-		}
+		s.housekeep(ctx, p.Grace)
 	}
 	return s.SQL.EffectClaimDue(ctx, p)
 }
+
+// housekeep sweeps the inline effects left behind, at most every quarter of grace, and looks at
+// the rotation, at most every RotateEvery/2. One statement (probe) reads what both need: the
+// rotation's row and whether the claims table was written since the last sweep. A failed sweep
+// or rotation must not stop the relay from sending the effect rows: it is reported, and the next
+// turn tries again (the sweep from where the last one got to; without rotations the partitions
+// grow as the single table did).
+func (s *inline) housekeep(ctx context.Context, grace time.Duration) {
+	const sweeping, rotating = "moving inline effects left behind to the relay", "rotating the partitions of the effects table"
+	report := func(what string, err error) {
+		if err != nil && ctx.Err() == nil && s.onError != nil {
+			s.onError(what, err)
+		}
+	}
+	sweepDue := turn(&s.lastSweep, max(grace/4, 100*time.Millisecond))
+	rotateDue := s.rotateEvery >= 0 && turn(&s.lastRotate, s.rotateEvery/2)
+	if !sweepDue && !rotateDue {
+		return
+	}
+	p, err := s.probe(ctx)
+	if err != nil {
+		if rotateDue {
+			report(rotating, err)
+		} else {
+			report(sweeping, err)
+		}
+		if sweepDue {
+			report(sweeping, s.sweep(ctx, grace, nil))
+		}
+		return
+	}
+	if sweepDue {
+		report(sweeping, s.sweep(ctx, grace, &p.writes))
+	}
+	// Also when only the sweep was due: the rotation's row was read all the same.
+	report(rotating, s.rotateWith(ctx, p))
+}
+
+// idleSweepMax bounds how long the sweep trusts the server's statistics (claimWrites) that the
+// claims table was not written: a statistics message of PostgreSQL 13 and 14 may be lost, and
+// track_counts may be off.
+const idleSweepMax = 5 * time.Minute
 
 // sweep moves the inline effects of claims older than grace into effect rows, in batches, each
 // in a transaction of its own.
@@ -507,16 +547,24 @@ func (s *inline) EffectClaimDue(ctx context.Context, p outboxdriver.EffectClaimP
 // the claims that still hold effects (too young, locked by another transaction, beyond the
 // batch). No clock decides whether a claim is seen: a claim whose commit waited on a lock for
 // minutes, or whose time was written by another server's clock, is found all the same.
-func (s *inline) sweep(ctx context.Context, grace time.Duration) error {
-	every := max(grace/4, 100*time.Millisecond)
-	last := s.lastSweep.Load()
-	if time.Since(time.Unix(0, last)) < every || !s.lastSweep.CompareAndSwap(last, time.Now().UnixNano()) {
+//
+// writes, when known, is claimWrites read just before: when the last sweep read as many, before
+// it found no claim holding inline effects at or above its watermark, nothing was written to
+// the claims table since (a writer's counts reach the statistics after its commit, so a claim
+// that the last sweep did not see counts after that sweep's read) and this sweep is skipped: an
+// idle database's sweep was four statements and a transaction on every relay pass. The
+// statistics are trusted for idleSweepMax at most.
+func (s *inline) sweep(ctx context.Context, grace time.Duration, writes *int64) error {
+	s.sweepMu.Lock()
+	defer s.sweepMu.Unlock()
+	if writes != nil && s.sweptClean && s.sweptWrites == *writes && time.Since(s.sweptAt) < idleSweepMax {
 		return nil
 	}
+	s.sweptClean, s.sweptAt = false, time.Now()
 	ctx, cancel := context.WithTimeout(ctx, sweepTimeout)
 	defer cancel()
 	for {
-		n, err := s.sweepBatch(ctx, grace)
+		n, clean, err := s.sweepBatch(ctx, grace)
 		if err != nil {
 			if ctx.Err() != nil {
 				return fmt.Errorf("sweep of the claims with inline effects left behind (at most %s): %w", sweepTimeout, err)
@@ -524,14 +572,19 @@ func (s *inline) sweep(ctx context.Context, grace time.Duration) error {
 			return err
 		}
 		if n < sweepBatch {
+			if writes != nil {
+				s.sweptWrites, s.sweptClean = *writes, clean
+			}
 			return nil
 		}
 	}
 }
 
-// sweepBatch runs one transaction of the sweep and returns how many claims it took.
-func (s *inline) sweepBatch(ctx context.Context, grace time.Duration) (int, error) {
+// sweepBatch runs one transaction of the sweep and returns how many claims it took, and whether
+// it left no claim holding inline effects at or above the watermark it began from (clean).
+func (s *inline) sweepBatch(ctx context.Context, grace time.Duration) (int, bool, error) {
 	var taken int
+	var clean bool
 	var undecodable []undecodableClaim
 	err := s.inTx(ctx, func(tx *sql.Tx) error {
 		var may bool
@@ -576,6 +629,7 @@ func (s *inline) sweepBatch(ctx context.Context, grace time.Duration) (int, erro
 		if err := tx.QueryRowContext(ctx, s.q.sweepLeft, from).Scan(&left); err != nil {
 			return wrapErr(s.SQL, err)
 		}
+		clean = !left.Valid
 		to := xmin
 		if left.Valid && left.Int64 < to {
 			to = left.Int64
@@ -589,7 +643,7 @@ func (s *inline) sweepBatch(ctx context.Context, grace time.Duration) (int, erro
 	if err == nil && len(undecodable) > 0 && s.onError != nil {
 		s.onError("moving inline effects left behind to the relay", setAsideError(undecodable))
 	}
-	return taken, err
+	return taken, clean && err == nil, err
 }
 
 // fail calls Config.Failpoint at a step of the sweep; the names are outbox.Failpoint*, which this

@@ -129,7 +129,7 @@ func (d Driver) Open(db *sql.DB, opts outboxdriver.StoreOptions) (outboxdriver.S
 		rotateEvery = DefaultRotateEvery
 	}
 	return &inline{SQL: st, db: db, q: newInlineQueries(names), deleteDispatched: opts.DeleteDispatched, onError: opts.OnError,
-		failpoint: opts.Failpoint, budget: inlineBudget(d.MaxInlineBytes), rq: newRotationQueries(names), gen: gen, rotateEvery: rotateEvery,
+		failpoint: opts.Failpoint, budget: inlineBudget(d.MaxInlineBytes), rq: newRotationQueries(names, rotateEvery), gen: gen, rotateEvery: rotateEvery,
 		rotateLock: rotateLockTimeout}, nil
 }
 

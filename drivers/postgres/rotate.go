@@ -5,6 +5,7 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"sync/atomic"
 	"time"
 
 	"github.com/watermill-outbox/outbox/store"
@@ -38,7 +39,8 @@ const effectColumnList = `id, source_consumer, source_id, seq, kind, topic, uuid
 
 // rotationQueries are the statements of the rotation.
 type rotationQueries struct {
-	probe   string // (RotateEvery ms) -> current gen, whether the rotation is due, whether the current partition holds pages
+	probe   string // -> current gen, whether the rotation is due, whether the current partition holds pages, claimWrites
+	writes  string // -> claimWrites, for a Store that never rotates
 	advance string // (next, current): no row changed when another instance rotated
 	lock    [3]string
 	count   [3]string    // (limit + 1) -> the rows in the partition, up to the limit + 1
@@ -46,7 +48,16 @@ type rotationQueries struct {
 	empty   [3]string
 }
 
-func newRotationQueries(n store.Names) rotationQueries {
+// claimWrites is how many rows the server's statistics count inserted and updated in the claims
+// table: the sweep's hint that nothing was written there since it last looked (see sweep).
+func claimWrites(n store.Names) string {
+	return fmt.Sprintf(`pg_stat_get_tuples_inserted('%[1]s'::regclass) + pg_stat_get_tuples_updated('%[1]s'::regclass)`, n.Processed)
+}
+
+// newRotationQueries returns the rotation's statements for a Store that rotates every every.
+// The probe takes no argument: lib/pq sends a statement with arguments as two server
+// transactions, and an idle relay sends little else.
+func newRotationQueries(n store.Names, every time.Duration) rotationQueries {
 	var q rotationQueries
 	sizeOf := `CASE r.gen`
 	for g := range 3 {
@@ -61,8 +72,9 @@ func newRotationQueries(n store.Names) rotationQueries {
 		}
 	}
 	sizeOf += ` END`
-	q.probe = `SELECT r.gen, r.rotated_at < now() - $1::bigint * interval '1 millisecond', pg_relation_size(` + sizeOf + `) > 0
-		FROM ` + rotationTable(n) + ` r`
+	q.probe = fmt.Sprintf(`SELECT r.gen, r.rotated_at < now() - interval '%d milliseconds', pg_relation_size(`, every.Milliseconds()) + sizeOf + `) > 0,
+		` + claimWrites(n) + ` FROM ` + rotationTable(n) + ` r`
+	q.writes = `SELECT ` + claimWrites(n)
 	q.advance = `UPDATE ` + rotationTable(n) + ` SET gen = $1, rotated_at = now() WHERE gen = $2`
 	return q
 }
@@ -71,32 +83,67 @@ func newRotationQueries(n store.Names) rotationQueries {
 // it, for statements run beside the Store that insert effects (Queries).
 func (s *inline) EffectsGeneration() *Generation { return s.gen }
 
-// rotate reads the current partition, at most every RotateEvery/2, and, when it has held effects
-// for RotateEvery, empties the next one and makes it current. An idle database (nothing written
-// to the current partition since it became current) rotates nothing and writes nothing.
+// look is what one look at the partitions and at the claims table tells (probe).
+type look struct {
+	cur, writes int64
+	due, used   bool
+	rotates     bool // cur, due and used were read: the Store rotates
+}
+
+// probe reads the current partition, whether the rotation is due and whether the current
+// partition holds pages (unless the Store never rotates), and claimWrites, in one statement.
+func (s *inline) probe(ctx context.Context) (look, error) {
+	ctx, cancel := context.WithTimeout(ctx, rotateTimeout)
+	defer cancel()
+	var p look
+	if s.rotateEvery < 0 {
+		if err := s.db.QueryRowContext(ctx, s.rq.writes).Scan(&p.writes); err != nil {
+			return p, fmt.Errorf("read the writes of the claims table: %w", wrapErr(s.SQL, err))
+		}
+		return p, nil
+	}
+	if err := s.db.QueryRowContext(ctx, s.rq.probe).Scan(&p.cur, &p.due, &p.used, &p.writes); err != nil {
+		return p, fmt.Errorf("read the current partition: %w", wrapErr(s.SQL, err))
+	}
+	if p.cur < 0 || p.cur > 2 {
+		return p, fmt.Errorf("current partition of the effects table: %d, want 0 to 2", p.cur)
+	}
+	p.rotates = true
+	s.gen.store(int(p.cur))
+	return p, nil
+}
+
+// turn tells whether every has passed since *last, and if so makes now the last time; of
+// concurrent callers, one gets the turn.
+func turn(last *atomic.Int64, every time.Duration) bool {
+	l := last.Load()
+	return time.Since(time.Unix(0, l)) >= every && last.CompareAndSwap(l, time.Now().UnixNano())
+}
+
+// rotate looks at the partitions, at most every RotateEvery/2, and rotates them if due
+// (rotateWith).
 func (s *inline) rotate(ctx context.Context) error {
-	every := s.rotateEvery
-	if every < 0 {
+	if s.rotateEvery < 0 || !turn(&s.lastRotate, s.rotateEvery/2) {
 		return nil
 	}
-	last := s.lastRotate.Load()
-	if time.Since(time.Unix(0, last)) < every/2 || !s.lastRotate.CompareAndSwap(last, time.Now().UnixNano()) {
+	p, err := s.probe(ctx)
+	if err != nil {
+		return err
+	}
+	return s.rotateWith(ctx, p)
+}
+
+// rotateWith empties the next partition and makes it current when the current one, as probe p
+// read it (p), has held effects for RotateEvery. An idle database (nothing written to the current
+// partition since it became current) rotates nothing and writes nothing, whoever wrote the
+// effects: the probe reads the partition, not what this process did.
+func (s *inline) rotateWith(ctx context.Context, p look) error {
+	if !p.rotates || !p.due || !p.used {
 		return nil
 	}
 	ctx, cancel := context.WithTimeout(ctx, rotateTimeout)
 	defer cancel()
-	var cur int
-	var due, used bool
-	if err := s.db.QueryRowContext(ctx, s.rq.probe, every.Milliseconds()).Scan(&cur, &due, &used); err != nil {
-		return fmt.Errorf("read the current partition: %w", wrapErr(s.SQL, err))
-	}
-	if cur < 0 || cur > 2 {
-		return fmt.Errorf("current partition of the effects table: %d, want 0 to 2", cur)
-	}
-	s.gen.store(cur)
-	if !due || !used {
-		return nil
-	}
+	cur := int(p.cur)
 	next := (cur + 1) % 3
 	switched := false
 	err := s.inTx(ctx, func(tx *sql.Tx) error {
