@@ -535,6 +535,12 @@ func (s *inline) housekeep(ctx context.Context, grace time.Duration) {
 // track_counts may be off.
 const idleSweepMax = 5 * time.Minute
 
+// statsLag is how long after a commit the server's statistics may not count its writes yet: a
+// session flushes its counts when it goes idle, at most once a second, else 10 s later
+// (PGSTAT_IDLE_INTERVAL), and at its exit. A claim younger than that is not taken by a sweep
+// whose grace is at least that long anyway.
+const statsLag = 10 * time.Second
+
 // sweep moves the inline effects of claims older than grace into effect rows, in batches, each
 // in a transaction of its own.
 //
@@ -549,15 +555,16 @@ const idleSweepMax = 5 * time.Minute
 // minutes, or whose time was written by another server's clock, is found all the same.
 //
 // writes, when known, is claimWrites read just before: when the last sweep read as many, before
-// it found no claim holding inline effects at or above its watermark, nothing was written to
-// the claims table since (a writer's counts reach the statistics after its commit, so a claim
-// that the last sweep did not see counts after that sweep's read) and this sweep is skipped: an
-// idle database's sweep was four statements and a transaction on every relay pass. The
-// statistics are trusted for idleSweepMax at most.
+// it found no claim holding inline effects at or above its watermark, no claim older than
+// statsLag was written since (a writer's counts reach the statistics after its commit, so a
+// claim that the last sweep did not see counts after that sweep's read, within statsLag), and
+// with a grace of statsLag or more this sweep is skipped: it would take nothing. An idle
+// database's sweep was four statements and a transaction on every relay pass. The statistics
+// are trusted for idleSweepMax at most; with a shorter grace every sweep runs.
 func (s *inline) sweep(ctx context.Context, grace time.Duration, writes *int64) error {
 	s.sweepMu.Lock()
 	defer s.sweepMu.Unlock()
-	if writes != nil && s.sweptClean && s.sweptWrites == *writes && time.Since(s.sweptAt) < idleSweepMax {
+	if writes != nil && grace >= statsLag && s.sweptClean && s.sweptWrites == *writes && time.Since(s.sweptAt) < idleSweepMax {
 		return nil
 	}
 	s.sweptClean, s.sweptAt = false, time.Now()
