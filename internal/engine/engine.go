@@ -89,9 +89,62 @@ type Task struct {
 	// next run is at most Every after the start of its last. For work that should keep its pace
 	// while the member is busy (the statistics sampling) but must not run once per wake-up.
 	Resume *Wakeup
+	// Budget, when set, spaces the starts of the runs of every task that shares it, across
+	// members (see Budget).
+	Budget *Budget
 	// Run is the work. Its context ends at its deadline, when the engine stops, or when the
 	// member is removed.
 	Run func(context.Context) (Outcome, error)
+}
+
+// Budget is a rate shared by tasks of a kind across the members of one engine: the runs of its
+// tasks start at most one per Every, in the order they fell due, so that many busy members cost
+// the databases what a few would, each served in turn. Work that every member does for itself
+// on a timer (the statistics sampling) would otherwise grow with the members at any load.
+// A run is held by the budget only up to MaxGap after its task's last start (or after the
+// task was added): then it starts whatever the budget says, and counts against it, so that no
+// task's runs are ever further apart than the longer of MaxGap and its own interval.
+// A Budget belongs to one engine.
+type Budget struct {
+	// Every is the least time between two starts of the budget's runs. 0: no limit.
+	Every time.Duration
+	// MaxGap bounds how late the budget makes a run. While more tasks share the budget than
+	// MaxGap/Every, some runs start at MaxGap, beyond the budget's rate. 0: no bound.
+	MaxGap time.Duration
+	next   time.Time // the earliest start of the next run held by the budget; e.mu
+}
+
+// hold reports until when the budget holds back a run of t that is due now: zero when it may
+// start. e.mu held.
+func (b *Budget) hold(t *task, now time.Time) time.Time {
+	if b == nil || b.Every <= 0 || !b.next.After(now) {
+		return time.Time{}
+	}
+	if b.MaxGap > 0 {
+		last := t.lastStart
+		if last.IsZero() {
+			last = t.added
+		}
+		if deadline := last.Add(b.MaxGap); !deadline.After(now) {
+			return time.Time{}
+		} else if deadline.Before(b.next) {
+			return deadline
+		}
+	}
+	return b.next
+}
+
+// take counts a run started at now. A run that MaxGap let through while the budget held it
+// leaves the next start where it was, not later: the budget's debt would otherwise grow while
+// more tasks share it than it serves within MaxGap, and hold every run up to MaxGap long after
+// the load fell. e.mu held.
+func (b *Budget) take(now time.Time) {
+	if b == nil || b.Every <= 0 {
+		return
+	}
+	if next := now.Add(b.Every); next.After(b.next) {
+		b.next = next
+	}
 }
 
 // Gate tells whether a member's database may be worked on (an Outbox's database gate).
@@ -184,6 +237,7 @@ type task struct {
 	Task
 	m         *member
 	due       time.Time
+	added     time.Time
 	interval  time.Duration
 	lastStart time.Time
 	running   bool
@@ -349,7 +403,7 @@ func (e *Engine) Add(mb Member) (*Handle, error) {
 		if spec.Timeout == 0 {
 			spec.Timeout = DefaultTimeout
 		}
-		t := &task{Task: spec, m: m, due: now, interval: spec.Every, poke: e.pokeScheduler}
+		t := &task{Task: spec, m: m, due: now, added: now, interval: spec.Every, poke: e.pokeScheduler}
 		m.tasks = append(m.tasks, t)
 	}
 	e.mu.Lock()
@@ -482,7 +536,8 @@ func (e *Engine) dispatch(pass uint64) time.Time {
 						t.due = d
 					}
 				}
-				if !t.due.After(now) && e.gateOpen(m, pass) && (best == nil || t.due.Before(best.due)) {
+				if !t.due.After(now) && e.gateOpen(m, pass) && t.Budget.hold(t, now).IsZero() &&
+					(best == nil || t.due.Before(best.due)) {
 					best = t
 				}
 			}
@@ -510,6 +565,8 @@ func (e *Engine) dispatch(pass uint64) time.Time {
 				later(t.due)
 			case m.Gate != nil && !m.gateOK:
 				later(m.gateAgain)
+			default:
+				later(t.Budget.hold(t, now))
 			}
 		}
 	}
@@ -548,6 +605,7 @@ func (e *Engine) start(t *task) {
 	e.inflight++
 	e.calls++
 	t.lastStart = t.startedAt
+	t.Budget.take(t.startedAt)
 	go e.run(t.m.ctx, t, t.seq, t.startedAt)
 }
 

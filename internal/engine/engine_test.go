@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -653,5 +654,101 @@ func TestResumeEndsBackoffWithoutRunningAtOnce(t *testing.T) {
 	// resumed, the task runs at Every, not once per resume.
 	if n := len(r) - 3; n > 4 {
 		t.Errorf("%d runs during 300 ms of resumes every millisecond; want about three (Every is 100 ms)", n)
+	}
+}
+
+// budgeted returns n members with one task each, due every interval and sharing b, which record
+// the starts of their runs.
+func budgeted(n int, interval time.Duration, b *Budget) (members []Member, starts func() [][]time.Time) {
+	var mu sync.Mutex
+	runs := make([][]time.Time, n)
+	for i := range n {
+		members = append(members, Member{Name: fmt.Sprint("member", i), Tasks: []Task{{Name: "sample", Every: interval, Budget: b,
+			Run: func(context.Context) (Outcome, error) {
+				mu.Lock()
+				runs[i] = append(runs[i], time.Now())
+				mu.Unlock()
+				return Worked, nil
+			}}}})
+	}
+	return members, func() [][]time.Time {
+		mu.Lock()
+		defer mu.Unlock()
+		out := make([][]time.Time, n)
+		for i, r := range runs {
+			out[i] = slices.Clone(r)
+		}
+		return out
+	}
+}
+
+// 20 members whose task is due every 10 ms share a budget of one run per 50 ms: the runs of all
+// of them keep to the budget (each alone would run a hundred times a second), and the members
+// are served in turn: none runs twice more than another.
+func TestBudgetSpacesRunsAcrossMembers(t *testing.T) {
+	const n, every = 20, 50 * time.Millisecond
+	e := New(Config{})
+	members, starts := budgeted(n, 10*time.Millisecond, &Budget{Every: every, MaxGap: time.Minute})
+	for _, m := range members {
+		add(t, e, m)
+	}
+	started(t, e)
+	time.Sleep(2500 * time.Millisecond)
+	runs := starts()
+	var all []time.Time
+	fewest, most := int(^uint(0)>>1), 0
+	for _, r := range runs {
+		all = append(all, r...)
+		fewest, most = min(fewest, len(r)), max(most, len(r))
+	}
+	slices.SortFunc(all, func(a, b time.Time) int { return a.Compare(b) })
+	if len(all) < 2 {
+		t.Fatalf("%d runs", len(all))
+	}
+	span := all[len(all)-1].Sub(all[0])
+	// Starts are recorded inside the runs, a little after the budget let them go: a few ms of
+	// slack on the span.
+	if allowed := int((span+10*time.Millisecond)/every) + 1; len(all) > allowed {
+		t.Errorf("%d runs in %s, more than the budget's %d (one per %s)", len(all), span.Round(time.Millisecond), allowed, every)
+	}
+	if fewest < 2 || most-fewest > 1 {
+		t.Errorf("runs per member from %d to %d: want each served in turn, at least twice", fewest, most)
+	}
+}
+
+// While more members share a budget than it serves within MaxGap, each member's runs are still at
+// most MaxGap apart: 10 members due every 10 ms on a budget of one run per 100 ms would each run
+// once a second; with MaxGap 300 ms, every 300 ms.
+func TestBudgetMaxGapBoundsTheHold(t *testing.T) {
+	const n, gap = 10, 300 * time.Millisecond
+	e := New(Config{})
+	members, starts := budgeted(n, 10*time.Millisecond, &Budget{Every: 100 * time.Millisecond, MaxGap: gap})
+	for _, m := range members {
+		add(t, e, m)
+	}
+	started(t, e)
+	time.Sleep(2 * time.Second)
+	for i, r := range starts() {
+		if len(r) < 4 {
+			t.Errorf("member %d ran %d times in 2 s: want every %s at most", i, len(r), gap)
+			continue
+		}
+		for j := 1; j < len(r); j++ {
+			if d := r[j].Sub(r[j-1]); d > gap+100*time.Millisecond {
+				t.Errorf("member %d: %s between two runs, more than MaxGap %s", i, d.Round(time.Millisecond), gap)
+			}
+		}
+	}
+}
+
+// A task alone on its budget, due less often than the budget allows, runs at its own interval.
+func TestBudgetLeavesAMemberWithinItUnaffected(t *testing.T) {
+	e := New(Config{})
+	members, starts := budgeted(1, 20*time.Millisecond, &Budget{Every: 5 * time.Millisecond, MaxGap: time.Minute})
+	add(t, e, members[0])
+	started(t, e)
+	time.Sleep(time.Second)
+	if got := len(starts()[0]); got < 40 {
+		t.Errorf("%d runs in 1 s at an interval of 20 ms under a budget of one per 5 ms: want about 50", got)
 	}
 }
