@@ -229,7 +229,7 @@ func (o *Outbox) Run(ctx context.Context) error {
 	// The periodic services run on an engine of their own, as its one member: the engine a Set
 	// of Outboxes shares is the same code with more members (JoinEngine).
 	eng := engine.New(engine.Config{Logger: o.logger})
-	if _, err := eng.Add(o.engineMember("", 0)); err != nil {
+	if _, err := eng.Add(o.engineMember("", 0, nil)); err != nil {
 		stop()
 		return fmt.Errorf("outbox: run: %w", err)
 	}
@@ -294,13 +294,17 @@ func (o *Outbox) shutdown(ctx context.Context, leave func(context.Context) error
 // wait before the next, up to idleMax; a commit of this process, a notification or a delayed
 // effect falling due wakes it at once. The statistics sampling backs off while a sample finds
 // nothing waiting and nothing changed, up to statsIdleMax, until work in this process resumes it;
-// the cleanup up to ten CleanupIntervals while it deletes nothing.
+// the cleanup up to ten CleanupIntervals while it deletes nothing. statsBudget, when not nil, is
+// shared by the statistics sampling of the engine's members: a busy member's samples may then be
+// further apart than StatsInterval, up to the budget's MaxGap, and its gauges count a sample
+// stale only that much later.
 // leave takes the member off eng and waits for its runs in progress, which see their context
 // end, and then for the marks queued, up to ShutdownTimeout, as Run does (see shutdown).
-func (o *Outbox) JoinEngine(ctx context.Context, eng *engine.Engine, name string, idleMax time.Duration) (leave func() error, err error) {
+func (o *Outbox) JoinEngine(ctx context.Context, eng *engine.Engine, name string, idleMax time.Duration,
+	statsBudget *engine.Budget) (leave func() error, err error) {
 	o.tel.nameMember(name)
 	stop := o.startServices(ctx)
-	h, err := eng.Add(o.engineMember(name, idleMax))
+	h, err := eng.Add(o.engineMember(name, idleMax, statsBudget))
 	if err != nil {
 		stop()
 		return nil, fmt.Errorf("outbox: join engine: %w", err)
@@ -344,7 +348,7 @@ func (o *Outbox) startServices(ctx context.Context) (stop func()) {
 // Outboxes to one engine. The listener is not among them: it holds a connection of its own.
 // idleMax, when positive, backs idle services off (see JoinEngine); Run passes 0, as effects
 // committed by another process without LISTEN would wait up to idleMax.
-func (o *Outbox) engineMember(name string, idleMax time.Duration) engine.Member {
+func (o *Outbox) engineMember(name string, idleMax time.Duration, statsBudget *engine.Budget) engine.Member {
 	worked := func(fn func(context.Context) error) func(context.Context) (engine.Outcome, error) {
 		return func(ctx context.Context) (engine.Outcome, error) { return engine.Worked, fn(ctx) }
 	}
@@ -364,9 +368,13 @@ func (o *Outbox) engineMember(name string, idleMax time.Duration) engine.Member 
 		// the process. Work in this process (busy) brings the sampling back to StatsInterval. A
 		// sample is a few statements, each bounded by storeTimeout.
 		statsIdle := statsIdleMax(o.cfg.StatsInterval, idleMax)
-		o.tel.setStatsIdleMax(statsIdle)
+		var maxGap time.Duration
+		if statsBudget != nil && statsBudget.Every > 0 {
+			maxGap = statsBudget.MaxGap
+		}
+		o.tel.setStatsIdleMax(statsIdle, maxGap)
 		m.Tasks = append(m.Tasks, engine.Task{Name: "stats sampling", Every: o.cfg.StatsInterval, IdleMax: statsIdle, Resume: &o.busy,
-			Timeout: min(bound, storeTimeout), Run: outcome(o.sampleStats)})
+			Budget: statsBudget, Timeout: min(bound, storeTimeout), Run: outcome(o.sampleStats)})
 	}
 	if o.cfg.Redrive.After > 0 && o.deadLetterStore() != nil {
 		m.Tasks = append(m.Tasks, engine.Task{Name: "dead-letter redrive", Every: min(o.cfg.Redrive.After, time.Minute),
@@ -381,8 +389,9 @@ func (o *Outbox) engineMember(name string, idleMax time.Duration) engine.Member 
 // idleCleanupIntervals bounds the backoff of an idle member's cleanup, in CleanupIntervals.
 const idleCleanupIntervals = 10
 
-// statsIdleCap bounds the backoff of an idle member's statistics sampling: half of the threshold
-// of the OutboxStatsStale alert (300 s), so that the sample age of an idle member never nears it.
+// statsIdleCap bounds the backoff of an idle member's statistics sampling (and, in package
+// tenant, how long a Set's budget holds a member's sample): half of the threshold of the
+// OutboxStatsStale alert (300 s), so that the sample age of a member never nears it.
 const statsIdleCap = 150 * time.Second
 
 // statsIdleMax is how far an idle member's statistics sampling backs off with idleMax (0: not at

@@ -241,6 +241,10 @@ type telemetry struct {
 	// come statsIdleMax after it, so that sample is stale only staleAfter later than that.
 	statsIdleMax time.Duration
 	statsIdle    bool
+	// statsMaxGap, when not zero, is how long after a sample the next may come while a budget
+	// shared with other members holds it (a Set's): busy or idle, the sample is stale only
+	// staleAfter later than that.
+	statsMaxGap time.Duration
 }
 
 // Bucket boundaries, in seconds.
@@ -500,24 +504,26 @@ func (t *telemetry) statsFailed() {
 	t.statsIdle = false
 }
 
-func (t *telemetry) setStatsIdleMax(d time.Duration) {
+func (t *telemetry) setStatsIdleMax(d, maxGap time.Duration) {
 	t.statsMu.Lock()
 	defer t.statsMu.Unlock()
-	t.statsIdleMax = d
+	t.statsIdleMax, t.statsMaxGap = d, maxGap
 }
 
 // staleAge is the age past which the last sample is stale: staleAfter, and for an idle sample
 // the longest wait for the next one on top of it.
 func (t *telemetry) staleAge() time.Duration { return t.idleGrace(t.staleAfter) }
 
-// idleGrace is d, plus the longest wait for the next sample when the last one was idle.
+// idleGrace is d, plus the longest wait for the next sample when the last one was idle or a
+// budget may hold it.
 func (t *telemetry) idleGrace(d time.Duration) time.Duration {
 	t.statsMu.Lock()
 	defer t.statsMu.Unlock()
+	wait := t.statsMaxGap
 	if t.statsIdle {
-		return d + t.statsIdleMax
+		wait = max(wait, t.statsIdleMax)
 	}
-	return d
+	return d + wait
 }
 
 // metadataCarrier reads and writes the W3C trace context in message metadata.

@@ -163,7 +163,7 @@ func TestTelemetryIdleSampleStaleLater(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	tel.setStatsIdleMax(statsIdleMax(15*time.Second, 30*time.Second))
+	tel.setStatsIdleMax(statsIdleMax(15*time.Second, 30*time.Second), 0)
 	tel.setSample(Stats{SampledAt: time.Now().Add(-140 * time.Second)}, true)
 	if a := observeGauges(t, tel)[MetricPendingOldestAge]; a != 0 {
 		t.Errorf("idle sample 140 s old, next due up to 150 s after it: oldest pending age %v s, want 0", a)
@@ -185,5 +185,25 @@ func TestTelemetryIdleSampleStaleLater(t *testing.T) {
 	}
 	if d := statsIdleMax(time.Minute, 30*time.Second); d != statsIdleCap {
 		t.Errorf("statsIdleMax(1m, 30s) = %v, want the cap %v (ten minutes would trip OutboxStatsStale)", d, statsIdleCap)
+	}
+}
+
+// A Set's member whose samples a budget shared with the other members may hold up to its
+// MaxGap: a sample that found work, 100 s old, is not stale while the next may be held that long
+// (the gauges would otherwise age the backlog of every busy member of a large Set); past the
+// gap and a minute it is.
+func TestTelemetryBudgetedSampleStaleAfterTheGap(t *testing.T) {
+	tel, err := newTelemetry(&Outbox{cfg: Config{StatsInterval: 15 * time.Second}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	tel.setStatsIdleMax(statsIdleMax(15*time.Second, 30*time.Second), statsIdleCap)
+	tel.setSample(Stats{SampledAt: time.Now().Add(-100 * time.Second)}, false)
+	if a := observeGauges(t, tel)[MetricPendingOldestAge]; a != 0 {
+		t.Errorf("busy sample 100 s old, the next held up to 150 s: oldest pending age %v s, want 0", a)
+	}
+	tel.setSample(Stats{SampledAt: time.Now().Add(-240 * time.Second)}, false)
+	if a := observeGauges(t, tel)[MetricPendingOldestAge]; a < 240 {
+		t.Errorf("busy sample 240 s old, past the gap (150 s) and a minute: oldest pending age %v s, want its age", a)
 	}
 }

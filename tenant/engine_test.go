@@ -325,8 +325,10 @@ func TestSetIdleMemberSamplesRarely(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = ob.Close() })
-	// IdleMax 400 ms: the relay backs off to it, the sampling to ten StatsIntervals (2 s).
-	set := newSet(t, tenant.Config{IdleMax: 2 * every}, map[string]*outbox.Outbox{"a": ob})
+	// IdleMax 400 ms: the relay backs off to it, the sampling to ten StatsIntervals (2 s). The
+	// statistics budget (one sample per 50 ms over all members) does not hold a member alone
+	// that is sampled less often.
+	set := newSet(t, tenant.Config{IdleMax: 2 * every, StatsEvery: every / 4}, map[string]*outbox.Outbox{"a": ob})
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() { done <- set.Run(ctx) }()
@@ -362,5 +364,81 @@ func TestSetIdleMemberSamplesRarely(t *testing.T) {
 	time.Sleep(2 * time.Second)
 	if n := len(d.since(from)); n < 6 {
 		t.Errorf("%d samples in 2 s of a member with a delayed effect waiting; want about 10 (StatsInterval 200 ms)", n)
+	}
+}
+
+// Busy members share the statistics budget: six members, each committing every 60 ms and so
+// resuming its sampling at StatsInterval (200 ms, 30 samples a second between them), are sampled
+// at most once per StatsEvery (250 ms) all together, in turn: each of them within the window.
+func TestSetStatsBudgetAcrossBusyMembers(t *testing.T) {
+	db := pgtest.DB(t)
+	w := newWire()
+	const n, every, budget = 6, 200 * time.Millisecond, 250 * time.Millisecond
+	counters := make([]*sampleCounter, n)
+	obs := map[string]*outbox.Outbox{}
+	for i := range n {
+		counters[i] = &sampleCounter{}
+		ob, err := outbox.New(outbox.Config{DB: db, Driver: counters[i], Publisher: w, TablePrefix: fmt.Sprintf("b%d_", i), StatsInterval: every})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := ob.Migrate(context.Background()); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = ob.Close() })
+		obs[fmt.Sprint("m", i)] = ob
+	}
+	set := newSet(t, tenant.Config{StatsEvery: budget}, obs)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- set.Run(ctx) }()
+	defer func() { cancel(); <-done }()
+
+	busy, stopBusy := context.WithCancel(context.Background())
+	busyDone := make(chan struct{})
+	go func() {
+		defer close(busyDone)
+		tick := time.NewTicker(10 * time.Millisecond)
+		defer tick.Stop()
+		for i := 0; ; i++ {
+			select {
+			case <-busy.Done():
+				return
+			case <-tick.C:
+			}
+			err := set.InTx(busy, fmt.Sprint("m", i%n), func(ctx context.Context, _ *sql.Tx) error {
+				return outbox.Publish(ctx, "events", message.NewMessage(fmt.Sprint("busy-", i), nil))
+			})
+			if err != nil && busy.Err() == nil {
+				t.Error(err)
+				return
+			}
+		}
+	}()
+	defer func() { stopBusy(); <-busyDone }()
+
+	// The first samples, all due at Run's start, go out at the budget's pace too; measure after.
+	time.Sleep(2 * time.Second)
+	from := time.Now()
+	const window = 4 * time.Second
+	time.Sleep(window)
+	total, fewest := 0, int(^uint(0)>>1)
+	for _, c := range counters {
+		var got int
+		for _, s := range c.since(from) {
+			if s.SampledAt.Before(from.Add(window)) {
+				got++
+			}
+		}
+		total, fewest = total+got, min(fewest, got)
+	}
+	t.Logf("%d samples of %d busy members in %s (budget: one per %s), the fewest of a member %d", total, n, window, budget, fewest)
+	// A sample's time is read inside it, a little after its start: one of slack.
+	if allowed := int(window/budget) + 2; total > allowed {
+		t.Errorf("%d samples of %d busy members in %s: want at most %d (one per %s), not one per member per StatsInterval (%d)",
+			total, n, window, allowed, budget, int(window/every)*n)
+	}
+	if fewest < 1 {
+		t.Errorf("a member was not sampled in %s: want each in turn (%d members, one sample per %s)", window, n, budget)
 	}
 }
