@@ -417,17 +417,23 @@ func outcome(fn func(context.Context) (idle bool, err error)) func(context.Conte
 
 // relayTask is a relay pass as the engine runs it: an idle pass that knows when a pending effect
 // falls due (a lease or a backoff that ends) has the next pass then at the latest, however far
-// the member backed off, since no wake-up comes for it.
+// the member backed off, since no wake-up comes for it. A pass that sent something and drained
+// what was due counts as idle too: the pass after it, a RelayInterval later, would find what its
+// last claim found, nothing, unless a commit of this process (which wakes the relay), a
+// notification (which does too), or a commit of another process without one (which an idle
+// member polls for up to IdleMax) left some since. So a member that gets a message now and then
+// does not spend two empty passes on each. For an Outbox's own Run, which does not back off,
+// this changes nothing.
 func (o *Outbox) relayTask(ctx context.Context) (engine.Outcome, error) {
 	began := time.Now()
-	idle, dueBy, err := o.relayOnce(ctx)
+	idle, drained, dueBy, err := o.relayOnce(ctx)
 	if err == nil && !idle {
 		o.busy.Wake() // effects were sent or moved: the gauges change
 	}
 	switch {
 	case err == nil && !idle && passHalfOver(ctx, began):
 		return engine.More, nil // a pass cut short at half its bound: the next one goes on at once
-	case err != nil || !idle:
+	case err != nil || !idle && !drained:
 		return engine.Worked, err
 	case !dueBy.IsZero():
 		return engine.IdleUntil(dueBy), nil

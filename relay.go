@@ -44,11 +44,12 @@ func (o *Outbox) relayBudget() time.Duration { return o.relayLease() / 2 }
 // made after the outcome of every round but the one sending was written, so that it never finds
 // a key half marked, nor a failed effect before its retry time is written. It reports idle when
 // the pass found nothing to send and moved no delayed effect, so that the engine may poll an idle
-// member less often, and then, when the store can tell (EffectClaim.Pending), dueBy: when the
-// earliest pending effect that is not due yet falls due by itself (a lease of a relay that
-// crashed ends, a backoff ends), which nothing would wake the relay for; zero when none is
-// pending or the store cannot tell.
-func (o *Outbox) relayOnce(ctx context.Context) (idle bool, dueBy time.Time, err error) {
+// member less often, and drained when the pass ended on a claim that took nothing after every
+// round's outcome was written, and the store told (EffectClaim.Pending) when what is left falls
+// due: then dueBy is when the earliest pending effect that is not due yet falls due by itself (a
+// lease of a relay that crashed ends, a backoff ends), which nothing would wake the relay for;
+// zero when none is pending. A pass that is idle is drained too when the store can tell.
+func (o *Outbox) relayOnce(ctx context.Context) (idle, drained bool, dueBy time.Time, err error) {
 	worked := false
 	if !o.claimSeesDelayed.Load() {
 		worked = o.promoteDelayed(ctx) > 0 // delayed effects that are due become pending ones first
@@ -94,7 +95,7 @@ func (o *Outbox) relayOnce(ctx context.Context) (idle bool, dueBy time.Time, err
 	}
 	for ctx.Err() == nil {
 		if overHalf() {
-			return false, time.Time{}, nil
+			return false, false, time.Time{}, nil
 		}
 		if fl != nil && sent >= 0 && 2*sent < claimed {
 			// Claiming while the round sends gains little when its calls take much less time
@@ -102,7 +103,7 @@ func (o *Outbox) relayOnce(ctx context.Context) (idle bool, dueBy time.Time, err
 			f := fl
 			fl = nil
 			if err := land(f); err != nil {
-				return false, time.Time{}, err
+				return false, false, time.Time{}, err
 			}
 		}
 		// The pause leaves the database and the CPUs to the consumers for as long as the relay
@@ -119,7 +120,7 @@ func (o *Outbox) relayOnce(ctx context.Context) (idle bool, dueBy time.Time, err
 			case <-time.After(d):
 			}
 			if overHalf() {
-				return false, time.Time{}, nil
+				return false, false, time.Time{}, nil
 			}
 		}
 		busy = 0
@@ -145,7 +146,7 @@ func (o *Outbox) relayOnce(ctx context.Context) (idle bool, dueBy time.Time, err
 			if ctx.Err() == nil {
 				o.relayClaimFailed(err)
 			}
-			return false, time.Time{}, err
+			return false, false, time.Time{}, err
 		}
 		o.relayClaimed()
 		claimed = time.Since(began)
@@ -180,7 +181,7 @@ func (o *Outbox) relayOnce(ctx context.Context) (idle bool, dueBy time.Time, err
 		worked = worked || n > 0 || promoted
 		if n > 0 {
 			if err := o.failpoint(ctx, FailpointAfterRelayClaim); err != nil {
-				return false, time.Time{}, err
+				return false, false, time.Time{}, err
 			}
 			o.tel.relayRounds.Add(ctx, 1, o.tel.own())
 			o.tel.relayEffects.Record(ctx, int64(n), o.tel.own())
@@ -201,7 +202,7 @@ func (o *Outbox) relayOnce(ctx context.Context) (idle bool, dueBy time.Time, err
 		if prev != nil {
 			t := time.Now()
 			if err := o.relayLand(prev); err != nil {
-				return false, time.Time{}, err
+				return false, false, time.Time{}, err
 			}
 			busy += time.Since(t)
 		}
@@ -222,10 +223,10 @@ func (o *Outbox) relayOnce(ctx context.Context) (idle bool, dueBy time.Time, err
 		case promoted:
 			next = 0 // delayed effects became pending: claim them
 		default:
-			if worked || !pendingKnown {
-				return !worked, time.Time{}, nil
+			if !pendingKnown {
+				return !worked, false, time.Time{}, nil
 			}
-			return true, dueBy, nil
+			return !worked, true, dueBy, nil
 		}
 		if overlapping && claim.Next > 0 {
 			// A claim made while a round was sending left the effects of its window that wait
@@ -237,7 +238,7 @@ func (o *Outbox) relayOnce(ctx context.Context) (idle bool, dueBy time.Time, err
 			after, ahead = next, next
 		}
 	}
-	return false, time.Time{}, nil
+	return false, false, time.Time{}, nil
 }
 
 // passStop returns when a pass that began at began, on a context with a deadline, starts no more

@@ -5,6 +5,7 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"slices"
 	"sync"
 	"testing"
 	"time"
@@ -440,5 +441,116 @@ func TestSetStatsBudgetAcrossBusyMembers(t *testing.T) {
 	}
 	if fewest < 1 {
 		t.Errorf("a member was not sampled in %s: want each in turn (%d members, one sample per %s)", window, n, budget)
+	}
+}
+
+// claimLog records when a member's relay claimed from the front of its effects, and what.
+type claimLog struct {
+	postgres.Driver
+	mu     sync.Mutex
+	claims []claimAt
+}
+
+type claimAt struct {
+	at  time.Time
+	ids []string
+}
+
+func (d *claimLog) Open(db *sql.DB, opts outboxdriver.StoreOptions) (outboxdriver.Store, error) {
+	st, err := d.Driver.Open(db, opts)
+	if err != nil {
+		return nil, err
+	}
+	ds, _ := st.(outboxdriver.DelayedStore)
+	return &claimLogStore{Store: st, DelayedStore: ds, d: d}, nil
+}
+
+func (d *claimLog) all() []claimAt {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return slices.Clone(d.claims)
+}
+
+type claimLogStore struct {
+	outboxdriver.Store
+	outboxdriver.DelayedStore
+	d *claimLog
+}
+
+func (s *claimLogStore) EffectClaimDue(ctx context.Context, p outboxdriver.EffectClaimParams) (outboxdriver.EffectClaim, error) {
+	at := time.Now()
+	c, err := s.Store.EffectClaimDue(ctx, p)
+	if p.After == 0 && err == nil {
+		var ids []string
+		for _, e := range c.Effects {
+			ids = append(ids, e.UUID)
+		}
+		s.d.mu.Lock()
+		s.d.claims = append(s.d.claims, claimAt{at: at, ids: ids})
+		s.d.mu.Unlock()
+	}
+	return c, err
+}
+
+// A relay pass that sent what was pending and ended on a claim that found nothing, nothing
+// else falling due, counts as idle: the member's next pass is two RelayIntervals after it, not
+// one (which found nothing: a Set's members that each get a message now and then spent about
+// two empty passes on each). What it could leave late is covered by its wake-ups: a commit of
+// the process wakes the relay, and the claim tells when a lease or a backoff ends.
+func TestSetRelayPassThatDrainedCountsIdle(t *testing.T) {
+	db := pgtest.DB(t)
+	w := newWire()
+	d := &claimLog{}
+	const every = 300 * time.Millisecond
+	ob, err := outbox.New(outbox.Config{DB: db, Driver: d, Publisher: w, RelayInterval: every})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := ob.Migrate(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = ob.Close() })
+	set := newSet(t, tenant.Config{IdleMax: 10 * time.Second}, map[string]*outbox.Outbox{"a": ob})
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- set.Run(ctx) }()
+	defer func() { cancel(); <-done }()
+	time.Sleep(time.Second) // the first passes, all finding nothing
+
+	for round := range 3 {
+		// A delayed effect: only the relay sends it, in a pass its due time wakes.
+		id := fmt.Sprintf("drained-%d-%d", round, time.Now().UnixNano())
+		if err := set.InTx(context.Background(), "a", func(ctx context.Context, _ *sql.Tx) error {
+			return outbox.Publish(outbox.WithDelay(ctx, 50*time.Millisecond), "events", message.NewMessage(id, nil))
+		}); err != nil {
+			t.Fatal(err)
+		}
+		eventually(t, "the delayed effect sent", func() bool { return w.count(id) == 1 })
+		time.Sleep(4 * every)
+		// The pass began with the first of its claims, which are milliseconds apart (a claim
+		// finds the delayed effect due, its move, the claim that takes it, the last one).
+		claims := d.all()
+		k := slices.IndexFunc(claims, func(c claimAt) bool { return slices.Contains(c.ids, id) })
+		var took time.Time
+		var after []time.Duration
+		if k >= 0 {
+			took = claims[k].at
+			for j := k - 1; j >= 0 && took.Sub(claims[j].at) < every/2; j-- {
+				took = claims[j].at
+			}
+			for _, c := range claims[k+1:] {
+				if c.at.Sub(took) > every/2 {
+					after = append(after, c.at.Sub(took))
+				}
+			}
+		}
+		if took.IsZero() || len(after) == 0 {
+			t.Fatalf("round %d: the pass that sent %s (at %v) and the next pass (%v) not seen", round, id, took, after)
+		}
+		t.Logf("round %d: next passes %v after the one that sent", round, after)
+		if after[0] < every*3/2 {
+			t.Errorf("round %d: the next pass came %s after the one that sent everything, want about two RelayIntervals (%s), not one",
+				round, after[0].Round(time.Millisecond), 2*every)
+		}
 	}
 }
