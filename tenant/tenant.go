@@ -105,16 +105,17 @@ type Config struct {
 	// member's background work on one scheduler. Default: DefaultMaxConcurrent.
 	MaxConcurrent int
 	// IdleMax is the longest wait between two relay passes of a member whose passes find nothing
-	// to send: the wait doubles from its RelayInterval after each such pass, up to IdleMax. A
-	// commit of this process that leaves work to the relay, a delayed effect falling due or a
-	// notification wakes the member's relay at once; effects committed by another process that
-	// does not notify (no ListenDSN) wait up to IdleMax. On PostgreSQL a pass that sees effects
+	// to send, or send what was due and end on a claim that found nothing and told when the
+	// rest falls due (PostgreSQL): the wait doubles from its RelayInterval after each such pass,
+	// up to IdleMax. A commit of this process that leaves work to the relay, a delayed effect
+	// falling due or a notification wakes the member's relay at once; effects committed by
+	// another process that does not notify (no ListenDSN) wait up to IdleMax. On PostgreSQL a pass that sees effects
 	// leased (by a relay that crashed) or backing off has the next pass when the first of them
 	// falls due, whatever the backoff. The member's statistics sampling backs off while it finds
 	// nothing waiting and nothing changed, further: up to ten StatsIntervals, at most 150 s (half
 	// of the OutboxStatsStale alert's threshold), or IdleMax if longer; a commit, a message
 	// handled, a notification or a relay pass that sent something brings it back to
-	// StatsInterval. Its cleanup backs off, while it deletes nothing, up to ten
+	// StatsInterval (within StatsEvery). Its cleanup backs off, while it deletes nothing, up to ten
 	// CleanupIntervals. Default: DefaultIdleMax; negative: no backoff.
 	IdleMax time.Duration
 	// StatsEvery is the least time between the starts of two statistics samples, over all
