@@ -31,8 +31,10 @@ type beginWatch struct {
 	// looking at the context: on a server that stalls (or a link that drops what it carries) it
 	// returns when the network gives up. Such a BEGIN runs in a goroutine of its own, which the
 	// unit leaves at its context's end; otherwise its consumer would be held for the whole outage,
-	// with the other members' messages behind it.
-	blind bool
+	// with the other members' messages behind it. Asked at the first unit, not in New: a
+	// database/sql DB that New is given need not be usable yet (a zero sql.DB in an example, a
+	// DB that a test replaces), and asking its driver then would panic. Nil: not blind.
+	blind func() bool
 }
 
 // newBeginWatch returns the watch of gate's units on db; nil without a gate.
@@ -40,7 +42,7 @@ func newBeginWatch(gate *dbGate, db *sql.DB) *beginWatch {
 	if gate == nil {
 		return nil
 	}
-	return &beginWatch{gate: gate, db: db, blind: !honoursContext(db)}
+	return &beginWatch{gate: gate, db: db, blind: sync.OnceValue(func() bool { return !honoursContext(db) })}
 }
 
 // honoursContext tells a database/sql driver known to return at its context's end while it
@@ -71,7 +73,7 @@ func watchBegin[T any](ctx context.Context, w *beginWatch, begin func(context.Co
 	if w == nil {
 		return begin(ctx)
 	}
-	if !w.blind {
+	if w.blind == nil || !w.blind() {
 		if w.db.Stats().Idle == 0 {
 			watch := time.AfterFunc(beginStall, w.stalled)
 			defer watch.Stop()

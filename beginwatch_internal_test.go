@@ -26,7 +26,7 @@ func BenchmarkBeginWatch(b *testing.B) {
 		w    *beginWatch
 	}{
 		{"none", nil},
-		{"goroutine", &beginWatch{gate: gate, db: db, blind: true}},
+		{"goroutine", &beginWatch{gate: gate, db: db, blind: func() bool { return true }}},
 		{"pooled", &beginWatch{gate: gate, db: db}},
 	} {
 		b.Run(c.name, func(b *testing.B) {

@@ -145,7 +145,7 @@ func New(cfg Config) (*Outbox, error) {
 				return func() { t.Stop() }
 			})
 		} else if gate != nil {
-			o.units = watchedUnits{UnitStore: us, watch: &beginWatch{gate: gate, db: cfg.DB, blind: true}}
+			o.units = watchedUnits{UnitStore: us, watch: &beginWatch{gate: gate, db: cfg.DB, blind: func() bool { return true }}}
 		}
 	}
 	o.failedHere.ttl = cfg.DuplicateWait + cfg.PublishTimeout + time.Minute
