@@ -12,7 +12,11 @@ import (
 // caches them. Such an effect is sent by the relay at most this long after it became due; an
 // effect committed late is sent by its own unit of work anyway, and the relay only matters once
 // that process has died.
-const claimFloorRescan = time.Minute
+//
+// Ten seconds: an operator's retry of parked effects (the console, the CLI: Ops, whose store is
+// not the relay's) is sent within them, where a minute left the operator waiting; behind a held
+// xmin horizon one claim in ten or so walks the dead entries, not one in sixty.
+const claimFloorRescan = 10 * time.Second
 
 // claimFloor is the low-water mark of the relay's claims from the front (Queries.
 // EffectClaimDueFloor): no unparked pending effect has an id at or below floor. A claim then
