@@ -1230,11 +1230,24 @@ type cleanupStep struct {
 // cleanupBatch deletes one batch in its own short transaction, so that it never holds locks long.
 // For a step with from, from is where the batch before got to, and is set to where this one got.
 func (s *SQL) cleanupBatch(ctx context.Context, st cleanupStep, retention time.Duration, limit int, from *sql.NullTime) (int64, bool, error) {
-	tx, err := s.BeginTx(ctx, nil)
+	// The transaction's context ends with ctx until COMMIT is sent, not after: a driver that
+	// watches the transaction's context during COMMIT (pgx's stdlib) returned the caller's
+	// cancellation for a batch the server had committed, and the batch went uncounted. The
+	// commit is bounded by the caller's deadline and cleanupCommitGrace after it.
+	txCtx, cancelTx := context.WithCancel(context.WithoutCancel(ctx))
+	if d, ok := ctx.Deadline(); ok {
+		txCtx, cancelTx = context.WithDeadline(context.WithoutCancel(ctx), d.Add(cleanupCommitGrace))
+	}
+	defer cancelTx()
+	watching := context.AfterFunc(ctx, cancelTx)
+	defer watching()
+	tx, err := s.BeginTx(txCtx, nil)
 	if err != nil {
 		return 0, false, fmt.Errorf("begin: %w", err)
 	}
 	defer func() { _ = tx.Rollback() }()
+	caller := ctx
+	ctx = txCtx
 	if s.d.Queries.CleanupLock != "" {
 		// No row is the lock taken, as a row of false is (MySQL's SKIP LOCKED leaves the row out).
 		var ok bool
@@ -1272,8 +1285,16 @@ func (s *SQL) cleanupBatch(ctx context.Context, st cleanupStep, retention time.D
 			return 0, true, fmt.Errorf("cleanup: %w", err)
 		}
 	}
+	if !watching() {
+		return 0, true, fmt.Errorf("cleanup: %w", caller.Err())
+	}
 	return n, true, tx.Commit()
 }
+
+// cleanupCommitGrace is how long after the caller's deadline a cleanup batch's COMMIT, once
+// sent, may still take (see cleanupBatch); its statements before COMMIT end with the caller's
+// context.
+const cleanupCommitGrace = 10 * time.Second
 
 // EffectKeyBlocked implements outboxdriver.Store.
 func (s *SQL) EffectKeyBlocked(ctx context.Context, src outboxdriver.Source, key string) (bool, error) {
