@@ -229,7 +229,9 @@ func (tr *setTraffic) run(t *testing.T, set *tenant.Set) func() {
 			fed.Add(int64(len(msgs)))
 			return true
 		}
-		for i := 0; feedCtx.Err() == nil; i++ {
+		// A cancelled delayed effect (i%4 == 2) is cancelled by the member's next order: the
+		// feed ends after that order, never between the two.
+		for i := 0; feedCtx.Err() == nil || i%4 == 3; i++ {
 			var batch []*message.Message
 			for _, m := range tr.members {
 				w := want[m.name]
