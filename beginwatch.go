@@ -5,6 +5,7 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"reflect"
 	"sync"
 	"time"
 
@@ -48,14 +49,23 @@ func newBeginWatch(gate *dbGate, db *sql.DB) *beginWatch {
 // honoursContext tells a database/sql driver known to return at its context's end while it
 // connects and begins a transaction, whatever the server does: pgx's stdlib, go-sql-driver/mysql
 // (both close or time out the socket when the context ends) and the SQLite drivers (no network).
-// Told by the driver's type, since the library imports none of them; a driver wrapped by another
-// (tracing) is not known.
+// Told by the driver's type, package path and name, since the library imports none of them; a
+// driver wrapped by another (tracing) is not known, and is watched as a blind one.
 func honoursContext(db *sql.DB) bool {
-	switch fmt.Sprintf("%T", db.Driver()) {
-	case "*stdlib.Driver", "*mysql.MySQLDriver", "*sqlite.Driver", "*sqlite3.SQLiteDriver":
-		return true
+	t := reflect.TypeOf(db.Driver())
+	if t == nil || t.Kind() != reflect.Pointer {
+		return false
 	}
-	return false
+	t = t.Elem()
+	return contextHonouringDrivers[t.PkgPath()+"."+t.Name()]
+}
+
+// contextHonouringDrivers are the drivers honoursContext knows, by package path and type name.
+var contextHonouringDrivers = map[string]bool{
+	"github.com/jackc/pgx/v5/stdlib.Driver":      true,
+	"github.com/go-sql-driver/mysql.MySQLDriver": true,
+	"modernc.org/sqlite.Driver":                  true,
+	"github.com/mattn/go-sqlite3.SQLiteDriver":   true,
 }
 
 func (w *beginWatch) stalled() {

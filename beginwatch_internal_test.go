@@ -2,6 +2,9 @@ package outbox
 
 import (
 	"context"
+	"database/sql"
+	"database/sql/driver"
+	"errors"
 	"testing"
 	"time"
 
@@ -49,3 +52,35 @@ func BenchmarkBeginWatch(b *testing.B) {
 		}
 	})
 }
+
+// Driver shares its type name with pgx's stdlib driver and modernc's SQLite driver: only its
+// package path tells it from them.
+type Driver struct{}
+
+func (Driver) Open(string) (driver.Conn, error) { return nil, errors.New("not a driver") }
+
+// TestHonoursContextByPackagePath: a driver is known by its package path and type name, not by
+// how %T prints it, which a driver of any package with the same names would match; lib/pq
+// and unknown drivers are watched as blind.
+func TestHonoursContextByPackagePath(t *testing.T) {
+	fake := sql.OpenDB(fakeConnector{})
+	defer fake.Close()
+	if honoursContext(fake) {
+		t.Errorf("a driver of this package named Driver is taken for one that honours its context")
+	}
+	if honoursContext(pgtest.DB(t)) {
+		t.Errorf("lib/pq is taken for a driver that honours its context")
+	}
+	for _, name := range []string{"github.com/jackc/pgx/v5/stdlib.Driver", "github.com/go-sql-driver/mysql.MySQLDriver", "modernc.org/sqlite.Driver"} {
+		if !contextHonouringDrivers[name] {
+			t.Errorf("%s is not known", name)
+		}
+	}
+}
+
+type fakeConnector struct{}
+
+func (fakeConnector) Connect(context.Context) (driver.Conn, error) {
+	return nil, errors.New("not a driver")
+}
+func (fakeConnector) Driver() driver.Driver { return Driver{} }

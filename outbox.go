@@ -389,19 +389,14 @@ func (o *Outbox) engineMember(name string, idleMax time.Duration, statsBudget *e
 // idleCleanupIntervals bounds the backoff of an idle member's cleanup, in CleanupIntervals.
 const idleCleanupIntervals = 10
 
-// statsIdleCap bounds the backoff of an idle member's statistics sampling (and, in package
-// tenant, how long a Set's budget holds a member's sample): half of the threshold of the
-// OutboxStatsStale alert (300 s), so that the sample age of a member never nears it.
-const statsIdleCap = 150 * time.Second
-
 // statsIdleMax is how far an idle member's statistics sampling backs off with idleMax (0: not at
-// all): up to ten StatsIntervals, at most statsIdleCap, and never less than idleMax (what it
+// all): up to ten StatsIntervals, at most engine.StatsMaxGap, and never less than idleMax (what it
 // was before, and what the relay backs off to).
 func statsIdleMax(interval, idleMax time.Duration) time.Duration {
 	if idleMax <= 0 {
 		return 0
 	}
-	return max(idleMax, min(idleCleanupIntervals*interval, statsIdleCap))
+	return max(idleMax, min(idleCleanupIntervals*interval, engine.StatsMaxGap))
 }
 
 // outcome tells the engine whether a run of a periodic service found anything to do.

@@ -8,6 +8,7 @@ import (
 	"go.opentelemetry.io/otel/metric"
 	"go.opentelemetry.io/otel/metric/embedded"
 
+	"github.com/watermill-outbox/outbox/internal/engine"
 	"github.com/watermill-outbox/outbox/outboxdriver"
 )
 
@@ -183,8 +184,8 @@ func TestTelemetryIdleSampleStaleLater(t *testing.T) {
 	if d := statsIdleMax(15*time.Second, 0); d != 0 {
 		t.Errorf("statsIdleMax without a backoff: %v, want 0", d)
 	}
-	if d := statsIdleMax(time.Minute, 30*time.Second); d != statsIdleCap {
-		t.Errorf("statsIdleMax(1m, 30s) = %v, want the cap %v (ten minutes would trip OutboxStatsStale)", d, statsIdleCap)
+	if d := statsIdleMax(time.Minute, 30*time.Second); d != engine.StatsMaxGap {
+		t.Errorf("statsIdleMax(1m, 30s) = %v, want the cap %v (ten minutes would trip OutboxStatsStale)", d, engine.StatsMaxGap)
 	}
 }
 
@@ -197,7 +198,7 @@ func TestTelemetryBudgetedSampleStaleAfterTheGap(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	tel.setStatsIdleMax(statsIdleMax(15*time.Second, 30*time.Second), statsIdleCap)
+	tel.setStatsIdleMax(statsIdleMax(15*time.Second, 30*time.Second), engine.StatsMaxGap)
 	tel.setSample(Stats{SampledAt: time.Now().Add(-100 * time.Second)}, false)
 	if a := observeGauges(t, tel)[MetricPendingOldestAge]; a != 0 {
 		t.Errorf("busy sample 100 s old, the next held up to 150 s: oldest pending age %v s, want 0", a)

@@ -137,11 +137,6 @@ const (
 	DefaultStatsEvery    = time.Second
 )
 
-// statsMaxGap bounds how long the statistics budget holds a member's sample after its last:
-// half of the OutboxStatsStale alert's threshold (300 s), the bound of an idle member's sampling
-// backoff too.
-const statsMaxGap = 150 * time.Second
-
 // Set is a set of Outboxes keyed by member name (a tenant or a shard). It is safe for concurrent
 // use.
 type Set struct {
@@ -366,7 +361,7 @@ func (s *Set) Run(ctx context.Context) error {
 	}
 	s.runCtx, s.eng, s.stats = ctx, eng, nil
 	if s.cfg.StatsEvery > 0 {
-		s.stats = &engine.Budget{Every: s.cfg.StatsEvery, MaxGap: statsMaxGap}
+		s.stats = &engine.Budget{Every: s.cfg.StatsEvery, MaxGap: engine.StatsMaxGap}
 	}
 	for _, m := range s.members {
 		s.start(ctx, m)

@@ -114,6 +114,11 @@ type Budget struct {
 	next   time.Time // the earliest start of the next run held by the budget; e.mu
 }
 
+// StatsMaxGap is the longest wait between two statistics samples of a member, however idle it is
+// and however many members share a sampling budget (the Budget's MaxGap): half of the
+// OutboxStatsStale alert's threshold (300 s), so that no member's sample age nears it.
+const StatsMaxGap = 150 * time.Second
+
 // hold reports until when the budget holds back a run of t that is due now: zero when it may
 // start. e.mu held.
 func (b *Budget) hold(t *task, now time.Time) time.Time {
