@@ -463,7 +463,8 @@ func testBroker(t *testing.T, kind string) {
 	// Wait until everything is through, or until nothing has moved for a minute.
 	last, lastMove := [4]int{}, time.Now()
 	for {
-		applied, reached, pending := count(t, db, `SELECT count(DISTINCT order_id) FROM reserved`), arrived.orders(), count(t, db, `SELECT count(*) FROM outbox_effects_all`)
+		applied, reached, pending := count(t, db, `SELECT count(DISTINCT order_id) FROM reserved`), arrived.orders(),
+			count(t, db, `SELECT (SELECT count(*) FROM outbox_effects_all) + (SELECT count(*) FROM outbox_processed WHERE effects IS NOT NULL)`)
 		dead := count(t, db, `SELECT count(*) FROM outbox_dead_letters`)
 		if applied == orders && reached == orders && pending == 0 && dead >= len(poison) {
 			break
@@ -472,12 +473,13 @@ func testBroker(t *testing.T, kind string) {
 			last, lastMove = now, time.Now()
 		}
 		if time.Since(lastMove) > time.Minute {
-			t.Fatalf("stuck for a minute: %d of %d orders applied, effects of %d arrived, %d effects pending, %d of %d poison messages dead-lettered; %s",
+			t.Fatalf("stuck for a minute: %d of %d orders applied, effects of %d arrived, %d effects pending (rows and inline), %d of %d poison messages dead-lettered; %s",
 				applied, orders, reached, pending, dead, len(poison), missing(t, db, sends, poison, arrived))
 		}
 		time.Sleep(200 * time.Millisecond)
 	}
 	time.Sleep(time.Second) // late copies
+	t.Logf("the first order's effects: %s", effectState(t, db, sends[0]))
 
 	routertest.MustEqual(t, "business rows (an order applied twice?)", count(t, db, `SELECT count(*) FROM reserved`), orders)
 	checkPoison(t, ob, poison, spec, sends)
@@ -616,6 +618,23 @@ func (a *arrivals) check(ids []string) (copies int, multi []string) {
 
 // missing describes the orders not applied, or whose effect did not arrive (poison messages left
 // out): their positions in the producer's sends (the chaos steps are at 1/5, 2/5 and 3/5 of them).
+// effectState tells where the outbox holds the effects of message id: its claims (when their
+// effects were marked sent, whether effects are still kept inline in one), its pending effect
+// rows and those marked sent. An order whose effect did not arrive with its effect marked sent
+// was lost after the broker acknowledged it; one still pending waits for the relay.
+func effectState(t *testing.T, db *sql.DB, id string) string {
+	t.Helper()
+	var claims, inline, pending, sent int
+	var marked sql.NullTime
+	if err := db.QueryRow(`SELECT count(*), count(*) FILTER (WHERE effects IS NOT NULL), max(dispatched_at) FROM outbox_processed WHERE message_id = $1`, id).Scan(&claims, &inline, &marked); err != nil {
+		return fmt.Sprintf("claims: %v", err)
+	}
+	if err := db.QueryRow(`SELECT (SELECT count(*) FROM outbox_effects_all WHERE source_id = $1), (SELECT count(*) FROM outbox_dispatched WHERE source_id = $1)`, id).Scan(&pending, &sent); err != nil {
+		return fmt.Sprintf("effects: %v", err)
+	}
+	return fmt.Sprintf("claims %d, effects inline in %d, claim marked sent at %v; effect rows pending %d, marked sent %d", claims, inline, marked.Time.Format(time.RFC3339Nano), pending, sent)
+}
+
 func missing(t *testing.T, db *sql.DB, sends, poison []string, arrived *arrivals) string {
 	t.Helper()
 	applied := map[string]bool{}
@@ -649,7 +668,7 @@ func missing(t *testing.T, db *sql.DB, sends, poison []string, arrived *arrivals
 		reached := len(arrived.byOrder[id]) > 0
 		arrived.mu.Unlock()
 		if !applied[id] || !reached {
-			out = append(out, fmt.Sprintf("%s (applied %t, effect arrived %t, sent at %v of %d)", id, applied[id], reached, positions[id], len(sends)))
+			out = append(out, fmt.Sprintf("%s (applied %t, effect arrived %t, sent at %v of %d; %s)", id, applied[id], reached, positions[id], len(sends), effectState(t, db, id)))
 		}
 	}
 	if len(out) > 5 {
