@@ -17,9 +17,18 @@
 // its own authentication sits in front of it). Its counts come from the sampled stats and every
 // list is paged, so that a page costs the same whatever the backlog.
 //
-// NewMembers serves the members of a tenant.Set (a database, schema or table prefix each): a page
-// lists every member with its relays, counts and health, and each member has the pages and the
-// actions above, picked by the query parameter member, acting on that member's tables only.
+// NewMembersFunc serves the members of a tenant.Set (a database, schema or table prefix each) as
+// the Set holds them at each request: a page lists every member with its relays, counts and
+// health, and each member has the pages and the actions above, picked by the query parameter
+// member, acting on that member's tables only.
+//
+//	var set *tenant.Set // members added and removed while the process runs
+//	h, err = console.NewMembersFunc(console.MembersOf(set), console.Options{
+//		Authenticate: func(r *http.Request) (string, bool) { return userFrom(r) },
+//		Authorize:    func(r *http.Request, user string, a console.Action) bool { return isOperator(user) },
+//	})
+//
+// NewMembers serves a fixed list of members.
 package console
 
 import (
@@ -97,7 +106,7 @@ type Action struct {
 	// Messages are the dead letters (Source{Consumer, ID: message ID}) a dead-letter action
 	// changes, and Consumers theirs.
 	Messages []outboxdriver.Source
-	// Member is the member whose tables the action changes (NewMembers); "" with New.
+	// Member is the member whose tables the action changes (NewMembers, NewMembersFunc); "" with New.
 	Member string
 }
 
@@ -128,7 +137,8 @@ type Options struct {
 	TokenTTL time.Duration
 	// Retention is the service's Config.Retention, for the cleanup lag. Default: 7 days.
 	Retention time.Duration
-	// Timeout bounds each request's queries. Default: 10 seconds.
+	// Timeout bounds each request's queries, and with NewMembersFunc its call of the members
+	// function: one deadline for both. Default: 10 seconds.
 	Timeout time.Duration
 	// MaxSampleAge is how old the sampled counts may be before the page takes a sample of its
 	// own (bounded, not stored). Default: one minute.
@@ -141,7 +151,8 @@ type Options struct {
 	PageSize int
 }
 
-// Member is a member of a tenant.Set for NewMembers: the Ops of its tables under its name.
+// Member is a member of a tenant.Set for NewMembers and NewMembersFunc: the Ops of its tables
+// under its name.
 type Member struct {
 	// Name names the member in the pages, in their addresses (?member=NAME) and in the audit
 	// entries of its changes: 1 to 200 bytes of UTF-8 without control characters or '/', as a
@@ -155,16 +166,21 @@ type Member struct {
 }
 
 type console struct {
-	// members by name, and their names in the order given. New's one member is named "": its
-	// page is the console's root, and its addresses carry no member.
-	members map[string]*Member
-	names   []string
+	// list returns the members, once per request: its page, its member and its action all use
+	// that one list, so that a member removed meanwhile is not half served. New's one member is
+	// named "": its page is the console's root, and its addresses carry no member.
+	list func(ctx context.Context) ([]Member, error)
+	// several: the console serves named members (NewMembers, NewMembersFunc), its root lists them.
+	several bool
 	opt     Options
 	key     []byte // signs the CSRF tokens and the flash notices
 }
 
-// several tells whether the console serves named members (NewMembers): its root lists them.
-func (c *console) several() bool { return c.names[0] != "" }
+// members is the list of members a request is served with: by name, and their names in order.
+type members struct {
+	byName map[string]*Member
+	names  []string
+}
 
 // New returns the console's handler. It serves "/" (the page), "/discard" (GET: the question
 // before a discard) and the POSTs "/retry", "/discard", "/replay", "/retry-dead",
@@ -173,7 +189,8 @@ func New(o *ops.Ops, opt Options) (http.Handler, error) {
 	if o == nil {
 		return nil, errors.New("console: New with nil Ops")
 	}
-	return newConsole([]Member{{Ops: o}}, opt)
+	one := []Member{{Ops: o}}
+	return newConsole(func(context.Context) ([]Member, error) { return one, nil }, false, opt)
 }
 
 // NewMembers returns the handler of a console of several members: "/" lists them, and every
@@ -181,24 +198,54 @@ func New(o *ops.Ops, opt Options) (http.Handler, error) {
 // ("/?member=acme", "/retry?member=acme"), on that member's tables only; a name that is not a
 // member is answered with 404. Authorize is told the member (Action.Member), and the audit
 // entries of a member's changes name it.
-func NewMembers(members []Member, opt Options) (http.Handler, error) {
-	if len(members) == 0 {
+//
+// The list is the one given: for the members of a tenant.Set, which change while the process
+// runs, use NewMembersFunc.
+func NewMembers(list []Member, opt Options) (http.Handler, error) {
+	if len(list) == 0 {
 		return nil, errors.New("console: NewMembers without members")
 	}
-	seen := map[string]bool{}
-	for _, m := range members {
-		if err := validName(m.Name); err != nil {
-			return nil, err
+	if _, err := named(list, true); err != nil {
+		return nil, err
+	}
+	list = slices.Clone(list) // the caller's slice may change; the console's list does not
+	return newConsole(func(context.Context) ([]Member, error) { return list, nil }, true, opt)
+}
+
+// NewMembersFunc is NewMembers with the list of members read at every request from members
+// (MembersOf: a tenant.Set's), so that a member added since is served and a member removed is
+// not: its pages and actions are 404. Each request calls members once, after authentication, and
+// its page, its member and its action use that one list. The call is bounded by Options.Timeout,
+// with the request's queries, and its ctx ends when the request has been served. An error of
+// members is answered with 503, and a list NewMembers would refuse (an invalid name, no Ops, a
+// name twice) with 500, naming the member; an empty list is a page of members without any.
+func NewMembersFunc(members func(ctx context.Context) ([]Member, error), opt Options) (http.Handler, error) {
+	if members == nil {
+		return nil, errors.New("console: NewMembersFunc with a nil function")
+	}
+	return newConsole(members, true, opt)
+}
+
+// named returns the members of list by name, or an error naming the first that is invalid or
+// named twice. Unless several, list is New's one member, named "".
+func named(list []Member, several bool) (*members, error) {
+	ms := &members{byName: make(map[string]*Member, len(list)), names: make([]string, 0, len(list))}
+	for _, m := range list {
+		if several {
+			if err := validName(m.Name); err != nil {
+				return nil, err
+			}
 		}
 		if m.Ops == nil {
 			return nil, fmt.Errorf("console: member %q has no Ops", m.Name)
 		}
-		if seen[m.Name] {
+		if _, twice := ms.byName[m.Name]; twice {
 			return nil, fmt.Errorf("console: member %q is named twice", m.Name)
 		}
-		seen[m.Name] = true
+		ms.byName[m.Name] = &m
+		ms.names = append(ms.names, m.Name)
 	}
-	return newConsole(members, opt)
+	return ms, nil
 }
 
 // validName accepts the names a tenant.Set accepts. They reach the pages and their addresses
@@ -215,7 +262,7 @@ func validName(name string) error {
 	return nil
 }
 
-func newConsole(members []Member, opt Options) (http.Handler, error) {
+func newConsole(list func(ctx context.Context) ([]Member, error), several bool, opt Options) (http.Handler, error) {
 	if opt.Authenticate == nil && opt.BasicAuth == nil && !opt.AllowUnauthenticated {
 		return nil, errors.New("console: Options.Authenticate or BasicAuth is required (or set AllowUnauthenticated when the application authenticates in front of the console)")
 	}
@@ -246,11 +293,7 @@ func newConsole(members []Member, opt Options) (http.Handler, error) {
 	if opt.PageSize <= 0 {
 		opt.PageSize = 50
 	}
-	c := &console{members: map[string]*Member{}, opt: opt, key: opt.Key}
-	for _, m := range members {
-		c.members[m.Name] = &m
-		c.names = append(c.names, m.Name)
-	}
+	c := &console{list: list, several: several, opt: opt, key: opt.Key}
 	if c.key == nil {
 		c.key = make([]byte, 32)
 		if _, err := rand.Read(c.key); err != nil {
@@ -266,15 +309,40 @@ func newConsole(members []Member, opt Options) (http.Handler, error) {
 	mux.HandleFunc("POST /retry-dead", c.scoped(c.action(ActionRetryDeadLetter)))
 	mux.HandleFunc("POST /discard-dead", c.scoped(c.action(ActionDiscardDeadLetter)))
 	mux.HandleFunc("POST /dead-letter-now", c.scoped(c.action(ActionDeadLetterNow)))
-	return c.secure(mux), nil
+	return c.secure(c.withMembers(mux)), nil
 }
+
+type membersKey struct{}
+
+// withMembers reads the list of members once for the request, within its Timeout, which the
+// request's queries share.
+func (c *console) withMembers(next http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		ctx, cancel := context.WithTimeout(r.Context(), c.opt.Timeout)
+		defer cancel() // ends the ctx members was given: its Ops may be released
+		list, err := c.list(ctx)
+		if err != nil {
+			http.Error(w, fmt.Sprintf("console: the list of members could not be read: %v", err), http.StatusServiceUnavailable)
+			return
+		}
+		ms, err := named(list, c.several)
+		if err != nil {
+			http.Error(w, fmt.Sprintf("the list of members is invalid: %v", err), http.StatusInternalServerError)
+			return
+		}
+		next.ServeHTTP(w, r.WithContext(context.WithValue(ctx, membersKey{}, ms)))
+	})
+}
+
+// membersOf returns the list of members the request is served with.
+func membersOf(r *http.Request) *members { return r.Context().Value(membersKey{}).(*members) }
 
 // scoped runs h for the member the request's query names (the URL's, for a POST too: the form
 // cannot name another), or answers 404.
 func (c *console) scoped(h func(http.ResponseWriter, *http.Request, *Member)) http.HandlerFunc {
 	return func(w http.ResponseWriter, r *http.Request) {
 		name := r.URL.Query().Get("member")
-		m, ok := c.members[name]
+		m, ok := membersOf(r).byName[name]
 		if !ok {
 			http.Error(w, fmt.Sprintf("not found: no member %q", name), http.StatusNotFound)
 			return
@@ -502,7 +570,8 @@ type view struct {
 	Several     bool
 	Home        template.URL
 	Query       template.URL
-	Members     []memberRow // the page of members
+	MembersPage bool        // the page of members, of Members (none: no member)
+	Members     []memberRow
 	ReadOnly    bool
 	Flash       string
 	Error       string
@@ -533,7 +602,7 @@ type view struct {
 // newView is the view of a page of member m's.
 func (c *console) newView(r *http.Request, m *Member) view {
 	user := userOf(r)
-	return view{User: user, Token: c.token(user, m), Member: m.Name, Several: c.several(),
+	return view{User: user, Token: c.token(user, m), Member: m.Name, Several: c.several,
 		Home: template.URL("./" + memberQuery(m, nil)), Query: template.URL(memberQuery(m, nil)),
 		ReadOnly: c.opt.Authorize == nil, PageSize: c.opt.PageSize}
 }
@@ -541,7 +610,7 @@ func (c *console) newView(r *http.Request, m *Member) view {
 // show serves the root: the page of the member the query names, or with NewMembers and no
 // member named, the page of members.
 func (c *console) show(w http.ResponseWriter, r *http.Request) {
-	if c.several() && !r.URL.Query().Has("member") {
+	if c.several && !r.URL.Query().Has("member") {
 		c.showMembers(w, r)
 		return
 	}
@@ -573,17 +642,18 @@ const membersAtOnce = 4
 func (c *console) showMembers(w http.ResponseWriter, r *http.Request) {
 	ctx, cancel := context.WithTimeout(r.Context(), c.opt.Timeout)
 	defer cancel()
+	ms := membersOf(r)
 	v := view{User: userOf(r), Several: true, Home: "./", ReadOnly: c.opt.Authorize == nil,
-		Members: make([]memberRow, len(c.names))}
+		MembersPage: true, Members: make([]memberRow, len(ms.names))}
 	type read struct {
 		i   int
 		row memberRow
 	}
 	// Buffered for every member: a read that outlives the page ends without a reader.
-	reads := make(chan read, len(c.names))
+	reads := make(chan read, len(ms.names))
 	sem := make(chan struct{}, membersAtOnce)
-	for i, name := range c.names {
-		m := c.members[name]
+	for i, name := range ms.names {
+		m := ms.byName[name]
 		row := memberRow{Name: name, Link: template.URL("./" + memberQuery(m, nil)), Sampled: -1,
 			Health: "unknown", Error: fmt.Sprintf("not read within the console's Timeout (%v)", c.opt.Timeout)}
 		v.Members[i] = row
@@ -600,7 +670,7 @@ func (c *console) showMembers(w http.ResponseWriter, r *http.Request) {
 	// Not past the deadline, even for a read that is still under way: a driver may not watch the
 	// context while it connects (lib/pq, to a server that accepts and never answers, without
 	// connect_timeout), and the page is for the incidents where a member is in that state.
-	for range c.names {
+	for range ms.names {
 		select {
 		case rd := <-reads:
 			v.Members[rd.i] = rd.row

@@ -49,6 +49,17 @@ func parkedEnv(t *testing.T) (*ops.Ops, *sql.DB, string) {
 // consumer given (one may appear more than once), and their UUIDs, in order.
 func parkedBy(t *testing.T, consumers ...string) (*ops.Ops, *sql.DB, []string) {
 	t.Helper()
+	ob, db, uuids := parkedOutbox(t, consumers...)
+	o, err := ops.ForOutbox(ob)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return o, db, uuids
+}
+
+// parkedOutbox is parkedBy's Outbox, for a tenant.Set.
+func parkedOutbox(t *testing.T, consumers ...string) (*outbox.Outbox, *sql.DB, []string) {
+	t.Helper()
 	db := pgtest.DB(t)
 	ob, err := outbox.New(outbox.Config{DB: db, Driver: postgres.Driver{}, Publisher: refusing{}, RelayMaxAttempts: 1, RetryDelay: -1})
 	if err != nil {
@@ -75,11 +86,7 @@ func parkedBy(t *testing.T, consumers ...string) (*ops.Ops, *sql.DB, []string) {
 		}
 	}
 	ob.FlushMarks()
-	o, err := ops.ForOutbox(ob)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return o, db, uuids
+	return ob, db, uuids
 }
 
 func serve(t *testing.T, o *ops.Ops, opt console.Options) *httptest.Server {
