@@ -570,7 +570,7 @@ type view struct {
 	Several     bool
 	Home        template.URL
 	Query       template.URL
-	MembersPage bool        // the page of members, of Members (none: no member)
+	MembersPage bool // the page of members, of Members (none: no member)
 	Members     []memberRow
 	ReadOnly    bool
 	Flash       string

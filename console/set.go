@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"io"
 	"sync"
+	"sync/atomic"
 
 	"github.com/watermill-outbox/outbox"
 	"github.com/watermill-outbox/outbox/ops"
@@ -37,6 +38,8 @@ type heldOps struct {
 	ops   *ops.Ops
 	users int  // calls whose ctx has not ended
 	gone  bool // no longer the member's: closed when users is 0
+	// closed: its statements were closed (exactly once: users reaches 0 after gone once).
+	closed atomic.Bool
 }
 
 func (s *setMembers) members(ctx context.Context) ([]Member, error) {
@@ -111,6 +114,7 @@ func (s *setMembers) release(used []*heldOps) (closing []*heldOps) {
 // closeOps closes the statements of each Ops, outside s.mu: closing one may reach the database.
 func closeOps(hs []*heldOps) {
 	for _, h := range hs {
+		h.closed.Store(true)
 		if c, ok := h.ops.Store().(io.Closer); ok {
 			_ = c.Close() // the statements' connections are the Outbox's pool's, which outlives them
 		}
