@@ -23,7 +23,7 @@
 // member, acting on that member's tables only.
 //
 //	var set *tenant.Set // members added and removed while the process runs
-//	h, err = console.NewMembersFunc(console.MembersOf(set), console.Options{
+//	h, err := console.NewMembersFunc(console.MembersOf(set), console.Options{
 //		Authenticate: func(r *http.Request) (string, bool) { return userFrom(r) },
 //		Authorize:    func(r *http.Request, user string, a console.Action) bool { return isOperator(user) },
 //	})
@@ -125,7 +125,7 @@ type Options struct {
 	// for an application whose own authentication sits in front of the handler.
 	AllowUnauthenticated bool
 	// Authorize tells whether user may perform a.Name on its target (the parked effects, their
-	// consumers and topics, or the message to replay, and with NewMembers the member), so that
+	// consumers and topics, or the message to replay, and with members the member), so that
 	// permissions may be per consumer or per tenant. It is asked for every row the page shows a button for, and again for the
 	// target of every action. Nil: the console is read-only.
 	Authorize func(r *http.Request, user string, a Action) bool
@@ -322,7 +322,7 @@ func (c *console) withMembers(next http.Handler) http.Handler {
 		defer cancel() // ends the ctx members was given: its Ops may be released
 		list, err := c.list(ctx)
 		if err != nil {
-			http.Error(w, fmt.Sprintf("console: the list of members could not be read: %v", err), http.StatusServiceUnavailable)
+			http.Error(w, fmt.Sprintf("the list of members could not be read: %v", err), http.StatusServiceUnavailable)
 			return
 		}
 		ms, err := named(list, c.several)
@@ -607,7 +607,7 @@ func (c *console) newView(r *http.Request, m *Member) view {
 		ReadOnly: c.opt.Authorize == nil, PageSize: c.opt.PageSize}
 }
 
-// show serves the root: the page of the member the query names, or with NewMembers and no
+// show serves the root: the page of the member the query names, or with members and no
 // member named, the page of members.
 func (c *console) show(w http.ResponseWriter, r *http.Request) {
 	if c.several && !r.URL.Query().Has("member") {

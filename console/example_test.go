@@ -76,23 +76,23 @@ func ExampleNew() {
 }
 
 // The console of a tenant.Set: its root lists the members, and ?member=NAME picks one, whose
-// page and repairs are on that member's database only.
-func ExampleNewMembers() {
+// page and repairs are on that member's database only. It follows the Set: a tenant added while
+// the process runs is served at once.
+func ExampleNewMembersFunc() {
 	set, err := tenant.New(tenant.Config{Metadata: "tenant", Unresolved: "unresolved"})
 	if err != nil {
 		panic(err)
 	}
-	for _, name := range []string{"acme", "globex", "unresolved"} {
-		dsn, drop, err := pgtest.Database() // the member's database; here a fresh one for the example
+	// add adds a member on a database of its own, and returns what drops the database.
+	add := func(name string) (drop func()) {
+		dsn, dropDB, err := pgtest.Database() // the member's database; here a fresh one for the example
 		if err != nil {
 			panic(err)
 		}
-		defer drop()
 		db, err := sql.Open("postgres", dsn)
 		if err != nil {
 			panic(err)
 		}
-		defer db.Close()
 		ob, err := outbox.New(outbox.Config{DB: db, Driver: postgres.Driver{}, Publisher: gochannel.NewGoChannel(gochannel.Config{}, watermill.NopLogger{})})
 		if err != nil {
 			panic(err)
@@ -103,18 +103,14 @@ func ExampleNewMembers() {
 		if err := set.Add(name, ob); err != nil {
 			panic(err)
 		}
+		return func() { _ = db.Close(); dropDB() }
+	}
+	for _, name := range []string{"acme", "globex", "unresolved"} {
+		drop := add(name)
+		defer drop()
 	}
 
-	var members []console.Member
-	for _, name := range set.Members() {
-		ob, _ := set.Member(name)
-		o, err := ops.ForOutbox(ob)
-		if err != nil {
-			panic(err)
-		}
-		members = append(members, console.Member{Name: name, Ops: o, Health: ob.Health})
-	}
-	h, err := console.NewMembers(members, console.Options{
+	h, err := console.NewMembersFunc(console.MembersOf(set), console.Options{
 		Authenticate: func(r *http.Request) (string, bool) { return "alice", true }, // the service's own check
 		Authorize: func(r *http.Request, user string, a console.Action) bool {
 			return user == "alice" && a.Member != "globex" // per tenant
@@ -123,13 +119,20 @@ func ExampleNewMembers() {
 	if err != nil {
 		panic(err)
 	}
-	for _, path := range []string{"/", "/?member=acme", "/?member=initech"} {
+	show := func(path string) {
 		rec := httptest.NewRecorder()
 		h.ServeHTTP(rec, httptest.NewRequest(http.MethodGet, path, nil))
 		fmt.Printf("%s: %d, lists the members: %v\n", path, rec.Code, strings.Contains(rec.Body.String(), `id="members"`))
 	}
+	show("/")
+	show("/?member=acme")
+	show("/?member=initech")
+	drop := add("initech") // a tenant signs up
+	defer drop()
+	show("/?member=initech")
 	// Output:
 	// /: 200, lists the members: true
 	// /?member=acme: 200, lists the members: false
 	// /?member=initech: 404, lists the members: false
+	// /?member=initech: 200, lists the members: false
 }

@@ -21,7 +21,6 @@ import (
 	"github.com/watermill-outbox/outbox/console"
 	"github.com/watermill-outbox/outbox/drivers/postgres"
 	"github.com/watermill-outbox/outbox/drivers/sqlite"
-	"github.com/watermill-outbox/outbox/ops"
 	"github.com/watermill-outbox/outbox/outboxdriver"
 	"github.com/watermill-outbox/outbox/tenant"
 )
@@ -237,11 +236,12 @@ func (t *tenantAPI) routes() http.Handler {
 	return mux
 }
 
-// tenantsConsole returns the web console of every member (console.NewMembers: a page of members,
-// and each member's page and repairs on its own database), the unresolved member's too, whose
-// dead letters are the messages of unknown tenants, and what to tell the user, with ADDR standing
-// for the listen address. On SQLite it returns none (package ops has no SQLite statements).
-func tenantsConsole(cfg config, dbs []tenantDB, obs map[string]*outbox.Outbox) (http.Handler, string, error) {
+// tenantsConsole returns the web console of every member of set (console.NewMembersFunc: a page
+// of members, and each member's page and repairs on its own database), the unresolved member's
+// too, whose dead letters are the messages of unknown tenants, and what to tell the user, with
+// ADDR standing for the listen address. It follows the Set: a tenant added while the service runs
+// is served at once. On SQLite it returns none (package ops has no SQLite statements).
+func tenantsConsole(cfg config, set *tenant.Set) (http.Handler, string, error) {
 	if cfg.postgres == "" {
 		return nil, "(needs PostgreSQL: start with -postgres DSN)", nil
 	}
@@ -249,16 +249,7 @@ func tenantsConsole(cfg config, dbs []tenantDB, obs map[string]*outbox.Outbox) (
 	if err != nil {
 		return nil, "", err
 	}
-	members := make([]console.Member, 0, len(dbs))
-	for _, d := range dbs {
-		ob := obs[d.name]
-		o, err := ops.ForOutbox(ob)
-		if err != nil {
-			return nil, "", fmt.Errorf("tenant %s: %w", d.name, err)
-		}
-		members = append(members, console.Member{Name: d.name, Ops: o, Health: ob.Health})
-	}
-	h, err := console.NewMembers(members, opt)
+	h, err := console.NewMembersFunc(console.MembersOf(set), opt)
 	if err != nil {
 		return nil, "", err
 	}
@@ -370,7 +361,7 @@ func serveTenants(ctx context.Context, cfg config, out io.Writer, ready func(add
 	}
 	ta := &tenantAPI{apis: map[string]*api{}, metrics: s.metrics, health: tenantsHealth(set, consumersRunning)}
 	var consoleNote string
-	if ta.console, consoleNote, err = tenantsConsole(cfg, s.tenantDBs, obs); err != nil {
+	if ta.console, consoleNote, err = tenantsConsole(cfg, set); err != nil {
 		return err
 	}
 	for _, t := range s.tenantDBs {
