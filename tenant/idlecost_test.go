@@ -32,8 +32,10 @@ import (
 // OUTBOX_IDLE_WINDOW sets the window in seconds (default 30), OUTBOX_IDLE_WARMUP the wait before
 // it (default 5), OUTBOX_IDLE_STATS the members' StatsInterval in seconds (negative: none),
 // OUTBOX_IDLE_ROUNDS the rounds (default 2), OUTBOX_IDLE_SET_ONLY=1 skips Outbox.Run per member,
-// OUTBOX_IDLE_DBS=1 gives each tenant a database and a pool of its own instead of a schema, and
-// OUTBOX_IDLE_POOL_IDLE the idle connections each of those pools keeps (SetMaxIdleConns; default 2).
+// OUTBOX_IDLE_DBS=1 gives each tenant a database and a pool of its own instead of a schema,
+// OUTBOX_IDLE_LAYOUTS=schemas,dbs measures both side by side (each counted by its databases),
+// OUTBOX_IDLE_POOL_IDLE sets the idle connections each tenant database's pool keeps and
+// OUTBOX_IDLE_SCHEMA_POOL_IDLE those of the schemas' one pool (SetMaxIdleConns; default 2).
 func TestIdleCost(t *testing.T) {
 	n, _ := strconv.Atoi(os.Getenv("OUTBOX_IDLE_COST"))
 	if n <= 0 {
@@ -91,58 +93,84 @@ func TestIdleCost(t *testing.T) {
 	t.Cleanup(func() { _ = db.Close() })
 
 	w := newWire()
-	obs := make([]*outbox.Outbox, n)
-	// The databases measured: the test's, with a schema (TablePrefix) per tenant, or with
-	// OUTBOX_IDLE_DBS=1 a database per tenant, each with a pool of its own (database/sql's
-	// defaults, as a service opens them) and the default tables.
-	dbnames := []string{dbname}
-	perDB := os.Getenv("OUTBOX_IDLE_DBS") != ""
-	if perDB {
-		dbnames = dbnames[:0]
+	// The layouts measured, side by side on the one server, each counted by its own databases:
+	// a schema (TablePrefix) per tenant on the test's database and one pool, and a database per
+	// tenant, each with a pool of its own (database/sql's defaults, as a service opens them) and
+	// the default tables. OUTBOX_IDLE_LAYOUTS picks them ("schemas", "dbs" or both, comma
+	// separated); without it, OUTBOX_IDLE_DBS=1 means dbs alone, else schemas alone.
+	type layout struct {
+		name  string
+		obs   []*outbox.Outbox
+		names string // the databases measured, as a PostgreSQL array
 	}
-	for i := range obs {
-		cfg := outbox.Config{DB: db, Driver: postgres.Driver{}, Publisher: w, TablePrefix: fmt.Sprintf("t%d_", i), StatsInterval: stats}
-		if perDB {
-			name := fmt.Sprintf("%s_t%d", dbname, i)
-			if _, err := admin.Exec(`CREATE DATABASE ` + name); err != nil {
-				t.Fatal(err)
+	want := strings.Split(os.Getenv("OUTBOX_IDLE_LAYOUTS"), ",")
+	if want[0] == "" {
+		want = []string{"schemas"}
+		if os.Getenv("OUTBOX_IDLE_DBS") != "" {
+			want = []string{"dbs"}
+		}
+	}
+	if k, err := strconv.Atoi(os.Getenv("OUTBOX_IDLE_SCHEMA_POOL_IDLE")); err == nil {
+		db.SetMaxIdleConns(k)
+	}
+	var layouts []*layout
+	for _, lname := range want {
+		l := &layout{name: lname}
+		var dbnames []string
+		switch lname {
+		case "schemas":
+			l.name = "a schema each, one pool"
+			dbnames = []string{dbname}
+		case "dbs":
+			l.name = "a database and a pool each"
+		default:
+			t.Fatalf("OUTBOX_IDLE_LAYOUTS: unknown layout %q (schemas, dbs)", lname)
+		}
+		for i := range n {
+			cfg := outbox.Config{DB: db, Driver: postgres.Driver{}, Publisher: w, TablePrefix: fmt.Sprintf("t%d_", i), StatsInterval: stats}
+			if lname == "dbs" {
+				name := fmt.Sprintf("%s_t%d", dbname, i)
+				if _, err := admin.Exec(`CREATE DATABASE ` + name); err != nil {
+					t.Fatal(err)
+				}
+				dsn, err := withDatabase(adminDSN, name)
+				if err != nil {
+					t.Fatal(err)
+				}
+				tdb, err := sql.Open("postgres", dsn)
+				if err != nil {
+					t.Fatal(err)
+				}
+				t.Cleanup(func() {
+					_ = tdb.Close()
+					_, _ = admin.Exec(`DROP DATABASE IF EXISTS ` + name + ` WITH (FORCE)`)
+				})
+				if k, err := strconv.Atoi(os.Getenv("OUTBOX_IDLE_POOL_IDLE")); err == nil {
+					tdb.SetMaxIdleConns(k)
+				}
+				cfg.DB, cfg.TablePrefix = tdb, ""
+				dbnames = append(dbnames, name)
 			}
-			dsn, err := withDatabase(adminDSN, name)
+			ob, err := outbox.New(cfg)
 			if err != nil {
 				t.Fatal(err)
 			}
-			tdb, err := sql.Open("postgres", dsn)
-			if err != nil {
+			if err := ob.Migrate(context.Background()); err != nil {
 				t.Fatal(err)
 			}
-			t.Cleanup(func() {
-				_ = tdb.Close()
-				_, _ = admin.Exec(`DROP DATABASE IF EXISTS ` + name + ` WITH (FORCE)`)
-			})
-			if k, err := strconv.Atoi(os.Getenv("OUTBOX_IDLE_POOL_IDLE")); err == nil {
-				tdb.SetMaxIdleConns(k)
-			}
-			cfg.DB, cfg.TablePrefix = tdb, ""
-			dbnames = append(dbnames, name)
+			l.obs = append(l.obs, ob)
 		}
-		ob, err := outbox.New(cfg)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if err := ob.Migrate(context.Background()); err != nil {
-			t.Fatal(err)
-		}
-		obs[i] = ob
+		l.names = "{" + strings.Join(dbnames, ",") + "}"
+		layouts = append(layouts, l)
 	}
-	names := "{" + strings.Join(dbnames, ",") + "}"
 
-	counters := func() (xacts, sessions int64) {
+	counters := func(names string) (xacts, sessions int64) {
 		if err := admin.QueryRow(`SELECT sum(xact_commit + xact_rollback), sum(sessions) FROM pg_stat_database WHERE datname = ANY ($1::text[])`, names).Scan(&xacts, &sessions); err != nil {
 			t.Fatal(err)
 		}
 		return xacts, sessions
 	}
-	conns := func() int {
+	conns := func(names string) int {
 		var c int
 		if err := admin.QueryRow(`SELECT count(*) FROM pg_stat_activity WHERE datname = ANY ($1::text[]) AND backend_type = 'client backend'`, names).Scan(&c); err != nil {
 			t.Fatal(err)
@@ -157,7 +185,7 @@ func TestIdleCost(t *testing.T) {
 		query string
 		calls int64
 	}
-	statements := func() (control, other int64, top []stmt) {
+	statements := func(names string) (control, other int64, top []stmt) {
 		rows, err := admin.Query(`SELECT regexp_replace(query, '\mt[0-9]+_', 't_', 'g'), sum(calls)::bigint
 			FROM pg_stat_statements WHERE dbid IN (SELECT oid FROM pg_database WHERE datname = ANY ($1::text[]))
 			GROUP BY 1 ORDER BY 2 DESC`, names)
@@ -185,9 +213,9 @@ func TestIdleCost(t *testing.T) {
 
 	modes := []struct {
 		name  string
-		start func(ctx context.Context) (wait func())
+		start func(ctx context.Context, obs []*outbox.Outbox) (wait func())
 	}{
-		{"Outbox.Run per member", func(ctx context.Context) func() {
+		{"Outbox.Run per member", func(ctx context.Context, obs []*outbox.Outbox) func() {
 			var wg sync.WaitGroup
 			for _, ob := range obs {
 				wg.Add(1)
@@ -195,7 +223,7 @@ func TestIdleCost(t *testing.T) {
 			}
 			return wg.Wait
 		}},
-		{"Set.Run, one engine", func(ctx context.Context) func() {
+		{"Set.Run, one engine", func(ctx context.Context, obs []*outbox.Outbox) func() {
 			set, err := tenant.New(tenant.Config{Resolver: tenant.FromMetadata("tenant"), NackUnresolved: true}) // no messages here
 			if err != nil {
 				t.Fatal(err)
@@ -218,42 +246,56 @@ func TestIdleCost(t *testing.T) {
 			runtime.GC()
 			base := runtime.NumGoroutine()
 			ctx, cancel := context.WithCancel(context.Background())
-			wait := m.start(ctx)
+			var waits []func()
+			for _, l := range layouts {
+				waits = append(waits, m.start(ctx, l.obs))
+			}
 			time.Sleep(warmup) // past the first passes of every service
 			goroutines := runtime.NumGoroutine() - base
 			if _, err := admin.Exec(`SELECT pg_stat_statements_reset()`); err != nil {
 				t.Fatal(err)
 			}
-			x0, s0 := counters()
+			type sample struct {
+				x0, s0          int64
+				sum, peak, seen int
+			}
+			samples := make([]sample, len(layouts))
+			for i, l := range layouts {
+				samples[i].x0, samples[i].s0 = counters(l.names)
+			}
 			begin := time.Now()
-			var sum, peak, samples int
 			for time.Since(begin) < window {
 				time.Sleep(time.Second)
-				c := conns()
-				sum += c
-				peak = max(peak, c)
-				samples++
+				for i, l := range layouts {
+					c := conns(l.names)
+					samples[i].sum += c
+					samples[i].peak = max(samples[i].peak, c)
+					samples[i].seen++
+				}
 			}
-			x1, s1 := counters()
-			control, other, top := statements()
 			secs := time.Since(begin).Seconds()
-			cancel()
-			wait()
-			layout := "a schema each, one pool"
-			if perDB {
-				layout = "a database and a pool each"
+			for i, l := range layouts {
+				x1, s1 := counters(l.names)
+				control, other, top := statements(l.names)
+				sm := samples[i]
+				t.Logf("round %d, %d idle tenants (%s), %s, StatsInterval %v, window %v after %v: goroutines %d (all layouts' together), server connections mean %.0f peak %d, new connections %.1f/s, transactions %.1f/s, statements %.1f/s (and %.1f/s BEGIN, COMMIT, ROLLBACK, SET)",
+					round, n, l.name, m.name, l.obs[0].Config().StatsInterval, window, warmup, goroutines, float64(sm.sum)/float64(sm.seen), sm.peak,
+					float64(s1-sm.s0)/secs, float64(x1-sm.x0)/secs, float64(other)/secs, float64(control)/secs)
+				for _, st := range top[:min(len(top), 15)] {
+					t.Logf("  %6.2f/s  %s", float64(st.calls)/secs, strings.Join(strings.Fields(st.query), " "))
+				}
 			}
-			t.Logf("round %d, %d idle tenants (%s), %s, StatsInterval %v, window %v after %v: goroutines %d, server connections mean %.0f peak %d, new connections %.1f/s, transactions %.1f/s, statements %.1f/s (and %.1f/s BEGIN, COMMIT, ROLLBACK, SET)",
-				round, n, layout, m.name, obs[0].Config().StatsInterval, window, warmup, goroutines, float64(sum)/float64(samples), peak, float64(s1-s0)/secs, float64(x1-x0)/secs,
-				float64(other)/secs, float64(control)/secs)
-			for _, st := range top[:min(len(top), 15)] {
-				t.Logf("  %6.2f/s  %s", float64(st.calls)/secs, strings.Join(strings.Fields(st.query), " "))
+			cancel()
+			for _, wait := range waits {
+				wait()
 			}
 			time.Sleep(2 * time.Second)
 		}
 	}
-	for _, ob := range obs {
-		_ = ob.Close()
+	for _, l := range layouts {
+		for _, ob := range l.obs {
+			_ = ob.Close()
+		}
 	}
 }
 
