@@ -92,6 +92,12 @@ func parkedOutbox(t *testing.T, consumers ...string) (*outbox.Outbox, *sql.DB, [
 func serve(t *testing.T, o *ops.Ops, opt console.Options) *httptest.Server {
 	t.Helper()
 	h, err := console.New(o, opt)
+	return serveHandler(t, h, err)
+}
+
+// serveHandler serves a console's handler, built with err, under /outbox/.
+func serveHandler(t *testing.T, h http.Handler, err error) *httptest.Server {
+	t.Helper()
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -39,14 +39,7 @@ func newSet(t *testing.T) (*tenant.Set, func(name string, ob *outbox.Outbox)) {
 func serveSet(t *testing.T, set *tenant.Set, opt console.Options) *httptest.Server {
 	t.Helper()
 	h, err := console.NewMembersFunc(console.MembersOf(set), opt)
-	if err != nil {
-		t.Fatal(err)
-	}
-	mux := http.NewServeMux()
-	mux.Handle("/outbox/", http.StripPrefix("/outbox", h))
-	srv := httptest.NewServer(mux)
-	t.Cleanup(srv.Close)
-	return srv
+	return serveHandler(t, h, err)
 }
 
 // TestMembersFollowTheSet: a member added to the Set after the console was built is on the page
@@ -120,14 +113,7 @@ func TestMembersFollowTheSet(t *testing.T) {
 func serveFunc(t *testing.T, members func(context.Context) ([]console.Member, error), opt console.Options) *httptest.Server {
 	t.Helper()
 	h, err := console.NewMembersFunc(members, opt)
-	if err != nil {
-		t.Fatal(err)
-	}
-	mux := http.NewServeMux()
-	mux.Handle("/outbox/", http.StripPrefix("/outbox", h))
-	srv := httptest.NewServer(mux)
-	t.Cleanup(srv.Close)
-	return srv
+	return serveHandler(t, h, err)
 }
 
 // TestMembersFuncBadLists: what the function returns is checked at every request. Its error is

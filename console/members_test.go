@@ -25,14 +25,7 @@ import (
 func serveMembers(t *testing.T, members []console.Member, opt console.Options) *httptest.Server {
 	t.Helper()
 	h, err := console.NewMembers(members, opt)
-	if err != nil {
-		t.Fatal(err)
-	}
-	mux := http.NewServeMux()
-	mux.Handle("/outbox/", http.StripPrefix("/outbox", h))
-	srv := httptest.NewServer(mux)
-	t.Cleanup(srv.Close)
-	return srv
+	return serveHandler(t, h, err)
 }
 
 // memberLine is the line of member name on the page of members.
