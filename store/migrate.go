@@ -66,11 +66,32 @@ type MigrateQueries struct {
 	// AlreadyApplied, when set, tells an error of a migration that means its change is there
 	// already (SQLite has no ADD COLUMN IF NOT EXISTS; such a migration holds one statement).
 	AlreadyApplied func(error) bool
+	// Stale, when set, tells an error of a migrator that may have acted on the catalog as it
+	// was before it got the lock: Migrate runs again, in a new transaction, which sees what the
+	// migrator it waited for did. (A PostgreSQL session caches that a schema or table does not
+	// exist, from a look-up before the lock, such as Migrate's first SchemaCheck, and reads other
+	// sessions' catalog changes at a transaction's start or when it locks a table; an advisory
+	// lock is neither. CREATE SCHEMA IF NOT EXISTS then took a schema created meanwhile for
+	// missing, and failed on the catalog's unique index.)
+	Stale func(error) bool
 }
+
+// migrateAttempts bounds Migrate's runs when an error is Stale: the second run's transaction
+// begins after the migrator the first waited for committed.
+const migrateAttempts = 3
 
 // Migrate applies the missing migrations in one transaction, under the dialect's lock, so that
 // several processes can run it at once.
 func Migrate(ctx context.Context, db *sql.DB, q MigrateQueries, migrations []Migration) error {
+	for attempt := 1; ; attempt++ {
+		err := migrateOnce(ctx, db, q, migrations)
+		if err == nil || q.Stale == nil || !q.Stale(err) || attempt == migrateAttempts || ctx.Err() != nil {
+			return err
+		}
+	}
+}
+
+func migrateOnce(ctx context.Context, db *sql.DB, q MigrateQueries, migrations []Migration) error {
 	tx, err := db.BeginTx(ctx, nil)
 	if err != nil {
 		return fmt.Errorf("begin: %w", err)

@@ -254,7 +254,25 @@ func migrateQueries(n store.Names) store.MigrateQueries {
 		},
 		Applied: "SELECT version FROM " + n.Migrations,
 		Insert:  "INSERT INTO " + n.Migrations + " (version) VALUES ($1)",
+		Stale:   staleCatalog,
 	}
+}
+
+// staleCatalog tells the errors of a statement that acted on what the session's catalog cache
+// said before the migration lock it waited for (see store.MigrateQueries.Stale): an object
+// created meanwhile taken for missing (unique_violation in a catalog's index, duplicate_schema,
+// duplicate_table, duplicate_object) or one that is there taken for absent (undefined_table,
+// invalid_schema_name).
+func staleCatalog(err error) bool {
+	var s interface{ SQLState() string }
+	if !errors.As(err, &s) {
+		return false
+	}
+	switch s.SQLState() {
+	case "23505", "42P06", "42P07", "42710", "42P01", "3F000":
+		return true
+	}
+	return false
 }
 
 // effectColumns are the columns of an effect (table alias e) as the store scans them.
