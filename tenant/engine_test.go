@@ -527,20 +527,23 @@ func TestSetRelayPassThatDrainedCountsIdle(t *testing.T) {
 		}
 		eventually(t, "the delayed effect sent", func() bool { return w.count(id) == 1 })
 		time.Sleep(4 * every)
-		// The pass began with the first of its claims, which are milliseconds apart (a claim
-		// finds the delayed effect due, its move, the claim that takes it, the last one).
+		// A pass is a chain of claims, each less than every/2 after the one before (a claim
+		// finds the delayed effect due, its move, the claim that takes it, the last one:
+		// milliseconds apart, more on a loaded machine); passes are a RelayInterval or more
+		// apart. The pass that sent began with the first claim of its chain.
 		claims := d.all()
 		k := slices.IndexFunc(claims, func(c claimAt) bool { return slices.Contains(c.ids, id) })
 		var took time.Time
 		var after []time.Duration
 		if k >= 0 {
-			took = claims[k].at
-			for j := k - 1; j >= 0 && took.Sub(claims[j].at) < every/2; j-- {
-				took = claims[j].at
+			j := k
+			for j > 0 && claims[j].at.Sub(claims[j-1].at) < every/2 {
+				j--
 			}
-			for _, c := range claims[k+1:] {
-				if c.at.Sub(took) > every/2 {
-					after = append(after, c.at.Sub(took))
+			took = claims[j].at
+			for j = k + 1; j < len(claims); j++ {
+				if claims[j].at.Sub(claims[j-1].at) >= every/2 {
+					after = append(after, claims[j].at.Sub(took)) // a pass begins
 				}
 			}
 		}
