@@ -403,11 +403,7 @@ func DelayedCancelOwnClaim(n store.Names) string {
 func queries(n store.Names, deleteDispatched bool, gen *Generation) store.Queries {
 	// The inserts that return xmin name the current partition (see Generation).
 	current := func() string { return effectsPartition(n, gen.Load()) }
-	// notSkipped leaves out the ordering keys the relay asked the claim to skip ($7): those of
-	// the round it is sending, whose later effects wait behind that round's lease. Without it a
-	// claim made while a round sends spends its limit on them and takes nothing from them.
-	notSkipped := `e.ordering_key NOT IN (SELECT jsonb_array_elements_text($7::jsonb))`
-	ms := func(arg string) string { return "(" + arg + " * interval '1 millisecond')" }
+	ms := millis
 	// Marked effects leave the effects table, which holds only what is pending: deleted (the
 	// default), or moved to the dispatched table for EffectRetention. Every statement that takes
 	// effects out does it in a CTE named m (locking the effect rows first, as everywhere) and reads
@@ -436,13 +432,6 @@ func queries(n store.Names, deleteDispatched bool, gen *Generation) store.Querie
 				FROM (SELECT DISTINCT source_consumer, source_id FROM m) s
 				WHERE p.consumer = s.source_consumer AND p.message_id = s.source_id`
 	markWhere := `USING ` + ids("$1") + ` WHERE e.id = v.id AND ` + asyncCommit
-	// The effects the relay may send, found through the index effects_due: the windows of a claim
-	// are placed among them, so that the parked effects in front are not walked by every pass (a
-	// window's effects are still checked against all pending effects of their keys, parked ones
-	// included, which hold them back).
-	unparked := `dispatched_at IS NULL AND parked_at IS NULL`
-	// What the store keeps its claims' floor by (store.Queries.EffectClaimDueFloor).
-	floorColumns := `bounds.found, bounds.snap_xmin, bounds.cand_xmax, bounds.seq_last`
 	backedOff := unparked + ` AND next_attempt_at = backoff_until AND next_attempt_at > now()`
 	q := store.Queries{
 		// The claim's CTE and the SELECT see one snapshot, taken when the statement began: a
@@ -647,68 +636,7 @@ func queries(n store.Names, deleteDispatched bool, gen *Generation) store.Querie
 		// than up to its cap later. It reads the rows of the window again (by effects_due, the
 		// rows the candidates were looked for in), only when nothing was claimed: in an idle
 		// member's window, none or a few.
-		EffectClaimDue: `WITH bounds AS MATERIALIZED (
-				SELECT hi, last > hi AS more, lo, greatest(hi, last - $6) AS tail_lo, last, found,
-					pg_snapshot_xmin(pg_current_snapshot())::text::bigint AS snap_xmin,
-					CASE WHEN found OR $5 > 0 OR s.seq_last <= $8 THEN pg_snapshot_xmax(pg_current_snapshot())::text::bigint
-						ELSE pg_current_xact_id()::text::bigint END AS cand_xmax,
-					s.seq_last
-				FROM (SELECT CASE WHEN $5 > 0 THEN $5 ELSE coalesce(f.first, $8) END AS lo, f.first IS NOT NULL AS found,
-					CASE WHEN $5 = 0 AND f.first IS NULL THEN 0
-						ELSE coalesce((SELECT max(id) FROM ` + n.Effects + ` WHERE ` + unparked + ` AND id > $8), 0) END AS last
-					FROM (SELECT CASE WHEN $5 > 0 THEN NULL
-						ELSE (SELECT min(id) - 1 FROM ` + n.Effects + ` WHERE ` + unparked + ` AND id > $8) END AS first
-						OFFSET 0) f
-					OFFSET 0) l, LATERAL (SELECT CASE WHEN $5 = 0 AND NOT found THEN lo ELSE lo + $6 END AS hi) h,
-					(SELECT coalesce(pg_sequence_last_value(pg_get_serial_sequence('` + effectsPartition(n, 0) + `', 'id')::regclass), 0) AS seq_last
-					OFFSET 0) s
-				WHERE ` + asyncCommit + `),
-			tail AS MATERIALIZED (
-				SELECT e.id, e.ordering_key, e.topic, octet_length(e.payload) + octet_length(e.metadata) AS size
-				FROM ` + n.Effects + ` e, bounds
-				WHERE e.id > (SELECT tail_lo FROM bounds) AND e.id <= (SELECT last FROM bounds) AND ` + selfDue(ms) + ` AND ` + notSkipped + `
-				ORDER BY e.id DESC LIMIT ($2 + 3) / 4),
-			fresh AS MATERIALIZED (SELECT t.ordering_key FROM (SELECT DISTINCT ordering_key FROM tail) t, bounds
-				WHERE (SELECT b.id FROM ` + n.Effects + ` b WHERE b.ordering_key = t.ordering_key AND b.dispatched_at IS NULL
-					ORDER BY b.ordering_key, b.id LIMIT 1) > bounds.tail_lo),
-			cand AS MATERIALIZED (
-				(SELECT e.id, e.ordering_key, e.topic, octet_length(e.payload) + octet_length(e.metadata) AS size
-				FROM ` + n.Effects + ` e, bounds
-				WHERE e.id > (SELECT lo FROM bounds) AND e.id <= (SELECT hi FROM bounds) AND ` + selfDue(ms) + ` AND ` + notSkipped + `
-				ORDER BY e.id LIMIT $2)
-				UNION ALL
-				SELECT tail.* FROM tail JOIN fresh USING (ordering_key)),
-			c AS MATERIALIZED (
-				SELECT id, ordering_key, size FROM (
-					SELECT id, ordering_key, size, kr, row_number() OVER (PARTITION BY topic ORDER BY kr, id) AS tr
-					FROM (SELECT cand.*, row_number() OVER (PARTITION BY ordering_key ORDER BY id) AS kr FROM cand) k) r
-				ORDER BY tr, kr, id LIMIT $2),
-			keys AS MATERIALIZED (SELECT ordering_key, min(id) AS first, array_agg(id) AS ids FROM c GROUP BY ordering_key),
-			heads AS MATERIALIZED (
-				SELECT h.id FROM keys k, LATERAL (SELECT e.id FROM ` + n.Effects + ` e
-					WHERE e.id = k.first AND e.dispatched_at IS NULL AND e.parked_at IS NULL
-					  AND (e.next_attempt_at IS NULL OR e.next_attempt_at <= now())
-					FOR UPDATE OF e SKIP LOCKED) h),
-			stops AS MATERIALIZED (SELECT k.ordering_key, (SELECT b.id FROM ` + n.Effects + ` b
-					WHERE b.ordering_key = k.ordering_key AND b.dispatched_at IS NULL AND b.id <> ALL (k.ids)
-					ORDER BY b.ordering_key, b.id LIMIT 1) AS stop
-				FROM keys k JOIN heads h ON h.id = k.first),
-			w AS (SELECT c.id, c.ordering_key, sum(c.size) OVER (ORDER BY c.id) AS running, row_number() OVER (ORDER BY c.id) AS n
-				FROM c JOIN stops USING (ordering_key) WHERE stops.stop IS NULL OR c.id < stops.stop),
-			claimed AS MATERIALIZED (SELECT id, ordering_key FROM w WHERE running <= $3 OR n = 1),
-			due AS MATERIALIZED (SELECT (extract(epoch FROM d.due_at - now()) * 1000)::bigint AS ms FROM ` + n.Delayed + ` d
-				ORDER BY d.due_at, d.id LIMIT 1),
-			lease AS (UPDATE ` + n.Effects + ` e SET next_attempt_at = now() + ` + ms("$4") + `
-				FROM (SELECT min(id) AS id FROM claimed GROUP BY ordering_key) f WHERE e.id = f.id)
-			SELECT ` + effectColumns + `, bounds.hi, bounds.more, (SELECT ms FROM due), NULL::bigint, ` + floorColumns + `
-			FROM claimed JOIN ` + n.Effects + ` e USING (id), bounds
-			UNION ALL
-			SELECT 0, '', '', 0, '', '', '', ''::bytea, ''::bytea, '', 0, 0::bigint, 0, 0::bigint, false, bounds.hi, bounds.more, (SELECT ms FROM due),
-				(SELECT (extract(epoch FROM min(p.at) - now()) * 1000)::bigint
-				FROM (SELECT coalesce(e.next_attempt_at, e.created_at + ` + ms("$1") + `) AS at FROM ` + n.Effects + ` e
-					WHERE e.id > bounds.lo AND e.id <= bounds.hi AND e.dispatched_at IS NULL AND e.parked_at IS NULL) p
-				WHERE p.at > now()), ` + floorColumns + `
-			FROM bounds WHERE NOT EXISTS (SELECT 1 FROM claimed)`,
+		EffectClaimDue:         effectClaimDue(n, "", ""),
 		EffectClaimDueWindowed: true,
 		EffectClaimDueDelayed:  true,
 		EffectClaimDuePending:  true,
@@ -1036,3 +964,90 @@ func ownUnit(n store.Names, consumer, id string) string {
 // Behind a transaction pooler such a write may reach a server connection whose setting is another
 // session's: it finds no claim and writes nothing (ErrTxFinishedByHandler).
 const OwnClaim = `inline_xid = nullif(current_setting('` + ownClaimSetting + `', true), '')::bigint`
+
+// millis is the interval of arg milliseconds.
+func millis(arg string) string { return "(" + arg + " * interval '1 millisecond')" }
+
+// notSkipped leaves out the ordering keys the relay asked the claim to skip ($7): those of the
+// round it is sending, whose later effects wait behind that round's lease. Without it a claim
+// made while a round sends spends its limit on them and takes nothing from them.
+const notSkipped = `e.ordering_key NOT IN (SELECT jsonb_array_elements_text($7::jsonb))`
+
+// unparked are the effects the relay may send, found through the index effects_due: the windows
+// of a claim are placed among them, so that the parked effects in front are not walked by every
+// pass (a window's effects are still checked against all pending effects of their keys, parked
+// ones included, which hold them back).
+const unparked = `dispatched_at IS NULL AND parked_at IS NULL`
+
+// floorColumns are what the store keeps its claims' floor by (store.Queries.EffectClaimDueFloor).
+const floorColumns = `bounds.found, bounds.snap_xmin, bounds.cand_xmax, bounds.seq_last`
+
+// effectClaimDue is Queries.EffectClaimDue (see the comment there), with, when with is not
+// empty, the CTEs with (each followed by a comma) first and the columns columns (each preceded
+// by a comma) at the end of every row: what a Store reads in the claim's round trip besides
+// (store.SQL.EffectClaimDueWith; the look at the rotation, lookQueries).
+func effectClaimDue(n store.Names, with, columns string) string {
+	ms := millis
+	return `WITH ` + with + `bounds AS MATERIALIZED (
+				SELECT hi, last > hi AS more, lo, greatest(hi, last - $6) AS tail_lo, last, found,
+					pg_snapshot_xmin(pg_current_snapshot())::text::bigint AS snap_xmin,
+					CASE WHEN found OR $5 > 0 OR s.seq_last <= $8 THEN pg_snapshot_xmax(pg_current_snapshot())::text::bigint
+						ELSE pg_current_xact_id()::text::bigint END AS cand_xmax,
+					s.seq_last
+				FROM (SELECT CASE WHEN $5 > 0 THEN $5 ELSE coalesce(f.first, $8) END AS lo, f.first IS NOT NULL AS found,
+					CASE WHEN $5 = 0 AND f.first IS NULL THEN 0
+						ELSE coalesce((SELECT max(id) FROM ` + n.Effects + ` WHERE ` + unparked + ` AND id > $8), 0) END AS last
+					FROM (SELECT CASE WHEN $5 > 0 THEN NULL
+						ELSE (SELECT min(id) - 1 FROM ` + n.Effects + ` WHERE ` + unparked + ` AND id > $8) END AS first
+						OFFSET 0) f
+					OFFSET 0) l, LATERAL (SELECT CASE WHEN $5 = 0 AND NOT found THEN lo ELSE lo + $6 END AS hi) h,
+					(SELECT coalesce(pg_sequence_last_value(pg_get_serial_sequence('` + effectsPartition(n, 0) + `', 'id')::regclass), 0) AS seq_last
+					OFFSET 0) s
+				WHERE ` + asyncCommit + `),
+			tail AS MATERIALIZED (
+				SELECT e.id, e.ordering_key, e.topic, octet_length(e.payload) + octet_length(e.metadata) AS size
+				FROM ` + n.Effects + ` e, bounds
+				WHERE e.id > (SELECT tail_lo FROM bounds) AND e.id <= (SELECT last FROM bounds) AND ` + selfDue(ms) + ` AND ` + notSkipped + `
+				ORDER BY e.id DESC LIMIT ($2 + 3) / 4),
+			fresh AS MATERIALIZED (SELECT t.ordering_key FROM (SELECT DISTINCT ordering_key FROM tail) t, bounds
+				WHERE (SELECT b.id FROM ` + n.Effects + ` b WHERE b.ordering_key = t.ordering_key AND b.dispatched_at IS NULL
+					ORDER BY b.ordering_key, b.id LIMIT 1) > bounds.tail_lo),
+			cand AS MATERIALIZED (
+				(SELECT e.id, e.ordering_key, e.topic, octet_length(e.payload) + octet_length(e.metadata) AS size
+				FROM ` + n.Effects + ` e, bounds
+				WHERE e.id > (SELECT lo FROM bounds) AND e.id <= (SELECT hi FROM bounds) AND ` + selfDue(ms) + ` AND ` + notSkipped + `
+				ORDER BY e.id LIMIT $2)
+				UNION ALL
+				SELECT tail.* FROM tail JOIN fresh USING (ordering_key)),
+			c AS MATERIALIZED (
+				SELECT id, ordering_key, size FROM (
+					SELECT id, ordering_key, size, kr, row_number() OVER (PARTITION BY topic ORDER BY kr, id) AS tr
+					FROM (SELECT cand.*, row_number() OVER (PARTITION BY ordering_key ORDER BY id) AS kr FROM cand) k) r
+				ORDER BY tr, kr, id LIMIT $2),
+			keys AS MATERIALIZED (SELECT ordering_key, min(id) AS first, array_agg(id) AS ids FROM c GROUP BY ordering_key),
+			heads AS MATERIALIZED (
+				SELECT h.id FROM keys k, LATERAL (SELECT e.id FROM ` + n.Effects + ` e
+					WHERE e.id = k.first AND e.dispatched_at IS NULL AND e.parked_at IS NULL
+					  AND (e.next_attempt_at IS NULL OR e.next_attempt_at <= now())
+					FOR UPDATE OF e SKIP LOCKED) h),
+			stops AS MATERIALIZED (SELECT k.ordering_key, (SELECT b.id FROM ` + n.Effects + ` b
+					WHERE b.ordering_key = k.ordering_key AND b.dispatched_at IS NULL AND b.id <> ALL (k.ids)
+					ORDER BY b.ordering_key, b.id LIMIT 1) AS stop
+				FROM keys k JOIN heads h ON h.id = k.first),
+			w AS (SELECT c.id, c.ordering_key, sum(c.size) OVER (ORDER BY c.id) AS running, row_number() OVER (ORDER BY c.id) AS n
+				FROM c JOIN stops USING (ordering_key) WHERE stops.stop IS NULL OR c.id < stops.stop),
+			claimed AS MATERIALIZED (SELECT id, ordering_key FROM w WHERE running <= $3 OR n = 1),
+			due AS MATERIALIZED (SELECT (extract(epoch FROM d.due_at - now()) * 1000)::bigint AS ms FROM ` + n.Delayed + ` d
+				ORDER BY d.due_at, d.id LIMIT 1),
+			lease AS (UPDATE ` + n.Effects + ` e SET next_attempt_at = now() + ` + ms("$4") + `
+				FROM (SELECT min(id) AS id FROM claimed GROUP BY ordering_key) f WHERE e.id = f.id)
+			SELECT ` + effectColumns + `, bounds.hi, bounds.more, (SELECT ms FROM due), NULL::bigint, ` + floorColumns + columns + `
+			FROM claimed JOIN ` + n.Effects + ` e USING (id), bounds
+			UNION ALL
+			SELECT 0, '', '', 0, '', '', '', ''::bytea, ''::bytea, '', 0, 0::bigint, 0, 0::bigint, false, bounds.hi, bounds.more, (SELECT ms FROM due),
+				(SELECT (extract(epoch FROM min(p.at) - now()) * 1000)::bigint
+				FROM (SELECT coalesce(e.next_attempt_at, e.created_at + ` + ms("$1") + `) AS at FROM ` + n.Effects + ` e
+					WHERE e.id > bounds.lo AND e.id <= bounds.hi AND e.dispatched_at IS NULL AND e.parked_at IS NULL) p
+				WHERE p.at > now()), ` + floorColumns + columns + `
+			FROM bounds WHERE NOT EXISTS (SELECT 1 FROM claimed)`
+}
