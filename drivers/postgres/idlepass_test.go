@@ -153,23 +153,60 @@ func idlePass(t *testing.T, st *inline, grace time.Duration) outboxdriver.Effect
 	return c
 }
 
-// TestIdleRelayPassIsTwoStatements: a relay pass over tables nothing was written to since the
-// pass before is two statements, in no transaction: the look at the rotation (which also reads
-// how many writes the claims table has had) and the claim. It was six and a transaction (the
-// probe, the sweep's four statements between BEGIN and COMMIT, the claim): with a member's
-// passes every 30 s, 200 idle tenants sent some 40 statements and 53 transactions a second.
-func TestIdleRelayPassIsTwoStatements(t *testing.T) {
-	var log statementLog
-	db := countedDB(t, pgtest.DSN(t), &log)
-	st := rotationStore(t, db, 0)
-	idlePass(t, st, 10*time.Second) // the first pass sweeps: it knows nothing of the tables yet
-	log.take()
-	for pass := range 3 {
-		idlePass(t, st, 10*time.Second)
-		sent := log.take()
-		if len(sent) != 2 {
-			t.Errorf("idle pass %d sent %d statements, want 2 (the look at the rotation and the claim):\n%s", pass, len(sent), strings.Join(sent, "\n"))
+// TestIdleRelayPassIsOneStatement: a relay pass over tables nothing was written to since the
+// pass before is one statement, in no transaction: the claim, which also reads the rotation's row
+// and how many writes the claims table has had. It was six and a transaction (the probe, the
+// sweep's four statements between BEGIN and COMMIT, the claim), then two (the probe and the
+// claim): with a member's passes every 30 s, 200 idle tenants sent some 40 statements and 53
+// transactions a second, then 13 statements from their relays. A Store that never rotates reads
+// the count alone, with the claim all the same.
+func TestIdleRelayPassIsOneStatement(t *testing.T) {
+	for _, every := range []time.Duration{0, -1} {
+		var log statementLog
+		db := countedDB(t, pgtest.DSN(t), &log)
+		st := rotationStore(t, db, every)
+		idlePass(t, st, 10*time.Second) // the first pass sweeps: it knows nothing of the tables yet
+		log.take()
+		for pass := range 3 {
+			idlePass(t, st, 10*time.Second)
+			sent := log.take()
+			if len(sent) != 1 {
+				t.Errorf("RotateEvery %v: idle pass %d sent %d statements, want 1 (the claim):\n%s", every, pass, len(sent), strings.Join(sent, "\n"))
+			}
 		}
+	}
+}
+
+// TestIdleRelayPassClaimsWhatItsSweepMoved: the sweep of an idle pass, which comes after the
+// claim that read whether it may be skipped, moves the inline effects left behind into effect
+// rows, and the same pass claims them: they wait for no further pass (IdleMax later for a
+// member backed off).
+func TestIdleRelayPassClaimsWhatItsSweepMoved(t *testing.T) {
+	dsn := pgtest.DSN(t)
+	var log statementLog
+	db := countedDB(t, dsn, &log)
+	st := rotationStore(t, db, 0)
+	other, err := sql.Open("postgres", dsn)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer other.Close()
+	idlePass(t, st, time.Second)
+	src := outboxdriver.Source{Consumer: "c", ID: "left-behind"}
+	effects := []outboxdriver.Effect{{Source: src, Seq: 1, Kind: outboxdriver.KindPublish, Topic: "t", UUID: "u1", Payload: []byte("p"), OrderingKey: "k"}}
+	if _, err := other.Exec(`INSERT INTO rot_processed (consumer, message_id, processed_at, dispatched_at, effects, inline_xid)
+		VALUES ($1, $2, now() - interval '1 minute', now() - interval '1 minute', $3, pg_current_xact_id()::text::bigint)`,
+		src.Consumer, src.ID, store.EncodeEffects(effects)); err != nil {
+		t.Fatal(err)
+	}
+	log.take()
+	// A grace shorter than statsLag: the sweep runs whatever the statistics say.
+	c := idlePass(t, st, time.Second)
+	if len(c.Effects) != 1 || c.Effects[0].UUID != "u1" {
+		t.Fatalf("the pass that swept the effect left behind claimed %d effects, want it (statements: %q)", len(c.Effects), log.take())
+	}
+	if c := idlePass(t, st, time.Second); len(c.Effects) != 0 {
+		t.Errorf("the pass after claimed %d effects, want none (the one before leased it)", len(c.Effects))
 	}
 }
 
@@ -205,7 +242,7 @@ func TestIdleRelaySweepsWhatAnotherInstanceLeftBehind(t *testing.T) {
 	for {
 		c := idlePass(t, st, grace)
 		sent := log.take()
-		skipped = skipped || len(sent) == 2
+		skipped = skipped || len(sent) == 1
 		if len(c.Effects) == 1 && c.Effects[0].UUID == "u1" {
 			t.Logf("claimed %v after the write (passes skipped the sweep meanwhile: %v)", time.Since(written).Round(time.Millisecond), skipped)
 			break
@@ -246,5 +283,50 @@ func TestIdleRelayRotatesWhatAnotherInstanceWrote(t *testing.T) {
 	}
 	if cur == before || st.gen.Load() != cur {
 		t.Errorf("current partition %d before, %d after the idle pass (the idle relay's: %d): want it rotated", before, cur, st.gen.Load())
+	}
+}
+
+// TestRelayClaimsWhenItsLookFails: the look at the rotation, read with the claim, may fail
+// (the rotation's row gone, the table unreadable): the relay claims all the same, and the
+// failure is reported, as when the look was a statement of its own.
+func TestRelayClaimsWhenItsLookFails(t *testing.T) {
+	dsn := pgtest.DSN(t)
+	db, err := sql.Open("postgres", dsn)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer db.Close()
+	st := rotationStore(t, db, 0)
+	var mu sync.Mutex
+	var reported []string
+	st.onError = func(what string, err error) {
+		mu.Lock()
+		reported = append(reported, what+": "+err.Error())
+		mu.Unlock()
+	}
+	for _, c := range []struct{ name, breakIt, repair string }{
+		{"no rotation row", `DELETE FROM rot_effects_rotation`, `INSERT INTO rot_effects_rotation (gen, rotated_at) VALUES (0, now())`},
+		{"no rotation table", `ALTER TABLE rot_effects_rotation RENAME TO rot_effects_rotation_gone`, `ALTER TABLE rot_effects_rotation_gone RENAME TO rot_effects_rotation`},
+	} {
+		record(t, st, db, c.name, "k-"+c.name, 1)
+		if _, err := db.Exec(c.breakIt); err != nil {
+			t.Fatal(err)
+		}
+		mu.Lock()
+		reported = nil
+		mu.Unlock()
+		claim := idlePass(t, st, time.Millisecond)
+		mu.Lock()
+		got := reported
+		mu.Unlock()
+		if len(claim.Effects) != 1 || claim.Effects[0].Source.ID != c.name {
+			t.Errorf("%s: the pass claimed %d effects, want the one recorded", c.name, len(claim.Effects))
+		}
+		if len(got) == 0 || !strings.HasPrefix(got[0], "rotating the partitions") {
+			t.Errorf("%s: reported %q, want the look's failure", c.name, got)
+		}
+		if _, err := db.Exec(c.repair); err != nil {
+			t.Fatal(err)
+		}
 	}
 }

@@ -482,52 +482,77 @@ func (s *inline) markInline(ctx context.Context, claims []claimKey, late bool) e
 	return nil
 }
 
-// EffectClaimDue first moves the inline effects left behind (a crash between commit and mark, a
-// dispatch that failed before they could be moved) into effect rows, at most every quarter of
-// the grace period, rotates the partitions of the effects table when due (rotate), and then
-// claims (housekeep).
+// EffectClaimDue claims due effects. A claim from the front (After 0) also moves the inline
+// effects left behind (a crash between commit and mark, a dispatch that failed before they could
+// be moved) into effect rows, at most every quarter of the grace period, and rotates the
+// partitions of the effects table when due, at most every RotateEvery/2 (rotateWith). What both
+// need, the rotation's row and whether the claims table was written since the last sweep, is
+// read by the claim itself (claimLooking), so that the pass of an idle relay, whose sweep is then
+// skipped, is one statement; the sweep and the rotation come after the claim. What the sweep
+// moved is claimed at once when the claim took nothing and looked at every window (the relay
+// would look no further before its next pass, up to IdleMax away for a member backed off);
+// otherwise the relay claims again anyway, from the front once it has been through the windows.
+// A failed sweep or rotation must not stop the relay from sending the effect rows: it is
+// reported, and the next turn tries again (the sweep from where the last one got to; without
+// rotations the partitions grow as the single table did).
 func (s *inline) EffectClaimDue(ctx context.Context, p outboxdriver.EffectClaimParams) (outboxdriver.EffectClaim, error) {
-	if p.After == 0 {
-		s.housekeep(ctx, p.Grace)
+	if p.After != 0 {
+		return s.SQL.EffectClaimDue(ctx, p)
 	}
-	return s.SQL.EffectClaimDue(ctx, p)
-}
-
-// housekeep sweeps the inline effects left behind, at most every quarter of grace, and looks at
-// the rotation, at most every RotateEvery/2. One statement (probe) reads what both need: the
-// rotation's row and whether the claims table was written since the last sweep. A failed sweep
-// or rotation must not stop the relay from sending the effect rows: it is reported, and the next
-// turn tries again (the sweep from where the last one got to; without rotations the partitions
-// grow as the single table did).
-func (s *inline) housekeep(ctx context.Context, grace time.Duration) {
+	sweepDue := turn(&s.lastSweep, max(p.Grace/4, 100*time.Millisecond))
+	rotateDue := s.rotateEvery >= 0 && turn(&s.lastRotate, s.rotateEvery/2)
+	if !sweepDue && !rotateDue {
+		return s.SQL.EffectClaimDue(ctx, p)
+	}
 	const sweeping, rotating = "moving inline effects left behind to the relay", "rotating the partitions of the effects table"
 	report := func(what string, err error) {
 		if err != nil && ctx.Err() == nil && s.onError != nil {
 			s.onError(what, err)
 		}
 	}
-	sweepDue := turn(&s.lastSweep, max(grace/4, 100*time.Millisecond))
-	rotateDue := s.rotateEvery >= 0 && turn(&s.lastRotate, s.rotateEvery/2)
-	if !sweepDue && !rotateDue {
-		return
-	}
-	p, err := s.probe(ctx)
-	if err != nil {
+	lookFailed := func(err error) {
 		if rotateDue {
 			report(rotating, err)
 		} else {
 			report(sweeping, err)
 		}
+	}
+	claim, look, lookErr, err := s.claimLooking(ctx, p)
+	if err != nil {
+		// The look may be what failed (the rotation's row unreadable): the claim alone is tried
+		// again, after a sweep that cannot know whether it may be skipped, as before the look
+		// joined the claim. The look's failure is reported when the claim alone goes through.
 		if sweepDue {
-			report(sweeping, s.sweep(ctx, grace, nil))
+			_, serr := s.sweep(ctx, p.Grace, nil)
+			report(sweeping, serr)
 		}
-		return
+		claim, cerr := s.SQL.EffectClaimDue(ctx, p)
+		if cerr == nil {
+			lookFailed(err)
+		}
+		return claim, cerr
 	}
-	if sweepDue {
-		report(sweeping, s.sweep(ctx, grace, &p.writes))
+	moved := 0
+	if lookErr != nil {
+		lookFailed(lookErr)
+		if sweepDue {
+			var serr error
+			moved, serr = s.sweep(ctx, p.Grace, nil)
+			report(sweeping, serr)
+		}
+	} else {
+		if sweepDue {
+			var serr error
+			moved, serr = s.sweep(ctx, p.Grace, &look.writes)
+			report(sweeping, serr)
+		}
+		// Also when only the sweep was due: the rotation's row was read all the same.
+		report(rotating, s.rotateWith(ctx, look))
 	}
-	// Also when only the sweep was due: the rotation's row was read all the same.
-	report(rotating, s.rotateWith(ctx, p))
+	if moved > 0 && len(claim.Effects) == 0 && claim.Next == 0 {
+		return s.SQL.EffectClaimDue(ctx, p)
+	}
+	return claim, nil
 }
 
 // idleSweepMax bounds how long the sweep trusts the server's statistics (claimWrites) that the
@@ -542,7 +567,8 @@ const idleSweepMax = 5 * time.Minute
 const statsLag = 10 * time.Second
 
 // sweep moves the inline effects of claims older than grace into effect rows, in batches, each
-// in a transaction of its own.
+// in a transaction of its own, and returns how many claims it took (committed or not: a batch
+// that failed may have taken some).
 //
 // Where it got to is a transaction ID, the watermark: every claim with inline effects records
 // the ID of the transaction that wrote it (inline_xid), and every claim below the watermark that
@@ -561,28 +587,30 @@ const statsLag = 10 * time.Second
 // with a grace of statsLag or more this sweep is skipped: it would take nothing. An idle
 // database's sweep was four statements and a transaction on every relay pass. The statistics
 // are trusted for idleSweepMax at most; with a shorter grace every sweep runs.
-func (s *inline) sweep(ctx context.Context, grace time.Duration, writes *int64) error {
+func (s *inline) sweep(ctx context.Context, grace time.Duration, writes *int64) (int, error) {
 	s.sweepMu.Lock()
 	defer s.sweepMu.Unlock()
 	if writes != nil && grace >= statsLag && s.sweptClean && s.sweptWrites == *writes && time.Since(s.sweptAt) < idleSweepMax {
-		return nil
+		return 0, nil
 	}
 	s.sweptClean, s.sweptAt = false, time.Now()
 	ctx, cancel := context.WithTimeout(ctx, sweepTimeout)
 	defer cancel()
+	taken := 0
 	for {
 		n, clean, err := s.sweepBatch(ctx, grace)
+		taken += n
 		if err != nil {
 			if ctx.Err() != nil {
-				return fmt.Errorf("sweep of the claims with inline effects left behind (at most %s): %w", sweepTimeout, err)
+				return taken, fmt.Errorf("sweep of the claims with inline effects left behind (at most %s): %w", sweepTimeout, err)
 			}
-			return err
+			return taken, err
 		}
 		if n < sweepBatch {
 			if writes != nil {
 				s.sweptWrites, s.sweptClean = *writes, clean
 			}
-			return nil
+			return taken, nil
 		}
 	}
 }

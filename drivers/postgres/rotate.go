@@ -8,6 +8,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/watermill-outbox/outbox/outboxdriver"
 	"github.com/watermill-outbox/outbox/store"
 )
 
@@ -41,6 +42,7 @@ const effectColumnList = `id, source_consumer, source_id, seq, kind, topic, uuid
 type rotationQueries struct {
 	probe   string // -> current gen, whether the rotation is due, whether the current partition holds pages, claimWrites
 	writes  string // -> claimWrites, for a Store that never rotates
+	claim   string // store.Queries.EffectClaimDue, every row ending with what probe reads (writes for a Store that never rotates)
 	advance string // (next, current): no row changed when another instance rotated
 	lock    [3]string
 	count   [3]string    // (limit + 1) -> the rows in the partition, up to the limit + 1
@@ -72,9 +74,17 @@ func newRotationQueries(n store.Names, every time.Duration) rotationQueries {
 		}
 	}
 	sizeOf += ` END`
-	q.probe = fmt.Sprintf(`SELECT r.gen, r.rotated_at < now() - interval '%d milliseconds', pg_relation_size(`, every.Milliseconds()) + sizeOf + `) > 0,
-		` + claimWrites(n) + ` FROM ` + rotationTable(n) + ` r`
-	q.writes = `SELECT ` + claimWrites(n)
+	q.probe = fmt.Sprintf(`SELECT r.gen, r.rotated_at < now() - interval '%d milliseconds' AS due, pg_relation_size(`, every.Milliseconds()) + sizeOf + `) > 0 AS used,
+		` + claimWrites(n) + ` AS writes FROM ` + rotationTable(n) + ` r`
+	q.writes = `SELECT ` + claimWrites(n) + ` AS writes`
+	// The look is read once (materialized) and repeated on every row of the claim; sub-selects,
+	// so that a missing rotation row fails the look (NULL), not the claim.
+	if every < 0 {
+		q.claim = effectClaimDue(n, `look AS MATERIALIZED (`+q.writes+`), `, `, (SELECT writes FROM look)`)
+	} else {
+		q.claim = effectClaimDue(n, `look AS MATERIALIZED (`+q.probe+`), `,
+			`, (SELECT gen FROM look), (SELECT due FROM look), (SELECT used FROM look), (SELECT writes FROM look)`)
+	}
 	q.advance = `UPDATE ` + rotationTable(n) + ` SET gen = $1, rotated_at = now() WHERE gen = $2`
 	return q
 }
@@ -112,6 +122,39 @@ func (s *inline) probe(ctx context.Context) (look, error) {
 	s.gen.store(int(p.cur))
 	return p, nil
 }
+
+// claimLooking claims as store.SQL.EffectClaimDue does and reads what probe reads in the same
+// statement: an idle relay pass, which needs both, is one statement. lookErr tells that the claim
+// went well and the look did not: the claim stands (its effects are leased).
+func (s *inline) claimLooking(ctx context.Context, cp outboxdriver.EffectClaimParams) (claim outboxdriver.EffectClaim, p look, lookErr, err error) {
+	var cur, writes sql.NullInt64
+	var due, used sql.NullBool
+	extra := []any{&writes}
+	if s.rotateEvery >= 0 {
+		extra = []any{&cur, &due, &used, &writes}
+	}
+	claim, seen, err := s.SQL.EffectClaimDueWith(ctx, cp, s.rq.claim, extra...)
+	if err != nil {
+		return claim, p, nil, err
+	}
+	p.writes = writes.Int64
+	switch {
+	case !seen || !writes.Valid:
+		return claim, p, errLookUnread, nil
+	case s.rotateEvery < 0:
+		return claim, p, nil, nil
+	case !cur.Valid || !due.Valid || !used.Valid:
+		return claim, p, fmt.Errorf("read the current partition: %w", errLookUnread), nil
+	case cur.Int64 < 0 || cur.Int64 > 2:
+		return claim, p, fmt.Errorf("current partition of the effects table: %d, want 0 to 2", cur.Int64), nil
+	}
+	p.cur, p.due, p.used, p.rotates = cur.Int64, due.Bool, used.Bool, true
+	s.gen.store(int(p.cur))
+	return claim, p, nil, nil
+}
+
+// errLookUnread: the claim returned without what its look reads (no rotation row, no row at all).
+var errLookUnread = errors.New("the claim returned no look at the partitions and the claims table")
 
 // turn tells whether every has passed since *last, and if so makes now the last time; of
 // concurrent callers, one gets the turn.
