@@ -177,10 +177,9 @@ func TestIdleRelayPassIsOneStatement(t *testing.T) {
 	}
 }
 
-// TestIdleRelayPassClaimsWhatItsSweepMoved: the sweep of an idle pass, which comes after the
-// claim that read whether it may be skipped, moves the inline effects left behind into effect
-// rows, and the same pass claims them: they wait for no further pass (IdleMax later for a
-// member backed off).
+// TestIdleRelayPassClaimsWhatItsSweepMoved: the sweep of an idle pass comes after the claim that
+// read whether it may be skipped; when it moves inline effects left behind into effect rows, the
+// same pass claims them: they wait for no further pass (IdleMax later for a member backed off).
 func TestIdleRelayPassClaimsWhatItsSweepMoved(t *testing.T) {
 	dsn := pgtest.DSN(t)
 	var log statementLog
@@ -191,7 +190,8 @@ func TestIdleRelayPassClaimsWhatItsSweepMoved(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer other.Close()
-	idlePass(t, st, time.Second)
+	const grace = statsLag // the sweep may be skipped: the claim comes first
+	idlePass(t, st, grace)
 	src := outboxdriver.Source{Consumer: "c", ID: "left-behind"}
 	effects := []outboxdriver.Effect{{Source: src, Seq: 1, Kind: outboxdriver.KindPublish, Topic: "t", UUID: "u1", Payload: []byte("p"), OrderingKey: "k"}}
 	if _, err := other.Exec(`INSERT INTO rot_processed (consumer, message_id, processed_at, dispatched_at, effects, inline_xid)
@@ -200,12 +200,25 @@ func TestIdleRelayPassClaimsWhatItsSweepMoved(t *testing.T) {
 		t.Fatal(err)
 	}
 	log.take()
-	// A grace shorter than statsLag: the sweep runs whatever the statistics say.
-	c := idlePass(t, st, time.Second)
-	if len(c.Effects) != 1 || c.Effects[0].UUID != "u1" {
-		t.Fatalf("the pass that swept the effect left behind claimed %d effects, want it (statements: %q)", len(c.Effects), log.take())
+	written := time.Now()
+	for {
+		c := idlePass(t, st, grace)
+		sent := log.take()
+		if !strings.HasPrefix(sent[0], "WITH look AS") {
+			t.Fatalf("the idle pass began with %q, want the claim with the look", sent[0])
+		}
+		if len(sent) > 1 { // swept
+			if len(c.Effects) != 1 || c.Effects[0].UUID != "u1" {
+				t.Fatalf("the pass that swept the effect left behind claimed %d effects, want it (statements: %q)", len(c.Effects), sent)
+			}
+			break
+		}
+		if time.Since(written) > statsLag+5*time.Second {
+			t.Fatalf("no pass swept the effect left behind %v after its write", time.Since(written))
+		}
+		time.Sleep(100 * time.Millisecond)
 	}
-	if c := idlePass(t, st, time.Second); len(c.Effects) != 0 {
+	if c := idlePass(t, st, grace); len(c.Effects) != 0 {
 		t.Errorf("the pass after claimed %d effects, want none (the one before leased it)", len(c.Effects))
 	}
 }
@@ -308,14 +321,20 @@ func TestRelayClaimsWhenItsLookFails(t *testing.T) {
 		{"no rotation row", `DELETE FROM rot_effects_rotation`, `INSERT INTO rot_effects_rotation (gen, rotated_at) VALUES (0, now())`},
 		{"no rotation table", `ALTER TABLE rot_effects_rotation RENAME TO rot_effects_rotation_gone`, `ALTER TABLE rot_effects_rotation_gone RENAME TO rot_effects_rotation`},
 	} {
+		// A grace the sweep's skip trusts, after a pass that swept: the look is read with the
+		// claim.
+		idlePass(t, st, statsLag)
 		record(t, st, db, c.name, "k-"+c.name, 1)
+		if _, err := db.Exec(`UPDATE rot_effects_all SET created_at = now() - interval '1 minute'`); err != nil {
+			t.Fatal(err)
+		}
 		if _, err := db.Exec(c.breakIt); err != nil {
 			t.Fatal(err)
 		}
 		mu.Lock()
 		reported = nil
 		mu.Unlock()
-		claim := idlePass(t, st, time.Millisecond)
+		claim := idlePass(t, st, statsLag)
 		mu.Lock()
 		got := reported
 		mu.Unlock()

@@ -488,7 +488,8 @@ func (s *inline) markInline(ctx context.Context, claims []claimKey, late bool) e
 // partitions of the effects table when due, at most every RotateEvery/2 (rotateWith). What both
 // need, the rotation's row and whether the claims table was written since the last sweep, is
 // read by the claim itself (claimLooking), so that the pass of an idle relay, whose sweep is then
-// skipped, is one statement; the sweep and the rotation come after the claim. What the sweep
+// skipped, is one statement; the sweep and the rotation come after the claim (unless the sweep
+// runs whatever the look reads: then they come first, as the look does). What the sweep
 // moved is claimed at once when the claim took nothing and looked at every window (the relay
 // would look no further before its next pass, up to IdleMax away for a member backed off);
 // otherwise the relay claims again anyway, from the front once it has been through the windows.
@@ -516,6 +517,23 @@ func (s *inline) EffectClaimDue(ctx context.Context, p outboxdriver.EffectClaimP
 		} else {
 			report(sweeping, err)
 		}
+	}
+	if sweepDue && !s.sweepMaySkip(p.Grace) {
+		// The sweep runs whatever the claims table's count says (a Store's first pass, a grace
+		// too short to trust the count): the pass is no idle one, and the look, the sweep and the
+		// rotation go first, so that this claim takes what they move (and a restarted instance's
+		// first claim comes after the rotation that was due while it was down).
+		p0, err := s.probe(ctx)
+		if err != nil {
+			lookFailed(err)
+			_, err := s.sweep(ctx, p.Grace, nil)
+			report(sweeping, err)
+			return s.SQL.EffectClaimDue(ctx, p)
+		}
+		_, err = s.sweep(ctx, p.Grace, &p0.writes)
+		report(sweeping, err)
+		report(rotating, s.rotateWith(ctx, p0))
+		return s.SQL.EffectClaimDue(ctx, p)
 	}
 	claim, look, lookErr, err := s.claimLooking(ctx, p)
 	if err != nil {
@@ -553,6 +571,14 @@ func (s *inline) EffectClaimDue(ctx context.Context, p outboxdriver.EffectClaimP
 		return s.SQL.EffectClaimDue(ctx, p)
 	}
 	return claim, nil
+}
+
+// sweepMaySkip tells whether a sweep with grace may be skipped, if the claims table's count of
+// writes is what the last sweep read (see sweep).
+func (s *inline) sweepMaySkip(grace time.Duration) bool {
+	s.sweepMu.Lock()
+	defer s.sweepMu.Unlock()
+	return grace >= statsLag && s.sweptClean && time.Since(s.sweptAt) < idleSweepMax
 }
 
 // idleSweepMax bounds how long the sweep trusts the server's statistics (claimWrites) that the
