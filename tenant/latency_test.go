@@ -253,20 +253,6 @@ func (cm *costMeter) measure(dbs []string, load func() int) (c cost, msgs int) {
 	return c, msgs
 }
 
-// less is c less the cost of a window without messages (idle), scaled to c's length: the cost of
-// what the messages added to what the Set costs anyway.
-func (c cost) less(idle cost) cost {
-	f := float64(c.wall) / float64(max(idle.wall, 1))
-	scale := func(d time.Duration) time.Duration { return time.Duration(float64(d) * f) }
-	out := cost{wall: c.wall, client: c.client - scale(idle.client), gone: c.gone,
-		xacts: c.xacts - int64(float64(idle.xacts)*f+0.5), sessions: c.sessions - int64(float64(idle.sessions)*f+0.5)}
-	out.server, out.own = -1, -1
-	if c.server >= 0 && idle.server >= 0 {
-		out.server, out.own = c.server-scale(idle.server), c.own-scale(idle.own)
-	}
-	return out
-}
-
 // perMsg is c per message: client, server and own (the Set's connections') CPU in microseconds
 // (-1: not measured), transactions and new connections.
 func (c cost) perMsg(msgs int) (client, server, own, xacts, conns float64) {
@@ -373,7 +359,6 @@ func TestTenantLatency(t *testing.T) {
 	pcancel()
 	var ratios []float64
 	var clientR, serverR, ownR, xactR []float64
-	var mClientR, mOwnR, mXactR []float64 // the same, of the cost the messages added (see below)
 	for r := range rounds {
 		var a, b []time.Duration
 		var fa, fb int
@@ -390,29 +375,10 @@ func TestTenantLatency(t *testing.T) {
 			"%d tenant databases client CPU %.0f us, server CPU %.0f us (their connections' %.0f us, %d exited), %.2f transactions, %.3f new connections; "+
 			"ratios client %.2f, server %.2f (connections' %.2f), transactions %.2f",
 			r, acl, asv, aown, ca.gone, ax, acn, n, bcl, bsv, bown, cb.gone, bx, bcn, bcl/acl, bsv/asv, bown/aown, bx/ax)
-		// What the Sets cost without messages, each an IdleMax after its load (its members'
-		// backoff back where an idle Set's is), measured over a window as long: 200 members'
-		// background work, their relays' polls at IdleMax and their sampling, is a cost of
-		// their number that a message's share of it only hides (issue 46 has targets of its
-		// own for it). The cost a message adds is the window's less this, per message.
-		time.Sleep(tenant.DefaultIdleMax)
-		ib, _ := cm.measure(many.dbs, func() int { time.Sleep(window); return 0 })
-		ia, _ := cm.measure(one.dbs, func() int { time.Sleep(window); return 0 })
-		mcl, _, mown, mx, _ := ca.less(ia).perMsg(na)
-		ncl, _, nown, nx, _ := cb.less(ib).perMsg(nb)
-		mClientR, mOwnR, mXactR = append(mClientR, ncl/mcl), append(mOwnR, nown/mown), append(mXactR, nx/mx)
-		_, _, iaown, iax, _ := ia.perMsg(1)
-		_, _, ibown, ibx, _ := ib.perMsg(1)
-		t.Logf("round %d, idle for %v: 1 tenant its connections' server CPU %.0f us, %.0f transactions; %d tenant databases %.0f us, %.0f transactions; "+
-			"added per message: 1 tenant client CPU %.0f us, its connections' server CPU %.0f us, %.2f transactions; %d tenant databases %.0f us, %.0f us, %.2f transactions; "+
-			"ratios client %.2f, connections' %.2f, transactions %.2f",
-			r, window, iaown, iax, n, ibown, ibx, mcl, mown, mx, n, ncl, nown, nx, ncl/mcl, nown/mown, nx/mx)
 	}
 	t.Logf("%d tenant databases vs 1: p99 ratio, median of %d rounds: %.2f", n, rounds, median(ratios))
 	t.Logf("%d tenant databases vs 1, per message, median of %d rounds: client CPU %.2f, server CPU %.2f (the Sets' connections' %.2f), transactions %.2f",
 		n, rounds, median(clientR), median(serverR), median(ownR), median(xactR))
-	t.Logf("%d tenant databases vs 1, added per message (less the idle Set's cost), median of %d rounds: client CPU %.2f, the Sets' connections' server CPU %.2f, transactions %.2f",
-		n, rounds, median(mClientR), median(mOwnR), median(mXactR))
 
 	if sat, _ := strconv.Atoi(os.Getenv("OUTBOX_TENANT_SATURATE")); sat > 0 {
 		inFlight := 8
