@@ -23,7 +23,7 @@ func StartSharedEngine(ctx context.Context, maxConcurrent int, obs ...*Outbox) (
 		return nil, err
 	}
 	for i, o := range obs {
-		leave, err := o.JoinEngine(ctx, s.eng, fmt.Sprint("member", i), 0, nil)
+		leave, err := o.JoinEngine(ctx, s.eng, fmt.Sprint("member", i), 0, nil, nil)
 		if err != nil {
 			return nil, errors.Join(err, s.Stop(context.WithoutCancel(ctx)))
 		}

@@ -298,13 +298,17 @@ func (o *Outbox) shutdown(ctx context.Context, leave func(context.Context) error
 // shared by the statistics sampling of the engine's members: a busy member's samples may then be
 // further apart than StatsInterval, up to the budget's MaxGap, and its gauges count a sample
 // stale only that much later.
+// pool, when not nil, is shared by the members whose databases are one connection pool: it caps
+// their runs at once.
 // leave takes the member off eng and waits for its runs in progress, which see their context
 // end, and then for the marks queued, up to ShutdownTimeout, as Run does (see shutdown).
 func (o *Outbox) JoinEngine(ctx context.Context, eng *engine.Engine, name string, idleMax time.Duration,
-	statsBudget *engine.Budget) (leave func() error, err error) {
+	statsBudget *engine.Budget, pool *engine.Pool) (leave func() error, err error) {
 	o.tel.nameMember(name)
 	stop := o.startServices(ctx)
-	h, err := eng.Add(o.engineMember(name, idleMax, statsBudget))
+	m := o.engineMember(name, idleMax, statsBudget)
+	m.Pool = pool
+	h, err := eng.Add(m)
 	if err != nil {
 		stop()
 		return nil, fmt.Errorf("outbox: join engine: %w", err)

@@ -557,3 +557,45 @@ func TestSetRelayPassThatDrainedCountsIdle(t *testing.T) {
 		}
 	}
 }
+
+// Members on one database/sql pool (schemas or prefixes of one database) run at most
+// PoolConcurrent background calls at once, the pool's idle connections by default: the Set's
+// background work opens no connection that the pool closes when it gets it back (200 idle
+// schemas on one default pool opened 0.4 connections a second, each a server process forked
+// and torn down). With PoolConcurrent -1 the same members, as many at once as MaxConcurrent
+// lets, have the pool close what it cannot keep.
+func TestSetMembersOnOnePoolOpenNoConnectionTheyClose(t *testing.T) {
+	closedBeyondIdle := func(poolConcurrent int) int64 {
+		db := pgtest.DB(t) // database/sql's defaults: two idle connections
+		members := map[string]*outbox.Outbox{}
+		for i := range 8 {
+			ob, err := outbox.New(outbox.Config{DB: db, Driver: postgres.Driver{}, Publisher: newWire(), TablePrefix: fmt.Sprintf("p%d_", i),
+				RelayInterval: 20 * time.Millisecond, CleanupInterval: 50 * time.Millisecond, StatsInterval: 50 * time.Millisecond})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := ob.Migrate(context.Background()); err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { _ = ob.Close() })
+			members[fmt.Sprint("m", i)] = ob
+		}
+		set := newSet(t, tenant.Config{MaxConcurrent: 8, PoolConcurrent: poolConcurrent, IdleMax: -1}, members)
+		ctx, cancel := context.WithCancel(context.Background())
+		done := make(chan error, 1)
+		go func() { done <- set.Run(ctx) }()
+		time.Sleep(500 * time.Millisecond) // the first runs, all due at once
+		before := db.Stats().MaxIdleClosed
+		time.Sleep(2 * time.Second)
+		closed := db.Stats().MaxIdleClosed - before
+		cancel()
+		<-done
+		return closed
+	}
+	if n := closedBeyondIdle(0); n != 0 {
+		t.Errorf("the members' background work had the pool close %d connections beyond its idle ones in 2 s, want none", n)
+	}
+	if n := closedBeyondIdle(-1); n == 0 {
+		t.Errorf("without the cap, the pool closed no connection beyond its idle ones: the test shows nothing")
+	}
+}

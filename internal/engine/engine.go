@@ -172,7 +172,36 @@ type Member struct {
 	Gate Gate
 	// Logger receives the errors of the member's tasks; nil: the engine's.
 	Logger watermill.LoggerAdapter
-	Tasks  []Task
+	// Pool, when not nil, caps the runs in progress at once of the members that share it.
+	Pool  *Pool
+	Tasks []Task
+}
+
+// Pool caps the runs in progress at once of the members that share it: the members whose
+// databases are one connection pool. A database/sql pool keeps two idle connections unless told
+// otherwise and closes what it gets back beyond them: more runs at once than that on one pool
+// open connections that are closed when they return, a connection (a server process) forked
+// and torn down for a background statement of idle members. A Pool belongs to one engine.
+type Pool struct {
+	// Max is the cap; 0 or less: none.
+	Max     int
+	running int // e.mu
+}
+
+// full tells whether p holds no slot for another run. e.mu held.
+func (p *Pool) full() bool { return p != nil && p.Max > 0 && p.running >= p.Max }
+
+// take and give count a run's slot of p. e.mu held.
+func (p *Pool) take() {
+	if p != nil {
+		p.running++
+	}
+}
+
+func (p *Pool) give() {
+	if p != nil {
+		p.running--
+	}
 }
 
 // Config configures an Engine.
@@ -543,7 +572,7 @@ func (e *Engine) dispatch(pass uint64) time.Time {
 					t.due = d
 				}
 			}
-			if !t.due.After(now) && e.gateOpen(m, pass) {
+			if !t.due.After(now) && !m.Pool.full() && e.gateOpen(m, pass) {
 				due = append(due, t)
 			}
 		}
@@ -553,8 +582,9 @@ func (e *Engine) dispatch(pass uint64) time.Time {
 		if e.inflight >= e.max {
 			break
 		}
-		// Asked at its turn: a run started before it may have taken the budget they share.
-		if t.Budget.hold(t, now).IsZero() {
+		// Asked at its turn: a run started before it may have taken the budget or the pool's
+		// slots they share.
+		if !t.m.Pool.full() && t.Budget.hold(t, now).IsZero() {
 			e.start(t)
 		}
 	}
@@ -614,6 +644,7 @@ func (e *Engine) start(t *task) {
 	t.startedAt = time.Now()
 	t.m.running++
 	e.inflight++
+	t.m.Pool.take()
 	e.calls++
 	t.lastStart = t.startedAt
 	t.Budget.take(t.startedAt)
@@ -670,6 +701,7 @@ func (e *Engine) run(mctx context.Context, t *task, seq uint64, started time.Tim
 	}
 	if !t.abandoned {
 		e.inflight-- // else abandon frees the slot (or has)
+		m.Pool.give()
 	}
 	t.running, t.abandoned = false, false
 	m.running--
@@ -704,6 +736,7 @@ func (e *Engine) abandon(t *task, seq uint64, started time.Time) {
 	}
 	e.mu.Lock()
 	e.inflight--
+	m.Pool.give()
 	e.mu.Unlock()
 	e.pokeScheduler()
 	fields := watermill.LogFields{"task": t.Name, "running_for": took.String(), "timeout": t.Timeout.String()}

@@ -752,3 +752,54 @@ func TestBudgetLeavesAMemberWithinItUnaffected(t *testing.T) {
 		t.Errorf("%d runs in 1 s at an interval of 20 ms under a budget of one per 5 ms: want about 50", got)
 	}
 }
+
+// Members that share a Pool run at most its Max at once, whatever MaxConcurrent allows; a member
+// of another pool, or of none, is not held back by it.
+func TestPoolCapsRunsOfItsMembers(t *testing.T) {
+	e := New(Config{MaxConcurrent: 8})
+	shared := &Pool{Max: 2}
+	var mu sync.Mutex
+	running := map[string]int{}
+	most := map[string]int{}
+	release := make(chan struct{})
+	task := func(group string) Task {
+		return Task{Name: "work", Every: time.Hour, Run: func(ctx context.Context) (Outcome, error) {
+			mu.Lock()
+			running[group]++
+			most[group] = max(most[group], running[group])
+			mu.Unlock()
+			select {
+			case <-release:
+			case <-ctx.Done():
+			}
+			mu.Lock()
+			running[group]--
+			mu.Unlock()
+			return Worked, nil
+		}}
+	}
+	for i := range 5 {
+		add(t, e, Member{Name: fmt.Sprint("shared", i), Pool: shared, Tasks: []Task{task("shared")}})
+	}
+	add(t, e, Member{Name: "own", Pool: &Pool{Max: 2}, Tasks: []Task{task("own")}})
+	add(t, e, Member{Name: "none", Tasks: []Task{task("none")}})
+	started(t, e)
+	waitFor(t, "the runs that may start", func() bool {
+		mu.Lock()
+		defer mu.Unlock()
+		return running["shared"] == 2 && running["own"] == 1 && running["none"] == 1
+	})
+	time.Sleep(100 * time.Millisecond) // a third run of the shared pool would start meanwhile
+	mu.Lock()
+	if most["shared"] != 2 {
+		t.Errorf("%d runs of the shared pool's members at once, want 2", most["shared"])
+	}
+	mu.Unlock()
+	close(release) // the other three of the shared pool run, two at a time
+	waitFor(t, "every run", func() bool { return e.Stats().Runs >= 7 })
+	mu.Lock()
+	defer mu.Unlock()
+	if most["shared"] != 2 {
+		t.Errorf("%d runs of the shared pool's members at once, want 2", most["shared"])
+	}
+}
