@@ -253,6 +253,17 @@ func (cm *costMeter) measure(dbs []string, load func() int) (c cost, msgs int) {
 	return c, msgs
 }
 
+// slope is what a message added from base's window to c's (as long, at a lower rate): the
+// difference of their costs over more messages, in microseconds and transactions.
+func (c cost) slope(base cost, more int) (client, server, own, xacts float64) {
+	m := float64(max(more, 1))
+	server, own = -1, -1
+	if c.server >= 0 && base.server >= 0 {
+		server, own = float64(c.server-base.server)/1e3/m, float64(c.own-base.own)/1e3/m
+	}
+	return float64(c.client-base.client) / 1e3 / m, server, own, float64(c.xacts-base.xacts) / m
+}
+
 // perMsg is c per message: client, server and own (the Set's connections') CPU in microseconds
 // (-1: not measured), transactions and new connections.
 func (c cost) perMsg(msgs int) (client, server, own, xacts, conns float64) {
@@ -296,7 +307,9 @@ func percentile(ts []time.Duration, p float64) time.Duration {
 // that of the measured Set's own connections alone: the other Set's background and autovacuum
 // run all along) and the transactions and new connections of the Set's databases
 // (pg_stat_database). With
-// OUTBOX_TENANT_SATURATE=S it then offers each Set as much as OUTBOX_TENANT_INFLIGHT (default 8)
+// OUTBOX_TENANT_SLOPE=R each round also offers R messages a second to each Set and prints what a
+// message adds from the lower rate to R: the members' background, the same at either rate, taken
+// out. With OUTBOX_TENANT_SATURATE=S it then offers each Set as much as OUTBOX_TENANT_INFLIGHT (default 8)
 // messages in flight take, for S seconds in alternating rounds, and prints the throughputs' ratio;
 // with OUTBOX_TENANT_PROFILE=dir it writes a CPU profile of one more round of each Set there
 // (one.pprof, many.pprof). OUTBOX_TENANT_STATS_INTERVAL sets every member's StatsInterval in
@@ -359,11 +372,26 @@ func TestTenantLatency(t *testing.T) {
 	pcancel()
 	var ratios []float64
 	var clientR, serverR, ownR, xactR []float64
+	var slopeClientR, slopeOwnR, slopeXactR []float64
+	slopeRate, _ := strconv.Atoi(os.Getenv("OUTBOX_TENANT_SLOPE"))
 	for r := range rounds {
 		var a, b []time.Duration
 		var fa, fb int
 		ca, na := cm.measure(one.dbs, func() int { a, fa = one.offer(rate, window, nil, fmt.Sprint("r", r)); return len(a) })
 		cb, nb := cm.measure(many.dbs, func() int { b, fb = many.offer(rate, window, nil, fmt.Sprint("r", r)); return len(b) })
+		if slopeRate > rate {
+			// The same windows at a second rate: what a message adds is the difference of the
+			// costs over the difference of the messages, the background of the members (which
+			// a per-message share carries, the more members the more) taken out.
+			ca2, na2 := cm.measure(one.dbs, func() int { s, _ := one.offer(slopeRate, window, nil, fmt.Sprint("s", r)); return len(s) })
+			cb2, nb2 := cm.measure(many.dbs, func() int { s, _ := many.offer(slopeRate, window, nil, fmt.Sprint("s", r)); return len(s) })
+			acl, _, aown, ax := ca2.slope(ca, na2-na)
+			bcl, _, bown, bx := cb2.slope(cb, nb2-nb)
+			slopeClientR, slopeOwnR, slopeXactR = append(slopeClientR, bcl/acl), append(slopeOwnR, bown/aown), append(slopeXactR, bx/ax)
+			t.Logf("round %d, what a message adds from %d to %d msg/s: 1 tenant client CPU %.0f us, its connections' server CPU %.0f us, %.2f transactions; "+
+				"%d tenant databases %.0f us, %.0f us, %.2f transactions; ratios client %.2f, connections' %.2f, transactions %.2f",
+				r, rate, slopeRate, acl, aown, ax, n, bcl, bown, bx, bcl/acl, bown/aown, bx/ax)
+		}
 		ratio := float64(percentile(b, 0.99)) / float64(percentile(a, 0.99))
 		ratios = append(ratios, ratio)
 		t.Logf("round %d, %d msg/s for %v: 1 tenant p50 %v p99 %v (%d failed); %d tenant databases p50 %v p99 %v (%d failed); p99 ratio %.2f",
@@ -377,6 +405,10 @@ func TestTenantLatency(t *testing.T) {
 			r, acl, asv, aown, ca.gone, ax, acn, n, bcl, bsv, bown, cb.gone, bx, bcn, bcl/acl, bsv/asv, bown/aown, bx/ax)
 	}
 	t.Logf("%d tenant databases vs 1: p99 ratio, median of %d rounds: %.2f", n, rounds, median(ratios))
+	if len(slopeXactR) > 0 {
+		t.Logf("%d tenant databases vs 1, what a message adds from %d to %d msg/s, median of %d rounds: client CPU %.2f, the Sets' connections' server CPU %.2f, transactions %.2f",
+			n, rate, slopeRate, rounds, median(slopeClientR), median(slopeOwnR), median(slopeXactR))
+	}
 	t.Logf("%d tenant databases vs 1, per message, median of %d rounds: client CPU %.2f, server CPU %.2f (the Sets' connections' %.2f), transactions %.2f",
 		n, rounds, median(clientR), median(serverR), median(ownR), median(xactR))
 
