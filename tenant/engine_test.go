@@ -452,8 +452,9 @@ type claimLog struct {
 }
 
 type claimAt struct {
-	at  time.Time
-	ids []string
+	at   time.Time
+	pass time.Time // the deadline of the relay pass's context: the pass's start and its bound, one per pass
+	ids  []string
 }
 
 func (d *claimLog) Open(db *sql.DB, opts outboxdriver.StoreOptions) (outboxdriver.Store, error) {
@@ -486,7 +487,8 @@ func (s *claimLogStore) EffectClaimDue(ctx context.Context, p outboxdriver.Effec
 			ids = append(ids, e.UUID)
 		}
 		s.d.mu.Lock()
-		s.d.claims = append(s.d.claims, claimAt{at: at, ids: ids})
+		pass, _ := ctx.Deadline()
+		s.d.claims = append(s.d.claims, claimAt{at: at, pass: pass, ids: ids})
 		s.d.mu.Unlock()
 	}
 	return c, err
@@ -527,23 +529,21 @@ func TestSetRelayPassThatDrainedCountsIdle(t *testing.T) {
 		}
 		eventually(t, "the delayed effect sent", func() bool { return w.count(id) == 1 })
 		time.Sleep(4 * every)
-		// A pass is a chain of claims, each less than every/2 after the one before (a claim
-		// finds the delayed effect due, its move, the claim that takes it, the last one:
-		// milliseconds apart, more on a loaded machine); passes are a RelayInterval or more
-		// apart. The pass that sent began with the first claim of its chain.
+		// The claims of one pass share its context, whose deadline is the pass's start plus its
+		// bound: the passes after the one that sent are told by theirs, however long the sending
+		// pass's claims and sends took on a loaded machine (they were taken for passes of
+		// their own when told by the time between claims).
 		claims := d.all()
 		k := slices.IndexFunc(claims, func(c claimAt) bool { return slices.Contains(c.ids, id) })
 		var took time.Time
 		var after []time.Duration
 		if k >= 0 {
-			j := k
-			for j > 0 && claims[j].at.Sub(claims[j-1].at) < every/2 {
-				j--
-			}
-			took = claims[j].at
-			for j = k + 1; j < len(claims); j++ {
-				if claims[j].at.Sub(claims[j-1].at) >= every/2 {
-					after = append(after, claims[j].at.Sub(took)) // a pass begins
+			took = claims[k].pass
+			last := took
+			for _, c := range claims[k+1:] {
+				if c.pass.After(last) {
+					after = append(after, c.pass.Sub(took)) // a pass begins
+					last = c.pass
 				}
 			}
 		}
