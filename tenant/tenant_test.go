@@ -853,10 +853,6 @@ func TestSetRunShutdownIsBounded(t *testing.T) {
 			}
 		}
 	}()
-	stalledDB, err := sql.Open("postgres", "postgres://outbox@"+ln.Addr().String()+"/outbox?sslmode=disable")
-	if err != nil {
-		t.Fatal(err)
-	}
 	t.Cleanup(func() {
 		_ = ln.Close()
 		<-acceptDone
@@ -865,11 +861,17 @@ func TestSetRunShutdownIsBounded(t *testing.T) {
 			_ = c.Close()
 		}
 		mu.Unlock()
-		_ = stalledDB.Close()
 	})
 	w := newWire()
 	members := map[string]*outbox.Outbox{"unrouted": newMember(t, pgtest.DB(t), "", w)}
 	for _, name := range []string{"stalled", "stalled2"} {
+		// A pool each: members of one pool run at most PoolConcurrent (2) calls at once, and
+		// the two of one stalled pool could be both of one member's.
+		stalledDB, err := sql.Open("postgres", "postgres://outbox@"+ln.Addr().String()+"/outbox?sslmode=disable")
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = stalledDB.Close() })
 		ob, err := outbox.New(outbox.Config{DB: stalledDB, Driver: postgres.Driver{}, Publisher: w, TablePrefix: name + "_",
 			ShutdownTimeout: 2 * time.Second, StatsInterval: -1})
 		if err != nil {
