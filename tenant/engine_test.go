@@ -5,6 +5,7 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"net"
 	"slices"
 	"sync"
 	"testing"
@@ -562,8 +563,9 @@ func TestSetRelayPassThatDrainedCountsIdle(t *testing.T) {
 // PoolConcurrent background calls at once, the pool's idle connections by default: the Set's
 // background work opens no connection that the pool closes when it gets it back (200 idle
 // schemas on one default pool opened 0.4 connections a second, each a server process forked
-// and torn down). With PoolConcurrent -1 the same members, as many at once as MaxConcurrent
-// lets, have the pool close what it cannot keep.
+// and torn down). That the cap binds is shown on a pool whose server accepts connections and
+// never answers, where every call holds its connection: two connections with the cap, more
+// without it (PoolConcurrent -1).
 func TestSetMembersOnOnePoolOpenNoConnectionTheyClose(t *testing.T) {
 	closedBeyondIdle := func(poolConcurrent int) int64 {
 		db := pgtest.DB(t) // database/sql's defaults: two idle connections
@@ -595,7 +597,72 @@ func TestSetMembersOnOnePoolOpenNoConnectionTheyClose(t *testing.T) {
 	if n := closedBeyondIdle(0); n != 0 {
 		t.Errorf("the members' background work had the pool close %d connections beyond its idle ones in 2 s, want none", n)
 	}
-	if n := closedBeyondIdle(-1); n == 0 {
-		t.Errorf("without the cap, the pool closed no connection beyond its idle ones: the test shows nothing")
+	t.Logf("without the cap: %d connections closed beyond the idle ones in 2 s", closedBeyondIdle(-1))
+
+	connected := func(poolConcurrent int, wait time.Duration) int {
+		ln, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		var mu sync.Mutex
+		var conns []net.Conn
+		acceptDone := make(chan struct{})
+		go func() {
+			defer close(acceptDone)
+			for {
+				c, err := ln.Accept()
+				if err != nil {
+					return
+				}
+				mu.Lock()
+				conns = append(conns, c)
+				mu.Unlock()
+			}
+		}()
+		stalled, err := sql.Open("postgres", "postgres://outbox@"+ln.Addr().String()+"/outbox?sslmode=disable")
+		if err != nil {
+			t.Fatal(err)
+		}
+		members := map[string]*outbox.Outbox{}
+		for i := range 4 {
+			ob, err := outbox.New(outbox.Config{DB: stalled, Driver: postgres.Driver{}, Publisher: newWire(), TablePrefix: fmt.Sprintf("s%d_", i),
+				ShutdownTimeout: 500 * time.Millisecond, StatsInterval: -1})
+			if err != nil {
+				t.Fatal(err)
+			}
+			members[fmt.Sprint("s", i)] = ob
+		}
+		set := newSet(t, tenant.Config{MaxConcurrent: 8, PoolConcurrent: poolConcurrent}, members)
+		ctx, cancel := context.WithCancel(context.Background())
+		done := make(chan error, 1)
+		go func() { done <- set.Run(ctx) }()
+		deadline := time.Now().Add(wait)
+		n := 0
+		for time.Now().Before(deadline) {
+			mu.Lock()
+			n = len(conns)
+			mu.Unlock()
+			if n > 2 {
+				break
+			}
+			time.Sleep(10 * time.Millisecond)
+		}
+		cancel()
+		<-done // within the members' ShutdownTimeout: their calls are stuck
+		_ = ln.Close()
+		<-acceptDone
+		mu.Lock()
+		for _, c := range conns {
+			_ = c.Close() // the stuck calls return
+		}
+		mu.Unlock()
+		_ = stalled.Close()
+		return n
+	}
+	if n := connected(0, time.Second); n != 2 {
+		t.Errorf("members of one stalled pool opened %d connections in 1 s, want PoolConcurrent's 2", n)
+	}
+	if n := connected(-1, 10*time.Second); n <= 2 {
+		t.Errorf("without the cap, members of one stalled pool opened %d connections in 10 s: the test shows nothing", n)
 	}
 }

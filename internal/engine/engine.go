@@ -332,7 +332,8 @@ func (e *Engine) pokeScheduler() {
 
 // Stats returns the engine's counters.
 func (e *Engine) Stats() Stats {
-	return Stats{Runs: e.runs.Load(), Errors: e.errs.Load(), Panics: e.panics.Load(), Abandoned: e.abandoned.Load()}
+	panics := e.panics.Load() // before errs: a panic counts as an error first (see call)
+	return Stats{Runs: e.runs.Load(), Errors: e.errs.Load(), Panics: panics, Abandoned: e.abandoned.Load()}
 }
 
 // Start starts the scheduler. The runs' contexts derive from ctx: when it ends, the scheduler
@@ -750,12 +751,15 @@ func (e *Engine) abandon(t *task, seq uint64, started time.Time) {
 // background work.
 func (e *Engine) call(ctx context.Context, t *task) (out Outcome, err error) {
 	defer func() {
-		if r := recover(); r != nil {
-			e.panics.Add(1)
+		r := recover()
+		if r != nil {
 			out, err = Worked, fmt.Errorf("panic: %v", r)
 		}
 		if err != nil {
 			e.errs.Add(1)
+		}
+		if r != nil {
+			e.panics.Add(1) // after errs, which Stats reads after panics: never fewer errors than panics
 		}
 	}()
 	return t.Run(ctx)
