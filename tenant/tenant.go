@@ -110,8 +110,11 @@ type Config struct {
 	// (DB.SetMaxIdleConns) and closes every connection it gets back beyond them: more calls at
 	// once opened connections only to close them, a server process forked and torn down for a
 	// background statement of idle members (200 idle schemas on one default pool: 0.4 new
-	// connections a second). Raise it with the pool's idle connections. Members on pools of
-	// their own (a database each) are held back by MaxConcurrent alone. Default:
+	// connections a second). Raise it with the pool's idle connections. A call abandoned for
+	// not returning (a server that stopped answering) keeps its share of this cap until it
+	// returns: a hung pool has at most PoolConcurrent calls stalled in it, whatever its
+	// members. Members on pools of their own (a database each) are held back by MaxConcurrent
+	// alone. Default:
 	// DefaultPoolConcurrent; negative: no cap but MaxConcurrent.
 	PoolConcurrent int
 	// IdleMax is the longest wait between two relay passes of a member whose passes find nothing

@@ -181,7 +181,10 @@ type Member struct {
 // databases are one connection pool. A database/sql pool keeps two idle connections unless told
 // otherwise and closes what it gets back beyond them: more runs at once than that on one pool
 // open connections that are closed when they return, a connection (a server process) forked
-// and torn down for a background statement of idle members. A Pool belongs to one engine.
+// and torn down for a background statement of idle members. An abandoned run keeps its slot of
+// the Pool (not of MaxConcurrent) until its call returns: it still holds, or waits for, a
+// connection of the pool, and a pool whose server stopped answering then has at most Max calls
+// stalled in it, not one more each time a call is abandoned. A Pool belongs to one engine.
 type Pool struct {
 	// Max is the cap; 0 or less: none.
 	Max     int
@@ -701,9 +704,9 @@ func (e *Engine) run(mctx context.Context, t *task, seq uint64, started time.Tim
 		t.due = now
 	}
 	if !t.abandoned {
-		e.inflight-- // else abandon frees the slot (or has)
-		m.Pool.give()
+		e.inflight-- // else abandon freed it
 	}
+	m.Pool.give() // held until the call returns, abandoned or not
 	t.running, t.abandoned = false, false
 	m.running--
 	e.calls--
@@ -736,8 +739,7 @@ func (e *Engine) abandon(t *task, seq uint64, started time.Time) {
 		m.Gate.Observe(err)
 	}
 	e.mu.Lock()
-	e.inflight--
-	m.Pool.give()
+	e.inflight-- // the Pool's slot stays taken: the call still holds its connection
 	e.mu.Unlock()
 	e.pokeScheduler()
 	fields := watermill.LogFields{"task": t.Name, "running_for": took.String(), "timeout": t.Timeout.String()}

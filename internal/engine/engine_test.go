@@ -803,3 +803,50 @@ func TestPoolCapsRunsOfItsMembers(t *testing.T) {
 		t.Errorf("%d runs of the shared pool's members at once, want 2", most["shared"])
 	}
 }
+
+// A pool whose server stopped answering: its members' calls stall, ignoring their contexts, and
+// are abandoned. An abandoned call still holds a connection of its pool, so it keeps its slot of
+// the Pool (not of MaxConcurrent) until it returns: the pool's other members start no more calls
+// into it than Pool.Max in all, rather than one more stalled goroutine and connection attempt
+// per task of every member each time one is abandoned. A member of another pool runs on.
+func TestAbandonedRunsKeepTheirPoolSlot(t *testing.T) {
+	const timeout, grace = 50 * time.Millisecond, 20 * time.Millisecond
+	e := New(Config{MaxConcurrent: 4, AbandonGrace: grace, Logger: &logtest.Errors{}})
+	hung := &Pool{Max: 2}
+	stalled := newStalled(3)
+	for i := range 6 {
+		// A gate per member, as every Outbox has: each is told of its own abandoned runs only.
+		add(t, e, Member{Name: fmt.Sprint("hung", i), Pool: hung, Gate: &fakeGate{open: true}, Tasks: stalled.tasks(10*time.Millisecond, timeout)})
+	}
+	healthy := &counter{}
+	add(t, e, Member{Name: "healthy", Pool: &Pool{Max: 2}, Tasks: []Task{healthy.task("relay", 20*time.Millisecond)}})
+	started(t, e)
+	defer func() {
+		select {
+		case <-stalled.release:
+		default:
+			close(stalled.release)
+		}
+	}()
+
+	// Long enough for every member's tasks to be started and abandoned in turn, were the pool's
+	// slots freed at abandonment: 18 tasks, two at a time, 70 ms each.
+	time.Sleep(10 * (timeout + grace))
+	before := healthy.n.Load()
+	time.Sleep(500 * time.Millisecond)
+	if n := stalled.mostIn.Load(); n > int64(hung.Max) {
+		t.Errorf("%d calls out at once into the hung pool, want at most its Max (%d): an abandoned call still holds its connection", n, hung.Max)
+	}
+	if n := healthy.n.Load() - before; n < 10 {
+		t.Errorf("the member of another pool ran %d times in 500 ms beside the hung pool (every 20 ms: about 25)", n)
+	}
+	close(stalled.release)
+	waitFor(t, "the hung pool's members to run once its calls returned", func() bool {
+		for i := range stalled.calls {
+			if stalled.calls[i].Load() < 2 {
+				return false
+			}
+		}
+		return true
+	})
+}
