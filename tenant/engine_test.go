@@ -5,7 +5,6 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
-	"net"
 	"slices"
 	"sync"
 	"testing"
@@ -17,6 +16,7 @@ import (
 	"github.com/watermill-outbox/outbox"
 	"github.com/watermill-outbox/outbox/drivers/postgres"
 	"github.com/watermill-outbox/outbox/internal/pgtest"
+	"github.com/watermill-outbox/outbox/internal/silent"
 	"github.com/watermill-outbox/outbox/outboxdriver"
 	"github.com/watermill-outbox/outbox/tenant"
 )
@@ -600,26 +600,11 @@ func TestSetMembersOnOnePoolOpenNoConnectionTheyClose(t *testing.T) {
 	t.Logf("without the cap: %d connections closed beyond the idle ones in 2 s", closedBeyondIdle(-1))
 
 	connected := func(poolConcurrent int, wait time.Duration) int {
-		ln, err := net.Listen("tcp", "127.0.0.1:0")
+		srv, err := silent.Start()
 		if err != nil {
 			t.Fatal(err)
 		}
-		var mu sync.Mutex
-		var conns []net.Conn
-		acceptDone := make(chan struct{})
-		go func() {
-			defer close(acceptDone)
-			for {
-				c, err := ln.Accept()
-				if err != nil {
-					return
-				}
-				mu.Lock()
-				conns = append(conns, c)
-				mu.Unlock()
-			}
-		}()
-		stalled, err := sql.Open("postgres", "postgres://outbox@"+ln.Addr().String()+"/outbox?sslmode=disable")
+		stalled, err := sql.Open("postgres", srv.DSN())
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -636,26 +621,11 @@ func TestSetMembersOnOnePoolOpenNoConnectionTheyClose(t *testing.T) {
 		ctx, cancel := context.WithCancel(context.Background())
 		done := make(chan error, 1)
 		go func() { done <- set.Run(ctx) }()
-		deadline := time.Now().Add(wait)
-		n := 0
-		for time.Now().Before(deadline) {
-			mu.Lock()
-			n = len(conns)
-			mu.Unlock()
-			if n > 2 {
-				break
-			}
-			time.Sleep(10 * time.Millisecond)
-		}
+		srv.WaitConns(3, wait)
+		n := srv.Conns()
 		cancel()
-		<-done // within the members' ShutdownTimeout: their calls are stuck
-		_ = ln.Close()
-		<-acceptDone
-		mu.Lock()
-		for _, c := range conns {
-			_ = c.Close() // the stuck calls return
-		}
-		mu.Unlock()
+		<-done          // within the members' ShutdownTimeout: their calls are stuck
+		_ = srv.Close() // the stuck calls return
 		_ = stalled.Close()
 		return n
 	}

@@ -5,7 +5,6 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
-	"net"
 	"os"
 	"strings"
 	"sync"
@@ -21,6 +20,7 @@ import (
 	"github.com/watermill-outbox/outbox"
 	"github.com/watermill-outbox/outbox/drivers/postgres"
 	"github.com/watermill-outbox/outbox/internal/pgtest"
+	"github.com/watermill-outbox/outbox/internal/silent"
 	"github.com/watermill-outbox/outbox/middleware"
 	"github.com/watermill-outbox/outbox/tenant"
 )
@@ -829,45 +829,17 @@ func TestSetUnresolvedRequired(t *testing.T) {
 // it connects), with an error that names the member; the other members stop as usual. Two such
 // members cost one ShutdownTimeout (2 s), not one each.
 func TestSetRunShutdownIsBounded(t *testing.T) {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	srv, err := silent.Start()
 	if err != nil {
 		t.Fatal(err)
 	}
-	var mu sync.Mutex
-	var conns []net.Conn
-	accepted := make(chan struct{}, 8)
-	acceptDone := make(chan struct{})
-	go func() {
-		defer close(acceptDone)
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			mu.Lock()
-			conns = append(conns, c)
-			mu.Unlock()
-			select {
-			case accepted <- struct{}{}:
-			default:
-			}
-		}
-	}()
-	t.Cleanup(func() {
-		_ = ln.Close()
-		<-acceptDone
-		mu.Lock()
-		for _, c := range conns {
-			_ = c.Close()
-		}
-		mu.Unlock()
-	})
+	t.Cleanup(func() { _ = srv.Close() })
 	w := newWire()
 	members := map[string]*outbox.Outbox{"unrouted": newMember(t, pgtest.DB(t), "", w)}
 	for _, name := range []string{"stalled", "stalled2"} {
 		// A pool each: members of one pool run at most PoolConcurrent (2) calls at once, and
 		// the two of one stalled pool could be both of one member's.
-		stalledDB, err := sql.Open("postgres", "postgres://outbox@"+ln.Addr().String()+"/outbox?sslmode=disable")
+		stalledDB, err := sql.Open("postgres", srv.DSN())
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -884,12 +856,8 @@ func TestSetRunShutdownIsBounded(t *testing.T) {
 	done := make(chan error, 1)
 	go func() { done <- set.Run(ctx) }()
 	// Each stalled member has two tasks (relay, cleanup): a third connection is of the second.
-	for range 3 {
-		select {
-		case <-accepted:
-		case <-time.After(30 * time.Second):
-			t.Fatal("the stalled members' background work never connected")
-		}
+	if !srv.WaitConns(3, 30*time.Second) {
+		t.Fatal("the stalled members' background work never connected")
 	}
 	cancel()
 	cancelled := time.Now()
@@ -905,12 +873,7 @@ func TestSetRunShutdownIsBounded(t *testing.T) {
 			t.Errorf("Run = %v, want an error that names both stalled members and ShutdownTimeout", err)
 		}
 	case <-time.After(20 * time.Second):
-		_ = ln.Close()
-		mu.Lock()
-		for _, c := range conns {
-			_ = c.Close()
-		}
-		mu.Unlock()
+		_ = srv.Close()
 		<-done
 		t.Fatal("Run did not return within 20 s of its context's end while a member's background call was stuck")
 	}

@@ -3,7 +3,6 @@ package postgres_test
 import (
 	"context"
 	"net"
-	"sync"
 	"testing"
 	"time"
 
@@ -13,6 +12,7 @@ import (
 	"github.com/watermill-outbox/outbox"
 	"github.com/watermill-outbox/outbox/drivers/postgres"
 	"github.com/watermill-outbox/outbox/internal/pgtest"
+	"github.com/watermill-outbox/outbox/internal/silent"
 )
 
 // TestRunReturnsWhileTheListenDSNIsUnreachable: Run returns promptly after its context is
@@ -33,35 +33,12 @@ func TestRunReturnsWhileTheListenDSNIsUnreachable(t *testing.T) {
 			return addr
 		}},
 		{"never answers", func(t *testing.T) string {
-			ln, err := net.Listen("tcp", "127.0.0.1:0")
+			srv, err := silent.Start()
 			if err != nil {
 				t.Fatal(err)
 			}
-			var mu sync.Mutex
-			var conns []net.Conn
-			done := make(chan struct{})
-			go func() {
-				defer close(done)
-				for {
-					c, err := ln.Accept()
-					if err != nil {
-						return
-					}
-					mu.Lock()
-					conns = append(conns, c)
-					mu.Unlock()
-				}
-			}()
-			t.Cleanup(func() {
-				_ = ln.Close()
-				<-done
-				mu.Lock()
-				defer mu.Unlock()
-				for _, c := range conns {
-					_ = c.Close()
-				}
-			})
-			return ln.Addr().String()
+			t.Cleanup(func() { _ = srv.Close() })
+			return srv.Addr()
 		}},
 	} {
 		t.Run(c.name, func(t *testing.T) {
