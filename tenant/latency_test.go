@@ -31,6 +31,7 @@ import (
 type latencySet struct {
 	set   *tenant.Set
 	h     message.NoPublishHandlerFunc
+	bare  message.NoPublishHandlerFunc // the same work without the outbox: the control
 	names []string
 	dbs   []string       // the tenants' databases, for their counters in pg_stat_database
 	proxy *pgproxy.Proxy // in front of the last tenant's database, when asked for
@@ -44,6 +45,7 @@ func newLatencySet(t *testing.T, admin *sql.DB, base string, n, idle int, proxie
 		t.Fatal(err)
 	}
 	ls := &latencySet{set: set}
+	pools := map[string]*sql.DB{}
 	for i := range n {
 		name := fmt.Sprintf("%s_t%d", base, i)
 		if _, err := admin.Exec(`CREATE DATABASE ` + name); err != nil {
@@ -88,9 +90,28 @@ func newLatencySet(t *testing.T, admin *sql.DB, base string, n, idle int, proxie
 			t.Fatal(err)
 		}
 		ls.names = append(ls.names, member)
+		pools[member] = db
 	}
 	sh := newShop(func(string) string { return "orders" })
 	ls.h = set.WrapConsumer(sh.handle, middleware.WithConsumer("shop"))
+	// What a service without the outbox does with the message: the same INSERT in a transaction
+	// of the tenant's pool, then the event published, at most once.
+	ls.bare = func(msg *message.Message) error {
+		tn := msg.Metadata.Get("tenant")
+		ctx := context.Background()
+		tx, err := pools[tn].BeginTx(ctx, nil)
+		if err != nil {
+			return err
+		}
+		if _, err := tx.ExecContext(ctx, `INSERT INTO orders VALUES ($1, $2)`, msg.UUID, tn); err != nil {
+			_ = tx.Rollback()
+			return err
+		}
+		if err := tx.Commit(); err != nil {
+			return err
+		}
+		return w.Publish("events", message.NewMessage("event-"+msg.UUID, nil))
+	}
 	return ls
 }
 
@@ -130,9 +151,13 @@ func (ls *latencySet) offer(rate int, d time.Duration, names []string, tag strin
 	return times, failed
 }
 
-// saturate runs inFlight senders, each handing the next message (to the tenants in turn) as soon
-// as its last one returned, for d, and returns how many succeeded and failed.
-func (ls *latencySet) saturate(inFlight int, d time.Duration, tag string) (done, failed int) {
+// saturate runs inFlight senders, each handing the next message (to the tenants in turn) to h
+// (nil: the Set's consumer) as soon as its last one returned, for d, and returns how many
+// succeeded and failed.
+func (ls *latencySet) saturate(h message.NoPublishHandlerFunc, inFlight int, d time.Duration, tag string) (done, failed int) {
+	if h == nil {
+		h = ls.h
+	}
 	var next, ok, bad atomic.Int64
 	var wg sync.WaitGroup
 	end := time.Now().Add(d)
@@ -145,7 +170,7 @@ func (ls *latencySet) saturate(inFlight int, d time.Duration, tag string) (done,
 				name := ls.names[int(i)%len(ls.names)]
 				msg := message.NewMessage(fmt.Sprintf("%s-%s-%d", tag, name, i), nil)
 				msg.Metadata.Set("tenant", name)
-				if err := ls.h(msg); err != nil {
+				if err := h(msg); err != nil {
 					bad.Add(1)
 					continue
 				}
@@ -310,7 +335,10 @@ func percentile(ts []time.Duration, p float64) time.Duration {
 // OUTBOX_TENANT_SLOPE=R each round also offers R messages a second to each Set and prints what a
 // message adds from the lower rate to R: the members' background, the same at either rate, taken
 // out. With OUTBOX_TENANT_SATURATE=S it then offers each Set as much as OUTBOX_TENANT_INFLIGHT (default 8)
-// messages in flight take, for S seconds in alternating rounds, and prints the throughputs' ratio;
+// messages in flight take, for S seconds in alternating rounds, and prints the throughputs' ratio,
+// beside the same rounds of a control without the outbox (the INSERT in a transaction of the
+// tenant's pool, then the event published): what 200 databases cost whatever runs on them, and
+// the outbox's ratios over the control's, what the framework adds to that;
 // with OUTBOX_TENANT_PROFILE=dir it writes a CPU profile of one more round of each Set there
 // (one.pprof, many.pprof). OUTBOX_TENANT_STATS_INTERVAL sets every member's StatsInterval in
 // seconds (-1: no statistics sampling). With OUTBOX_TENANT_DOWN=S it then takes the last of 10
@@ -418,21 +446,52 @@ func TestTenantLatency(t *testing.T) {
 			inFlight = k
 		}
 		d := time.Duration(sat) * time.Second
-		var tputR, clR, svR, ownR, xR []float64
-		for r := range rounds {
-			var da, db, fa, fb int
-			ca, _ := cm.measure(one.dbs, func() int { da, fa = one.saturate(inFlight, d, fmt.Sprint("s", r)); return da })
-			cb, _ := cm.measure(many.dbs, func() int { db, fb = many.saturate(inFlight, d, fmt.Sprint("s", r)); return db })
-			ta, tb := float64(da)/ca.wall.Seconds(), float64(db)/cb.wall.Seconds()
-			acl, asv, aown, ax, acn := ca.perMsg(da)
-			bcl, bsv, bown, bx, bcn := cb.perMsg(db)
-			tputR, clR, svR, ownR, xR = append(tputR, tb/ta), append(clR, bcl/acl), append(svR, bsv/asv), append(ownR, bown/aown), append(xR, bx/ax)
-			t.Logf("saturating round %d, %d in flight for %v: 1 tenant %.0f msg/s (%d failed), client %.0f us, server %.0f us (connections' %.0f), %.2f transactions, %.3f new connections a message; "+
-				"%d tenant databases %.0f msg/s (%d failed), client %.0f us, server %.0f us (connections' %.0f), %.2f transactions, %.3f new connections; ratios throughput %.2f, client %.2f, server %.2f (connections' %.2f), transactions %.2f",
-				r, inFlight, d, ta, fa, acl, asv, aown, ax, acn, n, tb, fb, bcl, bsv, bown, bx, bcn, tb/ta, bcl/acl, bsv/asv, bown/aown, bx/ax)
+		// Each round also runs the control (the same work without the outbox, ls.bare) on both:
+		// what 200 databases cost PostgreSQL and the client whatever runs on them (a backend,
+		// a pool and their caches each) shows in the control's ratio, and what the framework
+		// adds to it is the outbox's ratio over the control's.
+		type sat struct {
+			tput, cl, sv, own, x float64
 		}
-		t.Logf("saturating, %d tenant databases vs 1, median of %d rounds: throughput %.2f, client CPU %.2f, server CPU %.2f (connections' %.2f), transactions %.2f a message",
-			n, rounds, median(tputR), median(clR), median(svR), median(ownR), median(xR))
+		one1 := func(ls *latencySet, h message.NoPublishHandlerFunc, tag string) (sat, int) {
+			var done, failed int
+			c, _ := cm.measure(ls.dbs, func() int { done, failed = ls.saturate(h, inFlight, d, tag); return done })
+			cl, sv, own, x, _ := c.perMsg(done)
+			return sat{float64(done) / c.wall.Seconds(), cl, sv, own, x}, failed
+		}
+		ratio := func(a, b sat) sat { return sat{b.tput / a.tput, b.cl / a.cl, b.sv / a.sv, b.own / a.own, b.x / a.x} }
+		var outR, ctlR, netR []sat
+		for r := range rounds {
+			a, fa := one1(one, nil, fmt.Sprint("s", r))
+			b, fb := one1(many, nil, fmt.Sprint("s", r))
+			ca, fca := one1(one, one.bare, fmt.Sprint("c", r))
+			cb, fcb := one1(many, many.bare, fmt.Sprint("c", r))
+			o, c := ratio(a, b), ratio(ca, cb)
+			nr := sat{o.tput / c.tput, o.cl / c.cl, o.sv / c.sv, o.own / c.own, o.x / c.x}
+			outR, ctlR, netR = append(outR, o), append(ctlR, c), append(netR, nr)
+			t.Logf("saturating round %d, %d in flight for %v: 1 tenant %.0f msg/s (%d failed), client %.0f us, server %.0f us (connections' %.0f), %.2f transactions a message; "+
+				"%d tenant databases %.0f msg/s (%d failed), client %.0f us, server %.0f us (connections' %.0f), %.2f transactions; ratios throughput %.2f, client %.2f, server %.2f (connections' %.2f), transactions %.2f",
+				r, inFlight, d, a.tput, fa, a.cl, a.sv, a.own, a.x, n, b.tput, fb, b.cl, b.sv, b.own, b.x, o.tput, o.cl, o.sv, o.own, o.x)
+			t.Logf("saturating round %d, control without the outbox: 1 tenant database %.0f msg/s (%d failed), client %.0f us, server %.0f us (connections' %.0f), %.2f transactions; "+
+				"%d %.0f msg/s (%d failed), client %.0f us, server %.0f us (connections' %.0f), %.2f transactions; ratios throughput %.2f, client %.2f, server %.2f (connections' %.2f); "+
+				"the outbox's ratios over the control's: throughput %.2f, client %.2f, server %.2f (connections' %.2f), transactions %.2f",
+				r, ca.tput, fca, ca.cl, ca.sv, ca.own, ca.x, n, cb.tput, fcb, cb.cl, cb.sv, cb.own, cb.x, c.tput, c.cl, c.sv, c.own, nr.tput, nr.cl, nr.sv, nr.own, nr.x)
+		}
+		med := func(v []sat, f func(sat) float64) float64 {
+			var xs []float64
+			for _, s := range v {
+				xs = append(xs, f(s))
+			}
+			return median(xs)
+		}
+		for _, row := range []struct {
+			what string
+			v    []sat
+		}{{"the outbox", outR}, {"the control without it", ctlR}, {"the outbox over the control", netR}} {
+			t.Logf("saturating, %d tenant databases vs 1, %s, median of %d rounds: throughput %.2f, client CPU %.2f, server CPU %.2f (connections' %.2f), transactions %.2f a message",
+				n, row.what, rounds, med(row.v, func(s sat) float64 { return s.tput }), med(row.v, func(s sat) float64 { return s.cl }),
+				med(row.v, func(s sat) float64 { return s.sv }), med(row.v, func(s sat) float64 { return s.own }), med(row.v, func(s sat) float64 { return s.x }))
+		}
 	}
 
 	// A CPU profile of this process in one more round of each Set, apart from the measured
