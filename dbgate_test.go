@@ -115,8 +115,12 @@ func TestUnreachableDatabaseIsProbedWithBackoff(t *testing.T) {
 	mustEqual(t, "failed attempts counted", e.count(`SELECT count(*) FROM outbox_attempts`), 0)
 	// At most one probe at a time, 100 ms doubling: about five in 3 s, after the first failures
 	// of what was in flight (the consumers, the relay, the cleanup, the listener).
-	if attempts > consumers+12 {
-		t.Errorf("%d connection attempts during 3 s of outage, want at most %d", attempts, consumers+12)
+	// Before the first failure closes the gate, each consumer's unit and each background task may
+	// dial once, and a unit that began before the gate closed once more: on a loaded machine up to
+	// 24 in all were seen. Without the gate, the eight consumers alone dial hundreds of times in
+	// 3 s; the backoff itself is the bound on the last 2 s below.
+	if attempts > consumers+20 {
+		t.Errorf("%d connection attempts during 3 s of outage, want at most %d", attempts, consumers+20)
 	}
 	if late := attempts - early; late > 4 {
 		t.Errorf("%d connection attempts in the last 2 s of the outage, want at most 4 (a probe with exponential backoff)", late)
