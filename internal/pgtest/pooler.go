@@ -5,6 +5,7 @@ import (
 	"net"
 	"net/url"
 	"strconv"
+	"strings"
 	"testing"
 
 	"github.com/watermill-outbox/outbox/internal/pgbouncer"
@@ -15,6 +16,17 @@ const (
 	PoolTransaction = pgbouncer.Transaction
 	PoolSession     = pgbouncer.Session
 )
+
+// PoolerCrashed tells whether the PgBouncer in mode started by PoolerDSN has exited with text in
+// the end of its log.
+func PoolerCrashed(t testing.TB, mode, text string) bool {
+	t.Helper()
+	e := current(t)
+	mu.Lock()
+	defer mu.Unlock()
+	b, ok := e.bouncers[mode]
+	return ok && b.Exited() && strings.Contains(b.LogTail(), text)
+}
 
 // PoolerStatus says whether the PgBouncer in mode started by PoolerDSN runs, and if it exited,
 // with the end of its log: for the failure of a test behind it.
