@@ -28,8 +28,9 @@ var campaignDatabase = &campaign.Database{
 	AnyClaimAfterRollback: true,
 	ExpireKey:             "UPDATE `%sidempotency` SET expires_at = UTC_TIMESTAMP(6) - INTERVAL 1 SECOND WHERE scope = $1 AND `key` = $2",
 	Unsupported: map[string]string{
-		"held-claim": "no inline effects, so no sweep whose look-back a late claim could fall behind",
-		"clock-step": "no inline effects, so no sweep watermark for a clock step to move",
+		"held-claim":      "no inline effects, so no sweep whose look-back a late claim could fall behind",
+		"clock-step":      "no inline effects, so no sweep watermark for a clock step to move",
+		"deleted-effects": "the check reads deleted effects from an audit kept by PostgreSQL triggers",
 	},
 }
 

@@ -6,6 +6,7 @@ import (
 	"slices"
 	"strings"
 	"sync/atomic"
+	"time"
 
 	"github.com/watermill-outbox/outbox/outboxdriver"
 	"github.com/watermill-outbox/outbox/store"
@@ -138,7 +139,115 @@ func (c *run) committedIn(db *sql.DB) []effect {
 	if err := rows.Err(); err != nil {
 		t.Fatal(err)
 	}
+	return append(out, c.audited(db, out)...)
+}
+
+// installAudit keeps in db, by triggers, every effect that leaves the run's tables otherwise
+// than by a rollback: an effect row deleted (sent and not kept, moved to the dispatched table, a
+// spill undone), and the inline effects a claim held before an update changed or cleared them
+// (sent, moved to rows, rewritten by the next record). What was committed and then deleted stays
+// readable for the check (committedIn), whatever EffectRetention the instances have. Only
+// committed writes leave an entry: the trigger's insert is undone with its transaction (or
+// savepoint).
+func (c *run) installAudit(db *sql.DB) {
+	p := c.prefix
+	for _, q := range []string{
+		`CREATE TABLE ` + p + `campaign_audit (consumer text, source text, seq int, topic text, uuid text, payload bytea, effects bytea,
+			created_at timestamptz)`,
+		`CREATE FUNCTION ` + p + `campaign_audit_row() RETURNS trigger LANGUAGE plpgsql AS $$
+		BEGIN
+			INSERT INTO ` + p + `campaign_audit (consumer, source, seq, topic, uuid, payload, created_at)
+				VALUES (OLD.source_consumer, OLD.source_id, OLD.seq, OLD.topic, OLD.uuid, OLD.payload, OLD.created_at);
+			RETURN NULL;
+		END $$`,
+		`CREATE TRIGGER ` + p + `campaign_audit_row AFTER DELETE ON ` + c.effectsTable() + ` FOR EACH ROW EXECUTE FUNCTION ` + p + `campaign_audit_row()`,
+		`CREATE FUNCTION ` + p + `campaign_audit_inline() RETURNS trigger LANGUAGE plpgsql AS $$
+		BEGIN
+			INSERT INTO ` + p + `campaign_audit (consumer, source, effects, created_at)
+				VALUES (OLD.consumer, OLD.message_id, OLD.effects, coalesce(OLD.dispatched_at, OLD.processed_at));
+			RETURN NULL;
+		END $$`,
+		`CREATE TRIGGER ` + p + `campaign_audit_inline AFTER UPDATE OF effects ON ` + p + `processed FOR EACH ROW
+			WHEN (OLD.effects IS NOT NULL AND NEW.effects IS DISTINCT FROM OLD.effects) EXECUTE FUNCTION ` + p + `campaign_audit_inline()`,
+		`CREATE TRIGGER ` + p + `campaign_audit_claim AFTER DELETE ON ` + p + `processed FOR EACH ROW
+			WHEN (OLD.effects IS NOT NULL) EXECUTE FUNCTION ` + p + `campaign_audit_inline()`,
+	} {
+		if _, err := db.Exec(q); err != nil {
+			c.t.Fatalf("audit of the deleted effects: %v", err)
+		}
+	}
+}
+
+// audited returns the effects of db's audit (installAudit) that are not in current (the effects
+// the tables hold now): what was committed and left the tables since, each once.
+func (c *run) audited(db *sql.DB, current []effect) []effect {
+	t := c.t
+	same := func(e effect) [6]string {
+		return [6]string{e.consumer, e.source, fmt.Sprint(e.seq), e.topic, e.uuid, e.payload}
+	}
+	seen := map[[6]string]bool{}
+	for _, e := range current {
+		seen[same(e)] = true
+	}
+	rows, err := db.Query(`SELECT consumer, source, seq, topic, uuid, payload, effects, created_at FROM ` + c.prefix + `campaign_audit`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer rows.Close()
+	var out []effect
+	add := func(e effect) {
+		if k := same(e); !seen[k] {
+			seen[k] = true
+			out = append(out, e)
+		}
+	}
+	for rows.Next() {
+		var consumer, source string
+		var seq sql.NullInt64
+		var topic, id sql.NullString
+		var payload, blob []byte
+		var at time.Time
+		if err := rows.Scan(&consumer, &source, &seq, &topic, &id, &payload, &blob, &at); err != nil {
+			t.Fatal(err)
+		}
+		if blob == nil {
+			c.auditedAt(id.String, at)
+			add(effect{consumer: consumer, source: source, seq: int(seq.Int64), topic: topic.String, uuid: id.String, payload: string(payload), where: "deleted row"})
+			continue
+		}
+		effects, err := store.DecodeEffects(blob, outboxdriver.Source{Consumer: consumer, ID: source})
+		if err != nil {
+			c.fail("audited inline effects of %s: %v", source, err)
+			continue
+		}
+		for _, d := range effects {
+			c.auditedAt(d.UUID, at)
+			add(effect{consumer: consumer, source: source, seq: d.Seq, topic: d.Topic, uuid: d.UUID, payload: string(d.Payload), where: "cleared inline"})
+		}
+	}
+	if err := rows.Err(); err != nil {
+		t.Fatal(err)
+	}
 	return out
+}
+
+// auditedAt records that an effect with UUID id was stored at at, by the audit: the first and
+// last such times, for storedAfter.
+func (c *run) auditedAt(id string, at time.Time) {
+	if c.auditTimes == nil {
+		c.auditTimes = map[string][2]time.Time{}
+	}
+	span, ok := c.auditTimes[id]
+	if !ok {
+		span = [2]time.Time{at, at}
+	}
+	if at.Before(span[0]) {
+		span[0] = at
+	}
+	if at.After(span[1]) {
+		span[1] = at
+	}
+	c.auditTimes[id] = span
 }
 
 // wireCopy is one copy on a broker topic.
@@ -349,12 +458,23 @@ func (c *run) storedAfter(db *sql.DB, a, b string) bool {
 	if c.database == postgresDatabase {
 		rows = `(SELECT uuid, created_at FROM ` + c.effectsTable() + ` UNION ALL SELECT uuid, created_at FROM ` + c.prefix + `dispatched)`
 	}
-	var after bool
-	if err := db.QueryRow(c.database.Bind(`SELECT (SELECT max(created_at) FROM `+rows+` x WHERE uuid = $1) >
-		(SELECT min(created_at) FROM `+rows+` y WHERE uuid = $2)`), a, b).Scan(&after); err != nil {
+	var lastA, firstB sql.NullTime
+	if err := db.QueryRow(c.database.Bind(`SELECT (SELECT max(created_at) FROM `+rows+` x WHERE uuid = $1),
+		(SELECT min(created_at) FROM `+rows+` y WHERE uuid = $2)`), a, b).Scan(&lastA, &firstB); err != nil {
 		c.t.Fatal(err)
 	}
-	return after
+	// Sent and not kept (EffectRetention 0): the audit's times, taken from the same columns.
+	if span, ok := c.auditTimes[a]; ok && (!lastA.Valid || span[1].After(lastA.Time)) {
+		lastA = sql.NullTime{Time: span[1], Valid: true}
+	}
+	if span, ok := c.auditTimes[b]; ok && (!firstB.Valid || span[0].Before(firstB.Time)) {
+		firstB = sql.NullTime{Time: span[0], Valid: true}
+	}
+	if !lastA.Valid || !firstB.Valid {
+		c.fail("no stored time of effect %s or %s, to order them", a, b)
+		return false
+	}
+	return lastA.Time.After(firstB.Time)
 }
 
 // rerun tells two effects of two runs of one request, the second after its key expired: they

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -74,6 +75,10 @@ type run struct {
 	proxy   *pgproxy.Proxy
 	proxied string
 	outage  *outage
+
+	// auditTimes are the first and last stored times of the effects read from the audit of
+	// deleted effects (installAudit), by UUID.
+	auditTimes map[string][2]time.Time
 
 	clockAhead atomic.Bool // claims committed now are stamped clockStep ahead
 	failed     atomic.Bool
@@ -179,6 +184,20 @@ func (c *run) do() bool {
 	}
 	c.note("instances %s; drain by %v; relays during the deliveries: %v; big unit: message %d", strings.Join(names, " "), drainers, relaysDuring, bigAt)
 
+	// Which instances delete what they sent: drawn from a stream of their own, so that the
+	// schedules of the seeds drawn before this scenario stay as they were.
+	deletes := make([]bool, len(c.forms))
+	if c.on["deleted-effects"] && c.database == postgresDatabase {
+		dr := rand.New(rand.NewPCG(c.seed, 47))
+		for i := range deletes {
+			deletes[i] = dr.IntN(2) == 0
+		}
+		if slices.Contains(deletes, true) {
+			c.note("instances that delete sent effects (EffectRetention 0): %v", deletes)
+			c.stats.reached("deleted-effects")
+		}
+	}
+
 	c.timeout = 300 * time.Millisecond
 	publishTimeout := 200 * time.Millisecond
 	if bigAt >= 0 {
@@ -202,10 +221,13 @@ func (c *run) do() bool {
 		StatsInterval:    -1,
 		Failpoint:        c.failpoint,
 	}
-	for _, f := range c.forms {
+	for i, f := range c.forms {
 		var members []*outbox.Outbox
 		for k, dsn := range c.dsns {
 			mcfg := cfg
+			if deletes[i] {
+				mcfg.EffectRetention = 0
+			}
 			if k == downMember && c.proxy != nil {
 				dsn, mcfg.Failpoint = c.proxied, c.memberFailpoint
 				// After an outage the work waits for the next probe: one at most 400 ms away, not
@@ -247,6 +269,11 @@ func (c *run) do() bool {
 	for _, ob := range c.members[0] {
 		if err := ob.Migrate(ctx); err != nil {
 			t.Fatal(err)
+		}
+	}
+	if c.database == postgresDatabase {
+		for _, db := range c.dbs {
+			c.installAudit(db)
 		}
 	}
 
