@@ -5,6 +5,7 @@ import (
 	"errors"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -25,11 +26,12 @@ const markLinger = 5 * time.Millisecond
 // causes a re-send with the same UUIDs, which consumers deduplicate. The worker goroutine runs
 // only while marks are queued and exits when the queue is empty, so there is nothing to close.
 type marker struct {
-	o      *Outbox
-	mu     sync.Mutex
-	queue  []outboxdriver.DispatchMark
-	queued map[int64]int  // store IDs whose mark is queued or being written
-	inline map[Source]int // sources whose inline effects' mark is queued or being written
+	o        *Outbox
+	mu       sync.Mutex
+	queue    []outboxdriver.DispatchMark
+	queuedAt []time.Time    // when each mark of queue was queued
+	queued   map[int64]int  // store IDs whose mark is queued or being written
+	inline   map[Source]int // sources whose inline effects' mark is queued or being written
 	// written remembers, for markRecall, the marks written lately: a relay round whose claim
 	// leased effects just before their mark deleted them must not send them again.
 	written []writtenMarks
@@ -37,12 +39,165 @@ type marker struct {
 	recentI map[Source]int
 	running bool
 	idle    *sync.Cond // signalled when the worker exits
+
+	// Marks that ride on units of work (see take): whether the store lets them, when the last
+	// claim began (UnixNano), how many callers of wait hurry the worker, and the worker's
+	// wake-up while it waits for a unit.
+	rides     bool
+	rideFor   time.Duration // markRide, or half of RelayGrace when that is shorter
+	lastClaim atomic.Int64
+	hurry     int
+	nudge     chan struct{}
 }
 
 func newMarker(o *Outbox) *marker {
-	m := &marker{o: o, queued: map[int64]int{}, inline: map[Source]int{}, recent: map[int64]int{}, recentI: map[Source]int{}}
+	m := &marker{o: o, queued: map[int64]int{}, inline: map[Source]int{}, recent: map[int64]int{}, recentI: map[Source]int{},
+		nudge: make(chan struct{}, 1)}
 	m.idle = sync.NewCond(&m.mu)
+	if cm, ok := o.store.(outboxdriver.ClaimMarker); ok {
+		m.rides = cm.ClaimMarks()
+	}
+	m.rideFor = min(markRide, o.cfg.RelayGrace/2)
 	return m
+}
+
+// markRide is how long a thin batch of marks waits for a unit of work of the same Outbox to take
+// it into its claim (outboxdriver.ClaimMarker), when units come that often: then the mark costs
+// no statement and no transaction of its own. One database among many, with a message every few
+// hundred milliseconds, could not batch its marks and wrote one transaction each (200 tenant
+// databases at saturation, 440 messages a second: a message every 450 ms each, 2 transactions a
+// message; a window of 250 ms caught none of them). A mark that waits delays by as much the
+// duplicate check of another instance, and a crash in that window sends its effects again with
+// their UUIDs, as for any mark not yet written. It waits at most half of RelayGrace, after which
+// another instance's relay would take the effects for left behind and send them again.
+const markRide = time.Second
+
+// markRideBelow: a batch of this many marks or more is written at once, one statement for all,
+// rather than waiting for a unit.
+const markRideBelow = 16
+
+// markRideMax bounds the marks that ride on one claim.
+const markRideMax = 200
+
+// ridable tells whether mk may ride on a claim: inline effects only (the claim clears them; rows
+// are a statement of their own).
+func ridable(mk outboxdriver.DispatchMark) bool { return mk.Inline && len(mk.StoreIDs) == 0 }
+
+// take hands the unit of work about to claim src the marks of src.Consumer that may ride on its
+// claim, at most markRideMax of them: their message IDs sent in time and late, and the batch to
+// settle once the unit has ended. They stay queued for isQueued until then.
+func (m *marker) take(src Source) (sent, late []string, batch []outboxdriver.DispatchMark) {
+	m.lastClaim.Store(time.Now().UnixNano())
+	if !m.rides {
+		return nil, nil, nil
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.hurry > 0 {
+		return nil, nil, nil // being flushed: the worker writes them
+	}
+	n := 0
+	lateIDs := map[string]bool{}
+	for i, mk := range m.queue {
+		// A mark whose ride failed (queuedAt zero) is the worker's: a unit that rolls back
+		// again and again must not keep it from being written.
+		if len(batch) < markRideMax && ridable(mk) && !m.queuedAt[i].IsZero() &&
+			mk.Source.Consumer == src.Consumer && mk.Source.ID != src.ID {
+			batch = append(batch, mk)
+			if mk.MoveClaim {
+				lateIDs[mk.Source.ID] = true
+			}
+			continue
+		}
+		m.queue[n], m.queuedAt[n] = mk, m.queuedAt[i]
+		n++
+	}
+	clear(m.queue[n:])
+	m.queue, m.queuedAt = m.queue[:n], m.queuedAt[:n]
+	// One claim in one list: two updates of one row in a statement would keep only one of them.
+	seen := map[string]bool{}
+	for _, mk := range batch {
+		id := mk.Source.ID
+		if seen[id] {
+			continue
+		}
+		seen[id] = true
+		if lateIDs[id] {
+			late = append(late, id)
+		} else {
+			sent = append(sent, id)
+		}
+	}
+	return sent, late, batch
+}
+
+// settle ends the ride of batch (from take): written if its unit committed, queued again to be
+// written by the worker otherwise (a mark written twice changes nothing the second time).
+func (m *marker) settle(batch []outboxdriver.DispatchMark, committed bool) {
+	if len(batch) == 0 {
+		return
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if committed {
+		m.remember(batch, time.Now())
+		m.unqueue(batch)
+		if m.o.handoffsInFlight() {
+			m.o.kickRelay() // as after the worker's writes
+		}
+	} else {
+		for _, mk := range batch {
+			m.queue = append(m.queue, mk)
+			m.queuedAt = append(m.queuedAt, time.Time{}) // rides no more
+		}
+		if !m.running {
+			m.running = true
+			go m.work()
+		}
+		m.poke()
+	}
+}
+
+// unqueue forgets batch as queued; m.mu must be held.
+func (m *marker) unqueue(batch []outboxdriver.DispatchMark) {
+	for _, mk := range batch {
+		for _, id := range mk.StoreIDs {
+			if m.queued[id]--; m.queued[id] <= 0 {
+				delete(m.queued, id)
+			}
+		}
+		if mk.Inline {
+			if m.inline[mk.Source]--; m.inline[mk.Source] <= 0 {
+				delete(m.inline, mk.Source)
+			}
+		}
+	}
+}
+
+// rideUntil is until when the queue may wait for a unit of work to take it (zero: it is to be
+// written now): while every mark in it may ride, they are fewer than markRideBelow, a claim began
+// within rideFor (units come that often), and no caller of wait hurries. m.mu must be held.
+func (m *marker) rideUntil() time.Time {
+	if !m.rides || m.hurry > 0 || len(m.queue) == 0 || len(m.queue) >= markRideBelow {
+		return time.Time{}
+	}
+	if time.Since(time.Unix(0, m.lastClaim.Load())) > m.rideFor {
+		return time.Time{}
+	}
+	for i, mk := range m.queue {
+		if !ridable(mk) || m.queuedAt[i].IsZero() {
+			return time.Time{}
+		}
+	}
+	return m.queuedAt[0].Add(m.rideFor)
+}
+
+// poke wakes the worker from its wait for a unit of work.
+func (m *marker) poke() {
+	select {
+	case m.nudge <- struct{}{}:
+	default:
+	}
 }
 
 // add queues the mark of the effects (of src) that were sent; moveClaim as in DispatchMark.
@@ -63,6 +218,10 @@ func (m *marker) add(src Source, effects []Effect, moveClaim bool) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	m.queue = append(m.queue, outboxdriver.DispatchMark{Source: src, StoreIDs: ids, MoveClaim: moveClaim, Inline: inline})
+	m.queuedAt = append(m.queuedAt, time.Now())
+	if len(m.queue) == markRideBelow {
+		m.poke() // enough for a statement of their own
+	}
 	for _, id := range ids {
 		m.queued[id]++
 	}
@@ -140,8 +299,23 @@ func (m *marker) work() {
 	for {
 		time.Sleep(markLinger)
 		m.mu.Lock()
+		for {
+			// While units of work come often enough, a thin batch waits for one to take it.
+			until := m.rideUntil()
+			if until.IsZero() || !time.Now().Before(until) {
+				break
+			}
+			m.mu.Unlock()
+			t := time.NewTimer(time.Until(until))
+			select {
+			case <-t.C:
+			case <-m.nudge:
+			}
+			t.Stop()
+			m.mu.Lock()
+		}
 		batch := m.queue
-		m.queue = nil
+		m.queue, m.queuedAt = nil, nil
 		if len(batch) == 0 {
 			m.running = false
 			m.idle.Broadcast()
@@ -155,18 +329,7 @@ func (m *marker) work() {
 		if ok {
 			m.remember(batch, time.Now())
 		}
-		for _, mk := range batch {
-			for _, id := range mk.StoreIDs {
-				if m.queued[id]--; m.queued[id] <= 0 {
-					delete(m.queued, id)
-				}
-			}
-			if mk.Inline {
-				if m.inline[mk.Source]--; m.inline[mk.Source] <= 0 {
-					delete(m.inline, mk.Source)
-				}
-			}
-		}
+		m.unqueue(batch)
 		m.mu.Unlock()
 		// Effects handed to the relay because these were still pending (same ordering key) can go
 		// now: wake the relay rather than leave them to its next poll. Without recent hand-offs
@@ -242,18 +405,27 @@ func (m *marker) split(effects []Effect) (unsent, sent []Effect) {
 	return unsent, sent
 }
 
-// wait blocks until every queued mark was written (or failed).
+// wait blocks until every queued mark was written (or failed); the worker stops waiting for units
+// of work meanwhile, and no unit takes a mark. Marks riding on a unit in progress are not waited
+// for: the unit writes them when it commits, or queues them again when it ends otherwise (a
+// handler may run on after Run returned, and Run's shutdown must not wait for it).
 func (m *marker) wait() {
 	m.mu.Lock()
 	defer m.mu.Unlock()
+	m.hurry++
+	defer func() { m.hurry-- }()
+	m.poke()
 	for m.running {
 		m.idle.Wait()
 	}
 }
 
 // FlushMarks waits until the dispatched marks queued so far were written. Marks are written in
-// the background after a message's effects were sent; call FlushMarks before shutting down to
-// avoid re-sends after a restart, and in tests that inspect the tables.
+// the background after a message's effects were sent, or by the claim of the next message (of
+// the same consumer, when messages come at most a second apart); call FlushMarks
+// before shutting down to avoid re-sends after a restart, and in tests that inspect the tables.
+// A mark that rides on a unit of work still in progress is written when that unit commits (or
+// queued again when it does not).
 func (o *Outbox) FlushMarks() { o.marks.wait() }
 
 // permanent tells an error that a retry cannot get past: the DB was closed, the tables are gone.

@@ -151,6 +151,10 @@ func New(cfg Config) (*Outbox, error) {
 	o.failedHere.ttl = cfg.DuplicateWait + cfg.PublishTimeout + time.Minute
 	o.failingHere.ttl = time.Hour
 	o.marks = newMarker(o)
+	if su, ok := o.units.(sqlUnits); ok {
+		su.marks = o.marks
+		o.units = su
+	}
 	if o.tel, err = newTelemetry(o); err != nil {
 		return nil, fmt.Errorf("outbox: create instruments: %w", err)
 	}

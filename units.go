@@ -23,6 +23,8 @@ type sqlUnits struct {
 	// watch watches the connection and BEGIN of each unit for the gate (nil without one); the
 	// claim after them is not watched (see beginStall).
 	watch *beginWatch
+	// marks, when not nil, hands each claim the marks that may ride on it (marker.take).
+	marks *marker
 }
 
 var _ outboxdriver.UnitStore = sqlUnits{}
@@ -98,9 +100,10 @@ func (s sqlUnits) BeginUnit(ctx context.Context, claim *Source) (outboxdriver.Un
 		}
 		return u, outboxdriver.Claim{Claimed: true}, nil
 	}
-	c, err := s.store.MessageClaim(ctx, tx, *claim)
+	c, err := s.claim(ctx, u, *claim)
 	if err != nil {
 		_ = tx.Rollback()
+		u.settle(false)
 		return nil, outboxdriver.Claim{}, err
 	}
 	u.guarded, u.src = c.Claimed, *claim
@@ -109,6 +112,26 @@ func (s sqlUnits) BeginUnit(ctx context.Context, claim *Source) (outboxdriver.Un
 		u.spilled = s.spilled
 	}
 	return u, c, nil
+}
+
+// claim claims src in u's transaction, with the marks that may ride on it (outboxdriver.ClaimMarker),
+// which u settles when it ends.
+func (s sqlUnits) claim(ctx context.Context, u *sqlUnit, src Source) (outboxdriver.Claim, error) {
+	if cm, ok := s.store.(outboxdriver.ClaimMarker); ok && s.marks != nil {
+		if sent, late, batch := s.marks.take(src); len(batch) > 0 {
+			u.riding, u.marks = batch, s.marks
+			return cm.MessageClaimMarking(ctx, u.tx, src, sent, late)
+		}
+	}
+	return s.store.MessageClaim(ctx, u.tx, src)
+}
+
+// settle ends the ride of the marks on u's claim: written if u committed.
+func (u *sqlUnit) settle(committed bool) {
+	if u.marks != nil {
+		u.marks.settle(u.riding, committed)
+		u.riding, u.marks = nil, nil
+	}
 }
 
 // guardBoundary marks the transaction of a boundary unit (no claim), when the store can, so that
@@ -153,6 +176,10 @@ type sqlUnit struct {
 	// claimed on it, whose lock is released once tx has ended.
 	conn  *sql.Conn
 	keyed *outboxdriver.KeyClaimParams
+	// riding are the marks written by the claim (sqlUnits.claim), to settle with marks once the
+	// transaction has ended.
+	riding []outboxdriver.DispatchMark
+	marks  *marker
 }
 
 func (u *sqlUnit) Tx() any { return u.tx }
@@ -464,10 +491,13 @@ func seqsOf(effects []Effect) map[int]bool {
 func (u *sqlUnit) Commit(ctx context.Context, _ []Effect) error {
 	if u.ended {
 		_ = u.tx.Rollback()
+		u.settle(false)
 		u.endSession(ctx)
 		return u.endedError()
 	}
 	err := endedBySQL(u.tx.Commit())
+	// An unknown outcome counts as not committed: written again, a mark changes nothing.
+	u.settle(err == nil)
 	u.endSession(ctx)
 	return err
 }
@@ -475,10 +505,12 @@ func (u *sqlUnit) Commit(ctx context.Context, _ []Effect) error {
 func (u *sqlUnit) Rollback(ctx context.Context) error {
 	if u.ended {
 		_ = u.tx.Rollback()
+		u.settle(false)
 		u.endSession(ctx)
 		return u.endedError()
 	}
 	err := endedBySQL(u.tx.Rollback())
+	u.settle(false)
 	u.endSession(ctx)
 	return err
 }

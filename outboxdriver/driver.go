@@ -657,6 +657,23 @@ type InlineRecorder interface {
 // found no claim and wrote nothing. It wraps ErrTxDone.
 var ErrClaimGone = fmt.Errorf("the claim is gone (the transaction was rolled back by SQL sent through it): nothing stored (%w)", ErrTxDone)
 
+// ClaimMarker is implemented by an InlineStore whose claim of a message can also write the marks
+// of other claims of its consumer whose inline effects were sent (DispatchMark with Inline and no
+// StoreIDs), in the same statement: a mark then costs no statement and no transaction of its own.
+// A database that sees a message now and then (one of many tenant databases) cannot batch its
+// marks, and each was a transaction; riding on the next unit of work's claim, it is none. The
+// marks take effect only if the unit's transaction commits; they are written as
+// EffectMarkDispatched would, except that they commit with the unit (not asynchronously).
+type ClaimMarker interface {
+	// ClaimMarks tells whether MessageClaimMarking may be used: not when the store keeps sent
+	// effects (StoreOptions.DeleteDispatched false), which a claim does not move.
+	ClaimMarks() bool
+	// MessageClaimMarking is MessageClaim that also clears the inline effects of the claims of
+	// src.Consumer with the message IDs sent (sent in time) and sentLate (their dispatch time
+	// moves to now, as with MoveClaim). src.ID is in neither.
+	MessageClaimMarking(ctx context.Context, tx *sql.Tx, src Source, sent, sentLate []string) (Claim, error)
+}
+
 // ClaimedEffectInserter is implemented by a Store that stores the effect rows of a unit of work
 // that claimed a message only while the claim exists, in the same statement (PostgreSQL). User
 // SQL that rolled the transaction back (ROLLBACK sent through it) took the claim with it and left

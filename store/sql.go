@@ -629,18 +629,7 @@ func (s *SQL) MessageClaim(ctx context.Context, tx *sql.Tx, src outboxdriver.Sou
 		return c, s.wrap(err)
 	}
 	if s.d.Queries.MessageClaimReportsConcurrent {
-		var claimed bool
-		var seen sql.NullInt64
-		var settled sql.NullBool
-		dest := []any{&claimed, &seen}
-		if s.d.Queries.MessageClaimReportsSettled {
-			dest = append(dest, &settled)
-		}
-		if err := s.queryRow(ctx, tx, s.d.Queries.MessageClaim, []any{src.Consumer, src.ID}, dest...); err != nil {
-			return outboxdriver.Claim{}, err
-		}
-		return outboxdriver.Claim{Claimed: claimed, Concurrent: !claimed && !seen.Valid, Age: time.Duration(seen.Int64) * time.Millisecond,
-			Settled: !claimed && seen.Valid && settled.Valid && settled.Bool}, nil
+		return s.MessageClaimWith(ctx, tx, src, s.d.Queries.MessageClaim)
 	}
 	var one int
 	err := s.queryRow(ctx, tx, s.d.Queries.MessageClaim, []any{src.Consumer, src.ID}, &one)
@@ -652,6 +641,24 @@ func (s *SQL) MessageClaim(ctx context.Context, tx *sql.Tx, src outboxdriver.Sou
 		return outboxdriver.Claim{Age: time.Duration(ms) * time.Millisecond}, nil
 	}
 	return outboxdriver.Claim{Claimed: err == nil}, err
+}
+
+// MessageClaimWith runs query, a claim statement that reports as Queries.MessageClaim does with
+// MessageClaimReportsConcurrent (and, if set, MessageClaimReportsSettled), with the consumer and
+// the message ID of src and then extra as its arguments, prepared per connection.
+func (s *SQL) MessageClaimWith(ctx context.Context, tx *sql.Tx, src outboxdriver.Source, query string, extra ...any) (outboxdriver.Claim, error) {
+	var claimed bool
+	var seen sql.NullInt64
+	var settled sql.NullBool
+	dest := []any{&claimed, &seen}
+	if s.d.Queries.MessageClaimReportsSettled {
+		dest = append(dest, &settled)
+	}
+	if err := s.queryRow(ctx, tx, query, append([]any{src.Consumer, src.ID}, extra...), dest...); err != nil {
+		return outboxdriver.Claim{}, err
+	}
+	return outboxdriver.Claim{Claimed: claimed, Concurrent: !claimed && !seen.Valid, Age: time.Duration(seen.Int64) * time.Millisecond,
+		Settled: !claimed && seen.Valid && settled.Valid && settled.Bool}, nil
 }
 
 // MessageIsProcessed implements outboxdriver.Store.

@@ -81,6 +81,8 @@ type inlineQueries struct {
 	sweepLeft   string // (watermark) -> the smallest inline_xid of the claims still holding effects
 	sweptTo     string // (watermark)
 
+	claimMarking string // the claim (consumer, id), and the marks of (consumer, IDs sent, IDs sent late): messageClaimMarking
+
 	record  string    // (consumer, id, inline effects, length of the inline effects now) -> written in a savepoint; no row: not written
 	read    string    // (consumer, id) -> the inline effects, NULL when none; no row: no claim
 	spill   [3]string // by partition: (effects as JSON, consumer, id, length of the inline effects now) -> id, seq, written in a savepoint; no row: not written
@@ -119,7 +121,8 @@ const markChunk = 200
 
 func newInlineQueries(n store.Names) inlineQueries {
 	return inlineQueries{
-		pending: PendingQuery(n),
+		claimMarking: messageClaimMarking(n),
+		pending:      PendingQuery(n),
 		lock: `SELECT p.consumer, p.message_id, p.effects, ` + age + ` FROM ` + n.Processed + ` p
 			WHERE p.consumer = $1 AND p.message_id = $2 AND p.effects IS NOT NULL FOR UPDATE`,
 		// Moved effects are due as they would have been as rows: created when their claim was.
@@ -443,6 +446,20 @@ func (s *inline) EffectMarkDispatched(ctx context.Context, marks ...outboxdriver
 	}
 	return errors.Join(errs...)
 }
+
+// ClaimMarks implements outboxdriver.ClaimMarker: the claim clears sent effects, and cannot move
+// them to the dispatched table.
+func (s *inline) ClaimMarks() bool { return s.deleteDispatched }
+
+// MessageClaimMarking implements outboxdriver.ClaimMarker.
+func (s *inline) MessageClaimMarking(ctx context.Context, tx *sql.Tx, src outboxdriver.Source, sent, sentLate []string) (outboxdriver.Claim, error) {
+	if !s.deleteDispatched {
+		return outboxdriver.Claim{}, errors.New("postgres: a claim cannot mark effects that the store keeps (EffectRetention)")
+	}
+	return s.SQL.MessageClaimWith(ctx, tx, src, s.q.claimMarking, textArray(sent), textArray(sentLate))
+}
+
+var _ outboxdriver.ClaimMarker = (*inline)(nil)
 
 // markInline marks the inline effects of claims sent: cleared, or moved to the dispatched table;
 // late: their dispatch time moves to now.

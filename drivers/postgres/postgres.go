@@ -343,6 +343,21 @@ func messageClaim(n store.Names, withXID bool) string {
 			WHERE set_config('` + ownClaimSetting + `', coalesce((SELECT inline_xid::text FROM ins), ''), false) IS NOT NULL`
 }
 
+// messageClaimMarking is the claim statement of Queries (same columns) that also clears the inline
+// effects of the claims of consumer $1 whose IDs are in $3 (a text[] literal: textArray), and of
+// those in $4 with their dispatch time moved to now: the marks of inline.mark and markLate riding
+// on a claim (outboxdriver.ClaimMarker). Without the asynchronous commit: the unit's transaction
+// is the marks'.
+func messageClaimMarking(n store.Names) string {
+	mark := func(ids, set string) string {
+		return `UPDATE ` + n.Processed + ` p SET effects = NULL` + set + `
+				WHERE p.consumer = $1 AND p.message_id = ANY (ARRAY(SELECT unnest(` + ids + `::text[]))) AND p.effects IS NOT NULL`
+	}
+	return strings.Replace(messageClaim(n, false), `WITH ins AS (`, `WITH mk AS (`+mark("$3", "")+`),
+			mkl AS (`+mark("$4", ", dispatched_at = now()")+`),
+			ins AS (`, 1)
+}
+
 // MessageClaimWithXID is the claim statement of Queries (same parameters and columns) with one
 // column more: the transaction ID its insert gave the claim, NULL when it inserted none. A unit
 // whose handler ended the transaction with SQL tells its own claim from a copy's by it (the claim

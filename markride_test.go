@@ -1,0 +1,161 @@
+package outbox_test
+
+import (
+	"database/sql"
+	"errors"
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/watermill-outbox/outbox"
+	"github.com/watermill-outbox/outbox/drivers/postgres"
+	"github.com/watermill-outbox/outbox/internal/pgtest"
+	"github.com/watermill-outbox/outbox/outboxtest"
+)
+
+// markRideEnv is an Outbox on a pool of its own, with an in-memory publisher: every transaction on
+// the test's database is the Outbox's, counted by pg_stat_database once its connections closed.
+type markRideEnv struct {
+	t      *testing.T
+	e      *env
+	admin  *sql.DB
+	dbName string
+	db     *sql.DB
+	ob     *outbox.Outbox
+	rec    *outboxtest.Recorder
+}
+
+func newMarkRideEnv(t *testing.T) *markRideEnv {
+	e := newEnv(t)
+	admin, err := sql.Open("postgres", pgtest.AdminDSN(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = admin.Close() })
+	m := &markRideEnv{t: t, e: e, admin: admin, rec: &outboxtest.Recorder{}}
+	if err := e.db.QueryRow(`SELECT current_database()`).Scan(&m.dbName); err != nil {
+		t.Fatal(err)
+	}
+	if m.db, err = sql.Open("postgres", e.dsn); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = m.db.Close() })
+	// The default: sent effects deleted, not kept (EffectRetention 0).
+	if m.ob, err = outbox.New(outbox.Config{DB: m.db, Driver: postgres.Driver{}, Publisher: m.rec}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = m.ob.Close() })
+	return m
+}
+
+// commits returns the transactions committed on the test's database so far, once every
+// connection to it but the env's own pool (closed before: idle) has gone: a backend's counts
+// reach pg_stat_database when it exits, or up to 10 s after its last transaction.
+func (m *markRideEnv) commits() int64 {
+	m.t.Helper()
+	m.e.db.SetMaxIdleConns(0)
+	m.db.SetMaxIdleConns(0)
+	waitFor(m.t, "no connection to the test's database", func() bool {
+		var n int
+		if err := m.admin.QueryRow(`SELECT count(*) FROM pg_stat_activity WHERE datname = $1`, m.dbName).Scan(&n); err != nil {
+			m.t.Fatal(err)
+		}
+		return n == 0
+	})
+	var c int64
+	if err := m.admin.QueryRow(`SELECT xact_commit FROM pg_stat_database WHERE datname = $1`, m.dbName).Scan(&c); err != nil {
+		m.t.Fatal(err)
+	}
+	m.db.SetMaxIdleConns(2)
+	return c
+}
+
+func (m *markRideEnv) handle(id string, fail bool) error {
+	msg := message.NewMessage(id, nil)
+	return m.ob.Handle(msg, outbox.HandleParams{Consumer: "c1", MessageID: id}, func(msg *message.Message) ([]*message.Message, error) {
+		ctx := msg.Context()
+		if _, err := outbox.Tx(ctx).ExecContext(ctx, `INSERT INTO applied (message_id) VALUES ($1)`, msg.UUID); err != nil {
+			return nil, err
+		}
+		if err := outbox.Publish(ctx, "out_a", message.NewMessage("event-"+msg.UUID, nil)); err != nil {
+			return nil, err
+		}
+		if fail {
+			return nil, errors.New("the handler failed")
+		}
+		return nil, nil
+	})
+}
+
+// unmarked returns the claims that still hold inline effects.
+func (m *markRideEnv) unmarked() int {
+	m.t.Helper()
+	var n int
+	if err := m.e.db.QueryRow(`SELECT count(*) FROM outbox_processed WHERE effects IS NOT NULL`).Scan(&n); err != nil {
+		m.t.Fatal(err)
+	}
+	return n
+}
+
+// Messages that come a few milliseconds apart, one at a time (one database of many, whose marks
+// cannot be batched): the mark of each rides on the claim of the next, in its transaction, rather
+// than being a transaction of its own. 100 messages cost 100 transactions, the last one's mark and
+// the preparation of the statements on the pool's connections (some 20, each an implicit
+// transaction); each mark written on its own made them 217. Every effect is sent once and every
+// claim ends up marked.
+func TestMarkRidesOnTheNextClaim(t *testing.T) {
+	m := newMarkRideEnv(t)
+	before := m.commits()
+	const n = 100
+	for i := range n {
+		if err := m.handle(fmt.Sprint("ride-", i), false); err != nil {
+			t.Fatal(err)
+		}
+		time.Sleep(10 * time.Millisecond) // past the marks' linger: each mark is alone
+	}
+	m.ob.FlushMarks()
+	got := m.commits() - before
+	t.Logf("%d messages, one at a time: %d transactions", n, got)
+	if got > n+n/4 {
+		t.Errorf("%d messages committed %d transactions, want at most %d (a unit each, the last mark, the statements' preparation)", n, got, n+n/4)
+	}
+	if u := m.unmarked(); u != 0 {
+		t.Errorf("%d claims still hold their effects after FlushMarks", u)
+	}
+	sent := map[string]int{}
+	for _, s := range m.rec.All() {
+		sent[s.Message.UUID]++
+	}
+	for i := range n {
+		if c := sent[fmt.Sprint("event-ride-", i)]; c != 1 {
+			t.Errorf("event of message %d sent %d times", i, c)
+		}
+	}
+}
+
+// A unit whose marks ride on its claim and that rolls back (its handler failed) hands them back:
+// they are written on their own, and no claim keeps effects that were sent.
+func TestMarkRideOnARolledBackUnitIsWrittenAnyway(t *testing.T) {
+	m := newMarkRideEnv(t)
+	for i := range 5 {
+		if err := m.handle(fmt.Sprint("ok-", i), false); err != nil {
+			t.Fatal(err)
+		}
+		failed := fmt.Sprint("fails-", i)
+		if err := m.handle(failed, true); err == nil {
+			t.Fatalf("message %s: the handler failed, Handle did not", failed)
+		}
+	}
+	// Written once the ride's window is over, without a flush.
+	waitFor(t, "every sent effect's claim marked", func() bool { return m.unmarked() == 0 })
+	var applied int
+	if err := m.e.db.QueryRow(`SELECT count(*) FROM applied`).Scan(&applied); err != nil {
+		t.Fatal(err)
+	}
+	mustEqual(t, "messages applied", applied, 5)
+	if got := len(m.rec.All()); got != 5 {
+		t.Errorf("%d events sent, want 5", got)
+	}
+}
