@@ -23,6 +23,7 @@ func TestXminClassesMatchTheDriversStatements(t *testing.T) {
 		{q.StatsSample, "stats sample"},
 		{q.StatsSampleFull, "stats sample"},
 		{q.MessageClaim, ""},
+		{postgres.MessageClaimMarking(n), "mark"},
 		{`TRUNCATE "public"."intx_effects_1"`, "rotation"},
 		{`SELECT r.gen, r.rotated_at < now() FROM "public"."intx_effects_rotation" r`, "rotation"},
 		{`UPDATE "public"."intx_processed" p SET effects = NULL WHERE (p.consumer, p.message_id) IN (SELECT $1, unnest($2::text[]))`, "mark"},

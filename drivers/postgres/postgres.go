@@ -365,6 +365,11 @@ func messageClaimMarking(n store.Names) string {
 // with it.
 func MessageClaimWithXID(n store.Names) string { return messageClaim(n, true) }
 
+// MessageClaimMarking is the claim statement that also clears the inline effects of the claims
+// of the consumer's messages that were sent ($3) and sent late ($4): a thin mark riding on the
+// next claim (see outboxdriver.ClaimMarker).
+func MessageClaimMarking(n store.Names) string { return messageClaimMarking(n) }
+
 // delayedInsertGuarded is DelayedInsert that inserts nothing unless guard holds (read once per
 // statement); the arguments of guard follow those of DelayedInsert.
 func delayedInsertGuarded(n store.Names, count int, guard string) string {
