@@ -175,10 +175,17 @@ func (m *marker) unqueue(batch []outboxdriver.DispatchMark) {
 }
 
 // rideUntil is until when the queue may wait for a unit of work to take it (zero: it is to be
-// written now): while every mark in it may ride, they are fewer than markRideBelow, a claim began
-// within rideFor (units come that often), and no caller of wait hurries. m.mu must be held.
+// written now): while Run runs (or the Outbox is a member of an engine), every mark in the queue
+// may ride, they are fewer than markRideBelow, a claim began within rideFor (units come that
+// often), and no caller of wait hurries. m.mu must be held.
+//
+// Without Run nothing writes the queue at a shutdown: a process that stops its router and closes
+// the database (or a test that checks for goroutines left behind) would lose up to rideFor of
+// marks, or find the marker still waiting, where a mark written at once is gone in milliseconds.
+// And once Run returned the process is stopping: the units that finish after it write their marks
+// at once rather than wait for a next unit that may never come.
 func (m *marker) rideUntil() time.Time {
-	if !m.rides || m.hurry > 0 || len(m.queue) == 0 || len(m.queue) >= markRideBelow {
+	if !m.rides || m.hurry > 0 || len(m.queue) == 0 || len(m.queue) >= markRideBelow || m.o.relaysRunning.Load() == 0 {
 		return time.Time{}
 	}
 	if time.Since(time.Unix(0, m.lastClaim.Load())) > m.rideFor {

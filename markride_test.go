@@ -1,6 +1,7 @@
 package outbox_test
 
 import (
+	"context"
 	"database/sql"
 	"errors"
 	"fmt"
@@ -42,12 +43,44 @@ func newMarkRideEnv(t *testing.T) *markRideEnv {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = m.db.Close() })
-	// The default: sent effects deleted, not kept (EffectRetention 0).
-	if m.ob, err = outbox.New(outbox.Config{DB: m.db, Driver: postgres.Driver{}, Publisher: m.rec}); err != nil {
+	// The default: sent effects deleted, not kept (EffectRetention 0). Run's services, which
+	// marks ride only while they run, do no work of their own in the test's time but at start.
+	if m.ob, err = outbox.New(outbox.Config{DB: m.db, Driver: postgres.Driver{}, Publisher: m.rec,
+		RelayInterval: time.Hour, CleanupInterval: time.Hour, StatsInterval: -1}); err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = m.ob.Close() })
 	return m
+}
+
+// run runs the Outbox's Run until the test ends, after its first passes.
+func (m *markRideEnv) run() {
+	m.t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- m.ob.Run(ctx) }()
+	m.t.Cleanup(func() {
+		cancel()
+		if err := <-done; err != nil {
+			m.t.Error(err)
+		}
+	})
+	time.Sleep(300 * time.Millisecond) // the relay's and cleanup's first passes, at start
+}
+
+// oneAtATime handles n messages 10 ms apart (past the marks' linger: each mark is alone) and
+// returns the transactions they committed, every mark written.
+func (m *markRideEnv) oneAtATime(prefix string, n int) int64 {
+	m.t.Helper()
+	before := m.commits()
+	for i := range n {
+		if err := m.handle(fmt.Sprint(prefix, i), false); err != nil {
+			m.t.Fatal(err)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	m.ob.FlushMarks()
+	return m.commits() - before
 }
 
 // commits returns the transactions committed on the test's database so far, once every
@@ -107,16 +140,9 @@ func (m *markRideEnv) unmarked() int {
 // claim ends up marked.
 func TestMarkRidesOnTheNextClaim(t *testing.T) {
 	m := newMarkRideEnv(t)
-	before := m.commits()
+	m.run()
 	const n = 100
-	for i := range n {
-		if err := m.handle(fmt.Sprint("ride-", i), false); err != nil {
-			t.Fatal(err)
-		}
-		time.Sleep(10 * time.Millisecond) // past the marks' linger: each mark is alone
-	}
-	m.ob.FlushMarks()
-	got := m.commits() - before
+	got := m.oneAtATime("ride-", n)
 	t.Logf("%d messages, one at a time: %d transactions", n, got)
 	if got > n+n/4 {
 		t.Errorf("%d messages committed %d transactions, want at most %d (a unit each, the last mark, the statements' preparation)", n, got, n+n/4)
@@ -135,10 +161,28 @@ func TestMarkRidesOnTheNextClaim(t *testing.T) {
 	}
 }
 
+// Without Run (a process that only handles messages, a test, a shutdown after Run returned),
+// marks do not wait for a next claim: nothing would write them when the process stops, and the
+// marker's goroutine would outlive the handlers by up to the ride's window. Each mark is a
+// transaction of its own again.
+func TestMarkRidesOnlyWhileRunRuns(t *testing.T) {
+	m := newMarkRideEnv(t)
+	const n = 40
+	got := m.oneAtATime("alone-", n)
+	t.Logf("%d messages, one at a time, without Run: %d transactions", n, got)
+	if got < 2*n-n/8 {
+		t.Errorf("%d messages without Run committed %d transactions, want at least %d: marks rode on claims", n, got, 2*n-n/8)
+	}
+	if u := m.unmarked(); u != 0 {
+		t.Errorf("%d claims still hold their effects after FlushMarks", u)
+	}
+}
+
 // A unit whose marks ride on its claim and that rolls back (its handler failed) hands them back:
 // they are written on their own, and no claim keeps effects that were sent.
 func TestMarkRideOnARolledBackUnitIsWrittenAnyway(t *testing.T) {
 	m := newMarkRideEnv(t)
+	m.run()
 	for i := range 5 {
 		if err := m.handle(fmt.Sprint("ok-", i), false); err != nil {
 			t.Fatal(err)

@@ -347,6 +347,7 @@ func (o *Outbox) startServices(ctx context.Context) (stop func()) {
 		o.marks.wait() // a clean shutdown leaves no mark unwritten, so nothing is re-sent after it
 		stopGauges()
 		o.relaysRunning.Add(-1)
+		o.marks.poke() // a mark queued since the wait rides no more: written now
 	}
 }
 
