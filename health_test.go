@@ -146,6 +146,9 @@ func TestHealthHandlerExtraChecks(t *testing.T) {
 	e := newEnv(t)
 	stop := startRun(t, e.ob)
 	defer stop()
+	// Run's relay and listener start in the background: healthy first (a loaded machine asked
+	// before the listener connected and found four checks failing).
+	waitFor(t, "the Outbox healthy once Run started", func() bool { return e.ob.Health(context.Background()).Healthy })
 	h := e.ob.HealthHandler(map[string]func(context.Context) error{
 		"router":  func(context.Context) error { return errors.New("router not running") },
 		"panicky": func(context.Context) error { panic("boom") },
