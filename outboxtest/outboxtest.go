@@ -115,6 +115,8 @@ type Harness struct {
 	Ob  *outbox.Outbox
 
 	database *Database
+	// audit is the table of the audit of deleted effects (installAudit), empty without one.
+	audit string
 
 	failpoint func(ctx context.Context, point string) error
 	fpMu      sync.Mutex
@@ -161,6 +163,17 @@ func NewWith(t testing.TB, open Opener, cfg outbox.Config, setup func(ctx contex
 // NewOn is NewWith on database (nil: PostgreSQL, started by Main).
 func NewOn(t testing.TB, database *Database, open Opener, cfg outbox.Config, setup func(ctx context.Context, db *sql.DB) error) *Harness {
 	t.Helper()
+	return newHarness(t, database, open, cfg, setup, false)
+}
+
+// newHarness is NewOn; with deleteSent the Outbox keeps EffectRetention 0 (sent effects deleted,
+// the default) and, on PostgreSQL, an audit keeps what was committed and deleted readable.
+func newHarness(t testing.TB, database *Database, open Opener, cfg outbox.Config, setup func(ctx context.Context, db *sql.DB) error,
+	deleteSent bool) *Harness {
+	t.Helper()
+	if deleteSent && database != nil {
+		t.Fatal("outboxtest: DeleteSent runs on PostgreSQL only: the audit of deleted effects is PostgreSQL's triggers")
+	}
 	var db *sql.DB
 	var dsn string
 	if database != nil {
@@ -187,7 +200,9 @@ func NewOn(t testing.TB, database *Database, open Opener, cfg outbox.Config, set
 		}
 		open = func(_ testing.TB, _ string, cfg outbox.Config) (*outbox.Outbox, error) { return outbox.New(cfg) }
 	}
-	if cfg.EffectRetention == 0 {
+	if deleteSent {
+		cfg.EffectRetention = 0
+	} else if cfg.EffectRetention == 0 {
 		cfg.EffectRetention = time.Hour
 	}
 	if cfg.DuplicateWait == 0 {
@@ -213,7 +228,121 @@ func NewOn(t testing.TB, database *Database, open Opener, cfg outbox.Config, set
 		t.Fatalf("outboxtest: %v", err)
 	}
 	h.Ob = ob
+	if deleteSent {
+		h.installAudit()
+	}
 	return h
+}
+
+// installAudit keeps, by triggers, every effect that leaves the tables otherwise than by a
+// rollback: an effect row deleted (sent and not kept, or moved), and the inline effects a claim
+// held before an update cleared or changed them (sent: marked, also by the claim of another
+// message that a mark rode on). What was committed and then deleted stays readable for
+// committedEffects. Each entry carries its transaction's ID, and so does every claim inserted:
+// rode tells whether a message's mark was written by another message's claim.
+func (h *Harness) installAudit() {
+	h.t.Helper()
+	cfg := h.Ob.Config()
+	schema := cmp.Or(cfg.Schema, postgres.DefaultSchema)
+	n, err := postgres.NewNames(schema, cfg.TablePrefix)
+	if err != nil {
+		h.t.Fatalf("outboxtest: %v", err)
+	}
+	q := func(name string) string { return `"` + schema + `"."` + cfg.TablePrefix + name + `"` }
+	h.audit = q("crash_audit")
+	for _, stmt := range []string{
+		`CREATE TABLE ` + h.audit + ` (what text NOT NULL, consumer text, source text, seq int, kind text, topic text, uuid text,
+			payload bytea, ordering_key text, effects bytea, xid bigint NOT NULL DEFAULT txid_current())`,
+		`CREATE FUNCTION ` + q("crash_audit_row") + `() RETURNS trigger LANGUAGE plpgsql AS $$
+		BEGIN
+			INSERT INTO ` + h.audit + ` (what, consumer, source, seq, kind, topic, uuid, payload, ordering_key)
+				VALUES ('row', OLD.source_consumer, OLD.source_id, OLD.seq, OLD.kind, OLD.topic, OLD.uuid, OLD.payload, OLD.ordering_key);
+			RETURN NULL;
+		END $$`,
+		`CREATE TRIGGER crash_audit_row AFTER DELETE ON ` + n.Effects + ` FOR EACH ROW EXECUTE FUNCTION ` + q("crash_audit_row") + `()`,
+		`CREATE FUNCTION ` + q("crash_audit_inline") + `() RETURNS trigger LANGUAGE plpgsql AS $$
+		BEGIN
+			INSERT INTO ` + h.audit + ` (what, consumer, source, effects) VALUES ('inline', OLD.consumer, OLD.message_id, OLD.effects);
+			RETURN NULL;
+		END $$`,
+		`CREATE TRIGGER crash_audit_inline AFTER UPDATE OF effects ON ` + n.Processed + ` FOR EACH ROW
+			WHEN (OLD.effects IS NOT NULL AND NEW.effects IS DISTINCT FROM OLD.effects) EXECUTE FUNCTION ` + q("crash_audit_inline") + `()`,
+		`CREATE TRIGGER crash_audit_gone AFTER DELETE ON ` + n.Processed + ` FOR EACH ROW
+			WHEN (OLD.effects IS NOT NULL) EXECUTE FUNCTION ` + q("crash_audit_inline") + `()`,
+		`CREATE FUNCTION ` + q("crash_audit_claim") + `() RETURNS trigger LANGUAGE plpgsql AS $$
+		BEGIN
+			INSERT INTO ` + h.audit + ` (what, consumer, source) VALUES ('claim', NEW.consumer, NEW.message_id);
+			RETURN NULL;
+		END $$`,
+		`CREATE TRIGGER crash_audit_claim AFTER INSERT ON ` + n.Processed + ` FOR EACH ROW EXECUTE FUNCTION ` + q("crash_audit_claim") + `()`,
+	} {
+		if _, err := h.DB.Exec(stmt); err != nil {
+			h.t.Fatalf("outboxtest: the audit of deleted effects: %v", err)
+		}
+	}
+}
+
+// audited returns the effects of the message that the audit kept (committed, then deleted or
+// cleared), those in have left out.
+func (h *Harness) audited(consumer, id string, have []seqEffect) []seqEffect {
+	h.t.Helper()
+	type key struct {
+		seq             int
+		topic, uuid, pl string
+	}
+	seen := map[key]bool{}
+	for _, se := range have {
+		seen[key{se.seq, se.e.Topic, se.e.UUID, string(se.e.Payload)}] = true
+	}
+	rows, err := h.DB.Query(`SELECT seq, kind, topic, uuid, payload, ordering_key, effects FROM `+h.audit+`
+		WHERE what <> 'claim' AND consumer = $1 AND source = $2`, consumer, id)
+	if err != nil {
+		h.t.Fatalf("outboxtest: read the audit of deleted effects: %v", err)
+	}
+	defer rows.Close()
+	var out []seqEffect
+	add := func(se seqEffect) {
+		if k := (key{se.seq, se.e.Topic, se.e.UUID, string(se.e.Payload)}); !seen[k] {
+			seen[k] = true
+			out = append(out, se)
+		}
+	}
+	for rows.Next() {
+		var seq sql.NullInt64
+		var kind, topic, uuid, okey sql.NullString
+		var payload, blob []byte
+		if err := rows.Scan(&seq, &kind, &topic, &uuid, &payload, &okey, &blob); err != nil {
+			h.t.Fatalf("outboxtest: %v", err)
+		}
+		if blob == nil {
+			add(seqEffect{seq: int(seq.Int64), e: Effect{Kind: kind.String, Topic: topic.String, UUID: uuid.String, Payload: payload, OrderingKey: okey.String}})
+			continue
+		}
+		inline, err := store.DecodeEffects(blob, outbox.Source{Consumer: consumer, ID: id})
+		if err != nil {
+			h.t.Fatalf("outboxtest: decode the audited inline effects of %q for %q: %v", id, consumer, err)
+		}
+		for _, e := range inline {
+			add(seqEffect{seq: e.Seq, e: Effect{Kind: e.Kind, Topic: e.Topic, UUID: e.UUID, Payload: e.Payload, OrderingKey: e.OrderingKey}})
+		}
+	}
+	if err := rows.Err(); err != nil {
+		h.t.Fatalf("outboxtest: %v", err)
+	}
+	return out
+}
+
+// rode tells whether the inline effects of the message carrier were cleared in the transaction
+// that inserted the claim of the message by (its mark rode on that claim), by the audit.
+func (h *Harness) rode(consumer, carrier, by string) bool {
+	h.t.Helper()
+	var ok bool
+	if err := h.DB.QueryRow(`SELECT EXISTS (SELECT FROM `+h.audit+` c JOIN `+h.audit+` m ON m.xid = c.xid
+		WHERE c.what = 'claim' AND c.consumer = $1 AND c.source = $3 AND m.what = 'inline' AND m.consumer = $1 AND m.source = $2)`,
+		consumer, carrier, by).Scan(&ok); err != nil {
+		h.t.Fatalf("outboxtest: read the audit of deleted effects: %v", err)
+	}
+	return ok
 }
 
 // setFailpoint makes the harness's Outbox call fp at each step (nil: none).
@@ -324,6 +453,9 @@ func (h *Harness) committedEffects(consumer, id string) []Effect {
 				Metadata: e.Metadata, OrderingKey: e.OrderingKey}})
 		}
 	}
+	if h.audit != "" {
+		all = append(all, h.audited(consumer, id, all)...)
+	}
 	return h.sentMetadata(all)
 }
 
@@ -404,6 +536,14 @@ type CrashMatrix struct {
 	Open Opener
 	// Database is the database of the scenarios (nil: PostgreSQL, started by Main).
 	Database *Database
+	// DeleteSent runs the scenarios with EffectRetention 0, the default (sent effects are
+	// deleted when marked, not kept), where the matrix otherwise keeps them for an hour to read
+	// them back: triggers keep an audit of what was committed and deleted instead (PostgreSQL
+	// only). Run runs from the start of each scenario, and with two messages or more each
+	// scenario first delivers the next message of Messages, a carrier whose mark may ride on the
+	// claim of the unit that crashes (on the database/sql form); the carrier is checked as the
+	// message is.
+	DeleteSent bool
 }
 
 // crashPoints are the steps of a unit of work at which CrashMatrix crashes ("" : none).
@@ -449,13 +589,41 @@ func (c CrashMatrix) Run(t *testing.T) {
 // scenario runs one message with one crash point and returns what went wrong, with the report.
 func (c CrashMatrix) scenario(t testing.TB, msg *message.Message, point string, copies int) []string {
 	ctx := context.Background()
-	h := NewOn(t, c.Database, c.Open, c.Config, c.Setup)
+	h := newHarness(t, c.Database, c.Open, c.Config, c.Setup, c.DeleteSent)
 	if c.Register != nil {
 		if err := c.Register(h.Ob, h.DB); err != nil {
 			t.Fatalf("outboxtest: Register: %v", err)
 		}
 	}
 	handler := c.Handler(h.DB)
+	var report []string
+	// The relay: from the start with DeleteSent (marks ride on claims only while Run runs),
+	// otherwise once every delivery is done.
+	running := false
+	runCtx, stop := context.WithCancel(ctx)
+	done := make(chan error, 1)
+	startRun := func() {
+		running = true
+		go func() { done <- h.Ob.Run(runCtx) }()
+	}
+	defer func() {
+		stop()
+		if running {
+			<-done
+		}
+	}()
+	var carrier *message.Message
+	if c.DeleteSent {
+		startRun()
+		if i := slices.Index(c.Messages, msg); i >= 0 && len(c.Messages) > 1 {
+			carrier = c.Messages[(i+1)%len(c.Messages)]
+		}
+	}
+	if carrier != nil {
+		// Not through h.Run, whose flush would write its mark before the next claim.
+		err := h.Ob.Handle(carrier.Copy(), outbox.HandleParams{Consumer: c.Consumer, MessageID: carrier.UUID}, handler)
+		report = append(report, fmt.Sprintf("carrier %s delivered first: err=%v", carrier.UUID, err))
+	}
 	var crashed sync.Once
 	didCrash := false
 	h.setFailpoint(func(_ context.Context, p string) error {
@@ -469,9 +637,11 @@ func (c CrashMatrix) scenario(t testing.TB, msg *message.Message, point string, 
 		}
 		return nil
 	})
-	var report []string
 	first := h.Run(c.Consumer, msg, handler)
 	report = append(report, fmt.Sprintf("first delivery: err=%v committed=%v", first.Err, first.Committed))
+	if carrier != nil {
+		report = append(report, fmt.Sprintf("the carrier's mark rode on its claim: %v", h.rode(c.Consumer, carrier.UUID, msg.UUID)))
+	}
 	h.setFailpoint(nil)
 	if point != "" && !didCrash {
 		report = append(report, "(the handler never reached "+point+")")
@@ -495,9 +665,9 @@ func (c CrashMatrix) scenario(t testing.TB, msg *message.Message, point string, 
 	beforeRelay := h.Pub.All()
 
 	// The relay sends what a failed or crashed dispatch left behind.
-	runCtx, stop := context.WithCancel(ctx)
-	done := make(chan error, 1)
-	go func() { done <- h.Ob.Run(runCtx) }()
+	if !running {
+		startRun()
+	}
 	waitCtx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	idleErr := h.Ob.WaitIdle(waitCtx)
 	if idleErr == nil {
@@ -507,9 +677,16 @@ func (c CrashMatrix) scenario(t testing.TB, msg *message.Message, point string, 
 	if idleErr == nil {
 		idleErr = h.Ob.WaitIdle(waitCtx)
 	}
+	if idleErr == nil && carrier != nil {
+		idleErr = h.waitDelayed(waitCtx, c.Consumer, carrier.UUID)
+		if idleErr == nil {
+			idleErr = h.Ob.WaitIdle(waitCtx)
+		}
+	}
 	cancel()
 	stop()
 	<-done
+	running = false
 	if idleErr != nil {
 		report = append(report, idleErr.Error())
 	}
@@ -526,17 +703,32 @@ func (c CrashMatrix) scenario(t testing.TB, msg *message.Message, point string, 
 	if n != 1 {
 		fail("the business change of %s happened %d times, want exactly once", msg.UUID, n)
 	}
+	effects := [][]Effect{later.Effects}
+	if carrier != nil {
+		n, err := c.Applied(ctx, h.DB, carrier)
+		if err != nil {
+			t.Fatalf("Applied: %v", err)
+		}
+		if n != 1 {
+			fail("the business change of the carrier %s happened %d times, want exactly once", carrier.UUID, n)
+		}
+		effects = append(effects, h.committedEffects(c.Consumer, carrier.UUID))
+	}
 	// An effect is a message on a topic: one message (one UUID) may go to several topics, and
 	// each copy must reach its own.
 	type onTopic struct{ topic, uuid string }
 	committed := map[onTopic]bool{}
-	for _, e := range later.Effects {
-		if e.Kind == outbox.KindPublish {
-			committed[onTopic{e.Topic, e.UUID}] = true
+	for _, es := range effects {
+		for _, e := range es {
+			if e.Kind == outbox.KindPublish {
+				committed[onTopic{e.Topic, e.UUID}] = true
+			}
 		}
 	}
+	// With the relay running from the start (DeleteSent), it may rightly send a delayed effect
+	// that fell due during the deliveries: nothing tells that copy from an early one.
 	for _, e := range later.Effects {
-		if !e.Delayed || e.Kind != outbox.KindPublish {
+		if !e.Delayed || e.Kind != outbox.KindPublish || c.DeleteSent {
 			continue
 		}
 		for _, sent := range beforeRelay {
@@ -550,13 +742,15 @@ func (c CrashMatrix) scenario(t testing.TB, msg *message.Message, point string, 
 	for _, s := range h.Pub.All() {
 		onWire[onTopic{s.Topic, s.Message.UUID}]++
 	}
-	for _, e := range later.Effects {
-		if e.Kind == outbox.KindPublish && onWire[onTopic{e.Topic, e.UUID}] == 0 {
-			fail("side effect %s to %q was committed but never sent (lost)", e.UUID, e.Topic)
+	for _, es := range effects {
+		for _, e := range es {
+			if e.Kind == outbox.KindPublish && onWire[onTopic{e.Topic, e.UUID}] == 0 {
+				fail("side effect %s to %q was committed but never sent (lost)", e.UUID, e.Topic)
+			}
 		}
 	}
 	// Effects of one ordering key first reach the Publisher in the order they were recorded
-	// (a delayed one joins its key when it is due: it is left out).
+	// (a delayed one joins its key when it is due: it is left out), message by message.
 	firstAt := map[onTopic]int{}
 	for i, s := range h.Pub.All() {
 		if _, ok := firstAt[onTopic{s.Topic, s.Message.UUID}]; !ok {
@@ -567,17 +761,19 @@ func (c CrashMatrix) scenario(t testing.TB, msg *message.Message, point string, 
 		at int
 		e  Effect
 	}
-	lastOf := map[string]keyed{}
-	for _, e := range later.Effects {
-		at, ok := firstAt[onTopic{e.Topic, e.UUID}]
-		if e.Delayed || e.Kind != outbox.KindPublish || !ok {
-			continue
+	for _, es := range effects {
+		lastOf := map[string]keyed{}
+		for _, e := range es {
+			at, ok := firstAt[onTopic{e.Topic, e.UUID}]
+			if e.Delayed || e.Kind != outbox.KindPublish || !ok {
+				continue
+			}
+			if prev, ok := lastOf[e.OrderingKey]; ok && at < prev.at {
+				fail("side effect %s to %q was first sent before %s to %q, recorded before it with the same ordering key %q",
+					e.UUID, e.Topic, prev.e.UUID, prev.e.Topic, e.OrderingKey)
+			}
+			lastOf[e.OrderingKey] = keyed{at, e}
 		}
-		if prev, ok := lastOf[e.OrderingKey]; ok && at < prev.at {
-			fail("side effect %s to %q was first sent before %s to %q, recorded before it with the same ordering key %q",
-				e.UUID, e.Topic, prev.e.UUID, prev.e.Topic, e.OrderingKey)
-		}
-		lastOf[e.OrderingKey] = keyed{at, e}
 	}
 	sent := slices.SortedFunc(maps.Keys(onWire), func(a, b onTopic) int {
 		return cmp.Or(strings.Compare(a.topic, b.topic), strings.Compare(a.uuid, b.uuid))

@@ -258,3 +258,60 @@ func TestCrashMatrixRotatingEffects(t *testing.T) {
 	}
 	t.Logf("%d scenarios ended with another partition current", rotated.Load())
 }
+
+// reserveUnkeyed is reserve without an ordering key: its effects stay in the claim (inline),
+// whose marks may ride on the next claim (a keyed effect is a row, whose mark does not ride).
+func reserveUnkeyed(*sql.DB) message.HandlerFunc {
+	return func(msg *message.Message) ([]*message.Message, error) {
+		ctx := msg.Context()
+		if _, err := outbox.Tx(ctx).ExecContext(ctx, `INSERT INTO reservations VALUES ($1)`, string(msg.Payload)); err != nil {
+			return nil, err
+		}
+		if err := outbox.Publish(ctx, "stock.reserved", message.NewMessage("", msg.Payload)); err != nil {
+			return nil, err
+		}
+		return nil, outbox.Publish(ctx, "audit", message.NewMessage("", msg.Payload))
+	}
+}
+
+// The matrix with EffectRetention 0, the default: sent effects are deleted when marked (an audit
+// keeps them for the check), and the mark of a carrier message delivered just before rides on
+// the claim of the unit that crashes, at every step: in a unit that rolls back (after the claim,
+// after the handler) the mark is handed back and written anyway; in one that commits it is
+// written with the claim. At least one scenario must have carried a mark on a claim, or the
+// matrix did not cover a ride. The keyed handler's effects are rows, deleted when marked, whose
+// marks do not ride.
+func TestCrashMatrixDeleteSent(t *testing.T) {
+	for _, c := range []struct {
+		name    string
+		handler func(*sql.DB) message.HandlerFunc
+		rides   bool
+	}{{"unkeyed", reserveUnkeyed, true}, {"keyed", reserve, false}} {
+		t.Run(c.name, func(t *testing.T) {
+			var rode atomic.Int32
+			open := func(t testing.TB, dsn string, cfg outbox.Config) (*outbox.Outbox, error) {
+				db, err := sql.Open("postgres", dsn)
+				if err != nil {
+					return nil, err
+				}
+				t.Cleanup(func() { _ = db.Close() })
+				t.Cleanup(func() {
+					var n int
+					if err := db.QueryRow(`SELECT count(*) FROM outbox_crash_audit c JOIN outbox_crash_audit m ON m.xid = c.xid
+						WHERE c.what = 'claim' AND m.what = 'inline' AND m.source <> c.source`).Scan(&n); err != nil {
+						t.Errorf("read the audit: %v", err)
+					}
+					rode.Add(int32(n))
+				})
+				cfg.DB, cfg.Driver = db, postgres.Driver{}
+				return outbox.New(cfg)
+			}
+			two := []*message.Message{message.NewMessage("order-1", []byte("o-1")), message.NewMessage("order-2", []byte("o-2"))}
+			CrashMatrix{Consumer: "reserve", Handler: c.handler, Messages: two, Setup: setupOrders, Applied: applied, Open: open, DeleteSent: true}.Run(t)
+			if c.rides && rode.Load() == 0 {
+				t.Fatal("no carrier's mark rode on a claim: the matrix did not cover a ride")
+			}
+			t.Logf("%d marks rode on a claim", rode.Load())
+		})
+	}
+}

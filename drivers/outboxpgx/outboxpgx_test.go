@@ -217,8 +217,26 @@ func twoTopics(msg *message.Message) error {
 	return outbox.Publish(ctx, "audit", message.NewMessage("out-"+msg.UUID, msg.Payload))
 }
 
+// The matrix with EffectRetention 0, the default (sent effects deleted when marked; the harness
+// audits them), in each mode, with a carrier message delivered before each scenario's and the
+// relay running from the start.
+func TestCrashMatrixDeleteSent(t *testing.T) {
+	for name, mode := range modes {
+		t.Run(name, func(t *testing.T) {
+			c := crashMatrixConfig(form(mode), handler)
+			c.Messages = append(c.Messages, message.NewMessage("order-2", []byte(`{}`)))
+			c.DeleteSent = true
+			c.Run(t)
+		})
+	}
+}
+
 func crashMatrixOf(t *testing.T, open outboxtest.Opener, h func(*message.Message) error) {
-	outboxtest.CrashMatrix{
+	crashMatrixConfig(open, h).Run(t)
+}
+
+func crashMatrixConfig(open outboxtest.Opener, h func(*message.Message) error) outboxtest.CrashMatrix {
+	return outboxtest.CrashMatrix{
 		Consumer: "inventory",
 		Open:     open,
 		Handler: func(*sql.DB) message.HandlerFunc {
@@ -232,7 +250,7 @@ func crashMatrixOf(t *testing.T, open outboxtest.Opener, h func(*message.Message
 			return n, err
 		},
 		Config: outbox.Config{RelayGrace: 50 * time.Millisecond, RelayInterval: 20 * time.Millisecond},
-	}.Run(t)
+	}
 }
 
 func consume(h func(*message.Message) error) message.HandlerFunc {
