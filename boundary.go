@@ -322,7 +322,7 @@ func (o *Outbox) dispatchBoundary(ctx context.Context, src Source, effects []Eff
 	sent, failed, err := o.dispatch(ctx, PathCommit, effects)
 	failedAt := time.Now()
 	traced(err)
-	o.marks.add(src, effects[:sent], false) // a boundary transaction has no claim
+	o.marks.add(src, effects[:sent], false, time.Time{}) // a boundary transaction has no claim
 	if err != nil {
 		o.logger.Error("Dispatch after commit failed; the relay will retry", err, fields)
 		if failed > 0 {

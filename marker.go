@@ -26,12 +26,12 @@ const markLinger = 5 * time.Millisecond
 // causes a re-send with the same UUIDs, which consumers deduplicate. The worker goroutine runs
 // only while marks are queued and exits when the queue is empty, so there is nothing to close.
 type marker struct {
-	o        *Outbox
-	mu       sync.Mutex
-	queue    []outboxdriver.DispatchMark
-	queuedAt []time.Time    // when each mark of queue was queued
-	queued   map[int64]int  // store IDs whose mark is queued or being written
-	inline   map[Source]int // sources whose inline effects' mark is queued or being written
+	o      *Outbox
+	mu     sync.Mutex
+	queue  []outboxdriver.DispatchMark
+	rideBy []time.Time    // until when each mark of queue may ride (zero: it rides no more)
+	queued map[int64]int  // store IDs whose mark is queued or being written
+	inline map[Source]int // sources whose inline effects' mark is queued or being written
 	// written remembers, for markRecall, the marks written lately: a relay round whose claim
 	// leased effects just before their mark deleted them must not send them again.
 	written []writtenMarks
@@ -63,14 +63,34 @@ func newMarker(o *Outbox) *marker {
 
 // markRide is how long a thin batch of marks waits for a unit of work of the same Outbox to take
 // it into its claim (outboxdriver.ClaimMarker), when units come that often: then the mark costs
-// no statement and no transaction of its own. One database among many, with a message every few
-// hundred milliseconds, could not batch its marks and wrote one transaction each (200 tenant
-// databases at saturation, 440 messages a second: a message every 450 ms each, 2 transactions a
-// message; a window of 250 ms caught none of them). A mark that waits delays by as much the
-// duplicate check of another instance, and a crash in that window sends its effects again with
-// their UUIDs, as for any mark not yet written. It waits at most half of RelayGrace, after which
-// another instance's relay would take the effects for left behind and send them again.
+// no statement and no transaction of its own. One database among many cannot batch its marks:
+// 200 tenant databases at saturation (a message every 450 ms each) wrote two transactions a
+// message, and a window of 250 ms caught none of them. A mark that waits delays by as much the
+// duplicate check of another instance (which waits for the unit that carries it, or finds the
+// claim unmarked and sends its effects again with their UUIDs), and a crash in that window sends
+// its effects again, as for any mark not yet written. It waits at most half of RelayGrace after
+// its claim (rideDeadline), after which another instance's relay would take the effects for left
+// behind and send them again.
+//
+// Not longer: at 50 messages a second over 200 databases (one every 4 s each) a window of 5 s
+// took 2.55 transactions a message against 2.85 with 1 s (medians of 6 rounds, the members'
+// background being most of the rest), and the first round after the warm-up ran ten times
+// slower in both runs with it (p50 52-56 ms against 4-5 ms), which no run with 1 s did.
 const markRide = time.Second
+
+// rideDeadline is until when a mark queued at now, of a claim written no earlier than claimed
+// (zero if unknown), may ride: rideFor, and no later than half of RelayGrace after the claim. The
+// relay of another instance takes inline effects left in a claim for RelayGrace after it; a
+// slow send (a broker taking seconds) must not use up that margin and the ride's on top of it.
+func (m *marker) rideDeadline(now, claimed time.Time) time.Time {
+	by := now.Add(m.rideFor)
+	if !claimed.IsZero() {
+		if end := claimed.Add(m.o.cfg.RelayGrace / 2); end.Before(by) {
+			by = end
+		}
+	}
+	return by
+}
 
 // markRideBelow: a batch of this many marks or more is written at once, one statement for all,
 // rather than waiting for a unit.
@@ -96,12 +116,13 @@ func (m *marker) take(src Source) (sent, late []string, batch []outboxdriver.Dis
 	if m.hurry > 0 {
 		return nil, nil, nil // being flushed: the worker writes them
 	}
+	now := time.Now()
 	n := 0
 	lateIDs := map[string]bool{}
 	for i, mk := range m.queue {
-		// A mark whose ride failed (queuedAt zero) is the worker's: a unit that rolls back
-		// again and again must not keep it from being written.
-		if len(batch) < markRideMax && ridable(mk) && !m.queuedAt[i].IsZero() &&
+		// A mark whose ride failed (rideBy zero) or whose time to ride is over is the worker's:
+		// a unit that rolls back again and again must not keep it from being written.
+		if len(batch) < markRideMax && ridable(mk) && m.rideBy[i].After(now) &&
 			mk.Source.Consumer == src.Consumer && mk.Source.ID != src.ID {
 			batch = append(batch, mk)
 			if mk.MoveClaim {
@@ -109,11 +130,11 @@ func (m *marker) take(src Source) (sent, late []string, batch []outboxdriver.Dis
 			}
 			continue
 		}
-		m.queue[n], m.queuedAt[n] = mk, m.queuedAt[i]
+		m.queue[n], m.rideBy[n] = mk, m.rideBy[i]
 		n++
 	}
 	clear(m.queue[n:])
-	m.queue, m.queuedAt = m.queue[:n], m.queuedAt[:n]
+	m.queue, m.rideBy = m.queue[:n], m.rideBy[:n]
 	// One claim in one list: two updates of one row in a statement would keep only one of them.
 	seen := map[string]bool{}
 	for _, mk := range batch {
@@ -148,7 +169,7 @@ func (m *marker) settle(batch []outboxdriver.DispatchMark, committed bool) {
 	} else {
 		for _, mk := range batch {
 			m.queue = append(m.queue, mk)
-			m.queuedAt = append(m.queuedAt, time.Time{}) // rides no more
+			m.rideBy = append(m.rideBy, time.Time{}) // rides no more
 		}
 		if !m.running {
 			m.running = true
@@ -191,12 +212,16 @@ func (m *marker) rideUntil() time.Time {
 	if time.Since(time.Unix(0, m.lastClaim.Load())) > m.rideFor {
 		return time.Time{}
 	}
+	var until time.Time
 	for i, mk := range m.queue {
-		if !ridable(mk) || m.queuedAt[i].IsZero() {
+		if !ridable(mk) || m.rideBy[i].IsZero() {
 			return time.Time{}
 		}
+		if until.IsZero() || m.rideBy[i].Before(until) {
+			until = m.rideBy[i]
+		}
 	}
-	return m.queuedAt[0].Add(m.rideFor)
+	return until
 }
 
 // poke wakes the worker from its wait for a unit of work.
@@ -207,9 +232,10 @@ func (m *marker) poke() {
 	}
 }
 
-// add queues the mark of the effects (of src) that were sent; moveClaim as in DispatchMark.
-// Inline effects (StoreID 0, see outboxdriver.InlineStore) are marked all at once, by source.
-func (m *marker) add(src Source, effects []Effect, moveClaim bool) {
+// add queues the mark of the effects (of src) that were sent; moveClaim as in DispatchMark;
+// claimed as in dispatchAndMark (zero if unknown). Inline effects (StoreID 0, see
+// outboxdriver.InlineStore) are marked all at once, by source.
+func (m *marker) add(src Source, effects []Effect, moveClaim bool, claimed time.Time) {
 	if len(effects) == 0 {
 		return
 	}
@@ -225,7 +251,7 @@ func (m *marker) add(src Source, effects []Effect, moveClaim bool) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	m.queue = append(m.queue, outboxdriver.DispatchMark{Source: src, StoreIDs: ids, MoveClaim: moveClaim, Inline: inline})
-	m.queuedAt = append(m.queuedAt, time.Now())
+	m.rideBy = append(m.rideBy, m.rideDeadline(time.Now(), claimed))
 	if len(m.queue) == markRideBelow {
 		m.poke() // enough for a statement of their own
 	}
@@ -322,7 +348,7 @@ func (m *marker) work() {
 			m.mu.Lock()
 		}
 		batch := m.queue
-		m.queue, m.queuedAt = nil, nil
+		m.queue, m.rideBy = nil, nil
 		if len(batch) == 0 {
 			m.running = false
 			m.idle.Broadcast()

@@ -604,7 +604,7 @@ func (o *Outbox) dispatchAndMark(ctx context.Context, path string, src Source, e
 		}
 		effects = rows
 	}
-	o.marks.add(src, effects[:sent], claimed.IsZero() || time.Since(claimed) > ClaimClockSlack)
+	o.marks.add(src, effects[:sent], claimed.IsZero() || time.Since(claimed) > ClaimClockSlack, claimed)
 	if err != nil {
 		if failed > 0 {
 			o.dispatchFailed(ctx, src, effects, sent, failed, err, failedAt)
