@@ -72,6 +72,7 @@ func (c *run) retryDeadLetters(specs []*spec, acked []atomic.Bool) {
 						c.fail("retried dead letter %s, delivered to instance %d: %v", sp.id, proc, err)
 						return
 					}
+					redeliveryPause(try)
 				}
 			}
 		}()

@@ -463,6 +463,7 @@ func (c *run) do() bool {
 						c.fail("late copy of %s to instance %d (%s): %v", s.msg.id, s.procs[24+d], c.forms[s.procs[24+d]].Name, err)
 						break
 					}
+					redeliveryPause(try)
 				}
 			}
 		}()
