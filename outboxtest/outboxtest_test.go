@@ -236,21 +236,12 @@ func TestCrashMatrixSpillingUnits(t *testing.T) {
 // rotated, or the matrix did not cover a rotation.
 func TestCrashMatrixRotatingEffects(t *testing.T) {
 	var rotated atomic.Int32
-	open := func(t testing.TB, dsn string, cfg outbox.Config) (*outbox.Outbox, error) {
-		db, err := sql.Open("postgres", dsn)
-		if err != nil {
-			return nil, err
+	open := openWatched(postgres.Driver{RotateEvery: 50 * time.Millisecond}, func(t testing.TB, db *sql.DB) {
+		var gen int
+		if err := db.QueryRow(`SELECT gen FROM outbox_effects_rotation`).Scan(&gen); err == nil && gen != 0 {
+			rotated.Add(1)
 		}
-		t.Cleanup(func() { _ = db.Close() })
-		t.Cleanup(func() {
-			var gen int
-			if err := db.QueryRow(`SELECT gen FROM outbox_effects_rotation`).Scan(&gen); err == nil && gen != 0 {
-				rotated.Add(1)
-			}
-		})
-		cfg.DB, cfg.Driver = db, postgres.Driver{RotateEvery: 50 * time.Millisecond}
-		return outbox.New(cfg)
-	}
+	})
 	CrashMatrix{Consumer: "reserve", Handler: reserveWithTimeout, Messages: orders(), Setup: setupOrders, Applied: applied, Open: open,
 		Config: outbox.Config{RelayInterval: 20 * time.Millisecond}}.Run(t)
 	if rotated.Load() == 0 {
@@ -289,23 +280,14 @@ func TestCrashMatrixDeleteSent(t *testing.T) {
 	}{{"unkeyed", reserveUnkeyed, true}, {"keyed", reserve, false}} {
 		t.Run(c.name, func(t *testing.T) {
 			var rode atomic.Int32
-			open := func(t testing.TB, dsn string, cfg outbox.Config) (*outbox.Outbox, error) {
-				db, err := sql.Open("postgres", dsn)
-				if err != nil {
-					return nil, err
+			open := openWatched(postgres.Driver{}, func(t testing.TB, db *sql.DB) {
+				var n int
+				if err := db.QueryRow(`SELECT count(*) FROM outbox_crash_audit c JOIN outbox_crash_audit m ON m.xid = c.xid
+					WHERE c.what = 'claim' AND m.what = 'inline' AND m.source <> c.source`).Scan(&n); err != nil {
+					t.Errorf("read the audit: %v", err)
 				}
-				t.Cleanup(func() { _ = db.Close() })
-				t.Cleanup(func() {
-					var n int
-					if err := db.QueryRow(`SELECT count(*) FROM outbox_crash_audit c JOIN outbox_crash_audit m ON m.xid = c.xid
-						WHERE c.what = 'claim' AND m.what = 'inline' AND m.source <> c.source`).Scan(&n); err != nil {
-						t.Errorf("read the audit: %v", err)
-					}
-					rode.Add(int32(n))
-				})
-				cfg.DB, cfg.Driver = db, postgres.Driver{}
-				return outbox.New(cfg)
-			}
+				rode.Add(int32(n))
+			})
 			two := []*message.Message{message.NewMessage("order-1", []byte("o-1")), message.NewMessage("order-2", []byte("o-2"))}
 			CrashMatrix{Consumer: "reserve", Handler: c.handler, Messages: two, Setup: setupOrders, Applied: applied, Open: open, DeleteSent: true}.Run(t)
 			if c.rides && rode.Load() == 0 {
@@ -313,5 +295,20 @@ func TestCrashMatrixDeleteSent(t *testing.T) {
 			}
 			t.Logf("%d marks rode on a claim", rode.Load())
 		})
+	}
+}
+
+// openWatched opens each scenario's Outbox with driver on a pool of its own, and calls atEnd with
+// that pool when the scenario ends, before the pool closes.
+func openWatched(driver postgres.Driver, atEnd func(t testing.TB, db *sql.DB)) Opener {
+	return func(t testing.TB, dsn string, cfg outbox.Config) (*outbox.Outbox, error) {
+		db, err := sql.Open("postgres", dsn)
+		if err != nil {
+			return nil, err
+		}
+		t.Cleanup(func() { _ = db.Close() })
+		t.Cleanup(func() { atEnd(t, db) })
+		cfg.DB, cfg.Driver = db, driver
+		return outbox.New(cfg)
 	}
 }
