@@ -8,6 +8,14 @@ import (
 	"time"
 )
 
+// EnableMarkRides switches riding marks on (markRides) for the Outboxes that t makes, until t
+// ends. Not for parallel tests.
+func EnableMarkRides(t interface{ Cleanup(func()) }) {
+	was := markRides
+	markRides = true
+	t.Cleanup(func() { markRides = was })
+}
+
 // WatchGate counts the probes of ob's database gate, and tells whether the gate held ob's work
 // back at any time (sampled every millisecond), until the returned stop is called. Call it before
 // ob does any work.

@@ -55,7 +55,7 @@ func newMarker(o *Outbox) *marker {
 		nudge: make(chan struct{}, 1)}
 	m.idle = sync.NewCond(&m.mu)
 	if cm, ok := o.store.(outboxdriver.ClaimMarker); ok {
-		m.rides = cm.ClaimMarks()
+		m.rides = markRides && cm.ClaimMarks()
 	}
 	m.rideFor = min(markRide, o.cfg.RelayGrace/2)
 	return m
@@ -91,6 +91,14 @@ func (m *marker) rideDeadline(now, claimed time.Time) time.Time {
 	}
 	return by
 }
+
+// markRides switches riding marks on. Off: a unit that carries the marks of other messages
+// updates their claims, and so waits for any lock held on them, such as that of a copy of one of
+// those messages being handled (its publish hanging, say): an unrelated message then waits on it,
+// with its connection, and the units behind it on theirs. The campaign's database/sql runs failed
+// so (the pool emptied, BEGIN went unanswered, the database gate called it an outage). Riding
+// needs the carried updates to skip locked claims and hand those marks back to the writer first.
+var markRides = false
 
 // markRideBelow: a batch of this many marks or more is written at once, one statement for all,
 // rather than waiting for a unit.

@@ -29,6 +29,7 @@ type markRideEnv struct {
 }
 
 func newMarkRideEnv(t *testing.T) *markRideEnv {
+	outbox.EnableMarkRides(t)
 	e := newEnv(t)
 	admin, err := sql.Open("postgres", pgtest.AdminDSN(t))
 	if err != nil {
