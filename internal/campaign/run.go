@@ -432,7 +432,9 @@ func (c *run) do() bool {
 				_ = deliver(s.procs[d], s.plans[d])
 			}
 			for d := 0; d < 8 && !acked[i].Load(); d++ { // the broker keeps redelivering
-				_ = deliver(s.procs[16+d], &plan{msg: s.msg})
+				if err := deliver(s.procs[16+d], &plan{msg: s.msg}); err != nil && !acked[i].Load() {
+					redeliveryPause(d)
+				}
 			}
 			if !acked[i].Load() {
 				lastMu.Lock()
