@@ -106,6 +106,7 @@ func (o *Outbox) InUnit(ctx context.Context, fn func(ctx context.Context) error)
 	// A retry that waits for the unit holding its key (WaitInFlight) waits without a connection:
 	// it rolls back, waits, and begins again. Waiting in the store held a pooled connection per
 	// waiter for up to HandlerTimeout, so that a few retries of one key starved a small pool.
+	waited := false // a retry has found its key held and waited for it
 	for wait := keyPollFirst; ; wait = min(2*wait, keyPollMax) {
 		if endTx != nil {
 			endTx() // the previous try's transaction has rolled back
@@ -114,6 +115,11 @@ func (o *Outbox) InUnit(ctx context.Context, fn func(ctx context.Context) error)
 		if err != nil {
 			tx = nil
 			outcome = OutcomeFailed
+			if waited {
+				// The wait ended during a look, not between two: still the wait's end.
+				err = key.waitEnded(ctx, txCtx, o.cfg.HandlerTimeout, err)
+				outcome = keyOutcome(err)
+			}
 			return err
 		}
 		if key == nil {
@@ -126,9 +132,12 @@ func (o *Outbox) InUnit(ctx context.Context, fn func(ctx context.Context) error)
 		}
 		_ = tx.Rollback(after)
 		if key.wait && errors.Is(err, ErrIdempotencyInFlight) {
+			waited = true
 			if err = o.waitKey(ctx, txCtx, key, wait); err == nil {
 				continue
 			}
+		} else if waited && err != nil {
+			err = key.waitEnded(ctx, txCtx, o.cfg.HandlerTimeout, err)
 		}
 		outcome = OutcomeReplayed
 		if err != nil {

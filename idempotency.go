@@ -201,12 +201,30 @@ func (o *Outbox) waitKey(ctx, txCtx context.Context, k *keyed, d time.Duration) 
 	case <-o.keysHeld.ended(k.scope, k.key):
 		return nil
 	case <-ctx.Done():
-		return fmt.Errorf("outbox: waited for the unit of work in flight with idempotency key %q (scope %q) until the caller's context ended: %w",
-			k.key, k.scope, ctx.Err())
 	case <-txCtx.Done():
-		return fmt.Errorf("outbox: waited for the unit of work in flight with idempotency key %q (scope %q), at most HandlerTimeout (%s): %w",
-			k.key, k.scope, o.cfg.HandlerTimeout, ErrIdempotencyInFlight)
 	}
+	return k.waitEnded(ctx, txCtx, o.cfg.HandlerTimeout, nil)
+}
+
+// waitEnded is the error of a retry whose wait for the unit holding its key ended, by the
+// caller's context or by HandlerTimeout, between two looks at the key or during one (look: what
+// that look returned); a look that failed for another reason is returned as it is.
+func (k *keyed) waitEnded(ctx, txCtx context.Context, timeout time.Duration, look error) error {
+	var err error
+	switch {
+	case ctx.Err() != nil:
+		err = fmt.Errorf("outbox: waited for the unit of work in flight with idempotency key %q (scope %q) until the caller's context ended: %w",
+			k.key, k.scope, ctx.Err())
+	case txCtx.Err() != nil:
+		err = fmt.Errorf("outbox: waited for the unit of work in flight with idempotency key %q (scope %q), at most HandlerTimeout (%s): %w",
+			k.key, k.scope, timeout, ErrIdempotencyInFlight)
+	default:
+		return look
+	}
+	if look != nil {
+		err = fmt.Errorf("%w (it ended during a look at the key: %w)", err, look)
+	}
+	return err
 }
 
 // heldKeys tells the units of this process that hold an idempotency key, so that the retries

@@ -597,6 +597,75 @@ func TestKeyedInTxWaitIsBounded(t *testing.T) {
 	mustEqual(t, "business rows", e.count(`SELECT count(*) FROM applied`), 1)
 }
 
+// TestKeyedInTxWaitEndsDuringALook: a retry waiting for the unit holding its key
+// (WaitInFlight) looks at the key again and again, each look a short transaction; when its
+// HandlerTimeout ends during a look (here, waiting for the only connection of its pool), not
+// between two, the caller is still told the key is in flight (ErrIdempotencyInFlight, what
+// an endpoint answers 409 with), not a bare "context deadline exceeded" of the look.
+func TestKeyedInTxWaitEndsDuringALook(t *testing.T) {
+	e := newEnv(t)
+	ctx := context.Background()
+	small, err := sql.Open("postgres", e.dsn)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = small.Close() })
+	small.SetMaxOpenConns(1)
+	conn, err := small.Conn(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := conn.ExecContext(ctx, `SET application_name = 'keyed-retry'`); err != nil {
+		t.Fatal(err)
+	}
+	_ = conn.Close()
+	impatient := e.newOutbox(func(c *outbox.Config) { c.DB = small; c.HandlerTimeout = time.Second })
+	var runs atomic.Int32
+	holding, release := make(chan struct{}), make(chan struct{})
+	done := make(chan error, 1)
+	go func() {
+		done <- e.ob.InTx(outbox.WithIdempotencyKey(ctx, "orders", "slow"), func(ctx context.Context, tx *sql.Tx) error {
+			close(holding)
+			<-release
+			return placeOrder(&runs, "o1")(ctx, tx)
+		})
+	}()
+	defer func() {
+		close(release)
+		if err := <-done; err != nil {
+			t.Error(err)
+		}
+	}()
+	<-holding
+	retried := make(chan error, 1)
+	go func() {
+		retried <- impatient.InTx(outbox.WithIdempotencyKey(ctx, "orders", "slow", outbox.WaitInFlight()), placeOrder(&runs, "o1"))
+	}()
+	// Its first look has found the key held and rolled back: take the pool's only connection.
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(2 * time.Millisecond) {
+		var looked bool
+		if err := e.db.QueryRow(`SELECT EXISTS (SELECT FROM pg_stat_activity WHERE application_name = 'keyed-retry' AND query ILIKE 'rollback%')`).Scan(&looked); err != nil {
+			t.Fatal(err)
+		}
+		if looked {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the retry never looked at its key")
+		}
+	}
+	held, err := small.Conn(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	err = <-retried
+	_ = held.Close()
+	if !errors.Is(err, outbox.ErrIdempotencyInFlight) || !strings.Contains(err.Error(), "at most HandlerTimeout") {
+		t.Errorf("a wait that ended during a look: %v; want ErrIdempotencyInFlight, saying it waited at most HandlerTimeout", err)
+	}
+	t.Logf("the retry: %v", err)
+}
+
 // TestRandomUUIDsAreTimeOrdered: where no cause derives them, the UUIDs the outbox makes are
 // version 7, one after another in ascending order, so that a consumer's deduplication index takes
 // them at its right edge.
