@@ -92,12 +92,14 @@ func (m *marker) rideDeadline(now, claimed time.Time) time.Time {
 	return by
 }
 
-// markRides switches riding marks on. Off: a unit that carries the marks of other messages
-// updates their claims, and so waits for any lock held on them, such as that of a copy of one of
-// those messages being handled (its publish hanging, say): an unrelated message then waits on it,
-// with its connection, and the units behind it on theirs. The campaign's database/sql runs failed
-// so (the pool emptied, BEGIN went unanswered, the database gate called it an outage). Riding
-// needs the carried updates to skip locked claims and hand those marks back to the writer first.
+// markRides switches riding marks on. Off: a unit that carried the marks of other messages
+// updated their claims, and so waited for any lock held on them, such as that of a copy of one of
+// those messages being handled (its publish hanging, say): an unrelated message then waited on
+// it, with its connection, and the units behind it on theirs. The campaign's database/sql runs
+// failed so (the pool emptied, BEGIN went unanswered, the database gate called it an outage). The
+// claim now skips locked claims and hands their marks back to the worker
+// (outboxdriver.ClaimMarker, handBack); riding stays off until the randomized campaign has run
+// with it on, under load, as the default.
 var markRides = false
 
 // markRideBelow: a batch of this many marks or more is written at once, one statement for all,
@@ -185,6 +187,26 @@ func (m *marker) settle(batch []outboxdriver.DispatchMark, committed bool) {
 		}
 		m.poke()
 	}
+}
+
+// handBack splits batch (from take) after its claim wrote the marks of the message IDs marked
+// only: it returns the marks that ride on on the unit, and queues the others for the worker, as a
+// unit that rolled back does (they ride no more).
+func (m *marker) handBack(batch []outboxdriver.DispatchMark, marked []string) (riding []outboxdriver.DispatchMark) {
+	wrote := make(map[string]bool, len(marked))
+	for _, id := range marked {
+		wrote[id] = true
+	}
+	var rest []outboxdriver.DispatchMark
+	for _, mk := range batch {
+		if wrote[mk.Source.ID] {
+			riding = append(riding, mk)
+		} else {
+			rest = append(rest, mk)
+		}
+	}
+	m.settle(rest, false)
+	return riding
 }
 
 // unqueue forgets batch as queued; m.mu must be held.

@@ -204,3 +204,61 @@ func TestMarkRideOnARolledBackUnitIsWrittenAnyway(t *testing.T) {
 		t.Errorf("%d events sent, want 5", got)
 	}
 }
+
+// A unit whose claim carries the marks of other messages does not wait for a lock another
+// transaction holds on one of their claims (a copy of that message on the duplicate path, say,
+// its publish hanging): the carried update skips that claim, the unit goes on with the others'
+// marks, and the skipped mark is handed back to the marker, which writes it once the lock is
+// gone. A carrying unit that waited held its connection, and the units behind it theirs, for as
+// long as the other transaction lasted.
+func TestMarkRideSkipsALockedClaim(t *testing.T) {
+	m := newMarkRideEnv(t)
+	m.run()
+	if err := m.handle("held", false); err != nil {
+		t.Fatal(err)
+	}
+	lock, err := m.e.db.Begin()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = lock.Rollback() }()
+	var one int
+	if err := lock.QueryRow(`SELECT 1 FROM outbox_processed WHERE consumer = 'c1' AND message_id = 'held' FOR UPDATE`).Scan(&one); err != nil {
+		t.Fatal(err)
+	}
+	// "free" carries the mark of "held", whose claim is locked; "next" carries that of "free".
+	for _, id := range []string{"free", "next"} {
+		done := make(chan error, 1)
+		go func() { done <- m.handle(id, false) }()
+		select {
+		case err := <-done:
+			if err != nil {
+				t.Fatal(err)
+			}
+		case <-time.After(10 * time.Second):
+			_ = lock.Rollback()
+			t.Fatalf("message %s: the unit carrying a mark waited 10 s for the lock held on another message's claim: %v", id, <-done)
+		}
+	}
+	effects := func(id string) bool {
+		var pending bool
+		if err := m.e.db.QueryRow(`SELECT effects IS NOT NULL FROM outbox_processed WHERE consumer = 'c1' AND message_id = $1`, id).Scan(&pending); err != nil {
+			t.Fatal(err)
+		}
+		return pending
+	}
+	if effects("free") {
+		t.Error("the mark of the claim nobody held did not ride on the next claim")
+	}
+	if !effects("held") {
+		t.Error("the locked claim was marked through its lock")
+	}
+	if err := lock.Rollback(); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "the skipped mark written by the marker", func() bool { return !effects("held") })
+	m.ob.FlushMarks()
+	if u := m.unmarked(); u != 0 {
+		t.Errorf("%d claims still hold their effects after FlushMarks", u)
+	}
+}

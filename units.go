@@ -120,7 +120,12 @@ func (s sqlUnits) claim(ctx context.Context, u *sqlUnit, src Source) (outboxdriv
 	if cm, ok := s.store.(outboxdriver.ClaimMarker); ok && s.marks != nil {
 		if sent, late, batch := s.marks.take(src); len(batch) > 0 {
 			u.riding, u.marks = batch, s.marks
-			return cm.MessageClaimMarking(ctx, u.tx, src, sent, late)
+			c, err := cm.MessageClaimMarking(ctx, u.tx, src, sent, late)
+			if err == nil && len(c.Marked) < len(sent)+len(late) {
+				// Claims locked by another transaction were skipped: the worker writes their marks.
+				u.riding = s.marks.handBack(batch, c.Marked)
+			}
+			return c, err
 		}
 	}
 	return s.store.MessageClaim(ctx, u.tx, src)

@@ -76,7 +76,7 @@ var xminClasses = []xminClass{
 	// The relay's mark of sent effect rows (deleted), and of effects sent from their claim
 	// (cleared: the database/sql consumer path), also when the mark rides on the next claim (a
 	// claim's own cost is not counted otherwise: the riding claim counts as a mark).
-	{"mark", regexp.MustCompile(`(?is)^\s*WITH m AS \(DELETE FROM \S*_effects_all"? e\b|^\s*(WITH mk AS \()?UPDATE \S*_processed"? p SET effects = NULL`)},
+	{"mark", regexp.MustCompile(`(?is)^\s*WITH m AS \(DELETE FROM \S*_effects_all"? e\b|^\s*UPDATE \S*_processed"? p SET effects = NULL|^\s*WITH lk AS \(SELECT p\.message_id FROM \S*_processed"? p\b`)},
 	{"cleanup batch", regexp.MustCompile(`(?is)^\s*WITH d AS \(DELETE FROM|^\s*DELETE FROM \S*_attempts\b`)},
 	// The sample in one statement (StatsSampleFull) wraps StatsSample.
 	{"stats sample", regexp.MustCompile(`(?is)^\s*(WITH est AS MATERIALIZED|SELECT s\.\*, d\.\*)`)},

@@ -221,6 +221,10 @@ type Claim struct {
 	// at commit, without ON CONFLICT, so that a copy that commits first wins and this unit of
 	// work's Commit returns an error wrapping ErrClaimTaken.
 	Tentative bool
+	// Marked is, from ClaimMarker.MessageClaimMarking, the message IDs of sent and sentLate
+	// whose marks the claim wrote (in the unit's transaction); the others' claims were locked by
+	// another transaction, and their marks are the caller's to write otherwise.
+	Marked []string
 }
 
 // ErrClaimTaken is wrapped by UnitTx.Commit (and reported by a handler's failure) when a
@@ -670,7 +674,9 @@ type ClaimMarker interface {
 	ClaimMarks() bool
 	// MessageClaimMarking is MessageClaim that also clears the inline effects of the claims of
 	// src.Consumer with the message IDs sent (sent in time) and sentLate (their dispatch time
-	// moves to now, as with MoveClaim). src.ID is in neither.
+	// moves to now, as with MoveClaim). src.ID is in neither. A claim that another transaction
+	// holds locked is skipped, never waited for (the unit's message must not wait for another
+	// message's); Claim.Marked lists the IDs whose marks it wrote.
 	MessageClaimMarking(ctx context.Context, tx *sql.Tx, src Source, sent, sentLate []string) (Claim, error)
 }
 

@@ -647,6 +647,11 @@ func (s *SQL) MessageClaim(ctx context.Context, tx *sql.Tx, src outboxdriver.Sou
 // MessageClaimReportsConcurrent (and, if set, MessageClaimReportsSettled), with the consumer and
 // the message ID of src and then extra as its arguments, prepared per connection.
 func (s *SQL) MessageClaimWith(ctx context.Context, tx *sql.Tx, src outboxdriver.Source, query string, extra ...any) (outboxdriver.Claim, error) {
+	return s.MessageClaimInto(ctx, tx, src, query, extra)
+}
+
+// MessageClaimInto is MessageClaimWith whose query returns columns more, scanned into more.
+func (s *SQL) MessageClaimInto(ctx context.Context, tx *sql.Tx, src outboxdriver.Source, query string, extra []any, more ...any) (outboxdriver.Claim, error) {
 	var claimed bool
 	var seen sql.NullInt64
 	var settled sql.NullBool
@@ -654,6 +659,7 @@ func (s *SQL) MessageClaimWith(ctx context.Context, tx *sql.Tx, src outboxdriver
 	if s.d.Queries.MessageClaimReportsSettled {
 		dest = append(dest, &settled)
 	}
+	dest = append(dest, more...)
 	if err := s.queryRow(ctx, tx, query, append([]any{src.Consumer, src.ID}, extra...), dest...); err != nil {
 		return outboxdriver.Claim{}, err
 	}

@@ -456,7 +456,15 @@ func (s *inline) MessageClaimMarking(ctx context.Context, tx *sql.Tx, src outbox
 	if !s.deleteDispatched {
 		return outboxdriver.Claim{}, errors.New("postgres: a claim cannot mark effects that the store keeps (EffectRetention)")
 	}
-	return s.SQL.MessageClaimWith(ctx, tx, src, s.q.claimMarking, textArray(sent), textArray(sentLate))
+	var marked string
+	c, err := s.SQL.MessageClaimInto(ctx, tx, src, s.q.claimMarking, []any{textArray(sent), textArray(sentLate)}, &marked)
+	if err != nil {
+		return c, err
+	}
+	if err := json.Unmarshal([]byte(marked), &c.Marked); err != nil {
+		return outboxdriver.Claim{}, fmt.Errorf("postgres: read the marks a claim wrote: %w", err)
+	}
+	return c, nil
 }
 
 var _ outboxdriver.ClaimMarker = (*inline)(nil)

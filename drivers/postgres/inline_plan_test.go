@@ -4,6 +4,7 @@ import (
 	"context"
 	"database/sql"
 	"regexp"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -132,6 +133,81 @@ func explainClaimStatements(t *testing.T, db *sql.DB, q inlineQueries, exec func
 				t.Errorf("%s (%s, %d claims) does not find the claims by their key:\n%s", name, mode, claims, text)
 			}
 		}
+	}
+	// The claim that carries marks: its lock of the carried claims and their updates too.
+	for _, mode := range []string{"force_custom_plan", "force_generic_plan"} {
+		exec(`SET plan_cache_mode = ` + mode)
+		exec(`PREPARE plan_stmt(text, text, text, text) AS ` + q.claimMarking)
+		plan := queryLines(t, db, `EXPLAIN EXECUTE plan_stmt('c', 'new', '{"a","b","c"}', '{"d"}')`)
+		exec(`DEALLOCATE plan_stmt`)
+		text := strings.Join(plan, "\n")
+		if strings.Contains(text, "Seq Scan on plan_processed") || strings.Count(text, "plan_processed_pkey") < 3 {
+			t.Errorf("the claim carrying marks (%s, %d claims) does not find the claims by their key:\n%s", mode, claims, text)
+		}
+	}
+	exec(`RESET plan_cache_mode`)
+}
+
+// TestClaimMarkingSkipsLockedClaims: the claim that carries the marks of other claims skips
+// those another transaction holds locked, without waiting, and returns the IDs it marked; it
+// marks the others, in time or late (dispatched_at moved).
+func TestClaimMarkingSkipsLockedClaims(t *testing.T) {
+	db, err := sql.Open("postgres", pgtest.DSN(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { db.Close() })
+	ctx := context.Background()
+	st, err := Driver{}.Open(db, outboxdriver.StoreOptions{TablePrefix: "outbox_", DeleteDispatched: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := st.Migrate(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := db.ExecContext(ctx, `INSERT INTO outbox_processed (consumer, message_id, effects, dispatched_at) VALUES
+		('c', 'a', '\x01', now() - interval '1 hour'), ('c', 'b', '\x01', now() - interval '1 hour'),
+		('c', 'late', '\x01', now() - interval '1 hour'), ('c', 'held', '\x01', now() - interval '1 hour')`); err != nil {
+		t.Fatal(err)
+	}
+	lock, err := db.BeginTx(ctx, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer lock.Rollback()
+	if _, err := lock.ExecContext(ctx, `SELECT 1 FROM outbox_processed WHERE consumer = 'c' AND message_id = 'held' FOR UPDATE`); err != nil {
+		t.Fatal(err)
+	}
+	tx, err := db.BeginTx(ctx, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback()
+	// A statement that waited for the lock would wait out this.
+	if _, err := tx.ExecContext(ctx, `SET LOCAL lock_timeout = '5s'`); err != nil {
+		t.Fatal(err)
+	}
+	c, err := st.(outboxdriver.ClaimMarker).MessageClaimMarking(ctx, tx, outboxdriver.Source{Consumer: "c", ID: "new"}, []string{"a", "held", "b", "gone"}, []string{"late"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !c.Claimed {
+		t.Error("the claim of c/new was not made")
+	}
+	slices.Sort(c.Marked)
+	if got := strings.Join(c.Marked, ","); got != "a,b,late" {
+		t.Errorf("marked %q, want a,b,late (held is locked, gone has no claim)", got)
+	}
+	if err := tx.Commit(); err != nil {
+		t.Fatal(err)
+	}
+	if err := lock.Rollback(); err != nil {
+		t.Fatal(err)
+	}
+	got := strings.Join(queryLines(t, db, `SELECT message_id || ':' || (effects IS NULL)::text || ':' || (dispatched_at > now() - interval '1 minute')::text
+		FROM outbox_processed WHERE consumer = 'c' AND message_id <> 'new' ORDER BY message_id`), " ")
+	if want := "a:true:false b:true:false held:false:false late:true:true"; got != want {
+		t.Errorf("claims (id:cleared:dispatch time moved) %s, want %s", got, want)
 	}
 }
 

@@ -343,19 +343,29 @@ func messageClaim(n store.Names, withXID bool) string {
 			WHERE set_config('` + ownClaimSetting + `', coalesce((SELECT inline_xid::text FROM ins), ''), false) IS NOT NULL`
 }
 
-// messageClaimMarking is the claim statement of Queries (same columns) that also clears the inline
-// effects of the claims of consumer $1 whose IDs are in $3 (a text[] literal: textArray), and of
-// those in $4 with their dispatch time moved to now: the marks of inline.mark and markLate riding
-// on a claim (outboxdriver.ClaimMarker). Without the asynchronous commit: the unit's transaction
-// is the marks'.
+// messageClaimMarking is the claim statement of Queries (same columns, and one more: the IDs
+// whose marks it wrote, a JSON array) that also clears the inline effects of the claims of
+// consumer $1 whose IDs are in $3 (a text[] literal: textArray), and of those in $4 with their
+// dispatch time moved to now: the marks of inline.mark and markLate riding on a claim
+// (outboxdriver.ClaimMarker). Without the asynchronous commit: the unit's transaction is the
+// marks'. A carried claim that another transaction holds locked (a copy of its message on the
+// duplicate path, a relay's claim, the marker) is skipped, not waited for: the unit's message
+// must not wait for another's, with its connection, and the units behind it on theirs. Its ID
+// is missing from the last column, and the caller writes that mark otherwise.
 func messageClaimMarking(n store.Names) string {
 	mark := func(ids, set string) string {
 		return `UPDATE ` + n.Processed + ` p SET effects = NULL` + set + `
-				WHERE p.consumer = $1 AND p.message_id = ANY (ARRAY(SELECT unnest(` + ids + `::text[]))) AND p.effects IS NOT NULL`
+				WHERE p.consumer = $1 AND p.message_id IN (SELECT message_id FROM lk)
+				AND p.message_id = ANY (ARRAY(SELECT unnest(` + ids + `::text[]))) AND p.effects IS NOT NULL`
 	}
-	return strings.Replace(messageClaim(n, false), `WITH ins AS (`, `WITH mk AS (`+mark("$3", "")+`),
+	claim := strings.Replace(messageClaim(n, false), `WITH ins AS (`, `WITH lk AS (SELECT p.message_id FROM `+n.Processed+` p
+				WHERE p.consumer = $1 AND p.message_id = ANY (ARRAY(SELECT unnest($3::text[])) || ARRAY(SELECT unnest($4::text[])))
+				FOR UPDATE SKIP LOCKED),
+			mk AS (`+mark("$3", "")+`),
 			mkl AS (`+mark("$4", ", dispatched_at = now()")+`),
 			ins AS (`, 1)
+	return strings.Replace(claim, `SELECT c.claimed, s.age, s.settled`,
+		`SELECT c.claimed, s.age, s.settled, (SELECT coalesce(json_agg(message_id), '[]') FROM lk)::text`, 1)
 }
 
 // MessageClaimWithXID is the claim statement of Queries (same parameters and columns) with one
@@ -366,8 +376,9 @@ func messageClaimMarking(n store.Names) string {
 func MessageClaimWithXID(n store.Names) string { return messageClaim(n, true) }
 
 // MessageClaimMarking is the claim statement that also clears the inline effects of the claims
-// of the consumer's messages that were sent ($3) and sent late ($4): a thin mark riding on the
-// next claim (see outboxdriver.ClaimMarker).
+// of the consumer's messages that were sent ($3) and sent late ($4), those not locked by another
+// transaction, and returns their IDs in a column more: a thin mark riding on the next claim (see
+// outboxdriver.ClaimMarker).
 func MessageClaimMarking(n store.Names) string { return messageClaimMarking(n) }
 
 // delayedInsertGuarded is DelayedInsert that inserts nothing unless guard holds (read once per
