@@ -63,12 +63,13 @@ func (c *run) retryDeadLetters(specs []*spec, acked []atomic.Bool) {
 			}
 			// The broker delivers it to an instance, and a second copy to another.
 			for _, proc := range []int{a, b} {
+				began := time.Now()
 				for try := 0; ; try++ {
 					err := c.deliver(proc, &plan{msg: sp})
 					if err == nil {
 						break
 					}
-					if try == 8 {
+					if givesUp(try, began) {
 						c.fail("retried dead letter %s, delivered to instance %d: %v", sp.id, proc, err)
 						return
 					}

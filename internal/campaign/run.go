@@ -431,8 +431,9 @@ func (c *run) do() bool {
 				}
 				_ = deliver(s.procs[d], s.plans[d])
 			}
-			for d := 0; d < 8 && !acked[i].Load(); d++ { // the broker keeps redelivering
-				if err := deliver(s.procs[16+d], &plan{msg: s.msg}); err != nil && !acked[i].Load() {
+			// The broker keeps redelivering, to the instances drawn for it in turn.
+			for d, began := 0, time.Now(); !acked[i].Load() && !givesUp(d, began); d++ {
+				if err := deliver(s.procs[16+d%8], &plan{msg: s.msg}); err != nil && !acked[i].Load() {
 					redeliveryPause(d)
 				}
 			}
@@ -456,12 +457,12 @@ func (c *run) do() bool {
 				// again, or wait for a connection: on a loaded machine a publish or the claim
 				// can time out, which is a nack, and the broker redelivers. That the handler
 				// does not run again is checked on the business table.
-				for try := 0; ; try++ {
+				for try, began := 0, time.Now(); ; try++ {
 					err := deliver(s.procs[24+d], &plan{msg: s.msg})
 					if err == nil {
 						break
 					}
-					if try == 8 {
+					if givesUp(try, began) {
 						c.fail("late copy of %s to instance %d (%s): %v", s.msg.id, s.procs[24+d], c.forms[s.procs[24+d]].Name, err)
 						break
 					}
