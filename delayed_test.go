@@ -441,7 +441,9 @@ func TestDelayedEffectsRelayCrashesAtAndAfterTheDueTime(t *testing.T) {
 	claimCrashes.Store(1)
 	e := newEnv(t, func(c *outbox.Config) {
 		c.RelayInterval = 20 * time.Millisecond
-		c.PublishTimeout = 100 * time.Millisecond
+		// Long enough for an INSERT into the SQL broker on a loaded machine: a publish that times
+		// out after it landed is rightly sent again (CI's once sent the second twice with 100 ms).
+		c.PublishTimeout = time.Second
 		c.Failpoint = func(ctx context.Context, point string) error {
 			switch {
 			case point == outbox.FailpointAfterRelayClaim && claimCrashes.Add(-1) == 0:
