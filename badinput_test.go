@@ -234,7 +234,9 @@ func TestFailingOrHangingPublisherKeepsEffectsForRedelivery(t *testing.T) {
 		t.Fatalf("want ErrPublishTimeout, got %v", err)
 	}
 	mustEqual(t, "pending effects", e.pendingEffects(), 2)
-	if err := handle(e.ob, copyOf(msg), applyAndPublish(nil)); err != nil {
+	// The redelivery reaches another instance, whose PublishTimeout is the default: the 200 ms
+	// above is for the hang, and a loaded machine's INSERT into the SQL broker may take longer.
+	if err := handle(e.newOutbox(), copyOf(msg), applyAndPublish(nil)); err != nil {
 		t.Fatal(err)
 	}
 	mustEqual(t, "business rows", e.count(`SELECT count(*) FROM applied`), 1)
@@ -295,12 +297,14 @@ func TestMessageContextCancelledBeforeCommit(t *testing.T) {
 // database/sql; that must be reported as a timeout (not as a handler that finished the transaction
 // itself) and counted as a failed attempt, and the redelivery must apply the message once.
 func TestHandlerTimeoutCountsTheAttempt(t *testing.T) {
-	e := newEnv(t, func(c *outbox.Config) { c.HandlerTimeout = 200 * time.Millisecond })
+	// A second: the redelivery must fit in it on a loaded machine; the first call outlives it.
+	e := newEnv(t, func(c *outbox.Config) { c.HandlerTimeout = time.Second })
 	var calls atomic.Int32
 	h := func(msg *message.Message) ([]*message.Message, error) {
 		out, err := applyAndPublish(nil)(msg)
 		if calls.Add(1) == 1 {
-			time.Sleep(400 * time.Millisecond)
+			<-msg.Context().Done()
+			time.Sleep(100 * time.Millisecond)
 		}
 		return out, err
 	}

@@ -49,7 +49,7 @@ func TestInUnitCommitAnsweredAfterHandlerTimeout(t *testing.T) {
 		if err != nil {
 			return nil, err
 		}
-		return &slowReadConn{Conn: c, armed: &armed, delay: 1500 * time.Millisecond}, nil
+		return &slowReadConn{Conn: c, armed: &armed, delay: 2500 * time.Millisecond}, nil
 	}
 	cfg.ShouldPing = func(context.Context, pgxpool.ShouldPingParams) bool { return false }
 	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
@@ -57,7 +57,7 @@ func TestInUnitCommitAnsweredAfterHandlerTimeout(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(pool.Close)
-	ob := ready(t, pool, outbox.Config{Publisher: &outboxtest.Recorder{}, HandlerTimeout: 300 * time.Millisecond})
+	ob := ready(t, pool, outbox.Config{Publisher: &outboxtest.Recorder{}, HandlerTimeout: time.Second})
 
 	// pgx prepares the statements of the COMMIT's batch on first use, in a round trip of its own:
 	// a unit before warms the connection, so that the answer held back is the COMMIT's.

@@ -561,7 +561,7 @@ func TestNoConnectionLeak(t *testing.T) {
 	dsn := outboxtest.DSN(t)
 	pool := openPool(t, dsn, 1, nil)
 	ctx := context.Background()
-	ob := ready(t, pool, outbox.Config{Publisher: &outboxtest.Recorder{}, HandlerTimeout: 300 * time.Millisecond, RetryDelay: -1})
+	ob := ready(t, pool, outbox.Config{Publisher: &outboxtest.Recorder{}, HandlerTimeout: time.Second, RetryDelay: -1})
 	handlers := map[string]func(*message.Message) error{
 		"ok":     handler,
 		"fails":  func(*message.Message) error { return errors.New("no") },

@@ -158,15 +158,16 @@ func TestSQLCommitThenDelayedFindsItsOwnClaim(t *testing.T) {
 			_, err := outboxpgx.Tx(ctx).Exec(ctx, "RESET ALL")
 			return err
 		},
-		"past HandlerTimeout": func(context.Context) error {
-			time.Sleep(time.Second) // ignores its context
+		"past HandlerTimeout": func(ctx context.Context) error {
+			<-ctx.Done() // then ignores that it ended
+			time.Sleep(100 * time.Millisecond)
 			return nil
 		},
 	}
 	for aname, then := range afterCommit {
 		for rname, rec := range records {
 			t.Run(aname+"/"+rname, func(t *testing.T) {
-				h := outboxtest.NewWith(t, form(outboxpgx.Pessimistic), outbox.Config{HandlerTimeout: 300 * time.Millisecond, RelayInterval: time.Hour}, setup)
+				h := outboxtest.NewWith(t, form(outboxpgx.Pessimistic), outbox.Config{HandlerTimeout: time.Second, RelayInterval: time.Hour}, setup)
 				if err := outboxpgx.InTx(context.Background(), h.Ob, func(ctx context.Context, _ pgx.Tx) error {
 					return outbox.Publish(outbox.WithCancelKey(outbox.WithDelay(ctx, time.Hour), "reminder-1"), "out_a", message.NewMessage("other", nil))
 				}); err != nil {

@@ -197,7 +197,7 @@ func TestHandlerTimeoutEndsTheTransaction(t *testing.T) {
 // as SQL (its claim and writes committed) and then ran past HandlerTimeout still has its effects
 // stored, and sent on redelivery, as when it returns in time.
 func TestSQLCommitThenHandlerTimeout(t *testing.T) {
-	h := outboxtest.NewWith(t, form(outboxpgx.Pessimistic), outbox.Config{HandlerTimeout: 300 * time.Millisecond}, setup)
+	h := outboxtest.NewWith(t, form(outboxpgx.Pessimistic), outbox.Config{HandlerTimeout: time.Second}, setup)
 	res := h.Run("c", message.NewMessage("m1", nil), consume(func(msg *message.Message) error {
 		if err := handler(msg); err != nil {
 			return err
@@ -205,7 +205,8 @@ func TestSQLCommitThenHandlerTimeout(t *testing.T) {
 		if _, err := outboxpgx.Tx(msg.Context()).Exec(msg.Context(), "COMMIT"); err != nil {
 			return err
 		}
-		time.Sleep(time.Second) // ignores its context, past HandlerTimeout
+		<-msg.Context().Done() // ignores that its context ended: returns past HandlerTimeout
+		time.Sleep(100 * time.Millisecond)
 		return nil
 	}))
 	if !errors.Is(res.Err, outbox.ErrTxFinishedByHandler) || !res.Committed || len(res.Effects) != 1 {
@@ -306,7 +307,7 @@ func TestTimedOutCopyThatLostIsADuplicate(t *testing.T) {
 				return pgxForm(t, d, cfg)
 			}, outbox.Config{}, setup)
 			var loser *outbox.Outbox
-			cfg := outbox.Config{Publisher: h.Pub, HandlerTimeout: 300 * time.Millisecond, RetryDelay: -1, DuplicateWait: 20 * time.Millisecond}
+			cfg := outbox.Config{Publisher: h.Pub, HandlerTimeout: time.Second, RetryDelay: -1, DuplicateWait: 20 * time.Millisecond}
 			var err error
 			if loserForm == "database/sql" {
 				cfg.DB, cfg.Driver = h.DB, postgres.Driver{}
@@ -328,7 +329,8 @@ func TestTimedOutCopyThatLostIsADuplicate(t *testing.T) {
 			})
 			pessimistic := consume(func(msg *message.Message) error {
 				close(pessimisticClaimed)
-				time.Sleep(time.Second) // ignores its context, past HandlerTimeout
+				<-msg.Context().Done() // then ignores that it ended: returns past HandlerTimeout
+				time.Sleep(700 * time.Millisecond)
 				return nil
 			})
 			won := make(chan error, 1)
@@ -505,9 +507,9 @@ func TestSQLRollbackThenPublish(t *testing.T) {
 // not count for it, or the effect of rolled-back work is sent beside the copy's own. The same
 // when the handler runs on past HandlerTimeout and the pool is asked instead of the connection.
 func TestSQLRollbackThenACopyClaimsThenPublish(t *testing.T) {
-	for name, sleep := range map[string]time.Duration{"in time": 0, "past HandlerTimeout": time.Second} {
+	for name, past := range map[string]bool{"in time": false, "past HandlerTimeout": true} {
 		t.Run(name, func(t *testing.T) {
-			h := outboxtest.NewWith(t, form(outboxpgx.Pessimistic), outbox.Config{HandlerTimeout: 300 * time.Millisecond, RelayInterval: time.Hour}, setup)
+			h := outboxtest.NewWith(t, form(outboxpgx.Pessimistic), outbox.Config{HandlerTimeout: time.Second, RelayInterval: time.Hour}, setup)
 			var after error
 			var copyRes outboxtest.Result
 			res := h.Run("c", message.NewMessage("m1", nil), consume(func(msg *message.Message) error {
@@ -517,7 +519,10 @@ func TestSQLRollbackThenACopyClaimsThenPublish(t *testing.T) {
 				}
 				copyRes = h.Run("c", message.NewMessage("m1", nil), consume(handler))
 				after = outbox.Publish(ctx, "out_b", message.NewMessage("after", nil))
-				time.Sleep(sleep) // ignores its context
+				if past {
+					<-ctx.Done() // then ignores that it ended
+					time.Sleep(100 * time.Millisecond)
+				}
 				return nil
 			}))
 			if copyRes.Err != nil || !copyRes.Committed {
