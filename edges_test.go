@@ -1023,8 +1023,10 @@ func TestHungApplierDoesNotHoldTheRelay(t *testing.T) {
 	}
 	stop := startRun(t, e.ob)
 	waitFor(t, "the effects behind the hung applier's", func() bool {
+		// At least once: with a PublishTimeout of 200 ms (for the hung applier), a loaded
+		// machine's INSERT into the SQL broker may time out after it landed, and is sent again.
 		w := e.wire("out_a")
-		return w[ids[0]] == 1 && w[ids[1]] == 1
+		return w[ids[0]] > 0 && w[ids[1]] > 0
 	})
 	stop()
 	mustEqual(t, "relay statements waiting on a lock", e.count(`SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'`), 0)
