@@ -2,7 +2,6 @@ package outbox
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"sync"
 	"time"
@@ -86,13 +85,16 @@ func (o *Outbox) promoteDelayed(ctx context.Context) int {
 	if !ok {
 		return 0
 	}
+	parent := ctx
 	ctx, cancel := context.WithTimeout(ctx, storeTimeout)
 	defer cancel()
 	total := 0
 	for ctx.Err() == nil {
 		moved, next, waiting, err := ds.DelayedPromote(ctx, promoteBatch)
 		if err != nil {
-			if !errors.Is(err, context.Canceled) {
+			// A shutdown is no failure, however the driver reports the statement it cancelled
+			// (lib/pq: the server's 57014, not the context's error).
+			if parent.Err() == nil {
 				o.tel.relayErrors.Add(ctx, 1, o.tel.own())
 				o.logger.Error("Moving due delayed side effects failed; the relay tries again at its next pass", err, nil)
 			}

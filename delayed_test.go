@@ -576,3 +576,37 @@ func TestDueDelayedEffectNotOvertaken(t *testing.T) {
 		t.Fatalf("due delayed effects overtaken by a later effect of their key on %d of %d keys: %v", len(overtaken), keys, overtaken)
 	}
 }
+
+// A shutdown while the relay moves due delayed effects is no failure: the statement the shutdown
+// cancelled is not logged as an error (lib/pq reports it as the server's 57014, "canceling
+// statement due to user request", not as the context's error; the least-privileged-role test of
+// cmd/outbox saw it logged once in a CI run). Another transaction holds a lock that makes the move
+// wait, so that the shutdown comes during it.
+func TestShutdownDuringTheDelayedMoveLogsNoError(t *testing.T) {
+	logged := &logtest.Errors{}
+	e := newEnv(t, func(c *outbox.Config) { c.Logger = logged; c.RelayInterval = 20 * time.Millisecond })
+	if err := e.ob.InTx(context.Background(), func(ctx context.Context, _ *sql.Tx) error {
+		return outbox.Publish(outbox.WithDelay(ctx, time.Hour), "out_a", message.NewMessage(uuid.NewString(), nil))
+	}); err != nil {
+		t.Fatal(err)
+	}
+	mustExec(t, e, `UPDATE outbox_delayed SET due_at = now() - interval '1 second'`)
+	lock, err := e.db.Begin()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = lock.Rollback() }()
+	// Reads go on (the claim reads the next due time); the move's DELETE waits.
+	if _, err := lock.Exec(`LOCK TABLE outbox_delayed IN EXCLUSIVE MODE`); err != nil {
+		t.Fatal(err)
+	}
+	stop := startRun(t, e.ob)
+	waitFor(t, "the relay's move of due delayed effects to wait for the lock", func() bool {
+		return e.count(`SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query ILIKE '%outbox_delayed%'`) > 0
+	})
+	stop()
+	if lines := logged.Lines(); len(lines) > 0 {
+		t.Errorf("a shutdown during the move of due delayed effects logged errors: %q", lines)
+	}
+	mustEqual(t, "delayed effects left to move", e.count(`SELECT count(*) FROM outbox_delayed`), 1)
+}

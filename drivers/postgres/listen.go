@@ -62,6 +62,9 @@ func proveListener(ctx context.Context, db *sql.DB, channel string, notes <-chan
 		case <-ctx.Done():
 			return nil
 		case err := <-lost:
+			if ctx.Err() != nil {
+				return nil // the connection was closed because ctx ended
+			}
 			return fmt.Errorf("listener connection on %q lost: %w", channel, err)
 		case n := <-notes:
 			if n != nil && n.Extra == token {
@@ -111,6 +114,9 @@ func listen(db *sql.DB, dsn, channel string) func(ctx context.Context, wake func
 		case <-ctx.Done():
 			return nil
 		case err := <-failed:
+			if ctx.Err() != nil {
+				return nil // the dial was closed because ctx ended
+			}
 			return fmt.Errorf("connect to listen on %q: %w", channel, redactErr(err, dsn))
 		case err := <-listened:
 			listened <- err // for the deferred wait
@@ -122,6 +128,9 @@ func listen(db *sql.DB, dsn, channel string) func(ctx context.Context, wake func
 			}
 		}
 		if err := proveListener(ctx, db, channel, l.NotificationChannel(), failed); err != nil || ctx.Err() != nil {
+			if ctx.Err() != nil {
+				return nil // its statement may have failed because ctx ended
+			}
 			return redactErr(err, dsn)
 		}
 		wake()
@@ -130,7 +139,11 @@ func listen(db *sql.DB, dsn, channel string) func(ctx context.Context, wake func
 			case <-ctx.Done():
 				return nil
 			case err := <-failed:
-				// The caller reconnects (and reports the listener down meanwhile).
+				// Closed because ctx ended (select picks among the ready cases at random), or lost:
+				// the caller reconnects (and reports the listener down meanwhile).
+				if ctx.Err() != nil {
+					return nil
+				}
 				return fmt.Errorf("listener connection on %q lost: %w", channel, redactErr(err, dsn))
 			case _, ok := <-l.NotificationChannel():
 				if !ok {
@@ -143,6 +156,9 @@ func listen(db *sql.DB, dsn, channel string) func(ctx context.Context, wake func
 				err := l.Ping()
 				t.Stop()
 				if err != nil {
+					if ctx.Err() != nil {
+						return nil
+					}
 					return fmt.Errorf("listener connection on %q: ping: %w", channel, redactErr(err, dsn))
 				}
 			}
