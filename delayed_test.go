@@ -463,18 +463,7 @@ func TestDelayedEffectsRelayCrashesAtAndAfterTheDueTime(t *testing.T) {
 	// The relay runs before the effects are committed, and the second is due well after the
 	// first: a relay round that claimed both at once (CI's loaded run started Run after both were
 	// due) would crash with the second leased for 30 s, and the test would be about something else.
-	ctx, stop := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- e.ob.Run(ctx) }()
-	stopped := false
-	halt := func() {
-		if !stopped {
-			stopped = true
-			stop()
-			<-done
-		}
-	}
-	t.Cleanup(halt)
+	halt := startRun(t, e.ob)
 	err := e.ob.InTx(context.Background(), func(ctx context.Context, tx *sql.Tx) error {
 		if err := outbox.Publish(outbox.WithDelay(ctx, 300*time.Millisecond), "out_a", first); err != nil {
 			return err
