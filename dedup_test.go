@@ -403,3 +403,28 @@ func TestRelayParksWhatCannotBeSentAndKeepsOtherKeysFlowing(t *testing.T) {
 	}
 	mustEqual(t, "effect behind the parked one", e.wire("out_b")[e.storedEffects("c1", poisonMsg.UUID)[1]], 0)
 }
+
+// A cleanup whose deadline passes while a batch waits (here on a lock another session holds)
+// returns the deadline, saying what was not answered: the transaction's own context, which the
+// caller's end cancels, made it "context canceled", which reads as a shutdown.
+func TestCleanupPastItsDeadlineSaysSo(t *testing.T) {
+	e := newEnv(t)
+	if err := handle(e.ob, message.NewMessage("m1", nil), applyAndPublish(nil)); err != nil {
+		t.Fatal(err)
+	}
+	mustExec(t, e, `UPDATE outbox_processed SET processed_at = now() - interval '30 days', dispatched_at = now() - interval '8 days'`)
+	tx, err := e.db.Begin()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = tx.Rollback() }()
+	if _, err := tx.Exec(`LOCK TABLE outbox_processed IN ACCESS EXCLUSIVE MODE`); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
+	defer cancel()
+	_, err = e.ob.Store().Cleanup(ctx, outboxdriver.CleanupParams{Retention: 7 * 24 * time.Hour, EffectRetention: time.Hour, BatchSize: 10})
+	if !errors.Is(err, context.DeadlineExceeded) || !strings.Contains(err.Error(), "no answer before the context ended") {
+		t.Fatalf("cleanup past its deadline: %v, want context.DeadlineExceeded and what was waited for", err)
+	}
+}

@@ -1272,18 +1272,27 @@ func (s *SQL) cleanupBatch(ctx context.Context, st cleanupStep, retention time.D
 	defer cancelTx()
 	watching := context.AfterFunc(ctx, cancelTx)
 	defer watching()
+	caller := ctx
+	// failed names the step; when the caller's context ended during it, the error is the
+	// caller's own (a deadline stays context.DeadlineExceeded, not the Canceled of txCtx that
+	// its end cancelled) and says what was not answered in time.
+	failed := func(step string, err error) error {
+		if cerr := caller.Err(); cerr != nil {
+			return fmt.Errorf("%s: no answer before the context ended: %w (%v)", step, cerr, err)
+		}
+		return fmt.Errorf("%s: %w", step, s.wrap(err))
+	}
 	tx, err := s.BeginTx(txCtx, nil)
 	if err != nil {
-		return 0, false, fmt.Errorf("begin: %w", err)
+		return 0, false, failed("begin", err)
 	}
 	defer func() { _ = tx.Rollback() }()
-	caller := ctx
 	ctx = txCtx
 	if s.d.Queries.CleanupLock != "" {
 		// No row is the lock taken, as a row of false is (MySQL's SKIP LOCKED leaves the row out).
 		var ok bool
 		if err := tx.QueryRowContext(ctx, s.d.Queries.CleanupLock).Scan(&ok); err != nil && !errors.Is(err, sql.ErrNoRows) {
-			return 0, false, fmt.Errorf("cleanup lock: %w", s.wrap(err))
+			return 0, false, failed("cleanup lock", err)
 		}
 		if !ok {
 			return 0, false, nil
@@ -1295,14 +1304,14 @@ func (s *SQL) cleanupBatch(ctx context.Context, st cleanupStep, retention time.D
 	}
 	if begin != "" {
 		if _, err := tx.ExecContext(ctx, begin); err != nil {
-			return 0, true, fmt.Errorf("cleanup: %w", s.wrap(err))
+			return 0, true, failed("cleanup", err)
 		}
 	}
 	var n int64
 	if st.from {
 		var next sql.NullTime
 		if err := tx.QueryRowContext(ctx, st.query, retention.Milliseconds(), limit, *from).Scan(&n, &next); err != nil {
-			return 0, true, fmt.Errorf("cleanup: %w", s.wrap(err))
+			return 0, true, failed("cleanup: a batch", err)
 		}
 		if next.Valid {
 			*from = next
@@ -1310,7 +1319,7 @@ func (s *SQL) cleanupBatch(ctx context.Context, st cleanupStep, retention time.D
 	} else {
 		r, err := tx.ExecContext(ctx, st.query, retention.Milliseconds(), limit)
 		if err != nil {
-			return 0, true, fmt.Errorf("cleanup: %w", s.wrap(err))
+			return 0, true, failed("cleanup: a batch", err)
 		}
 		if n, err = r.RowsAffected(); err != nil {
 			return 0, true, fmt.Errorf("cleanup: %w", err)
