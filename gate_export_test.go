@@ -9,16 +9,19 @@ import (
 	"time"
 )
 
-// OUTBOX_MARK_RIDES=1 runs the package's tests (the fault campaign among them) with riding marks
-// on, as they would be by default.
+// OUTBOX_MARK_RIDES=0 runs the package's tests (the fault campaign among them) with riding marks
+// off, every mark a statement of the writer's as before them; 1 with them on (the default).
 func init() {
-	if os.Getenv("OUTBOX_MARK_RIDES") == "1" {
+	switch os.Getenv("OUTBOX_MARK_RIDES") {
+	case "0":
+		markRides = false
+	case "1":
 		markRides = true
 	}
 }
 
 // EnableMarkRides switches riding marks on (markRides) for the Outboxes that t makes, until t
-// ends. Not for parallel tests.
+// ends, whatever OUTBOX_MARK_RIDES says. Not for parallel tests.
 func EnableMarkRides(t interface{ Cleanup(func()) }) {
 	was := markRides
 	markRides = true

@@ -92,15 +92,15 @@ func (m *marker) rideDeadline(now, claimed time.Time) time.Time {
 	return by
 }
 
-// markRides switches riding marks on. Off: a unit that carried the marks of other messages
-// updated their claims, and so waited for any lock held on them, such as that of a copy of one of
-// those messages being handled (its publish hanging, say): an unrelated message then waited on
-// it, with its connection, and the units behind it on theirs. The campaign's database/sql runs
-// failed so (the pool emptied, BEGIN went unanswered, the database gate called it an outage). The
-// claim now skips locked claims and hands their marks back to the worker
-// (outboxdriver.ClaimMarker, handBack); riding stays off until the randomized campaign has run
-// with it on, under load, as the default.
-var markRides = false
+// markRides switches riding marks on (the default). It was off for a while: a unit that carried
+// the marks of other messages updated their claims, and so waited for any lock held on them, such
+// as that of a copy of one of those messages being handled (its publish hanging, say): an
+// unrelated message then waited on it, with its connection, and the units behind it on theirs.
+// The campaign's database/sql runs failed so (the pool emptied, BEGIN went unanswered, the
+// database gate called it an outage). The claim now skips locked claims and hands their marks
+// back to the worker (outboxdriver.ClaimMarker, handBack), and the campaign has run with it on,
+// quiet and under load. The tests switch it off with OUTBOX_MARK_RIDES=0.
+var markRides = true
 
 // markRideBelow: a batch of this many marks or more is written at once, one statement for all,
 // rather than waiting for a unit.

@@ -264,8 +264,8 @@ func TestMarkRideSkipsALockedClaim(t *testing.T) {
 	}
 }
 
-// The crash matrix with riding marks on (they are off by default until the campaign has run with
-// them on under load): a carrier message's mark rides on the claim of the unit that crashes, at
+// The crash matrix with riding marks on (the default; OUTBOX_MARK_RIDES=0 runs the package's other
+// tests with them off): a carrier message's mark rides on the claim of the unit that crashes, at
 // every step, and nothing is lost or doubled. At least one scenario must have carried a mark, or
 // the matrix did not cover a ride (of 6 scenarios a message, the 2 that roll back before the
 // claim is written hand the mark back).

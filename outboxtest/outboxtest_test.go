@@ -284,7 +284,7 @@ func TestCrashMatrixDeleteSent(t *testing.T) {
 		name    string
 		handler func(*sql.DB) message.HandlerFunc
 		rides   bool
-	}{{"unkeyed", reserveUnkeyed, false}, {"keyed", reserve, false}} { // riding marks are off (marker.go, markRides)
+	}{{"unkeyed", reserveUnkeyed, true}, {"keyed", reserve, false}} {
 		t.Run(c.name, func(t *testing.T) {
 			var rode atomic.Int32
 			open := openWatched(postgres.Driver{}, func(t testing.TB, db *sql.DB) {
