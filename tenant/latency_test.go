@@ -119,6 +119,11 @@ func newLatencySet(t *testing.T, admin *sql.DB, base string, n, idle int, proxie
 // delivery in a goroutine of its own as a subscriber with enough handlers would, and
 // returns the handle times of those that succeeded and the count of those that failed.
 func (ls *latencySet) offer(rate int, d time.Duration, names []string, tag string) (times []time.Duration, failed int) {
+	return ls.offerTo(ls.h, rate, d, names, tag)
+}
+
+// offerTo is offer with each message handed to h (the control: ls.bare).
+func (ls *latencySet) offerTo(h message.NoPublishHandlerFunc, rate int, d time.Duration, names []string, tag string) (times []time.Duration, failed int) {
 	if names == nil {
 		names = ls.names
 	}
@@ -136,7 +141,7 @@ func (ls *latencySet) offer(rate int, d time.Duration, names []string, tag strin
 		go func() {
 			defer wg.Done()
 			begin := time.Now()
-			err := ls.h(msg)
+			err := h(msg)
 			took := time.Since(begin)
 			mu.Lock()
 			defer mu.Unlock()
@@ -331,7 +336,8 @@ func percentile(ts []time.Duration, p float64) time.Duration {
 // ratio too: this process's CPU (getrusage), the server's (every PostgreSQL process's, /proc, and
 // that of the measured Set's own connections alone: the other Set's background and autovacuum
 // run all along) and the transactions and new connections of the Set's databases
-// (pg_stat_database). With
+// (pg_stat_database), beside the same rounds of the control without the outbox (below) and the
+// outbox's ratios over the control's. With
 // OUTBOX_TENANT_SLOPE=R each round also offers R messages a second to each Set and prints what a
 // message adds from the lower rate to R: the members' background, the same at either rate, taken
 // out. With OUTBOX_TENANT_SATURATE=S it then offers each Set as much as OUTBOX_TENANT_INFLIGHT (default 8)
@@ -401,6 +407,8 @@ func TestTenantLatency(t *testing.T) {
 	var ratios []float64
 	var clientR, serverR, ownR, xactR []float64
 	var slopeClientR, slopeOwnR, slopeXactR []float64
+	var ctlClientR, ctlServerR, ctlOwnR, ctlXactR []float64 // the control's ratios, 200 / 1
+	var netClientR, netServerR, netOwnR, netXactR []float64 // the outbox's ratios over the control's
 	slopeRate, _ := strconv.Atoi(os.Getenv("OUTBOX_TENANT_SLOPE"))
 	for r := range rounds {
 		var a, b []time.Duration
@@ -420,6 +428,11 @@ func TestTenantLatency(t *testing.T) {
 				"%d tenant databases %.0f us, %.0f us, %.2f transactions; ratios client %.2f, connections' %.2f, transactions %.2f",
 				r, rate, slopeRate, acl, aown, ax, n, bcl, bown, bx, bcl/acl, bown/aown, bx/ax)
 		}
+		// The control at the same rate (the same work without the outbox, ls.bare): what a
+		// message over 200 databases costs whatever runs on them, against which what the
+		// outbox adds is flat or not.
+		cca, cna := cm.measure(one.dbs, func() int { s, _ := one.offerTo(one.bare, rate, window, nil, fmt.Sprint("c", r)); return len(s) })
+		ccb, cnb := cm.measure(many.dbs, func() int { s, _ := many.offerTo(many.bare, rate, window, nil, fmt.Sprint("c", r)); return len(s) })
 		ratio := float64(percentile(b, 0.99)) / float64(percentile(a, 0.99))
 		ratios = append(ratios, ratio)
 		t.Logf("round %d, %d msg/s for %v: 1 tenant p50 %v p99 %v (%d failed); %d tenant databases p50 %v p99 %v (%d failed); p99 ratio %.2f",
@@ -431,6 +444,16 @@ func TestTenantLatency(t *testing.T) {
 			"%d tenant databases client CPU %.0f us, server CPU %.0f us (their connections' %.0f us, %d exited), %.2f transactions, %.3f new connections; "+
 			"ratios client %.2f, server %.2f (connections' %.2f), transactions %.2f",
 			r, acl, asv, aown, ca.gone, ax, acn, n, bcl, bsv, bown, cb.gone, bx, bcn, bcl/acl, bsv/asv, bown/aown, bx/ax)
+		kcl, ksv, kown, kx, _ := cca.perMsg(cna)
+		lcl, lsv, lown, lx, _ := ccb.perMsg(cnb)
+		cClient, cServer, cOwn, cXact := lcl/kcl, lsv/ksv, lown/kown, lx/kx
+		ctlClientR, ctlServerR, ctlOwnR, ctlXactR = append(ctlClientR, cClient), append(ctlServerR, cServer), append(ctlOwnR, cOwn), append(ctlXactR, cXact)
+		netClientR, netServerR, netOwnR, netXactR = append(netClientR, bcl/acl/cClient), append(netServerR, bsv/asv/cServer), append(netOwnR, bown/aown/cOwn), append(netXactR, bx/ax/cXact)
+		t.Logf("round %d, control without the outbox, per message: 1 tenant client CPU %.0f us, server CPU %.0f us (its connections' %.0f us), %.2f transactions; "+
+			"%d tenant databases client CPU %.0f us, server CPU %.0f us (their connections' %.0f us), %.2f transactions; ratios client %.2f, server %.2f (connections' %.2f), transactions %.2f; "+
+			"the outbox's ratios over the control's: client %.2f, server %.2f (connections' %.2f), transactions %.2f",
+			r, kcl, ksv, kown, kx, n, lcl, lsv, lown, lx, cClient, cServer, cOwn, cXact,
+			netClientR[r], netServerR[r], netOwnR[r], netXactR[r])
 	}
 	t.Logf("%d tenant databases vs 1: p99 ratio, median of %d rounds: %.2f", n, rounds, median(ratios))
 	if len(slopeXactR) > 0 {
@@ -439,6 +462,10 @@ func TestTenantLatency(t *testing.T) {
 	}
 	t.Logf("%d tenant databases vs 1, per message, median of %d rounds: client CPU %.2f, server CPU %.2f (the Sets' connections' %.2f), transactions %.2f",
 		n, rounds, median(clientR), median(serverR), median(ownR), median(xactR))
+	t.Logf("%d tenant databases vs 1, per message, the control without the outbox, median of %d rounds: client CPU %.2f, server CPU %.2f (the Sets' connections' %.2f), transactions %.2f",
+		n, rounds, median(ctlClientR), median(ctlServerR), median(ctlOwnR), median(ctlXactR))
+	t.Logf("%d tenant databases vs 1, per message, the outbox over the control, median of %d rounds: client CPU %.2f, server CPU %.2f (the Sets' connections' %.2f), transactions %.2f",
+		n, rounds, median(netClientR), median(netServerR), median(netOwnR), median(netXactR))
 
 	if sat, _ := strconv.Atoi(os.Getenv("OUTBOX_TENANT_SATURATE")); sat > 0 {
 		inFlight := 8
