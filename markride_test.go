@@ -228,13 +228,20 @@ func TestMarkRideSkipsALockedClaim(t *testing.T) {
 		t.Fatal(err)
 	}
 	// "free" carries the mark of "held", whose claim is locked; "next" carries that of "free".
+	var freeDone, nextBegan time.Time
 	for _, id := range []string{"free", "next"} {
+		if id == "next" {
+			nextBegan = time.Now()
+		}
 		done := make(chan error, 1)
 		go func() { done <- m.handle(id, false) }()
 		select {
 		case err := <-done:
 			if err != nil {
 				t.Fatal(err)
+			}
+			if id == "free" {
+				freeDone = time.Now()
 			}
 		case <-time.After(10 * time.Second):
 			_ = lock.Rollback()
@@ -248,8 +255,16 @@ func TestMarkRideSkipsALockedClaim(t *testing.T) {
 		}
 		return pending
 	}
-	if effects("free") {
-		t.Error("the mark of the claim nobody held did not ride on the next claim")
+	// A mark waits up to 1 s for a claim to ride on (markRide); on a loaded machine (CI's run with
+	// the oldest Go, every package at once) "next" began later than that, and the marker wrote
+	// the mark itself, as it should.
+	if gap := nextBegan.Sub(freeDone); gap < 500*time.Millisecond {
+		if effects("free") {
+			t.Error("the mark of the claim nobody held did not ride on the next claim")
+		}
+	} else {
+		t.Logf("the next claim began %v after the first unit ended, past a mark's ride: its mark is the marker's", gap)
+		waitFor(t, "the mark of the claim nobody held written", func() bool { return !effects("free") })
 	}
 	if !effects("held") {
 		t.Error("the locked claim was marked through its lock")
