@@ -392,11 +392,15 @@ func (s *SQL) CheckWritable(ctx context.Context) error {
 }
 
 // wrap adds the fix to errors caused by missing tables, and names a server that takes no writes.
+// An error it (or BeginTx) wrapped already is returned as it is.
 func (s *SQL) wrap(err error) error {
-	if err != nil && s.d.IsUndefinedTable(err) {
+	if err == nil || errors.Is(err, outboxdriver.ErrSchemaMissing) || errors.Is(err, outboxdriver.ErrReadOnly) {
+		return err
+	}
+	if s.d.IsUndefinedTable(err) {
 		return fmt.Errorf("%w (schema %q, prefix %q): %w", outboxdriver.ErrSchemaMissing, s.names.Schema, s.names.Prefix, err)
 	}
-	if err != nil && s.d.IsReadOnly != nil && s.d.IsReadOnly(err) {
+	if s.d.IsReadOnly != nil && s.d.IsReadOnly(err) {
 		// After a failover a connection may still reach the old primary, now a standby: the
 		// bare refusal does not say that the fix is in the connection string or the DNS.
 		return fmt.Errorf("%w (a standby? the connection must reach the primary): %w", outboxdriver.ErrReadOnly, err)
