@@ -157,7 +157,7 @@ func (c *run) cleanupDuring(rq *request, proc int) {
 		if err == nil {
 			return
 		}
-		if !ended && !errors.Is(err, outbox.ErrDatabaseUnreachable) || givesUp(try, began) {
+		if (!ended && !errors.Is(err, outbox.ErrDatabaseUnreachable)) || givesUp(try, began) {
 			c.fail("cleanup while request %s's key expired: %v", rq.id, err)
 			return
 		}
