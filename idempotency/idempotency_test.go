@@ -30,7 +30,9 @@ type fixture struct {
 	rec   *outboxtest.Recorder
 	runs  atomic.Int32
 	delay time.Duration
-	srv   *httptest.Server
+	// hold, when set, is called by the handler after it counted its run and before it works.
+	hold func()
+	srv  *httptest.Server
 }
 
 // newFixture serves POST /orders, which places an order (a row and an event) and answers 201
@@ -64,6 +66,9 @@ func newFixture(t *testing.T, mutate func(*idempotency.Config)) *fixture {
 	mux := http.NewServeMux()
 	mux.HandleFunc("POST /orders", func(w http.ResponseWriter, r *http.Request) {
 		f.runs.Add(1)
+		if f.hold != nil {
+			f.hold()
+		}
 		time.Sleep(f.delay)
 		body, _ := io.ReadAll(r.Body)
 		ctx := r.Context()
@@ -195,20 +200,47 @@ func TestRetryWhileInFlight(t *testing.T) {
 	for _, wait := range []bool{false, true} {
 		t.Run(fmt.Sprintf("wait=%v", wait), func(t *testing.T) {
 			f := newFixture(t, func(c *idempotency.Config) { c.Wait = wait })
-			f.delay = 300 * time.Millisecond
-			var wg sync.WaitGroup
+			// The first request's handler runs until the retries were answered (without Wait)
+			// or until they had 300 ms to start waiting (with it): every retry is sent while the
+			// first is in flight, however slowly the machine runs.
+			started, release := make(chan struct{}), make(chan struct{})
+			var once sync.Once
+			f.hold = func() {
+				once.Do(func() { close(started) })
+				select {
+				case <-release:
+				case <-time.After(20 * time.Second):
+					t.Error("the first request was held 20 s: the retries never came back")
+				}
+			}
 			results := make([]response, 8)
-			for i := range results {
+			first := make(chan struct{})
+			go func() {
+				defer close(first)
+				results[0] = f.post("k", `{"sku":"a"}`)
+			}()
+			select {
+			case <-started:
+			case <-time.After(20 * time.Second):
+				t.Fatal("the first request's handler did not start within 20 s")
+			}
+			var wg sync.WaitGroup
+			for i := 1; i < len(results); i++ {
 				wg.Add(1)
 				go func() {
 					defer wg.Done()
-					if i > 0 {
-						time.Sleep(100 * time.Millisecond) // the first is running
-					}
 					results[i] = f.post("k", `{"sku":"a"}`)
 				}()
 			}
-			wg.Wait()
+			if wait {
+				time.Sleep(300 * time.Millisecond)
+				close(release)
+				wg.Wait()
+			} else {
+				wg.Wait()
+				close(release)
+			}
+			<-first
 			created, conflicts := 0, 0
 			for _, r := range results {
 				switch r.status {
