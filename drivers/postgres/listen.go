@@ -44,7 +44,8 @@ const pingTimeout = 30 * time.Second
 // notifications come, and waits for it on notes: a LISTEN that succeeded through a pooler in
 // transaction mode receives nothing, and must not pass for connected. The notification carries
 // a token of this attempt (see listencheck.Token).
-// lost reports the connection's loss meanwhile.
+// lost reports the connection's loss meanwhile. It returns nil when ctx ends; an error it returns
+// after ctx ended (its statement or connection failed because of that) is the caller's to judge.
 func proveListener(ctx context.Context, db *sql.DB, channel string, notes <-chan *pq.Notification, lost <-chan error) error {
 	token, err := listencheck.Token()
 	if err != nil {
@@ -62,9 +63,6 @@ func proveListener(ctx context.Context, db *sql.DB, channel string, notes <-chan
 		case <-ctx.Done():
 			return nil
 		case err := <-lost:
-			if ctx.Err() != nil {
-				return nil // the connection was closed because ctx ended
-			}
 			return fmt.Errorf("listener connection on %q lost: %w", channel, err)
 		case n := <-notes:
 			if n != nil && n.Extra == token {
@@ -90,77 +88,76 @@ func proveListener(ctx context.Context, db *sql.DB, channel string, notes <-chan
 // it does not, listen returns an error wrapping outboxdriver.ErrListenerDeaf.
 func listen(db *sql.DB, dsn, channel string) func(ctx context.Context, wake func()) error {
 	return func(ctx context.Context, wake func()) error {
-		d := newClosingDialer()
-		failed := make(chan error, 1)
-		l := pq.NewDialListener(d, dsn, listenRetry, listenRetry, func(ev pq.ListenerEventType, err error) {
-			if ev == pq.ListenerEventDisconnected || ev == pq.ListenerEventConnectionAttemptFailed {
-				select {
-				case failed <- err:
-				default:
-				}
+		err := listenUntil(ctx, db, dsn, channel, wake)
+		if ctx.Err() != nil {
+			// Whatever failed once ctx ended failed because it ended: its connections are
+			// closed then (a dial, LISTEN, the own notification, a ping, a read), and select
+			// picks among ready cases at random.
+			return nil
+		}
+		return err
+	}
+}
+
+// listenUntil is listen's work: it returns when ctx ends or with the error that ended it.
+func listenUntil(ctx context.Context, db *sql.DB, dsn, channel string, wake func()) error {
+	d := newClosingDialer()
+	failed := make(chan error, 1)
+	l := pq.NewDialListener(d, dsn, listenRetry, listenRetry, func(ev pq.ListenerEventType, err error) {
+		if ev == pq.ListenerEventDisconnected || ev == pq.ListenerEventConnectionAttemptFailed {
+			select {
+			case failed <- err:
+			default:
 			}
-		})
-		stopWatch := context.AfterFunc(ctx, d.close)
-		listened := make(chan error, 1)
-		go func() { listened <- l.Listen(channel) }()
-		defer func() {
-			stopWatch()
-			d.close() // a dial or a statement in flight fails, so that Close gets the Listener's lock
-			_ = l.Close()
-			<-listened // Close ends a Listen still waiting for a connection
-			drain(l.NotificationChannel())
-		}()
+		}
+	})
+	stopWatch := context.AfterFunc(ctx, d.close)
+	listened := make(chan error, 1)
+	go func() { listened <- l.Listen(channel) }()
+	defer func() {
+		stopWatch()
+		d.close() // a dial or a statement in flight fails, so that Close gets the Listener's lock
+		_ = l.Close()
+		<-listened // Close ends a Listen still waiting for a connection
+		drain(l.NotificationChannel())
+	}()
+	select {
+	case <-ctx.Done():
+		return nil
+	case err := <-failed:
+		return fmt.Errorf("connect to listen on %q: %w", channel, redactErr(err, dsn))
+	case err := <-listened:
+		listened <- err // for the deferred wait
+		if err != nil {
+			return fmt.Errorf("listen on %q: %w", channel, redactErr(err, dsn))
+		}
+	}
+	if err := proveListener(ctx, db, channel, l.NotificationChannel(), failed); err != nil {
+		return redactErr(err, dsn)
+	}
+	if ctx.Err() != nil {
+		return nil // proveListener returns nil when ctx ends: no wake then
+	}
+	wake()
+	for {
 		select {
 		case <-ctx.Done():
 			return nil
 		case err := <-failed:
-			if ctx.Err() != nil {
-				return nil // the dial was closed because ctx ended
-			}
-			return fmt.Errorf("connect to listen on %q: %w", channel, redactErr(err, dsn))
-		case err := <-listened:
-			listened <- err // for the deferred wait
-			if err != nil {
-				if ctx.Err() != nil {
-					return nil
-				}
-				return fmt.Errorf("listen on %q: %w", channel, redactErr(err, dsn))
-			}
-		}
-		if err := proveListener(ctx, db, channel, l.NotificationChannel(), failed); err != nil || ctx.Err() != nil {
-			if ctx.Err() != nil {
-				return nil // its statement may have failed because ctx ended
-			}
-			return redactErr(err, dsn)
-		}
-		wake()
-		for {
-			select {
-			case <-ctx.Done():
+			// Lost: the caller reconnects (and reports the listener down meanwhile).
+			return fmt.Errorf("listener connection on %q lost: %w", channel, redactErr(err, dsn))
+		case _, ok := <-l.NotificationChannel():
+			if !ok {
 				return nil
-			case err := <-failed:
-				// Closed because ctx ended (select picks among the ready cases at random), or lost:
-				// the caller reconnects (and reports the listener down meanwhile).
-				if ctx.Err() != nil {
-					return nil
-				}
-				return fmt.Errorf("listener connection on %q lost: %w", channel, redactErr(err, dsn))
-			case _, ok := <-l.NotificationChannel():
-				if !ok {
-					return nil
-				}
-				wake()
-			case <-time.After(90 * time.Second):
-				// Check the connection now and then, so that a dead one is noticed and replaced.
-				t := time.AfterFunc(pingTimeout, d.close)
-				err := l.Ping()
-				t.Stop()
-				if err != nil {
-					if ctx.Err() != nil {
-						return nil
-					}
-					return fmt.Errorf("listener connection on %q: ping: %w", channel, redactErr(err, dsn))
-				}
+			}
+			wake()
+		case <-time.After(90 * time.Second):
+			// Check the connection now and then, so that a dead one is noticed and replaced.
+			t := time.AfterFunc(pingTimeout, d.close)
+			err := l.Ping()
+			t.Stop()
+			if err != nil {
+				return fmt.Errorf("listener connection on %q: ping: %w", channel, redactErr(err, dsn))
 			}
 		}
 	}
