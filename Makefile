@@ -25,11 +25,7 @@ GO ?= go
 # and so is the code in these package comments (what go doc and pkg.go.dev show first).
 DOC_COMMENTS := doc.go console/console.go drivers/outboxpgx/outboxpgx.go drivers/mysql/doc.go drivers/sqlite/doc.go outboxtest/outboxtest.go
 
-# The steps run strictly in this order (also under make -j), but for the pgx form's tests, which
-# run beside the MySQL driver's, the example's and the end-to-end tests (scripts/beside.sh): the
-# pgx form's fault campaign leaves the two cores mostly idle for its eleven minutes, and the three
-# others take about as long. The root module's tests are not run beside anything: they keep both
-# cores busy (load average 8-12) for their fifteen minutes.
+# The steps run strictly in this order (also under make -j).
 test:
 	@$(MAKE) --no-print-directory fmt-check
 	@$(MAKE) --no-print-directory alerts-test
@@ -45,10 +41,10 @@ test:
 	GO=$(GO) ./scripts/release.sh --dry-run v0.99.0-dryrun
 	$(GO) run ./internal/cmd/docsnippets README.md docs/*.md $(DOC_COMMENTS)
 	$(GO) test -race -count=1 -timeout 20m ./...
-	./scripts/beside.sh "cd drivers/outboxpgx && $(GO) test -race -count=1 -timeout 15m ./..." \
-		"cd drivers/mysql && $(GO) test -race -count=1 -timeout 10m ./..." \
-		"cd examples/order-processing && $(GO) test -race -count=1 -timeout 10m ./..." \
-		"$(MAKE) --no-print-directory e2e E2E_FLAGS="
+	cd drivers/outboxpgx && $(GO) test -race -count=1 -timeout 15m ./...
+	cd drivers/mysql && $(GO) test -race -count=1 -timeout 10m ./...
+	cd examples/order-processing && $(GO) test -race -count=1 -timeout 10m ./...
+	@$(MAKE) --no-print-directory e2e E2E_FLAGS=
 	@$(MAKE) --no-print-directory test-oldest
 
 # The go directive says 1.25: build and vet every module, and run the library's tests, with the
