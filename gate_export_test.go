@@ -70,3 +70,7 @@ func SuspectStall(ob *Outbox, probe func(context.Context) error) {
 	ob.gate.probe = probe
 	ob.gate.suspect(errors.New("a connection had no answer (test)"))
 }
+
+// MarksWrittenAlone returns how many batches of marks ob's marker wrote in statements of their
+// own, not riding on a unit of work.
+func MarksWrittenAlone(ob *Outbox) int64 { return ob.marks.alone.Load() }

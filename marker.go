@@ -48,6 +48,10 @@ type marker struct {
 	lastClaim atomic.Int64
 	hurry     int
 	nudge     chan struct{}
+
+	// alone counts the batches the worker wrote in statements of their own (not riding), for
+	// the tests: a mark that rides costs no transaction of its own.
+	alone atomic.Int64
 }
 
 func newMarker(o *Outbox) *marker {
@@ -387,6 +391,7 @@ func (m *marker) work() {
 		}
 		m.mu.Unlock()
 		// Everything queued while the previous batch was written goes in one statement.
+		m.alone.Add(1)
 		ok := m.write(batch)
 		m.mu.Lock()
 		if ok {
