@@ -158,13 +158,15 @@ type Set struct {
 	cfg     Config
 	refused atomic.Int64
 
-	mu      sync.RWMutex
-	members map[string]*member
-	runCtx  context.Context          // set while Run runs
-	eng     *engine.Engine           // the scheduler of every member's background work, while Run runs
-	stats   *engine.Budget           // the members' statistics samples on eng; nil: none
-	pools   map[*sql.DB]*engine.Pool // the members' database/sql pools on eng, while Run runs
-	runWG   sync.WaitGroup           // the members' background work started by start
+	mu       sync.RWMutex
+	members  map[string]*member
+	removing map[*member]struct{}     // members taken out by a Remove still under way
+	runCtx   context.Context          // set while Run runs
+	runDone  chan struct{}            // closed when the Run under way (running or stopping) returns; nil: none
+	eng      *engine.Engine           // the scheduler of every member's background work, while Run runs
+	stats    *engine.Budget           // the members' statistics samples on eng; nil: none
+	pools    map[*sql.DB]*engine.Pool // the members' database/sql pools on eng, while Run runs
+	runWG    sync.WaitGroup           // the members' background work started by start
 }
 
 // member is one Outbox of the Set, with its units in flight and its background work.
@@ -176,7 +178,7 @@ type member struct {
 	active  int           // units in flight
 	removed bool          // no new units
 	drained chan struct{} // closed once removed and no unit is in flight
-	stopRun func() error  // stops the background work; nil while not running
+	bg      *background   // the background work start started; nil while not running
 	wrapped map[*wrapper]message.HandlerFunc
 }
 
@@ -215,7 +217,7 @@ func New(cfg Config) (*Set, error) {
 	if cfg.StatsEvery == 0 {
 		cfg.StatsEvery = DefaultStatsEvery
 	}
-	return &Set{cfg: cfg, members: map[string]*member{}}, nil
+	return &Set{cfg: cfg, members: map[string]*member{}, removing: map[*member]struct{}{}}, nil
 }
 
 // Add adds ob under name. While Run runs, the member's background work starts at once. The Set
@@ -231,6 +233,18 @@ func (s *Set) Add(name string, ob *outbox.Outbox) error {
 	defer s.mu.Unlock()
 	if _, ok := s.members[name]; ok {
 		return fmt.Errorf("%w: %q", ErrMemberExists, name)
+	}
+	// An Outbox runs one background life: two would stop each other's timers, and a metric
+	// carries one member name.
+	for other, o := range s.members {
+		if o.ob == ob {
+			return fmt.Errorf("tenant: member %q: its Outbox is member %q already", name, other)
+		}
+	}
+	for o := range s.removing {
+		if o.ob == ob {
+			return fmt.Errorf("tenant: member %q: its Outbox is member %q, which a Remove under way is stopping: add it once that returned", name, o.name)
+		}
 	}
 	m := &member{name: name, ob: ob, drained: make(chan struct{}), wrapped: map[*wrapper]message.HandlerFunc{}}
 	s.members[name] = m
@@ -252,11 +266,30 @@ func (s *Set) Remove(ctx context.Context, name string) error {
 	}
 	s.mu.Lock()
 	m, ok := s.members[name]
-	delete(s.members, name)
+	if ok {
+		// Still the Set's to stop until Remove returns: Run's shutdown stops it too, rather than
+		// wait for this Remove's drain, which only its ctx bounds.
+		delete(s.members, name)
+		s.removing[m] = struct{}{}
+	}
+	removing := false
+	if !ok {
+		for o := range s.removing {
+			removing = removing || o.name == name
+		}
+	}
 	s.mu.Unlock()
+	if removing {
+		return fmt.Errorf("%w: %q: another Remove of it is under way, and its background work stops when that returns", ErrUnknownMember, name)
+	}
 	if !ok {
 		return fmt.Errorf("%w: %q", ErrUnknownMember, name)
 	}
+	defer func() {
+		s.mu.Lock()
+		delete(s.removing, m)
+		s.mu.Unlock()
+	}()
 	m.mu.Lock()
 	m.removed = true
 	if m.active == 0 {
@@ -361,12 +394,25 @@ func (m *member) leave() {
 // time; a member's listener, when its driver has a ListenDSN, is a goroutine and a connection of
 // its own. It returns once every member's background work returned and its marks were written,
 // or, for a member whose background call ignores its context, once its ShutdownTimeout passed:
-// then with an error that names the member and what it waited for. One Run at a time. It returns an error at once when the Unresolved member is not in the Set.
+// then with an error that names the member and what it waited for. One Run at a time: a Run
+// called while another runs returns an error at once, and one called while the last is still
+// stopping its members (a supervisor that restarts it) starts once that one returned, or returns
+// when ctx ends first. It returns an error at once when the Unresolved member is not in the Set.
 func (s *Set) Run(ctx context.Context) error {
 	s.mu.Lock()
-	if s.runCtx != nil {
+	for s.runDone != nil {
+		if s.runCtx != nil {
+			s.mu.Unlock()
+			return errors.New("tenant: the Set runs already")
+		}
+		last := s.runDone
 		s.mu.Unlock()
-		return errors.New("tenant: the Set runs already")
+		select {
+		case <-last:
+		case <-ctx.Done():
+			return fmt.Errorf("tenant: run: waiting for the last Run to stop the members' background work: %w", ctx.Err())
+		}
+		s.mu.Lock()
 	}
 	if u := s.cfg.Unresolved; u != "" && s.members[u] == nil {
 		s.mu.Unlock()
@@ -379,6 +425,14 @@ func (s *Set) Run(ctx context.Context) error {
 		return fmt.Errorf("tenant: run: %w", err)
 	}
 	s.runCtx, s.eng, s.stats, s.pools = ctx, eng, nil, map[*sql.DB]*engine.Pool{}
+	done := make(chan struct{})
+	s.runDone = done
+	defer func() {
+		s.mu.Lock()
+		s.runDone = nil
+		s.mu.Unlock()
+		close(done)
+	}()
 	if s.cfg.StatsEvery > 0 {
 		s.stats = &engine.Budget{Every: s.cfg.StatsEvery, MaxGap: engine.StatsMaxGap}
 	}
@@ -389,13 +443,17 @@ func (s *Set) Run(ctx context.Context) error {
 	<-ctx.Done()
 	s.mu.Lock()
 	s.runCtx, s.eng, s.stats, s.pools = nil, nil, nil, nil
-	running := make([]*member, 0, len(s.members))
+	running := make([]*member, 0, len(s.members)+len(s.removing))
 	for _, m := range s.members {
+		running = append(running, m)
+	}
+	for m := range s.removing {
 		running = append(running, m)
 	}
 	s.mu.Unlock()
 	// The runs see ctx end and return; each member then writes its marks. A member being
-	// removed meanwhile is stopped by Remove, which runWG waits for.
+	// removed is stopped here as well (its Remove, waiting for its units, waits for this stop
+	// too when it gets there): its units in flight are not waited for.
 	// At once, not one after another: a member whose background call ignores its context holds
 	// its own stop for its ShutdownTimeout, not every member's after it.
 	var (
@@ -448,28 +506,42 @@ func (s *Set) start(ctx context.Context, m *member) {
 	}
 	s.runWG.Add(1)
 	m.mu.Lock()
-	m.stopRun = func() error {
+	m.bg = &background{leave: func() error {
 		defer s.runWG.Done()
 		err := leave()
 		if err != nil {
 			s.cfg.Logger.Error("tenant: stopping the background work of a member failed", err, watermill.LogFields{"member": m.name})
 		}
 		return err
-	}
+	}}
 	m.mu.Unlock()
 }
 
+// background is a member's background work on the engine (start), stopped once however many
+// stop it.
+type background struct {
+	once  sync.Once
+	leave func() error
+	err   error
+}
+
 // stop stops m's background work, if it runs, and waits for it to return, up to the member's
-// ShutdownTimeout.
+// ShutdownTimeout. Called by Run's shutdown and by Remove at once, both wait for the one stop
+// and get its error: neither returns while the work still runs.
 func (s *Set) stop(m *member) error {
 	m.mu.Lock()
-	stop := m.stopRun
-	m.stopRun = nil
+	b := m.bg
 	m.mu.Unlock()
-	if stop != nil {
-		return stop()
+	if b == nil {
+		return nil
 	}
-	return nil
+	b.once.Do(func() { b.err = b.leave() })
+	m.mu.Lock()
+	if m.bg == b {
+		m.bg = nil
+	}
+	m.mu.Unlock()
+	return b.err
 }
 
 // validName accepts the names that read well in logs, metrics and health reports.

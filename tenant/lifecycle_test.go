@@ -1,0 +1,209 @@
+package tenant_test
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/watermill-outbox/outbox"
+	"github.com/watermill-outbox/outbox/drivers/postgres"
+	"github.com/watermill-outbox/outbox/internal/pgtest"
+	"github.com/watermill-outbox/outbox/internal/silent"
+	"github.com/watermill-outbox/outbox/middleware"
+	"github.com/watermill-outbox/outbox/tenant"
+)
+
+// relayRuns tells whether ob's Health reports its relay running.
+func relayRuns(ob *outbox.Outbox) bool {
+	for _, ck := range ob.Health(context.Background()).Checks {
+		if ck.Name == outbox.CheckRelay {
+			return ck.OK
+		}
+	}
+	return false
+}
+
+// stalledMember returns an Outbox on a server that accepts connections and never answers, whose
+// background work therefore holds its stop for its ShutdownTimeout (2 s).
+func stalledMember(t *testing.T, srv *silent.Server, w *wire) *outbox.Outbox {
+	t.Helper()
+	db, err := sql.Open("postgres", srv.DSN())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = db.Close() })
+	ob, err := outbox.New(outbox.Config{DB: db, Driver: postgres.Driver{}, Publisher: w, TablePrefix: "stalled_",
+		ShutdownTimeout: 2 * time.Second, StatsInterval: -1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return ob
+}
+
+// waitRun waits up to 20 s for a Run to return.
+func waitRun(t *testing.T, done <-chan error, what string) error {
+	t.Helper()
+	select {
+	case err := <-done:
+		return err
+	case <-time.After(20 * time.Second):
+		t.Fatalf("%s did not return within 20 s", what)
+		return nil
+	}
+}
+
+// A supervisor that runs the Set again as soon as it cancelled it gets a second Run that starts
+// once the first returned, and runs every member's background work until its own ctx ends. The
+// first Run is held in its shutdown by a member whose database does not answer (its
+// ShutdownTimeout, 2 s). Before, the second Run started its members while the first was still
+// stopping them: the first then stopped the second's background work of the members it had not
+// stopped yet, lost its own, and waited for ever.
+func TestSetRunAgainWhileTheLastStops(t *testing.T) {
+	srv, err := silent.Start()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = srv.Close() })
+	w := newWire()
+	a := newMember(t, pgtest.DB(t), "", w)
+	set := newSet(t, tenant.Config{Unresolved: "unrouted"}, map[string]*outbox.Outbox{
+		"unrouted": newMember(t, pgtest.DB(t), "", w), "a": a, "stalled": stalledMember(t, srv, w)})
+
+	ctx1, cancel1 := context.WithCancel(context.Background())
+	defer cancel1()
+	done1 := make(chan error, 1)
+	go func() { done1 <- set.Run(ctx1) }()
+	if !srv.WaitConns(1, 30*time.Second) {
+		t.Fatal("the stalled member's background work never connected")
+	}
+	eventually(t, "a's relay runs", func() bool { return relayRuns(a) })
+	cancel1()
+	time.Sleep(300 * time.Millisecond) // the first Run is in its shutdown, held by the stalled member
+	// A Run that waits for the last one's shutdown ends with its own ctx.
+	short, cancelShort := context.WithTimeout(context.Background(), 200*time.Millisecond)
+	defer cancelShort()
+	if err := set.Run(short); !errors.Is(err, context.DeadlineExceeded) || !strings.Contains(err.Error(), "last Run") {
+		t.Errorf("a Run whose ctx ends while the last one stops = %v, want its ctx's error naming the wait", err)
+	}
+
+	ctx2, cancel2 := context.WithCancel(context.Background())
+	defer cancel2()
+	done2 := make(chan error, 1)
+	go func() { done2 <- set.Run(ctx2) }()
+	if err := waitRun(t, done1, "the first Run, a second one called during its shutdown,"); err == nil || !strings.Contains(err.Error(), `member "stalled"`) {
+		t.Errorf("the first Run = %v, want the error of the stalled member's stop", err)
+	}
+	eventually(t, "a's relay runs under the second Run", func() bool { return relayRuns(a) })
+	select {
+	case err := <-done2:
+		t.Fatalf("the second Run returned before its context ended: %v", err)
+	case <-time.After(300 * time.Millisecond):
+	}
+	if !relayRuns(a) {
+		t.Error("a's relay stopped while the second Run runs")
+	}
+	if err := set.Run(ctx2); err == nil || !strings.Contains(err.Error(), "runs already") {
+		t.Errorf("a Run beside a running one = %v, want an error at once", err)
+	}
+	cancel2()
+	if err := waitRun(t, done2, "the second Run"); err == nil || !strings.Contains(err.Error(), `member "stalled"`) {
+		t.Errorf("the second Run = %v, want the error of the stalled member's stop", err)
+	}
+	if relayRuns(a) {
+		t.Error("a's relay still runs after both Runs returned")
+	}
+
+}
+
+// Run's shutdown stops the background work of a member that a Remove is taking out, and does not
+// wait for that Remove, which waits for the member's unit in flight for as long as its own ctx
+// lets it (here: none). Before, Run waited for the Remove, so for the unit: for ever, if it
+// never ends. The unit ends later, and the Remove returns once it has.
+func TestSetRunStopsAMemberBeingRemoved(t *testing.T) {
+	w := newWire()
+	a := newMember(t, pgtest.DB(t), "", w)
+	set := newSet(t, tenant.Config{}, map[string]*outbox.Outbox{"a": a, "b": newMember(t, pgtest.DB(t), "", w)})
+	sh := newShop(func(string) string { return "orders" })
+	release := make(chan struct{})
+	sh.hold["a-slow"] = release
+	h := set.WrapConsumer(sh.handle, middleware.WithConsumer("shop"))
+
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	runDone := make(chan error, 1)
+	go func() { runDone <- set.Run(ctx) }()
+	eventually(t, "a's relay runs", func() bool { return relayRuns(a) })
+	handled := make(chan error, 1)
+	go func() { handled <- h(tenantMsg("a-slow", "a")) }()
+	eventually(t, "a-slow's handler runs", func() bool { return sh.runsOf("a-slow") == 1 })
+	removed := make(chan error, 1)
+	go func() { removed <- set.Remove(context.Background(), "a") }()
+	eventually(t, "a is out of the Set", func() bool { return len(set.Members()) == 1 })
+
+	cancel()
+	if err := waitRun(t, runDone, "Run, with a member's Remove waiting for its unit in flight,"); err != nil {
+		t.Errorf("Run = %v", err)
+	}
+	if relayRuns(a) {
+		t.Error("the background work of the member being removed still runs after Run returned")
+	}
+	select {
+	case err := <-removed:
+		t.Fatalf("Remove returned (%v) while the member's unit was in flight", err)
+	default:
+	}
+	close(release)
+	if err := <-handled; err != nil {
+		t.Errorf("the unit in flight: %v", err)
+	}
+	select {
+	case err := <-removed:
+		if err != nil {
+			t.Errorf("Remove = %v", err)
+		}
+	case <-time.After(20 * time.Second):
+		t.Fatal("Remove did not return after the unit ended")
+	}
+	checkTenant(t, a.Config().DB, "orders", "a", []string{"a-slow"}, sh, w)
+}
+
+// An Outbox runs one background life: the Set refuses it under a second name, and under any name
+// while a Remove is still stopping it. Two lives of one Outbox stopped each other's delayed-effect
+// timer, and its metrics carry one member name.
+func TestSetAddRefusesAnOutboxTwice(t *testing.T) {
+	w := newWire()
+	a := newMember(t, pgtest.DB(t), "", w)
+	set := newSet(t, tenant.Config{}, map[string]*outbox.Outbox{"a": a})
+	if err := set.Add("a2", a); err == nil || !strings.Contains(err.Error(), `member "a"`) {
+		t.Errorf("Add of a member's Outbox under a second name = %v, want an error naming the member", err)
+	}
+	sh := newShop(func(string) string { return "orders" })
+	release := make(chan struct{})
+	sh.hold["a-slow"] = release
+	h := set.WrapConsumer(sh.handle, middleware.WithConsumer("shop"))
+	handled := make(chan error, 1)
+	go func() { handled <- h(tenantMsg("a-slow", "a")) }()
+	eventually(t, "a-slow's handler runs", func() bool { return sh.runsOf("a-slow") == 1 })
+	removed := make(chan error, 1)
+	go func() { removed <- set.Remove(context.Background(), "a") }()
+	eventually(t, "a is out of the Set", func() bool { return len(set.Members()) == 0 })
+	if err := set.Add("a", a); err == nil || !strings.Contains(err.Error(), "Remove") {
+		t.Errorf("Add of an Outbox that a Remove under way stops = %v, want an error", err)
+	}
+	if err := set.Remove(context.Background(), "a"); !errors.Is(err, tenant.ErrUnknownMember) || !strings.Contains(err.Error(), "under way") {
+		t.Errorf("a second Remove while the first is under way = %v, want ErrUnknownMember saying so", err)
+	}
+	close(release)
+	if err := <-handled; err != nil {
+		t.Fatal(err)
+	}
+	if err := <-removed; err != nil {
+		t.Fatal(err)
+	}
+	if err := set.Add("a", a); err != nil {
+		t.Errorf("Add once the Remove returned = %v", err)
+	}
+}
