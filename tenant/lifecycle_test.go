@@ -8,6 +8,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ThreeDotsLabs/watermill/message"
+
 	"github.com/watermill-outbox/outbox"
 	"github.com/watermill-outbox/outbox/drivers/postgres"
 	"github.com/watermill-outbox/outbox/internal/pgtest"
@@ -205,5 +207,43 @@ func TestSetAddRefusesAnOutboxTwice(t *testing.T) {
 	}
 	if err := set.Add("a", a); err != nil {
 		t.Errorf("Add once the Remove returned = %v", err)
+	}
+}
+
+// The Unresolved member keeps what it refuses under each message's UUID, not under the ID the
+// middleware's options read: with middleware.WithMessageID reading a tenant's own key, messages
+// of two unknown tenants that share a key are two dead letters. Before, the second was taken for
+// a copy of the first and acked without one: lost. A copy of either (its UUID) still finds it.
+func TestSetUnresolvedKeepsTenantsKeysApart(t *testing.T) {
+	w := newWire()
+	unrouted := newMember(t, pgtest.DB(t), "", w)
+	set := newSet(t, tenant.Config{Unresolved: "unrouted"}, map[string]*outbox.Outbox{
+		"a": newMember(t, pgtest.DB(t), "", w), "unrouted": unrouted})
+	sh := newShop(func(string) string { return "orders" })
+	byKey := middleware.WithMessageID(func(msg *message.Message) (string, error) { return msg.Metadata.Get("order"), nil })
+	h := set.WrapConsumer(sh.handle, middleware.WithConsumer("shop"), byKey)
+	msg := func(uuid, tn string) *message.Message {
+		m := tenantMsg(uuid, tn)
+		m.Metadata.Set("order", "42")
+		return m
+	}
+	for _, m := range []*message.Message{msg("zz-42", "zz"), msg("yy-42", "yy"), msg("zz-42", "zz")} {
+		if err := h(m); err != nil {
+			t.Fatalf("refusing %s: %v", m.UUID, err)
+		}
+	}
+	dls, err := unrouted.DeadLetters(context.Background(), outbox.DeadLetterFilter{Consumer: "shop"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := map[string]string{}
+	for _, dl := range dls {
+		got[dl.MessageID] = dl.Metadata["tenant"]
+	}
+	if len(dls) != 2 || got["zz-42"] != "zz" || got["yy-42"] != "yy" {
+		t.Errorf("the Unresolved member holds %d dead letters (message ID -> tenant: %v), want zz-42 and yy-42", len(dls), got)
+	}
+	if n := set.Refused(); n != 3 {
+		t.Errorf("Refused() = %d, want 3", n)
 	}
 }

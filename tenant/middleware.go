@@ -2,6 +2,7 @@ package tenant
 
 import (
 	"context"
+	"errors"
 	"fmt"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -47,7 +48,7 @@ func (sm *setMiddleware) wrap(next message.HandlerFunc) message.HandlerFunc {
 	w.refuse = append(append([]middleware.Option(nil), sm.opts...), middleware.WithRefusal(func(msg *message.Message) error {
 		err, _ := msg.Context().Value(refusalKey{}).(error)
 		return err
-	}))
+	}), middleware.WithMessageID(refusedID))
 	return func(msg *message.Message) ([]*message.Message, error) {
 		name, err := s.resolve(msg)
 		var m *member
@@ -70,6 +71,20 @@ func (sm *setMiddleware) wrap(next message.HandlerFunc) message.HandlerFunc {
 		defer msg.SetContext(parent)
 		return m.handler(w)(msg)
 	}
+}
+
+// refusedID is the ID under which the Unresolved member keeps a message the Set refused: the UUID
+// that every redelivery of it carries, not the ID the options read (middleware.WithMessageID).
+// That one may be a key of its tenant's (an order number), which messages of two tenants share:
+// the Unresolved member holds the refusals of every tenant, and the second message refused under
+// a shared key was taken for a copy of the first and acked without a dead letter of its own. A
+// message without a UUID is kept under an ID derived from what each of its copies carries
+// (outbox.HandleParams.MessageIDErr).
+func refusedID(msg *message.Message) (string, error) {
+	if msg.UUID == "" {
+		return "", errors.New("the message has no UUID")
+	}
+	return msg.UUID, nil
 }
 
 // Wrap returns h run as one unit of work per message on the member the message resolves to
