@@ -247,3 +247,31 @@ func TestSetUnresolvedKeepsTenantsKeysApart(t *testing.T) {
 		t.Errorf("Refused() = %d, want 3", n)
 	}
 }
+
+// Health checks the members of one database/sql pool (a table prefix each) at most
+// Config.PoolConcurrent (2) at a time, so that it opens no connection beyond the pool's two idle
+// ones. Before, it checked every member at once: a connection each, closed again after.
+func TestSetHealthKeepsToThePool(t *testing.T) {
+	w := newWire()
+	db := pgtest.DB(t)
+	members := map[string]*outbox.Outbox{}
+	for i := range 12 {
+		name := string(rune('a' + i))
+		members[name] = newMember(t, db, name+"_", w)
+	}
+	set := newSet(t, tenant.Config{}, members)
+	before := db.Stats().MaxIdleClosed
+	r := set.Health(context.Background()) // unhealthy: no Run, no relay; the databases answer
+	ok := 0
+	for _, ck := range r.Checks {
+		if strings.HasSuffix(ck.Name, "/"+outbox.CheckDatabase) && ck.OK {
+			ok++
+		}
+	}
+	if ok != 12 {
+		t.Errorf("Health found %d of the 12 members' databases answering: %v", ok, r.Err())
+	}
+	if closed := db.Stats().MaxIdleClosed - before; closed != 0 {
+		t.Errorf("Health opened %d connections beyond the pool's idle ones (closed once it returned), want none", closed)
+	}
+}
