@@ -28,16 +28,17 @@ func relayRuns(ob *outbox.Outbox) bool {
 	return false
 }
 
-// stalledMember returns an Outbox on a server that accepts connections and never answers, whose
-// background work therefore holds its stop for its ShutdownTimeout (2 s).
-func stalledMember(t *testing.T, srv *silent.Server, w *wire) *outbox.Outbox {
+// stalledMember returns an Outbox (tables prefixed name_) on a pool of its own to srv, a server
+// that accepts connections and never answers: its background work holds its stop for its
+// ShutdownTimeout (2 s).
+func stalledMember(t *testing.T, srv *silent.Server, name string, w *wire) *outbox.Outbox {
 	t.Helper()
 	db, err := sql.Open("postgres", srv.DSN())
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = db.Close() })
-	ob, err := outbox.New(outbox.Config{DB: db, Driver: postgres.Driver{}, Publisher: w, TablePrefix: "stalled_",
+	ob, err := outbox.New(outbox.Config{DB: db, Driver: postgres.Driver{}, Publisher: w, TablePrefix: name + "_",
 		ShutdownTimeout: 2 * time.Second, StatsInterval: -1})
 	if err != nil {
 		t.Fatal(err)
@@ -72,7 +73,7 @@ func TestSetRunAgainWhileTheLastStops(t *testing.T) {
 	w := newWire()
 	a := newMember(t, pgtest.DB(t), "", w)
 	set := newSet(t, tenant.Config{Unresolved: "unrouted"}, map[string]*outbox.Outbox{
-		"unrouted": newMember(t, pgtest.DB(t), "", w), "a": a, "stalled": stalledMember(t, srv, w)})
+		"unrouted": newMember(t, pgtest.DB(t), "", w), "a": a, "stalled": stalledMember(t, srv, "stalled", w)})
 
 	ctx1, cancel1 := context.WithCancel(context.Background())
 	defer cancel1()

@@ -839,17 +839,7 @@ func TestSetRunShutdownIsBounded(t *testing.T) {
 	for _, name := range []string{"stalled", "stalled2"} {
 		// A pool each: members of one pool run at most PoolConcurrent (2) calls at once, and
 		// the two of one stalled pool could be both of one member's.
-		stalledDB, err := sql.Open("postgres", srv.DSN())
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { _ = stalledDB.Close() })
-		ob, err := outbox.New(outbox.Config{DB: stalledDB, Driver: postgres.Driver{}, Publisher: w, TablePrefix: name + "_",
-			ShutdownTimeout: 2 * time.Second, StatsInterval: -1})
-		if err != nil {
-			t.Fatal(err)
-		}
-		members[name] = ob
+		members[name] = stalledMember(t, srv, name, w)
 	}
 	set := newSet(t, tenant.Config{Unresolved: "unrouted"}, members)
 	ctx, cancel := context.WithCancel(context.Background())
