@@ -251,6 +251,7 @@ type Engine struct {
 	loopDone bool
 
 	runs, errs, panics, abandoned atomic.Int64
+	passes                        atomic.Uint64 // the scheduler's passes so far (for the tests)
 }
 
 type member struct {
@@ -513,6 +514,7 @@ func (e *Engine) loop(ctx context.Context) {
 	var pass uint64
 	for {
 		pass++
+		e.passes.Store(pass)
 		next := e.dispatch(pass)
 		d := time.Hour
 		if !next.IsZero() {
@@ -608,8 +610,11 @@ func (e *Engine) dispatch(pass uint64) time.Time {
 			case t.running:
 			case t.due.After(now):
 				later(t.due)
+			case m.Pool.full():
+				// Its gate was not asked this pass, and what it said last may be past: a run of
+				// the pool that ends pokes the scheduler.
 			case m.Gate != nil && !m.gateOK:
-				later(m.gateAgain)
+				later(m.gateAgain) // asked this pass: its pool had a free slot
 			default:
 				later(t.Budget.hold(t, now))
 			}

@@ -860,3 +860,48 @@ func TestAbandonedRunsKeepTheirPoolSlot(t *testing.T) {
 		return true
 	})
 }
+
+// A member whose gate is shut, in a pool whose slot another member's run holds, leaves the
+// scheduler asleep until that run ends: its gate is not asked while the pool is full, and what it
+// said when last asked (ask again in 30 ms) is not taken for a time to wake up at once, again and
+// again. Before, once that time had passed, the scheduler woke at once on every pass for as long
+// as the pool stayed full (a call abandoned in a stalled pool keeps its slot until it returns).
+func TestShutGateInAFullPoolLeavesTheSchedulerAsleep(t *testing.T) {
+	e := New(Config{MaxConcurrent: 4})
+	pool := &Pool{Max: 1}
+	release := make(chan struct{})
+	var held atomic.Bool
+	add(t, e, Member{Name: "busy", Pool: pool, Tasks: []Task{{Name: "relay", Every: time.Millisecond,
+		Run: func(context.Context) (Outcome, error) {
+			if held.CompareAndSwap(false, true) {
+				<-release // holds the pool's one slot
+			}
+			return Worked, nil
+		}}}})
+	gate := &fakeGate{}
+	var down counter
+	add(t, e, Member{Name: "down", Pool: pool, Gate: gate, Tasks: []Task{down.task("relay", time.Millisecond)}})
+	started(t, e)
+	defer func() {
+		if held.Load() {
+			select {
+			case <-release:
+			default:
+				close(release)
+			}
+		}
+	}()
+	waitFor(t, "the busy member to hold the pool's slot", held.Load)
+	time.Sleep(100 * time.Millisecond) // past the gate's "ask again in 30 ms"
+	before := e.passes.Load()
+	time.Sleep(300 * time.Millisecond)
+	if n := e.passes.Load() - before; n > 20 {
+		t.Errorf("the scheduler made %d passes in 300 ms while the pool was full and nothing could start, want a few", n)
+	}
+	if n := down.n.Load(); n != 0 {
+		t.Errorf("the member behind its shut gate ran %d times", n)
+	}
+	close(release)
+	gate.setOpen()
+	waitFor(t, "the member to run once its gate opened and the pool's slot was free", func() bool { return down.n.Load() > 0 })
+}
