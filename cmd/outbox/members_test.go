@@ -4,13 +4,16 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"fmt"
 	"net/url"
 	"os"
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/watermill-outbox/outbox/internal/pgtest"
+	"github.com/watermill-outbox/outbox/internal/silent"
 )
 
 // A service of several member databases (a tenant.Set) is inspected through one -members file:
@@ -123,4 +126,58 @@ func (f *fixture) parkedCount(t *testing.T) int {
 		t.Fatal(err)
 	}
 	return n
+}
+
+// status of all members returns within -timeout whatever a member does: nine members whose
+// server accepts connections and never answers (lib/pq does not watch the context while it
+// connects) are reported, by name, as not answering (silent0-7: eight at a time, the one that
+// answers, first in the file, done at once) or not read (silent8, whose turn never came), and the
+// member that answers is shown. Before,
+// the members were read one after another and the command waited for ever on the first silent
+// one, printing nothing.
+func TestMembersStatusWithSilentMembers(t *testing.T) {
+	acme := newFixture(t)
+	srv, err := silent.Start()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = srv.Close() })
+	content := "acme " + acme.dsn + "\n"
+	for i := range 9 {
+		content += fmt.Sprintf("silent%d %s\n", i, srv.DSN())
+	}
+	file := filepath.Join(t.TempDir(), "members")
+	if err := os.WriteFile(file, []byte(content), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	type result struct {
+		code        int
+		out, errOut string
+	}
+	done := make(chan result, 1)
+	began := time.Now()
+	go func() {
+		var out, errOut bytes.Buffer
+		code := run(context.Background(), []string{"-members", file, "-timeout", "5s", "status"}, &out, &errOut, func(string) string { return "" })
+		done <- result{code, out.String(), errOut.String()}
+	}()
+	select {
+	case r := <-done:
+		took := time.Since(began)
+		if took > 8*time.Second {
+			t.Errorf("status took %v with -timeout 5s", took.Round(time.Millisecond))
+		}
+		if r.code != 1 || !strings.Contains(r.errOut, "9 of 10 members could not be read") {
+			t.Errorf("exit %d, stderr %q: want 1 and the silent members counted", r.code, r.errOut)
+		}
+		flat := strings.Join(strings.Fields(r.out), " ")
+		for _, want := range []string{"== member acme", "parked 2", "== member silent0 error no answer within -timeout (5s)",
+			"== member silent7 error no answer within -timeout (5s)", "== member silent8 error not read within -timeout (5s)"} {
+			if !strings.Contains(flat, want) {
+				t.Errorf("status lacks %q:\n%s", want, r.out)
+			}
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("status of members, nine of them silent, did not return within 30 s with -timeout 5s")
+	}
 }

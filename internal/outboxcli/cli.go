@@ -669,31 +669,90 @@ type memberStatus struct {
 	Error  string      `json:"error,omitempty"`
 }
 
-// statusOfMembers shows the status of every member of -members, one after the other, each
-// within -timeout: a member that cannot be read is reported as such (exit status 1), and the
-// others are shown all the same.
+// membersAtOnce bounds the members that status reads at once.
+const membersAtOnce = 8
+
+// statusOfMembers shows the status of every member of -members, read side by side
+// (membersAtOnce at a time) within -timeout for them all: a member that cannot be read, or has
+// not answered by then, is reported as such (exit status 1), and the others are shown all the
+// same. A read that has not answered is not waited for: a driver may not watch the context while
+// it connects (lib/pq, to a server that accepts and never answers, without connect_timeout), and
+// the command is for the incidents where a member is in that state.
 func statusOfMembers(ctx context.Context, g *globals, retention time.Duration, out printer) error {
-	all := make([]memberStatus, 0, len(g.members))
-	failed := 0
-	for _, m := range g.members {
-		ms := memberStatus{Member: m.name}
-		s, err := func() (*ops.Status, error) {
-			mg := *g
-			mg.dsn, mg.sqlDB, mg.cancel = m.dsn, nil, nil
-			defer mg.close()
-			ctx, o, err := mg.connect(ctx)
-			if err != nil {
-				return nil, err
-			}
-			return statusOf(ctx, o, retention)
-		}()
-		if err != nil {
-			failed++
-			ms.Error = clean(g.redact(err.Error()))
-		} else {
-			ms.Status = s
+	ctx, cancel := context.WithTimeout(ctx, g.timeout)
+	defer cancel()
+	all := make([]memberStatus, len(g.members))
+	began := make([]bool, len(g.members))
+	type read struct {
+		i  int
+		ms memberStatus
+	}
+	reads := make(chan read, len(g.members)) // buffered for all: a read that outlives the command ends without a reader
+	// The members take their turns in the file's order.
+	sem := make(chan struct{}, membersAtOnce)
+	for i, m := range g.members {
+		all[i] = memberStatus{Member: m.name}
+	}
+	started := 0
+spawn:
+	for i, m := range g.members {
+		select {
+		case sem <- struct{}{}:
+		case <-ctx.Done():
+			break spawn
 		}
-		all = append(all, ms)
+		began[i] = true
+		started++
+		go func() {
+			defer func() { <-sem }()
+			ms := memberStatus{Member: m.name}
+			s, err := func() (*ops.Status, error) {
+				mg := *g
+				mg.dsn, mg.sqlDB, mg.cancel = m.dsn, nil, nil
+				defer mg.close()
+				ctx, o, err := mg.connect(ctx)
+				if err != nil {
+					return nil, err
+				}
+				return statusOf(ctx, o, retention)
+			}()
+			if err != nil {
+				ms.Error = clean(g.redact(err.Error()))
+			} else {
+				ms.Status = s
+			}
+			reads <- read{i, ms}
+		}()
+	}
+	got := make([]bool, len(g.members))
+	take := func(r read) { all[r.i], got[r.i] = r.ms, true }
+wait:
+	for n := 0; n < started; n++ {
+		select {
+		case r := <-reads:
+			take(r)
+		case <-ctx.Done():
+			for { // what arrived by the deadline counts (the turns of the last members ran into it)
+				select {
+				case r := <-reads:
+					take(r)
+				default:
+					break wait
+				}
+			}
+		}
+	}
+	failed := 0
+	for i := range all {
+		switch {
+		case !got[i] && began[i]:
+			all[i].Error = fmt.Sprintf("no answer within -timeout (%v): connecting to it or reading it did not return", g.timeout)
+		case !got[i]:
+			all[i].Error = fmt.Sprintf("not read within -timeout (%v): its turn did not come, behind %d members that did not answer", g.timeout, membersAtOnce)
+		}
+		if all[i].Status == nil {
+			failed++
+		}
 	}
 	if err := out.emit(all, func(w *tabwriter.Writer) {
 		for i, ms := range all {
