@@ -47,6 +47,7 @@ import (
 	"unicode/utf8"
 
 	"github.com/watermill-outbox/outbox/drivers/postgres"
+	"github.com/watermill-outbox/outbox/internal/fanout"
 	"github.com/watermill-outbox/outbox/ops"
 	"github.com/watermill-outbox/outbox/outboxdriver"
 	"github.com/watermill-outbox/outbox/store"
@@ -669,87 +670,55 @@ type memberStatus struct {
 	Error  string      `json:"error,omitempty"`
 }
 
-// membersAtOnce bounds the members that status reads at once.
-const membersAtOnce = 8
+// membersAtOnce bounds the members that status reads at once, and memberTurn how long a member
+// keeps its turn before the next one begins beside it.
+const (
+	membersAtOnce = 8
+	memberTurn    = time.Second
+)
 
 // statusOfMembers shows the status of every member of -members, read side by side
-// (membersAtOnce at a time) within -timeout for them all: a member that cannot be read, or has
-// not answered by then, is reported as such (exit status 1), and the others are shown all the
-// same. A read that has not answered is not waited for: a driver may not watch the context while
-// it connects (lib/pq, to a server that accepts and never answers, without connect_timeout), and
-// the command is for the incidents where a member is in that state.
+// (membersAtOnce at a time, each holding its turn for memberTurn at most) within -timeout for
+// them all: a member that cannot be read, or has not answered by then, is reported as such (exit
+// status 1), and the others are shown all the same. A read that has not answered is not waited
+// for: a driver may not watch the context while it connects (lib/pq, to a server that accepts and
+// never answers, without connect_timeout), and the command is for the incidents where a member is
+// in that state.
 func statusOfMembers(ctx context.Context, g *globals, retention time.Duration, out printer) error {
 	ctx, cancel := context.WithTimeout(ctx, g.timeout)
 	defer cancel()
-	all := make([]memberStatus, len(g.members))
-	began := make([]bool, len(g.members))
-	type read struct {
-		i  int
-		ms memberStatus
-	}
-	reads := make(chan read, len(g.members)) // buffered for all: a read that outlives the command ends without a reader
-	// The members take their turns in the file's order.
-	sem := make(chan struct{}, membersAtOnce)
-	for i, m := range g.members {
-		all[i] = memberStatus{Member: m.name}
-	}
-	started := 0
-spawn:
-	for i, m := range g.members {
-		select {
-		case sem <- struct{}{}:
-		case <-ctx.Done():
-			break spawn
-		}
-		began[i] = true
-		started++
-		go func() {
-			defer func() { <-sem }()
-			ms := memberStatus{Member: m.name}
-			s, err := func() (*ops.Status, error) {
-				mg := *g
-				mg.dsn, mg.sqlDB, mg.cancel = m.dsn, nil, nil
-				defer mg.close()
-				ctx, o, err := mg.connect(ctx)
-				if err != nil {
-					return nil, err
-				}
-				return statusOf(ctx, o, retention)
-			}()
+	all, states := fanout.Each(ctx, len(g.members), membersAtOnce, memberTurn, func(ctx context.Context, i int) memberStatus {
+		m := g.members[i]
+		ms := memberStatus{Member: m.name}
+		s, err := func() (*ops.Status, error) {
+			mg := *g
+			mg.dsn, mg.sqlDB, mg.cancel = m.dsn, nil, nil
+			defer mg.close()
+			ctx, o, err := mg.connect(ctx)
 			if err != nil {
-				ms.Error = clean(g.redact(err.Error()))
-			} else {
-				ms.Status = s
+				return nil, err
 			}
-			reads <- read{i, ms}
+			return statusOf(ctx, o, retention)
 		}()
-	}
-	got := make([]bool, len(g.members))
-	take := func(r read) { all[r.i], got[r.i] = r.ms, true }
-wait:
-	for n := 0; n < started; n++ {
-		select {
-		case r := <-reads:
-			take(r)
-		case <-ctx.Done():
-			for { // what arrived by the deadline counts (the turns of the last members ran into it)
-				select {
-				case r := <-reads:
-					take(r)
-				default:
-					break wait
-				}
-			}
+		if err != nil {
+			ms.Error = clean(g.redact(err.Error()))
+		} else {
+			ms.Status = s
+		}
+		return ms
+	})
+	for i, m := range g.members {
+		all[i].Member = m.name
+		switch states[i] {
+		case fanout.Pending:
+			all[i].Error = fmt.Sprintf("no answer within -timeout (%v): connecting to it or reading it did not return", g.timeout)
+		case fanout.NotBegun:
+			all[i].Error = fmt.Sprintf("not read within -timeout (%v): its turn did not come (members are read %d at a time, a turn lasting up to %v)",
+				g.timeout, membersAtOnce, memberTurn)
 		}
 	}
 	failed := 0
 	for i := range all {
-		switch {
-		case !got[i] && began[i]:
-			all[i].Error = fmt.Sprintf("no answer within -timeout (%v): connecting to it or reading it did not return", g.timeout)
-		case !got[i]:
-			all[i].Error = fmt.Sprintf("not read within -timeout (%v): its turn did not come, behind %d members that did not answer", g.timeout, membersAtOnce)
-		}
 		if all[i].Status == nil {
 			failed++
 		}
