@@ -47,11 +47,13 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 	"unicode"
 	"unicode/utf8"
 
 	"github.com/watermill-outbox/outbox"
+	"github.com/watermill-outbox/outbox/internal/fanout"
 	"github.com/watermill-outbox/outbox/ops"
 	"github.com/watermill-outbox/outbox/outboxdriver"
 )
@@ -174,6 +176,20 @@ type console struct {
 	several bool
 	opt     Options
 	key     []byte // signs the CSRF tokens and the flash notices
+
+	// reading holds, by member name, the read of the page of members under way: a load of the
+	// page while it is takes its line rather than read the member again, so that a member whose
+	// database does not answer gets no second read, and every load of the page does not leave
+	// one more goroutine and connection attempt behind.
+	mu      sync.Mutex
+	reading map[string]*memberRead
+}
+
+// memberRead is a read of a member's line of the page of members; row is set when done closes.
+type memberRead struct {
+	began time.Time
+	done  chan struct{}
+	row   memberRow
 }
 
 // members is the list of members a request is served with: by name, and their names in order.
@@ -293,7 +309,7 @@ func newConsole(list func(ctx context.Context) ([]Member, error), several bool, 
 	if opt.PageSize <= 0 {
 		opt.PageSize = 50
 	}
-	c := &console{list: list, several: several, opt: opt, key: opt.Key}
+	c := &console{list: list, several: several, opt: opt, key: opt.Key, reading: map[string]*memberRead{}}
 	if c.key == nil {
 		c.key = make([]byte, 32)
 		if _, err := rand.Read(c.key); err != nil {
@@ -633,53 +649,96 @@ func (c *console) showMember(w http.ResponseWriter, r *http.Request, m *Member) 
 	c.render(w, v)
 }
 
-// membersAtOnce bounds the members the page of members reads at once.
-const membersAtOnce = 4
+// membersAtOnce bounds the members the page of members reads at once, and memberTurn how long a
+// member keeps its turn before the next one begins beside it.
+const (
+	membersAtOnce = 4
+	memberTurn    = time.Second
+)
 
 // showMembers serves the page of members: each one's sampled counts, relays and health, read a
 // few at a time within the request's Timeout, so that a member that is down or slow costs the
-// page no more than the Timeout and the others are shown whatever it does.
+// page no more than the Timeout and the others are shown whatever it does. A member that does
+// not answer keeps its turn for memberTurn at most: held until the read returned, four such
+// members took every turn, and the others were shown as not read during exactly the incidents
+// the page is for.
 func (c *console) showMembers(w http.ResponseWriter, r *http.Request) {
 	ctx, cancel := context.WithTimeout(r.Context(), c.opt.Timeout)
 	defer cancel()
 	ms := membersOf(r)
 	v := view{User: userOf(r), Several: true, Home: "./", ReadOnly: c.opt.Authorize == nil,
-		MembersPage: true, Members: make([]memberRow, len(ms.names))}
-	type read struct {
-		i   int
-		row memberRow
+		MembersPage: true}
+	rowOf := func(name string) memberRow {
+		return memberRow{Name: name, Link: template.URL("./" + memberQuery(ms.byName[name], nil)), Sampled: -1, Health: "unknown"}
 	}
-	// Buffered for every member: a read that outlives the page ends without a reader.
-	reads := make(chan read, len(ms.names))
-	sem := make(chan struct{}, membersAtOnce)
-	for i, name := range ms.names {
-		m := ms.byName[name]
-		row := memberRow{Name: name, Link: template.URL("./" + memberQuery(m, nil)), Sampled: -1,
-			Health: "unknown", Error: fmt.Sprintf("not read within the console's Timeout (%v)", c.opt.Timeout)}
-		v.Members[i] = row
-		go func() {
+	// The line of a member whose read has not returned by the deadline: this page's, or that of
+	// an earlier load still under way.
+	noAnswer := func(name string) memberRow {
+		row := rowOf(name)
+		row.Error = fmt.Sprintf("no answer within the console's Timeout (%v)", c.opt.Timeout)
+		if began := c.readBegan(name); !began.IsZero() && time.Since(began) > c.opt.Timeout {
+			row.Error += fmt.Sprintf(": a read of it began %v ago and has not returned", time.Since(began).Round(time.Second))
+		}
+		return row
+	}
+	rows, states := fanout.Each(ctx, len(ms.names), membersAtOnce, memberTurn, func(ctx context.Context, i int) memberRow {
+		name := ms.names[i]
+		rd, first := c.beginRead(name)
+		if !first {
 			select {
-			case sem <- struct{}{}:
-				c.readMember(ctx, m, &row)
-				<-sem
+			case <-rd.done:
+				return rd.row
 			case <-ctx.Done():
+				return noAnswer(name)
 			}
-			reads <- read{i, row}
-		}()
-	}
-	// Not past the deadline, even for a read that is still under way: a driver may not watch the
-	// context while it connects (lib/pq, to a server that accepts and never answers, without
-	// connect_timeout), and the page is for the incidents where a member is in that state.
-	for range ms.names {
-		select {
-		case rd := <-reads:
-			v.Members[rd.i] = rd.row
-		case <-ctx.Done():
-			c.render(w, v)
-			return
+		}
+		row := rowOf(name)
+		defer func() { c.endRead(name, rd, row) }()
+		c.readMember(ctx, ms.byName[name], &row)
+		return row
+	})
+	for i, name := range ms.names {
+		switch states[i] {
+		case fanout.Pending:
+			rows[i] = noAnswer(name)
+		case fanout.NotBegun:
+			rows[i] = rowOf(name)
+			rows[i].Error = fmt.Sprintf("not read within the console's Timeout (%v): its turn did not come", c.opt.Timeout)
 		}
 	}
+	v.Members = rows
 	c.render(w, v)
+}
+
+// beginRead returns the read of member name under way, or begins one (first).
+func (c *console) beginRead(name string) (rd *memberRead, first bool) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if rd := c.reading[name]; rd != nil {
+		return rd, false
+	}
+	rd = &memberRead{began: time.Now(), done: make(chan struct{})}
+	c.reading[name] = rd
+	return rd, true
+}
+
+// readBegan returns when the read of member name under way began (zero: none is).
+func (c *console) readBegan(name string) time.Time {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if rd := c.reading[name]; rd != nil {
+		return rd.began
+	}
+	return time.Time{}
+}
+
+// endRead ends rd, the read of member name, with row.
+func (c *console) endRead(name string, rd *memberRead, row memberRow) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	delete(c.reading, name)
+	rd.row = row
+	close(rd.done)
 }
 
 // readMember reads a member's line of the page of members.

@@ -2,7 +2,6 @@ package console_test
 
 import (
 	"context"
-	"database/sql"
 	"errors"
 	"fmt"
 	"io"
@@ -16,7 +15,6 @@ import (
 
 	"github.com/watermill-outbox/outbox"
 	"github.com/watermill-outbox/outbox/console"
-	"github.com/watermill-outbox/outbox/ops"
 	"github.com/watermill-outbox/outbox/tenant"
 )
 
@@ -122,15 +120,7 @@ func serveFunc(t *testing.T, members func(context.Context) ([]console.Member, er
 // names the member; an empty list is a page of members without any; a request that is not
 // authenticated does not call the function.
 func TestMembersFuncBadLists(t *testing.T) {
-	db, err := sql.Open("postgres", "postgres://u@127.0.0.1:1/x?sslmode=disable") // never reached
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = db.Close() })
-	o, err := ops.Open(db, "", "")
-	if err != nil {
-		t.Fatal(err)
-	}
+	o := opsAt(t, "postgres://u@127.0.0.1:1/x?sslmode=disable") // never reached
 	var (
 		mu    sync.Mutex
 		list  []console.Member

@@ -4,6 +4,7 @@ import (
 	"context"
 	"database/sql"
 	"errors"
+	"fmt"
 	"html"
 	"net"
 	"net/http"
@@ -17,6 +18,7 @@ import (
 
 	"github.com/watermill-outbox/outbox"
 	"github.com/watermill-outbox/outbox/console"
+	"github.com/watermill-outbox/outbox/internal/silent"
 	"github.com/watermill-outbox/outbox/ops"
 	"github.com/watermill-outbox/outbox/outboxdriver"
 )
@@ -26,6 +28,21 @@ func serveMembers(t *testing.T, members []console.Member, opt console.Options) *
 	t.Helper()
 	h, err := console.NewMembers(members, opt)
 	return serveHandler(t, h, err)
+}
+
+// opsAt is an ops.Ops on a pool of its own at dsn, closed when t ends.
+func opsAt(t *testing.T, dsn string) *ops.Ops {
+	t.Helper()
+	db, err := sql.Open("postgres", dsn)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = db.Close() })
+	o, err := ops.Open(db, "", "")
+	if err != nil {
+		t.Fatal(err)
+	}
+	return o
 }
 
 // memberLine is the line of member name on the page of members.
@@ -269,18 +286,7 @@ func TestMembersPageWithAMemberDown(t *testing.T) {
 			conn.Close()
 		}
 	})
-	openAt := func(addr string) *ops.Ops {
-		db, err := sql.Open("postgres", "postgres://u@"+addr+"/x?sslmode=disable")
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { _ = db.Close() })
-		o, err := ops.Open(db, "", "")
-		if err != nil {
-			t.Fatal(err)
-		}
-		return o
-	}
+	openAt := func(addr string) *ops.Ops { return opsAt(t, "postgres://u@"+addr+"/x?sslmode=disable") }
 	const timeout = time.Second
 	srv := serveMembers(t, []console.Member{
 		{Name: "refused", Ops: openAt(refusedAddr)}, {Name: "silent", Ops: openAt(silent.Addr().String())}, {Name: "up", Ops: up},
@@ -298,6 +304,60 @@ func TestMembersPageWithAMemberDown(t *testing.T) {
 			!strings.Contains(line, `class="error" colspan="7">The tables could not be read: `) {
 			t.Errorf("member %s: want why its tables could not be read:\n%s", name, line)
 		}
+	}
+}
+
+// TestMembersPageWithManySilentMembers: five members whose database accepts connections and never
+// answers, listed before one that is up. Each keeps its turn for a second at most, so the member
+// that is up is read and shown (the page reads four members at a time: when a read held its turn
+// until it returned, the four silent members that got the first turns took every turn until the
+// page's Timeout, and the others were "not read", the member that is up among them whenever the
+// scheduler gave it no early turn). A second load begins no second read of a silent member whose
+// first has not returned: it says so, and the server sees no new connection (each load left one
+// more goroutine and connection attempt per silent member behind: 4 more here).
+func TestMembersPageWithManySilentMembers(t *testing.T) {
+	up, _, _ := parkedBy(t, "billing")
+	srv, err := silent.Start()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = srv.Close() })
+	var members []console.Member
+	for i := range 5 {
+		members = append(members, console.Member{Name: fmt.Sprint("silent", i), Ops: opsAt(t, srv.DSN())})
+	}
+	members = append(members, console.Member{Name: "up", Ops: up})
+	const timeout = 3 * time.Second
+	page := serveMembers(t, members, console.Options{AllowUnauthenticated: true, Timeout: timeout})
+	load := func() string {
+		start := time.Now()
+		code, body := get(t, &http.Client{Timeout: 20 * timeout}, page.URL+"/outbox/")
+		if took := time.Since(start); took > 2*timeout {
+			t.Errorf("the page of members took %v with Timeout %v", took, timeout)
+		}
+		if code != http.StatusOK || !strings.Contains(memberLine(body, "up"), `class="n parked bad">1<`) {
+			t.Fatalf("page of members: %d, want 200 and the member that is up with its parked effect:\n%s", code, body)
+		}
+		return body
+	}
+	body := load()
+	for i := range 5 {
+		if line := memberLine(body, fmt.Sprint("silent", i)); !strings.Contains(line, "no answer within the console&#39;s Timeout (3s)") {
+			t.Errorf("silent%d: want no answer within the Timeout:\n%s", i, line)
+		}
+	}
+	before := srv.Conns()
+	if before != 5 {
+		t.Errorf("%d connections to the silent server after the first load, want 5", before)
+	}
+	body = load()
+	for i := range 5 {
+		if line := memberLine(body, fmt.Sprint("silent", i)); !strings.Contains(line, "a read of it began") || !strings.Contains(line, "has not returned") {
+			t.Errorf("silent%d on the second load: want the read still under way named:\n%s\n%s", i, line, body)
+		}
+	}
+	if n := srv.Conns(); n != before {
+		t.Errorf("the second load opened %d more connections to the silent server", n-before)
 	}
 }
 
