@@ -20,6 +20,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"runtime/debug"
 	"slices"
 	"strings"
 	"sync"
@@ -677,7 +678,12 @@ func (e *Engine) run(mctx context.Context, t *task, seq uint64, started time.Tim
 	if m.Name != "" {
 		fields["member"] = m.Name
 	}
-	if err != nil && ctx.Err() == nil {
+	// A run cut short by its deadline or its member's removal fails as it must, and says nothing
+	// new; a panic is a bug wherever it happens, and is logged with its stack.
+	var pe *panicError
+	if errors.As(err, &pe) {
+		m.logger.Error("outbox "+t.Name+" failed", err, fields.Add(watermill.LogFields{"stack": pe.stack}))
+	} else if err != nil && ctx.Err() == nil {
 		m.logger.Error("outbox "+t.Name+" failed", err, fields)
 	}
 	e.runs.Add(1)
@@ -760,7 +766,7 @@ func (e *Engine) call(ctx context.Context, t *task) (out Outcome, err error) {
 	defer func() {
 		r := recover()
 		if r != nil {
-			out, err = Worked, fmt.Errorf("panic: %v", r)
+			out, err = Worked, &panicError{value: r, stack: string(debug.Stack())}
 		}
 		if err != nil {
 			e.errs.Add(1)
@@ -771,6 +777,17 @@ func (e *Engine) call(ctx context.Context, t *task) (out Outcome, err error) {
 	}()
 	return t.Run(ctx)
 }
+
+// panicError is a task's panic, with the stack it was raised on.
+type panicError struct {
+	value any
+	stack string
+}
+
+// Error says what the panic carried. It does not unwrap: a panic is a bug in the task, never the
+// database's answer (the member's gate must not take a panic with a connection error for an
+// outage).
+func (p *panicError) Error() string { return fmt.Sprintf("panic: %v", p.value) }
 
 // Wakeup wakes a task at once, from outside the engine (an Outbox's commits wake its relay). It
 // may be woken before, while and after the task is on an engine; a wake with no task attached is

@@ -341,6 +341,30 @@ func TestPanicInATaskIsAnError(t *testing.T) {
 	if !logs.Contains("outbox stats sampling failed: panic: assignment to entry in nil map") {
 		t.Fatalf("the panic was not logged: %q", logs.Lines())
 	}
+	if stack := logs.Field("panic: assignment to entry in nil map", "stack"); !strings.Contains(stack, "engine_test.go") {
+		t.Errorf("the panic was logged without the stack it was raised on: %q", stack)
+	}
+}
+
+// A task that panics after its deadline passed (a call that outlived its bound, then crashed on
+// what it got back) is logged as any panic: only the error a run's end brings is left unsaid.
+// Before, a panic on that path was counted and never logged, and no stack was kept of any.
+func TestPanicPastTheDeadlineIsLogged(t *testing.T) {
+	logs := &logtest.Errors{}
+	e := New(Config{MaxConcurrent: 1, Logger: logs})
+	var panics atomic.Int64
+	add(t, e, Member{Name: "late", Tasks: []Task{{Name: "cleanup", Every: time.Millisecond, Timeout: 10 * time.Millisecond,
+		Run: func(ctx context.Context) (Outcome, error) {
+			<-ctx.Done()
+			panics.Add(1)
+			panic(fmt.Errorf("after %w", ctx.Err()))
+		}}}})
+	started(t, e)
+	waitFor(t, "a panic past the deadline", func() bool { return panics.Load() >= 1 && e.Stats().Panics >= 1 })
+	waitFor(t, "the panic logged", func() bool { return logs.Contains("outbox cleanup failed: panic: after context deadline exceeded") })
+	if stack := logs.Field("panic: after context deadline exceeded", "stack"); !strings.Contains(stack, "TestPanicPastTheDeadlineIsLogged") {
+		t.Errorf("the panic was logged without the stack it was raised on: %q", stack)
+	}
 }
 
 // Members come and go while the engine runs: a member added is run at once; Remove ends the
