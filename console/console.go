@@ -49,11 +49,10 @@ import (
 	"strings"
 	"sync"
 	"time"
-	"unicode"
-	"unicode/utf8"
 
 	"github.com/watermill-outbox/outbox"
 	"github.com/watermill-outbox/outbox/internal/fanout"
+	"github.com/watermill-outbox/outbox/internal/membername"
 	"github.com/watermill-outbox/outbox/ops"
 	"github.com/watermill-outbox/outbox/outboxdriver"
 )
@@ -157,8 +156,8 @@ type Options struct {
 // under its name.
 type Member struct {
 	// Name names the member in the pages, in their addresses (?member=NAME) and in the audit
-	// entries of its changes: 1 to 200 bytes of UTF-8 without control characters or '/', as a
-	// tenant.Set accepts.
+	// entries of its changes: 1 to 200 bytes of UTF-8 without control characters,
+	// bidirectional controls, line separators or '/', as a tenant.Set accepts.
 	Name string
 	// Ops reads and repairs the member's tables (ops.ForOutbox of its Outbox).
 	Ops *ops.Ops
@@ -267,13 +266,8 @@ func named(list []Member, several bool) (*members, error) {
 // validName accepts the names a tenant.Set accepts. They reach the pages and their addresses
 // (escaped there) and the audit entries, never a statement.
 func validName(name string) error {
-	if name == "" || len(name) > 200 || !utf8.ValidString(name) {
-		return fmt.Errorf("console: invalid member name %q: 1 to 200 bytes of UTF-8", name)
-	}
-	for _, r := range name {
-		if unicode.IsControl(r) || r == '/' {
-			return fmt.Errorf("console: invalid member name %q: no control characters or '/'", name)
-		}
+	if why := membername.Check(name); why != "" {
+		return fmt.Errorf("console: invalid member name %q: %s", name, why)
 	}
 	return nil
 }

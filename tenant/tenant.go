@@ -20,14 +20,13 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
-	"unicode"
-	"unicode/utf8"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/watermill-outbox/outbox"
 	"github.com/watermill-outbox/outbox/internal/engine"
+	"github.com/watermill-outbox/outbox/internal/membername"
 )
 
 // Errors of the Set.
@@ -221,7 +220,9 @@ func New(cfg Config) (*Set, error) {
 }
 
 // Add adds ob under name. While Run runs, the member's background work starts at once. The Set
-// neither migrates ob nor closes it: ob and its database are the caller's.
+// neither migrates ob nor closes it: ob and its database are the caller's. A name is 1 to 200
+// bytes of UTF-8 without control characters, bidirectional controls, line separators or '/': it
+// is in logs, metrics, health reports and the console, where those make it read as another.
 func (s *Set) Add(name string, ob *outbox.Outbox) error {
 	if err := validName(name); err != nil {
 		return err
@@ -546,13 +547,8 @@ func (s *Set) stop(m *member) error {
 
 // validName accepts the names that read well in logs, metrics and health reports.
 func validName(name string) error {
-	if name == "" || len(name) > 200 || !utf8.ValidString(name) {
-		return fmt.Errorf("tenant: invalid member name %q: 1 to 200 bytes of UTF-8", name)
-	}
-	for _, r := range name {
-		if unicode.IsControl(r) || r == '/' {
-			return fmt.Errorf("tenant: invalid member name %q: no control characters or '/'", name)
-		}
+	if why := membername.Check(name); why != "" {
+		return fmt.Errorf("tenant: invalid member name %q: %s", name, why)
 	}
 	return nil
 }

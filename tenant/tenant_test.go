@@ -403,6 +403,26 @@ func TestSetUnresolvedDeadLettered(t *testing.T) {
 
 // A tenant added while the process runs gets its messages processed, its background work runs,
 // and Health names it; before it was added its message was refused in the Unresolved member.
+func TestSetRefusesNamesThatReadAsOthers(t *testing.T) {
+	set, err := tenant.New(tenant.Config{Metadata: "tenant", NackUnresolved: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// A bidirectional override makes "acme\u202egro" print as "acmeorg" reversed in a log line,
+	// a metric label, a health report or the console; a line separator starts a new log line.
+	for _, bad := range []string{"", "a/b", "a\nb", string([]byte{0xff}), "acme\u202egro", "a\u2066b", "a\u2028b", strings.Repeat("x", 201)} {
+		if err := set.Add(bad, nil); err == nil || !strings.Contains(err.Error(), "invalid member name") {
+			t.Errorf("Add(%q) = %v, want the name refused", bad, err)
+		}
+		if _, err := tenant.New(tenant.Config{Metadata: "tenant", Unresolved: bad}); err == nil {
+			t.Errorf("Unresolved %q accepted", bad)
+		}
+	}
+	if err := set.Add(strings.Repeat("x", 200), nil); err == nil || strings.Contains(err.Error(), "invalid member name") {
+		t.Errorf("Add of a 200-byte name = %v, want it taken (and the nil Outbox refused)", err)
+	}
+}
+
 func TestSetAddWhileRunning(t *testing.T) {
 	dbA, dbC, dbU := pgtest.DB(t), pgtest.DB(t), pgtest.DB(t)
 	w := newWire()
