@@ -139,7 +139,9 @@ func (o *Outbox) Health(ctx context.Context) HealthReport {
 	} else if _, suspected := o.gate.suspicion(); suspected && ctx.Err() != nil {
 		pingErr = fmt.Errorf("no answer: a connection had none, and the probe under way none within the check's bound: %w", ctx.Err())
 		dbErr = pingErr
-	} else if pingErr = o.db.PingContext(ctx); pingErr != nil {
+	} else if pingErr = o.pingForHealth(ctx); errors.Is(pingErr, errPingOut) {
+		dbErr = pingErr
+	} else if pingErr != nil {
 		o.gate.observe(pingErr)
 		dbErr = fmt.Errorf("ping (waited for a connection and an answer, at most 5s): %w", pingErr)
 	} else if w, ok := o.store.(outboxdriver.WritableChecker); ok {
@@ -374,5 +376,56 @@ func (o *Outbox) WaitIdle(ctx context.Context) error {
 				s.Pending, s.OldestPending.Round(time.Millisecond), ctx.Err())
 		case <-time.After(20 * time.Millisecond):
 		}
+	}
+}
+
+// healthPing is a ping of Health's: err is set when done closes.
+type healthPing struct {
+	began time.Time
+	done  chan struct{}
+	err   error
+}
+
+// healthPingBound bounds Health's ping.
+const healthPingBound = 5 * time.Second
+
+// errPingOut says that Health's ping has not returned.
+var errPingOut = errors.New("no answer: the ping has not returned (connecting to the database, or its answer)")
+
+// pingForHealth pings the database for Health, bounded by ctx: one ping at a time, which the
+// checks that come while it is out share. A driver may not watch the context while it connects
+// (lib/pq, to a server that accepts connections and never answers, without connect_timeout):
+// Health waited for such a ping for ever, and each probe of a readiness check opened one more
+// connection that hung. A ping out past its bound is reported at once, without a wait.
+func (o *Outbox) pingForHealth(ctx context.Context) error {
+	o.pingMu.Lock()
+	p := o.ping
+	if p == nil {
+		p = &healthPing{began: time.Now(), done: make(chan struct{})}
+		o.ping = p
+		go func() {
+			// Not the caller's context: a check that gives up must not cut short the ping
+			// that the others share.
+			pctx, cancel := context.WithTimeout(context.Background(), healthPingBound)
+			defer cancel()
+			err := o.db.PingContext(pctx)
+			o.pingMu.Lock()
+			defer o.pingMu.Unlock()
+			o.ping, p.err = nil, err
+			close(p.done)
+		}()
+	}
+	o.pingMu.Unlock()
+	out := func() error {
+		return fmt.Errorf("%w: it began %v ago", errPingOut, time.Since(p.began).Round(time.Millisecond))
+	}
+	if time.Since(p.began) > healthPingBound {
+		return out()
+	}
+	select {
+	case <-p.done:
+		return p.err
+	case <-ctx.Done():
+		return out()
 	}
 }

@@ -19,7 +19,9 @@ import (
 	"github.com/watermill-outbox/outbox/drivers/postgres"
 	"github.com/watermill-outbox/outbox/internal/logtest"
 	"github.com/watermill-outbox/outbox/internal/routertest"
+	"github.com/watermill-outbox/outbox/internal/silent"
 	"github.com/watermill-outbox/outbox/outboxdriver"
+	"github.com/watermill-outbox/outbox/outboxtest"
 )
 
 func TestValidateHoldsRetentionAgainstTheRedeliveryHorizon(t *testing.T) {
@@ -314,4 +316,46 @@ func TestHealthReportsAFailingRelay(t *testing.T) {
 		c := relayCheck()
 		return c.OK, c.Reason
 	})
+}
+
+// Health keeps to its bound when the database accepts connections and never answers (lib/pq
+// does not watch the context while it connects): a readiness probe gets its answer, unhealthy,
+// and probes while the first ping is still out do not each open one more connection.
+func TestHealthOfADatabaseThatNeverAnswers(t *testing.T) {
+	srv, err := silent.Start()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = srv.Close() })
+	db, err := sql.Open("postgres", srv.DSN())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = db.Close() })
+	ob, err := outbox.New(outbox.Config{DB: db, Driver: postgres.Driver{}, Publisher: &outboxtest.Recorder{}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for probe := range 3 {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+		done := make(chan outbox.HealthReport, 1)
+		began := time.Now()
+		go func() { done <- ob.Health(ctx) }()
+		select {
+		case r := <-done:
+			if took := time.Since(began); took > 3*time.Second {
+				t.Errorf("probe %d: Health took %v with a context of 1 s", probe, took.Round(time.Millisecond))
+			}
+			if r.Healthy || checkOK(r, outbox.CheckDatabase) {
+				t.Errorf("probe %d: %+v, want the database reported unhealthy", probe, r)
+			}
+		case <-time.After(20 * time.Second):
+			cancel()
+			t.Fatalf("probe %d: Health did not return within 20 s with a context of 1 s", probe)
+		}
+		cancel()
+	}
+	if n := srv.Conns(); n != 1 {
+		t.Errorf("%d connections opened by three probes while the first ping was out, want 1", n)
+	}
 }

@@ -74,6 +74,10 @@ type Outbox struct {
 	// gate holds work back while the database is unreachable (see dbGate); nil when
 	// ReconnectDelay is negative.
 	gate *dbGate
+
+	// ping is the ping of Health under way, shared by the checks that come while it is out.
+	pingMu sync.Mutex
+	ping   *healthPing
 	// keysHeld wakes the retries of this process that wait for a key a unit of this process holds.
 	keysHeld heldKeys
 }
