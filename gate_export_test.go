@@ -74,3 +74,7 @@ func SuspectStall(ob *Outbox, probe func(context.Context) error) {
 // MarksWrittenAlone returns how many batches of marks ob's marker wrote in statements of their
 // own, not riding on a unit of work.
 func MarksWrittenAlone(ob *Outbox) int64 { return ob.marks.alone.Load() }
+
+// LingerMarks sets how long ob's marker lets marks gather before it writes them (markLinger).
+// Call it before ob does any work.
+func LingerMarks(ob *Outbox, d time.Duration) { ob.marks.linger = d }

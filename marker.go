@@ -52,11 +52,13 @@ type marker struct {
 	// alone counts the batches the worker wrote in statements of their own (not riding), for
 	// the tests: a mark that rides costs no transaction of its own.
 	alone atomic.Int64
+	// linger is markLinger; the tests lengthen it to widen the window in which marks gather.
+	linger time.Duration
 }
 
 func newMarker(o *Outbox) *marker {
 	m := &marker{o: o, queued: map[int64]int{}, inline: map[Source]int{}, recent: map[int64]int{}, recentI: map[Source]int{},
-		nudge: make(chan struct{}, 1)}
+		nudge: make(chan struct{}, 1), linger: markLinger}
 	m.idle = sync.NewCond(&m.mu)
 	if cm, ok := o.store.(outboxdriver.ClaimMarker); ok {
 		m.rides = markRides && cm.ClaimMarks()
@@ -229,10 +231,10 @@ func (m *marker) unqueue(batch []outboxdriver.DispatchMark) {
 	}
 }
 
-// rideUntil is until when the queue may wait for a unit of work to take it (zero: it is to be
-// written now): while Run runs (or the Outbox is a member of an engine), every mark in the queue
-// may ride, they are fewer than markRideBelow, a claim began within rideFor (units come that
-// often), and no caller of wait hurries. m.mu must be held.
+// rideUntil is until when the queue may wait for a unit of work to take it (zero: marks of it are
+// to be written now, takeDue says which): while Run runs (or the Outbox is a member of an
+// engine), every mark in the queue may ride, they are fewer than markRideBelow, a claim began
+// within rideFor (units come that often), and no caller of wait hurries. m.mu must be held.
 //
 // Without Run nothing writes the queue at a shutdown: a process that stops its router and closes
 // the database (or a test that checks for goroutines left behind) would lose up to rideFor of
@@ -240,10 +242,7 @@ func (m *marker) unqueue(batch []outboxdriver.DispatchMark) {
 // And once Run returned the process is stopping: the units that finish after it write their marks
 // at once rather than wait for a next unit that may never come.
 func (m *marker) rideUntil() time.Time {
-	if !m.rides || m.hurry > 0 || len(m.queue) == 0 || len(m.queue) >= markRideBelow || m.o.relaysRunning.Load() == 0 {
-		return time.Time{}
-	}
-	if time.Since(time.Unix(0, m.lastClaim.Load())) > m.rideFor {
+	if !m.mayRide() {
 		return time.Time{}
 	}
 	var until time.Time
@@ -256,6 +255,43 @@ func (m *marker) rideUntil() time.Time {
 		}
 	}
 	return until
+}
+
+// mayRide tells whether the queue may wait for units of work at all: riding is on, no caller of
+// wait hurries, Run runs, the queue holds fewer than markRideBelow marks and a claim began within
+// rideFor. m.mu must be held.
+func (m *marker) mayRide() bool {
+	if !m.rides || m.hurry > 0 || len(m.queue) == 0 || len(m.queue) >= markRideBelow || m.o.relaysRunning.Load() == 0 {
+		return false
+	}
+	return time.Since(time.Unix(0, m.lastClaim.Load())) <= m.rideFor
+}
+
+// takeDue takes out of the queue the marks the worker is to write now: all of them when the
+// queue may not wait for units (mayRide), else those that cannot ride, whose ride failed (a unit
+// rolled back, or its claim skipped them for a lock another transaction held) or whose time to
+// ride is over. The others stay queued for a unit to take. Written in one batch with a mark whose
+// claim is locked, a mark that could still ride waited with it for the lock, for as long as the
+// other transaction held it. m.mu must be held.
+func (m *marker) takeDue(now time.Time) []outboxdriver.DispatchMark {
+	if !m.mayRide() {
+		batch := m.queue
+		m.queue, m.rideBy = nil, nil
+		return batch
+	}
+	var batch []outboxdriver.DispatchMark
+	n := 0
+	for i, mk := range m.queue {
+		if !ridable(mk) || !m.rideBy[i].After(now) {
+			batch = append(batch, mk)
+			continue
+		}
+		m.queue[n], m.rideBy[n] = mk, m.rideBy[i]
+		n++
+	}
+	clear(m.queue[n:])
+	m.queue, m.rideBy = m.queue[:n], m.rideBy[:n]
+	return batch
 }
 
 // poke wakes the worker from its wait for a unit of work.
@@ -364,7 +400,7 @@ func (m *marker) forget(now time.Time) {
 
 func (m *marker) work() {
 	for {
-		time.Sleep(markLinger)
+		time.Sleep(m.linger)
 		m.mu.Lock()
 		for {
 			// While units of work come often enough, a thin batch waits for one to take it.
@@ -381,9 +417,12 @@ func (m *marker) work() {
 			t.Stop()
 			m.mu.Lock()
 		}
-		batch := m.queue
-		m.queue, m.rideBy = nil, nil
+		batch := m.takeDue(time.Now())
 		if len(batch) == 0 {
+			if len(m.queue) > 0 {
+				m.mu.Unlock()
+				continue // nothing due yet: they wait for a unit again
+			}
 			m.running = false
 			m.idle.Broadcast()
 			m.mu.Unlock()

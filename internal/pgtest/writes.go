@@ -35,6 +35,36 @@ func (w Writes) Per(n int) string {
 	return fmt.Sprintf("%s ins, %s upd (%s HOT), %s del", f(w.Inserts), f(w.Updates), f(w.HOT), f(w.Deletes))
 }
 
+// NoAutovacuum leaves every table of db's database (outside the system schemas) out of
+// autovacuum: a test that counts what the server counts (transactions, row versions, HOT
+// updates) is not to count the autovacuum worker's. Its visit is a few transactions of its own,
+// and an autoanalyze of a table that a test filled holds a snapshot, under which pruning cannot
+// free the old versions of a page and an update that would be HOT is not.
+func NoAutovacuum(t testing.TB, db *sql.DB) {
+	t.Helper()
+	rows, err := db.Query(`SELECT c.oid::regclass::text FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+		WHERE c.relkind = 'r' AND n.nspname NOT IN ('pg_catalog', 'information_schema')`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var tables []string
+	for rows.Next() {
+		var name string
+		if err := rows.Scan(&name); err != nil {
+			t.Fatal(err)
+		}
+		tables = append(tables, name)
+	}
+	if err := rows.Err(); err != nil {
+		t.Fatal(err)
+	}
+	for _, name := range tables {
+		if _, err := db.Exec(`ALTER TABLE ` + name + ` SET (autovacuum_enabled = off, toast.autovacuum_enabled = off)`); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
 // TableWrites returns the writes counted so far on each table of schema, by table name (a
 // partitioned table's: the sum of its partitions'). A
 // backend reports its counts when it has been idle for a while or when it exits, so TableWrites
