@@ -66,6 +66,10 @@ func measureWritesWith(t *testing.T, n int, mutate func(*outbox.Config), unit fu
 	if _, err := db.Exec(`CREATE TABLE applied (message_id text NOT NULL, note text)`); err != nil {
 		t.Fatal(err)
 	}
+	// Under an autoanalyze of a table the units filled (its snapshot keeps pruning from freeing
+	// a page's old versions), a mark's update that would be HOT was not: one in 120, in a loaded
+	// run of the package.
+	pgtest.NoAutovacuum(t, db)
 	if err := ob.Close(); err != nil {
 		t.Fatal(err)
 	}
@@ -92,11 +96,17 @@ func measureWritesWith(t *testing.T, n int, mutate func(*outbox.Config), unit fu
 	return got
 }
 
-// atMost fails the test unless every count of got is at most n times the one of want.
+// atMost fails the test unless every count of got is at most n times the one of want, but for
+// the updates that were not HOT: one in ten units may have one more. An update is HOT only if
+// its page has room, which pruning frees once no snapshot sees the old versions, and any
+// transaction of the database holds such a snapshot for a moment (the autovacuum worker's visit
+// to the catalogs, once a minute: 1 to 3 such updates in 40 units with a visit a second). A
+// form whose updates are not HOT by design (an indexed column written, a page always full) has
+// them all so, and fails.
 func atMost(t *testing.T, what string, got pgtest.Writes, n int, want pgtest.Writes) {
 	t.Helper()
 	if got.Inserts > want.Inserts*int64(n) || got.Updates > want.Updates*int64(n) ||
-		got.NonHOT() > want.NonHOT()*int64(n) || got.Deletes > want.Deletes*int64(n) {
+		got.NonHOT() > want.NonHOT()*int64(n)+int64(n/10) || got.Deletes > want.Deletes*int64(n) {
 		t.Errorf("%s: %s per unit, want at most %s", what, got.Per(n), want.Per(1))
 	}
 }
