@@ -78,3 +78,11 @@ func MarksWrittenAlone(ob *Outbox) int64 { return ob.marks.alone.Load() }
 // LingerMarks sets how long ob's marker lets marks gather before it writes them (markLinger).
 // Call it before ob does any work.
 func LingerMarks(ob *Outbox, d time.Duration) { ob.marks.linger = d }
+
+// GiveUpHealthPingAfter sets when Health gives up on a ping that has not returned
+// (healthPingGiveUp), until t ends. Not for parallel tests.
+func GiveUpHealthPingAfter(t interface{ Cleanup(func()) }, d time.Duration) {
+	was := healthPingGiveUp
+	healthPingGiveUp = d
+	t.Cleanup(func() { healthPingGiveUp = was })
+}

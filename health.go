@@ -142,7 +142,6 @@ func (o *Outbox) Health(ctx context.Context) HealthReport {
 	} else if pingErr = o.pingForHealth(ctx); errors.Is(pingErr, errPingOut) {
 		dbErr = pingErr
 	} else if pingErr != nil {
-		o.gate.observe(pingErr)
 		dbErr = fmt.Errorf("ping (waited for a connection and an answer, at most 5s): %w", pingErr)
 	} else if w, ok := o.store.(outboxdriver.WritableChecker); ok {
 		// Reachable is not enough: a standby answers every read and refuses every unit of work.
@@ -389,6 +388,12 @@ type healthPing struct {
 // healthPingBound bounds Health's ping.
 const healthPingBound = 5 * time.Second
 
+// healthPingGiveUp is when Health gives up on a ping that has not returned and begins another:
+// the database may be back, and a check must not report for ever on a connection attempt that
+// will never end. A database that never answers costs a goroutine and a connection attempt per
+// healthPingGiveUp, not one per check.
+var healthPingGiveUp = 30 * time.Second
+
 // errPingOut says that Health's ping has not returned.
 var errPingOut = errors.New("no answer: the ping has not returned (connecting to the database, or its answer)")
 
@@ -396,11 +401,13 @@ var errPingOut = errors.New("no answer: the ping has not returned (connecting to
 // checks that come while it is out share. A driver may not watch the context while it connects
 // (lib/pq, to a server that accepts connections and never answers, without connect_timeout):
 // Health waited for such a ping for ever, and each probe of a readiness check opened one more
-// connection that hung. A ping out past its bound is reported at once, without a wait.
+// connection that hung. A ping out past its bound is reported at once, without a wait, and one
+// out past healthPingGiveUp is given up for a new one. The ping's failure is the gate's to see
+// once, not once per check that shared it.
 func (o *Outbox) pingForHealth(ctx context.Context) error {
 	o.pingMu.Lock()
 	p := o.ping
-	if p == nil {
+	if p == nil || time.Since(p.began) > healthPingGiveUp {
 		p = &healthPing{began: time.Now(), done: make(chan struct{})}
 		o.ping = p
 		go func() {
@@ -409,23 +416,26 @@ func (o *Outbox) pingForHealth(ctx context.Context) error {
 			pctx, cancel := context.WithTimeout(context.Background(), healthPingBound)
 			defer cancel()
 			err := o.db.PingContext(pctx)
+			if err != nil {
+				o.gate.observe(err)
+			}
 			o.pingMu.Lock()
 			defer o.pingMu.Unlock()
-			o.ping, p.err = nil, err
+			if o.ping == p {
+				o.ping = nil
+			}
+			p.err = err
 			close(p.done)
 		}()
 	}
 	o.pingMu.Unlock()
-	out := func() error {
-		return fmt.Errorf("%w: it began %v ago", errPingOut, time.Since(p.began).Round(time.Millisecond))
-	}
-	if time.Since(p.began) > healthPingBound {
-		return out()
+	if age := time.Since(p.began); age > healthPingBound {
+		return fmt.Errorf("%w: it began %v ago", errPingOut, age.Round(time.Millisecond))
 	}
 	select {
 	case <-p.done:
 		return p.err
 	case <-ctx.Done():
-		return out()
+		return fmt.Errorf("%w: it began %v ago, and the check's context ended: %w", errPingOut, time.Since(p.began).Round(time.Millisecond), ctx.Err())
 	}
 }

@@ -320,8 +320,11 @@ func TestHealthReportsAFailingRelay(t *testing.T) {
 
 // Health keeps to its bound when the database accepts connections and never answers (lib/pq
 // does not watch the context while it connects): a readiness probe gets its answer, unhealthy,
-// and probes while the first ping is still out do not each open one more connection.
+// and probes while the first ping is still out do not each open one more connection. A ping out
+// for longer than Health gives it (30 s; 2.5 s here) is given up for a new one: the database
+// may be back.
 func TestHealthOfADatabaseThatNeverAnswers(t *testing.T) {
+	outbox.GiveUpHealthPingAfter(t, 2500*time.Millisecond)
 	srv, err := silent.Start()
 	if err != nil {
 		t.Fatal(err)
@@ -357,5 +360,14 @@ func TestHealthOfADatabaseThatNeverAnswers(t *testing.T) {
 	}
 	if n := srv.Conns(); n != 1 {
 		t.Errorf("%d connections opened by three probes while the first ping was out, want 1", n)
+	}
+	time.Sleep(100 * time.Millisecond) // the first ping is 3 s out by now
+	ctx, cancel := context.WithTimeout(context.Background(), 500*time.Millisecond)
+	defer cancel()
+	if r := ob.Health(ctx); checkOK(r, outbox.CheckDatabase) {
+		t.Errorf("%+v, want the database reported unhealthy", r)
+	}
+	if !srv.WaitConns(2, 5*time.Second) {
+		t.Errorf("%d connections after a check 3 s into the first ping, want a second ping", srv.Conns())
 	}
 }
