@@ -688,7 +688,11 @@ func (c *console) showMembers(w http.ResponseWriter, r *http.Request) {
 		}
 		row := rowOf(name)
 		defer func() { c.endRead(name, rd, row) }()
-		c.readMember(ctx, ms.byName[name], &row)
+		// Not the request's context: the loads that take this read's line must not get the
+		// error of one that ended first (a reload cancels the page it replaces).
+		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), c.opt.Timeout)
+		defer cancel()
+		c.readMember(rctx, ms.byName[name], &row)
 		return row
 	})
 	for i, name := range ms.names {
@@ -704,11 +708,17 @@ func (c *console) showMembers(w http.ResponseWriter, r *http.Request) {
 	c.render(w, v)
 }
 
+// readGiveUp is when the page of members gives up on a read of a member that has not returned
+// and begins another: the member's database may be back, and the page must not report for ever
+// on a connection attempt that will never end. A member that never answers costs a goroutine
+// and a connection attempt per readGiveUp (or Timeout, when longer), not one per load.
+const readGiveUp = 30 * time.Second
+
 // beginRead returns the read of member name under way, or begins one (first).
 func (c *console) beginRead(name string) (rd *memberRead, first bool) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	if rd := c.reading[name]; rd != nil {
+	if rd := c.reading[name]; rd != nil && time.Since(rd.began) <= max(readGiveUp, c.opt.Timeout) {
 		return rd, false
 	}
 	rd = &memberRead{began: time.Now(), done: make(chan struct{})}
@@ -730,7 +740,9 @@ func (c *console) readBegan(name string) time.Time {
 func (c *console) endRead(name string, rd *memberRead, row memberRow) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	delete(c.reading, name)
+	if c.reading[name] == rd { // else given up for a newer one
+		delete(c.reading, name)
+	}
 	rd.row = row
 	close(rd.done)
 }

@@ -363,6 +363,38 @@ func TestMembersPageWithManySilentMembers(t *testing.T) {
 	}
 }
 
+// TestMembersPageReloadTakesTheReadUnderWay: a load of the page that comes while another's read
+// of a member is under way takes that read's line. The read is not the first load's to end: a
+// reload cancels the load it replaces, and the reload showed the member failed with the first
+// load's "context canceled".
+func TestMembersPageReloadTakesTheReadUnderWay(t *testing.T) {
+	up, _, _ := parkedBy(t, "billing")
+	slow := func(ctx context.Context) outbox.HealthReport {
+		select {
+		case <-time.After(1500 * time.Millisecond):
+			return outbox.HealthReport{Healthy: true}
+		case <-ctx.Done():
+			return outbox.HealthReport{Checks: []outbox.HealthCheck{{Name: outbox.CheckDatabase, Reason: ctx.Err().Error()}}}
+		}
+	}
+	srv := serveMembers(t, []console.Member{{Name: "slow", Ops: up, Health: slow}}, console.Options{AllowUnauthenticated: true, Timeout: 5 * time.Second})
+	first := make(chan struct{})
+	go func() {
+		defer close(first)
+		c := &http.Client{Timeout: 300 * time.Millisecond} // the user reloads: this load is cancelled
+		if resp, err := c.Get(srv.URL + "/outbox/"); err == nil {
+			resp.Body.Close()
+		}
+	}()
+	time.Sleep(100 * time.Millisecond)
+	code, body := get(t, &http.Client{Timeout: 20 * time.Second}, srv.URL+"/outbox/")
+	<-first
+	line := memberLine(body, "slow")
+	if code != http.StatusOK || strings.Contains(line, "canceled") || !strings.Contains(line, `class="health ok"`) {
+		t.Errorf("the reload: %d, want the member read and healthy:\n%s", code, line)
+	}
+}
+
 // TestMemberDeadLetterDiscardAsksOnItsMember: the question before a discard of a member's dead
 // letter names the member, posts to that member, and its confirmation discards the dead letter
 // of that member's database only (the other holds one of the same consumer and message ID).

@@ -43,6 +43,9 @@ func Each[T any](ctx context.Context, n, at int, hold time.Duration, read func(c
 	take := func(d done) { results[d.i], states[d.i] = d.v, Done }
 	started, got := 0, 0
 	for i := range n {
+		if ctx.Err() != nil { // a free turn and an ended context: select would pick either
+			return drain(dones, take, results, states)
+		}
 	turn:
 		for {
 			select {
@@ -54,6 +57,10 @@ func Each[T any](ctx context.Context, n, at int, hold time.Duration, read func(c
 			case <-ctx.Done():
 				return drain(dones, take, results, states)
 			}
+		}
+		if ctx.Err() != nil { // the turn came as the context ended
+			<-turns
+			return drain(dones, take, results, states)
 		}
 		states[i] = Pending
 		started++
