@@ -38,7 +38,13 @@ type marker struct {
 	recent  map[int64]int
 	recentI map[Source]int
 	running bool
-	idle    *sync.Cond // signalled when the worker exits
+	idle    *sync.Cond // signalled when a worker exits
+	// failed holds the marks whose ride failed (their unit rolled back, or its claim skipped
+	// them for a lock another transaction held), which a worker of their own writes: its write
+	// may wait for that lock, and written by the worker of the others it held every other mark
+	// of the Outbox back for as long as the lock lasted (up to markTimeout).
+	failed        []outboxdriver.DispatchMark
+	failedRunning bool
 
 	// Marks that ride on units of work (see take): whether the store lets them, when the last
 	// claim began (UnixNano), how many callers of wait hurry the worker, and the worker's
@@ -136,8 +142,9 @@ func (m *marker) take(src Source) (sent, late []string, batch []outboxdriver.Dis
 	n := 0
 	lateIDs := map[string]bool{}
 	for i, mk := range m.queue {
-		// A mark whose ride failed (rideBy zero) or whose time to ride is over is the worker's:
-		// a unit that rolls back again and again must not keep it from being written.
+		// A mark whose time to ride is over is the worker's (one whose ride failed is not in
+		// the queue: see settle): a unit that rolls back again and again must not keep it from
+		// being written.
 		if len(batch) < markRideMax && ridable(mk) && m.rideBy[i].After(now) &&
 			mk.Source.Consumer == src.Consumer && mk.Source.ID != src.ID {
 			batch = append(batch, mk)
@@ -168,8 +175,9 @@ func (m *marker) take(src Source) (sent, late []string, batch []outboxdriver.Dis
 	return sent, late, batch
 }
 
-// settle ends the ride of batch (from take): written if its unit committed, queued again to be
-// written by the worker otherwise (a mark written twice changes nothing the second time).
+// settle ends the ride of batch (from take): written if its unit committed, handed to the
+// worker of failed rides otherwise (workFailed; a mark written twice changes nothing the second
+// time).
 func (m *marker) settle(batch []outboxdriver.DispatchMark, committed bool) {
 	if len(batch) == 0 {
 		return
@@ -183,21 +191,34 @@ func (m *marker) settle(batch []outboxdriver.DispatchMark, committed bool) {
 			m.o.kickRelay() // as after the worker's writes
 		}
 	} else {
-		for _, mk := range batch {
-			m.queue = append(m.queue, mk)
-			m.rideBy = append(m.rideBy, time.Time{}) // rides no more
+		m.failed = append(m.failed, batch...) // they ride no more
+		if !m.failedRunning {
+			m.failedRunning = true
+			go m.workFailed()
 		}
-		if !m.running {
-			m.running = true
-			go m.work()
+	}
+}
+
+// workFailed writes the marks whose ride failed, until there are none.
+func (m *marker) workFailed() {
+	for {
+		m.mu.Lock()
+		batch := m.failed
+		m.failed = nil
+		if len(batch) == 0 {
+			m.failedRunning = false
+			m.idle.Broadcast()
+			m.mu.Unlock()
+			return
 		}
-		m.poke()
+		m.mu.Unlock()
+		m.writeAlone(batch)
 	}
 }
 
 // handBack splits batch (from take) after its claim wrote the marks of the message IDs marked
-// only: it returns the marks that ride on on the unit, and queues the others for the worker, as a
-// unit that rolled back does (they ride no more).
+// only: it returns the marks that ride on on the unit, and hands the others to the worker of
+// failed rides, as a unit that rolled back does (they ride no more).
 func (m *marker) handBack(batch []outboxdriver.DispatchMark, marked []string) (riding []outboxdriver.DispatchMark) {
 	wrote := make(map[string]bool, len(marked))
 	for _, id := range marked {
@@ -268,11 +289,10 @@ func (m *marker) mayRide() bool {
 }
 
 // takeDue takes out of the queue the marks the worker is to write now: all of them when the
-// queue may not wait for units (mayRide), else those that cannot ride, whose ride failed (a unit
-// rolled back, or its claim skipped them for a lock another transaction held) or whose time to
-// ride is over. The others stay queued for a unit to take. Written in one batch with a mark whose
-// claim is locked, a mark that could still ride waited with it for the lock, for as long as the
-// other transaction held it. m.mu must be held.
+// queue may not wait for units (mayRide), else those that cannot ride or whose time to ride is
+// over. The others stay queued for a unit to take: written in one batch with a mark that waits
+// for a lock (its claim locked by another transaction), a mark that could still ride waited with
+// it, and the next unit found nothing to carry. m.mu must be held.
 func (m *marker) takeDue(now time.Time) []outboxdriver.DispatchMark {
 	if !m.mayRide() {
 		batch := m.queue
@@ -430,21 +450,27 @@ func (m *marker) work() {
 		}
 		m.mu.Unlock()
 		// Everything queued while the previous batch was written goes in one statement.
-		m.alone.Add(1)
-		ok := m.write(batch)
-		m.mu.Lock()
-		if ok {
-			m.remember(batch, time.Now())
-		}
-		m.unqueue(batch)
-		m.mu.Unlock()
-		// Effects handed to the relay because these were still pending (same ordering key) can go
-		// now: wake the relay rather than leave them to its next poll. Without recent hand-offs
-		// there is nothing to wake it for, and a relay round per batch of marks costs the
-		// database more than the marks.
-		if m.o.handoffsInFlight() {
-			m.o.kickRelay()
-		}
+		m.writeAlone(batch)
+	}
+}
+
+// writeAlone writes batch in statements of its own (not riding on a unit of work) and records it
+// as written.
+func (m *marker) writeAlone(batch []outboxdriver.DispatchMark) {
+	m.alone.Add(1)
+	ok := m.write(batch)
+	m.mu.Lock()
+	if ok {
+		m.remember(batch, time.Now())
+	}
+	m.unqueue(batch)
+	m.mu.Unlock()
+	// Effects handed to the relay because these were still pending (same ordering key) can go
+	// now: wake the relay rather than leave them to its next poll. Without recent hand-offs
+	// there is nothing to wake it for, and a relay round per batch of marks costs the database
+	// more than the marks.
+	if m.o.handoffsInFlight() {
+		m.o.kickRelay()
 	}
 }
 
@@ -522,7 +548,7 @@ func (m *marker) wait() {
 	m.hurry++
 	defer func() { m.hurry-- }()
 	m.poke()
-	for m.running {
+	for m.running || m.failedRunning {
 		m.idle.Wait()
 	}
 }
