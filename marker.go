@@ -23,13 +23,14 @@ const markLinger = 5 * time.Millisecond
 
 // marker writes the dispatched marks in the background, so that a message is acked as soon as its
 // effects were handed to the Publisher. A mark that never lands (the process dies first) only
-// causes a re-send with the same UUIDs, which consumers deduplicate. The worker goroutine runs
-// only while marks are queued and exits when the queue is empty, so there is nothing to close.
+// causes a re-send with the same UUIDs, which consumers deduplicate. The workers (work, and
+// workFailed for the marks whose ride failed) run only while they have marks to write and exit
+// when they have none, so there is nothing to close.
 type marker struct {
 	o      *Outbox
 	mu     sync.Mutex
 	queue  []outboxdriver.DispatchMark
-	rideBy []time.Time    // until when each mark of queue may ride (zero: it rides no more)
+	rideBy []time.Time    // until when each mark of queue may ride
 	queued map[int64]int  // store IDs whose mark is queued or being written
 	inline map[Source]int // sources whose inline effects' mark is queued or being written
 	// written remembers, for markRecall, the marks written lately: a relay round whose claim
@@ -540,7 +541,7 @@ func (m *marker) split(effects []Effect) (unsent, sent []Effect) {
 
 // wait blocks until every queued mark was written (or failed); the worker stops waiting for units
 // of work meanwhile, and no unit takes a mark. Marks riding on a unit in progress are not waited
-// for: the unit writes them when it commits, or queues them again when it ends otherwise (a
+// for: the unit writes them when it commits, or hands them to workFailed when it ends otherwise (a
 // handler may run on after Run returned, and Run's shutdown must not wait for it).
 func (m *marker) wait() {
 	m.mu.Lock()
@@ -558,7 +559,7 @@ func (m *marker) wait() {
 // the same consumer, when messages come at most a second apart); call FlushMarks
 // before shutting down to avoid re-sends after a restart, and in tests that inspect the tables.
 // A mark that rides on a unit of work still in progress is written when that unit commits (or
-// queued again when it does not).
+// in the background when it does not).
 func (o *Outbox) FlushMarks() { o.marks.wait() }
 
 // permanent tells an error that a retry cannot get past: the DB was closed, the tables are gone.

@@ -122,7 +122,8 @@ func (s sqlUnits) claim(ctx context.Context, u *sqlUnit, src Source) (outboxdriv
 			u.riding, u.marks = batch, s.marks
 			c, err := cm.MessageClaimMarking(ctx, u.tx, src, sent, late)
 			if err == nil && len(c.Marked) < len(sent)+len(late) {
-				// Claims locked by another transaction were skipped: the worker writes their marks.
+				// Claims locked by another transaction were skipped: the worker of failed rides
+				// writes their marks (workFailed).
 				u.riding = s.marks.handBack(batch, c.Marked)
 			}
 			return c, err
