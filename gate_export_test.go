@@ -79,6 +79,10 @@ func MarksWrittenAlone(ob *Outbox) int64 { return ob.marks.alone.Load() }
 // Call it before ob does any work.
 func LingerMarks(ob *Outbox, d time.Duration) { ob.marks.linger = d }
 
+// HoldLockedMarksFor sets how long a mark whose claim another transaction holds locked is written
+// again before it is given up (markTimeout).
+func HoldLockedMarksFor(ob *Outbox, d time.Duration) { ob.marks.holdFor = d }
+
 // GiveUpHealthPingAfter sets when Health gives up on a ping that has not returned
 // (healthPingGiveUp), until t ends. Not for parallel tests.
 func GiveUpHealthPingAfter(t interface{ Cleanup(func()) }, d time.Duration) {

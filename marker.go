@@ -46,6 +46,13 @@ type marker struct {
 	// of the Outbox back for as long as the lock lasted (up to markTimeout).
 	failed        []outboxdriver.DispatchMark
 	failedRunning bool
+	failedNudge   chan struct{} // wakes workFailed from its pause when marks are added to failed
+	// skipLocked writes the marks whose ride failed skipping the claims another transaction
+	// holds locked (nil when the store cannot: then they are written as the others are).
+	skipLocked outboxdriver.LockSkippingMarker
+	// holdFor is how long a mark skipped for a lock is written again before it is given up:
+	// markTimeout; the tests shorten it.
+	holdFor time.Duration
 
 	// Marks that ride on units of work (see take): whether the store lets them, when the last
 	// claim began (UnixNano), how many callers of wait hurry the worker, and the worker's
@@ -65,10 +72,13 @@ type marker struct {
 
 func newMarker(o *Outbox) *marker {
 	m := &marker{o: o, queued: map[int64]int{}, inline: map[Source]int{}, recent: map[int64]int{}, recentI: map[Source]int{},
-		nudge: make(chan struct{}, 1), linger: markLinger}
+		nudge: make(chan struct{}, 1), failedNudge: make(chan struct{}, 1), linger: markLinger, holdFor: markTimeout}
 	m.idle = sync.NewCond(&m.mu)
 	if cm, ok := o.store.(outboxdriver.ClaimMarker); ok {
 		m.rides = markRides && cm.ClaimMarks()
+	}
+	if m.rides {
+		m.skipLocked, _ = o.store.(outboxdriver.LockSkippingMarker)
 	}
 	m.rideFor = min(markRide, o.cfg.RelayGrace/2)
 	return m
@@ -196,25 +206,116 @@ func (m *marker) settle(batch []outboxdriver.DispatchMark, committed bool) {
 		if !m.failedRunning {
 			m.failedRunning = true
 			go m.workFailed()
+		} else {
+			select {
+			case m.failedNudge <- struct{}{}:
+			default:
+			}
 		}
 	}
 }
 
-// workFailed writes the marks whose ride failed, until there are none.
+// failedPause is the first pause before the marks whose claims another transaction held locked
+// are written again; it doubles up to a second.
+const failedPause = 50 * time.Millisecond
+
+// workFailed writes the marks whose ride failed, until there are none. With a store that can
+// (outboxdriver.LockSkippingMarker), a claim another transaction holds locked is skipped, and its
+// mark written again after a pause, until markTimeout after it was first skipped: then it is
+// given up, as a write that timed out is (its effects may be sent again, with their UUIDs; the
+// lock's holder, a copy of the message, sends and marks them itself). Written waiting for the
+// lock, a mark held back every mark written with it, the marks of units that only rolled back
+// and whose claims are free, and with two claims locked past markTimeout the statement was
+// cancelled and every mark of it dropped.
 func (m *marker) workFailed() {
+	var held []outboxdriver.DispatchMark // skipped for a lock, written again after a pause
+	var giveUp []time.Time               // when each of held is given up
+	pause := failedPause
 	for {
 		m.mu.Lock()
 		batch := m.failed
 		m.failed = nil
-		if len(batch) == 0 {
+		if len(batch) == 0 && len(held) == 0 {
 			m.failedRunning = false
 			m.idle.Broadcast()
 			m.mu.Unlock()
 			return
 		}
 		m.mu.Unlock()
-		m.writeAlone(batch)
+		if m.skipLocked == nil {
+			m.writeAlone(batch)
+			continue
+		}
+		if len(batch) == 0 {
+			t := time.NewTimer(pause)
+			select {
+			case <-t.C:
+			case <-m.failedNudge:
+			}
+			t.Stop()
+			pause = min(2*pause, time.Second)
+		}
+		now := time.Now()
+		for range batch {
+			giveUp = append(giveUp, now.Add(m.holdFor))
+		}
+		held, giveUp = m.writeSkipping(append(held, batch...), giveUp)
+		if len(held) == 0 {
+			pause = failedPause
+		}
 	}
+}
+
+// writeSkipping writes batch skipping the claims another transaction holds locked
+// (m.skipLocked), records what it wrote as written, gives up the skipped marks whose time in
+// giveUp (one per mark of batch) has come, and returns the others with their times.
+func (m *marker) writeSkipping(batch []outboxdriver.DispatchMark, giveUp []time.Time) ([]outboxdriver.DispatchMark, []time.Time) {
+	m.alone.Add(1)
+	var skipped []outboxdriver.DispatchMark
+	ok := m.writeBy(batch, func(ctx context.Context) (err error) {
+		skipped, err = m.skipLocked.EffectMarkSkippingLocked(ctx, batch...)
+		return err
+	})
+	if !ok {
+		m.mu.Lock()
+		m.unqueue(batch)
+		m.mu.Unlock()
+		return nil, nil
+	}
+	isSkipped := make(map[outboxdriver.Source]bool, len(skipped))
+	for _, mk := range skipped {
+		isSkipped[mk.Source] = true
+	}
+	now := time.Now()
+	var written, dropped, held []outboxdriver.DispatchMark
+	var heldUntil []time.Time
+	for i, mk := range batch {
+		switch {
+		case !isSkipped[mk.Source]:
+			written = append(written, mk)
+		case now.Before(giveUp[i]):
+			held, heldUntil = append(held, mk), append(heldUntil, giveUp[i])
+		default:
+			dropped = append(dropped, mk)
+		}
+	}
+	if len(dropped) > 0 {
+		m.o.tel.markFailures.Add(context.Background(), 1, m.o.tel.own())
+		m.o.logger.Error("Marking side effects dispatched failed; they may be sent again",
+			errors.New("their claims were held locked by another transaction for "+m.holdFor.String()),
+			watermill.LogFields{"sources": len(dropped), "first_source_id": dropped[0].Source.ID})
+	}
+	m.mu.Lock()
+	if len(written) > 0 {
+		m.remember(written, now)
+	}
+	m.unqueue(written)
+	m.unqueue(dropped)
+	m.mu.Unlock()
+	if len(written) > 0 && m.o.handoffsInFlight() {
+		m.o.kickRelay() // as writeAlone
+	}
+	return held, heldUntil
 }
 
 // handBack splits batch (from take) after its claim wrote the marks of the message IDs marked
@@ -479,11 +580,16 @@ func (m *marker) writeAlone(batch []outboxdriver.DispatchMark) {
 // growing pause until markTimeout has passed: a dropped batch would send every effect of it again.
 // It reports whether the batch was written.
 func (m *marker) write(batch []outboxdriver.DispatchMark) bool {
+	return m.writeBy(batch, func(ctx context.Context) error { return m.o.store.EffectMarkDispatched(ctx, batch...) })
+}
+
+// writeBy is write, the batch written by mark.
+func (m *marker) writeBy(batch []outboxdriver.DispatchMark, mark func(context.Context) error) bool {
 	ctx, cancel := context.WithTimeout(context.Background(), markTimeout)
 	defer cancel()
 	pause := 20 * time.Millisecond
 	for try := 1; ; try++ {
-		err := m.o.store.EffectMarkDispatched(ctx, batch...)
+		err := mark(ctx)
 		if err == nil {
 			m.o.gate.observe(nil)
 			return true

@@ -439,3 +439,91 @@ func TestMarkBehindALockedClaimIsNotHeldBack(t *testing.T) {
 	}
 	waitFor(t, "the skipped mark written once the lock is gone", func() bool { return !pending("held") })
 }
+
+// The marks whose ride failed (handed back for a lock, or their unit rolled back) are written
+// skipping the claims another transaction holds locked, and the skipped ones again after a pause:
+// written waiting for the lock, a mark held back every mark written with it, here the mark of
+// "free" (carried by a unit that rolled back, its claim locked by nobody) behind the locks on
+// "held-1" and "held-2". And a mark whose claim stays locked is given up after a while
+// (markTimeout, shortened here), as a write that timed out is: with two such claims in one
+// statement, past markTimeout it was cancelled and every mark of it dropped, "free"'s too.
+func TestFailedRidesAreNotHeldBackByALock(t *testing.T) {
+	m := newMarkRideEnv(t)
+	// The marker's worker looks at its queue only after 2 s: each mark is there for the next
+	// unit to carry, however loaded the machine.
+	outbox.LingerMarks(m.ob, 2*time.Second)
+	const holdFor = 3 * time.Second
+	outbox.HoldLockedMarksFor(m.ob, holdFor)
+	m.run()
+	// Each carries the mark of the one before, whose claim it finds locked (handed back).
+	lock1 := m.handleAndLock("held-1")
+	lock2 := m.handleAndLock("held-2")
+	if err := m.handle("free", false); err != nil {
+		t.Fatal(err)
+	}
+	freeDone := time.Now()
+	if err := m.handle("fails", true); err == nil { // carries the mark of "free", rolls back
+		t.Fatal("the handler of fails failed, Handle did not")
+	}
+	if gap := time.Since(freeDone); gap > 900*time.Millisecond {
+		t.Fatalf("the unit after free ended %v after it, past a mark's ride (1 s): the test did not carry free's mark on a unit that rolled back", gap)
+	}
+	waitUntil := time.Now().Add(holdFor - 500*time.Millisecond)
+	for m.pending("free") && time.Now().Before(waitUntil) {
+		time.Sleep(20 * time.Millisecond)
+	}
+	if m.pending("free") {
+		t.Error("the mark of the claim nobody held, handed back by a unit that rolled back, waited for the locks on other claims")
+	}
+	flushed := make(chan struct{})
+	go func() { m.ob.FlushMarks(); close(flushed) }()
+	select {
+	case <-flushed:
+	case <-time.After(holdFor + 10*time.Second):
+		_, _ = lock1.Rollback(), lock2.Rollback()
+		<-flushed
+		t.Fatal("FlushMarks waited past the time a mark whose claim is locked is written again")
+	}
+	if !m.pending("held-1") || !m.pending("held-2") {
+		t.Error("a locked claim was marked through its lock")
+	}
+	if err := lock1.Rollback(); err != nil {
+		t.Fatal(err)
+	}
+	if err := lock2.Rollback(); err != nil {
+		t.Fatal(err)
+	}
+	// Given up: their effects are the relay's to send again, with their UUIDs.
+	time.Sleep(200 * time.Millisecond)
+	if !m.pending("held-1") || !m.pending("held-2") {
+		t.Error("a mark given up was written once the lock was gone")
+	}
+	var applied int
+	if err := m.e.db.QueryRow(`SELECT count(*) FROM applied`).Scan(&applied); err != nil {
+		t.Fatal(err)
+	}
+	mustEqual(t, "messages applied", applied, 3)
+}
+
+// A mark skipped for a lock that ends before the mark is given up is written once it ended.
+func TestFailedRideWrittenOnceTheLockIsGone(t *testing.T) {
+	m := newMarkRideEnv(t)
+	outbox.LingerMarks(m.ob, 2*time.Second)
+	m.run()
+	lock := m.handleAndLock("held")
+	if err := m.handle("next", false); err != nil { // carries the mark of "held", skips it
+		t.Fatal(err)
+	}
+	time.Sleep(300 * time.Millisecond)
+	if !m.pending("held") {
+		t.Error("the locked claim was marked through its lock")
+	}
+	if err := lock.Rollback(); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "the skipped mark written once the lock is gone", func() bool { return !m.pending("held") })
+	m.ob.FlushMarks()
+	if u := m.unmarked(); u != 0 {
+		t.Errorf("%d claims still hold their effects after FlushMarks", u)
+	}
+}

@@ -680,6 +680,20 @@ type ClaimMarker interface {
 	MessageClaimMarking(ctx context.Context, tx *sql.Tx, src Source, sent, sentLate []string) (Claim, error)
 }
 
+// LockSkippingMarker is implemented by a ClaimMarker whose marks written outside a unit of work
+// can skip the claims another transaction holds locked: the marks whose ride on a unit failed
+// (the unit rolled back, or its claim skipped them for such a lock). Written as
+// EffectMarkDispatched writes, a mark waited for the lock (a copy of its message being handled,
+// its publish hanging), and so did every mark written with it in the statement: they were
+// dropped with it when the wait outlasted the write's timeout.
+type LockSkippingMarker interface {
+	// EffectMarkSkippingLocked writes marks (each with Inline and no StoreIDs) as
+	// EffectMarkDispatched does, except that a claim another transaction holds locked is
+	// skipped, never waited for. It returns the marks it skipped, for the caller to write later;
+	// on an error it returns none and may have written some.
+	EffectMarkSkippingLocked(ctx context.Context, marks ...DispatchMark) (skipped []DispatchMark, err error)
+}
+
 // ClaimedEffectInserter is implemented by a Store that stores the effect rows of a unit of work
 // that claimed a message only while the claim exists, in the same statement (PostgreSQL). User
 // SQL that rolled the transaction back (ROLLBACK sent through it) took the claim with it and left

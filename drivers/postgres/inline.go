@@ -82,6 +82,10 @@ type inlineQueries struct {
 	sweptTo     string // (watermark)
 
 	claimMarking string // the claim (consumer, id), and the marks of (consumer, IDs sent, IDs sent late): messageClaimMarking
+	// markSkipping and markLateSkipping are mark and markLate skipping the claims another
+	// transaction holds locked: (consumer, IDs) -> the IDs of the claims not skipped.
+	markSkipping     string
+	markLateSkipping string
 
 	record  string    // (consumer, id, inline effects, length of the inline effects now) -> written in a savepoint; no row: not written
 	read    string    // (consumer, id) -> the inline effects, NULL when none; no row: no claim
@@ -121,8 +125,10 @@ const markChunk = 200
 
 func newInlineQueries(n store.Names) inlineQueries {
 	return inlineQueries{
-		claimMarking: messageClaimMarking(n),
-		pending:      PendingQuery(n),
+		claimMarking:     messageClaimMarking(n),
+		markSkipping:     markSkipping(n, ""),
+		markLateSkipping: markSkipping(n, ", dispatched_at = now()"),
+		pending:          PendingQuery(n),
 		lock: `SELECT p.consumer, p.message_id, p.effects, ` + age + ` FROM ` + n.Processed + ` p
 			WHERE p.consumer = $1 AND p.message_id = $2 AND p.effects IS NOT NULL FOR UPDATE`,
 		// Moved effects are due as they would have been as rows: created when their claim was.
@@ -468,6 +474,81 @@ func (s *inline) MessageClaimMarking(ctx context.Context, tx *sql.Tx, src outbox
 }
 
 var _ outboxdriver.ClaimMarker = (*inline)(nil)
+
+// markSkipping is the mark of the claims of consumer $1 whose IDs are in $2 (claimsOf), with set
+// added to what it sets, that skips a claim another transaction holds locked (as the marks riding
+// on a claim do: messageClaimMarking) and returns the IDs of the claims it did not skip. Committed
+// asynchronously, as mark is. The update names the claims by claimsOf as well as by lk, for its
+// plan to find them by their key.
+func markSkipping(n store.Names, set string) string {
+	return `WITH lk AS (SELECT p.message_id FROM ` + n.Processed + ` p WHERE ` + claimsOf + ` FOR UPDATE SKIP LOCKED),
+			mk AS (UPDATE ` + n.Processed + ` p SET effects = NULL` + set + `
+				WHERE ` + claimsOf + ` AND p.message_id IN (SELECT message_id FROM lk) AND p.effects IS NOT NULL
+				AND (SELECT ` + asyncCommitSetting + `) IS NOT NULL)
+			SELECT message_id FROM lk`
+}
+
+// EffectMarkSkippingLocked implements outboxdriver.LockSkippingMarker.
+func (s *inline) EffectMarkSkippingLocked(ctx context.Context, marks ...outboxdriver.DispatchMark) ([]outboxdriver.DispatchMark, error) {
+	if !s.deleteDispatched {
+		return nil, errors.New("postgres: a mark that skips locked claims cannot keep sent effects (EffectRetention)")
+	}
+	var claims [2][]claimKey // sent in time, sent late
+	for _, m := range marks {
+		if !m.Inline || len(m.StoreIDs) > 0 {
+			return nil, fmt.Errorf("postgres: a mark that skips locked claims is of inline effects only, and the mark of %q for %q has effect rows", m.Source.ID, m.Source.Consumer)
+		}
+		late := 0
+		if m.MoveClaim {
+			late = 1
+		}
+		claims[late] = append(claims[late], claimKey{m.Source.Consumer, m.Source.ID})
+	}
+	marked := map[claimKey]bool{}
+	for late, claims := range claims {
+		q := s.q.markSkipping
+		if late == 1 {
+			q = s.q.markLateSkipping
+		}
+		for chunk := range slices.Chunk(claims, markChunk) {
+			for _, g := range byConsumer(chunk) {
+				if err := s.markSkippingOf(ctx, q, g, marked); err != nil {
+					return nil, err
+				}
+			}
+		}
+	}
+	var skipped []outboxdriver.DispatchMark
+	for _, m := range marks {
+		if !marked[claimKey{m.Source.Consumer, m.Source.ID}] {
+			skipped = append(skipped, m)
+		}
+	}
+	return skipped, nil
+}
+
+// markSkippingOf runs q (markSkipping) on the claims of g, and adds those it did not skip to
+// marked.
+func (s *inline) markSkippingOf(ctx context.Context, q string, g consumerClaims, marked map[claimKey]bool) error {
+	rows, err := s.SQL.QueryPrepared(ctx, nil, q, g.consumer, g.ids)
+	if err != nil {
+		return fmt.Errorf("clear inline effects: %w", wrapErr(s.SQL, err))
+	}
+	defer rows.Close()
+	for rows.Next() {
+		var id string
+		if err := rows.Scan(&id); err != nil {
+			return fmt.Errorf("clear inline effects: %w", err)
+		}
+		marked[claimKey{g.consumer, id}] = true
+	}
+	if err := rows.Err(); err != nil {
+		return fmt.Errorf("clear inline effects: %w", wrapErr(s.SQL, err))
+	}
+	return nil
+}
+
+var _ outboxdriver.LockSkippingMarker = (*inline)(nil)
 
 // markInline marks the inline effects of claims sent: cleared, or moved to the dispatched table;
 // late: their dispatch time moves to now.

@@ -8,6 +8,7 @@ import (
 	"strconv"
 	"strings"
 	"testing"
+	"time"
 
 	_ "github.com/lib/pq"
 
@@ -122,7 +123,8 @@ func atoi(s string) int {
 // explainClaimStatements checks the plans of the statements on a list of claims.
 func explainClaimStatements(t *testing.T, db *sql.DB, q inlineQueries, exec func(string), claims int) {
 	t.Helper()
-	for name, stmt := range map[string]string{"mark": q.mark, "markLate": q.markLate, "sentLate": q.sentLate, "clear": q.clear, "take": q.take, "setAside": q.setAside} {
+	for name, stmt := range map[string]string{"mark": q.mark, "markLate": q.markLate, "sentLate": q.sentLate, "clear": q.clear, "take": q.take, "setAside": q.setAside,
+		"markSkipping": q.markSkipping, "markLateSkipping": q.markLateSkipping} {
 		for _, mode := range []string{"force_custom_plan", "force_generic_plan"} {
 			exec(`SET plan_cache_mode = ` + mode)
 			exec(`PREPARE plan_stmt(text, text) AS ` + stmt)
@@ -148,23 +150,31 @@ func explainClaimStatements(t *testing.T, db *sql.DB, q inlineQueries, exec func
 	exec(`RESET plan_cache_mode`)
 }
 
-// TestClaimMarkingSkipsLockedClaims: the claim that carries the marks of other claims skips
-// those another transaction holds locked, without waiting, and returns the IDs it marked; it
-// marks the others, in time or late (dispatched_at moved).
-func TestClaimMarkingSkipsLockedClaims(t *testing.T) {
+// markingStore returns a store of the default layout (sent effects deleted), migrated on a
+// database of the test's own.
+func markingStore(t *testing.T) (*sql.DB, outboxdriver.Store) {
+	t.Helper()
 	db, err := sql.Open("postgres", pgtest.DSN(t))
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { db.Close() })
-	ctx := context.Background()
 	st, err := Driver{}.Open(db, outboxdriver.StoreOptions{TablePrefix: "outbox_", DeleteDispatched: true})
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := st.Migrate(ctx); err != nil {
+	if err := st.Migrate(context.Background()); err != nil {
 		t.Fatal(err)
 	}
+	return db, st
+}
+
+// TestClaimMarkingSkipsLockedClaims: the claim that carries the marks of other claims skips
+// those another transaction holds locked, without waiting, and returns the IDs it marked; it
+// marks the others, in time or late (dispatched_at moved).
+func TestClaimMarkingSkipsLockedClaims(t *testing.T) {
+	db, st := markingStore(t)
+	ctx := context.Background()
 	if _, err := db.ExecContext(ctx, `INSERT INTO outbox_processed (consumer, message_id, effects, dispatched_at) VALUES
 		('c', 'a', '\x01', now() - interval '1 hour'), ('c', 'b', '\x01', now() - interval '1 hour'),
 		('c', 'late', '\x01', now() - interval '1 hour'), ('c', 'held', '\x01', now() - interval '1 hour')`); err != nil {
@@ -208,6 +218,59 @@ func TestClaimMarkingSkipsLockedClaims(t *testing.T) {
 		FROM outbox_processed WHERE consumer = 'c' AND message_id <> 'new' ORDER BY message_id`), " ")
 	if want := "a:true:false b:true:false held:false:false late:true:true"; got != want {
 		t.Errorf("claims (id:cleared:dispatch time moved) %s, want %s", got, want)
+	}
+}
+
+// TestMarkSkippingLockedClaims: the mark of the marks whose ride failed skips the claims another
+// transaction holds locked, without waiting, and returns them; it marks the others, in time or
+// late (dispatched_at moved), a claim without effects left or without a claim among them.
+func TestMarkSkippingLockedClaims(t *testing.T) {
+	db, st := markingStore(t)
+	ctx := context.Background()
+	if _, err := db.ExecContext(ctx, `INSERT INTO outbox_processed (consumer, message_id, effects, dispatched_at) VALUES
+		('c', 'a', '\x01', now() - interval '1 hour'), ('c', 'held', '\x01', now() - interval '1 hour'),
+		('c', 'late', '\x01', now() - interval '1 hour'), ('d', 'a', '\x01', now() - interval '1 hour'),
+		('d', 'held-late', '\x01', now() - interval '1 hour'), ('c', 'done', NULL, now() - interval '1 hour')`); err != nil {
+		t.Fatal(err)
+	}
+	lock, err := db.BeginTx(ctx, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer lock.Rollback()
+	if _, err := lock.ExecContext(ctx, `SELECT 1 FROM outbox_processed WHERE (consumer, message_id) IN (('c', 'held'), ('d', 'held-late')) FOR UPDATE`); err != nil {
+		t.Fatal(err)
+	}
+	mark := func(consumer, id string, late bool) outboxdriver.DispatchMark {
+		return outboxdriver.DispatchMark{Source: outboxdriver.Source{Consumer: consumer, ID: id}, Inline: true, MoveClaim: late}
+	}
+	ctx5, cancel := context.WithTimeout(ctx, 5*time.Second) // a statement that waited for the lock would wait out this
+	defer cancel()
+	skipped, err := st.(outboxdriver.LockSkippingMarker).EffectMarkSkippingLocked(ctx5,
+		mark("c", "a", false), mark("c", "held", false), mark("c", "late", true), mark("d", "a", false),
+		mark("d", "held-late", true), mark("c", "done", false))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var got []string
+	for _, mk := range skipped {
+		got = append(got, mk.Source.Consumer+"/"+mk.Source.ID)
+	}
+	slices.Sort(got)
+	if g := strings.Join(got, ","); g != "c/held,d/held-late" {
+		t.Errorf("skipped %q, want c/held,d/held-late", g)
+	}
+	if err := lock.Rollback(); err != nil {
+		t.Fatal(err)
+	}
+	lines := strings.Join(queryLines(t, db, `SELECT consumer || '/' || message_id || ':' || (effects IS NULL)::text || ':' || (dispatched_at > now() - interval '1 minute')::text
+		FROM outbox_processed ORDER BY consumer, message_id`), " ")
+	if want := "c/a:true:false c/done:true:false c/held:false:false c/late:true:true d/a:true:false d/held-late:false:false"; lines != want {
+		t.Errorf("claims (id:cleared:dispatch time moved) %s, want %s", lines, want)
+	}
+	if _, err := st.(outboxdriver.LockSkippingMarker).EffectMarkSkippingLocked(ctx, outboxdriver.DispatchMark{
+		Source: outboxdriver.Source{Consumer: "c", ID: "a"}, Inline: true, StoreIDs: []int64{1}}); err == nil {
+		t.Error("a mark with effect rows was taken by the mark of inline effects only")
 	}
 }
 
