@@ -3,6 +3,7 @@ package outbox
 import (
 	"context"
 	"errors"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -245,6 +246,15 @@ func (m *marker) workFailed() {
 		if m.skipLocked == nil {
 			m.writeAlone(batch)
 			continue
+		}
+		// Only marks that ride fail a ride (take), and the store skips locked claims for those
+		// alone: any other is written as the worker writes it.
+		if other := slices.DeleteFunc(slices.Clone(batch), ridable); len(other) > 0 {
+			m.writeAlone(other)
+			batch = slices.DeleteFunc(batch, func(mk outboxdriver.DispatchMark) bool { return !ridable(mk) })
+			if len(batch) == 0 && len(held) == 0 {
+				continue
+			}
 		}
 		if len(batch) == 0 {
 			t := time.NewTimer(pause)

@@ -477,15 +477,17 @@ var _ outboxdriver.ClaimMarker = (*inline)(nil)
 
 // markSkipping is the mark of the claims of consumer $1 whose IDs are in $2 (claimsOf), with set
 // added to what it sets, that skips a claim another transaction holds locked (as the marks riding
-// on a claim do: messageClaimMarking) and returns the IDs of the claims it did not skip. Committed
-// asynchronously, as mark is. The update names the claims by claimsOf as well as by lk, for its
-// plan to find them by their key.
+// on a claim do: messageClaimMarking) and returns the IDs of the claims it skipped that hold
+// effects to clear: a claim without them (none, or cleared already) is nothing to write again.
+// Committed asynchronously, as mark is. Both the update and the last read name the claims by
+// claimsOf, for their plans to find them by their key.
 func markSkipping(n store.Names, set string) string {
 	return `WITH lk AS (SELECT p.message_id FROM ` + n.Processed + ` p WHERE ` + claimsOf + ` FOR UPDATE SKIP LOCKED),
 			mk AS (UPDATE ` + n.Processed + ` p SET effects = NULL` + set + `
 				WHERE ` + claimsOf + ` AND p.message_id IN (SELECT message_id FROM lk) AND p.effects IS NOT NULL
 				AND (SELECT ` + asyncCommitSetting + `) IS NOT NULL)
-			SELECT message_id FROM lk`
+			SELECT p.message_id FROM ` + n.Processed + ` p
+			WHERE ` + claimsOf + ` AND p.effects IS NOT NULL AND p.message_id NOT IN (SELECT message_id FROM lk)`
 }
 
 // EffectMarkSkippingLocked implements outboxdriver.LockSkippingMarker.
@@ -504,7 +506,7 @@ func (s *inline) EffectMarkSkippingLocked(ctx context.Context, marks ...outboxdr
 		}
 		claims[late] = append(claims[late], claimKey{m.Source.Consumer, m.Source.ID})
 	}
-	marked := map[claimKey]bool{}
+	skipped := map[claimKey]bool{}
 	for late, claims := range claims {
 		q := s.q.markSkipping
 		if late == 1 {
@@ -512,24 +514,23 @@ func (s *inline) EffectMarkSkippingLocked(ctx context.Context, marks ...outboxdr
 		}
 		for chunk := range slices.Chunk(claims, markChunk) {
 			for _, g := range byConsumer(chunk) {
-				if err := s.markSkippingOf(ctx, q, g, marked); err != nil {
+				if err := s.markSkippingOf(ctx, q, g, skipped); err != nil {
 					return nil, err
 				}
 			}
 		}
 	}
-	var skipped []outboxdriver.DispatchMark
+	var out []outboxdriver.DispatchMark
 	for _, m := range marks {
-		if !marked[claimKey{m.Source.Consumer, m.Source.ID}] {
-			skipped = append(skipped, m)
+		if skipped[claimKey{m.Source.Consumer, m.Source.ID}] {
+			out = append(out, m)
 		}
 	}
-	return skipped, nil
+	return out, nil
 }
 
-// markSkippingOf runs q (markSkipping) on the claims of g, and adds those it did not skip to
-// marked.
-func (s *inline) markSkippingOf(ctx context.Context, q string, g consumerClaims, marked map[claimKey]bool) error {
+// markSkippingOf runs q (markSkipping) on the claims of g, and adds those it skipped to skipped.
+func (s *inline) markSkippingOf(ctx context.Context, q string, g consumerClaims, skipped map[claimKey]bool) error {
 	rows, err := s.SQL.QueryPrepared(ctx, nil, q, g.consumer, g.ids)
 	if err != nil {
 		return fmt.Errorf("clear inline effects: %w", wrapErr(s.SQL, err))
@@ -540,7 +541,7 @@ func (s *inline) markSkippingOf(ctx context.Context, q string, g consumerClaims,
 		if err := rows.Scan(&id); err != nil {
 			return fmt.Errorf("clear inline effects: %w", err)
 		}
-		marked[claimKey{g.consumer, id}] = true
+		skipped[claimKey{g.consumer, id}] = true
 	}
 	if err := rows.Err(); err != nil {
 		return fmt.Errorf("clear inline effects: %w", wrapErr(s.SQL, err))
