@@ -67,6 +67,14 @@ type Outbox struct {
 	// missing relay be reported once a minute.
 	relaysRunning atomic.Int32
 	noRelayWarned oncePer
+	// lifeMu guards life: the background life of the Outbox now (nil when none). One Outbox runs
+	// one background life at a time: two (Run twice at once, Run and a tenant.Set, two Sets)
+	// stopped each other's timers, doubled its gauges' registration, and the first to stop wrote
+	// the marks while the other still queued them. A life whose shutdown gave up (a call that
+	// ignores its context) lets a new one begin: its stop, should the call ever return, then
+	// leaves the new life's timer alone.
+	lifeMu sync.Mutex
+	life   *backgroundLife
 	// lastHandoff is when (UnixNano) effects were last left to the relays, here or, as far as a
 	// notification told, in another instance: until they are sent, each written mark wakes the
 	// relay, since effects handed over behind the marked ones may be free to go.
@@ -233,33 +241,38 @@ func (o *Outbox) applier(name string) (Applier, bool) {
 // nil when ctx is cancelled, after the dispatched marks queued so far were written, or an error
 // after ShutdownTimeout when a background call ignores its context and keeps it from returning.
 func (o *Outbox) Run(ctx context.Context) error {
-	stop := o.startServices(ctx)
+	life, err := o.beginLife("Run")
+	if err != nil {
+		return fmt.Errorf("outbox: run: %w", err)
+	}
+	o.startServices(ctx, life)
 	// The periodic services run on an engine of their own, as its one member: the engine a Set
 	// of Outboxes shares is the same code with more members (JoinEngine).
 	eng := engine.New(engine.Config{Logger: o.logger})
 	if _, err := eng.Add(o.engineMember("", 0, nil)); err != nil {
-		stop()
+		life.stop()
 		return fmt.Errorf("outbox: run: %w", err)
 	}
 	if err := eng.Start(ctx); err != nil {
-		stop()
+		life.stop()
 		return fmt.Errorf("outbox: run: %w", err)
 	}
 	<-ctx.Done()
-	if err := o.shutdown(ctx, eng.Stop, stop); err != nil {
+	if err := o.shutdown(ctx, eng.Stop, life); err != nil {
 		return fmt.Errorf("outbox: run: %w", err)
 	}
 	return nil
 }
 
 // shutdown waits, up to ShutdownTimeout, for the engine's runs in progress to return (leave) and
-// then for the services beside them to stop and the marks queued to be written (stop), in that
-// order, so that no mark is queued after the marks were written. A run that ignores its context
-// keeps the rest waiting in the background, and shutdown returns an error naming what it waited
-// for: stop then runs once that run returns, if the process lives that long. What the run leaves
+// then for the services beside them to stop and the marks queued to be written (life.stop), in
+// that order, so that no mark is queued after the marks were written. A run that ignores its
+// context keeps the rest waiting in the background, and shutdown returns an error naming what it
+// waited for: life.stop then runs once that run returns, if the process lives that long, and the
+// life is abandoned meanwhile (a new one may begin: a supervisor that runs the Outbox again). What the run leaves
 // unwritten is safe: its effects stay leased, and are sent again with the same UUIDs when the
 // lease ends (at-least-once, the ID stable).
-func (o *Outbox) shutdown(ctx context.Context, leave func(context.Context) error, stop func()) error {
+func (o *Outbox) shutdown(ctx context.Context, leave func(context.Context) error, life *backgroundLife) error {
 	timeout := o.cfg.ShutdownTimeout
 	sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), timeout)
 	defer cancel()
@@ -272,10 +285,11 @@ func (o *Outbox) shutdown(ctx context.Context, leave func(context.Context) error
 		if err != nil {
 			_ = leave(context.WithoutCancel(ctx))
 		}
-		stop()
+		life.stop()
 	}()
 	// leave returns by sctx's deadline, naming the runs it still waits for.
 	if err := <-left; err != nil {
+		life.abandon()
 		return fmt.Errorf("gave up after ShutdownTimeout (%s) waiting for the background work to return: %w", timeout, err)
 	}
 	select {
@@ -287,6 +301,7 @@ func (o *Outbox) shutdown(ctx context.Context, leave func(context.Context) error
 			return nil
 		default:
 		}
+		life.abandon()
 		return fmt.Errorf("gave up after ShutdownTimeout (%s) waiting for the listener to stop and the dispatched marks queued to be written: %w",
 			timeout, sctx.Err())
 	}
@@ -312,27 +327,32 @@ func (o *Outbox) shutdown(ctx context.Context, leave func(context.Context) error
 // end, and then for the marks queued, up to ShutdownTimeout, as Run does (see shutdown).
 func (o *Outbox) JoinEngine(ctx context.Context, eng *engine.Engine, name string, idleMax time.Duration,
 	statsBudget *engine.Budget, pool *engine.Pool) (leave func() error, err error) {
-	o.tel.nameMember(name)
-	stop := o.startServices(ctx)
+	life, err := o.beginLife(fmt.Sprintf("member %q of an engine (a tenant.Set)", name))
+	if err != nil {
+		return nil, fmt.Errorf("outbox: join engine: %w", err)
+	}
+	o.tel.nameMember(name) // before the gauges are registered
+	o.startServices(ctx, life)
 	m := o.engineMember(name, idleMax, statsBudget)
 	m.Pool = pool
 	h, err := eng.Add(m)
 	if err != nil {
-		stop()
+		life.stop()
 		return nil, fmt.Errorf("outbox: join engine: %w", err)
 	}
 	return func() error {
-		if err := o.shutdown(ctx, h.Remove, stop); err != nil {
+		if err := o.shutdown(ctx, h.Remove, life); err != nil {
 			return fmt.Errorf("outbox: leave engine: %w", err)
 		}
 		return nil
 	}, nil
 }
 
-// startServices starts what runs beside the Outbox's engine tasks (the gauges, the listener) and
-// returns stop, which ends them and, once the engine tasks returned, writes the marks queued.
-// Run and JoinEngine both call it: one life cycle for one Outbox and a Set's members.
-func (o *Outbox) startServices(ctx context.Context) (stop func()) {
+// startServices starts what runs beside the Outbox's engine tasks (the gauges, the listener) for
+// life (from beginLife), and sets life.stop, which ends them and, once the engine tasks returned,
+// writes the marks queued. Run and JoinEngine both call it: one life cycle for one Outbox and a
+// Set's members.
+func (o *Outbox) startServices(ctx context.Context, life *backgroundLife) {
 	o.relaysRunning.Add(1)
 	stopGauges := func() {}
 	if st, err := o.tel.registerGauges(); err != nil {
@@ -344,16 +364,53 @@ func (o *Outbox) startServices(ctx context.Context) (stop func()) {
 	var wg sync.WaitGroup
 	wg.Add(1)
 	go func() { defer wg.Done(); o.listen(lctx) }()
-	return func() {
+	life.stop = func() {
 		cancel()
 		wg.Wait()
-		o.due.stop()
+		o.lifeMu.Lock()
+		current := o.life == life
+		if current {
+			o.life = nil
+		}
+		o.lifeMu.Unlock()
+		if current {
+			o.due.stop() // else the timer is a newer life's
+		}
 		o.marks.wait() // a clean shutdown leaves no mark unwritten, so nothing is re-sent after it
 		stopGauges()
 		o.relaysRunning.Add(-1)
 		o.marks.poke() // a mark queued since the wait rides no more: written now
 	}
+	life.abandon = func() {
+		o.lifeMu.Lock()
+		life.abandoned = true
+		o.lifeMu.Unlock()
+	}
 }
+
+// beginLife begins a background life of the Outbox (see life), or returns an error wrapping
+// ErrRunning while another runs; who says what runs it, for that error.
+func (o *Outbox) beginLife(who string) (*backgroundLife, error) {
+	o.lifeMu.Lock()
+	defer o.lifeMu.Unlock()
+	if l := o.life; l != nil && !l.abandoned {
+		return nil, fmt.Errorf("%w: %s runs it (or its shutdown still waits for its background work)", ErrRunning, l.who)
+	}
+	o.life = &backgroundLife{who: who}
+	return o.life, nil
+}
+
+// backgroundLife is one run of an Outbox's background work (Run, or a membership of an engine).
+type backgroundLife struct {
+	who       string
+	abandoned bool   // its shutdown gave up waiting (o.lifeMu): a new life may begin
+	stop      func() // ends what startServices started, once the engine's runs returned
+	abandon   func() // marks the life abandoned
+}
+
+// ErrRunning is wrapped by Run (and a tenant.Set starting a member) when the Outbox's background
+// work runs already: one Outbox runs one background life at a time.
+var ErrRunning = errors.New("outbox: the Outbox's background work runs already")
 
 // engineMember returns the Outbox's periodic services as a member of an engine: the relay (woken
 // by kickRelay), the retention cleanup, the statistics sampling and the dead-letter redrive, held

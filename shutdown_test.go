@@ -3,6 +3,7 @@ package outbox_test
 import (
 	"context"
 	"database/sql"
+	"errors"
 	"net"
 	"strings"
 	"sync"
@@ -103,5 +104,30 @@ func TestRunShutdownIsBounded(t *testing.T) {
 		srv.release()
 		<-done
 		t.Fatal("Run did not return within 20 s of its context's end while a background call was stuck")
+	}
+	// A supervisor runs it again: the life whose shutdown gave up lets a new one begin (its stop,
+	// once the stuck call returns, leaves the new one alone), and a Run beside the new one is
+	// refused.
+	ctx2, cancel2 := context.WithCancel(context.Background())
+	defer cancel2()
+	again := make(chan error, 1)
+	go func() { again <- ob.Run(ctx2) }()
+	time.Sleep(200 * time.Millisecond)
+	select {
+	case err := <-again:
+		t.Fatalf("Run after a shutdown that gave up = %v, want it running", err)
+	default:
+	}
+	beside, cancelBeside := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancelBeside()
+	if err := ob.Run(beside); !errors.Is(err, outbox.ErrRunning) {
+		t.Errorf("a Run beside a running one = %v, want ErrRunning at once", err)
+	}
+	srv.release() // the stuck call returns, and the first life's stop runs
+	cancel2()
+	select {
+	case <-again:
+	case <-time.After(20 * time.Second):
+		t.Fatal("the second Run did not return within 20 s of its context's end")
 	}
 }

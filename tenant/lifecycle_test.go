@@ -276,3 +276,70 @@ func TestSetHealthKeepsToThePool(t *testing.T) {
 		t.Errorf("Health opened %d connections beyond the pool's idle ones (closed once it returned), want none", closed)
 	}
 }
+
+// An Outbox runs one background life across Sets and its own Run too: a running Set refuses to
+// add an Outbox that its own Run runs, or that another Set runs, and a Set's Run leaves such a
+// member's background work to what runs it. Two lives stopped each other's delayed-effect timer,
+// and the first to stop wrote the marks while the other still queued them.
+func TestSetRefusesAnOutboxThatRunsElsewhere(t *testing.T) {
+	w := newWire()
+	db := pgtest.DB(t)
+	a := newMember(t, db, "", w)
+	b := newMember(t, db, "b_", w)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	ran := make(chan error, 1)
+	go func() { ran <- a.Run(ctx) }()
+	eventually(t, "a's Run runs", func() bool { return relayRuns(a) })
+
+	set := newSet(t, tenant.Config{}, nil)
+	sctx, scancel := context.WithCancel(context.Background())
+	setRan := make(chan error, 1)
+	go func() { setRan <- set.Run(sctx) }()
+	if err := set.Add("b", b); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, "b runs in the Set", func() bool { return relayRuns(b) })
+	if err := set.Add("a", a); !errors.Is(err, outbox.ErrRunning) || !strings.Contains(err.Error(), "Run") {
+		t.Errorf("Add of an Outbox that its own Run runs = %v, want ErrRunning naming Run", err)
+	}
+	if got := set.Members(); len(got) != 1 {
+		t.Errorf("members after a refused Add: %v, want only b", got)
+	}
+	c := newMember(t, db, "c_", w)
+	other := newSet(t, tenant.Config{}, map[string]*outbox.Outbox{"c": c})
+	octx, ocancel := context.WithCancel(context.Background())
+	otherRan := make(chan error, 1)
+	go func() { otherRan <- other.Run(octx) }()
+	eventually(t, "the other Set runs", func() bool { return relayRuns(c) })
+	if err := other.Add("b2", b); !errors.Is(err, outbox.ErrRunning) || !strings.Contains(err.Error(), `member "b"`) {
+		t.Errorf("Add to a second Set of an Outbox that the first runs = %v, want ErrRunning naming the member", err)
+	}
+	ocancel()
+	if err := waitRun(t, otherRan, "the other Set's Run"); err != nil {
+		t.Error(err)
+	}
+	if err := a.Run(ctx); !errors.Is(err, outbox.ErrRunning) {
+		t.Errorf("a second Run of a running Outbox = %v, want ErrRunning", err)
+	}
+	scancel()
+	if err := waitRun(t, setRan, "the Set's Run"); err != nil {
+		t.Error(err)
+	}
+	cancel()
+	if err := waitRun(t, ran, "a's Run"); err != nil {
+		t.Error(err)
+	}
+	// Once each life ended, another may begin.
+	if err := set.Add("a", a); err != nil {
+		t.Errorf("Add of an Outbox whose Run returned = %v", err)
+	}
+	ctx2, cancel2 := context.WithCancel(context.Background())
+	again := make(chan error, 1)
+	go func() { again <- b.Run(ctx2) }()
+	eventually(t, "b runs on its own once the Set stopped", func() bool { return relayRuns(b) })
+	cancel2()
+	if err := waitRun(t, again, "b's Run"); err != nil {
+		t.Error(err)
+	}
+}

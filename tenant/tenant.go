@@ -219,7 +219,9 @@ func New(cfg Config) (*Set, error) {
 	return &Set{cfg: cfg, members: map[string]*member{}, removing: map[*member]struct{}{}}, nil
 }
 
-// Add adds ob under name. While Run runs, the member's background work starts at once. The Set
+// Add adds ob under name. While Run runs, the member's background work starts at once, and an
+// Outbox that runs already (its own Run, another Set) is refused with outbox.ErrRunning; one that
+// Run finds running so keeps that background work and is logged. The Set
 // neither migrates ob nor closes it: ob and its database are the caller's. A name is 1 to 200
 // bytes of UTF-8 without control characters, bidirectional controls, line separators or '/': it
 // is in logs, metrics, health reports and the console, where those make it read as another.
@@ -248,10 +250,12 @@ func (s *Set) Add(name string, ob *outbox.Outbox) error {
 		}
 	}
 	m := &member{name: name, ob: ob, drained: make(chan struct{}), wrapped: map[*wrapper]message.HandlerFunc{}}
-	s.members[name] = m
 	if s.runCtx != nil {
-		s.start(s.runCtx, m)
+		if err := s.start(s.runCtx, m); err != nil {
+			return fmt.Errorf("tenant: member %q: %w", name, err)
+		}
 	}
+	s.members[name] = m
 	return nil
 }
 
@@ -438,7 +442,9 @@ func (s *Set) Run(ctx context.Context) error {
 		s.stats = &engine.Budget{Every: s.cfg.StatsEvery, MaxGap: engine.StatsMaxGap}
 	}
 	for _, m := range s.members {
-		s.start(ctx, m)
+		if err := s.start(ctx, m); err != nil {
+			s.cfg.Logger.Error("tenant: the background work of a member did not start", err, watermill.LogFields{"member": m.name})
+		}
 	}
 	s.mu.Unlock()
 	<-ctx.Done()
@@ -490,8 +496,9 @@ func (s *Set) Run(ctx context.Context) error {
 
 // start puts m's background work on the Set's engine until stop. Members start and stop only
 // here and in stop, so that what runs a member's background work is one choice. Called with
-// s.mu held, while Run runs.
-func (s *Set) start(ctx context.Context, m *member) {
+// s.mu held, while Run runs. It fails when the member's Outbox runs already (outbox.ErrRunning:
+// its Run, another Set).
+func (s *Set) start(ctx context.Context, m *member) error {
 	idleMax := max(s.cfg.IdleMax, 0)
 	var pool *engine.Pool
 	if db := m.ob.Config().DB; db != nil && s.cfg.PoolConcurrent > 0 {
@@ -502,8 +509,7 @@ func (s *Set) start(ctx context.Context, m *member) {
 	}
 	leave, err := m.ob.JoinEngine(ctx, s.eng, m.name, idleMax, s.stats, pool)
 	if err != nil {
-		s.cfg.Logger.Error("tenant: the background work of a member did not start", err, watermill.LogFields{"member": m.name})
-		return
+		return err
 	}
 	s.runWG.Add(1)
 	m.mu.Lock()
@@ -516,6 +522,7 @@ func (s *Set) start(ctx context.Context, m *member) {
 		return err
 	}}
 	m.mu.Unlock()
+	return nil
 }
 
 // background is a member's background work on the engine (start), stopped once however many
