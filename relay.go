@@ -306,17 +306,31 @@ func (o *Outbox) relayLaunch(ctx context.Context, claimed []Effect, deadline tim
 	}
 	ctx, span := o.tel.tracer.Start(ctx, "outbox relay", trace.WithLinks(o.tel.producerLinks(effects)...),
 		trace.WithAttributes(AttrPath.String(PathRelay), attribute.Int("outbox.effects", len(effects))))
-	// Calls end at a shutdown (ctx), or when the round is abandoned (a crash).
-	cctx, cancel := context.WithCancel(ctx)
-	f := &relayFlight{ctx: ctx, cancel: cancel, effects: effects, span: span, done: make(chan struct{}),
+	// No call starts after a shutdown (ctx) or once the round is abandoned (a crash): stopped.
+	// The calls under way at a shutdown get shutdownCallGrace to return before they are taken
+	// for in flight; abandoned, they end at once.
+	stopped, cancel := context.WithCancel(ctx)
+	calls, cancelCalls := context.WithCancel(context.WithoutCancel(stopped))
+	grace := o.shutdownCallGrace()
+	unwatch := context.AfterFunc(ctx, func() { time.AfterFunc(grace, cancelCalls) })
+	f := &relayFlight{ctx: ctx, effects: effects, span: span, done: make(chan struct{}),
 		leaseEnd: deadline.Add(o.relayLease() - o.relayBudget())}
+	f.cancel = func() { unwatch(); cancel(); cancelCalls() }
 	go func() {
 		defer close(f.done)
 		began := time.Now()
-		f.errs, f.stalled = o.relayDispatch(cctx, effects, deadline)
+		f.errs, f.stalled = o.relayDispatch(stopped, calls, effects, deadline)
 		f.took = time.Since(began)
 	}()
 	return f
+}
+
+// shutdownCallGrace is how long a relay's calls under way at a shutdown may take to return before
+// they are taken for in flight (errInFlight: kept leased, sent again by another instance once the
+// lease ends). Most return within milliseconds: cut short at once, every effect in a call at a
+// rolling deploy was sent twice. A quarter of ShutdownTimeout, at most a second.
+func (o *Outbox) shutdownCallGrace() time.Duration {
+	return min(o.cfg.ShutdownTimeout/4, time.Second)
 }
 
 // keys returns the ordering keys of f's effects.
@@ -470,10 +484,11 @@ func (r *relayRun) returned() {
 // call hangs until its timeout is not tried again in this round (nor for a while after it, see
 // breakers), so that it holds up each lane for one timeout at most, not for each of its keys.
 // It returns the outcome of each effect and how long the round waited, after its last call that
-// did not hang returned, for calls that hung.
-func (o *Outbox) relayDispatch(ctx context.Context, effects []Effect, deadline time.Time) ([]error, time.Duration) {
+// did not hang returned, for calls that hung. The calls run on calls (which ends a little after
+// ctx at a shutdown: see shutdownCallGrace).
+func (o *Outbox) relayDispatch(ctx, calls context.Context, effects []Effect, deadline time.Time) ([]error, time.Duration) {
 	began := time.Now()
-	rctx, cancel := context.WithDeadline(ctx, deadline)
+	rctx, cancel := context.WithDeadline(calls, deadline)
 	defer cancel()
 	r := &relayRun{ctx: rctx, parent: ctx, deadline: deadline, effects: effects, errs: make([]error, len(effects)), lastReturn: began}
 	lanes := relayLanes(effects, max(o.cfg.RelayConcurrency, 1))

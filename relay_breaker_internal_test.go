@@ -43,7 +43,7 @@ func TestRelayEachClosesAHalfOpenBreaker(t *testing.T) {
 		{StoreID: 1, Topic: topic, UUID: "m1", OrderingKey: "k1"},
 		{StoreID: 2, Topic: topic, UUID: "m2", OrderingKey: "k2"},
 	}
-	errs, _ := o.relayDispatch(context.Background(), effects, time.Now().Add(time.Minute))
+	errs, _ := o.relayDispatch(context.Background(), context.Background(), effects, time.Now().Add(time.Minute))
 	for i, err := range errs {
 		if err != nil {
 			t.Fatalf("effect %d: %v, want sent", i, err)

@@ -101,6 +101,37 @@ func TestRelayShutdownKeepsTheLeaseOfACallInFlight(t *testing.T) {
 	waitFor(t, "the call in flight to deliver", func() bool { return e.wire("out_a")[second] == 1 })
 }
 
+// TestRelayShutdownWaitsBrieflyForACallUnderWay: a relay shuts down while its Publish call is
+// under way, and the call returns a moment later (most return within milliseconds): the effect is
+// marked sent, not kept leased for another instance to send again once the lease ends. Before,
+// the call was taken for in flight the moment the shutdown came, and every effect in a call at a
+// rolling deploy was sent twice.
+func TestRelayShutdownWaitsBrieflyForACallUnderWay(t *testing.T) {
+	e := newEnv(t)
+	_, second := commitKey(t, e, "order-1")
+	gate := &gatePublisher{next: e.pub, uuid: second, entered: make(chan struct{}), release: make(chan struct{})}
+	var releaseOnce sync.Once
+	release := func() { releaseOnce.Do(func() { close(gate.release) }) }
+	t.Cleanup(release)
+	a := e.newOutbox(relayConfig, func(c *outbox.Config) { c.Publisher = gate })
+	stopA := startRun(t, a)
+	select {
+	case <-gate.entered:
+	case <-time.After(30 * time.Second):
+		t.Fatal("the relay never called the Publisher with the second effect")
+	}
+	go func() {
+		time.Sleep(100 * time.Millisecond)
+		release() // the call returns 100 ms into the shutdown
+	}()
+	stopA()
+	if n := e.pendingEffects(); n != 0 {
+		t.Errorf("%d effects left pending by a shutdown whose call returned 100 ms into it (leased for %s), want 0",
+			n, e.leasedFor(second).Round(time.Second))
+	}
+	mustEqual(t, "copies of the second effect on the wire", e.wire("out_a")[second], 1)
+}
+
 // TestRelayFailureRecordKeepsAnotherRelaysLease: a round sends the first effect of a key and fails
 // on the second. Once the round's mark of the first has landed, the second is the key's first
 // pending effect and another relay may lease it; the failure the round records for it must not
