@@ -378,13 +378,6 @@ func (o *Outbox) WaitIdle(ctx context.Context) error {
 	}
 }
 
-// healthPing is a ping of Health's: err is set when done closes.
-type healthPing struct {
-	began time.Time
-	done  chan struct{}
-	err   error
-}
-
 // healthPingBound bounds Health's ping.
 const healthPingBound = 5 * time.Second
 
@@ -405,37 +398,29 @@ var errPingOut = errors.New("no answer: the ping has not returned (connecting to
 // out past healthPingGiveUp is given up for a new one. The ping's failure is the gate's to see
 // once, not once per check that shared it.
 func (o *Outbox) pingForHealth(ctx context.Context) error {
-	o.pingMu.Lock()
-	p := o.ping
-	if p == nil || time.Since(p.began) > healthPingGiveUp {
-		p = &healthPing{began: time.Now(), done: make(chan struct{})}
-		o.ping = p
-		go func() {
-			// Not the caller's context: a check that gives up must not cut short the ping
-			// that the others share.
-			pctx, cancel := context.WithTimeout(context.Background(), healthPingBound)
-			defer cancel()
-			err := o.db.PingContext(pctx)
-			if err != nil {
-				o.gate.observe(err)
-			}
-			o.pingMu.Lock()
-			defer o.pingMu.Unlock()
-			if o.ping == p {
-				o.ping = nil
-			}
-			p.err = err
-			close(p.done)
-		}()
-	}
-	o.pingMu.Unlock()
-	if age := time.Since(p.began); age > healthPingBound {
+	p := o.pings.Join(struct{}{}, healthPingGiveUp, func() error {
+		// Not the caller's context: a check that gives up must not cut short the ping that the
+		// others share.
+		pctx, cancel := context.WithTimeout(context.Background(), healthPingBound)
+		defer cancel()
+		err := o.db.PingContext(pctx)
+		if err != nil {
+			o.gate.observe(err)
+		}
+		return err
+	})
+	if age := time.Since(p.Began); age > healthPingBound {
+		select {
+		case <-p.Done(): // returned just now: its outcome is known
+			return p.Value()
+		default:
+		}
 		return fmt.Errorf("%w: it began %v ago", errPingOut, age.Round(time.Millisecond))
 	}
 	select {
-	case <-p.done:
-		return p.err
+	case <-p.Done():
+		return p.Value()
 	case <-ctx.Done():
-		return fmt.Errorf("%w: it began %v ago, and the check's context ended: %w", errPingOut, time.Since(p.began).Round(time.Millisecond), ctx.Err())
+		return fmt.Errorf("%w: it began %v ago, and the check's context ended: %w", errPingOut, time.Since(p.Began).Round(time.Millisecond), ctx.Err())
 	}
 }

@@ -15,6 +15,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/watermill-outbox/outbox/internal/engine"
+	"github.com/watermill-outbox/outbox/internal/fanout"
 	"github.com/watermill-outbox/outbox/outboxdriver"
 )
 
@@ -83,9 +84,8 @@ type Outbox struct {
 	// ReconnectDelay is negative.
 	gate *dbGate
 
-	// ping is the ping of Health under way, shared by the checks that come while it is out.
-	pingMu sync.Mutex
-	ping   *healthPing
+	// pings holds the ping of Health under way, shared by the checks that come while it is out.
+	pings fanout.Shared[struct{}, error]
 	// keysHeld wakes the retries of this process that wait for a key a unit of this process holds.
 	keysHeld heldKeys
 }

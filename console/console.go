@@ -47,7 +47,6 @@ import (
 	"slices"
 	"strconv"
 	"strings"
-	"sync"
 	"time"
 
 	"github.com/watermill-outbox/outbox"
@@ -180,15 +179,7 @@ type console struct {
 	// page while it is takes its line rather than read the member again, so that a member whose
 	// database does not answer gets no second read, and every load of the page does not leave
 	// one more goroutine and connection attempt behind.
-	mu      sync.Mutex
-	reading map[string]*memberRead
-}
-
-// memberRead is a read of a member's line of the page of members; row is set when done closes.
-type memberRead struct {
-	began time.Time
-	done  chan struct{}
-	row   memberRow
+	reading fanout.Shared[string, memberRow]
 }
 
 // members is the list of members a request is served with: by name, and their names in order.
@@ -303,7 +294,7 @@ func newConsole(list func(ctx context.Context) ([]Member, error), several bool, 
 	if opt.PageSize <= 0 {
 		opt.PageSize = 50
 	}
-	c := &console{list: list, several: several, opt: opt, key: opt.Key, reading: map[string]*memberRead{}}
+	c := &console{list: list, several: several, opt: opt, key: opt.Key}
 	if c.key == nil {
 		c.key = make([]byte, 32)
 		if _, err := rand.Read(c.key); err != nil {
@@ -670,30 +661,29 @@ func (c *console) showMembers(w http.ResponseWriter, r *http.Request) {
 	noAnswer := func(name string) memberRow {
 		row := rowOf(name)
 		row.Error = fmt.Sprintf("no answer within the console's Timeout (%v)", c.opt.Timeout)
-		if began := c.readBegan(name); !began.IsZero() && time.Since(began) > c.opt.Timeout {
+		if began := c.reading.Began(name); !began.IsZero() && time.Since(began) > c.opt.Timeout {
 			row.Error += fmt.Sprintf(": a read of it began %v ago and has not returned", time.Since(began).Round(time.Second))
 		}
 		return row
 	}
 	rows, states := fanout.Each(ctx, len(ms.names), membersAtOnce, memberTurn, func(ctx context.Context, i int) memberRow {
 		name := ms.names[i]
-		rd, first := c.beginRead(name)
-		if !first {
-			select {
-			case <-rd.done:
-				return rd.row
-			case <-ctx.Done():
-				return noAnswer(name)
-			}
+		m := ms.byName[name]
+		rd := c.reading.Join(name, max(readGiveUp, c.opt.Timeout), func() memberRow {
+			row := rowOf(name)
+			// Not the request's context: the loads that take this read's line must not get
+			// the error of one that ended first (a reload cancels the page it replaces).
+			rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), c.opt.Timeout)
+			defer cancel()
+			c.readMember(rctx, m, &row)
+			return row
+		})
+		select {
+		case <-rd.Done():
+			return rd.Value()
+		case <-ctx.Done():
+			return noAnswer(name)
 		}
-		row := rowOf(name)
-		defer func() { c.endRead(name, rd, row) }()
-		// Not the request's context: the loads that take this read's line must not get the
-		// error of one that ended first (a reload cancels the page it replaces).
-		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), c.opt.Timeout)
-		defer cancel()
-		c.readMember(rctx, ms.byName[name], &row)
-		return row
 	})
 	for i, name := range ms.names {
 		switch states[i] {
@@ -713,39 +703,6 @@ func (c *console) showMembers(w http.ResponseWriter, r *http.Request) {
 // on a connection attempt that will never end. A member that never answers costs a goroutine
 // and a connection attempt per readGiveUp (or Timeout, when longer), not one per load.
 const readGiveUp = 30 * time.Second
-
-// beginRead returns the read of member name under way, or begins one (first).
-func (c *console) beginRead(name string) (rd *memberRead, first bool) {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	if rd := c.reading[name]; rd != nil && time.Since(rd.began) <= max(readGiveUp, c.opt.Timeout) {
-		return rd, false
-	}
-	rd = &memberRead{began: time.Now(), done: make(chan struct{})}
-	c.reading[name] = rd
-	return rd, true
-}
-
-// readBegan returns when the read of member name under way began (zero: none is).
-func (c *console) readBegan(name string) time.Time {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	if rd := c.reading[name]; rd != nil {
-		return rd.began
-	}
-	return time.Time{}
-}
-
-// endRead ends rd, the read of member name, with row.
-func (c *console) endRead(name string, rd *memberRead, row memberRow) {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	if c.reading[name] == rd { // else given up for a newer one
-		delete(c.reading, name)
-	}
-	rd.row = row
-	close(rd.done)
-}
 
 // readMember reads a member's line of the page of members.
 func (c *console) readMember(ctx context.Context, m *Member, row *memberRow) {

@@ -1,6 +1,7 @@
 // Package fanout reads many members side by side, a few at a time, for the pages and commands
 // that must answer whatever some of the members do (the console's page of members, the CLI's
-// status of -members).
+// status of -members), and shares a call under way among the callers that come while it is out
+// (Shared: the console's reads of a member, Health's ping).
 package fanout
 
 import (
