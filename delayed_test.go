@@ -446,8 +446,9 @@ func TestDelayedEffectsRelayCrashesAtAndAfterTheDueTime(t *testing.T) {
 		c.RelayInterval = 20 * time.Millisecond
 		// Long enough for an INSERT into the SQL broker on a loaded machine: a publish that times
 		// out after it landed is rightly sent again (CI's runs sent the second twice with 100 ms,
-		// and with 1 s once, when its root package took 841 s). The lease is 2 x 5 s + 30 s.
-		c.PublishTimeout = 5 * time.Second
+		// and with 1 s once, when its root package took 841 s; a whole-package run under -race
+		// once with 5 s). The lease is 2 x 15 s + 30 s, which the first waits out.
+		c.PublishTimeout = 15 * time.Second
 		c.Failpoint = func(ctx context.Context, point string) error {
 			switch {
 			case point == outbox.FailpointAfterRelayClaim && claimCrashes.Add(-1) == 0:
@@ -482,7 +483,7 @@ func TestDelayedEffectsRelayCrashesAtAndAfterTheDueTime(t *testing.T) {
 
 	other := e.newOutbox(func(c *outbox.Config) { c.RelayInterval = 50 * time.Millisecond })
 	runRelay(t, other)
-	deadline := time.Now().Add(90 * time.Second)
+	deadline := time.Now().Add(120 * time.Second)
 	for e.wire("out_a")[first.UUID] == 0 {
 		if time.Now().After(deadline) {
 			t.Fatalf("after the lease: first sent %d times; want once", e.wire("out_a")[first.UUID])
