@@ -84,7 +84,7 @@ func New(ob *outbox.Outbox, opts ...Option) message.HandlerMiddleware {
 				p.MessageID = id
 			}
 			if cfg.refuse != nil {
-				p.Refuse = cfg.refuse(msg)
+				p.Refuse = refusal(cfg.refuse, msg)
 			}
 			if acked(msg) {
 				// Refusing it would lose it: the broker already forgot it. Handle it, and say why a
@@ -181,6 +181,17 @@ func acked(msg *message.Message) bool {
 
 // readID calls the WithMessageID function, turning a panic into an error: the message is then
 // rejected like one without a usable ID.
+// refusal runs the WithRefusal check; a panic in it refuses the message, as the check's error
+// would: unrecovered, it crashed the process, or (under a Recoverer) nacked the message for ever.
+func refusal(fn func(*message.Message) error, msg *message.Message) (err error) {
+	defer func() {
+		if r := recover(); r != nil {
+			err = fmt.Errorf("the WithRefusal check panicked: %v", r)
+		}
+	}()
+	return fn(msg)
+}
+
 func readID(fn func(*message.Message) (string, error), msg *message.Message) (id string, err error) {
 	defer func() {
 		if r := recover(); r != nil {

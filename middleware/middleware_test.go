@@ -5,6 +5,7 @@ import (
 	"database/sql"
 	"errors"
 	"os"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -197,6 +198,40 @@ func TestWithMessageIDDeduplicatesByBusinessKey(t *testing.T) {
 	}
 	if n != 1 {
 		t.Fatalf("message without a key on the poison topic: %d, want 1", n)
+	}
+}
+
+// A WithRefusal check that panics refuses the message, as its error would: here to the poison
+// topic, and the next message is handled. Unrecovered, the panic crashed the process (or, under
+// a Recoverer, nacked the message for ever).
+func TestWithRefusalThatPanicsRefuses(t *testing.T) {
+	h := newHarness(t, "in", "in_poison")
+	bad, good := message.NewMessage(uuid.NewString(), nil), message.NewMessage(uuid.NewString(), nil)
+	bad.Metadata.Set("tenant", "unknown")
+	h.publish(t, "in", bad)
+	h.publish(t, "in", good)
+	refuse := middleware.WithRefusal(func(m *message.Message) error {
+		if m.Metadata.Get("tenant") == "unknown" {
+			panic("no such tenant")
+		}
+		return nil
+	})
+	ob, err := outbox.New(outbox.Config{DB: h.db, Driver: postgres.Driver{}, Publisher: h.pub, PoisonTopic: "in_poison"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	h.route(t, "in", func(r *message.Router, sub func(string) message.Subscriber) {
+		r.AddConsumerHandler("orders", "in", sub("g1"), h.handler("orders")).AddMiddleware(middleware.New(ob, refuse))
+	})
+	if got := h.callCount("orders"); got != 1 {
+		t.Errorf("handler ran %d times, want once (the good message)", got)
+	}
+	var reason string
+	if err := h.db.QueryRow(`SELECT metadata::text FROM watermill_in_poison WHERE uuid = $1`, bad.UUID).Scan(&reason); err != nil {
+		t.Fatalf("the message whose check panicked is not on the poison topic: %v", err)
+	}
+	if !strings.Contains(reason, "panicked") {
+		t.Errorf("its poison copy's metadata %s does not say the check panicked", reason)
 	}
 }
 
