@@ -396,7 +396,13 @@ type recorder struct {
 
 func (r *recorder) Header() http.Header { return r.header }
 
+// WriteHeader records the response's status. An informational one (1xx: 103 Early Hints, say)
+// is not the response's: taken for it, a handler that then failed with 500 had its unit
+// committed and its response stored (and replayed) as a success.
 func (r *recorder) WriteHeader(status int) {
+	if status >= 100 && status < 200 {
+		return
+	}
 	if !r.written {
 		r.status, r.written = status, true
 	}

@@ -81,6 +81,11 @@ func newFixture(t *testing.T, mutate func(*idempotency.Config)) *fixture {
 			http.Error(w, err.Error(), http.StatusInternalServerError)
 			return
 		}
+		if string(body) == "early hints, then 500" {
+			w.WriteHeader(http.StatusEarlyHints) // informational: not the response
+			http.Error(w, "failed after its early hints", http.StatusInternalServerError)
+			return
+		}
 		if code, ok := strings.CutPrefix(string(body), "status:"); ok {
 			n, _ := strconv.Atoi(code)
 			http.Error(w, "refused", n)
@@ -299,6 +304,24 @@ func TestFailuresBoundsAndMissingKeys(t *testing.T) {
 	}
 	if f.orders() != 0 {
 		t.Fatalf("orders %d, want 0", f.orders())
+	}
+}
+
+// An informational status (103 Early Hints) before the response is not taken for it: a handler
+// that then fails has its unit rolled back and its failure answered, and a retry runs it again.
+// Before, the 103 was recorded as the response's status: the failed unit committed, and its
+// response was stored and replayed as a success.
+func TestInformationalStatusIsNotTheResponse(t *testing.T) {
+	f := newFixture(t, nil)
+	r := f.post("k-hints", "early hints, then 500")
+	if r.status != http.StatusInternalServerError || !strings.Contains(r.body, "early hints") {
+		t.Fatalf("a handler that sent 103 and then failed: %+v, want its 500", r)
+	}
+	if f.orders() != 0 {
+		t.Errorf("%d orders committed by a unit whose handler failed, want 0", f.orders())
+	}
+	if r := f.post("k-hints", "early hints, then 500"); r.status != http.StatusInternalServerError || r.header.Get(idempotency.ReplayedHeader) != "" || f.runs.Load() != 2 {
+		t.Errorf("retry: %+v after %d runs, want it run again (nothing stored)", r, f.runs.Load())
 	}
 }
 
