@@ -367,6 +367,13 @@ func (g *dbGate) succeeded() {
 // a connection already made (reset, terminated) is not one: it fails the work it broke, and the
 // next connection tells whether the database is gone.
 func unreachable(err error) bool {
+	if errors.Is(err, context.Canceled) {
+		// A dial its caller gave up (a client that went away, a shutdown, a member removed):
+		// the dialer says "dial" all the same, and it was taken for an outage, which held
+		// every unit of work back until a probe got an answer (and, once the background work
+		// had stopped, nothing probed).
+		return false
+	}
 	switch sqlState(err) {
 	case "57P03", // cannot_connect_now: starting up, shutting down, in recovery
 		"53300", // too_many_connections

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net"
 	"sync/atomic"
 	"syscall"
 	"testing"
@@ -127,5 +128,33 @@ func TestGateSuspicionIsConfirmedByTheProbe(t *testing.T) {
 	defer cancelShort()
 	if err := g.wait(short); !errors.Is(err, ErrDatabaseUnreachable) {
 		t.Fatalf("wait in the confirmed outage: %v, want ErrDatabaseUnreachable", err)
+	}
+}
+
+// A dial its caller cancelled is no outage; a refused one is.
+func TestCancelledDialIsNoOutage(t *testing.T) {
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	_, err := (&net.Dialer{}).DialContext(ctx, "tcp", "127.0.0.1:1")
+	var op *net.OpError
+	if !errors.As(err, &op) || op.Op != "dial" {
+		t.Fatalf("a dial with a cancelled context = %v, want a dial OpError", err)
+	}
+	if unreachable(err) {
+		t.Errorf("a dial its caller cancelled (%v) was taken for an unreachable database", err)
+	}
+	wrapped := fmt.Errorf("begin: %w", err)
+	if unreachable(wrapped) {
+		t.Errorf("a wrapped cancelled dial (%v) was taken for an unreachable database", wrapped)
+	}
+	ln, lerr := net.Listen("tcp", "127.0.0.1:0")
+	if lerr != nil {
+		t.Fatal(lerr)
+	}
+	addr := ln.Addr().String()
+	_ = ln.Close()
+	_, err = net.Dial("tcp", addr)
+	if err == nil || !unreachable(err) {
+		t.Errorf("a refused dial (%v) was not taken for an unreachable database", err)
 	}
 }
