@@ -245,8 +245,10 @@ func (o *Outbox) relayClaimed() {
 }
 
 // relayHealth reports a relay that is not running, that has failed its last rounds, or whose
-// last round is older than a round may take (RelayInterval, plus a lease's worth of publishing,
-// plus a minute).
+// last round is older than a round may take (RelayInterval, or the IdleMax its engine backs an
+// idle member off to when longer, plus a lease's worth of publishing, plus a minute). Without the
+// IdleMax, every idle member of a tenant.Set with an IdleMax past about two and a half minutes
+// was reported stuck between its rounds, and the Set's readiness with it.
 func (o *Outbox) relayHealth() error {
 	if s := o.tel.relayFailing.Load(); s != nil && s.n >= relayFailingAfter && o.relaysRunning.Load() > 0 {
 		return fmt.Errorf("failing: its last %d rounds could not claim effects, for %s: %w", s.n, time.Since(s.since).Round(time.Second), s.last)
@@ -257,7 +259,8 @@ func (o *Outbox) relayHealth() error {
 	if o.tel.lastRelayRound.Load() == 0 {
 		return nil // started, first round under way
 	}
-	if limit := o.cfg.RelayInterval + o.relayLease() + time.Minute; o.sinceRelayRound() > limit {
+	every := max(o.cfg.RelayInterval, time.Duration(o.relayIdleMax.Load()))
+	if limit := every + o.relayLease() + time.Minute; o.sinceRelayRound() > limit {
 		return fmt.Errorf("no round finished for %s (more than %s): stuck in a Publisher or the database", o.sinceRelayRound().Round(time.Second), limit)
 	}
 	return nil

@@ -76,6 +76,9 @@ type Outbox struct {
 	// leaves the new life's timer alone.
 	lifeMu sync.Mutex
 	life   *backgroundLife
+	// relayIdleMax is the IdleMax of the engine the relay runs on (nanoseconds; 0 under Run):
+	// how far apart an idle member's relay rounds may be, for relayHealth.
+	relayIdleMax atomic.Int64
 	// lastHandoff is when (UnixNano) effects were last left to the relays, here or, as far as a
 	// notification told, in another instance: until they are sent, each written mark wakes the
 	// relay, since effects handed over behind the marked ones may be free to go.
@@ -245,6 +248,7 @@ func (o *Outbox) Run(ctx context.Context) error {
 	if err != nil {
 		return fmt.Errorf("outbox: run: %w", err)
 	}
+	o.relayIdleMax.Store(0)
 	o.startServices(ctx, life)
 	// The periodic services run on an engine of their own, as its one member: the engine a Set
 	// of Outboxes shares is the same code with more members (JoinEngine).
@@ -332,6 +336,7 @@ func (o *Outbox) JoinEngine(ctx context.Context, eng *engine.Engine, name string
 		return nil, fmt.Errorf("outbox: join engine: %w", err)
 	}
 	o.tel.nameMember(name) // before the gauges are registered
+	o.relayIdleMax.Store(int64(max(idleMax, 0)))
 	o.startServices(ctx, life)
 	m := o.engineMember(name, idleMax, statsBudget)
 	m.Pool = pool

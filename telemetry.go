@@ -159,11 +159,17 @@ func (t *telemetry) memberName() string {
 }
 
 // nameMember names the Outbox's metrics after member from now on, when Config.Member named
-// none, and starts its counters at zero under that name.
+// none, and starts its counters at zero under that name. An Outbox removed from a Set and added
+// again under another name is named anew: set once, its metrics kept the first name while its
+// health and the console said the second.
 func (t *telemetry) nameMember(member string) {
-	if member == "" || !t.member.CompareAndSwap(nil, &member) {
+	if member == "" || t.memberFixed {
 		return
 	}
+	if old := t.member.Load(); old != nil && *old == member {
+		return
+	}
+	t.member.Store(&member)
 	t.startCounters(context.Background())
 	t.consumers.Range(func(c, _ any) bool {
 		t.startConsumerCounters(context.Background(), c.(string))
@@ -198,9 +204,10 @@ type telemetry struct {
 	dbUnreachable    metric.Int64Counter
 
 	attrSets sync.Map // attrKey -> metric.MeasurementOption
-	// member is the name on every metric (AttrMember): Config.Member, else the name a
-	// tenant.Set runs the Outbox under (nameMember), set once; nil: none.
-	member atomic.Pointer[string]
+	// member is the name on every metric (AttrMember): Config.Member (memberFixed), else the
+	// name a tenant.Set runs the Outbox under (nameMember); nil: none.
+	member      atomic.Pointer[string]
+	memberFixed bool
 	// kinds are the effect kinds whose dispatch counters were started at zero (startKind).
 	kinds sync.Map
 
@@ -385,6 +392,7 @@ func newTelemetry(o *Outbox) (*telemetry, error) {
 	// publishes on every path (appliers' kinds start when they are registered).
 	if o.cfg.Member != "" {
 		t.member.Store(&o.cfg.Member)
+		t.memberFixed = true
 	}
 	t.startCounters(context.Background())
 	t.startKind(context.Background(), kindName(KindPublish))

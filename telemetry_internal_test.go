@@ -208,3 +208,45 @@ func TestTelemetryBudgetedSampleStaleAfterTheGap(t *testing.T) {
 		t.Errorf("busy sample 240 s old, past the gap (150 s) and a minute: oldest pending age %v s, want its age", a)
 	}
 }
+
+// A relay that an engine backs off while idle (a tenant.Set's IdleMax) is not reported stuck
+// between two rounds IdleMax apart; under Run, the same gap is.
+func TestRelayHealthAllowsTheEnginesIdleBackoff(t *testing.T) {
+	o := &Outbox{cfg: Config{RelayInterval: time.Second, PublishTimeout: 30 * time.Second}}
+	o.relaysRunning.Add(1)
+	o.tel = &telemetry{}
+	o.tel.lastRelayRound.Store(time.Now().Add(-4 * time.Minute).UnixNano())
+	if err := o.relayHealth(); err == nil {
+		t.Error("a relay under Run whose last round was 4 minutes ago is reported healthy")
+	}
+	o.relayIdleMax.Store(int64(5 * time.Minute))
+	if err := o.relayHealth(); err != nil {
+		t.Errorf("a relay backed off to 5 minutes while idle, its last round 4 minutes ago: %v", err)
+	}
+	o.tel.lastRelayRound.Store(time.Now().Add(-10 * time.Minute).UnixNano())
+	if err := o.relayHealth(); err == nil {
+		t.Error("a relay backed off to 5 minutes, its last round 10 minutes ago, is reported healthy")
+	}
+}
+
+// An Outbox removed from a Set and added again under another name has its metrics named anew;
+// Config.Member stays whatever a Set calls it.
+func TestMetricsTakeTheMembersNewName(t *testing.T) {
+	tel, err := newTelemetry(&Outbox{cfg: Config{StatsInterval: 15 * time.Second}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	tel.nameMember("acme")
+	tel.nameMember("acme-eu")
+	if got := tel.memberName(); got != "acme-eu" {
+		t.Errorf("metrics of a member added again as acme-eu are named %q", got)
+	}
+	fixed, err := newTelemetry(&Outbox{cfg: Config{StatsInterval: 15 * time.Second, Member: "configured"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	fixed.nameMember("acme")
+	if got := fixed.memberName(); got != "configured" {
+		t.Errorf("metrics of an Outbox with Config.Member %q are named %q once a Set ran it", "configured", got)
+	}
+}

@@ -128,7 +128,10 @@ type Config struct {
 	// of the OutboxStatsStale alert's threshold), or IdleMax if longer; a commit, a message
 	// handled, a notification or a relay pass that sent something brings it back to
 	// StatsInterval (within StatsEvery). Its cleanup backs off, while it deletes nothing, up to ten
-	// CleanupIntervals. Default: DefaultIdleMax; negative: no backoff.
+	// CleanupIntervals. Default: DefaultIdleMax; negative: no backoff. A member's Health allows
+	// IdleMax between its relay's rounds; the shipped OutboxRelayStalled alert allows 180 s, so
+	// with an IdleMax past about two minutes raise its threshold to IdleMax plus a few minutes,
+	// or it fires for every idle member.
 	IdleMax time.Duration
 	// StatsEvery is the least time between the starts of two statistics samples, over all
 	// members: a member's sampling comes back to its StatsInterval at every commit, and 200
@@ -303,9 +306,13 @@ func (s *Set) Remove(ctx context.Context, name string) error {
 	m.mu.Unlock()
 	var err error
 	select {
-	case <-m.drained:
-	case <-ctx.Done():
-		err = fmt.Errorf("tenant: removing member %q: units of work still in flight: %w", name, ctx.Err())
+	case <-m.drained: // first: with none in flight and ctx ended, select picked either
+	default:
+		select {
+		case <-m.drained:
+		case <-ctx.Done():
+			err = fmt.Errorf("tenant: removing member %q: units of work still in flight: %w", name, ctx.Err())
+		}
 	}
 	if serr := s.stop(m); serr != nil {
 		err = errors.Join(err, fmt.Errorf("tenant: removing member %q: %w", name, serr))
