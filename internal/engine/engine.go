@@ -368,7 +368,22 @@ func (e *Engine) Stop(ctx context.Context) error {
 	if e.cancel != nil {
 		e.cancel()
 	}
+	var tasks []*task
+	for m := range e.members {
+		tasks = append(tasks, m.tasks...)
+	}
 	e.mu.Unlock()
+	// A stopped engine's tasks are woken no more: attached, each Stop left them on their
+	// Wakeups for good (an Outbox's relay and sampling, once per Run), and every wake (each
+	// commit) went through them.
+	for _, t := range tasks {
+		if t.Wake != nil {
+			t.Wake.detach(t)
+		}
+		if t.Resume != nil {
+			t.Resume.detach(t)
+		}
+	}
 	if !started {
 		return nil
 	}

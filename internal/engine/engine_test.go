@@ -929,3 +929,34 @@ func TestShutGateInAFullPoolLeavesTheSchedulerAsleep(t *testing.T) {
 	gate.setOpen()
 	waitFor(t, "the member to run once its gate opened and the pool's slot was free", func() bool { return down.n.Load() > 0 })
 }
+
+// A stopped engine's tasks leave their Wakeups: an Outbox's commits wake its relay through one
+// Wakeup for the life of the Outbox, and each Run's engine, once stopped, stayed attached to it.
+func TestStopDetachesTheWakeups(t *testing.T) {
+	wake, resume := &Wakeup{}, &Wakeup{}
+	attached := func(w *Wakeup) int {
+		w.mu.Lock()
+		defer w.mu.Unlock()
+		return len(w.tasks)
+	}
+	for range 3 { // three Runs one after another
+		e := New(Config{})
+		add(t, e, Member{Name: "m", Tasks: []Task{{Name: "relay", Every: time.Hour, Wake: wake, Resume: resume,
+			Run: func(context.Context) (Outcome, error) { return Idle, nil }}}})
+		if err := e.Start(context.Background()); err != nil {
+			t.Fatal(err)
+		}
+		if n := attached(wake); n != 1 {
+			t.Errorf("%d tasks on the Wakeup while one engine runs, want 1", n)
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		if err := e.Stop(ctx); err != nil {
+			t.Fatal(err)
+		}
+		cancel()
+	}
+	if n, r := attached(wake), attached(resume); n != 0 || r != 0 {
+		t.Errorf("%d tasks on the Wake and %d on the Resume after every engine stopped, want none", n, r)
+	}
+	wake.Wake() // wakes nothing, and does not block
+}
