@@ -400,6 +400,15 @@ func (o *Outbox) deadLetter(ctx, outcomeCtx context.Context, dl outboxdriver.Dea
 		// A store of another dialect that keeps none: as with DeadLettersOff.
 		return errNoDeadLetters
 	}
+	if errors.Is(err, outboxdriver.ErrProcessedMeanwhile) {
+		// A copy of the message (the claim waited for it, or the message came on two topics)
+		// was processed while this delivery failed: the message is not dead, and this
+		// delivery is a duplicate of the one that succeeded. Dead-lettered, it was listed as
+		// dead (with a copy on the poison topic) although it had been processed.
+		setOutcome(outcomeCtx, OutcomeDuplicate)
+		o.logger.Info("Failed delivery acked as a duplicate: a copy of the message was processed meanwhile", fields.Add(watermill.LogFields{"error": cause.Error()}))
+		return nil
+	}
 	if err != nil {
 		o.logger.Error("Storing a dead letter failed; the message is nacked", err, fields)
 		return counted(fmt.Errorf("%w (and storing it as a dead letter failed: %w)", cause, err), max(attempts, 1))

@@ -124,3 +124,8 @@ var ErrDeadLetterNowUnsupported = errors.New("outbox: the driver cannot dead-let
 // ErrDeadLettersUnsupported is returned by the dead-letter operations of a Store that keeps
 // none.
 var ErrDeadLettersUnsupported = errors.New("outbox: the driver keeps no dead letters")
+
+// ErrProcessedMeanwhile is returned by DeadLetterInsert, which then stores nothing, when the
+// message's claim was written by a copy that was processed while this delivery failed: the
+// message is not dead, and the failed delivery is a duplicate of the one that succeeded.
+var ErrProcessedMeanwhile = errors.New("outbox: a copy of the message was processed meanwhile")

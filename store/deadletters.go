@@ -78,8 +78,21 @@ func (s *SQL) DeadLetterInsert(ctx context.Context, dl outboxdriver.DeadLetter, 
 		nonNil(dl.Payload), EncodeMetadata(dl.Metadata), reason, attempts, dl.Permanent); err != nil {
 		return 0, fmt.Errorf("store the dead letter: %w", s.wrap(err))
 	}
-	if _, err := tx.ExecContext(ctx, s.d.Queries.MessagePoison, dl.Consumer, dl.MessageID); err != nil {
+	res, err := tx.ExecContext(ctx, s.d.Queries.MessagePoison, dl.Consumer, dl.MessageID)
+	if err != nil {
 		return 0, fmt.Errorf("mark the claim poisoned: %w", s.wrap(err))
+	}
+	if n, err := res.RowsAffected(); err == nil && n == 0 && s.d.Queries.MessagePoisonedRead != "" {
+		// A claim is there already: a poisoned one (the message dead-lettered before), or the
+		// claim of a copy that was processed while this delivery failed (a copy the claim
+		// waited for, one message read from two topics).
+		var poisoned bool
+		if err := tx.QueryRowContext(ctx, s.d.Queries.MessagePoisonedRead, dl.Consumer, dl.MessageID).Scan(&poisoned); err != nil {
+			return 0, fmt.Errorf("read the claim found: %w", s.wrap(err))
+		}
+		if !poisoned {
+			return 0, outboxdriver.ErrProcessedMeanwhile
+		}
 	}
 	if poison != nil {
 		effects := []outboxdriver.Effect{*poison}

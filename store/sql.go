@@ -34,9 +34,13 @@ type Queries struct {
 	MessageAge                 string // (consumer, id) -> age of the claim in ms
 	MessageIsProcessed         string // (consumer, id) -> a row when processed
 	MessagePoison              string // (consumer, id)
-	MessageReplay              string // (consumer, id): delete the claim if it is poisoned
-	AttemptRecord              string // (consumer, id, reason) -> attempts
-	AttemptDelete              string // (consumer, id)
+	// MessagePoisonedRead: (consumer, id) -> whether the claim is poisoned, a locking read (which
+	// sees the latest committed row whatever the isolation level), for DeadLetterInsert when
+	// MessagePoison wrote nothing. Empty: not read (a claim found is taken for a poisoned one).
+	MessagePoisonedRead string
+	MessageReplay       string // (consumer, id): delete the claim if it is poisoned
+	AttemptRecord       string // (consumer, id, reason) -> attempts
+	AttemptDelete       string // (consumer, id)
 	// EffectInsert returns the insert of n effects: (consumer, id) then per effect
 	// (seq, kind, topic, uuid, payload, metadata, ordering_key); it returns (id, seq, in
 	// savepoint) per effect.

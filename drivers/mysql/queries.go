@@ -67,9 +67,10 @@ func (q queries) store() store.Queries {
 		MessageIsProcessed:            `SELECT 1 FROM ` + n.Processed + ` WHERE consumer = ? AND message_id = ?`,
 		MessagePoison: `INSERT IGNORE INTO ` + n.Processed + ` (consumer, message_id, processed_at, dispatched_at, poisoned)
 			VALUES (?, ?, ` + now + `, ` + now + `, TRUE)`,
-		MessageReplay:  `DELETE FROM ` + n.Processed + ` WHERE consumer = ? AND message_id = ? AND poisoned`,
-		AttemptDelete:  `DELETE FROM ` + n.Attempts + ` WHERE consumer = ? AND message_id = ?`,
-		EffectExisting: `SELECT e.id FROM ` + ids("?") + ` JOIN ` + n.Effects + ` e ON e.id = v.id`,
+		MessagePoisonedRead: `SELECT poisoned FROM ` + n.Processed + ` WHERE consumer = ? AND message_id = ? LOCK IN SHARE MODE`,
+		MessageReplay:       `DELETE FROM ` + n.Processed + ` WHERE consumer = ? AND message_id = ? AND poisoned`,
+		AttemptDelete:       `DELETE FROM ` + n.Attempts + ` WHERE consumer = ? AND message_id = ?`,
+		EffectExisting:      `SELECT e.id FROM ` + ids("?") + ` JOIN ` + n.Effects + ` e ON e.id = v.id`,
 		EffectListPending: `SELECT ` + effectColumns + ` FROM ` + n.Effects + ` e
 			WHERE e.source_consumer = ? AND e.source_id = ? AND e.dispatched_at IS NULL ORDER BY e.seq`,
 		// The arguments (id, reason, counted, park, delay) are used out of order: a derived row

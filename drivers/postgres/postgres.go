@@ -480,7 +480,8 @@ func queries(n store.Names, deleteDispatched bool, gen *Generation) store.Querie
 		MessageIsProcessed:            `SELECT 1 FROM ` + n.Processed + ` WHERE consumer = $1 AND message_id = $2`,
 		MessagePoison: `INSERT INTO ` + n.Processed + ` (consumer, message_id, dispatched_at, poisoned) VALUES ($1, $2, now(), true)
 			ON CONFLICT (consumer, message_id) DO NOTHING`,
-		MessageReplay: `DELETE FROM ` + n.Processed + ` WHERE consumer = $1 AND message_id = $2 AND poisoned`,
+		MessagePoisonedRead: `SELECT poisoned FROM ` + n.Processed + ` WHERE consumer = $1 AND message_id = $2 FOR SHARE`,
+		MessageReplay:       `DELETE FROM ` + n.Processed + ` WHERE consumer = $1 AND message_id = $2 AND poisoned`,
 		AttemptRecord: `INSERT INTO ` + n.Attempts + ` AS a (consumer, message_id, attempts, last_error) VALUES ($1, $2, 1, $3)
 			ON CONFLICT (consumer, message_id) DO UPDATE
 			SET attempts = a.attempts + 1, last_error = EXCLUDED.last_error, last_failed_at = now()

@@ -136,7 +136,8 @@ func queries(n store.Names) store.Queries {
 		MessageIsProcessed: `SELECT 1 FROM ` + n.Processed + ` WHERE consumer = ?1 AND message_id = ?2`,
 		MessagePoison: `INSERT INTO ` + n.Processed + ` (consumer, message_id, dispatched_at, poisoned) VALUES (?1, ?2, ` + now + `, 1)
 			ON CONFLICT (consumer, message_id) DO NOTHING`,
-		MessageReplay: `DELETE FROM ` + n.Processed + ` WHERE consumer = ?1 AND message_id = ?2 AND poisoned`,
+		MessagePoisonedRead: `SELECT poisoned FROM ` + n.Processed + ` WHERE consumer = ?1 AND message_id = ?2`,
+		MessageReplay:       `DELETE FROM ` + n.Processed + ` WHERE consumer = ?1 AND message_id = ?2 AND poisoned`,
 		AttemptRecord: `INSERT INTO ` + n.Attempts + ` (consumer, message_id, attempts, last_error) VALUES (?1, ?2, 1, ?3)
 			ON CONFLICT (consumer, message_id) DO UPDATE
 			SET attempts = attempts + 1, last_error = excluded.last_error, last_failed_at = ` + now + `

@@ -366,3 +366,46 @@ func testDeadLettersMaxRetriesStale(f *fixture) {
 		f.t.Fatalf("dead letter after the operator's retry: %s, %d retries; want retried, 2", st, r)
 	}
 }
+
+// testDeadLetterProcessedMeanwhile: a delivery that failed while a copy of its message was
+// processed (the copy's claim committed first) stores no dead letter, no poison copy and no
+// attempt: the message is not dead. A message dead-lettered before (its claim poisoned) is
+// dead-lettered again as before.
+func testDeadLetterProcessedMeanwhile(f *fixture) {
+	ds, ok := f.st.(outboxdriver.DeadLetterStore)
+	if !ok {
+		f.t.Skipf("%T keeps no dead letters", f.st)
+	}
+	src := f.src("processed-by-a-copy")
+	f.commit(src, true, nil) // the copy that succeeded
+	poison := &outboxdriver.Effect{Kind: outboxdriver.KindPublish, Topic: "poison", UUID: src.ID, Source: src,
+		OrderingKey: outboxdriver.DefaultOrderingKey(src)}
+	_, err := ds.DeadLetterInsert(f.ctx, outboxdriver.DeadLetter{Consumer: src.Consumer, MessageID: src.ID, SourceTopic: "orders",
+		Reason: "failed beside the copy"}, true, poison)
+	if !errors.Is(err, outboxdriver.ErrProcessedMeanwhile) {
+		f.t.Fatalf("DeadLetterInsert of a message a copy processed = %v, want ErrProcessedMeanwhile", err)
+	}
+	dls, err := ds.DeadLetterList(f.ctx, outboxdriver.DeadLetterFilter{Consumer: src.Consumer})
+	if err != nil {
+		f.t.Fatal(err)
+	}
+	for _, d := range dls {
+		if d.MessageID == src.ID {
+			f.t.Fatalf("a dead letter was stored for a message a copy processed: %+v", d)
+		}
+	}
+	if es := f.pending(src); len(es) != 0 {
+		f.t.Fatalf("pending effects of a message a copy processed: %+v, want no poison copy", es)
+	}
+	if !f.processed(src) {
+		f.t.Fatal("the copy's claim is gone")
+	}
+
+	dead := f.src("dead-twice")
+	for i := range 2 {
+		if _, err := ds.DeadLetterInsert(f.ctx, outboxdriver.DeadLetter{Consumer: dead.Consumer, MessageID: dead.ID,
+			Reason: "max attempts", Attempts: 3}, false, nil); err != nil {
+			f.t.Fatalf("DeadLetterInsert %d of a message whose claim it poisoned: %v", i+1, err)
+		}
+	}
+}

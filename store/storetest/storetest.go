@@ -143,6 +143,7 @@ func Run(t *testing.T, newHarness func(t *testing.T) Harness) {
 		{"MessageReplay", testReplay},
 		{"MessageReplay/DeadLetter", testReplayDeadLetter},
 		{"DeadLetters", testDeadLetters},
+		{"DeadLetters/ProcessedMeanwhile", testDeadLetterProcessedMeanwhile},
 		{"DeadLetters/CleanupWhileDeadAgain", testDeadLettersCleanupDeadAgain},
 		{"DeadLetters/MaxRetriesOnAStaleCount", testDeadLettersMaxRetriesStale},
 		{"DeadLetterNow", testDeadLetterNow},
