@@ -273,9 +273,9 @@ func (o *Outbox) Run(ctx context.Context) error {
 // that order, so that no mark is queued after the marks were written. A run that ignores its
 // context keeps the rest waiting in the background, and shutdown returns an error naming what it
 // waited for: life.stop then runs once that run returns, if the process lives that long, and the
-// life is abandoned meanwhile (a new one may begin: a supervisor that runs the Outbox again). What the run leaves
-// unwritten is safe: its effects stay leased, and are sent again with the same UUIDs when the
-// lease ends (at-least-once, the ID stable).
+// life is abandoned meanwhile (a new one may begin: a supervisor that runs the Outbox again).
+// What the run leaves unwritten is safe: its effects stay leased, and are sent again with the
+// same UUIDs when the lease ends (at-least-once, the ID stable).
 func (o *Outbox) shutdown(ctx context.Context, leave func(context.Context) error, life *backgroundLife) error {
 	timeout := o.cfg.ShutdownTimeout
 	sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), timeout)

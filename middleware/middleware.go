@@ -179,8 +179,6 @@ func acked(msg *message.Message) bool {
 	}
 }
 
-// readID calls the WithMessageID function, turning a panic into an error: the message is then
-// rejected like one without a usable ID.
 // refusal runs the WithRefusal check; a panic in it refuses the message, as the check's error
 // would: unrecovered, it crashed the process, or (under a Recoverer) nacked the message for ever.
 func refusal(fn func(*message.Message) error, msg *message.Message) (err error) {
@@ -192,6 +190,8 @@ func refusal(fn func(*message.Message) error, msg *message.Message) (err error) 
 	return fn(msg)
 }
 
+// readID calls the WithMessageID function, turning a panic into an error: the message is then
+// rejected like one without a usable ID.
 func readID(fn func(*message.Message) (string, error), msg *message.Message) (id string, err error) {
 	defer func() {
 		if r := recover(); r != nil {

@@ -83,7 +83,8 @@ type inlineQueries struct {
 
 	claimMarking string // the claim (consumer, id), and the marks of (consumer, IDs sent, IDs sent late): messageClaimMarking
 	// markSkipping and markLateSkipping are mark and markLate skipping the claims another
-	// transaction holds locked: (consumer, IDs) -> the IDs of the claims not skipped.
+	// transaction holds locked: (consumer, IDs) -> the IDs of the claims skipped that hold
+	// effects to clear (markSkipping).
 	markSkipping     string
 	markLateSkipping string
 

@@ -368,8 +368,8 @@ func testDeadLettersMaxRetriesStale(f *fixture) {
 }
 
 // testDeadLetterProcessedMeanwhile: a delivery that failed while a copy of its message was
-// processed (the copy's claim committed first) stores no dead letter, no poison copy and no
-// attempt: the message is not dead. A message dead-lettered before (its claim poisoned) is
+// processed (the copy's claim committed first) stores no dead letter and no poison copy: the
+// message is not dead. A message dead-lettered before (its claim poisoned) is
 // dead-lettered again as before.
 func testDeadLetterProcessedMeanwhile(f *fixture) {
 	ds, ok := f.st.(outboxdriver.DeadLetterStore)
