@@ -27,6 +27,19 @@ import (
 // moment. The consumer must then process it exactly once, with its own UUID, while a second
 // consumer of the topic, which processed it the first time, does not process it again.
 func TestRetriedDeadLetterIsProcessedOnce(t *testing.T) {
+	retriedDeadLetterIsProcessedOnce(t, false)
+}
+
+// TestRetriedDeadLetterKeepsTheUUID is TestRetriedDeadLetterIsProcessedOnce with a consumer that
+// reads its message ID from the metadata (middleware.WithMessageID): the dead letter is keyed by
+// that ID, and the retry must still publish the message with its own UUID. Republished under
+// that ID as its UUID, it was a new message to the topic's second consumer, which processed it
+// again.
+func TestRetriedDeadLetterKeepsTheUUID(t *testing.T) {
+	retriedDeadLetterIsProcessedOnce(t, true)
+}
+
+func retriedDeadLetterIsProcessedOnce(t *testing.T, idFromMetadata bool) {
 	const topic = "orders.dead"
 	e := newEnv(t)
 	e.initTopics(topic)
@@ -55,7 +68,11 @@ func TestRetriedDeadLetterIsProcessedOnce(t *testing.T) {
 	ob := e.newOutbox(withRealPublisher(t, e.db), routertest.WithLogger(logs), cfg)
 	routertest.RunOutbox(t, ob)
 	r := routertest.NewRouter(t, logs)
-	r.AddConsumerHandler("stock", topic, newSQLSubscriber(t, e.db, "stock", topic), apply("stock", true)).AddMiddleware(middleware.New(ob))
+	var opts []middleware.Option
+	if idFromMetadata {
+		opts = append(opts, middleware.WithMessageID(func(m *message.Message) (string, error) { return m.Metadata.Get("order_id"), nil }))
+	}
+	r.AddConsumerHandler("stock", topic, newSQLSubscriber(t, e.db, "stock", topic), apply("stock", true)).AddMiddleware(middleware.New(ob, opts...))
 	other := e.newOutbox(withRealPublisher(t, e.db), routertest.WithLogger(logs), cfg)
 	routertest.RunOutbox(t, other)
 	r.AddConsumerHandler("billing", topic, newSQLSubscriber(t, e.db, "billing", topic), apply("billing", false)).AddMiddleware(middleware.New(other))
@@ -67,6 +84,11 @@ func TestRetriedDeadLetterIsProcessedOnce(t *testing.T) {
 	}
 	msg := message.NewMessage(uuid.NewString(), []byte("order 1"))
 	msg.Metadata.Set("tenant", "t1")
+	msg.Metadata.Set("order_id", "order-1")
+	stockID := msg.UUID
+	if idFromMetadata {
+		stockID = "order-1"
+	}
 	if err := producer.Publish(topic, msg); err != nil {
 		t.Fatal(err)
 	}
@@ -81,7 +103,7 @@ func TestRetriedDeadLetterIsProcessedOnce(t *testing.T) {
 		caught, state := sqlCaughtUp(t, e.db, topic, "stock", "billing")
 		return len(dead) == 1 && caught, fmt.Sprintf("%d dead letters; %s", len(dead), state)
 	})
-	if d := dead[0]; d.Consumer != "stock" || d.MessageID != msg.UUID || d.SourceTopic != topic || !d.Permanent ||
+	if d := dead[0]; d.Consumer != "stock" || d.MessageID != stockID || d.SourceTopic != topic || !d.Permanent ||
 		string(d.Payload) != "order 1" || d.Metadata["tenant"] != "t1" {
 		t.Fatalf("dead letter: %+v", d)
 	}
@@ -95,7 +117,7 @@ func TestRetriedDeadLetterIsProcessedOnce(t *testing.T) {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			n, err := ob.RetryDeadLetters(ctx, actor, outbox.Source{Consumer: "stock", ID: msg.UUID})
+			n, err := ob.RetryDeadLetters(ctx, actor, outbox.Source{Consumer: "stock", ID: stockID})
 			if err != nil {
 				t.Error(err)
 			}

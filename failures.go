@@ -393,7 +393,7 @@ func (o *Outbox) deadLetter(ctx, outcomeCtx context.Context, dl outboxdriver.Dea
 		poison = &e
 	}
 	n, err := dl.DeadLetterInsert(ctx, outboxdriver.DeadLetter{
-		Consumer: src.Consumer, MessageID: src.ID, SourceTopic: sourceTopic(outcomeCtx, msg),
+		Consumer: src.Consumer, MessageID: src.ID, UUID: msg.UUID, SourceTopic: sourceTopic(outcomeCtx, msg),
 		Payload: msg.Payload, Metadata: msg.Metadata, Reason: reason, Attempts: attempts, Permanent: permanent,
 	}, count, poison)
 	if errors.Is(err, outboxdriver.ErrDeadLettersUnsupported) {

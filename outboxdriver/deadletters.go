@@ -21,6 +21,11 @@ type DeadLetter struct {
 	// Consumer and MessageID key it: one dead letter per message and consumer.
 	Consumer  string
 	MessageID string
+	// UUID is the message's UUID, which a retry publishes it with again: it differs from
+	// MessageID when the consumer reads its ID from elsewhere (middleware.WithMessageID). Empty
+	// when unknown (a dead letter stored by a version before it was kept): a retry then uses
+	// MessageID.
+	UUID string
 	// SourceTopic is the topic the message was received from (empty when unknown); a retry
 	// publishes the message there again.
 	SourceTopic string
@@ -81,7 +86,8 @@ type DeadLetterStore interface {
 	// DeadLetterRetry hands dead letters back to their consumers, each in one transaction: the
 	// dead letter (in state dead) becomes retried, the poisoned claim of the message and its
 	// failed attempts are deleted, and the stored message is written as an effect (kind publish,
-	// to its source topic, with its message ID as UUID, its payload and metadata) of source src
+	// to its source topic, with its UUID (its message ID when the UUID is unknown), its payload
+	// and metadata) of source src
 	// (a source of its own per retry, given by newSource), due for the relay at once (as after
 	// EffectHandToRelay), so that the relay sends it. It returns
 	// how many it retried; those not found dead, or retried c.MaxRetries times already, are

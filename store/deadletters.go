@@ -22,18 +22,19 @@ type DeadLetterQueries struct {
 	// dead letter's transaction: it returns the count, or with AttemptRead set returns nothing and
 	// AttemptRead (consumer, id) reads it.
 	Attempt, AttemptRead string
-	// Upsert (consumer, id, source topic, payload, metadata, reason, attempts, permanent) stores a
-	// dead letter in state dead, replacing the one before (retried or discarded) if any.
+	// Upsert (consumer, id, source topic, payload, metadata, reason, attempts, permanent, UUID or
+	// "") stores a dead letter in state dead, replacing the one before (retried or discarded) if
+	// any; an empty UUID keeps the one stored before.
 	Upsert string
 	// List (consumer or "", state or "", limit) -> consumer, id, source topic, payload, metadata,
 	// reason, attempts, permanent, ms since dead, state, ms since changed (NULL allowed), changed
-	// by, retries; oldest first.
+	// by, retries, UUID ("" when unknown); oldest first.
 	List string
 	// Mark (state, actor, consumer, id, retry limit) moves a dead letter in state dead that was
 	// retried fewer times than the limit to state, counting a retry when state is retried; rows
 	// affected.
 	Mark string
-	// Read (consumer, id) -> source topic, payload, metadata.
+	// Read (consumer, id) -> source topic, payload, metadata, UUID ("" when unknown).
 	Read string
 	// Count (count cap) -> dead letters in state dead, counted up to the cap.
 	Count string
@@ -75,7 +76,7 @@ func (s *SQL) DeadLetterInsert(ctx context.Context, dl outboxdriver.DeadLetter, 
 		}
 	}
 	if _, err := tx.ExecContext(ctx, q.Upsert, dl.Consumer, dl.MessageID, outboxdriver.StorableText(dl.SourceTopic),
-		nonNil(dl.Payload), EncodeMetadata(dl.Metadata), reason, attempts, dl.Permanent); err != nil {
+		nonNil(dl.Payload), EncodeMetadata(dl.Metadata), reason, attempts, dl.Permanent, dl.UUID); err != nil {
 		return 0, fmt.Errorf("store the dead letter: %w", s.wrap(err))
 	}
 	res, err := tx.ExecContext(ctx, s.d.Queries.MessagePoison, dl.Consumer, dl.MessageID)
@@ -159,7 +160,7 @@ func (s *SQL) DeadLetterList(ctx context.Context, f outboxdriver.DeadLetterFilte
 			changedMs sql.NullInt64
 		)
 		if err := rows.Scan(&d.Consumer, &d.MessageID, &topic, &d.Payload, &md, &d.Reason, &d.Attempts, &permanent,
-			&deadMs, &state, &changedMs, &d.ChangedBy, &d.Retries); err != nil {
+			&deadMs, &state, &changedMs, &d.ChangedBy, &d.Retries, &d.UUID); err != nil {
 			return nil, fmt.Errorf("list dead letters: %w", s.wrap(err))
 		}
 		d.SourceTopic = string(topic)
@@ -200,8 +201,9 @@ func (s *SQL) DeadLetterRetryAudited(ctx context.Context, c outboxdriver.DeadLet
 	return s.eachDeadLetter(ctx, c, outboxdriver.DeadLetterRetried, audit, func(tx *sql.Tx, key outboxdriver.Source) error {
 		var (
 			topic, payload, md []byte
+			uuid               string
 		)
-		if err := tx.QueryRowContext(ctx, q.Read, key.Consumer, key.ID).Scan(&topic, &payload, &md); err != nil {
+		if err := tx.QueryRowContext(ctx, q.Read, key.Consumer, key.ID).Scan(&topic, &payload, &md, &uuid); err != nil {
 			return fmt.Errorf("read the dead letter: %w", s.wrap(err))
 		}
 		if len(topic) == 0 {
@@ -217,9 +219,12 @@ func (s *SQL) DeadLetterRetryAudited(ctx context.Context, c outboxdriver.DeadLet
 		if _, err := tx.ExecContext(ctx, s.d.Queries.AttemptDelete, key.Consumer, key.ID); err != nil {
 			return fmt.Errorf("reset the attempts: %w", s.wrap(err))
 		}
+		if uuid == "" {
+			uuid = key.ID // stored before its UUID was kept: by default the message's ID is its UUID
+		}
 		src := newSource()
 		e := []outboxdriver.Effect{{
-			Kind: outboxdriver.KindPublish, Topic: string(topic), UUID: key.ID, Payload: nonNil(payload), Metadata: metadata,
+			Kind: outboxdriver.KindPublish, Topic: string(topic), UUID: uuid, Payload: nonNil(payload), Metadata: metadata,
 			Source: src, OrderingKey: outboxdriver.DefaultOrderingKey(src),
 		}}
 		if _, err := s.effectInsert(ctx, tx, src, e, false); err != nil {

@@ -23,17 +23,29 @@ func migratedBeforeRotation(t *testing.T, db *sql.DB, prefix string) []store.Mig
 	if err != nil {
 		t.Fatal(err)
 	}
-	if last := ms[len(ms)-1]; last.Version != 23 {
-		t.Fatalf("the last migration is %d, want 23 (the rotation)", last.Version)
-	}
 	n, err := namesOf("", prefix)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := store.Migrate(context.Background(), db, migrateQueries(n), ms[:len(ms)-1]); err != nil {
+	if err := store.Migrate(context.Background(), db, migrateQueries(n), beforeRotation(t, ms)); err != nil {
 		t.Fatal(err)
 	}
 	return ms
+}
+
+// beforeRotation returns the migrations before the rotation (023).
+func beforeRotation(t *testing.T, ms []store.Migration) []store.Migration {
+	t.Helper()
+	for i, m := range ms {
+		if m.Version == 23 {
+			if m.Name != "effects_rotated" {
+				t.Fatalf("migration 23 is %q, want the rotation", m.Name)
+			}
+			return ms[:i]
+		}
+	}
+	t.Fatal("no migration 23 (the rotation)")
+	return nil
 }
 
 // previousVersion is a Store of the version before migration 023: its statements name the effects

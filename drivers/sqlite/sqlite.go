@@ -319,22 +319,23 @@ func deadLetterQueries(n store.Names) store.DeadLetterQueries {
 			ON CONFLICT (consumer, message_id) DO UPDATE
 			SET attempts = attempts + 1, last_error = excluded.last_error, last_failed_at = ` + now + `
 			RETURNING attempts`,
-		Upsert: `INSERT INTO ` + n.DeadLetters + ` (consumer, message_id, source_topic, payload, metadata, reason, attempts, permanent)
-			VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)
+		Upsert: `INSERT INTO ` + n.DeadLetters + ` (consumer, message_id, source_topic, payload, metadata, reason, attempts, permanent, message_uuid)
+			VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, nullif(?9, ''))
 			ON CONFLICT (consumer, message_id) DO UPDATE
 			SET source_topic = CASE WHEN excluded.source_topic = '' THEN source_topic ELSE excluded.source_topic END,
+				message_uuid = coalesce(excluded.message_uuid, message_uuid),
 				payload = excluded.payload, metadata = excluded.metadata, reason = excluded.reason,
 				attempts = excluded.attempts, permanent = excluded.permanent, dead_at = ` + now + `,
 				state = 'dead', changed_at = NULL, changed_by = ''`,
 		List: `SELECT consumer, message_id, source_topic, payload, metadata, reason, attempts, permanent,
-				` + msSince("dead_at") + `, state, ` + msSince("changed_at") + `, changed_by, retries
+				` + msSince("dead_at") + `, state, ` + msSince("changed_at") + `, changed_by, retries, coalesce(message_uuid, '')
 			FROM ` + n.DeadLetters + `
 			WHERE (?1 = '' OR consumer = ?1) AND (?2 = '' OR state = ?2)
 			ORDER BY dead_at, consumer, message_id LIMIT ?3`,
 		Mark: `UPDATE ` + n.DeadLetters + ` SET state = ?1, changed_at = ` + now + `, changed_by = ?2,
 				retries = retries + CASE WHEN ?1 = 'retried' THEN 1 ELSE 0 END
 			WHERE consumer = ?3 AND message_id = ?4 AND state = 'dead' AND retries < ?5`,
-		Read:  `SELECT source_topic, payload, metadata FROM ` + n.DeadLetters + ` WHERE consumer = ?1 AND message_id = ?2`,
+		Read:  `SELECT source_topic, payload, metadata, coalesce(message_uuid, '') FROM ` + n.DeadLetters + ` WHERE consumer = ?1 AND message_id = ?2`,
 		Count: `SELECT count(*) FROM (SELECT 1 FROM ` + n.DeadLetters + ` WHERE state = 'dead' LIMIT ?1)`,
 		Cleanup: `DELETE FROM ` + n.DeadLetters + ` WHERE (consumer, message_id) IN (` + cleanupDead + ` LIMIT ?2)
 			AND changed_at < ` + ago("?1"),

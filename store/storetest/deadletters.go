@@ -409,3 +409,58 @@ func testDeadLetterProcessedMeanwhile(f *fixture) {
 		}
 	}
 }
+
+// testDeadLetterUUID: a dead letter keyed by a message ID that is not the message's UUID (a
+// consumer reading its ID from the metadata) keeps the UUID; a retry publishes the message with
+// it, which a dead letter of the message again without one keeps. A retry under the message ID
+// made a copy with a UUID of its own, no duplicate to the topic's other consumers.
+func testDeadLetterUUID(f *fixture) {
+	ds, ok := f.st.(outboxdriver.DeadLetterStore)
+	if !ok {
+		f.t.Skipf("%T keeps no dead letters", f.st)
+	}
+	src := f.src("order-7")
+	const uuid = "0b9d2a7e-uuid-of-the-message"
+	if _, err := ds.DeadLetterInsert(f.ctx, outboxdriver.DeadLetter{Consumer: src.Consumer, MessageID: src.ID, UUID: uuid,
+		SourceTopic: "orders", Payload: []byte("p"), Reason: "bad"}, true, nil); err != nil {
+		f.t.Fatal(err)
+	}
+	dls, err := ds.DeadLetterList(f.ctx, outboxdriver.DeadLetterFilter{Consumer: src.Consumer})
+	if err != nil || len(dls) != 1 || dls[0].UUID != uuid || dls[0].MessageID != src.ID {
+		f.t.Fatalf("DeadLetterList = %+v, %v; want the dead letter with UUID %q", dls, err, uuid)
+	}
+	retry := func(id string) []outboxdriver.Effect {
+		f.t.Helper()
+		rs := outboxdriver.Source{ID: id}
+		if n, err := ds.DeadLetterRetry(f.ctx, outboxdriver.DeadLetterChange{Keys: []outboxdriver.Source{src}, Actor: "ops"},
+			func() outboxdriver.Source { return rs }); err != nil || n != 1 {
+			f.t.Fatalf("DeadLetterRetry = %d, %v; want 1", n, err)
+		}
+		return f.pending(rs)
+	}
+	if es := retry("retry-1-of-order-7"); len(es) != 1 || es[0].UUID != uuid {
+		f.t.Fatalf("effect of the retry: %+v; want the message with its UUID %q", es, uuid)
+	}
+	// Dead again, by a delivery that cannot tell the UUID: the one stored is kept.
+	if _, err := ds.DeadLetterInsert(f.ctx, outboxdriver.DeadLetter{Consumer: src.Consumer, MessageID: src.ID,
+		Payload: []byte("p"), Reason: "again"}, true, nil); err != nil {
+		f.t.Fatal(err)
+	}
+	if es := retry("retry-2-of-order-7"); len(es) != 1 || es[0].UUID != uuid {
+		f.t.Fatalf("effect of the second retry: %+v; want the message with its UUID %q", es, uuid)
+	}
+	// A dead letter without a UUID (stored by a version that kept none) is retried under its ID.
+	old := f.src("stored-before")
+	if _, err := ds.DeadLetterInsert(f.ctx, outboxdriver.DeadLetter{Consumer: old.Consumer, MessageID: old.ID,
+		SourceTopic: "orders", Payload: []byte("p"), Reason: "bad"}, true, nil); err != nil {
+		f.t.Fatal(err)
+	}
+	rs := outboxdriver.Source{ID: "retry-of-stored-before"}
+	if _, err := ds.DeadLetterRetry(f.ctx, outboxdriver.DeadLetterChange{Keys: []outboxdriver.Source{old}, Actor: "ops"},
+		func() outboxdriver.Source { return rs }); err != nil {
+		f.t.Fatal(err)
+	}
+	if es := f.pending(rs); len(es) != 1 || es[0].UUID != old.ID {
+		f.t.Fatalf("effect of the retry without a UUID: %+v; want UUID %q", es, old.ID)
+	}
+}

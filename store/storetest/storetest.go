@@ -144,6 +144,7 @@ func Run(t *testing.T, newHarness func(t *testing.T) Harness) {
 		{"MessageReplay/DeadLetter", testReplayDeadLetter},
 		{"DeadLetters", testDeadLetters},
 		{"DeadLetters/ProcessedMeanwhile", testDeadLetterProcessedMeanwhile},
+		{"DeadLetters/UUID", testDeadLetterUUID},
 		{"DeadLetters/CleanupWhileDeadAgain", testDeadLettersCleanupDeadAgain},
 		{"DeadLetters/MaxRetriesOnAStaleCount", testDeadLettersMaxRetriesStale},
 		{"DeadLetterNow", testDeadLetterNow},

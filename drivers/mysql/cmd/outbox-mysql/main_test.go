@@ -111,7 +111,7 @@ func TestCommandsOnMySQL(t *testing.T) {
 		t.Errorf("status without the tables: exit %d: %s; want 1 and the fix", code, errOut)
 	}
 	code, out, errOut := cli(t, dsn, "migrate", "up")
-	if code != 0 || !strings.Contains(out, "applied 8 migration(s): 001_init, 002_idempotency, 003_delayed, 004_binary_identifiers, 005_dead_letters, 006_delayed_key, 007_dead_letter_now, 008_backoff_until") {
+	if code != 0 || !strings.Contains(out, "applied 9 migration(s): 001_init, 002_idempotency, 003_delayed, 004_binary_identifiers, 005_dead_letters, 006_delayed_key, 007_dead_letter_now, 008_backoff_until, 009_dead_letter_uuid") {
 		t.Fatalf("migrate up: exit %d: %s%s", code, out, errOut)
 	}
 	if code, out, _ := cli(t, dsn, "migrate", "up"); code != 0 || !strings.Contains(out, "no migration to apply") {
