@@ -21,7 +21,7 @@ import (
 // closes the gate and wakes every waiter.
 //
 // It knows nothing of an Outbox (a probe and two delays), so that the Outboxes of one database
-// can share one.
+// share one (joinGate).
 type dbGate struct {
 	probe func(context.Context) error
 	// unreachable tells a failure that means the database cannot be reached.
@@ -35,6 +35,8 @@ type dbGate struct {
 	// poolFull, when not nil, tells that every connection the work may take is taken: work slow
 	// to begin then waits for the pool, and tells nothing of the database (see suspect).
 	poolFull func() bool
+	// users are the Outboxes that share the gate (see joinGate); nil for a gate of its own.
+	users *gateUsers
 
 	down atomic.Bool // an outage is under way: the fast path of every call
 

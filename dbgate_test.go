@@ -5,6 +5,7 @@ import (
 	"database/sql"
 	"errors"
 	"net/url"
+	"runtime"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -15,7 +16,9 @@ import (
 	"github.com/google/uuid"
 
 	"github.com/watermill-outbox/outbox"
+	"github.com/watermill-outbox/outbox/drivers/postgres"
 	"github.com/watermill-outbox/outbox/internal/pgproxy"
+	"github.com/watermill-outbox/outbox/outboxtest"
 )
 
 // startDBProxy starts a proxy (internal/pgproxy) in front of the server at target, closed when
@@ -237,4 +240,60 @@ func checkOK(r outbox.HealthReport, name string) bool {
 		}
 	}
 	return false
+}
+
+// TestOutboxesOfOneDBShareAGate: the Outboxes of one *sql.DB with the same reconnect delays share
+// their gate (one probe for all, one outage); others have their own, none without a gate. A
+// closed Outbox stops hearing of outages, and a gate no Outbox holds any more is dropped.
+func TestOutboxesOfOneDBShareAGate(t *testing.T) {
+	db1, err := sql.Open("postgres", "host=127.0.0.1 port=1 dbname=none")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer db1.Close()
+	db2, err := sql.Open("postgres", "host=127.0.0.1 port=2 dbname=none")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer db2.Close()
+	open := func(db *sql.DB, prefix string, delay time.Duration) *outbox.Outbox {
+		t.Helper()
+		ob, err := outbox.New(outbox.Config{DB: db, Driver: postgres.Driver{}, Publisher: &outboxtest.Recorder{}, TablePrefix: prefix, ReconnectDelay: delay})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return ob
+	}
+	func() {
+		a, b := open(db1, "a_", 0), open(db1, "b_", 0)
+		if outbox.GateOf(a) == nil || outbox.GateOf(a) != outbox.GateOf(b) {
+			t.Fatal("two Outboxes of one *sql.DB have gates of their own")
+		}
+		if outbox.GateOf(open(db1, "c_", 200*time.Millisecond)) == outbox.GateOf(a) {
+			t.Error("an Outbox with another ReconnectDelay shares the gate")
+		}
+		if outbox.GateOf(open(db2, "a_", 0)) == outbox.GateOf(a) {
+			t.Error("an Outbox of another *sql.DB shares the gate")
+		}
+		if outbox.GateOf(open(db1, "d_", -1)) != nil {
+			t.Error("an Outbox with a negative ReconnectDelay has a gate")
+		}
+		if n := outbox.GateUsers(a); n != 2 {
+			t.Fatalf("the shared gate has %d users, want 2", n)
+		}
+		if err := b.Close(); err != nil {
+			t.Fatal(err)
+		}
+		if n := outbox.GateUsers(a); n != 1 {
+			t.Fatalf("after a Close the shared gate has %d users, want 1", n)
+		}
+		runtime.KeepAlive(a)
+	}()
+	// Dropped: the gates go with their Outboxes.
+	for deadline := time.Now().Add(10 * time.Second); outbox.SharedGates(db1) > 0; time.Sleep(10 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("%d gates of db1 left 10 s after their Outboxes were dropped", outbox.SharedGates(db1))
+		}
+		runtime.GC()
+	}
 }

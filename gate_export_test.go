@@ -90,3 +90,27 @@ func GiveUpHealthPingAfter(t interface{ Cleanup(func()) }, d time.Duration) {
 	healthPingGiveUp = d
 	t.Cleanup(func() { healthPingGiveUp = was })
 }
+
+// GateOf returns ob's database gate (nil without one), for the tests of its sharing.
+func GateOf(ob *Outbox) any {
+	if ob.gate == nil {
+		return nil
+	}
+	return ob.gate
+}
+
+// GateUsers counts the Outboxes that ob's gate tells of outages.
+func GateUsers(ob *Outbox) int { return len(ob.gate.users.live()) }
+
+// SharedGates counts the gates shared on db.
+func SharedGates(db any) int {
+	sharedGates.Lock()
+	defer sharedGates.Unlock()
+	n := 0
+	for k := range sharedGates.m {
+		if k.pool == db {
+			n++
+		}
+	}
+	return n
+}

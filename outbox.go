@@ -100,10 +100,7 @@ func New(cfg Config) (*Outbox, error) {
 		return nil, fmt.Errorf("outbox: invalid config: %w", err)
 	}
 	logger, storeErrs := cfg.Logger, &oncePer{}
-	var gate *dbGate
-	if cfg.ReconnectDelay >= 0 {
-		gate = &dbGate{minDelay: cfg.ReconnectDelay, maxDelay: cfg.ReconnectDelayMax, probe: cfg.DB.PingContext}
-	}
+	var gate *dbGate // set once the store is open (joinGate)
 	var storeFailpoint func(context.Context, string) error
 	if fp := cfg.Failpoint; fp != nil {
 		storeFailpoint = func(ctx context.Context, point string) error {
@@ -135,19 +132,8 @@ func New(cfg Config) (*Outbox, error) {
 		appliers: map[string]Applier{},
 	}
 	o.due.kick = o.kickRelay
-	if gate != nil {
-		o.gate = gate
-		gate.unreachable = o.unreachable
-		gate.onAttempt = func() { o.tel.dbUnreachable.Add(context.Background(), 1, o.tel.own()) }
-		gate.onChange = o.reachabilityChanged
-		gate.poolFull = func() bool {
-			ps := cfg.DB.Stats()
-			return ps.MaxOpenConnections > 0 && ps.OpenConnections >= ps.MaxOpenConnections
-		}
-		if pr, ok := st.(outboxdriver.PoolReporter); ok {
-			gate.poolFull = pr.PoolFull
-		}
-	}
+	o.joinGate()
+	gate = o.gate
 	o.units = sqlUnits{db: cfg.DB, store: st, spilled: func(ctx context.Context) { o.tel.spills.Add(ctx, 1, o.tel.own()) },
 		watch: newBeginWatch(gate, cfg.DB)}
 	if us, ok := st.(outboxdriver.UnitStore); ok {
@@ -173,6 +159,9 @@ func New(cfg Config) (*Outbox, error) {
 	if o.tel, err = newTelemetry(o); err != nil {
 		return nil, fmt.Errorf("outbox: create instruments: %w", err)
 	}
+	if gate != nil {
+		gate.users.add(o) // ready to hear of outages from the work of the others
+	}
 	o.warnUnsafePublisher()
 	return o, nil
 }
@@ -197,6 +186,9 @@ func (o *Outbox) CheckSchema(ctx context.Context) error {
 // handlers stopped.
 func (o *Outbox) Close() error {
 	o.marks.wait()
+	if o.gate != nil {
+		o.gate.users.remove(o) // its handle on the pool may be closed with it
+	}
 	if c, ok := o.store.(io.Closer); ok {
 		if err := c.Close(); err != nil {
 			return fmt.Errorf("outbox: close: %w", err)
@@ -664,6 +656,21 @@ func (o *Outbox) unreachable(err error) bool {
 	}
 	c, ok := o.store.(outboxdriver.ReachabilityClassifier)
 	return ok && c.Unreachable(err)
+}
+
+// gateAttempt counts a connection attempt that found the database unreachable.
+func (o *Outbox) gateAttempt() {
+	o.tel.dbUnreachable.Add(context.Background(), 1, o.tel.own())
+}
+
+// poolFull tells whether every connection the units of work may take is taken: they then wait
+// for the pool, which tells nothing of the database (see dbGate.suspect).
+func (o *Outbox) poolFull() bool {
+	if pr, ok := o.store.(outboxdriver.PoolReporter); ok {
+		return pr.PoolFull()
+	}
+	ps := o.db.Stats()
+	return ps.MaxOpenConnections > 0 && ps.OpenConnections >= ps.MaxOpenConnections
 }
 
 // reachabilityChanged logs an outage of the database when it begins and when it ends.

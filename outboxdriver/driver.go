@@ -523,6 +523,15 @@ type PoolReporter interface {
 	PoolFull() bool
 }
 
+// PoolIdentifier is implemented by a Store whose connections come from a pool that Outboxes may
+// share without sharing Config.DB (the pgx form: each Outbox wraps the pgxpool in a *sql.DB of its
+// own). The Outboxes of one pool share the gate that holds their work back while the database is
+// unreachable, and its probe.
+type PoolIdentifier interface {
+	// PoolIdentity returns a comparable value naming the pool (nil: Config.DB names it).
+	PoolIdentity() any
+}
+
 // DialWatcher is implemented by a UnitStore whose BeginUnit returns at its context's end whatever
 // the database does (while it connects, too: the pgx form), and that can tell when a unit has to
 // open a connection. A server that takes connections and answers none fails nothing: the

@@ -23,6 +23,7 @@ import (
 	"github.com/watermill-outbox/outbox/drivers/postgres"
 	"github.com/watermill-outbox/outbox/internal/pgproxy"
 	"github.com/watermill-outbox/outbox/internal/pgtest"
+	"github.com/watermill-outbox/outbox/internal/routertest"
 	"github.com/watermill-outbox/outbox/middleware"
 	"github.com/watermill-outbox/outbox/tenant"
 )
@@ -425,4 +426,93 @@ func mustZero(t *testing.T, what string, n int64) {
 	if n != 0 {
 		t.Errorf("%s: %d, want 0", what, n)
 	}
+}
+
+// TestMembersOfOnePoolProbeOnce: twenty members, a table prefix each on one pool, all in use when
+// their database goes away (each fails a unit on it). The database meets one probe at each
+// backoff step, not one per member: with a gate each, twenty members probed twenty times a step,
+// and came back together. When it is back, every member works again.
+func TestMembersOfOnePoolProbeOnce(t *testing.T) {
+	const members = 20
+	proxy, dsn, err := pgproxy.StartFor(pgtest.DSN(t))
+	if err != nil {
+		t.Fatalf("no proxy: %v", err)
+	}
+	t.Cleanup(func() { _ = proxy.Close() })
+	conn, err := pq.NewConnector(dsn)
+	if err != nil {
+		t.Fatal(err)
+	}
+	dials := &dialCounter{Connector: conn, by: map[string]int{}}
+	db := sql.OpenDB(dials)
+	t.Cleanup(func() { _ = db.Close() })
+	obs := map[string]*outbox.Outbox{}
+	for i := range members {
+		ob, err := outbox.New(outbox.Config{DB: db, Driver: postgres.Driver{}, Publisher: newWire(),
+			TablePrefix: fmt.Sprintf("m%02d_", i), RelayInterval: 50 * time.Millisecond})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := ob.Migrate(context.Background()); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = ob.Close() })
+		obs[fmt.Sprintf("m%02d", i)] = ob
+	}
+	set := newSet(t, tenant.Config{}, obs)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { defer close(done); _ = set.Run(ctx) }()
+	defer func() { cancel(); <-done }()
+	each := func(timeout time.Duration) (ok, unreachable int, other []error) {
+		var mu sync.Mutex
+		var wg sync.WaitGroup
+		for name := range obs {
+			wg.Go(func() {
+				cctx, ccancel := context.WithTimeout(ctx, timeout)
+				defer ccancel()
+				err := set.InTx(cctx, name, func(ctx context.Context, tx *sql.Tx) error {
+					_, err := tx.ExecContext(ctx, `SELECT 1`)
+					return err
+				})
+				mu.Lock()
+				defer mu.Unlock()
+				switch {
+				case err == nil:
+					ok++
+				case errors.Is(err, outbox.ErrDatabaseUnreachable):
+					unreachable++
+				default:
+					other = append(other, err)
+				}
+			})
+		}
+		wg.Wait()
+		return
+	}
+	if ok, _, other := each(10 * time.Second); ok != members {
+		t.Fatalf("before the outage: %d of %d members' units committed: %v", ok, members, other)
+	}
+
+	proxy.SetDown(true)
+	// Every member meets it: a unit each, on connections the outage broke or new ones refused.
+	_, unreachable, other := each(time.Second)
+	began, atBegin := time.Now(), proxy.Attempts()
+	dials.armed.Store(true)
+	time.Sleep(4 * time.Second)
+	probes := proxy.Attempts() - atBegin
+	dials.armed.Store(false)
+	proxy.SetDown(false)
+	t.Logf("units met the outage: %d unreachable, %d other (%v); then %d connection attempts in %s, opened by:%s",
+		unreachable, len(other), other, probes, time.Since(began).Round(time.Millisecond), dials.breakdown())
+	// One gate, ReconnectDelay 100 ms doubling, each spread over its upper half: at most six
+	// probes in 4 s (at 0.05, 0.15, 0.35, 0.75, 1.55, 3.15 s at the earliest), and a few of what
+	// was under way (a relay round, a listener reconnecting). With a gate per member: a hundred.
+	if probes > 12 {
+		t.Errorf("%d connection attempts in the 4 s after %d members on one pool met an outage, want at most 12 (one probe a backoff step)", probes, members)
+	}
+	routertest.WaitUntil(t, "every member's unit to commit once the database is back", func() (bool, string) {
+		ok, unreachable, other := each(5 * time.Second)
+		return ok == members, fmt.Sprintf("%d committed, %d unreachable, other: %v", ok, unreachable, other)
+	})
 }

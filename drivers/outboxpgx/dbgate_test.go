@@ -2,6 +2,7 @@ package outboxpgx_test
 
 import (
 	"context"
+	"fmt"
 	"net"
 	"strings"
 	"sync"
@@ -12,26 +13,26 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/watermill-outbox/outbox"
+	"github.com/watermill-outbox/outbox/drivers/outboxpgx"
 	"github.com/watermill-outbox/outbox/outboxtest"
 )
 
-// TestUnreachableDatabaseIsProbedWithBackoff is the root module's test of the same name on the pgx
-// form: the pool's dials are refused for 3 s, its connections dropped, while eight consumers have
-// a message in flight each and redeliver it at once on every nack. The pool dials about once per
-// probe, not once per message per RetryDelay; nothing is acked meanwhile, and every message is
-// processed exactly once after.
-func TestUnreachableDatabaseIsProbedWithBackoff(t *testing.T) {
-	dsn := outboxtest.DSN(t)
-	pc, err := pgxpool.ParseConfig(dsn)
+// refusingPool returns a pool on the test database (of at most maxConns connections; 0: pgx's
+// default) whose dials are refused while down is set, counted in dials.
+func refusingPool(t *testing.T, maxConns int32) (pool *pgxpool.Pool, down *atomic.Bool, dials *atomic.Int64) {
+	t.Helper()
+	pc, err := pgxpool.ParseConfig(outboxtest.DSN(t))
 	if err != nil {
 		t.Fatal(err)
 	}
-	pc.MaxConns = 8
-	var down atomic.Bool
-	var dials atomic.Int64 // dials refused
+	if maxConns > 0 {
+		pc.MaxConns = maxConns
+	}
+	down, dials = new(atomic.Bool), new(atomic.Int64)
 	pc.ConnConfig.DialFunc = func(ctx context.Context, network, addr string) (net.Conn, error) {
 		if down.Load() {
 			dials.Add(1)
@@ -40,11 +41,21 @@ func TestUnreachableDatabaseIsProbedWithBackoff(t *testing.T) {
 		var d net.Dialer
 		return d.DialContext(ctx, network, addr)
 	}
-	pool, err := pgxpool.NewWithConfig(context.Background(), pc)
+	pool, err = pgxpool.NewWithConfig(context.Background(), pc)
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(pool.Close)
+	return pool, down, dials
+}
+
+// TestUnreachableDatabaseIsProbedWithBackoff is the root module's test of the same name on the pgx
+// form: the pool's dials are refused for 3 s, its connections dropped, while eight consumers have
+// a message in flight each and redeliver it at once on every nack. The pool dials about once per
+// probe, not once per message per RetryDelay; nothing is acked meanwhile, and every message is
+// processed exactly once after.
+func TestUnreachableDatabaseIsProbedWithBackoff(t *testing.T) {
+	pool, down, dials := refusingPool(t, 8)
 	rec := &outboxtest.Recorder{}
 	ob := ready(t, pool, outbox.Config{Publisher: rec, HandlerTimeout: time.Second})
 	ctx, cancel := context.WithCancel(context.Background())
@@ -133,5 +144,59 @@ func TestUnreachableDatabaseIsProbedWithBackoff(t *testing.T) {
 	}
 	if r := ob.Health(context.Background()); !r.Checks[0].OK {
 		t.Errorf("Health after the outage: %+v", r.Checks[0])
+	}
+}
+
+// TestOutboxesOfOnePoolProbeOnce: ten Outboxes on one pgxpool (a table prefix each, each its own
+// *sql.DB on the pool), running, meet an outage, each with a unit that fails on it. The pool then
+// dials once per probe of one gate, not once per probe of each Outbox's (fifty in 3 s).
+func TestOutboxesOfOnePoolProbeOnce(t *testing.T) {
+	pool, down, dials := refusingPool(t, 0)
+	const outboxes = 10
+	var obs []*outbox.Outbox
+	for i := range outboxes {
+		obs = append(obs, ready(t, pool, outbox.Config{Publisher: &outboxtest.Recorder{}, TablePrefix: fmt.Sprintf("p%d_", i)}))
+	}
+	// Each runs: its relay and cleanup wait for its gate, which probes.
+	ctx, cancel := context.WithCancel(context.Background())
+	var running sync.WaitGroup
+	defer func() { cancel(); running.Wait() }()
+	for _, ob := range obs {
+		running.Go(func() { _ = ob.Run(ctx) })
+	}
+	deliver := func(ob *outbox.Outbox, timeout time.Duration) error {
+		ctx, cancel := context.WithTimeout(context.Background(), timeout)
+		defer cancel()
+		return outboxpgx.InTx(ctx, ob, func(ctx context.Context, tx pgx.Tx) error {
+			_, err := tx.Exec(ctx, `SELECT 1`)
+			return err
+		})
+	}
+	down.Store(true)
+	pool.Reset()
+	var wg sync.WaitGroup
+	for _, ob := range obs {
+		wg.Go(func() { _ = deliver(ob, time.Second) })
+	}
+	wg.Wait()
+	before := dials.Load()
+	time.Sleep(3 * time.Second)
+	probes := dials.Load() - before
+	down.Store(false)
+	t.Logf("%d dials as %d Outboxes met the outage, then %d in 3 s", before, outboxes, probes)
+	// One gate's probes, 100 ms doubling, each over its upper half: at most six in 3 s.
+	if probes > 7 {
+		t.Errorf("%d dials in 3 s of an outage of %d Outboxes on one pool, want at most 7 (one gate's probes)", probes, outboxes)
+	}
+	for i, ob := range obs {
+		var err error
+		for deadline := time.Now().Add(20 * time.Second); ; time.Sleep(50 * time.Millisecond) {
+			if err = deliver(ob, 5*time.Second); err == nil || time.Now().After(deadline) {
+				break
+			}
+		}
+		if err != nil {
+			t.Errorf("Outbox %d after the outage: %v", i, err)
+		}
 	}
 }

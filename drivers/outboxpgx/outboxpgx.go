@@ -190,6 +190,10 @@ type pgxStore struct {
 // opening of a connection is watched, never a claim's wait for a copy's.
 func (s *pgxStore) WatchDials(watch func() (end func())) { s.watchDial = watch }
 
+// PoolIdentity implements outboxdriver.PoolIdentifier: the Outboxes of one pgxpool share their
+// database gate.
+func (s *pgxStore) PoolIdentity() any { return s.pool }
+
 var (
 	_ outboxdriver.UnitStore          = (*pgxStore)(nil)
 	_ outboxdriver.InlineStore        = (*pgxStore)(nil)
