@@ -67,6 +67,9 @@ type Outbox struct {
 	// relaysRunning counts the Run calls (and engines joined) in progress; noRelayWarned lets the
 	// missing relay be reported once a minute.
 	relaysRunning atomic.Int32
+	// retired: closed, or removed from its tenant.Set, and not run since: outbox.relay.running is
+	// not reported (see reportPresence).
+	retired       atomic.Bool
 	noRelayWarned oncePer
 	// lifeMu guards life: the background life of the Outbox now (nil when none). One Outbox runs
 	// one background life at a time: two (Run twice at once, Run and a tenant.Set, two Sets)
@@ -162,6 +165,7 @@ func New(cfg Config) (*Outbox, error) {
 	if gate != nil {
 		gate.users.add(o) // ready to hear of outages from the work of the others
 	}
+	o.reportPresence()
 	o.warnUnsafePublisher()
 	return o, nil
 }
@@ -186,6 +190,7 @@ func (o *Outbox) CheckSchema(ctx context.Context) error {
 // handlers stopped.
 func (o *Outbox) Close() error {
 	o.marks.wait()
+	o.retired.Store(true)
 	if o.gate != nil {
 		o.gate.users.remove(o) // its handle on the pool may be closed with it
 	}
@@ -320,9 +325,11 @@ func (o *Outbox) shutdown(ctx context.Context, leave func(context.Context) error
 // pool, when not nil, is shared by the members whose databases are one connection pool: it caps
 // their runs at once.
 // leave takes the member off eng and waits for its runs in progress, which see their context
-// end, and then for the marks queued, up to ShutdownTimeout, as Run does (see shutdown).
+// end, and then for the marks queued, up to ShutdownTimeout, as Run does (see shutdown). With
+// removed, the Outbox is no longer reported as one the process holds (outbox.relay.running) until
+// it runs again: a member taken out of its Set, not one whose Set stops.
 func (o *Outbox) JoinEngine(ctx context.Context, eng *engine.Engine, name string, idleMax time.Duration,
-	statsBudget *engine.Budget, pool *engine.Pool) (leave func() error, err error) {
+	statsBudget *engine.Budget, pool *engine.Pool) (leave func(removed bool) error, err error) {
 	life, err := o.beginLife(fmt.Sprintf("member %q of an engine (a tenant.Set)", name))
 	if err != nil {
 		return nil, fmt.Errorf("outbox: join engine: %w", err)
@@ -337,12 +344,25 @@ func (o *Outbox) JoinEngine(ctx context.Context, eng *engine.Engine, name string
 		life.stop()
 		return nil, fmt.Errorf("outbox: join engine: %w", err)
 	}
-	return func() error {
+	return func(removed bool) error {
+		if removed {
+			defer o.retire(life)
+		}
 		if err := o.shutdown(ctx, h.Remove, life); err != nil {
 			return fmt.Errorf("outbox: leave engine: %w", err)
 		}
 		return nil
 	}, nil
+}
+
+// retire stops reporting the Outbox as one the process holds (see reportPresence), unless a life
+// other than life began meanwhile.
+func (o *Outbox) retire(life *backgroundLife) {
+	o.lifeMu.Lock()
+	defer o.lifeMu.Unlock()
+	if o.life == nil || o.life == life {
+		o.retired.Store(true)
+	}
 }
 
 // startServices starts what runs beside the Outbox's engine tasks (the gauges, the listener) for
@@ -394,6 +414,7 @@ func (o *Outbox) beginLife(who string) (*backgroundLife, error) {
 		return nil, fmt.Errorf("%w: %s runs it (or its shutdown still waits for its background work)", ErrRunning, l.who)
 	}
 	o.life = &backgroundLife{who: who}
+	o.retired.Store(false)
 	return o.life, nil
 }
 

@@ -45,6 +45,7 @@ const (
 	MetricDuplicatesLate    = "outbox.duplicates.late"      // counter: duplicates whose claim is older than Retention/2
 	MetricMarkFailures      = "outbox.marks.failures"       // counter: batches of dispatched marks that could not be written
 	MetricRelayLastRoundAge = "outbox.relay.last_round_age" // gauge, s: since this process's relay last finished a round
+	MetricRelayRunning      = "outbox.relay.running"        // gauge: 1 while this process runs the Outbox's relay, 0 while it holds the Outbox and runs none
 	MetricBoundaryUnits     = "outbox.boundary.units"       // counter: InTx and InUnit units of work, by outcome
 	MetricCleanupErrors     = "outbox.cleanup.errors"       // counter: cleanup passes that failed
 	MetricUptime            = "outbox.uptime"               // gauge, s: since this Outbox was created
@@ -217,6 +218,10 @@ type telemetry struct {
 	meter   metric.Meter
 	gauges  []metric.Observable
 	observe metric.Callback
+	// relayRunning is reported from New until Close, apart from the gauges above (see
+	// Outbox.reportPresence); tablesName is the tables' name the gauges carry.
+	relayRunning metric.Int64ObservableGauge
+	tablesName   string
 	// consumers holds the consumers whose per-outcome counters were started at zero.
 	consumers sync.Map
 
@@ -332,11 +337,15 @@ func newTelemetry(o *Outbox) (*telemetry, error) {
 	xminXacts := gauge(MetricXminHeldXacts, "{transaction}", "Transactions begun since the oldest xmin horizon the service's role can see was held.")
 	deadTuples := gauge(MetricTableDeadTuples, "{row}", "Dead row versions of an outbox table not yet vacuumed, by table.")
 	unreachableFor := gauge(MetricDBUnreachableFor, "s", "How long the database has been unreachable (0 while it is reachable): work on it waits for a probe meanwhile.")
+	t.relayRunning, err = m.Int64ObservableGauge(MetricRelayRunning, metric.WithUnit("{relay}"),
+		metric.WithDescription("1 while this process runs the Outbox's relay (Run, or a tenant.Set), 0 while it holds the Outbox and runs none; reported from outbox.New until Close (or a removal from its tenant.Set)."))
+	errs = append(errs, err)
 	t.gauges = []metric.Observable{pending, pendingAge, parked, parkedAge, failing, dead, retained, cleanupLag, statsAge, relayAge, uptime, delayed, xminAge, xminXacts, deadTuples, unreachableFor}
 	tablesName := o.cfg.TablePrefix
 	if o.cfg.Schema != "" {
 		tablesName = o.cfg.Schema + "." + tablesName
 	}
+	t.tablesName = tablesName
 	t.observe = func(_ context.Context, obs metric.Observer) error {
 		opt := t.attrs(AttrTables, tablesName, "", "")
 		obs.ObserveFloat64(uptime, time.Since(t.created).Seconds(), opt)

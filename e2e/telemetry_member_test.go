@@ -3,6 +3,7 @@ package e2e
 import (
 	"context"
 	"database/sql"
+	"runtime"
 	"testing"
 	"time"
 
@@ -23,11 +24,7 @@ import (
 // were one series ("public.outbox_" for both).
 func TestMetricsCarryTheMember(t *testing.T) {
 	ctx := context.Background()
-	reader := sdkmetric.NewManualReader()
-	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
-	t.Cleanup(func() { _ = mp.Shutdown(context.Background()) })
-	ch := gochannel.NewGoChannel(gochannel.Config{}, watermill.NopLogger{})
-	t.Cleanup(func() { _ = ch.Close() })
+	reader, mp, ch := metered(t)
 	newOutbox := func(member string) *outbox.Outbox {
 		db := pgtest.DB(t)
 		t.Cleanup(func() { _ = db.Close() })
@@ -51,17 +48,7 @@ func TestMetricsCarryTheMember(t *testing.T) {
 		}
 	}
 	plain := newOutbox("initech")
-	runCtx, stop := context.WithCancel(ctx)
-	done := make(chan error, 1)
-	go func() { done <- set.Run(runCtx) }()
-	t.Cleanup(func() {
-		stop()
-		select {
-		case <-done:
-		case <-time.After(time.Minute):
-			t.Error("Set.Run did not return within a minute of its cancellation")
-		}
-	})
+	runSet(t, set)
 	commit := func(name string, n int) {
 		for range n {
 			err := set.InTx(ctx, name, func(ctx context.Context, tx *sql.Tx) error {
@@ -108,4 +95,111 @@ func TestMetricsCarryTheMember(t *testing.T) {
 		}
 		time.Sleep(50 * time.Millisecond)
 	}
+}
+
+// TestRelayRunningGauge: outbox.relay.running says, per Outbox the process holds, whether it runs
+// its relay: 1 for the members of a running Set (under their member names only), 0 for an Outbox
+// nothing runs; nothing for a member removed from its Set, an Outbox closed, or one the service
+// dropped. The OutboxRelayStalled alert reads it; on the counters it read before, it fired for
+// every Set (their counters start under no name) and every removed member.
+func TestRelayRunningGauge(t *testing.T) {
+	ctx := context.Background()
+	reader, mp, ch := metered(t)
+	db := pgtest.DB(t)
+	newOutbox := func(prefix, member string) *outbox.Outbox {
+		ob, err := outbox.New(outbox.Config{DB: db, Driver: postgres.Driver{}, Publisher: ch, MeterProvider: mp,
+			TablePrefix: prefix, Member: member})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := ob.Migrate(ctx); err != nil {
+			t.Fatal(err)
+		}
+		return ob
+	}
+	running := func() map[string]int64 {
+		t.Helper()
+		var rm metricdata.ResourceMetrics
+		if err := reader.Collect(ctx, &rm); err != nil {
+			t.Fatal(err)
+		}
+		out := map[string]int64{}
+		if g, ok := find(rm, outbox.MetricRelayRunning).(metricdata.Gauge[int64]); ok {
+			for _, p := range g.DataPoints {
+				v, _ := p.Attributes.Value("outbox.member")
+				out[v.AsString()] += p.Value
+				out["points"]++
+			}
+		}
+		return out
+	}
+	set, err := tenant.New(tenant.Config{Resolver: tenant.FromMetadata("tenant"), NackUnresolved: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, name := range []string{"acme", "globex"} {
+		if err := set.Add(name, newOutbox(name+"_", "")); err != nil {
+			t.Fatal(err)
+		}
+	}
+	plain := newOutbox("plain_", "initech")
+	func() { newOutbox("dropped_", "dropped") }()
+	if got := running(); got["initech"] != 0 || got["points"] != 4 {
+		t.Fatalf("before anything runs: %v; want four Outboxes held, none running", got)
+	}
+	runSet(t, set)
+	want := func(what string, cond func(map[string]int64) bool) {
+		t.Helper()
+		deadline := time.Now().Add(30 * time.Second)
+		for {
+			runtime.GC()
+			got := running()
+			if cond(got) {
+				return
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("%s: outbox.relay.running %v", what, got)
+			}
+			time.Sleep(50 * time.Millisecond)
+		}
+	}
+	// The dropped Outbox goes once collected; the members report under their names only.
+	want("with the Set running", func(g map[string]int64) bool {
+		return g["acme"] == 1 && g["globex"] == 1 && g["initech"] == 0 && g["points"] == 3
+	})
+	if err := set.Remove(ctx, "acme"); err != nil {
+		t.Fatal(err)
+	}
+	want("with acme removed", func(g map[string]int64) bool {
+		return g["globex"] == 1 && g["initech"] == 0 && g["points"] == 2
+	})
+	if err := plain.Close(); err != nil {
+		t.Fatal(err)
+	}
+	want("with initech closed", func(g map[string]int64) bool { return g["globex"] == 1 && g["points"] == 1 })
+}
+
+// runSet runs set until t ends.
+func runSet(t *testing.T, set *tenant.Set) {
+	runCtx, stop := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- set.Run(runCtx) }()
+	t.Cleanup(func() {
+		stop()
+		select {
+		case <-done:
+		case <-time.After(time.Minute):
+			t.Error("Set.Run did not return within a minute of its cancellation")
+		}
+	})
+}
+
+// metered returns a MeterProvider read by reader, and a Publisher, until t ends.
+func metered(t *testing.T) (*sdkmetric.ManualReader, *sdkmetric.MeterProvider, *gochannel.GoChannel) {
+	reader := sdkmetric.NewManualReader()
+	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
+	t.Cleanup(func() { _ = mp.Shutdown(context.Background()) })
+	ch := gochannel.NewGoChannel(gochannel.Config{}, watermill.NopLogger{})
+	t.Cleanup(func() { _ = ch.Close() })
+	return reader, mp, ch
 }

@@ -266,7 +266,9 @@ func (s *Set) Add(name string, ob *outbox.Outbox) error {
 // unresolved), Remove waits for its units of work in flight (handled messages, InTx and Do), then
 // stops its background work and waits for that to return. When ctx ends first, the background
 // work is stopped all the same and Remove returns an error: the units still in flight finish on
-// their own (each is bounded by the member's HandlerTimeout). It does not close the Outbox. The
+// their own (each is bounded by the member's HandlerTimeout). It does not close the Outbox, but
+// the Outbox no longer reports itself as one the process holds (outbox.relay.running, which the
+// OutboxRelayStalled alert reads) until it runs again. The
 // Unresolved member is not removed (ErrUnresolvedMember).
 func (s *Set) Remove(ctx context.Context, name string) error {
 	if name == s.cfg.Unresolved {
@@ -522,7 +524,13 @@ func (s *Set) start(ctx context.Context, m *member) error {
 	m.mu.Lock()
 	m.bg = &background{leave: func() error {
 		defer s.runWG.Done()
-		err := leave()
+		// A member taken out of the Set (Remove marks it before it stops it) is no Outbox the
+		// process holds any more: its outbox.relay.running stops, or OutboxRelayStalled would
+		// take it for one that nothing runs.
+		m.mu.Lock()
+		removed := m.removed
+		m.mu.Unlock()
+		err := leave(removed)
 		if err != nil {
 			s.cfg.Logger.Error("tenant: stopping the background work of a member failed", err, watermill.LogFields{"member": m.name})
 		}
