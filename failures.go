@@ -393,7 +393,7 @@ func (o *Outbox) deadLetter(ctx, outcomeCtx context.Context, dl outboxdriver.Dea
 		poison = &e
 	}
 	n, err := dl.DeadLetterInsert(ctx, outboxdriver.DeadLetter{
-		Consumer: src.Consumer, MessageID: src.ID, UUID: msg.UUID, SourceTopic: sourceTopic(outcomeCtx, msg),
+		Consumer: src.Consumer, MessageID: src.ID, UUID: storableUUID(msg.UUID), SourceTopic: sourceTopic(outcomeCtx, msg),
 		Payload: msg.Payload, Metadata: msg.Metadata, Reason: reason, Attempts: attempts, Permanent: permanent,
 	}, count, poison)
 	if errors.Is(err, outboxdriver.ErrDeadLettersUnsupported) {
@@ -507,4 +507,14 @@ func poisonMessage(msg *message.Message, consumer, reason string, attempts int) 
 
 func messageEffect(m *message.Message) Effect {
 	return Effect{Kind: KindPublish, UUID: m.UUID, Payload: m.Payload, Metadata: m.Metadata}
+}
+
+// storableUUID is the UUID a dead letter keeps for its retry: "" for one that cannot be stored
+// nor published as an ID (a NUL byte, not UTF-8, too long: a message rejected for it, stored
+// under an ID derived from it), whose retry then uses the message ID, as before UUIDs were kept.
+func storableUUID(uuid string) string {
+	if validateName(uuid) != nil {
+		return ""
+	}
+	return uuid
 }
