@@ -71,14 +71,36 @@ func (u *gateUsers) remove(o *Outbox) {
 	u.users = slices.DeleteFunc(u.users, func(x weak.Pointer[Outbox]) bool { return x == w })
 }
 
+// first returns the first Outbox still held by the service (nil when none is), without the
+// allocation of live: the stores of one pool classify errors alike, and the classification runs
+// for every failed call of every member.
+func (u *gateUsers) first() *Outbox {
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	for _, w := range u.users {
+		if o := w.Value(); o != nil {
+			return o
+		}
+	}
+	return nil
+}
+
 // ping probes the database through a user's handle (each may have its own on one pool, closed
-// with it), or through db when none is left.
+// with it: a handle closed as the probe took it is passed over for the next), or through db when
+// none is left.
 func (u *gateUsers) ping(ctx context.Context, db *sql.DB) error {
-	if us := u.live(); len(us) > 0 {
-		db = us[0].db
+	us := u.live()
+	for i, o := range us {
+		err := o.db.PingContext(ctx)
+		if err == nil || i == len(us)-1 || err.Error() != errDBClosed {
+			return err
+		}
 	}
 	return db.PingContext(ctx)
 }
+
+// errDBClosed is what database/sql returns for a handle that was closed.
+const errDBClosed = "sql: database is closed"
 
 // joinGate gives o the gate of its database, shared with the other Outboxes of cfg.DB (nil when
 // ReconnectDelay is negative: no gate). The gate asks o (how to classify an error, whether its
@@ -109,12 +131,8 @@ func (o *Outbox) joinGate() {
 		if unreachable(err) {
 			return true
 		}
-		for _, u := range users.live() {
-			if u.unreachable(err) {
-				return true
-			}
-		}
-		return false
+		u := users.first()
+		return u != nil && u.unreachable(err)
 	}
 	g.onAttempt = func() {
 		for _, u := range users.live() {
