@@ -4,6 +4,7 @@ import (
 	"context"
 	"database/sql"
 	"errors"
+	"net"
 	"net/url"
 	"runtime"
 	"strings"
@@ -17,7 +18,9 @@ import (
 
 	"github.com/watermill-outbox/outbox"
 	"github.com/watermill-outbox/outbox/drivers/postgres"
+	"github.com/watermill-outbox/outbox/internal/logtest"
 	"github.com/watermill-outbox/outbox/internal/pgproxy"
+	"github.com/watermill-outbox/outbox/internal/pgtest"
 	"github.com/watermill-outbox/outbox/outboxtest"
 )
 
@@ -295,5 +298,54 @@ func TestOutboxesOfOneDBShareAGate(t *testing.T) {
 			t.Fatalf("%d gates of db1 left 10 s after their Outboxes were dropped", outbox.SharedGates(db1))
 		}
 		runtime.GC()
+	}
+}
+
+// TestListenerThatCannotConnectIsNoOutage: the relay's listener dials an address of its own
+// (ListenDSN) that refuses it. The pool's database is fine: nothing reports it unreachable and
+// no unit waits for it. Taken for an outage, each failed listener connection (one a second)
+// opened the gate: an outage and its end logged every second, and the work of every Outbox on
+// the pool held back until the probe's answer. The listener's retries back off meanwhile.
+func TestListenerThatCannotConnectIsNoOutage(t *testing.T) {
+	db := pgtest.DB(t)
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	refused := ln.Addr().String()
+	_ = ln.Close() // nothing listens there now: connections are refused
+	logs := &logtest.Errors{}
+	ob, err := outbox.New(outbox.Config{DB: db, Publisher: &outboxtest.Recorder{}, Logger: logs,
+		Driver: postgres.Driver{ListenDSN: "postgres://postgres@" + refused + "/none?sslmode=disable&connect_timeout=2"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := ob.Migrate(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	stop := outbox.WatchGate(ob)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { defer close(done); _ = ob.Run(ctx) }()
+	defer func() { cancel(); <-done }()
+	deadline := time.Now().Add(4 * time.Second)
+	for time.Now().Before(deadline) {
+		if err := ob.InTx(context.Background(), func(ctx context.Context, tx *sql.Tx) error { return nil }); err != nil {
+			t.Fatalf("InTx while the listener cannot connect: %v", err)
+		}
+		if r := ob.Health(context.Background()); !r.Checks[0].OK {
+			t.Fatalf("Health while the listener cannot connect: %+v", r.Checks[0])
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	probes, held := stop()
+	failures := strings.Count(strings.Join(logs.Lines(), "\n"), "Listening for relay wake-ups failed")
+	t.Logf("in 4 s: %d listener failures logged, %d probes, held: %v", failures, probes, held)
+	if logs.Contains("The database is unreachable") {
+		t.Errorf("an outage was reported for a listener that could not connect: %v", logs.Lines())
+	}
+	// 1, 2 s apart and doubling: at most 3 failures in 4 s (4 a second apart before).
+	if failures > 3 {
+		t.Errorf("%d listener failures in 4 s, want at most 3 (its retries back off)", failures)
 	}
 }

@@ -619,9 +619,14 @@ func (o *Outbox) ReplayPoisoned(ctx context.Context, consumer, messageID string)
 // received nothing (ErrListenerDeaf): the cause (a pooler in transaction mode) is configuration.
 const listenDeafRetry = 30 * time.Second
 
+// listenRetryMax bounds the backoff of a listener that keeps failing to connect: its retries start
+// a second apart and double.
+const listenRetryMax = 30 * time.Second
+
 // listen wakes the relay on notifications from other instances, reconnecting after failures.
 func (o *Outbox) listen(ctx context.Context) {
 	defer o.tel.listening.Store(false)
+	failed := 0 // failures in a row, since the listener last connected
 	for ctx.Err() == nil {
 		if o.gate.wait(ctx) != nil {
 			return
@@ -642,13 +647,23 @@ func (o *Outbox) listen(ctx context.Context) {
 			o.kickRelay()
 		})
 		o.tel.listening.Store(false)
-		o.gate.observe(err)
+		if connected {
+			failed = 0
+		}
+		if err != nil && ctx.Err() == nil && o.unreachable(err) {
+			// A suspicion, not an outage: the listener may dial an address of its own
+			// (ListenDSN), which says nothing of the pool's database. A probe of the pool tells;
+			// taken for an outage, a listener that could not connect every second held back the
+			// work of every Outbox on the pool, and logged an outage and its end each time.
+			o.gate.suspect(fmt.Errorf("the relay's listener could not connect: %w", err))
+		}
 		if errors.Is(err, outboxdriver.ErrListenUnsupported) {
 			o.tel.listenUnsupported.Store(true)
 			return
 		}
 		if err != nil && ctx.Err() == nil {
-			retry := time.Second
+			failed++
+			retry := min(time.Second<<min(failed-1, 5), listenRetryMax)
 			if errors.Is(err, outboxdriver.ErrListenerDeaf) {
 				retry = listenDeafRetry
 				reason := err.Error()
