@@ -27,7 +27,7 @@ func StartSharedEngine(ctx context.Context, maxConcurrent int, obs ...*Outbox) (
 		if err != nil {
 			return nil, errors.Join(err, s.Stop(context.WithoutCancel(ctx)))
 		}
-		s.leaves = append(s.leaves, func() error { return leave(false) })
+		s.leaves = append(s.leaves, leave)
 	}
 	return s, nil
 }

@@ -325,11 +325,9 @@ func (o *Outbox) shutdown(ctx context.Context, leave func(context.Context) error
 // pool, when not nil, is shared by the members whose databases are one connection pool: it caps
 // their runs at once.
 // leave takes the member off eng and waits for its runs in progress, which see their context
-// end, and then for the marks queued, up to ShutdownTimeout, as Run does (see shutdown). With
-// removed, the Outbox is no longer reported as one the process holds (outbox.relay.running) until
-// it runs again: a member taken out of its Set, not one whose Set stops.
+// end, and then for the marks queued, up to ShutdownTimeout, as Run does (see shutdown).
 func (o *Outbox) JoinEngine(ctx context.Context, eng *engine.Engine, name string, idleMax time.Duration,
-	statsBudget *engine.Budget, pool *engine.Pool) (leave func(removed bool) error, err error) {
+	statsBudget *engine.Budget, pool *engine.Pool) (leave func() error, err error) {
 	life, err := o.beginLife(fmt.Sprintf("member %q of an engine (a tenant.Set)", name))
 	if err != nil {
 		return nil, fmt.Errorf("outbox: join engine: %w", err)
@@ -344,10 +342,7 @@ func (o *Outbox) JoinEngine(ctx context.Context, eng *engine.Engine, name string
 		life.stop()
 		return nil, fmt.Errorf("outbox: join engine: %w", err)
 	}
-	return func(removed bool) error {
-		if removed {
-			defer o.retire(life)
-		}
+	return func() error {
 		if err := o.shutdown(ctx, h.Remove, life); err != nil {
 			return fmt.Errorf("outbox: leave engine: %w", err)
 		}
@@ -355,12 +350,14 @@ func (o *Outbox) JoinEngine(ctx context.Context, eng *engine.Engine, name string
 	}, nil
 }
 
-// retire stops reporting the Outbox as one the process holds (see reportPresence), unless a life
-// other than life began meanwhile.
-func (o *Outbox) retire(life *backgroundLife) {
+// Retire tells the Outbox that the process no longer runs it, nor holds it to run: a tenant.Set
+// calls it for a member it removes. Its outbox.relay.running gauge, which the OutboxRelayStalled
+// alert reads to find an Outbox that nothing runs, stops until the Outbox runs again. Close
+// retires it too. It changes nothing while the Outbox's background work runs (Run, a Set).
+func (o *Outbox) Retire() {
 	o.lifeMu.Lock()
 	defer o.lifeMu.Unlock()
-	if o.life == nil || o.life == life {
+	if o.life == nil || o.life.abandoned {
 		o.retired.Store(true)
 	}
 }

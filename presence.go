@@ -14,8 +14,8 @@ import (
 // under every name an Outbox had (the one it was created with, before a tenant.Set named it, and
 // a member's after its removal), and so it fired for every Set and every removed member.
 //
-// It stops when o is closed or removed from its Set (retired, until it runs again), and when
-// the service drops o: the callback holds o weakly, and is unregistered once o is collected.
+// It stops when o is closed or retired (removed from its Set), until it runs again, and when the
+// service drops o: the callback holds o weakly, and is unregistered once o is collected.
 func (o *Outbox) reportPresence() {
 	w := weak.Make(o)
 	g, tables := o.tel.relayRunning, o.tel.tablesName

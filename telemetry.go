@@ -338,7 +338,7 @@ func newTelemetry(o *Outbox) (*telemetry, error) {
 	deadTuples := gauge(MetricTableDeadTuples, "{row}", "Dead row versions of an outbox table not yet vacuumed, by table.")
 	unreachableFor := gauge(MetricDBUnreachableFor, "s", "How long the database has been unreachable (0 while it is reachable): work on it waits for a probe meanwhile.")
 	t.relayRunning, err = m.Int64ObservableGauge(MetricRelayRunning, metric.WithUnit("{relay}"),
-		metric.WithDescription("1 while this process runs the Outbox's relay (Run, or a tenant.Set), 0 while it holds the Outbox and runs none; reported from outbox.New until Close (or a removal from its tenant.Set)."))
+		metric.WithDescription("1 while this process runs the Outbox's relay (Run, or a tenant.Set), 0 while it holds the Outbox and runs none; reported from outbox.New until Close or Retire (a removal from its tenant.Set)."))
 	errs = append(errs, err)
 	t.gauges = []metric.Observable{pending, pendingAge, parked, parkedAge, failing, dead, retained, cleanupLag, statsAge, relayAge, uptime, delayed, xminAge, xminXacts, deadTuples, unreachableFor}
 	tablesName := o.cfg.TablePrefix

@@ -99,8 +99,8 @@ func TestMetricsCarryTheMember(t *testing.T) {
 
 // TestRelayRunningGauge: outbox.relay.running says, per Outbox the process holds, whether it runs
 // its relay: 1 for the members of a running Set (under their member names only), 0 for an Outbox
-// nothing runs; nothing for a member removed from its Set, an Outbox closed, or one the service
-// dropped. The OutboxRelayStalled alert reads it; on the counters it read before, it fired for
+// nothing runs; nothing for a member removed from its Set (running or not), an Outbox closed, or
+// one the service dropped. The OutboxRelayStalled alert reads it; on the counters it read before, it fired for
 // every Set (their counters start under no name) and every removed member.
 func TestRelayRunningGauge(t *testing.T) {
 	ctx := context.Background()
@@ -137,15 +137,22 @@ func TestRelayRunningGauge(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, name := range []string{"acme", "globex"} {
+	for _, name := range []string{"acme", "globex", "early"} {
 		if err := set.Add(name, newOutbox(name+"_", "")); err != nil {
 			t.Fatal(err)
 		}
 	}
 	plain := newOutbox("plain_", "initech")
 	func() { newOutbox("dropped_", "dropped") }()
-	if got := running(); got["initech"] != 0 || got["points"] != 4 {
-		t.Fatalf("before anything runs: %v; want four Outboxes held, none running", got)
+	if got := running(); got["initech"] != 0 || got["points"] != 5 {
+		t.Fatalf("before anything runs: %v; want five Outboxes held, none running", got)
+	}
+	// Removed before the Set runs: no Outbox the process holds to run either.
+	if err := set.Remove(ctx, "early"); err != nil {
+		t.Fatal(err)
+	}
+	if got := running(); got["points"] != 4 {
+		t.Fatalf("with early removed before the Set runs: %v; want four Outboxes held", got)
 	}
 	runSet(t, set)
 	want := func(what string, cond func(map[string]int64) bool) {

@@ -319,6 +319,9 @@ func (s *Set) Remove(ctx context.Context, name string) error {
 	if serr := s.stop(m); serr != nil {
 		err = errors.Join(err, fmt.Errorf("tenant: removing member %q: %w", name, serr))
 	}
+	// No Outbox the process holds to run any more, whether the Set ran it or not: its
+	// outbox.relay.running stops, or OutboxRelayStalled would take it for one nothing runs.
+	m.ob.Retire()
 	return err
 }
 
@@ -524,13 +527,7 @@ func (s *Set) start(ctx context.Context, m *member) error {
 	m.mu.Lock()
 	m.bg = &background{leave: func() error {
 		defer s.runWG.Done()
-		// A member taken out of the Set (Remove marks it before it stops it) is no Outbox the
-		// process holds any more: its outbox.relay.running stops, or OutboxRelayStalled would
-		// take it for one that nothing runs.
-		m.mu.Lock()
-		removed := m.removed
-		m.mu.Unlock()
-		err := leave(removed)
+		err := leave()
 		if err != nil {
 			s.cfg.Logger.Error("tenant: stopping the background work of a member failed", err, watermill.LogFields{"member": m.name})
 		}
