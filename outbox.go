@@ -526,6 +526,10 @@ type engineGate struct{ g *dbGate }
 
 func (g engineGate) Ready(wake func()) (bool, time.Time) { return g.g.ready(wake) }
 
+// Suspect implements engine.Suspecter: a background run that had no answer for a while has the
+// database probed, as a unit of work's BEGIN without an answer does (see dbGate.suspect).
+func (g engineGate) Suspect(err error) { g.g.suspect(err) }
+
 // Observe takes the abandonment of a run (engine.ErrNoAnswer) as a failed connection attempt: a
 // database that accepts connections and never answers is unreachable, though no error says so,
 // and the gate holds the member's work back and probes it, each probe bounded, until it answers.

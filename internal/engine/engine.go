@@ -165,6 +165,16 @@ type Gate interface {
 	Observe(err error) bool
 }
 
+// Suspecter is implemented by a Gate that can probe its database at once, holding the member's
+// work back while the probe is out: the engine asks it when a run has had no answer for StallAfter
+// (a server that accepts connections and answers nothing fails nothing, and each of its runs
+// held a slot until its bound, 4.5 minutes by default, the other members' work waiting). Once
+// the probe had ProbeWait, a gate still shut says the database did not answer it, and the run is
+// abandoned then.
+type Suspecter interface {
+	Suspect(err error)
+}
+
 // Member is the background work of one database.
 type Member struct {
 	// Name identifies the member in log lines.
@@ -216,8 +226,20 @@ type Config struct {
 	// AbandonGrace is how long after its deadline a run that has not returned is abandoned.
 	// 0: DefaultAbandonGrace.
 	AbandonGrace time.Duration
-	Logger       watermill.LoggerAdapter
+	// StallAfter is how long a run may go without returning before its member's gate probes the
+	// database (Suspecter), and ProbeWait how long after that a gate still shut has the run
+	// abandoned. 0: DefaultStallAfter and DefaultProbeWait; a negative StallAfter: never (a
+	// stalled run is abandoned at its bound only).
+	StallAfter, ProbeWait time.Duration
+	Logger                watermill.LoggerAdapter
 }
+
+// DefaultStallAfter and DefaultProbeWait: a probe after 5 s without an answer, judged 6 s later
+// (a probe is bounded by 5 s).
+const (
+	DefaultStallAfter = 5 * time.Second
+	DefaultProbeWait  = 6 * time.Second
+)
 
 // Stats counts what an engine did since it was made.
 type Stats struct {
@@ -235,6 +257,8 @@ type Engine struct {
 	max    int
 	grace  time.Duration
 	logger watermill.LoggerAdapter
+	// stallAfter and probeWait: see Config.
+	stallAfter, probeWait time.Duration
 
 	poke chan struct{} // wakes the scheduler: a run ended, a task was woken, a member came or went
 
@@ -316,15 +340,23 @@ func New(cfg Config) *Engine {
 	if cfg.Logger == nil {
 		cfg.Logger = watermill.NopLogger{}
 	}
+	if cfg.StallAfter == 0 {
+		cfg.StallAfter = DefaultStallAfter
+	}
+	if cfg.ProbeWait <= 0 {
+		cfg.ProbeWait = DefaultProbeWait
+	}
 	return &Engine{
-		max:      cfg.MaxConcurrent,
-		grace:    cfg.AbandonGrace,
-		logger:   cfg.Logger,
-		poke:     make(chan struct{}, 1),
-		members:  map[*member]struct{}{},
-		draining: map[*member]struct{}{},
-		done:     make(chan struct{}),
-		loopExit: make(chan struct{}),
+		max:        cfg.MaxConcurrent,
+		grace:      cfg.AbandonGrace,
+		stallAfter: cfg.StallAfter,
+		probeWait:  cfg.ProbeWait,
+		logger:     cfg.Logger,
+		poke:       make(chan struct{}, 1),
+		members:    map[*member]struct{}{},
+		draining:   map[*member]struct{}{},
+		done:       make(chan struct{}),
+		loopExit:   make(chan struct{}),
 	}
 }
 
@@ -681,8 +713,10 @@ func (e *Engine) run(mctx context.Context, t *task, seq uint64, started time.Tim
 	defer cancel()
 	// A timer, not a goroutine that waits for the call: a run that returns in time costs none.
 	abandon := time.AfterFunc(time.Until(started.Add(t.Timeout+e.grace)), func() { e.abandon(t, seq, started) })
+	stopStall := e.watchStall(t, seq, started)
 	out, err := e.call(ctx, t)
 	abandon.Stop()
+	stopStall()
 	m := t.m
 	if m.Gate != nil {
 		if m.Gate.Observe(err) {
@@ -742,6 +776,47 @@ func (e *Engine) run(mctx context.Context, t *task, seq uint64, started time.Tim
 	}
 	e.closeDoneIfIdle()
 	e.pokeScheduler()
+}
+
+// watchStall has the member's gate probe its database when run seq of t has not returned after
+// StallAfter, and abandons the run when the probe got no answer either (see Suspecter). The
+// returned func stops the watch, for a run that returned.
+func (e *Engine) watchStall(t *task, seq uint64, started time.Time) (stop func()) {
+	g, ok := t.m.Gate.(Suspecter)
+	if !ok || e.stallAfter <= 0 || e.stallAfter >= t.Timeout {
+		return func() {}
+	}
+	var mu sync.Mutex
+	stopped := false
+	var judge *time.Timer
+	probe := time.AfterFunc(e.stallAfter, func() {
+		mu.Lock()
+		defer mu.Unlock()
+		if stopped {
+			return
+		}
+		g.Suspect(fmt.Errorf("%s has had no answer for %s", t.m.taskName(t), e.stallAfter))
+		judge = time.AfterFunc(e.probeWait, func() {
+			mu.Lock()
+			done := stopped
+			mu.Unlock()
+			if done {
+				return
+			}
+			if ok, _ := t.m.Gate.Ready(nil); !ok {
+				e.abandon(t, seq, started)
+			}
+		})
+	})
+	return func() {
+		mu.Lock()
+		defer mu.Unlock()
+		stopped = true
+		probe.Stop()
+		if judge != nil {
+			judge.Stop()
+		}
+	}
 }
 
 // abandon gives up waiting for run seq of t, started at started, if its call is still out: its slot
