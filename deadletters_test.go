@@ -145,3 +145,58 @@ func retriedDeadLetterIsProcessedOnce(t *testing.T, idFromMetadata bool) {
 	}
 	mustEqual(t, "poisoned claims left", e.count(`SELECT count(*) FROM outbox_processed WHERE poisoned`), 0)
 }
+
+// TestFailedDeliveryBesideAProcessedCopySendsItsEffects: a delivery fails for good while a copy
+// of its message is processed (the copy waited for its claim, then committed while the failed
+// one stored its dead letter), and the copy's process stops right after its commit (a crash:
+// nothing dispatched). The failed delivery is acked as a duplicate and, as any duplicate, sends
+// the effects the copy left pending. Acked without them, they waited for the relay's sweep.
+func TestFailedDeliveryBesideAProcessedCopySendsItsEffects(t *testing.T) {
+	errCrash := errors.New("the process stops after its commit")
+	var crash atomic.Bool
+	e := newEnv(t, func(c *outbox.Config) {
+		c.DuplicateWait = 100 * time.Millisecond
+		c.Failpoint = func(_ context.Context, point string) error {
+			if point == outbox.FailpointAfterCommit && crash.Load() {
+				return errCrash
+			}
+			return nil
+		}
+	})
+	e.initTopics("out_a", "out_b")
+	waiting := func() int {
+		return e.count(`SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND datname = current_database()`)
+	}
+	msg := message.NewMessage(uuid.NewString(), nil)
+	bStarted, releaseB := make(chan struct{}), make(chan struct{})
+	aErr, bErr := make(chan error, 1), make(chan error, 1)
+	go func() {
+		aErr <- handle(e.ob, copyOf(msg), func(*message.Message) ([]*message.Message, error) {
+			// The copy is delivered meanwhile, and waits for this claim.
+			go func() {
+				bErr <- handle(e.ob, copyOf(msg), func(m *message.Message) ([]*message.Message, error) {
+					close(bStarted)
+					<-releaseB
+					crash.Store(true)
+					return applyAndPublish(nil)(m)
+				})
+			}()
+			waitFor(t, "the copy to wait for the claim", func() bool { return waiting() == 1 })
+			return nil, outbox.Permanent(errors.New("unknown product"))
+		})
+	}()
+	// This delivery rolled back, the copy has the claim, and the dead letter waits for it.
+	<-bStarted
+	waitFor(t, "the dead letter to wait for the copy's claim", func() bool { return waiting() == 1 })
+	close(releaseB)
+	if err := <-bErr; !errors.Is(err, errCrash) {
+		t.Fatalf("the copy: %v, want its crash after the commit", err)
+	}
+	if err := <-aErr; err != nil {
+		t.Fatalf("the failed delivery: %v, want it acked as a duplicate of the processed copy", err)
+	}
+	mustEqual(t, "business rows", e.count(`SELECT count(*) FROM applied`), 1)
+	mustEqual(t, "dead letters", e.count(`SELECT count(*) FROM outbox_dead_letters`), 0)
+	waitFor(t, "the copy's effects sent", func() bool { return len(e.wire("out_a")) == 1 && len(e.wire("out_b")) == 1 })
+	mustEqual(t, "effects pending", e.pendingEffects(), 0)
+}

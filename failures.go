@@ -407,7 +407,9 @@ func (o *Outbox) deadLetter(ctx, outcomeCtx context.Context, dl outboxdriver.Dea
 		// dead (with a copy on the poison topic) although it had been processed.
 		setOutcome(outcomeCtx, OutcomeDuplicate)
 		o.logger.Info("Failed delivery acked as a duplicate: a copy of the message was processed meanwhile", fields.Add(watermill.LogFields{"error": cause.Error()}))
-		return nil
+		// As any duplicate, it sends what the copy left pending (its process may have crashed
+		// after its commit), with their UUIDs: acked without, they waited for the relay's sweep.
+		return o.redeliver(ctx, src, outboxdriver.Claim{Concurrent: true}, fields)
 	}
 	if err != nil {
 		o.logger.Error("Storing a dead letter failed; the message is nacked", err, fields)
