@@ -249,7 +249,10 @@ func (o *Outbox) Run(ctx context.Context) error {
 	o.startServices(ctx, life)
 	// The periodic services run on an engine of their own, as its one member: the engine a Set
 	// of Outboxes shares is the same code with more members (JoinEngine).
-	eng := engine.New(engine.Config{Logger: o.logger})
+	// No ping of a run without an answer (engine.Prober): the Outbox is the engine's only
+	// member, and its other tasks wait for its gate anyway; abandoned early, the run would free
+	// nothing for anyone.
+	eng := engine.New(engine.Config{Logger: o.logger, StallAfter: -1})
 	if _, err := eng.Add(o.engineMember("", 0, nil)); err != nil {
 		life.stop()
 		return fmt.Errorf("outbox: run: %w", err)
@@ -526,9 +529,26 @@ type engineGate struct{ g *dbGate }
 
 func (g engineGate) Ready(wake func()) (bool, time.Time) { return g.g.ready(wake) }
 
-// Suspect implements engine.Suspecter: a background run that had no answer for a while has the
-// database probed, as a unit of work's BEGIN without an answer does (see dbGate.suspect).
-func (g engineGate) Suspect(err error) { g.g.suspect(err) }
+// Probe implements engine.Prober: one ping of the database, bounded as the gate's probes are,
+// that holds no work back. Only no answer within the bound (a server that stalls) is none: a
+// refusal is an answer, and the run it was asked for, on a connection made before, may be
+// getting answers. With every connection of the pool taken the ping would wait for the pool,
+// which tells nothing of the database.
+func (g engineGate) Probe() (answered, judged bool) {
+	if g.g.poolFull != nil && g.g.poolFull() {
+		return false, false
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), dbProbeTimeout)
+	defer cancel()
+	res := make(chan error, 1)
+	go func() { res <- g.g.probe(ctx) }() // lib/pq may ignore ctx while it connects
+	select {
+	case err := <-res:
+		return !errors.Is(err, context.DeadlineExceeded), true
+	case <-ctx.Done():
+		return false, true
+	}
+}
 
 // Observe takes the abandonment of a run (engine.ErrNoAnswer) as a failed connection attempt: a
 // database that accepts connections and never answers is unreachable, though no error says so,

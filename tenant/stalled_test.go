@@ -31,7 +31,7 @@ func TestSetStalledMemberBlocksNoOne(t *testing.T) {
 
 // TestSetStalledMemberBlocksNoOneWithTheDefaultBound is TestSetStalledMemberBlocksNoOne with the
 // default BackgroundTimeout (4.5 minutes): a run without an answer for 5 s has the member's
-// database probed, and once the probe got no answer either (5 s), the run is abandoned. Before,
+// database pinged, and once the ping got no answer either (5 s), the run is abandoned. Before,
 // b's runs held both slots for the whole bound: a's effects waited 4.5 minutes.
 func TestSetStalledMemberBlocksNoOneWithTheDefaultBound(t *testing.T) {
 	stalledMemberBlocksNoOne(t, 0)
@@ -89,7 +89,7 @@ func stalledMemberBlocksNoOne(t *testing.T, bound time.Duration) {
 	eventually(t, "a's effect sent while b stalls", func() bool { return w.count(first) == 1 })
 	t.Logf("a's first effect (due in 200 ms) went out %s after the Set started", time.Since(began).Round(time.Millisecond))
 	// The slots are free again once b's runs were abandoned: at their bound (1 s) and its grace
-	// (5 s), or once a probe made after 5 s without an answer got none either (5 s).
+	// (5 s), or once a ping made after 5 s without an answer got none either (5 s).
 	limit := bound + 10*time.Second
 	if bound == 0 {
 		limit = 20 * time.Second

@@ -165,14 +165,16 @@ type Gate interface {
 	Observe(err error) bool
 }
 
-// Suspecter is implemented by a Gate that can probe its database at once, holding the member's
-// work back while the probe is out: the engine asks it when a run has had no answer for StallAfter
-// (a server that accepts connections and answers nothing fails nothing, and each of its runs
-// held a slot until its bound, 4.5 minutes by default, the other members' work waiting). Once
-// the probe had ProbeWait, a gate still shut says the database did not answer it, and the run is
-// abandoned then.
-type Suspecter interface {
-	Suspect(err error)
+// Prober is implemented by a Gate that can ping its database: the engine asks it when a run has
+// had no answer for StallAfter. A server that accepts connections and answers nothing fails
+// nothing, and each of its runs held a slot until its bound (4.5 minutes by default), the other
+// members' work waiting; a run whose database does not answer a ping either is abandoned then,
+// its context ended. A run that is only slow (the ping answers) goes on to its bound.
+type Prober interface {
+	// Probe pings the database, within a bound of its own, and reports whether it answered
+	// (a refusal is an answer); judged is false when it cannot tell (every connection of the
+	// pool is taken: a ping would wait for the pool, not the database).
+	Probe() (answered, judged bool)
 }
 
 // Member is the background work of one database.
@@ -226,20 +228,15 @@ type Config struct {
 	// AbandonGrace is how long after its deadline a run that has not returned is abandoned.
 	// 0: DefaultAbandonGrace.
 	AbandonGrace time.Duration
-	// StallAfter is how long a run may go without returning before its member's gate probes the
-	// database (Suspecter), and ProbeWait how long after that a gate still shut has the run
-	// abandoned. 0: DefaultStallAfter and DefaultProbeWait; a negative StallAfter: never (a
-	// stalled run is abandoned at its bound only).
-	StallAfter, ProbeWait time.Duration
-	Logger                watermill.LoggerAdapter
+	// StallAfter is how long a run may go without returning before its member's gate pings the
+	// database (Prober). 0: DefaultStallAfter; negative: never (a stalled run is abandoned at
+	// its bound only).
+	StallAfter time.Duration
+	Logger     watermill.LoggerAdapter
 }
 
-// DefaultStallAfter and DefaultProbeWait: a probe after 5 s without an answer, judged 6 s later
-// (a probe is bounded by 5 s).
-const (
-	DefaultStallAfter = 5 * time.Second
-	DefaultProbeWait  = 6 * time.Second
-)
+// DefaultStallAfter: a ping after 5 s without an answer.
+const DefaultStallAfter = 5 * time.Second
 
 // Stats counts what an engine did since it was made.
 type Stats struct {
@@ -257,8 +254,8 @@ type Engine struct {
 	max    int
 	grace  time.Duration
 	logger watermill.LoggerAdapter
-	// stallAfter and probeWait: see Config.
-	stallAfter, probeWait time.Duration
+	// stallAfter: see Config.
+	stallAfter time.Duration
 
 	poke chan struct{} // wakes the scheduler: a run ended, a task was woken, a member came or went
 
@@ -343,14 +340,10 @@ func New(cfg Config) *Engine {
 	if cfg.StallAfter == 0 {
 		cfg.StallAfter = DefaultStallAfter
 	}
-	if cfg.ProbeWait <= 0 {
-		cfg.ProbeWait = DefaultProbeWait
-	}
 	return &Engine{
 		max:        cfg.MaxConcurrent,
 		grace:      cfg.AbandonGrace,
 		stallAfter: cfg.StallAfter,
-		probeWait:  cfg.ProbeWait,
 		logger:     cfg.Logger,
 		poke:       make(chan struct{}, 1),
 		members:    map[*member]struct{}{},
@@ -712,8 +705,10 @@ func (e *Engine) run(mctx context.Context, t *task, seq uint64, started time.Tim
 	ctx, cancel := context.WithDeadline(mctx, started.Add(t.Timeout))
 	defer cancel()
 	// A timer, not a goroutine that waits for the call: a run that returns in time costs none.
-	abandon := time.AfterFunc(time.Until(started.Add(t.Timeout+e.grace)), func() { e.abandon(t, seq, started) })
-	stopStall := e.watchStall(t, seq, started)
+	abandon := time.AfterFunc(time.Until(started.Add(t.Timeout+e.grace)), func() {
+		e.abandon(t, seq, started, fmt.Sprintf("(bound %s)", t.Timeout))
+	})
+	stopStall := e.watchStall(t, seq, started, cancel)
 	out, err := e.call(ctx, t)
 	abandon.Stop()
 	stopStall()
@@ -778,51 +773,39 @@ func (e *Engine) run(mctx context.Context, t *task, seq uint64, started time.Tim
 	e.pokeScheduler()
 }
 
-// watchStall has the member's gate probe its database when run seq of t has not returned after
-// StallAfter, and abandons the run when the probe got no answer either (see Suspecter). The
-// returned func stops the watch, for a run that returned.
-func (e *Engine) watchStall(t *task, seq uint64, started time.Time) (stop func()) {
-	g, ok := t.m.Gate.(Suspecter)
+// watchStall has the member's gate ping its database when run seq of t has not returned after
+// StallAfter, and when the ping gets no answer either ends the run's context and abandons it (see
+// Prober). The returned func stops the watch, for a run that returned; it waits for an abandon
+// under way, so that a run that returned is not abandoned after it.
+func (e *Engine) watchStall(t *task, seq uint64, started time.Time, cancel context.CancelFunc) (stop func()) {
+	p, ok := t.m.Gate.(Prober)
 	if !ok || e.stallAfter <= 0 || e.stallAfter >= t.Timeout {
 		return func() {}
 	}
 	var mu sync.Mutex
 	stopped := false
-	var judge *time.Timer
-	probe := time.AfterFunc(e.stallAfter, func() {
+	timer := time.AfterFunc(e.stallAfter, func() {
+		answered, judged := p.Probe()
 		mu.Lock()
 		defer mu.Unlock()
-		if stopped {
+		if stopped || answered || !judged {
 			return
 		}
-		g.Suspect(fmt.Errorf("%s has had no answer for %s", t.m.taskName(t), e.stallAfter))
-		judge = time.AfterFunc(e.probeWait, func() {
-			mu.Lock()
-			done := stopped
-			mu.Unlock()
-			if done {
-				return
-			}
-			if ok, _ := t.m.Gate.Ready(nil); !ok {
-				e.abandon(t, seq, started)
-			}
-		})
+		cancel() // as at its bound: a driver that honours it returns now
+		e.abandon(t, seq, started, "and a ping of its database had no answer")
 	})
 	return func() {
+		timer.Stop()
 		mu.Lock()
-		defer mu.Unlock()
 		stopped = true
-		probe.Stop()
-		if judge != nil {
-			judge.Stop()
-		}
+		mu.Unlock()
 	}
 }
 
 // abandon gives up waiting for run seq of t, started at started, if its call is still out: its slot
 // goes to other tasks, and its member's gate is told that the database did not answer. The task
 // stays running, so that it is not started again before the call returns.
-func (e *Engine) abandon(t *task, seq uint64, started time.Time) {
+func (e *Engine) abandon(t *task, seq uint64, started time.Time, why string) {
 	e.mu.Lock()
 	if !t.running || t.seq != seq || t.abandoned {
 		e.mu.Unlock()
@@ -833,7 +816,7 @@ func (e *Engine) abandon(t *task, seq uint64, started time.Time) {
 	e.abandoned.Add(1)
 	m := t.m
 	took := time.Since(started).Round(time.Millisecond)
-	err := fmt.Errorf("%w: %s has not returned %s after it began (bound %s)", ErrNoAnswer, m.taskName(t), took, t.Timeout)
+	err := fmt.Errorf("%w: %s has not returned %s after it began %s", ErrNoAnswer, m.taskName(t), took, why)
 	// The gate is told before the slot is freed, so that the slot goes to another member, not
 	// to the next task of this one.
 	if m.Gate != nil {
@@ -847,7 +830,7 @@ func (e *Engine) abandon(t *task, seq uint64, started time.Time) {
 	if m.Name != "" {
 		fields["member"] = m.Name
 	}
-	m.logger.Error("outbox "+t.Name+" abandoned: no answer within its bound; its slot goes to other work", err, fields)
+	m.logger.Error("outbox "+t.Name+" abandoned: no answer; its slot goes to other work", err, fields)
 }
 
 // call runs the task, making a panic an error: one task's bug must not end every member's

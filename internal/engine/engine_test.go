@@ -961,51 +961,61 @@ func TestStopDetachesTheWakeups(t *testing.T) {
 	wake.Wake() // wakes nothing, and does not block
 }
 
-// suspectGate is a fakeGate that can be asked to probe (Suspecter): a probe that gets an answer
-// leaves it open, one that does not shuts it.
-type suspectGate struct {
+// proberGate is a fakeGate that can be asked to ping its database (Prober).
+type proberGate struct {
 	fakeGate
-	answers   bool
-	suspected atomic.Int32
+	answers bool
+	probes  atomic.Int32
 }
 
-func (g *suspectGate) Suspect(error) {
-	g.suspected.Add(1)
-	if !g.answers {
-		g.mu.Lock()
-		g.open = false
-		g.mu.Unlock()
-	}
+func (g *proberGate) Probe() (answered, judged bool) {
+	g.probes.Add(1)
+	return g.answers, true
 }
 
-// A run without an answer for StallAfter has its member's gate probe the database; when the
-// probe gets none either (the gate is still shut ProbeWait later) the run is abandoned then, not
-// at its bound, and its slot goes to the other member. When the probe gets an answer (a run that
-// is only slow), nothing is abandoned.
+// A run without an answer for StallAfter has its member's gate ping the database; when the ping
+// gets none either, the run's context ends and it is abandoned then, not at its bound, its slot
+// going to the other member and the gate told. When the ping answers (a run that is only slow),
+// nothing is abandoned.
 func TestStalledRunIsProbedAndAbandonedBeforeItsBound(t *testing.T) {
 	for _, answers := range []bool{false, true} {
-		t.Run(fmt.Sprint("probe answered ", answers), func(t *testing.T) {
-			e := New(Config{MaxConcurrent: 1, StallAfter: 50 * time.Millisecond, ProbeWait: 50 * time.Millisecond})
-			stalled := newStalled(1)
-			gate := &suspectGate{fakeGate: fakeGate{open: true}, answers: answers}
-			add(t, e, Member{Name: "stalled", Gate: gate, Tasks: stalled.tasks(10*time.Millisecond, time.Minute)})
+		t.Run(fmt.Sprint("ping answered ", answers), func(t *testing.T) {
+			e := New(Config{MaxConcurrent: 1, StallAfter: 50 * time.Millisecond})
+			gate := &proberGate{fakeGate: fakeGate{open: true}, answers: answers}
+			release := make(chan struct{})
+			var ended atomic.Bool
+			add(t, e, Member{Name: "stalled", Gate: gate, Tasks: []Task{{Name: "relay", Every: 10 * time.Millisecond, Timeout: time.Minute,
+				Run: func(ctx context.Context) (Outcome, error) {
+					select {
+					case <-release:
+					case <-ctx.Done():
+						ended.Store(true)
+						<-release // a call that returns later all the same
+					}
+					return Worked, nil
+				}}}})
 			healthy := &counter{}
 			add(t, e, Member{Name: "healthy", Tasks: []Task{healthy.task("relay", 10*time.Millisecond)}})
 			started(t, e)
-			defer close(stalled.release)
-			waitFor(t, "the stalled task to run", func() bool { return stalled.calls[0].Load() == 1 })
+			defer close(release)
 			time.Sleep(500 * time.Millisecond)
-			if n := gate.suspected.Load(); n != 1 {
-				t.Errorf("the gate was asked to probe %d times, want once", n)
+			if n := gate.probes.Load(); n != 1 {
+				t.Errorf("the gate was asked to ping %d times, want once", n)
 			}
 			if answers {
-				if got := e.Stats().Abandoned; got != 0 {
-					t.Errorf("%d runs abandoned though the probe got an answer", got)
+				if got := e.Stats().Abandoned; got != 0 || ended.Load() {
+					t.Errorf("%d runs abandoned (context ended: %v) though the ping answered", got, ended.Load())
 				}
 				return
 			}
-			if got := e.Stats().Abandoned; got != 1 {
-				t.Fatalf("%d runs abandoned 500 ms into a run whose probe got no answer, want 1 (its bound is a minute)", got)
+			if got := e.Stats().Abandoned; got != 1 || !ended.Load() {
+				t.Fatalf("%d runs abandoned (context ended: %v) 500 ms into a run whose ping got no answer, want 1 (its bound is a minute)", got, ended.Load())
+			}
+			gate.mu.Lock()
+			told := len(gate.observe) == 1 && errors.Is(gate.observe[0], ErrNoAnswer)
+			gate.mu.Unlock()
+			if !told {
+				t.Errorf("the gate observed %v, want the run's ErrNoAnswer", gate.observe)
 			}
 			before := healthy.n.Load()
 			waitFor(t, "the other member's task to run on the freed slot", func() bool { return healthy.n.Load() > before+5 })
