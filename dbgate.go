@@ -37,6 +37,10 @@ type dbGate struct {
 	poolFull func() bool
 	// users are the Outboxes that share the gate (see joinGate); nil for a gate of its own.
 	users *gateUsers
+	// notices are the onChange and onAttempt calls due (g.mu), made by flush; flushMu keeps
+	// them in order.
+	notices []func()
+	flushMu sync.Mutex
 
 	down atomic.Bool // an outage is under way: the fast path of every call
 
@@ -229,6 +233,7 @@ func (g *dbGate) runProbe() {
 		g.succeeded()
 		return
 	}
+	defer g.flush() // after the unlock
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	g.endProbe()
@@ -238,7 +243,7 @@ func (g *dbGate) runProbe() {
 	g.inOutage++
 	g.lastErr = err
 	if g.onAttempt != nil {
-		g.onAttempt()
+		g.notices = append(g.notices, g.onAttempt)
 	}
 	g.delay = min(2*g.delay, g.maxDelay)
 	g.nextProbe = time.Now().Add(jitter(g.delay))
@@ -252,8 +257,29 @@ func (g *dbGate) confirm(err error) {
 		return
 	}
 	g.suspected = false
+	g.notify(g.since, g.inOutage, err)
+}
+
+// notify has onChange called with since, attempts and err once g.mu is released (flush). Called
+// with g.mu held.
+func (g *dbGate) notify(since time.Time, attempts int64, err error) {
 	if g.onChange != nil {
-		g.onChange(g.since, g.inOutage, err)
+		g.notices = append(g.notices, func() { g.onChange(since, attempts, err) })
+	}
+}
+
+// flush makes the onChange and onAttempt calls due, in the order they fell due, without g.mu: a
+// gate shared by many Outboxes makes a log line and a counter increment for each, which neither
+// the engine's scheduler (Ready) nor the waiters must wait behind. Call it after g.mu is released.
+func (g *dbGate) flush() {
+	g.flushMu.Lock()
+	defer g.flushMu.Unlock()
+	g.mu.Lock()
+	ns := g.notices
+	g.notices = nil
+	g.mu.Unlock()
+	for _, n := range ns {
+		n()
 	}
 }
 
@@ -291,6 +317,7 @@ func (g *dbGate) failed(err error) {
 	if g.onAttempt != nil {
 		g.onAttempt()
 	}
+	defer g.flush() // after the unlock
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	g.lastErr = err
@@ -305,9 +332,7 @@ func (g *dbGate) failed(err error) {
 	g.nextProbe = now.Add(jitter(g.delay))
 	g.up = make(chan struct{})
 	g.down.Store(true)
-	if g.onChange != nil {
-		g.onChange(now, 1, err)
-	}
+	g.notify(now, 1, err)
 }
 
 // suspect holds work back from now on as in an outage, and probes the database at once, when a
@@ -347,6 +372,7 @@ func (g *dbGate) endProbe() {
 }
 
 func (g *dbGate) succeeded() {
+	defer g.flush() // after the unlock
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	g.endProbe()
@@ -358,8 +384,8 @@ func (g *dbGate) succeeded() {
 	g.down.Store(false)
 	close(g.up)
 	g.wakeReady()
-	if g.onChange != nil && !suspected {
-		g.onChange(since, n, nil)
+	if !suspected {
+		g.notify(since, n, nil)
 	}
 }
 

@@ -158,3 +158,33 @@ func TestCancelledDialIsNoOutage(t *testing.T) {
 		t.Errorf("a refused dial (%v) was not taken for an unreachable database", err)
 	}
 }
+
+// The outage's reports (a log line and a counter per Outbox sharing the gate) are made without
+// the gate's lock: a report that takes its time (a slow log sink, two hundred members) holds no
+// one who asks the gate, the engine's scheduler first. Made under the lock, it held them all.
+func TestGateReportsOutsideItsLock(t *testing.T) {
+	release := make(chan struct{})
+	reported := make(chan struct{})
+	g := &dbGate{minDelay: time.Hour, maxDelay: time.Hour, unreachable: unreachable,
+		probe: func(context.Context) error { return syscall.ECONNREFUSED },
+		onChange: func(time.Time, int64, error) {
+			close(reported)
+			<-release
+		}}
+	go g.observe(syscall.ECONNREFUSED)
+	<-reported
+	defer close(release)
+	asked := make(chan bool, 1)
+	go func() {
+		ok, _ := g.ready(nil)
+		asked <- ok
+	}()
+	select {
+	case ok := <-asked:
+		if ok {
+			t.Error("ready during an outage: open")
+		}
+	case <-time.After(2 * time.Second):
+		t.Fatal("ready waited for the outage's report")
+	}
+}
