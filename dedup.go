@@ -298,6 +298,12 @@ func (o *Outbox) cleanupOnce(ctx context.Context) (idle bool, err error) {
 	if r, ok := o.store.(outboxdriver.ConfigRecorder); ok {
 		if err := r.RecordServiceConfig(ctx, outboxdriver.ServiceConfig{Retention: o.cfg.Retention,
 			EffectRetention: o.cfg.EffectRetention, RedeliveryHorizon: o.cfg.RedeliveryHorizon}); err != nil && ctx.Err() == nil {
+			if o.unreachable(err) {
+				// The cleanup's statements would each try to connect again; the gate
+				// reports the outage.
+				o.tel.cleanupErrors.Add(ctx, 1, o.tel.own())
+				return false, err
+			}
 			o.logger.Error("Recording the retention for the operators' tools failed", err, nil)
 		}
 	}

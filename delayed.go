@@ -79,11 +79,13 @@ const overdueRetry = time.Second
 
 // promoteDelayed moves the due delayed effects into pending ones, before the relay claims (or
 // when a claim found one due), arms the wake-up for the next due time, and returns how many it
-// moved. A failure is logged: it holds up the delayed effects only, not the relay's round.
-func (o *Outbox) promoteDelayed(ctx context.Context) int {
+// moved. A failure is logged: it holds up the delayed effects only, not the relay's round. One
+// that says the database cannot be reached is returned, and ends the relay's pass: its claim
+// would only try to connect again.
+func (o *Outbox) promoteDelayed(ctx context.Context) (int, error) {
 	ds, ok := o.store.(outboxdriver.DelayedStore)
 	if !ok {
-		return 0
+		return 0, nil
 	}
 	parent := ctx
 	ctx, cancel := context.WithTimeout(ctx, storeTimeout)
@@ -96,9 +98,13 @@ func (o *Outbox) promoteDelayed(ctx context.Context) int {
 			// (lib/pq: the server's 57014, not the context's error).
 			if parent.Err() == nil {
 				o.tel.relayErrors.Add(ctx, 1, o.tel.own())
+				if o.unreachable(err) {
+					// The relay's pass stops here, and the gate reports the outage.
+					return total, err
+				}
 				o.logger.Error("Moving due delayed side effects failed; the relay tries again at its next pass", err, nil)
 			}
-			return total
+			return total, nil
 		}
 		total += moved
 		if moved > 0 {
@@ -113,9 +119,9 @@ func (o *Outbox) promoteDelayed(ctx context.Context) int {
 			}
 			o.due.arm(time.Now().Add(max(next, 0)))
 		}
-		return total
+		return total, nil
 	}
-	return total
+	return total, nil
 }
 
 // dueTimer wakes the relay when the earliest delayed effect this process knows of is due, so

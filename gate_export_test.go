@@ -114,3 +114,15 @@ func SharedGates(db any) int {
 	}
 	return n
 }
+
+// RelayPass makes one relay pass of ob, as its Run does, and returns its error.
+func RelayPass(ctx context.Context, ob *Outbox) error {
+	_, _, _, err := ob.relayOnce(ctx)
+	return err
+}
+
+// CleanupPass makes one cleanup pass of ob, as its Run does, and returns its error.
+func CleanupPass(ctx context.Context, ob *Outbox) error {
+	_, err := ob.cleanupOnce(ctx)
+	return err
+}

@@ -104,6 +104,7 @@ func New(cfg Config) (*Outbox, error) {
 	}
 	logger, storeErrs := cfg.Logger, &oncePer{}
 	var gate *dbGate // set once the store is open (joinGate)
+	var ob *Outbox   // likewise
 	var storeFailpoint func(context.Context, string) error
 	if fp := cfg.Failpoint; fp != nil {
 		storeFailpoint = func(ctx context.Context, point string) error {
@@ -121,6 +122,12 @@ func New(cfg Config) (*Outbox, error) {
 				logger.Error("outbox: "+what+" failed", err, nil)
 			}
 		},
+		Unreachable: func(err error) bool {
+			if ob == nil {
+				return unreachable(err)
+			}
+			return ob.unreachable(err)
+		},
 		Failpoint: storeFailpoint,
 	})
 	if err != nil {
@@ -136,7 +143,7 @@ func New(cfg Config) (*Outbox, error) {
 	}
 	o.due.kick = o.kickRelay
 	o.joinGate()
-	gate = o.gate
+	gate, ob = o.gate, o
 	o.units = sqlUnits{db: cfg.DB, store: st, spilled: func(ctx context.Context) { o.tel.spills.Add(ctx, 1, o.tel.own()) },
 		watch: newBeginWatch(gate, cfg.DB)}
 	if us, ok := st.(outboxdriver.UnitStore); ok {

@@ -52,7 +52,12 @@ func (o *Outbox) relayBudget() time.Duration { return o.relayLease() / 2 }
 func (o *Outbox) relayOnce(ctx context.Context) (idle, drained bool, dueBy time.Time, err error) {
 	worked := false
 	if !o.claimSeesDelayed.Load() {
-		worked = o.promoteDelayed(ctx) > 0 // delayed effects that are due become pending ones first
+		// Delayed effects that are due become pending ones first.
+		n, err := o.promoteDelayed(ctx)
+		if err != nil {
+			return false, false, time.Time{}, err
+		}
+		worked = n > 0
 	}
 	var (
 		after   int64
@@ -160,7 +165,11 @@ func (o *Outbox) relayOnce(ctx context.Context) (idle, drained bool, dueBy time.
 			o.claimSeesDelayed.Store(true)
 			switch {
 			case d.Waiting && d.In <= 0 && !stuckDelayed:
-				promoted = o.promoteDelayed(ctx) > 0
+				n, err := o.promoteDelayed(ctx)
+				if err != nil {
+					return false, false, time.Time{}, err
+				}
+				promoted = n > 0
 				stuckDelayed = !promoted
 			case d.Waiting && d.In > 0:
 				o.due.arm(time.Now().Add(d.In))
@@ -422,9 +431,20 @@ func (o *Outbox) relayLand(f *relayFlight) error {
 				break
 			}
 			if wctx.Err() != nil || permanent(err) {
-				o.tel.markFailures.Add(wctx, 1)
+				o.tel.markFailures.Add(wctx, 1, o.tel.own())
 				o.logger.Error("Relay could not mark side effects dispatched; they are sent again when their lease ends", err, nil)
 				break
+			}
+			if o.gate.observe(err) {
+				// The database is gone: the marks wait for the gate's probes (one at a time,
+				// backing off) and go as soon as one answers, rather than try to connect
+				// again every second for markTimeout; a wait that ends first is a failure.
+				if werr := o.gate.wait(wctx); werr != nil {
+					o.tel.markFailures.Add(wctx, 1, o.tel.own())
+					o.logger.Error("Relay could not mark side effects dispatched; they are sent again when their lease ends", werr, nil)
+					break
+				}
+				continue
 			}
 			select {
 			case <-wctx.Done():

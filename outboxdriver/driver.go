@@ -92,6 +92,12 @@ type StoreOptions struct {
 	// was asked (the postgres driver's move of inline effects left behind, before a relay claim),
 	// which must not fail the call it rides on.
 	OnError func(what string, err error)
+	// Unreachable, when set, tells a failure that means the database cannot be reached now (a
+	// refused or failed dial, a server that takes no connections). A method that makes several
+	// statements of its own, the later ones not needing the earlier ones' success (the postgres
+	// driver's look, sweep and claim of a relay pass), returns at such a failure: each statement
+	// after it would be one more connection attempt on a database that is gone.
+	Unreachable func(err error) bool
 	// Failpoint, when set, is Config.Failpoint: a store calls it at the named steps of the work
 	// it does on its own (the sweep of inline effects), and stops there with its error.
 	Failpoint func(ctx context.Context, point string) error

@@ -179,12 +179,16 @@ func TestOutboxesOfOnePoolProbeOnce(t *testing.T) {
 		wg.Go(func() { _ = deliver(ob, time.Second) })
 	}
 	wg.Wait()
+	// The background runs under way when the outage began make one attempt each (each stops at
+	// it), which a loaded machine may spread over a second or more after the units gave up.
+	time.Sleep(time.Second)
 	before := dials.Load()
 	time.Sleep(3 * time.Second)
 	probes := dials.Load() - before
 	down.Store(false)
 	t.Logf("%d dials as %d Outboxes met the outage, then %d in 3 s", before, outboxes, probes)
-	// One gate's probes, 100 ms doubling, each over its upper half: at most six in 3 s.
+	// One gate's probes, 100 ms doubling, each over its upper half: two or three in these 3 s;
+	// a gate each made 20 or more.
 	if probes > 7 {
 		t.Errorf("%d dials in 3 s of an outage of %d Outboxes on one pool, want at most 7 (one gate's probes)", probes, outboxes)
 	}

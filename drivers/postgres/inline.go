@@ -41,6 +41,7 @@ type inline struct {
 	q                inlineQueries
 	deleteDispatched bool
 	onError          func(what string, err error)
+	unreachable      func(error) bool                              // StoreOptions.Unreachable; nil: none is
 	failpoint        func(ctx context.Context, point string) error // StoreOptions.Failpoint, or nil
 	budget           int                                           // InlineBudget (Driver.MaxInlineBytes)
 
@@ -603,7 +604,8 @@ func (s *inline) markInline(ctx context.Context, claims []claimKey, late bool) e
 // otherwise the relay claims again anyway, from the front once it has been through the windows.
 // A failed sweep or rotation must not stop the relay from sending the effect rows: it is
 // reported, and the next turn tries again (the sweep from where the last one got to; without
-// rotations the partitions grow as the single table did).
+// rotations the partitions grow as the single table did). A database that cannot be reached
+// (StoreOptions.Unreachable) ends the call at the first statement that meets it, with its error.
 func (s *inline) EffectClaimDue(ctx context.Context, p outboxdriver.EffectClaimParams) (outboxdriver.EffectClaim, error) {
 	if p.After != 0 {
 		return s.SQL.EffectClaimDue(ctx, p)
@@ -632,24 +634,39 @@ func (s *inline) EffectClaimDue(ctx context.Context, p outboxdriver.EffectClaimP
 		// rotation go first, so that this claim takes what they move (and a restarted instance's
 		// first claim comes after the rotation that was due while it was down).
 		p0, err := s.probe(ctx)
+		if s.gone(err) {
+			return outboxdriver.EffectClaim{}, err
+		}
 		if err != nil {
 			lookFailed(err)
 			_, err := s.sweep(ctx, p.Grace, nil)
+			if s.gone(err) {
+				return outboxdriver.EffectClaim{}, err
+			}
 			report(sweeping, err)
 			return s.SQL.EffectClaimDue(ctx, p)
 		}
 		_, err = s.sweep(ctx, p.Grace, &p0.writes)
+		if s.gone(err) {
+			return outboxdriver.EffectClaim{}, err
+		}
 		report(sweeping, err)
 		report(rotating, s.rotateWith(ctx, p0))
 		return s.SQL.EffectClaimDue(ctx, p)
 	}
 	claim, look, lookErr, err := s.claimLooking(ctx, p)
+	if s.gone(err) {
+		return outboxdriver.EffectClaim{}, err
+	}
 	if err != nil {
 		// The look may be what failed (the rotation's row unreadable): the claim alone is tried
 		// again, after a sweep that cannot know whether it may be skipped, as before the look
 		// joined the claim. The look's failure is reported when the claim alone goes through.
 		if sweepDue {
 			_, serr := s.sweep(ctx, p.Grace, nil)
+			if s.gone(serr) {
+				return outboxdriver.EffectClaim{}, serr
+			}
 			report(sweeping, serr)
 		}
 		claim, cerr := s.SQL.EffectClaimDue(ctx, p)
@@ -679,6 +696,13 @@ func (s *inline) EffectClaimDue(ctx context.Context, p outboxdriver.EffectClaimP
 		return s.SQL.EffectClaimDue(ctx, p)
 	}
 	return claim, nil
+}
+
+// gone tells whether err says that the database cannot be reached (StoreOptions.Unreachable):
+// the statements after the one that failed would each try to connect again, and the caller
+// reports the outage.
+func (s *inline) gone(err error) bool {
+	return err != nil && s.unreachable != nil && s.unreachable(err)
 }
 
 // sweepMaySkip tells whether a sweep with grace may be skipped, if the claims table's count of

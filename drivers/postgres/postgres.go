@@ -128,7 +128,7 @@ func (d Driver) Open(db *sql.DB, opts outboxdriver.StoreOptions) (outboxdriver.S
 	if rotateEvery == 0 {
 		rotateEvery = DefaultRotateEvery
 	}
-	return &inline{SQL: st, db: db, q: newInlineQueries(names), deleteDispatched: opts.DeleteDispatched, onError: opts.OnError,
+	return &inline{SQL: st, db: db, q: newInlineQueries(names), deleteDispatched: opts.DeleteDispatched, onError: opts.OnError, unreachable: opts.Unreachable,
 		failpoint: opts.Failpoint, budget: inlineBudget(d.MaxInlineBytes), rq: newRotationQueries(names, rotateEvery), gen: gen, rotateEvery: rotateEvery,
 		rotateLock: rotateLockTimeout}, nil
 }
