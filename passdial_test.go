@@ -147,10 +147,16 @@ func TestRelayMarksWaitForTheGate(t *testing.T) {
 		t.Fatalf("relay pass: %v", err)
 	}
 	db.SetMaxIdleConns(0) // every statement opens a connection
+	// Passes until the relay sends the effect (its failed dispatch backs off): the database goes
+	// then, and the pass ends once the round's marks land.
 	pub.armed.Store(true)
-	time.Sleep(1100 * time.Millisecond) // past the failed dispatch's retry time
-	if err := outbox.RelayPass(ctx, ob); err != nil {
-		t.Fatalf("relay pass: %v", err)
+	for deadline := time.Now().Add(20 * time.Second); len(pub.Messages("out")) == 0; time.Sleep(100 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("the relay did not send the effect within 20 s")
+		}
+		if err := outbox.RelayPass(ctx, ob); err != nil {
+			t.Fatalf("relay pass: %v", err)
+		}
 	}
 	// Marked: the next pass has nothing to send.
 	if err := outbox.RelayPass(ctx, ob); err != nil {
