@@ -185,6 +185,8 @@ func TestHealthHandlerCachesAndShowsStatusOnly(t *testing.T) {
 		h.ServeHTTP(rec, httptest.NewRequest(http.MethodGet, "/ready", nil))
 		return rec.Code, rec.Body.String()
 	}
+	// Run's listener connects in the background: a loaded machine asked before it had (CI).
+	waitFor(t, "the Outbox healthy once Run started", func() bool { return e.ob.Health(context.Background()).Healthy })
 	detailed := e.ob.HealthHandler(nil)
 	if code, body := get(detailed); code != http.StatusOK {
 		t.Fatalf("healthy: %d %s", code, body)
