@@ -126,3 +126,21 @@ func CleanupPass(ctx context.Context, ob *Outbox) error {
 	_, err := ob.cleanupOnce(ctx)
 	return err
 }
+
+// MakeDestinationsDue has ob's relay make the backed-off effects of these topics due at its next
+// turn, as when each took a call again after an outage of its own.
+func MakeDestinationsDue(ob *Outbox, topics ...string) {
+	for _, topic := range topics {
+		e := Effect{Kind: KindPublish, Topic: topic}
+		ob.recovery.failedCall(e)
+		ob.recovery.succeededCall(e, false)
+	}
+}
+
+// DestinationsDue returns how many destinations ob's relay is to make the effects of due at its
+// next turn, and keeps them so.
+func DestinationsDue(ob *Outbox) int {
+	ob.recovery.mu.Lock()
+	defer ob.recovery.mu.Unlock()
+	return len(ob.recovery.due)
+}

@@ -172,3 +172,50 @@ func TestRelayMarksWaitForTheGate(t *testing.T) {
 	}
 	t.Logf("%d connection attempts", conn.dials.Load())
 }
+
+// TestRecoveredDestinationsWaitOutAnOutage: a relay turn that is to make the effects of
+// destinations that came back due, when the database has gone meanwhile, makes one connection
+// attempt and keeps those destinations for its next turn. It made one attempt per destination
+// (and logged each), then its claim one more, and forgot them: their backed-off effects waited
+// for their own retry time, up to five minutes after both outages had ended.
+func TestRecoveredDestinationsWaitOutAnOutage(t *testing.T) {
+	db, conn := switchedDB(t)
+	ob, err := outbox.New(outbox.Config{DB: db, Driver: postgres.Driver{}, Publisher: &outboxtest.Recorder{}, TablePrefix: "recovdial_",
+		RelayGrace: time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = ob.Close() })
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	if err := ob.Migrate(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := outbox.RelayPass(ctx, ob); err != nil {
+		t.Fatal(err)
+	}
+	topics := []string{"a", "b", "c", "d", "e"}
+	outbox.MakeDestinationsDue(ob, topics...)
+	db.SetMaxIdleConns(0) // every statement opens a connection
+	conn.down.Store(true)
+	err = outbox.RelayPass(ctx, ob)
+	dials := conn.dials.Load()
+	conn.down.Store(false)
+	var op *net.OpError
+	if !errors.As(err, &op) {
+		t.Errorf("relay pass with the database gone: %v, want the refused connection", err)
+	}
+	if dials != 1 {
+		t.Errorf("relay pass with the database gone: %d connection attempts, want 1", dials)
+	}
+	if n := outbox.DestinationsDue(ob); n != len(topics) {
+		t.Errorf("%d destinations kept for the turn after the outage, want %d", n, len(topics))
+	}
+	// Back: the next turn makes them due, and forgets them.
+	if err := outbox.RelayPass(ctx, ob); err != nil {
+		t.Fatal(err)
+	}
+	if n := outbox.DestinationsDue(ob); n != 0 {
+		t.Errorf("%d destinations still kept after a turn with the database back, want 0", n)
+	}
+}

@@ -120,21 +120,34 @@ func (r *recovery) again(key string, d destination) {
 // retryRecovered makes the effects that back off for the destinations that took a call again due
 // now, so that the relay's next claim takes them. A store that cannot (not an
 // outboxdriver.EffectRetrier) leaves them to their retry time. An error is logged: the effects go
-// out at their retry time, as they would have.
-func (o *Outbox) retryRecovered(ctx context.Context) {
+// out at their retry time, as they would have. An error that says the database cannot be reached
+// is returned instead, unlogged (the gate reports the outage), and every destination not yet
+// made due is kept for the turn after it: one connection attempt, not one per destination, and
+// the effects of each go out as soon as the database is back rather than at their retry time.
+func (o *Outbox) retryRecovered(ctx context.Context) error {
 	due := o.recovery.take()
 	if len(due) == 0 {
-		return
+		return nil
 	}
 	r, ok := o.store.(outboxdriver.EffectRetrier)
 	if !ok {
-		return
+		return nil
 	}
 	ctx, cancel := context.WithTimeout(ctx, storeTimeout)
 	defer cancel()
+	var gone error
 	for key, d := range due {
+		if gone != nil {
+			o.recovery.again(key, d)
+			continue
+		}
 		n, err := r.EffectRetryNow(ctx, d.kind, d.topic, retryNowBatch)
 		if err != nil {
+			if o.gate.observe(err) {
+				gone = err
+				o.recovery.again(key, d)
+				continue
+			}
 			if ctx.Err() == nil {
 				o.logger.Error("Relay could not make the effects that back off for a destination that recovered due; they go out at their retry time", err,
 					watermill.LogFields{"destination": key})
@@ -149,4 +162,5 @@ func (o *Outbox) retryRecovered(ctx context.Context) {
 				watermill.LogFields{"destination": key, "effects": n})
 		}
 	}
+	return gone
 }

@@ -131,7 +131,10 @@ func (o *Outbox) relayOnce(ctx context.Context) (idle, drained bool, dueBy time.
 		busy = 0
 		// Destinations that took a call again since the last turn: the effects that back off
 		// for them are claimed by this turn, not when their retry time comes.
-		o.retryRecovered(ctx)
+		if err := o.retryRecovered(ctx); err != nil {
+			o.tel.relayErrors.Add(ctx, 1, o.tel.own())
+			return false, false, time.Time{}, err
+		}
 		overlapping := fl != nil
 		var skip []string
 		if overlapping {
