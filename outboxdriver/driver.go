@@ -95,7 +95,7 @@ type StoreOptions struct {
 	// Unreachable, when set, tells a failure that means the database cannot be reached now (a
 	// refused or failed dial, a server that takes no connections). A method that makes several
 	// statements of its own, the later ones not needing the earlier ones' success (the postgres
-	// driver's look, sweep and claim of a relay pass), returns at such a failure: each statement
+	// driver's look, sweep and claim of a relay pass, its marks in statements of 200 claims), returns at such a failure: each statement
 	// after it would be one more connection attempt on a database that is gone.
 	Unreachable func(err error) bool
 	// Failpoint, when set, is Config.Failpoint: a store calls it at the named steps of the work

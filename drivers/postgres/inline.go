@@ -441,13 +441,22 @@ func (s *inline) EffectMarkDispatched(ctx context.Context, marks ...outboxdriver
 			rows = append(rows, m)
 		}
 	}
+	// A statement that fails leaves the others to be written, but one that says the database
+	// cannot be reached ends the call (see gone): each would be an attempt to connect.
 	var errs []error
 	if len(rows) > 0 {
-		errs = append(errs, s.SQL.EffectMarkDispatched(ctx, rows...))
+		err := s.SQL.EffectMarkDispatched(ctx, rows...)
+		if s.gone(err) {
+			return err
+		}
+		errs = append(errs, err)
 	}
 	for late, claims := range claims {
 		for chunk := range slices.Chunk(claims, markChunk) {
 			if err := s.markInline(ctx, chunk, late == 1); err != nil {
+				if s.gone(err) {
+					return errors.Join(append(errs, err)...)
+				}
 				errs = append(errs, err)
 			}
 		}
