@@ -316,6 +316,12 @@ func (o *Outbox) dispatchBoundary(ctx context.Context, src Source, effects []Eff
 	}
 	fields := watermill.LogFields{"boundary_id": src.ID, "effects": len(effects)}
 	if blocked, err := o.keyBlocked(ctx, src, effects); err != nil || blocked {
+		if err != nil && o.outage(ctx, err) {
+			// The database went since the commit: handing the effects over would be one more
+			// connection attempt; the relay's claims after the outage find them (RelayGrace).
+			o.relayNeeded(fields)
+			return false
+		}
 		if err != nil {
 			o.logger.Error("Checking ordering keys failed; the relay sends the effects", err, fields)
 		}

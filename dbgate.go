@@ -214,21 +214,27 @@ func (g *dbGate) gaveUp(ctx context.Context) error {
 	return fmt.Errorf("%w %s: %w", ErrDatabaseUnreachable, o, ctx.Err())
 }
 
-func (g *dbGate) runProbe() {
+// boundedProbe pings the database once, for at most dbProbeTimeout. No answer within the bound
+// is an error that wraps context.DeadlineExceeded.
+func (g *dbGate) boundedProbe() error {
 	ctx, cancel := context.WithTimeout(context.Background(), dbProbeTimeout)
 	defer cancel()
 	res := make(chan error, 1)
 	go func() { res <- g.probe(ctx) }()
-	var err error
 	select {
-	case err = <-res:
+	case err := <-res:
+		return err
 	case <-ctx.Done():
 		// A driver that ignores the context while it connects (lib/pq through sql.Open, without
 		// connect_timeout, on a server that stalls) returns when the network gives up: the
 		// probe counts as failed now and the next one opens a new connection, rather than the
 		// outage last as long as that one connection.
-		err = fmt.Errorf("no answer within %s: %w", dbProbeTimeout, ctx.Err())
+		return fmt.Errorf("no answer within %s: %w", dbProbeTimeout, ctx.Err())
 	}
+}
+
+func (g *dbGate) runProbe() {
+	err := g.boundedProbe()
 	if err == nil {
 		g.succeeded()
 		return

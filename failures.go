@@ -170,7 +170,9 @@ func (o *Outbox) dispatchFailed(ctx context.Context, src Source, effects []Effec
 	}
 	bctx, cancel := context.WithTimeout(ctx, storeTimeout)
 	defer cancel()
-	if rerr := o.store.EffectRecordFailures(bctx, fs...); rerr != nil {
+	// A failure that says the database went meanwhile is the gate's to report (and the
+	// relays are then woken in this process only: see wakeRelays).
+	if rerr := o.store.EffectRecordFailures(bctx, fs...); rerr != nil && !o.outage(ctx, rerr) {
 		o.logger.Error("Recording a failed dispatch failed; the relay retries the effects after RelayGrace", rerr, fields)
 	}
 	o.relayNeeded(fields)
@@ -296,6 +298,11 @@ func (o *Outbox) handlerFailed(ctx context.Context, msg *message.Message, src So
 	}
 	attempts, err := o.store.AttemptRecord(bctx, src, reason)
 	if err != nil {
+		if o.outage(ctx, err) {
+			// The database went while the unit ran (likely what failed it): not counted, and
+			// run again once a probe of the gate answers, not after RetryDelay.
+			return fmt.Errorf("%w: %w (counting the attempt: %w)", errWaitForDatabase, herr, err)
+		}
 		o.logger.Error("Counting a failed attempt failed", err, fields)
 		return fmt.Errorf("%w (and counting the attempt failed: %w)", herr, err)
 	}
@@ -411,6 +418,10 @@ func (o *Outbox) deadLetter(ctx, outcomeCtx context.Context, dl outboxdriver.Dea
 		// after its commit), with their UUIDs: acked without, they waited for the relay's sweep.
 		return o.redeliver(ctx, src, outboxdriver.Claim{Concurrent: true}, fields)
 	}
+	if err != nil && o.outage(ctx, err) {
+		// As when counting an attempt meets the outage (handlerFailed).
+		return fmt.Errorf("%w: %w (storing it as a dead letter: %w)", errWaitForDatabase, cause, err)
+	}
 	if err != nil {
 		o.logger.Error("Storing a dead letter failed; the message is nacked", err, fields)
 		return counted(fmt.Errorf("%w (and storing it as a dead letter failed: %w)", cause, err), max(attempts, 1))
@@ -441,6 +452,9 @@ func (o *Outbox) reject(ctx context.Context, msg *message.Message, src Source, c
 		// Every copy of the message is rejected before a claim could ack it: the first one's
 		// dead letter acks the others, so that a discarded one stays discarded.
 		if done, err := o.store.MessageIsProcessed(bctx, src); err != nil {
+			if o.outage(ctx, err) {
+				return fmt.Errorf("%w: %w (looking for its dead letter: %w)", errWaitForDatabase, cause, err)
+			}
 			return fmt.Errorf("%w (and looking for its dead letter failed: %w)", cause, err)
 		} else if done {
 			o.logger.Info("Copy of a rejected message acked: it is dead-lettered already", fields.Add(watermill.LogFields{"dead_letter_id": src.ID}))

@@ -102,6 +102,14 @@ func GateOf(ob *Outbox) any {
 // GateUsers counts the Outboxes that ob's gate tells of outages.
 func GateUsers(ob *Outbox) int { return len(ob.gate.users.live()) }
 
+// GateAttempts counts the failed connection attempts ob's gate was told of in the outage under
+// way (0 when there is none).
+func GateAttempts(ob *Outbox) int64 {
+	ob.gate.mu.Lock()
+	defer ob.gate.mu.Unlock()
+	return ob.gate.inOutage
+}
+
 // SharedGates counts the gates shared on db.
 func SharedGates(db any) int {
 	sharedGates.Lock()

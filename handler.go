@@ -121,13 +121,13 @@ func (o *Outbox) handle(msg *message.Message, p HandleParams, next message.Handl
 	}
 	src := Source{Consumer: p.Consumer, ID: p.MessageID}
 	if p.Refuse != nil {
-		return o.reject(parent, msg, src, p.Refuse, fields)
+		return o.rejectWhenReachable(parent, msg, src, p.Refuse, fields)
 	}
 	if p.MessageIDErr != nil {
-		return o.reject(parent, msg, src, fmt.Errorf("%w: %w", ErrInvalidMessageID, p.MessageIDErr), fields)
+		return o.rejectWhenReachable(parent, msg, src, fmt.Errorf("%w: %w", ErrInvalidMessageID, p.MessageIDErr), fields)
 	}
 	if err := validateName(p.MessageID); err != nil {
-		return o.reject(parent, msg, src, fmt.Errorf("%w: %w", ErrInvalidMessageID, err), fields)
+		return o.rejectWhenReachable(parent, msg, src, fmt.Errorf("%w: %w", ErrInvalidMessageID, err), fields)
 	}
 	for try, retries := 1, 0; ; {
 		setOutcome(parent, "")
@@ -141,7 +141,7 @@ func (o *Outbox) handle(msg *message.Message, p HandleParams, next message.Handl
 			return nil
 		case errors.Is(err, errWaitForDatabase):
 			if parent.Err() != nil {
-				return err
+				return fmt.Errorf("%w: %w", ErrDatabaseUnreachable, err)
 			}
 			// Not a try: the next one begins once the database answers (waitForDatabase).
 			continue
@@ -173,6 +173,26 @@ func (o *Outbox) handle(msg *message.Message, p HandleParams, next message.Handl
 		retries++
 		try = 1
 		o.logger.Debug("Running the unit of work again", fields.Add(watermill.LogFields{"retry": retries, "error": err.Error()}))
+	}
+}
+
+// rejectWhenReachable rejects msg (reject) once the database answers: its dead letter is a
+// statement, which during an outage would be one more connection attempt for every redelivery
+// of the message. A rejection that meets the outage waits for the gate and is made again.
+func (o *Outbox) rejectWhenReachable(ctx context.Context, msg *message.Message, src Source, cause error, fields watermill.LogFields) error {
+	for {
+		if err := o.waitForDatabase(ctx); err != nil {
+			setOutcome(ctx, OutcomeFailed)
+			return fmt.Errorf("%w (rejecting it: %w)", cause, err)
+		}
+		err := o.reject(ctx, msg, src, cause, fields)
+		if !errors.Is(err, errWaitForDatabase) {
+			return err
+		}
+		if ctx.Err() != nil {
+			setOutcome(ctx, OutcomeFailed)
+			return fmt.Errorf("%w: %w", ErrDatabaseUnreachable, err)
+		}
 	}
 }
 

@@ -545,16 +545,7 @@ func (g engineGate) Probe() (answered, judged bool) {
 	if g.g.poolFull != nil && g.g.poolFull() {
 		return false, false
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), dbProbeTimeout)
-	defer cancel()
-	res := make(chan error, 1)
-	go func() { res <- g.g.probe(ctx) }() // lib/pq may ignore ctx while it connects
-	select {
-	case err := <-res:
-		return !errors.Is(err, context.DeadlineExceeded), true
-	case <-ctx.Done():
-		return false, true
-	}
+	return !errors.Is(g.g.boundedProbe(), context.DeadlineExceeded), true
 }
 
 // Observe takes the abandonment of a run (engine.ErrNoAnswer) as a failed connection attempt: a
@@ -722,6 +713,17 @@ func (o *Outbox) unreachable(err error) bool {
 	return ok && c.Unreachable(err)
 }
 
+// outage tells the gate of err, a failure of work done in ctx, and reports whether err says the
+// database is unreachable. A failure of work whose ctx had ended tells it nothing: the caller's
+// deadline or cancel may have cut the dial short (InTx's, JoinTx's), which says nothing of the
+// database, and taken for an outage it held every unit of work on the pool back.
+func (o *Outbox) outage(ctx context.Context, err error) bool {
+	if ctx.Err() != nil {
+		return false
+	}
+	return o.gate.observe(err)
+}
+
 // gateAttempt counts a connection attempt that found the database unreachable.
 func (o *Outbox) gateAttempt() {
 	o.tel.dbUnreachable.Add(context.Background(), 1, o.tel.own())
@@ -748,11 +750,15 @@ func (o *Outbox) reachabilityChanged(since time.Time, attempts int64, err error)
 		"unreachable_for": time.Since(since).Round(time.Millisecond).String(), "failed_attempts": attempts})
 }
 
-// wakeRelays wakes this process's relay and, through the store, the relays of the other instances.
+// wakeRelays wakes this process's relay and, through the store, the relays of the other instances
+// (not while the database gate is shut: theirs find the effects once it answers).
 func (o *Outbox) wakeRelays(ctx context.Context) {
 	o.lastHandoff.Store(time.Now().UnixNano())
 	o.kickRelay()
-	if err := o.store.EffectNotify(ctx); err != nil {
+	if o.gate.holding() {
+		return // the database is gone: the notice would be one more connection attempt
+	}
+	if err := o.store.EffectNotify(ctx); err != nil && !o.outage(ctx, err) {
 		o.logger.Error("Notifying the relays failed; they pick the effects up at their next poll", err, nil)
 	}
 }

@@ -143,7 +143,7 @@ func (o *Outbox) retryRecovered(ctx context.Context) error {
 		}
 		n, err := r.EffectRetryNow(ctx, d.kind, d.topic, retryNowBatch)
 		if err != nil {
-			if o.gate.observe(err) {
+			if o.unreachable(err) { // the gate is told by the relay's caller, which gets it
 				gone = err
 				o.recovery.again(key, d)
 				continue

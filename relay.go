@@ -164,14 +164,19 @@ func (o *Outbox) relayOnce(ctx context.Context) (idle, drained bool, dueBy time.
 		// A due one that could not be moved (a cancel holds it) is not tried again in this pass:
 		// the move armed the timer to look again soon.
 		promoted := false
+		var gone error // the database went after the claim: the pass ends once its effects are launched
 		if d := claim.Delayed; d != nil {
 			o.claimSeesDelayed.Store(true)
 			switch {
 			case d.Waiting && d.In <= 0 && !stuckDelayed:
 				n, err := o.promoteDelayed(ctx)
-				if err != nil {
+				if err != nil && len(claim.Effects) == 0 {
 					return false, false, time.Time{}, err
 				}
+				// The claim leased effects: they go to the broker (which may well be up) and
+				// their marks wait for the gate; returning at once left them leased, unsent,
+				// until their lease ended (a minute by default).
+				gone = err
 				promoted = n > 0
 				stuckDelayed = !promoted
 			case d.Waiting && d.In > 0:
@@ -217,6 +222,9 @@ func (o *Outbox) relayOnce(ctx context.Context) (idle, drained bool, dueBy time.
 				return false, false, time.Time{}, err
 			}
 			busy += time.Since(t)
+		}
+		if gone != nil {
+			return false, false, time.Time{}, gone // the launched round is landed on the way out
 		}
 		var next int64 // where the claim after this one would look, were the rounds one after another
 		switch {
@@ -444,8 +452,8 @@ func (o *Outbox) relayLand(f *relayFlight) error {
 				// again every second for markTimeout; a wait that ends first is a failure.
 				if werr := o.gate.wait(wctx); werr != nil {
 					o.tel.markFailures.Add(wctx, 1, o.tel.own())
-					o.logger.Error("Relay could not mark side effects dispatched; they are sent again when their lease ends", werr, nil)
-					break
+					// Returned, not only logged: a nil would tell the gate the database answered.
+					return fmt.Errorf("relay could not mark side effects dispatched; they are sent again when their lease ends: %w", werr)
 				}
 				continue
 			}

@@ -576,6 +576,11 @@ func (o *Outbox) dispatchAndMark(ctx context.Context, path string, src Source, e
 	ctx, traced := o.tel.startDispatch(ctx, path, effects, true)
 	defer func() { traced(err) }()
 	if blocked, err := o.keyBlocked(ctx, src, effects); err != nil {
+		if o.outage(ctx, err) {
+			// The database went since the commit: Handle runs the unit again once a probe
+			// answers, and finds the claim committed (the duplicate path sends the effects).
+			return fmt.Errorf("%w: outbox: check ordering keys: %w", errWaitForDatabase, err)
+		}
 		return fmt.Errorf("outbox: check ordering keys: %w", err)
 	} else if blocked {
 		// The effects are committed; the relay sends them after the earlier ones, in order. Those

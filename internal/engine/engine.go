@@ -713,7 +713,10 @@ func (e *Engine) run(mctx context.Context, t *task, seq uint64, started time.Tim
 	abandon.Stop()
 	stopStall()
 	m := t.m
-	if m.Gate != nil {
+	// A nil from a run whose context ended (its member removed, the engine stopped, its bound
+	// passed, or abandoned) says nothing of the database: taken for a success, it ended an
+	// outage under way, and every unit of work waiting for it dialed again.
+	if m.Gate != nil && (err != nil || ctx.Err() == nil) {
 		if m.Gate.Observe(err) {
 			err = nil // the gate reports the outage
 		}

@@ -281,6 +281,34 @@ func TestRunErrorsGoToTheGateOrTheLog(t *testing.T) {
 	}
 }
 
+// A run whose context ended (its member removed, the engine stopped, its bound passed) and that
+// returns nil says nothing of the database: the gate is not told of a success, which would end
+// an outage under way (every waiting unit of work then dialed again, and the outage was reported
+// over while the database was still gone).
+func TestEndedRunsNilIsNoSuccess(t *testing.T) {
+	e := New(Config{})
+	gate := &fakeGate{open: true}
+	inside := make(chan struct{})
+	h := add(t, e, Member{Name: "m", Gate: gate, Tasks: []Task{{Name: "relay", Every: time.Hour,
+		Run: func(ctx context.Context) (Outcome, error) {
+			close(inside)
+			<-ctx.Done() // a relay whose marks waited for the gate, given up as the member leaves
+			return Worked, nil
+		}}}})
+	started(t, e)
+	<-inside
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	if err := h.Remove(ctx); err != nil {
+		t.Fatal(err)
+	}
+	gate.mu.Lock()
+	defer gate.mu.Unlock()
+	if len(gate.observe) != 0 {
+		t.Fatalf("the gate was told %v of a run its member's removal ended; want nothing", gate.observe)
+	}
+}
+
 // Stop waits for the run in progress (whose context it ended), and nothing outlives it.
 func TestStopWaitsForTheRunInProgress(t *testing.T) {
 	defer goleak.VerifyNone(t)
