@@ -72,9 +72,11 @@ func (o *Outbox) DeadLetters(ctx context.Context, f DeadLetterFilter) ([]DeadLet
 // consumers, once the cause is fixed. Each is retried in one transaction: its state becomes
 // retried (by actor), the message's poisoned claim and failed attempts are deleted, and the
 // stored message is recorded as a side effect to the topic it came from, with its own UUID,
-// payload and metadata, which the relay sends. The consumer then runs it once, as a new
-// message; other consumers of the topic that processed it find their claims and ack it. It
-// returns how many it retried: those not dead (retried or discarded already) are left alone.
+// payload and metadata, which the relay sends, addressed to its consumer (MetadataRetryFor). The
+// consumer then runs it once, as a new message; the other consumers of the topic (those behind
+// the outbox middleware) ack it without running their handlers, whether or not they still keep
+// its ID. It returns how many it retried: those not dead (retried or discarded already) are left
+// alone.
 func (o *Outbox) RetryDeadLetters(ctx context.Context, actor string, keys ...Source) (int, error) {
 	return o.retryDeadLetters(ctx, outboxdriver.DeadLetterChange{Keys: keys, Actor: actor})
 }

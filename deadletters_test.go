@@ -27,7 +27,7 @@ import (
 // moment. The consumer must then process it exactly once, with its own UUID, while a second
 // consumer of the topic, which processed it the first time, does not process it again.
 func TestRetriedDeadLetterIsProcessedOnce(t *testing.T) {
-	retriedDeadLetterIsProcessedOnce(t, false)
+	retriedDeadLetterIsProcessedOnce(t, false, false)
 }
 
 // TestRetriedDeadLetterKeepsTheUUID is TestRetriedDeadLetterIsProcessedOnce with a consumer that
@@ -36,10 +36,20 @@ func TestRetriedDeadLetterIsProcessedOnce(t *testing.T) {
 // that ID as its UUID, it was a new message to the topic's second consumer, which processed it
 // again.
 func TestRetriedDeadLetterKeepsTheUUID(t *testing.T) {
-	retriedDeadLetterIsProcessedOnce(t, true)
+	retriedDeadLetterIsProcessedOnce(t, true, false)
 }
 
-func retriedDeadLetterIsProcessedOnce(t *testing.T, idFromMetadata bool) {
+// TestRetriedDeadLetterIsForItsConsumerOnly is TestRetriedDeadLetterIsProcessedOnce with the
+// retry made after the other consumer's claim of the message was cleaned up (a dead letter
+// retried, or redriven, past Retention). The retried copy goes to the topic, which every
+// consumer group reads: it is addressed to the consumer of the dead letter, and the others ack
+// it without running their handlers. Unaddressed, the other consumer, which no longer knew the
+// message, processed it a second time.
+func TestRetriedDeadLetterIsForItsConsumerOnly(t *testing.T) {
+	retriedDeadLetterIsProcessedOnce(t, false, true)
+}
+
+func retriedDeadLetterIsProcessedOnce(t *testing.T, idFromMetadata bool, pastRetention bool) {
 	const topic = "orders.dead"
 	e := newEnv(t)
 	e.initTopics(topic)
@@ -52,6 +62,9 @@ func retriedDeadLetterIsProcessedOnce(t *testing.T, idFromMetadata bool) {
 	apply := func(consumer string, fails bool) message.NoPublishHandlerFunc {
 		return func(msg *message.Message) error {
 			ctx := msg.Context()
+			if v, ok := msg.Metadata[outbox.MetadataRetryFor]; ok {
+				t.Errorf("%s's handler saw the retry's address (%q): a handler that copies the metadata to its messages would pass it on", consumer, v)
+			}
 			if _, err := outbox.Tx(ctx).ExecContext(ctx, `INSERT INTO dl_applied VALUES ($1, $2, $3)`, consumer, msg.UUID, msg.Payload); err != nil {
 				return err
 			}
@@ -110,6 +123,12 @@ func retriedDeadLetterIsProcessedOnce(t *testing.T, idFromMetadata bool) {
 	mustEqual(t, "rows applied by stock before the retry", e.count(`SELECT count(*) FROM dl_applied WHERE consumer = 'stock'`), 0)
 	mustEqual(t, "rows applied by billing", e.count(`SELECT count(*) FROM dl_applied WHERE consumer = 'billing'`), 1)
 
+	if pastRetention {
+		// What the cleanup does to billing's claim once Retention passed.
+		if _, err := e.db.Exec(`DELETE FROM outbox_processed WHERE consumer = 'billing'`); err != nil {
+			t.Fatal(err)
+		}
+	}
 	broken.Store(false)
 	var retried atomic.Int32
 	var wg sync.WaitGroup

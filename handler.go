@@ -119,6 +119,14 @@ func (o *Outbox) handle(msg *message.Message, p HandleParams, next message.Handl
 		return fmt.Errorf("%w: the outbox middleware is applied twice to this handler (on the Router and on the handler?); apply it once (consumer %q inside the unit of work of %q)",
 			ErrNestedUnitOfWork, p.Consumer, outer.src.Consumer)
 	}
+	if to, ok := msg.Metadata[MetadataRetryFor]; ok {
+		if to != p.Consumer {
+			// A dead letter of another consumer, retried: it is for that consumer only.
+			setOutcome(parent, OutcomeNotAddressed)
+			return nil
+		}
+		delete(msg.Metadata, MetadataRetryFor) // not passed on by a handler that copies metadata
+	}
 	src := Source{Consumer: p.Consumer, ID: p.MessageID}
 	if p.Refuse != nil {
 		return o.rejectWhenReachable(parent, msg, src, p.Refuse, fields)

@@ -34,6 +34,11 @@ const (
 	// partition keeps the outbox's order per key only if the key picks the partition: see
 	// PartitionKey.
 	MetadataOrderingKey = "outbox_ordering_key"
+	// MetadataRetryFor addresses a retried dead letter to its consumer (RetryDeadLetters): the
+	// Outbox's other consumers of its topic ack it without running their handlers, and its own
+	// takes the key off before its handler sees the message. Consumers of the topic outside the
+	// outbox receive the copy as any message.
+	MetadataRetryFor = outboxdriver.MetadataRetryFor
 )
 
 // PartitionKey returns the ordering key the outbox set on msg (MetadataOrderingKey), for a

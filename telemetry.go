@@ -90,6 +90,7 @@ const (
 	OutcomePoisoned       = "poisoned"        // moved to the poison topic after MaxAttempts
 	OutcomeRejected       = "rejected"        // unusable message ID: dead-lettered or poison topic at once, or nacked
 	OutcomeDeadLettered   = "dead_lettered"   // stored as a dead letter and acked (Config.DeadLetters)
+	OutcomeNotAddressed   = "not_addressed"   // another consumer's retried dead letter (MetadataRetryFor): acked, the handler skipped
 )
 
 // Outcomes of a unit of work at the boundary (InTx, InUnit), beside OutcomeDispatchFailed.

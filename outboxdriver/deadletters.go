@@ -16,6 +16,13 @@ const (
 	DeadLetterDiscarded DeadLetterState = "discarded"
 )
 
+// MetadataRetryFor addresses a retried dead letter to its consumer: a retry publishes the
+// message to its source topic, which every consumer group of the topic reads, with this key set
+// to the consumer of the dead letter. The outbox's other consumers ack it without running their
+// handlers (past Retention, they no longer know it was processed); its own consumer takes the
+// key off before its handler sees the message.
+const MetadataRetryFor = "outbox_retry_for"
+
 // DeadLetter is a message a consumer gave up on, as it is stored.
 type DeadLetter struct {
 	// Consumer and MessageID key it: one dead letter per message and consumer.

@@ -222,6 +222,12 @@ func (s *SQL) DeadLetterRetryAudited(ctx context.Context, c outboxdriver.DeadLet
 		if uuid == "" {
 			uuid = key.ID // stored before its UUID was kept: by default the message's ID is its UUID
 		}
+		// Every consumer group of the topic receives the copy: addressed, it runs in this
+		// consumer only (past Retention, the others no longer know they processed it).
+		if metadata == nil {
+			metadata = map[string]string{}
+		}
+		metadata[outboxdriver.MetadataRetryFor] = key.Consumer
 		src := newSource()
 		e := []outboxdriver.Effect{{
 			Kind: outboxdriver.KindPublish, Topic: string(topic), UUID: uuid, Payload: nonNil(payload), Metadata: metadata,
