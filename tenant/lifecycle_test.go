@@ -5,6 +5,7 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"runtime"
 	"strings"
 	"testing"
 	"time"
@@ -212,6 +213,47 @@ func TestSetAddRefusesAnOutboxTwice(t *testing.T) {
 	}
 }
 
+// Two members on one set of tables (one *sql.DB, Schema and TablePrefix) are refused: they share
+// their claims, so a tenant's message whose ID another tenant's message had (an order number
+// read by WithMessageID) was acked as a duplicate, and lost.
+func TestSetAddRefusesMembersOnOneSetOfTables(t *testing.T) {
+	w := newWire()
+	db := pgtest.DB(t)
+	a := newMember(t, db, "", w)
+	b, err := outbox.New(outbox.Config{DB: db, Driver: postgres.Driver{}, Publisher: w})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = b.Close() })
+	set := newSet(t, tenant.Config{}, map[string]*outbox.Outbox{"a": a})
+	if err := set.Add("b", b); err == nil || !strings.Contains(err.Error(), `member "a"`) {
+		t.Errorf("Add of a second Outbox on member a's tables = %v, want an error naming a", err)
+	}
+	if err := set.Add("c", newMember(t, db, "c_", w)); err != nil {
+		t.Errorf("Add of an Outbox on tables of its own, in the same database = %v", err)
+	}
+}
+
+// The Unresolved member must keep what it refuses: one with DeadLettersOff and no PoisonTopic
+// nacked every message the Set could not route, for ever, which is what Unresolved prevents.
+func TestSetAddRefusesAnUnresolvedMemberThatKeepsNothing(t *testing.T) {
+	u, err := outbox.New(outbox.Config{DB: pgtest.DB(t), Driver: postgres.Driver{}, Publisher: newWire(), DeadLetters: outbox.DeadLettersOff})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = u.Close() })
+	set, err := tenant.New(tenant.Config{Resolver: tenant.FromMetadata("tenant"), Unresolved: "unrouted"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := set.Add("unrouted", u); err == nil || !strings.Contains(err.Error(), "DeadLettersOff") {
+		t.Errorf("Add of an Unresolved member that keeps no refusals = %v, want an error", err)
+	}
+	if err := set.Add("a", u); err != nil {
+		t.Errorf("Add of that Outbox as a tenant's member = %v", err)
+	}
+}
+
 // The Unresolved member keeps what it refuses under each message's UUID, not under the ID the
 // middleware's options read: with middleware.WithMessageID reading a tenant's own key, messages
 // of two unknown tenants that share a key are two dead letters. Before, the second was taken for
@@ -360,4 +402,23 @@ func TestSetRemoveWithAnEndedContext(t *testing.T) {
 			t.Fatalf("Remove %d with an ended context and no unit in flight = %v, want nil", i, err)
 		}
 	}
+}
+
+// A handler wrapped by the Set's middleware where it is called (a wrap per message) leaves
+// nothing behind once it is gone: each member kept the handler it built for every wrap it
+// served, for good.
+func TestWrapsPerMessageAreForgotten(t *testing.T) {
+	a := newMember(t, pgtest.DB(t), "", newWire())
+	set := newSet(t, tenant.Config{}, map[string]*outbox.Outbox{"a": a})
+	const wraps = 200
+	for i := range wraps {
+		h := set.WrapConsumer(func(*message.Message) error { return nil }, middleware.WithConsumer("c"))
+		if err := h(tenantMsg(fmt.Sprintf("m-%d", i), "a")); err != nil {
+			t.Fatal(err)
+		}
+	}
+	eventually(t, "the handlers built for the wraps gone", func() bool {
+		runtime.GC()
+		return tenant.CachedHandlers(set, "a") < wraps/10
+	})
 }

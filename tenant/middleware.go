@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"runtime"
+	"weak"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -19,6 +21,7 @@ type wrapper struct {
 	// refuse is next wrapped by the outbox middleware of the Unresolved member, refusing every
 	// message with the reason the delivery carries in its context.
 	refuse []middleware.Option
+	key    weak.Pointer[wrapper] // the members' caches key their handlers for w by it
 }
 
 type refusalKey struct{}
@@ -45,6 +48,10 @@ type setMiddleware struct {
 func (sm *setMiddleware) wrap(next message.HandlerFunc) message.HandlerFunc {
 	s := sm.set
 	w := &wrapper{next: next, opts: sm.opts}
+	w.key = weak.Make(w)
+	// The members' handlers built for w go with w: a wrap per message (a handler wrapped where
+	// it is called) kept one per member it reached, for good.
+	runtime.AddCleanup(w, s.forgetWrapper, w.key)
 	w.refuse = append(append([]middleware.Option(nil), sm.opts...), middleware.WithRefusal(func(msg *message.Message) error {
 		err, _ := msg.Context().Value(refusalKey{}).(error)
 		return err
@@ -108,12 +115,30 @@ func (s *Set) WrapConsumer(h message.NoPublishHandlerFunc, opts ...middleware.Op
 func (m *member) handler(w *wrapper) message.HandlerFunc {
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	h, ok := m.wrapped[w]
+	h, ok := m.wrapped[w.key]
 	if !ok {
-		h = middleware.New(m.ob, w.opts...)(w.next)
-		m.wrapped[w] = h
+		h = middleware.New(m.ob, w.opts...)(w.next) // holds w.next and w.opts, not w
+		m.wrapped[w.key] = h
 	}
 	return h
+}
+
+// forgetWrapper drops the members' handlers for a wrapper that is gone.
+func (s *Set) forgetWrapper(key weak.Pointer[wrapper]) {
+	s.mu.Lock()
+	ms := make([]*member, 0, len(s.members)+len(s.removing))
+	for _, m := range s.members {
+		ms = append(ms, m)
+	}
+	for m := range s.removing {
+		ms = append(ms, m)
+	}
+	s.mu.Unlock()
+	for _, m := range ms {
+		m.mu.Lock()
+		delete(m.wrapped, key)
+		m.mu.Unlock()
+	}
 }
 
 // resolve names msg's member, with a panicking or empty Resolver turned into a refusal.

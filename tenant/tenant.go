@@ -20,6 +20,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+	"weak"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -181,7 +182,7 @@ type member struct {
 	removed bool          // no new units
 	drained chan struct{} // closed once removed and no unit is in flight
 	bg      *background   // the background work start started; nil while not running
-	wrapped map[*wrapper]message.HandlerFunc
+	wrapped map[weak.Pointer[wrapper]]message.HandlerFunc
 }
 
 // New returns an empty Set.
@@ -224,7 +225,9 @@ func New(cfg Config) (*Set, error) {
 
 // Add adds ob under name. While Run runs, the member's background work starts at once, and an
 // Outbox that runs already (its own Run, another Set) is refused with outbox.ErrRunning; one that
-// Run finds running so keeps that background work and is logged. The Set
+// Run finds running so keeps that background work and is logged. Refused too: an Outbox on the
+// tables of a member (one Config.DB, Schema and TablePrefix: their claims would mix), and as the
+// Unresolved member one that keeps no refusals (DeadLettersOff without a PoisonTopic). The Set
 // neither migrates ob nor closes it: ob and its database are the caller's. A name is 1 to 200
 // bytes of UTF-8 without control characters, bidirectional controls, line separators or '/': it
 // is in logs, metrics, health reports and the console, where those make it read as another.
@@ -252,7 +255,30 @@ func (s *Set) Add(name string, ob *outbox.Outbox) error {
 			return fmt.Errorf("tenant: member %q: its Outbox is member %q, which a Remove under way is stopping: add it once that returned", name, o.name)
 		}
 	}
-	m := &member{name: name, ob: ob, drained: make(chan struct{}), wrapped: map[*wrapper]message.HandlerFunc{}}
+	cfg := ob.Config()
+	if name == s.cfg.Unresolved && cfg.DeadLetters == outbox.DeadLettersOff && cfg.PoisonTopic == "" {
+		return fmt.Errorf("tenant: member %q: the Unresolved member keeps no dead letters (DeadLettersOff) and has no PoisonTopic: "+
+			"the messages the Set cannot route would be nacked and redelivered for ever", name)
+	}
+	// Two members on one set of tables share their claims: one tenant's message would be acked
+	// as a duplicate of another's with the same ID (an order number read by WithMessageID).
+	same := func(o *member) bool {
+		oc := o.ob.Config()
+		return oc.DB == cfg.DB && oc.Schema == cfg.Schema && oc.TablePrefix == cfg.TablePrefix
+	}
+	for other, o := range s.members {
+		if same(o) {
+			return fmt.Errorf("tenant: member %q: its tables are member %q's (one DB, Schema %q, TablePrefix %q): "+
+				"the claims of one would ack the other's messages as duplicates; give each member a Schema or TablePrefix of its own",
+				name, other, cfg.Schema, cfg.TablePrefix)
+		}
+	}
+	for o := range s.removing {
+		if same(o) {
+			return fmt.Errorf("tenant: member %q: its tables are those of member %q, which a Remove under way is stopping", name, o.name)
+		}
+	}
+	m := &member{name: name, ob: ob, drained: make(chan struct{}), wrapped: map[weak.Pointer[wrapper]]message.HandlerFunc{}}
 	if s.runCtx != nil {
 		if err := s.start(s.runCtx, m); err != nil {
 			return fmt.Errorf("tenant: member %q: %w", name, err)
