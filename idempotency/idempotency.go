@@ -52,6 +52,7 @@ type Config struct {
 	Required bool
 	// StoredHeaders are the response headers stored with the status and body and returned to a
 	// retry. Default: Content-Type, Content-Language, Location, ETag, Last-Modified.
+	// Content-Encoding is stored whatever the list says: the body is stored as it was encoded.
 	StoredHeaders []string
 	// MaxResponseBytes bounds the response body stored with a key (and buffered until the commit).
 	// A handler that writes more is rolled back and the client gets 500 Internal Server Error
@@ -251,7 +252,7 @@ func (m *middleware) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		if !keyed {
 			return nil
 		}
-		resp, err := encodeStored(stored{Status: rec.code(), Header: pick(rec.header, m.cfg.StoredHeaders), Body: rec.body.Bytes()})
+		resp, err := encodeStored(stored{Status: rec.code(), Header: pick(rec.header, m.cfg.StoredHeaders, "Content-Encoding"), Body: rec.body.Bytes()})
 		if err != nil {
 			return err
 		}
@@ -365,9 +366,9 @@ func validKey(k string) bool {
 	return true
 }
 
-func pick(h http.Header, names []string) http.Header {
+func pick(h http.Header, names []string, always ...string) http.Header {
 	out := http.Header{}
-	for _, n := range names {
+	for _, n := range slices.Concat(names, always) {
 		if v := h.Values(n); len(v) > 0 {
 			out[http.CanonicalHeaderKey(n)] = slices.Clone(v)
 		}
@@ -400,6 +401,11 @@ func (r *recorder) Header() http.Header { return r.header }
 // is not the response's: taken for it, a handler that then failed with 500 had its unit
 // committed and its response stored (and replayed) as a success.
 func (r *recorder) WriteHeader(status int) {
+	if status < 100 || status > 999 {
+		// As net/http's ResponseWriter does, in the handler: the unit rolls back. Recorded, it
+		// committed, and net/http panicked as the response (and every replay of it) was sent.
+		panic(fmt.Sprintf("invalid WriteHeader code %v", status))
+	}
 	if status >= 100 && status < 200 {
 		return
 	}

@@ -1,6 +1,8 @@
 package idempotency_test
 
 import (
+	"bytes"
+	"compress/gzip"
 	"context"
 	"database/sql"
 	"fmt"
@@ -84,6 +86,17 @@ func newFixture(t *testing.T, mutate func(*idempotency.Config)) *fixture {
 		if string(body) == "early hints, then 500" {
 			w.WriteHeader(http.StatusEarlyHints) // informational: not the response
 			http.Error(w, "failed after its early hints", http.StatusInternalServerError)
+			return
+		}
+		if string(body) == "encoded" {
+			// A handler that encodes its own body: stored as encoded, it needs its encoding.
+			var gz bytes.Buffer
+			zw := gzip.NewWriter(&gz)
+			_, _ = fmt.Fprintf(zw, `{"id":%d}`, id)
+			_ = zw.Close()
+			w.Header().Set("Content-Encoding", "gzip")
+			w.WriteHeader(http.StatusCreated)
+			_, _ = w.Write(gz.Bytes())
 			return
 		}
 		if code, ok := strings.CutPrefix(string(body), "status:"); ok {
@@ -322,6 +335,43 @@ func TestInformationalStatusIsNotTheResponse(t *testing.T) {
 	}
 	if r := f.post("k-hints", "early hints, then 500"); r.status != http.StatusInternalServerError || r.header.Get(idempotency.ReplayedHeader) != "" || f.runs.Load() != 2 {
 		t.Errorf("retry: %+v after %d runs, want it run again (nothing stored)", r, f.runs.Load())
+	}
+}
+
+// A response whose body the handler encoded itself (Content-Encoding: gzip) is replayed with
+// its encoding, which the default StoredHeaders leave out: replayed without it, the client got
+// the gzip bytes as the body.
+func TestEncodedResponseIsReplayedWithItsEncoding(t *testing.T) {
+	f := newFixture(t, nil)
+	first := f.post("k-gzip", "encoded")
+	if first.status != http.StatusCreated || !strings.HasPrefix(first.body, `{"id":`) {
+		t.Fatalf("first response: %+v, want 201 and the decoded body", first)
+	}
+	r := f.post("k-gzip", "encoded")
+	if r.header.Get(idempotency.ReplayedHeader) != "true" || r.body != first.body {
+		t.Fatalf("replay: %+v, want the first response's body %q, replayed", r, first.body)
+	}
+}
+
+// A status net/http refuses (below 100, above 999) panics in the handler, as net/http's own
+// ResponseWriter does there: the unit rolls back and nothing is stored. Recorded, the unit
+// committed, and net/http panicked as the response was sent, and again on every retry.
+func TestInvalidStatusRollsBack(t *testing.T) {
+	f := newFixture(t, nil)
+	for range 2 {
+		req := httptest.NewRequest(http.MethodPost, "/orders", strings.NewReader("status:99"))
+		req.Header.Set("Idempotency-Key", "k-99")
+		req.Header.Set("X-Caller", "alice")
+		func() {
+			defer func() { _ = recover() }()
+			f.srv.Config.Handler.ServeHTTP(httptest.NewRecorder(), req)
+		}()
+	}
+	if n := f.orders(); n != 0 {
+		t.Errorf("%d orders committed by a handler that wrote status 99, want 0", n)
+	}
+	if n := f.runs.Load(); n != 2 {
+		t.Errorf("the handler ran %d times for two requests, want 2 (nothing stored)", n)
 	}
 }
 
