@@ -110,6 +110,10 @@ func GateAttempts(ob *Outbox) int64 {
 	return ob.gate.inOutage
 }
 
+// RelaysRunning counts the background lives of ob that count as running its relay
+// (outbox.relay.running, Health's relay check).
+func RelaysRunning(ob *Outbox) int32 { return ob.relaysRunning.Load() }
+
 // SharedGates counts the gates shared on db.
 func SharedGates(db any) int {
 	sharedGates.Lock()

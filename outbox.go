@@ -388,6 +388,15 @@ func (o *Outbox) startServices(ctx context.Context, life *backgroundLife) {
 	var wg sync.WaitGroup
 	wg.Add(1)
 	go func() { defer wg.Done(); o.listen(lctx) }()
+	// What reports the life as running ends once: at its stop, or when it is abandoned, which
+	// may be long before its stuck call returns and its stop runs, if ever.
+	var ended sync.Once
+	end := func() {
+		ended.Do(func() {
+			stopGauges()
+			o.relaysRunning.Add(-1)
+		})
+	}
 	life.stop = func() {
 		cancel()
 		wg.Wait()
@@ -401,14 +410,19 @@ func (o *Outbox) startServices(ctx context.Context, life *backgroundLife) {
 			o.due.stop() // else the timer is a newer life's
 		}
 		o.marks.wait() // a clean shutdown leaves no mark unwritten, so nothing is re-sent after it
-		stopGauges()
-		o.relaysRunning.Add(-1)
+		end()
 		o.marks.poke() // a mark queued since the wait rides no more: written now
 	}
 	life.abandon = func() {
 		o.lifeMu.Lock()
 		life.abandoned = true
 		o.lifeMu.Unlock()
+		// Nothing of it runs that counts: its listener stops, and its relay is reported not
+		// running (outbox.relay.running, Health), rather than running with its last round ever
+		// older, until the call it waits for returns.
+		cancel()
+		end()
+		o.marks.poke()
 	}
 }
 

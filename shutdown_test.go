@@ -105,6 +105,12 @@ func TestRunShutdownIsBounded(t *testing.T) {
 		<-done
 		t.Fatal("Run did not return within 20 s of its context's end while a background call was stuck")
 	}
+	// The life given up runs nothing more that counts: its relay is reported not running (a
+	// gauge of 1 left the OutboxRelayStalled alert and Health's relay check reporting a relay
+	// that nothing ran until the stuck call returned, if ever).
+	if n := outbox.RelaysRunning(ob); n != 0 {
+		t.Errorf("after a shutdown that gave up, %d relays reported running, want 0", n)
+	}
 	// A supervisor runs it again: the life whose shutdown gave up lets a new one begin (its stop,
 	// once the stuck call returns, leaves the new one alone), and a Run beside the new one is
 	// refused.
@@ -124,6 +130,10 @@ func TestRunShutdownIsBounded(t *testing.T) {
 		t.Errorf("a Run beside a running one = %v, want ErrRunning at once", err)
 	}
 	srv.release() // the stuck call returns, and the first life's stop runs
+	time.Sleep(500 * time.Millisecond)
+	if n := outbox.RelaysRunning(ob); n != 1 {
+		t.Errorf("once the first life's stuck call returned, %d relays reported running, want the second Run's 1", n)
+	}
 	cancel2()
 	select {
 	case <-again:
