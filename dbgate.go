@@ -59,6 +59,13 @@ type dbGate struct {
 	// wakes are called once when the probe under way or the outage ends: the callers of ready
 	// that do not block in wait (the engine's scheduler) learn of it so.
 	wakes []func()
+	// ended is the last outage that ended (g.mu): one that begins again soon after is a relapse
+	// of it (see failed).
+	ended struct {
+		at, since time.Time
+		attempts  int64
+		delay     time.Duration
+	}
 }
 
 // dbProbeTimeout bounds one probe: a dial that hangs (a dropped SYN) is an unreachable database.
@@ -335,6 +342,14 @@ func (g *dbGate) failed(err error) {
 	now := time.Now()
 	g.since, g.inOutage = now, 1
 	g.delay = g.minDelay
+	if e := g.ended; !e.at.IsZero() && now.Sub(e.at) < max(e.delay, time.Second) {
+		// A relapse: the database answered a probe (on a connection kept in the pool, say) and
+		// refuses the next connections (too many connections). The same outage goes on, its
+		// probes backing off further: taken for a new one, it ended and began again every
+		// 100 ms, each reported, and the units waiting for it dialed in that cycle.
+		g.since, g.inOutage = e.since, e.attempts+1
+		g.delay = min(2*e.delay, g.maxDelay)
+	}
 	g.nextProbe = now.Add(jitter(g.delay))
 	g.up = make(chan struct{})
 	g.down.Store(true)
@@ -386,6 +401,9 @@ func (g *dbGate) succeeded() {
 		return
 	}
 	since, n, suspected := g.since, g.inOutage, g.suspected
+	if !suspected {
+		g.ended.at, g.ended.since, g.ended.attempts, g.ended.delay = time.Now(), since, n, g.delay
+	}
 	g.since, g.inOutage, g.lastErr, g.suspected = time.Time{}, 0, nil, false
 	g.down.Store(false)
 	close(g.up)

@@ -7,6 +7,7 @@ import (
 	"errors"
 	"net"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"syscall"
 	"testing"
@@ -637,5 +638,60 @@ func TestCallersDeadlineIsNoOutage(t *testing.T) {
 	}
 	if n := outbox.GateAttempts(ob); n != 0 {
 		t.Errorf("a dial the caller's deadline cut short was taken for an outage (%d attempts)", n)
+	}
+}
+
+// TestGateDoesNotFlapOnAPoolThatKeepsAConnection: the database refuses new connections (too many
+// connections, a listener gone) while a connection kept idle in the pool still works. A probe
+// that takes that connection answers and ends the outage; the waiting units dial, are refused, and
+// the next outage begins. That is one outage, whose probes go on backing off: each new one was
+// reported anew (a log line each way, the alert's unreachable-for reset) and probed again 100 ms
+// on, so the units dialed in a tight cycle for as long as it lasted.
+func TestGateDoesNotFlapOnAPoolThatKeepsAConnection(t *testing.T) {
+	db, conn := switchedDB(t)
+	logs := &logtest.Errors{}
+	ob, err := outbox.New(outbox.Config{DB: db, Driver: postgres.Driver{}, Publisher: &outboxtest.Recorder{}, TablePrefix: "flapdial_",
+		Logger: logs})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = ob.Close() })
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	if err := ob.Migrate(ctx); err != nil {
+		t.Fatal(err)
+	}
+	db.SetMaxIdleConns(1)
+	conn.down.Store(true) // new connections refused; the idle one works
+	var wg sync.WaitGroup
+	stop := time.Now().Add(3 * time.Second)
+	for range 8 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for time.Now().Before(stop) {
+				uctx, ucancel := context.WithTimeout(ctx, 500*time.Millisecond)
+				_ = ob.InTx(uctx, func(ctx context.Context, tx *sql.Tx) error {
+					_, err := tx.ExecContext(ctx, `SELECT pg_sleep(0.01)`)
+					return err
+				})
+				ucancel()
+			}
+		}()
+	}
+	wg.Wait()
+	conn.down.Store(false)
+	outages := 0
+	for _, line := range logs.Lines() {
+		if strings.Contains(line, "The database is unreachable") {
+			outages++
+		}
+	}
+	t.Logf("%d outages reported, %d connection attempts", outages, conn.dials.Load())
+	// One outage, its probes 100 ms apart and doubling, each jittered over its upper half: it
+	// may end and begin again when each answers, about five to eight times in 3 s (67 on the old
+	// code, with 262 connection attempts; 33 now).
+	if outages > 10 {
+		t.Errorf("%d outages reported in 3 s of one database refusing new connections, want its probes' backoff to space them", outages)
 	}
 }
