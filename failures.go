@@ -162,18 +162,20 @@ func (o *Outbox) dispatchFailed(ctx context.Context, src Source, effects []Effec
 	o.failedHere.add(src)
 	fields := watermill.LogFields{"consumer": src.Consumer, "source_id": src.ID, "effects": len(effects) - sent}
 	fs := o.failures(effects, sent, failed, err, at)
-	for _, f := range fs {
-		if f.Park {
-			o.logger.Error(logParked, err,
-				fields.Add(watermill.LogFields{"store_id": f.StoreID}))
-		}
-	}
 	bctx, cancel := context.WithTimeout(ctx, storeTimeout)
 	defer cancel()
 	// A failure that says the database went meanwhile is the gate's to report (and the
 	// relays are then woken in this process only: see wakeRelays).
-	if rerr := o.store.EffectRecordFailures(bctx, fs...); rerr != nil && !o.outage(ctx, rerr) {
-		o.logger.Error("Recording a failed dispatch failed; the relay retries the effects after RelayGrace", rerr, fields)
+	if rerr := o.store.EffectRecordFailures(bctx, fs...); rerr != nil {
+		if !o.outage(ctx, rerr) {
+			o.logger.Error("Recording a failed dispatch failed; the relay retries the effects after RelayGrace", rerr, fields)
+		}
+	} else {
+		for _, f := range fs {
+			if f.Park { // parked only once recorded
+				o.logger.Error(logParked, err, fields.Add(watermill.LogFields{"store_id": f.StoreID}))
+			}
+		}
 	}
 	o.relayNeeded(fields)
 	o.wakeRelays(bctx)

@@ -305,7 +305,7 @@ func TestFailedDispatchAtAnOutageIsTheGates(t *testing.T) {
 	db, conn := switchedDB(t)
 	logs := &logtest.Errors{}
 	ob, err := outbox.New(outbox.Config{DB: db, Driver: postgres.Driver{}, Publisher: &failOnPublish{conn: conn}, TablePrefix: "faildial_",
-		Logger: logs})
+		Logger: logs, RelayMaxAttempts: 1})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -327,7 +327,8 @@ func TestFailedDispatchAtAnOutageIsTheGates(t *testing.T) {
 		t.Errorf("a failed dispatch as the database went: %d connection attempts after it, want 1", dials)
 	}
 	for _, line := range logs.Lines() {
-		if strings.Contains(line, "Recording a failed dispatch failed") || strings.Contains(line, "Notifying the relays failed") {
+		if strings.Contains(line, "Recording a failed dispatch failed") || strings.Contains(line, "Notifying the relays failed") ||
+			strings.Contains(line, "Side effect parked") {
 			t.Errorf("the outage logged beside the gate's report: %s", line)
 		}
 	}
@@ -693,5 +694,61 @@ func TestGateDoesNotFlapOnAPoolThatKeepsAConnection(t *testing.T) {
 	// code, with 262 connection attempts; 33 now).
 	if outages > 10 {
 		t.Errorf("%d outages reported in 3 s of one database refusing new connections, want its probes' backoff to space them", outages)
+	}
+}
+
+// armedFailOnPublish refuses every message, and takes the database away as it does once armed
+// with a connector.
+type armedFailOnPublish struct {
+	conn atomic.Pointer[switchedConnector]
+}
+
+func (p *armedFailOnPublish) Publish(string, ...*message.Message) error {
+	if c := p.conn.Load(); c != nil {
+		c.down.Store(true)
+	}
+	return errors.New("broker refused")
+}
+
+func (p *armedFailOnPublish) Close() error { return nil }
+
+// TestRelayFailureRecordAtAnOutageIsTheGates: the broker refuses a relay round's effect for the
+// last time allowed as the database goes, so its failure (a parking) cannot be recorded. The gate
+// reports the outage; nothing is logged as parked, since nothing was: the effect is retried once
+// its lease ends. Both were logged: the failed record, and the effect "parked".
+func TestRelayFailureRecordAtAnOutageIsTheGates(t *testing.T) {
+	db, conn := switchedDB(t)
+	logs := &logtest.Errors{}
+	pub := &armedFailOnPublish{}
+	ob, err := outbox.New(outbox.Config{DB: db, Driver: postgres.Driver{}, Publisher: pub, TablePrefix: "relayfaildial_",
+		Logger: logs, RelayGrace: time.Millisecond, RelayMaxAttempts: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = ob.Close() })
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	if err := ob.Migrate(ctx); err != nil {
+		t.Fatal(err)
+	}
+	// Committed with the broker refusing and the database up: left to the relay, due at once.
+	if err := ob.InTx(ctx, func(ctx context.Context, _ *sql.Tx) error {
+		return outbox.Publish(outbox.WithDelay(ctx, time.Millisecond), "out", message.NewMessage("e1", []byte(`{}`)))
+	}); err != nil {
+		t.Fatal(err)
+	}
+	db.SetMaxIdleConns(0) // every statement opens a connection
+	pub.conn.Store(conn)  // from now on the database goes as the broker refuses
+	for deadline := time.Now().Add(10 * time.Second); !conn.down.Load(); time.Sleep(20 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("the relay did not try the effect within 10 s")
+		}
+		_ = outbox.RelayPass(ctx, ob)
+	}
+	conn.down.Store(false)
+	for _, line := range logs.Lines() {
+		if strings.Contains(line, "could not record failed dispatches") || strings.Contains(line, "Side effect parked") {
+			t.Errorf("logged at the outage: %s", line)
+		}
 	}
 }

@@ -425,7 +425,11 @@ func (o *Outbox) relayLand(f *relayFlight) error {
 	// the mark.
 	if len(fails) > 0 {
 		if err := o.store.EffectRecordFailures(wctx, fails...); err != nil {
-			o.logger.Error("Relay could not record failed dispatches; the effects are retried when their lease ends", err, nil)
+			// Nothing recorded, nothing parked: an outage is the gate's to report.
+			if !o.gate.observe(err) {
+				o.logger.Error("Relay could not record failed dispatches; the effects are retried when their lease ends", err, nil)
+			}
+			fails = nil
 		}
 		for _, f := range fails {
 			if f.Park {
