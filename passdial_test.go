@@ -428,7 +428,7 @@ func TestConsumerOrderingCheckAtAnOutageWaitsForTheGate(t *testing.T) {
 	db, conn := switchedDB(t)
 	pub := &outboxtest.Recorder{}
 	ob, err := outbox.New(outbox.Config{DB: db, Driver: postgres.Driver{}, Publisher: pub, TablePrefix: "ckeydial_",
-		RetryDelay: 30 * time.Second, HandlerRetries: 1,
+		RetryDelay: 30 * time.Second, HandlerRetries: 1, DuplicateWait: 10 * time.Second,
 		Failpoint: func(_ context.Context, point string) error {
 			if point == outbox.FailpointAfterCommit && !conn.down.Load() {
 				conn.down.Store(true)
@@ -447,7 +447,7 @@ func TestConsumerOrderingCheckAtAnOutageWaitsForTheGate(t *testing.T) {
 	}
 	db.SetMaxIdleConns(0) // every statement opens a connection
 	msg := message.NewMessage("m1", nil)
-	mctx, mcancel := context.WithTimeout(ctx, 10*time.Second)
+	mctx, mcancel := context.WithTimeout(ctx, 20*time.Second)
 	defer mcancel()
 	msg.SetContext(mctx)
 	began := time.Now()
@@ -459,6 +459,11 @@ func TestConsumerOrderingCheckAtAnOutageWaitsForTheGate(t *testing.T) {
 	}
 	if n := len(pub.Messages("out")); n != 1 {
 		t.Errorf("effect sent %d times, want once", n)
+	}
+	// The run after the outage sends at once: this process's dispatch is known to have ended,
+	// and the duplicate path does not wait DuplicateWait (10 s) for it.
+	if took := time.Since(began); took > 6*time.Second {
+		t.Errorf("handled in %s, want about the 1 s outage", took.Round(time.Millisecond))
 	}
 }
 

@@ -583,7 +583,9 @@ func (o *Outbox) dispatchAndMark(ctx context.Context, path string, src Source, e
 	if blocked, err := o.keyBlocked(ctx, src, effects); err != nil {
 		if o.outage(ctx, err) {
 			// The database went since the commit: Handle runs the unit again once a probe
-			// answers, and finds the claim committed (the duplicate path sends the effects).
+			// answers, and finds the claim committed (the duplicate path sends the effects,
+			// without waiting for this dispatch, which is known to have ended).
+			o.failedHere.add(src)
 			return fmt.Errorf("%w: outbox: check ordering keys: %w", errWaitForDatabase, err)
 		}
 		return fmt.Errorf("outbox: check ordering keys: %w", err)
