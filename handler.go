@@ -444,6 +444,12 @@ func (o *Outbox) commitUnknown(ctx context.Context, src Source, cerr error, fiel
 	defer cancel()
 	processed, err := o.store.MessageIsProcessed(bctx, src)
 	if err != nil {
+		if o.outage(ctx, err) {
+			// The database went with the COMMIT: the unit runs again once a probe answers,
+			// and finds its claim if the COMMIT took effect (the duplicate path sends).
+			o.failedHere.add(src)
+			return fmt.Errorf("%w: %w: %w (checking the outcome: %w)", errWaitForDatabase, ErrCommitOutcomeUnknown, cerr, err)
+		}
 		return fmt.Errorf("%w: %w (and checking the outcome failed: %w)", ErrCommitOutcomeUnknown, cerr, err)
 	}
 	if !processed {
@@ -482,6 +488,9 @@ func (o *Outbox) finishedEarly(ctx context.Context, msg *message.Message, src So
 	defer cancel()
 	committed, err := o.store.MessageIsProcessed(bctx, src)
 	if err != nil {
+		if o.outage(ctx, err) {
+			return fmt.Errorf("%w: %w (checking its outcome: %w)", errWaitForDatabase, cause, err)
+		}
 		return fmt.Errorf("%w (and checking its outcome failed: %w)", cause, err)
 	}
 	if committed && !errors.Is(cause, ErrTxFinishedByHandler) {

@@ -32,6 +32,9 @@ type switchedConnector struct {
 	// goesAt, when set, takes the database away as a statement it returns true for is about
 	// to run: that statement fails as its connection attempt would have.
 	goesAt atomic.Pointer[func(query string) bool]
+	// commitGoes, when set, takes the database away (for a second) as the next COMMIT of a
+	// connection made with goesAt set takes effect, before its answer arrives.
+	commitGoes atomic.Bool
 	// onDial, when set, is called as a connection is made; its error fails the attempt.
 	onDial atomic.Pointer[func(ctx context.Context) error]
 }
@@ -83,7 +86,30 @@ func (g *goingConn) ExecContext(ctx context.Context, query string, args []driver
 }
 
 func (g *goingConn) BeginTx(ctx context.Context, opts driver.TxOptions) (driver.Tx, error) {
-	return g.Conn.(driver.ConnBeginTx).BeginTx(ctx, opts)
+	tx, err := g.Conn.(driver.ConnBeginTx).BeginTx(ctx, opts)
+	if err != nil || !g.c.commitGoes.Load() {
+		return tx, err
+	}
+	return &goingTx{Tx: tx, c: g.c}, nil
+}
+
+// goingTx is a transaction of a goingConn with commitGoes set: its COMMIT takes effect, and the
+// database goes before its answer arrives.
+type goingTx struct {
+	driver.Tx
+	c *switchedConnector
+}
+
+func (t *goingTx) Commit() error {
+	if err := t.Tx.Commit(); err != nil {
+		return err
+	}
+	if t.c.commitGoes.CompareAndSwap(true, false) {
+		t.c.down.Store(true)
+		time.AfterFunc(time.Second, func() { t.c.down.Store(false) })
+		return driver.ErrBadConn
+	}
+	return nil
 }
 
 // switchedDB opens the test database through a switchedConnector.
@@ -755,5 +781,52 @@ func TestRelayFailureRecordAtAnOutageIsTheGates(t *testing.T) {
 		if strings.Contains(line, "could not record failed dispatches") || strings.Contains(line, "Side effect parked") {
 			t.Errorf("logged at the outage: %s", line)
 		}
+	}
+}
+
+// TestCommitLostAtAnOutageWaitsForTheGate: a COMMIT whose answer is lost as the database goes
+// (it took effect) leaves its outcome to be asked of the database, which is gone too: the unit
+// runs again once a probe answers, finds its claim, and sends its effect. It waited RetryDelay
+// (30 s here) for the next try, and the look for its outcome was no outage to the gate.
+func TestCommitLostAtAnOutageWaitsForTheGate(t *testing.T) {
+	db, conn := switchedDB(t)
+	never := func(string) bool { return false }
+	conn.goesAt.Store(&never) // connections that can lose a COMMIT's answer
+	pub := &outboxtest.Recorder{}
+	ob, err := outbox.New(outbox.Config{DB: db, Driver: postgres.Driver{}, Publisher: pub, TablePrefix: "commitdial_",
+		RetryDelay: 30 * time.Second, HandlerRetries: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = ob.Close() })
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	if err := ob.Migrate(ctx); err != nil {
+		t.Fatal(err)
+	}
+	db.SetMaxIdleConns(0) // every statement opens a connection
+	msg := message.NewMessage("m1", nil)
+	mctx, mcancel := context.WithTimeout(ctx, 20*time.Second)
+	defer mcancel()
+	msg.SetContext(mctx)
+	conn.commitGoes.Store(true)
+	began := time.Now()
+	var runs atomic.Int32
+	err = ob.Handle(msg, outbox.HandleParams{Consumer: "c1", MessageID: msg.UUID}, func(m *message.Message) ([]*message.Message, error) {
+		runs.Add(1)
+		return nil, outbox.Publish(m.Context(), "out", message.NewMessage("e1", []byte(`{}`)))
+	})
+	took := time.Since(began)
+	if err != nil {
+		t.Fatalf("handled in %s: %v; want it done once the database answers", took.Round(time.Millisecond), err)
+	}
+	if conn.commitGoes.Load() {
+		t.Fatal("no COMMIT lost its answer")
+	}
+	if n := len(pub.Messages("out")); n != 1 || runs.Load() != 1 {
+		t.Errorf("handler ran %d times, effect sent %d times; want once each", runs.Load(), n)
+	}
+	if took > 6*time.Second {
+		t.Errorf("handled in %s, want about the 1 s outage", took.Round(time.Millisecond))
 	}
 }
