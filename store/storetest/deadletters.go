@@ -86,6 +86,21 @@ func testDeadLetters(f *fixture) {
 		f.t.Fatalf("Stats = %+v, %v; want 2 dead letters", s, err)
 	}
 
+	// Looked up by its key (a dry run of a retry or discard), with the key's bytes exactly.
+	isDead, lookup := f.st.(interface {
+		DeadLetterIsDead(context.Context, outboxdriver.Source) (bool, error)
+	})
+	if lookup {
+		upper := outboxdriver.Source{Consumer: src.Consumer, ID: strings.ToUpper(src.ID)}
+		for _, c := range []struct {
+			key  outboxdriver.Source
+			want bool
+		}{{src, true}, {upper, false}, {outboxdriver.Source{Consumer: src.Consumer, ID: src.ID + " "}, false}} {
+			if dead, err := isDead.DeadLetterIsDead(f.ctx, c.key); err != nil || dead != c.want {
+				f.t.Fatalf("DeadLetterIsDead(%q) = %v, %v; want %v", c.key.ID, dead, err, c.want)
+			}
+		}
+	}
 	// A retry, twice: the second finds it retried already and changes nothing.
 	retrySrc := outboxdriver.Source{ID: "retry-of-dead"}
 	for i, want := range []int{1, 0} {
@@ -98,12 +113,19 @@ func testDeadLetters(f *fixture) {
 	if f.processed(src) {
 		f.t.Fatal("retried dead letter: the claim is still there, the message would be acked as a duplicate")
 	}
+	if lookup {
+		if dead, err := isDead.DeadLetterIsDead(f.ctx, src); err != nil || dead {
+			f.t.Fatalf("DeadLetterIsDead of a retried dead letter = %v, %v; want false", dead, err)
+		}
+	}
 	if got := f.attempt(src, "after the retry"); got != 1 {
 		f.t.Fatalf("first attempt after the retry counted as %d; want its attempts reset", got)
 	}
 	es := f.pending(retrySrc)
-	if len(es) != 1 || es[0].Topic != "orders" || es[0].UUID != src.ID || !bytes.Equal(es[0].Payload, payload) || !maps.Equal(es[0].Metadata, md) {
-		f.t.Fatalf("effect of the retry: %+v; want the message to its source topic with its UUID", es)
+	addressed := maps.Clone(md)
+	addressed[outboxdriver.MetadataRetryFor] = src.Consumer // for its consumer only
+	if len(es) != 1 || es[0].Topic != "orders" || es[0].UUID != src.ID || !bytes.Equal(es[0].Payload, payload) || !maps.Equal(es[0].Metadata, addressed) {
+		f.t.Fatalf("effect of the retry: %+v; want the message to its source topic with its UUID, addressed to its consumer", es)
 	}
 	// Handed to the relay at once: the operator who retried it does not wait for the grace period.
 	if got := f.relay(due, sent); len(got) != 1 || got[0].UUID != src.ID || got[0].Topic != "orders" {
