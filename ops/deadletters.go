@@ -151,8 +151,29 @@ func (o *Ops) DiscardDeadLetters(ctx context.Context, keys []outboxdriver.Source
 	return n, nil
 }
 
-// countDead counts those of keys that are dead letters in state dead.
+// countDead counts those of keys that are dead letters in state dead: looked up by key where the
+// store can, else among the oldest maxGrouped of each consumer.
 func (o *Ops) countDead(ctx context.Context, keys []outboxdriver.Source) (int, error) {
+	if st, ok := o.st.(interface {
+		DeadLetterIsDead(context.Context, outboxdriver.Source) (bool, error)
+	}); ok {
+		n := 0
+		seen := map[outboxdriver.Source]bool{}
+		for _, k := range keys {
+			if seen[k] {
+				continue
+			}
+			seen[k] = true
+			dead, err := st.DeadLetterIsDead(ctx, k)
+			if err != nil {
+				return 0, err
+			}
+			if dead {
+				n++
+			}
+		}
+		return n, nil
+	}
 	want := map[outboxdriver.Source]bool{}
 	consumers := map[string]bool{}
 	for _, k := range keys {

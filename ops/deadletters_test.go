@@ -151,3 +151,46 @@ func TestReplayOfADeadLetterSettlesIt(t *testing.T) {
 		t.Fatalf("audit entries of the replay: %d, %v", audited, err)
 	}
 }
+
+// TestDeadLetterDryRunFindsAnyKey: a dry run of a retry or discard counts the dead letter it
+// names however many its consumer has. It looked among the oldest 10,000 only, and said "nothing
+// matched" of a newer one that the same command without -dry-run retried.
+func TestDeadLetterDryRunFindsAnyKey(t *testing.T) {
+	db, closeDB := exampleDB()
+	defer closeDB()
+	ctx := context.Background()
+	ob, err := outbox.New(outbox.Config{DB: db, Driver: postgres.Driver{}, Publisher: &broker{}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ob.Close()
+	if err := ob.Migrate(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := db.ExecContext(ctx, `INSERT INTO outbox_dead_letters (consumer, message_id, source_topic, payload, metadata, reason, attempts, permanent, dead_at)
+		SELECT 'billing', 'old-' || i, 'orders', '', '', 'no customer', 1, true, now() - interval '1 hour' + i * interval '1 ms'
+		FROM generate_series(1, 10000) i`); err != nil {
+		t.Fatal(err)
+	}
+	err = ob.Handle(message.NewMessage("newest", nil), outbox.HandleParams{Consumer: "billing", MessageID: "newest", Topic: "orders"},
+		func(*message.Message) ([]*message.Message, error) {
+			return nil, outbox.Permanent(errors.New("no customer 12"))
+		})
+	if err != nil {
+		t.Fatal(err)
+	}
+	o, err := ops.Open(db, "", "")
+	if err != nil {
+		t.Fatal(err)
+	}
+	key := []outboxdriver.Source{{Consumer: "billing", ID: "newest"}, {Consumer: "billing", ID: "newest"}, {Consumer: "billing", ID: "none"}}
+	if n, err := o.RetryDeadLetters(ctx, key, ops.RepairOptions{Actor: "alice", DryRun: true}); err != nil || n != 1 {
+		t.Errorf("dry run of a retry of the newest of 10,001 dead letters (named twice) and of none: %d, %v; want 1", n, err)
+	}
+	if n, err := o.DiscardDeadLetters(ctx, key, ops.RepairOptions{Actor: "alice", DryRun: true}); err != nil || n != 1 {
+		t.Errorf("dry run of a discard: %d, %v; want 1", n, err)
+	}
+	if n, err := o.RetryDeadLetters(ctx, key, ops.RepairOptions{Actor: "alice"}); err != nil || n != 1 {
+		t.Errorf("the retry itself: %d, %v; want 1", n, err)
+	}
+}

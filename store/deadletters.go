@@ -38,6 +38,8 @@ type DeadLetterQueries struct {
 	Read string
 	// Count (count cap) -> dead letters in state dead, counted up to the cap.
 	Count string
+	// IsDead (consumer, id) -> 1 when that dead letter is in state dead, else 0.
+	IsDead string
 	// Cleanup (retention ms, limit) deletes up to limit dead letters retried or discarded more
 	// than retention ago; CleanupCount (retention ms) counts them for the dry run.
 	Cleanup, CleanupCount string
@@ -376,6 +378,24 @@ func (s *SQL) DeadLetterRequested(ctx context.Context, src outboxdriver.Source) 
 		return r, fmt.Errorf("read the attempts of %q of %q: %w", src.ID, src.Consumer, s.wrap(err))
 	}
 	return r, nil
+}
+
+// DeadLetterIsDead tells whether the dead letter of key is in state dead (what a retry or a
+// discard of it would change), by its key: a dry run of either is then right however many dead
+// letters its consumer has.
+func (s *SQL) DeadLetterIsDead(ctx context.Context, key outboxdriver.Source) (bool, error) {
+	q, err := s.deadLetters()
+	if err != nil {
+		return false, err
+	}
+	if q.IsDead == "" {
+		return false, fmt.Errorf("look up a dead letter: %w", errors.ErrUnsupported)
+	}
+	var n int
+	if err := s.db.QueryRowContext(ctx, q.IsDead, key.Consumer, key.ID).Scan(&n); err != nil {
+		return false, fmt.Errorf("look up the dead letter %q of %q: %w", key.ID, key.Consumer, s.wrap(err))
+	}
+	return n > 0, nil
 }
 
 // DeadLetterCount implements outboxdriver.DeadLetterStore.

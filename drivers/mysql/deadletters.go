@@ -36,6 +36,7 @@ func (q queries) deadLetters() store.DeadLetterQueries {
 			WHERE d.state = 'dead' AND d.retries < a.max_retries`,
 		Read:         `SELECT source_topic, payload, metadata, coalesce(message_uuid, '') FROM ` + n.DeadLetters + ` WHERE consumer = ? AND message_id = ?`,
 		Count:        `SELECT count(*) FROM (SELECT 1 FROM ` + n.DeadLetters + ` WHERE state = 'dead' LIMIT ?) d`,
+		IsDead:       `SELECT count(*) FROM ` + n.DeadLetters + ` WHERE consumer = ? AND message_id = ? AND state = 'dead'`,
 		Cleanup:      `DELETE FROM ` + n.DeadLetters + ` WHERE ` + cleanup + ` LIMIT ?`,
 		CleanupCount: `SELECT count(*) FROM ` + n.DeadLetters + ` WHERE ` + cleanup,
 		Now: `UPDATE ` + n.Attempts + ` a JOIN (SELECT ? AS actor, ? AS consumer, ? AS message_id) r

@@ -335,8 +335,9 @@ func deadLetterQueries(n store.Names) store.DeadLetterQueries {
 		Mark: `UPDATE ` + n.DeadLetters + ` SET state = ?1, changed_at = ` + now + `, changed_by = ?2,
 				retries = retries + CASE WHEN ?1 = 'retried' THEN 1 ELSE 0 END
 			WHERE consumer = ?3 AND message_id = ?4 AND state = 'dead' AND retries < ?5`,
-		Read:  `SELECT source_topic, payload, metadata, coalesce(message_uuid, '') FROM ` + n.DeadLetters + ` WHERE consumer = ?1 AND message_id = ?2`,
-		Count: `SELECT count(*) FROM (SELECT 1 FROM ` + n.DeadLetters + ` WHERE state = 'dead' LIMIT ?1)`,
+		Read:   `SELECT source_topic, payload, metadata, coalesce(message_uuid, '') FROM ` + n.DeadLetters + ` WHERE consumer = ?1 AND message_id = ?2`,
+		Count:  `SELECT count(*) FROM (SELECT 1 FROM ` + n.DeadLetters + ` WHERE state = 'dead' LIMIT ?1)`,
+		IsDead: `SELECT count(*) FROM ` + n.DeadLetters + ` WHERE consumer = ?1 AND message_id = ?2 AND state = 'dead'`,
 		Cleanup: `DELETE FROM ` + n.DeadLetters + ` WHERE (consumer, message_id) IN (` + cleanupDead + ` LIMIT ?2)
 			AND changed_at < ` + ago("?1"),
 		CleanupCount: `SELECT count(*) FROM (` + cleanupDead + `)`,
