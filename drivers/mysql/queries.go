@@ -98,7 +98,7 @@ func (q queries) store() store.Queries {
 			JOIN ` + n.Effects + ` b ON b.ordering_key = a.k
 			WHERE b.dispatched_at IS NULL AND NOT (b.source_consumer = a.c AND b.source_id = a.i)
 			  AND b.id < (SELECT min(s.id) FROM ` + n.Effects + ` s
-				WHERE s.source_consumer = a.c AND s.source_id = a.i AND s.dispatched_at IS NULL))`,
+				WHERE s.source_consumer = a.c AND s.source_id = a.i AND s.ordering_key = a.k AND s.dispatched_at IS NULL))`,
 		EffectHandToRelay: `UPDATE ` + n.Effects + ` SET next_attempt_at = coalesce(next_attempt_at, ` + now + `)
 			WHERE source_consumer = ? AND source_id = ? AND dispatched_at IS NULL`,
 		EffectListParked: `SELECT ` + effectColumns + `, e.last_error, e.parked_at, e.created_at FROM ` + n.Effects + ` e

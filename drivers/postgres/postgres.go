@@ -613,7 +613,7 @@ func queries(n store.Names, deleteDispatched bool, gen *Generation) store.Querie
 		EffectKeyBlocked: `SELECT EXISTS (SELECT 1 FROM ` + n.Effects + ` b
 			WHERE b.ordering_key = $3 AND b.dispatched_at IS NULL AND NOT (b.source_consumer = $1 AND b.source_id = $2)
 			  AND b.id < (SELECT min(id) FROM ` + n.Effects + `
-				WHERE source_consumer = $1 AND source_id = $2 AND dispatched_at IS NULL))`,
+				WHERE source_consumer = $1 AND source_id = $2 AND ordering_key = $3 AND dispatched_at IS NULL))`,
 		// Rows that have a retry time already keep it, and are not written again: an update that
 		// changes nothing still leaves a dead version of the row.
 		EffectHandToRelay: `UPDATE ` + n.Effects + ` SET next_attempt_at = now()

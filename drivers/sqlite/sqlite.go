@@ -184,7 +184,7 @@ func queries(n store.Names) store.Queries {
 		EffectKeyBlocked: `SELECT EXISTS (SELECT 1 FROM ` + n.Effects + ` b
 			WHERE b.ordering_key = ?3 AND b.dispatched_at IS NULL AND NOT (b.source_consumer = ?1 AND b.source_id = ?2)
 			  AND b.id < (SELECT min(id) FROM ` + n.Effects + `
-				WHERE source_consumer = ?1 AND source_id = ?2 AND dispatched_at IS NULL))`,
+				WHERE source_consumer = ?1 AND source_id = ?2 AND ordering_key = ?3 AND dispatched_at IS NULL))`,
 		EffectHandToRelay: `UPDATE ` + n.Effects + ` SET next_attempt_at = coalesce(next_attempt_at, ` + now + `)
 			WHERE source_consumer = ?1 AND source_id = ?2 AND dispatched_at IS NULL`,
 		// parked_at and created_at are plain columns so that the driver sees their declared type

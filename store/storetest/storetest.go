@@ -1354,6 +1354,22 @@ func testKeyBlocked(f *fixture) {
 	if !f.keyBlocked(c, "k") {
 		f.t.Fatal("the third source is not blocked behind the second")
 	}
+	// A source's effect of another key, stored before another source's effect with the key (its
+	// unit wrote it first), does not let its own effects with the key pass that one: the check
+	// is on the source's first pending effect with the key. It was on the source's first pending
+	// effect of any key, and the later effect with the key went out first.
+	d, e := f.src("d"), f.src("e")
+	f.commit(d, true, f.effects(d, "own-d", 1))
+	f.commit(e, true, f.effects(e, "k2", 1))
+	later := f.effects(d, "k2", 1)
+	later[0].Seq = 1
+	f.commit(d, false, later)
+	if !f.keyBlocked(d, "k2") {
+		f.t.Fatal("effects with a key are not blocked behind another source's earlier one, past an earlier effect of their source with another key")
+	}
+	if f.keyBlocked(e, "k2") {
+		f.t.Fatal("the first effect with a key is blocked")
+	}
 }
 
 func testRelayGrace(f *fixture) {
