@@ -64,6 +64,15 @@ func (s *SQL) DelayedInsertClaimed(ctx context.Context, tx *sql.Tx, src outboxdr
 // an error wrapping ErrClaimGone. A dialect without it cancels as DelayedCancel does.
 func (s *SQL) DelayedCancelClaimed(ctx context.Context, tx *sql.Tx, src outboxdriver.Source, key string) (int, error) {
 	q := s.d.Queries.DelayedCancelClaimed
+	if q == "" && s.d.Queries.DelayedClaimExists != "" {
+		var claimed bool
+		if err := tx.QueryRowContext(ctx, s.d.Queries.DelayedClaimExists, src.Consumer, src.ID).Scan(&claimed); err != nil {
+			return 0, fmt.Errorf("cancel delayed effects: %w", s.wrap(err))
+		}
+		if !claimed {
+			return 0, fmt.Errorf("cancel delayed effects: %w", ErrClaimGone)
+		}
+	}
 	if q == "" {
 		return s.DelayedCancel(ctx, tx, key)
 	}

@@ -119,6 +119,11 @@ type Queries struct {
 	// deleted. Nil or empty when the dialect has none.
 	DelayedInsertClaimed func(n int) string
 	DelayedCancelClaimed string
+	// DelayedClaimExists (consumer, id) -> whether the claim exists: for a dialect without
+	// DelayedCancelClaimed whose transactions are serialized (SQLite's single writer), the
+	// cancel of a unit that claimed asks it first in the transaction, and deletes nothing when
+	// the claim is gone.
+	DelayedClaimExists string
 	// DelayedPromote (limit) moves up to limit due delayed effects into the effects table, due
 	// for the relay at once, and returns one row: how many it moved, and the ms until the
 	// earliest due time of those it left (negative when past, NULL when none), so that an idle

@@ -161,6 +161,22 @@ func queries(n store.Names) store.Queries {
 			b.WriteString(` RETURNING id, seq, 1`)
 			return b.String()
 		},
+		// Only while the claim exists: after a ROLLBACK sent as SQL the connection runs in
+		// autocommit, and an unguarded insert committed on its own, sent by the relay for work
+		// that was rolled back.
+		EffectInsertClaimed: func(count int) string {
+			var b strings.Builder
+			b.WriteString(`INSERT INTO ` + n.Effects + ` (source_consumer, source_id, seq, kind, topic, uuid, payload, metadata, ordering_key)
+				SELECT * FROM (VALUES `)
+			for i := 0; i < count; i++ {
+				if i > 0 {
+					b.WriteString(", ")
+				}
+				b.WriteString("(?1, ?2, ?, ?, ?, ?, coalesce(?, x''), coalesce(?, x''), ?)")
+			}
+			b.WriteString(`) WHERE ` + claimExists(n, "?1", "?2") + ` RETURNING id, seq, 1`)
+			return b.String()
+		},
 		EffectExisting: `SELECT id FROM ` + n.Effects + ` WHERE id IN ` + ids("?1"),
 		EffectListPending: `SELECT ` + effectColumns + ` FROM ` + n.Effects + `
 			WHERE source_consumer = ?1 AND source_id = ?2 AND dispatched_at IS NULL ORDER BY seq`,
@@ -233,7 +249,26 @@ func queries(n store.Names) store.Queries {
 			}
 			return b.String()
 		},
+		// As EffectInsertClaimed: the arguments of DelayedInsert, then consumer and id.
+		DelayedInsertClaimed: func(count int) string {
+			var b strings.Builder
+			b.WriteString(`INSERT INTO ` + n.Delayed + ` (source_consumer, source_id, seq, kind, topic, uuid, payload, metadata, ordering_key, due_at, cancel_key)
+				SELECT * FROM (VALUES `)
+			for i := 0; i < count; i++ {
+				if i > 0 {
+					b.WriteString(", ")
+				}
+				a := 3 + 7*i
+				d := 3 + 7*count + 2*i
+				fmt.Fprintf(&b, "(?1, ?2, ?%d, ?%d, ?%d, ?%d, coalesce(?%d, x''), coalesce(?%d, x''), ?%d, %s, ?%d)",
+					a, a+1, a+2, a+3, a+4, a+5, a+6, fromNow(fmt.Sprintf("?%d", d)), d+1)
+			}
+			b.WriteString(`) WHERE ` + claimExists(n, fmt.Sprintf("?%d", 3+9*count), fmt.Sprintf("?%d", 4+9*count)))
+			return b.String()
+		},
 		DelayedCancel: `DELETE FROM ` + n.Delayed + ` WHERE cancel_key = ?1`,
+		// The single writer keeps the claim as the check found it until the cancel.
+		DelayedClaimExists: `SELECT ` + claimExists(n, "?1", "?2"),
 		// One statement changes one table in SQLite: the move takes three, in one transaction
 		// (the write lock, taken at BEGIN, keeps the rows as the first one found them).
 		DelayedDue: `SELECT id FROM ` + n.Delayed + ` WHERE due_at <= ` + now + ` ORDER BY due_at, id LIMIT ?1`,
@@ -346,4 +381,9 @@ func deadLetterQueries(n store.Names) store.DeadLetterQueries {
 		Requested: `SELECT attempts, last_error, coalesce(dead_letter_by, '') FROM ` + n.Attempts + ` WHERE consumer = ?1 AND message_id = ?2
 			AND NOT EXISTS (SELECT 1 FROM ` + n.Processed + ` p WHERE p.consumer = ?1 AND p.message_id = ?2)`,
 	}
+}
+
+// claimExists is the condition that the claim of (consumer, id) exists.
+func claimExists(n store.Names, consumer, id string) string {
+	return `EXISTS (SELECT 1 FROM ` + n.Processed + ` WHERE consumer = ` + consumer + ` AND message_id = ` + id + `)`
 }

@@ -1,0 +1,89 @@
+package sqlite_test
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/watermill-outbox/outbox"
+	"github.com/watermill-outbox/outbox/drivers/sqlite"
+	"github.com/watermill-outbox/outbox/outboxtest"
+)
+
+// TestRollbackSentAsSQLThenPublish: a handler that sends ROLLBACK through the unit's *sql.Tx and
+// then publishes, now and delayed. The connection then runs in autocommit: each write finds the
+// claim gone, writes nothing and returns ErrTxFinishedByHandler; nothing is sent for the
+// rolled-back work. The effect rows and the delayed one committed on their own, and the relay
+// sent the effects of work that had been rolled back.
+func TestRollbackSentAsSQLThenPublish(t *testing.T) {
+	db := openDB(t)
+	pub := &outboxtest.Recorder{}
+	ob, err := outbox.New(outbox.Config{DB: db, Driver: sqlite.Driver{}, Publisher: pub, RetryDelay: -1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = ob.Close() })
+	if err := ob.Migrate(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := db.Exec(`CREATE TABLE reservations (id TEXT NOT NULL)`); err != nil {
+		t.Fatal(err)
+	}
+	// Another unit's delayed effect with a cancel key, which the cancel after the ROLLBACK must
+	// leave alone (in autocommit it deleted it).
+	if err := ob.InTx(context.Background(), func(ctx context.Context, _ *sql.Tx) error {
+		return outbox.Publish(outbox.WithDelay(outbox.WithCancelKey(ctx, "order-1"), time.Hour), "stock_reserved", message.NewMessage("other", nil))
+	}); err != nil {
+		t.Fatal(err)
+	}
+	msg := message.NewMessage("order-1", []byte("o-1"))
+	var after, delayed, cancelled error
+	h := func(msg *message.Message) ([]*message.Message, error) {
+		ctx := msg.Context()
+		tx := outbox.Tx(ctx)
+		if _, err := tx.ExecContext(ctx, `INSERT INTO reservations VALUES (?)`, msg.UUID); err != nil {
+			return nil, err
+		}
+		if err := outbox.Publish(ctx, "stock_reserved", message.NewMessage("before", nil)); err != nil {
+			return nil, err
+		}
+		if _, err := tx.ExecContext(ctx, "ROLLBACK"); err != nil {
+			return nil, err
+		}
+		after = outbox.Publish(ctx, "stock_reserved", message.NewMessage("after-1", nil), message.NewMessage("after-2", nil))
+		delayed = outbox.Publish(outbox.WithDelay(ctx, time.Hour), "stock_reserved", message.NewMessage("after-3", nil))
+		_, cancelled = outbox.CancelDelayed(ctx, "order-1")
+		return nil, nil
+	}
+	err = ob.Handle(msg.Copy(), outbox.HandleParams{Consumer: "reserve", MessageID: msg.UUID}, h)
+	if !errors.Is(after, outbox.ErrTxFinishedByHandler) || !errors.Is(delayed, outbox.ErrTxFinishedByHandler) ||
+		!errors.Is(cancelled, outbox.ErrTxFinishedByHandler) {
+		t.Errorf("Publish after ROLLBACK: %v, delayed: %v, CancelDelayed: %v; want ErrTxFinishedByHandler", after, delayed, cancelled)
+	}
+	if !errors.Is(err, outbox.ErrTxFinishedByHandler) {
+		t.Errorf("Handle: %v; want ErrTxFinishedByHandler", err)
+	}
+	var other int
+	if err := db.QueryRow(`SELECT count(*) FROM outbox_delayed WHERE cancel_key = 'order-1'`).Scan(&other); err != nil || other != 1 {
+		t.Errorf("the other unit's delayed effect: %d left, %v; want it kept", other, err)
+	}
+	if _, err := db.Exec(`DELETE FROM outbox_delayed WHERE cancel_key = 'order-1'`); err != nil {
+		t.Fatal(err)
+	}
+	for _, table := range []string{"outbox_effects", "outbox_delayed", "reservations"} {
+		var n int
+		if err := db.QueryRow(`SELECT count(*) FROM ` + table).Scan(&n); err != nil {
+			t.Fatal(err)
+		}
+		if n != 0 {
+			t.Errorf("%d rows in %s committed, want none", n, table)
+		}
+	}
+	if n := len(pub.All()); n != 0 {
+		t.Errorf("%d messages sent for rolled-back work, want none", n)
+	}
+}
