@@ -282,6 +282,9 @@ func MigrationScript(schema, prefix string) (string, error) {
 // unqualify drops the empty database of names in a migration for the connection's database.
 func unqualify(sql string) string { return strings.ReplaceAll(sql, "``.", "") }
 
+// migrateLockWait bounds a migration's wait for a table's lock (lock_wait_timeout).
+const migrateLockWait = 10 * time.Second
+
 // lockName is the GET_LOCK name of these tables' migrations: at most 64 characters whatever
 // the names.
 func lockName(n store.Names) string {
@@ -319,6 +322,25 @@ func migrate(ctx context.Context, db *sql.DB, n store.Names, ms []store.Migratio
 			err = errors.Join(err, fmt.Errorf("release migration lock: %w", rerr))
 		}
 	}()
+	// A migration that alters a table waits for the transactions that use it, and every new
+	// statement on the table queues behind it: behind one that does not end it gives up after
+	// migrateLockWait (Migrate fails, and runs again at the next start), as on PostgreSQL, not
+	// after the server's lock_wait_timeout (a day on MariaDB, a year on MySQL). The session's
+	// own setting is put back before the connection returns to the pool.
+	var lockWait int64
+	if err := conn.QueryRowContext(ctx, `SELECT @@SESSION.lock_wait_timeout`).Scan(&lockWait); err != nil {
+		return fmt.Errorf("migrate: read lock_wait_timeout: %w", err)
+	}
+	if _, err := conn.ExecContext(ctx, fmt.Sprintf(`SET SESSION lock_wait_timeout = %d`, int(migrateLockWait.Seconds()))); err != nil {
+		return fmt.Errorf("migrate: set lock_wait_timeout: %w", err)
+	}
+	defer func() {
+		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
+		defer cancel()
+		if _, rerr := conn.ExecContext(rctx, fmt.Sprintf(`SET SESSION lock_wait_timeout = %d`, lockWait)); rerr != nil {
+			_ = conn.Raw(func(any) error { return driver.ErrBadConn }) // not back to the pool as it is
+		}
+	}()
 	var bootstrap []string
 	if n.Schema != "" {
 		bootstrap = append(bootstrap, "CREATE DATABASE IF NOT EXISTS "+n.QuotedSchema+" CHARACTER SET utf8mb4 COLLATE utf8mb4_bin")
@@ -354,6 +376,10 @@ func migrate(ctx context.Context, db *sql.DB, n store.Names, ms []store.Migratio
 		}
 		for _, stmt := range statements(unqualify(m.SQL)) {
 			if _, err := conn.ExecContext(ctx, stmt); err != nil {
+				if e := (*gomysql.MySQLError)(nil); errors.As(err, &e) && e.Number == 1205 {
+					return fmt.Errorf("migration %03d_%s: waited %s for a table's lock behind a transaction that did not end; "+
+						"it stops there, and Migrate runs it again at the next start: %w", m.Version, m.Name, migrateLockWait, err)
+				}
 				return fmt.Errorf("migration %03d_%s: %w", m.Version, m.Name, err)
 			}
 		}
