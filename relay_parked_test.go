@@ -96,3 +96,34 @@ func TestRelayIdlePassSkipsParkedEffects(t *testing.T) {
 	}
 	mustEqual(t, "effects on the wire", len(e.wire("out_a")), 2)
 }
+
+// TestBlockedKeyBacklogDoesNotStarveOtherKeys: a key whose first effect is parked holds back its
+// later effects, and only them. With as many of those due as a claim takes (RelayBatchSize), the
+// claim's candidates were all of that key, all let go, and the effect of another key after them
+// in the same window was never claimed: pass after pass took nothing there, until an operator
+// dealt with the parked one.
+func TestBlockedKeyBacklogDoesNotStarveOtherKeys(t *testing.T) {
+	e := newEnv(t)
+	mustExec(t, e, `INSERT INTO outbox_effects_all (source_consumer, source_id, seq, kind, topic, uuid, payload, metadata,
+			ordering_key, created_at, attempts, failures, failed_at, last_error, parked_at)
+		VALUES ('', 'parked', 0, '', 'out_a', gen_random_uuid()::text, 'x'::bytea, ''::bytea,
+			'k-0', now() - interval '1 hour', 10, 10, now(), 'broken', now())`)
+	commitPending(t, e, "out_a", "k", 3, 1) // three behind the parked one of k-0
+	commitPending(t, e, "out_a", "j", 1, 1) // one of j-0, after them
+	relay := e.newOutbox(func(c *outbox.Config) {
+		c.RelayGrace = time.Millisecond
+		c.RelayInterval = 20 * time.Millisecond
+		c.RelayBatchSize = 2
+	})
+	ctx, stop := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- relay.Run(ctx) }()
+	defer func() { stop(); <-done }()
+	for deadline := time.Now().Add(10 * time.Second); len(e.wire("out_a")) == 0; time.Sleep(20 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("the effect of j-0 was not sent within 10 s: the backlog behind k-0's parked effect took every claim")
+		}
+	}
+	time.Sleep(200 * time.Millisecond)
+	mustEqual(t, "effects on the wire (j-0's; k-0's wait behind the parked one)", len(e.wire("out_a")), 1)
+}

@@ -1005,6 +1005,19 @@ func millis(arg string) string { return "(" + arg + " * interval '1 millisecond'
 // made while a round sends spends its limit on them and takes nothing from them.
 const notSkipped = `e.ordering_key NOT IN (SELECT jsonb_array_elements_text($7::jsonb))`
 
+// headLetsGo holds a candidate e back when the first undispatched effect of its key is another
+// one that is not due (parked, backing off, leased, in its grace period): e waits behind it, and
+// spent on such effects, a claim's limit left the other keys of its window unclaimed for as long
+// as the key was blocked (the backlog behind a parked effect: until an operator acted). One probe
+// of effects_pending_key per candidate looked at.
+func headLetsGo(n store.Names, ms func(string) string) string {
+	return `coalesce((SELECT h.id = e.id OR (h.parked_at IS NULL
+				  AND (h.created_at < now() - ` + ms("$1") + ` OR h.next_attempt_at IS NOT NULL)
+				  AND (h.next_attempt_at IS NULL OR h.next_attempt_at <= now()))
+			FROM ` + n.Effects + ` h WHERE h.ordering_key = e.ordering_key AND h.dispatched_at IS NULL
+			ORDER BY h.ordering_key, h.id LIMIT 1), true)`
+}
+
 // unparked are the effects the relay may send, found through the index effects_due: the windows
 // of a claim are placed among them, so that the parked effects in front are not walked by every
 // pass (a window's effects are still checked against all pending effects of their keys, parked
@@ -1048,6 +1061,7 @@ func effectClaimDue(n store.Names, with, columns string) string {
 				(SELECT e.id, e.ordering_key, e.topic, octet_length(e.payload) + octet_length(e.metadata) AS size
 				FROM ` + n.Effects + ` e, bounds
 				WHERE e.id > (SELECT lo FROM bounds) AND e.id <= (SELECT hi FROM bounds) AND ` + selfDue(ms) + ` AND ` + notSkipped + `
+				  AND ` + headLetsGo(n, ms) + `
 				ORDER BY e.id LIMIT $2)
 				UNION ALL
 				SELECT tail.* FROM tail JOIN fresh USING (ordering_key)),
