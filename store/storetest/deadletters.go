@@ -76,6 +76,11 @@ func testDeadLetters(f *fixture) {
 	if got := list(outboxdriver.DeadLetterFilter{Consumer: "nobody"}); len(got) != 0 {
 		f.t.Fatalf("dead letters of another consumer: %+v", got)
 	}
+	// A consumer named by spaces is one like any other, not "every consumer" (a comparison
+	// that ignores trailing spaces took it for the empty filter).
+	if got := list(outboxdriver.DeadLetterFilter{Consumer: " "}); len(got) != 0 {
+		f.t.Fatalf("dead letters of consumer %q: %+v; want none", " ", got)
+	}
 	if got := list(outboxdriver.DeadLetterFilter{Limit: 1}); len(got) != 1 {
 		f.t.Fatalf("limit 1: %d dead letters", len(got))
 	}
