@@ -88,7 +88,16 @@ func (o *Outbox) redeliver(ctx context.Context, src Source, claim outboxdriver.C
 		// The original did not send them (it failed, or crashed): from now on they are rows,
 		// which the relay also sees, so that each is marked, retried or parked on its own.
 		// Leased as a relay round would lease them: the relays leave them to this dispatch.
-		if pending, err = o.materialize(ctx, src, pending, o.relayLease()); err != nil {
+		// Unless an earlier effect of one of their keys holds them back: then the dispatch
+		// leaves them to the relay at once, which sends them in order (leased, they waited
+		// the lease out, those of the message's own key too).
+		lease := o.relayLease()
+		if blocked, err := o.keyBlocked(ctx, src, pending); err != nil {
+			return err
+		} else if blocked {
+			lease = 0
+		}
+		if pending, err = o.materialize(ctx, src, pending, lease); err != nil {
 			return err
 		}
 		if pending, _ = sendable(pending); len(pending) == 0 {
