@@ -90,7 +90,9 @@ func (q queries) store() store.Queries {
 		// effect's own and ahead. The look-up is a consistent read, which locks nothing; the update
 		// goes by primary key (FORCE INDEX: a scan would lock every row it reads) and checks each
 		// row again on its newest version.
-		EffectBackedOff: `SELECT e.id FROM ` + n.Effects + ` e WHERE e.kind = ` + text + ` AND (e.kind <> '' OR e.topic = ` + binary + `)
+		// The kind (an applier's name) compares byte for byte: the column's collation ignores
+		// trailing spaces, and "refund" made "refund "'s effects due too.
+		EffectBackedOff: `SELECT e.id FROM ` + n.Effects + ` e WHERE CAST(e.kind AS BINARY) = ` + binary + ` AND (CAST(e.kind AS BINARY) <> '' OR e.topic = ` + binary + `)
 			AND ` + backedOff + ` LIMIT ?`,
 		EffectRetryNow: `UPDATE ` + ids("?") + ` JOIN ` + n.Effects + ` e FORCE INDEX (PRIMARY) ON e.id = v.id
 			SET e.next_attempt_at = ` + now + ` WHERE ` + backedOff,

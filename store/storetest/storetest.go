@@ -1258,9 +1258,10 @@ func testRetryNow(f *fixture) {
 	otherTopic := one("b", outboxdriver.KindPublish, "b")
 	applier := one("x", "refund", "")
 	otherApplier := one("y", "charge", "")
+	padded := one("z", "refund ", "") // another applier, whose name differs by a space
 	f.age("effects", "created_at", outboxdriver.Source{}, 2*time.Hour)
 
-	all := append(slices.Clone(backedOff), parked, otherTopic, applier, otherApplier)
+	all := append(slices.Clone(backedOff), parked, otherTopic, applier, otherApplier, padded)
 	f.recordFailures(failures(all, "broker down", time.Hour)...)
 	f.recordFailures(outboxdriver.EffectFailure{StoreID: parked.StoreID, Reason: "refused", Counted: true, Park: true, RetryAfter: time.Hour})
 	// The leased and the released effect failed before (due again at once) and were claimed
@@ -1301,7 +1302,7 @@ func testRetryNow(f *fixture) {
 	}
 	// The others are due when their own time comes, as before.
 	f.age("effects", "next_attempt_at", outboxdriver.Source{}, 2*time.Hour)
-	wantSet(f.t, "claim once every retry time passed", f.relay(due, sent), leased, released, otherTopic, otherApplier)
+	wantSet(f.t, "claim once every retry time passed", f.relay(due, sent), leased, released, otherTopic, otherApplier, padded)
 }
 
 func testHandToRelay(f *fixture) {
