@@ -121,8 +121,11 @@ func (o *Outbox) handle(msg *message.Message, p HandleParams, next message.Handl
 	}
 	if to, ok := msg.Metadata[MetadataRetryFor]; ok {
 		if to != p.Consumer {
-			// A dead letter of another consumer, retried: it is for that consumer only.
+			// A dead letter of another consumer, retried: it is for that consumer only. Logged:
+			// were that consumer renamed since, no consumer would run it.
 			setOutcome(parent, OutcomeNotAddressed)
+			o.logger.Info("Another consumer's retried dead letter acked without running the handler",
+				fields.Add(watermill.LogFields{"addressed_to": to}))
 			return nil
 		}
 		delete(msg.Metadata, MetadataRetryFor) // not passed on by a handler that copies metadata
