@@ -439,6 +439,7 @@ func TestDelayedEffectsRelayCrashesAtAndAfterTheDueTime(t *testing.T) {
 	}
 	t.Parallel()
 	var claimCrashes, publishCrashes atomic.Int32
+	var crashedAtClaim atomic.Bool
 	claimCrashes.Store(1)
 	logged := &logtest.Errors{}
 	e := newEnv(t, func(c *outbox.Config) {
@@ -453,6 +454,7 @@ func TestDelayedEffectsRelayCrashesAtAndAfterTheDueTime(t *testing.T) {
 			switch {
 			case point == outbox.FailpointAfterRelayClaim && claimCrashes.Add(-1) == 0:
 				publishCrashes.Store(1) // the next round crashes after its publish
+				crashedAtClaim.Store(true)
 				return errors.New("crash after the claim")
 			case point == outbox.FailpointAfterPublish && publishCrashes.Add(-1) == 0:
 				return errors.New("crash after the publish")
@@ -461,15 +463,20 @@ func TestDelayedEffectsRelayCrashesAtAndAfterTheDueTime(t *testing.T) {
 		}
 	})
 	first, second := message.NewMessage(uuid.NewString(), []byte("first")), message.NewMessage(uuid.NewString(), []byte("second"))
-	// The relay runs before the effects are committed, and the second is due well after the
-	// first: a relay round that claimed both at once (CI's loaded run started Run after both were
-	// due) would crash with the second leased for 30 s, and the test would be about something else.
+	// The second is committed once the round of the first crashed: a round that claimed both at
+	// once would crash with the second leased for a minute, and the test would be about
+	// something else (CI's loaded runs did, when a pass came seconds late: with the second due
+	// 3 s after the first, and before that when Run started after both were due).
 	halt := startRun(t, e.ob)
 	err := e.ob.InTx(context.Background(), func(ctx context.Context, tx *sql.Tx) error {
-		if err := outbox.Publish(outbox.WithDelay(ctx, 300*time.Millisecond), "out_a", first); err != nil {
-			return err
-		}
-		return outbox.Publish(outbox.WithOrderingKey(outbox.WithDelay(ctx, 3*time.Second), "other"), "out_b", second)
+		return outbox.Publish(outbox.WithDelay(ctx, 300*time.Millisecond), "out_a", first)
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "the relay's round of the first delayed message to crash after its claim", crashedAtClaim.Load)
+	err = e.ob.InTx(context.Background(), func(ctx context.Context, tx *sql.Tx) error {
+		return outbox.Publish(outbox.WithOrderingKey(outbox.WithDelay(ctx, 300*time.Millisecond), "other"), "out_b", second)
 	})
 	if err != nil {
 		t.Fatal(err)
