@@ -126,13 +126,7 @@ func (m *member) handler(w *wrapper) message.HandlerFunc {
 // forgetWrapper drops the members' handlers for a wrapper that is gone.
 func (s *Set) forgetWrapper(key weak.Pointer[wrapper]) {
 	s.mu.Lock()
-	ms := make([]*member, 0, len(s.members)+len(s.removing))
-	for _, m := range s.members {
-		ms = append(ms, m)
-	}
-	for m := range s.removing {
-		ms = append(ms, m)
-	}
+	ms := s.everyMember()
 	s.mu.Unlock()
 	for _, m := range ms {
 		m.mu.Lock()

@@ -488,13 +488,7 @@ func (s *Set) Run(ctx context.Context) error {
 	<-ctx.Done()
 	s.mu.Lock()
 	s.runCtx, s.eng, s.stats, s.pools = nil, nil, nil, nil
-	running := make([]*member, 0, len(s.members)+len(s.removing))
-	for _, m := range s.members {
-		running = append(running, m)
-	}
-	for m := range s.removing {
-		running = append(running, m)
-	}
+	running := s.everyMember()
 	s.mu.Unlock()
 	// The runs see ctx end and return; each member then writes its marks. A member being
 	// removed is stopped here as well (its Remove, waiting for its units, waits for this stop
@@ -596,4 +590,16 @@ func validName(name string) error {
 		return fmt.Errorf("tenant: invalid member name %q: %s", name, why)
 	}
 	return nil
+}
+
+// everyMember returns the members and those a Remove is taking out. s.mu held.
+func (s *Set) everyMember() []*member {
+	ms := make([]*member, 0, len(s.members)+len(s.removing))
+	for _, m := range s.members {
+		ms = append(ms, m)
+	}
+	for m := range s.removing {
+		ms = append(ms, m)
+	}
+	return ms
 }
