@@ -199,7 +199,7 @@ func TestOpsTellLookalikesApart(t *testing.T) {
 			t.Fatal(err)
 		}
 		parked[s] = e[0].StoreID
-		if err := st.EffectRecordFailures(ctx, outboxdriver.EffectFailure{StoreID: e[0].StoreID, Reason: "refused", Counted: true, Park: true}); err != nil {
+		if err := st.EffectRecordFailures(ctx, outboxdriver.EffectFailure{StoreID: e[0].StoreID, Reason: "refused" + s, Counted: true, Park: true}); err != nil {
 			t.Fatal(err)
 		}
 		if _, err := st.AttemptRecord(ctx, outboxdriver.Source{Consumer: src.Consumer, ID: "failing"}, "boom"+s); err != nil {
@@ -222,6 +222,8 @@ func TestOpsTellLookalikesApart(t *testing.T) {
 		{`topic "invoices "`, ops.ParkedFilter{Topic: "invoices "}, parked[" "]},
 		{"consumer billing", ops.ParkedFilter{Consumer: "billing"}, parked[""]},
 		{`consumer "billing "`, ops.ParkedFilter{Consumer: "billing "}, parked[" "]},
+		// An error filter of a space is a filter: only "refused " holds one.
+		{`error " "`, ops.ParkedFilter{ErrorContains: " "}, parked[" "]},
 	} {
 		got, err := o.ParkedEffects(ctx, c.f)
 		if err != nil || len(got) != 1 || got[0].StoreID != c.want {

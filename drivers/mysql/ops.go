@@ -41,6 +41,7 @@ func (q queries) ops() store.OpsQueries {
 		// dispatched_at, implied by the other, reads the claims of the last hour by its index.
 		LastDispatch: `SELECT max(dispatched_at) FROM ` + n.Processed + `
 		WHERE processed_at > ` + now + ` - INTERVAL 1 HOUR AND dispatched_at > ` + now + ` - INTERVAL 1 HOUR`,
+		// The error filter's emptiness is its length: utf8mb4_bin pads, and ' ' = '' in it.
 		Parked: `SELECT e.id, e.source_consumer, e.source_id, e.kind, e.topic, e.uuid, e.ordering_key, e.attempts, e.failures,
 			coalesce(e.last_error, ''), e.parked_at, e.created_at
 		FROM ` + n.Effects + ` e,
@@ -49,7 +50,7 @@ func (q queries) ops() store.OpsQueries {
 		  AND (a.ids IS NULL OR FIND_IN_SET(e.id, a.ids) > 0)
 		  AND (a.topic = '' OR e.topic = a.topic) AND (a.consumer = '' OR e.source_consumer = a.consumer)
 		  AND e.parked_at < ` + ago("a.older_ms") + `
-		  AND (a.err = '' OR LOCATE(a.err, coalesce(e.last_error, '')) > 0)
+		  AND (CHAR_LENGTH(a.err) = 0 OR LOCATE(a.err, coalesce(e.last_error, '')) > 0)
 		  AND e.id > a.after_id
 		ORDER BY e.id LIMIT ?`,
 		Failing: `SELECT a.consumer, a.message_id, a.attempts, a.last_error, a.first_failed_at, a.last_failed_at
