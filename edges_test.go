@@ -346,6 +346,25 @@ func TestNestedUnitOfWorkWaitsRetryDelay(t *testing.T) {
 	}
 }
 
+// The outbox middleware applied twice (on the Router and on the handler) fails every message with
+// ErrNestedUnitOfWork: a wiring error, not the message's. It was counted as a failed attempt, and
+// at MaxAttempts every message of the stream was dead-lettered and acked.
+func TestNestedUnitOfWorkIsNotCounted(t *testing.T) {
+	e := newEnv(t, func(c *outbox.Config) { c.RetryDelay = time.Millisecond; c.MaxAttempts = 2 })
+	msg := message.NewMessage(uuid.NewString(), nil)
+	for range 4 { // deliveries, past MaxAttempts
+		err := handle(e.ob, copyOf(msg), func(m *message.Message) ([]*message.Message, error) {
+			return nil, handle(e.ob, m, applyAndPublish(nil))
+		})
+		if !errors.Is(err, outbox.ErrNestedUnitOfWork) {
+			t.Fatalf("want ErrNestedUnitOfWork, got %v", err)
+		}
+	}
+	mustEqual(t, "dead letters", e.count(`SELECT count(*) FROM outbox_dead_letters`), 0)
+	mustEqual(t, "attempts counted", e.count(`SELECT count(*) FROM outbox_attempts`), 0)
+	mustEqual(t, "claims", e.count(`SELECT count(*) FROM outbox_processed`), 0)
+}
+
 // Item: a redelivery that follows a failed dispatch does not wait DuplicateWait for an original
 // that is known to have failed (whether the broker failed before or after taking the message).
 func TestRedeliveryAfterAFailedDispatchDoesNotWait(t *testing.T) {

@@ -330,9 +330,10 @@ func (o *Outbox) handleOnce(msg *message.Message, src Source, p HandleParams, ne
 			// (a killed consumer's messages in flight would otherwise be counted, and at
 			// MaxAttempts kills dead-lettered, though they never failed).
 			return err
-		case errors.Is(err, ErrUnsafeMiddlewareOrder):
-			// A wiring error found while the handler ran: nothing it wrote may commit, and the
-			// message is not to blame.
+		case errors.Is(err, ErrUnsafeMiddlewareOrder), errors.Is(err, ErrNestedUnitOfWork):
+			// A wiring error found while the handler ran (a middleware in the wrong place, the
+			// outbox middleware applied twice): nothing it wrote may commit, and the message is
+			// not to blame. Counted, every message of the stream would be dead-lettered.
 			return err
 		case o.isRetryable(err) && !lastTry:
 			return fmt.Errorf("%w: %w", errRetryAtOnce, err)
