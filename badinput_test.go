@@ -410,3 +410,32 @@ func TestMemberNamesAreValidated(t *testing.T) {
 		t.Errorf("a 255-byte Member refused: %v", err)
 	}
 }
+
+// A message that cannot be processed and cannot be set aside (dead letters off, no poison
+// topic) is nacked, and its redelivery comes at once: without a wait, every copy a broker
+// redelivers at once was thousands of failures (and error lines) a second. It waits RetryDelay
+// as a failed handler does; a shutdown ends the wait.
+func TestNackedRejectionWaitsRetryDelay(t *testing.T) {
+	const delay = 300 * time.Millisecond
+	e := newEnv(t)
+	off := e.newOutbox(func(c *outbox.Config) { c.DeadLetters = outbox.DeadLettersOff; c.RetryDelay = delay })
+	began := time.Now()
+	err := handle(off, message.NewMessage("", []byte("no ID")), applyAndPublish(nil))
+	if !errors.Is(err, outbox.ErrInvalidMessageID) {
+		t.Fatalf("want ErrInvalidMessageID, got %v", err)
+	}
+	if took := time.Since(began); took < delay {
+		t.Errorf("the rejection was nacked after %s; want it to wait RetryDelay (%s) first", took, delay)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	msg := message.NewMessage("", []byte("no ID"))
+	msg.SetContext(ctx)
+	began = time.Now()
+	if err := handle(off, msg, applyAndPublish(nil)); err == nil {
+		t.Fatal("a rejection was acked")
+	}
+	if took := time.Since(began); took >= delay {
+		t.Errorf("a rejection whose message context had ended waited %s", took)
+	}
+}

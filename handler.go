@@ -198,6 +198,12 @@ func (o *Outbox) rejectWhenReachable(ctx context.Context, msg *message.Message, 
 		}
 		err := o.reject(ctx, msg, src, cause, fields)
 		if !errors.Is(err, errWaitForDatabase) {
+			if err != nil && ctx.Err() == nil {
+				// Nacked (nowhere to set it aside, or setting it aside failed): the broker
+				// redelivers at once, and without the wait of a failed handler that is thousands
+				// of failures a second.
+				o.backoff(ctx, err)
+			}
 			return err
 		}
 		if ctx.Err() != nil {
