@@ -82,9 +82,11 @@ type unit struct {
 	key    *keyed // the idempotency key of a keyed boundary unit; nil otherwise
 	result []byte // set with SetResult, stored with the key
 
-	// storeFailed: the store refused or did not answer a record of effects. A boundary unit that
-	// then fails counts as failed, not as the application's rollback.
+	// storeFailed: the store refused or did not answer a record of effects (recordErr, the
+	// first). A boundary unit that then fails counts as failed, not as the application's
+	// rollback; one whose function ignored the error does not commit (see committedEffects).
 	storeFailed bool
+	recordErr   error
 }
 
 func newUnit(o *Outbox, tx outboxdriver.UnitTx, src Source, incoming *message.Message) *unit {
@@ -108,8 +110,19 @@ func (u *unit) storeRefused() bool {
 
 // committedEffects stops recording and returns the recorded effects that will commit with the
 // transaction: those recorded inside a savepoint that the handler rolled back must never be sent.
+//
+// A record the store refused fails the unit even when the handler or fn ignored its error: on
+// PostgreSQL the failed statement aborts the transaction, but MySQL and SQLite would commit the
+// business writes without the effects, and those would never be sent.
 func (u *unit) committedEffects(ctx context.Context) ([]Effect, error) {
-	return u.tx.Survivors(ctx, u.finish())
+	effects := u.finish()
+	u.mu.Lock()
+	recordErr := u.recordErr
+	u.mu.Unlock()
+	if recordErr != nil {
+		return nil, fmt.Errorf("outbox: a record of side effects failed in this unit of work (its error was not returned); nothing commits: %w", recordErr)
+	}
+	return u.tx.Survivors(ctx, effects)
 }
 
 // customKeys returns the ordering keys set with WithOrderingKey among effects: effects with such a
@@ -401,8 +414,7 @@ func (u *unit) record(ctx context.Context, effects []Effect) error {
 			effects[i].DueAt, effects[i].CancelKey = due, cancelKey
 		}
 		if err := dt.RecordDelayed(ctx, effects); err != nil {
-			u.storeFailed = true
-			return fmt.Errorf("outbox: store delayed side effects: %w", err)
+			return u.failed(fmt.Errorf("outbox: store delayed side effects: %w", err))
 		}
 		u.recorded += len(effects)
 		// This process's relay wakes at the due time (another's finds it at its next pass).
@@ -411,12 +423,20 @@ func (u *unit) record(ctx context.Context, effects []Effect) error {
 		return nil
 	}
 	if err := u.tx.Record(ctx, effects); err != nil {
-		u.storeFailed = true
-		return fmt.Errorf("outbox: store side effects: %w", err)
+		return u.failed(fmt.Errorf("outbox: store side effects: %w", err))
 	}
 	u.effects = append(u.effects, effects...)
 	u.recorded += len(effects)
 	return nil
+}
+
+// failed notes a record the store refused (u.mu held) and returns its error.
+func (u *unit) failed(err error) error {
+	u.storeFailed = true
+	if u.recordErr == nil {
+		u.recordErr = err
+	}
+	return err
 }
 
 // dispatch sends effects in order and stops at the first failure, so that later effects never

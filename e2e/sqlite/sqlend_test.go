@@ -4,6 +4,7 @@ import (
 	"context"
 	"database/sql"
 	"errors"
+	"strings"
 	"testing"
 	"time"
 
@@ -85,5 +86,57 @@ func TestRollbackSentAsSQLThenPublish(t *testing.T) {
 	}
 	if n := len(pub.All()); n != 0 {
 		t.Errorf("%d messages sent for rolled-back work, want none", n)
+	}
+}
+
+// A unit whose record of side effects the store refused, and whose function ignored the error,
+// committed the business writes without the effects on SQLite (and MySQL), whose failed
+// statement leaves the transaction open: the effects were never sent. Now nothing commits, at
+// the boundary and in a handler.
+func TestIgnoredRecordFailureCommitsNothing(t *testing.T) {
+	db := openDB(t)
+	pub := &outboxtest.Recorder{}
+	ob, err := outbox.New(outbox.Config{DB: db, Driver: sqlite.Driver{}, Publisher: pub, RetryDelay: -1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = ob.Close() })
+	ctx := context.Background()
+	if err := ob.Migrate(ctx); err != nil {
+		t.Fatal(err)
+	}
+	for _, q := range []string{`CREATE TABLE reservations (id TEXT NOT NULL)`,
+		`CREATE TRIGGER refuse BEFORE INSERT ON outbox_effects BEGIN SELECT RAISE(ABORT, 'effects refused'); END`} {
+		if _, err := db.Exec(q); err != nil {
+			t.Fatal(err)
+		}
+	}
+	var ignored []error
+	work := func(ctx context.Context, tx *sql.Tx, id string) error {
+		if _, err := tx.ExecContext(ctx, `INSERT INTO reservations VALUES (?)`, id); err != nil {
+			return err
+		}
+		ignored = append(ignored, outbox.Publish(ctx, "stock_reserved", message.NewMessage("u-"+id, nil)))
+		return nil
+	}
+	err = ob.InTx(ctx, func(ctx context.Context, tx *sql.Tx) error { return work(ctx, tx, "boundary") })
+	if err == nil || !strings.Contains(err.Error(), "effects refused") {
+		t.Errorf("InTx: %v; want the store's refusal", err)
+	}
+	msg := message.NewMessage("order-1", nil)
+	err = ob.Handle(msg, outbox.HandleParams{Consumer: "reserve", MessageID: msg.UUID}, func(m *message.Message) ([]*message.Message, error) {
+		return nil, work(m.Context(), outbox.Tx(m.Context()), "handler")
+	})
+	if err == nil || !strings.Contains(err.Error(), "effects refused") {
+		t.Errorf("Handle: %v; want the store's refusal", err)
+	}
+	for i, e := range ignored {
+		if e == nil {
+			t.Errorf("Publish %d: nil; want the store's refusal", i)
+		}
+	}
+	var n int
+	if err := db.QueryRow(`SELECT count(*) FROM reservations`).Scan(&n); err != nil || n != 0 {
+		t.Errorf("%d reservations committed without their effects (%v); want none", n, err)
 	}
 }
