@@ -231,6 +231,12 @@ type Dialect struct {
 	IsReadOnlyAtBegin func(error) bool
 	// Prepare enables prepared statements reused per connection on the hot path.
 	Prepare bool
+	// Isolation, when not sql.LevelDefault, is the isolation of the store's own transactions
+	// (BeginTx without options), whatever the sessions' default: PostgreSQL's rotation and
+	// cleanup count on each statement seeing what committed before it (READ COMMITTED), and a
+	// database or role set to REPEATABLE READ would fix their snapshot before the locks they
+	// wait for.
+	Isolation sql.IsolationLevel
 	// Notify wakes listening relays (no arguments); empty when the dialect has no notifications.
 	Notify string
 	// Listen blocks until ctx is done, calling wake on every notification; nil when the dialect
@@ -417,10 +423,14 @@ func (s *SQL) wrap(err error) error {
 	return err
 }
 
-// BeginTx begins a transaction on the Store's database. A server that refuses to begin one
+// BeginTx begins a transaction on the Store's database, at the dialect's Isolation when opts is
+// nil. A server that refuses to begin one
 // because it takes no writes (a standby: see Dialect.IsReadOnlyAtBegin) is named as such, with
 // an error that wraps outboxdriver.ErrReadOnly.
 func (s *SQL) BeginTx(ctx context.Context, opts *sql.TxOptions) (*sql.Tx, error) {
+	if opts == nil && s.d.Isolation != sql.LevelDefault {
+		opts = &sql.TxOptions{Isolation: s.d.Isolation}
+	}
 	tx, err := s.db.BeginTx(ctx, opts)
 	if err != nil {
 		if s.d.IsReadOnlyAtBegin != nil && s.d.IsReadOnlyAtBegin(err) {

@@ -108,9 +108,12 @@ func (d Driver) Open(db *sql.DB, opts outboxdriver.StoreOptions) (outboxdriver.S
 		IsReadOnly:        IsReadOnly,
 		IsReadOnlyAtBegin: IsReadOnlyAtBegin,
 		Prepare:           !d.DisablePreparedStatements,
-		Pooler:            checkPooler,
-		Ops:               opsQueries(names),
-		DeadLetters:       deadLetterQueries(names),
+		// The rotation and cleanup see each statement's own snapshot, taken after the locks
+		// they wait for, whatever default_transaction_isolation the database or role sets.
+		Isolation:   sql.LevelReadCommitted,
+		Pooler:      checkPooler,
+		Ops:         opsQueries(names),
+		DeadLetters: deadLetterQueries(names),
 		// The channel is built from validated identifiers, so the literal is safe.
 		Notify: fmt.Sprintf("SELECT pg_notify('%s', '')", notifyChannel(names.Schema, names.Prefix)),
 	}

@@ -351,29 +351,7 @@ func TestRotationKeepsTheRowsOfAWriterWithAnOldGeneration(t *testing.T) {
 			}
 			continue
 		}
-		st.rotateLock = 10 * time.Second
-		done := make(chan error, 1)
-		go func() {
-			time.Sleep(5 * time.Millisecond)
-			st.lastRotate.Store(0)
-			done <- st.rotate(ctx)
-		}()
-		// The rotation waits for the writer's lock.
-		deadline := time.Now().Add(10 * time.Second)
-		for {
-			var waiting bool
-			if err := db.QueryRow(`SELECT EXISTS (SELECT 1 FROM pg_locks l JOIN pg_class c ON c.oid = l.relation
-				WHERE c.relname = 'rot_effects' AND NOT l.granted)`).Scan(&waiting); err != nil {
-				t.Fatal(err)
-			}
-			if waiting {
-				break
-			}
-			if time.Now().After(deadline) {
-				t.Fatal("the rotation did not wait for the writer's lock")
-			}
-			time.Sleep(5 * time.Millisecond)
-		}
+		done := rotationWaitingForALock(t, db, st)
 		if err := tx.Commit(); err != nil {
 			t.Fatal(err)
 		}
@@ -582,4 +560,84 @@ func TestRotatedEffectsNamesFitTheLongestPrefix(t *testing.T) {
 	if got := in.gen.Load(); got != 2 {
 		t.Errorf("generation %d after two rotations, want 2", got)
 	}
+}
+
+// rotationWaitingForALock starts a rotation of st that waits for a lock on partition 0 (a
+// writer's), and returns once it waits; its error comes on the channel once it ends.
+func rotationWaitingForALock(t *testing.T, db *sql.DB, st *inline) <-chan error {
+	t.Helper()
+	st.rotateLock = 10 * time.Second
+	done := make(chan error, 1)
+	go func() {
+		time.Sleep(5 * time.Millisecond)
+		st.lastRotate.Store(0)
+		done <- st.rotate(context.Background())
+	}()
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		var waiting bool
+		if err := db.QueryRow(`SELECT EXISTS (SELECT 1 FROM pg_locks l JOIN pg_class c ON c.oid = l.relation
+			WHERE c.relname = 'rot_effects' AND NOT l.granted)`).Scan(&waiting); err != nil {
+			t.Fatal(err)
+		}
+		if waiting {
+			return done
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the rotation did not wait for the writer's lock")
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+// A database whose sessions default to REPEATABLE READ (ALTER DATABASE ... SET
+// default_transaction_isolation) had the rotation's snapshot taken by its first statement,
+// before the lock it waits for: the row of a writer that committed meanwhile was not in it, was
+// not moved, and was truncated with the partition: never sent. The store's own transactions
+// are READ COMMITTED whatever the default.
+func TestRotationUnderRepeatableReadKeepsAWritersRow(t *testing.T) {
+	db := pgtest.DB(t)
+	ctx := context.Background()
+	if _, err := db.Exec(`DO $$ BEGIN EXECUTE format('ALTER DATABASE %I SET default_transaction_isolation = %L',
+		current_database(), 'repeatable read'); END $$`); err != nil {
+		t.Fatal(err)
+	}
+	db.SetMaxIdleConns(0) // every session a new one, with the database's default
+	var iso string
+	if err := db.QueryRow(`SHOW transaction_isolation`).Scan(&iso); err != nil || iso != "repeatable read" {
+		t.Fatalf("the sessions' isolation: %q, %v", iso, err)
+	}
+	st := rotationStore(t, db, time.Millisecond)
+	stale := rotationStore(t, db, -1) // never reads the generation: it writes into partition 0
+	record(t, st, db, "first", "f", 1)
+	rotateNow(t, st) // 0 -> 1
+	record(t, st, db, "second", "s", 1)
+	rotateNow(t, st) // 1 -> 2; next to empty: 0
+	record(t, st, db, "third", "t", 1)
+	src := outboxdriver.Source{Consumer: "unit", ID: "stale"}
+	tx, err := db.BeginTx(ctx, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := stale.EffectInsert(ctx, tx, src, []outboxdriver.Effect{{Source: src, Kind: outboxdriver.KindPublish,
+		Topic: "t", UUID: src.ID, Payload: []byte("p"), OrderingKey: "stale"}}); err != nil {
+		t.Fatal(err)
+	}
+	done := rotationWaitingForALock(t, db, st)
+	if err := tx.Commit(); err != nil {
+		t.Fatal(err)
+	}
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	rows, gens := effectRows(t, db)
+	for i, row := range rows {
+		if strings.Contains(row, "stale") {
+			if gens[i] != 2 {
+				t.Errorf("the writer's row %s is in partition %d, want 2 (moved)", row, gens[i])
+			}
+			return
+		}
+	}
+	t.Fatalf("the writer's committed row is gone (truncated with its partition):\n%s", strings.Join(rows, "\n"))
 }
