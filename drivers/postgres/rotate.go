@@ -157,10 +157,13 @@ func (s *inline) claimLooking(ctx context.Context, cp outboxdriver.EffectClaimPa
 var errLookUnread = errors.New("the claim returned no look at the partitions and the claims table")
 
 // turn tells whether every has passed since *last, and if so makes now the last time; of
-// concurrent callers, one gets the turn.
+// concurrent callers, one gets the turn. A last time in the future is the wall clock stepped
+// back since (the times are the wall clock's): a turn, or the sweep and the rotation stopped
+// for as long as the clock went back.
 func turn(last *atomic.Int64, every time.Duration) bool {
 	l := last.Load()
-	return time.Since(time.Unix(0, l)) >= every && last.CompareAndSwap(l, time.Now().UnixNano())
+	since := time.Since(time.Unix(0, l))
+	return (since >= every || since < 0) && last.CompareAndSwap(l, time.Now().UnixNano())
 }
 
 // rotate looks at the partitions, at most every RotateEvery/2, and rotates them if due

@@ -641,3 +641,17 @@ func TestRotationUnderRepeatableReadKeepsAWritersRow(t *testing.T) {
 	}
 	t.Fatalf("the writer's committed row is gone (truncated with its partition):\n%s", strings.Join(rows, "\n"))
 }
+
+// The sweep's and the rotation's turns survive a wall clock stepped back: the last turn then
+// lies in the future, and they stopped until the clock caught up with it (an hour back, an hour
+// without a sweep of inline effects left behind by a crash, and without rotations).
+func TestTurnAfterTheClockSteppedBack(t *testing.T) {
+	var last atomic.Int64
+	last.Store(time.Now().Add(time.Hour).UnixNano())
+	if !turn(&last, time.Millisecond) {
+		t.Fatal("no turn with the last one an hour ahead of the clock")
+	}
+	if turn(&last, time.Hour) {
+		t.Fatal("a turn again at once")
+	}
+}
