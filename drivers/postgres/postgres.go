@@ -954,7 +954,11 @@ func Grants(schema, prefix, role string, operator bool) ([]string, error) {
 	for gen := range 3 {
 		out = append(out, "GRANT SELECT, INSERT, UPDATE, DELETE, TRUNCATE ON TABLE "+effectsPartition(n, gen)+" TO "+r)
 	}
-	return append(out, "GRANT SELECT, UPDATE ON TABLE "+rotationTable(n)+" TO "+r), nil
+	// And the function that is the partitioned table's default generation: a database that
+	// revokes EXECUTE from PUBLIC (ALTER DEFAULT PRIVILEGES) refused every insert through the
+	// parent (the move of inline effects left behind, of delayed effects that fell due).
+	return append(out, "GRANT SELECT, UPDATE ON TABLE "+rotationTable(n)+" TO "+r,
+		`GRANT EXECUTE ON FUNCTION "`+n.Schema+`"."`+n.Prefix+`effects_gen"() TO `+r), nil
 }
 
 // rotationTable is the quoted name of the table of the current partition of the effects table.
