@@ -281,8 +281,8 @@ func newID() string {
 
 // NewUUID returns a UUID for an effect of the unit of work of ctx derived from the unit's cause
 // and the effect's position among the UUIDs derived in the unit: the consumer and ID of the
-// incoming message, or the scope and idempotency key of a keyed boundary unit (a name-based
-// UUID, version 5). A run of the same cause again (a redelivery after a rolled-back attempt, a
+// incoming message, or the scope, idempotency key and fingerprint of a keyed boundary unit (a
+// name-based UUID, version 5). A run of the same cause again (a redelivery after a rolled-back attempt, a
 // retry after a commit that was lost to a failover or a restore) that derives its UUIDs in the
 // same order gets the same UUIDs, which downstream deduplication already knows. Outside a unit of
 // work, and in a boundary unit without a key, whose cause is new on every call, the UUID is
@@ -299,6 +299,12 @@ func NewUUID(ctx context.Context) string {
 		cause = "message\x00" + u.src.Consumer + "\x00" + u.src.ID
 	case u.key != nil:
 		cause = "key\x00" + u.key.scope + "\x00" + u.key.key
+		if len(u.key.fingerprint) > 0 {
+			// The request is part of the cause: a key reused for another request once it
+			// expired derives other UUIDs, which downstream deduplication (whose memory outlasts
+			// the key's) does not take for the first request's.
+			cause += "\x00" + hex.EncodeToString(u.key.fingerprint)
+		}
 	default:
 		return newID()
 	}

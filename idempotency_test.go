@@ -424,6 +424,22 @@ func TestDerivedUUIDsEqualAcrossRerun(t *testing.T) {
 	if slices.Contains(other, first[0]) || slices.Contains(other, first[1]) {
 		t.Fatalf("another key derived the same UUIDs: %v and %v", first, other)
 	}
+	// A key reused for another request once it expired (a client's counter) is another cause:
+	// with the same UUIDs, downstream deduplication, which remembers IDs longer than keys live
+	// (Retention 7 days, keys 24 h), dropped the new request's events. The same request sent
+	// again derives the same UUIDs.
+	withFingerprint := func(fp string) []string {
+		lose()
+		ctx := outbox.WithIdempotencyKey(context.Background(), "orders", "k", outbox.Fingerprint([]byte(fp)))
+		if err := e.ob.InTx(ctx, placeOrder(&runs, "o1")); err != nil {
+			t.Fatal(err)
+		}
+		return uuids()
+	}
+	a, again, b := withFingerprint("POST /orders {sku: 1}"), withFingerprint("POST /orders {sku: 1}"), withFingerprint("POST /orders {sku: 2}")
+	if !slices.Equal(a, again) || slices.Contains(b, a[0]) || slices.Contains(b, a[1]) {
+		t.Fatalf("key k with a request's fingerprint: UUIDs %v, the same request again %v, another request %v; want the first two equal, the third apart", a, again, b)
+	}
 
 	lose()
 	handler := func(msg *message.Message) ([]*message.Message, error) {
