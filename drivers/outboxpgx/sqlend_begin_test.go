@@ -123,3 +123,46 @@ func TestFailedStatementThenReturnIsCommitRollback(t *testing.T) {
 		})
 	}
 }
+
+// A handler that sends COMMIT and then BEGIN commits the unit's transaction, claim and business
+// writes with it, in the pessimistic mode (the claim is inserted at the start), but not the
+// effects, which wait in memory for the framework's COMMIT. That COMMIT found another
+// transaction open and reported that nothing was committed: the redelivery found the message
+// processed with nothing pending, and the effects were never sent. Now they are stored once the
+// unit's claim is found committed, and the redelivery sends them.
+func TestSQLCommitBeginThenReturn(t *testing.T) {
+	for rname, reopen := range map[string][]string{"in one statement": {"COMMIT; BEGIN"}, "in two": {"COMMIT", "BEGIN"}} {
+		t.Run(rname, func(t *testing.T) {
+			h := outboxtest.NewWith(t, form(outboxpgx.Pessimistic), outbox.Config{RelayInterval: time.Hour}, setup)
+			res := h.Run("c", message.NewMessage("m1", nil), consume(func(msg *message.Message) error {
+				ctx := msg.Context()
+				if err := handler(msg); err != nil { // a business row and an effect, committed by the handler
+					return err
+				}
+				for _, stmt := range reopen {
+					if _, err := outboxpgx.Tx(ctx).Exec(ctx, stmt); err != nil {
+						return err
+					}
+				}
+				_, err := outboxpgx.Tx(ctx).Exec(ctx, `INSERT INTO applied (message_id, note) VALUES ($1, 'after BEGIN')`, msg.UUID)
+				return err
+			}))
+			if !errors.Is(res.Err, outbox.ErrTxFinishedByHandler) {
+				t.Errorf("Handle %v; want ErrTxFinishedByHandler", res.Err)
+			}
+			sent := len(res.Sent)
+			// The broker redelivers: the message is processed, and its effect goes out.
+			again := h.Run("c", message.NewMessage("m1", nil), consume(handler))
+			if again.Err != nil {
+				t.Fatalf("the redelivery: %v", again.Err)
+			}
+			sent += len(again.Sent)
+			if sent != 1 {
+				t.Errorf("the effect committed with its claim was sent %d times; want once", sent)
+			}
+			if n := count(t, h.DB, "m1"); n != 1 {
+				t.Errorf("%d business rows, want the one committed by the handler", n)
+			}
+		})
+	}
+}

@@ -269,10 +269,12 @@ func (u *unit) Commit(ctx context.Context, effects []outboxdriver.Effect) error 
 	b.Queue("COMMIT")
 	br := c.SendBatch(ctx, b)
 	var err error
+	replaced := false
 	if checked {
 		_, err = br.Exec()
 		switch code := pgErrorCode(err); code {
 		case "22012": // the check's own: another transaction
+			replaced = true
 			err = u.replacedError(err)
 		case "25P02":
 			// A statement of the handler failed and the handler went on: the check, first in
@@ -299,6 +301,15 @@ func (u *unit) Commit(ctx context.Context, effects []outboxdriver.Effect) error 
 	}
 	if err != nil {
 		abort(u.conn)
+		if replaced && u.claimXID != 0 {
+			// The unit's transaction ended by SQL before another began: by ROLLBACK, or by
+			// COMMIT, which committed the claim with the business writes but not the effects,
+			// waiting here. They are stored if the unit's claim committed, for the redelivery to
+			// send (reported as nothing committed, they were never sent).
+			cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), cleanupTimeout)
+			defer cancel()
+			return u.finishedBySQL(cctx, u.s.pool, effects)
+		}
 		if pgconn.SafeToRetry(err) {
 			// pgx wrote nothing (a Rows the handler left open keeps the connection busy): the
 			// transaction rolled back for sure, which is a failed attempt, not an unknown outcome.
@@ -352,10 +363,11 @@ type querier interface {
 }
 
 // replacedError is the error of a unit of work whose transaction user code replaced with one of
-// its own (ROLLBACK, then BEGIN, sent as SQL): nothing of it is committed.
+// its own (COMMIT or ROLLBACK, then BEGIN, sent as SQL). Without a claim (a boundary unit) nothing
+// tells which ended it: what fn wrote before may be committed, without the effects.
 func (u *unit) replacedError(err error) error {
-	return fmt.Errorf("%w: the transaction was rolled back and another begun by SQL sent through it (ROLLBACK, BEGIN); nothing was committed (%w): %w",
-		outbox.ErrTxFinishedByHandler, outboxdriver.ErrNotSent, err)
+	return fmt.Errorf("%w: the transaction was ended and another begun by SQL sent through it (COMMIT or ROLLBACK, then BEGIN); what was written before may be committed, without the side effects (%w): %w",
+		outbox.ErrTxFinishedByHandler, outboxdriver.ErrTxDone, err)
 }
 
 // pgErrorCode is the SQLSTATE of err, empty when the server did not send it.
