@@ -160,7 +160,14 @@ func (o *Outbox) InUnit(ctx context.Context, fn func(ctx context.Context) error)
 		if txCtx.Err() != nil && ctx.Err() == nil {
 			err = timedOut(err, o.cfg.HandlerTimeout)
 		}
-		if rbErr := tx.Rollback(after); rbErr != nil && !errors.Is(rbErr, sql.ErrTxDone) {
+		switch rbErr := tx.Rollback(after); {
+		case rbErr == nil:
+		case errors.Is(rbErr, sql.ErrTxDone) && txCtx.Err() == nil && !errors.Is(err, ErrTxFinishedByHandler):
+			// fn ended the transaction itself: a COMMIT of its own committed what it wrote, which
+			// fn's error alone would deny (a caller that retries would do it twice).
+			return fmt.Errorf("%w (fn returned: %w)", ErrTxFinishedByHandler, err)
+		case errors.Is(rbErr, sql.ErrTxDone):
+		default:
 			return fmt.Errorf("%w (rollback: %w)", err, rbErr)
 		}
 		return err

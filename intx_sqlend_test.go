@@ -78,3 +78,32 @@ func TestInTxEndedBySQLThenRecordWritesNothing(t *testing.T) {
 		}
 	}
 }
+
+// A fn that commits the transaction itself and then returns an error: its writes and effects are
+// committed, but InTx returned fn's error alone, which says nothing committed, and a caller that
+// retries did the work twice. InTx says the transaction was finished by fn, with fn's error.
+func TestInTxFnCommitsThenFails(t *testing.T) {
+	e := newEnv(t)
+	failed := errors.New("fn failed after its own commit")
+	err := e.ob.InTx(context.Background(), func(ctx context.Context, tx *sql.Tx) error {
+		if _, err := tx.ExecContext(ctx, `INSERT INTO applied (message_id) VALUES ('business')`); err != nil {
+			return err
+		}
+		if err := tx.Commit(); err != nil {
+			return err
+		}
+		return failed
+	})
+	if !errors.Is(err, outbox.ErrTxFinishedByHandler) || !errors.Is(err, failed) {
+		t.Errorf("InTx: %v; want ErrTxFinishedByHandler with fn's error", err)
+	}
+	mustEqual(t, "business rows committed by fn", e.count(`SELECT count(*) FROM applied`), 1)
+	// A keyed unit whose fn commits and returns nil: the key's result is not stored, and InTx
+	// says why.
+	err = e.ob.InTx(outbox.WithIdempotencyKey(context.Background(), "orders", "k1"), func(ctx context.Context, tx *sql.Tx) error {
+		return tx.Commit()
+	})
+	if !errors.Is(err, outbox.ErrTxFinishedByHandler) {
+		t.Errorf("keyed InTx whose fn committed: %v; want ErrTxFinishedByHandler", err)
+	}
+}
