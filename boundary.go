@@ -191,6 +191,9 @@ func (o *Outbox) InUnit(ctx context.Context, fn func(ctx context.Context) error)
 			return timedOut(err, o.cfg.HandlerTimeout)
 		case errors.Is(err, sql.ErrTxDone):
 			return ErrTxFinishedByHandler
+		case errors.Is(err, outboxdriver.ErrNotSent):
+			// The client sent nothing (pgx: a Rows fn left open): rolled back for sure.
+			return fmt.Errorf("outbox: commit: %w", err)
 		case !rolledBack(err):
 			// The connection broke during COMMIT: it may have taken effect. A keyed retry finds
 			// out (it replays the result, or runs); an unkeyed caller must be told it cannot know.

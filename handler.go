@@ -370,6 +370,10 @@ func (o *Outbox) handleOnce(msg *message.Message, src Source, p HandleParams, ne
 		switch {
 		case errors.Is(err, outboxdriver.ErrClaimTaken):
 			return o.lostToCopy(after, src, fields)
+		case errors.Is(err, ErrCommitOutcomeUnknown):
+			// The driver sent COMMIT and lost its answer to HandlerTimeout (pgx): it may have
+			// taken effect. Its error wraps the deadline's, but COMMIT was sent: not counted.
+			return o.commitUnknown(after, src, err, fields)
 		case errors.Is(err, sql.ErrTxDone) || errors.Is(err, context.DeadlineExceeded) || errors.Is(err, context.Canceled):
 			// COMMIT was never sent: the transaction had been finished already, by the handler
 			// or by database/sql when HandlerTimeout expired.
@@ -463,6 +467,9 @@ func (o *Outbox) commitUnknown(ctx context.Context, src Source, cerr error, fiel
 		return fmt.Errorf("%w: %w (and checking the outcome failed: %w)", ErrCommitOutcomeUnknown, cerr, err)
 	}
 	if !processed {
+		if errors.Is(cerr, ErrCommitOutcomeUnknown) {
+			return cerr // the driver's says so already
+		}
 		return fmt.Errorf("%w: %w", ErrCommitOutcomeUnknown, cerr)
 	}
 	o.logger.Info("COMMIT failed in flight but took effect; dispatching what committed", fields.Add(watermill.LogFields{"error": cerr.Error()}))

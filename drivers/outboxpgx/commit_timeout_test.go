@@ -2,12 +2,14 @@ package outboxpgx_test
 
 import (
 	"context"
+	"database/sql"
 	"errors"
 	"net"
 	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/watermill-outbox/outbox"
@@ -102,5 +104,39 @@ func TestInUnitCommitAnsweredAfterHandlerTimeout(t *testing.T) {
 	}
 	if _, replayed := outbox.IdempotencyResult(retry); !replayed {
 		t.Fatal("the retry ran the keyed unit again after its COMMIT had taken effect")
+	}
+}
+
+// HandlerTimeout ends while the COMMIT is in flight (a deferred trigger makes it slow): the
+// server may well commit. The consumer path took pgx's timeout (it wraps the
+// context's deadline) for a COMMIT never sent and counted a failed attempt (at MaxAttempts the
+// message is dead-lettered although processed); an unknown outcome is not counted.
+func TestCommitInFlightAtHandlerTimeoutIsNotCounted(t *testing.T) {
+	for mname, mode := range modes {
+		t.Run(mname, func(t *testing.T) {
+			h := outboxtest.NewWith(t, form(mode), outbox.Config{RelayInterval: time.Hour, HandlerTimeout: time.Second, RetryDelay: -1},
+				func(ctx context.Context, db *sql.DB) error {
+					if err := setup(ctx, db); err != nil {
+						return err
+					}
+					_, err := db.ExecContext(ctx, `CREATE FUNCTION slow() RETURNS trigger LANGUAGE plpgsql AS $$
+							BEGIN PERFORM pg_sleep(1.5); RETURN NULL; END $$;
+						CREATE CONSTRAINT TRIGGER slow AFTER INSERT ON applied DEFERRABLE INITIALLY DEFERRED
+							FOR EACH ROW EXECUTE FUNCTION slow()`)
+					return err
+				})
+			res := h.Run("c", message.NewMessage("m1", nil), consume(handler))
+			t.Logf("Handle: %v", res.Err)
+			if !errors.Is(res.Err, outbox.ErrCommitOutcomeUnknown) {
+				t.Errorf("Handle: %v; want ErrCommitOutcomeUnknown", res.Err)
+			}
+			var attempts int
+			if err := h.DB.QueryRow(`SELECT count(*) FROM outbox_attempts`).Scan(&attempts); err != nil {
+				t.Fatal(err)
+			}
+			if attempts != 0 {
+				t.Errorf("%d failed attempts counted for a COMMIT whose outcome was unknown (Handle: %v); want none", attempts, res.Err)
+			}
+		})
 	}
 }

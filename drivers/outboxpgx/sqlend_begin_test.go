@@ -166,3 +166,26 @@ func TestSQLCommitBeginThenReturn(t *testing.T) {
 		})
 	}
 }
+
+// A fn that leaves a Rows open keeps the connection busy: pgx sends nothing, COMMIT included, and
+// the transaction rolls back for sure. InTx reported ErrCommitOutcomeUnknown, which tells the
+// caller it cannot know and invites a look or a retry it does not need.
+func TestInTxCommitNotSentIsNoUnknownOutcome(t *testing.T) {
+	pool := openPool(t, outboxtest.DSN(t), 4, nil)
+	ctx := context.Background()
+	ob := ready(t, pool, outbox.Config{Publisher: &outboxtest.Recorder{}, RelayInterval: time.Hour})
+	err := outboxpgx.InTx(ctx, ob, func(ctx context.Context, tx pgx.Tx) error {
+		if _, err := tx.Exec(ctx, `INSERT INTO applied (message_id) VALUES ('business')`); err != nil {
+			return err
+		}
+		_, err := tx.Query(ctx, `SELECT generate_series(1, 10)`) // left open
+		return err
+	})
+	if err == nil || errors.Is(err, outbox.ErrCommitOutcomeUnknown) {
+		t.Errorf("InTx: %v; want a rollback, not an unknown outcome", err)
+	}
+	var applied int
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM applied`).Scan(&applied); err != nil || applied != 0 {
+		t.Errorf("%d business rows (%v); want none", applied, err)
+	}
+}
