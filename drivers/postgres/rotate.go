@@ -40,7 +40,7 @@ const effectColumnList = `id, source_consumer, source_id, seq, kind, topic, uuid
 
 // rotationQueries are the statements of the rotation.
 type rotationQueries struct {
-	probe   string // -> current gen, whether the rotation is due, whether the current partition holds pages, claimWrites
+	probe   string // -> current gen, whether the rotation is due, whether a partition holds pages, claimWrites
 	writes  string // -> claimWrites, for a Store that never rotates
 	claim   string // store.Queries.EffectClaimDue, every row ending with what probe reads (writes for a Store that never rotates)
 	advance string // (next, current): no row changed when another instance rotated
@@ -61,10 +61,18 @@ func claimWrites(n store.Names) string {
 // transactions, and an idle relay sends little else.
 func newRotationQueries(n store.Names, every time.Duration) rotationQueries {
 	var q rotationQueries
-	sizeOf := `CASE r.gen`
+	// Used: any partition holds pages, not only the current one. Processes that record effects
+	// and run no relay never read the generation and write into partition 0 for good: with the
+	// current partition's size alone, a relay that writes none rotated once and then took the
+	// database for idle, and partition 0 was never emptied again. An idle database still stops
+	// once all three are emptied (two rotations at most).
+	sizes := ``
 	for g := range 3 {
 		p := effectsPartition(n, g)
-		sizeOf += fmt.Sprintf(` WHEN %d THEN '%s'::regclass`, g, p)
+		if g > 0 {
+			sizes += ` + `
+		}
+		sizes += fmt.Sprintf(`pg_relation_size('%s'::regclass)`, p)
 		q.lock[g] = `LOCK TABLE ` + p + ` IN ACCESS EXCLUSIVE MODE`
 		q.count[g] = `SELECT count(*) FROM (SELECT 1 FROM ` + p + ` LIMIT $1) s`
 		q.empty[g] = `TRUNCATE ` + p
@@ -73,8 +81,7 @@ func newRotationQueries(n store.Names, every time.Duration) rotationQueries {
 				INSERT INTO ` + effectsPartition(n, to) + ` (` + effectColumnList + `) SELECT ` + effectColumnList + ` FROM m`
 		}
 	}
-	sizeOf += ` END`
-	q.probe = fmt.Sprintf(`SELECT r.gen, r.rotated_at < now() - interval '%d milliseconds' AS due, pg_relation_size(`, every.Milliseconds()) + sizeOf + `) > 0 AS used,
+	q.probe = fmt.Sprintf(`SELECT r.gen, r.rotated_at < now() - interval '%d milliseconds' AS due, `, every.Milliseconds()) + sizes + ` > 0 AS used,
 		` + claimWrites(n) + ` AS writes FROM ` + rotationTable(n) + ` r`
 	q.writes = `SELECT ` + claimWrites(n) + ` AS writes`
 	// The look is read once (materialized) and repeated on every row of the claim; sub-selects,
@@ -180,9 +187,9 @@ func (s *inline) rotate(ctx context.Context) error {
 }
 
 // rotateWith empties the next partition and makes it current when the current one, as probe p
-// read it (p), has held effects for RotateEvery. An idle database (nothing written to the current
-// partition since it became current) rotates nothing and writes nothing, whoever wrote the
-// effects: the probe reads the partition, not what this process did.
+// read it (p), has been current for RotateEvery and a partition holds pages. An idle database
+// (every partition emptied) rotates nothing and writes nothing, whoever wrote the effects: the
+// probe reads the partitions, not what this process did.
 func (s *inline) rotateWith(ctx context.Context, p look) error {
 	if !p.rotates || !p.due || !p.used {
 		return nil

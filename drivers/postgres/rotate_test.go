@@ -655,3 +655,39 @@ func TestTurnAfterTheClockSteppedBack(t *testing.T) {
 		t.Fatal("a turn again at once")
 	}
 }
+
+// Processes that record effects and run no relay (an API's) never read the generation: they
+// write into partition 0 for good. The relay, in a worker that writes none, rotated once, then
+// found the current partition empty and took the database for idle: partition 0 was never
+// emptied again, and behind a held horizon the claims walked every dead row written to it.
+// Now a rotation is due while any partition holds pages; an idle database still stops once
+// all three are emptied.
+func TestRotationGoesOnWhileOnlyStaleWritersWrite(t *testing.T) {
+	db := pgtest.DB(t)
+	st := rotationStore(t, db, time.Millisecond) // the worker: the relay, no effects of its own
+	stale := rotationStore(t, db, -1)            // the API: writes into partition 0
+	record(t, st, db, "first", "f", 1)
+	rotateNow(t, st) // 0 -> 1
+	// The API writes, the relay sends (its claims rotate too, when due) and rotates: partition 0
+	// is emptied after the API wrote into it, in one turn or another.
+	emptied := false
+	for i := range 4 {
+		record(t, stale, db, fmt.Sprint("api-", i), "a", 50)
+		sendAll(t, st)
+		rotateNow(t, st)
+		emptied = emptied || partitionSizes(t, db)[0] == 0
+	}
+	if !emptied {
+		t.Errorf("partition 0, where the API writes, was never emptied (sizes %v, partition %d current)", partitionSizes(t, db), st.gen.Load())
+	}
+	// Idle: nothing written; at most two more rotations, and then none.
+	for range 3 {
+		sendAll(t, st)
+		rotateNow(t, st)
+	}
+	gen := st.gen.Load()
+	rotateNow(t, st)
+	if got := st.gen.Load(); got != gen {
+		t.Errorf("an idle database rotated again (%d -> %d) with every partition empty (%v)", gen, got, partitionSizes(t, db))
+	}
+}
