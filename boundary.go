@@ -5,6 +5,7 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"sync/atomic"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -269,7 +270,8 @@ func (o *Outbox) beginBoundary(ctx, txCtx context.Context) (tx outboxdriver.Unit
 // returned context are stored in tx. After committing tx, call dispatch to send them at once; if
 // the caller never calls it (or crashes first), the relay sends them after Config.RelayGrace. If tx
 // rolled back, dispatch sends nothing. Because the outcome of a transaction the caller owns cannot
-// be seen from here, dispatch reads back what was committed: one query more than InTx.
+// be seen from here, dispatch reads back what was committed: one query more than InTx. dispatch
+// runs once (later calls do nothing) and does not stop when its context ends.
 //
 // Inside a handler's unit of work it panics with an error wrapping ErrNestedUnitOfWork (which
 // the unit of work turns into a failed attempt): effects in another transaction would commit
@@ -303,10 +305,16 @@ func (o *Outbox) JoinUnit(ctx context.Context, tx any) (context.Context, func(co
 		return ctx, nil, fmt.Errorf("outbox: JoinTx: %w", err)
 	}
 	u := newUnit(o, ut, Source{ID: newID()}, nil)
+	var dispatched atomic.Bool
 	return withUnit(ctx, u), func(ctx context.Context) {
-		if len(u.finish()) == 0 {
+		// Once: a second call would read the effects back as still pending (their marks are
+		// written asynchronously) and send them again. And past the caller's context, as InTx's
+		// dispatch: the commit stands, and a request whose client went away between its commit
+		// and this call failed the read-back and left its effects to the relay (RelayGrace).
+		if !dispatched.CompareAndSwap(false, true) || len(u.finish()) == 0 {
 			return
 		}
+		ctx = context.WithoutCancel(ctx)
 		committed, _, err := o.listPending(ctx, u.src)
 		if err != nil {
 			o.logger.Error("Reading back committed side effects failed; the relay sends them after the grace period", err,

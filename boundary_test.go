@@ -15,6 +15,7 @@ import (
 	"github.com/google/uuid"
 
 	"github.com/watermill-outbox/outbox"
+	"github.com/watermill-outbox/outbox/internal/logtest"
 )
 
 // Tests of the boundary unit of work (InTx, JoinTx) and of the relay that sweeps what the fast path
@@ -320,6 +321,28 @@ func TestBoundaryJoinTx(t *testing.T) {
 		mustEqual(t, "copies after dispatch", e.wire("out_a")[msg.UUID], 1)
 		mustEqual(t, "pending effects", e.pendingEffects(), 0)
 		mustEqual(t, "business rows", e.count(`SELECT count(*) FROM applied WHERE message_id = $1`, msg.UUID), 1)
+	})
+
+	// A request whose context ended between its commit and its dispatch (the client went away),
+	// and a dispatch called twice: the effects go out once, at once. The read-back failed on the
+	// ended context and left them to the relay after RelayGrace with an error line; a second call
+	// sent them again (its marks are written asynchronously, so they were still pending).
+	t.Run("dispatch on an ended context, and twice", func(t *testing.T) {
+		logs := &logtest.Errors{}
+		e := newEnv(t, func(c *outbox.Config) { c.RelayGrace = time.Hour; c.Logger = logs })
+		msg := message.NewMessage(uuid.NewString(), []byte("joined"))
+		tx, dispatch := joined(t, e, msg)
+		if err := tx.Commit(); err != nil {
+			t.Fatal(err)
+		}
+		ended, cancel := context.WithCancel(ctx)
+		cancel()
+		dispatch(ended)
+		dispatch(ctx)
+		mustEqual(t, "copies after dispatch", e.wire("out_a")[msg.UUID], 1)
+		if lines := logs.Lines(); len(lines) > 0 {
+			t.Errorf("error lines: %q", lines)
+		}
 	})
 
 	t.Run("rollback then dispatch", func(t *testing.T) {
