@@ -62,7 +62,14 @@ func (o *Outbox) InUnit(ctx context.Context, fn func(ctx context.Context) error)
 			"write through the outer unit's transaction", ErrNestedUnitOfWork, k.key)
 	}
 	ctx, span := o.tel.tracer.Start(ctx, "outbox InTx")
-	defer func() { endSpan(span, err) }()
+	defer func() {
+		if r := recover(); r != nil {
+			// The span says the unit failed (its error was nil), and the panic goes on.
+			endSpan(span, fmt.Errorf("outbox: InTx: fn panicked: %v", r))
+			panic(r)
+		}
+		endSpan(span, err)
+	}()
 	// Every unit counts by its outcome; a panic in fn (re-panicking) counts as rolled back.
 	outcome := OutcomeRolledBack
 	// Either way the member is in use: its statistics sampling keeps its pace (see busy).
@@ -90,10 +97,16 @@ func (o *Outbox) InUnit(ctx context.Context, fn func(ctx context.Context) error)
 	var tx outboxdriver.UnitTx
 	var endTx context.CancelFunc // ends the context tx is bound to, once tx has ended
 	var release func()           // wakes the retries of this process waiting for the key this unit holds
+	var u *unit                  // the unit fn runs in, once it does
 	// A panic on the way (in fn, or in a store or driver step) rolls the transaction back before it
 	// goes on, so that the connection goes back to the pool, and with it, on MySQL, the session
 	// lock of a claimed key. On every other path the unit has ended by then: a no-op.
 	defer func() {
+		if u != nil {
+			// A goroutine of fn that records after a panic gets ErrUnitOfWorkFinished, as after
+			// any other end, not a store error on a rolled-back transaction.
+			u.finish()
+		}
 		if tx != nil {
 			_ = tx.Rollback(after)
 		}
@@ -146,7 +159,7 @@ func (o *Outbox) InUnit(ctx context.Context, fn func(ctx context.Context) error)
 		}
 		return err
 	}
-	u := newUnit(o, tx, Source{ID: newID()}, nil)
+	u = newUnit(o, tx, Source{ID: newID()}, nil)
 	if key != nil {
 		u.key = key
 	}

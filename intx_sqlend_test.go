@@ -107,3 +107,31 @@ func TestInTxFnCommitsThenFails(t *testing.T) {
 		t.Errorf("keyed InTx whose fn committed: %v; want ErrTxFinishedByHandler", err)
 	}
 }
+
+// fn panics while a goroutine of its own goes on recording: the unit rolled back, but stayed
+// open to records, so the goroutine's Publish went to the store on a rolled-back transaction
+// (a store error, or on some drivers a write after the unit's end) instead of being told that
+// the unit is over.
+func TestInTxPanicEndsTheUnit(t *testing.T) {
+	e := newEnv(t)
+	proceed, recorded := make(chan struct{}), make(chan error, 1)
+	func() {
+		defer func() {
+			if r := recover(); r != "fn panicked" {
+				t.Errorf("recovered %v, want fn's panic", r)
+			}
+		}()
+		_ = e.ob.InTx(context.Background(), func(ctx context.Context, tx *sql.Tx) error {
+			go func() {
+				<-proceed
+				recorded <- outbox.Publish(ctx, "out_a", message.NewMessage(uuid.NewString(), nil))
+			}()
+			panic("fn panicked")
+		})
+	}()
+	close(proceed)
+	if err := <-recorded; !errors.Is(err, outbox.ErrUnitOfWorkFinished) {
+		t.Errorf("Publish after fn panicked: %v, want ErrUnitOfWorkFinished", err)
+	}
+	mustEqual(t, "effects stored", e.count(`SELECT count(*) FROM outbox_effects_all`), 0)
+}
