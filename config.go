@@ -279,6 +279,7 @@ const (
 	defaultRetryDelayMax    = 10 * time.Second
 	defaultMaxAttempts      = 5
 	defaultPublishTimeout   = 30 * time.Second
+	maxTimeout              = 24 * time.Hour // PublishTimeout, HandlerTimeout
 	defaultDuplicateWait    = time.Second
 	defaultMaxPayloadBytes  = 16 << 20
 	defaultRelayInterval    = time.Second
@@ -353,10 +354,11 @@ func (c *Config) setDefaults() {
 	if c.PublishTimeout == 0 {
 		c.PublishTimeout = defaultPublishTimeout
 	}
-	if c.ShutdownTimeout == 0 {
+	// Past maxTimeout Validate refuses PublishTimeout: what derives from it would overflow.
+	if c.ShutdownTimeout == 0 && c.PublishTimeout <= maxTimeout {
 		c.ShutdownTimeout = c.PublishTimeout + markTimeout
 	}
-	if c.BackgroundTimeout == 0 {
+	if c.BackgroundTimeout == 0 && c.PublishTimeout <= maxTimeout {
 		// A relay pass past half its bound starts no round; what it may still do is a round:
 		// its claim (a statement, storeTimeout), its calls (up to relayBudget from before its
 		// claim) and the writes of its outcome and the previous round's (markTimeout each).
@@ -411,6 +413,11 @@ func (c Config) Validate() error {
 		if err := validMember(c.Member); err != nil {
 			errs = append(errs, fmt.Errorf("Member: %w", err))
 		}
+	}
+	if c.PublishTimeout > maxTimeout || c.HandlerTimeout > maxTimeout {
+		// "No timeout" written as the largest duration: the relay's lease and the shutdown's
+		// bound, derived from it, would overflow into negative durations.
+		errs = append(errs, fmt.Errorf("PublishTimeout (%s) and HandlerTimeout (%s) must be at most %s", c.PublishTimeout, c.HandlerTimeout, maxTimeout))
 	}
 	for name, d := range map[string]time.Duration{
 		"Retention": c.Retention, "EffectRetention": c.EffectRetention, "CleanupInterval": c.CleanupInterval,

@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"math"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -42,6 +43,30 @@ func TestValidateHoldsRetentionAgainstTheRedeliveryHorizon(t *testing.T) {
 		if c.ok != (err == nil) || (err != nil && !errors.Is(err, outbox.ErrRetentionTooShort)) {
 			t.Errorf("Retention %s, RedeliveryHorizon %s: %v, want ok=%v (or ErrRetentionTooShort)", c.retention, c.horizon, err, c.ok)
 		}
+	}
+}
+
+// "No timeout" written as the largest duration: the relay's lease and ShutdownTimeout, derived
+// from PublishTimeout, overflowed into negative durations, and Validate blamed ShutdownTimeout,
+// which the caller never set (or, with BackgroundTimeout set, let a negative lease through).
+func TestValidateBoundsTheTimeouts(t *testing.T) {
+	base := outbox.Config{DB: &sql.DB{}, Driver: postgres.Driver{}, Publisher: nopPublisher{}}
+	for _, c := range []outbox.Config{
+		{PublishTimeout: math.MaxInt64},
+		{PublishTimeout: math.MaxInt64, BackgroundTimeout: time.Hour, ShutdownTimeout: time.Hour},
+		{HandlerTimeout: 25 * time.Hour},
+	} {
+		cfg := base
+		cfg.PublishTimeout, cfg.HandlerTimeout, cfg.BackgroundTimeout, cfg.ShutdownTimeout = c.PublishTimeout, c.HandlerTimeout, c.BackgroundTimeout, c.ShutdownTimeout
+		err := cfg.Validate()
+		if err == nil || strings.Contains(err.Error(), "ShutdownTimeout must not") || !strings.Contains(err.Error(), "must be at most 24h0m0s") {
+			t.Errorf("PublishTimeout %d, HandlerTimeout %s: %v; want the bound named", c.PublishTimeout, c.HandlerTimeout, err)
+		}
+	}
+	cfg := base
+	cfg.PublishTimeout, cfg.HandlerTimeout = 24*time.Hour, 24*time.Hour
+	if err := cfg.Validate(); err != nil {
+		t.Errorf("24 h timeouts: %v", err)
 	}
 }
 
