@@ -36,12 +36,12 @@ var (
 	// message or by the relay. The message is nacked, but it must not be moved to a dead-letter
 	// or poison queue for this: its business change is done (test for it in a
 	// PoisonQueueWithFilter that sits outside the outbox middleware).
+	ErrDispatchFailed = errors.New("outbox: side effects committed but not all dispatched (kept, will be retried)")
 	// ErrDatabaseUnreachable means a unit of work waited for the database, unreachable since the
 	// time the error names, until its context or HandlerTimeout ended: nothing of it ran, and the
 	// message is nacked without counting a failed attempt. InTx also returns it at once when its
 	// BEGIN finds the database unreachable (the first failure of an outage).
 	ErrDatabaseUnreachable = errors.New("outbox: the database is unreachable")
-	ErrDispatchFailed      = errors.New("outbox: side effects committed but not all dispatched (kept, will be retried)")
 	// ErrEffectPanicked wraps a panic of the Publisher or of an applier; it counts as a failed dispatch.
 	ErrEffectPanicked = errors.New("outbox: publisher or applier panicked")
 	// ErrNestedUnitOfWork means a unit of work was started inside a message's unit of work: the
