@@ -26,7 +26,12 @@ var ErrUnsafeMiddlewareOrder = outbox.ErrUnsafeMiddlewareOrder
 //     sent with new UUIDs;
 //   - PoisonQueue inside it acks a failed attempt and commits what the handler wrote before it
 //     failed;
-//   - InstantAck acks the message before anything is committed, wherever it sits.
+//   - Duplicator inside it runs the handler twice in one transaction: its writes and side
+//     effects are committed twice;
+//   - IgnoreErrors inside it turns an ignored failure into a success and commits what the
+//     failed attempt wrote;
+//   - InstantAck acks the message before anything is committed, wherever it sits;
+//   - the outbox middleware applied twice fails every message (ErrNestedUnitOfWork).
 //
 // Wrap the handler function (Wrap, WrapConsumer), which cannot be misplaced, or add the outbox
 // middleware last: on the handler (h.AddMiddleware(middleware.New(ob))) after the Router's
@@ -104,8 +109,11 @@ func check(handler string, chain []string) []string {
 		switch kind := watermillMiddleware(name); {
 		case kind == "InstantAck":
 			out = append(out, fmt.Sprintf("%s: InstantAck acks messages before their unit of work commits", where))
-		case outbox >= 0 && i > outbox && (kind == "Retry" || kind == "PoisonQueue"):
+		case outbox >= 0 && i > outbox && kind != "":
 			out = append(out, fmt.Sprintf("%s: %s runs inside the outbox middleware (add the outbox middleware after it)", where, kind))
+		case outbox >= 0 && i > outbox && isOutbox(name):
+			// Every message would fail with ErrNestedUnitOfWork.
+			out = append(out, fmt.Sprintf("%s: the outbox middleware is applied twice", where))
 		}
 	}
 	return out
@@ -139,6 +147,10 @@ func watermillMiddleware(name string) string {
 		return "PoisonQueue"
 	case strings.HasPrefix(rest, "InstantAck"):
 		return "InstantAck"
+	case strings.HasPrefix(rest, "Duplicator"):
+		return "Duplicator"
+	case strings.HasPrefix(rest, "IgnoreErrors."), strings.HasPrefix(rest, "(IgnoreErrors)."), strings.HasPrefix(rest, "(*IgnoreErrors)."):
+		return "IgnoreErrors"
 	}
 	return ""
 }

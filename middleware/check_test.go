@@ -57,6 +57,13 @@ func TestCheckRouter(t *testing.T) {
 			r.AddMiddleware(middleware.New(ob), retry)
 			r.AddConsumerHandler("h", "in", pubSub, noop)
 		}, []string{`the Router: Retry runs inside the outbox middleware`}},
+		{"Duplicator on the handler after the outbox", func(r *message.Router) {
+			r.AddConsumerHandler("h", "in", pubSub, noop).AddMiddleware(middleware.New(ob), wmw.Duplicator)
+		}, []string{`handler "h": Duplicator runs inside the outbox middleware`}},
+		{"the outbox on the Router and on the handler", func(r *message.Router) {
+			r.AddMiddleware(middleware.New(ob))
+			r.AddConsumerHandler("h", "in", pubSub, noop).AddMiddleware(middleware.New(ob))
+		}, []string{`handler "h": the outbox middleware is applied twice`}},
 		{"InstantAck anywhere", func(r *message.Router) {
 			r.AddMiddleware(wmw.InstantAck)
 			r.AddConsumerHandler("h", "in", pubSub, noop).AddMiddleware(middleware.New(ob))

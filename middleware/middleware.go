@@ -125,7 +125,7 @@ func WrapConsumer(ob *outbox.Outbox, h message.NoPublishHandlerFunc, opts ...Opt
 // inner names the Watermill middleware next belongs to ("" for anything else).
 func guard(next message.HandlerFunc, inner string) message.HandlerFunc {
 	switch inner {
-	case "Retry", "PoisonQueue", "InstantAck":
+	case "Retry", "PoisonQueue", "InstantAck", "Duplicator", "IgnoreErrors":
 		err := fmt.Errorf("%w: Watermill's %s runs inside the outbox middleware (%s); wrap the handler with middleware.Wrap, or add the outbox middleware after %s",
 			outbox.ErrUnsafeMiddlewareOrder, inner, innerHarm[inner], inner)
 		return func(*message.Message) ([]*message.Message, error) { return nil, err }
@@ -149,9 +149,11 @@ func guard(next message.HandlerFunc, inner string) message.HandlerFunc {
 const reasonPoisonedKey = "reason_poisoned"
 
 var innerHarm = map[string]string{
-	"Retry":       "it would apply a failed attempt's business change again in the same transaction",
-	"PoisonQueue": "it would commit what a failed attempt wrote",
-	"InstantAck":  "it acks before the commit",
+	"Retry":        "it would apply a failed attempt's business change again in the same transaction",
+	"PoisonQueue":  "it would commit what a failed attempt wrote",
+	"InstantAck":   "it acks before the commit",
+	"Duplicator":   "it would run the handler twice in one transaction, committing its writes and side effects twice",
+	"IgnoreErrors": "it would commit what a failed attempt wrote when it ignores the error",
 }
 
 // innerMiddleware names the Watermill middleware that the handler function named name belongs
@@ -161,7 +163,8 @@ func innerMiddleware(name string) string {
 	if kind := watermillMiddleware(name); kind != "" {
 		return kind
 	}
-	for kind, inlined := range map[string]string{"Retry": ".Retry.Middleware.func", "InstantAck": ".InstantAck.func"} {
+	for kind, inlined := range map[string]string{"Retry": ".Retry.Middleware.func", "InstantAck": ".InstantAck.func", "Duplicator": ".Duplicator.func",
+		"IgnoreErrors": ".IgnoreErrors.Middleware.func"} {
 		if strings.Contains(name, inlined) {
 			return kind
 		}

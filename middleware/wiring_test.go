@@ -120,6 +120,35 @@ func TestRetryInsideTheOutboxIsRefusedAtRunTime(t *testing.T) {
 	})
 }
 
+// Duplicator directly inside the outbox middleware ran the handler twice in one transaction and
+// committed its writes (and side effects) twice; IgnoreErrors inside committed what a failed
+// attempt wrote when it ignored the error. Both are refused before the handler runs, and the
+// wiring error is not counted against the message.
+func TestDuplicatorAndIgnoreErrorsInsideAreRefused(t *testing.T) {
+	failure := errors.New("the first run fails after its write")
+	for name, mw := range map[string]message.HandlerMiddleware{
+		"Duplicator":   wmw.Duplicator,
+		"IgnoreErrors": wmw.NewIgnoreErrors([]error{failure}).Middleware,
+	} {
+		t.Run(name, func(t *testing.T) {
+			h := newWiringHarness(t)
+			cfg := h.ob.Config()
+			cfg.RetryDelay = -1
+			ob, err := outbox.New(cfg)
+			if err != nil {
+				t.Fatal(err)
+			}
+			_, err = deliver(chain(h.handle, middleware.New(ob, noConsumerName), mw))
+			if !errors.Is(err, outbox.ErrUnsafeMiddlewareOrder) || !strings.Contains(err.Error(), name) {
+				t.Fatalf("want ErrUnsafeMiddlewareOrder naming %s, got %v", name, err)
+			}
+			if runs, n := h.runs.Load(), h.applied(t); runs != 0 || n != 0 {
+				t.Fatalf("refused wiring ran the handler %d times and committed %d rows", runs, n)
+			}
+		})
+	}
+}
+
 // TestPoisonQueueInsideTheOutboxRollsBack: a PoisonQueue inside the outbox middleware, even behind
 // another middleware where its name cannot be seen, turns the handler's failure into a success;
 // committing would keep the failed attempt's write. The middleware notices the poisoned message
