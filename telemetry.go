@@ -492,7 +492,7 @@ func (t *telemetry) startConsumer(ctx context.Context, consumer string) {
 }
 
 func (t *telemetry) startConsumerCounters(ctx context.Context, consumer string) {
-	for _, outcome := range []string{OutcomeProcessed, OutcomeDuplicate, OutcomeFailed, OutcomeDispatchFailed, OutcomePoisoned, OutcomeRejected, OutcomeDeadLettered} {
+	for _, outcome := range []string{OutcomeProcessed, OutcomeDuplicate, OutcomeFailed, OutcomeDispatchFailed, OutcomePoisoned, OutcomeRejected, OutcomeDeadLettered, OutcomeNotAddressed} {
 		t.handled.Add(ctx, 0, t.attrs(AttrConsumer, consumer, AttrOutcome, outcome))
 	}
 	t.duplicatesLate.Add(ctx, 0, t.attrs(AttrConsumer, consumer, "", ""))

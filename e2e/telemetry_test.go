@@ -348,6 +348,7 @@ func TestTelemetryScenario(t *testing.T) {
 	// The first message of a consumer starts its counters of every outcome at zero.
 	if !hasPoint(e.collect(t), outbox.MetricMessagesHandled, map[string]string{"messaging.consumer.group.name": "tel-fresh", "outbox.outcome": outbox.OutcomePoisoned}) ||
 		!hasPoint(e.collect(t), outbox.MetricMessagesHandled, map[string]string{"messaging.consumer.group.name": "tel-fresh", "outbox.outcome": outbox.OutcomeDeadLettered}) ||
+		!hasPoint(e.collect(t), outbox.MetricMessagesHandled, map[string]string{"messaging.consumer.group.name": "tel-fresh", "outbox.outcome": outbox.OutcomeNotAddressed}) ||
 		!hasPoint(e.collect(t), outbox.MetricDuplicatesLate, map[string]string{"messaging.consumer.group.name": "tel-fresh"}) {
 		t.Errorf("the counters of consumer tel-fresh did not start at zero for every outcome")
 	}
