@@ -219,3 +219,26 @@ func TestFailedDeliveryBesideAProcessedCopySendsItsEffects(t *testing.T) {
 	waitFor(t, "the copy's effects sent", func() bool { return len(e.wire("out_a")) == 1 && len(e.wire("out_b")) == 1 })
 	mustEqual(t, "effects pending", e.pendingEffects(), 0)
 }
+
+// A message acked before its unit of work failed (InstantAck outside the outbox middleware, or a
+// handler that acked it itself): the nack that followed the failure was a no-op, the broker had
+// forgotten the message, and nothing redelivered it: lost, with an attempt counted and nothing
+// else. It is dead-lettered at once now (not as permanent: the redrive policy may retry it).
+func TestAckedMessageThatFailsIsDeadLettered(t *testing.T) {
+	e := newEnv(t, func(c *outbox.Config) { c.RetryDelay = -1 })
+	for name, ackFirst := range map[string]bool{"acked before": true, "acked by the handler": false} {
+		msg := message.NewMessage(uuid.NewString(), []byte(name))
+		if ackFirst {
+			msg.Ack()
+		}
+		err := handle(e.ob, msg, func(m *message.Message) ([]*message.Message, error) {
+			m.Ack()
+			return nil, errors.New("the stock service refused")
+		})
+		if err != nil {
+			t.Errorf("%s: %v; want it dead-lettered", name, err)
+		}
+		mustEqual(t, name+": dead letters", e.count(`SELECT count(*) FROM outbox_dead_letters WHERE message_id = $1 AND NOT permanent
+			AND reason LIKE '%acked before its unit of work ended%'`, msg.UUID), 1)
+	}
+}

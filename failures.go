@@ -290,6 +290,9 @@ func (o *Outbox) handlerFailed(ctx context.Context, msg *message.Message, src So
 	reason := outboxdriver.StorableText(herr.Error())
 	bctx, cancel := context.WithTimeout(ctx, storeTimeout)
 	defer cancel()
+	if acked(msg) {
+		return o.ackedFailed(bctx, ctx, msg, src, herr, fields)
+	}
 	permanent := IsPermanent(herr)
 	if dl := o.deadLetterStore(); dl != nil && permanent {
 		// One transaction counts the attempt and stores the dead letter: no attempt is left
@@ -334,6 +337,40 @@ func (o *Outbox) handlerFailed(ctx context.Context, msg *message.Message, src So
 	o.logger.Error("Message moved to the poison topic after repeated failures", herr,
 		fields.Add(watermill.LogFields{"poison_topic": o.cfg.PoisonTopic}))
 	return nil
+}
+
+// acked reports whether msg was acked already.
+func acked(msg *message.Message) bool {
+	select {
+	case <-msg.Acked():
+		return true
+	default:
+		return false
+	}
+}
+
+// ackedFailed handles the failure of a message acked before its unit of work ended (InstantAck
+// outside the outbox middleware, or a handler that acked it): the broker has forgotten it, and a
+// nack brings no redelivery. It is dead-lettered at once (an operator's retry or the redrive
+// policy hands it back), or moved to PoisonTopic; with neither, it is lost, and said so.
+func (o *Outbox) ackedFailed(bctx, ctx context.Context, msg *message.Message, src Source, herr error, fields watermill.LogFields) error {
+	herr = fmt.Errorf("%w (the message was acked before its unit of work ended: the broker will not deliver it again)", herr)
+	if dl := o.deadLetterStore(); dl != nil {
+		if err := o.deadLetter(bctx, ctx, dl, msg, src, herr, 0, true, false, fields); !errors.Is(err, errNoDeadLetters) {
+			return err
+		}
+	}
+	if o.cfg.PoisonTopic != "" {
+		if err := o.poison(bctx, msg, src, outboxdriver.StorableText(herr.Error()), 1); err != nil {
+			return fmt.Errorf("%w (and moving it to the poison topic failed: %w)", herr, err)
+		}
+		setOutcome(ctx, OutcomePoisoned)
+		o.logger.Error("Message acked before its unit of work failed: moved to the poison topic", herr,
+			fields.Add(watermill.LogFields{"poison_topic": o.cfg.PoisonTopic}))
+		return nil
+	}
+	o.logger.Error("Message acked before its unit of work failed, with dead letters off and no PoisonTopic: it is lost", herr, fields)
+	return herr
 }
 
 // deadLetterIfAsked stores msg as a dead letter and acks it, instead of running its handler
