@@ -293,6 +293,51 @@ func TestMessageContextCancelledBeforeCommit(t *testing.T) {
 	mustEqual(t, "effects sent", len(e.wire("out_a"))+len(e.wire("out_b")), 2)
 }
 
+// A message whose own deadline (Watermill's Timeout middleware outside the outbox's) passes
+// during its unit of work: counted as a failed attempt, as HandlerTimeout's is. Taken for a
+// shutdown, it was never counted: a message that always outlasts its deadline was rolled back and
+// redelivered for ever, never dead-lettered, and no metric said so. A cancel (a shutdown, a
+// broker's ack timeout) is still not counted.
+func TestMessageDeadlineCountsTheAttempt(t *testing.T) {
+	e := newEnv(t, func(c *outbox.Config) { c.MaxAttempts = 2; c.RetryDelay = -1 })
+	slow := func(m *message.Message) ([]*message.Message, error) {
+		if _, err := applyAndPublish(nil)(m); err != nil {
+			return nil, err
+		}
+		<-m.Context().Done() // a handler slower than the deadline, that heeds its context
+		return nil, m.Context().Err()
+	}
+	deliver := func(msg *message.Message, end func(context.Context) (context.Context, context.CancelFunc)) error {
+		ctx, cancel := end(context.Background())
+		defer cancel()
+		m := copyOf(msg)
+		m.SetContext(ctx)
+		return handle(e.ob, m, slow)
+	}
+	deadline := func(ctx context.Context) (context.Context, context.CancelFunc) {
+		return context.WithTimeout(ctx, 100*time.Millisecond)
+	}
+	cancelled := func(ctx context.Context) (context.Context, context.CancelFunc) {
+		ctx, cancel := context.WithCancel(ctx)
+		time.AfterFunc(100*time.Millisecond, cancel)
+		return ctx, cancel
+	}
+	msg := message.NewMessage(uuid.NewString(), nil)
+	if err := deliver(msg, cancelled); err == nil {
+		t.Fatal("a cancelled unit of work was acked")
+	}
+	mustEqual(t, "attempts counted after a cancel", e.count(`SELECT count(*) FROM outbox_attempts WHERE message_id = $1`, msg.UUID), 0)
+	if err := deliver(msg, deadline); err == nil {
+		t.Fatal("the first delivery past its deadline was acked")
+	}
+	mustEqual(t, "attempts counted", e.count(`SELECT coalesce(max(attempts), 0) FROM outbox_attempts WHERE message_id = $1`, msg.UUID), 1)
+	if err := deliver(msg, deadline); err != nil {
+		t.Fatalf("the second delivery past its deadline (MaxAttempts 2): %v; want it dead-lettered", err)
+	}
+	mustEqual(t, "dead letters", e.count(`SELECT count(*) FROM outbox_dead_letters WHERE message_id = $1`, msg.UUID), 1)
+	mustEqual(t, "business rows", e.count(`SELECT count(*) FROM applied`), 0)
+}
+
 // TestHandlerTimeoutCountsTheAttempt: a handler that outlives HandlerTimeout is rolled back by
 // database/sql; that must be reported as a timeout (not as a handler that finished the transaction
 // itself) and counted as a failed attempt, and the redelivery must apply the message once.

@@ -343,8 +343,15 @@ func (o *Outbox) handleOnce(msg *message.Message, src Source, p HandleParams, ne
 			return err
 		case o.isRetryable(err) && !lastTry:
 			return fmt.Errorf("%w: %w", errRetryAtOnce, err)
+		case parent.Err() != nil && txCtx.Err() == nil && errors.Is(parent.Err(), context.DeadlineExceeded):
+			// The message's own deadline passed (Watermill's Timeout middleware outside this one):
+			// a unit of work that outlasts it is a failed attempt, as one that outlasts
+			// HandlerTimeout is. Not counted, a message that always takes longer was rolled back
+			// and redelivered for ever, never dead-lettered, and no metric said so.
+			return o.handlerFailed(after, msg, src, fmt.Errorf("outbox: the message's context deadline passed during the unit of work (rolled back): %w", err), fields)
 		case parent.Err() != nil && txCtx.Err() == nil:
-			// The Router is shutting down, or the broker's ack deadline passed: not the message's fault.
+			// The Router is shutting down, or the broker's ack deadline passed (a cancel): not the
+			// message's fault.
 			return fmt.Errorf("outbox: message context cancelled during the unit of work (rolled back, not counted as a failed attempt): %w", err)
 		case txCtx.Err() != nil:
 			// The transaction was rolled back when HandlerTimeout expired, unless the handler had
