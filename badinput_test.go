@@ -484,3 +484,29 @@ func TestNackedRejectionWaitsRetryDelay(t *testing.T) {
 		t.Errorf("a rejection whose message context had ended waited %s", took)
 	}
 }
+
+// A handler that swallows a failed statement (the "ignore a duplicate" pattern) and returns nil:
+// PostgreSQL has aborted the transaction, and lib/pq answers the COMMIT with
+// ErrInFailedTransaction (it sends ROLLBACK), an error without SQLSTATE. It was taken for a
+// COMMIT whose outcome is unknown, not counted: the message was nacked on every delivery, for
+// ever, never dead-lettered. It is a rollback, counted as a failed attempt.
+func TestSwallowedStatementFailureIsCounted(t *testing.T) {
+	e := newEnv(t, func(c *outbox.Config) { c.MaxAttempts = 2; c.RetryDelay = -1 })
+	mustExec(t, e, `CREATE UNIQUE INDEX applied_once ON applied (message_id)`)
+	mustExec(t, e, `INSERT INTO applied (message_id) VALUES ('taken')`)
+	h := func(m *message.Message) ([]*message.Message, error) {
+		ctx := m.Context()
+		_, _ = outbox.Tx(ctx).ExecContext(ctx, `INSERT INTO applied (message_id) VALUES ('taken')`) // ignored
+		return nil, nil
+	}
+	msg := message.NewMessage(uuid.NewString(), nil)
+	err := handle(e.ob, copyOf(msg), h)
+	if err == nil || errors.Is(err, outbox.ErrCommitOutcomeUnknown) {
+		t.Fatalf("first delivery: %v; want a rolled-back commit, counted", err)
+	}
+	mustEqual(t, "attempts counted", e.count(`SELECT coalesce(max(attempts), 0) FROM outbox_attempts WHERE message_id = $1`, msg.UUID), 1)
+	if err := handle(e.ob, copyOf(msg), h); err != nil {
+		t.Fatalf("second delivery (MaxAttempts 2): %v; want it dead-lettered", err)
+	}
+	mustEqual(t, "dead letters", e.count(`SELECT count(*) FROM outbox_dead_letters WHERE message_id = $1`, msg.UUID), 1)
+}

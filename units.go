@@ -501,7 +501,7 @@ func (u *sqlUnit) Commit(ctx context.Context, _ []Effect) error {
 		u.endSession(ctx)
 		return u.endedError()
 	}
-	err := endedBySQL(u.tx.Commit())
+	err := commitRolledBack(endedBySQL(u.tx.Commit()))
 	// An unknown outcome counts as not committed: written again, a mark changes nothing.
 	u.settle(err == nil)
 	u.endSession(ctx)
@@ -520,6 +520,30 @@ func (u *sqlUnit) Rollback(ctx context.Context) error {
 	u.endSession(ctx)
 	return err
 }
+
+// commitRolledBack marks the refusal of a COMMIT in a transaction a failed statement aborted (a
+// handler that swallowed the statement's error) as a known rollback: lib/pq sends ROLLBACK and
+// returns ErrInFailedTransaction, pgx's stdlib answers "commit unexpectedly resulted in
+// rollback", neither with a SQLSTATE. Taken for an unknown outcome, such a message was nacked,
+// uncounted, on every delivery for ever.
+func commitRolledBack(err error) error {
+	// By their text: this package imports neither driver (lib/pq's import registers it).
+	if err != nil && (strings.Contains(err.Error(), "pq: could not complete operation in a failed transaction") ||
+		strings.Contains(err.Error(), "commit unexpectedly resulted in rollback")) {
+		return rolledBackCommit{err}
+	}
+	return err
+}
+
+// rolledBackCommit is a COMMIT the server or the client turned into a ROLLBACK: SQLSTATE 40000
+// (transaction_rollback), which rolledBack reads as known.
+type rolledBackCommit struct{ err error }
+
+func (e rolledBackCommit) Error() string {
+	return "outbox: commit rolled back (a statement had failed): " + e.err.Error()
+}
+func (e rolledBackCommit) Unwrap() error    { return e.err }
+func (e rolledBackCommit) SQLState() string { return "40000" }
 
 // endedBySQL tells a COMMIT or ROLLBACK refused because the transaction had been ended by SQL
 // sent through it from one lost in flight: by the client before sending it (lib/pq: "pq:
