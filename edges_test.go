@@ -1249,3 +1249,30 @@ func TestRelaySkipsEffectsWhoseMarkIsInFlight(t *testing.T) {
 	mustEqual(t, "copies on the wire", e.wire("out_a")[id], 1)
 	mustEqual(t, "pending effects", e.pendingEffects(), 0)
 }
+
+// A handler whose error wraps a framework error of its own calls (ErrDispatchFailed from another
+// Outbox's Handle, ErrDatabaseUnreachable from another database's InTx) is a failed handler: its
+// unit rolled back. With DispatchFailureAck the first was acked as committed (lost); the second
+// skipped the backoff, and the broker's redeliveries used MaxAttempts up in a burst.
+func TestHandlerErrorWrappingFrameworkErrorsIsAFailure(t *testing.T) {
+	const delay = 300 * time.Millisecond
+	e := newEnv(t, func(c *outbox.Config) { c.AfterDispatchFailure = outbox.DispatchFailureAck; c.RetryDelay = delay })
+	for _, sentinel := range []error{outbox.ErrDispatchFailed, outbox.ErrDatabaseUnreachable} {
+		msg := message.NewMessage(uuid.NewString(), nil)
+		began := time.Now()
+		err := handle(e.ob, msg, func(m *message.Message) ([]*message.Message, error) {
+			if _, err := applyAndPublish(nil)(m); err != nil {
+				return nil, err
+			}
+			return nil, fmt.Errorf("the inventory service's outbox said: %w", sentinel)
+		})
+		if err == nil {
+			t.Errorf("%v: the rolled-back message was acked", sentinel)
+		}
+		if took := time.Since(began); took < delay {
+			t.Errorf("%v: nacked after %s, without the backoff (RetryDelay %s)", sentinel, took, delay)
+		}
+		mustEqual(t, fmt.Sprint(sentinel, ": attempts counted"), e.count(`SELECT coalesce(max(attempts), 0) FROM outbox_attempts WHERE message_id = $1`, msg.UUID), 1)
+	}
+	mustEqual(t, "business rows", e.count(`SELECT count(*) FROM applied`), 0)
+}

@@ -239,8 +239,9 @@ func (o *Outbox) relayNeeded(fields watermill.LogFields) {
 // failureCount marks an error with how many times in a row the message failed, from which
 // backoff computes the wait.
 type failureCount struct {
-	err error
-	n   int
+	err     error
+	n       int
+	attempt bool // a failed attempt of the handler (countedAttempt): whatever err wraps is the handler's
 }
 
 func (f *failureCount) Error() string { return f.err.Error() }
@@ -248,6 +249,17 @@ func (f *failureCount) Error() string { return f.err.Error() }
 func (f *failureCount) Unwrap() error { return f.err }
 
 func counted(err error, n int) error { return &failureCount{err: err, n: n} }
+
+// countedAttempt is counted for a failed attempt of the handler: Handle backs off and retries it
+// whatever the handler's error wraps (ErrDispatchFailed or ErrDatabaseUnreachable of its own
+// calls to another Outbox), where the framework's own errors of that kind decide otherwise.
+func countedAttempt(err error, n int) error { return &failureCount{err: err, n: n, attempt: true} }
+
+// isFailedAttempt tells an error of countedAttempt.
+func isFailedAttempt(err error) bool {
+	var fc *failureCount
+	return errors.As(err, &fc) && fc.attempt
+}
 
 // backoff waits RetryDelay, doubled for each further failure of the message up to RetryDelayMax,
 // unless ctx ends first; it reports whether it waited the whole time.
@@ -319,7 +331,7 @@ func (o *Outbox) handlerFailed(ctx context.Context, msg *message.Message, src So
 		if done, err := o.deadLetterIfAsked(ctx, msg, src, fields); done {
 			return err
 		}
-		return counted(fmt.Errorf("attempt %d of %d: %w", attempts, o.cfg.MaxAttempts, herr), attempts)
+		return countedAttempt(fmt.Errorf("attempt %d of %d: %w", attempts, o.cfg.MaxAttempts, herr), attempts)
 	}
 	if dl := o.deadLetterStore(); dl != nil {
 		if err := o.deadLetter(bctx, ctx, dl, msg, src, herr, attempts, false, permanent, fields); !errors.Is(err, errNoDeadLetters) {
@@ -328,7 +340,7 @@ func (o *Outbox) handlerFailed(ctx context.Context, msg *message.Message, src So
 	}
 	if o.cfg.PoisonTopic == "" {
 		o.logger.Error("Message keeps failing; dead letters are off and no PoisonTopic is set, so it is nacked again", herr, fields)
-		return counted(fmt.Errorf("attempt %d (max %d, no dead letters, no poison topic): %w", attempts, o.cfg.MaxAttempts, herr), attempts)
+		return countedAttempt(fmt.Errorf("attempt %d (max %d, no dead letters, no poison topic): %w", attempts, o.cfg.MaxAttempts, herr), attempts)
 	}
 	if err := o.poison(bctx, msg, src, reason, attempts); err != nil {
 		return fmt.Errorf("%w (and moving it to the poison topic failed: %w)", herr, err)
@@ -463,7 +475,7 @@ func (o *Outbox) deadLetter(ctx, outcomeCtx context.Context, dl outboxdriver.Dea
 	}
 	if err != nil {
 		o.logger.Error("Storing a dead letter failed; the message is nacked", err, fields)
-		return counted(fmt.Errorf("%w (and storing it as a dead letter failed: %w)", cause, err), max(attempts, 1))
+		return countedAttempt(fmt.Errorf("%w (and storing it as a dead letter failed: %w)", cause, err), max(attempts, 1))
 	}
 	setOutcome(outcomeCtx, OutcomeDeadLettered)
 	fields = fields.Add(watermill.LogFields{"attempts": n, "permanent": permanent})

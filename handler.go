@@ -146,6 +146,11 @@ func (o *Outbox) handle(msg *message.Message, p HandleParams, next message.Handl
 		switch {
 		case err == nil:
 			return nil
+		case isFailedAttempt(err):
+			// The handler failed: it backs off and retries below, whatever framework errors its
+			// own error wraps (ErrDispatchFailed from another Outbox's Handle was acked here after
+			// the rollback with DispatchFailureAck: lost; ErrDatabaseUnreachable skipped the
+			// backoff and used MaxAttempts up in a burst).
 		case errors.Is(err, ErrDispatchFailed) && o.cfg.AfterDispatchFailure == DispatchFailureAck:
 			// Committed, the failure recorded: the relay sends the effects, and the consumer goes on.
 			setOutcome(parent, OutcomeDispatchFailed)
