@@ -485,6 +485,9 @@ func (o *Outbox) commitUnknown(ctx context.Context, src Source, cerr error, fiel
 		return fmt.Errorf("%w: %w", ErrCommitOutcomeUnknown, cerr)
 	}
 	o.logger.Info("COMMIT failed in flight but took effect; dispatching what committed", fields.Add(watermill.LogFields{"error": cerr.Error()}))
+	// This process is the one to send them (no copy is sending them): at once, not after a
+	// wait of up to DuplicateWait for a copy's dispatch.
+	o.failedHere.add(src)
 	return o.redeliver(ctx, src, outboxdriver.Claim{}, fields)
 }
 

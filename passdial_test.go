@@ -35,6 +35,9 @@ type switchedConnector struct {
 	// commitGoes, when set, takes the database away (for a second) as the next COMMIT of a
 	// connection made with goesAt set takes effect, before its answer arrives.
 	commitGoes atomic.Bool
+	// commitLost, when set, loses the answer of the next COMMIT of a connection made with goesAt
+	// set, which takes effect; the database stays.
+	commitLost atomic.Bool
 	// onDial, when set, is called as a connection is made; its error fails the attempt.
 	onDial atomic.Pointer[func(ctx context.Context) error]
 }
@@ -87,7 +90,7 @@ func (g *goingConn) ExecContext(ctx context.Context, query string, args []driver
 
 func (g *goingConn) BeginTx(ctx context.Context, opts driver.TxOptions) (driver.Tx, error) {
 	tx, err := g.Conn.(driver.ConnBeginTx).BeginTx(ctx, opts)
-	if err != nil || !g.c.commitGoes.Load() {
+	if err != nil || !g.c.commitGoes.Load() && !g.c.commitLost.Load() {
 		return tx, err
 	}
 	return &goingTx{Tx: tx, c: g.c}, nil
@@ -107,6 +110,9 @@ func (t *goingTx) Commit() error {
 	if t.c.commitGoes.CompareAndSwap(true, false) {
 		t.c.down.Store(true)
 		time.AfterFunc(time.Second, func() { t.c.down.Store(false) })
+		return driver.ErrBadConn
+	}
+	if t.c.commitLost.CompareAndSwap(true, false) {
 		return driver.ErrBadConn
 	}
 	return nil
@@ -832,5 +838,46 @@ func TestCommitLostAtAnOutageWaitsForTheGate(t *testing.T) {
 	}
 	if took > 6*time.Second {
 		t.Errorf("handled in %s, want about the 1 s outage", took.Round(time.Millisecond))
+	}
+}
+
+// A COMMIT whose answer is lost while the database stays (it took effect): the look for its
+// outcome finds the claim, and the unit sends its own effects at once. It waited up to
+// DuplicateWait first, as for a copy of the message another process might be sending: this
+// process is the one that sends them.
+func TestLostCommitSendsItsEffectsAtOnce(t *testing.T) {
+	db, conn := switchedDB(t)
+	never := func(string) bool { return false }
+	conn.goesAt.Store(&never) // connections that can lose a COMMIT's answer
+	pub := &outboxtest.Recorder{}
+	ob, err := outbox.New(outbox.Config{DB: db, Driver: postgres.Driver{}, Publisher: pub, TablePrefix: "lostcommit_",
+		DuplicateWait: 10 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = ob.Close() })
+	ctx := context.Background()
+	if err := ob.Migrate(ctx); err != nil {
+		t.Fatal(err)
+	}
+	db.SetMaxIdleConns(0) // connections made from now on can lose the answer
+	conn.commitLost.Store(true)
+	msg := message.NewMessage("m1", nil)
+	began := time.Now()
+	err = ob.Handle(msg, outbox.HandleParams{Consumer: "c1", MessageID: msg.UUID}, func(m *message.Message) ([]*message.Message, error) {
+		return nil, outbox.Publish(m.Context(), "out", message.NewMessage("e1", []byte(`{}`)))
+	})
+	took := time.Since(began)
+	if err != nil {
+		t.Fatalf("Handle: %v", err)
+	}
+	if conn.commitLost.Load() {
+		t.Fatal("no COMMIT lost its answer")
+	}
+	if n := len(pub.Messages("out")); n != 1 {
+		t.Errorf("effect sent %d times, want once", n)
+	}
+	if took > 3*time.Second {
+		t.Errorf("handled in %s: it waited for a copy's dispatch (DuplicateWait 10 s) before sending its own effects", took.Round(time.Millisecond))
 	}
 }
