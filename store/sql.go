@@ -1176,6 +1176,11 @@ func (s *SQL) effectClaimDue(ctx context.Context, p outboxdriver.EffectClaimPara
 // Cleanup implements outboxdriver.Store.
 func (s *SQL) Cleanup(ctx context.Context, p outboxdriver.CleanupParams) (outboxdriver.CleanupResult, error) {
 	var res outboxdriver.CleanupResult
+	if p.BatchSize <= 0 {
+		// A batch that deletes fewer than BatchSize rows ends a step: never, with 0 or less
+		// (and on SQLite a LIMIT below 0 is no limit).
+		return res, fmt.Errorf("cleanup: BatchSize %d, want at least 1", p.BatchSize)
+	}
 	q := s.d.Queries
 	step := func(query, from string) cleanupStep {
 		if from != "" {

@@ -766,6 +766,26 @@ func testPoison(f *fixture) {
 	// Poisoned claims expire like the others.
 	f.age("processed", "processed_at", src, 30*24*time.Hour)
 	f.age("processed", "dispatched_at", src, 30*24*time.Hour)
+	// A batch size below 1 is refused: no batch would ever be the last (the loop went on for
+	// ever, and on SQLite a LIMIT below 0 is none).
+	for _, size := range []int{0, -1} {
+		done := make(chan error, 1)
+		go func() {
+			_, err := f.st.Cleanup(f.ctx, outboxdriver.CleanupParams{Retention: 7 * 24 * time.Hour, EffectRetention: time.Hour, BatchSize: size})
+			done <- err
+		}()
+		select {
+		case err := <-done:
+			if err == nil {
+				f.t.Fatalf("cleanup with BatchSize %d: no error", size)
+			}
+		case <-time.After(10 * time.Second):
+			f.t.Fatalf("cleanup with BatchSize %d did not return", size)
+		}
+	}
+	if !f.processed(src) {
+		f.t.Fatal("a refused cleanup deleted the expired claim")
+	}
 	if res := f.cleanup(outboxdriver.CleanupParams{Retention: 7 * 24 * time.Hour, EffectRetention: time.Hour, BatchSize: 10}); res.Claims != 1 {
 		f.t.Fatalf("cleanup of an expired poisoned claim: %+v", res)
 	}
