@@ -2358,6 +2358,15 @@ func testStatsShared(f *fixture) {
 	if next := f.stats(outboxdriver.StatsParams{Interval: 10 * time.Millisecond, Retention: time.Hour}); next.Pending != 2 {
 		f.t.Fatalf("sample after the interval: %+v, want a new one with 2 pending", next)
 	}
+	// The database's clock stepped back an hour (a failover to a server whose clock is
+	// behind): the lease and the sample lie in the future. Nobody sampled until the clock caught
+	// up, and the stored sample looked fresh all the while.
+	f.age("stats", "leased_at", outboxdriver.Source{}, -time.Hour)
+	f.age("stats", "sampled_at", outboxdriver.Source{}, -time.Hour)
+	f.commit(f.src("m2"), true, f.effects(f.src("m2"), "k2", 1))
+	if next := f.stats(outboxdriver.StatsParams{Interval: time.Second, Retention: time.Hour}); next.Pending != 3 {
+		f.t.Fatalf("sample after the clock stepped back: %+v, want a new one with 3 pending", next)
+	}
 }
 
 // Instances sampling at the same moment all succeed, and whatever sample they report is the same.
