@@ -56,6 +56,7 @@ type inline struct {
 	gen          *Generation   // the current partition of the effects table, shared with the inserts
 	rotateEvery  time.Duration // Driver.RotateEvery, defaulted
 	rotateLock   time.Duration // rotateLockTimeout
+	moveBytes    int64         // rotateMoveBytes
 	lastRotate   atomic.Int64  // UnixNano of the last look at the rotation
 	backlogNoted atomic.Bool   // a rotation was put off for a backlog, and reported
 }

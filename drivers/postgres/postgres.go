@@ -133,7 +133,7 @@ func (d Driver) Open(db *sql.DB, opts outboxdriver.StoreOptions) (outboxdriver.S
 	}
 	return &inline{SQL: st, db: db, q: newInlineQueries(names), deleteDispatched: opts.DeleteDispatched, onError: opts.OnError, unreachable: opts.Unreachable,
 		failpoint: opts.Failpoint, budget: inlineBudget(d.MaxInlineBytes), rq: newRotationQueries(names, rotateEvery), gen: gen, rotateEvery: rotateEvery,
-		rotateLock: rotateLockTimeout}, nil
+		rotateLock: rotateLockTimeout, moveBytes: rotateMoveBytes}, nil
 }
 
 // inlineBudget is InlineBudget for Driver.MaxInlineBytes.

@@ -25,6 +25,12 @@ import (
 // and with it every statement on the effects table, while it copies them.
 const rotateMoveLimit = 10000
 
+// rotateMoveBytes bounds the bytes the pending rows of an emptying hold (their payloads and
+// metadata as stored): 10,000 rows of 64 KB would be 640 MB copied under the exclusive lock,
+// with every statement on the effects table waiting, and past rotateTimeout rolled back and
+// tried again at every turn.
+const rotateMoveBytes = 32 << 20
+
 // rotateLockTimeout bounds the wait for the exclusive lock of the partition to empty (and for the
 // rotation row). Statements on the effects table queue behind the lock request while it waits,
 // so it is kept short; on a timeout the rotation is tried again at the next turn.
@@ -45,7 +51,7 @@ type rotationQueries struct {
 	claim   string // store.Queries.EffectClaimDue, every row ending with what probe reads (writes for a Store that never rotates)
 	advance string // (next, current): no row changed when another instance rotated
 	lock    [3]string
-	count   [3]string    // (limit + 1) -> the rows in the partition, up to the limit + 1
+	count   [3]string    // (limit + 1) -> the rows in the partition, up to the limit + 1, and their bytes
 	move    [3][3]string // [from][to]: the rows of from into to, with their ids and state
 	empty   [3]string
 }
@@ -74,7 +80,8 @@ func newRotationQueries(n store.Names, every time.Duration) rotationQueries {
 		}
 		sizes += fmt.Sprintf(`pg_relation_size('%s'::regclass)`, p)
 		q.lock[g] = `LOCK TABLE ` + p + ` IN ACCESS EXCLUSIVE MODE`
-		q.count[g] = `SELECT count(*) FROM (SELECT 1 FROM ` + p + ` LIMIT $1) s`
+		q.count[g] = `SELECT count(*), coalesce(sum(pg_column_size(s.payload) + pg_column_size(s.metadata)), 0)::bigint
+			FROM (SELECT payload, metadata FROM ` + p + ` LIMIT $1) s`
 		q.empty[g] = `TRUNCATE ` + p
 		for to := range 3 {
 			q.move[g][to] = `WITH m AS (DELETE FROM ` + p + ` RETURNING ` + effectColumnList + `)
@@ -220,10 +227,11 @@ func (s *inline) rotateWith(ctx context.Context, p look) error {
 			return err
 		}
 		var rows int
-		if err := tx.QueryRowContext(ctx, s.rq.count[next], rotateMoveLimit+1).Scan(&rows); err != nil {
+		var size int64
+		if err := tx.QueryRowContext(ctx, s.rq.count[next], rotateMoveLimit+1).Scan(&rows, &size); err != nil {
 			return err
 		}
-		if rows > rotateMoveLimit {
+		if rows > rotateMoveLimit || size > s.moveBytes {
 			return errRotationBacklog
 		}
 		if rows > 0 {
@@ -245,7 +253,7 @@ func (s *inline) rotateWith(ctx context.Context, p look) error {
 	switch {
 	case errors.Is(err, errRotationBacklog):
 		if !s.backlogNoted.Swap(true) {
-			return fmt.Errorf("partition %d of the effects table holds more than %d pending effects: not rotated until they are sent", next, rotateMoveLimit)
+			return fmt.Errorf("partition %d of the effects table holds more than %d pending effects, or more than %d MB of them: not rotated until they are sent", next, rotateMoveLimit, s.moveBytes>>20)
 		}
 		return nil
 	case isLockTimeout(err):

@@ -2,6 +2,7 @@ package postgres
 
 import (
 	"context"
+	"crypto/rand"
 	"database/sql"
 	"fmt"
 	"strings"
@@ -689,5 +690,50 @@ func TestRotationGoesOnWhileOnlyStaleWritersWrite(t *testing.T) {
 	rotateNow(t, st)
 	if got := st.gen.Load(); got != gen {
 		t.Errorf("an idle database rotated again (%d -> %d) with every partition empty (%v)", gen, got, partitionSizes(t, db))
+	}
+}
+
+// The pending rows of the partition to empty are copied under its exclusive lock, with every
+// statement on the effects table waiting: bounded by their bytes too, not their number alone
+// (10,000 rows of 64 KB were 640 MB copied under the lock, and past rotateTimeout rolled back and
+// tried again at every turn). Over the bound the rotation is put off, said once, and done once
+// the rows are sent.
+func TestRotationPutOffByThePendingBytes(t *testing.T) {
+	db := pgtest.DB(t)
+	st := rotationStore(t, db, time.Millisecond)
+	st.moveBytes = 64 << 10 // 64 KB here
+	big := make([]byte, 8<<10)
+	_, _ = rand.Read(big) // stored as they are: zeros would compress to nothing
+	for i := range 10 {   // 80 KB pending in partition 0
+		src := outboxdriver.Source{Consumer: "unit", ID: fmt.Sprint("big-", i)}
+		tx, err := db.Begin()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := st.EffectInsert(context.Background(), tx, src, []outboxdriver.Effect{{Source: src, Kind: outboxdriver.KindPublish,
+			Topic: "t", UUID: src.ID, Payload: big, OrderingKey: src.ID}}); err != nil {
+			t.Fatal(err)
+		}
+		if err := tx.Commit(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	rotateNow(t, st) // 0 -> 1
+	record(t, st, db, "second", "s", 1)
+	rotateNow(t, st) // 1 -> 2; next to empty: 0, with the 80 KB
+	record(t, st, db, "third", "t", 1)
+	time.Sleep(5 * time.Millisecond)
+	st.lastRotate.Store(0)
+	err := st.rotate(context.Background())
+	if err == nil || !strings.Contains(err.Error(), "MB of them") {
+		t.Errorf("rotation over 80 KB of pending rows (bound 64 KB): %v; want it put off, said", err)
+	}
+	if got := st.gen.Load(); got != 2 {
+		t.Fatalf("rotated to %d with 80 KB pending in the partition to empty", got)
+	}
+	sendAll(t, st) // its claims rotate too, when due
+	rotateNow(t, st)
+	if got := st.gen.Load(); got == 2 {
+		t.Error("no rotation once the rows were sent")
 	}
 }
