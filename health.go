@@ -338,11 +338,23 @@ func (o *Outbox) HealthHandlerWith(opt HealthHandlerOptions) http.Handler {
 	})
 }
 
-// healthWith is Health with the extra checks.
+// healthWith is Health with the extra checks. A check whose earlier run has not returned (one
+// that ignores its context: a broker ping without a timeout) is not started again: it fails,
+// saying since when it runs. Started again at every request, each left a goroutine behind.
 func (o *Outbox) healthWith(ctx context.Context, extra map[string]func(context.Context) error) HealthReport {
 	r := o.Health(ctx)
 	for _, name := range slices.Sorted(maps.Keys(extra)) {
-		err := o.bounded(ctx, func() string { return "health check " + name }, func() error { return extra[name](ctx) })
+		started := time.Now()
+		if prev, running := o.healthRunning.LoadOrStore(name, started); running {
+			r.Healthy = false
+			r.Checks = append(r.Checks, HealthCheck{Name: name, Reason: fmt.Sprintf("an earlier run of the check has not returned (running since %s)",
+				prev.(time.Time).UTC().Format(time.RFC3339))})
+			continue
+		}
+		err := o.bounded(ctx, func() string { return "health check " + name }, func() error {
+			defer o.healthRunning.Delete(name)
+			return extra[name](ctx)
+		})
 		c := HealthCheck{Name: name, OK: err == nil, Reason: "ok"}
 		if err != nil {
 			c.Reason = err.Error()

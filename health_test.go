@@ -10,6 +10,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -396,5 +397,34 @@ func TestHealthOfADatabaseThatNeverAnswers(t *testing.T) {
 	}
 	if !srv.WaitConns(2, 5*time.Second) {
 		t.Errorf("%d connections after a check 3 s into the first ping, want a second ping", srv.Conns())
+	}
+}
+
+// An extra check that ignores its context (a broker ping without a timeout) is not started again
+// while an earlier run has not returned: it fails, saying since when it runs. Started again at
+// every request, each request left a goroutine behind, without bound.
+func TestStuckExtraCheckIsNotStartedAgain(t *testing.T) {
+	e := newEnv(t)
+	release := make(chan struct{})
+	var runs atomic.Int32
+	h := e.ob.HealthHandlerWith(outbox.HealthHandlerOptions{CacheFor: -1, Detail: true, Extra: map[string]func(context.Context) error{
+		"broker": func(context.Context) error { runs.Add(1); <-release; return nil },
+	}})
+	t.Cleanup(func() { close(release) })
+	for i := range 5 {
+		ctx, cancel := context.WithTimeout(context.Background(), 100*time.Millisecond)
+		req := httptest.NewRequest(http.MethodGet, "/health", nil).WithContext(ctx)
+		rec := httptest.NewRecorder()
+		h.ServeHTTP(rec, req)
+		cancel()
+		if rec.Code != http.StatusServiceUnavailable {
+			t.Errorf("request %d: %d, want 503 while the check hangs", i, rec.Code)
+		}
+		if i > 0 && !strings.Contains(rec.Body.String(), "has not returned") {
+			t.Errorf("request %d: %s; want the check named as still running", i, rec.Body.String())
+		}
+	}
+	if n := runs.Load(); n != 1 {
+		t.Errorf("the stuck check was started %d times, want once", n)
 	}
 }
