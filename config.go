@@ -514,7 +514,8 @@ const (
 // it was retried fewer than MaxRetries times in all (DeadLetter.Retries, which an operator's
 // retries count too); then it stays dead until an operator acts. Dead letters marked permanent
 // (no attempt can succeed) and those without a source topic are left to the operator. Every
-// Outbox.Run looks, every After (at most every minute), at the oldest 1,000 dead letters; when
+// Outbox.Run looks, every After (at most every minute), at the oldest 1,000 dead letters it may
+// retry (those it may not are not read); when
 // several look at once, the retry of a dead letter another one retried a moment before changes
 // nothing, and the limit is checked by the statement that retries it, so that they retry a dead
 // letter at most MaxRetries times in all. An operator's retry is not bound by it.

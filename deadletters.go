@@ -128,14 +128,23 @@ const (
 	DeadLetterDiscarded = outboxdriver.DeadLetterDiscarded
 )
 
-// redriveWindow is how many of the oldest dead letters a pass of the redrive policy looks at.
-const redriveWindow = 1000
-
-// redriveOnce retries the dead letters the redrive policy (Config.Redrive) is due to retry.
-func (o *Outbox) redriveOnce(ctx context.Context) error {
+// redriveKeys returns the dead letters the redrive policy is due to retry, oldest first, up to
+// redriveWindow. The store lists only those it may retry where it can: the oldest window of all
+// dead letters, once it held redriveWindow that the policy may not retry (permanent, retried
+// MaxRetries times, kept for inspection), held none it may, and no younger one was retried again.
+func (o *Outbox) redriveKeys(ctx context.Context) ([]Source, error) {
+	if r, ok := o.store.(outboxdriver.DeadLetterRedriver); ok {
+		keys, err := r.DeadLetterRedrivable(ctx, o.cfg.Redrive.MaxRetries, o.cfg.Redrive.After, redriveWindow)
+		if !errors.Is(err, errors.ErrUnsupported) {
+			if err != nil {
+				return nil, fmt.Errorf("outbox: redrive: %w", err)
+			}
+			return keys, nil
+		}
+	}
 	dead, err := o.DeadLetters(ctx, DeadLetterFilter{State: DeadLetterDead, Limit: redriveWindow})
 	if err != nil {
-		return err
+		return nil, err
 	}
 	var keys []Source
 	for _, d := range dead {
@@ -145,6 +154,18 @@ func (o *Outbox) redriveOnce(ctx context.Context) error {
 		if d.Retries < o.cfg.Redrive.MaxRetries && !d.Permanent && d.SourceTopic != "" {
 			keys = append(keys, Source{Consumer: d.Consumer, ID: d.MessageID})
 		}
+	}
+	return keys, nil
+}
+
+// redriveWindow is how many of the oldest dead letters a pass of the redrive policy looks at.
+const redriveWindow = 1000
+
+// redriveOnce retries the dead letters the redrive policy (Config.Redrive) is due to retry.
+func (o *Outbox) redriveOnce(ctx context.Context) error {
+	keys, err := o.redriveKeys(ctx)
+	if err != nil {
+		return err
 	}
 	if len(keys) == 0 {
 		return nil

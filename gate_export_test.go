@@ -133,6 +133,9 @@ func RelayPass(ctx context.Context, ob *Outbox) error {
 	return err
 }
 
+// RedrivePass makes one pass of ob's redrive policy, as its Run does.
+func RedrivePass(ctx context.Context, ob *Outbox) error { return ob.redriveOnce(ctx) }
+
 // CleanupPass makes one cleanup pass of ob, as its Run does, and returns its error.
 func CleanupPass(ctx context.Context, ob *Outbox) error {
 	_, err := ob.cleanupOnce(ctx)

@@ -116,3 +116,37 @@ func TestRedriveRetriesDeadLettersABoundedNumberOfTimes(t *testing.T) {
 		t.Error("Redrive with DeadLettersOff: want a configuration error")
 	}
 }
+
+// The redrive policy read the oldest 1,000 dead letters and retried those it may: once they were
+// all dead letters it may not retry (permanent ones kept for inspection), it retried nothing,
+// ever, however many younger ones it may. It reads only those it may now.
+func TestRedriveLooksPastDeadLettersItMayNotRetry(t *testing.T) {
+	db := pgtest.DB(t)
+	ctx := context.Background()
+	ob, err := outbox.New(outbox.Config{DB: db, Driver: postgres.Driver{}, Publisher: &channelBroker{}, Logger: watermill.NopLogger{},
+		Redrive: outbox.DeadLetterRedrive{After: time.Millisecond, MaxRetries: 2}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := ob.Migrate(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := db.Exec(`INSERT INTO outbox_dead_letters (consumer, message_id, source_topic, payload, metadata, reason, attempts, permanent, dead_at)
+		SELECT 'billing', 'permanent-' || g, 'orders', 'p', '', 'cannot parse', 1, true, now() - interval '1 day' + g * interval '1 second'
+		FROM generate_series(1, 1000) g;
+		INSERT INTO outbox_dead_letters (consumer, message_id, source_topic, payload, metadata, reason, attempts, permanent, dead_at)
+		VALUES ('billing', 'flaky', 'orders', 'p', '', 'provider unavailable', 5, false, now() - interval '1 minute')`); err != nil {
+		t.Fatal(err)
+	}
+	if err := outbox.RedrivePass(ctx, ob); err != nil {
+		t.Fatal(err)
+	}
+	var state string
+	var retries int
+	if err := db.QueryRow(`SELECT state, retries FROM outbox_dead_letters WHERE message_id = 'flaky'`).Scan(&state, &retries); err != nil {
+		t.Fatal(err)
+	}
+	if state != "retried" || retries != 1 {
+		t.Errorf("the dead letter behind 1,000 permanent ones: %s, %d retries; want retried once", state, retries)
+	}
+}

@@ -79,6 +79,16 @@ type DeadLetterChange struct {
 }
 
 // DeadLetterStore is implemented by a Store that keeps dead letters.
+// DeadLetterRedriver is implemented by a DeadLetterStore that finds the dead letters a redrive
+// policy may retry without reading the others.
+type DeadLetterRedriver interface {
+	// DeadLetterRedrivable returns the keys of up to limit dead letters in state dead, oldest
+	// first, dead for deadFor at least, not permanent, retried fewer than maxRetries times, and
+	// with a source topic. A dialect without the query returns an error wrapping
+	// errors.ErrUnsupported.
+	DeadLetterRedrivable(ctx context.Context, maxRetries int, deadFor time.Duration, limit int) ([]Source, error)
+}
+
 type DeadLetterStore interface {
 	// DeadLetterInsert, in one transaction: counts a failed attempt of the message (when count is
 	// true, as AttemptRecord does, the count then going into dl.Attempts), stores dl as a dead

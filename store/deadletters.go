@@ -40,6 +40,10 @@ type DeadLetterQueries struct {
 	Count string
 	// IsDead (consumer, id) -> 1 when that dead letter is in state dead, else 0.
 	IsDead string
+	// Redrivable (retry limit, ms dead at least, limit) -> consumer, id of the dead letters in
+	// state dead that a redrive policy may retry (not permanent, retried fewer times than the
+	// limit, with a source topic), oldest first; empty when the dialect has none.
+	Redrivable string
 	// Cleanup (retention ms, limit) deletes up to limit dead letters retried or discarded more
 	// than retention ago; CleanupCount (retention ms) counts them for the dry run.
 	Cleanup, CleanupCount string
@@ -396,6 +400,34 @@ func (s *SQL) DeadLetterIsDead(ctx context.Context, key outboxdriver.Source) (bo
 		return false, fmt.Errorf("look up the dead letter %q of %q: %w", key.ID, key.Consumer, s.wrap(err))
 	}
 	return n > 0, nil
+}
+
+// DeadLetterRedrivable implements outboxdriver.DeadLetterRedriver.
+func (s *SQL) DeadLetterRedrivable(ctx context.Context, maxRetries int, deadFor time.Duration, limit int) ([]outboxdriver.Source, error) {
+	q, err := s.deadLetters()
+	if err != nil {
+		return nil, err
+	}
+	if q.Redrivable == "" {
+		return nil, fmt.Errorf("list the dead letters to redrive: %w", errors.ErrUnsupported)
+	}
+	rows, err := s.db.QueryContext(ctx, q.Redrivable, maxRetries, deadFor.Milliseconds(), limit)
+	if err != nil {
+		return nil, fmt.Errorf("list the dead letters to redrive: %w", s.wrap(err))
+	}
+	defer rows.Close()
+	var keys []outboxdriver.Source
+	for rows.Next() {
+		var k outboxdriver.Source
+		if err := rows.Scan(&k.Consumer, &k.ID); err != nil {
+			return nil, fmt.Errorf("list the dead letters to redrive: %w", err)
+		}
+		keys = append(keys, k)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, fmt.Errorf("list the dead letters to redrive: %w", s.wrap(err))
+	}
+	return keys, nil
 }
 
 // DeadLetterCount implements outboxdriver.DeadLetterStore.

@@ -34,9 +34,13 @@ func (q queries) deadLetters() store.DeadLetterQueries {
 			SET d.retries = d.retries + CASE WHEN a.state = 'retried' THEN 1 ELSE 0 END,
 				d.state = a.state, d.changed_at = ` + now + `, d.changed_by = a.actor
 			WHERE d.state = 'dead' AND d.retries < a.max_retries`,
-		Read:         `SELECT source_topic, payload, metadata, coalesce(message_uuid, '') FROM ` + n.DeadLetters + ` WHERE consumer = ? AND message_id = ?`,
-		Count:        `SELECT count(*) FROM (SELECT 1 FROM ` + n.DeadLetters + ` WHERE state = 'dead' LIMIT ?) d`,
-		IsDead:       `SELECT count(*) FROM ` + n.DeadLetters + ` WHERE consumer = ? AND message_id = ? AND state = 'dead'`,
+		Read:   `SELECT source_topic, payload, metadata, coalesce(message_uuid, '') FROM ` + n.DeadLetters + ` WHERE consumer = ? AND message_id = ?`,
+		Count:  `SELECT count(*) FROM (SELECT 1 FROM ` + n.DeadLetters + ` WHERE state = 'dead' LIMIT ?) d`,
+		IsDead: `SELECT count(*) FROM ` + n.DeadLetters + ` WHERE consumer = ? AND message_id = ? AND state = 'dead'`,
+		Redrivable: `SELECT consumer, message_id FROM ` + n.DeadLetters + `
+			WHERE state = 'dead' AND NOT permanent AND retries < ? AND source_topic <> ''
+			  AND dead_at <= ` + ago("?") + `
+			ORDER BY dead_at, consumer, message_id LIMIT ?`,
 		Cleanup:      `DELETE FROM ` + n.DeadLetters + ` WHERE ` + cleanup + ` LIMIT ?`,
 		CleanupCount: `SELECT count(*) FROM ` + n.DeadLetters + ` WHERE ` + cleanup,
 		Now: `UPDATE ` + n.Attempts + ` a JOIN (SELECT ? AS actor, ? AS consumer, ? AS message_id) r

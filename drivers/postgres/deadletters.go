@@ -34,6 +34,10 @@ func deadLetterQueries(n store.Names) store.DeadLetterQueries {
 		Read:   `SELECT source_topic, payload, metadata, coalesce(message_uuid, '') FROM ` + n.DeadLetters + ` WHERE consumer = $1 AND message_id = $2`,
 		Count:  `SELECT count(*) FROM (SELECT 1 FROM ` + n.DeadLetters + ` WHERE state = 'dead' LIMIT $1) d`,
 		IsDead: `SELECT count(*) FROM ` + n.DeadLetters + ` WHERE consumer = $1 AND message_id = $2 AND state = 'dead'`,
+		Redrivable: `SELECT consumer, message_id FROM ` + n.DeadLetters + `
+			WHERE state = 'dead' AND NOT permanent AND retries < $1 AND source_topic <> ''
+			  AND dead_at <= now() - ($2 * interval '1 millisecond')
+			ORDER BY dead_at, consumer, message_id LIMIT $3`,
 		// The DELETE repeats its subquery's condition on its own row: a dead letter dead again
 		// (or changed) while the DELETE waited for it is judged by the version it then finds,
 		// where a match by its key alone would delete the message's new dead letter.

@@ -373,6 +373,10 @@ func deadLetterQueries(n store.Names) store.DeadLetterQueries {
 		Read:   `SELECT source_topic, payload, metadata, coalesce(message_uuid, '') FROM ` + n.DeadLetters + ` WHERE consumer = ?1 AND message_id = ?2`,
 		Count:  `SELECT count(*) FROM (SELECT 1 FROM ` + n.DeadLetters + ` WHERE state = 'dead' LIMIT ?1)`,
 		IsDead: `SELECT count(*) FROM ` + n.DeadLetters + ` WHERE consumer = ?1 AND message_id = ?2 AND state = 'dead'`,
+		Redrivable: `SELECT consumer, message_id FROM ` + n.DeadLetters + `
+			WHERE state = 'dead' AND permanent = 0 AND retries < ?1 AND source_topic <> ''
+			  AND dead_at <= ` + ago("?2") + `
+			ORDER BY dead_at, consumer, message_id LIMIT ?3`,
 		Cleanup: `DELETE FROM ` + n.DeadLetters + ` WHERE (consumer, message_id) IN (` + cleanupDead + ` LIMIT ?2)
 			AND changed_at < ` + ago("?1"),
 		CleanupCount: `SELECT count(*) FROM (` + cleanupDead + `)`,

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"maps"
 	"strings"
 	"time"
@@ -489,5 +490,57 @@ func testDeadLetterUUID(f *fixture) {
 	}
 	if es := f.pending(rs); len(es) != 1 || es[0].UUID != old.ID {
 		f.t.Fatalf("effect of the retry without a UUID: %+v; want UUID %q", es, old.ID)
+	}
+}
+
+// A redrive policy reads only the dead letters it may retry: not permanent, retried fewer times
+// than its limit, with a source topic, dead long enough, oldest first. Listing the oldest of all
+// and filtering them in the process stopped for good once that window held only dead letters it
+// may not retry (permanent ones kept for inspection).
+func testDeadLettersRedrivable(f *fixture) {
+	ds, ok := f.st.(outboxdriver.DeadLetterStore)
+	if !ok {
+		f.t.Skipf("%T keeps no dead letters", f.st)
+	}
+	r, ok := f.st.(outboxdriver.DeadLetterRedriver)
+	if !ok {
+		f.t.Skipf("%T lists no dead letters to redrive", f.st)
+	}
+	die := func(id, topic string, permanent bool) outboxdriver.Source {
+		f.t.Helper()
+		src := f.src(id)
+		if _, err := ds.DeadLetterInsert(f.ctx, outboxdriver.DeadLetter{Consumer: src.Consumer, MessageID: src.ID, SourceTopic: topic,
+			Payload: []byte("p"), Reason: "failed", Permanent: permanent}, true, nil); err != nil {
+			f.t.Fatalf("DeadLetterInsert(%s): %v", id, err)
+		}
+		return src
+	}
+	for i := range 5 {
+		die(fmt.Sprint("permanent-", i), "orders", true)
+	}
+	die("no-topic", "", false)
+	retried := die("retried", "orders", false)
+	if n, err := ds.DeadLetterRetry(f.ctx, outboxdriver.DeadLetterChange{Keys: []outboxdriver.Source{retried}, Actor: "redrive", MaxRetries: 1},
+		func() outboxdriver.Source { return outboxdriver.Source{ID: "retry-1"} }); err != nil || n != 1 {
+		f.t.Fatalf("DeadLetterRetry = %d, %v", n, err)
+	}
+	die("retried", "orders", false) // dead again, retried once
+	eligible := die("eligible", "orders", false)
+	get := func(maxRetries int, deadFor time.Duration, limit int) []outboxdriver.Source {
+		f.t.Helper()
+		keys, err := r.DeadLetterRedrivable(f.ctx, maxRetries, deadFor, limit)
+		if err != nil {
+			f.t.Fatalf("DeadLetterRedrivable(%d, %s, %d): %v", maxRetries, deadFor, limit, err)
+		}
+		return keys
+	}
+	if keys := get(1, 0, 3); len(keys) != 1 || keys[0] != eligible {
+		f.t.Errorf("redrivable with one retry allowed, a limit of 3: %v; want %v only", keys, eligible)
+	}
+	if keys := get(2, 0, 10); len(keys) != 2 || keys[0] != retried || keys[1] != eligible {
+		f.t.Errorf("redrivable with two retries allowed: %v; want %v then %v", keys, retried, eligible)
+	}
+	if keys := get(2, time.Hour, 10); len(keys) != 0 {
+		f.t.Errorf("redrivable once dead an hour: %v; want none yet", keys)
 	}
 }

@@ -147,6 +147,7 @@ func Run(t *testing.T, newHarness func(t *testing.T) Harness) {
 		{"DeadLetters/UUID", testDeadLetterUUID},
 		{"DeadLetters/CleanupWhileDeadAgain", testDeadLettersCleanupDeadAgain},
 		{"DeadLetters/MaxRetriesOnAStaleCount", testDeadLettersMaxRetriesStale},
+		{"DeadLetters/Redrivable", testDeadLettersRedrivable},
 		{"DeadLetterNow", testDeadLetterNow},
 		{"EffectListParked", testListParked},
 		{"EffectUnpark", testUnpark},
