@@ -1356,11 +1356,16 @@ func (s *SQL) cleanupBatch(ctx context.Context, st cleanupStep, retention time.D
 	if !watching() {
 		return 0, true, fmt.Errorf("cleanup: %w", caller.Err())
 	}
+	// Once sent, the COMMIT outlives the caller's end by cleanupCommitGrace at most, deadline or
+	// not: a caller without one (an operator's Ctrl-C) waited for a stalled COMMIT for as long as
+	// the server took, or the kernel's TCP timeout.
+	grace := context.AfterFunc(caller, func() { time.AfterFunc(cleanupCommitGrace, cancelTx) })
+	defer grace()
 	return n, true, tx.Commit()
 }
 
-// cleanupCommitGrace is how long after the caller's deadline a cleanup batch's COMMIT, once
-// sent, may still take (see cleanupBatch); its statements before COMMIT end with the caller's
+// cleanupCommitGrace is how long after the caller's deadline, or its end, a cleanup batch's
+// COMMIT, once sent, may still take (see cleanupBatch); its statements before COMMIT end with the caller's
 // context.
 const cleanupCommitGrace = 10 * time.Second
 

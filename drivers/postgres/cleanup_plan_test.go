@@ -1,11 +1,16 @@
 package postgres
 
 import (
+	"context"
 	"database/sql"
 	"encoding/json"
 	"strconv"
 	"strings"
 	"testing"
+	"time"
+
+	"github.com/watermill-outbox/outbox/internal/pgtest"
+	"github.com/watermill-outbox/outbox/outboxdriver"
 )
 
 // TestCleanupReadsWhatItDeletes: a batch of cleanup reads the expired claims it deletes, not the
@@ -230,4 +235,56 @@ type planNode struct {
 	Filtered  float64    `json:"Rows Removed by Filter"`
 	Rechecked float64    `json:"Rows Removed by Index Recheck"`
 	Plans     []planNode `json:"Plans"`
+}
+
+// A cleanup whose caller has no deadline (an operator's Ctrl-C on `outbox cleanup`) and ends
+// while a batch's COMMIT runs: the COMMIT is given cleanupCommitGrace, not as long as the server
+// takes (here a deferred trigger sleeps a minute; a stalled server, the kernel's TCP timeout).
+// The grace is store's cleanupCommitGrace, 10 s.
+func TestCleanupCommitEndsAfterTheCallerWithoutADeadline(t *testing.T) {
+	if testing.Short() {
+		t.Skip("waits cleanupCommitGrace (10 s)")
+	}
+	t.Parallel()
+	db := pgtest.DB(t)
+	st := rotationStore(t, db, -1)
+	exec := func(q string) {
+		t.Helper()
+		if _, err := db.Exec(q); err != nil {
+			t.Fatal(err)
+		}
+	}
+	insertClaims("rot_processed", exec, 1, 3, `interval '30 days'`)
+	exec(`CREATE FUNCTION slow_commit() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN PERFORM pg_sleep(60); RETURN NULL; END $$`)
+	exec(`CREATE CONSTRAINT TRIGGER slow_commit AFTER DELETE ON rot_processed DEFERRABLE INITIALLY DEFERRED
+		FOR EACH ROW EXECUTE FUNCTION slow_commit()`)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	done := make(chan error, 1)
+	go func() {
+		_, err := st.Cleanup(ctx, outboxdriver.CleanupParams{Retention: time.Hour, EffectRetention: time.Hour, BatchSize: 10})
+		done <- err
+	}()
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		var n int
+		if err := db.QueryRow(`SELECT count(*) FROM pg_stat_activity WHERE query = 'COMMIT' AND wait_event = 'PgSleep'`).Scan(&n); err != nil {
+			t.Fatal(err)
+		}
+		if n > 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("no COMMIT of a cleanup batch ran the deferred trigger")
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	cancel()
+	began := time.Now()
+	select {
+	case err := <-done:
+		t.Logf("cleanup returned %s after its caller ended: %v", time.Since(began).Round(time.Millisecond), err)
+	case <-time.After(20 * time.Second): // the grace is 10 s
+		t.Fatalf("the cleanup's COMMIT still ran %s after its caller ended (grace 10 s)", time.Since(began).Round(time.Second))
+	}
 }
