@@ -140,3 +140,41 @@ func TestIgnoredRecordFailureCommitsNothing(t *testing.T) {
 		t.Errorf("%d reservations committed without their effects (%v); want none", n, err)
 	}
 }
+
+// Cleanup's batches find what they delete through an index (migration 012): without one, each
+// batch scanned the effects kept for EffectRetention and the attempt counters whole, holding
+// the database's only write lock while it did, and every unit of work waited for it. The
+// statements are those of the driver's cleanup, in the shape it runs them.
+func TestCleanupBatchesUseAnIndex(t *testing.T) {
+	db := openDB(t)
+	ob, err := outbox.New(outbox.Config{DB: db, Driver: sqlite.Driver{}, Publisher: &outboxtest.Recorder{}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = ob.Close() })
+	if err := ob.Migrate(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	for _, q := range []string{
+		`SELECT id FROM outbox_effects WHERE dispatched_at < '2026-01-01' ORDER BY dispatched_at LIMIT 1000`,
+		`SELECT consumer, message_id FROM outbox_attempts WHERE last_failed_at < '2026-01-01' LIMIT 1000`,
+	} {
+		rows, err := db.Query(`EXPLAIN QUERY PLAN ` + q)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var plan []string
+		for rows.Next() {
+			var id, parent, unused int
+			var detail string
+			if err := rows.Scan(&id, &parent, &unused, &detail); err != nil {
+				t.Fatal(err)
+			}
+			plan = append(plan, detail)
+		}
+		_ = rows.Close()
+		if p := strings.Join(plan, "; "); !strings.Contains(p, "USING INDEX") && !strings.Contains(p, "USING COVERING INDEX") {
+			t.Errorf("%s: plan %q scans the table", q, p)
+		}
+	}
+}
