@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"sync/atomic"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -44,14 +45,41 @@ func (d Driver) listen(ctx context.Context, channel string, wake func()) error {
 	// Connected: notifications sent before now were missed, so the relay looks once.
 	wake()
 	for {
-		if _, err := conn.WaitForNotification(ctx); err != nil {
+		// Quiet for listenIdle, the connection is pinged, as the database/sql listener does: a
+		// connection whose peer is gone without a word (a half-open TCP connection) was waited
+		// on until the kernel's keepalive gave up, reported connected all the while.
+		wctx, cancel := context.WithTimeout(ctx, time.Duration(listenIdle.Load()))
+		_, err := conn.WaitForNotification(wctx)
+		quiet := errors.Is(wctx.Err(), context.DeadlineExceeded)
+		cancel()
+		switch {
+		case ctx.Err() != nil:
+			return nil
+		case err != nil && quiet:
+			pctx, cancel := context.WithTimeout(ctx, time.Duration(listenPingTimeout.Load()))
+			err = conn.Ping(pctx)
+			cancel()
 			if ctx.Err() != nil {
 				return nil
 			}
+			if err != nil {
+				return fmt.Errorf("listener connection on %q: ping: %w", channel, err)
+			}
+		case err != nil:
 			return fmt.Errorf("listener connection on %q lost: %w", channel, err)
+		default:
+			wake()
 		}
-		wake()
 	}
+}
+
+// listenIdle is how long the listener waits for a notification before it pings its connection,
+// and listenPingTimeout how long the ping may take (the tests shorten them).
+var listenIdle, listenPingTimeout atomic.Int64
+
+func init() {
+	listenIdle.Store(int64(90 * time.Second))
+	listenPingTimeout.Store(int64(30 * time.Second))
 }
 
 // proveListener sends a notification on channel through the pool and waits for it on conn (see
