@@ -131,7 +131,9 @@ type Config struct {
 	// HandlerTimeout bounds one unit of work up to its commit: the wait for a database connection
 	// and for the claim of a copy being processed elsewhere, the handler (its context carries the
 	// deadline, so the queries it runs with that context are cancelled) and the commit. A unit of
-	// work that exceeds it is rolled back and counted as a failed attempt. Default: 1 minute.
+	// work that exceeds it is rolled back, and counted as a failed attempt once it held its claim;
+	// one that ran out waiting for a connection or a copy's claim is nacked, not counted.
+	// Default: 1 minute.
 	HandlerTimeout time.Duration
 	// PublishTimeout bounds one call of Publisher.Publish and one call of an applier (whose
 	// context carries the deadline). Default: 30 seconds.

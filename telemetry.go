@@ -306,11 +306,11 @@ func newTelemetry(o *Outbox) (*telemetry, error) {
 	errs = append(errs, err)
 	t.relayErrors = i64c(MetricRelayErrors, "{error}", "Relay rounds that failed (the database could not be asked).")
 	t.cleanupBatches = i64c(MetricCleanupBatches, "{batch}", "Cleanup batches run.")
-	t.cleanupDeleted = i64c(MetricCleanupDeleted, "{row}", "Rows deleted by cleanup, by table (processed, dispatched, attempts).")
+	t.cleanupDeleted = i64c(MetricCleanupDeleted, "{row}", "Rows deleted by cleanup, by table (processed, dispatched, attempts, idempotency, dead_letters).")
 	t.duplicateAge = f64h(MetricDuplicateClaimAge, "s", "Age of the claim a duplicate delivery finds: how late duplicates come, by consumer.", claimAgeBuckets)
 	t.duplicatesLate = i64c(MetricDuplicatesLate, "{message}", "Duplicates whose claim was older than half of Retention: the broker redelivers close to the end of the dedup window.")
 	t.markFailures = i64c(MetricMarkFailures, "{batch}", "Batches of dispatched marks that could not be written; their effects may be sent again.")
-	t.boundaryUnits = i64c(MetricBoundaryUnits, "{unit}", "Units of work at the boundary (InTx, InUnit), by outcome: committed, dispatch_failed, rolled_back, failed.")
+	t.boundaryUnits = i64c(MetricBoundaryUnits, "{unit}", "Units of work at the boundary (InTx, InUnit), by outcome: committed, dispatch_failed, rolled_back, failed, replayed, key_conflict.")
 	t.cleanupErrors = i64c(MetricCleanupErrors, "{error}", "Cleanup passes that failed (the database refused or timed out).")
 	t.delayedPromoted = i64c(MetricDelayedPromoted, "{effect}", "Delayed side effects the relay made pending once due (then sent as any other).")
 	t.spills = i64c(MetricEffectsSpilled, "{unit}", "Units of work of the database/sql form on PostgreSQL that moved the side effects kept in their claim to effect rows, past the cost of rewriting them (record many messages in one Publish call).")
@@ -415,10 +415,10 @@ func (t *telemetry) startCounters(ctx context.Context) {
 	for _, c := range []metric.Int64Counter{t.relayRounds, t.relayErrors, t.cleanupBatches, t.markFailures, t.cleanupErrors, t.listenerDeaf, t.delayedPromoted, t.spills, t.dbUnreachable} {
 		c.Add(ctx, 0, t.own())
 	}
-	for _, outcome := range []string{OutcomeCommitted, OutcomeDispatchFailed, OutcomeRolledBack, OutcomeFailed} {
+	for _, outcome := range []string{OutcomeCommitted, OutcomeDispatchFailed, OutcomeRolledBack, OutcomeFailed, OutcomeReplayed, OutcomeKeyConflict} {
 		t.boundaryUnits.Add(ctx, 0, t.attrs(AttrOutcome, outcome, "", ""))
 	}
-	for _, table := range []string{"processed", "dispatched", "attempts"} {
+	for _, table := range []string{"processed", "dispatched", "attempts", "idempotency", "dead_letters"} {
 		t.cleanupDeleted.Add(ctx, 0, t.attrs(AttrTable, table, "", ""))
 	}
 	t.kinds.Range(func(k, _ any) bool {

@@ -352,6 +352,17 @@ func TestTelemetryScenario(t *testing.T) {
 		!hasPoint(e.collect(t), outbox.MetricDuplicatesLate, map[string]string{"messaging.consumer.group.name": "tel-fresh"}) {
 		t.Errorf("the counters of consumer tel-fresh did not start at zero for every outcome")
 	}
+	// And the Outbox's own: every boundary outcome, the rows deleted from every table.
+	for _, outcome := range []string{outbox.OutcomeCommitted, outbox.OutcomeReplayed, outbox.OutcomeKeyConflict} {
+		if !hasPoint(e.collect(t), outbox.MetricBoundaryUnits, map[string]string{"outbox.outcome": outcome}) {
+			t.Errorf("%s of outcome %s did not start at zero", outbox.MetricBoundaryUnits, outcome)
+		}
+	}
+	for _, table := range []string{"processed", "idempotency", "dead_letters"} {
+		if !hasPoint(e.collect(t), outbox.MetricCleanupDeleted, map[string]string{"outbox.table": table}) {
+			t.Errorf("%s of table %s did not start at zero", outbox.MetricCleanupDeleted, table)
+		}
+	}
 	if got := gauge(t, e.collect(t), outbox.MetricProcessedRetained); got < 1 {
 		t.Errorf("%s = %v, want at least the late o-1's claim", outbox.MetricProcessedRetained, got)
 	}

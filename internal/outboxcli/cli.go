@@ -7,6 +7,7 @@
 //	outbox [flags] parked list|groups [-id N]... [-topic T] [-consumer C] [-older-than D] [-error TEXT] [-limit N]
 //	outbox [flags] parked retry|discard (filters or -all) [-dry-run] [-batch N] [-effect-retention D]
 //	outbox [flags] failing list [-consumer C] [-limit N]
+//	outbox [flags] dead list|groups|retry|discard|now ...
 //	outbox [flags] replay [-dry-run] CONSUMER MESSAGE_ID
 //	outbox [flags] lookup CONSUMER MESSAGE_ID
 //	outbox [flags] migrate up|status
