@@ -78,7 +78,6 @@ type DeadLetterChange struct {
 	MaxRetries int
 }
 
-// DeadLetterStore is implemented by a Store that keeps dead letters.
 // DeadLetterRedriver is implemented by a DeadLetterStore that finds the dead letters a redrive
 // policy may retry without reading the others.
 type DeadLetterRedriver interface {
@@ -89,6 +88,7 @@ type DeadLetterRedriver interface {
 	DeadLetterRedrivable(ctx context.Context, maxRetries int, deadFor time.Duration, limit int) ([]Source, error)
 }
 
+// DeadLetterStore is implemented by a Store that keeps dead letters.
 type DeadLetterStore interface {
 	// DeadLetterInsert, in one transaction: counts a failed attempt of the message (when count is
 	// true, as AttemptRecord does, the count then going into dl.Attempts), stores dl as a dead
