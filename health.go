@@ -9,6 +9,7 @@ import (
 	"net/http"
 	"slices"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -298,9 +299,10 @@ func (o *Outbox) HealthHandlerWith(opt HealthHandlerOptions) http.Handler {
 		opt.CacheFor = time.Second
 	}
 	var (
-		turn = make(chan struct{}, 1) // one request runs the checks; the others wait for its report
-		at   time.Time
-		last HealthReport
+		turn    = make(chan struct{}, 1) // one request runs the checks; the others wait for its report
+		at      time.Time
+		last    HealthReport
+		running sync.Map // the extra checks under way (healthWith)
 	)
 	return http.HandlerFunc(func(w http.ResponseWriter, req *http.Request) {
 		ctx, cancel := context.WithTimeout(req.Context(), 10*time.Second)
@@ -317,7 +319,7 @@ func (o *Outbox) HealthHandlerWith(opt HealthHandlerOptions) http.Handler {
 		}
 		r := last
 		if at.IsZero() || opt.CacheFor < 0 || time.Since(at) >= opt.CacheFor {
-			r = o.healthWith(ctx, opt.Extra)
+			r = o.healthWith(ctx, opt.Extra, &running)
 			if req.Context().Err() == nil { // a report cut short by a client that left is not kept
 				at, last = time.Now(), r
 			}
@@ -341,18 +343,21 @@ func (o *Outbox) HealthHandlerWith(opt HealthHandlerOptions) http.Handler {
 // healthWith is Health with the extra checks. A check whose earlier run has not returned (one
 // that ignores its context: a broker ping without a timeout) is not started again: it fails,
 // saying since when it runs. Started again at every request, each left a goroutine behind.
-func (o *Outbox) healthWith(ctx context.Context, extra map[string]func(context.Context) error) HealthReport {
+// running holds the checks under way, by name, when each started: the handler's own, whose
+// requests take turns, so that one found there has outlived the request that started it (two
+// handlers with a check of one name each run theirs).
+func (o *Outbox) healthWith(ctx context.Context, extra map[string]func(context.Context) error, running *sync.Map) HealthReport {
 	r := o.Health(ctx)
 	for _, name := range slices.Sorted(maps.Keys(extra)) {
 		started := time.Now()
-		if prev, running := o.healthRunning.LoadOrStore(name, started); running {
+		if prev, busy := running.LoadOrStore(name, started); busy {
 			r.Healthy = false
 			r.Checks = append(r.Checks, HealthCheck{Name: name, Reason: fmt.Sprintf("an earlier run of the check has not returned (running since %s)",
 				prev.(time.Time).UTC().Format(time.RFC3339))})
 			continue
 		}
 		err := o.bounded(ctx, func() string { return "health check " + name }, func() error {
-			defer o.healthRunning.Delete(name)
+			defer running.Delete(name)
 			return extra[name](ctx)
 		})
 		c := HealthCheck{Name: name, OK: err == nil, Reason: "ok"}

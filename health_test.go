@@ -10,6 +10,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -426,5 +427,31 @@ func TestStuckExtraCheckIsNotStartedAgain(t *testing.T) {
 	}
 	if n := runs.Load(); n != 1 {
 		t.Errorf("the stuck check was started %d times, want once", n)
+	}
+}
+
+// Two handlers with a check of one name (a readiness and a liveness probe, both asking for the
+// Router) run theirs at the same time: neither takes the other's run for a stuck one.
+func TestExtraChecksOfTwoHandlersRunTogether(t *testing.T) {
+	e := newEnv(t, func(c *outbox.Config) { c.Driver = postgres.Driver{} })
+	check := map[string]func(context.Context) error{"router": func(context.Context) error { time.Sleep(300 * time.Millisecond); return nil }}
+	handlers := []http.Handler{
+		e.ob.HealthHandlerWith(outbox.HealthHandlerOptions{CacheFor: -1, Detail: true, Extra: check}),
+		e.ob.HealthHandlerWith(outbox.HealthHandlerOptions{CacheFor: -1, Detail: true, Extra: check}),
+	}
+	bodies := make([]string, len(handlers))
+	var wg sync.WaitGroup
+	for i, h := range handlers {
+		wg.Go(func() {
+			rec := httptest.NewRecorder()
+			h.ServeHTTP(rec, httptest.NewRequest(http.MethodGet, "/health", nil))
+			bodies[i] = rec.Body.String()
+		})
+	}
+	wg.Wait()
+	for i, b := range bodies {
+		if strings.Contains(b, "has not returned") {
+			t.Errorf("handler %d took the other's run for a stuck one: %s", i, b)
+		}
 	}
 }

@@ -37,8 +37,6 @@ type Outbox struct {
 	mu       sync.RWMutex
 	appliers map[string]Applier
 
-	healthRunning sync.Map // the extra health checks under way, by name: when each started
-
 	kick  engine.Wakeup // wakes the relay
 	due   dueTimer      // wakes the relay when a delayed effect is due
 	marks *marker
