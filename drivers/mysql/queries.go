@@ -147,7 +147,7 @@ func (q queries) store() store.Queries {
 		// Each count reads at most the cap (a literal: LIMIT takes no expression) of rows
 		// through an index; a count that reaches it is reported as estimated.
 		StatsSample: q.statsSample(),
-		StatsLease:  `UPDATE ` + n.Stats + ` SET leased_at = ` + now + ` WHERE id = 1 AND (leased_at < ` + ago("?") + ` OR leased_at > ` + now + `)`,
+		StatsLease:  `UPDATE ` + n.Stats + ` SET leased_at = ` + now + ` WHERE id = 1 AND (leased_at < ` + ago("?") + ` OR leased_at > ` + now + ` + INTERVAL 1 MINUTE)`,
 		StatsWrite:  `UPDATE ` + n.Stats + ` SET sampled_at = ` + now + `, sample = ? WHERE id = 1`,
 		StatsRead:   `SELECT sample, ` + msSince("sampled_at") + ` FROM ` + n.Stats + ` WHERE id = 1 AND sample IS NOT NULL`,
 

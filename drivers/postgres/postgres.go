@@ -825,9 +825,12 @@ func queries(n store.Names, deleteDispatched bool, gen *Generation) store.Querie
 				counts.pending >= $1 OR counts.parked >= $1 OR retained.estimated OR retained.n >= $1,
 				coalesce((SELECT (extract(epoch FROM now() - ` + ms("$2") + ` - min(dispatched_at)) * 1000)::bigint FROM expired), 0)
 			FROM est, counts, retained`,
-		// A lease in the future is the clock stepped back since: taken, or nobody sampled until
-		// the clock caught up, while the stored sample looked fresh (its age clamped to 0).
-		StatsLease: `UPDATE ` + n.Stats + ` SET leased_at = now() WHERE id = 1 AND (leased_at < now() - ` + ms("$1") + ` OR leased_at > now())`,
+		// A lease more than a minute in the future is the clock stepped back since: taken, or
+		// nobody sampled until the clock caught up, while the stored sample looked fresh (its age
+		// clamped to 0). Not any lease in the future: one a concurrent statement took after this
+		// one's now() would be taken again.
+		StatsLease: `UPDATE ` + n.Stats + ` SET leased_at = now() WHERE id = 1
+			AND (leased_at < now() - ` + ms("$1") + ` OR leased_at > now() + interval '1 minute')`,
 		StatsWrite: `UPDATE ` + n.Stats + ` SET sampled_at = now(), sample = $1 WHERE id = 1`,
 		StatsRead: `SELECT sample, (extract(epoch FROM now() - sampled_at) * 1000)::bigint FROM ` + n.Stats + `
 			WHERE id = 1 AND sample IS NOT NULL`,
@@ -864,7 +867,7 @@ func queries(n store.Names, deleteDispatched bool, gen *Generation) store.Querie
 		// The lease and the sample stored, in one statement: the sample is the one before the
 		// lease (a lease changes leased_at only), which the xmin horizon's age carries on from.
 		StatsLeaseRead: `WITH l AS (UPDATE ` + n.Stats + ` SET leased_at = now() WHERE id = 1
-				AND (leased_at < now() - ` + ms("$1") + ` OR leased_at > now()) RETURNING 1)
+				AND (leased_at < now() - ` + ms("$1") + ` OR leased_at > now() + interval '1 minute') RETURNING 1)
 			SELECT EXISTS (SELECT 1 FROM l), sample, (extract(epoch FROM now() - sampled_at) * 1000)::bigint
 			FROM ` + n.Stats + ` WHERE id = 1`,
 

@@ -335,7 +335,7 @@ func queries(n store.Names) store.Queries {
 				(SELECT count(*) FROM failing), (SELECT count(*) FROM retained),
 				(SELECT count(*) FROM pending) >= ?1 OR (SELECT count(*) FROM parked) >= ?1 OR (SELECT count(*) FROM retained) >= ?1,
 				coalesce((SELECT ` + msSince("min(dispatched_at)") + ` - ?2 FROM expired), 0)`,
-		StatsLease: `UPDATE ` + n.Stats + ` SET leased_at = ` + now + ` WHERE id = 1 AND (leased_at < ` + ago("?1") + ` OR leased_at > ` + now + `)`,
+		StatsLease: `UPDATE ` + n.Stats + ` SET leased_at = ` + now + ` WHERE id = 1 AND (leased_at < ` + ago("?1") + ` OR leased_at > ` + fromNow("60000") + `)`,
 		StatsWrite: `UPDATE ` + n.Stats + ` SET sampled_at = ` + now + `, sample = ?1 WHERE id = 1`,
 		StatsRead:  `SELECT sample, ` + msSince("sampled_at") + ` FROM ` + n.Stats + ` WHERE id = 1 AND sample IS NOT NULL`,
 	}
