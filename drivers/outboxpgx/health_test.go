@@ -13,6 +13,7 @@ import (
 
 	"github.com/watermill-outbox/outbox"
 	"github.com/watermill-outbox/outbox/drivers/outboxpgx"
+	"github.com/watermill-outbox/outbox/internal/logtest"
 	"github.com/watermill-outbox/outbox/outboxtest"
 )
 
@@ -86,7 +87,8 @@ func TestListenerNoticesASilentConnection(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(pool.Close)
-	ob, err := newOutbox(t, pool, outbox.Config{Publisher: &outboxtest.Recorder{}, RelayInterval: time.Hour})
+	logs := &logtest.Errors{}
+	ob, err := newOutbox(t, pool, outbox.Config{Publisher: &outboxtest.Recorder{}, RelayInterval: time.Hour, Logger: logs})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -114,6 +116,11 @@ func TestListenerNoticesASilentConnection(t *testing.T) {
 		}
 	}
 	waitUntil("connected", func(c outbox.HealthCheck) bool { return c.OK })
+	// A sound connection stays: quiet periods end in a ping, not in a new connection.
+	time.Sleep(2 * time.Second) // six quiet periods
+	if c := listener(); !c.OK || len(logs.Lines()) > 0 {
+		t.Fatalf("after quiet periods on a sound connection: listener %+v, errors %q", c, logs.Lines())
+	}
 	dead.Store(true)
 	waitUntil("the silent connection noticed", func(c outbox.HealthCheck) bool { return !c.OK })
 }
