@@ -220,6 +220,64 @@ func TestFailedDeliveryBesideAProcessedCopySendsItsEffects(t *testing.T) {
 	mustEqual(t, "effects pending", e.pendingEffects(), 0)
 }
 
+// TestPoisonTopicSkipsAMessageProcessedMeanwhile: with dead letters off and a PoisonTopic, a
+// delivery fails for good while a copy of its message waits for its claim and is then
+// processed. The failed delivery published the message to the poison topic before it recorded
+// the poisoned claim, which the copy's claim had taken meanwhile: a message that was processed
+// was on the poison topic as well. The claim and the copy for the topic are now written in one
+// transaction, which finds the copy's claim: the delivery is acked as a duplicate.
+func TestPoisonTopicSkipsAMessageProcessedMeanwhile(t *testing.T) {
+	e := newEnv(t, func(c *outbox.Config) {
+		c.DuplicateWait = 100 * time.Millisecond
+		c.DeadLetters = outbox.DeadLettersOff
+		c.PoisonTopic = "poison"
+	})
+	e.initTopics("out_a", "out_b", "poison")
+	waiting := func() int {
+		return e.count(`SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND datname = current_database()`)
+	}
+	msg := message.NewMessage(uuid.NewString(), nil)
+	bStarted, releaseB := make(chan struct{}), make(chan struct{})
+	aErr, bErr := make(chan error, 1), make(chan error, 1)
+	go func() {
+		aErr <- handle(e.ob, copyOf(msg), func(*message.Message) ([]*message.Message, error) {
+			go func() {
+				bErr <- handle(e.ob, copyOf(msg), func(m *message.Message) ([]*message.Message, error) {
+					close(bStarted)
+					<-releaseB
+					return applyAndPublish(nil)(m)
+				})
+			}()
+			waitFor(t, "the copy to wait for the claim", func() bool { return waiting() == 1 })
+			return nil, outbox.Permanent(errors.New("unknown product"))
+		})
+	}()
+	<-bStarted
+	// Give the failed delivery time to reach the poison topic, or the copy's claim.
+	time.Sleep(300 * time.Millisecond)
+	close(releaseB)
+	if err := <-bErr; err != nil {
+		t.Fatalf("the copy: %v", err)
+	}
+	if err := <-aErr; err != nil {
+		t.Fatalf("the failed delivery: %v, want it acked as a duplicate of the processed copy", err)
+	}
+	mustEqual(t, "business rows", e.count(`SELECT count(*) FROM applied`), 1)
+	mustEqual(t, "messages on the poison topic", len(e.wire("poison")), 0)
+	mustEqual(t, "poisoned claims", e.count(`SELECT count(*) FROM outbox_processed WHERE poisoned`), 0)
+	// A message that fails for good alone still goes there, once, and its copies are acked.
+	bad := message.NewMessage(uuid.NewString(), []byte("bad"))
+	for range 2 {
+		if err := handle(e.ob, copyOf(bad), func(*message.Message) ([]*message.Message, error) {
+			return nil, outbox.Permanent(errors.New("unknown product"))
+		}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	mustEqual(t, "copies on the poison topic", e.wire("poison")[bad.UUID], 1)
+	mustEqual(t, "effects pending", e.pendingEffects(), 0)
+}
+
 // A message acked before its unit of work failed (InstantAck outside the outbox middleware, or a
 // handler that acked it itself): the nack that followed the failure was a no-op, the broker had
 // forgotten the message, and nothing redelivered it: lost, with an attempt counted and nothing

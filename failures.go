@@ -342,7 +342,10 @@ func (o *Outbox) handlerFailed(ctx context.Context, msg *message.Message, src So
 		o.logger.Error("Message keeps failing; dead letters are off and no PoisonTopic is set, so it is nacked again", herr, fields)
 		return countedAttempt(fmt.Errorf("attempt %d (max %d, no dead letters, no poison topic): %w", attempts, o.cfg.MaxAttempts, herr), attempts)
 	}
-	if err := o.poison(bctx, msg, src, reason, attempts); err != nil {
+	if dup, err := o.poison(bctx, ctx, msg, src, reason, attempts, fields); err != nil || dup {
+		if dup {
+			return err
+		}
 		return fmt.Errorf("%w (and moving it to the poison topic failed: %w)", herr, err)
 	}
 	setOutcome(ctx, OutcomePoisoned)
@@ -373,7 +376,10 @@ func (o *Outbox) ackedFailed(bctx, ctx context.Context, msg *message.Message, sr
 		}
 	}
 	if o.cfg.PoisonTopic != "" {
-		if err := o.poison(bctx, msg, src, outboxdriver.StorableText(herr.Error()), 1); err != nil {
+		if dup, err := o.poison(bctx, ctx, msg, src, outboxdriver.StorableText(herr.Error()), 1, fields); err != nil || dup {
+			if dup {
+				return err
+			}
 			return fmt.Errorf("%w (and moving it to the poison topic failed: %w)", herr, err)
 		}
 		setOutcome(ctx, OutcomePoisoned)
@@ -548,16 +554,47 @@ func rejectedID(msg *message.Message, consumer string) string {
 	return uuid.NewSHA1(rejectedNamespace, h.Sum(nil)).String()
 }
 
-func (o *Outbox) poison(ctx context.Context, msg *message.Message, src Source, reason string, attempts int) error {
+// poison moves msg to PoisonTopic (dead letters off): its claim written as poisoned, so that
+// copies still in the broker do not run the handler again, and the copy for the topic stored as
+// its effect in the same transaction, then sent from memory (or by the relay). duplicate tells
+// that a copy of the message was processed (or poisoned) while this delivery failed: nothing is
+// moved, what the copy left pending is sent, and the delivery is acked as a duplicate.
+func (o *Outbox) poison(ctx, outcomeCtx context.Context, msg *message.Message, src Source, reason string, attempts int, fields watermill.LogFields) (duplicate bool, err error) {
 	m := poisonMessage(msg, src.Consumer, reason, attempts)
-	if err := o.publish(ctx, o.cfg.PoisonTopic, []Effect{messageEffect(m)}); err != nil {
-		return err
+	ps, ok := o.store.(outboxdriver.PoisonStore)
+	if !ok {
+		// A driver that cannot do both in one transaction: published first, recorded after
+		// (a copy processed meanwhile may then be on the poison topic as well).
+		if err := o.publish(ctx, o.cfg.PoisonTopic, []Effect{messageEffect(m)}); err != nil {
+			return false, err
+		}
+		if err := o.store.MessagePoison(ctx, src); err != nil {
+			o.logger.Error("Recording a poisoned message failed; a redelivered copy may be poisoned again", err, nil)
+		}
+		return false, nil
 	}
-	// Remember it as processed so that copies still in the broker do not run the handler again.
-	if err := o.store.MessagePoison(ctx, src); err != nil {
-		o.logger.Error("Recording a poisoned message failed; a redelivered copy may be poisoned again", err, nil)
+	if m.UUID == "" || validateName(m.UUID) != nil {
+		m.UUID = src.ID
 	}
-	return nil
+	e := messageEffect(m)
+	e.Topic = o.cfg.PoisonTopic
+	e.Source = src
+	e.OrderingKey = outboxdriver.DefaultOrderingKey(src)
+	err = ps.MessagePoisonWith(ctx, src, &e)
+	if errors.Is(err, outboxdriver.ErrProcessedMeanwhile) {
+		// As in deadLetter: the message is not poison, and this delivery is a duplicate.
+		setOutcome(outcomeCtx, OutcomeDuplicate)
+		o.logger.Info("Failed delivery acked as a duplicate: a copy of the message was processed meanwhile", fields)
+		return true, o.redeliver(ctx, src, outboxdriver.Claim{Concurrent: true}, fields)
+	}
+	if err != nil {
+		return false, err
+	}
+	e.StoredAt = time.Now()
+	if err := o.dispatchAndMark(ctx, PathCommit, src, []Effect{e}, time.Time{}, fields); err != nil {
+		o.logger.Error("Sending a message to the poison topic failed; the relay sends it", err, fields)
+	}
+	return false, nil
 }
 
 func poisonMessage(msg *message.Message, consumer, reason string, attempts int) *message.Message {

@@ -148,7 +148,19 @@ var ErrDeadLetterNowUnsupported = errors.New("outbox: the driver cannot dead-let
 // none.
 var ErrDeadLettersUnsupported = errors.New("outbox: the driver keeps no dead letters")
 
-// ErrProcessedMeanwhile is returned by DeadLetterInsert, which then stores nothing, when the
-// message's claim was written by a copy that was processed while this delivery failed: the
-// message is not dead, and the failed delivery is a duplicate of the one that succeeded.
+// PoisonStore is implemented by a Store that moves a message to the poison topic in one
+// transaction, as DeadLetterInsert does with a dead letter (used with dead letters off).
+type PoisonStore interface {
+	// MessagePoisonWith writes the claim of src as poisoned (MessagePoison) and stores poison
+	// as an effect of src in the same transaction, setting its StoreID: it is sent by whoever
+	// dispatches the message's pending effects. When a claim of src is there already (a copy
+	// processed while this delivery failed, or moved to the poison topic before), it stores
+	// nothing and returns ErrProcessedMeanwhile.
+	MessagePoisonWith(ctx context.Context, src Source, poison *Effect) error
+}
+
+// ErrProcessedMeanwhile is returned by DeadLetterInsert and MessagePoisonWith, which then store
+// nothing, when the message's claim was written by a copy that was processed while this delivery
+// failed: the message is not dead, and the failed delivery is a duplicate of the one that
+// succeeded.
 var ErrProcessedMeanwhile = errors.New("outbox: a copy of the message was processed meanwhile")

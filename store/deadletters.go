@@ -114,6 +114,37 @@ func (s *SQL) DeadLetterInsert(ctx context.Context, dl outboxdriver.DeadLetter, 
 	return attempts, nil
 }
 
+var _ outboxdriver.PoisonStore = (*SQL)(nil)
+
+// MessagePoisonWith implements outboxdriver.PoisonStore.
+func (s *SQL) MessagePoisonWith(ctx context.Context, src outboxdriver.Source, poison *outboxdriver.Effect) error {
+	tx, err := s.BeginTx(ctx, nil)
+	if err != nil {
+		return fmt.Errorf("begin: %w", err)
+	}
+	defer func() { _ = tx.Rollback() }()
+	res, err := tx.ExecContext(ctx, s.d.Queries.MessagePoison, src.Consumer, src.ID)
+	if err != nil {
+		return fmt.Errorf("mark the claim poisoned: %w", s.wrap(err))
+	}
+	if n, err := res.RowsAffected(); err != nil {
+		return fmt.Errorf("mark the claim poisoned: %w", s.wrap(err))
+	} else if n == 0 {
+		// A claim is there already: a copy's, processed while this delivery failed, or one
+		// poisoned by a copy that failed too and sent its own copy to the poison topic.
+		return outboxdriver.ErrProcessedMeanwhile
+	}
+	effects := []outboxdriver.Effect{*poison}
+	if _, err := s.effectInsert(ctx, tx, src, effects, false); err != nil {
+		return fmt.Errorf("store the copy for the poison topic: %w", err)
+	}
+	poison.StoreID = effects[0].StoreID
+	if err := tx.Commit(); err != nil {
+		return fmt.Errorf("commit the poisoned claim: %w", s.wrap(err))
+	}
+	return nil
+}
+
 func (s *SQL) deadLetterAttempt(ctx context.Context, tx *sql.Tx, q DeadLetterQueries, src outboxdriver.Source, reason string) (int, error) {
 	var n int
 	if q.AttemptRead == "" {

@@ -161,6 +161,7 @@ type postgresStore interface {
 	outboxdriver.Store
 	outboxdriver.InlineStore
 	outboxdriver.DeadLetterStore
+	outboxdriver.PoisonStore
 	EffectsGeneration() *postgres.Generation
 }
 

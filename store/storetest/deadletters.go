@@ -438,6 +438,48 @@ func testDeadLetterProcessedMeanwhile(f *fixture) {
 	}
 }
 
+// testPoisonWith: with dead letters off, a message moved to the poison topic has its claim
+// poisoned and its copy for the topic pending in one transaction; one that a copy processed
+// (or moved there before) gets neither.
+func testPoisonWith(f *fixture) {
+	ps, ok := f.st.(outboxdriver.PoisonStore)
+	if !ok {
+		f.t.Skipf("%T moves no message to the poison topic in one transaction", f.st)
+	}
+	copyFor := func(src outboxdriver.Source) *outboxdriver.Effect {
+		return &outboxdriver.Effect{Kind: outboxdriver.KindPublish, Topic: "poison", UUID: src.ID, Payload: []byte("bad \x00"),
+			Source: src, OrderingKey: outboxdriver.DefaultOrderingKey(src)}
+	}
+	src := f.src("poisoned")
+	poison := copyFor(src)
+	if err := ps.MessagePoisonWith(f.ctx, src, poison); err != nil {
+		f.t.Fatalf("MessagePoisonWith: %v", err)
+	}
+	if poison.StoreID == 0 {
+		f.t.Fatal("MessagePoisonWith left the StoreID of the copy unset")
+	}
+	if !f.processed(src) {
+		f.t.Fatal("poisoned message not processed")
+	}
+	if es := f.pending(src); len(es) != 1 || es[0].Topic != "poison" || es[0].UUID != src.ID {
+		f.t.Fatalf("pending effects of the poisoned message: %+v; want its copy", es)
+	}
+	if err := ps.MessagePoisonWith(f.ctx, src, copyFor(src)); !errors.Is(err, outboxdriver.ErrProcessedMeanwhile) {
+		f.t.Fatalf("MessagePoisonWith again = %v, want ErrProcessedMeanwhile", err)
+	}
+	if es := f.pending(src); len(es) != 1 {
+		f.t.Fatalf("pending effects after the second move: %+v; want the first copy only", es)
+	}
+	done := f.src("processed-by-a-copy")
+	f.commit(done, true, nil)
+	if err := ps.MessagePoisonWith(f.ctx, done, copyFor(done)); !errors.Is(err, outboxdriver.ErrProcessedMeanwhile) {
+		f.t.Fatalf("MessagePoisonWith of a message a copy processed = %v, want ErrProcessedMeanwhile", err)
+	}
+	if es := f.pending(done); len(es) != 0 {
+		f.t.Fatalf("pending effects of a message a copy processed: %+v, want no poison copy", es)
+	}
+}
+
 // testDeadLetterUUID: a dead letter keyed by a message ID that is not the message's UUID (a
 // consumer reading its ID from the metadata) keeps the UUID; a retry publishes the message with
 // it, which a dead letter of the message again without one keeps. A retry under the message ID

@@ -148,6 +148,7 @@ func Run(t *testing.T, newHarness func(t *testing.T) Harness) {
 		{"DeadLetters/CleanupWhileDeadAgain", testDeadLettersCleanupDeadAgain},
 		{"DeadLetters/MaxRetriesOnAStaleCount", testDeadLettersMaxRetriesStale},
 		{"DeadLetters/Redrivable", testDeadLettersRedrivable},
+		{"PoisonWith", testPoisonWith},
 		{"DeadLetterNow", testDeadLetterNow},
 		{"EffectListParked", testListParked},
 		{"EffectUnpark", testUnpark},
