@@ -128,6 +128,34 @@ func (f *fixture) parkedCount(t *testing.T) int {
 	return n
 }
 
+// TestStatusOfASilentDatabaseEndsByTheTimeout: a server (or a pooler) that accepts connections
+// and never answers held a command on one database for ever: lib/pq does not watch the context
+// while it connects, and -timeout, said to bound every command, did not. Its connections now
+// end by the command's deadline.
+func TestStatusOfASilentDatabaseEndsByTheTimeout(t *testing.T) {
+	srv, err := silent.Start()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = srv.Close() })
+	for _, dsn := range []string{srv.DSN(), srv.DSN() + "&connect_timeout=60"} {
+		done := make(chan [2]string, 1)
+		go func() {
+			var out, errOut bytes.Buffer
+			code := run(context.Background(), []string{"-dsn", dsn, "-timeout", "2s", "status"}, &out, &errOut, func(string) string { return "" })
+			done <- [2]string{fmt.Sprint(code), errOut.String()}
+		}()
+		select {
+		case r := <-done:
+			if r[0] != "1" || !strings.Contains(r[1], "no answer within -timeout (2s)") {
+				t.Errorf("%s: exit %s, stderr %q: want 1 and the timeout named", dsn, r[0], r[1])
+			}
+		case <-time.After(15 * time.Second):
+			t.Fatalf("%s: status with -timeout 2s has not returned after 15 s", dsn)
+		}
+	}
+}
+
 // status of all members returns within -timeout whatever a member does: nine members whose
 // server accepts connections and never answers (lib/pq does not watch the context while it
 // connects), first in the file, are reported by name as not answering, and the member that

@@ -36,6 +36,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"net"
 	"net/url"
 	"os"
 	"os/user"
@@ -47,6 +48,7 @@ import (
 	"unicode"
 	"unicode/utf8"
 
+	"github.com/lib/pq"
 	"github.com/watermill-outbox/outbox/drivers/postgres"
 	"github.com/watermill-outbox/outbox/internal/fanout"
 	"github.com/watermill-outbox/outbox/ops"
@@ -63,7 +65,10 @@ type Database struct {
 	// DefaultSchema says what an empty -schema means, for the usage.
 	DefaultSchema string
 	// Open checks dsn and opens the database (no I/O); its error must not repeat the password.
-	Open func(dsn string) (*sql.DB, error)
+	// Every read and write on its connections must end by deadline (the command's -timeout),
+	// also where the driver does not watch the context (lib/pq while it connects to a server
+	// that accepts and never answers).
+	Open func(dsn string, deadline time.Time) (*sql.DB, error)
 	// Driver is the outbox driver of the tables.
 	Driver outboxdriver.Driver
 	// RedactDSN takes the password of dsn out of text.
@@ -87,7 +92,7 @@ func PostgreSQL() Database {
 		Title:         "PostgreSQL",
 		DSNFormat:     "lib/pq format",
 		DefaultSchema: postgres.DefaultSchema,
-		Open: func(dsn string) (*sql.DB, error) {
+		Open: func(dsn string, deadline time.Time) (*sql.DB, error) {
 			if strings.Contains(dsn, "://") {
 				// url.Parse's error quotes the URL, and a part of a malformed escape is part of
 				// the password: none of it is repeated.
@@ -95,7 +100,12 @@ func PostgreSQL() Database {
 					return nil, errors.New("the DSN is not a valid URL: percent-encode the special characters of the user and password (% as %25, @ as %40, / as %2F), and check the host and port")
 				}
 			}
-			return sql.Open("postgres", dsn)
+			c, err := pq.NewConnector(dsn)
+			if err != nil {
+				return nil, err
+			}
+			c.Dialer(deadlineDialer{deadline: deadline})
+			return sql.OpenDB(c), nil
 		},
 		Driver:           postgres.Driver{},
 		RedactDSN:        postgres.RedactDSN,
@@ -509,12 +519,13 @@ func (g *globals) connect(ctx context.Context) (context.Context, *ops.Ops, error
 	if g.dsn == "" {
 		return ctx, nil, usageError{"no database: set -dsn, OUTBOX_DSN or DATABASE_URL"}
 	}
-	db, err := g.db.Open(g.dsn)
+	ctx, g.cancel = context.WithTimeout(ctx, g.timeout)
+	deadline, _ := ctx.Deadline()
+	db, err := g.db.Open(g.dsn, deadline)
 	if err != nil {
 		return ctx, nil, err
 	}
 	g.sqlDB = db
-	ctx, g.cancel = context.WithTimeout(ctx, g.timeout)
 	o, err := ops.OpenWith(db, ops.Options{Driver: g.db.Driver, Schema: g.schema, Prefix: g.prefix})
 	if err != nil {
 		return ctx, nil, usageError{err.Error()}
@@ -522,6 +533,9 @@ func (g *globals) connect(ctx context.Context) (context.Context, *ops.Ops, error
 	// Without this, a database out of reach was reported by the first query, under the name of
 	// what that query was for.
 	if err := db.PingContext(ctx); err != nil {
+		if ctx.Err() != nil || errors.Is(err, os.ErrDeadlineExceeded) {
+			return ctx, nil, fmt.Errorf("connect to %s: no answer within -timeout (%v): %w", g.db.Title, g.timeout, err)
+		}
 		return ctx, nil, fmt.Errorf("connect to %s: %w", g.db.Title, err)
 	}
 	return ctx, o, nil
@@ -1505,4 +1519,54 @@ func cleanup(ctx context.Context, g *globals, c *command, args []string, out pri
 				rep.Claims, rep.Effects, rep.Attempts, rep.Keys, rep.DeadLetters, rep.Batches, clean(g.actor))
 		}
 	})
+}
+
+// deadlineDialer opens connections whose reads and writes end by deadline, whatever lib/pq sets
+// (it clears the deadline of connect_timeout once connected): lib/pq does not watch the context
+// while it connects, and a server that accepts and never answers held the command for ever.
+type deadlineDialer struct{ deadline time.Time }
+
+func (d deadlineDialer) Dial(network, address string) (net.Conn, error) {
+	return d.DialContext(context.Background(), network, address)
+}
+
+func (d deadlineDialer) DialTimeout(network, address string, timeout time.Duration) (net.Conn, error) {
+	ctx, cancel := context.WithTimeout(context.Background(), timeout)
+	defer cancel()
+	return d.DialContext(ctx, network, address)
+}
+
+func (d deadlineDialer) DialContext(ctx context.Context, network, address string) (net.Conn, error) {
+	ctx, cancel := context.WithDeadline(ctx, d.deadline)
+	defer cancel()
+	var nd net.Dialer
+	c, err := nd.DialContext(ctx, network, address)
+	if err != nil {
+		return nil, err
+	}
+	dc := &deadlineConn{Conn: c, deadline: d.deadline}
+	if err := dc.SetDeadline(time.Time{}); err != nil {
+		_ = c.Close()
+		return nil, err
+	}
+	return dc, nil
+}
+
+// deadlineConn keeps every deadline set on it no later than its own.
+type deadlineConn struct {
+	net.Conn
+	deadline time.Time
+}
+
+func (c *deadlineConn) bound(t time.Time) time.Time {
+	if t.IsZero() || t.After(c.deadline) {
+		return c.deadline
+	}
+	return t
+}
+
+func (c *deadlineConn) SetDeadline(t time.Time) error     { return c.Conn.SetDeadline(c.bound(t)) }
+func (c *deadlineConn) SetReadDeadline(t time.Time) error { return c.Conn.SetReadDeadline(c.bound(t)) }
+func (c *deadlineConn) SetWriteDeadline(t time.Time) error {
+	return c.Conn.SetWriteDeadline(c.bound(t))
 }

@@ -53,7 +53,7 @@ func seed(t *testing.T, dsn string) []int64 {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
-	db, err := open(dsn)
+	db, err := open(dsn, time.Time{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -208,7 +208,7 @@ func TestMigrateSQLAndGrantsOnMySQL(t *testing.T) {
 	if code != 0 {
 		t.Fatal("migrate sql failed")
 	}
-	db, err := open(dsn + "?multiStatements=true")
+	db, err := open(dsn+"?multiStatements=true", time.Time{})
 	if err != nil {
 		t.Fatal(err)
 	}
