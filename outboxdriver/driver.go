@@ -538,6 +538,14 @@ type PoolIdentifier interface {
 	PoolIdentity() any
 }
 
+// TablesIdentifier is implemented by a Store that can name its tables as resolved (the
+// driver's default schema applied): two Stores on one pool with one identity share their claims.
+type TablesIdentifier interface {
+	// TablesIdentity returns a name of the Store's claims table, the same for every Store that
+	// uses that table through the same connections.
+	TablesIdentity() string
+}
+
 // DialWatcher is implemented by a UnitStore whose BeginUnit returns at its context's end whatever
 // the database does (while it connects, too: the pgx form), and that can tell when a unit has to
 // open a connection. A server that takes connections and answers none fails nothing: the

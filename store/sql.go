@@ -345,6 +345,9 @@ func New(db *sql.DB, names Names, d Dialect) (*SQL, error) {
 // Names returns the table names.
 func (s *SQL) Names() Names { return s.names }
 
+// TablesIdentity implements outboxdriver.TablesIdentifier: the claims table's qualified name.
+func (s *SQL) TablesIdentity() string { return s.names.Processed }
+
 // Close closes the prepared statements.
 func (s *SQL) Close() error {
 	s.mu.Lock()

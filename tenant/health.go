@@ -3,7 +3,6 @@ package tenant
 import (
 	"cmp"
 	"context"
-	"database/sql"
 	"fmt"
 	"slices"
 	"sync"
@@ -39,11 +38,11 @@ func (s *Set) Health(ctx context.Context) outbox.HealthReport {
 	s.mu.RUnlock()
 	slices.SortFunc(ms, func(a, b *member) int { return cmp.Compare(a.name, b.name) })
 	all := make(chan struct{}, healthConcurrent)
-	pools := map[*sql.DB]chan struct{}{}
+	pools := map[any]chan struct{}{}
 	if s.cfg.PoolConcurrent > 0 {
 		for _, m := range ms {
-			if db := m.ob.Config().DB; db != nil && pools[db] == nil {
-				pools[db] = make(chan struct{}, s.cfg.PoolConcurrent)
+			if id := poolOf(m.ob); id != nil && pools[id] == nil {
+				pools[id] = make(chan struct{}, s.cfg.PoolConcurrent)
 			}
 		}
 	}
@@ -70,7 +69,7 @@ func (s *Set) Health(ctx context.Context) outbox.HealthReport {
 		go func() {
 			defer wg.Done()
 			// The pool's turn first: a check waiting for its pool holds no place of the others'.
-			pool := pools[m.ob.Config().DB]
+			pool := pools[poolOf(m.ob)]
 			if !acquire(pool) {
 				reports[i] = notChecked(ctx, "its pool's other members")
 				return

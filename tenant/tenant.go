@@ -28,6 +28,7 @@ import (
 	"github.com/watermill-outbox/outbox"
 	"github.com/watermill-outbox/outbox/internal/engine"
 	"github.com/watermill-outbox/outbox/internal/membername"
+	"github.com/watermill-outbox/outbox/outboxdriver"
 )
 
 // Errors of the Set.
@@ -163,13 +164,13 @@ type Set struct {
 
 	mu       sync.RWMutex
 	members  map[string]*member
-	removing map[*member]struct{}     // members taken out by a Remove still under way
-	runCtx   context.Context          // set while Run runs
-	runDone  chan struct{}            // closed when the Run under way (running or stopping) returns; nil: none
-	eng      *engine.Engine           // the scheduler of every member's background work, while Run runs
-	stats    *engine.Budget           // the members' statistics samples on eng; nil: none
-	pools    map[*sql.DB]*engine.Pool // the members' database/sql pools on eng, while Run runs
-	runWG    sync.WaitGroup           // the members' background work started by start
+	removing map[*member]struct{} // members taken out by a Remove still under way
+	runCtx   context.Context      // set while Run runs
+	runDone  chan struct{}        // closed when the Run under way (running or stopping) returns; nil: none
+	eng      *engine.Engine       // the scheduler of every member's background work, while Run runs
+	stats    *engine.Budget       // the members' statistics samples on eng; nil: none
+	pools    map[any]*engine.Pool // the members' pools (poolOf) on eng, while Run runs
+	runWG    sync.WaitGroup       // the members' background work started by start
 }
 
 // member is one Outbox of the Set, with its units in flight and its background work.
@@ -262,10 +263,8 @@ func (s *Set) Add(name string, ob *outbox.Outbox) error {
 	}
 	// Two members on one set of tables share their claims: one tenant's message would be acked
 	// as a duplicate of another's with the same ID (an order number read by WithMessageID).
-	same := func(o *member) bool {
-		oc := o.ob.Config()
-		return oc.DB == cfg.DB && oc.Schema == cfg.Schema && oc.TablePrefix == cfg.TablePrefix
-	}
+	pool, tables := poolOf(ob), tablesOf(ob)
+	same := func(o *member) bool { return poolOf(o.ob) == pool && tablesOf(o.ob) == tables }
 	for other, o := range s.members {
 		if same(o) {
 			return fmt.Errorf("tenant: member %q: its tables are member %q's (one DB, Schema %q, TablePrefix %q): "+
@@ -467,7 +466,7 @@ func (s *Set) Run(ctx context.Context) error {
 		s.mu.Unlock()
 		return fmt.Errorf("tenant: run: %w", err)
 	}
-	s.runCtx, s.eng, s.stats, s.pools = ctx, eng, nil, map[*sql.DB]*engine.Pool{}
+	s.runCtx, s.eng, s.stats, s.pools = ctx, eng, nil, map[any]*engine.Pool{}
 	done := make(chan struct{})
 	s.runDone = done
 	defer func() {
@@ -533,10 +532,10 @@ func (s *Set) Run(ctx context.Context) error {
 func (s *Set) start(ctx context.Context, m *member) error {
 	idleMax := max(s.cfg.IdleMax, 0)
 	var pool *engine.Pool
-	if db := m.ob.Config().DB; db != nil && s.cfg.PoolConcurrent > 0 {
-		if pool = s.pools[db]; pool == nil {
+	if id := poolOf(m.ob); id != nil && s.cfg.PoolConcurrent > 0 {
+		if pool = s.pools[id]; pool == nil {
 			pool = &engine.Pool{Max: s.cfg.PoolConcurrent}
-			s.pools[db] = pool
+			s.pools[id] = pool
 		}
 	}
 	leave, err := m.ob.JoinEngine(ctx, s.eng, m.name, idleMax, s.stats, pool)
@@ -602,4 +601,26 @@ func (s *Set) everyMember() []*member {
 		ms = append(ms, m)
 	}
 	return ms
+}
+
+// poolOf names the pool of ob's connections (nil when it has no Config.DB): the pgx form wraps
+// one pgxpool in a *sql.DB of its own per Outbox, which outboxdriver.PoolIdentifier sees through.
+func poolOf(ob *outbox.Outbox) any {
+	if pi, ok := ob.Store().(outboxdriver.PoolIdentifier); ok && pi.PoolIdentity() != nil {
+		return pi.PoolIdentity()
+	}
+	if db := ob.Config().DB; db != nil {
+		return db
+	}
+	return nil
+}
+
+// tablesOf names ob's tables on its pool: as the store resolved them (Schema "" and the
+// driver's default schema are one), or as configured.
+func tablesOf(ob *outbox.Outbox) string {
+	if ti, ok := ob.Store().(outboxdriver.TablesIdentifier); ok {
+		return ti.TablesIdentity()
+	}
+	c := ob.Config()
+	return c.Schema + "\x00" + c.TablePrefix
 }

@@ -888,3 +888,34 @@ func TestSetRunShutdownIsBounded(t *testing.T) {
 		t.Fatal("Run did not return within 20 s of its context's end while a member's background call was stuck")
 	}
 }
+
+// TestSetRefusesTwoMembersOnOneSetOfTables: two members on one pool whose tables are the same
+// once the driver's default schema is applied (Schema "" and "public"), or whose prefixes are
+// one: their claims would ack each other's messages as duplicates. The Set compared the
+// configured strings, and took "" and "public" for two sets of tables.
+func TestSetRefusesTwoMembersOnOneSetOfTables(t *testing.T) {
+	db := pgtest.DB(t)
+	open := func(schema, prefix string) *outbox.Outbox {
+		ob, err := outbox.New(outbox.Config{DB: db, Driver: postgres.Driver{}, Publisher: newWire(), Schema: schema, TablePrefix: prefix})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = ob.Close() })
+		return ob
+	}
+	set, err := tenant.New(tenant.Config{Resolver: tenant.FromMetadata("tenant"), NackUnresolved: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := set.Add("a", open("", "")); err != nil {
+		t.Fatal(err)
+	}
+	for name, ob := range map[string]*outbox.Outbox{"public": open("public", ""), "outbox_": open("", "outbox_")} {
+		if err := set.Add(name, ob); err == nil || !strings.Contains(err.Error(), `its tables are member "a"'s`) {
+			t.Errorf("Add(%q) = %v, want it refused: member a's tables", name, err)
+		}
+	}
+	if err := set.Add("b", open("", "b_")); err != nil {
+		t.Errorf("Add of a member with tables of its own: %v", err)
+	}
+}

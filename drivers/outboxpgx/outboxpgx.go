@@ -162,6 +162,7 @@ type postgresStore interface {
 	outboxdriver.InlineStore
 	outboxdriver.DeadLetterStore
 	outboxdriver.PoisonStore
+	outboxdriver.TablesIdentifier
 	EffectsGeneration() *postgres.Generation
 }
 

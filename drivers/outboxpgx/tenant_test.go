@@ -3,6 +3,7 @@ package outboxpgx_test
 import (
 	"context"
 	"fmt"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -253,5 +254,33 @@ func TestTenantSetStampsPgxInTx(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+// TestTenantSetRefusesPgxMembersOnOneSetOfTables: each pgx Outbox wraps the pool in a *sql.DB of
+// its own, so two members on one pool and one set of tables were taken for members of two
+// databases, and their claims would have acked each other's messages as duplicates.
+func TestTenantSetRefusesPgxMembersOnOneSetOfTables(t *testing.T) {
+	pool := openPool(t, pgtest.DSN(t), 4, nil)
+	open := func(prefix string) *outbox.Outbox {
+		ob, err := outboxpgx.New(pool, outbox.Config{Publisher: &outboxtest.Recorder{}, TablePrefix: prefix})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = ob.Close() })
+		return ob
+	}
+	set, err := tenant.New(tenant.Config{Resolver: tenant.FromMetadata("tenant"), NackUnresolved: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := set.Add("a", open("")); err != nil {
+		t.Fatal(err)
+	}
+	if err := set.Add("b", open("")); err == nil || !strings.Contains(err.Error(), `its tables are member "a"'s`) {
+		t.Errorf("Add of a second pgx member on the pool and tables of the first = %v, want it refused", err)
+	}
+	if err := set.Add("c", open("c_")); err != nil {
+		t.Errorf("Add of a pgx member with tables of its own: %v", err)
 	}
 }
