@@ -281,7 +281,7 @@ const (
 	defaultRetryDelayMax    = 10 * time.Second
 	defaultMaxAttempts      = 5
 	defaultPublishTimeout   = 30 * time.Second
-	maxTimeout              = 24 * time.Hour // PublishTimeout, HandlerTimeout
+	maxTimeout              = 24 * time.Hour // PublishTimeout, HandlerTimeout, BackgroundTimeout
 	defaultDuplicateWait    = time.Second
 	defaultMaxPayloadBytes  = 16 << 20
 	defaultRelayInterval    = time.Second
@@ -416,10 +416,12 @@ func (c Config) Validate() error {
 			errs = append(errs, fmt.Errorf("Member: %w", err))
 		}
 	}
-	if c.PublishTimeout > maxTimeout || c.HandlerTimeout > maxTimeout {
+	if c.PublishTimeout > maxTimeout || c.HandlerTimeout > maxTimeout || c.BackgroundTimeout > maxTimeout {
 		// "No timeout" written as the largest duration: the relay's lease and the shutdown's
-		// bound, derived from it, would overflow into negative durations.
-		errs = append(errs, fmt.Errorf("PublishTimeout (%s) and HandlerTimeout (%s) must be at most %s", c.PublishTimeout, c.HandlerTimeout, maxTimeout))
+		// bound, derived from it, and the engine's bound of a run plus its grace, would overflow
+		// into negative durations.
+		errs = append(errs, fmt.Errorf("PublishTimeout (%s), HandlerTimeout (%s) and BackgroundTimeout (%s) must be at most %s",
+			c.PublishTimeout, c.HandlerTimeout, c.BackgroundTimeout, maxTimeout))
 	}
 	for name, d := range map[string]time.Duration{
 		"Retention": c.Retention, "EffectRetention": c.EffectRetention, "CleanupInterval": c.CleanupInterval,

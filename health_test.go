@@ -57,6 +57,7 @@ func TestValidateBoundsTheTimeouts(t *testing.T) {
 		{PublishTimeout: math.MaxInt64},
 		{PublishTimeout: math.MaxInt64, BackgroundTimeout: time.Hour, ShutdownTimeout: time.Hour},
 		{HandlerTimeout: 25 * time.Hour},
+		{BackgroundTimeout: math.MaxInt64},
 	} {
 		cfg := base
 		cfg.PublishTimeout, cfg.HandlerTimeout, cfg.BackgroundTimeout, cfg.ShutdownTimeout = c.PublishTimeout, c.HandlerTimeout, c.BackgroundTimeout, c.ShutdownTimeout

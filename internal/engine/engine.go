@@ -537,6 +537,12 @@ func (h *Handle) Remove(ctx context.Context) error {
 	e.mu.Unlock()
 	select {
 	case <-m.drained:
+		// Drained already: a context that ended too is no reason to fail.
+		return nil
+	default:
+	}
+	select {
+	case <-m.drained:
 		return nil
 	case <-ctx.Done():
 		e.mu.Lock()
@@ -705,7 +711,8 @@ func (e *Engine) run(mctx context.Context, t *task, seq uint64, started time.Tim
 	ctx, cancel := context.WithDeadline(mctx, started.Add(t.Timeout))
 	defer cancel()
 	// A timer, not a goroutine that waits for the call: a run that returns in time costs none.
-	abandon := time.AfterFunc(time.Until(started.Add(t.Timeout+e.grace)), func() {
+	// Added one after the other: their sum as a Duration overflows for a Timeout meant as "none".
+	abandon := time.AfterFunc(time.Until(started.Add(t.Timeout).Add(e.grace)), func() {
 		e.abandon(t, seq, started, fmt.Sprintf("(bound %s)", t.Timeout))
 	})
 	stopStall := e.watchStall(t, seq, started, cancel)

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"slices"
 	"strings"
 	"sync"
@@ -1048,5 +1049,47 @@ func TestStalledRunIsProbedAndAbandonedBeforeItsBound(t *testing.T) {
 			before := healthy.n.Load()
 			waitFor(t, "the other member's task to run on the freed slot", func() bool { return healthy.n.Load() > before+5 })
 		})
+	}
+}
+
+// A task whose Timeout means "none" (the largest duration): the abandon timer's bound, the
+// Timeout plus the grace, overflowed into the past, and every run was abandoned at once, each
+// telling the gate that the database did not answer.
+func TestLargestTimeoutAbandonsNothing(t *testing.T) {
+	e := New(Config{})
+	gate := &fakeGate{open: true}
+	var runs atomic.Int64
+	add(t, e, Member{Name: "m", Gate: gate, Tasks: []Task{{Name: "relay", Every: time.Hour, Timeout: math.MaxInt64,
+		Run: func(context.Context) (Outcome, error) {
+			time.Sleep(100 * time.Millisecond)
+			runs.Add(1)
+			return Worked, nil
+		}}}})
+	started(t, e)
+	waitFor(t, "the run", func() bool { return runs.Load() == 1 })
+	if got := e.Stats().Abandoned; got != 0 {
+		t.Errorf("%d runs abandoned, want none", got)
+	}
+	gate.mu.Lock()
+	defer gate.mu.Unlock()
+	for _, err := range gate.observe {
+		if errors.Is(err, ErrNoAnswer) {
+			t.Errorf("the gate was told the database did not answer: %v", err)
+		}
+	}
+}
+
+// Remove of a member with nothing running returns nil whatever its context: with the context
+// ended as well, it chose at random between the two and failed half the time.
+func TestRemoveOfADrainedMemberWithAnEndedContext(t *testing.T) {
+	e := New(Config{})
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	for i := range 100 {
+		var c counter
+		h := add(t, e, Member{Name: fmt.Sprintf("m%d", i), Tasks: []Task{c.task("cleanup", time.Hour)}})
+		if err := h.Remove(ctx); err != nil {
+			t.Fatalf("Remove %d: %v", i, err)
+		}
 	}
 }
