@@ -75,7 +75,13 @@ func WithIdempotencyKey(ctx context.Context, scope, key string, opts ...KeyOptio
 // result. Each (caller, scope) pair gets a scope of its own, distinct from every other pair's (the
 // caller's length comes first, so no caller's name can reach into another's scope), and a valid
 // one: a pair longer than 255 bytes, or with bytes a scope cannot hold, is hashed (SHA-256).
+// An empty caller (a request nobody authenticated) has no scope: a unit of work keyed in what
+// CallerScope returns for it fails with ErrInvalidIdempotencyKey, rather than putting every
+// anonymous caller's keys in one scope, where one would get another's stored result.
 func CallerScope(caller, scope string) string {
+	if caller == "" {
+		return noCaller
+	}
 	s := strconv.Itoa(len(caller)) + ":" + caller + ":" + scope
 	if len(s) <= 255 && utf8.ValidString(s) && !strings.ContainsRune(s, 0) {
 		return s
@@ -144,7 +150,15 @@ func (k *keyed) reset() {
 	k.done, k.replayed, k.result = false, false, nil
 }
 
+// noCaller is what CallerScope returns for an empty caller: a scope validate refuses (a NUL
+// byte), with an error of its own.
+const noCaller = "\x00no caller"
+
 func (k *keyed) validate() error {
+	if k.scope == noCaller {
+		return fmt.Errorf("%w: scope: CallerScope of an empty caller (an unauthenticated request): "+
+			"the keys of every such caller would be one caller's; refuse the key, or name the caller", ErrInvalidIdempotencyKey)
+	}
 	if k.scope != "" {
 		if err := validateName(k.scope); err != nil {
 			return fmt.Errorf("%w: scope: %w", ErrInvalidIdempotencyKey, err)

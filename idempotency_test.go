@@ -706,7 +706,7 @@ func TestRandomUUIDsAreTimeOrdered(t *testing.T) {
 // CallerScope gives each (caller, scope) pair a scope of its own, valid for the store, whatever
 // the caller's name holds: a separator in it, a name longer than a scope may be, a NUL byte.
 func TestCallerScope(t *testing.T) {
-	pairs := [][2]string{{"a", "b:c"}, {"a:b", "c"}, {"a", ""}, {"", "a"}, {"a:", ""}, {"1:a", ""},
+	pairs := [][2]string{{"a", "b:c"}, {"a:b", "c"}, {"a", ""}, {"a:", ""}, {"1:a", ""},
 		{strings.Repeat("x", 300), "orders"}, {strings.Repeat("x", 301), "orders"}, {"a\x00b", "orders"}, {"\xff", "orders"}}
 	seen := map[string][2]string{}
 	for _, p := range pairs {
@@ -722,6 +722,22 @@ func TestCallerScope(t *testing.T) {
 			t.Errorf("CallerScope(%q, %q) is not stable", p[0], p[1])
 		}
 	}
+}
+
+// An empty caller (an unauthenticated request) got a scope of its own like any caller: every
+// anonymous caller shared it, one getting another's stored result for the same key. A unit keyed
+// in it is refused now, and runs nothing.
+func TestCallerScopeOfNoCallerIsRefused(t *testing.T) {
+	e := newEnv(t)
+	var runs atomic.Int32
+	for _, scope := range []string{"orders", ""} {
+		ctx := outbox.WithIdempotencyKey(context.Background(), outbox.CallerScope("", scope), "k1")
+		err := e.ob.InTx(ctx, placeOrder(&runs, "o1"))
+		if !errors.Is(err, outbox.ErrInvalidIdempotencyKey) || !strings.Contains(err.Error(), "empty caller") {
+			t.Errorf("scope %q: %v, want ErrInvalidIdempotencyKey naming the empty caller", scope, err)
+		}
+	}
+	mustEqual(t, "runs", runs.Load(), int32(0))
 }
 
 // Retries that wait for the first request with their key (WaitInFlight) hold no connection while
