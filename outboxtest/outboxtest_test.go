@@ -103,6 +103,30 @@ func TestCrashMatrixCatchesAWriteOutsideTheTransaction(t *testing.T) {
 	}
 }
 
+// A crash the matrix never injected passed as the no-crash scenario: an Open that builds its
+// Config without the matrix's Failpoint turned every crash scenario into a repeat of the first.
+func TestCrashMatrixCatchesACrashNeverInjected(t *testing.T) {
+	open := func(t testing.TB, dsn string, cfg outbox.Config) (*outbox.Outbox, error) {
+		db, err := sql.Open("postgres", dsn)
+		if err != nil {
+			return nil, err
+		}
+		t.Cleanup(func() { _ = db.Close() })
+		cfg.DB, cfg.Driver, cfg.Failpoint = db, postgres.Driver{}, nil
+		return outbox.New(cfg)
+	}
+	c := CrashMatrix{Consumer: "reserve", Handler: reserve, Messages: orders(), Setup: setupOrders, Applied: applied, Open: open}
+	for _, point := range []string{outbox.FailpointAfterCommit, outbox.FailpointAfterPublish} {
+		failures := c.scenario(t, orders()[0], point, 2)
+		if len(failures) == 0 || !strings.Contains(failures[0], "never injected") {
+			t.Errorf("%s: failures %q, want the crash reported as never injected", point, failures)
+		}
+	}
+	if failures := c.scenario(t, orders()[0], "", 2); len(failures) != 0 {
+		t.Fatalf("without a crash: %q, want none", failures)
+	}
+}
+
 func TestRunReturnsWhatTheUnitOfWorkCommitted(t *testing.T) {
 	h := New(t, outbox.Config{}, setupOrders)
 	msg := message.NewMessage("order-2", []byte("o-2"))
