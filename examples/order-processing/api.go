@@ -17,7 +17,6 @@ import (
 	"net/mail"
 	"time"
 
-	"github.com/ThreeDotsLabs/watermill"
 
 	"github.com/watermill-outbox/outbox"
 	"github.com/watermill-outbox/outbox/console"
@@ -139,10 +138,13 @@ func (a *api) placeOrder(w http.ResponseWriter, r *http.Request) {
 	}
 	now := time.Now().UTC()
 	order := Order{
-		ID: watermill.NewUUID(), Customer: req.Customer, SKU: req.SKU, Quantity: req.Quantity,
+		Customer: req.Customer, SKU: req.SKU, Quantity: req.Quantity,
 		Status: "pending", CreatedAt: now, UpdatedAt: now, History: []HistoryEntry{},
 	}
 	err = a.inUnit(ctx, func(ctx context.Context, tx unitTx) error {
+		// Derived from the key (random without one), as the event UUIDs are: a retry of a
+		// request whose commit was lost creates the order its OrderPlaced event names.
+		order.ID = outbox.NewUUID(ctx)
 		var price int64
 		err := tx.QueryRowContext(ctx, `SELECT price_cents FROM products WHERE sku = $1`, req.SKU).Scan(&price)
 		if errors.Is(err, sql.ErrNoRows) {

@@ -100,6 +100,13 @@ func TestChaos(t *testing.T) {
 			if rep.Duplicates == 0 || rep.Failures == 0 {
 				t.Errorf("no chaos: %d duplicates suppressed, %d injected failures", rep.Duplicates, rep.Failures)
 			}
+			var crashes int64
+			for _, n := range rep.Crashes {
+				crashes += n
+			}
+			if crashes == 0 || rep.Restarts == 0 {
+				t.Errorf("no chaos: %d crashes at a step, %d kills and restarts", crashes, rep.Restarts)
+			}
 		})
 	}
 }

@@ -11,7 +11,6 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/watermill-outbox/outbox"
@@ -41,7 +40,10 @@ func capturePayment(msg *message.Message) error {
 		}
 	}
 
-	paymentID := watermill.NewUUID()
+	// Derived from the message, as the UUIDs of the events are: a run of it again (after a
+	// commit lost to a failover) charges the same payment ID that its events, which downstream
+	// already deduplicated, carry.
+	paymentID := outbox.NewUUID(ctx)
 	if _, err := tx.ExecContext(ctx, `INSERT INTO payments (id, order_id, amount_cents, captured_at) VALUES ($1, $2, $3, $4)`,
 		paymentID, ev.OrderID, ev.AmountCents, time.Now().UTC()); err != nil {
 		return err
