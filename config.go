@@ -75,7 +75,8 @@ type Config struct {
 	// PoisonTopic, when set, receives a copy of every dead-lettered message, with the reason in
 	// its metadata (MetadataPoisonReason and the others): with DeadLetters stored, the copy is
 	// recorded in the dead letter's transaction and sent like a side effect; with DeadLettersOff,
-	// the message is published there and acked.
+	// in the transaction of the message's poisoned claim (a copy processed meanwhile: acked as a
+	// duplicate, not moved), then sent as well.
 	PoisonTopic string
 
 	// RetryDelay is how long Handle waits before it returns a failure (a nack), and before each
