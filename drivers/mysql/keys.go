@@ -27,7 +27,10 @@ func keyLock(n store.Names) string {
 	if n.Schema != "" {
 		database = `'` + n.Schema + `'` // a validated identifier
 	}
-	return `CONCAT('outbox_key_', SHA1(CONCAT(` + database + `, ?)))`
+	// Joined as bytes: DATABASE() is utf8mb3, which cannot hold a key's character outside the
+	// Basic Multilingual Plane (error 1267); the bytes, and so the name, of every other key
+	// are what they were.
+	return `CONCAT('outbox_key_', SHA1(CONCAT(CAST(` + database + ` AS BINARY), CAST(? AS BINARY))))`
 }
 
 // keyLockArg is the argument of keyLock: the lock's name without the database.

@@ -561,3 +561,23 @@ func TestInTxBeginsAgainOnADeadPooledConnection(t *testing.T) {
 		t.Errorf("fn ran %d times, want once", runs.Load())
 	}
 }
+
+// TestKeyOutsideTheBasicPlane: with Schema "" the key's lock name was the SHA-1 of DATABASE()
+// (utf8mb3) joined to the key (utf8mb4), which the server refused for a key or scope holding a
+// character outside the Basic Multilingual Plane (an emoji: error 1267, illegal mix of
+// collations): every call with such a key failed. The names are joined as bytes now, the same
+// bytes (the same lock name) for every key that worked before.
+func TestKeyOutsideTheBasicPlane(t *testing.T) {
+	db := openAt(t, "REPEATABLE-READ")
+	ob := keyedOutbox(t, db, nil)
+	var runs atomic.Int32
+	for range 2 {
+		ctx := outbox.WithIdempotencyKey(context.Background(), "orders \U0001F6D2", "k-\U0001F600")
+		if err := ob.InTx(ctx, placeOrder(&runs, "o-emoji")); err != nil {
+			t.Fatalf("keyed InTx with an emoji in its scope and key: %v", err)
+		}
+	}
+	if n := runs.Load(); n != 1 {
+		t.Errorf("fn ran %d times, want once (the second call replayed)", n)
+	}
+}
