@@ -32,6 +32,7 @@
 package console
 
 import (
+	"cmp"
 	"context"
 	"crypto/hmac"
 	"crypto/rand"
@@ -39,6 +40,8 @@ import (
 	"crypto/subtle"
 	"embed"
 	"encoding/base64"
+	"encoding/binary"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"html/template"
@@ -505,7 +508,31 @@ type failing struct {
 type deadGroup struct {
 	ops.DeadLetterGroup
 	CanRetry, CanDiscard bool
+	// Set names its dead letters as the page counted them (keySet).
+	Set string
 }
+
+// keySet is a digest of the dead letters keys names, whatever their order: an action on a group
+// "as shown" changes it only while the group is still those dead letters.
+func keySet(keys []outboxdriver.Source) string {
+	sorted := slices.Clone(keys)
+	slices.SortFunc(sorted, func(a, b outboxdriver.Source) int {
+		return cmp.Or(strings.Compare(a.Consumer, b.Consumer), strings.Compare(a.ID, b.ID))
+	})
+	h := sha256.New()
+	for _, k := range sorted {
+		for _, part := range []string{k.Consumer, k.ID} {
+			var n [8]byte
+			binary.BigEndian.PutUint64(n[:], uint64(len(part)))
+			h.Write(n[:])
+			h.Write([]byte(part))
+		}
+	}
+	return hex.EncodeToString(h.Sum(nil)[:16])
+}
+
+// errGroupChanged: the group of dead letters is no longer the one the page counted.
+var errGroupChanged = errors.New("the group changed since the page counted it")
 
 // deadRow is a dead letter with what the user may do with it.
 type deadRow struct {
@@ -518,6 +545,10 @@ type deadRow struct {
 type deadConfirm struct {
 	Keys                       []outboxdriver.Source
 	Consumer, MessageID, Group string
+	// Set names the group's dead letters as the question counts them (keySet).
+	Set string
+	// Changed tells that the group changed since the page the action came from counted it.
+	Changed bool
 	// Shown are the first PageSize of Keys, which the question lists (a group may count
 	// thousands), and More how many it leaves out.
 	Shown []outboxdriver.Source
@@ -804,7 +835,7 @@ func (c *console) loadDead(ctx context.Context, r *http.Request, m *Member, v *v
 	v.MoreDeadGroups = more
 	for _, g := range groups {
 		t := deadTarget(g.Keys...)
-		v.DeadGroups = append(v.DeadGroups, deadGroup{DeadLetterGroup: g,
+		v.DeadGroups = append(v.DeadGroups, deadGroup{DeadLetterGroup: g, Set: keySet(g.Keys),
 			CanRetry: c.may(r, m, t.as(ActionRetryDeadLetter)), CanDiscard: c.may(r, m, t.as(ActionDiscardDeadLetter))})
 	}
 	n := c.opt.PageSize
@@ -846,12 +877,23 @@ func (c *console) deadOf(ctx context.Context, m *Member, form url.Values) ([]out
 		// The store's change tells whether it is dead: one that is not is left alone and not counted.
 		return []outboxdriver.Source{{Consumer: sel.Consumer, ID: sel.MessageID}}, sel, nil
 	}
+	shown := form.Get("set")
+	if shown == "" {
+		return nil, sel, errors.New("bad request: a group without the dead letters the page counted in it (reload the page)")
+	}
 	groups, _, err := m.Ops.DeadLetterGroups(ctx, sel.Consumer)
 	if err != nil {
 		return nil, sel, err
 	}
 	for _, g := range groups {
 		if g.Fingerprint == sel.Group {
+			// The group as the page counted it, or nothing: dead letters that joined it since (an
+			// incident goes on while the operator reads) are not changed by an action on a count
+			// that did not include them.
+			sel.Set = keySet(g.Keys)
+			if sel.Set != shown {
+				return g.Keys, sel, errGroupChanged
+			}
 			return g.Keys, sel, nil
 		}
 	}
@@ -992,7 +1034,12 @@ func (c *console) action(action string) func(http.ResponseWriter, *http.Request,
 		switch action {
 		case ActionRetryDeadLetter, ActionDiscardDeadLetter:
 			keys, sel, derr := c.deadOf(ctx, m, r.PostForm)
-			if derr != nil {
+			changed := errors.Is(derr, errGroupChanged)
+			if changed && action == ActionRetryDeadLetter {
+				flash = fmt.Sprintf("nothing retried: the group changed since the page counted it (%d dead letter(s) now); look again", len(keys))
+				break
+			}
+			if derr != nil && !changed {
 				http.Error(w, derr.Error(), http.StatusBadRequest)
 				return
 			}
@@ -1004,7 +1051,9 @@ func (c *console) action(action string) func(http.ResponseWriter, *http.Request,
 				http.Error(w, "forbidden: not authorized to "+action+" these dead letters", http.StatusForbidden)
 				return
 			}
-			if action == ActionDiscardDeadLetter && r.PostForm.Get("confirm") != "yes" {
+			if action == ActionDiscardDeadLetter && (r.PostForm.Get("confirm") != "yes" || changed) {
+				// Asked again when the group changed: the question counts it as it is now.
+				sel.Changed = changed && r.PostForm.Get("confirm") == "yes"
 				sel.Keys, sel.Shown = keys, keys[:min(len(keys), c.opt.PageSize)]
 				sel.More = len(keys) - len(sel.Shown)
 				v := c.newView(r, m)
