@@ -76,7 +76,9 @@ type CleanupReport struct {
 	// DeadLetters counts the dead letters retried or discarded more than Retention ago.
 	DeadLetters int64 `json:"dead_letters"`
 	Batches     int   `json:"batches,omitempty"`
-	// Skipped is true when another process held the cleanup lock: nothing was deleted.
+	// Skipped is true when another process held the cleanup lock: nothing was deleted, or, with
+	// Batches above zero, the pass stopped when another process took the lock between two of its
+	// batches (the counts say what it deleted until then).
 	Skipped bool `json:"skipped,omitempty"`
 }
 
@@ -166,6 +168,8 @@ func (o *Ops) Cleanup(ctx context.Context, opt CleanupOptions) (CleanupReport, e
 	switch {
 	case err != nil:
 		detail += "; stopped: " + err.Error()
+	case res.Skipped && res.Batches > 0:
+		detail += "; stopped: another process took the cleanup lock between two batches"
 	case res.Skipped:
 		detail = "another process was cleaning; nothing deleted"
 	}

@@ -485,7 +485,8 @@ type CleanupResult struct {
 	// DeadLetters counts the dead letters deleted Retention after they were retried or
 	// discarded (a dead one is kept until an operator acts).
 	DeadLetters int64
-	// Skipped is true when another process held the cleanup lock.
+	// Skipped is true when another process held the cleanup lock: at the first batch (nothing
+	// deleted), or at a later one (the counts say what the batches before it deleted).
 	Skipped bool
 }
 

@@ -20,6 +20,7 @@ import (
 	"github.com/watermill-outbox/outbox/drivers/postgres"
 	"github.com/watermill-outbox/outbox/internal/pgtest"
 	"github.com/watermill-outbox/outbox/ops"
+	"github.com/watermill-outbox/outbox/outboxdriver"
 )
 
 func TestMain(m *testing.M) { os.Exit(pgtest.Run(m)) }
@@ -403,5 +404,58 @@ func TestCleanupKeepsYoungDispatchedEffects(t *testing.T) {
 	f.jsonOf(t, &res, "cleanup", "-retention", "168h", "-effect-retention", "0")
 	if res.Effects != int64(before) {
 		t.Errorf("cleanup -effect-retention 0 deleted %d dispatched effects, want all %d (asked for explicitly)", res.Effects, before)
+	}
+}
+
+// A cleanup stopped by another process taking the cleanup lock between two of its batches (a
+// service's own cleanup starting during a manual one) deleted rows, and its audit entry and its
+// output said that nothing was deleted.
+func TestCleanupStoppedByTheLockSaysWhatItDeleted(t *testing.T) {
+	f := &fixture{dsn: pgtest.DSN(t)}
+	if code, out := f.cli(t, "migrate", "up"); code != 0 {
+		t.Fatalf("migrate up: %d %s", code, out)
+	}
+	db, err := sql.Open("postgres", f.dsn)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer db.Close()
+	if _, err := db.Exec(`INSERT INTO outbox_processed (consumer, message_id, processed_at, dispatched_at)
+		SELECT 'c', 'm' || i, now() - interval '8 days', now() - interval '8 days' FROM generate_series(1, 3) i`); err != nil {
+		t.Fatal(err)
+	}
+	o, err := ops.Open(db, "", "")
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	other, err := db.BeginTx(ctx, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = other.Rollback() }()
+	taken := false
+	rep, err := o.Cleanup(ctx, ops.CleanupOptions{Actor: "alice", Retention: 7 * 24 * time.Hour, BatchSize: 1,
+		Progress: func(outboxdriver.CleanupResult) {
+			if !taken {
+				taken = true
+				// Another process's cleanup takes the lock after the first batch.
+				if _, err := other.Exec(`SELECT pg_advisory_xact_lock(x'6f757462'::int, hashtext('public.outbox_cleanup'))`); err != nil {
+					t.Error(err)
+				}
+			}
+		}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if rep.Claims != 1 || !rep.Skipped {
+		t.Fatalf("report: %+v, want 1 claim deleted, then stopped by the lock", rep)
+	}
+	var detail string
+	if err := db.QueryRow(`SELECT detail FROM outbox_audit WHERE action = 'cleanup-done' ORDER BY at DESC LIMIT 1`).Scan(&detail); err != nil {
+		t.Fatal(err)
+	}
+	if strings.Contains(detail, "nothing deleted") || !strings.Contains(detail, "deleted 1 claims") || !strings.Contains(detail, "took the cleanup lock") {
+		t.Errorf("audit detail %q: want the claim deleted and the stop", detail)
 	}
 }

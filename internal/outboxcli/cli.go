@@ -1512,6 +1512,9 @@ func cleanup(ctx context.Context, g *globals, c *command, args []string, out pri
 		case rep.DryRun:
 			fmt.Fprintf(w, "would delete %d claims, %d dispatched effects, %d attempt counters, %d expired idempotency keys, %d settled dead letters\n",
 				rep.Claims, rep.Effects, rep.Attempts, rep.Keys, rep.DeadLetters)
+		case rep.Skipped && rep.Batches > 0:
+			fmt.Fprintf(w, "deleted %d claims, %d dispatched effects, %d attempt counters, %d expired idempotency keys, %d settled dead letters in %d batches (audited as %s), then stopped: another process took the cleanup lock between two batches, and goes on with it\n",
+				rep.Claims, rep.Effects, rep.Attempts, rep.Keys, rep.DeadLetters, rep.Batches, clean(g.actor))
 		case rep.Skipped:
 			fmt.Fprintln(w, "another process is cleaning; nothing done")
 		default:
