@@ -17,7 +17,6 @@ import (
 	"net/mail"
 	"time"
 
-
 	"github.com/watermill-outbox/outbox"
 	"github.com/watermill-outbox/outbox/console"
 	"github.com/watermill-outbox/outbox/ops"
