@@ -65,7 +65,8 @@ const maxGrouped = 10_000
 // and reason, largest group first; it reads the oldest 10,000 at most, and more tells that there
 // were more.
 func (o *Ops) DeadLetterGroups(ctx context.Context, consumer string) (groups []DeadLetterGroup, more bool, err error) {
-	dls, err := o.DeadLetters(ctx, outboxdriver.DeadLetterFilter{Consumer: consumer, State: outboxdriver.DeadLetterDead, Limit: maxGrouped + 1})
+	// Without their payloads: up to 10,000 of them, at every page of the console.
+	dls, err := o.DeadLetters(ctx, outboxdriver.DeadLetterFilter{Consumer: consumer, State: outboxdriver.DeadLetterDead, Limit: maxGrouped + 1, Brief: true})
 	if err != nil {
 		return nil, false, err
 	}

@@ -63,6 +63,9 @@ type DeadLetterFilter struct {
 	State DeadLetterState
 	// Limit bounds how many are returned, oldest first; 0: 100.
 	Limit int
+	// Brief leaves each one's Payload and Metadata out (empty): for a count or a grouping of many,
+	// which would otherwise read every payload.
+	Brief bool
 }
 
 // DeadLetterChange is an operator's change of dead letters (a retry or a discard).

@@ -26,7 +26,8 @@ type DeadLetterQueries struct {
 	// "") stores a dead letter in state dead, replacing the one before (retried or discarded) if
 	// any; an empty UUID keeps the one stored before.
 	Upsert string
-	// List (consumer or "", state or "", limit) -> consumer, id, source topic, payload, metadata,
+	// List (consumer or "", state or "", whole, limit) -> consumer, id, source topic, payload
+	// and metadata (NULL unless whole),
 	// reason, attempts, permanent, ms since dead, state, ms since changed (NULL allowed), changed
 	// by, retries, UUID ("" when unknown); oldest first.
 	List string
@@ -179,7 +180,7 @@ func (s *SQL) DeadLetterList(ctx context.Context, f outboxdriver.DeadLetterFilte
 	if limit <= 0 {
 		limit = 100
 	}
-	rows, err := s.db.QueryContext(ctx, q.List, f.Consumer, string(f.State), limit)
+	rows, err := s.db.QueryContext(ctx, q.List, f.Consumer, string(f.State), !f.Brief, limit)
 	if err != nil {
 		return nil, fmt.Errorf("list dead letters: %w", s.wrap(err))
 	}

@@ -23,9 +23,9 @@ func (q queries) deadLetters() store.DeadLetterQueries {
 				payload = VALUES(payload), metadata = VALUES(metadata), reason = VALUES(reason),
 				attempts = VALUES(attempts), permanent = VALUES(permanent), dead_at = VALUES(dead_at),
 				state = 'dead', changed_at = NULL, changed_by = ''`,
-		List: `SELECT d.consumer, d.message_id, d.source_topic, d.payload, d.metadata, d.reason, d.attempts, d.permanent,
+		List: `SELECT d.consumer, d.message_id, d.source_topic, IF(f.whole, d.payload, NULL), IF(f.whole, d.metadata, NULL), d.reason, d.attempts, d.permanent,
 				` + msSince("d.dead_at") + `, d.state, ` + msSince("d.changed_at") + `, d.changed_by, d.retries, coalesce(d.message_uuid, '')
-			FROM ` + n.DeadLetters + ` d JOIN (SELECT CAST(? AS BINARY) AS consumer, ? AS state) f
+			FROM ` + n.DeadLetters + ` d JOIN (SELECT CAST(? AS BINARY) AS consumer, ? AS state, ? AS whole) f
 				ON (f.consumer = '' OR d.consumer = f.consumer) AND (f.state = '' OR d.state = f.state)
 			ORDER BY d.dead_at, d.consumer, d.message_id LIMIT ?`,
 		// MySQL assigns left to right: the retry is counted before the state changes.

@@ -363,11 +363,11 @@ func deadLetterQueries(n store.Names) store.DeadLetterQueries {
 				payload = excluded.payload, metadata = excluded.metadata, reason = excluded.reason,
 				attempts = excluded.attempts, permanent = excluded.permanent, dead_at = ` + now + `,
 				state = 'dead', changed_at = NULL, changed_by = ''`,
-		List: `SELECT consumer, message_id, source_topic, payload, metadata, reason, attempts, permanent,
+		List: `SELECT consumer, message_id, source_topic, CASE WHEN ?3 THEN payload END, CASE WHEN ?3 THEN metadata END, reason, attempts, permanent,
 				` + msSince("dead_at") + `, state, ` + msSince("changed_at") + `, changed_by, retries, coalesce(message_uuid, '')
 			FROM ` + n.DeadLetters + `
 			WHERE (?1 = '' OR consumer = ?1) AND (?2 = '' OR state = ?2)
-			ORDER BY dead_at, consumer, message_id LIMIT ?3`,
+			ORDER BY dead_at, consumer, message_id LIMIT ?4`,
 		Mark: `UPDATE ` + n.DeadLetters + ` SET state = ?1, changed_at = ` + now + `, changed_by = ?2,
 				retries = retries + CASE WHEN ?1 = 'retried' THEN 1 ELSE 0 END
 			WHERE consumer = ?3 AND message_id = ?4 AND state = 'dead' AND retries < ?5`,

@@ -65,6 +65,12 @@ func testDeadLetters(f *fixture) {
 	if len(dls) != 2 {
 		f.t.Fatalf("dead letters: %+v; want 2", dls)
 	}
+	// Brief: the same dead letters, without their payloads and metadata.
+	brief := list(outboxdriver.DeadLetterFilter{State: outboxdriver.DeadLetterDead, Brief: true})
+	if len(brief) != 2 || brief[0].MessageID != dls[0].MessageID || brief[0].Reason != dls[0].Reason ||
+		len(brief[0].Payload) != 0 || len(brief[0].Metadata) != 0 {
+		f.t.Fatalf("brief list: %+v; want the dead letters without payload or metadata", brief)
+	}
 	d := dls[0]
 	if d.MessageID != src.ID || d.Consumer != src.Consumer || d.SourceTopic != "orders" || !bytes.Equal(d.Payload, payload) ||
 		!maps.Equal(d.Metadata, md) || !strings.HasPrefix(d.Reason, "bad") || d.Attempts != 2 || !d.Permanent ||
