@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"strings"
+	"sync/atomic"
 	"time"
 
 	"github.com/watermill-outbox/outbox/outboxdriver"
@@ -259,6 +260,10 @@ func (q queries) insertMoving(ctx context.Context, tx *sql.Tx, src outboxdriver.
 	}
 }
 
+// lockingDueRead is the insert's look at due delayed effects (insertEffects): always on, but
+// for the benchmark that weighs it (BenchmarkKeyedEffectInsert).
+var lockingDueRead = func() *atomic.Bool { var b atomic.Bool; b.Store(true); return &b }()
+
 // storeIDsOf returns the StoreIDs of effects.
 func storeIDsOf(effects []outboxdriver.Effect) []int64 {
 	out := make([]int64, len(effects))
@@ -291,9 +296,21 @@ func (q queries) dueOfKeys(list string) string {
 // insertEffects inserts effects, sets their StoreIDs and, when probe is set, tells whether a due
 // delayed effect of another source with one of their keys waits to be moved.
 func (q queries) insertEffects(ctx context.Context, tx *sql.Tx, src outboxdriver.Source, effects []outboxdriver.Effect, claimed, probe bool) (bool, error) {
+	// With probe, each row's failures column (0 for every effect stored) is 1 when a due delayed
+	// effect of the keys waits, read by the INSERT itself: its subqueries are locking reads, which
+	// see what committed since the transaction's snapshot. The plain read after it does not under
+	// REPEATABLE READ (MySQL's default: the snapshot is then the claim's), and an effect recorded
+	// after a delayed one fell due, and committed after the claim, overtook it. A row that says
+	// so is deleted and inserted again behind the moved ones (insertMoving): none is stored.
+	dueFlag, dueArgs := "0", []any(nil)
+	if probe && lockingDueRead.Load() {
+		keys, list := keysOf(effects)
+		dueFlag = `EXISTS (` + q.dueOfKeys(list) + `)`
+		dueArgs = append(append(dueArgs, keys...), src.Consumer, src.ID)
+	}
 	var b strings.Builder
-	b.WriteString(`INSERT INTO ` + q.n.Effects + ` (source_consumer, source_id, seq, kind, topic, uuid, payload, metadata, ordering_key, created_at) `)
-	args := make([]any, 0, 9*len(effects)+2)
+	b.WriteString(`INSERT INTO ` + q.n.Effects + ` (source_consumer, source_id, seq, kind, topic, uuid, payload, metadata, ordering_key, created_at, failures) `)
+	args := make([]any, 0, 9*len(effects)+len(dueArgs)*len(effects)+2)
 	bySeq := make(map[int]int, len(effects))
 	// Claimed: INSERT ... SELECT, one row from DUAL (no derived table for the common record of
 	// one effect), or a union of rows in seq order (the order of their ids).
@@ -301,9 +318,10 @@ func (q queries) insertEffects(ctx context.Context, tx *sql.Tx, src outboxdriver
 	case !claimed:
 		b.WriteString(`VALUES `)
 	case len(effects) == 1:
-		b.WriteString(`SELECT ?, ?, ?, ?, ?, ?, ?, ?, ?, ` + now + ` FROM DUAL`)
+		b.WriteString(`SELECT ?, ?, ?, ?, ?, ?, ?, ?, ?, ` + now + `, ` + dueFlag + ` FROM DUAL`)
 	default:
-		b.WriteString(`SELECT v.c, v.i, v.s, v.k, v.t, v.u, v.pl, v.md, v.ok, ` + now + ` FROM (`)
+		b.WriteString(`SELECT v.c, v.i, v.s, v.k, v.t, v.u, v.pl, v.md, v.ok, ` + now + `, ` + dueFlag + ` FROM (`)
+		args = append(args, dueArgs...) // the flag's, before the union's rows
 	}
 	for i, e := range effects {
 		switch {
@@ -311,7 +329,7 @@ func (q queries) insertEffects(ctx context.Context, tx *sql.Tx, src outboxdriver
 			b.WriteString(", ")
 			fallthrough
 		case !claimed:
-			b.WriteString(`(?, ?, ?, ?, ?, ?, ?, ?, ?, ` + now + `)`)
+			b.WriteString(`(?, ?, ?, ?, ?, ?, ?, ?, ?, ` + now + `, ` + dueFlag + `)`)
 		case len(effects) == 1:
 		case i == 0:
 			b.WriteString(`SELECT ? AS c, ? AS i, ? AS s, ? AS k, ? AS t, ? AS u, ? AS pl, ? AS md, ? AS ok`)
@@ -323,6 +341,9 @@ func (q queries) insertEffects(ctx context.Context, tx *sql.Tx, src outboxdriver
 			payload = []byte{}
 		}
 		args = append(args, src.Consumer, src.ID, e.Seq, string(e.Kind), e.Topic, e.UUID, payload, store.EncodeMetadata(e.Metadata), e.OrderingKey)
+		if !claimed || len(effects) == 1 {
+			args = append(args, dueArgs...) // the row's own flag, or the one row's
+		}
 		bySeq[e.Seq] = i
 	}
 	if claimed {
@@ -356,7 +377,7 @@ func (q queries) insertEffects(ctx context.Context, tx *sql.Tx, src outboxdriver
 	dueCol, readArgs := "false", []any{}
 	if probe {
 		keys, list := keysOf(effects)
-		dueCol = `EXISTS (` + q.dueOfKeys(list) + `) OR EXISTS (SELECT 1 FROM ` + q.n.Effects + ` b
+		dueCol = `e.failures > 0 OR EXISTS (` + q.dueOfKeys(list) + `) OR EXISTS (SELECT 1 FROM ` + q.n.Effects + ` b
 			WHERE b.ordering_key IN (` + list + `) AND b.dispatched_at IS NULL AND b.id > e.id AND b.created_at <= e.created_at
 			  AND NOT (b.source_consumer = ` + binary + ` AND b.source_id = ` + binary + `))`
 		readArgs = append(append(readArgs, keys...), src.Consumer, src.ID)

@@ -163,6 +163,7 @@ func Run(t *testing.T, newHarness func(t *testing.T) Harness) {
 		{"Cleanup/AttemptCountedMeanwhile", testCleanupAttemptCounted},
 		{"Delayed/DueCancelAndOrder", testDelayed},
 		{"Delayed/DueNotOvertaken", testDelayedDueNotOvertaken},
+		{"Delayed/DueAfterTheClaimNotOvertaken", testDelayedDueAfterTheClaimNotOvertaken},
 		{"KeyClaim/ReplayMismatchExpiryCleanup", testKeys},
 		{"KeyClaim/InFlight", testKeysInFlight},
 		{"KeyClaim/ConcurrentClaimsOneRuns", testKeysConcurrent},
@@ -2522,6 +2523,76 @@ func testDelayed(f *fixture) {
 // holds the new effect back and the relay's claim sends the delayed one first. A delayed effect
 // of the key that is not due stays delayed, as does a due one of the inserting source (its unit's
 // own order is its record order), and an insert that rolls back leaves the due one delayed.
+// testDelayedDueAfterTheClaimNotOvertaken: a delayed effect of another source, due, committed
+// after a unit's claim and before the unit records an effect of its key, is moved ahead of that
+// effect. On a database whose transactions read one snapshot (MySQL's REPEATABLE READ, its
+// default, takes it at the claim's read), a plain read did not see it: the effect took the id
+// before it, and was sent first.
+func testDelayedDueAfterTheClaimNotOvertaken(f *fixture) {
+	ds, ok := f.st.(outboxdriver.DelayedStore)
+	if !ok {
+		f.t.Skip("the store keeps no delayed effects")
+	}
+	if !f.h.Capabilities.RowLocks {
+		f.t.Skip("one writer at a time: no delayed effect commits while a unit holds its claim")
+	}
+	ci, _ := f.st.(outboxdriver.ClaimedEffectInserter)
+	for _, c := range []struct {
+		name    string
+		n       int
+		claimed bool
+	}{{"one", 1, false}, {"three", 3, false}, {"one claimed", 1, true}, {"three claimed", 3, true}} {
+		if c.claimed && ci == nil {
+			continue
+		}
+		key := "late " + c.name
+		src := f.src("claimed-first " + c.name)
+		tx := f.begin()
+		if !f.claim(tx, src) {
+			_ = tx.Rollback()
+			f.t.Fatalf("%s: the claim of a new message: want it claimed", c.name)
+		}
+		timeout := f.src("timeout " + c.name)
+		due := f.effects(timeout, key, 1)
+		due[0].DueAt = time.Now().Add(-time.Second)
+		dtx := f.begin()
+		err := ds.DelayedInsert(f.ctx, dtx, timeout, due)
+		if errors.Is(err, outboxdriver.ErrDelayedUnsupported) {
+			_ = dtx.Rollback()
+			_ = tx.Rollback()
+			f.t.Skip("the store keeps no delayed effects")
+		}
+		if err != nil {
+			f.t.Fatalf("DelayedInsert: %v", err)
+		}
+		if err := dtx.Commit(); err != nil {
+			f.t.Fatalf("commit the delayed effect: %v", err)
+		}
+		own := f.effects(src, key, c.n)
+		if c.n > 1 {
+			own[1].OrderingKey = "another key " + c.name
+		}
+		insert := f.st.EffectInsert
+		if c.claimed {
+			insert = ci.EffectInsertClaimed
+		}
+		if _, err := insert(f.ctx, tx, src, own); err != nil {
+			_ = tx.Rollback()
+			f.t.Fatalf("%s: EffectInsert: %v", c.name, err)
+		}
+		if err := tx.Commit(); err != nil {
+			f.t.Fatalf("%s: commit: %v", c.name, err)
+		}
+		moved := f.pending(timeout)
+		if len(moved) != 1 || moved[0].StoreID >= own[0].StoreID {
+			f.t.Errorf("%s: the due delayed effect: moved %+v, want it moved before the effect recorded after it fell due (%d)", c.name, moved, own[0].StoreID)
+		}
+		if got := f.pending(src); len(got) != c.n {
+			f.t.Errorf("%s: %d effects stored, want %d", c.name, len(got), c.n)
+		}
+	}
+}
+
 func testDelayedDueNotOvertaken(f *fixture) {
 	ds, ok := f.st.(outboxdriver.DelayedStore)
 	if !ok {
