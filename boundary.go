@@ -218,6 +218,7 @@ func (o *Outbox) InUnit(ctx context.Context, fn func(ctx context.Context) error)
 	if key != nil {
 		key.outcome(u.result, false)
 	}
+	u.dueCommitted()
 	if err := o.failpoint(ctx, FailpointAfterCommit); err != nil {
 		return err
 	}

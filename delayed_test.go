@@ -89,6 +89,34 @@ func TestDelayedEffectSentWhenDue(t *testing.T) {
 	mustEqual(t, "delayed effects waiting", e.count(`SELECT count(*) FROM outbox_delayed`), 0)
 }
 
+// A delay shorter than the rest of its unit of work (WithDelay of 0, then more work): the wake-up
+// armed when it was recorded fired before the commit, into a pass that could not see it, and
+// nothing woke the relay again until its poll (an hour here). It is armed again at the commit.
+func TestShortDelayFallingDueBeforeTheCommit(t *testing.T) {
+	e := newEnv(t, func(c *outbox.Config) { c.RelayInterval = time.Hour })
+	runRelay(t, e.ob)
+	msg := message.NewMessage(uuid.NewString(), nil)
+	var id string
+	began := time.Now()
+	if err := handle(e.ob, msg, func(m *message.Message) ([]*message.Message, error) {
+		ctx := m.Context()
+		out := message.NewMessage(uuid.NewString(), []byte("reminder"))
+		id = out.UUID
+		if err := outbox.Publish(outbox.WithDelay(ctx, 0), "out_b", out); err != nil {
+			return nil, err
+		}
+		time.Sleep(100 * time.Millisecond) // the rest of the handler: the wake-up fires meanwhile
+		return nil, nil
+	}); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "the delayed message sent", func() bool { return e.wire("out_b")[id] > 0 })
+	t.Logf("sent after %s", time.Since(began))
+	if took := time.Since(began); took > 100*time.Millisecond+dueLatencyBound {
+		t.Errorf("the delayed message was sent %s after it was recorded (due at once, RelayInterval 1 h)", took)
+	}
+}
+
 // A copy of a message whose immediate effects went out finds its claim settled while the delayed
 // effect is not due (it waits in the delayed effects, not among the pending) and is acked without
 // reading further; the relay sends the delayed effect once due, once, and a copy after that is

@@ -412,6 +412,7 @@ func (o *Outbox) handleOnce(msg *message.Message, src Source, p HandleParams, ne
 		}
 		return o.commitUnknown(after, src, err, fields)
 	}
+	u.dueCommitted()
 	if err := o.failpoint(after, FailpointAfterCommit); err != nil {
 		return err
 	}

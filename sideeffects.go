@@ -73,11 +73,12 @@ type unit struct {
 	begun    time.Time
 
 	mu       sync.Mutex
-	effects  []Effect // sent after commit, in order; delayed effects are not among them
-	recorded int      // effects recorded, delayed ones included: the next Seq
-	finished bool     // no more records: the transaction is being committed or rolled back
-	warned   bool     // an incoming value too large to copy was logged
-	derived  int      // UUIDs derived so far (NewUUID)
+	effects  []Effect  // sent after commit, in order; delayed effects are not among them
+	recorded int       // effects recorded, delayed ones included: the next Seq
+	finished bool      // no more records: the transaction is being committed or rolled back
+	warned   bool      // an incoming value too large to copy was logged
+	derived  int       // UUIDs derived so far (NewUUID)
+	due      time.Time // the earliest due time of the delayed effects recorded; zero: none
 
 	key    *keyed // the idempotency key of a keyed boundary unit; nil otherwise
 	result []byte // set with SetResult, stored with the key
@@ -91,6 +92,19 @@ type unit struct {
 
 func newUnit(o *Outbox, tx outboxdriver.UnitTx, src Source, incoming *message.Message) *unit {
 	return &unit{o: o, tx: tx, src: src, incoming: incoming, begun: time.Now()}
+}
+
+// dueCommitted wakes this process's relay at the earliest due time of the delayed effects u
+// committed, or at once when it has passed: the wake-up armed when they were recorded may have
+// fired before the commit (WithDelay of 0, or shorter than the rest of the unit), into a pass that
+// could not see them, and nothing else woke the relay until its next poll.
+func (u *unit) dueCommitted() {
+	u.mu.Lock()
+	due := u.due
+	u.mu.Unlock()
+	if !due.IsZero() {
+		u.o.due.arm(due)
+	}
 }
 
 // finish stops recording and returns the effects recorded so far.
@@ -419,7 +433,12 @@ func (u *unit) record(ctx context.Context, effects []Effect) error {
 		u.recorded += len(effects)
 		// This process's relay wakes at the due time (another's finds it at its next pass).
 		// Armed before the commit: a wake-up for a unit that rolls back costs one empty pass.
+		// Armed again once it committed (dueCommitted): a due time that comes before the
+		// commit wakes a relay that cannot see the effect yet.
 		u.o.due.arm(due)
+		if u.due.IsZero() || due.Before(u.due) {
+			u.due = due
+		}
 		return nil
 	}
 	if err := u.tx.Record(ctx, effects); err != nil {
