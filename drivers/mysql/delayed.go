@@ -53,6 +53,29 @@ func (q queries) moveDelayed(ctx context.Context, tx *sql.Tx, in string) error {
 	return err
 }
 
+// notPastAHeldOne returns the delayed effects of list (locked by tx) that no delayed effect left
+// out of it comes before on their key.
+func (q queries) notPastAHeldOne(ctx context.Context, tx *sql.Tx, list []int64) ([]int64, error) {
+	ids := idList(list)
+	rows, err := tx.QueryContext(ctx, `SELECT c.id FROM `+q.n.Delayed+` c WHERE c.id IN (`+ids+`)
+		AND NOT EXISTS (SELECT 1 FROM `+q.n.Delayed+` e WHERE e.ordering_key = c.ordering_key AND e.due_at <= c.due_at
+			AND (e.due_at < c.due_at OR e.id < c.id) AND e.id NOT IN (`+ids+`))
+		ORDER BY c.due_at, c.id`)
+	if err != nil {
+		return nil, fmt.Errorf("read the delayed effects held back by a held one: %w", err)
+	}
+	var out []int64
+	for rows.Next() {
+		var id int64
+		if err := rows.Scan(&id); err != nil {
+			rows.Close()
+			return nil, err
+		}
+		out = append(out, id)
+	}
+	return out, errors.Join(rows.Err(), rows.Close())
+}
+
 // delayedPromote moves up to limit due delayed effects into the effects table, in one
 // transaction at READ COMMITTED (no gap locks: the inserts of new delayed effects never wait for
 // it). An idle pass is one read of the due index, outside any transaction. The due rows are
@@ -90,6 +113,12 @@ func (q queries) delayedPromote(ctx context.Context, db *sql.DB, limit int) (int
 	}
 	if len(list) == 0 {
 		return 0, nil
+	}
+	// A due one left (a cancel holds it) holds back the later ones of its key, which would
+	// otherwise take ids before it: the cancel may roll back. READ COMMITTED reads it, its
+	// delete not committed.
+	if list, err = q.notPastAHeldOne(ctx, tx, list); err != nil || len(list) == 0 {
+		return 0, err
 	}
 	if err := q.moveDelayed(ctx, tx, idList(list)); err != nil {
 		return 0, err

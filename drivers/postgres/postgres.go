@@ -708,11 +708,16 @@ func queries(n store.Names, deleteDispatched bool, gen *Generation) store.Querie
 		// optimistic mode, after a crash) waits until they are sent or moved to rows: it would
 		// take an id before them and overtake them on its key, the source's. The next due time
 		// is read in the same statement, from the snapshot before the move (the moved ones left
-		// out), by the index on due_at: an idle relay pass is then one statement here.
-		DelayedPromote: `WITH due AS (SELECT d.id FROM ` + n.Delayed + ` d WHERE d.due_at <= now()
+		// out), by the index on due_at: an idle relay pass is then one statement here. A due
+		// one left (a cancel holds it, its claim holds inline effects) holds back the later ones
+		// of its key, which would otherwise take ids before it: the cancel may roll back.
+		DelayedPromote: `WITH cand AS (SELECT d.id, d.ordering_key, d.due_at FROM ` + n.Delayed + ` d WHERE d.due_at <= now()
 				  AND NOT EXISTS (SELECT 1 FROM ` + n.Processed + ` p
 					WHERE p.consumer = d.source_consumer AND p.message_id = d.source_id AND p.effects IS NOT NULL)
 				ORDER BY d.due_at, d.id LIMIT $1 FOR UPDATE OF d SKIP LOCKED),
+			due AS (SELECT c.id FROM cand c WHERE NOT EXISTS (SELECT 1 FROM ` + n.Delayed + ` e
+				WHERE e.ordering_key = c.ordering_key AND e.due_at <= c.due_at AND (e.due_at, e.id) < (c.due_at, c.id)
+				  AND e.id NOT IN (SELECT id FROM cand))),
 			moved AS (DELETE FROM ` + n.Delayed + ` d USING due WHERE d.id = due.id RETURNING d.*),
 			ins AS (INSERT INTO ` + n.Effects + ` (source_consumer, source_id, seq, kind, topic, uuid, payload, metadata, ordering_key,
 				created_at, next_attempt_at)

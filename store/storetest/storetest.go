@@ -164,6 +164,7 @@ func Run(t *testing.T, newHarness func(t *testing.T) Harness) {
 		{"Delayed/DueCancelAndOrder", testDelayed},
 		{"Delayed/DueNotOvertaken", testDelayedDueNotOvertaken},
 		{"Delayed/DueAfterTheClaimNotOvertaken", testDelayedDueAfterTheClaimNotOvertaken},
+		{"Delayed/MoveStopsAtAHeldOne", testDelayedMoveStopsAtAHeldOne},
 		{"KeyClaim/ReplayMismatchExpiryCleanup", testKeys},
 		{"KeyClaim/InFlight", testKeysInFlight},
 		{"KeyClaim/ConcurrentClaimsOneRuns", testKeysConcurrent},
@@ -2590,6 +2591,61 @@ func testDelayedDueAfterTheClaimNotOvertaken(f *fixture) {
 		if got := f.pending(src); len(got) != c.n {
 			f.t.Errorf("%s: %d effects stored, want %d", c.name, len(got), c.n)
 		}
+	}
+}
+
+// testDelayedMoveStopsAtAHeldOne: a move that skips a due delayed effect another transaction
+// holds (a cancel that may yet roll back) moves none of that key's later ones: moved past it,
+// they took ids before it and were sent first once the cancel rolled back.
+func testDelayedMoveStopsAtAHeldOne(f *fixture) {
+	ds, ok := f.st.(outboxdriver.DelayedStore)
+	if !ok {
+		f.t.Skip("the store keeps no delayed effects")
+	}
+	if !f.h.Capabilities.RowLocks {
+		f.t.Skip("one writer at a time: no move runs while a cancel is under way")
+	}
+	first, second, other := f.src("held first"), f.src("held second"), f.src("held other key")
+	e1, e2, e3 := f.effects(first, "held key", 1), f.effects(second, "held key", 1), f.effects(other, "free key", 1)
+	e1[0].DueAt, e1[0].CancelKey = time.Now().Add(-2*time.Second), "held cancel"
+	e2[0].DueAt = time.Now().Add(-time.Second)
+	e3[0].DueAt = time.Now().Add(-time.Second)
+	for _, d := range []struct {
+		src outboxdriver.Source
+		es  []outboxdriver.Effect
+	}{{first, e1}, {second, e2}, {other, e3}} {
+		tx := f.begin()
+		err := ds.DelayedInsert(f.ctx, tx, d.src, d.es)
+		if errors.Is(err, outboxdriver.ErrDelayedUnsupported) {
+			_ = tx.Rollback()
+			f.t.Skip("the store keeps no delayed effects")
+		}
+		if err != nil {
+			f.t.Fatalf("DelayedInsert: %v", err)
+		}
+		if err := tx.Commit(); err != nil {
+			f.t.Fatal(err)
+		}
+	}
+	cancel := f.begin()
+	defer func() { _ = cancel.Rollback() }()
+	if n, err := ds.DelayedCancel(f.ctx, cancel, "held cancel"); err != nil || n != 1 {
+		f.t.Fatalf("DelayedCancel = %d, %v; want 1", n, err)
+	}
+	moved, _, _, err := ds.DelayedPromote(f.ctx, 100)
+	if err != nil {
+		f.t.Fatalf("DelayedPromote: %v", err)
+	}
+	if moved != 1 || len(f.pending(second)) != 0 || len(f.pending(other)) != 1 {
+		f.t.Fatalf("a move beside a held delayed effect moved %d (the later one of its key: %d), want 1: the other key's only", moved, len(f.pending(second)))
+	}
+	_ = cancel.Rollback() // the cancel does not happen: both are due, in their order
+	if _, _, _, err := ds.DelayedPromote(f.ctx, 100); err != nil {
+		f.t.Fatalf("DelayedPromote: %v", err)
+	}
+	p1, p2 := f.pending(first), f.pending(second)
+	if len(p1) != 1 || len(p2) != 1 || p1[0].StoreID >= p2[0].StoreID {
+		f.t.Fatalf("after the cancel rolled back: %+v then %+v, want both, the first due first", p1, p2)
 	}
 }
 
