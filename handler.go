@@ -283,6 +283,10 @@ func (o *Outbox) handleOnce(msg *message.Message, src Source, p HandleParams, ne
 			return err
 		}
 	}
+	// The claim's time is taken by the database before the claim waits for a copy's (the
+	// transaction's start on PostgreSQL, the INSERT's on MySQL): from here, not from the end of
+	// the wait, tells whether the effects went out close enough to it (dispatchAndMark).
+	claimAt := time.Now()
 	tx, claim, err := o.beginUnit(txCtx, &src)
 	if o.gate.observe(err) {
 		// The database is unreachable: Handle waits for it and runs the unit again.
@@ -421,7 +425,7 @@ func (o *Outbox) handleOnce(msg *message.Message, src Source, p HandleParams, ne
 		effects[i].PendingFor = committed.Sub(u.begun)
 		effects[i].StoredAt = committed
 	}
-	err = o.dispatchAndMark(after, PathCommit, src, effects, u.begun, fields)
+	err = o.dispatchAndMark(after, PathCommit, src, effects, claimAt, fields)
 	if errors.Is(err, ErrDispatchFailed) {
 		setOutcome(after, OutcomeDispatchFailed)
 	}

@@ -202,3 +202,44 @@ func TestClaimCopiesPastTheLockWaitTimeout(t *testing.T) {
 		})
 	}
 }
+
+// TestDispatchTimeOfAClaimThatWaited: a delivery whose claim waited for a copy's (the copy held
+// it, then rolled back) kept as its dispatch time the time its INSERT began, before the wait,
+// when it sent its effects at once: "sent within a second of the claim" was judged from the end
+// of the wait. Retention, counted from dispatch, started that much early.
+func TestDispatchTimeOfAClaimThatWaited(t *testing.T) {
+	db := openAt(t, "REPEATABLE-READ")
+	ob := newOutbox(t, db)
+	msg := message.NewMessage("waited", nil)
+	holding := make(chan struct{})
+	first := make(chan error, 1)
+	handle := func(h message.HandlerFunc) error {
+		return ob.Handle(msg.Copy(), outbox.HandleParams{Consumer: "reserve", MessageID: msg.UUID}, h)
+	}
+	go func() {
+		first <- handle(func(*message.Message) ([]*message.Message, error) {
+			close(holding)
+			time.Sleep(3 * time.Second)
+			return nil, fmt.Errorf("the copy fails after holding its claim")
+		})
+	}()
+	<-holding
+	if err := handle(func(m *message.Message) ([]*message.Message, error) {
+		return nil, outbox.Publish(m.Context(), "reserved", message.NewMessage("reserved-"+m.UUID, nil))
+	}); err != nil {
+		t.Fatalf("the delivery that waited: %v", err)
+	}
+	if err := <-first; err == nil {
+		t.Fatal("the copy: want its failure")
+	}
+	ob.FlushMarks()
+	var early float64
+	if err := db.QueryRow(`SELECT TIMESTAMPDIFF(MICROSECOND, dispatched_at, UTC_TIMESTAMP(6)) / 1e6 FROM outbox_processed WHERE message_id = ?`,
+		msg.UUID).Scan(&early); err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("dispatch time %.3f s before now", early)
+	if early > 1.5 {
+		t.Errorf("the claim's dispatch time is %.1f s before its effects were sent; want within a second of it", early)
+	}
+}
