@@ -13,6 +13,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/watermill-outbox/outbox/outboxdriver"
@@ -311,6 +312,8 @@ type SQL struct {
 	xmin *xminShare // the pool's xmin horizon sample; nil when the dialect has none
 
 	floor claimFloor // where the relay's claims from the front start (Queries.EffectClaimDueFloor)
+
+	cleanupTurn atomic.Uint64 // the runs of Cleanup so far: the step the next begins with
 }
 
 // poolerState is what Dialect.Pooler found; the check runs once, again after it could not ask.
@@ -1210,7 +1213,11 @@ func (s *SQL) Cleanup(ctx context.Context, p outboxdriver.CleanupParams) (outbox
 		// its ID is remembered.
 		{step(s.d.DeadLetters.Cleanup, ""), p.Retention, &res.DeadLetters, nil},
 	}
-	for _, st := range steps {
+	// Each run begins one step further: a run cut short by its deadline in a long step (a
+	// backlog of claims) left the steps after it undone for as long as the backlog lasted, the
+	// dispatched archive, the attempt counters and the expired keys kept past their retention.
+	turn := int(s.cleanupTurn.Add(1)-1) % len(steps)
+	for _, st := range slices.Concat(steps[turn:], steps[:turn]) {
 		if st.query == "" {
 			continue
 		}

@@ -159,6 +159,7 @@ func Run(t *testing.T, newHarness func(t *testing.T) Harness) {
 		{"Stats/Concurrent", testStatsConcurrent},
 		{"Cleanup/RetentionAndCounts", testCleanupRetention},
 		{"Cleanup/Batches", testCleanupBatches},
+		{"Cleanup/EveryStepHasItsTurn", testCleanupEveryStepHasItsTurn},
 		{"Cleanup/AnotherProcessCleaning", testCleanupLocked},
 		{"Cleanup/AttemptCountedMeanwhile", testCleanupAttemptCounted},
 		{"Delayed/DueCancelAndOrder", testDelayed},
@@ -2103,6 +2104,42 @@ func testCleanupRetention(f *fixture) {
 	}
 	if res := f.cleanup(p); res != (outboxdriver.CleanupResult{Batches: res.Batches}) || res.Batches < 3 || res.Batches > 5 {
 		f.t.Fatalf("second cleanup: %+v, want nothing deleted in one batch per table", res)
+	}
+}
+
+// testCleanupEveryStepHasItsTurn: runs cut short in a long first step (a backlog of claims, a
+// deadline) each begin one step further, so that the attempt counters, after the claims, are
+// cleaned too. Every run began with the claims, and the rest waited for the backlog to end.
+func testCleanupEveryStepHasItsTurn(f *fixture) {
+	tx := f.begin()
+	for i := range 30 {
+		f.claim(tx, f.src(fmt.Sprintf("backlog %02d", i)))
+	}
+	if err := tx.Commit(); err != nil {
+		f.t.Fatal(err)
+	}
+	f.age("processed", "processed_at", outboxdriver.Source{}, 30*24*time.Hour)
+	f.age("processed", "dispatched_at", outboxdriver.Source{}, 30*24*time.Hour)
+	failing := f.src("failed long ago")
+	f.attempt(failing, "boom")
+	f.age("attempts", "first_failed_at", failing, 30*24*time.Hour)
+	f.age("attempts", "last_failed_at", failing, 30*24*time.Hour)
+	for run := range 6 {
+		ctx, cancel := context.WithCancel(f.ctx)
+		batches := 0
+		_, err := f.st.Cleanup(ctx, outboxdriver.CleanupParams{Retention: 7 * 24 * time.Hour, EffectRetention: time.Hour, BatchSize: 1,
+			Progress: func(outboxdriver.CleanupResult) {
+				if batches++; batches == 2 {
+					cancel() // the run's deadline, two batches in
+				}
+			}})
+		cancel()
+		if err != nil && !errors.Is(err, context.Canceled) {
+			f.t.Fatalf("Cleanup run %d: %v", run, err)
+		}
+	}
+	if n := f.count("attempts"); n != 0 {
+		f.t.Fatalf("%d attempt counters left after six runs cut short among 30 expired claims, want the expired one deleted", n)
 	}
 }
 
