@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/watermill-outbox/outbox/outboxdriver"
@@ -132,7 +133,13 @@ type dueTimer struct {
 	mu sync.Mutex
 	t  *time.Timer
 	at time.Time // when t fires; zero when it is not armed
+
+	fired atomic.Bool // t fired since the relay last asked (takeFired)
 }
+
+// takeFired tells whether the timer fired since the last call: a delayed effect fell due during
+// a relay pass, which moves it then rather than after the pass (a backlog may take minutes).
+func (d *dueTimer) takeFired() bool { return d.fired.Swap(false) }
 
 // dueSlack is added to a due time: the database's clock decides, in milliseconds.
 const dueSlack = 5 * time.Millisecond
@@ -157,6 +164,7 @@ func (d *dueTimer) fire() {
 	d.mu.Lock()
 	d.at = time.Time{}
 	d.mu.Unlock()
+	d.fired.Store(true)
 	d.kick()
 }
 

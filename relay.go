@@ -51,6 +51,7 @@ func (o *Outbox) relayBudget() time.Duration { return o.relayLease() / 2 }
 // zero when none is pending. A pass that is idle is drained too when the store can tell.
 func (o *Outbox) relayOnce(ctx context.Context) (idle, drained bool, dueBy time.Time, err error) {
 	worked := false
+	o.due.takeFired() // this pass looks at what is due from its start
 	if !o.claimSeesDelayed.Load() {
 		// Delayed effects that are due become pending ones first.
 		n, err := o.promoteDelayed(ctx)
@@ -129,6 +130,18 @@ func (o *Outbox) relayOnce(ctx context.Context) (idle, drained bool, dueBy time.
 			}
 		}
 		busy = 0
+		// A delayed effect fell due during the pass (the due timer fired): moved now, or, where
+		// the claim reads the delayed effects, looked at again by this turn's even after a move
+		// that moved none. The pass, draining a backlog, may last minutes.
+		if o.due.takeFired() {
+			if o.claimSeesDelayed.Load() {
+				stuckDelayed = false
+			} else if n, err := o.promoteDelayed(ctx); err != nil {
+				return false, false, time.Time{}, err
+			} else {
+				worked = worked || n > 0
+			}
+		}
 		// Destinations that took a call again since the last turn: the effects that back off
 		// for them are claimed by this turn, not when their retry time comes.
 		if err := o.retryRecovered(ctx); err != nil {
