@@ -558,8 +558,10 @@ var errCrash = errors.New("outboxtest: crash")
 // message and the crash point: the first delivery crashes at the point (none, after the claim,
 // the handler, the commit, a publish, the mark), then Copies copies are delivered at the same
 // moment, then one more later, and the relay runs until nothing is pending. The subtest fails
-// with a report if the business change did not happen exactly once, a committed side effect
-// never reached the Publisher on its topic, something reached a topic under a UUID that was
+// with a report if the business change did not happen exactly once, the side effects committed
+// differ (by kind, topic and ordering key) from those of the run without a crash (one lost, or
+// added, by the crash), a committed side effect never reached the Publisher on its topic, a crash
+// point the unit of work passes was never reached (an Open that drops the Config's Failpoint), something reached a topic under a UUID that was
 // never committed to it (a second ID for one effect, or an effect of a rolled-back attempt), or
 // effects of one ordering key were first sent out of the order they were recorded in. An
 // effect is a (topic, UUID): one message published to two topics is two effects, each checked.
@@ -573,13 +575,20 @@ func (c CrashMatrix) Run(t *testing.T) {
 		copies = 4
 	}
 	for _, msg := range c.Messages {
+		// What the run without a crash committed: every crash scenario must commit the same
+		// side effects (kind, topic, ordering key), or one was lost, or added, by the crash.
+		var baseline []string
 		for _, point := range crashPoints {
 			name := msg.UUID + "/crash-" + point
 			if point == "" {
 				name = msg.UUID + "/no-crash"
 			}
 			t.Run(name, func(t *testing.T) {
-				if failures := c.scenario(t, msg, point, copies); len(failures) > 0 {
+				failures, committed := c.run(t, msg, point, copies, baseline)
+				if point == "" && len(failures) == 0 {
+					baseline = committed
+				}
+				if len(failures) > 0 {
 					t.Error(joinLines(failures))
 				}
 			})
@@ -587,8 +596,27 @@ func (c CrashMatrix) Run(t *testing.T) {
 	}
 }
 
+// effectShapes returns what must be alike in the side effects of two runs of one message: their
+// kind, topic and ordering key (their UUIDs and payloads may differ, drawn anew by a handler),
+// sorted.
+func effectShapes(effects []Effect) []string {
+	out := make([]string, len(effects))
+	for i, e := range effects {
+		out[i] = fmt.Sprintf("%s %q key %q", e.Kind, e.Topic, e.OrderingKey)
+	}
+	slices.Sort(out)
+	return out
+}
+
 // scenario runs one message with one crash point and returns what went wrong, with the report.
 func (c CrashMatrix) scenario(t testing.TB, msg *message.Message, point string, copies int) []string {
+	failures, _ := c.run(t, msg, point, copies, nil)
+	return failures
+}
+
+// run is scenario, which also checks the committed side effects against baseline (those of the
+// run without a crash, nil: not checked) and returns their shapes (effectShapes).
+func (c CrashMatrix) run(t testing.TB, msg *message.Message, point string, copies int, baseline []string) ([]string, []string) {
 	ctx := context.Background()
 	h := newHarness(t, c.Database, c.Open, c.Config, c.Setup, c.DeleteSent)
 	if c.Register != nil {
@@ -804,10 +832,14 @@ func (c CrashMatrix) scenario(t testing.TB, msg *message.Message, point string, 
 	if idleErr != nil {
 		fail("side effects left pending")
 	}
+	shapes := effectShapes(later.Effects)
+	if baseline != nil && !slices.Equal(shapes, baseline) {
+		fail("the side effects committed differ from those of the run without a crash (one lost, or added, by the crash): %q, want %q", shapes, baseline)
+	}
 	if len(failures) > 0 {
 		failures = append(failures, "what happened:", joinLines(report))
 	}
-	return failures
+	return failures, shapes
 }
 
 // waitDelayed waits until no delayed effect of the message waits for its due time.

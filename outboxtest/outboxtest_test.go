@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"os"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -124,6 +125,42 @@ func TestCrashMatrixCatchesACrashNeverInjected(t *testing.T) {
 	}
 	if failures := c.scenario(t, orders()[0], "", 2); len(failures) != 0 {
 		t.Fatalf("without a crash: %q, want none", failures)
+	}
+}
+
+// The matrix catches a side effect that a crash loses: here the handler records its audit
+// effect only at its first call (as a framework path that dropped a redelivery's effects would
+// look). The crash after the handler rolls the first call back, and the redelivery commits the
+// business change and one effect: nothing was sent twice and nothing committed was lost, so only
+// the comparison with the run without a crash tells.
+func TestCrashMatrixCatchesAnEffectLostByACrash(t *testing.T) {
+	var mu sync.Mutex
+	calls := map[string]int{}
+	forgetful := func(*sql.DB) message.HandlerFunc {
+		return func(msg *message.Message) ([]*message.Message, error) {
+			ctx := msg.Context()
+			mu.Lock()
+			calls[msg.UUID]++
+			first := calls[msg.UUID] == 1
+			mu.Unlock()
+			if _, err := outbox.Tx(ctx).ExecContext(ctx, `INSERT INTO reservations VALUES ($1)`, string(msg.Payload)); err != nil {
+				return nil, err
+			}
+			if err := outbox.Publish(ctx, "stock.reserved", message.NewMessage("", msg.Payload)); err != nil || !first {
+				return nil, err
+			}
+			return nil, outbox.Publish(ctx, "audit", message.NewMessage("", msg.Payload))
+		}
+	}
+	c := CrashMatrix{Consumer: "reserve", Handler: forgetful, Messages: orders(), Setup: setupOrders, Applied: applied}
+	failures, baseline := c.run(t, orders()[0], "", 2, nil)
+	if len(failures) != 0 || len(baseline) != 2 {
+		t.Fatalf("without a crash: %q, effects %q; want no failure and two effects", failures, baseline)
+	}
+	clear(calls)
+	failures, _ = c.run(t, orders()[0], outbox.FailpointAfterHandler, 2, baseline)
+	if len(failures) == 0 || !strings.Contains(failures[0], "differ from those of the run without a crash") {
+		t.Fatalf("failures: %q, want the lost effect reported", failures)
 	}
 }
 
