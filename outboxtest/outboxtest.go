@@ -561,10 +561,11 @@ var errCrash = errors.New("outboxtest: crash")
 // with a report if the business change did not happen exactly once, the side effects committed
 // differ (by kind, topic and ordering key) from those of the run without a crash (one lost, or
 // added, by the crash), a committed side effect never reached the Publisher on its topic, a crash
-// point the unit of work passes was never reached (an Open that drops the Config's Failpoint), something reached a topic under a UUID that was
-// never committed to it (a second ID for one effect, or an effect of a rolled-back attempt), or
-// effects of one ordering key were first sent out of the order they were recorded in. An
-// effect is a (topic, UUID): one message published to two topics is two effects, each checked.
+// point the unit of work passes was never reached (an Open that drops the Config's Failpoint),
+// something reached a topic under a UUID that was never committed to it (a second ID for one
+// effect, or an effect of a rolled-back attempt), or effects of one ordering key were first sent
+// out of the order they were recorded in. An effect is a (topic, UUID): one message published to
+// two topics is two effects, each checked.
 func (c CrashMatrix) Run(t *testing.T) {
 	t.Helper()
 	if c.Handler == nil || c.Applied == nil || len(c.Messages) == 0 || c.Consumer == "" {
