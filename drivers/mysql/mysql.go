@@ -10,8 +10,10 @@ import (
 	"errors"
 	"fmt"
 	"io/fs"
+	"slices"
 	"strconv"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -110,6 +112,39 @@ type mysqlStore struct {
 	q  queries
 	// oldReadOnlyName: the server knows the session's read-only setting as tx_read_only only.
 	oldReadOnlyName atomic.Bool
+
+	// database is the connection's database, read once (TablesIdentity), for tables named
+	// without one.
+	databaseMu sync.Mutex
+	database   string
+}
+
+var _ outboxdriver.TablesIdentifier = (*mysqlStore)(nil)
+
+// TablesIdentity implements outboxdriver.TablesIdentifier: the claims table named with its
+// database, the connection's (read once, within a few seconds at most) when the Schema is "", so
+// that a Store named by its database and one that leaves it to the connection are one. Should
+// the database not answer, the name as configured.
+func (s *mysqlStore) TablesIdentity() string {
+	if s.q.n.Schema != "" {
+		return s.q.n.Processed
+	}
+	s.databaseMu.Lock()
+	defer s.databaseMu.Unlock()
+	if s.database == "" {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		var current sql.NullString
+		if err := s.db.QueryRowContext(ctx, `SELECT DATABASE()`).Scan(&current); err != nil || current.String == "" {
+			return s.q.n.Processed
+		}
+		s.database = current.String
+	}
+	n, err := NewNames(s.database, s.q.n.Prefix)
+	if err != nil {
+		return s.q.n.Processed
+	}
+	return n.Processed
 }
 
 var _ outboxdriver.RetryClassifier = (*mysqlStore)(nil)
@@ -292,6 +327,25 @@ func lockName(n store.Names) string {
 	return "outbox_migrate_" + hex.EncodeToString(sum[:])
 }
 
+// lockNames are the GET_LOCK names a migration of the tables n names takes, in one order for all
+// (no two migrators each hold one and wait for the other): the name of n as configured, and, for
+// the tables of the connection's database (current), the name of the other way to name them
+// (Schema "" and Schema current), so that processes that name the database and processes that
+// leave it to the connection take turns, the versions before this one included (they take the
+// name as configured).
+func lockNames(n store.Names, current string) []string {
+	names := []string{lockName(n)}
+	switch {
+	case current == "":
+	case n.Schema == "":
+		names = append(names, lockName(store.Names{Schema: current, Prefix: n.Prefix}))
+	case n.Schema == current:
+		names = append(names, lockName(store.Names{Prefix: n.Prefix}))
+	}
+	slices.Sort(names)
+	return names
+}
+
 // migrate applies the missing migrations. MySQL commits DDL implicitly, so a migration runs
 // outside a transaction, on one connection holding GET_LOCK (a session lock, released at the end,
 // or when the connection dies): migrators take turns, and one that finds a migration applied
@@ -306,22 +360,33 @@ func migrate(ctx context.Context, db *sql.DB, n store.Names, ms []store.Migratio
 	if dl, ok := ctx.Deadline(); ok && time.Until(dl) < wait {
 		wait = max(time.Until(dl), time.Second)
 	}
-	var got sql.NullInt64
-	if err := conn.QueryRowContext(ctx, `SELECT GET_LOCK(?, ?)`, lockName(n), int(wait.Seconds())).Scan(&got); err != nil {
-		return fmt.Errorf("take migration lock: %w", err)
+	var current sql.NullString
+	if err := conn.QueryRowContext(ctx, `SELECT DATABASE()`).Scan(&current); err != nil {
+		return fmt.Errorf("migrate: read the connection's database: %w", err)
 	}
-	if !got.Valid || got.Int64 != 1 {
-		return fmt.Errorf("take migration lock: another process held it for %s (GET_LOCK %s)", wait, lockName(n))
-	}
+	var held []string
 	defer func() {
 		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
 		defer cancel()
-		if _, rerr := conn.ExecContext(rctx, `DO RELEASE_LOCK(?)`, lockName(n)); rerr != nil {
-			// The lock lives as long as the session: the connection must not go back to the pool.
-			_ = conn.Raw(func(any) error { return driver.ErrBadConn })
-			err = errors.Join(err, fmt.Errorf("release migration lock: %w", rerr))
+		for _, name := range held {
+			if _, rerr := conn.ExecContext(rctx, `DO RELEASE_LOCK(?)`, name); rerr != nil {
+				// The lock lives as long as the session: the connection must not go back to the pool.
+				_ = conn.Raw(func(any) error { return driver.ErrBadConn })
+				err = errors.Join(err, fmt.Errorf("release migration lock: %w", rerr))
+				return
+			}
 		}
 	}()
+	for _, name := range lockNames(n, current.String) {
+		var got sql.NullInt64
+		if err := conn.QueryRowContext(ctx, `SELECT GET_LOCK(?, ?)`, name, int(wait.Seconds())).Scan(&got); err != nil {
+			return fmt.Errorf("take migration lock: %w", err)
+		}
+		if !got.Valid || got.Int64 != 1 {
+			return fmt.Errorf("take migration lock: another process held it for %s (GET_LOCK %s)", wait, name)
+		}
+		held = append(held, name)
+	}
 	// A migration that alters a table waits for the transactions that use it, and every new
 	// statement on the table queues behind it: behind one that does not end it gives up after
 	// migrateLockWait (Migrate fails, and runs again at the next start), as on PostgreSQL, not
