@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"slices"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/watermill-outbox/outbox/outboxdriver"
@@ -56,7 +57,9 @@ func (s sqlUnits) BeginUnit(ctx context.Context, claim *Source) (outboxdriver.Un
 				}
 				var tx *sql.Tx
 				if tx, err = conn.BeginTx(ctx, nil); err == nil {
-					return &sqlUnit{store: s.store, tx: tx, conn: conn}, nil
+					u := &sqlUnit{store: s.store, tx: tx, conn: conn}
+					u.stopExpiry = context.AfterFunc(ctx, u.expireKey)
+					return u, nil
 				}
 				_ = conn.Close()
 				if ctx.Err() != nil {
@@ -179,9 +182,12 @@ type sqlUnit struct {
 	guarded, ended bool
 	src            Source // of the claim, when it claimed one
 	// conn is the connection of tx when the store locks keys per session; keyed is the key
-	// claimed on it, whose lock is released once tx has ended.
-	conn  *sql.Conn
-	keyed *outboxdriver.KeyClaimParams
+	// claimed on it, whose lock is released once tx has ended, or once the context tx is bound
+	// to ends (expireKey), whichever comes first. sessionMu guards both from expireKey on.
+	sessionMu  sync.Mutex
+	conn       *sql.Conn
+	keyed      *outboxdriver.KeyClaimParams
+	stopExpiry func() bool
 	// riding are the marks written by the claim (sqlUnits.claim), to settle with marks once the
 	// transaction has ended.
 	riding []outboxdriver.DispatchMark
@@ -571,6 +577,11 @@ const keyUnlockTimeout = 10 * time.Second
 // for it finds the key committed, and gives the connection back. A connection whose lock may
 // outlive the release is closed: the lock ends with its session.
 func (u *sqlUnit) endSession(ctx context.Context) {
+	u.sessionMu.Lock()
+	defer u.sessionMu.Unlock()
+	if u.stopExpiry != nil {
+		u.stopExpiry()
+	}
 	if u.conn == nil {
 		return
 	}
@@ -586,16 +597,38 @@ func (u *sqlUnit) endSession(ctx context.Context) {
 	_ = conn.Close()
 }
 
+// expireKey releases the lock of the claimed key once the context of the unit's transaction has
+// ended (HandlerTimeout): database/sql rolls the transaction back then, and it can never commit,
+// but the lock, the session's, outlived it for as long as fn ran on (a call that ignores its
+// context), every retry with the key told it was in flight. The connection stays the unit's
+// until it ends.
+func (u *sqlUnit) expireKey() {
+	u.sessionMu.Lock()
+	defer u.sessionMu.Unlock()
+	if u.conn == nil || u.keyed == nil {
+		return
+	}
+	keyed := u.keyed
+	u.keyed = nil
+	ctx, cancel := context.WithTimeout(context.Background(), keyUnlockTimeout)
+	defer cancel()
+	if err := u.store.(outboxdriver.KeySessionLocker).KeyUnlock(ctx, u.conn, keyed.Scope, keyed.Key); err != nil {
+		_ = u.conn.Raw(func(any) error { return driver.ErrBadConn }) // the lock ends with its session
+	}
+}
+
 // KeyClaim implements outboxdriver.KeyedUnitTx through the Store, when it keeps keys.
 func (u *sqlUnit) KeyClaim(ctx context.Context, p outboxdriver.KeyClaimParams) (outboxdriver.KeyClaim, error) {
 	ks, ok := u.store.(outboxdriver.KeyStore)
 	if !ok {
 		return outboxdriver.KeyClaim{}, outboxdriver.ErrKeysUnsupported
 	}
+	u.sessionMu.Lock()
 	if u.conn != nil {
 		// Set before the claim: it may take the lock and then fail.
 		u.keyed = &p
 	}
+	u.sessionMu.Unlock()
 	return ks.KeyClaim(ctx, u.tx, p)
 }
 

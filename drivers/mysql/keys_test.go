@@ -581,3 +581,41 @@ func TestKeyOutsideTheBasicPlane(t *testing.T) {
 		t.Errorf("fn ran %d times, want once (the second call replayed)", n)
 	}
 }
+
+// TestKeyFreedAtHandlerTimeout: a keyed InTx whose fn ignores its context past HandlerTimeout has
+// its transaction rolled back by database/sql, which can never commit, but the key's lock (of
+// the session, GET_LOCK) was released only once fn returned: every retry was told the key was
+// in flight for as long as fn ran. It is released at HandlerTimeout now, as on PostgreSQL.
+func TestKeyFreedAtHandlerTimeout(t *testing.T) {
+	db := openAt(t, "REPEATABLE-READ")
+	ob := keyedOutbox(t, db, func(c *outbox.Config) { c.HandlerTimeout = 300 * time.Millisecond })
+	release := make(chan struct{})
+	first := make(chan error, 1)
+	var runs atomic.Int32
+	go func() {
+		first <- ob.InTx(outbox.WithIdempotencyKey(context.Background(), "orders", "hung"), func(ctx context.Context, tx *sql.Tx) error {
+			runs.Add(1)
+			<-release // ignores its context
+			return nil
+		})
+	}()
+	defer func() {
+		select {
+		case <-release:
+		default:
+			close(release)
+		}
+	}()
+	time.Sleep(time.Second)
+	err := ob.InTx(outbox.WithIdempotencyKey(context.Background(), "orders", "hung"), placeOrder(&runs, "o-hung"))
+	if err != nil {
+		t.Fatalf("a retry 1 s after the first call's HandlerTimeout (300 ms): %v; want it run", err)
+	}
+	close(release)
+	if err := <-first; err == nil {
+		t.Error("the call whose fn outlived HandlerTimeout: nil, want its timeout")
+	}
+	if n := runs.Load(); n != 2 {
+		t.Errorf("fn ran %d times, want twice (the hung one, the retry)", n)
+	}
+}
