@@ -130,7 +130,16 @@ func (s *SQL) DelayedPromote(ctx context.Context, limit int) (int, time.Duration
 		moved = int64(n)
 	case q.DelayedPromote != "":
 		var ms sql.NullInt64
-		if err := s.db.QueryRowContext(ctx, q.DelayedPromote, limit).Scan(&moved, &ms); err != nil {
+		err := s.db.QueryRowContext(ctx, q.DelayedPromote, limit).Scan(&moved, &ms)
+		if serializationFailure(err) && s.d.Isolation != sql.LevelDefault {
+			// The sessions default to an isolation above the dialect's (REPEATABLE READ), where
+			// two relays moving at once meet as a serialization failure: moved again at the
+			// dialect's, where the second skips what the first moves.
+			err = s.inTx(ctx, func(tx *sql.Tx) error {
+				return tx.QueryRowContext(ctx, q.DelayedPromote, limit).Scan(&moved, &ms)
+			})
+		}
+		if err != nil {
 			return 0, 0, false, fmt.Errorf("move due delayed effects: %w", s.wrap(err))
 		}
 		return int(moved), time.Duration(ms.Int64) * time.Millisecond, ms.Valid, nil
@@ -200,4 +209,24 @@ func (s *SQL) delayedIDs(ctx context.Context, q execer, query string, args ...an
 		return nil, s.wrap(err)
 	}
 	return due, nil
+}
+
+// serializationFailure tells a serialization failure (SQLSTATE 40001).
+func serializationFailure(err error) bool {
+	var s interface{ SQLState() string }
+	return errors.As(err, &s) && s.SQLState() == "40001"
+}
+
+// inTx runs fn in a transaction of the Store's own (BeginTx: at the dialect's Isolation) and
+// commits it.
+func (s *SQL) inTx(ctx context.Context, fn func(tx *sql.Tx) error) error {
+	tx, err := s.BeginTx(ctx, nil)
+	if err != nil {
+		return err
+	}
+	defer func() { _ = tx.Rollback() }()
+	if err := fn(tx); err != nil {
+		return err
+	}
+	return tx.Commit()
 }

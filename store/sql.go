@@ -1097,6 +1097,26 @@ func (s *SQL) EffectClaimDueWith(ctx context.Context, p outboxdriver.EffectClaim
 }
 
 func (s *SQL) effectClaimDue(ctx context.Context, p outboxdriver.EffectClaimParams, query string, trailing ...any) (outboxdriver.EffectClaim, bool, error) {
+	claim, seen, err := s.effectClaimDueOn(ctx, s.db, p, query, trailing...)
+	if serializationFailure(err) && s.d.Isolation != sql.LevelDefault && s.d.Hooks.EffectClaimDue == nil {
+		// The sessions default to an isolation above the dialect's (REPEATABLE READ), where two
+		// relays claiming at once meet as a serialization failure (an effect leased by the other
+		// since the statement's snapshot): claimed again at the dialect's, where it is skipped.
+		err = s.inTx(ctx, func(tx *sql.Tx) error {
+			var err error
+			claim, seen, err = s.effectClaimDueOn(ctx, tx, p, query, trailing...)
+			return err
+		})
+	}
+	return claim, seen, err
+}
+
+// querier runs a query on a pool or in a transaction.
+type querier interface {
+	QueryContext(ctx context.Context, query string, args ...any) (*sql.Rows, error)
+}
+
+func (s *SQL) effectClaimDueOn(ctx context.Context, db querier, p outboxdriver.EffectClaimParams, query string, trailing ...any) (outboxdriver.EffectClaim, bool, error) {
 	maxBytes := int64(p.MaxBytes)
 	if maxBytes <= 0 {
 		maxBytes = math.MaxInt64
@@ -1124,7 +1144,7 @@ func (s *SQL) effectClaimDue(ctx context.Context, p outboxdriver.EffectClaimPara
 		look = s.floor.start(time.Now(), p.After == 0)
 		args = append(args, look.floor)
 	}
-	rows, err := s.db.QueryContext(ctx, query, args...)
+	rows, err := db.QueryContext(ctx, query, args...)
 	if err != nil {
 		return outboxdriver.EffectClaim{}, false, fmt.Errorf("claim due effects: %w", s.wrap(err))
 	}
