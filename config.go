@@ -134,10 +134,10 @@ type Config struct {
 	// deadline, so the queries it runs with that context are cancelled) and the commit. A unit of
 	// work that exceeds it is rolled back, and counted as a failed attempt once it held its claim;
 	// one that ran out waiting for a connection or a copy's claim is nacked, not counted.
-	// Default: 1 minute.
+	// Default: 1 minute; at most 24 hours.
 	HandlerTimeout time.Duration
 	// PublishTimeout bounds one call of Publisher.Publish and one call of an applier (whose
-	// context carries the deadline). Default: 30 seconds.
+	// context carries the deadline). Default: 30 seconds; at most 24 hours.
 	PublishTimeout time.Duration
 	// ShutdownTimeout bounds how long Run (and a tenant.Set, per member it stops) waits, once
 	// its context ended, for the background calls in progress to return and the dispatched marks
@@ -159,7 +159,7 @@ type Config struct {
 	// taken for unreachable (logged, and Health says since when) and probed, each probe bounded,
 	// until it answers; the service runs again once the abandoned call returns.
 	// Default: 2 x PublishTimeout + 210 seconds (4.5 minutes): a relay round's claim, its calls
-	// and the writes of its outcome, twice.
+	// and the writes of its outcome, twice. At most 24 hours.
 	BackgroundTimeout time.Duration
 	// MaxPayloadBytes is the largest side effect accepted: its payload and its metadata (keys and
 	// values, with what the framework adds) together. Default: 16 MiB.

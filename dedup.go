@@ -234,7 +234,9 @@ func (o *Outbox) awaitDispatch(ctx context.Context, src Source, wait time.Durati
 
 // Cleanup runs one retention cleanup pass with the configured retention, batch size and pause, as
 // Run does every CleanupInterval: for deployments that schedule cleanup themselves. It returns
-// at once, with Skipped set, while another instance is cleaning.
+// at once, with Skipped set, while another instance is cleaning, and stops with Skipped set (its
+// counts saying what it deleted) when another instance takes the cleanup lock between two of its
+// batches.
 func (o *Outbox) Cleanup(ctx context.Context) (CleanupResult, error) {
 	return o.cleanup(ctx, nil)
 }

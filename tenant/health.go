@@ -22,7 +22,8 @@ const healthConcurrent = 16
 // Health checks every member (outbox.Outbox.Health) and reports their checks named after the
 // member, "acme/database" for example, so that an unhealthy report names the member. An empty
 // Set is healthy. The members are checked side by side, at most 16 at a time and, of the
-// members that share a database/sql pool (schemas or table prefixes of one database), at most
+// members that share a pool (one Config.DB, or one pgxpool in the pgx form: schemas or table
+// prefixes of one database), at most
 // Config.PoolConcurrent at a time, so that a check opens no more connections than the Set's
 // background work would; all of it is bounded by ctx and by five seconds. A member whose turn
 // did not come within that (its pool's other members' checks were slow: a database that does not

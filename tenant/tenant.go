@@ -106,8 +106,8 @@ type Config struct {
 	// member's background work on one scheduler. Default: DefaultMaxConcurrent.
 	MaxConcurrent int
 	// PoolConcurrent caps, within MaxConcurrent, the background calls at once of the members
-	// that share one database/sql pool (their Config.DB: schemas or table prefixes of one
-	// database). Such a pool keeps two idle connections unless told otherwise
+	// that share one pool (their Config.DB, or the pgx form's pgxpool: schemas or table prefixes
+	// of one database). Such a pool keeps two idle connections unless told otherwise
 	// (DB.SetMaxIdleConns) and closes every connection it gets back beyond them: more calls at
 	// once opened connections only to close them, a server process forked and torn down for a
 	// background statement of idle members (200 idle schemas on one default pool: 0.4 new
@@ -226,8 +226,10 @@ func New(cfg Config) (*Set, error) {
 
 // Add adds ob under name. While Run runs, the member's background work starts at once, and an
 // Outbox that runs already (its own Run, another Set) is refused with outbox.ErrRunning; one that
-// Run finds running so keeps that background work and is logged. Refused too: an Outbox on the
-// tables of a member (one Config.DB, Schema and TablePrefix: their claims would mix), and as the
+// Run finds running so keeps that background work and is logged. Refused too: an Outbox on a
+// member's tables (one pool, its Config.DB or the pgx form's pgxpool, and the same tables as the
+// driver resolves them: Schema "" is the driver's default, public or the connection's database on
+// MySQL; their claims would mix), and as the
 // Unresolved member one that keeps no refusals (DeadLettersOff without a PoisonTopic). The Set
 // neither migrates ob nor closes it: ob and its database are the caller's. A name is 1 to 200
 // bytes of UTF-8 without control characters, bidirectional controls, line separators or '/': it
