@@ -2,6 +2,7 @@ package postgres
 
 import (
 	"context"
+	"database/sql"
 	"errors"
 	"sync"
 	"testing"
@@ -11,19 +12,31 @@ import (
 	"github.com/watermill-outbox/outbox/outboxdriver"
 )
 
+// repeatableReadDB returns a fresh database whose sessions default to REPEATABLE READ, every
+// session of the pool a new one (with the database's default), checked.
+func repeatableReadDB(t *testing.T) *sql.DB {
+	t.Helper()
+	db := pgtest.DB(t)
+	if _, err := db.Exec(`DO $$ BEGIN EXECUTE format('ALTER DATABASE %I SET default_transaction_isolation = %L',
+		current_database(), 'repeatable read'); END $$`); err != nil {
+		t.Fatal(err)
+	}
+	db.SetMaxIdleConns(0)
+	var iso string
+	if err := db.QueryRow(`SHOW transaction_isolation`).Scan(&iso); err != nil || iso != "repeatable read" {
+		t.Fatalf("the sessions' isolation: %q, %v", iso, err)
+	}
+	return db
+}
+
 // TestDelayedMovesUnderRepeatableRead: on a database whose sessions default to REPEATABLE READ,
 // the move of due delayed effects ran at that level (one statement, outside a transaction), and
 // two relays moving at once (every instance arms its timer for the same due time) failed with a
 // serialization error ("could not serialize access due to concurrent update"), logged as an
 // error, the effects waiting for the next pass. The move runs at READ COMMITTED.
 func TestDelayedMovesUnderRepeatableRead(t *testing.T) {
-	db := pgtest.DB(t)
+	db := repeatableReadDB(t)
 	ctx := context.Background()
-	if _, err := db.Exec(`DO $$ BEGIN EXECUTE format('ALTER DATABASE %I SET default_transaction_isolation = %L',
-		current_database(), 'repeatable read'); END $$`); err != nil {
-		t.Fatal(err)
-	}
-	db.SetMaxIdleConns(0) // every session a new one, with the database's default
 	st, err := Driver{}.Open(db, outboxdriver.StoreOptions{TablePrefix: "rr_"})
 	if err != nil {
 		t.Fatal(err)
@@ -69,13 +82,8 @@ func TestDelayedMovesUnderRepeatableRead(t *testing.T) {
 // the statement's snapshot): the pass ended with an error, counted in relay errors, at every
 // meeting. The claim is made again at READ COMMITTED, where the leased effect is skipped.
 func TestRelayClaimsUnderRepeatableRead(t *testing.T) {
-	db := pgtest.DB(t)
+	db := repeatableReadDB(t)
 	ctx := context.Background()
-	if _, err := db.Exec(`DO $$ BEGIN EXECUTE format('ALTER DATABASE %I SET default_transaction_isolation = %L',
-		current_database(), 'repeatable read'); END $$`); err != nil {
-		t.Fatal(err)
-	}
-	db.SetMaxIdleConns(0)
 	st, err := Driver{}.Open(db, outboxdriver.StoreOptions{TablePrefix: "rc_"})
 	if err != nil {
 		t.Fatal(err)

@@ -597,17 +597,8 @@ func rotationWaitingForALock(t *testing.T, db *sql.DB, st *inline) <-chan error 
 // not moved, and was truncated with the partition: never sent. The store's own transactions
 // are READ COMMITTED whatever the default.
 func TestRotationUnderRepeatableReadKeepsAWritersRow(t *testing.T) {
-	db := pgtest.DB(t)
+	db := repeatableReadDB(t)
 	ctx := context.Background()
-	if _, err := db.Exec(`DO $$ BEGIN EXECUTE format('ALTER DATABASE %I SET default_transaction_isolation = %L',
-		current_database(), 'repeatable read'); END $$`); err != nil {
-		t.Fatal(err)
-	}
-	db.SetMaxIdleConns(0) // every session a new one, with the database's default
-	var iso string
-	if err := db.QueryRow(`SHOW transaction_isolation`).Scan(&iso); err != nil || iso != "repeatable read" {
-		t.Fatalf("the sessions' isolation: %q, %v", iso, err)
-	}
 	st := rotationStore(t, db, time.Millisecond)
 	stale := rotationStore(t, db, -1) // never reads the generation: it writes into partition 0
 	record(t, st, db, "first", "f", 1)
