@@ -114,8 +114,14 @@ func TestSetRunAgainWhileTheLastStops(t *testing.T) {
 		t.Errorf("a Run beside a running one = %v, want an error at once", err)
 	}
 	cancel2()
-	if err := waitRun(t, done2, "the second Run"); err == nil || !strings.Contains(err.Error(), `member "stalled"`) {
-		t.Errorf("the second Run = %v, want the error of the stalled member's stop", err)
+	// The stalled member's stop reports its call still out, when one is: under load its database
+	// gate, told by the first Run's shutdown that the database does not answer, may hold its
+	// background work back for the whole second Run (its probe fails), and then no call of it is
+	// out and the second Run ends cleanly.
+	if err := waitRun(t, done2, "the second Run"); err != nil && !strings.Contains(err.Error(), `member "stalled"`) {
+		t.Errorf("the second Run = %v, want nil or the error of the stalled member's stop", err)
+	} else if err == nil {
+		t.Log("the second Run ended cleanly: no call of the stalled member was out at its end")
 	}
 	if relayRuns(a) {
 		t.Error("a's relay still runs after both Runs returned")
