@@ -297,9 +297,10 @@ func TestTelemetryScenario(t *testing.T) {
 	if got, want := histCount(t, rm, outbox.MetricProcessDuration, nil), sumInt(t, rm, outbox.MetricMessagesHandled, nil); got != uint64(want) {
 		t.Errorf("%s count = %d, want one per handled message (%d)", outbox.MetricProcessDuration, got, want)
 	}
-	// Sent on the commit path: o-1, o-2, o-5's first, o-7 (o-4 crashed first); by redelivery
-	// o-4's; by the relay the three of the outage.
-	for path, want := range map[string]int64{outbox.PathCommit: 4, outbox.PathRedelivery: 1, outbox.PathRelay: 3} {
+	// Sent on the commit path: o-1, o-2, o-5's first, o-7 (o-4 crashed first), and o-3's copy
+	// for the poison topic, recorded with its poisoned claim and sent as a side effect; by
+	// redelivery o-4's; by the relay the three of the outage.
+	for path, want := range map[string]int64{outbox.PathCommit: 5, outbox.PathRedelivery: 1, outbox.PathRelay: 3} {
 		if got := sumInt(t, rm, outbox.MetricEffectsDispatched, map[string]string{"outbox.dispatch.path": path}); got != want {
 			t.Errorf("%s{path=%s} = %d, want %d", outbox.MetricEffectsDispatched, path, got, want)
 		}
