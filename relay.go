@@ -659,20 +659,32 @@ func (o *Outbox) relayLane(r *relayRun, at []int) {
 }
 
 // relayEach sends effects (to one destination) one call each; once an effect fails, the later
-// effects with its key are not tried.
+// effects with its key are not tried. Each call asks the destination's breaker first, as a batch
+// call does: once one of them hangs, the others wait for the destination rather than each hang
+// for a PublishTimeout of its own.
 func (o *Outbox) relayEach(r *relayRun, es []Effect, at []int, failed map[string]bool) {
 	for k, e := range es {
 		if failed[e.OrderingKey] || r.parent.Err() != nil || !time.Now().Before(r.deadline) {
 			r.errs[at[k]] = errNotTried
 			continue
 		}
+		dest := destinationOf(e)
+		until, ok, probe := o.breakers.allow(dest)
+		if !ok {
+			r.errs[at[k]] = destinationDown{until: until}
+			failed[e.OrderingKey] = true // the key's later effects wait behind it
+			continue
+		}
 		_, n, err := o.dispatch(r.ctx, PathRelay, es[k:k+1])
+		if probe {
+			o.breakers.probed(dest)
+		}
 		switch {
 		case err == nil:
 			r.returned()
 			// A call that returned: the destination answers again (a half-open breaker's probe may
 			// have been the batch call that brought the round here).
-			o.breakers.succeeded(destinationOf(e))
+			o.breakers.succeeded(dest)
 			continue
 		case r.parent.Err() != nil && n > 0:
 			r.errs[at[k]] = errInFlight
@@ -683,7 +695,7 @@ func (o *Outbox) relayEach(r *relayRun, es []Effect, at []int, failed map[string
 		case !hung(err):
 			r.returned()
 		case time.Now().Before(r.deadline):
-			o.breakers.hung(destinationOf(e), o.logger, err)
+			o.breakers.hung(dest, o.logger, err)
 		}
 		o.relayFailed(e, err)
 		r.errs[at[k]] = err
