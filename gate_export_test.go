@@ -159,3 +159,7 @@ func DestinationsDue(ob *Outbox) int {
 	defer ob.recovery.mu.Unlock()
 	return len(ob.recovery.due)
 }
+
+// SetRelayLease makes the relay rounds of ob lease their effects for d (a round's calls end after
+// d/2), not 2 x PublishTimeout + 30 s, for tests of what happens at a lease's end. Before Run.
+func SetRelayLease(ob *Outbox, d time.Duration) { ob.leaseForTest = d }

@@ -55,6 +55,8 @@ type Outbox struct {
 	// recovery holds the destinations whose calls failed, so that the effects that back off for
 	// one become due once it takes a call again.
 	recovery recovery
+	// leaseForTest, when set (by a test, before Run), is the relay's lease instead of relayLease's.
+	leaseForTest time.Duration
 	// breakers holds the destinations the relay leaves alone for a while because their calls hung.
 	breakers breakers
 	// failedHere holds the sources whose dispatch failed in this process lately: a redelivered

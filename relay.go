@@ -17,7 +17,12 @@ import (
 // relayLease is how long the relay reserves the effects of one round: long enough to publish
 // them (a round ends its calls after half of it, see relayBudget), short enough that the effects
 // of an instance that died mid-round are soon taken over by another.
-func (o *Outbox) relayLease() time.Duration { return relayLeaseFor(o.cfg.PublishTimeout) }
+func (o *Outbox) relayLease() time.Duration {
+	if o.leaseForTest > 0 {
+		return o.leaseForTest
+	}
+	return relayLeaseFor(o.cfg.PublishTimeout)
+}
 
 func relayLeaseFor(publishTimeout time.Duration) time.Duration {
 	return 2*publishTimeout + 30*time.Second
@@ -116,20 +121,45 @@ func (o *Outbox) relayOnce(ctx context.Context) (idle, drained bool, dueBy time.
 		// used them in its last turn, besides its claim (as when the rounds did not overlap: a
 		// claim costs about as much whatever it finds). The round that is sending goes on
 		// meanwhile.
+		// Its outcome is written as soon as its calls end, during the pause: written after it, a
+		// pause longer than what is left of the round's lease (a factor above 1 after a turn that
+		// waited long for a slow destination) let another instance claim the sent effects when
+		// the lease ended, and send them again.
+		var landed time.Duration // the part of the pause spent writing the round's outcome
 		if f := o.cfg.RelayPauseFactor; f > 0 && busy > 0 {
 			d := time.Duration(f * float64(busy))
 			if bounded {
 				d = min(d, time.Until(stop))
 			}
-			select {
-			case <-ctx.Done():
-			case <-time.After(d):
+			pause := time.NewTimer(d)
+			for paused := true; paused; {
+				var sending <-chan struct{}
+				if fl != nil {
+					sending = fl.done
+				}
+				select {
+				case <-ctx.Done():
+					paused = false
+				case <-pause.C:
+					paused = false
+				case <-sending:
+					f := fl
+					fl = nil
+					was := busy
+					busy = 0
+					if err := land(f); err != nil {
+						pause.Stop()
+						return false, false, time.Time{}, err
+					}
+					landed, busy = busy, was
+				}
 			}
+			pause.Stop()
 			if overHalf() {
 				return false, false, time.Time{}, nil
 			}
 		}
-		busy = 0
+		busy = landed
 		// A delayed effect fell due during the pass (the due timer fired): moved now, or, where
 		// the claim reads the delayed effects, looked at again by this turn's even after a move
 		// that moved none. The pass, draining a backlog, may last minutes.

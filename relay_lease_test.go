@@ -4,6 +4,7 @@ import (
 	"context"
 	"database/sql"
 	"errors"
+	"fmt"
 	"sync"
 	"testing"
 	"time"
@@ -198,4 +199,90 @@ func TestRelayFailureRecordKeepsAnotherRelaysLease(t *testing.T) {
 	e.flush()
 	mustEqual(t, "copies of the second effect on the wire", e.wire("out_a")[second], 1)
 	mustEqual(t, "pending effects", e.pendingEffects(), 0)
+}
+
+// recordingPublisher counts the messages it takes by UUID, after a delay per call.
+type recordingPublisher struct {
+	delay time.Duration
+	mu    sync.Mutex
+	sent  map[string]int
+	when  map[string]time.Time
+}
+
+func (p *recordingPublisher) Publish(_ string, msgs ...*message.Message) error {
+	time.Sleep(p.delay)
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for _, m := range msgs {
+		p.sent[m.UUID]++
+		if p.when[m.UUID].IsZero() {
+			p.when[m.UUID] = time.Now()
+		}
+	}
+	return nil
+}
+
+func (p *recordingPublisher) Close() error { return nil }
+
+func (p *recordingPublisher) sentAt(id string) (int, time.Time) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.sent[id], p.when[id]
+}
+
+// TestRelayPauseLandsTheRoundInFlight: a relay draining a backlog pauses between its turns
+// (RelayPauseFactor) for as long as its last turn took, times the factor, while the round it has
+// just launched sends. That round's outcome must be written once its calls end, within its lease,
+// not once the pause is over: with a factor of 10 and calls of 0.4 s the pause outlasts a 3 s
+// lease, and another instance (b) claimed the round's effects when the lease ended and sent them
+// a second time, although every one of them had gone out long before.
+func TestRelayPauseLandsTheRoundInFlight(t *testing.T) {
+	e := newEnv(t)
+	const lease = 3 * time.Second
+	crashing := e.newOutbox(func(c *outbox.Config) { c.Failpoint = crashAfterCommit })
+	ids := []string{uuid.NewString(), uuid.NewString(), uuid.NewString()}
+	for i, id := range ids {
+		err := crashing.InTx(context.Background(), func(ctx context.Context, _ *sql.Tx) error {
+			ctx = outbox.WithOrderingKey(ctx, fmt.Sprint("key-", i))
+			return outbox.Publish(ctx, "out_a", message.NewMessage(id, []byte("x")))
+		})
+		if !errors.Is(err, outbox.ErrFailpoint) {
+			t.Fatalf("InTx with a crash after commit: %v, want ErrFailpoint", err)
+		}
+	}
+	pubA := &recordingPublisher{delay: 400 * time.Millisecond, sent: map[string]int{}, when: map[string]time.Time{}}
+	pubB := &recordingPublisher{sent: map[string]int{}, when: map[string]time.Time{}}
+	a := e.newOutbox(relayConfig, func(c *outbox.Config) {
+		c.Publisher = pubA
+		c.RelayPauseFactor = 10
+		c.RelayBatchSize = 1 // a round per effect
+		c.RelayConcurrency = 1
+	})
+	outbox.SetRelayLease(a, lease)
+	stopA := startRun(t, a)
+	defer stopA()
+	// The second round is launched after a turn that waited for the first one's calls (0.4 s):
+	// the pause after it is about 4 s.
+	var secondAt time.Time
+	waitFor(t, "the relay to send the second effect", func() bool {
+		n, at := pubA.sentAt(ids[1])
+		secondAt = at
+		return n > 0
+	})
+	b := e.newOutbox(relayConfig, func(c *outbox.Config) { c.Publisher = pubB })
+	stopB := startRun(t, b)
+	defer stopB()
+	time.Sleep(time.Until(secondAt.Add(lease + time.Second)))
+	if n, _ := pubB.sentAt(ids[1]); n > 0 {
+		t.Errorf("an effect the relay sent at once was sent again by another instance after its lease ended (%d times): the round's outcome waited for the pause", n)
+	}
+	stopA()
+	stopB()
+	for _, id := range ids {
+		na, _ := pubA.sentAt(id)
+		nb, _ := pubB.sentAt(id)
+		if na+nb != 1 {
+			t.Errorf("effect %s sent %d times by the pausing relay and %d times by the other, want once in all", id, na, nb)
+		}
+	}
 }
