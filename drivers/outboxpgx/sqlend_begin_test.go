@@ -189,3 +189,125 @@ func TestInTxCommitNotSentIsNoUnknownOutcome(t *testing.T) {
 		t.Errorf("%d business rows (%v); want none", applied, err)
 	}
 }
+
+// A handler that sends COMMIT (and, in one case, BEGIN after it) and then fails, or outlasts
+// HandlerTimeout, committed the unit's claim and its business writes in the pessimistic mode, but
+// not the effects, which waited in memory for the framework's COMMIT. The framework rolled back
+// what was left and forgot them: the redelivery found the message processed with nothing
+// pending, and the effect of the committed write was never sent. Now the rollback, too, stores
+// them once the unit's claim is found committed, and the redelivery sends them.
+func TestSQLCommitThenFail(t *testing.T) {
+	cases := map[string]struct {
+		stmts []string
+		slow  bool // outlasts HandlerTimeout instead of failing
+	}{
+		"COMMIT then an error":        {stmts: []string{"COMMIT"}},
+		"COMMIT; BEGIN then an error": {stmts: []string{"COMMIT; BEGIN"}},
+		"COMMIT then HandlerTimeout":  {stmts: []string{"COMMIT"}, slow: true},
+	}
+	for name, c := range cases {
+		t.Run(name, func(t *testing.T) {
+			h := outboxtest.NewWith(t, form(outboxpgx.Pessimistic), outbox.Config{RelayInterval: time.Hour, HandlerTimeout: time.Second}, setup)
+			res := h.Run("c", message.NewMessage("m1", nil), consume(func(msg *message.Message) error {
+				ctx := msg.Context()
+				if err := handler(msg); err != nil { // a business row and an effect, committed by the handler
+					return err
+				}
+				for _, stmt := range c.stmts {
+					if _, err := outboxpgx.Tx(ctx).Exec(ctx, stmt); err != nil {
+						return err
+					}
+				}
+				if c.slow {
+					<-ctx.Done()
+					time.Sleep(100 * time.Millisecond)
+					return ctx.Err()
+				}
+				return errors.New("the handler failed after its COMMIT")
+			}))
+			if !errors.Is(res.Err, outbox.ErrTxFinishedByHandler) {
+				t.Errorf("Handle %v; want ErrTxFinishedByHandler", res.Err)
+			}
+			sent := len(res.Sent)
+			again := h.Run("c", message.NewMessage("m1", nil), consume(handler))
+			if again.Err != nil {
+				t.Fatalf("the redelivery: %v", again.Err)
+			}
+			sent += len(again.Sent)
+			if sent != 1 {
+				t.Errorf("the effect committed with its claim was sent %d times; want once", sent)
+			}
+			if n := count(t, h.DB, "m1"); n != 1 {
+				t.Errorf("%d business rows, want the one committed by the handler", n)
+			}
+		})
+	}
+}
+
+// In InTx a fn that sends COMMIT and then fails committed what it wrote: InTx says so
+// (ErrTxFinishedByHandler), as on database/sql, rather than return fn's error alone, which a
+// caller retries, doing the work twice.
+func TestInTxSQLCommitThenFail(t *testing.T) {
+	pool := openPool(t, outboxtest.DSN(t), 4, nil)
+	ctx := context.Background()
+	ob := ready(t, pool, outbox.Config{Publisher: &outboxtest.Recorder{}, RelayInterval: time.Hour})
+	failed := errors.New("fn failed after its COMMIT")
+	err := outboxpgx.InTx(ctx, ob, func(ctx context.Context, tx pgx.Tx) error {
+		if _, err := tx.Exec(ctx, `INSERT INTO applied (message_id) VALUES ('business')`); err != nil {
+			return err
+		}
+		if _, err := tx.Exec(ctx, `COMMIT`); err != nil {
+			return err
+		}
+		return failed
+	})
+	if !errors.Is(err, outbox.ErrTxFinishedByHandler) || !errors.Is(err, failed) {
+		t.Errorf("InTx returned %v, want ErrTxFinishedByHandler and fn's error", err)
+	}
+}
+
+// After a handler's own COMMIT, Commit stores the effects beside the committed claim. It did so
+// on what was left of HandlerTimeout: an insert that waited on a lock past it failed, the
+// redelivery found the message processed with nothing pending, and the effect was lost. It now
+// has the cleanup bound of its own, as the other stores after a handler's SQL have.
+func TestSQLCommitThenReturnStoresPastHandlerTimeout(t *testing.T) {
+	h := outboxtest.NewWith(t, form(outboxpgx.Pessimistic), outbox.Config{RelayInterval: time.Hour, HandlerTimeout: time.Second}, setup)
+	ctx := context.Background()
+	locker, err := h.DB.Conn(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer locker.Close()
+	release := make(chan struct{})
+	res := h.Run("c", message.NewMessage("m1", nil), consume(func(msg *message.Message) error {
+		ctx := msg.Context()
+		if err := handler(msg); err != nil {
+			return err
+		}
+		if _, err := outboxpgx.Tx(ctx).Exec(ctx, "COMMIT"); err != nil {
+			return err
+		}
+		// The effects table is held past HandlerTimeout (by 0.8 s) from now on.
+		if _, err := locker.ExecContext(context.Background(), `BEGIN; LOCK TABLE outbox_effects_all IN ACCESS EXCLUSIVE MODE`); err != nil {
+			return err
+		}
+		go func() {
+			time.Sleep(1800 * time.Millisecond)
+			_, _ = locker.ExecContext(context.Background(), `COMMIT`)
+			close(release)
+		}()
+		return nil
+	}))
+	<-release
+	if !errors.Is(res.Err, outbox.ErrTxFinishedByHandler) {
+		t.Errorf("Handle %v; want ErrTxFinishedByHandler", res.Err)
+	}
+	sent := len(res.Sent)
+	again := h.Run("c", message.NewMessage("m1", nil), consume(handler))
+	if again.Err != nil {
+		t.Fatalf("the redelivery: %v", again.Err)
+	}
+	if sent += len(again.Sent); sent != 1 {
+		t.Errorf("the effect committed with its claim was sent %d times; want once (%v)", sent, res.Err)
+	}
+}

@@ -157,13 +157,14 @@ type unit struct {
 	marked    bool                // BeginUnit marked the transaction (queries.mark): it has no claimXID
 
 	mu        sync.Mutex
-	alive     []bool      // per recorded effect: false once a savepoint it was recorded in rolled back
-	open      []savepoint // the open savepoints, outermost first
-	lastSP    int         // the ID of the last savepoint begun
-	done      bool        // committed, rolled back, refused, or expired
-	stopWatch func() bool // stops the watch of BeginUnit's context (expire); nil when joined
-	expired   bool        // BeginUnit's context ended first: the connection's socket was closed
-	released  bool        // the connection left the pool (after expired)
+	recorded  []outboxdriver.Effect // the effects recorded, in order, for a rollback to store (finishedBySQL)
+	alive     []bool                // per recorded effect: false once a savepoint it was recorded in rolled back
+	open      []savepoint           // the open savepoints, outermost first
+	lastSP    int                   // the ID of the last savepoint begun
+	done      bool                  // committed, rolled back, refused, or expired
+	stopWatch func() bool           // stops the watch of BeginUnit's context (expire); nil when joined
+	expired   bool                  // BeginUnit's context ended first: the connection's socket was closed
+	released  bool                  // the connection left the pool (after expired)
 	// endedBySQL: expired, but user code had ended the transaction with SQL before.
 	endedBySQL bool
 }
@@ -206,7 +207,23 @@ func (u *unit) Record(ctx context.Context, effects []outboxdriver.Effect) error 
 	for range effects {
 		u.alive = append(u.alive, true)
 	}
+	if u.claimXID != 0 {
+		u.recorded = append(u.recorded, effects...)
+	}
 	return nil
+}
+
+// survivors returns the recorded effects that no rolled-back savepoint took back.
+func (u *unit) survivors() []outboxdriver.Effect {
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	var out []outboxdriver.Effect
+	for i, e := range u.recorded {
+		if u.alive[i] {
+			out = append(out, e)
+		}
+	}
+	return out
 }
 
 func (u *unit) Survivors(_ context.Context, effects []outboxdriver.Effect) ([]outboxdriver.Effect, error) {
@@ -238,7 +255,9 @@ func (u *unit) Commit(ctx context.Context, effects []outboxdriver.Effect) error 
 		// The handler sent COMMIT or ROLLBACK as SQL: what it wrote is committed, or not, without
 		// the effects.
 		defer u.conn.Release()
-		return u.finishedBySQL(ctx, u.conn, effects)
+		cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), cleanupTimeout)
+		defer cancel()
+		return u.finishedBySQL(cctx, u.conn, effects)
 	}
 	b := &pgx.Batch{}
 	// The transaction open may not be the unit's: a handler that sent ROLLBACK and then BEGIN
@@ -339,21 +358,29 @@ func (u *unit) Commit(ctx context.Context, effects []outboxdriver.Effect) error 
 // unit's own, so the check holds on the pool as on the connection, where the session setting
 // postgres.OwnClaim reads would be gone.
 func (u *unit) finishedBySQL(ctx context.Context, q querier, effects []outboxdriver.Effect) error {
-	err := u.endedBySQLError()
-	if u.src.Consumer == "" || u.tentative || len(effects) == 0 {
-		return err // no claim in the transaction: nothing tells what it committed
+	_, err := u.storeIfClaimed(ctx, q, effects)
+	return err
+}
+
+// storeIfClaimed stores effects when the unit's own claim (claimXID) committed, which only SQL
+// sent by user code can have done before the framework's COMMIT. It returns the unit's error
+// (endedBySQLError), and whether the claim was found committed.
+func (u *unit) storeIfClaimed(ctx context.Context, q querier, effects []outboxdriver.Effect) (committed bool, err error) {
+	err = u.endedBySQLError()
+	if u.src.Consumer == "" || u.tentative || u.claimXID == 0 || len(effects) == 0 {
+		return false, err // no claim in the transaction: nothing tells what it committed
 	}
 	var one int
 	switch qerr := q.QueryRow(ctx, u.s.q.ownClaim, u.src.Consumer, u.src.ID, u.claimXID).Scan(&one); {
 	case errors.Is(qerr, pgx.ErrNoRows):
-		return err
+		return false, err
 	case qerr != nil:
-		return fmt.Errorf("%w (and checking whether the claim committed failed: %w)", err, qerr)
+		return false, fmt.Errorf("%w (and checking whether the claim committed failed: %w)", err, qerr)
 	}
 	if ierr := insert(ctx, q, u.s.q.insert, effects); ierr != nil {
-		return fmt.Errorf("%w; storing its side effects after it failed: %w", err, ierr)
+		return true, fmt.Errorf("%w; storing its side effects after it failed: %w", err, ierr)
 	}
-	return err
+	return true, err
 }
 
 // querier is what finishedBySQL needs of a connection or of the pool.
@@ -384,9 +411,40 @@ func (u *unit) endedBySQLError() error {
 	return fmt.Errorf("%w: the transaction was ended by SQL sent through it (COMMIT or ROLLBACK) (%w)", outbox.ErrTxFinishedByHandler, outboxdriver.ErrTxDone)
 }
 
-func (u *unit) Rollback(context.Context) error {
+// Rollback rolls the unit's transaction back. A handler that failed (or outlasted HandlerTimeout)
+// after it ended the transaction with SQL of its own may have committed it, claim included, in
+// the pessimistic mode, without the effects, which wait in memory: Rollback then stores them
+// beside the committed claim, as Commit does, for the redelivery to send, and reports
+// ErrTxFinishedByHandler; forgotten, the redelivery found the message processed with nothing
+// pending. The transaction open may also be one the handler began after its COMMIT; whether the
+// unit's claim committed is asked once that is rolled back, when effects were recorded.
+func (u *unit) Rollback(ctx context.Context) error {
+	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), cleanupTimeout)
+	defer cancel()
 	if err := u.end("rolled back"); err != nil {
+		if u.endedBySQL {
+			// HandlerTimeout cut it off: the connection is gone, the pool is asked.
+			return u.finishedBySQL(cctx, u.s.pool, u.survivors())
+		}
 		return err
+	}
+	c := u.conn.Conn()
+	if !c.IsClosed() && !c.PgConn().IsBusy() {
+		if c.PgConn().TxStatus() == 'I' {
+			// The handler sent COMMIT or ROLLBACK as SQL.
+			defer u.conn.Release()
+			return u.finishedBySQL(cctx, u.conn, u.survivors())
+		}
+		if effects := u.survivors(); u.claimXID != 0 && len(effects) > 0 {
+			_, _ = c.Exec(cctx, "ROLLBACK")
+			if !c.IsClosed() && c.PgConn().TxStatus() == 'I' {
+				defer u.conn.Release()
+				if committed, err := u.storeIfClaimed(cctx, u.conn, effects); committed {
+					return err // a COMMIT, then BEGIN, of the handler's
+				}
+				return nil
+			}
+		}
 	}
 	abort(u.conn)
 	return nil
