@@ -92,6 +92,14 @@ func (u *unit) txEndedBySQL() (q guardedQuerier, ended bool) {
 	defer u.mu.Unlock()
 	// The handler's own statements read the status: expire closed the socket only.
 	if u.expired && !u.released && u.conn.Conn().PgConn().TxStatus() == 'I' {
+		// The dead connection leaves the pool first, as end does: still counted as taken, it
+		// held the pool's last connection (a pool of one) from the write that waits for one.
+		u.released, u.endedBySQL = true, true
+		ctx, cancel := context.WithTimeout(context.Background(), cleanupTimeout)
+		_ = u.conn.Hijack().Close(ctx)
+		cancel()
+	}
+	if u.expired && u.released && u.endedBySQL {
 		return u.s.pool, true
 	}
 	return nil, false

@@ -207,3 +207,38 @@ func TestSQLCommitThenDelayedFindsItsOwnClaim(t *testing.T) {
 		}
 	}
 }
+
+// The same record past HandlerTimeout on a pool of one connection (docs/pgx.md: a pool of one
+// works): the record runs on the pool once the unit's connection is closed, and that connection,
+// its socket closed, still counted as taken until the unit ended, so the record waited for
+// itself for cleanupTimeout and failed: the delayed effect of a committed change was lost.
+func TestSQLCommitThenDelayedPastHandlerTimeoutOnAPoolOfOne(t *testing.T) {
+	one := func(t testing.TB, dsn string, cfg outbox.Config) (*outbox.Outbox, error) {
+		return newOutbox(t, openPool(t, dsn, 1, nil), cfg, outboxpgx.WithConcurrency(outboxpgx.Pessimistic))
+	}
+	h := outboxtest.NewWith(t, one, outbox.Config{HandlerTimeout: time.Second, RelayInterval: time.Hour}, setup)
+	var after error
+	res := h.Run("c", message.NewMessage("m1", nil), consume(func(msg *message.Message) error {
+		ctx := msg.Context()
+		if err := handler(msg); err != nil {
+			return err
+		}
+		if _, err := outboxpgx.Tx(ctx).Exec(ctx, "COMMIT"); err != nil {
+			return err
+		}
+		<-ctx.Done() // then ignores that it ended
+		time.Sleep(100 * time.Millisecond)
+		after = outbox.Publish(outbox.WithDelay(ctx, time.Hour), "out_b", message.NewMessage("after", nil))
+		return nil
+	}))
+	if after != nil || !errors.Is(res.Err, outbox.ErrTxFinishedByHandler) || !res.Committed {
+		t.Fatalf("the delayed record after COMMIT and HandlerTimeout returned %v; Handle %v, committed %v; want nil, ErrTxFinishedByHandler, true", after, res.Err, res.Committed)
+	}
+	var delayed int
+	if err := h.DB.QueryRow(`SELECT count(*) FROM outbox_delayed WHERE topic = 'out_b'`).Scan(&delayed); err != nil {
+		t.Fatal(err)
+	}
+	if delayed != 1 {
+		t.Errorf("%d delayed effects recorded after the COMMIT, want 1", delayed)
+	}
+}
