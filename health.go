@@ -152,7 +152,8 @@ func (o *Outbox) Health(ctx context.Context) HealthReport {
 	if pingErr == nil {
 		add(CheckSchema, o.store.SchemaCheck(ctx), "current")
 	}
-	add(CheckRelay, o.relayHealth(), fmt.Sprintf("running, last round %s ago", o.sinceRelayRound().Round(time.Millisecond)))
+	since, _ := o.sinceRelayRound()
+	add(CheckRelay, o.relayHealth(), fmt.Sprintf("running, last round %s ago", since.Round(time.Millisecond)))
 	deaf := o.tel.listenDeaf.Load()
 	switch {
 	case o.tel.listenUnsupported.Load():
@@ -210,13 +211,25 @@ func (o *Outbox) healthStats(ctx context.Context, dbErr error) (Stats, error) {
 	return o.Stats(ctx)
 }
 
-// sinceRelayRound is how long ago this process's relay last finished a round.
-func (o *Outbox) sinceRelayRound() time.Duration {
-	last := o.tel.lastRelayRound.Load()
-	if last == 0 {
-		return 0
+// sinceRelayRound is how long ago this process's relay last finished a round, counted from when
+// it started (Run, or a Set's engine) when it finished none since: a relay that cannot finish
+// its first round (a lock on the effects table, a database that does not answer its claims) is
+// as stuck as one that stopped finishing them. ok is false when no relay ran. By the monotonic
+// clock: a clock stepped back hid a stuck relay for as long as the step.
+func (o *Outbox) sinceRelayRound() (d time.Duration, ok bool) {
+	return o.tel.sinceRelayRound(o.relaysRunning.Load() > 0)
+}
+
+// sinceRelayRound is Outbox.sinceRelayRound, told whether a relay runs.
+func (t *telemetry) sinceRelayRound(running bool) (d time.Duration, ok bool) {
+	last := t.lastRelayRound.Load()
+	if running {
+		last = max(last, t.relayStarted.Load())
 	}
-	return time.Since(time.Unix(0, last))
+	if last == 0 {
+		return 0, false
+	}
+	return t.since(last), true
 }
 
 // relayStreak is a run of relay rounds that failed in a row.
@@ -257,12 +270,13 @@ func (o *Outbox) relayHealth() error {
 	if o.relaysRunning.Load() == 0 {
 		return errors.New("not running: start Outbox.Run in every instance")
 	}
-	if o.tel.lastRelayRound.Load() == 0 {
-		return nil // started, first round under way
-	}
+	since, _ := o.sinceRelayRound()
 	every := max(o.cfg.RelayInterval, time.Duration(o.relayIdleMax.Load()))
-	if limit := every + o.relayLease() + time.Minute; o.sinceRelayRound() > limit {
-		return fmt.Errorf("no round finished for %s (more than %s): stuck in a Publisher or the database", o.sinceRelayRound().Round(time.Second), limit)
+	if limit := every + o.relayLease() + time.Minute; since > limit {
+		if o.tel.lastRelayRound.Load() < o.tel.relayStarted.Load() {
+			return fmt.Errorf("no round finished in the %s since it started (more than %s): stuck in a Publisher or the database", since.Round(time.Second), limit)
+		}
+		return fmt.Errorf("no round finished for %s (more than %s): stuck in a Publisher or the database", since.Round(time.Second), limit)
 	}
 	return nil
 }

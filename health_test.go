@@ -456,3 +456,47 @@ func TestExtraChecksOfTwoHandlersRunTogether(t *testing.T) {
 		}
 	}
 }
+
+// A process that starts while its relay cannot finish a round (a lock held on the effects table:
+// every claim waits until the engine's BackgroundTimeout ends the pass) never finished one, and
+// Health took that for "first round under way" for as long as it lasted: a readiness probe said
+// ready through the whole stall. Now a claim cut off by that bound counts as a failed round, and
+// a relay that finished no round since it started is timed from its start.
+func TestHealthReportsARelayStalledSinceItsStart(t *testing.T) {
+	e := newEnv(t)
+	ob := e.newOutbox(func(c *outbox.Config) {
+		c.RelayInterval = 20 * time.Millisecond
+		c.BackgroundTimeout = 500 * time.Millisecond
+	})
+	lock, err := e.db.Begin()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = lock.Rollback() }()
+	if _, err := lock.Exec(`LOCK TABLE outbox_effects_all IN ACCESS EXCLUSIVE MODE`); err != nil {
+		t.Fatal(err)
+	}
+	ctx, stop := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- ob.Run(ctx) }()
+	defer func() { stop(); <-done }()
+	routertest.WaitUntil(t, "the stalled relay reported", func() (bool, string) {
+		for _, c := range ob.Health(context.Background()).Checks {
+			if c.Name == outbox.CheckRelay {
+				return !c.OK, c.Reason
+			}
+		}
+		return false, "no relay check"
+	})
+	if err := lock.Rollback(); err != nil {
+		t.Fatal(err)
+	}
+	routertest.WaitUntil(t, "the relay healthy once the lock is gone", func() (bool, string) {
+		for _, c := range ob.Health(context.Background()).Checks {
+			if c.Name == outbox.CheckRelay {
+				return c.OK, c.Reason
+			}
+		}
+		return false, "no relay check"
+	})
+}

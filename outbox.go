@@ -379,7 +379,9 @@ func (o *Outbox) Retire() {
 // writes the marks queued. Run and JoinEngine both call it: one life cycle for one Outbox and a
 // Set's members.
 func (o *Outbox) startServices(ctx context.Context, life *backgroundLife) {
-	o.relaysRunning.Add(1)
+	if o.relaysRunning.Add(1) == 1 {
+		o.tel.relayStarted.Store(o.tel.stamp())
+	}
 	stopGauges := func() {}
 	if st, err := o.tel.registerGauges(); err != nil {
 		o.logger.Error("Registering the outbox gauges failed; they are not reported", err, nil)
@@ -533,6 +535,13 @@ func outcome(fn func(context.Context) (idle bool, err error)) func(context.Conte
 func (o *Outbox) relayTask(ctx context.Context) (engine.Outcome, error) {
 	began := time.Now()
 	idle, drained, dueBy, err := o.relayOnce(ctx)
+	if err != nil && !errors.Is(err, ErrFailpoint) && (ctx.Err() == nil || errors.Is(ctx.Err(), context.DeadlineExceeded)) {
+		// A pass that failed before it could claim (its claim, or the move of due delayed
+		// effects before it), also one the pass's bound (BackgroundTimeout) cut off: a lock on
+		// the effects table held every pass that long, and Health saw no failure. Not one a
+		// shutdown cut off. A claim that succeeds ends the streak.
+		o.relayClaimFailed(err)
+	}
 	if err == nil && !idle {
 		o.busy.Wake() // effects were sent or moved: the gauges change
 	}

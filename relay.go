@@ -194,10 +194,7 @@ func (o *Outbox) relayOnce(ctx context.Context) (idle, drained bool, dueBy time.
 		})
 		if err != nil {
 			o.tel.relayErrors.Add(ctx, 1, o.tel.own())
-			if ctx.Err() == nil {
-				o.relayClaimFailed(err)
-			}
-			return false, false, time.Time{}, err
+			return false, false, time.Time{}, err // a failed pass (relayTask)
 		}
 		o.relayClaimed()
 		claimed = time.Since(began)
@@ -226,7 +223,7 @@ func (o *Outbox) relayOnce(ctx context.Context) (idle, drained bool, dueBy time.
 				o.due.arm(time.Now().Add(d.In))
 			}
 		}
-		o.tel.lastRelayRound.Store(time.Now().UnixNano())
+		o.tel.lastRelayRound.Store(o.tel.stamp())
 		n := len(claim.Effects)
 		if n == 0 {
 			switch p := claim.Pending; {
@@ -300,6 +297,12 @@ func (o *Outbox) relayOnce(ctx context.Context) (idle, drained bool, dueBy time.
 		} else {
 			after, ahead = next, next
 		}
+	}
+	if errors.Is(ctx.Err(), context.DeadlineExceeded) {
+		// A healthy pass starts no turn after half its bound and ends well before it: a step
+		// ran into it (a lock on the outbox tables, a database that stopped answering), which is
+		// a failed pass, not an empty one.
+		return false, false, time.Time{}, fmt.Errorf("relay pass: a step did not end within the pass's bound (BackgroundTimeout): %w", ctx.Err())
 	}
 	return false, false, time.Time{}, nil
 }

@@ -229,8 +229,10 @@ type telemetry struct {
 	// stats is the last sample of the database gauges (see Outbox.sampleStats).
 	statsMu sync.Mutex
 	stats   *Stats
-	// lastRelayRound is when (UnixNano) this process's relay last finished a round; 0: never.
+	// lastRelayRound is when this process's relay last finished a round, and relayStarted when
+	// it last started (a Run, or a Set's engine, while none ran): stamps (0: never).
 	lastRelayRound atomic.Int64
+	relayStarted   atomic.Int64
 	// relayFailing is the relay's current streak of rounds that failed to claim (the database
 	// refused or did not answer), nil once one succeeds.
 	relayFailing atomic.Pointer[relayStreak]
@@ -355,11 +357,16 @@ func newTelemetry(o *Outbox) (*telemetry, error) {
 			down = time.Since(out.Since)
 		}
 		obs.ObserveFloat64(unreachableFor, down.Seconds(), opt)
-		if last := t.lastRelayRound.Load(); last != 0 {
-			obs.ObserveFloat64(relayAge, time.Since(time.Unix(0, last)).Seconds(), opt)
+		if d, ok := t.sinceRelayRound(o.relaysRunning.Load() > 0); ok {
+			obs.ObserveFloat64(relayAge, d.Seconds(), opt)
 		}
 		s := t.lastStats()
 		if s == nil {
+			if started := t.relayStarted.Load(); started != 0 && o.cfg.StatsInterval > 0 && o.relaysRunning.Load() > 0 {
+				// Sampling runs and has not sampled since the start: as old as the start, so
+				// that a process started while the database cannot be sampled shows it.
+				obs.ObserveFloat64(statsAge, t.since(started).Seconds(), opt)
+			}
 			return nil
 		}
 		age := time.Since(s.SampledAt)
@@ -496,6 +503,16 @@ func (t *telemetry) startConsumerCounters(ctx context.Context, consumer string) 
 		t.handled.Add(ctx, 0, t.attrs(AttrConsumer, consumer, AttrOutcome, outcome))
 	}
 	t.duplicatesLate.Add(ctx, 0, t.attrs(AttrConsumer, consumer, "", ""))
+}
+
+// stamp is now as lastRelayRound and relayStarted keep it: the time since the telemetry was made,
+// by the monotonic clock (a wall clock stepped back made a stuck relay look fresh), plus one, so
+// that 0 stays "never".
+func (t *telemetry) stamp() int64 { return int64(time.Since(t.created)) + 1 }
+
+// since is how long ago a stamp was.
+func (t *telemetry) since(stamp int64) time.Duration {
+	return time.Since(t.created) - time.Duration(stamp-1)
 }
 
 func (t *telemetry) lastStats() *Stats {

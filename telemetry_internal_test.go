@@ -214,8 +214,10 @@ func TestTelemetryBudgetedSampleStaleAfterTheGap(t *testing.T) {
 func TestRelayHealthAllowsTheEnginesIdleBackoff(t *testing.T) {
 	o := &Outbox{cfg: Config{RelayInterval: time.Second, PublishTimeout: 30 * time.Second}}
 	o.relaysRunning.Add(1)
-	o.tel = &telemetry{}
-	o.tel.lastRelayRound.Store(time.Now().Add(-4 * time.Minute).UnixNano())
+	o.tel = &telemetry{created: time.Now().Add(-time.Hour)}
+	ago := func(d time.Duration) int64 { return int64(time.Since(o.tel.created)-d) + 1 } // a stamp
+	o.tel.relayStarted.Store(ago(50 * time.Minute))
+	o.tel.lastRelayRound.Store(ago(4 * time.Minute))
 	if err := o.relayHealth(); err == nil {
 		t.Error("a relay under Run whose last round was 4 minutes ago is reported healthy")
 	}
@@ -223,7 +225,7 @@ func TestRelayHealthAllowsTheEnginesIdleBackoff(t *testing.T) {
 	if err := o.relayHealth(); err != nil {
 		t.Errorf("a relay backed off to 5 minutes while idle, its last round 4 minutes ago: %v", err)
 	}
-	o.tel.lastRelayRound.Store(time.Now().Add(-10 * time.Minute).UnixNano())
+	o.tel.lastRelayRound.Store(ago(10 * time.Minute))
 	if err := o.relayHealth(); err == nil {
 		t.Error("a relay backed off to 5 minutes, its last round 10 minutes ago, is reported healthy")
 	}
@@ -248,5 +250,26 @@ func TestMetricsTakeTheMembersNewName(t *testing.T) {
 	fixed.nameMember("acme")
 	if got := fixed.memberName(); got != "configured" {
 		t.Errorf("metrics of an Outbox with Config.Member %q are named %q once a Set ran it", "configured", got)
+	}
+}
+
+// A relay that started and has not finished a round, and a sampling that has not sampled since
+// (a process started while the effects table is locked), are as old as their start: the gauges
+// were not reported at all, and OutboxRelayStalled and OutboxStatsStale could not fire.
+func TestGaugesOfARelayThatFinishedNoRound(t *testing.T) {
+	o := &Outbox{cfg: Config{StatsInterval: 15 * time.Second}}
+	tel, err := newTelemetry(o)
+	if err != nil {
+		t.Fatal(err)
+	}
+	o.tel = tel
+	tel.created = time.Now().Add(-time.Hour)
+	o.relaysRunning.Add(1)
+	tel.relayStarted.Store(int64(50*time.Minute) + 1) // 10 minutes ago
+	got := observeGauges(t, tel)
+	for _, name := range []string{MetricRelayLastRoundAge, MetricStatsAge} {
+		if v, ok := got[name]; !ok || v < 599 || v > 700 {
+			t.Errorf("%s: %v (reported: %v), want about 600 s, the time since the relay started", name, v, ok)
+		}
 	}
 }
