@@ -135,8 +135,14 @@ func (o *Outbox) joinGate() {
 		return u != nil && u.unreachable(err)
 	}
 	g.onAttempt = func() {
+		// Once per member name: the Outboxes of a pool without one (several sets of tables)
+		// share one series, which counted every attempt once per Outbox.
+		var counted []string
 		for _, u := range users.live() {
-			u.gateAttempt()
+			if m := u.tel.memberName(); !slices.Contains(counted, m) {
+				counted = append(counted, m)
+				u.gateAttempt()
+			}
 		}
 	}
 	g.onChange = func(since time.Time, attempts int64, err error) {

@@ -317,7 +317,7 @@ func newTelemetry(o *Outbox) (*telemetry, error) {
 	t.delayedPromoted = i64c(MetricDelayedPromoted, "{effect}", "Delayed side effects the relay made pending once due (then sent as any other).")
 	t.spills = i64c(MetricEffectsSpilled, "{unit}", "Units of work of the database/sql form on PostgreSQL that moved the side effects kept in their claim to effect rows, past the cost of rewriting them (record many messages in one Publish call).")
 	t.listenerDeaf = i64c(MetricListenerDeaf, "{listener}", "Relay listeners that LISTENed but did not receive a notification of their own (a pooler in transaction mode): the relay polls.")
-	t.dbUnreachable = i64c(MetricDBUnreachable, "{attempt}", "Connection attempts (of units of work, background statements and probes) that found the database unreachable: refused, not found, timed out, starting up, shutting down or full. The Outboxes of one pool share their gate, and each counts every attempt of the pool.")
+	t.dbUnreachable = i64c(MetricDBUnreachable, "{attempt}", "Connection attempts (of units of work, background statements and probes) that found the database unreachable: refused, not found, timed out, starting up, shutting down or full. The Outboxes of one pool share their gate, and each member name counts every attempt of the pool once.")
 
 	gauge := func(name, unit, desc string) metric.Float64ObservableGauge {
 		g, err := m.Float64ObservableGauge(name, metric.WithUnit(unit), metric.WithDescription(desc))

@@ -386,3 +386,51 @@ func TestTelemetryEffectsSpilled(t *testing.T) {
 		t.Fatalf("%s = %d after a unit of 2 records and one of 12, want 1", outbox.MetricEffectsSpilled, got)
 	}
 }
+
+// The Outboxes of one pool share its gate, and each counts the gate's attempts under its own
+// member name; two without member names (two sets of tables on one pool) counted each attempt
+// twice into the one series they share: outbox.db.unreachable_attempts said twice the attempts
+// the pool made. Now one count per attempt and member name.
+func TestTelemetryUnreachableAttemptsOncePerSeries(t *testing.T) {
+	attempts := func(outboxes int) int64 {
+		db, err := sql.Open("postgres", "postgres://nobody@127.0.0.1:1/none?sslmode=disable&connect_timeout=2")
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer db.Close()
+		reader := sdkmetric.NewManualReader()
+		mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
+		defer func() { _ = mp.Shutdown(context.Background()) }()
+		ch := gochannel.NewGoChannel(gochannel.Config{}, watermill.NopLogger{})
+		defer ch.Close()
+		var obs []*outbox.Outbox
+		for i := range outboxes {
+			ob, err := outbox.New(outbox.Config{DB: db, Driver: postgres.Driver{}, Publisher: ch, MeterProvider: mp,
+				TablePrefix: fmt.Sprintf("t%d_", i), Logger: watermill.NopLogger{}})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer ob.Close()
+			obs = append(obs, ob)
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		if err := obs[0].InTx(ctx, func(context.Context, *sql.Tx) error { return nil }); err == nil {
+			t.Fatal("InTx on a database that refuses connections succeeded")
+		}
+		st := obs[0].Health(ctx)
+		for _, c := range st.Checks {
+			if c.Name == outbox.CheckDatabase && c.OK {
+				t.Fatalf("the database check passed on a database that refuses connections: %s", c.Reason)
+			}
+		}
+		return sumInt(t, (&telemetryEnv{reader: reader}).collect(t), outbox.MetricDBUnreachable, nil)
+	}
+	one, two := attempts(1), attempts(2)
+	if one == 0 {
+		t.Fatal("no unreachable attempt counted by one Outbox on a database that refuses connections")
+	}
+	if two != one {
+		t.Errorf("the same attempts counted %d times by two Outboxes of one pool without member names, %d times by one; want the same count", two, one)
+	}
+}
