@@ -365,6 +365,7 @@ func (o *Outbox) relayLaunch(ctx context.Context, claimed []Effect, deadline tim
 	// milliseconds, longer on a loaded database) would otherwise put a second copy on the wire.
 	effects, held := o.marks.split(claimed)
 	if len(held) > 0 {
+		effects = notBehind(effects, held)
 		o.releaseSent(ctx, held)
 	}
 	if len(effects) == 0 {
@@ -389,6 +390,31 @@ func (o *Outbox) relayLaunch(ctx context.Context, claimed []Effect, deadline tim
 		f.took = time.Since(began)
 	}()
 	return f
+}
+
+// notBehind returns those of effects that no held effect of their ordering key comes before. The
+// claim leased the first effect of each key it took, and the later ones wait behind that lease
+// for every other claim; a held effect (sent lately: its mark is queued, or written) is not sent
+// again, and once its mark lands the lease goes with it, so that the key's later effects were
+// due for every other instance while this round sent them. They wait, unleased, behind it for the
+// next claim instead (released, it falls due again only when the memory of its mark ends).
+func notBehind(effects, held []Effect) []Effect {
+	first := make(map[string]int64, len(held)) // the first held effect of each key
+	for _, e := range held {
+		if e.StoreID == 0 {
+			continue // inline in its claim: no place among the rows (a claim takes rows)
+		}
+		if id, ok := first[e.OrderingKey]; !ok || e.StoreID < id {
+			first[e.OrderingKey] = e.StoreID
+		}
+	}
+	out := effects[:0]
+	for _, e := range effects {
+		if id, ok := first[e.OrderingKey]; !ok || e.StoreID < id {
+			out = append(out, e)
+		}
+	}
+	return out
 }
 
 // shutdownCallGrace is how long a relay's calls under way at a shutdown may take to return before
