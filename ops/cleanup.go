@@ -47,8 +47,15 @@ type CleanupOptions struct {
 	// Retention: claims and attempt counters older than this are deleted. Zero takes the
 	// service's recorded Retention (an error when none is recorded).
 	Retention time.Duration
-	// EffectRetention: dispatched effects older than this are deleted.
+	// EffectRetention: dispatched effects older than this are deleted. Zero: as long as the
+	// claims are kept (the retention in effect), and never shorter than the EffectRetention the
+	// service recorded: a cleanup not told how long the service keeps what it dispatched deletes
+	// none of it early. To delete every dispatched effect whatever its age, set
+	// DeleteDispatched.
 	EffectRetention time.Duration
+	// DeleteDispatched deletes every dispatched effect kept, whatever its age (EffectRetention
+	// is then ignored): what a service without EffectRetention does at dispatch.
+	DeleteDispatched bool
 	// Force allows a Retention shorter than the service's recorded Retention or
 	// RedeliveryHorizon (or, with none recorded, than DefaultRetention): every copy of a
 	// message delivered again later than the retention then runs its handler again.
@@ -138,6 +145,17 @@ func (o *Ops) Cleanup(ctx context.Context, opt CleanupOptions) (CleanupReport, e
 	}
 	if opt.EffectRetention < 0 {
 		return CleanupReport{}, fmt.Errorf("ops: negative effect retention %s", opt.EffectRetention)
+	}
+	switch {
+	case opt.DeleteDispatched:
+		opt.EffectRetention = 0
+	case opt.EffectRetention == 0:
+		// Zero was every dispatched effect, whatever its age: an audit trail a service keeps
+		// for a day went with a cleanup that only meant to expire claims.
+		opt.EffectRetention = retention
+		if c, err := o.ServiceConfig(ctx); err == nil && c.EffectRetention > retention {
+			opt.EffectRetention = c.EffectRetention
+		}
 	}
 	rep := CleanupReport{DryRun: opt.DryRun, Retention: retention, EffectRetention: opt.EffectRetention, Forced: opt.Force}
 	if opt.DryRun {

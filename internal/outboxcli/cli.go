@@ -1461,7 +1461,7 @@ func migrateGrants(_ context.Context, g *globals, c *command, args []string, out
 func cleanup(ctx context.Context, g *globals, c *command, args []string, out printer) error {
 	fs := g.flags(c)
 	retention := fs.Duration("retention", 0, "the service's Config.Retention (default: as the service recorded it)")
-	effectRetention := fs.Duration("effect-retention", 0, "the service's Config.EffectRetention (default: -retention)")
+	effectRetention := fs.Duration("effect-retention", 0, "the service's Config.EffectRetention; 0 deletes every dispatched effect (default: -retention, or the service's recorded EffectRetention when longer)")
 	force := fs.Bool("force", false, "allow a retention below the service's Retention or redelivery horizon")
 	dryRun := fs.Bool("dry-run", false, "count what would be deleted, delete nothing")
 	batch := fs.Int("batch", 1000, "rows per batch")
@@ -1482,19 +1482,25 @@ func cleanup(ctx context.Context, g *globals, c *command, args []string, out pri
 	case err != nil:
 		return err
 	}
-	if !set(fs, "effect-retention") {
-		// Not told how long the service keeps what it dispatched: keep it as long as the claims,
-		// never shorter than the service would. Deleting young effects takes an explicit value.
-		*effectRetention = r
-	}
+	// Not told how long the service keeps what it dispatched (unset), ops keeps it as long as the
+	// claims, never shorter than the service recorded. Deleting young effects takes an explicit
+	// value; 0 deletes them all.
+	deleteDispatched := set(fs, "effect-retention") && *effectRetention == 0
 	if !out.json() {
 		verb := "cleaning"
 		if *dryRun {
 			verb = "dry run"
 		}
-		fmt.Fprintf(out.w, "%s (retention %s, dispatched effects %s)...\n", verb, r, *effectRetention)
+		effects := "dispatched effects: as long as the claims, or the service's EffectRetention"
+		switch {
+		case deleteDispatched:
+			effects = "every dispatched effect"
+		case set(fs, "effect-retention"):
+			effects = "dispatched effects " + effectRetention.String()
+		}
+		fmt.Fprintf(out.w, "%s (retention %s, %s)...\n", verb, r, effects)
 	}
-	rep, err := o.Cleanup(ctx, ops.CleanupOptions{Actor: g.actor, Retention: r, EffectRetention: *effectRetention,
+	rep, err := o.Cleanup(ctx, ops.CleanupOptions{Actor: g.actor, Retention: r, EffectRetention: *effectRetention, DeleteDispatched: deleteDispatched,
 		Force: *force, DryRun: *dryRun, BatchSize: *batch,
 		Progress: func(r outboxdriver.CleanupResult) {
 			if !out.json() && r.Claims+r.Effects+r.Attempts > 0 {
