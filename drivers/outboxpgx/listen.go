@@ -21,23 +21,32 @@ import (
 // It calls wake once proven and on every notification, and returns when ctx is done or the
 // connection is lost.
 func (d Driver) listen(ctx context.Context, channel string, wake func()) error {
-	conn, err := d.listenConn(ctx)
+	// The set-up (the connection, LISTEN, the notification sent through the pool) is bounded as
+	// the ping is: on a server that accepts connections and never answers it waited for as long
+	// as Run ran, neither failing (to be tried again) nor reaching the ping.
+	setup := time.Duration(listenPingTimeout.Load())
+	sctx, cancel := context.WithTimeout(ctx, setup)
+	conn, err := d.listenConn(sctx)
+	cancel()
 	if err != nil {
 		if ctx.Err() != nil {
 			return nil
 		}
-		return fmt.Errorf("connect to listen on %q: %w", channel, err)
+		return fmt.Errorf("connect to listen on %q (waited up to %s): %w", channel, setup, err)
 	}
 	defer func() {
 		cctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 		defer cancel()
 		_ = conn.Close(cctx)
 	}()
-	if _, err := conn.Exec(ctx, "LISTEN "+pgx.Identifier{channel}.Sanitize(), pgx.QueryExecModeSimpleProtocol); err != nil {
+	sctx, cancel = context.WithTimeout(ctx, setup)
+	_, err = conn.Exec(sctx, "LISTEN "+pgx.Identifier{channel}.Sanitize(), pgx.QueryExecModeSimpleProtocol)
+	cancel()
+	if err != nil {
 		if ctx.Err() != nil {
 			return nil
 		}
-		return fmt.Errorf("listen on %q: %w", channel, err)
+		return fmt.Errorf("listen on %q (waited up to %s): %w", channel, setup, err)
 	}
 	if err := d.proveListener(ctx, conn, channel); err != nil || ctx.Err() != nil {
 		return err
@@ -92,11 +101,14 @@ func (d Driver) proveListener(ctx context.Context, conn *pgx.Conn, channel strin
 	}
 	// The channel is a validated identifier and the token hex: a literal has no parameters to
 	// bind, in any mode.
-	if _, err := d.Pool.Exec(ctx, "SELECT pg_notify('"+channel+"', '"+token+"')", pgx.QueryExecModeSimpleProtocol); err != nil {
+	nctx, cancel := context.WithTimeout(ctx, time.Duration(listenPingTimeout.Load()))
+	_, err = d.Pool.Exec(nctx, "SELECT pg_notify('"+channel+"', '"+token+"')", pgx.QueryExecModeSimpleProtocol)
+	cancel()
+	if err != nil {
 		if ctx.Err() != nil {
 			return nil
 		}
-		return fmt.Errorf("send the listener's own notification on %q: %w", channel, err)
+		return fmt.Errorf("send the listener's own notification on %q (waited up to %s): %w", channel, time.Duration(listenPingTimeout.Load()), err)
 	}
 	pctx, cancel := context.WithTimeout(ctx, listencheck.Timeout)
 	defer cancel()

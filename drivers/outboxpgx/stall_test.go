@@ -19,6 +19,7 @@ import (
 	"github.com/watermill-outbox/outbox"
 	"github.com/watermill-outbox/outbox/drivers/outboxpgx"
 	"github.com/watermill-outbox/outbox/internal/pgproxy"
+	"github.com/watermill-outbox/outbox/internal/silent"
 	"github.com/watermill-outbox/outbox/outboxtest"
 )
 
@@ -157,5 +158,30 @@ func TestStalledDatabaseIsProbedNotDialled(t *testing.T) {
 		if n := sent["out-"+id]; n != 1 {
 			t.Errorf("effect of %s sent %d times, want once", id, n)
 		}
+	}
+}
+
+// The listener's set-up (its connection, LISTEN, its own notification) waited on a server that
+// accepts connections and never answers for as long as Run ran: it neither failed nor reached
+// its quiet-time ping, and never tried again. It is bounded as the ping is, and tried again.
+func TestListenerSetUpOnASilentServerIsBounded(t *testing.T) {
+	defer outboxpgx.SetListenTimings(90*time.Second, 300*time.Millisecond)()
+	srv, err := silent.Start()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer srv.Close()
+	pool := openPool(t, outboxtest.DSN(t), 4, nil)
+	ob := ready(t, pool, outbox.Config{Publisher: &outboxtest.Recorder{}, RelayInterval: time.Hour}, outboxpgx.WithListenDSN(srv.DSN()))
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- ob.Run(ctx) }()
+	defer func() { cancel(); <-done }()
+	deadline := time.Now().Add(30 * time.Second)
+	for srv.Conns() < 2 {
+		if time.Now().After(deadline) {
+			t.Fatalf("the listener's connection to a server that never answers: %d attempts in 30 s, want it given up and tried again", srv.Conns())
+		}
+		time.Sleep(50 * time.Millisecond)
 	}
 }
