@@ -208,7 +208,32 @@ func (o *Outbox) healthStats(ctx context.Context, dbErr error) (Stats, error) {
 	if dbErr != nil {
 		return Stats{}, errors.New("no recent sample, and the database is unreachable")
 	}
-	return o.Stats(ctx)
+	// A sample of its own, at most one per StatsInterval (15 s when sampling is off): every
+	// count of the tables at every probe of every instance, when sampling fails on a slow
+	// database, is what it can least afford. A probe that comes while another samples gets the
+	// last one taken.
+	h := &o.healthSample
+	if !h.mu.TryLock() {
+		h.lastMu.Lock()
+		defer h.lastMu.Unlock()
+		if h.taken {
+			return h.s, h.err
+		}
+		return Stats{}, errors.New("no recent sample, and another health check is taking one")
+	}
+	defer h.mu.Unlock()
+	every := o.cfg.StatsInterval
+	if every <= 0 {
+		every = defaultStatsInterval
+	}
+	if h.taken && time.Since(h.at) < every {
+		return h.s, h.err
+	}
+	s, err := o.Stats(ctx)
+	h.lastMu.Lock()
+	defer h.lastMu.Unlock()
+	h.s, h.err, h.at, h.taken = s, err, time.Now(), true
+	return s, err
 }
 
 // sinceRelayRound is how long ago this process's relay last finished a round, counted from when

@@ -500,3 +500,51 @@ func TestHealthReportsARelayStalledSinceItsStart(t *testing.T) {
 		return false, "no relay check"
 	})
 }
+
+// statsCounter is the PostgreSQL driver, with the store's Stats calls counted.
+type statsCounter struct {
+	postgres.Driver
+	n atomic.Int32
+}
+
+func (d *statsCounter) Open(db *sql.DB, opts outboxdriver.StoreOptions) (outboxdriver.Store, error) {
+	st, err := d.Driver.Open(db, opts)
+	if err != nil {
+		return nil, err
+	}
+	return &statsCountingStore{Store: st, d: d}, nil
+}
+
+type statsCountingStore struct {
+	outboxdriver.Store
+	d *statsCounter
+}
+
+func (s *statsCountingStore) Stats(ctx context.Context, p outboxdriver.StatsParams) (outboxdriver.Stats, error) {
+	s.d.n.Add(1)
+	return s.Store.Stats(ctx, p)
+}
+
+// Health's backlog checks (HealthMaxPending) read the sampled statistics; without a recent
+// sample (sampling fails, or is off) each probe took a full sample of its own, every count of the
+// tables, at each probe of each instance: when sampling fails on a slow database, the moment it
+// can least afford it. Now at most one per StatsInterval.
+func TestHealthSamplesAtMostOncePerInterval(t *testing.T) {
+	e := newEnv(t)
+	d := &statsCounter{}
+	ob := e.newOutbox(func(c *outbox.Config) {
+		c.Driver = d
+		c.StatsInterval = -1 // no sampling: Health samples for itself
+		c.HealthMaxPending = 1000
+	})
+	for range 10 {
+		for _, c := range ob.Health(context.Background()).Checks {
+			if c.Name == outbox.CheckBacklog && !c.OK {
+				t.Fatalf("backlog check: %s", c.Reason)
+			}
+		}
+	}
+	if n := d.n.Load(); n != 1 {
+		t.Errorf("10 health checks within a second took %d samples of the tables, want 1", n)
+	}
+}

@@ -55,6 +55,15 @@ type Outbox struct {
 	// recovery holds the destinations whose calls failed, so that the effects that back off for
 	// one become due once it takes a call again.
 	recovery recovery
+	// healthSample is the last sample Health took itself (healthStats).
+	healthSample struct {
+		mu     sync.Mutex // held while one is taken
+		lastMu sync.Mutex // guards the fields below
+		taken  bool
+		at     time.Time
+		s      Stats
+		err    error
+	}
 	// leaseForTest, when set (by a test, before Run), is the relay's lease instead of relayLease's.
 	leaseForTest time.Duration
 	// breakers holds the destinations the relay leaves alone for a while because their calls hung.
