@@ -416,7 +416,15 @@ func (o *Outbox) healthWith(ctx context.Context, extra map[string]func(context.C
 func (o *Outbox) WaitIdle(ctx context.Context) error {
 	var last *Stats
 	for {
-		o.marks.wait()
+		// The marks queued are waited for as long as ctx lasts (a mark may retry for 30 s); the
+		// wait left behind ends with them.
+		flushed := make(chan struct{})
+		go func() { o.marks.wait(); close(flushed) }()
+		select {
+		case <-flushed:
+		case <-ctx.Done():
+			return fmt.Errorf("outbox: wait until idle: the dispatched marks queued are still being written: %w", ctx.Err())
+		}
 		s, err := o.store.Stats(ctx, outboxdriver.StatsParams{Retention: o.cfg.Retention})
 		switch {
 		case err != nil && ctx.Err() != nil && last != nil:

@@ -548,3 +548,36 @@ func TestHealthSamplesAtMostOncePerInterval(t *testing.T) {
 		t.Errorf("10 health checks within a second took %d samples of the tables, want 1", n)
 	}
 }
+
+// WaitIdle ends with its context, also while a mark is being written: it waited for the marks
+// queued without a context, up to the 30 s a mark may retry, whatever its caller's deadline.
+func TestWaitIdleEndsWithItsContextWhileAMarkWaits(t *testing.T) {
+	e := newEnv(t)
+	ob := e.newOutbox()
+	lock, err := e.db.Begin()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = lock.Rollback() }()
+	if err := ob.InTx(context.Background(), func(ctx context.Context, _ *sql.Tx) error {
+		return outbox.Publish(ctx, "out_a", message.NewMessage(uuid.NewString(), nil))
+	}); err != nil {
+		t.Fatal(err)
+	}
+	// The mark of the effect just sent waits on this lock (it is written in the background).
+	if _, err := lock.Exec(`LOCK TABLE outbox_effects_all IN ACCESS EXCLUSIVE MODE`); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
+	defer cancel()
+	began := time.Now()
+	err = ob.WaitIdle(ctx)
+	if took := time.Since(began); took > 5*time.Second {
+		t.Errorf("WaitIdle with a context of 300 ms returned after %s (%v)", took.Round(time.Millisecond), err)
+	}
+	if err == nil {
+		t.Error("WaitIdle returned nil while the effect's mark could not be written")
+	}
+	_ = lock.Rollback()
+	ob.FlushMarks()
+}
