@@ -98,11 +98,11 @@ func (o *Outbox) promoteDelayed(ctx context.Context) (int, error) {
 			// A shutdown is no failure, however the driver reports the statement it cancelled
 			// (lib/pq: the server's 57014, not the context's error).
 			if parent.Err() == nil {
-				o.tel.relayErrors.Add(ctx, 1, o.tel.own())
 				if o.unreachable(err) {
 					// The relay's pass stops here, and the gate reports the outage.
 					return total, err
 				}
+				o.relayErrored(ctx, err)
 				o.logger.Error("Moving due delayed side effects failed; the relay tries again at its next pass", err, nil)
 			}
 			return total, nil

@@ -17,6 +17,16 @@ import (
 // relayLease is how long the relay reserves the effects of one round: long enough to publish
 // them (a round ends its calls after half of it, see relayBudget), short enough that the effects
 // of an instance that died mid-round are soon taken over by another.
+// relayErrored counts a relay step that failed (outbox.relay.errors): not one a shutdown cut off,
+// nor one that found the database unreachable (the gate counts those, and the relay waits for
+// its probe: the counter stays still during an outage, as docs/observability.md says).
+func (o *Outbox) relayErrored(ctx context.Context, err error) {
+	if ctx.Err() != nil && !errors.Is(ctx.Err(), context.DeadlineExceeded) || o.unreachable(err) {
+		return
+	}
+	o.tel.relayErrors.Add(context.WithoutCancel(ctx), 1, o.tel.own())
+}
+
 func (o *Outbox) relayLease() time.Duration {
 	if o.leaseForTest > 0 {
 		return o.leaseForTest
@@ -175,7 +185,7 @@ func (o *Outbox) relayOnce(ctx context.Context) (idle, drained bool, dueBy time.
 		// Destinations that took a call again since the last turn: the effects that back off
 		// for them are claimed by this turn, not when their retry time comes.
 		if err := o.retryRecovered(ctx); err != nil {
-			o.tel.relayErrors.Add(ctx, 1, o.tel.own())
+			o.relayErrored(ctx, err)
 			return false, false, time.Time{}, err
 		}
 		overlapping := fl != nil
@@ -193,7 +203,7 @@ func (o *Outbox) relayOnce(ctx context.Context) (idle, drained bool, dueBy time.
 			Skip:     skip,
 		})
 		if err != nil {
-			o.tel.relayErrors.Add(ctx, 1, o.tel.own())
+			o.relayErrored(ctx, err)
 			return false, false, time.Time{}, err // a failed pass (relayTask)
 		}
 		o.relayClaimed()

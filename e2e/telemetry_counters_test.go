@@ -434,3 +434,42 @@ func TestTelemetryUnreachableAttemptsOncePerSeries(t *testing.T) {
 		t.Errorf("the same attempts counted %d times by two Outboxes of one pool without member names, %d times by one; want the same count", two, one)
 	}
 }
+
+// While the database is unreachable the relay waits for the gate's probe and
+// outbox.relay.errors stays still (docs/observability.md): outbox.db.unreachable_attempts counts
+// the outage. The relay's first claim of the outage counted one error all the same, and every
+// shutdown that cut a claim short another.
+func TestTelemetryRelayErrorsStillWhileUnreachable(t *testing.T) {
+	db, err := sql.Open("postgres", "postgres://nobody@127.0.0.1:1/none?sslmode=disable&connect_timeout=2")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer db.Close()
+	reader := sdkmetric.NewManualReader()
+	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
+	defer func() { _ = mp.Shutdown(context.Background()) }()
+	ch := gochannel.NewGoChannel(gochannel.Config{}, watermill.NopLogger{})
+	defer ch.Close()
+	ob, err := outbox.New(outbox.Config{DB: db, Driver: postgres.Driver{}, Publisher: ch, MeterProvider: mp,
+		RelayInterval: 20 * time.Millisecond, Logger: watermill.NopLogger{}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ob.Close()
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- ob.Run(ctx) }()
+	env := &telemetryEnv{reader: reader}
+	deadline := time.Now().Add(30 * time.Second)
+	for sumInt(t, env.collect(t), outbox.MetricDBUnreachable, nil) < 2 {
+		if time.Now().After(deadline) {
+			t.Fatal("no unreachable attempts counted in 30 s on a database that refuses connections")
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	cancel()
+	<-done
+	if n := sumInt(t, env.collect(t), outbox.MetricRelayErrors, nil); n != 0 {
+		t.Errorf("outbox.relay.errors counted %d while the database was unreachable, want 0 (the outage is counted as unreachable attempts)", n)
+	}
+}
