@@ -163,7 +163,14 @@ func (o *Outbox) InUnit(ctx context.Context, fn func(ctx context.Context) error)
 	if key != nil {
 		u.key = key
 	}
-	if err := fn(withUnit(ctx, u)); err != nil {
+	// fn's context ends with the unit (HandlerTimeout), as a consumer handler's does: past it
+	// the transaction is rolled back and a held key free again, and an fn that went on (a call
+	// out) would run beside a retry with its key.
+	deadline, _ := txCtx.Deadline()
+	fnCtx, cancelFn := context.WithDeadline(ctx, deadline)
+	err = fn(withUnit(fnCtx, u))
+	cancelFn()
+	if err != nil {
 		u.finish()
 		// A unit whose context ended (the caller gave up, or HandlerTimeout) or whose effects the
 		// store did not take could not finish: the database, not the application, said no. A

@@ -774,3 +774,24 @@ func TestJoinTxMisuseAndClose(t *testing.T) {
 		t.Fatalf("InTx after Close: %v", err)
 	}
 }
+
+// fn's context carries HandlerTimeout's deadline, as a consumer handler's does (Config says so):
+// it had none, so that past HandlerTimeout, with the transaction rolled back and an idempotency
+// key's lock released with it, fn went on (a call to a payment provider, say) while a retry with
+// the same key ran it again beside it.
+func TestInTxFnContextEndsAtHandlerTimeout(t *testing.T) {
+	e := newEnv(t)
+	ob := e.newOutbox(func(c *outbox.Config) { c.HandlerTimeout = 300 * time.Millisecond })
+	began := time.Now()
+	err := ob.InTx(context.Background(), func(ctx context.Context, _ *sql.Tx) error {
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(3 * time.Second):
+			return errors.New("fn's context did not end at HandlerTimeout")
+		}
+	})
+	if took := time.Since(began); !errors.Is(err, context.DeadlineExceeded) || took > 2*time.Second {
+		t.Errorf("InTx with HandlerTimeout 300 ms and an fn that waits for its context: %v after %s, want a deadline within a second", err, took.Round(time.Millisecond))
+	}
+}
