@@ -240,7 +240,9 @@ func (m *middleware) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		ctx = outbox.WithIdempotencyKey(ctx, scope, key, opts...)
 	}
 
-	rec := &recorder{header: http.Header{}, limit: m.cfg.MaxResponseBytes}
+	// The handler sees (and may change or delete) the headers set outside this middleware: a
+	// CORS middleware's Vary, a default Cache-Control.
+	rec := &recorder{header: w.Header().Clone(), limit: m.cfg.MaxResponseBytes}
 	err := m.cfg.Outbox.InUnit(ctx, func(ctx context.Context) error {
 		m.next.ServeHTTP(rec, r.WithContext(ctx))
 		if rec.overflow {
@@ -430,7 +432,12 @@ func (r *recorder) code() int {
 	return r.status
 }
 
+// send writes the response: the handler's headers are the response's (they began as the outer
+// ones), a replay's stored ones are added to those set outside the middleware.
 func (r *recorder) send(w http.ResponseWriter, replayed bool) {
+	if !replayed {
+		clear(w.Header())
+	}
 	for k, v := range r.header {
 		w.Header()[k] = v
 	}

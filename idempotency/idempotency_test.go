@@ -510,3 +510,50 @@ func TestCommitOutcomeUnknown(t *testing.T) {
 		t.Fatalf("handler ran %d times, %d orders; want 2 runs (the first did not commit) and no order", f.runs.Load(), f.orders())
 	}
 }
+
+// The handler sees, and may change, the headers that middleware outside this one set (a CORS
+// middleware's Vary: Origin, a default Cache-Control): the response buffered for the unit of work
+// began with no header, and its headers replaced the outer ones of the same name, so that the
+// client got Vary: Accept alone (a cache could serve one origin's response to another), and a
+// header the handler deleted stayed.
+func TestHandlerSeesTheOuterHeaders(t *testing.T) {
+	db := pgtest.DB(t)
+	ob, err := outbox.New(outbox.Config{DB: db, Driver: postgres.Driver{}, Publisher: &outboxtest.Recorder{}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ob.Close()
+	if err := ob.Migrate(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	mw, err := idempotency.New(idempotency.Config{Outbox: ob, Caller: func(*http.Request) string { return "alice" }})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var sawOuter string
+	inner := mw(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		sawOuter = w.Header().Get("Vary")
+		w.Header().Add("Vary", "Accept")
+		w.Header().Del("Cache-Control")
+		w.WriteHeader(http.StatusCreated)
+	}))
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Vary", "Origin")
+		w.Header().Set("Cache-Control", "max-age=60")
+		inner.ServeHTTP(w, r)
+	}))
+	defer srv.Close()
+	req, _ := http.NewRequest(http.MethodPost, srv.URL, strings.NewReader("x"))
+	req.Header.Set("Idempotency-Key", "k-outer")
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if got := resp.Header.Values("Vary"); sawOuter != "Origin" || len(got) != 2 || got[0] != "Origin" || got[1] != "Accept" {
+		t.Errorf("the handler saw Vary %q and the client got Vary %q, want Origin, then Origin and Accept", sawOuter, got)
+	}
+	if cc := resp.Header.Get("Cache-Control"); cc != "" {
+		t.Errorf("Cache-Control %q, which the handler deleted, reached the client", cc)
+	}
+}
