@@ -57,11 +57,15 @@ func decodeStored(b []byte) (stored, error) {
 		if err := json.Unmarshal(b, &s); err != nil {
 			return stored{}, fmt.Errorf("stored response in JSON: %w", err)
 		}
+		if s.Status < 200 || s.Status > 999 {
+			return stored{}, fmt.Errorf("stored response in JSON: status %d: %w", s.Status, errCorrupt)
+		}
 		return s, nil
 	}
 	r := &reader{b: b[len(storedMagic):]}
 	s := stored{Status: int(r.uvarint())}
-	if s.Status > 999 {
+	if s.Status < 200 || s.Status > 999 {
+		// Not a response net/http can send (it panicked, at every replay of the key).
 		r.fail()
 	}
 	if n := r.count(); n > 0 {

@@ -2,6 +2,7 @@ package idempotency
 
 import (
 	"bytes"
+	"fmt"
 	"net/http"
 	"reflect"
 	"testing"
@@ -32,5 +33,24 @@ func TestStoredRoundTripAndTruncation(t *testing.T) {
 	}
 	if got, err := decodeStored(bytes.Clone(b[:head])); err != nil || len(got.Body) != 0 || got.Status != 201 {
 		t.Errorf("a response without a body: %+v, %v", got, err)
+	}
+}
+
+// A stored status net/http cannot send (below 200: informational, or none; above 999) is refused
+// as unreadable: replayed, it made net/http panic and drop the connection at every retry of the
+// key for as long as the key lived (a row written by another version, or by hand).
+func TestStoredStatusOutOfRangeIsRefused(t *testing.T) {
+	for _, status := range []int{0, 42, 103, 1000} {
+		b := append([]byte(storedMagic), byte(status&0x7f|0x80*min(status>>7, 1)))
+		if status >= 128 {
+			b = append(b, byte(status>>7))
+		}
+		b = append(b, 0) // no header
+		if got, err := decodeStored(b); err == nil {
+			t.Errorf("a stored status %d: decoded %+v, want an error", status, got)
+		}
+		if got, err := decodeStored([]byte(`{"status":` + fmt.Sprint(status) + `}`)); err == nil {
+			t.Errorf("a stored status %d in JSON: decoded %+v, want an error", status, got)
+		}
 	}
 }
