@@ -53,6 +53,8 @@ type Config struct {
 	// StoredHeaders are the response headers stored with the status and body and returned to a
 	// retry. Default: Content-Type, Content-Language, Location, ETag, Last-Modified.
 	// Content-Encoding is stored whatever the list says: the body is stored as it was encoded.
+	// Set-Cookie, Date, Content-Length and the hop-by-hop headers are refused: they belong to
+	// one response (a session, a moment, a connection), not to its replays.
 	StoredHeaders []string
 	// MaxResponseBytes bounds the response body stored with a key (and buffered until the commit).
 	// A handler that writes more is rolled back and the client gets 500 Internal Server Error
@@ -124,6 +126,13 @@ func (c Config) Validate() error {
 	}
 	if c.MaxResponseBytes < 0 || c.MaxRequestBytes < 0 {
 		errs = append(errs, errors.New("MaxResponseBytes and MaxRequestBytes must not be negative"))
+	}
+	for _, h := range c.StoredHeaders {
+		switch http.CanonicalHeaderKey(h) {
+		case "Set-Cookie", "Date", "Content-Length", "Transfer-Encoding", "Connection", "Keep-Alive", "Trailer",
+			"Upgrade", "Te", "Proxy-Authenticate", "Proxy-Connection":
+			errs = append(errs, fmt.Errorf("StoredHeaders must not name %s: it belongs to one response, not to its replays", h))
+		}
 	}
 	errs = append(errs, c.checkStoredRoom())
 	return errors.Join(errs...)

@@ -557,3 +557,21 @@ func TestHandlerSeesTheOuterHeaders(t *testing.T) {
 		t.Errorf("Cache-Control %q, which the handler deleted, reached the client", cc)
 	}
 }
+
+// StoredHeaders may not name a header that must never be replayed: a Set-Cookie minted for the
+// first request's session went to every retry, and Date, Content-Length and the hop-by-hop
+// headers describe one response on one connection, not the stored one.
+func TestStoredHeadersRefuseWhatMustNotBeReplayed(t *testing.T) {
+	db := pgtest.DB(t)
+	ob, err := outbox.New(outbox.Config{DB: db, Driver: postgres.Driver{}, Publisher: &outboxtest.Recorder{}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ob.Close()
+	for _, h := range []string{"Set-Cookie", "set-cookie", "Date", "Content-Length", "Transfer-Encoding", "Connection", "Trailer", "Keep-Alive", "Upgrade"} {
+		cfg := idempotency.Config{Outbox: ob, Caller: func(*http.Request) string { return "a" }, StoredHeaders: []string{"Location", h}}
+		if _, err := idempotency.New(cfg); err == nil {
+			t.Errorf("StoredHeaders with %s: no error", h)
+		}
+	}
+}
