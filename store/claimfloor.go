@@ -49,8 +49,10 @@ type claimFloor struct {
 
 // floorLook is one claim's use of the floor: what it started from, then what it found.
 type floorLook struct {
-	floor int64  // the floor it was given
-	epoch uint64 // claimFloor.epoch when it began
+	floor  int64  // the floor it was given
+	epoch  uint64 // claimFloor.epoch when it began
+	rescan bool   // it starts from 0 because a rescan is due: spent once it ends (end)
+	began  time.Time
 	// read by the claim:
 	seen    bool  // a row came back
 	found   bool  // an unparked pending effect lies above floor
@@ -67,8 +69,9 @@ func (f *claimFloor) start(now time.Time, front bool) floorLook {
 	defer f.mu.Unlock()
 	l := floorLook{floor: f.floor, epoch: f.epoch}
 	if front && !now.Before(f.rescanAt) {
-		l.floor = 0
-		f.rescanAt = now.Add(claimFloorRescan)
+		// The rescan is spent by a claim that ends well (end), not by one that fails: the claim
+		// after a timeout or a serialization failure rescans in its place.
+		l.floor, l.rescan, l.began = 0, true, now
 	}
 	return l
 }
@@ -77,6 +80,9 @@ func (f *claimFloor) start(now time.Time, front bool) floorLook {
 func (f *claimFloor) end(l floorLook) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
+	if l.rescan {
+		f.rescanAt = l.began.Add(claimFloorRescan)
+	}
 	if l.epoch != f.epoch {
 		return
 	}

@@ -72,3 +72,25 @@ func TestClaimFloorBookkeeping(t *testing.T) {
 		t.Fatalf("the claim after the rescan from floor %d, want 250", l.floor)
 	}
 }
+
+// A rescan whose claim failed (a timeout, a lost connection, a serialization failure run again)
+// is not spent: the next claim from the front rescans, rather than wait claimFloorRescan more for
+// what only a rescan finds.
+func TestClaimFloorRescanSurvivesAFailedClaim(t *testing.T) {
+	now := time.Now()
+	var f claimFloor
+	f.floor, f.rescanAt = 500, now
+	if l := f.start(now, true); l.floor != 0 {
+		t.Fatalf("a claim due to rescan starts from %d, want 0", l.floor)
+	}
+	// That claim failed: end is not called. The next claim, a moment later, rescans.
+	l := f.start(now.Add(time.Millisecond), true)
+	if l.floor != 0 {
+		t.Fatalf("after a failed rescan the next claim starts from %d, want 0 (the rescan was spent by a claim that failed)", l.floor)
+	}
+	l.seen, l.found, l.lo, l.xmin, l.xmax, l.seqLast = true, true, 700, 10, 12, 800
+	f.end(l)
+	if l := f.start(now.Add(2*time.Millisecond), true); l.floor == 0 {
+		t.Error("after a rescan that succeeded, the next claim rescans again, want the floor until claimFloorRescan passed")
+	}
+}
