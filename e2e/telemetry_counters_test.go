@@ -393,26 +393,7 @@ func TestTelemetryEffectsSpilled(t *testing.T) {
 // the pool made. Now one count per attempt and member name.
 func TestTelemetryUnreachableAttemptsOncePerSeries(t *testing.T) {
 	attempts := func(outboxes int) int64 {
-		db, err := sql.Open("postgres", "postgres://nobody@127.0.0.1:1/none?sslmode=disable&connect_timeout=2")
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer db.Close()
-		reader := sdkmetric.NewManualReader()
-		mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
-		defer func() { _ = mp.Shutdown(context.Background()) }()
-		ch := gochannel.NewGoChannel(gochannel.Config{}, watermill.NopLogger{})
-		defer ch.Close()
-		var obs []*outbox.Outbox
-		for i := range outboxes {
-			ob, err := outbox.New(outbox.Config{DB: db, Driver: postgres.Driver{}, Publisher: ch, MeterProvider: mp,
-				TablePrefix: fmt.Sprintf("t%d_", i), Logger: watermill.NopLogger{}})
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer ob.Close()
-			obs = append(obs, ob)
-		}
+		obs, env := unreachableOutboxes(t, outboxes, nil)
 		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 		defer cancel()
 		if err := obs[0].InTx(ctx, func(context.Context, *sql.Tx) error { return nil }); err == nil {
@@ -424,7 +405,7 @@ func TestTelemetryUnreachableAttemptsOncePerSeries(t *testing.T) {
 				t.Fatalf("the database check passed on a database that refuses connections: %s", c.Reason)
 			}
 		}
-		return sumInt(t, (&telemetryEnv{reader: reader}).collect(t), outbox.MetricDBUnreachable, nil)
+		return sumInt(t, env.collect(t), outbox.MetricDBUnreachable, nil)
 	}
 	one, two := attempts(1), attempts(2)
 	if one == 0 {
@@ -440,26 +421,10 @@ func TestTelemetryUnreachableAttemptsOncePerSeries(t *testing.T) {
 // the outage. The relay's first claim of the outage counted one error all the same, and every
 // shutdown that cut a claim short another.
 func TestTelemetryRelayErrorsStillWhileUnreachable(t *testing.T) {
-	db, err := sql.Open("postgres", "postgres://nobody@127.0.0.1:1/none?sslmode=disable&connect_timeout=2")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer db.Close()
-	reader := sdkmetric.NewManualReader()
-	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
-	defer func() { _ = mp.Shutdown(context.Background()) }()
-	ch := gochannel.NewGoChannel(gochannel.Config{}, watermill.NopLogger{})
-	defer ch.Close()
-	ob, err := outbox.New(outbox.Config{DB: db, Driver: postgres.Driver{}, Publisher: ch, MeterProvider: mp,
-		RelayInterval: 20 * time.Millisecond, Logger: watermill.NopLogger{}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ob.Close()
+	obs, env := unreachableOutboxes(t, 1, func(c *outbox.Config) { c.RelayInterval = 20 * time.Millisecond })
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
-	go func() { done <- ob.Run(ctx) }()
-	env := &telemetryEnv{reader: reader}
+	go func() { done <- obs[0].Run(ctx) }()
 	deadline := time.Now().Add(30 * time.Second)
 	for sumInt(t, env.collect(t), outbox.MetricDBUnreachable, nil) < 2 {
 		if time.Now().After(deadline) {
@@ -472,4 +437,35 @@ func TestTelemetryRelayErrorsStillWhileUnreachable(t *testing.T) {
 	if n := sumInt(t, env.collect(t), outbox.MetricRelayErrors, nil); n != 0 {
 		t.Errorf("outbox.relay.errors counted %d while the database was unreachable, want 0 (the outage is counted as unreachable attempts)", n)
 	}
+}
+
+// unreachableOutboxes returns n Outboxes (tables t0_, t1_, ...) on one pool of a database that
+// refuses every connection, with one SDK meter provider, closed when t ends.
+func unreachableOutboxes(t *testing.T, n int, mutate func(*outbox.Config)) ([]*outbox.Outbox, *telemetryEnv) {
+	t.Helper()
+	db, err := sql.Open("postgres", "postgres://nobody@127.0.0.1:1/none?sslmode=disable&connect_timeout=2")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = db.Close() })
+	reader := sdkmetric.NewManualReader()
+	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
+	t.Cleanup(func() { _ = mp.Shutdown(context.Background()) })
+	ch := gochannel.NewGoChannel(gochannel.Config{}, watermill.NopLogger{})
+	t.Cleanup(func() { _ = ch.Close() })
+	var obs []*outbox.Outbox
+	for i := range n {
+		cfg := outbox.Config{DB: db, Driver: postgres.Driver{}, Publisher: ch, MeterProvider: mp,
+			TablePrefix: fmt.Sprintf("t%d_", i), Logger: watermill.NopLogger{}}
+		if mutate != nil {
+			mutate(&cfg)
+		}
+		ob, err := outbox.New(cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = ob.Close() })
+		obs = append(obs, ob)
+	}
+	return obs, &telemetryEnv{reader: reader}
 }
