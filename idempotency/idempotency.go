@@ -275,6 +275,14 @@ func (m *middleware) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	case errors.As(err, &nc):
 		rec.send(w, false) // the handler's own error response, not stored
 		return
+	case rec.written && rec.code() >= 400 && rec.code() < 500 && abortedByAStatement(err):
+		// The handler answered a statement that failed (a unique violation answered 409,
+		// without a savepoint): on PostgreSQL that aborted the transaction, so nothing commits,
+		// the key included. Its answer is still the request's, not 500: sent, not stored (a
+		// retry runs again). Not a success: a handler that swallowed the failure and answered
+		// 2xx gets 500, since nothing it did committed.
+		rec.send(w, false)
+		return
 	case errors.Is(err, outbox.ErrIdempotencyInFlight):
 		w.Header().Set("Retry-After", "1")
 		problem(w, http.StatusConflict, "Request in progress",
@@ -321,6 +329,21 @@ func (m *middleware) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	(&recorder{header: s.Header, status: s.Status, body: *bytes.NewBuffer(s.Body)}).send(w, true)
+}
+
+// abortedByAStatement tells an error of a unit whose transaction a failed statement had aborted
+// (PostgreSQL: 25P02 at the next statement, or a COMMIT turned into a ROLLBACK, 40000), by the
+// SQLSTATE lib/pq's and pgx's errors carry.
+func abortedByAStatement(err error) bool {
+	var st interface{ SQLState() string }
+	if !errors.As(err, &st) {
+		return false
+	}
+	switch st.SQLState() {
+	case "25P02", "40000":
+		return true
+	}
+	return false
 }
 
 func (m *middleware) failed(r *http.Request, err error) {

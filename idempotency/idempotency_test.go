@@ -99,6 +99,16 @@ func newFixture(t *testing.T, mutate func(*idempotency.Config)) *fixture {
 			_, _ = w.Write(gz.Bytes())
 			return
 		}
+		if string(body) == "conflict after a refused statement" {
+			// The statement fails (on PostgreSQL the transaction is aborted), and the handler
+			// answers for it, without a savepoint.
+			if _, err := outbox.Tx(ctx).ExecContext(ctx, `INSERT INTO orders (id, body) VALUES (1, 'x'), (1, 'x')`); err == nil {
+				http.Error(w, "the duplicate was taken", http.StatusInternalServerError)
+				return
+			}
+			http.Error(w, "order 1 exists", http.StatusConflict)
+			return
+		}
 		if code, ok := strings.CutPrefix(string(body), "status:"); ok {
 			n, _ := strconv.Atoi(code)
 			http.Error(w, "refused", n)
@@ -573,5 +583,25 @@ func TestStoredHeadersRefuseWhatMustNotBeReplayed(t *testing.T) {
 		if _, err := idempotency.New(cfg); err == nil {
 			t.Errorf("StoredHeaders with %s: no error", h)
 		}
+	}
+}
+
+// A handler that answers a failed statement with a 4xx of its own (a unique violation caught and
+// answered 409, without a savepoint) gets its answer to the client: on PostgreSQL the failed
+// statement aborts the transaction, so nothing commits and nothing is stored, and the client got
+// 500 "Request failed" at every try instead, with a key or without.
+func TestHandlerAnswerAfterAFailedStatement(t *testing.T) {
+	f := newFixture(t, nil)
+	for _, key := range []string{"k-conflict", ""} {
+		r := f.post(key, "conflict after a refused statement")
+		if r.status != http.StatusConflict || !strings.Contains(r.body, "order 1 exists") {
+			t.Errorf("key %q: %d %q, want the handler's 409", key, r.status, r.body)
+		}
+	}
+	if r := f.post("k-conflict", "conflict after a refused statement"); r.header.Get(idempotency.ReplayedHeader) != "" || r.status != http.StatusConflict {
+		t.Errorf("the retry: %d, replayed %q; want the handler's 409 again, run again (nothing was stored)", r.status, r.header.Get(idempotency.ReplayedHeader))
+	}
+	if n := f.orders(); n != 0 {
+		t.Errorf("%d orders, want none", n)
 	}
 }
