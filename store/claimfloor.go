@@ -29,9 +29,10 @@ const claimFloorRescan = 10 * time.Second
 // transaction that took id 100 may commit after id 200 was seen and sent. A claim's finding is
 // therefore a candidate; the floor moves to it only once every transaction that may hold an id
 // at or below it, unseen, has ended (the snapshot xmin of a later claim has reached the
-// candidate's xmax: the claim's snapshot xmax, or its own transaction ID when the candidate is
-// the sequence's last id, read after the snapshot): such a transaction has committed, and the
-// later claim sees what it wrote, or rolled back.
+// candidate's xmax: the claim's own transaction ID, taken after its snapshot and after it read
+// the sequence, so above every transaction that had an ID then; not the snapshot's xmax, the
+// last completed ID plus one, which a running transaction may equal or pass): such a
+// transaction has committed, and the later claim sees what it wrote, or rolled back.
 // A read-only session that holds the horizon has no transaction ID and does not hold the floor
 // back; a writing one does, for as long as it runs, and the claims then cost what they did
 // without a floor. Lowering the floor is always safe.

@@ -325,3 +325,70 @@ func TestClaimFloorBoundsTheClaimBehindAHeldHorizon(t *testing.T) {
 		t.Errorf("from the floor the claim read %d buffers, from the start %d: want at most a third\n%s", fromFloor, fromStart, planOf(floor))
 	}
 }
+
+// TestClaimFloorWaitsForAnXidAboveTheSnapshotsXmax: a snapshot's xmax is the last completed
+// transaction ID plus one, not the next one to be handed out, so a transaction that took its ID
+// after the last one that completed is running and above it. Here one (early) takes its ID, a
+// second (late) takes the next and an effect id, and early takes a greater effect id and commits:
+// late's ID is the xmax of the next claim's snapshot. That claim sends early's effect and proposes
+// the floor below it, bounded by that xmax; the claim after it, whose xmin is late's ID, took the
+// bound as passed and moved the floor past late's effect, which the claims from the front then
+// did not see once late committed (until a rescan, 10 s later).
+func TestClaimFloorWaitsForAnXidAboveTheSnapshotsXmax(t *testing.T) {
+	ctx := context.Background()
+	db := pgtest.DB(t)
+	st := rotationStore(t, db, -1)
+	var last int64
+	for range 3 {
+		last = record(t, st, db, "u0", "k0", 1)[0]
+		claimFront(t, st)
+	}
+	// Claims until the floor is at the last effect: no candidate is left waiting.
+	for i := 0; st.EffectClaimFloor() < last; i++ {
+		if i == 5 {
+			t.Fatalf("floor %d after 5 claims with nothing pending, want %d", st.EffectClaimFloor(), last)
+		}
+		claimFront(t, st)
+	}
+	early, err := db.BeginTx(ctx, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = early.Rollback() }()
+	var earlyXid int64
+	if err := early.QueryRow(`SELECT pg_current_xact_id()::text::bigint`).Scan(&earlyXid); err != nil {
+		t.Fatal(err)
+	}
+	late, tx := beginLate(t, st, db, "late")
+	src := outboxdriver.Source{Consumer: "unit", ID: "early"}
+	e := []outboxdriver.Effect{{Source: src, Kind: outboxdriver.KindPublish, Topic: "t", UUID: "early", Payload: []byte("p"), OrderingKey: "early"}}
+	if _, err := st.EffectInsert(ctx, early, src, e); err != nil {
+		t.Fatal(err)
+	}
+	if err := early.Commit(); err != nil {
+		t.Fatal(err)
+	}
+	var xmax, lateXid int64
+	if err := db.QueryRow(`SELECT pg_snapshot_xmax(pg_current_snapshot())::text::bigint`).Scan(&xmax); err != nil {
+		t.Fatal(err)
+	}
+	if err := tx.QueryRow(`SELECT pg_current_xact_id()::text::bigint`).Scan(&lateXid); err != nil {
+		t.Fatal(err)
+	}
+	if xmax != lateXid {
+		t.Fatalf("precondition: the snapshot's xmax %d is not the open transaction's ID %d (early's %d): another transaction completed meanwhile", xmax, lateXid, earlyXid)
+	}
+	if got := claimFront(t, st); !slices.Contains(got, e[0].StoreID) {
+		t.Fatalf("the claim took %v, want early's effect %d", got, e[0].StoreID)
+	}
+	claimFront(t, st)
+	if f := st.EffectClaimFloor(); f >= late {
+		t.Fatalf("floor %d while the transaction of effect %d is open (its ID was the claim's snapshot's xmax)", f, late)
+	}
+	if err := tx.Commit(); err != nil {
+		t.Fatal(err)
+	}
+	if got := claimFront(t, st); !slices.Contains(got, late) {
+		t.Fatalf("the claim after the late commit took %v, want the late effect %d (floor %d)", got, late, st.EffectClaimFloor())
+	}
+}

@@ -640,10 +640,12 @@ func queries(n store.Names, deleteDispatched bool, gen *Generation) store.Querie
 		// it. None pending there: the window is empty (its rows would be the dead ones). Each look-up runs once (OFFSET 0: pulled up, the subquery ran once per use of lo).
 		// Every row ends with what the store moves the floor by: the snapshot's xmin; the
 		// sequence's last id, read after the snapshot; and an xid above every transaction that
-		// may hold an id the claim did not see below its finding (the snapshot's xmax when it
-		// found a pending effect; else, when ids were handed out above the floor, its own, taken
-		// after the sequence was read, so that the floor can follow the sequence with nothing
-		// pending). The window keeps the claim's cost that of the window whatever the
+		// may hold an id the claim did not see below its finding: its own transaction ID, taken
+		// after its snapshot and after the sequence was read, when it is a claim from the front
+		// that found a pending effect or saw ids handed out above the floor. Not the snapshot's
+		// xmax, which is the last completed ID plus one: a transaction that took its ID after
+		// that one completed runs above it, and the floor passed the id it held. Otherwise the
+		// xmax, unused (a claim after an id, or nothing to propose). The window keeps the claim's cost that of the window whatever the
 		// backlog (parked effects included), and whatever the planner believes of a table whose statistics predate the
 		// backlog; and at a second window of the same width that ends at the last pending effect
 		// that is not parked, for the keys that have nothing pending before it,
@@ -1054,7 +1056,7 @@ func effectClaimDue(n store.Names, with, columns string) string {
 	return `WITH ` + with + `bounds AS MATERIALIZED (
 				SELECT hi, last > hi AS more, lo, greatest(hi, last - $6) AS tail_lo, last, found,
 					pg_snapshot_xmin(pg_current_snapshot())::text::bigint AS snap_xmin,
-					CASE WHEN found OR $5 > 0 OR s.seq_last <= $8 THEN pg_snapshot_xmax(pg_current_snapshot())::text::bigint
+					CASE WHEN $5 > 0 OR (NOT found AND s.seq_last <= $8) THEN pg_snapshot_xmax(pg_current_snapshot())::text::bigint
 						ELSE pg_current_xact_id()::text::bigint END AS cand_xmax,
 					s.seq_last
 				FROM (SELECT CASE WHEN $5 > 0 THEN $5 ELSE coalesce(f.first, $8) END AS lo, f.first IS NOT NULL AS found,
